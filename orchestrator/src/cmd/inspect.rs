@@ -1,0 +1,8 @@
+//! `k3-orch` subcommand `inspect` (not yet built).
+
+use std::ffi::OsString;
+
+pub fn main(_args: Vec<OsString>) -> i32 {
+    eprintln!("k3-orch: 'inspect' is not implemented yet");
+    1
+}

@@ -1,0 +1,7 @@
+//! `k3-protocol`: the only place the stages agree.
+//!
+//! It holds the model config (`config`), the released checkpoint formats (`catalog` for
+//! safetensors headers and indexes, `tensor` for dtypes and borrowed tensor views), and —
+//! as the pipeline grows — the shared-memory regions, rings, messages and recording format.
+
+pub mod tensor;
