@@ -5,3 +5,4 @@
 //! as the pipeline grows — the shared-memory regions, rings, messages and recording format.
 
 pub mod tensor;
+pub mod config;
