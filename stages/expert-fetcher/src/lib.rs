@@ -1,1 +1,13 @@
-//! placeholder
+//! `k3-expert-fetcher`: the routed-expert stage.
+//!
+//! - [`arena`]: the slot memory (4096-aligned, owned for now, shared memory later).
+//! - [`fetcher`]: the LRU expert cache and its batch fetch (reserve serially, read in disk
+//!   order at queue depth >= 16, publish each expert as it lands, report failures).
+//! - [`io`]: positioned reads with O_DIRECT where possible, and a fault-injecting wrapper.
+//! - [`locate`]: where each expert's bytes are (an interim table built from safetensors
+//!   headers until `k3_protocol::locator` is used).
+//! - [`sim`]: offline cache-policy simulator for `k3-orch sim-cache`.
+//! - [`trace`]: `--dump-cache-trace` writer.
+
+pub mod sim;
+pub mod trace;
