@@ -9,5 +9,17 @@
 //! - [`sim`]: offline cache-policy simulator for `k3-orch sim-cache`.
 //! - [`trace`]: `--dump-cache-trace` writer.
 
+pub mod arena;
+pub mod fetcher;
+pub mod io;
+pub mod locate;
 pub mod sim;
 pub mod trace;
+
+pub use arena::{ArenaMemory, OwnedArena};
+pub use fetcher::{
+    slot_bytes_for, slots_for_budget, Arrival, BatchSummary, Event, ExpertFetcher, FetchError,
+    FetchStats, FetcherConfig, SetupError, SlotState,
+};
+pub use io::{DirectFiles, FaultyReader, ReadAt};
+pub use locate::{ExpertLocation, ExpertTable, Extent, Locate};

@@ -1,0 +1,111 @@
+//! Slot memory for the expert cache.
+//!
+//! The fetcher only needs "a 4096-aligned run of bytes that lives as long as I do", so that is
+//! what [`ArenaMemory`] is. [`OwnedArena`] is a private heap allocation; the staged pipeline
+//! will back the same trait with a shared-memory region so that `(offset, len)` pairs the
+//! fetcher publishes can be turned into handles that another process maps.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+/// Alignment of the arena base and of every slot: O_DIRECT needs 4096 (pages, sectors).
+pub const ALIGN: usize = 4096;
+
+/// Round `n` up to a multiple of [`ALIGN`].
+pub const fn align_up(n: u64) -> u64 {
+    n.div_ceil(ALIGN as u64) * ALIGN as u64
+}
+
+/// Round `n` down to a multiple of [`ALIGN`].
+pub const fn align_down(n: u64) -> u64 {
+    n / ALIGN as u64 * ALIGN as u64
+}
+
+/// A run of memory the fetcher may write through raw pointers from several threads (each
+/// thread a disjoint slot).
+///
+/// # Safety
+/// Implementors guarantee that `base()` is non-null, aligned to [`ALIGN`], valid for reads
+/// and writes of `len()` bytes for as long as the value lives, and not accessed by anyone
+/// else while the fetcher owns it.
+pub unsafe trait ArenaMemory: Send + Sync {
+    /// First byte.
+    fn base(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// True when the arena has no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// An arena that could not be allocated.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot allocate a {bytes}-byte expert arena: {why}")]
+pub struct ArenaError {
+    pub bytes: usize,
+    pub why: String,
+}
+
+/// A 4096-aligned heap allocation, zeroed lazily by the allocator (pages are not touched
+/// until a read lands in them).
+pub struct OwnedArena {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the allocation is plain bytes owned by this value; concurrent access is coordinated
+// by the fetcher (disjoint slots), as the `ArenaMemory` contract requires.
+unsafe impl Send for OwnedArena {}
+// SAFETY: as above; `&OwnedArena` only hands out the base pointer.
+unsafe impl Sync for OwnedArena {}
+
+impl OwnedArena {
+    /// Allocate `bytes` (rounded up to [`ALIGN`], at least one page).
+    pub fn new(bytes: usize) -> Result<OwnedArena, ArenaError> {
+        let size = (align_up(bytes as u64).max(ALIGN as u64)) as usize;
+        let layout = Layout::from_size_align(size, ALIGN).map_err(|e| ArenaError {
+            bytes,
+            why: e.to_string(),
+        })?;
+        // SAFETY: `layout` has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).ok_or_else(|| ArenaError {
+            bytes,
+            why: "out of memory".into(),
+        })?;
+        Ok(OwnedArena { ptr, layout })
+    }
+}
+
+impl Drop for OwnedArena {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with exactly this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+// SAFETY: the pointer comes from a live allocation of `layout.size()` bytes aligned to ALIGN.
+unsafe impl ArenaMemory for OwnedArena {
+    fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.layout.size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_and_sized() {
+        let a = OwnedArena::new(5000).unwrap();
+        assert_eq!(a.base() as usize % ALIGN, 0);
+        assert_eq!(a.len(), 8192);
+        assert_eq!(align_up(0), 0);
+        assert_eq!(align_up(1), 4096);
+        assert_eq!(align_down(4097), 4096);
+    }
+}

@@ -1,0 +1,884 @@
+//! The expert cache: an arena of equal slots managed as an LRU, filled by batch fetches.
+//!
+//! A slot is EMPTY, INFLIGHT (a read is landing in it right now; never a victim) or resident
+//! (holding one `(layer, expert)`), and a resident slot may be pinned (never a victim).
+//!
+//! [`ExpertFetcher::fetch_batch`] serves the experts one router decision needs:
+//! 1. reserve serially: each requested expert is either resident (a hit) or gets a victim
+//!    slot, chosen EMPTY first, then least recently used; a slot claimed by this batch is
+//!    never a victim for another expert of the same batch;
+//! 2. read the misses in parallel, sorted by (file, offset), on a pool of reader threads
+//!    (the queue depth, 16 by default), with O_DIRECT where the file system allows;
+//! 3. publish each expert through the callback as it lands, in arrival order (hits first,
+//!    they are already there). A read that fails is reported as [`Event::Failed`], counted,
+//!    its slot goes back to EMPTY, and its bytes are never published.
+//!
+//! When a batch asks for more experts than there are slots, it runs in waves: once a wave's
+//! callbacks have returned, its slots may be reused by the rest of the batch. So a one-slot
+//! arena still works (slowly), which is what the smallest budgets need.
+//!
+//! A slot mirrors the file's page layout: it holds the expert's bytes starting at
+//! `offset % 4096`, so reads are page-aligned (O_DIRECT) whatever the expert's offset and size.
+//! Hence the slot size [`slot_bytes_for`]: the largest span rounded up to 4096, plus a page.
+
+use std::collections::{BTreeSet, HashMap};
+use std::panic::AssertUnwindSafe;
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crate::arena::{align_down, align_up, ArenaMemory, OwnedArena, ALIGN};
+use crate::io::ReadAt;
+use crate::locate::{ExpertLocation, Extent, Locate};
+use crate::trace::TraceRecorder;
+
+/// Bytes one slot needs for experts of at most `max_span` bytes at any file offset.
+pub fn slot_bytes_for(max_span: u64) -> u64 {
+    align_up(max_span) + ALIGN as u64
+}
+
+/// Slots a budget of `budget_bytes` holds (at least 0).
+pub fn slots_for_budget(budget_bytes: u64, slot_bytes: u64) -> usize {
+    budget_bytes.checked_div(slot_bytes).unwrap_or(0) as usize
+}
+
+/// How the fetcher is built.
+#[derive(Clone, Copy, Debug)]
+pub struct FetcherConfig {
+    /// Number of slots (at least 1).
+    pub slots: usize,
+    /// Bytes per slot; 0 means [`slot_bytes_for`] the locator's largest span.
+    pub slot_bytes: u64,
+    /// Reader threads, i.e. reads in flight at once (the queue depth). At least 1.
+    pub readers: usize,
+}
+
+impl Default for FetcherConfig {
+    fn default() -> Self {
+        FetcherConfig {
+            slots: 64,
+            slot_bytes: 0,
+            readers: 16,
+        }
+    }
+}
+
+/// The state of one slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    Empty,
+    Inflight,
+    Resident,
+}
+
+/// Why an expert was not published.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FetchError {
+    #[error("layer {layer} expert {expert}: no such routed expert in the checkpoint")]
+    Unknown { layer: u32, expert: u32 },
+    #[error(
+        "layer {layer} expert {expert}: spans {need} bytes of pages, more than a {slot}-byte slot"
+    )]
+    TooBig {
+        layer: u32,
+        expert: u32,
+        need: u64,
+        slot: u64,
+    },
+    #[error("layer {layer} expert {expert}: every slot is pinned, none can take it")]
+    NoSlot { layer: u32, expert: u32 },
+    #[error("layer {layer} expert {expert}: read failed: {why}")]
+    Read {
+        layer: u32,
+        expert: u32,
+        why: String,
+    },
+}
+
+/// An expert that is in the arena, handed to the batch callback.
+#[derive(Debug)]
+pub struct Arrival<'a> {
+    pub layer: u32,
+    pub expert: u32,
+    /// The slot it sits in.
+    pub slot: usize,
+    /// Where the expert's first byte is, from the start of the arena (for a shared-memory
+    /// handle `{region, offset, len}`).
+    pub arena_offset: u64,
+    /// The expert's span in bytes (`data.len()`).
+    pub len: u64,
+    /// The expert's bytes, laid out as in the file from its first byte (for a non-contiguous
+    /// expert, the gaps between its extents are file bytes that belong to something else).
+    pub data: &'a [u8],
+    /// True when it was already in the arena (a hit), false when this batch read it.
+    pub hit: bool,
+}
+
+/// What the batch callback receives, once per distinct requested expert.
+#[derive(Debug)]
+pub enum Event<'a> {
+    Ready(Arrival<'a>),
+    Failed(FetchError),
+}
+
+/// Counters; kept for the current step and for the whole run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct FetchStats {
+    /// Experts asked for by `fetch_batch` (distinct within a batch).
+    pub requests: u64,
+    /// Requests served from the arena without a read by that request.
+    pub hits: u64,
+    /// Of those hits, how many were read into the arena during this same step (by a
+    /// prefetch): hits, but not savings.
+    pub hits_read_this_step: u64,
+    /// Requests that needed a read (including those that failed).
+    pub misses: u64,
+    /// Resident experts dropped to make room.
+    pub evictions: u64,
+    /// Requests that ended without data (read error, unknown expert, no slot).
+    pub failed: u64,
+    /// Reads issued by `prefetch` (not requests).
+    pub prefetch_reads: u64,
+    /// Prefetch reads that failed (the later request retries them).
+    pub prefetch_failed: u64,
+    /// Reads that completed.
+    pub reads: u64,
+    /// Bytes those reads transferred (whole pages).
+    pub bytes_read: u64,
+    /// Wall-clock seconds during which reads were outstanding.
+    pub io_seconds: f64,
+}
+
+impl FetchStats {
+    /// Hits that were resident before the step began.
+    pub fn resident_hits(&self) -> u64 {
+        self.hits - self.hits_read_this_step
+    }
+
+    /// hits / requests (counts prefetched experts as hits: optimistic).
+    pub fn hit_rate(&self) -> f64 {
+        ratio(self.hits, self.requests)
+    }
+
+    /// The TRUE resident hit rate: requests served from experts resident before the step.
+    pub fn true_resident_hit_rate(&self) -> f64 {
+        ratio(self.resident_hits(), self.requests)
+    }
+
+    /// Read throughput while reads were outstanding, in MB/s (10^6 bytes).
+    pub fn mb_per_s(&self) -> f64 {
+        if self.io_seconds > 0.0 {
+            self.bytes_read as f64 / 1e6 / self.io_seconds
+        } else {
+            0.0
+        }
+    }
+
+    /// Add another set of counters (e.g. per-step ones into a total).
+    pub fn accumulate(&mut self, o: &FetchStats) {
+        self.requests += o.requests;
+        self.hits += o.hits;
+        self.hits_read_this_step += o.hits_read_this_step;
+        self.misses += o.misses;
+        self.evictions += o.evictions;
+        self.failed += o.failed;
+        self.prefetch_reads += o.prefetch_reads;
+        self.prefetch_failed += o.prefetch_failed;
+        self.reads += o.reads;
+        self.bytes_read += o.bytes_read;
+        self.io_seconds += o.io_seconds;
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    state: SlotState,
+    key: (u32, u32),
+    pinned: bool,
+    /// Claimed by the wave in progress (never a victim).
+    in_batch: bool,
+    /// LRU clock of the last use.
+    stamp: u64,
+    /// Step in which it was read.
+    loaded_step: u64,
+    /// Offset of the expert's first byte inside the slot, and its span.
+    data_off: u64,
+    len: u64,
+}
+
+const EMPTY_SLOT: Slot = Slot {
+    state: SlotState::Empty,
+    key: (u32::MAX, u32::MAX),
+    pinned: false,
+    in_batch: false,
+    stamp: 0,
+    loaded_step: 0,
+    data_off: 0,
+    len: 0,
+};
+
+/// A raw pointer that may cross to a reader thread.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+// SAFETY: it points into the arena, which a `Job` keeps alive through its `Arc`; the slot it
+// designates is INFLIGHT and written only by the one job that carries it.
+unsafe impl Send for SendPtr {}
+
+struct Job {
+    tag: usize,
+    file: u32,
+    /// First byte of the slot.
+    slot: SendPtr,
+    slot_bytes: usize,
+    /// File offset that the slot's first byte mirrors (page-aligned).
+    base: u64,
+    extents: Vec<Extent>,
+    /// Keeps the arena alive while the job runs.
+    _arena: Arc<dyn ArenaMemory>,
+}
+
+struct Done {
+    tag: usize,
+    result: Result<u64, String>,
+}
+
+/// Read one expert into its slot; returns the bytes transferred.
+fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, String> {
+    // Coalesce the extents' page ranges: [aligned start, aligned end, bytes that must arrive).
+    let mut ranges: Vec<(u64, u64, u64)> = Vec::new();
+    for e in &job.extents {
+        let (s, end) = (align_down(e.offset), align_up(e.offset + e.len));
+        match ranges.last_mut() {
+            Some(r) if s <= r.1 => {
+                r.1 = r.1.max(end);
+                r.2 = r.2.max(e.offset + e.len);
+            }
+            _ => ranges.push((s, end, e.offset + e.len)),
+        }
+    }
+    let mut total = 0u64;
+    for (s, end, need) in ranges {
+        let (a, b) = ((s - job.base) as usize, (end - job.base) as usize);
+        if b > job.slot_bytes {
+            return Err(format!(
+                "pages {s}..{end} overrun the {}-byte slot",
+                job.slot_bytes
+            ));
+        }
+        // SAFETY: [a, b) lies inside this job's slot (checked above); the slot is INFLIGHT, so
+        // nothing else reads or writes it until this job reports `Done`, and `_arena` keeps
+        // the memory alive.
+        let dst = unsafe { std::slice::from_raw_parts_mut(job.slot.0.add(a), b - a) };
+        let got = reader
+            .read_at(job.file, s, dst)
+            .map_err(|e| e.to_string())?;
+        if s + (got as u64) < need {
+            return Err(format!(
+                "short read at offset {s}: got {got} bytes, needed {}",
+                need - s
+            ));
+        }
+        total += got as u64;
+    }
+    Ok(total)
+}
+
+struct Pool {
+    tx: Option<mpsc::Sender<Job>>,
+    done: mpsc::Receiver<Done>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Pool {
+    fn new(readers: usize, reader: Arc<dyn ReadAt>) -> Pool {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let (dtx, done) = mpsc::channel::<Done>();
+        let threads = (0..readers.max(1))
+            .map(|i| {
+                let rx = Arc::clone(&rx);
+                let dtx = dtx.clone();
+                let reader = Arc::clone(&reader);
+                std::thread::Builder::new()
+                    .name(format!("k3-expert-read-{i}"))
+                    .spawn(move || loop {
+                        let job = match rx.lock() {
+                            Ok(g) => g.recv(),
+                            Err(_) => return,
+                        };
+                        let Ok(job) = job else { return };
+                        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                            run_job(reader.as_ref(), &job)
+                        }))
+                        .unwrap_or_else(|_| Err("the reader panicked".into()));
+                        if dtx
+                            .send(Done {
+                                tag: job.tag,
+                                result,
+                            })
+                            .is_err()
+                        {
+                            return;
+                        }
+                    })
+                    .expect("spawn a reader thread")
+            })
+            .collect();
+        Pool {
+            tx: Some(tx),
+            done,
+            threads,
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What one `fetch_batch` / `prefetch` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BatchSummary {
+    pub published: usize,
+    pub hits: usize,
+    pub reads: usize,
+    pub failed: usize,
+    pub waves: usize,
+}
+
+/// The expert cache. See the module documentation.
+pub struct ExpertFetcher {
+    arena: Arc<dyn ArenaMemory>,
+    slot_bytes: u64,
+    slots: Vec<Slot>,
+    index: HashMap<(u32, u32), usize>,
+    /// Resident, unpinned, not in the wave: (stamp, slot), oldest first.
+    lru: BTreeSet<(u64, usize)>,
+    /// EMPTY slots.
+    free: Vec<usize>,
+    locator: Arc<dyn Locate>,
+    pool: Pool,
+    readers: usize,
+    clock: u64,
+    step: u64,
+    step_stats: FetchStats,
+    total_stats: FetchStats,
+    recorder: Option<TraceRecorder>,
+}
+
+/// The fetcher could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("the expert cache needs at least one slot (got 0; raise --cache-gb)")]
+    NoSlots,
+    #[error("a {slot}-byte slot cannot hold the largest expert (needs {need} bytes)")]
+    SlotTooSmall { slot: u64, need: u64 },
+    #[error("the arena of {have} bytes is smaller than {slots} slots x {slot} bytes")]
+    ArenaTooSmall {
+        have: usize,
+        slots: usize,
+        slot: u64,
+    },
+    #[error(transparent)]
+    Arena(#[from] crate::arena::ArenaError),
+}
+
+impl ExpertFetcher {
+    /// Build a fetcher over a fresh [`OwnedArena`].
+    pub fn new(
+        config: FetcherConfig,
+        locator: Arc<dyn Locate>,
+        reader: Arc<dyn ReadAt>,
+    ) -> Result<ExpertFetcher, SetupError> {
+        let slot_bytes = Self::resolve_slot_bytes(&config, locator.as_ref())?;
+        let bytes = (config.slots as u64)
+            .checked_mul(slot_bytes)
+            .ok_or(SetupError::NoSlots)? as usize;
+        let arena: Arc<dyn ArenaMemory> = Arc::new(OwnedArena::new(bytes)?);
+        Self::with_arena(config, locator, reader, arena)
+    }
+
+    fn resolve_slot_bytes(config: &FetcherConfig, locator: &dyn Locate) -> Result<u64, SetupError> {
+        if config.slots == 0 {
+            return Err(SetupError::NoSlots);
+        }
+        let need = slot_bytes_for(locator.max_span());
+        let slot = if config.slot_bytes == 0 {
+            need
+        } else {
+            align_up(config.slot_bytes)
+        };
+        if slot < need {
+            return Err(SetupError::SlotTooSmall { slot, need });
+        }
+        Ok(slot)
+    }
+
+    /// Build a fetcher over memory the caller provides (e.g. a shared-memory region).
+    pub fn with_arena(
+        config: FetcherConfig,
+        locator: Arc<dyn Locate>,
+        reader: Arc<dyn ReadAt>,
+        arena: Arc<dyn ArenaMemory>,
+    ) -> Result<ExpertFetcher, SetupError> {
+        let slot_bytes = Self::resolve_slot_bytes(&config, locator.as_ref())?;
+        if (arena.len() as u64) < config.slots as u64 * slot_bytes {
+            return Err(SetupError::ArenaTooSmall {
+                have: arena.len(),
+                slots: config.slots,
+                slot: slot_bytes,
+            });
+        }
+        Ok(ExpertFetcher {
+            arena,
+            slot_bytes,
+            slots: vec![EMPTY_SLOT; config.slots],
+            index: HashMap::new(),
+            lru: BTreeSet::new(),
+            free: (0..config.slots).rev().collect(),
+            locator,
+            pool: Pool::new(config.readers, reader),
+            readers: config.readers.max(1),
+            clock: 0,
+            step: 1,
+            step_stats: FetchStats::default(),
+            total_stats: FetchStats::default(),
+            recorder: None,
+        })
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> u64 {
+        self.slot_bytes
+    }
+
+    /// Number of slots.
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Reader threads (queue depth).
+    pub fn readers(&self) -> usize {
+        self.readers
+    }
+
+    /// The arena (to share it, or to map a published `(arena_offset, len)`).
+    pub fn arena(&self) -> &Arc<dyn ArenaMemory> {
+        &self.arena
+    }
+
+    /// `(offset, len)` of a slot in the arena.
+    pub fn slot_range(&self, slot: usize) -> (u64, u64) {
+        (slot as u64 * self.slot_bytes, self.slot_bytes)
+    }
+
+    /// The state of a slot, with its key when resident.
+    pub fn slot_state(&self, slot: usize) -> (SlotState, Option<(u32, u32)>, bool) {
+        let s = &self.slots[slot];
+        let key = (s.state == SlotState::Resident).then_some(s.key);
+        (s.state, key, s.pinned)
+    }
+
+    /// True when `(layer, expert)` is in the arena.
+    pub fn is_resident(&self, layer: u32, expert: u32) -> bool {
+        self.index.contains_key(&(layer, expert))
+    }
+
+    /// Resident experts.
+    pub fn resident(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Pinned experts.
+    pub fn pinned(&self) -> usize {
+        self.slots.iter().filter(|s| s.pinned).count()
+    }
+
+    /// Pin a resident expert so it is never evicted. False if it is not resident.
+    pub fn pin(&mut self, layer: u32, expert: u32) -> bool {
+        let Some(&s) = self.index.get(&(layer, expert)) else {
+            return false;
+        };
+        let slot = &mut self.slots[s];
+        if !slot.pinned {
+            slot.pinned = true;
+            self.lru.remove(&(slot.stamp, s));
+        }
+        true
+    }
+
+    /// Undo [`pin`](Self::pin). False if it is not resident.
+    pub fn unpin(&mut self, layer: u32, expert: u32) -> bool {
+        let Some(&s) = self.index.get(&(layer, expert)) else {
+            return false;
+        };
+        let slot = &mut self.slots[s];
+        if slot.pinned {
+            slot.pinned = false;
+            self.lru.insert((slot.stamp, s));
+        }
+        true
+    }
+
+    /// Start a new step (token): step counters reset, totals keep counting.
+    pub fn begin_step(&mut self) {
+        self.step += 1;
+        self.step_stats = FetchStats::default();
+    }
+
+    /// Counters of the current step.
+    pub fn step_stats(&self) -> FetchStats {
+        self.step_stats
+    }
+
+    /// Counters of the whole run.
+    pub fn total_stats(&self) -> FetchStats {
+        self.total_stats
+    }
+
+    /// Start recording every request (for `--dump-cache-trace`).
+    pub fn record_trace(&mut self) {
+        self.recorder.get_or_insert_with(TraceRecorder::new);
+    }
+
+    /// The recorded requests, if recording.
+    pub fn trace(&self) -> Option<&TraceRecorder> {
+        self.recorder.as_ref()
+    }
+
+    fn count(&mut self, f: impl Fn(&mut FetchStats)) {
+        f(&mut self.step_stats);
+        f(&mut self.total_stats);
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// A slot for a new expert: EMPTY first, else the least recently used evictable one.
+    fn take_victim(&mut self) -> Option<usize> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        let (_, s) = self.lru.pop_first()?;
+        let key = self.slots[s].key;
+        self.index.remove(&key);
+        self.slots[s] = EMPTY_SLOT;
+        self.count(|c| c.evictions += 1);
+        Some(s)
+    }
+
+    fn arrival(&self, s: usize, hit: bool) -> Arrival<'_> {
+        let slot = &self.slots[s];
+        let arena_offset = s as u64 * self.slot_bytes + slot.data_off;
+        // SAFETY: the slot is resident and claimed by the wave in progress, so no reader
+        // thread writes it and it is not a victim until the wave ends; `&self` borrows the
+        // arena for the lifetime of the slice; the range lies inside the slot.
+        let data = unsafe {
+            std::slice::from_raw_parts(
+                self.arena.base().add(arena_offset as usize) as *const u8,
+                slot.len as usize,
+            )
+        };
+        Arrival {
+            layer: slot.key.0,
+            expert: slot.key.1,
+            slot: s,
+            arena_offset,
+            len: slot.len,
+            data,
+            hit,
+        }
+    }
+
+    /// Fetch the experts of one router decision; `on_event` sees each distinct expert once,
+    /// as it becomes available (hits first), or its failure. Duplicate ids are served once.
+    pub fn fetch_batch<F: FnMut(Event<'_>)>(
+        &mut self,
+        layer: u32,
+        ids: &[u32],
+        mut on_event: F,
+    ) -> BatchSummary {
+        if let Some(r) = &mut self.recorder {
+            r.record(layer, ids);
+        }
+        self.run_batch(layer, ids, true, &mut on_event)
+    }
+
+    /// Read experts ahead of their request (a routing hint); nothing is published and no
+    /// request is counted. A later `fetch_batch` of them is a hit "read this step".
+    pub fn prefetch(&mut self, layer: u32, ids: &[u32]) -> BatchSummary {
+        self.run_batch(layer, ids, false, &mut |_| {})
+    }
+
+    fn run_batch(
+        &mut self,
+        layer: u32,
+        ids: &[u32],
+        publish: bool,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> BatchSummary {
+        let mut summary = BatchSummary::default();
+        let mut pending: Vec<u32> = Vec::with_capacity(ids.len());
+        for &id in ids {
+            if !pending.contains(&id) {
+                pending.push(id);
+            }
+        }
+        while !pending.is_empty() {
+            summary.waves += 1;
+            let mut claimed: Vec<usize> = Vec::new();
+            let mut hits: Vec<usize> = Vec::new();
+            let mut misses: Vec<(usize, ExpertLocation)> = Vec::new();
+            let mut deferred: Vec<u32> = Vec::new();
+
+            // 1. Reserve serially.
+            for id in pending.drain(..) {
+                let key = (layer, id);
+                if let Some(&s) = self.index.get(&key) {
+                    if !publish {
+                        continue; // prefetch of a resident expert: nothing to do
+                    }
+                    let read_now = self.slots[s].loaded_step == self.step;
+                    self.count(|c| {
+                        c.requests += 1;
+                        c.hits += 1;
+                        c.hits_read_this_step += read_now as u64;
+                    });
+                    let slot = &mut self.slots[s];
+                    if !slot.in_batch {
+                        self.lru.remove(&(slot.stamp, s));
+                        slot.in_batch = true;
+                        claimed.push(s);
+                    }
+                    hits.push(s);
+                    continue;
+                }
+                let fail = |e: FetchError, me: &mut Self, ev: &mut dyn FnMut(Event<'_>)| {
+                    if publish {
+                        me.count(|c| {
+                            c.requests += 1;
+                            c.misses += 1;
+                            c.failed += 1;
+                        });
+                        ev(Event::Failed(e));
+                    } else {
+                        me.count(|c| c.prefetch_failed += 1);
+                    }
+                };
+                let Some(loc) = self.locator.locate(layer, id) else {
+                    fail(FetchError::Unknown { layer, expert: id }, self, on_event);
+                    summary.failed += 1;
+                    continue;
+                };
+                let need = align_up(loc.start() % ALIGN as u64 + loc.span());
+                if need > self.slot_bytes || loc.extents.is_empty() {
+                    let e = FetchError::TooBig {
+                        layer,
+                        expert: id,
+                        need,
+                        slot: self.slot_bytes,
+                    };
+                    fail(e, self, on_event);
+                    summary.failed += 1;
+                    continue;
+                }
+                let Some(s) = self.take_victim() else {
+                    if claimed.is_empty() {
+                        // Nothing of this batch holds a slot, yet none is free: all pinned.
+                        fail(FetchError::NoSlot { layer, expert: id }, self, on_event);
+                        summary.failed += 1;
+                    } else {
+                        deferred.push(id);
+                    }
+                    continue;
+                };
+                let slot = &mut self.slots[s];
+                slot.state = SlotState::Inflight;
+                slot.key = key;
+                slot.in_batch = true;
+                slot.data_off = loc.start() % ALIGN as u64;
+                slot.len = loc.span();
+                claimed.push(s);
+                if publish {
+                    self.count(|c| {
+                        c.requests += 1;
+                        c.misses += 1;
+                    });
+                } else {
+                    self.count(|c| c.prefetch_reads += 1);
+                }
+                misses.push((s, loc));
+            }
+
+            // 2. Issue the reads in disk order.
+            misses.sort_by_key(|(_, l)| (l.file, l.start()));
+            let t0 = Instant::now();
+            let tx = self
+                .pool
+                .tx
+                .as_ref()
+                .expect("pool alive while the fetcher is");
+            let mut sent = 0usize;
+            for (tag, (s, loc)) in misses.iter().enumerate() {
+                let job = Job {
+                    tag,
+                    file: loc.file,
+                    // SAFETY: s < slots, and slots * slot_bytes <= arena.len() (checked at setup).
+                    slot: SendPtr(unsafe {
+                        self.arena
+                            .base()
+                            .add((*s as u64 * self.slot_bytes) as usize)
+                    }),
+                    slot_bytes: self.slot_bytes as usize,
+                    base: align_down(loc.start()),
+                    extents: loc.extents.clone(),
+                    _arena: Arc::clone(&self.arena),
+                };
+                if tx.send(job).is_ok() {
+                    sent += 1;
+                }
+            }
+
+            // 3a. Hits are already there.
+            if publish {
+                for &s in &hits {
+                    summary.hits += 1;
+                    summary.published += 1;
+                    on_event(Event::Ready(self.arrival(s, true)));
+                }
+            }
+
+            // 3b. Misses, in arrival order.
+            let mut results: Vec<Option<Result<(), String>>> = vec![None; misses.len()];
+            for _ in 0..sent {
+                let Ok(done) = self.pool.done.recv() else {
+                    break;
+                };
+                let (s, _) = misses[done.tag];
+                match done.result {
+                    Ok(bytes) => {
+                        let stamp = self.tick();
+                        let step = self.step;
+                        let slot = &mut self.slots[s];
+                        slot.state = SlotState::Resident;
+                        slot.loaded_step = step;
+                        slot.stamp = stamp;
+                        self.index.insert(slot.key, s);
+                        self.count(|c| {
+                            c.reads += 1;
+                            c.bytes_read += bytes;
+                        });
+                        summary.reads += 1;
+                        if publish {
+                            summary.published += 1;
+                            on_event(Event::Ready(self.arrival(s, false)));
+                        }
+                        results[done.tag] = Some(Ok(()));
+                    }
+                    Err(why) => {
+                        results[done.tag] = Some(Err(String::new()));
+                        self.fail_read(s, why, publish, &mut claimed, on_event);
+                        summary.failed += 1;
+                    }
+                }
+            }
+            if !misses.is_empty() {
+                let secs = t0.elapsed().as_secs_f64();
+                self.count(|c| c.io_seconds += secs);
+            }
+            for (i, (s, _)) in misses.iter().enumerate() {
+                if results[i].is_none() {
+                    self.fail_read(
+                        *s,
+                        "the reader pool stopped".into(),
+                        publish,
+                        &mut claimed,
+                        on_event,
+                    );
+                    summary.failed += 1;
+                }
+            }
+
+            // 4. The wave is over: its slots become ordinary LRU entries.
+            for s in claimed {
+                let stamp = self.tick();
+                let slot = &mut self.slots[s];
+                slot.in_batch = false;
+                slot.stamp = stamp;
+                if !slot.pinned {
+                    self.lru.insert((stamp, s));
+                }
+            }
+            pending = deferred;
+        }
+        summary
+    }
+
+    /// A read that did not complete: the slot goes back to EMPTY and the failure is reported.
+    fn fail_read(
+        &mut self,
+        s: usize,
+        why: String,
+        publish: bool,
+        claimed: &mut Vec<usize>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) {
+        let key = self.slots[s].key;
+        self.slots[s] = EMPTY_SLOT;
+        self.free.push(s);
+        claimed.retain(|&c| c != s);
+        if publish {
+            self.count(|c| c.failed += 1);
+            on_event(Event::Failed(FetchError::Read {
+                layer: key.0,
+                expert: key.1,
+                why,
+            }));
+        } else {
+            self.count(|c| c.prefetch_failed += 1);
+        }
+    }
+
+    /// The seed-style report block for a set of counters.
+    pub fn render_stats(&self, title: &str, st: &FetchStats) -> String {
+        let mb = self.slot_bytes as f64 / 1e6;
+        format!(
+            "cache [{title}]\n  slots        : {} of {:.2} MB = {:.2} GB arena ({} resident, {} pinned)\n  \
+             requests     : {}  hits {} ({:.2}%)  misses {}  evictions {}  failed {}\n  \
+             of those hits : {} were read from disk this step; TRUE resident hit rate {:.2}%\n  \
+             read from disk: {:.2} GB in {:.2} s ({:.0} MB/s while loading), {} reads\n",
+            self.slots.len(),
+            mb,
+            self.slots.len() as f64 * mb / 1e3,
+            self.resident(),
+            self.pinned(),
+            st.requests,
+            st.hits,
+            100.0 * st.hit_rate(),
+            st.misses,
+            st.evictions,
+            st.failed,
+            st.hits_read_this_step,
+            100.0 * st.true_resident_hit_rate(),
+            st.bytes_read as f64 / 1e9,
+            st.io_seconds,
+            st.mb_per_s(),
+            st.reads,
+        )
+    }
+}

@@ -1,0 +1,283 @@
+//! Where each routed expert's bytes live: a file number and one or more byte extents.
+//!
+//! This is the fetcher's input type. [`ExpertTable::from_safetensors`] builds it from shard
+//! headers (every `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`), which is
+//! enough for tests, benchmarks and the seed's cache fixture; the pipeline can fill the same
+//! table from `k3_protocol::locator` instead.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// A byte range of a file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// One expert: the file it is in and its extents, ascending and non-overlapping. One extent
+/// when the expert's tensors are contiguous (the released checkpoint), several otherwise.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertLocation {
+    pub file: u32,
+    pub extents: Vec<Extent>,
+}
+
+impl ExpertLocation {
+    /// A contiguous expert.
+    pub fn contiguous(file: u32, offset: u64, len: u64) -> Self {
+        ExpertLocation {
+            file,
+            extents: vec![Extent { offset, len }],
+        }
+    }
+
+    /// First byte.
+    pub fn start(&self) -> u64 {
+        self.extents.first().map_or(0, |e| e.offset)
+    }
+
+    /// One past the last byte.
+    pub fn end(&self) -> u64 {
+        self.extents.last().map_or(0, |e| e.offset + e.len)
+    }
+
+    /// Bytes from the first to the last byte (what a slot must hold, before alignment).
+    pub fn span(&self) -> u64 {
+        self.end() - self.start()
+    }
+
+    /// Bytes that belong to the expert.
+    pub fn bytes(&self) -> u64 {
+        self.extents.iter().map(|e| e.len).sum()
+    }
+}
+
+/// Maps `(layer, expert)` to its location.
+pub trait Locate: Send + Sync {
+    /// The location, or `None` for an expert the model does not have.
+    fn locate(&self, layer: u32, expert: u32) -> Option<ExpertLocation>;
+    /// The files locations refer to, by number.
+    fn files(&self) -> &[PathBuf];
+    /// The largest span of any expert (sizes the slots).
+    fn max_span(&self) -> u64;
+}
+
+/// Tensors of one expert: (name suffix, offset from the expert's first byte, length).
+pub type TensorList = Vec<(String, u64, u64)>;
+
+/// A location table in memory.
+#[derive(Clone, Debug, Default)]
+pub struct ExpertTable {
+    files: Vec<PathBuf>,
+    map: HashMap<(u32, u32), ExpertLocation>,
+    /// Per expert, its tensors: name suffix (e.g. `w1.weight_packed`) -> (offset from the
+    /// expert's first byte, length). Filled by `from_safetensors`.
+    tensors: HashMap<(u32, u32), TensorList>,
+}
+
+impl ExpertTable {
+    /// An empty table over `files`.
+    pub fn new(files: Vec<PathBuf>) -> Self {
+        ExpertTable {
+            files,
+            ..Default::default()
+        }
+    }
+
+    /// Add or replace one expert; extents are sorted and adjacent ones merged.
+    pub fn insert(&mut self, layer: u32, expert: u32, mut loc: ExpertLocation) {
+        loc.extents.sort_by_key(|e| e.offset);
+        let mut merged: Vec<Extent> = Vec::with_capacity(loc.extents.len());
+        for e in loc.extents {
+            match merged.last_mut() {
+                Some(m) if m.offset + m.len == e.offset => m.len += e.len,
+                _ => merged.push(e),
+            }
+        }
+        loc.extents = merged;
+        self.map.insert((layer, expert), loc);
+    }
+
+    /// Experts in the table.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// True when there are no experts.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Every `(layer, expert)` in the table, sorted.
+    pub fn keys(&self) -> Vec<(u32, u32)> {
+        let mut k: Vec<_> = self.map.keys().copied().collect();
+        k.sort_unstable();
+        k
+    }
+
+    /// The tensors of one expert as `(name suffix, offset from the expert's first byte, len)`,
+    /// sorted by offset (only for tables read from safetensors).
+    pub fn tensors(&self, layer: u32, expert: u32) -> &[(String, u64, u64)] {
+        self.tensors
+            .get(&(layer, expert))
+            .map_or(&[], |v| v.as_slice())
+    }
+
+    /// Read the headers of safetensors shards and collect every routed expert tensor
+    /// (`...layers.<L>....experts.<E>.<rest>`; `shared_experts` are not routed and skipped).
+    /// An expert whose tensors sit in two shards is an error naming it.
+    pub fn from_safetensors(paths: &[PathBuf]) -> Result<ExpertTable, String> {
+        let mut t = ExpertTable::new(paths.to_vec());
+        type Parts = (u32, Vec<(String, Extent)>);
+        let mut parts: HashMap<(u32, u32), Parts> = HashMap::new();
+        for (fi, p) in paths.iter().enumerate() {
+            let (data_start, header) = read_header(p)?;
+            let obj = header
+                .as_object()
+                .ok_or_else(|| format!("{}: header is not a JSON object", p.display()))?;
+            for (name, v) in obj {
+                if name == "__metadata__" {
+                    continue;
+                }
+                let Some((layer, expert, rest)) = parse_expert_name(name) else {
+                    continue;
+                };
+                let offs = v
+                    .get("data_offsets")
+                    .and_then(|o| o.as_array())
+                    .filter(|a| a.len() == 2)
+                    .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
+                    .filter(|(a, b)| a <= b)
+                    .ok_or_else(|| format!("{}: tensor {name}: bad data_offsets", p.display()))?;
+                let entry = parts
+                    .entry((layer, expert))
+                    .or_insert_with(|| (fi as u32, Vec::new()));
+                if entry.0 != fi as u32 {
+                    return Err(format!(
+                        "layer {layer} expert {expert} spans two shards ({} and {})",
+                        paths[entry.0 as usize].display(),
+                        p.display()
+                    ));
+                }
+                entry.1.push((
+                    rest,
+                    Extent {
+                        offset: data_start + offs.0,
+                        len: offs.1 - offs.0,
+                    },
+                ));
+            }
+        }
+        for ((l, e), (fi, mut ts)) in parts {
+            ts.sort_by_key(|(_, x)| x.offset);
+            let start = ts[0].1.offset;
+            t.tensors.insert(
+                (l, e),
+                ts.iter()
+                    .map(|(n, x)| (n.clone(), x.offset - start, x.len))
+                    .collect(),
+            );
+            t.insert(
+                l,
+                e,
+                ExpertLocation {
+                    file: fi,
+                    extents: ts.into_iter().map(|(_, x)| x).collect(),
+                },
+            );
+        }
+        Ok(t)
+    }
+}
+
+impl Locate for ExpertTable {
+    fn locate(&self, layer: u32, expert: u32) -> Option<ExpertLocation> {
+        self.map.get(&(layer, expert)).cloned()
+    }
+    fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+    fn max_span(&self) -> u64 {
+        self.map.values().map(|l| l.span()).max().unwrap_or(0)
+    }
+}
+
+/// `(layer, expert, rest)` of a routed-expert tensor name.
+fn parse_expert_name(name: &str) -> Option<(u32, u32, String)> {
+    let segs: Vec<&str> = name.split('.').collect();
+    let li = segs.iter().position(|s| *s == "layers")?;
+    let layer = segs.get(li + 1)?.parse().ok()?;
+    let ei = segs.iter().skip(li).position(|s| *s == "experts")? + li;
+    let expert = segs.get(ei + 1)?.parse().ok()?;
+    Some((layer, expert, segs[ei + 2..].join(".")))
+}
+
+/// `(absolute offset of the data section, header JSON)` of a safetensors file.
+fn read_header(p: &Path) -> Result<(u64, serde_json::Value), String> {
+    let mut f = std::fs::File::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)
+        .map_err(|e| format!("{}: header length: {e}", p.display()))?;
+    let n = u64::from_le_bytes(n);
+    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+    if n > 100 << 20 || 8 + n > size {
+        return Err(format!(
+            "{}: header length {n} does not fit the file ({size} bytes)",
+            p.display()
+        ));
+    }
+    let mut h = vec![0u8; n as usize];
+    f.read_exact(&mut h)
+        .map_err(|e| format!("{}: header: {e}", p.display()))?;
+    let v = serde_json::from_slice(&h).map_err(|e| format!("{}: header JSON: {e}", p.display()))?;
+    Ok((8 + n, v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert_eq!(
+            parse_expert_name(
+                "language_model.model.layers.3.block_sparse_moe.experts.17.w2.weight_scale"
+            ),
+            Some((3, 17, "w2.weight_scale".to_string()))
+        );
+        assert_eq!(
+            parse_expert_name("model.layers.3.block_sparse_moe.shared_experts.w2.weight"),
+            None
+        );
+        assert_eq!(
+            parse_expert_name("model.layers.3.self_attn.q_proj.weight"),
+            None
+        );
+    }
+
+    #[test]
+    fn merge_adjacent_extents() {
+        let mut t = ExpertTable::new(vec![]);
+        t.insert(
+            0,
+            0,
+            ExpertLocation {
+                file: 0,
+                extents: vec![
+                    Extent { offset: 10, len: 5 },
+                    Extent { offset: 0, len: 10 },
+                    Extent { offset: 20, len: 1 },
+                ],
+            },
+        );
+        let l = t.locate(0, 0).unwrap();
+        assert_eq!(
+            l.extents,
+            vec![Extent { offset: 0, len: 15 }, Extent { offset: 20, len: 1 }]
+        );
+        assert_eq!(l.span(), 21);
+        assert_eq!(l.bytes(), 16);
+    }
+}
