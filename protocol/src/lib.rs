@@ -6,3 +6,9 @@
 
 pub mod tensor;
 pub mod config;
+pub mod control;
+pub mod messages;
+pub mod record;
+pub mod ring;
+pub mod shm;
+pub mod transport;

@@ -1,0 +1,389 @@
+//! The messages stages exchange, and their wire encoding (serde + bincode 2, standard config).
+//!
+//! One enum, [`Msg`], covers every link (orchestrator <-> stage control, compute <-> tokenizer,
+//! compute <-> trunk-loader, compute <-> expert-fetcher). Bulk data never travels in a message:
+//! weights and expert bytes are referenced by [`Handle`]s into shared regions.
+//!
+//! Tokenizer payloads are deliberately generic (ids as `Vec<u32>`, raw bytes, chat as a JSON
+//! string) so the tokenizer crate's own types can be carried without this crate depending on
+//! it.
+//!
+//! The encoding is `bincode::serde` with `bincode::config::standard()` (varint integers,
+//! little endian) and a decode limit of [`MAX_MESSAGE_BYTES`]; decoding refuses trailing
+//! bytes, so one frame is exactly one message. Replay compares these bytes, so the encoding of
+//! a given `Msg` value must stay deterministic (no maps with unordered keys in messages).
+
+use serde::{Deserialize, Serialize};
+
+use crate::shm::Handle;
+use crate::tensor::Dtype;
+
+/// Upper bound on an encoded message (and on what the decoder will allocate).
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Protocol version carried in `Hello`; a mismatch is refused.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The processes of the pipeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Stage {
+    Orchestrator,
+    Tokenizer,
+    TrunkLoader,
+    ExpertFetcher,
+    LayerCompute,
+}
+
+impl Stage {
+    /// Every stage process (not the orchestrator), in start order.
+    pub const WORKERS: [Stage; 4] = [
+        Stage::Tokenizer,
+        Stage::TrunkLoader,
+        Stage::ExpertFetcher,
+        Stage::LayerCompute,
+    ];
+
+    /// The CLI / report spelling (`tokenizer`, `trunk-loader`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Orchestrator => "orchestrator",
+            Stage::Tokenizer => "tokenizer",
+            Stage::TrunkLoader => "trunk-loader",
+            Stage::ExpertFetcher => "expert-fetcher",
+            Stage::LayerCompute => "layer-compute",
+        }
+    }
+
+    /// Parse the CLI spelling.
+    pub fn parse(s: &str) -> Option<Stage> {
+        [Stage::Orchestrator]
+            .into_iter()
+            .chain(Stage::WORKERS)
+            .find(|st| st.name() == s)
+    }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One tensor inside a layer blob published by the trunk-loader.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSpan {
+    /// Checkpoint tensor name.
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    /// Where its bytes are.
+    pub handle: Handle,
+}
+
+/// What a region handed over the control socket is for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RegionRole {
+    /// A two-ring message link (see `transport::ShmTransport`); `side` is the receiver's end.
+    Link {
+        peer: Stage,
+        side: crate::transport::Side,
+        /// Pid of the process at the other end, for its death watch (0: watch the control
+        /// socket instead).
+        peer_pid: u32,
+    },
+    /// Read-only data (trunk slots, expert arena, embeddings...).
+    Data { name: String },
+}
+
+/// Per-step statistics compute sends to the orchestrator (cli.md JSON `steps`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepStats {
+    /// Step index (0 = first generated token).
+    pub step: u32,
+    /// The token id produced.
+    pub token: u32,
+    /// Wall seconds of this step.
+    pub seconds: f64,
+    pub trunk_read_bytes: u64,
+    pub expert_read_bytes: u64,
+    pub expert_requests: u64,
+    pub resident_hits: u64,
+    /// Routed experts that failed to load during this step.
+    pub expert_failures: u64,
+    /// Seconds compute waited for I/O this step.
+    pub io_wait_seconds: f64,
+}
+
+/// A message between stages.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Msg {
+    // --- lifecycle (orchestrator <-> every stage)
+    /// First message of a stage on its control socket.
+    Hello {
+        stage: Stage,
+        pid: u32,
+        version: u32,
+    },
+    /// Sent by the orchestrator right after `Hello`: the run's options as JSON (stage-specific).
+    Configure {
+        json: String,
+    },
+    /// A region follows as an fd on the control socket (SCM_RIGHTS, one fd per message).
+    Region {
+        id: u32,
+        role: RegionRole,
+    },
+    /// The stage has everything it needs and is serving.
+    Ready {
+        stage: Stage,
+    },
+    /// Health probe and its answer.
+    Ping {
+        nonce: u64,
+    },
+    Pong {
+        nonce: u64,
+    },
+    /// Stop cleanly.
+    Shutdown,
+    /// A stage reports a failure it cannot recover from.
+    Error {
+        stage: Stage,
+        msg: String,
+    },
+
+    // --- tokenizer
+    EncodeText {
+        req: u64,
+        text: String,
+        allow_specials: bool,
+    },
+    EncodeBytes {
+        req: u64,
+        bytes: Vec<u8>,
+        allow_specials: bool,
+    },
+    /// `chat_json`: the tokenizer's chat request, serialised by the tokenizer crate.
+    EncodeChat {
+        req: u64,
+        chat_json: String,
+    },
+    Ids {
+        req: u64,
+        ids: Vec<u32>,
+    },
+    /// Decode one generated id for streaming output.
+    DecodeId {
+        id: u32,
+    },
+    /// Decoded bytes (may be an incomplete UTF-8 sequence; the consumer concatenates).
+    Text {
+        bytes: Vec<u8>,
+    },
+
+    // --- trunk (compute <-> trunk-loader)
+    /// A forward pass starts: positions `[start, start + len)`.
+    StartPass {
+        pass: u64,
+        start: u32,
+        len: u32,
+    },
+    /// Layer `layer` is in a slot; `handle` covers the whole blob, `tensors` its parts.
+    LayerReady {
+        pass: u64,
+        layer: u32,
+        handle: Handle,
+        tensors: Vec<TensorSpan>,
+    },
+    /// Compute is done with layer `layer`'s slot; the loader may reuse it.
+    LayerDone {
+        pass: u64,
+        layer: u32,
+    },
+    /// The pass is finished.
+    PassDone {
+        pass: u64,
+    },
+
+    // --- experts (compute <-> expert-fetcher)
+    /// Routed experts for `layer` (top-k order); `hint_next`: predicted ids for `layer + 1`.
+    Experts {
+        pass: u64,
+        layer: u32,
+        ids: Vec<u32>,
+        hint_next: Vec<u32>,
+    },
+    ExpertReady {
+        pass: u64,
+        layer: u32,
+        id: u32,
+        handle: Handle,
+    },
+    ExpertFailed {
+        pass: u64,
+        layer: u32,
+        id: u32,
+        error: String,
+    },
+    /// Compute is done with these experts of `layer` (their arena slots may be evicted).
+    ExpertsDone {
+        pass: u64,
+        layer: u32,
+        ids: Vec<u32>,
+    },
+
+    // --- reporting (compute -> orchestrator)
+    StepStats(StepStats),
+    /// Generation finished.
+    Finished {
+        generated: Vec<u32>,
+    },
+}
+
+/// Encoding or decoding failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    #[error("encoding a message: {0}")]
+    Encode(String),
+    #[error("decoding a message: {0}")]
+    Decode(String),
+    #[error("decoding a message: {trailing} trailing bytes after a {used}-byte message")]
+    Trailing { used: usize, trailing: usize },
+    #[error("encoded message is {0} bytes, over the {MAX_MESSAGE_BYTES}-byte limit")]
+    TooLarge(usize),
+}
+
+fn config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_MESSAGE_BYTES>()
+}
+
+/// Encode a message (the bytes travel in one transport frame).
+pub fn encode(msg: &Msg) -> Result<Vec<u8>, CodecError> {
+    let v = bincode::serde::encode_to_vec(msg, config())
+        .map_err(|e| CodecError::Encode(e.to_string()))?;
+    if v.len() > MAX_MESSAGE_BYTES {
+        return Err(CodecError::TooLarge(v.len()));
+    }
+    Ok(v)
+}
+
+/// Decode exactly one message from `bytes`.
+pub fn decode(bytes: &[u8]) -> Result<Msg, CodecError> {
+    let (m, used): (Msg, usize) = bincode::serde::decode_from_slice(bytes, config())
+        .map_err(|e| CodecError::Decode(e.to_string()))?;
+    if used != bytes.len() {
+        return Err(CodecError::Trailing {
+            used,
+            trailing: bytes.len() - used,
+        });
+    }
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h() -> Handle {
+        Handle {
+            region: 3,
+            offset: 4096,
+            len: 17_547_264,
+            generation: 9,
+        }
+    }
+
+    #[test]
+    fn round_trip_every_kind() {
+        let msgs = vec![
+            Msg::Hello {
+                stage: Stage::ExpertFetcher,
+                pid: 42,
+                version: PROTOCOL_VERSION,
+            },
+            Msg::Region {
+                id: 5,
+                role: RegionRole::Link {
+                    peer: Stage::LayerCompute,
+                    side: crate::transport::Side::B,
+                    peer_pid: 7,
+                },
+            },
+            Msg::EncodeChat {
+                req: 1,
+                chat_json: "[{\"role\":\"user\"}]".into(),
+            },
+            Msg::Ids {
+                req: 1,
+                ids: vec![0, 163_839, u32::MAX],
+            },
+            Msg::Text {
+                bytes: vec![0xe4, 0xbd],
+            },
+            Msg::LayerReady {
+                pass: 2,
+                layer: 92,
+                handle: h(),
+                tensors: vec![TensorSpan {
+                    name: "model.layers.92.mlp.gate".into(),
+                    dtype: Dtype::BF16,
+                    shape: vec![896, 7168],
+                    handle: h(),
+                }],
+            },
+            Msg::Experts {
+                pass: 2,
+                layer: 3,
+                ids: (0..16).collect(),
+                hint_next: vec![5],
+            },
+            Msg::ExpertFailed {
+                pass: 2,
+                layer: 3,
+                id: 895,
+                error: "short read".into(),
+            },
+            Msg::StepStats(StepStats {
+                step: 1,
+                token: 77,
+                seconds: 0.25,
+                ..Default::default()
+            }),
+            Msg::Shutdown,
+        ];
+        for m in msgs {
+            let b = encode(&m).unwrap();
+            assert_eq!(decode(&b).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn trailing_and_truncated_bytes_are_refused() {
+        let mut b = encode(&Msg::Ping { nonce: 300 }).unwrap();
+        // A decoder that ignored the consumed count would accept this.
+        b.push(0);
+        assert!(matches!(
+            decode(&b),
+            Err(CodecError::Trailing { trailing: 1, .. })
+        ));
+        let b = encode(&Msg::Ids {
+            req: 1,
+            ids: vec![1, 2, 3],
+        })
+        .unwrap();
+        assert!(decode(&b[..b.len() - 1]).is_err());
+        // A huge claimed length must not allocate: the limit refuses it.
+        let mut evil = encode(&Msg::Text { bytes: vec![] }).unwrap();
+        evil.pop();
+        evil.extend_from_slice(&[0xfc, 0xff, 0xff, 0xff, 0x7f]);
+        assert!(decode(&evil).is_err());
+    }
+
+    #[test]
+    fn stage_names_round_trip() {
+        for s in Stage::WORKERS {
+            assert_eq!(Stage::parse(s.name()), Some(s));
+        }
+        assert_eq!(Stage::parse("compute"), None);
+    }
+}
