@@ -1,1 +1,28 @@
-//! placeholder
+//! `k3-layer-compute`: every Kimi K3 kernel and the whole forward pass.
+//!
+//! - [`kernels`]: portable reference kernels (and bit-identical AVX2 GEMVs).
+//! - [`layers`]: the modules (KDA, MLA, latent MoE, dense MLP, AttnRes) over token batches.
+//! - [`weights`]: the [`weights::Weights`] trait through which the forward receives its
+//!   weights (single-process mmap or the staged pipeline's shared-memory handles).
+//! - [`forward`]: [`forward::Model`] and [`forward::Session`] (full recompute, incremental
+//!   decode with KV cache and KDA state) and greedy [`forward::generate`].
+
+// Kernels spell out their loops by index on purpose: the index order IS the documented
+// reduction order. Layer modules take many plain arguments rather than ad-hoc structs, and
+// per-layer weight bundles are short-lived enums of different sizes.
+#![allow(
+    clippy::needless_range_loop,
+    clippy::too_many_arguments,
+    clippy::large_enum_variant
+)]
+
+pub mod forward;
+pub mod kernels;
+pub mod layers;
+pub mod weights;
+
+pub use forward::{
+    generate, ForwardError, GenStep, Generation, Model, ModelOptions, Session, StepOutput,
+    StepStats,
+};
+pub use weights::{ExpertRef, ExpertTensor, SourceWeights, Weights};

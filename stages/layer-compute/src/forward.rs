@@ -1,0 +1,759 @@
+//! The Kimi K3 forward pass over a [`Weights`] implementation: [`Model`], [`Session`]
+//! (incremental state) and greedy [`generate`].
+//!
+//! Per call the forward embeds the new tokens, runs every bound layer over all of them
+//! (k3-spec §4.2 AttnRes body: bank snapshots of the RAW layer input at block boundaries,
+//! the guarded pre-attention mix, the unguarded pre-MLP mix; KDA or MLA from the config's
+//! layer map only; dense FFN or latent MoE), then the model-level mix, the final norm and
+//! the head. State that must survive between calls (KDA state and conv tails, the MLA
+//! cache) lives in the [`Session`]; the AttnRes bank is per token and never carried.
+//!
+//! Full recompute and incremental decode run the same kernels in the same order on the
+//! same values, so a decode step's logits are bitwise equal to the teacher-forced row.
+//! The forward does no I/O of its own: weights, layer lifecycle and expert delivery all go
+//! through [`Weights`].
+
+use std::time::Instant;
+
+use k3_protocol::config::{LayerKind, ModelConfig};
+use k3_protocol::tensor::{Dtype, TensorRef, WeightError};
+
+use crate::kernels::attnres;
+use crate::kernels::gemv::{gemm, Mat};
+use crate::kernels::norm;
+use crate::layers::{
+    attnres_mix_rows, glu_mlp, kda_forward, mat_from, mla_forward, moe_forward, Eps, KdaDims,
+    KdaState, KdaWeights, MlaCache, MlaDims, MlaWeights, MoeParams, MoeStats, MoeWeights, Situ,
+    Trace,
+};
+use crate::weights::{to_f32_vec, Weights, LM_HEAD, MODEL_PREFIX};
+
+/// Why a forward pass could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// A tensor is missing or does not fit its expected dtype/shape (exit 1 upstream).
+    #[error("tensor does not bind: {0}")]
+    Bind(#[from] WeightError),
+    /// The request itself is invalid (token id out of range, no tokens, bad options).
+    #[error("{0}")]
+    Input(String),
+}
+
+/// Options of a [`Model`].
+#[derive(Clone, Debug)]
+pub struct ModelOptions {
+    /// Worker threads for the matrix products (1 = the calling thread only).
+    pub threads: usize,
+    /// Bind and run only layers `0..n` (default: all).
+    pub layers: Option<usize>,
+    /// Epsilons (default: the spec's, [`Eps::spec`]).
+    pub eps: Option<Eps>,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            threads: 1,
+            layers: None,
+            eps: None,
+        }
+    }
+}
+
+/// Counters of one forward call.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepStats {
+    /// Distinct routed experts requested, summed over layers.
+    pub expert_requests: usize,
+    /// Routed experts that failed to load (left out of their sums; the run is unsound).
+    pub expert_failures: usize,
+    /// One message per failure.
+    pub failure_msgs: Vec<String>,
+}
+
+/// Output of one forward call.
+#[derive(Clone, Debug)]
+pub struct StepOutput {
+    /// `rows × vocab` logits: every new token's row, or only the last one.
+    pub logits: Vec<f32>,
+    pub rows: usize,
+    pub stats: StepStats,
+}
+
+/// Carried state of one sequence: its length and the per-layer recurrent state / cache.
+#[derive(Clone, Debug, Default)]
+pub struct Session {
+    pos: usize,
+    kda: Vec<Option<KdaState>>,
+    mla: Vec<Option<MlaCache>>,
+}
+
+impl Session {
+    /// Tokens consumed so far.
+    pub fn len(&self) -> usize {
+        self.pos
+    }
+    /// Whether no token has been consumed.
+    pub fn is_empty(&self) -> bool {
+        self.pos == 0
+    }
+    /// Bytes of MLA cache held.
+    pub fn kv_bytes(&self) -> usize {
+        self.mla.iter().flatten().map(|c| c.bytes()).sum()
+    }
+    /// Bytes of KDA state held.
+    pub fn kda_bytes(&self) -> usize {
+        self.kda
+            .iter()
+            .flatten()
+            .map(|s| 4 * (s.s.len() + s.conv_q.len() + s.conv_k.len() + s.conv_v.len()))
+            .sum()
+    }
+}
+
+/// A model: config, weights and options.
+pub struct Model<W> {
+    cfg: ModelConfig,
+    weights: W,
+    threads: usize,
+    n_layers: usize,
+    eps: Eps,
+}
+
+fn lname(l: usize, suffix: &str) -> String {
+    format!("{MODEL_PREFIX}layers.{l}.{suffix}")
+}
+
+impl<W: Weights> Model<W> {
+    /// A model over `weights`; checks the options against the config.
+    pub fn new(cfg: ModelConfig, weights: W, opts: ModelOptions) -> Result<Self, ForwardError> {
+        let n_layers = match opts.layers {
+            None => cfg.n_layers(),
+            Some(n) if n >= 1 && n <= cfg.n_layers() => n,
+            Some(n) => {
+                return Err(ForwardError::Input(format!(
+                    "--layers {n}: the model has layers 1..={}",
+                    cfg.n_layers()
+                )))
+            }
+        };
+        let eps = opts.eps.unwrap_or(Eps::spec(cfg.rms_norm_eps));
+        Ok(Model {
+            threads: opts.threads.max(1),
+            n_layers,
+            eps,
+            cfg,
+            weights,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    pub fn weights(&self) -> &W {
+        &self.weights
+    }
+    /// Layers bound (a prefix of the model).
+    pub fn n_layers(&self) -> usize {
+        self.n_layers
+    }
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+    pub fn set_threads(&mut self, threads: usize) {
+        self.threads = threads.max(1);
+    }
+    pub fn vocab(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    /// A fresh sequence.
+    pub fn new_session(&self) -> Session {
+        Session {
+            pos: 0,
+            kda: vec![None; self.n_layers],
+            mla: vec![None; self.n_layers],
+        }
+    }
+
+    /// Feed `ids` after the session's tokens; return the logits of the last token.
+    pub fn prefill(&self, sess: &mut Session, ids: &[u32]) -> Result<StepOutput, ForwardError> {
+        self.forward(sess, ids, false, None)
+    }
+
+    /// Feed one token; return its logits.
+    pub fn step(&self, sess: &mut Session, id: u32) -> Result<StepOutput, ForwardError> {
+        self.forward(sess, &[id], false, None)
+    }
+
+    /// Full recompute over `ids` in a fresh session; logits of every position
+    /// (`ids.len() × vocab`, teacher forcing).
+    pub fn forward_all(&self, ids: &[u32]) -> Result<StepOutput, ForwardError> {
+        let mut s = self.new_session();
+        self.forward(&mut s, ids, true, None)
+    }
+
+    /// Like [`Model::forward_all`], also recording intermediate values into `trace`.
+    pub fn forward_traced(
+        &self,
+        ids: &[u32],
+        trace: &mut Trace,
+    ) -> Result<StepOutput, ForwardError> {
+        let mut s = self.new_session();
+        self.forward(&mut s, ids, true, Some(trace))
+    }
+
+    /// Check that every trunk and model-level tensor of the bound layers is present with
+    /// the expected dtype and shape (the first problem found is returned, naming the
+    /// tensor). Experts are not checked here (they are delivered per step).
+    pub fn check_binding(&self) -> Result<(), ForwardError> {
+        self.embed_tensor()?;
+        self.head()?;
+        self.vector(&format!("{MODEL_PREFIX}norm.weight"), self.cfg.hidden_size)?;
+        self.final_fold()?;
+        for l in 0..self.n_layers {
+            self.weights.begin_layer(l)?;
+            let r = self.bind_layer(l).map(|_| ());
+            self.weights.end_layer(l);
+            r?;
+        }
+        Ok(())
+    }
+
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, ForwardError> {
+        Ok(self.weights.tensor(name)?)
+    }
+
+    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'_>, ForwardError> {
+        let t = self.tensor(name)?;
+        Ok(mat_from(name, t, rows, cols)?)
+    }
+
+    /// A small vector of `len` values (shape `[len]` or `[1, len]`).
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ForwardError> {
+        let t = self.tensor(name)?;
+        if t.numel() != len || !(t.shape == [len] || t.shape == [1, len]) {
+            return Err(WeightError::Invalid {
+                name: name.into(),
+                msg: format!("shape {:?}, expected [{len}]", t.shape),
+            }
+            .into());
+        }
+        Ok(to_f32_vec(name, &t)?)
+    }
+
+    fn embed_tensor(&self) -> Result<TensorRef<'_>, ForwardError> {
+        let name = format!("{MODEL_PREFIX}embed_tokens.weight");
+        let t = self.tensor(&name)?;
+        let (v, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        if t.shape != [v, d]
+            || !matches!(t.dtype, Dtype::BF16 | Dtype::F32)
+            || t.bytes.len() != v * d * t.dtype.size()
+        {
+            return Err(WeightError::Invalid {
+                name,
+                msg: format!("{} {:?}, expected BF16/F32 [{v}, {d}]", t.dtype, t.shape),
+            }
+            .into());
+        }
+        Ok(t)
+    }
+
+    fn head(&self) -> Result<Mat<'_>, ForwardError> {
+        self.mat(LM_HEAD, self.cfg.vocab_size, self.cfg.hidden_size)
+    }
+
+    fn fold(&self, norm_name: &str, proj_name: &str) -> Result<Vec<f32>, ForwardError> {
+        let d = self.cfg.hidden_size;
+        let n = self.vector(norm_name, d)?;
+        let p = self.vector(proj_name, d)?;
+        Ok(attnres::fold(&n, &p))
+    }
+
+    fn final_fold(&self) -> Result<Vec<f32>, ForwardError> {
+        self.fold(
+            &format!("{MODEL_PREFIX}output_attn_res_norm.weight"),
+            &format!("{MODEL_PREFIX}output_attn_res_proj.weight"),
+        )
+    }
+
+    fn kda_dims(&self) -> KdaDims {
+        let la = &self.cfg.linear_attn;
+        KdaDims {
+            hidden: self.cfg.hidden_size,
+            heads: la.num_heads,
+            head_dim: la.head_dim,
+            conv: la.short_conv_kernel_size,
+            lower_bound: la.gate_lower_bound,
+        }
+    }
+
+    fn mla_dims(&self) -> MlaDims {
+        let c = &self.cfg;
+        MlaDims {
+            hidden: c.hidden_size,
+            heads: c.num_attention_heads,
+            q_lora: c.q_lora_rank,
+            kv_lora: c.kv_lora_rank,
+            nope: c.qk_nope_head_dim,
+            rope: c.qk_rope_head_dim,
+            v: c.v_head_dim,
+        }
+    }
+
+    fn conv_taps(
+        &self,
+        name: &str,
+        channels: usize,
+        width: usize,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let t = self.tensor(name)?;
+        if !(t.shape == [channels, 1, width] || t.shape == [channels, width]) {
+            return Err(WeightError::Invalid {
+                name: name.into(),
+                msg: format!("shape {:?}, expected [{channels}, 1, {width}]", t.shape),
+            }
+            .into());
+        }
+        Ok(to_f32_vec(name, &t)?)
+    }
+
+    fn kda_weights(&self, l: usize) -> Result<KdaWeights<'_>, ForwardError> {
+        let d = self.kda_dims();
+        let (h, p, dk, hid) = (d.heads, d.width(), d.head_dim, d.hidden);
+        let n = |s: &str| lname(l, &format!("self_attn.{s}"));
+        let a_log_name = n("A_log");
+        let a_log_t = self.tensor(&a_log_name)?;
+        // A_log is per HEAD: [heads], or padded to [head_dim] (released); use the first heads.
+        if a_log_t.shape.len() != 1 || a_log_t.shape[0] < h {
+            return Err(WeightError::Invalid {
+                name: a_log_name,
+                msg: format!(
+                    "shape {:?}, expected [{h}] or a padded [>= {h}]",
+                    a_log_t.shape
+                ),
+            }
+            .into());
+        }
+        let a_log = to_f32_vec(&a_log_name, &a_log_t)?[..h].to_vec();
+        let frank = {
+            let t = self.tensor(&n("f_a_proj.weight"))?;
+            t.shape.first().copied().unwrap_or(0)
+        };
+        Ok(KdaWeights {
+            q: self.mat(&n("q_proj.weight"), p, hid)?,
+            k: self.mat(&n("k_proj.weight"), p, hid)?,
+            v: self.mat(&n("v_proj.weight"), p, hid)?,
+            q_conv: self.conv_taps(&n("q_conv1d.weight"), p, d.conv)?,
+            k_conv: self.conv_taps(&n("k_conv1d.weight"), p, d.conv)?,
+            v_conv: self.conv_taps(&n("v_conv1d.weight"), p, d.conv)?,
+            f_a: self.mat(&n("f_a_proj.weight"), frank, hid)?,
+            f_b: self.mat(&n("f_b_proj.weight"), p, frank)?,
+            b: self.mat(&n("b_proj.weight"), h, hid)?,
+            g: self.mat(&n("g_proj.weight"), p, hid)?,
+            o: self.mat(&n("o_proj.weight"), hid, p)?,
+            a_log,
+            dt_bias: self.vector(&n("dt_bias"), p)?,
+            o_norm: self.vector(&n("o_norm.weight"), dk)?,
+        })
+    }
+
+    fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, ForwardError> {
+        let d = self.mla_dims();
+        let n = |s: &str| lname(l, &format!("self_attn.{s}"));
+        let qh = d.nope + d.rope;
+        Ok(MlaWeights {
+            q_a: self.mat(&n("q_a_proj.weight"), d.q_lora, d.hidden)?,
+            q_a_norm: self.vector(&n("q_a_layernorm.weight"), d.q_lora)?,
+            q_b: self.mat(&n("q_b_proj.weight"), d.heads * qh, d.q_lora)?,
+            kv_a: self.mat(
+                &n("kv_a_proj_with_mqa.weight"),
+                d.kv_lora + d.rope,
+                d.hidden,
+            )?,
+            kv_a_norm: self.vector(&n("kv_a_layernorm.weight"), d.kv_lora)?,
+            kv_b: self.mat(&n("kv_b_proj.weight"), d.heads * (d.nope + d.v), d.kv_lora)?,
+            g: if self.cfg.mla_use_output_gate {
+                Some(self.mat(&n("g_proj.weight"), d.heads * d.v, d.hidden)?)
+            } else {
+                None
+            },
+            o: self.mat(&n("o_proj.weight"), d.hidden, d.heads * d.v)?,
+        })
+    }
+
+    fn moe_params(&self) -> MoeParams {
+        let c = &self.cfg;
+        MoeParams {
+            hidden: c.hidden_size,
+            n_experts: c.num_experts,
+            top_k: c.num_experts_per_token,
+            latent: c.routed_expert_hidden_size,
+            inter: c.moe_intermediate_size,
+            renormalize: c.moe_renormalize,
+            routed_scale: c.routed_scaling_factor,
+            situ: self.situ(),
+            eps: self.eps.rms,
+        }
+    }
+
+    fn situ(&self) -> Situ {
+        Situ {
+            b1: self.cfg.activation_situ_beta,
+            b2: self.cfg.activation_situ_linear_beta,
+        }
+    }
+
+    fn moe_weights(&self, l: usize) -> Result<MoeWeights<'_>, ForwardError> {
+        let c = &self.cfg;
+        let (d, lat, e, sw) = (
+            c.hidden_size,
+            c.routed_expert_hidden_size,
+            c.num_experts,
+            c.shared_expert_width(),
+        );
+        let n = |s: &str| lname(l, &format!("block_sparse_moe.{s}"));
+        let bias_name = n("gate.e_score_correction_bias");
+        Ok(MoeWeights {
+            gate: self.mat(&n("gate.weight"), e, d)?,
+            bias: Some(self.vector(&bias_name, e)?),
+            down: self.mat(&n("routed_expert_down_proj.weight"), lat, d)?,
+            up: self.mat(&n("routed_expert_up_proj.weight"), d, lat)?,
+            norm: if c.latent_moe_use_norm {
+                Some(self.vector(&n("routed_expert_norm.weight"), lat)?)
+            } else {
+                None
+            },
+            sh_gate: self.mat(&n("shared_experts.gate_proj.weight"), sw, d)?,
+            sh_up: self.mat(&n("shared_experts.up_proj.weight"), sw, d)?,
+            sh_down: self.mat(&n("shared_experts.down_proj.weight"), d, sw)?,
+        })
+    }
+
+    fn bind_layer(&self, l: usize) -> Result<LayerW<'_>, ForwardError> {
+        let d = self.cfg.hidden_size;
+        let attn = match self.cfg.layer_kind(l) {
+            LayerKind::Kda => Attn::Kda(self.kda_weights(l)?),
+            LayerKind::Mla => Attn::Mla(self.mla_weights(l)?),
+        };
+        let ffn = if self.cfg.is_moe(l) {
+            Ffn::Moe(self.moe_weights(l)?)
+        } else {
+            let f = self.cfg.intermediate_size;
+            Ffn::Dense {
+                gate: self.mat(&lname(l, "mlp.gate_proj.weight"), f, d)?,
+                up: self.mat(&lname(l, "mlp.up_proj.weight"), f, d)?,
+                down: self.mat(&lname(l, "mlp.down_proj.weight"), d, f)?,
+            }
+        };
+        Ok(LayerW {
+            attn_fold: self.fold(
+                &lname(l, "self_attention_res_norm.weight"),
+                &lname(l, "self_attention_res_proj.weight"),
+            )?,
+            mlp_fold: self.fold(
+                &lname(l, "mlp_res_norm.weight"),
+                &lname(l, "mlp_res_proj.weight"),
+            )?,
+            in_norm: self.vector(&lname(l, "input_layernorm.weight"), d)?,
+            post_norm: self.vector(&lname(l, "post_attention_layernorm.weight"), d)?,
+            attn,
+            ffn,
+        })
+    }
+
+    /// Run `ids` through the model after the session's tokens. `all_rows`: return every
+    /// new token's logits (else only the last). `trace`: record intermediates.
+    pub fn forward(
+        &self,
+        sess: &mut Session,
+        ids: &[u32],
+        all_rows: bool,
+        mut trace: Option<&mut Trace>,
+    ) -> Result<StepOutput, ForwardError> {
+        let ntok = ids.len();
+        if ntok == 0 {
+            return Err(ForwardError::Input("no tokens to run".into()));
+        }
+        let (d, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(ForwardError::Input(format!(
+                "token id {bad} is outside the vocabulary 0..{vocab}"
+            )));
+        }
+        if sess.kda.len() != self.n_layers {
+            *sess = self.new_session();
+        }
+        let th = self.threads;
+        let mut stats = StepStats::default();
+
+        // Embed.
+        let emb = self.embed_tensor()?;
+        let mut h = Vec::with_capacity(ntok * d);
+        let es = emb.dtype.size();
+        for &id in ids {
+            let i = id as usize;
+            let row = TensorRef {
+                dtype: emb.dtype,
+                shape: &[d],
+                bytes: &emb.bytes[i * d * es..(i + 1) * d * es],
+            };
+            h.extend(to_f32_vec("embed_tokens.weight", &row)?);
+        }
+
+        let mut bank: Vec<Vec<f32>> = Vec::new();
+        for l in 0..self.n_layers {
+            if let Some(t) = trace.as_deref_mut() {
+                t.prefix = format!("L{l:02}.");
+            }
+            self.weights.begin_layer(l)?;
+            let r = self.run_layer(l, sess, &mut h, &mut bank, ntok, &mut stats, &mut trace);
+            self.weights.end_layer(l);
+            r?;
+        }
+        if let Some(t) = trace.as_deref_mut() {
+            t.prefix = "final.".into();
+        }
+        let fold = self.final_fold()?;
+        let mixed = attnres_mix_rows(&bank, &h, &fold, self.eps.rms, ntok);
+        crate::layers::trace_put(&mut trace, "mix", &mixed);
+        let nw = self.vector(&format!("{MODEL_PREFIX}norm.weight"), d)?;
+        let mut normed = vec![0f32; ntok * d];
+        for t in 0..ntok {
+            norm::rmsnorm(
+                &mixed[t * d..(t + 1) * d],
+                Some(&nw),
+                self.eps.rms,
+                &mut normed[t * d..(t + 1) * d],
+            );
+        }
+        crate::layers::trace_put(&mut trace, "norm", &normed);
+        let head = self.head()?;
+        let (rows, src) = if all_rows {
+            (ntok, &normed[..])
+        } else {
+            (1, &normed[(ntok - 1) * d..])
+        };
+        let mut logits = vec![0f32; rows * vocab];
+        gemm(&head, src, &mut logits, rows, th);
+        crate::layers::trace_put(&mut trace, "logits", &logits);
+        sess.pos += ntok;
+        Ok(StepOutput {
+            logits,
+            rows,
+            stats,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_layer(
+        &self,
+        l: usize,
+        sess: &mut Session,
+        h: &mut Vec<f32>,
+        bank: &mut Vec<Vec<f32>>,
+        ntok: usize,
+        stats: &mut StepStats,
+        trace: &mut Option<&mut Trace>,
+    ) -> Result<(), ForwardError> {
+        use crate::layers::trace_put;
+        let d = self.cfg.hidden_size;
+        let eps = self.eps;
+        let th = self.threads;
+        let w = self.bind_layer(l)?;
+        trace_put(trace, "in", h);
+        // (2) pre-attention mix, guarded on an empty bank.
+        let a = if bank.is_empty() {
+            h.clone()
+        } else {
+            attnres_mix_rows(bank, h, &w.attn_fold, eps.rms, ntok)
+        };
+        trace_put(trace, "attn_mix", &a);
+        // (3) block boundary: bank the RAW layer input, restart the prefix.
+        let boundary = self.cfg.is_attn_res_boundary(l);
+        let mut p = std::mem::take(h);
+        if boundary {
+            bank.push(std::mem::take(&mut p));
+        }
+        // (4-5) attention.
+        let mut u = vec![0f32; ntok * d];
+        for t in 0..ntok {
+            norm::rmsnorm(
+                &a[t * d..(t + 1) * d],
+                Some(&w.in_norm),
+                eps.rms,
+                &mut u[t * d..(t + 1) * d],
+            );
+        }
+        let y = match &w.attn {
+            Attn::Kda(kw) => {
+                let dims = self.kda_dims();
+                let st = sess.kda[l].get_or_insert_with(|| KdaState::new(&dims));
+                kda_forward(kw, &dims, &eps, &u, ntok, st, th, trace)
+            }
+            Attn::Mla(mw) => {
+                let dims = self.mla_dims();
+                let cache = sess.mla[l].get_or_insert_with(MlaCache::default);
+                mla_forward(mw, &dims, &eps, &u, ntok, cache, th, trace)
+            }
+        };
+        trace_put(trace, "attn_out", &y);
+        // (6) accumulate.
+        if p.is_empty() {
+            p = y;
+        } else {
+            p.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+        }
+        // (7-8) pre-MLP mix, unguarded.
+        let m = attnres_mix_rows(bank, &p, &w.mlp_fold, eps.rms, ntok);
+        trace_put(trace, "mlp_mix", &m);
+        let mut v = vec![0f32; ntok * d];
+        for t in 0..ntok {
+            norm::rmsnorm(
+                &m[t * d..(t + 1) * d],
+                Some(&w.post_norm),
+                eps.rms,
+                &mut v[t * d..(t + 1) * d],
+            );
+        }
+        // (9) FFN.
+        let z = match &w.ffn {
+            Ffn::Dense { gate, up, down } => glu_mlp(gate, up, down, self.situ(), &v, ntok, th),
+            Ffn::Moe(mw) => {
+                let mut ms = MoeStats::default();
+                let mut fetch = |ids: &[u32],
+                                 deliver: &mut dyn for<'b> FnMut(
+                    usize,
+                    Result<crate::weights::ExpertRef<'b>, WeightError>,
+                )| { self.weights.experts(l, ids, deliver) };
+                let z = moe_forward(
+                    mw,
+                    &self.moe_params(),
+                    &v,
+                    ntok,
+                    &mut fetch,
+                    th,
+                    &mut ms,
+                    trace,
+                );
+                stats.expert_requests += ms.requests;
+                stats.expert_failures += ms.failures;
+                stats.failure_msgs.extend(
+                    ms.failure_msgs
+                        .into_iter()
+                        .map(|m| format!("layer {l}: {m}")),
+                );
+                z
+            }
+        };
+        trace_put(trace, "ffn_out", &z);
+        // (10)
+        p.iter_mut().zip(&z).for_each(|(a, b)| *a += b);
+        trace_put(trace, "out", &p);
+        *h = p;
+        Ok(())
+    }
+}
+
+enum Attn<'a> {
+    Kda(KdaWeights<'a>),
+    Mla(MlaWeights<'a>),
+}
+
+enum Ffn<'a> {
+    Dense {
+        gate: Mat<'a>,
+        up: Mat<'a>,
+        down: Mat<'a>,
+    },
+    Moe(MoeWeights<'a>),
+}
+
+struct LayerW<'a> {
+    attn_fold: Vec<f32>,
+    mlp_fold: Vec<f32>,
+    in_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    attn: Attn<'a>,
+    ffn: Ffn<'a>,
+}
+
+/// Index of the largest value; the lowest index wins a tie, NaN never wins.
+pub fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    let mut bv = f32::NEG_INFINITY;
+    for (i, &x) in v.iter().enumerate() {
+        if x > bv {
+            bv = x;
+            best = i;
+        }
+    }
+    best
+}
+
+/// Statistics of one generation step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenStep {
+    pub token: u32,
+    pub seconds: f64,
+    pub expert_requests: usize,
+    pub expert_failures: usize,
+}
+
+/// Result of [`generate`].
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The generated ids (not including the prompt).
+    pub ids: Vec<u32>,
+    /// Logits of the first step (the prediction after the last prompt token).
+    pub first_logits: Vec<f32>,
+    pub steps: Vec<GenStep>,
+    /// Failure messages of every step (empty in a sound run).
+    pub failure_msgs: Vec<String>,
+}
+
+/// Greedy decode of `n` tokens after `prompt`. `incremental`: carry the session (prefill
+/// once, then one token per step); otherwise every step recomputes the whole prefix.
+/// Both give the same ids.
+pub fn generate<W: Weights>(
+    model: &Model<W>,
+    prompt: &[u32],
+    n: usize,
+    incremental: bool,
+) -> Result<Generation, ForwardError> {
+    let mut seq = prompt.to_vec();
+    let mut sess = model.new_session();
+    let mut out = Generation {
+        ids: Vec::with_capacity(n),
+        first_logits: Vec::new(),
+        steps: Vec::with_capacity(n),
+        failure_msgs: Vec::new(),
+    };
+    for step in 0..n {
+        let t0 = Instant::now();
+        let res = if incremental {
+            if step == 0 {
+                model.prefill(&mut sess, prompt)?
+            } else {
+                model.step(&mut sess, *seq.last().expect("sequence is non-empty"))?
+            }
+        } else {
+            let mut s = model.new_session();
+            model.forward(&mut s, &seq, false, None)?
+        };
+        let tok = argmax(&res.logits) as u32;
+        if step == 0 {
+            out.first_logits = res.logits.clone();
+        }
+        out.steps.push(GenStep {
+            token: tok,
+            seconds: t0.elapsed().as_secs_f64(),
+            expert_requests: res.stats.expert_requests,
+            expert_failures: res.stats.expert_failures,
+        });
+        out.failure_msgs.extend(res.stats.failure_msgs);
+        out.ids.push(tok);
+        seq.push(tok);
+    }
+    Ok(out)
+}

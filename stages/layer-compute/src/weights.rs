@@ -1,0 +1,187 @@
+//! How the forward pass receives its weights: the [`Weights`] trait.
+//!
+//! The forward asks for trunk tensors by their released name, brackets each decoder layer
+//! with [`Weights::begin_layer`] / [`Weights::end_layer`] (so a trunk loader can stream
+//! layers through ring slots), and asks for the routed experts of a layer with
+//! [`Weights::experts`], which may deliver them in ANY order, each to a callback tagged with
+//! its position in the request. Compute keeps one output per request slot and combines them
+//! in top-k order, so results never depend on arrival order. A failed expert load is
+//! delivered as an `Err` for its slot: compute counts it (the caller exits 4) and leaves
+//! that expert out of the sum.
+//!
+//! All methods take `&self` so trunk tensors borrowed during a layer stay valid while the
+//! experts arrive; implementations needing mutation use interior mutability.
+//!
+//! [`SourceWeights`] adapts any [`WeightSource`] (e.g. `k3_protocol::mmap_weights::MmapWeights`).
+
+use k3_protocol::tensor::{Dtype, TensorRef, WeightError, WeightSource};
+
+/// Name prefix of every decoder-layer and model-level tensor.
+pub const MODEL_PREFIX: &str = "language_model.model.";
+/// Name of the output head.
+pub const LM_HEAD: &str = "language_model.lm_head.weight";
+
+/// One routed-expert projection as stored.
+#[derive(Clone, Copy, Debug)]
+pub enum ExpertTensor<'a> {
+    /// A plain `weight` tensor (BF16 or F32), `[rows, cols]`.
+    Dense(TensorRef<'a>),
+    /// compressed-tensors MXFP4: `weight_packed` U8 `[rows, cols/2]` and `weight_scale` U8
+    /// `[rows, cols/32]`.
+    Mxfp4 {
+        packed: TensorRef<'a>,
+        scale: TensorRef<'a>,
+    },
+}
+
+/// The three projections of one routed expert: w1 = gate, w3 = up, w2 = down.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertRef<'a> {
+    pub w1: ExpertTensor<'a>,
+    pub w2: ExpertTensor<'a>,
+    pub w3: ExpertTensor<'a>,
+}
+
+/// Where the forward pass gets its weights.
+pub trait Weights {
+    /// A trunk or model-level tensor by its full released name. For a decoder-layer tensor
+    /// this is only called between `begin_layer(l)` and `end_layer(l)` of its layer.
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, WeightError>;
+
+    /// Layer `layer` is about to run (a streaming implementation waits for it here).
+    fn begin_layer(&self, _layer: usize) -> Result<(), WeightError> {
+        Ok(())
+    }
+
+    /// Layer `layer` is finished; its trunk tensors will not be asked for again this step.
+    fn end_layer(&self, _layer: usize) {}
+
+    /// A hint that the experts `ids` of `layer` will probably be requested (speculative
+    /// prefetch); may be ignored.
+    fn hint_experts(&self, _layer: usize, _ids: &[u32]) {}
+
+    /// Deliver the routed experts `ids` of `layer` (distinct ids, in first-use order: for
+    /// one token its top-k order). Call `deliver(slot, result)` exactly once per slot
+    /// `0..ids.len()`, in any order; the borrowed weights need only live for the call.
+    fn experts(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
+    );
+}
+
+impl<W: Weights + ?Sized> Weights for &W {
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, WeightError> {
+        (**self).tensor(name)
+    }
+    fn begin_layer(&self, layer: usize) -> Result<(), WeightError> {
+        (**self).begin_layer(layer)
+    }
+    fn end_layer(&self, layer: usize) {
+        (**self).end_layer(layer)
+    }
+    fn hint_experts(&self, layer: usize, ids: &[u32]) {
+        (**self).hint_experts(layer, ids)
+    }
+    fn experts(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
+    ) {
+        (**self).experts(layer, ids, deliver)
+    }
+}
+
+/// Full name of a routed-expert tensor, e.g. `expert_name(1, 5, "w1.weight_packed")`.
+pub fn expert_name(layer: usize, id: u32, suffix: &str) -> String {
+    format!("{MODEL_PREFIX}layers.{layer}.block_sparse_moe.experts.{id}.{suffix}")
+}
+
+/// Look up one routed expert in a [`WeightSource`]: MXFP4 (`w*.weight_packed` +
+/// `w*.weight_scale`) when the packed tensor exists, else plain `w*.weight`.
+pub fn expert_from_source<S: WeightSource + ?Sized>(
+    src: &S,
+    layer: usize,
+    id: u32,
+) -> Result<ExpertRef<'_>, WeightError> {
+    let one = |w: &str| -> Result<ExpertTensor<'_>, WeightError> {
+        let packed = expert_name(layer, id, &format!("{w}.weight_packed"));
+        if src.contains(&packed) {
+            let scale = expert_name(layer, id, &format!("{w}.weight_scale"));
+            Ok(ExpertTensor::Mxfp4 {
+                packed: src.tensor(&packed)?,
+                scale: src.tensor(&scale)?,
+            })
+        } else {
+            Ok(ExpertTensor::Dense(src.tensor(&expert_name(
+                layer,
+                id,
+                &format!("{w}.weight"),
+            ))?))
+        }
+    };
+    Ok(ExpertRef {
+        w1: one("w1")?,
+        w2: one("w2")?,
+        w3: one("w3")?,
+    })
+}
+
+/// [`Weights`] over any [`WeightSource`]: every tensor is always available, experts are
+/// delivered in request order.
+pub struct SourceWeights<S> {
+    pub source: S,
+}
+
+impl<S: WeightSource> SourceWeights<S> {
+    pub fn new(source: S) -> Self {
+        SourceWeights { source }
+    }
+}
+
+impl<S: WeightSource> Weights for SourceWeights<S> {
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, WeightError> {
+        self.source.tensor(name)
+    }
+
+    fn experts(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
+    ) {
+        for (slot, &id) in ids.iter().enumerate() {
+            deliver(slot, expert_from_source(&self.source, layer, id));
+        }
+    }
+}
+
+/// Widen a BF16/F32 tensor to f32 (small vectors: norms, biases, conv taps).
+pub fn to_f32_vec(name: &str, t: &TensorRef<'_>) -> Result<Vec<f32>, WeightError> {
+    let n = t.numel();
+    let want = n * t.dtype.size();
+    if t.bytes.len() != want {
+        return Err(WeightError::Invalid {
+            name: name.to_string(),
+            msg: format!("{} bytes for {n} {} elements", t.bytes.len(), t.dtype),
+        });
+    }
+    match t.dtype {
+        Dtype::F32 => Ok(t
+            .bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()),
+        Dtype::BF16 => Ok(t
+            .bytes
+            .chunks_exact(2)
+            .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+            .collect()),
+        other => Err(WeightError::Invalid {
+            name: name.to_string(),
+            msg: format!("dtype {other} where BF16 or F32 is expected"),
+        }),
+    }
+}
