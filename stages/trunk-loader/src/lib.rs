@@ -1,1 +1,17 @@
-//! placeholder
+//! `k3-trunk-loader`: the dense trunk as a dial.
+//!
+//! - [`plan`]: the fixed-point sizing of a pinned prefix plus a ring of slots for a budget.
+//! - [`loader`]: the reader thread that loads the pinned prefix once and streams the other
+//!   layers through the ring, in layer order, as far ahead as free slots allow.
+//! - [`presets`]: `--preset` / `--trunk-gb` / `--cache-gb` / `auto` budgets.
+//!
+//! Reads and the arena come from `k3_expert_fetcher::{io, arena}` (O_DIRECT with buffered
+//! fallback; 4096-aligned memory that a shared-memory region can replace).
+
+pub mod loader;
+pub mod plan;
+pub mod presets;
+
+pub use loader::{LayerGuard, LayerHandle, LoadError, TrunkLoader, TrunkStats};
+pub use plan::{plan, LayerRun, PlanError, RingPolicy, TrunkPlan};
+pub use presets::{auto, mem_available, Budgets, Preset, Presets};

@@ -1,0 +1,548 @@
+//! The trunk loader: pinned layers loaded once, the other layers streamed through a ring of
+//! slots by a reader thread that runs ahead in layer order as far as free slots allow.
+//!
+//! The consumer walks layers 0..L-1 on every token: [`TrunkLoader::acquire`] blocks until
+//! the layer is in memory and returns where it is; [`TrunkLoader::release`] gives a streamed
+//! layer's slot back so the reader can load the next one (a pinned layer's release is a
+//! no-op). [`TrunkLoader::layer`] wraps both in a guard that derefs to the bytes.
+//!
+//! Streamed layers must be acquired in cyclic layer order (pinned ones in any order): the
+//! reader's order is fixed, so an out-of-order acquire is an error rather than a deadlock.
+//!
+//! Without a packed trunk there is nothing to stream: the caller loads the whole trunk
+//! resident from the shards instead (memory-map or read it); this loader is only for
+//! `trunk.bin`, whose runs are page-aligned, though unaligned runs work too.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use k3_expert_fetcher::arena::{align_down, ArenaMemory, OwnedArena, ALIGN};
+use k3_expert_fetcher::io::ReadAt;
+
+use crate::plan::{LayerRun, TrunkPlan};
+
+/// A layer that could not be served.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    #[error("trunk layer {layer}: read failed: {why}")]
+    Read { layer: usize, why: String },
+    #[error("trunk layer {layer} does not exist (the trunk has {layers} layers)")]
+    NoSuchLayer { layer: usize, layers: usize },
+    #[error("trunk layer {layer} acquired out of order: the stream is at layer {expected}")]
+    OutOfOrder { layer: usize, expected: usize },
+    #[error("trunk layer {layer} released but not acquired")]
+    NotAcquired { layer: usize },
+    #[error("the trunk reader has stopped")]
+    Stopped,
+}
+
+/// Where an acquired layer's bytes are: `arena_offset..arena_offset + len` of the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerHandle {
+    pub layer: usize,
+    pub arena_offset: u64,
+    pub len: u64,
+    /// True when it was already resident (a pinned layer after its first use).
+    pub hit: bool,
+}
+
+/// Counters for the whole run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct TrunkStats {
+    pub layers: usize,
+    pub pinned: usize,
+    pub ring_slots: usize,
+    pub slot_bytes: u64,
+    /// `acquire` calls.
+    pub binds: u64,
+    /// Binds of a pinned layer that was already loaded (the first bind of each pinned layer
+    /// pays for its load, as in the seed's ladder: 7 x 90 of 8 x 93 binds = 84.7%).
+    pub hits: u64,
+    /// Layers read and the bytes those reads transferred.
+    pub reads: u64,
+    pub bytes_read: u64,
+    /// Seconds the reader thread spent in reads.
+    pub io_seconds: f64,
+    /// Seconds `acquire` spent waiting for a layer to arrive (the stall the consumer saw).
+    pub wait_seconds: f64,
+}
+
+impl TrunkStats {
+    /// hits / binds: deterministic, it depends only on the plan and the number of tokens.
+    pub fn hit_rate(&self) -> f64 {
+        if self.binds == 0 {
+            0.0
+        } else {
+            self.hits as f64 / self.binds as f64
+        }
+    }
+
+    /// Read throughput in MB/s (10^6 bytes).
+    pub fn mb_per_s(&self) -> f64 {
+        if self.io_seconds > 0.0 {
+            self.bytes_read as f64 / 1e6 / self.io_seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Loaded {
+    No,
+    Yes,
+    Failed(String),
+}
+
+#[derive(Clone, Debug)]
+struct RingSlot {
+    layer: Option<usize>,
+    loaded: Loaded,
+    acquired: bool,
+}
+
+struct State {
+    pinned: Vec<Loaded>,
+    pinned_used: Vec<bool>,
+    ring: Vec<RingSlot>,
+    /// The streamed layer the consumer must acquire next.
+    next_consume: usize,
+    stop: bool,
+    stats: TrunkStats,
+}
+
+struct Shared {
+    arena: Arc<dyn ArenaMemory>,
+    runs: Vec<LayerRun>,
+    plan: TrunkPlan,
+    /// Arena offset of each pinned layer's page-mirror.
+    pinned_at: Vec<u64>,
+    /// Arena offset of ring slot 0.
+    ring_at: u64,
+    reader: Arc<dyn ReadAt>,
+    file: u32,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+/// Serves trunk layers. See the module documentation.
+pub struct TrunkLoader {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Read layer `layer` into the arena region at `at` (page-mirrored).
+    fn read_layer(&self, layer: usize, at: u64, cap: u64) -> Result<u64, String> {
+        let r = self.runs[layer];
+        let need = r.footprint();
+        if need > cap {
+            return Err(format!("needs {need} bytes, the region holds {cap}"));
+        }
+        // SAFETY: [at, at + need) lies inside the arena (regions are laid out from the plan in
+        // `new`); the region is not loaded, so no consumer holds a reference into it, and only
+        // this reader thread writes it.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(self.arena.base().add(at as usize), need as usize)
+        };
+        let start = align_down(r.offset);
+        let got = self
+            .reader
+            .read_at(self.file, start, dst)
+            .map_err(|e| e.to_string())?;
+        if start + (got as u64) < r.offset + r.len {
+            return Err(format!(
+                "short read: {got} bytes at offset {start}, needed {}",
+                r.offset + r.len - start
+            ));
+        }
+        Ok(got as u64)
+    }
+
+    fn next_streamed(&self, layer: usize) -> usize {
+        if layer + 1 >= self.plan.layers {
+            self.plan.pinned
+        } else {
+            layer + 1
+        }
+    }
+
+    fn run(&self) {
+        let p = &self.plan;
+        for layer in 0..p.pinned {
+            if self.lock().stop {
+                return;
+            }
+            let t0 = Instant::now();
+            let r = self.read_layer(layer, self.pinned_at[layer], self.runs[layer].footprint());
+            let dt = t0.elapsed().as_secs_f64();
+            let mut st = self.lock();
+            st.stats.io_seconds += dt;
+            st.pinned[layer] = match r {
+                Ok(b) => {
+                    st.stats.reads += 1;
+                    st.stats.bytes_read += b;
+                    Loaded::Yes
+                }
+                Err(w) => Loaded::Failed(w),
+            };
+            self.cv.notify_all();
+        }
+        if p.ring_slots == 0 {
+            return;
+        }
+        let mut next = p.pinned;
+        loop {
+            // Wait for a free slot.
+            let slot = {
+                let mut st = self.lock();
+                loop {
+                    if st.stop {
+                        return;
+                    }
+                    if let Some(i) = st.ring.iter().position(|s| s.layer.is_none()) {
+                        st.ring[i] = RingSlot {
+                            layer: Some(next),
+                            loaded: Loaded::No,
+                            acquired: false,
+                        };
+                        break i;
+                    }
+                    st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let at = self.ring_at + slot as u64 * p.slot_bytes;
+            let t0 = Instant::now();
+            let r = self.read_layer(next, at, p.slot_bytes);
+            let dt = t0.elapsed().as_secs_f64();
+            let mut st = self.lock();
+            st.stats.io_seconds += dt;
+            st.ring[slot].loaded = match r {
+                Ok(b) => {
+                    st.stats.reads += 1;
+                    st.stats.bytes_read += b;
+                    Loaded::Yes
+                }
+                Err(w) => Loaded::Failed(w),
+            };
+            drop(st);
+            self.cv.notify_all();
+            next = self.next_streamed(next);
+        }
+    }
+}
+
+impl TrunkLoader {
+    /// Start loading: allocates the arena for `plan` and starts the reader thread, which
+    /// loads the pinned layers first, then streams. `runs` are the layers of file `file` of
+    /// `reader`.
+    pub fn new(
+        runs: Vec<LayerRun>,
+        plan: TrunkPlan,
+        reader: Arc<dyn ReadAt>,
+        file: u32,
+    ) -> Result<TrunkLoader, String> {
+        let bytes = plan.bytes().max(ALIGN as u64);
+        let arena: Arc<dyn ArenaMemory> =
+            Arc::new(OwnedArena::new(bytes as usize).map_err(|e| format!("trunk arena: {e}"))?);
+        Self::with_arena(runs, plan, reader, file, arena)
+    }
+
+    /// Like [`new`](Self::new) over memory the caller provides (e.g. a shared-memory region
+    /// of at least `plan.bytes()` bytes).
+    pub fn with_arena(
+        runs: Vec<LayerRun>,
+        plan: TrunkPlan,
+        reader: Arc<dyn ReadAt>,
+        file: u32,
+        arena: Arc<dyn ArenaMemory>,
+    ) -> Result<TrunkLoader, String> {
+        if runs.len() != plan.layers {
+            return Err(format!(
+                "the plan is for {} layers, the trunk has {}",
+                plan.layers,
+                runs.len()
+            ));
+        }
+        if (arena.len() as u64) < plan.bytes() {
+            return Err(format!(
+                "the trunk arena has {} bytes, the plan needs {}",
+                arena.len(),
+                plan.bytes()
+            ));
+        }
+        if plan.pinned < plan.layers && plan.ring_slots == 0 {
+            return Err("a plan that streams layers needs at least one ring slot".into());
+        }
+        if let Some(l) = (plan.pinned..plan.layers).find(|&l| runs[l].footprint() > plan.slot_bytes)
+        {
+            return Err(format!(
+                "layer {l} needs {} bytes, more than the {}-byte ring slot",
+                runs[l].footprint(),
+                plan.slot_bytes
+            ));
+        }
+        let mut pinned_at = Vec::with_capacity(plan.pinned);
+        let mut at = 0u64;
+        for r in &runs[..plan.pinned] {
+            pinned_at.push(at);
+            at += r.footprint();
+        }
+        let stats = TrunkStats {
+            layers: plan.layers,
+            pinned: plan.pinned,
+            ring_slots: plan.ring_slots,
+            slot_bytes: plan.slot_bytes,
+            ..Default::default()
+        };
+        let shared = Arc::new(Shared {
+            arena,
+            plan,
+            pinned_at,
+            ring_at: at,
+            reader,
+            file,
+            state: Mutex::new(State {
+                pinned: vec![Loaded::No; plan.pinned],
+                pinned_used: vec![false; plan.pinned],
+                ring: vec![
+                    RingSlot {
+                        layer: None,
+                        loaded: Loaded::No,
+                        acquired: false,
+                    };
+                    plan.ring_slots
+                ],
+                next_consume: plan.pinned,
+                stop: false,
+                stats,
+            }),
+            cv: Condvar::new(),
+            runs,
+        });
+        let s2 = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("k3-trunk-read".into())
+            .spawn(move || s2.run())
+            .map_err(|e| format!("cannot start the trunk reader: {e}"))?;
+        Ok(TrunkLoader {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// The plan in use.
+    pub fn plan(&self) -> TrunkPlan {
+        self.shared.plan
+    }
+
+    /// The arena (to share it, or to map a handle).
+    pub fn arena(&self) -> &Arc<dyn ArenaMemory> {
+        &self.shared.arena
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> TrunkStats {
+        self.shared.lock().stats
+    }
+
+    /// Wait until `layer` is in memory; its bytes stay valid until [`release`](Self::release).
+    pub fn acquire(&self, layer: usize) -> Result<LayerHandle, LoadError> {
+        let sh = &*self.shared;
+        let p = sh.plan;
+        if layer >= p.layers {
+            return Err(LoadError::NoSuchLayer {
+                layer,
+                layers: p.layers,
+            });
+        }
+        let r = sh.runs[layer];
+        let head = r.offset % ALIGN as u64;
+        let t0 = Instant::now();
+        let mut st = sh.lock();
+        if layer < p.pinned {
+            loop {
+                match &st.pinned[layer] {
+                    Loaded::Yes => break,
+                    Loaded::Failed(w) => {
+                        return Err(LoadError::Read {
+                            layer,
+                            why: w.clone(),
+                        })
+                    }
+                    Loaded::No => {}
+                }
+                if st.stop {
+                    return Err(LoadError::Stopped);
+                }
+                st = sh.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            let hit = st.pinned_used[layer];
+            st.pinned_used[layer] = true;
+            st.stats.binds += 1;
+            st.stats.hits += hit as u64;
+            st.stats.wait_seconds += t0.elapsed().as_secs_f64();
+            return Ok(LayerHandle {
+                layer,
+                arena_offset: sh.pinned_at[layer] + head,
+                len: r.len,
+                hit,
+            });
+        }
+        if layer != st.next_consume {
+            return Err(LoadError::OutOfOrder {
+                layer,
+                expected: st.next_consume,
+            });
+        }
+        loop {
+            if let Some(i) = st
+                .ring
+                .iter()
+                .position(|s| s.layer == Some(layer) && !s.acquired)
+            {
+                match &st.ring[i].loaded {
+                    Loaded::Yes => {
+                        st.ring[i].acquired = true;
+                        st.next_consume = sh.next_streamed(layer);
+                        st.stats.binds += 1;
+                        st.stats.wait_seconds += t0.elapsed().as_secs_f64();
+                        return Ok(LayerHandle {
+                            layer,
+                            arena_offset: sh.ring_at + i as u64 * p.slot_bytes + head,
+                            len: r.len,
+                            hit: false,
+                        });
+                    }
+                    Loaded::Failed(w) => {
+                        // Give the slot back so the stream can go on, and move past the layer.
+                        let why = w.clone();
+                        st.ring[i].layer = None;
+                        st.next_consume = sh.next_streamed(layer);
+                        st.stats.binds += 1;
+                        drop(st);
+                        sh.cv.notify_all();
+                        return Err(LoadError::Read { layer, why });
+                    }
+                    Loaded::No => {}
+                }
+            }
+            if st.stop {
+                return Err(LoadError::Stopped);
+            }
+            st = sh.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Give a streamed layer's slot back (a no-op for pinned layers).
+    pub fn release(&self, layer: usize) -> Result<(), LoadError> {
+        let sh = &*self.shared;
+        if layer < sh.plan.pinned {
+            return Ok(());
+        }
+        let mut st = sh.lock();
+        let Some(i) = st
+            .ring
+            .iter()
+            .position(|s| s.layer == Some(layer) && s.acquired)
+        else {
+            return Err(LoadError::NotAcquired { layer });
+        };
+        st.ring[i] = RingSlot {
+            layer: None,
+            loaded: Loaded::No,
+            acquired: false,
+        };
+        drop(st);
+        sh.cv.notify_all();
+        Ok(())
+    }
+
+    /// The bytes of an acquired layer.
+    ///
+    /// # Safety
+    /// `h` must come from [`acquire`](Self::acquire) on this loader, and the slice must not be
+    /// used after `release(h.layer)` (the reader then reuses the slot).
+    pub unsafe fn bytes(&self, h: &LayerHandle) -> &[u8] {
+        // SAFETY: the caller guarantees the handle is live; handles lie inside the arena.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.shared.arena.base().add(h.arena_offset as usize) as *const u8,
+                h.len as usize,
+            )
+        }
+    }
+
+    /// Acquire `layer` and hold it until the guard is dropped.
+    pub fn layer(&self, layer: usize) -> Result<LayerGuard<'_>, LoadError> {
+        let handle = self.acquire(layer)?;
+        Ok(LayerGuard {
+            loader: self,
+            handle,
+        })
+    }
+
+    /// The seed-style report block.
+    pub fn render_stats(&self) -> String {
+        let s = self.stats();
+        format!(
+            "trunk [final]\n  pinned {}/{} layers, ring {} slots of {:.2} GB\n  \
+             binds {}, hits {} ({:.1}%, deterministic)\n  read {:.2} GB in {:.2} s ({:.0} MB/s), \
+             waited {:.2} s\n",
+            s.pinned,
+            s.layers,
+            s.ring_slots,
+            s.slot_bytes as f64 / 1e9,
+            s.binds,
+            s.hits,
+            100.0 * s.hit_rate(),
+            s.bytes_read as f64 / 1e9,
+            s.io_seconds,
+            s.mb_per_s(),
+            s.wait_seconds
+        )
+    }
+}
+
+impl Drop for TrunkLoader {
+    fn drop(&mut self) {
+        self.shared.lock().stop = true;
+        self.shared.cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// An acquired layer; derefs to its bytes and releases it when dropped.
+pub struct LayerGuard<'a> {
+    loader: &'a TrunkLoader,
+    handle: LayerHandle,
+}
+
+impl LayerGuard<'_> {
+    /// Where the bytes are.
+    pub fn handle(&self) -> LayerHandle {
+        self.handle
+    }
+}
+
+impl std::ops::Deref for LayerGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the handle came from `acquire` and is released only when the guard drops,
+        // which the borrow of `self` outlives.
+        unsafe { self.loader.bytes(&self.handle) }
+    }
+}
+
+impl Drop for LayerGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.loader.release(self.handle.layer);
+    }
+}

@@ -1,0 +1,280 @@
+//! How a trunk budget is spent: a pinned prefix of layers plus a ring of streaming slots.
+//!
+//! The layers are used in the same order 0..L-1 on every token: a cyclic scan. Under LRU a
+//! cyclic scan of L layers through fewer than L slots never hits (by the time layer 0 comes
+//! round again it is the least recently used, so it was just evicted; see the test
+//! `lru_over_a_cyclic_scan_hits_nothing`). Pinning the first P layers instead hits P of L
+//! binds per token, deterministically. The rest stream through ring slots, each of which
+//! must hold the largest layer that is not pinned.
+//!
+//! Pinned count and slot size depend on each other (pinning a big layer shrinks the slot),
+//! so the plan takes the largest prefix P with `pinned(P) + ring_min x slot(P) <= budget`,
+//! where `slot(P)` is the largest footprint among layers P..L-1, and then as many ring slots
+//! as the rest of the budget holds (at most `ring_max`, at most L-P). A budget that cannot
+//! hold even one slot for the largest layer is refused with the shortfall.
+//!
+//! Footprints are in whole pages: a layer at file offset `o` of `n` bytes occupies
+//! `align_up(o % 4096 + n)` bytes of arena, so O_DIRECT reads land page-aligned.
+
+use k3_expert_fetcher::arena::{align_up, ALIGN};
+
+/// One layer's bytes in the trunk file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerRun {
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Bytes to read (for a packed trunk, the padded length).
+    pub len: u64,
+}
+
+impl LayerRun {
+    /// Arena bytes this layer needs (page-mirrored).
+    pub fn footprint(&self) -> u64 {
+        align_up(self.offset % ALIGN as u64 + self.len)
+    }
+}
+
+/// How many ring slots the plan may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingPolicy {
+    /// Slots to keep even at the cost of a pinned layer (1: the seed's rule; 2 lets the
+    /// reader load layer L+1 while layer L is computed). Lowered to 1 if the budget needs it.
+    pub min: usize,
+    /// Never more slots than this.
+    pub max: usize,
+}
+
+impl Default for RingPolicy {
+    fn default() -> Self {
+        RingPolicy { min: 1, max: 4 }
+    }
+}
+
+/// The result of [`plan`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct TrunkPlan {
+    /// Layers in the trunk.
+    pub layers: usize,
+    /// Layers 0..pinned stay resident.
+    pub pinned: usize,
+    /// Arena bytes of the pinned layers.
+    pub pinned_bytes: u64,
+    /// Ring slots (0 when every layer is pinned).
+    pub ring_slots: usize,
+    /// Bytes per ring slot: the largest footprint of layers pinned..layers.
+    pub slot_bytes: u64,
+    /// The budget it was made for.
+    pub budget: u64,
+}
+
+impl TrunkPlan {
+    /// Arena bytes the plan allocates.
+    pub fn bytes(&self) -> u64 {
+        self.pinned_bytes + self.ring_slots as u64 * self.slot_bytes
+    }
+
+    /// Layers that stream every token.
+    pub fn streamed(&self) -> usize {
+        self.layers - self.pinned
+    }
+
+    /// Steady-state trunk hit rate per token: pinned / layers.
+    pub fn hit_rate(&self) -> f64 {
+        if self.layers == 0 {
+            1.0
+        } else {
+            self.pinned as f64 / self.layers as f64
+        }
+    }
+}
+
+/// A budget too small for any plan.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the trunk budget of {budget} bytes cannot hold one streaming slot for the largest layer \
+     ({need} bytes): a shortfall of {shortfall} bytes. Options: a larger --trunk-gb, or fewer --layers"
+)]
+pub struct PlanError {
+    pub budget: u64,
+    pub need: u64,
+    pub shortfall: u64,
+}
+
+/// Plan a budget over layer runs (see the module documentation).
+pub fn plan(budget: u64, runs: &[LayerRun], ring: RingPolicy) -> Result<TrunkPlan, PlanError> {
+    let l = runs.len();
+    let fp: Vec<u64> = runs.iter().map(LayerRun::footprint).collect();
+    // prefix[p] = footprint of layers 0..p; suffix_max[p] = largest footprint of p..l.
+    let mut prefix = vec![0u64; l + 1];
+    for i in 0..l {
+        prefix[i + 1] = prefix[i] + fp[i];
+    }
+    let mut suffix_max = vec![0u64; l + 1];
+    for i in (0..l).rev() {
+        suffix_max[i] = suffix_max[i + 1].max(fp[i]);
+    }
+    let fits = |p: usize, n: usize| -> bool {
+        let n = n.min(l - p) as u64;
+        prefix[p]
+            .checked_add(n * suffix_max[p])
+            .is_some_and(|b| b <= budget)
+    };
+    let ring_max = ring.max.max(1);
+    let mut min = ring.min.clamp(1, ring_max);
+    let pinned = loop {
+        if let Some(p) = (0..=l).rev().find(|&p| fits(p, min)) {
+            break p;
+        }
+        if min == 1 {
+            let need = suffix_max[0];
+            return Err(PlanError {
+                budget,
+                need,
+                shortfall: need - budget,
+            });
+        }
+        min -= 1;
+    };
+    let slot_bytes = suffix_max[pinned];
+    let ring_slots = if pinned == l {
+        0
+    } else {
+        let left = budget - prefix[pinned];
+        ((left / slot_bytes) as usize).min(ring_max).min(l - pinned)
+    };
+    Ok(TrunkPlan {
+        layers: l,
+        pinned,
+        pinned_bytes: prefix[pinned],
+        ring_slots,
+        slot_bytes: if ring_slots == 0 { 0 } else { slot_bytes },
+        budget,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: u64 = 4096;
+
+    fn runs(pages: &[u64]) -> Vec<LayerRun> {
+        let mut off = 0;
+        pages
+            .iter()
+            .map(|&n| {
+                let r = LayerRun {
+                    offset: off,
+                    len: n * P,
+                };
+                off += n * P;
+                r
+            })
+            .collect()
+    }
+
+    /// Independent brute force over every (pinned, slots) pair.
+    fn brute(budget: u64, pages: &[u64], ring: RingPolicy) -> Option<(usize, usize)> {
+        let l = pages.len();
+        for min in (1..=ring.min).rev() {
+            let mut best = None;
+            for p in 0..=l {
+                let pinned: u64 = pages[..p].iter().sum::<u64>() * P;
+                let slot = pages[p..].iter().copied().max().unwrap_or(0) * P;
+                let n_min = min.min(l - p) as u64;
+                if pinned + n_min * slot <= budget {
+                    let n = if p == l {
+                        0
+                    } else {
+                        (((budget - pinned) / slot) as usize)
+                            .min(ring.max)
+                            .min(l - p)
+                    };
+                    best = Some((p, n));
+                }
+            }
+            if best.is_some() {
+                return best;
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn pinning_a_big_layer_shrinks_the_slot() {
+        // A big first layer: the slot is the largest layer NOT pinned. A wrong rule that sizes
+        // the slot by the largest layer overall pins nothing here (10 + 10 > 13).
+        let r = runs(&[10, 1, 1, 1]);
+        let p = plan(13 * P, &r, RingPolicy::default()).unwrap();
+        assert_eq!((p.pinned, p.ring_slots, p.slot_bytes), (4, 0, 0));
+        let p = plan(12 * P, &r, RingPolicy::default()).unwrap();
+        assert_eq!((p.pinned, p.ring_slots, p.slot_bytes), (2, 1, P));
+        assert_eq!(p.bytes(), 12 * P);
+    }
+
+    #[test]
+    fn refuses_with_the_shortfall() {
+        let r = runs(&[3, 5, 2]);
+        let e = plan(4 * P, &r, RingPolicy::default()).unwrap_err();
+        assert_eq!(e.need, 5 * P);
+        assert_eq!(e.shortfall, P);
+        let p = plan(5 * P, &r, RingPolicy::default()).unwrap();
+        assert_eq!((p.pinned, p.ring_slots), (0, 1));
+    }
+
+    #[test]
+    fn ring_min_trades_a_pinned_layer_for_overlap() {
+        let r = runs(&[2, 2, 2, 2, 2]);
+        let one = plan(8 * P, &r, RingPolicy { min: 1, max: 4 }).unwrap();
+        assert_eq!((one.pinned, one.ring_slots), (3, 1));
+        let two = plan(8 * P, &r, RingPolicy { min: 2, max: 4 }).unwrap();
+        assert_eq!((two.pinned, two.ring_slots), (2, 2));
+        // Too tight for two slots: falls back to one rather than refusing.
+        let r = runs(&[4, 4]);
+        let p = plan(5 * P, &r, RingPolicy { min: 2, max: 4 }).unwrap();
+        assert_eq!((p.pinned, p.ring_slots), (0, 1));
+    }
+
+    #[test]
+    fn matches_brute_force() {
+        let mut seed = 12345u64;
+        for _ in 0..400 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let l = 1 + (seed >> 33) as usize % 9;
+            let pages: Vec<u64> = (0..l).map(|i| 1 + ((seed >> (i * 5 % 50)) & 7)).collect();
+            let budget = ((seed >> 20) % 60) * P;
+            let ring = RingPolicy {
+                min: 1 + (seed >> 40) as usize % 3,
+                max: 1 + (seed >> 44) as usize % 4,
+            };
+            let ring = RingPolicy {
+                min: ring.min.min(ring.max),
+                ..ring
+            };
+            let got = plan(budget, &runs(&pages), ring)
+                .ok()
+                .map(|p| (p.pinned, p.ring_slots));
+            assert_eq!(
+                got,
+                brute(budget, &pages, ring),
+                "{pages:?} budget {budget} {ring:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn unaligned_runs_are_counted_in_pages() {
+        let r = LayerRun {
+            offset: 4000,
+            len: 200,
+        };
+        assert_eq!(r.footprint(), 2 * P);
+        let r = LayerRun {
+            offset: 8192,
+            len: 1,
+        };
+        assert_eq!(r.footprint(), P);
+    }
+}
