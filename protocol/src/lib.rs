@@ -12,3 +12,5 @@ pub mod record;
 pub mod ring;
 pub mod shm;
 pub mod transport;
+pub mod catalog;
+pub mod mmap_weights;

@@ -1,0 +1,945 @@
+//! The checkpoint catalog: every tensor of a safetensors set, from the headers alone.
+//!
+//! A safetensors file is an 8-byte little-endian header length `N`, `N` bytes of JSON
+//! (`{"name": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, ...}`, with an
+//! optional `__metadata__` entry that is skipped), then the data section; `data_offsets` are
+//! relative to byte `8 + N`. A model directory holds either `model.safetensors.index.json`
+//! (a `weight_map` from tensor name to shard file) or a single `model.safetensors`.
+//!
+//! [`Catalog::open`] reads only the headers (never tensor data) and validates them: the
+//! header fits in the file, every tensor's bytes lie inside the data section, no two
+//! tensors overlap, dtype × shape = byte length, names are unique across shards, and the
+//! index's `weight_map` names exactly the tensors each shard holds. Every error names the
+//! file and, where there is one, the tensor.
+//!
+//! The catalog is compact (about 32 bytes per tensor for the released 497,220 names): a
+//! name is stored as a key into a small table of *templates* — the name with up to two
+//! numeric components replaced by placeholders, e.g.
+//! `language_model.model.layers.#.block_sparse_moe.experts.#.w1.weight_packed` — plus the
+//! two numbers; names that do not fit that pattern are interned whole. Keys are kept sorted
+//! for binary search; shapes are interned too.
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::Deserialize;
+
+use crate::tensor::Dtype;
+
+/// File name of a sharded checkpoint's index.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// File name of a single-file checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Largest header this reader accepts (the released shards' headers are ~0.8 MB).
+pub const MAX_HEADER_BYTES: u64 = 256 << 20;
+
+/// A catalog error: the file, the tensor when one is concerned, and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CatalogError {
+    /// The file the problem is in (a shard, the index, or the model directory).
+    pub file: PathBuf,
+    /// The tensor concerned, if any.
+    pub tensor: Option<String>,
+    /// What is wrong.
+    pub msg: String,
+}
+
+impl CatalogError {
+    fn new(file: &Path, tensor: Option<&str>, msg: impl Into<String>) -> Self {
+        CatalogError {
+            file: file.to_path_buf(),
+            tensor: tensor.map(str::to_string),
+            msg: msg.into(),
+        }
+    }
+}
+
+impl fmt::Display for CatalogError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.tensor {
+            Some(t) => write!(f, "{}: tensor {:?}: {}", self.file.display(), t, self.msg),
+            None => write!(f, "{}: {}", self.file.display(), self.msg),
+        }
+    }
+}
+
+impl std::error::Error for CatalogError {}
+
+/// One shard file of the set.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardInfo {
+    /// Path as opened (model directory joined with the file name).
+    pub path: PathBuf,
+    /// File size in bytes when the catalog was built.
+    pub file_size: u64,
+    /// JSON header length `N` (the file's first 8 bytes).
+    pub header_len: u64,
+    /// Absolute offset of the data section, `8 + N`.
+    pub data_start: u64,
+    /// Absolute offset one past the last tensor byte (`data_start` when it holds none).
+    pub data_end: u64,
+    /// Number of tensors in this shard.
+    pub n_tensors: usize,
+}
+
+/// Where one tensor lives. `offset` is an absolute file offset in shard `shard`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry<'a> {
+    /// Index into [`Catalog::shards`].
+    pub shard: usize,
+    /// Absolute byte offset in the shard file.
+    pub offset: u64,
+    /// Byte length (= numel × dtype size).
+    pub len: u64,
+    pub dtype: Dtype,
+    /// Shape (empty for a rank-0 scalar).
+    pub shape: &'a [usize],
+}
+
+impl Entry<'_> {
+    /// One past the last byte (absolute).
+    pub fn end(&self) -> u64 {
+        self.offset + self.len
+    }
+
+    /// Element count (1 for rank 0).
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().map(|&d| d as u64).product()
+    }
+}
+
+const DTYPES: [Dtype; 10] = [
+    Dtype::BF16,
+    Dtype::F16,
+    Dtype::F32,
+    Dtype::F64,
+    Dtype::U8,
+    Dtype::I8,
+    Dtype::I16,
+    Dtype::I32,
+    Dtype::I64,
+    Dtype::BOOL,
+];
+
+fn dtype_code(d: Dtype) -> u8 {
+    DTYPES.iter().position(|&x| x == d).unwrap_or(0) as u8
+}
+
+/// Compact name key: template/literal id plus up to two numeric components.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct Key {
+    id: u32,
+    a: u32,
+    b: u32,
+}
+
+/// Compact location record (16 bytes).
+#[derive(Clone, Copy, Debug)]
+struct Rec {
+    offset: u64,
+    shape: u32,
+    shard: u16,
+    dtype: u8,
+}
+
+/// Placeholder for a numeric component inside a template. Names containing it are interned
+/// whole, so a template can never be confused with a literal name.
+const PH: char = '\0';
+
+/// Split `name` into a template (numeric components replaced by [`PH`]) and up to two
+/// numbers. Returns `None` when the name must be interned whole.
+fn templatize(name: &str, buf: &mut String) -> Option<(u32, u32)> {
+    if name.contains(PH) {
+        return None;
+    }
+    buf.clear();
+    let mut nums = [0u32; 2];
+    let mut n = 0;
+    for (i, comp) in name.split('.').enumerate() {
+        if i > 0 {
+            buf.push('.');
+        }
+        match canonical_u32(comp) {
+            Some(v) => {
+                if n == 2 {
+                    return None;
+                }
+                nums[n] = v;
+                n += 1;
+                buf.push(PH);
+            }
+            None => buf.push_str(comp),
+        }
+    }
+    Some((nums[0], nums[1]))
+}
+
+/// `s` as a u32 if it is its canonical decimal spelling ("0", "12"; not "012", "+1", "").
+fn canonical_u32(s: &str) -> Option<u32> {
+    let b = s.as_bytes();
+    if b.is_empty()
+        || b.len() > 10
+        || !b.iter().all(u8::is_ascii_digit)
+        || (b.len() > 1 && b[0] == b'0')
+    {
+        return None;
+    }
+    s.parse().ok()
+}
+
+/// Templates and whole names, by id, with sorted id lists for lookup.
+#[derive(Default)]
+struct NameTable {
+    strings: Vec<Box<str>>,
+    /// Ids of templates, sorted by string.
+    templates: Vec<u32>,
+    /// Ids of whole (literal) names, sorted by string.
+    literals: Vec<u32>,
+    /// Per id: whether it is a whole name (else a template).
+    literal: Vec<bool>,
+}
+
+impl NameTable {
+    fn find(&self, sorted: &[u32], s: &str) -> Option<u32> {
+        sorted
+            .binary_search_by(|&id| (*self.strings[id as usize]).cmp(s))
+            .ok()
+            .map(|i| sorted[i])
+    }
+
+    fn key_of(&self, name: &str) -> Option<Key> {
+        let mut buf = String::with_capacity(name.len());
+        match templatize(name, &mut buf) {
+            Some((a, b)) => self.find(&self.templates, &buf).map(|id| Key { id, a, b }),
+            None => self
+                .find(&self.literals, name)
+                .map(|id| Key { id, a: 0, b: 0 }),
+        }
+    }
+
+    fn name_of(&self, k: Key) -> String {
+        let s = &self.strings[k.id as usize];
+        if self.literal[k.id as usize] {
+            return s.to_string();
+        }
+        let mut out = String::with_capacity(s.len() + 8);
+        let mut nums = [k.a, k.b].into_iter();
+        for ch in s.chars() {
+            if ch == PH {
+                out.push_str(&nums.next().unwrap_or(0).to_string());
+            } else {
+                out.push(ch);
+            }
+        }
+        out
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.strings.iter().map(|s| s.len()).sum::<usize>()
+            + self.strings.capacity() * std::mem::size_of::<Box<str>>()
+            + (self.templates.capacity() + self.literals.capacity()) * 4
+            + self.literal.capacity()
+    }
+}
+
+/// Builds a [`NameTable`] while the catalog is read.
+#[derive(Default)]
+struct NameBuilder {
+    strings: Vec<Box<str>>,
+    templates: HashMap<Box<str>, u32>,
+    literals: HashMap<Box<str>, u32>,
+    buf: String,
+}
+
+impl NameBuilder {
+    fn key(&mut self, name: &str) -> Result<Key, String> {
+        let (map, s, a, b) = match templatize(name, &mut self.buf) {
+            Some((a, b)) => (&mut self.templates, self.buf.as_str(), a, b),
+            None => (&mut self.literals, name, 0, 0),
+        };
+        if let Some(&id) = map.get(s) {
+            return Ok(Key { id, a, b });
+        }
+        let id = u32::try_from(self.strings.len())
+            .map_err(|_| "too many distinct tensor names".to_string())?;
+        self.strings.push(s.into());
+        map.insert(s.into(), id);
+        Ok(Key { id, a, b })
+    }
+
+    fn finish(self) -> NameTable {
+        let sort = |m: HashMap<Box<str>, u32>| {
+            let mut v: Vec<(Box<str>, u32)> = m.into_iter().collect();
+            v.sort_unstable();
+            let mut ids: Vec<u32> = v.into_iter().map(|(_, id)| id).collect();
+            ids.shrink_to_fit();
+            ids
+        };
+        let mut strings = self.strings;
+        strings.shrink_to_fit();
+        let mut literal = vec![false; strings.len()];
+        for &id in self.literals.values() {
+            literal[id as usize] = true;
+        }
+        NameTable {
+            strings,
+            templates: sort(self.templates),
+            literals: sort(self.literals),
+            literal,
+        }
+    }
+}
+
+/// The catalog of a safetensors set. See the module docs.
+pub struct Catalog {
+    source: PathBuf,
+    shards: Vec<ShardInfo>,
+    names: NameTable,
+    /// Sorted keys; `recs[i]` belongs to `keys[i]`.
+    keys: Vec<Key>,
+    recs: Vec<Rec>,
+    /// Positions into `keys`/`recs` in file order (shard, then offset).
+    order: Vec<u32>,
+    shapes: Vec<Box<[usize]>>,
+    index_total_size: Option<u64>,
+}
+
+impl fmt::Debug for Catalog {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Catalog")
+            .field("source", &self.source)
+            .field("shards", &self.shards.len())
+            .field("tensors", &self.keys.len())
+            .finish()
+    }
+}
+
+/// One tensor as parsed from a header, before it is made compact.
+struct RawTensor<'a> {
+    name: Cow<'a, str>,
+    dtype: Cow<'a, str>,
+    shape: Vec<u64>,
+    begin: u64,
+    end: u64,
+}
+
+#[derive(Deserialize)]
+struct RawInfo<'a> {
+    #[serde(borrow)]
+    dtype: Cow<'a, str>,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// A map key as a borrowed string when it has no escapes.
+struct CowStr<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for CowStr<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = CowStr<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(CowStr(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(CowStr(Cow::Owned(v.to_string())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(CowStr(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// Visits a header object, collecting tensors; remembers the tensor whose value failed.
+struct HeaderSeed<'s> {
+    failing: &'s RefCell<Option<String>>,
+}
+
+impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
+    type Value = Vec<RawTensor<'de>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for HeaderSeed<'_> {
+    type Value = Vec<RawTensor<'de>>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a safetensors header object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(CowStr(name)) = map.next_key::<CowStr<'de>>()? {
+            if name == "__metadata__" {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            }
+            match map.next_value::<RawInfo<'de>>() {
+                Ok(info) => out.push(RawTensor {
+                    name,
+                    dtype: info.dtype,
+                    shape: info.shape,
+                    begin: info.data_offsets.0,
+                    end: info.data_offsets.1,
+                }),
+                Err(e) => {
+                    *self.failing.borrow_mut() = Some(name.into_owned());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Parse a header's JSON bytes into raw tensors (no validation beyond JSON structure).
+fn parse_header<'a>(file: &Path, json: &'a [u8]) -> Result<Vec<RawTensor<'a>>, CatalogError> {
+    let failing = RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_slice(json);
+    let res = HeaderSeed { failing: &failing }
+        .deserialize(&mut de)
+        .and_then(|v| de.end().map(|_| v));
+    res.map_err(|e| {
+        let t = failing.borrow().clone();
+        let msg = match &t {
+            Some(_) => format!("bad header entry: {e}"),
+            None => format!("header is not a valid safetensors JSON object: {e}"),
+        };
+        CatalogError::new(file, t.as_deref(), msg)
+    })
+}
+
+/// Read a shard's length prefix and header bytes.
+fn read_header_bytes(path: &Path) -> Result<(u64, u64, Vec<u8>), CatalogError> {
+    let io = |e: std::io::Error| CatalogError::new(path, None, format!("cannot read: {e}"));
+    let mut f = File::open(path).map_err(io)?;
+    let file_size = f.metadata().map_err(io)?.len();
+    if file_size < 8 {
+        return Err(CatalogError::new(
+            path,
+            None,
+            format!("file is {file_size} bytes, too short for the 8-byte header length"),
+        ));
+    }
+    let mut len8 = [0u8; 8];
+    f.read_exact(&mut len8).map_err(io)?;
+    let n = u64::from_le_bytes(len8);
+    if n > file_size - 8 {
+        return Err(CatalogError::new(
+            path,
+            None,
+            format!("header length {n} runs past the end of the file ({file_size} bytes)"),
+        ));
+    }
+    if n > MAX_HEADER_BYTES {
+        return Err(CatalogError::new(
+            path,
+            None,
+            format!("header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit"),
+        ));
+    }
+    let mut buf = vec![0u8; n as usize];
+    f.read_exact(&mut buf).map_err(io)?;
+    Ok((file_size, n, buf))
+}
+
+/// Interns shapes during the build.
+#[derive(Default)]
+struct ShapeBuilder {
+    ids: HashMap<Vec<usize>, u32>,
+    shapes: Vec<Box<[usize]>>,
+}
+
+impl ShapeBuilder {
+    fn id(&mut self, shape: &[usize]) -> u32 {
+        if let Some(&id) = self.ids.get(shape) {
+            return id;
+        }
+        let id = self.shapes.len() as u32;
+        self.shapes.push(shape.into());
+        self.ids.insert(shape.to_vec(), id);
+        id
+    }
+}
+
+struct Builder {
+    names: NameBuilder,
+    shapes: ShapeBuilder,
+    items: Vec<(Key, Rec)>,
+    shards: Vec<ShardInfo>,
+}
+
+impl Builder {
+    fn new() -> Self {
+        Builder {
+            names: NameBuilder::default(),
+            shapes: ShapeBuilder::default(),
+            items: Vec::new(),
+            shards: Vec::new(),
+        }
+    }
+
+    /// Read and validate one shard, appending its tensors.
+    fn add_shard(&mut self, path: &Path) -> Result<(), CatalogError> {
+        let shard = self.shards.len();
+        let shard16 = u16::try_from(shard)
+            .map_err(|_| CatalogError::new(path, None, "more than 65536 shards"))?;
+        let (file_size, n, json) = read_header_bytes(path)?;
+        let raw = parse_header(path, &json)?;
+        let data_start = 8 + n;
+        let data_len = file_size - data_start;
+        let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(raw.len());
+        let mut dims: Vec<usize> = Vec::with_capacity(8);
+        let mut data_end = data_start;
+        self.items.reserve(raw.len());
+        for (i, t) in raw.iter().enumerate() {
+            let err = |msg: String| CatalogError::new(path, Some(&t.name), msg);
+            let dtype = Dtype::parse(&t.dtype)
+                .ok_or_else(|| err(format!("unknown dtype {:?}", t.dtype)))?;
+            dims.clear();
+            let mut numel: u64 = 1;
+            for &d in &t.shape {
+                numel = numel
+                    .checked_mul(d)
+                    .ok_or_else(|| err(format!("shape {:?} has too many elements", t.shape)))?;
+                dims.push(usize::try_from(d).map_err(|_| err(format!("dimension {d} too large")))?);
+            }
+            let bytes = numel
+                .checked_mul(dtype.size() as u64)
+                .ok_or_else(|| err(format!("shape {:?} is too large", t.shape)))?;
+            if t.end < t.begin {
+                return Err(err(format!(
+                    "data_offsets [{}, {}] end before they begin",
+                    t.begin, t.end
+                )));
+            }
+            if t.end - t.begin != bytes {
+                return Err(err(format!(
+                    "data_offsets [{}, {}] hold {} bytes but {dtype} {:?} needs {bytes}",
+                    t.begin,
+                    t.end,
+                    t.end - t.begin,
+                    t.shape
+                )));
+            }
+            if t.end > data_len {
+                return Err(err(format!(
+                    "data_offsets [{}, {}] run past the end of the data section ({data_len} bytes after the \
+                     {n}-byte header; file is {file_size} bytes)",
+                    t.begin, t.end
+                )));
+            }
+            data_end = data_end.max(data_start + t.end);
+            spans.push((t.begin, t.end, i));
+            let key = self.names.key(&t.name).map_err(err)?;
+            let shape = self.shapes.id(&dims);
+            self.items.push((
+                key,
+                Rec {
+                    offset: data_start + t.begin,
+                    shape,
+                    shard: shard16,
+                    dtype: dtype_code(dtype),
+                },
+            ));
+        }
+        // Overlap check: sort by begin; a non-empty tensor must start at or after every
+        // earlier tensor's end.
+        spans.sort_unstable();
+        let mut prev: Option<(u64, usize)> = None; // (max end so far, who)
+        for &(b, e, i) in &spans {
+            if let Some((pend, who)) = prev {
+                if e > b && b < pend {
+                    return Err(CatalogError::new(
+                        path,
+                        Some(&raw[i].name),
+                        format!(
+                            "data_offsets [{b}, {e}] overlap tensor {:?} which ends at {pend}",
+                            raw[who].name
+                        ),
+                    ));
+                }
+            }
+            if e > b && prev.map_or(true, |(pend, _)| e > pend) {
+                prev = Some((e, i));
+            }
+        }
+        self.shards.push(ShardInfo {
+            path: path.to_path_buf(),
+            file_size,
+            header_len: n,
+            data_start,
+            data_end,
+            n_tensors: raw.len(),
+        });
+        Ok(())
+    }
+
+    fn finish(
+        self,
+        source: PathBuf,
+        index_total_size: Option<u64>,
+    ) -> Result<Catalog, CatalogError> {
+        let Builder {
+            names,
+            shapes,
+            mut items,
+            shards,
+        } = self;
+        items.sort_unstable_by_key(|&(k, _)| k);
+        let names = names.finish();
+        for w in items.windows(2) {
+            if w[0].0 == w[1].0 {
+                let (a, b) = (w[0].1.shard as usize, w[1].1.shard as usize);
+                let name = names.name_of(w[0].0);
+                let (first, second) = if a <= b { (a, b) } else { (b, a) };
+                return Err(CatalogError::new(
+                    &shards[second].path,
+                    Some(&name),
+                    format!(
+                        "tensor name appears twice (also in {})",
+                        shards[first].path.display()
+                    ),
+                ));
+            }
+        }
+        let mut keys = Vec::with_capacity(items.len());
+        let mut recs = Vec::with_capacity(items.len());
+        for (k, r) in items {
+            keys.push(k);
+            recs.push(r);
+        }
+        let mut order: Vec<u32> = (0..keys.len() as u32).collect();
+        order.sort_unstable_by_key(|&i| {
+            let r = &recs[i as usize];
+            (r.shard, r.offset, i)
+        });
+        let mut shapes_v = shapes.shapes;
+        shapes_v.shrink_to_fit();
+        Ok(Catalog {
+            source,
+            shards,
+            names,
+            keys,
+            recs,
+            order,
+            shapes: shapes_v,
+            index_total_size,
+        })
+    }
+}
+
+/// The parsed index file.
+struct Index<'a> {
+    weight_map: Vec<(Cow<'a, str>, Cow<'a, str>)>,
+    total_size: Option<u64>,
+}
+
+struct IndexVisitor;
+
+impl<'de> Visitor<'de> for IndexVisitor {
+    type Value = Index<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an index object with a weight_map")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut weight_map = None;
+        let mut total_size = None;
+        while let Some(CowStr(k)) = map.next_key::<CowStr<'de>>()? {
+            match &*k {
+                "weight_map" => {
+                    if weight_map.is_some() {
+                        return Err(de::Error::custom("weight_map appears twice"));
+                    }
+                    weight_map = Some(map.next_value::<WeightMap<'de>>()?.0);
+                }
+                "metadata" => {
+                    let m: serde_json::Value = map.next_value()?;
+                    total_size = m.get("total_size").and_then(|t| t.as_u64());
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        let weight_map = weight_map.ok_or_else(|| de::Error::custom("missing weight_map"))?;
+        Ok(Index {
+            weight_map,
+            total_size,
+        })
+    }
+}
+
+struct WeightMap<'a>(Vec<(Cow<'a, str>, Cow<'a, str>)>);
+
+impl<'de> Deserialize<'de> for WeightMap<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = WeightMap<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a weight_map object of tensor name -> shard file name")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut v = Vec::with_capacity(map.size_hint().unwrap_or(0));
+                while let Some((CowStr(k), CowStr(f))) =
+                    map.next_entry::<CowStr<'de>, CowStr<'de>>()?
+                {
+                    v.push((k, f));
+                }
+                Ok(WeightMap(v))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+fn parse_index<'a>(file: &Path, json: &'a [u8]) -> Result<Index<'a>, CatalogError> {
+    let mut de = serde_json::Deserializer::from_slice(json);
+    de.deserialize_map(IndexVisitor)
+        .and_then(|v| de.end().map(|_| v))
+        .map_err(|e| CatalogError::new(file, None, format!("not a valid safetensors index: {e}")))
+}
+
+impl Catalog {
+    /// Open a checkpoint: a directory with `model.safetensors.index.json` (sharded; the
+    /// shards are the distinct files its `weight_map` names, in file-name order), else a
+    /// directory with `model.safetensors`, or the path of one `.safetensors` file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Catalog, CatalogError> {
+        let path = path.as_ref();
+        if path.is_file() {
+            return Self::from_files(&[path.to_path_buf()]);
+        }
+        let index = path.join(INDEX_FILE);
+        if index.is_file() {
+            return Self::open_index(&index);
+        }
+        let single = path.join(SINGLE_FILE);
+        if single.is_file() {
+            let mut c = Self::from_files(&[single])?;
+            c.source = path.to_path_buf();
+            return Ok(c);
+        }
+        Err(CatalogError::new(
+            path,
+            None,
+            if path.is_dir() {
+                format!("no {INDEX_FILE} or {SINGLE_FILE} in this directory")
+            } else {
+                "no such file or directory".to_string()
+            },
+        ))
+    }
+
+    /// Catalog an explicit list of shard files (no index); shard `i` is `paths[i]`.
+    pub fn from_files(paths: &[PathBuf]) -> Result<Catalog, CatalogError> {
+        let mut b = Builder::new();
+        for p in paths {
+            b.add_shard(p)?;
+        }
+        let source = if paths.len() == 1 {
+            paths[0].clone()
+        } else {
+            PathBuf::new()
+        };
+        b.finish(source, None)
+    }
+
+    /// Catalog the set an index file describes (shards relative to its directory).
+    pub fn open_index(index: &Path) -> Result<Catalog, CatalogError> {
+        let dir = index.parent().unwrap_or(Path::new("."));
+        let json = std::fs::read(index)
+            .map_err(|e| CatalogError::new(index, None, format!("cannot read: {e}")))?;
+        let idx = parse_index(index, &json)?;
+        let mut files: Vec<&str> = idx.weight_map.iter().map(|(_, f)| &**f).collect();
+        files.sort_unstable();
+        files.dedup();
+        for f in &files {
+            if f.is_empty() || f.contains('/') || f.contains('\\') || *f == "." || *f == ".." {
+                let t = idx
+                    .weight_map
+                    .iter()
+                    .find(|(_, x)| x == f)
+                    .map(|(n, _)| &**n);
+                return Err(CatalogError::new(
+                    index,
+                    t,
+                    format!(
+                        "weight_map shard {f:?} is not a plain file name in the model directory"
+                    ),
+                ));
+            }
+        }
+        if files.len() > u16::MAX as usize + 1 {
+            return Err(CatalogError::new(
+                index,
+                None,
+                format!("{} shards is more than 65536", files.len()),
+            ));
+        }
+        let mut b = Builder::new();
+        for f in &files {
+            b.add_shard(&dir.join(f))?;
+        }
+        let cat = b.finish(dir.to_path_buf(), idx.total_size)?;
+        // Every weight_map entry must be in the shard it names, once; and the weight_map
+        // must cover every tensor.
+        let mut seen = vec![false; cat.keys.len()];
+        for (name, f) in &idx.weight_map {
+            let shard = files.binary_search(&&**f).unwrap_or(usize::MAX);
+            let pos = cat.position(name);
+            match pos {
+                Some(p) if cat.recs[p].shard as usize == shard => {
+                    if std::mem::replace(&mut seen[p], true) {
+                        return Err(CatalogError::new(
+                            index,
+                            Some(name),
+                            "listed twice in weight_map",
+                        ));
+                    }
+                }
+                Some(p) => {
+                    return Err(CatalogError::new(
+                        index,
+                        Some(name),
+                        format!(
+                            "weight_map names shard {f} but the tensor is in {}",
+                            cat.shards[cat.recs[p].shard as usize].path.display()
+                        ),
+                    ));
+                }
+                None => {
+                    return Err(CatalogError::new(
+                        index,
+                        Some(name),
+                        format!("weight_map names shard {f} but that shard has no such tensor"),
+                    ));
+                }
+            }
+        }
+        if let Some(p) = seen.iter().position(|s| !s) {
+            let name = cat.names.name_of(cat.keys[p]);
+            return Err(CatalogError::new(
+                index,
+                Some(&name),
+                format!(
+                    "tensor in {} is missing from the weight_map",
+                    cat.shards[cat.recs[p].shard as usize].path.display()
+                ),
+            ));
+        }
+        Ok(cat)
+    }
+
+    fn position(&self, name: &str) -> Option<usize> {
+        let k = self.names.key_of(name)?;
+        self.keys.binary_search(&k).ok()
+    }
+
+    fn entry_at(&self, p: usize) -> Entry<'_> {
+        let r = self.recs[p];
+        let dtype = DTYPES[r.dtype as usize];
+        let shape: &[usize] = &self.shapes[r.shape as usize];
+        let numel: u64 = shape.iter().map(|&d| d as u64).product();
+        Entry {
+            shard: r.shard as usize,
+            offset: r.offset,
+            len: numel * dtype.size() as u64,
+            dtype,
+            shape,
+        }
+    }
+
+    /// The tensor called `name`, if present.
+    pub fn get(&self, name: &str) -> Option<Entry<'_>> {
+        self.position(name).map(|p| self.entry_at(p))
+    }
+
+    /// Whether `name` is in the catalog.
+    pub fn contains(&self, name: &str) -> bool {
+        self.position(name).is_some()
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether the set holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The shard files, in shard-index order.
+    pub fn shards(&self) -> &[ShardInfo] {
+        &self.shards
+    }
+
+    /// The directory (or single file) the catalog was opened from.
+    pub fn source(&self) -> &Path {
+        &self.source
+    }
+
+    /// `metadata.total_size` of the index, when there is an index and it has one.
+    pub fn index_total_size(&self) -> Option<u64> {
+        self.index_total_size
+    }
+
+    /// Sum of all tensors' byte lengths.
+    pub fn payload_bytes(&self) -> u64 {
+        (0..self.keys.len()).map(|p| self.entry_at(p).len).sum()
+    }
+
+    /// Every tensor, in file order (shard index, then offset), with its name.
+    pub fn iter(&self) -> impl Iterator<Item = (String, Entry<'_>)> + '_ {
+        self.order.iter().map(move |&p| {
+            (
+                self.names.name_of(self.keys[p as usize]),
+                self.entry_at(p as usize),
+            )
+        })
+    }
+
+    /// The tensors of shard `shard`, in offset order, with their names.
+    pub fn shard_entries(&self, shard: usize) -> impl Iterator<Item = (String, Entry<'_>)> + '_ {
+        let lo = self
+            .order
+            .partition_point(|&p| (self.recs[p as usize].shard as usize) < shard);
+        let hi = self
+            .order
+            .partition_point(|&p| (self.recs[p as usize].shard as usize) <= shard);
+        self.order[lo..hi].iter().map(move |&p| {
+            (
+                self.names.name_of(self.keys[p as usize]),
+                self.entry_at(p as usize),
+            )
+        })
+    }
+
+    /// Approximate heap bytes this catalog holds (its arrays and tables; the allocator's
+    /// own overhead is not counted).
+    pub fn heap_bytes(&self) -> usize {
+        self.keys.capacity() * std::mem::size_of::<Key>()
+            + self.recs.capacity() * std::mem::size_of::<Rec>()
+            + self.order.capacity() * 4
+            + self.names.heap_bytes()
+            + self.shapes.iter().map(|s| s.len() * 8 + 16).sum::<usize>()
+            + self
+                .shards
+                .iter()
+                .map(|s| std::mem::size_of::<ShardInfo>() + s.path.as_os_str().len())
+                .sum::<usize>()
+    }
+}

@@ -1,0 +1,96 @@
+//! Single-process weight reader: every shard memory-mapped read-only, tensors borrowed
+//! straight from the mappings. Implements [`WeightSource`] for the forward pass when no
+//! staged pipeline is in use (tests, tiny models, the `generate` path on a machine whose
+//! page cache can hold what it touches).
+
+use std::fs::File;
+use std::path::Path;
+
+use memmap2::Mmap;
+
+use crate::catalog::{Catalog, CatalogError, Entry};
+use crate::tensor::{TensorRef, WeightError, WeightSource};
+
+/// A [`Catalog`] plus a read-only mapping of each of its shards.
+pub struct MmapWeights {
+    catalog: Catalog,
+    maps: Vec<Mmap>,
+}
+
+impl std::fmt::Debug for MmapWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MmapWeights")
+            .field("catalog", &self.catalog)
+            .finish()
+    }
+}
+
+impl MmapWeights {
+    /// Catalog `path` (see [`Catalog::open`]) and map its shards.
+    pub fn open(path: impl AsRef<Path>) -> Result<MmapWeights, CatalogError> {
+        Self::from_catalog(Catalog::open(path)?)
+    }
+
+    /// Map the shards of an existing catalog.
+    pub fn from_catalog(catalog: Catalog) -> Result<MmapWeights, CatalogError> {
+        let mut maps = Vec::with_capacity(catalog.shards().len());
+        for s in catalog.shards() {
+            let err = |m: String| CatalogError {
+                file: s.path.clone(),
+                tensor: None,
+                msg: m,
+            };
+            let f = File::open(&s.path).map_err(|e| err(format!("cannot open: {e}")))?;
+            // SAFETY: the mapping is read-only and private to this process. Checkpoint files
+            // are treated as immutable while the engine runs; if another process truncated
+            // or rewrote a shard meanwhile, reads could fault or see new bytes. We check the
+            // size now so a shard already shorter than its header promises is an error, not
+            // a SIGBUS.
+            let m = unsafe { Mmap::map(&f) }.map_err(|e| err(format!("cannot mmap: {e}")))?;
+            if (m.len() as u64) < s.data_end {
+                return Err(err(format!(
+                    "file is {} bytes now but its tensors end at {}",
+                    m.len(),
+                    s.data_end
+                )));
+            }
+            maps.push(m);
+        }
+        Ok(MmapWeights { catalog, maps })
+    }
+
+    /// The catalog behind the mappings.
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
+
+    /// The bytes of a catalog entry (which must come from this reader's catalog).
+    pub fn bytes(&self, e: &Entry<'_>) -> &[u8] {
+        &self.maps[e.shard][e.offset as usize..e.end() as usize]
+    }
+
+    /// The bytes of shard `shard` in `[offset, offset + len)`, or `None` when out of range.
+    pub fn shard_bytes(&self, shard: usize, offset: u64, len: u64) -> Option<&[u8]> {
+        let m = self.maps.get(shard)?;
+        let end = offset.checked_add(len)?;
+        m.get(usize::try_from(offset).ok()?..usize::try_from(end).ok()?)
+    }
+}
+
+impl WeightSource for MmapWeights {
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, WeightError> {
+        let e = self
+            .catalog
+            .get(name)
+            .ok_or_else(|| WeightError::Missing(name.to_string()))?;
+        Ok(TensorRef {
+            dtype: e.dtype,
+            shape: e.shape,
+            bytes: self.bytes(&e),
+        })
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.catalog.contains(name)
+    }
+}
