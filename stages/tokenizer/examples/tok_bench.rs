@@ -1,0 +1,2 @@
+//! Encode-speed benchmark (placeholder, filled in below).
+fn main() {}
