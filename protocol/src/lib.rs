@@ -14,3 +14,5 @@ pub mod shm;
 pub mod transport;
 pub mod catalog;
 pub mod mmap_weights;
+pub mod trunk;
+pub mod classify;

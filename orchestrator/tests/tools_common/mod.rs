@@ -1,0 +1,63 @@
+//! Helpers shared by the `tools_*` integration tests: run the built `k3-orch`, read a
+//! safetensors header, find the fixtures.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Exit code, stdout and stderr of `k3-orch <args>`.
+pub fn k3(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args(args)
+        .output()
+        .expect("run k3-orch");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Like [`k3`] but panics (with the output) unless the exit code is 0.
+pub fn k3_ok(args: &[&str]) -> String {
+    let (code, out, err) = k3(args);
+    assert_eq!(
+        code, 0,
+        "k3-orch {args:?} failed\nstdout:\n{out}\nstderr:\n{err}"
+    );
+    out
+}
+
+/// The repository's `tests/fixtures`.
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+/// Header length and parsed JSON of a safetensors file.
+pub fn header(path: &Path) -> (u64, serde_json::Value) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    let v = serde_json::from_slice(&bytes[8..8 + n as usize]).unwrap();
+    (n, v)
+}
+
+/// Bytes of tensor `name` in the safetensors file `path`.
+pub fn tensor_bytes(path: &Path, name: &str) -> Vec<u8> {
+    let bytes = std::fs::read(path).unwrap();
+    let (n, h) = header(path);
+    let off = &h[name]["data_offsets"];
+    let a = off[0].as_u64().unwrap() as usize + 8 + n as usize;
+    let b = off[1].as_u64().unwrap() as usize + 8 + n as usize;
+    bytes[a..b].to_vec()
+}
+
+/// Sorted `.safetensors` file names in `dir`.
+pub fn shard_names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    v.sort();
+    v
+}

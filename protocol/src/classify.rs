@@ -1,0 +1,191 @@
+//! Tensor classification by released name: what is streamed (routed experts) and what must
+//! be resident (everything else the text model uses).
+//!
+//! The two shared experts sit in the same `block_sparse_moe` namespace as the routed ones
+//! but run on every token, so they are resident; confusing the two makes the resident floor
+//! look smaller than it is. Names follow k3-spec §2 (`language_model.model.layers.<l>.…`);
+//! the historical `language_model.layers.<l>.` / `model.layers.<l>.` prefixes are accepted
+//! for the layer index.
+//!
+//! ```
+//! use k3_protocol::classify::{classify, TensorClass};
+//! let n = "language_model.model.layers.5.block_sparse_moe.experts.17.w2.weight_scale";
+//! assert_eq!(classify(n), TensorClass::RoutedExpert);
+//! ```
+
+use std::fmt;
+
+/// What a tensor is, for memory planning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum TensorClass {
+    /// `block_sparse_moe.experts.<e>.*`: streamed, only top-k of them per token.
+    RoutedExpert,
+    /// `block_sparse_moe.shared_experts.*`: runs on every token, resident.
+    SharedExpert,
+    /// `self_attn.*` (KDA and MLA projections, convs, gates, norms inside attention).
+    Attention,
+    /// `embed_tokens` and `lm_head`.
+    Embedding,
+    /// `vision_tower.*` and `mm_projector.*`: not used by the text model.
+    Vision,
+    /// Everything else: layer norms, AttnRes projections, router, latent projections,
+    /// dense FFN of layer 0, final norm.
+    Other,
+}
+
+impl TensorClass {
+    /// All classes, in report order.
+    pub const ALL: [TensorClass; 6] = [
+        TensorClass::RoutedExpert,
+        TensorClass::SharedExpert,
+        TensorClass::Attention,
+        TensorClass::Embedding,
+        TensorClass::Other,
+        TensorClass::Vision,
+    ];
+
+    /// Short label for reports.
+    pub fn label(self) -> &'static str {
+        match self {
+            TensorClass::RoutedExpert => "routed expert",
+            TensorClass::SharedExpert => "shared expert",
+            TensorClass::Attention => "attention",
+            TensorClass::Embedding => "embedding/lm_head",
+            TensorClass::Vision => "vision (unused)",
+            TensorClass::Other => "other",
+        }
+    }
+
+    /// Whether the text model keeps this class resident (not streamed, not skipped).
+    pub fn resident(self) -> bool {
+        !matches!(self, TensorClass::RoutedExpert | TensorClass::Vision)
+    }
+}
+
+impl fmt::Display for TensorClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// The class of the tensor called `name`.
+pub fn classify(name: &str) -> TensorClass {
+    if name.starts_with("vision_tower.")
+        || name.starts_with("mm_projector.")
+        || name.contains(".vision_tower.")
+        || name.contains(".mm_projector.")
+    {
+        TensorClass::Vision
+    } else if name.contains(".block_sparse_moe.experts.") {
+        TensorClass::RoutedExpert
+    } else if name.contains(".block_sparse_moe.shared_expert") {
+        TensorClass::SharedExpert
+    } else if name.contains(".self_attn.") {
+        TensorClass::Attention
+    } else if name.contains("embed_tokens") || name.contains("lm_head") {
+        TensorClass::Embedding
+    } else {
+        TensorClass::Other
+    }
+}
+
+/// The decoder layer of a tensor (`...layers.<l>.…`), or `None` for model-level tensors.
+pub fn layer_of(name: &str) -> Option<usize> {
+    let at = name.find("layers.")?;
+    // Only the decoder's layers: not vision_tower.encoder.blocks or similar.
+    if !(at == 0 || name[..at].ends_with("model.") || name[..at].ends_with("language_model.")) {
+        return None;
+    }
+    let rest = &name[at + "layers.".len()..];
+    let end = rest.find('.')?;
+    rest[..end].parse().ok()
+}
+
+/// The (layer, expert id) of a routed-expert tensor.
+pub fn expert_of(name: &str) -> Option<(usize, usize)> {
+    let l = layer_of(name)?;
+    let key = ".block_sparse_moe.experts.";
+    let at = name.find(key)?;
+    let rest = &name[at + key.len()..];
+    let end = rest.find('.')?;
+    Some((l, rest[..end].parse().ok()?))
+}
+
+/// Whether a tensor belongs to a layer's trunk: a decoder-layer tensor that is not a routed
+/// expert (what `pack-trunk` packs).
+pub fn is_layer_trunk(name: &str) -> bool {
+    layer_of(name).is_some() && classify(name) != TensorClass::RoutedExpert
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The seed's pitfall: a shared expert classified with the routed ones (a plain
+    /// `contains("experts")` test) would shrink the resident floor.
+    #[test]
+    fn released_names() {
+        let l = "language_model.model.layers.12.";
+        let cases = [
+            (
+                "block_sparse_moe.experts.0.w1.weight_packed",
+                TensorClass::RoutedExpert,
+            ),
+            (
+                "block_sparse_moe.experts.895.w3.weight_scale",
+                TensorClass::RoutedExpert,
+            ),
+            (
+                "block_sparse_moe.shared_experts.up_proj.weight",
+                TensorClass::SharedExpert,
+            ),
+            ("self_attn.q_proj.weight", TensorClass::Attention),
+            ("self_attn.A_log", TensorClass::Attention),
+            ("block_sparse_moe.gate.weight", TensorClass::Other),
+            (
+                "block_sparse_moe.routed_expert_norm.weight",
+                TensorClass::Other,
+            ),
+            ("mlp_res_proj.weight", TensorClass::Other),
+            ("input_layernorm.weight", TensorClass::Other),
+        ];
+        for (suffix, class) in cases {
+            assert_eq!(classify(&format!("{l}{suffix}")), class, "{suffix}");
+        }
+        assert_eq!(
+            classify("language_model.model.embed_tokens.weight"),
+            TensorClass::Embedding
+        );
+        assert_eq!(
+            classify("language_model.lm_head.weight"),
+            TensorClass::Embedding
+        );
+        assert_eq!(
+            classify("language_model.model.norm.weight"),
+            TensorClass::Other
+        );
+        assert_eq!(
+            classify("vision_tower.encoder.blocks.3.wqkv.weight"),
+            TensorClass::Vision
+        );
+        assert_eq!(classify("mm_projector.proj.0.weight"), TensorClass::Vision);
+    }
+
+    #[test]
+    fn layer_and_expert_indices() {
+        let n = "language_model.model.layers.91.block_sparse_moe.experts.100.w2.weight_packed";
+        assert_eq!(layer_of(n), Some(91));
+        assert_eq!(expert_of(n), Some((91, 100)));
+        assert!(!is_layer_trunk(n));
+        assert!(is_layer_trunk(
+            "language_model.model.layers.0.mlp.up_proj.weight"
+        ));
+        assert_eq!(layer_of("language_model.model.norm.weight"), None);
+        assert_eq!(layer_of("vision_tower.encoder.blocks.3.norm0.weight"), None);
+        assert_eq!(layer_of("model.layers.7.self_attn.q_proj.weight"), Some(7));
+        assert_eq!(
+            layer_of("language_model.layers.7.self_attn.q_proj.weight"),
+            Some(7)
+        );
+    }
+}
