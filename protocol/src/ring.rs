@@ -86,6 +86,9 @@ pub struct RingConfig {
     pub slot_size: u32,
     /// Busy-poll iterations before sleeping on the futex (0 = sleep at once).
     pub spin: u32,
+    /// `sched_yield` rounds after spinning and before sleeping on the futex (cheap on an
+    /// oversubscribed machine, where the peer may be waiting for our core).
+    pub yields: u32,
     /// Length of one wait slice: how often a sleeping side re-checks the peer's liveness.
     pub slice: Duration,
 }
@@ -95,7 +98,8 @@ impl Default for RingConfig {
         RingConfig {
             slots: 256,
             slot_size: 256,
-            spin: 200,
+            spin: 64,
+            yields: 16,
             slice: Duration::from_millis(20),
         }
     }
@@ -345,6 +349,14 @@ fn futex_ring(word: &AtomicU32) {
     let _ = futex::wake(word, futex::Flags::empty(), 1);
 }
 
+fn backoff(i: u32, spin: u32) {
+    if i < spin {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+}
+
 fn remaining(deadline: Option<Instant>) -> Option<Duration> {
     deadline.map(|d| d.saturating_duration_since(Instant::now()))
 }
@@ -431,8 +443,8 @@ impl Producer {
                 break;
             }
             let mut spun = false;
-            for _ in 0..self.cfg.spin {
-                std::hint::spin_loop();
+            for i in 0..self.cfg.spin + self.cfg.yields {
+                backoff(i, self.cfg.spin);
                 if self.free()? >= need {
                     spun = true;
                     break;
@@ -617,8 +629,8 @@ impl Consumer {
                 return Err(e);
             }
             let mut got = false;
-            for _ in 0..self.cfg.spin {
-                std::hint::spin_loop();
+            for i in 0..self.cfg.spin + self.cfg.yields {
+                backoff(i, self.cfg.spin);
                 if self.mem.head().load(Ordering::Relaxed) != self.tail {
                     got = true;
                     break;
