@@ -232,6 +232,32 @@ pub enum Msg {
         ids: Vec<u32>,
     },
 
+    /// trunk-loader -> compute after the last `LayerDone` of a pass: what serving it cost.
+    TrunkPassDone {
+        pass: u64,
+        /// Layers bound in this pass, and how many of them were resident pinned layers.
+        binds: u64,
+        hits: u64,
+        read_bytes: u64,
+        io_seconds: f64,
+    },
+    /// expert-fetcher -> compute after the last `ExpertReady`/`ExpertFailed` of a batch.
+    ExpertBatchDone {
+        pass: u64,
+        layer: u32,
+        requests: u64,
+        /// Served from experts resident before this step began (the TRUE resident hits).
+        resident_hits: u64,
+        failed: u64,
+        read_bytes: u64,
+        io_seconds: f64,
+    },
+    /// A stage's final counters (JSON), sent to the orchestrator when it shuts down.
+    Summary {
+        stage: Stage,
+        json: String,
+    },
+
     // --- reporting (compute -> orchestrator)
     StepStats(StepStats),
     /// Generation finished.
