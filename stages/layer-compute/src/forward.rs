@@ -545,6 +545,39 @@ impl<W: Weights> Model<W> {
         })
     }
 
+    /// Run decoder layer `l` alone over `ntok` tokens: `h` (`ntok × hidden`) is the layer
+    /// input and becomes its output; `bank` holds the AttnRes snapshots (each
+    /// `ntok × hidden`, oldest first) and is appended to at a block boundary. Brackets the
+    /// layer with `begin_layer`/`end_layer`. (Layer-level tests and staged drivers.)
+    pub fn forward_layer(
+        &self,
+        l: usize,
+        sess: &mut Session,
+        h: &mut Vec<f32>,
+        bank: &mut Vec<Vec<f32>>,
+        ntok: usize,
+    ) -> Result<StepStats, ForwardError> {
+        if l >= self.n_layers {
+            return Err(ForwardError::Input(format!(
+                "layer {l} is not bound (0..{})",
+                self.n_layers
+            )));
+        }
+        if h.len() != ntok * self.cfg.hidden_size || bank.iter().any(|b| b.len() != h.len()) {
+            return Err(ForwardError::Input(
+                "forward_layer: activation sizes do not match".into(),
+            ));
+        }
+        if sess.kda.len() != self.n_layers {
+            *sess = self.new_session();
+        }
+        let mut stats = StepStats::default();
+        self.weights.begin_layer(l)?;
+        let r = self.run_layer(l, sess, h, bank, ntok, &mut stats, &mut None);
+        self.weights.end_layer(l);
+        r.map(|_| stats)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn run_layer(
         &self,

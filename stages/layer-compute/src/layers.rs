@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 
 use k3_protocol::tensor::{Dtype, TensorRef, WeightError};
 
-use crate::kernels::act::{sigmoid, situ_glu};
-use crate::kernels::gemv::{gemm, Mat};
+use crate::kernels::act::{sigmoid, situ_glu64};
+use crate::kernels::gemv::{gemm, gemm64, gemm64_x64, Mat};
 use crate::kernels::{attnres, conv, kda, mla, norm, router};
 use crate::weights::{ExpertRef, ExpertTensor};
 
@@ -415,7 +415,30 @@ pub struct Situ {
     pub b2: f32,
 }
 
-/// `W_down · SiTU(W_gate x, W_up x)` for `ntok` rows.
+/// `W_down · SiTU(W_gate x, W_up x)` for `ntok` rows, as unrounded f64 sums. The SiTU
+/// output stays f64 into the down projection (an f64 island inside the FFN).
+pub fn glu_mlp64(
+    gate: &Mat<'_>,
+    up: &Mat<'_>,
+    down: &Mat<'_>,
+    situ: Situ,
+    x: &[f32],
+    ntok: usize,
+    threads: usize,
+) -> Vec<f64> {
+    let f = gate.rows;
+    let mut g = vec![0f32; ntok * f];
+    let mut u = vec![0f32; ntok * f];
+    gemm(gate, x, &mut g, ntok, threads);
+    gemm(up, x, &mut u, ntok, threads);
+    let mut a = vec![0f64; ntok * f];
+    situ_glu64(&g, &u, situ.b1, situ.b2, &mut a);
+    let mut y = vec![0f64; ntok * down.rows];
+    gemm64_x64(down, &a, &mut y, ntok, threads);
+    y
+}
+
+/// `W_down · SiTU(W_gate x, W_up x)` for `ntok` rows (rounded once to f32).
 pub fn glu_mlp(
     gate: &Mat<'_>,
     up: &Mat<'_>,
@@ -425,16 +448,10 @@ pub fn glu_mlp(
     ntok: usize,
     threads: usize,
 ) -> Vec<f32> {
-    let f = gate.rows;
-    let mut g = vec![0f32; ntok * f];
-    let mut u = vec![0f32; ntok * f];
-    gemm(gate, x, &mut g, ntok, threads);
-    gemm(up, x, &mut u, ntok, threads);
-    let mut a = vec![0f32; ntok * f];
-    situ_glu(&g, &u, situ.b1, situ.b2, &mut a);
-    let mut y = vec![0f32; ntok * down.rows];
-    gemm(down, &a, &mut y, ntok, threads);
-    y
+    glu_mlp64(gate, up, down, situ, x, ntok, threads)
+        .into_iter()
+        .map(|v| v as f32)
+        .collect()
 }
 
 /// Latent-MoE parameters.
@@ -604,13 +621,12 @@ pub fn moe_forward(
             norm::rmsnorm_inplace(a, Some(nw), p.eps);
         }
     }
-    let mut r = vec![0f32; ntok * p.hidden];
-    gemm(&w.up, &agg, &mut r, ntok, threads);
-    let sh = glu_mlp(&w.sh_gate, &w.sh_up, &w.sh_down, p.situ, v, ntok, threads);
-    for (x, s) in r.iter_mut().zip(&sh) {
-        *x += s;
-    }
-    r
+    // z = r + sh, added in f64 from the unrounded products and rounded once (the two
+    // halves are often large and nearly cancelling).
+    let mut r = vec![0f64; ntok * p.hidden];
+    gemm64(&w.up, &agg, &mut r, ntok, threads);
+    let sh = glu_mlp64(&w.sh_gate, &w.sh_up, &w.sh_down, p.situ, v, ntok, threads);
+    r.iter().zip(&sh).map(|(a, b)| (a + b) as f32).collect()
 }
 
 // ---------------------------------------------------------------------------------------

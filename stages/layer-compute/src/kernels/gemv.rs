@@ -7,9 +7,11 @@
 //! The reduction contract, which every path (portable, AVX2, 1 or N threads) follows bit
 //! for bit:
 //! - each output row is one dot product; threads split output rows, never a dot product;
-//! - column `c` is accumulated into lane `c % 32` of 32 f32 accumulators, in increasing
-//!   `c` (a separate multiply then add, never a fused multiply-add);
-//! - the 32 lanes are then combined by the fixed halving tree of [`reduce_lanes`];
+//! - column `c` is accumulated into lane `c % 32` of 32 f64 accumulators, in increasing
+//!   `c`, as a separate multiply then add; the product of a widened weight (≤ 24
+//!   significant bits) and an f32 activation is EXACT in f64, so only the additions round;
+//! - the 32 lanes are then combined by the fixed halving tree of [`reduce_lanes`] and the
+//!   sum is rounded once to f32;
 //! - an MXFP4 weight is `E2M1[code] * 2^(scale - 127)` (an exact f32), multiplied by `x[c]`
 //!   like any other weight; a group whose scale byte is 255 (NaN in the OCP spec) is skipped,
 //!   which is the same as zeroing it.
@@ -25,7 +27,7 @@ pub const LANES: usize = 32;
 
 /// Combine the 32 lanes with the fixed halving tree (16, 8, 4, 2, 1).
 #[inline]
-pub fn reduce_lanes(acc: &mut [f32; LANES]) -> f32 {
+pub fn reduce_lanes(acc: &mut [f64; LANES]) -> f64 {
     let mut w = LANES / 2;
     while w > 0 {
         for j in 0..w {
@@ -134,14 +136,14 @@ impl<'a> Mat<'a> {
     }
 
     /// Dot product of row `r` with `x` (len `cols`), on the selected path.
-    #[inline]
     pub fn row_dot(&self, r: usize, x: &[f32]) -> f32 {
-        let avx2 = simd::avx2_enabled();
-        self.row_dot_with(r, x, avx2)
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        self.row_dot_with(r, &x64, simd::avx2_enabled()) as f32
     }
 
+    /// The unrounded f64 sum of row `r` · `x` (the lane tree's result).
     #[inline]
-    fn row_dot_with(&self, r: usize, x: &[f32], avx2: bool) -> f32 {
+    fn row_dot_with(&self, r: usize, x: &[f64], avx2: bool) -> f64 {
         let c = self.cols;
         match self.data {
             MatData::Bf16(b) => {
@@ -180,7 +182,8 @@ impl<'a> Mat<'a> {
 
     /// Row dot on the portable path regardless of the CPU (for tests and benchmarks).
     pub fn row_dot_portable(&self, r: usize, x: &[f32]) -> f32 {
-        self.row_dot_with(r, x, false)
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        self.row_dot_with(r, &x64, false) as f32
     }
 }
 
@@ -196,52 +199,55 @@ pub fn f32_at(b: &[u8], i: usize) -> f32 {
     f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
 }
 
-/// Portable bf16 row · x under the lane contract.
-pub fn dot_bf16_portable(row: &[u8], x: &[f32]) -> f32 {
+/// Portable bf16 row · x (x already widened to f64) under the lane contract.
+pub fn dot_bf16_portable(row: &[u8], x: &[f64]) -> f64 {
     let n = x.len();
-    debug_assert_eq!(row.len(), 2 * n);
-    let mut acc = [0f32; LANES];
+    assert_eq!(row.len(), 2 * n);
+    let mut acc = [0f64; LANES];
     let full = n / LANES * LANES;
     let mut i = 0;
     while i < full {
         let rb = &row[2 * i..2 * (i + LANES)];
         let xb = &x[i..i + LANES];
         for l in 0..LANES {
-            acc[l] += bf16_at(rb, l) * xb[l];
+            acc[l] += bf16_at(rb, l) as f64 * xb[l];
         }
         i += LANES;
     }
     for c in full..n {
-        acc[c - full] += bf16_at(row, c) * x[c];
+        acc[c - full] += bf16_at(row, c) as f64 * x[c];
     }
     reduce_lanes(&mut acc)
 }
 
-/// Portable f32 row · x under the lane contract.
-pub fn dot_f32_portable(row: &[u8], x: &[f32]) -> f32 {
+/// Portable f32 row · x (x already widened to f64) under the lane contract.
+pub fn dot_f32_portable(row: &[u8], x: &[f64]) -> f64 {
     let n = x.len();
-    debug_assert_eq!(row.len(), 4 * n);
-    let mut acc = [0f32; LANES];
+    assert_eq!(row.len(), 4 * n);
+    let mut acc = [0f64; LANES];
     let full = n / LANES * LANES;
     let mut i = 0;
     while i < full {
         let rb = &row[4 * i..4 * (i + LANES)];
         let xb = &x[i..i + LANES];
         for l in 0..LANES {
-            acc[l] += f32_at(rb, l) * xb[l];
+            acc[l] += f32_at(rb, l) as f64 * xb[l];
         }
         i += LANES;
     }
     for c in full..n {
-        acc[c - full] += f32_at(row, c) * x[c];
+        acc[c - full] += f32_at(row, c) as f64 * x[c];
     }
     reduce_lanes(&mut acc)
 }
 
-/// Portable MXFP4 row · x straight from packed bytes, under the lane contract.
-pub fn dot_mxfp4_portable(prow: &[u8], srow: &[u8], x: &[f32]) -> f32 {
+/// Portable MXFP4 row · x (x widened to f64) straight from packed bytes, under the lane
+/// contract.
+pub fn dot_mxfp4_portable(prow: &[u8], srow: &[u8], x: &[f64]) -> f64 {
     let n = x.len();
-    let mut acc = [0f32; LANES];
+    assert_eq!(prow.len(), n.div_ceil(2));
+    assert_eq!(srow.len(), n.div_ceil(mxfp4::GROUP));
+    let mut acc = [0f64; LANES];
     for (g, &sbyte) in srow.iter().enumerate() {
         if sbyte == 255 {
             continue; // NaN scale: the group contributes nothing
@@ -253,7 +259,7 @@ pub fn dot_mxfp4_portable(prow: &[u8], srow: &[u8], x: &[f32]) -> f32 {
             let byte = prow[c / 2];
             let code = if c % 2 == 0 { byte & 0x0F } else { byte >> 4 };
             let w = mxfp4::E2M1[code as usize] * s;
-            acc[c - c0] += w * x[c];
+            acc[c - c0] += w as f64 * x[c];
         }
     }
     reduce_lanes(&mut acc)
@@ -288,6 +294,31 @@ pub fn gemv(m: &Mat<'_>, x: &[f32], y: &mut [f32], threads: usize) {
 /// every (row, token) result is the same dot product [`gemv`] computes, so batching never
 /// changes a bit.
 pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize) {
+    let x64: Vec<f64> = xs.iter().map(|&v| v as f64).collect();
+    gemm_impl(m, &x64, ys, ntok, threads, |v| v as f32);
+}
+
+/// [`gemm`] returning the unrounded f64 sums (for a caller that adds two products and
+/// rounds once).
+pub fn gemm64(m: &Mat<'_>, xs: &[f32], ys: &mut [f64], ntok: usize, threads: usize) {
+    let x64: Vec<f64> = xs.iter().map(|&v| v as f64).collect();
+    gemm_impl(m, &x64, ys, ntok, threads, |v| v);
+}
+
+/// [`gemm64`] over an f64 input (an f64 island, e.g. SiTU output feeding a down
+/// projection). The product of a weight and an f64 input rounds in f64.
+pub fn gemm64_x64(m: &Mat<'_>, xs: &[f64], ys: &mut [f64], ntok: usize, threads: usize) {
+    gemm_impl(m, xs, ys, ntok, threads, |v| v);
+}
+
+fn gemm_impl<T: Copy + Send + Default>(
+    m: &Mat<'_>,
+    xs: &[f64],
+    ys: &mut [T],
+    ntok: usize,
+    threads: usize,
+    conv: fn(f64) -> T,
+) {
     assert_eq!(xs.len(), ntok * m.cols, "gemm input length");
     assert_eq!(ys.len(), ntok * m.rows, "gemm output length");
     let avx2 = simd::avx2_enabled();
@@ -295,7 +326,8 @@ pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize
     if threads <= 1 || work < PAR_MIN_WEIGHTS || m.rows < 2 {
         for r in 0..m.rows {
             for t in 0..ntok {
-                ys[t * m.rows + r] = m.row_dot_with(r, &xs[t * m.cols..(t + 1) * m.cols], avx2);
+                ys[t * m.rows + r] =
+                    conv(m.row_dot_with(r, &xs[t * m.cols..(t + 1) * m.cols], avx2));
             }
         }
         return;
@@ -303,7 +335,7 @@ pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize
     let chunks = row_chunks(m.rows, threads);
     if ntok == 1 {
         // Disjoint output slices, written in place.
-        let mut rest: &mut [f32] = ys;
+        let mut rest: &mut [T] = ys;
         let mut slices = Vec::with_capacity(chunks.len());
         for &(r0, r1) in &chunks {
             let (a, b) = rest.split_at_mut(r1 - r0);
@@ -316,20 +348,20 @@ pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize
             for (r0, out) in it {
                 s.spawn(move || {
                     for (i, o) in out.iter_mut().enumerate() {
-                        *o = m.row_dot_with(r0 + i, xs, avx2);
+                        *o = conv(m.row_dot_with(r0 + i, xs, avx2));
                     }
                 });
             }
             if let Some((r0, out)) = first {
                 for (i, o) in out.iter_mut().enumerate() {
-                    *o = m.row_dot_with(r0 + i, xs, avx2);
+                    *o = conv(m.row_dot_with(r0 + i, xs, avx2));
                 }
             }
         });
         return;
     }
     // Several tokens: each worker fills a local [rows_chunk × ntok] block, then scatter.
-    let blocks: Vec<Vec<f32>> = std::thread::scope(|s| {
+    let blocks: Vec<Vec<T>> = std::thread::scope(|s| {
         let handles: Vec<_> = chunks
             .iter()
             .map(|&(r0, r1)| {
@@ -337,7 +369,11 @@ pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize
                     let mut blk = Vec::with_capacity((r1 - r0) * ntok);
                     for r in r0..r1 {
                         for t in 0..ntok {
-                            blk.push(m.row_dot_with(r, &xs[t * m.cols..(t + 1) * m.cols], avx2));
+                            blk.push(conv(m.row_dot_with(
+                                r,
+                                &xs[t * m.cols..(t + 1) * m.cols],
+                                avx2,
+                            )));
                         }
                     }
                     blk
@@ -360,8 +396,9 @@ pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize
 
 /// `y = W x` on the portable path, single-threaded (the reference the SIMD tests use).
 pub fn gemv_portable(m: &Mat<'_>, x: &[f32], y: &mut [f32]) {
+    let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     for (r, o) in y.iter_mut().enumerate().take(m.rows) {
-        *o = m.row_dot_portable(r, x);
+        *o = m.row_dot_with(r, &x64, false) as f32;
     }
 }
 
@@ -385,13 +422,14 @@ mod tests {
             let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
             let x: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
             let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let mut acc = [0f32; LANES];
+            let mut acc = [0f64; LANES];
             for c in 0..n {
-                acc[c % LANES] += w[c] * x[c];
+                acc[c % LANES] += w[c] as f64 * x[c] as f64;
             }
-            let want = reduce_lanes(&mut acc);
+            let want = reduce_lanes(&mut acc) as f32;
+            let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
             assert_eq!(
-                dot_f32_portable(&bytes, &x).to_bits(),
+                (dot_f32_portable(&bytes, &x64) as f32).to_bits(),
                 want.to_bits(),
                 "n={n}"
             );

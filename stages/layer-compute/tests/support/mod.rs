@@ -241,3 +241,32 @@ pub fn load(rel: &str, threads: usize) -> TinyModel {
     )
     .unwrap()
 }
+
+/// An in-memory [`WeightSource`] of F32 tensors (op-fixture weights under released names).
+#[derive(Default)]
+pub struct MapWeights {
+    pub map: BTreeMap<String, (Vec<usize>, Vec<u8>)>,
+}
+
+impl MapWeights {
+    pub fn put(&mut self, name: &str, shape: Vec<usize>, data: &[f32]) {
+        self.map.insert(name.to_string(), (shape, le_bytes(data)));
+    }
+}
+
+impl WeightSource for MapWeights {
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, WeightError> {
+        let (sh, b) = self
+            .map
+            .get(name)
+            .ok_or_else(|| WeightError::Missing(name.to_string()))?;
+        Ok(TensorRef {
+            dtype: Dtype::F32,
+            shape: sh,
+            bytes: b,
+        })
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.map.contains_key(name)
+    }
+}
