@@ -402,6 +402,11 @@ impl Producer {
         Ok(Producer { mem, head, cfg })
     }
 
+    /// The consumer end's state word (`STATE_OPEN`, `STATE_CLOSED` or `STATE_DIED`).
+    pub fn consumer_state(&self) -> u32 {
+        self.mem.u32_at(OFF_CONS_STATE).load(Ordering::SeqCst)
+    }
+
     /// Largest payload accepted.
     pub fn max_message(&self) -> usize {
         self.cfg.max_message()
@@ -672,6 +677,11 @@ impl Consumer {
 
     fn prod_state(&self) -> u32 {
         self.mem.u32_at(OFF_PROD_STATE).load(Ordering::SeqCst)
+    }
+
+    /// The producer end's state word (`STATE_OPEN`, `STATE_CLOSED` or `STATE_DIED`).
+    pub fn producer_state(&self) -> u32 {
+        self.prod_state()
     }
 
     /// Which pid attached as the producer (diagnostics only; 0 if none yet).

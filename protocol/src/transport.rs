@@ -391,6 +391,8 @@ impl Transport for ShmTransport {
         self.max
     }
     fn peer_dead(&self) -> bool {
-        self.peer.is_dead()
+        self.rx.producer_state() == STATE_DIED
+            || self.tx.consumer_state() == STATE_DIED
+            || self.peer.is_dead()
     }
 }
