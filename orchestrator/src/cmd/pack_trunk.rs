@@ -1,8 +1,695 @@
-//! `k3-orch` subcommand `pack_trunk` (not yet built).
+//! `k3-orch pack-trunk MODEL_DIR TRUNK_DIR [--verify] [--force]`: rewrite every decoder
+//! layer's trunk (its non-routed-expert tensors) into `trunk.bin`, one aligned run per
+//! layer, described by `trunk.json` (format: `k3_protocol::trunk`).
+//!
+//! Per layer the tensors must sit in one shard, back to back; otherwise the packer refuses
+//! (exit 2) and names the gap in bytes, since copying the span would drag expert bytes
+//! along. Each run starts at a multiple of 4096 and is zero-padded to one, so the loader
+//! reads a layer with one aligned O_DIRECT read.
+//!
+//! Crash safety: data goes to `trunk.bin.partial`; after each layer is written and fsynced,
+//! `trunk.partial.json` (the journal: the plan's digest and the layers done) is replaced
+//! atomically. A re-run with the same plan resumes after the last journaled layer (the data
+//! file is cut back to it); anything else restarts. Only when every layer is in and fsynced
+//! is the data renamed to `trunk.bin` and then `trunk.json` written (temp name, fsync,
+//! rename): `trunk.json` is the commit marker, and any old one is removed before a new pack
+//! starts, so a half-written trunk never looks complete.
+//!
+//! `--verify` re-reads `trunk.bin`, checks every layer's sha256 (stored in `trunk.json`),
+//! the zero padding, the tensor tables against the checkpoint and the checkpoint's identity.
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::sync_channel;
+use std::time::Instant;
 
-pub fn main(_args: Vec<OsString>) -> i32 {
-    eprintln!("k3-orch: 'pack_trunk' is not implemented yet");
-    1
+use anyhow::{anyhow, Context, Result};
+use clap::Parser;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use k3_protocol::catalog::Catalog;
+use k3_protocol::classify::{is_layer_trunk, layer_of};
+use k3_protocol::trunk::{
+    align_up, ShardIdentity, SourceIdentity, TrunkLayer, TrunkManifest, TrunkTensor, TRUNK_ALIGN,
+    TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON,
+};
+
+/// Data file while packing.
+const PARTIAL_BIN: &str = "trunk.bin.partial";
+/// Journal while packing.
+const JOURNAL: &str = "trunk.partial.json";
+/// Copy chunk.
+const CHUNK: usize = 8 << 20;
+
+/// Command line of `k3-orch pack-trunk`.
+#[derive(Parser, Debug)]
+#[command(
+    name = "k3-orch pack-trunk",
+    about = "Pack every layer's trunk into TRUNK_DIR/trunk.bin + trunk.json, one aligned run per layer"
+)]
+struct Args {
+    /// The checkpoint directory (model.safetensors.index.json + shards).
+    model_dir: PathBuf,
+    /// Output directory (created).
+    trunk_dir: PathBuf,
+    /// Re-read trunk.bin and check every layer against trunk.json and the checkpoint.
+    #[arg(long)]
+    verify: bool,
+    /// Re-pack even when TRUNK_DIR already holds a complete trunk of this checkpoint.
+    #[arg(long)]
+    force: bool,
+    /// Testing: stop (exit 1) after this many layers, as if interrupted.
+    #[arg(long, hide = true)]
+    stop_after_layers: Option<usize>,
+}
+
+/// Failure kinds: refused up front (exit 2) or failed while working (exit 1).
+#[derive(Debug)]
+enum Fail {
+    Refused(String),
+    Failed(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Fail {
+    fn from(e: anyhow::Error) -> Fail {
+        Fail::Failed(e)
+    }
+}
+
+impl From<std::io::Error> for Fail {
+    fn from(e: std::io::Error) -> Fail {
+        Fail::Failed(e.into())
+    }
+}
+
+pub fn main(args: Vec<OsString>) -> i32 {
+    let args = match Args::try_parse_from(args) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    match run(&args) {
+        Ok(()) => 0,
+        Err(Fail::Refused(m)) => {
+            eprintln!("k3-orch pack-trunk: refused: {m}");
+            2
+        }
+        Err(Fail::Failed(e)) => {
+            eprintln!("k3-orch pack-trunk: {e:#}");
+            1
+        }
+    }
+}
+
+/// One layer's planned run.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+struct PlannedLayer {
+    layer: usize,
+    shard_index: usize,
+    shard: String,
+    source_offset: u64,
+    length: u64,
+    offset: u64,
+    tensors: Vec<TrunkTensor>,
+}
+
+/// The journal of an unfinished pack.
+#[derive(Debug, Serialize, Deserialize)]
+struct Journal {
+    plan_sha256: String,
+    done: Vec<TrunkLayer>,
+}
+
+/// The identity of the checkpoint in `cat`.
+fn source_identity(cat: &Catalog) -> SourceIdentity {
+    let mut shards: Vec<ShardIdentity> = cat
+        .shards()
+        .iter()
+        .map(|s| ShardIdentity {
+            file: file_name(&s.path),
+            size: s.file_size,
+        })
+        .collect();
+    shards.sort();
+    SourceIdentity {
+        total_size: cat
+            .index_total_size()
+            .unwrap_or_else(|| cat.payload_bytes()),
+        shards,
+    }
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Group every layer's trunk tensors, check each layer is one contiguous run in one shard,
+/// and lay the runs out in trunk.bin.
+fn plan(cat: &Catalog) -> Result<Vec<PlannedLayer>, Fail> {
+    struct T {
+        name: String,
+        shard: usize,
+        offset: u64,
+        len: u64,
+        dtype: k3_protocol::tensor::Dtype,
+        shape: Vec<usize>,
+    }
+    let mut by_layer: BTreeMap<usize, Vec<T>> = BTreeMap::new();
+    for (name, e) in cat.iter() {
+        if !is_layer_trunk(&name) {
+            continue;
+        }
+        let Some(l) = layer_of(&name) else { continue };
+        by_layer.entry(l).or_default().push(T {
+            shard: e.shard,
+            offset: e.offset,
+            len: e.len,
+            dtype: e.dtype,
+            shape: e.shape.to_vec(),
+            name,
+        });
+    }
+    let n = match by_layer.keys().next_back() {
+        Some(&last) => last + 1,
+        None => {
+            return Err(Fail::Refused(format!(
+                "{}: no decoder-layer tensors (language_model.model.layers.<l>.*) found",
+                cat.source().display()
+            )))
+        }
+    };
+    let shards = cat.shards();
+    let mut out = Vec::with_capacity(n);
+    let mut at = 0u64;
+    for l in 0..n {
+        let Some(mut ts) = by_layer.remove(&l) else {
+            return Err(Fail::Refused(format!(
+                "layer {l} has no trunk tensors (layers 0..{n} expected)"
+            )));
+        };
+        let mut sh: Vec<usize> = ts.iter().map(|t| t.shard).collect();
+        sh.sort_unstable();
+        sh.dedup();
+        if sh.len() != 1 {
+            let names: Vec<String> = sh.iter().map(|&s| file_name(&shards[s].path)).collect();
+            return Err(Fail::Refused(format!(
+                "layer {l} spans {} shards ({}); its trunk cannot be one run",
+                sh.len(),
+                names.join(", ")
+            )));
+        }
+        ts.sort_by_key(|t| t.offset);
+        let lo = ts[0].offset;
+        let hi = ts.iter().map(|t| t.offset + t.len).max().unwrap_or(lo);
+        let covered: u64 = ts.iter().map(|t| t.len).sum();
+        if covered != hi - lo {
+            let gap = (hi - lo).saturating_sub(covered);
+            let mut first = String::new();
+            for w in ts.windows(2) {
+                let end = w[0].offset + w[0].len;
+                if w[1].offset > end {
+                    first = format!(
+                        "; first gap: {} bytes between {} (ends at {end}) and {} (starts at {})",
+                        w[1].offset - end,
+                        w[0].name,
+                        w[1].name,
+                        w[1].offset
+                    );
+                    break;
+                }
+            }
+            return Err(Fail::Refused(format!(
+                "layer {l} is not contiguous in {}: {gap} bytes of gap inside its {} byte \
+                 span{first}; copying the span would drag other tensors along",
+                file_name(&shards[sh[0]].path),
+                hi - lo
+            )));
+        }
+        let tensors = ts
+            .iter()
+            .map(|t| TrunkTensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                offset: t.offset - lo,
+                len: t.len,
+            })
+            .collect();
+        at = align_up(at, TRUNK_ALIGN);
+        out.push(PlannedLayer {
+            layer: l,
+            shard_index: sh[0],
+            shard: file_name(&shards[sh[0]].path),
+            source_offset: lo,
+            length: hi - lo,
+            offset: at,
+            tensors,
+        });
+        at += align_up(hi - lo, TRUNK_ALIGN);
+    }
+    Ok(out)
+}
+
+fn plan_digest(plan: &[PlannedLayer], src: &SourceIdentity) -> String {
+    let mut h = Sha256::new();
+    h.update(TRUNK_FORMAT.as_bytes());
+    h.update(serde_json::to_vec(src).unwrap_or_default());
+    h.update(serde_json::to_vec(plan).unwrap_or_default());
+    hex(&h.finalize())
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn gb(b: u64) -> String {
+    format!("{:.2} GB", b as f64 / 1e9)
+}
+
+fn run(a: &Args) -> Result<(), Fail> {
+    let cat = Catalog::open(&a.model_dir).map_err(|e| {
+        Fail::Refused(format!(
+            "cannot catalog the checkpoint: {e} (run k3-orch verify)"
+        ))
+    })?;
+    let src = source_identity(&cat);
+    let plan = plan(&cat)?;
+    let digest = plan_digest(&plan, &src);
+    let dir = &a.trunk_dir;
+    if dir.exists() && !dir.is_dir() {
+        return Err(Fail::Refused(format!(
+            "{} is not a directory",
+            dir.display()
+        )));
+    }
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+
+    // Already complete for this checkpoint and plan?
+    if !a.force && dir.join(TRUNK_JSON).exists() {
+        match TrunkManifest::load_dir(dir) {
+            Ok(m) if m.source == src && same_layout(&m, &plan) => {
+                eprintln!(
+                    "{} already holds a complete trunk of this checkpoint ({} layers, {}); \
+                     nothing to pack (--force re-packs)",
+                    dir.display(),
+                    m.layers.len(),
+                    gb(m.total_bytes)
+                );
+                if a.verify {
+                    return verify(dir, &plan, &src);
+                }
+                return Ok(());
+            }
+            Ok(_) => eprintln!(
+                "{}: the existing trunk is of another checkpoint or layout; re-packing",
+                dir.display()
+            ),
+            Err(e) => eprintln!("existing trunk is unusable ({e}); re-packing"),
+        }
+    }
+    // From here on no complete-looking trunk may exist until the new one is committed.
+    remove_if_exists(&dir.join(TRUNK_JSON))?;
+    sync_dir(dir);
+
+    pack(a, &cat, &plan, &src, &digest)?;
+    if a.verify {
+        verify(dir, &plan, &src)?;
+    }
+    Ok(())
+}
+
+fn same_layout(m: &TrunkManifest, plan: &[PlannedLayer]) -> bool {
+    m.layers.len() == plan.len()
+        && m.layers.iter().zip(plan).all(|(l, p)| {
+            l.offset == p.offset
+                && l.length == p.length
+                && l.shard == p.shard
+                && l.source_offset == p.source_offset
+                && l.tensors == p.tensors
+        })
+}
+
+fn remove_if_exists(p: &Path) -> Result<()> {
+    match fs::remove_file(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(anyhow!("removing {}: {e}", p.display())),
+    }
+}
+
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+/// Write `bytes` to `path` atomically (temp name, fsync, rename, fsync the directory).
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    {
+        let mut f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        f.write_all(bytes)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        f.sync_all()
+            .with_context(|| format!("fsync {}", tmp.display()))?;
+    }
+    fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    if let Some(p) = path.parent() {
+        sync_dir(p);
+    }
+    Ok(())
+}
+
+/// Where to resume: the journal's finished layers when it belongs to this plan and the
+/// data file holds them; otherwise start over.
+fn resume_point(dir: &Path, digest: &str, plan: &[PlannedLayer]) -> Vec<TrunkLayer> {
+    let jpath = dir.join(JOURNAL);
+    let bin = dir.join(PARTIAL_BIN);
+    let Ok(text) = fs::read_to_string(&jpath) else {
+        if bin.exists() {
+            eprintln!("found {PARTIAL_BIN} without a journal: starting over");
+        }
+        return Vec::new();
+    };
+    let j: Journal = match serde_json::from_str(&text) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("{JOURNAL} is unreadable ({e}): starting over");
+            return Vec::new();
+        }
+    };
+    if j.plan_sha256 != digest {
+        eprintln!("{JOURNAL} is from another checkpoint or layout: starting over");
+        return Vec::new();
+    }
+    let ok_prefix = j
+        .done
+        .iter()
+        .zip(plan)
+        .all(|(d, p)| d.layer == p.layer && d.offset == p.offset && d.length == p.length);
+    let need = j
+        .done
+        .last()
+        .map(|d| d.offset + d.padded_length)
+        .unwrap_or(0);
+    let have = fs::metadata(&bin).map(|m| m.len()).unwrap_or(0);
+    if !ok_prefix || j.done.len() > plan.len() || have < need {
+        eprintln!("{JOURNAL} does not match {PARTIAL_BIN}: starting over");
+        return Vec::new();
+    }
+    j.done
+}
+
+fn pack(
+    a: &Args,
+    cat: &Catalog,
+    plan: &[PlannedLayer],
+    src: &SourceIdentity,
+    digest: &str,
+) -> Result<(), Fail> {
+    let dir = &a.trunk_dir;
+    let mut done = resume_point(dir, digest, plan);
+    if done.is_empty() {
+        remove_if_exists(&dir.join(JOURNAL))?;
+        remove_if_exists(&dir.join(PARTIAL_BIN))?;
+    } else {
+        eprintln!(
+            "resuming: {} of {} layers already packed ({})",
+            done.len(),
+            plan.len(),
+            gb(done.iter().map(|d| d.length).sum())
+        );
+    }
+    let bin_path = dir.join(PARTIAL_BIN);
+    let out = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&bin_path)
+        .with_context(|| format!("opening {}", bin_path.display()))?;
+    let keep = done.last().map(|d| d.offset + d.padded_length).unwrap_or(0);
+    out.set_len(keep)
+        .with_context(|| format!("truncating {}", bin_path.display()))?;
+
+    let total: u64 = plan.iter().map(|p| p.length).sum();
+    let already: u64 = done.iter().map(|d| d.length).sum();
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "pack-trunk {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(already);
+    let start = Instant::now();
+    let mut copied = 0u64;
+    let every = if plan.len() > 20 { 10 } else { 1 };
+    let mut shard_files: BTreeMap<usize, File> = BTreeMap::new();
+    for p in plan.iter().skip(done.len()) {
+        if a.stop_after_layers == Some(done.len()) {
+            bar.finish_and_clear();
+            return Err(Fail::Failed(anyhow!(
+                "stopped after {} layers (--stop-after-layers)",
+                done.len()
+            )));
+        }
+        bar.set_message(format!("layer {}", p.layer));
+        let shard_path = &cat.shards()[p.shard_index].path;
+        if let std::collections::btree_map::Entry::Vacant(v) = shard_files.entry(p.shard_index) {
+            let f = File::open(shard_path)
+                .with_context(|| format!("opening {}", shard_path.display()))?;
+            v.insert(f);
+        }
+        let input = &shard_files[&p.shard_index];
+        let sha = copy_run(input, shard_path, &out, &bin_path, p, &bar)?;
+        out.sync_data()
+            .with_context(|| format!("fsync {}", bin_path.display()))?;
+        copied += p.length;
+        done.push(TrunkLayer {
+            layer: p.layer,
+            offset: p.offset,
+            length: p.length,
+            padded_length: align_up(p.length, TRUNK_ALIGN),
+            shard: p.shard.clone(),
+            source_offset: p.source_offset,
+            sha256: sha,
+            tensors: p.tensors.clone(),
+        });
+        let j = Journal {
+            plan_sha256: digest.to_string(),
+            done: done.clone(),
+        };
+        write_atomic(
+            &dir.join(JOURNAL),
+            &serde_json::to_vec(&j).map_err(anyhow::Error::from)?,
+        )?;
+        if done.len() % every == 0 || done.len() == plan.len() {
+            let s = start.elapsed().as_secs_f64();
+            let packed: u64 = done.iter().map(|d| d.length).sum();
+            let line = format!(
+                "  packed {}/{} layers, {}, {:.1} s ({:.0} MB/s)",
+                done.len(),
+                plan.len(),
+                gb(packed),
+                s,
+                copied as f64 / 1e6 / s.max(1e-9)
+            );
+            if bar.is_hidden() {
+                eprintln!("{line}");
+            } else {
+                bar.println(line);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    out.sync_all()
+        .with_context(|| format!("fsync {}", bin_path.display()))?;
+    let file_size = done.last().map(|d| d.offset + d.padded_length).unwrap_or(0);
+    let (max_run, max_run_layer) = done
+        .iter()
+        .map(|d| (d.length, d.layer))
+        .fold((0, 0), |m, x| if x.0 > m.0 { x } else { m });
+    let manifest = TrunkManifest {
+        format: TRUNK_FORMAT.to_string(),
+        align: TRUNK_ALIGN,
+        file: TRUNK_BIN.to_string(),
+        file_size,
+        total_bytes: done.iter().map(|d| d.length).sum(),
+        max_run,
+        max_run_layer,
+        source: src.clone(),
+        layers: done,
+    };
+    let problems = manifest.problems();
+    if !problems.is_empty() {
+        return Err(Fail::Failed(anyhow!(
+            "internal: the manifest is inconsistent: {}",
+            problems.join("; ")
+        )));
+    }
+    fs::rename(&bin_path, dir.join(TRUNK_BIN))
+        .with_context(|| format!("renaming {PARTIAL_BIN} to {TRUNK_BIN}"))?;
+    sync_dir(dir);
+    let json = serde_json::to_vec_pretty(&manifest).map_err(anyhow::Error::from)?;
+    write_atomic(&dir.join(TRUNK_JSON), &json)?;
+    remove_if_exists(&dir.join(JOURNAL))?;
+    sync_dir(dir);
+    let s = start.elapsed().as_secs_f64();
+    println!(
+        "wrote {}: {} across {} layers ({} copied in {:.1} s, {:.0} MB/s)",
+        dir.join(TRUNK_BIN).display(),
+        gb(manifest.total_bytes),
+        manifest.layers.len(),
+        gb(copied),
+        s,
+        copied as f64 / 1e6 / s.max(1e-9)
+    );
+    println!(
+        "largest layer run: {:.3} GB (layer {})  <- the streaming slot size",
+        manifest.max_run as f64 / 1e9,
+        manifest.max_run_layer
+    );
+    Ok(())
+}
+
+/// Copy one run (reader thread → hash + write here), then its zero padding; returns the
+/// sha256 of the run.
+fn copy_run(
+    input: &File,
+    in_path: &Path,
+    out: &File,
+    out_path: &Path,
+    p: &PlannedLayer,
+    bar: &indicatif::ProgressBar,
+) -> Result<String> {
+    let (tx, rx) = sync_channel::<std::io::Result<Vec<u8>>>(3);
+    let (ret_tx, ret_rx) = sync_channel::<Vec<u8>>(4);
+    let mut h = Sha256::new();
+    let len = p.length;
+    let src_off = p.source_offset;
+    let reader = input.try_clone()?;
+    std::thread::scope(|s| -> Result<()> {
+        s.spawn(move || {
+            let mut pos = 0u64;
+            while pos < len {
+                let n = ((len - pos) as usize).min(CHUNK);
+                let mut buf = ret_rx.try_recv().unwrap_or_default();
+                buf.resize(n, 0);
+                let r = reader.read_exact_at(&mut buf, src_off + pos).map(|_| buf);
+                let failed = r.is_err();
+                if tx.send(r).is_err() || failed {
+                    return;
+                }
+                pos += n as u64;
+            }
+        });
+        let mut pos = 0u64;
+        for chunk in rx {
+            let buf = chunk.with_context(|| {
+                format!(
+                    "reading layer {} from {} at {}",
+                    p.layer,
+                    in_path.display(),
+                    src_off + pos
+                )
+            })?;
+            h.update(&buf);
+            out.write_all_at(&buf, p.offset + pos)
+                .with_context(|| format!("writing {}", out_path.display()))?;
+            pos += buf.len() as u64;
+            bar.inc(buf.len() as u64);
+            let _ = ret_tx.try_send(buf);
+        }
+        if pos != len {
+            return Err(anyhow!(
+                "layer {}: read {pos} of {len} bytes from {}",
+                p.layer,
+                in_path.display()
+            ));
+        }
+        Ok(())
+    })?;
+    let pad = align_up(len, TRUNK_ALIGN) - len;
+    if pad > 0 {
+        out.write_all_at(&vec![0u8; pad as usize], p.offset + len)
+            .with_context(|| format!("writing {}", out_path.display()))?;
+    }
+    Ok(hex(&h.finalize()))
+}
+
+/// Check a packed trunk: manifest valid, same checkpoint, same layout as the checkpoint's
+/// headers, every layer's sha256 and zero padding.
+fn verify(dir: &Path, plan: &[PlannedLayer], src: &SourceIdentity) -> Result<(), Fail> {
+    let m = TrunkManifest::load_dir(dir).map_err(|e| Fail::Failed(anyhow!("{e}")))?;
+    m.check_source(src).map_err(|e| Fail::Failed(anyhow!(e)))?;
+    if !same_layout(&m, plan) {
+        return Err(Fail::Failed(anyhow!(
+            "{}: its layer table does not match the checkpoint's headers",
+            dir.join(TRUNK_JSON).display()
+        )));
+    }
+    let bin = dir.join(&m.file);
+    let f = File::open(&bin).with_context(|| format!("opening {}", bin.display()))?;
+    let start = Instant::now();
+    let bar = indicatif::ProgressBar::new(m.total_bytes);
+    let mut bad = Vec::new();
+    let mut buf = vec![0u8; CHUNK];
+    for l in &m.layers {
+        let mut h = Sha256::new();
+        let mut pos = 0u64;
+        let mut pad_ok = true;
+        while pos < l.padded_length {
+            let n = ((l.padded_length - pos) as usize).min(CHUNK);
+            f.read_exact_at(&mut buf[..n], l.offset + pos)
+                .with_context(|| format!("reading layer {} of {}", l.layer, bin.display()))?;
+            let payload = (l.length.saturating_sub(pos) as usize).min(n);
+            h.update(&buf[..payload]);
+            if buf[payload..n].iter().any(|&b| b != 0) {
+                pad_ok = false;
+            }
+            pos += n as u64;
+            bar.inc(payload as u64);
+        }
+        if hex(&h.finalize()) != l.sha256 {
+            bad.push(format!(
+                "layer {}: sha256 mismatch (the bytes changed)",
+                l.layer
+            ));
+        }
+        if !pad_ok {
+            bad.push(format!(
+                "layer {}: padding after the run is not zero",
+                l.layer
+            ));
+        }
+    }
+    bar.finish_and_clear();
+    let s = start.elapsed().as_secs_f64();
+    if bad.is_empty() {
+        println!(
+            "verify: OK, {} layers, {} re-read in {:.1} s ({:.0} MB/s), every sha256 matches",
+            m.layers.len(),
+            gb(m.total_bytes),
+            s,
+            m.total_bytes as f64 / 1e6 / s.max(1e-9)
+        );
+        Ok(())
+    } else {
+        Err(Fail::Failed(anyhow!(
+            "verify FAILED for {}:\n  {}",
+            bin.display(),
+            bad.join("\n  ")
+        )))
+    }
 }

@@ -1,8 +1,489 @@
-//! `k3-orch` subcommand `verify` (not yet built).
+//! `k3-orch verify MODEL_DIR [--no-hashes]`: is this checkpoint whole and consistent?
+//!
+//! Checks, naming every problem (not just the first): every shard the index names (and
+//! every shard its `-of-N` numbering implies) is present; each shard's header is valid and
+//! its size is exactly 8 + header + data end (a truncated shard says how many bytes are
+//! missing); the index's `weight_map` and the shard headers name the same tensors in the
+//! same shards; `metadata.total_size` equals the payload bytes of all shards.
+//!
+//! Sizes cannot see same-size corruption. When the model directory holds `SHA256SUMS`
+//! (the format `sha256sum` writes and `sha256sum -c` reads: `<64 hex>  <file name>` per
+//! line, `*` before the name allowed; `k3-orch synth --sums` writes one) every listed file
+//! is hashed and compared; otherwise the report says plainly that hashes were not checked.
+//!
+//! Exit 0 when everything checked is consistent, 1 when a problem was found, 2 on a usage
+//! error or when MODEL_DIR is not a directory.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 
-pub fn main(_args: Vec<OsString>) -> i32 {
-    eprintln!("k3-orch: 'verify' is not implemented yet");
-    1
+use clap::Parser;
+use sha2::{Digest, Sha256};
+
+use k3_protocol::catalog::Catalog;
+
+/// Command line of `k3-orch verify`.
+#[derive(Parser, Debug)]
+#[command(
+    name = "k3-orch verify",
+    about = "Check a checkpoint's shards, headers, index, sizes (and SHA256SUMS when present)"
+)]
+struct Args {
+    /// The checkpoint directory.
+    model_dir: PathBuf,
+    /// Skip hashing even when SHA256SUMS is present (sizes and headers only).
+    #[arg(long)]
+    no_hashes: bool,
+}
+
+const INDEX: &str = "model.safetensors.index.json";
+const SINGLE: &str = "model.safetensors";
+/// The hash list `verify` reads.
+pub const SUMS_FILE: &str = "SHA256SUMS";
+
+pub fn main(args: Vec<OsString>) -> i32 {
+    let args = match Args::try_parse_from(args) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    if !args.model_dir.is_dir() {
+        eprintln!(
+            "k3-orch verify: {} is not a directory",
+            args.model_dir.display()
+        );
+        return 2;
+    }
+    let r = verify_dir(&args.model_dir, !args.no_hashes);
+    for l in &r.lines {
+        println!("{l}");
+    }
+    for p in &r.problems {
+        eprintln!("  FAIL {p}");
+    }
+    if r.problems.is_empty() {
+        println!("RESULT : OK");
+        0
+    } else {
+        println!("RESULT : FAIL ({} problem(s))", r.problems.len());
+        1
+    }
+}
+
+/// What `verify` found: report lines and problems (empty when consistent).
+#[derive(Debug, Default)]
+pub struct VerifyReport {
+    pub lines: Vec<String>,
+    pub problems: Vec<String>,
+}
+
+/// The index, when there is one.
+struct Index {
+    total_size: Option<u64>,
+    /// tensor -> shard file.
+    weight_map: BTreeMap<String, String>,
+}
+
+fn read_index(path: &Path) -> Result<Index, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{INDEX}: cannot read: {e}"))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| format!("{INDEX}: not valid JSON: {e}"))?;
+    let total_size = v
+        .get("metadata")
+        .and_then(|m| m.get("total_size"))
+        .and_then(|t| t.as_u64());
+    let wm = v
+        .get("weight_map")
+        .and_then(|w| w.as_object())
+        .ok_or_else(|| format!("{INDEX}: no weight_map object"))?;
+    let mut weight_map = BTreeMap::new();
+    for (k, f) in wm {
+        let f = f
+            .as_str()
+            .ok_or_else(|| format!("{INDEX}: weight_map[{k:?}] is not a file name"))?;
+        weight_map.insert(k.clone(), f.to_string());
+    }
+    Ok(Index {
+        total_size,
+        weight_map,
+    })
+}
+
+/// `model-00003-of-000096.safetensors` -> (3, 96, digits of the total).
+fn shard_number(name: &str) -> Option<(usize, usize, usize, usize)> {
+    let rest = name.strip_prefix("model-")?.strip_suffix(".safetensors")?;
+    let (a, b) = rest.split_once("-of-")?;
+    if a.is_empty() || b.is_empty() || !a.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    if !b.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    Some((a.parse().ok()?, b.parse().ok()?, a.len(), b.len()))
+}
+
+/// Run every check on `dir` (hashing only when `hashes`).
+pub fn verify_dir(dir: &Path, hashes: bool) -> VerifyReport {
+    let mut r = VerifyReport::default();
+    let index_path = dir.join(INDEX);
+    let index = if index_path.is_file() {
+        match read_index(&index_path) {
+            Ok(i) => Some(i),
+            Err(e) => {
+                r.problems.push(e);
+                return r;
+            }
+        }
+    } else if dir.join(SINGLE).is_file() {
+        None
+    } else {
+        r.problems.push(format!(
+            "{}: neither {INDEX} nor {SINGLE} is present",
+            dir.display()
+        ));
+        return r;
+    };
+
+    // The shard list: what the index names, plus what its -of-N numbering implies.
+    let mut shards: BTreeSet<String> = match &index {
+        Some(i) => i.weight_map.values().cloned().collect(),
+        None => [SINGLE.to_string()].into_iter().collect(),
+    };
+    let mut expected_by_numbering = BTreeSet::new();
+    for s in &shards {
+        if let Some((_, total, w1, w2)) = shard_number(s) {
+            for k in 1..=total {
+                expected_by_numbering.insert(format!(
+                    "model-{k:0w1$}-of-{total:0w2$}.safetensors",
+                    w1 = w1,
+                    w2 = w2
+                ));
+            }
+        }
+    }
+    for s in &expected_by_numbering {
+        if !shards.contains(s) {
+            if dir.join(s).is_file() {
+                r.problems.push(format!(
+                    "{s} is in the directory but the index maps no tensor to it"
+                ));
+            } else {
+                r.problems.push(format!(
+                    "missing shard: {s} (implied by the -of-N numbering; the index maps no \
+                     tensor to it)"
+                ));
+            }
+        }
+    }
+    shards.extend(
+        expected_by_numbering
+            .into_iter()
+            .filter(|s| dir.join(s).is_file()),
+    );
+
+    let mut per_shard_index: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    if let Some(i) = &index {
+        for (t, f) in &i.weight_map {
+            per_shard_index
+                .entry(f.as_str())
+                .or_default()
+                .insert(t.as_str());
+        }
+    }
+    let mut payload = 0u64;
+    let mut bytes_on_disk = 0u64;
+    let mut tensors = 0usize;
+    let mut all_parsed = true;
+    let mut present = 0usize;
+    for s in &shards {
+        let path = dir.join(s);
+        let in_index = per_shard_index.get(s.as_str());
+        let meta = match std::fs::metadata(&path) {
+            Ok(m) => m,
+            Err(_) => {
+                r.problems.push(format!(
+                    "missing shard: {s} (the index maps {} tensors to it)",
+                    in_index.map_or(0, |x| x.len())
+                ));
+                all_parsed = false;
+                continue;
+            }
+        };
+        present += 1;
+        bytes_on_disk += meta.len();
+        let cat = match Catalog::from_files(std::slice::from_ref(&path)) {
+            Ok(c) => c,
+            Err(e) => {
+                r.problems
+                    .push(diagnose(&path, s, meta.len(), &e.to_string()));
+                all_parsed = false;
+                continue;
+            }
+        };
+        let info = &cat.shards()[0];
+        if info.file_size != info.data_end {
+            r.problems.push(format!(
+                "{s}: {} bytes but 8 + header {} + data {} = {} ({} extra bytes after the last \
+                 tensor)",
+                info.file_size,
+                info.header_len,
+                info.data_end - info.data_start,
+                info.data_end,
+                info.file_size.saturating_sub(info.data_end)
+            ));
+        }
+        payload += cat.payload_bytes();
+        tensors += cat.len();
+        if let Some(i) = &index {
+            let mut not_in_index = Vec::new();
+            let mut header_names = BTreeSet::new();
+            for (name, _) in cat.iter() {
+                match i.weight_map.get(&name) {
+                    Some(f) if f == s => {}
+                    Some(f) => r.problems.push(format!(
+                        "{s}: tensor {name} is here but the index maps it to {f}"
+                    )),
+                    None => not_in_index.push(name.clone()),
+                }
+                header_names.insert(name);
+            }
+            if !not_in_index.is_empty() {
+                r.problems.push(format!(
+                    "{s}: {} tensor(s) missing from the index's weight_map: {}",
+                    not_in_index.len(),
+                    first_few(&not_in_index)
+                ));
+            }
+            if let Some(want) = in_index {
+                let absent: Vec<String> = want
+                    .iter()
+                    .filter(|n| !header_names.contains(**n))
+                    .map(|n| n.to_string())
+                    .collect();
+                if !absent.is_empty() {
+                    r.problems.push(format!(
+                        "{s}: the index maps {} tensor(s) here that its header lacks: {}",
+                        absent.len(),
+                        first_few(&absent)
+                    ));
+                }
+            }
+        }
+    }
+    r.lines.push(format!(
+        "shards : {present} of {} present, {:.3} GB on disk",
+        shards.len(),
+        bytes_on_disk as f64 / 1e9
+    ));
+    if all_parsed {
+        r.lines.push(format!(
+            "sizes  : headers valid; {tensors} tensors, {payload} payload bytes"
+        ));
+        match &index {
+            Some(i) => {
+                match i.total_size {
+                    Some(t) if t == payload => r.lines.push(format!(
+                        "index  : weight_map covers {} tensors; total_size {t} matches",
+                        i.weight_map.len()
+                    )),
+                    Some(t) => r.problems.push(format!(
+                        "{INDEX}: metadata.total_size is {t} but the shards hold {payload} \
+                         payload bytes"
+                    )),
+                    None => r.problems.push(format!("{INDEX}: no metadata.total_size")),
+                }
+                // Cross-shard checks (duplicate names) on the whole set.
+                if r.problems.is_empty() {
+                    if let Err(e) = Catalog::open(dir) {
+                        r.problems.push(e.to_string());
+                    }
+                }
+            }
+            None => r
+                .lines
+                .push(format!("index  : single file {SINGLE}, no index")),
+        }
+    }
+    check_sums(dir, hashes, &shards, &mut r);
+    r
+}
+
+fn first_few(v: &[String]) -> String {
+    let mut s: Vec<&str> = v.iter().take(3).map(String::as_str).collect();
+    if v.len() > 3 {
+        s.push("...");
+    }
+    s.join(", ")
+}
+
+/// Say why a shard failed to parse, in sizes when it is a truncation.
+fn diagnose(path: &Path, name: &str, size: u64, catalog_err: &str) -> String {
+    let mut head = [0u8; 8];
+    let ok = File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .is_ok();
+    if !ok {
+        return format!("{name}: truncated: {size} bytes, not even the 8-byte header length");
+    }
+    let n = u64::from_le_bytes(head);
+    if n.saturating_add(8) > size {
+        return format!("{name}: truncated: {size} bytes, but the header alone is 8 + {n} bytes");
+    }
+    // Largest data end in the header, to name how much is missing.
+    let end = (|| -> Option<u64> {
+        let mut f = File::open(path).ok()?;
+        let mut buf = vec![0u8; 8 + n as usize];
+        f.read_exact(&mut buf).ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&buf[8..]).ok()?;
+        v.as_object()?
+            .iter()
+            .filter(|(k, _)| *k != "__metadata__")
+            .filter_map(|(_, e)| e.get("data_offsets")?.get(1)?.as_u64())
+            .max()
+    })();
+    match end {
+        Some(e) if 8 + n + e > size => format!(
+            "{name}: truncated: {size} bytes, but 8 + header {n} + data end {e} = {} ({} bytes \
+             missing)",
+            8 + n + e,
+            8 + n + e - size
+        ),
+        _ => format!("{name}: {catalog_err}"),
+    }
+}
+
+/// Parse `SHA256SUMS`: (hex, file) per line.
+fn parse_sums(text: &str) -> Result<Vec<(String, String)>, String> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let (h, rest) = line
+            .split_once(' ')
+            .ok_or_else(|| format!("{SUMS_FILE} line {}: not '<hash>  <file>'", i + 1))?;
+        let name = rest
+            .strip_prefix(' ')
+            .or_else(|| rest.strip_prefix('*'))
+            .unwrap_or(rest);
+        if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) || name.is_empty() {
+            return Err(format!("{SUMS_FILE} line {}: not '<hash>  <file>'", i + 1));
+        }
+        out.push((h.to_ascii_lowercase(), name.to_string()));
+    }
+    Ok(out)
+}
+
+fn check_sums(dir: &Path, hashes: bool, shards: &BTreeSet<String>, r: &mut VerifyReport) {
+    let sums_path = dir.join(SUMS_FILE);
+    if !sums_path.is_file() {
+        r.lines.push(format!(
+            "hashes : NOT CHECKED: no {SUMS_FILE} in {} (sizes cannot see same-size \
+             corruption; add a sha256sum list to check it)",
+            dir.display()
+        ));
+        return;
+    }
+    if !hashes {
+        r.lines.push(format!(
+            "hashes : NOT CHECKED (--no-hashes; {SUMS_FILE} is present)"
+        ));
+        return;
+    }
+    let list = match std::fs::read_to_string(&sums_path)
+        .map_err(|e| format!("{SUMS_FILE}: {e}"))
+        .and_then(|t| parse_sums(&t))
+    {
+        Ok(l) => l,
+        Err(e) => {
+            r.problems.push(e);
+            return;
+        }
+    };
+    let total: u64 = list
+        .iter()
+        .filter_map(|(_, f)| std::fs::metadata(dir.join(f)).ok())
+        .map(|m| m.len())
+        .sum();
+    let bar = indicatif::ProgressBar::new(total);
+    let mut ok = 0usize;
+    let mut buf = vec![0u8; 8 << 20];
+    for (want, f) in &list {
+        let path = dir.join(f);
+        let Ok(mut file) = File::open(&path) else {
+            r.problems
+                .push(format!("{f}: listed in {SUMS_FILE} but cannot be opened"));
+            continue;
+        };
+        let mut h = Sha256::new();
+        let res = loop {
+            match file.read(&mut buf) {
+                Ok(0) => break Ok(()),
+                Ok(n) => {
+                    h.update(&buf[..n]);
+                    bar.inc(n as u64);
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        if let Err(e) = res {
+            r.problems
+                .push(format!("{f}: read error while hashing: {e}"));
+            continue;
+        }
+        let got: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        if &got == want {
+            ok += 1;
+        } else {
+            r.problems.push(format!(
+                "{f}: sha256 mismatch (content differs from {SUMS_FILE}; re-download this file)"
+            ));
+        }
+    }
+    bar.finish_and_clear();
+    let listed: BTreeSet<&str> = list.iter().map(|(_, f)| f.as_str()).collect();
+    let unlisted: Vec<String> = shards
+        .iter()
+        .filter(|s| !listed.contains(s.as_str()))
+        .cloned()
+        .collect();
+    r.lines.push(format!(
+        "hashes : {ok} of {} files in {SUMS_FILE} match",
+        list.len()
+    ));
+    if !unlisted.is_empty() {
+        r.lines.push(format!(
+            "hashes : {} shard(s) not listed in {SUMS_FILE}, not hashed: {}",
+            unlisted.len(),
+            first_few(&unlisted)
+        ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_numbers() {
+        assert_eq!(
+            shard_number("model-00003-of-000096.safetensors"),
+            Some((3, 96, 5, 6))
+        );
+        assert_eq!(shard_number("model.safetensors"), None);
+        assert_eq!(shard_number("model-x-of-2.safetensors"), None);
+    }
+
+    #[test]
+    fn sums_format() {
+        let h = "a".repeat(64);
+        let l = parse_sums(&format!("{h}  f1\n{h} *f2\n\n")).unwrap();
+        assert_eq!(l, vec![(h.clone(), "f1".into()), (h, "f2".into())]);
+        assert!(parse_sums("zz  f").is_err());
+    }
 }

@@ -61,3 +61,27 @@ pub fn shard_names(dir: &Path) -> Vec<String> {
     v.sort();
     v
 }
+
+/// Write a safetensors file with the given (name, dtype, shape, data offsets) entries and
+/// `data_len` bytes of data (byte i = i % 251), header in the given order.
+pub fn write_safetensors(
+    path: &Path,
+    entries: &[(&str, &str, Vec<usize>, [u64; 2])],
+    data_len: usize,
+) {
+    let mut m = serde_json::Map::new();
+    for (n, d, s, o) in entries {
+        m.insert(
+            n.to_string(),
+            serde_json::json!({"dtype": d, "shape": s, "data_offsets": o}),
+        );
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(m)).unwrap();
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend((0..data_len).map(|i| (i % 251) as u8));
+    std::fs::write(path, out).unwrap();
+}

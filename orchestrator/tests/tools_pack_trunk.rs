@@ -1,0 +1,288 @@
+//! `k3-orch pack-trunk`: one aligned run per layer, byte-identical to the source, atomic,
+//! resumable, verifiable, and refusing layouts it cannot pack as runs.
+
+mod tools_common;
+
+use std::path::Path;
+
+use k3_protocol::trunk::TrunkManifest;
+use tools_common::{fixtures, header, k3, k3_ok, tensor_bytes, write_safetensors};
+
+/// The non-routed-expert tensors of layer `l` in a fixture shard, read with the test's own
+/// header parser: (name, data-relative begin, end), sorted by offset.
+fn fixture_trunk(shard: &Path, l: usize) -> Vec<(String, u64, u64)> {
+    let (_, h) = header(shard);
+    let prefix = format!("language_model.model.layers.{l}.");
+    let mut v: Vec<(String, u64, u64)> = h
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(n, _)| n.starts_with(&prefix) && !n.contains(".block_sparse_moe.experts."))
+        .map(|(n, e)| {
+            let o = &e["data_offsets"];
+            (n.clone(), o[0].as_u64().unwrap(), o[1].as_u64().unwrap())
+        })
+        .collect();
+    v.sort_by_key(|x| x.1);
+    v
+}
+
+/// Pack the tiny-mxfp4 fixture (written by another tool): every layer's run must hold
+/// exactly the fixture's bytes of its trunk tensors, at a 4096-aligned offset, followed by
+/// zeros. A packer that copied the aligned source window (dragging neighbour bytes in),
+/// mixed in shared-vs-routed experts, or misaligned the tail fails.
+#[test]
+fn packs_the_fixture_byte_for_byte() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let trunk = tmp.path().join("t");
+    let out = k3_ok(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        trunk.to_str().unwrap(),
+    ]);
+    assert!(out.contains("largest layer run"), "{out}");
+    let m = TrunkManifest::load_dir(&trunk).unwrap();
+    assert_eq!(m.layers.len(), 13);
+    let bin = std::fs::read(trunk.join("trunk.bin")).unwrap();
+    assert_eq!(bin.len() as u64, m.file_size);
+    let mut largest = (0u64, 0usize);
+    for l in 0..13 {
+        let shard = model.join(format!("model-{:05}-of-000014.safetensors", l + 1));
+        let want = fixture_trunk(&shard, l);
+        let ml = &m.layers[l];
+        assert_eq!(ml.offset % 4096, 0);
+        assert_eq!(ml.tensors.len(), want.len(), "layer {l}");
+        let span = want.last().unwrap().2 - want[0].1;
+        assert_eq!(ml.length, span, "layer {l}");
+        if span > largest.0 {
+            largest = (span, l);
+        }
+        for (t, (name, _, _)) in ml.tensors.iter().zip(&want) {
+            assert_eq!(&t.name, name);
+            let got =
+                &bin[(ml.offset + t.offset) as usize..(ml.offset + t.offset + t.len) as usize];
+            assert_eq!(
+                got,
+                &tensor_bytes(&shard, name)[..],
+                "layer {l} tensor {name}"
+            );
+        }
+        let pad = &bin[(ml.offset + ml.length) as usize..(ml.offset + ml.padded_length) as usize];
+        assert!(pad.iter().all(|&b| b == 0), "layer {l} padding");
+    }
+    assert_eq!((m.max_run, m.max_run_layer), largest);
+    // trunk_total = the fixture's non-expert layer bytes.
+    let total: u64 = m.layers.iter().map(|l| l.length).sum();
+    assert_eq!(m.total_bytes, total);
+
+    // Re-run: nothing to do; --verify re-reads and passes.
+    let (code, _, err) = k3(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        trunk.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0);
+    assert!(err.contains("nothing to pack"), "{err}");
+    let out = k3_ok(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        trunk.to_str().unwrap(),
+        "--verify",
+    ]);
+    assert!(out.contains("verify: OK"), "{out}");
+
+    // Same-size corruption of one layer's bytes is caught by --verify and named.
+    let mut bad = bin.clone();
+    let at = (m.layers[4].offset + 100) as usize;
+    bad[at] ^= 0xff;
+    std::fs::write(trunk.join("trunk.bin"), &bad).unwrap();
+    let (code, _, err) = k3(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        trunk.to_str().unwrap(),
+        "--verify",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("layer 4: sha256 mismatch"), "{err}");
+}
+
+/// synth -> verify -> pack-trunk -> --verify, the whole tool chain on a fresh model.
+#[test]
+fn synth_verify_pack_chain() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    let trunk = tmp.path().join("t");
+    k3_ok(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--seed",
+        "11",
+        model.to_str().unwrap(),
+    ]);
+    k3_ok(&["verify", model.to_str().unwrap()]);
+    let out = k3_ok(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        trunk.to_str().unwrap(),
+        "--verify",
+    ]);
+    assert!(out.contains("verify: OK"), "{out}");
+}
+
+/// An interrupted pack resumes after its last journaled layer, and the result is
+/// byte-identical to an uninterrupted pack. A leftover data file with no journal, or a
+/// journal of another plan, restarts. No trunk.json exists while unfinished.
+#[test]
+fn interrupted_pack_resumes_or_restarts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let m = model.to_str().unwrap();
+    let clean = tmp.path().join("clean");
+    k3_ok(&["pack-trunk", m, clean.to_str().unwrap()]);
+    let want_bin = std::fs::read(clean.join("trunk.bin")).unwrap();
+    let want_json = std::fs::read(clean.join("trunk.json")).unwrap();
+
+    let t = tmp.path().join("t");
+    let ts = t.to_str().unwrap();
+    let (code, _, _) = k3(&["pack-trunk", m, ts, "--stop-after-layers", "5"]);
+    assert_eq!(code, 1);
+    assert!(
+        !t.join("trunk.json").exists(),
+        "unfinished trunk must not look complete"
+    );
+    assert!(!t.join("trunk.bin").exists());
+    assert!(t.join("trunk.bin.partial").exists() && t.join("trunk.partial.json").exists());
+    let (code, _, err) = k3(&["pack-trunk", m, ts]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("resuming: 5 of 13 layers"), "{err}");
+    assert_eq!(std::fs::read(t.join("trunk.bin")).unwrap(), want_bin);
+    assert_eq!(std::fs::read(t.join("trunk.json")).unwrap(), want_json);
+    assert!(!t.join("trunk.partial.json").exists());
+
+    // Garbage data file, no journal: start over.
+    let g = tmp.path().join("g");
+    std::fs::create_dir(&g).unwrap();
+    std::fs::write(g.join("trunk.bin.partial"), vec![0xAB; 1 << 20]).unwrap();
+    let (code, _, err) = k3(&["pack-trunk", m, g.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("starting over"), "{err}");
+    assert_eq!(std::fs::read(g.join("trunk.bin")).unwrap(), want_bin);
+
+    // A journal of another plan: start over (resuming would mix two checkpoints).
+    let j = tmp.path().join("j");
+    k3(&[
+        "pack-trunk",
+        m,
+        j.to_str().unwrap(),
+        "--stop-after-layers",
+        "3",
+    ]);
+    let jp = j.join("trunk.partial.json");
+    let text = std::fs::read_to_string(&jp).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["plan_sha256"] = serde_json::json!("0".repeat(64));
+    std::fs::write(&jp, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (code, _, err) = k3(&["pack-trunk", m, j.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("another checkpoint or layout: starting over"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(j.join("trunk.bin")).unwrap(), want_bin);
+
+    // A complete trunk of another checkpoint in TRUNK_DIR is replaced, not trusted.
+    let other = tmp.path().join("other");
+    k3_ok(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--experts",
+        "6",
+        other.to_str().unwrap(),
+    ]);
+    let (code, _, err) = k3(&["pack-trunk", other.to_str().unwrap(), ts]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("another checkpoint"), "{err}");
+    let mo = TrunkManifest::load_dir(&t).unwrap();
+    assert_ne!(std::fs::read(t.join("trunk.bin")).unwrap(), want_bin);
+    assert_eq!(mo.layers.len(), 13);
+}
+
+/// Layouts that cannot be packed as one run per layer are refused (exit 2) with the reason:
+/// a routed expert between two trunk tensors (the gap in bytes is named), a layer split
+/// over two shards.
+#[test]
+fn refuses_non_contiguous_and_split_layers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("gap");
+    std::fs::create_dir(&a).unwrap();
+    write_safetensors(
+        &a.join("model.safetensors"),
+        &[
+            (
+                "language_model.model.layers.0.input_layernorm.weight",
+                "BF16",
+                vec![8],
+                [0, 16],
+            ),
+            (
+                "language_model.model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                "BF16",
+                vec![4, 4],
+                [16, 48],
+            ),
+            (
+                "language_model.model.layers.0.post_attention_layernorm.weight",
+                "BF16",
+                vec![8],
+                [48, 64],
+            ),
+        ],
+        64,
+    );
+    let (code, _, err) = k3(&[
+        "pack-trunk",
+        a.to_str().unwrap(),
+        tmp.path().join("t1").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("layer 0 is not contiguous"), "{err}");
+    assert!(err.contains("32 bytes of gap"), "{err}");
+
+    let b = tmp.path().join("split");
+    std::fs::create_dir(&b).unwrap();
+    let n1 = "language_model.model.layers.0.input_layernorm.weight";
+    let n2 = "language_model.model.layers.0.post_attention_layernorm.weight";
+    write_safetensors(
+        &b.join("s1.safetensors"),
+        &[(n1, "BF16", vec![8], [0, 16])],
+        16,
+    );
+    write_safetensors(
+        &b.join("s2.safetensors"),
+        &[(n2, "BF16", vec![8], [0, 16])],
+        16,
+    );
+    let idx = serde_json::json!({
+        "metadata": {"total_size": 32},
+        "weight_map": {n1: "s1.safetensors", n2: "s2.safetensors"}
+    });
+    std::fs::write(
+        b.join("model.safetensors.index.json"),
+        serde_json::to_vec(&idx).unwrap(),
+    )
+    .unwrap();
+    let (code, _, err) = k3(&[
+        "pack-trunk",
+        b.to_str().unwrap(),
+        tmp.path().join("t2").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("layer 0 spans 2 shards"), "{err}");
+    assert!(!tmp.path().join("t2/trunk.json").exists());
+
+    let (code, _, _) = k3(&["pack-trunk", a.to_str().unwrap()]);
+    assert_eq!(code, 2, "usage error");
+}

@@ -1,0 +1,185 @@
+//! `k3-orch verify`: a whole checkpoint passes; a truncated shard, a missing shard, an index
+//! that disagrees with the headers and same-size corruption (with SHA256SUMS) are each
+//! named and exit 1.
+
+mod tools_common;
+
+use std::path::Path;
+
+use tools_common::{fixtures, k3, k3_ok};
+
+fn copy_fixture(to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(fixtures().join("tiny-mxfp4/sharded")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+fn shard(i: usize) -> String {
+    format!("model-{i:05}-of-000014.safetensors")
+}
+
+#[test]
+fn fixtures_pass() {
+    let sharded = fixtures().join("tiny-mxfp4/sharded");
+    let out = k3_ok(&["verify", sharded.to_str().unwrap()]);
+    assert!(out.contains("shards : 14 of 14 present"), "{out}");
+    assert!(out.contains("total_size 3629312 matches"), "{out}");
+    assert!(out.contains("hashes : NOT CHECKED"), "{out}");
+    assert!(out.contains("RESULT : OK"), "{out}");
+    // The single-file layout too.
+    let single = fixtures().join("tiny-mxfp4");
+    let out = k3_ok(&["verify", single.to_str().unwrap()]);
+    assert!(out.contains("single file"), "{out}");
+}
+
+/// A shard cut short by 100 bytes: named, with the missing byte count. (A verifier that
+/// only summed sizes against total_size would name no shard.)
+#[test]
+fn truncated_shard_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("m");
+    copy_fixture(&d);
+    let p = d.join(shard(5));
+    let len = std::fs::metadata(&p).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
+    let (code, out, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(err.contains(&format!("{}: truncated", shard(5))), "{err}");
+    assert!(err.contains("(100 bytes missing)"), "{err}");
+    assert!(out.contains("RESULT : FAIL"), "{out}");
+
+    // Extra bytes after the data are named too.
+    let q = d.join(shard(6));
+    let mut b = std::fs::read(&q).unwrap();
+    b.extend_from_slice(&[0u8; 8]);
+    std::fs::write(&q, b).unwrap();
+    let (_, _, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert!(err.contains("8 extra bytes after the last tensor"), "{err}");
+}
+
+#[test]
+fn missing_shard_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("m");
+    copy_fixture(&d);
+    std::fs::remove_file(d.join(shard(7))).unwrap();
+    let (code, out, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        err.contains(&format!("missing shard: {}", shard(7))),
+        "{err}"
+    );
+    assert!(out.contains("13 of 14 present"), "{out}");
+}
+
+/// A shard the index forgot entirely (its file gone too) is still found through the
+/// `-of-N` numbering.
+#[test]
+fn shard_missing_from_index_and_disk_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("m");
+    copy_fixture(&d);
+    let ip = d.join("model.safetensors.index.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&ip).unwrap()).unwrap();
+    let last = shard(14);
+    v["weight_map"]
+        .as_object_mut()
+        .unwrap()
+        .retain(|_, f| f.as_str() != Some(last.as_str()));
+    let size14 = 131840u64; // payload of shard 14 in the fixture (header says so)
+    let ts = v["metadata"]["total_size"].as_u64().unwrap() - size14;
+    v["metadata"]["total_size"] = ts.into();
+    std::fs::write(&ip, serde_json::to_vec(&v).unwrap()).unwrap();
+    std::fs::remove_file(d.join(&last)).unwrap();
+    let (code, _, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains(&format!(
+        "missing shard: {last} (implied by the -of-N numbering"
+    )));
+}
+
+/// The index disagrees with the headers: a wrong total_size; a tensor dropped from the
+/// weight_map; a tensor mapped to the wrong shard.
+#[test]
+fn index_mismatch_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("m");
+    copy_fixture(&d);
+    let ip = d.join("model.safetensors.index.json");
+    let orig: serde_json::Value = serde_json::from_slice(&std::fs::read(&ip).unwrap()).unwrap();
+
+    let mut v = orig.clone();
+    v["metadata"]["total_size"] = (3629312u64 + 1).into();
+    std::fs::write(&ip, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (code, _, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("total_size is 3629313 but the shards hold 3629312"),
+        "{err}"
+    );
+
+    let name = "language_model.model.layers.2.self_attn.q_proj.weight";
+    let mut v = orig.clone();
+    v["weight_map"].as_object_mut().unwrap().remove(name);
+    std::fs::write(&ip, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (code, _, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("missing from the index's weight_map"), "{err}");
+    assert!(err.contains(name), "{err}");
+
+    let mut v = orig.clone();
+    v["weight_map"][name] = shard(4).into();
+    std::fs::write(&ip, serde_json::to_vec(&v).unwrap()).unwrap();
+    let (code, _, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains(&format!(
+            "{name} is here but the index maps it to {}",
+            shard(4)
+        )),
+        "{err}"
+    );
+}
+
+/// Same-size corruption: invisible to sizes (verify says hashes were not checked), caught
+/// and named once SHA256SUMS is present.
+#[test]
+fn corrupted_bytes_need_and_use_sha256sums() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("m");
+    k3_ok(&["synth", "--shape", "tiny", "--sums", d.to_str().unwrap()]);
+    let out = k3_ok(&["verify", d.to_str().unwrap()]);
+    assert!(
+        out.contains("hashes : 16 of 16 files in SHA256SUMS match"),
+        "{out}"
+    );
+
+    let p = d.join(shard(3));
+    let mut b = std::fs::read(&p).unwrap();
+    let n = b.len();
+    b[n - 10] ^= 0x55;
+    std::fs::write(&p, &b).unwrap();
+    let (code, _, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(&format!("{}: sha256 mismatch", shard(3))),
+        "{err}"
+    );
+
+    std::fs::rename(d.join("SHA256SUMS"), tmp.path().join("sums")).unwrap();
+    let out = k3_ok(&["verify", d.to_str().unwrap()]);
+    assert!(out.contains("hashes : NOT CHECKED"), "{out}");
+}
+
+#[test]
+fn usage_errors() {
+    assert_eq!(k3(&["verify"]).0, 2);
+    assert_eq!(k3(&["verify", "/nonexistent/k3/model"]).0, 2);
+}
