@@ -518,6 +518,46 @@ fn check_close(h: &dyn Harness) {
     }
 }
 
+/// Peer killed at an arbitrary moment in a busy two-way stream (5 different moments):
+/// every frame that arrives is intact and in order, and the stream ends with `PeerDied`
+/// (never `Corrupt`, never a hang or `Timeout`). Catches: publishing `head` before the frame
+/// is fully written (a torn frame after a kill), and death checks that only run when idle.
+fn check_death_midstream(h: &dyn Harness) {
+    for round in 0..5u32 {
+        let (mut t, mut peer) = h.start(Script::Echo, cfg_small());
+        let kill_after = 50 + round * 173;
+        let size = |i: u32| ((i as usize * 53) % 200).max(4);
+        let (mut sent, mut got) = (0u32, 0u32);
+        let end = loop {
+            if got == kill_after {
+                peer.kill();
+            }
+            match t.send_bytes(&numbered(sent, size(sent)), Some(Duration::ZERO)) {
+                Ok(()) => {
+                    sent += 1;
+                    continue;
+                }
+                Err(TransportError::Timeout) => {}
+                Err(e) => break e,
+            }
+            match t.recv_bytes(Some(Duration::from_secs(5))) {
+                Ok(f) => {
+                    assert_eq!(f, numbered(got, size(got)), "{}: frame {got}", h.name());
+                    got += 1;
+                }
+                Err(e) => break e,
+            }
+        };
+        assert!(
+            matches!(end, TransportError::PeerDied(_)),
+            "{}: round {round}: stream ended with {end:?} after {got} frames",
+            h.name()
+        );
+        assert!(got >= kill_after);
+        peer.finish();
+    }
+}
+
 fn suite(h: &dyn Harness) {
     check_order_and_wrap(h);
     check_back_pressure(h);
@@ -526,6 +566,7 @@ fn suite(h: &dyn Harness) {
     check_death_recv(h);
     check_death_send(h);
     check_close(h);
+    check_death_midstream(h);
 }
 
 #[test]
