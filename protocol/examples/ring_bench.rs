@@ -13,12 +13,13 @@ use std::time::{Duration, Instant};
 use k3_protocol::control::{self, ChildOptions, ControlSocket};
 use k3_protocol::messages::{Msg, RegionRole, Stage};
 use k3_protocol::ring::{PeerWatch, RingConfig};
-use k3_protocol::shm::{Access, Region};
+use k3_protocol::shm::{Access, Handle, Region};
 use k3_protocol::transport::{InProcTransport, ShmTransport, Side, Transport, TransportError};
 
 const PEER_ENV: &str = "K3_RING_BENCH_PEER";
 const T: Option<Duration> = Some(Duration::from_secs(60));
 const STOP: &[u8] = b"\0stop";
+const FETCHER: &[u8] = b"\0fetcher";
 
 fn tuning() -> RingConfig {
     let mut c = RingConfig::new(1024, 256);
@@ -47,6 +48,7 @@ fn serve(t: &mut dyn Transport) {
                 t.send_bytes(&count.to_le_bytes(), T).unwrap();
                 count = 0;
             }
+            Ok(f) if f == FETCHER => fetcher(t),
             Ok(f) if f.first() == Some(&b'E') => t.send_bytes(&f, T).unwrap(),
             Ok(_) => count += 1,
             Err(TransportError::Closed) => return,
@@ -55,11 +57,77 @@ fn serve(t: &mut dyn Transport) {
     }
 }
 
+/// Play expert-fetcher: answer each `Experts` with one `ExpertReady` per id and an
+/// `ExpertBatchDone`, until `Shutdown`.
+fn fetcher(t: &mut dyn Transport) {
+    loop {
+        match t.recv(T).unwrap() {
+            Msg::Experts {
+                pass, layer, ids, ..
+            } => {
+                for (i, id) in ids.iter().enumerate() {
+                    let handle = Handle {
+                        region: 9,
+                        offset: i as u64 * 17_547_264,
+                        len: 17_547_264,
+                        generation: 1,
+                    };
+                    t.send(
+                        &Msg::ExpertReady {
+                            pass,
+                            layer,
+                            id: *id,
+                            handle,
+                        },
+                        T,
+                    )
+                    .unwrap();
+                }
+                let done = Msg::ExpertBatchDone {
+                    pass,
+                    layer,
+                    requests: ids.len() as u64,
+                    resident_hits: 0,
+                    failed: 0,
+                    read_bytes: 0,
+                    io_seconds: 0.0,
+                };
+                t.send(&done, T).unwrap();
+            }
+            Msg::Shutdown => return,
+            m => panic!("fetcher: unexpected {m:?}"),
+        }
+    }
+}
+
+/// Microseconds per simulated layer exchange: `Experts{16 ids}` out, 17 typed replies in.
+fn layer_exchange(t: &mut dyn Transport, layers: usize) -> f64 {
+    t.send_bytes(FETCHER, T).unwrap();
+    let t0 = Instant::now();
+    for l in 0..layers {
+        let ids: Vec<u32> = (0..16).map(|i| (i * 56 + l as u32) % 896).collect();
+        let m = Msg::Experts {
+            pass: 1,
+            layer: l as u32,
+            ids,
+            hint_next: vec![],
+        };
+        t.send(&m, T).unwrap();
+        for _ in 0..17 {
+            t.recv(T).unwrap();
+        }
+    }
+    let us = t0.elapsed().as_secs_f64() * 1e6 / layers as f64;
+    t.send(&Msg::Shutdown, T).unwrap();
+    us
+}
+
 struct Stats {
     rtt_mean_us: f64,
     rtt_p50_us: f64,
     rtt_p99_us: f64,
     thr: Vec<(usize, f64, f64)>, // (size, msgs/s, MB/s)
+    layer_us: f64,
 }
 
 fn measure(t: &mut dyn Transport, rtt_iters: usize, stream_bytes: usize, sizes: &[usize]) -> Stats {
@@ -97,7 +165,9 @@ fn measure(t: &mut dyn Transport, rtt_iters: usize, stream_bytes: usize, sizes: 
         assert_eq!(u64::from_le_bytes(ack[..8].try_into().unwrap()), n as u64);
         thr.push((size, n as f64 / dt, (n * size) as f64 / dt / 1e6));
     }
+    let layer_us = layer_exchange(t, rtt_iters / 4);
     Stats {
+        layer_us,
         rtt_mean_us: mean,
         rtt_p50_us: lat[lat.len() / 2],
         rtt_p99_us: lat[lat.len() * 99 / 100],
@@ -247,7 +317,7 @@ fn main() {
     for s in sizes {
         print!(" {:>20}", format!("{} B msgs/s (MB/s)", s));
     }
-    println!();
+    println!(" {:>12}", "layer xchg");
     for (name, s) in &rows {
         print!(
             "{:<28} {:>7.2}us {:>7.2}us {:>7.2}us",
@@ -256,6 +326,6 @@ fn main() {
         for (_, mps, mbs) in &s.thr {
             print!(" {:>20}", format!("{:.0} ({:.0})", mps, mbs));
         }
-        println!();
+        println!(" {:>10.1}us", s.layer_us);
     }
 }
