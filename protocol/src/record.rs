@@ -22,6 +22,7 @@
 //! A recording cut short by a crash is still readable up to the last whole entry:
 //! [`Recording::complete`] says whether the end marker was seen.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -439,5 +440,201 @@ impl<T: Transport> Transport for RecordingTransport<T> {
     }
     fn peer_dead(&self) -> bool {
         self.inner.peer_dead()
+    }
+}
+
+impl Recording {
+    /// Channel names that appear in the recording, in order of first appearance.
+    pub fn channels(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for e in &self.entries {
+            if let Entry::Inbound { channel, .. } | Entry::Outbound { channel, .. } = e {
+                if !out.contains(channel) {
+                    out.push(channel.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Frames of one direction on one channel, in order.
+    pub fn frames(&self, channel: &str, inbound: bool) -> Vec<Vec<u8>> {
+        self.entries
+            .iter()
+            .filter_map(|e| match e {
+                Entry::Inbound { channel: c, frame } if inbound && c == channel => {
+                    Some(frame.clone())
+                }
+                Entry::Outbound { channel: c, frame } if !inbound && c == channel => {
+                    Some(frame.clone())
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The shared-buffer reads, in order, for [`BufferCheck`].
+    pub fn buffer_reads(&self) -> BufferCheck {
+        BufferCheck {
+            reads: self
+                .entries
+                .iter()
+                .filter_map(|e| match e {
+                    Entry::BufferRead {
+                        handle,
+                        sha256,
+                        bytes,
+                    } => Some((*handle, *sha256, bytes.clone())),
+                    _ => None,
+                })
+                .collect(),
+            seen: 0,
+        }
+    }
+}
+
+fn first_difference(a: &[u8], b: &[u8]) -> usize {
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x != y)
+        .unwrap_or(a.len().min(b.len()))
+}
+
+/// A transport that plays back one channel of a recording for `k3-orch replay`: `recv`
+/// returns the recorded inbound frames in order (then `Closed`), and `send` compares every
+/// outbound frame byte for byte with the recorded one, failing with
+/// [`TransportError::Replay`] at the first difference.
+#[derive(Debug)]
+pub struct ReplayTransport {
+    channel: String,
+    inbound: VecDeque<Vec<u8>>,
+    expected: VecDeque<Vec<u8>>,
+    received: usize,
+    sent: usize,
+}
+
+impl ReplayTransport {
+    /// Play back `channel` of `rec`.
+    pub fn new(rec: &Recording, channel: &str) -> Self {
+        ReplayTransport {
+            channel: channel.to_string(),
+            inbound: rec.frames(channel, true).into(),
+            expected: rec.frames(channel, false).into(),
+            received: 0,
+            sent: 0,
+        }
+    }
+
+    /// After the replayed stage finished: every recorded outbound frame must have been
+    /// produced (and every inbound frame consumed).
+    pub fn finish(&self) -> Result<(), TransportError> {
+        if !self.expected.is_empty() {
+            return Err(TransportError::Replay(format!(
+                "channel {}: the stage sent {} frames but the recording has {} more",
+                self.channel,
+                self.sent,
+                self.expected.len()
+            )));
+        }
+        if !self.inbound.is_empty() {
+            return Err(TransportError::Replay(format!(
+                "channel {}: the stage stopped reading after {} frames; {} recorded frames were never read",
+                self.channel,
+                self.received,
+                self.inbound.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Transport for ReplayTransport {
+    fn send_bytes(
+        &mut self,
+        frame: &[u8],
+        _timeout: Option<Duration>,
+    ) -> Result<(), TransportError> {
+        let n = self.sent;
+        let Some(want) = self.expected.pop_front() else {
+            return Err(TransportError::Replay(format!(
+                "channel {}: outbound frame {n} was not in the recording (it has {n} frames)",
+                self.channel
+            )));
+        };
+        self.sent += 1;
+        if want != frame {
+            return Err(TransportError::Replay(format!(
+                "channel {}: outbound frame {n} differs from the recording at byte {} ({} bytes sent, {} recorded)",
+                self.channel,
+                first_difference(frame, &want),
+                frame.len(),
+                want.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn recv_bytes(&mut self, _timeout: Option<Duration>) -> Result<Vec<u8>, TransportError> {
+        let f = self.inbound.pop_front().ok_or(TransportError::Closed)?;
+        self.received += 1;
+        Ok(f)
+    }
+
+    fn max_message(&self) -> usize {
+        crate::messages::MAX_MESSAGE_BYTES
+    }
+
+    fn peer_dead(&self) -> bool {
+        false
+    }
+}
+
+/// Checks, during a replay, that the stage reads the same shared buffers with the same
+/// contents, in the same order, as when it was recorded.
+#[derive(Debug)]
+pub struct BufferCheck {
+    reads: Vec<(Handle, [u8; 32], Option<Vec<u8>>)>,
+    seen: usize,
+}
+
+impl BufferCheck {
+    /// The recorded bytes of read `i` (when the recording kept bytes), to rebuild regions.
+    pub fn recorded(&self) -> impl Iterator<Item = (&Handle, Option<&[u8]>)> {
+        self.reads.iter().map(|(h, _, b)| (h, b.as_deref()))
+    }
+
+    /// The stage read `bytes` through `handle`: it must be the next recorded read.
+    pub fn check(&mut self, handle: &Handle, bytes: &[u8]) -> Result<(), TransportError> {
+        let i = self.seen;
+        let Some((h, sha, _)) = self.reads.get(i) else {
+            return Err(TransportError::Replay(format!(
+                "buffer read {i} ({handle:?}) was not in the recording ({} reads)",
+                self.reads.len()
+            )));
+        };
+        self.seen += 1;
+        if h != handle {
+            return Err(TransportError::Replay(format!(
+                "buffer read {i}: handle {handle:?}, recorded {h:?}"
+            )));
+        }
+        if sha256(bytes) != *sha {
+            return Err(TransportError::Replay(format!(
+                "buffer read {i} ({handle:?}): contents differ from the recording (SHA-256)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Every recorded read happened.
+    pub fn finish(&self) -> Result<(), TransportError> {
+        if self.seen != self.reads.len() {
+            return Err(TransportError::Replay(format!(
+                "the stage made {} buffer reads; the recording has {}",
+                self.seen,
+                self.reads.len()
+            )));
+        }
+        Ok(())
     }
 }

@@ -52,6 +52,8 @@ pub enum TransportError {
     Io(String),
     #[error("message encoding: {0}")]
     Codec(String),
+    #[error("replay: {0}")]
+    Replay(String),
 }
 
 /// A bidirectional message link between two stages.
