@@ -26,6 +26,8 @@ use std::fmt;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::Deserialize;
@@ -148,6 +150,30 @@ struct Rec {
     dtype: u8,
 }
 
+/// A small fast hasher (FxHash) for the build-time string maps; inputs are tensor names
+/// and templates, and a collision-heavy input only costs time.
+#[derive(Default, Clone, Copy)]
+struct FxHasher(u64);
+
+impl std::hash::Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        const K: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+            self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(K);
+        }
+        for &b in chunks.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(K);
+        }
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FxBuild = std::hash::BuildHasherDefault<FxHasher>;
+
 /// Placeholder for a numeric component inside a template. Names containing it are interned
 /// whole, so a template can never be confused with a literal name.
 const PH: char = '\0';
@@ -214,9 +240,12 @@ impl NameTable {
     }
 
     fn key_of(&self, name: &str) -> Option<Key> {
-        let mut buf = String::with_capacity(name.len());
-        match templatize(name, &mut buf) {
-            Some((a, b)) => self.find(&self.templates, &buf).map(|id| Key { id, a, b }),
+        self.key_of_with(name, &mut String::with_capacity(name.len()))
+    }
+
+    fn key_of_with(&self, name: &str, buf: &mut String) -> Option<Key> {
+        match templatize(name, buf) {
+            Some((a, b)) => self.find(&self.templates, buf).map(|id| Key { id, a, b }),
             None => self
                 .find(&self.literals, name)
                 .map(|id| Key { id, a: 0, b: 0 }),
@@ -252,29 +281,43 @@ impl NameTable {
 #[derive(Default)]
 struct NameBuilder {
     strings: Vec<Box<str>>,
-    templates: HashMap<Box<str>, u32>,
-    literals: HashMap<Box<str>, u32>,
+    literal: Vec<bool>,
+    templates: HashMap<Box<str>, u32, FxBuild>,
+    literals: HashMap<Box<str>, u32, FxBuild>,
     buf: String,
 }
 
 impl NameBuilder {
     fn key(&mut self, name: &str) -> Result<Key, String> {
-        let (map, s, a, b) = match templatize(name, &mut self.buf) {
-            Some((a, b)) => (&mut self.templates, self.buf.as_str(), a, b),
-            None => (&mut self.literals, name, 0, 0),
+        let mut buf = std::mem::take(&mut self.buf);
+        let r = match templatize(name, &mut buf) {
+            Some((a, b)) => self.intern(&buf, false).map(|id| Key { id, a, b }),
+            None => self.intern(name, true).map(|id| Key { id, a: 0, b: 0 }),
+        };
+        self.buf = buf;
+        r
+    }
+
+    /// Id of template (or, with `literal`, whole name) `s`, adding it if new.
+    fn intern(&mut self, s: &str, literal: bool) -> Result<u32, String> {
+        let map = if literal {
+            &mut self.literals
+        } else {
+            &mut self.templates
         };
         if let Some(&id) = map.get(s) {
-            return Ok(Key { id, a, b });
+            return Ok(id);
         }
         let id = u32::try_from(self.strings.len())
             .map_err(|_| "too many distinct tensor names".to_string())?;
         self.strings.push(s.into());
+        self.literal.push(literal);
         map.insert(s.into(), id);
-        Ok(Key { id, a, b })
+        Ok(id)
     }
 
     fn finish(self) -> NameTable {
-        let sort = |m: HashMap<Box<str>, u32>| {
+        let sort = |m: HashMap<Box<str>, u32, FxBuild>| {
             let mut v: Vec<(Box<str>, u32)> = m.into_iter().collect();
             v.sort_unstable();
             let mut ids: Vec<u32> = v.into_iter().map(|(_, id)| id).collect();
@@ -283,10 +326,8 @@ impl NameBuilder {
         };
         let mut strings = self.strings;
         strings.shrink_to_fit();
-        let mut literal = vec![false; strings.len()];
-        for &id in self.literals.values() {
-            literal[id as usize] = true;
-        }
+        let mut literal = self.literal;
+        literal.shrink_to_fit();
         NameTable {
             strings,
             templates: sort(self.templates),
@@ -324,7 +365,7 @@ impl fmt::Debug for Catalog {
 struct RawTensor<'a> {
     name: Cow<'a, str>,
     dtype: Cow<'a, str>,
-    shape: Vec<u64>,
+    shape: ShapeBuf,
     begin: u64,
     end: u64,
 }
@@ -333,8 +374,53 @@ struct RawTensor<'a> {
 struct RawInfo<'a> {
     #[serde(borrow)]
     dtype: Cow<'a, str>,
-    shape: Vec<u64>,
+    shape: ShapeBuf,
     data_offsets: (u64, u64),
+}
+
+/// A shape read without a heap allocation for rank <= 6.
+enum ShapeBuf {
+    Inline([u64; 6], u8),
+    Heap(Vec<u64>),
+}
+
+impl ShapeBuf {
+    fn as_slice(&self) -> &[u64] {
+        match self {
+            ShapeBuf::Inline(a, n) => &a[..*n as usize],
+            ShapeBuf::Heap(v) => v,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ShapeBuf {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ShapeBuf;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a shape: an array of non-negative integers")
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<ShapeBuf, A::Error> {
+                let mut a = [0u64; 6];
+                let mut n = 0usize;
+                while let Some(d) = seq.next_element::<u64>()? {
+                    if n == 6 {
+                        let mut v = a.to_vec();
+                        v.push(d);
+                        while let Some(d) = seq.next_element::<u64>()? {
+                            v.push(d);
+                        }
+                        return Ok(ShapeBuf::Heap(v));
+                    }
+                    a[n] = d;
+                    n += 1;
+                }
+                Ok(ShapeBuf::Inline(a, n as u8))
+            }
+        }
+        d.deserialize_seq(V)
+    }
 }
 
 /// A map key as a borrowed string when it has no escapes.
@@ -458,7 +544,7 @@ fn read_header_bytes(path: &Path) -> Result<(u64, u64, Vec<u8>), CatalogError> {
 /// Interns shapes during the build.
 #[derive(Default)]
 struct ShapeBuilder {
-    ids: HashMap<Vec<usize>, u32>,
+    ids: HashMap<Vec<usize>, u32, FxBuild>,
     shapes: Vec<Box<[usize]>>,
 }
 
@@ -474,171 +560,295 @@ impl ShapeBuilder {
     }
 }
 
-struct Builder {
+/// One shard parsed on its own, with shard-local name and shape ids (merged later).
+struct ShardPart {
+    info: ShardInfo,
     names: NameBuilder,
     shapes: ShapeBuilder,
     items: Vec<(Key, Rec)>,
-    shards: Vec<ShardInfo>,
+    digest: NameDigest,
 }
 
-impl Builder {
-    fn new() -> Self {
-        Builder {
-            names: NameBuilder::default(),
-            shapes: ShapeBuilder::default(),
-            items: Vec::new(),
-            shards: Vec::new(),
-        }
+/// A fast 64-bit hash with full avalanche (multiply-xorshift per 8-byte word, murmur3's
+/// finaliser at the end), seeded; not for adversarial inputs.
+fn mix_hash(bytes: &[u8], seed: u64) -> u64 {
+    let fmix = |mut h: u64| {
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^ (h >> 33)
+    };
+    let mut h = seed ^ (bytes.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        h = fmix(h ^ w);
+    }
+    let mut tail = [0u8; 8];
+    tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+    fmix(h ^ u64::from_le_bytes(tail) ^ 0x8000_0000_0000_0000)
+}
+
+/// An order-independent digest of a multiset of names: count and two wrapping sums of
+/// independently seeded 64-bit hashes. Equal digests mean equal multisets except with
+/// probability about 2^-128 for non-adversarial names; used to skip the per-name index
+/// check when the index and the shards agree (a mismatch falls back to the exact check).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct NameDigest {
+    count: u64,
+    s1: u64,
+    s2: u64,
+}
+
+impl NameDigest {
+    fn add(&mut self, name: &str) {
+        self.count += 1;
+        self.s1 = self
+            .s1
+            .wrapping_add(mix_hash(name.as_bytes(), 0x6b33_6361_7461_6c31));
+        self.s2 = self
+            .s2
+            .wrapping_add(mix_hash(name.as_bytes(), 0x9e37_79b9_7f4a_7c15));
     }
 
-    /// Read and validate one shard, appending its tensors.
-    fn add_shard(&mut self, path: &Path) -> Result<(), CatalogError> {
-        let shard = self.shards.len();
-        let shard16 = u16::try_from(shard)
-            .map_err(|_| CatalogError::new(path, None, "more than 65536 shards"))?;
-        let (file_size, n, json) = read_header_bytes(path)?;
-        let raw = parse_header(path, &json)?;
-        let data_start = 8 + n;
-        let data_len = file_size - data_start;
-        let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(raw.len());
-        let mut dims: Vec<usize> = Vec::with_capacity(8);
-        let mut data_end = data_start;
-        self.items.reserve(raw.len());
-        for (i, t) in raw.iter().enumerate() {
-            let err = |msg: String| CatalogError::new(path, Some(&t.name), msg);
-            let dtype = Dtype::parse(&t.dtype)
-                .ok_or_else(|| err(format!("unknown dtype {:?}", t.dtype)))?;
-            dims.clear();
-            let mut numel: u64 = 1;
-            for &d in &t.shape {
-                numel = numel
-                    .checked_mul(d)
-                    .ok_or_else(|| err(format!("shape {:?} has too many elements", t.shape)))?;
-                dims.push(usize::try_from(d).map_err(|_| err(format!("dimension {d} too large")))?);
-            }
-            let bytes = numel
-                .checked_mul(dtype.size() as u64)
-                .ok_or_else(|| err(format!("shape {:?} is too large", t.shape)))?;
-            if t.end < t.begin {
-                return Err(err(format!(
-                    "data_offsets [{}, {}] end before they begin",
-                    t.begin, t.end
-                )));
-            }
-            if t.end - t.begin != bytes {
-                return Err(err(format!(
-                    "data_offsets [{}, {}] hold {} bytes but {dtype} {:?} needs {bytes}",
-                    t.begin,
-                    t.end,
-                    t.end - t.begin,
-                    t.shape
-                )));
-            }
-            if t.end > data_len {
-                return Err(err(format!(
-                    "data_offsets [{}, {}] run past the end of the data section ({data_len} bytes after the \
-                     {n}-byte header; file is {file_size} bytes)",
-                    t.begin, t.end
-                )));
-            }
-            data_end = data_end.max(data_start + t.end);
-            spans.push((t.begin, t.end, i));
-            let key = self.names.key(&t.name).map_err(err)?;
-            let shape = self.shapes.id(&dims);
-            self.items.push((
-                key,
-                Rec {
-                    offset: data_start + t.begin,
-                    shape,
-                    shard: shard16,
-                    dtype: dtype_code(dtype),
-                },
-            ));
+    fn merge(&mut self, o: &NameDigest) {
+        self.count += o.count;
+        self.s1 = self.s1.wrapping_add(o.s1);
+        self.s2 = self.s2.wrapping_add(o.s2);
+    }
+}
+
+/// Read and validate one shard's header.
+fn parse_shard(path: &Path) -> Result<ShardPart, CatalogError> {
+    let (file_size, n, json) = read_header_bytes(path)?;
+    let raw = parse_header(path, &json)?;
+    let data_start = 8 + n;
+    let data_len = file_size - data_start;
+    let mut names = NameBuilder::default();
+    let mut shapes = ShapeBuilder::default();
+    let mut items = Vec::with_capacity(raw.len());
+    let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(raw.len());
+    let mut dims: Vec<usize> = Vec::with_capacity(8);
+    let mut data_end = data_start;
+    let mut digest = NameDigest::default();
+    for (i, t) in raw.iter().enumerate() {
+        let err = |msg: String| CatalogError::new(path, Some(&t.name), msg);
+        let dtype =
+            Dtype::parse(&t.dtype).ok_or_else(|| err(format!("unknown dtype {:?}", t.dtype)))?;
+        dims.clear();
+        let mut numel: u64 = 1;
+        for &d in t.shape.as_slice() {
+            numel = numel.checked_mul(d).ok_or_else(|| {
+                err(format!(
+                    "shape {:?} has too many elements",
+                    t.shape.as_slice()
+                ))
+            })?;
+            dims.push(usize::try_from(d).map_err(|_| err(format!("dimension {d} too large")))?);
         }
-        // Overlap check: sort by begin; a non-empty tensor must start at or after every
-        // earlier tensor's end.
-        spans.sort_unstable();
-        let mut prev: Option<(u64, usize)> = None; // (max end so far, who)
-        for &(b, e, i) in &spans {
-            if let Some((pend, who)) = prev {
-                if e > b && b < pend {
-                    return Err(CatalogError::new(
-                        path,
-                        Some(&raw[i].name),
-                        format!(
-                            "data_offsets [{b}, {e}] overlap tensor {:?} which ends at {pend}",
-                            raw[who].name
-                        ),
-                    ));
-                }
-            }
-            if e > b && prev.map_or(true, |(pend, _)| e > pend) {
-                prev = Some((e, i));
+        let bytes = numel
+            .checked_mul(dtype.size() as u64)
+            .ok_or_else(|| err(format!("shape {:?} is too large", t.shape.as_slice())))?;
+        if t.end < t.begin {
+            return Err(err(format!(
+                "data_offsets [{}, {}] end before they begin",
+                t.begin, t.end
+            )));
+        }
+        if t.end - t.begin != bytes {
+            return Err(err(format!(
+                "data_offsets [{}, {}] hold {} bytes but {dtype} {:?} needs {bytes}",
+                t.begin,
+                t.end,
+                t.end - t.begin,
+                t.shape.as_slice()
+            )));
+        }
+        if t.end > data_len {
+            return Err(err(format!(
+                "data_offsets [{}, {}] run past the end of the data section ({data_len} bytes \
+                 after the {n}-byte header; file is {file_size} bytes)",
+                t.begin, t.end
+            )));
+        }
+        data_end = data_end.max(data_start + t.end);
+        spans.push((t.begin, t.end, i));
+        digest.add(&t.name);
+        let key = names.key(&t.name).map_err(err)?;
+        let shape = shapes.id(&dims);
+        items.push((
+            key,
+            Rec {
+                offset: data_start + t.begin,
+                shape,
+                shard: 0,
+                dtype: dtype_code(dtype),
+            },
+        ));
+    }
+    // Overlap check: sort by begin; a non-empty tensor must start at or after every
+    // earlier tensor's end.
+    spans.sort_unstable();
+    let mut prev: Option<(u64, usize)> = None; // (max end so far, who)
+    for &(b, e, i) in &spans {
+        if let Some((pend, who)) = prev {
+            if e > b && b < pend {
+                return Err(CatalogError::new(
+                    path,
+                    Some(&raw[i].name),
+                    format!(
+                        "data_offsets [{b}, {e}] overlap tensor {:?} which ends at {pend}",
+                        raw[who].name
+                    ),
+                ));
             }
         }
-        self.shards.push(ShardInfo {
+        if e > b && prev.map_or(true, |(pend, _)| e > pend) {
+            prev = Some((e, i));
+        }
+    }
+    Ok(ShardPart {
+        info: ShardInfo {
             path: path.to_path_buf(),
             file_size,
             header_len: n,
             data_start,
             data_end,
             n_tensors: raw.len(),
-        });
-        Ok(())
-    }
+        },
+        names,
+        shapes,
+        items,
+        digest,
+    })
+}
 
-    fn finish(
-        self,
-        source: PathBuf,
-        index_total_size: Option<u64>,
-    ) -> Result<Catalog, CatalogError> {
-        let Builder {
-            names,
-            shapes,
-            mut items,
-            shards,
-        } = self;
-        items.sort_unstable_by_key(|&(k, _)| k);
-        let names = names.finish();
-        for w in items.windows(2) {
-            if w[0].0 == w[1].0 {
-                let (a, b) = (w[0].1.shard as usize, w[1].1.shard as usize);
-                let name = names.name_of(w[0].0);
-                let (first, second) = if a <= b { (a, b) } else { (b, a) };
-                return Err(CatalogError::new(
-                    &shards[second].path,
-                    Some(&name),
-                    format!(
-                        "tensor name appears twice (also in {})",
-                        shards[first].path.display()
-                    ),
-                ));
-            }
-        }
-        let mut keys = Vec::with_capacity(items.len());
-        let mut recs = Vec::with_capacity(items.len());
-        for (k, r) in items {
-            keys.push(k);
-            recs.push(r);
-        }
-        let mut order: Vec<u32> = (0..keys.len() as u32).collect();
-        order.sort_unstable_by_key(|&i| {
-            let r = &recs[i as usize];
-            (r.shard, r.offset, i)
-        });
-        let mut shapes_v = shapes.shapes;
-        shapes_v.shrink_to_fit();
-        Ok(Catalog {
-            source,
-            shards,
-            names,
-            keys,
-            recs,
-            order,
-            shapes: shapes_v,
-            index_total_size,
-        })
+/// Compute `f(0..n)` on up to 16 threads (dynamic scheduling), results in index order.
+fn par_map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let threads = std::thread::available_parallelism()
+        .map(|t| t.get())
+        .unwrap_or(1)
+        .min(16)
+        .min(n);
+    if threads <= 1 {
+        return (0..n).map(f).collect();
     }
+    let next = AtomicUsize::new(0);
+    let slots: Vec<Mutex<Option<R>>> = (0..n).map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                let r = f(i);
+                *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            });
+        }
+    });
+    slots
+        .into_iter()
+        .map(|m| {
+            m.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .expect("every index computed")
+        })
+        .collect()
+}
+
+/// Parse `paths` (in parallel) and merge them into one catalog; shard `i` is `paths[i]`.
+fn build(
+    paths: &[PathBuf],
+    source: PathBuf,
+    index_total_size: Option<u64>,
+) -> Result<(Catalog, Vec<NameDigest>), CatalogError> {
+    if paths.len() > u16::MAX as usize + 1 {
+        return Err(CatalogError::new(
+            &source,
+            None,
+            format!("{} shards is more than 65536", paths.len()),
+        ));
+    }
+    let parts: Vec<Result<ShardPart, CatalogError>> =
+        par_map(paths.len(), |i| parse_shard(&paths[i]));
+    let total: usize = parts
+        .iter()
+        .map(|p| p.as_ref().map_or(0, |p| p.items.len()))
+        .sum();
+    let mut names = NameBuilder::default();
+    let mut shapes = ShapeBuilder::default();
+    let mut items: Vec<(Key, Rec)> = Vec::with_capacity(total);
+    let mut shards = Vec::with_capacity(paths.len());
+    let mut digests = Vec::with_capacity(paths.len());
+    for (si, part) in parts.into_iter().enumerate() {
+        let part = part?;
+        digests.push(part.digest);
+        let path = &part.info.path;
+        let mut name_map = Vec::with_capacity(part.names.strings.len());
+        for (id, st) in part.names.strings.iter().enumerate() {
+            name_map.push(
+                names
+                    .intern(st, part.names.literal[id])
+                    .map_err(|e| CatalogError::new(path, None, e))?,
+            );
+        }
+        let shape_map: Vec<u32> = part.shapes.shapes.iter().map(|s| shapes.id(s)).collect();
+        for (k, mut r) in part.items {
+            r.shard = si as u16;
+            r.shape = shape_map[r.shape as usize];
+            items.push((
+                Key {
+                    id: name_map[k.id as usize],
+                    ..k
+                },
+                r,
+            ));
+        }
+        shards.push(part.info);
+    }
+    items.sort_unstable_by_key(|&(k, _)| k);
+    let names = names.finish();
+    for w in items.windows(2) {
+        if w[0].0 == w[1].0 {
+            let (a, b) = (w[0].1.shard as usize, w[1].1.shard as usize);
+            let name = names.name_of(w[0].0);
+            let (first, second) = if a <= b { (a, b) } else { (b, a) };
+            return Err(CatalogError::new(
+                &shards[second].path,
+                Some(&name),
+                format!(
+                    "tensor name appears twice (also in {})",
+                    shards[first].path.display()
+                ),
+            ));
+        }
+    }
+    let mut keys = Vec::with_capacity(items.len());
+    let mut recs = Vec::with_capacity(items.len());
+    for (k, r) in items {
+        keys.push(k);
+        recs.push(r);
+    }
+    let mut order: Vec<u32> = (0..keys.len() as u32).collect();
+    order.sort_unstable_by_key(|&i| {
+        let r = &recs[i as usize];
+        (r.shard, r.offset, i)
+    });
+    let mut shapes_v = shapes.shapes;
+    shapes_v.shrink_to_fit();
+    let cat = Catalog {
+        source,
+        shards,
+        names,
+        keys,
+        recs,
+        order,
+        shapes: shapes_v,
+        index_total_size,
+    };
+    Ok((cat, digests))
 }
 
 /// The parsed index file.
@@ -745,16 +955,12 @@ impl Catalog {
 
     /// Catalog an explicit list of shard files (no index); shard `i` is `paths[i]`.
     pub fn from_files(paths: &[PathBuf]) -> Result<Catalog, CatalogError> {
-        let mut b = Builder::new();
-        for p in paths {
-            b.add_shard(p)?;
-        }
         let source = if paths.len() == 1 {
             paths[0].clone()
         } else {
             PathBuf::new()
         };
-        b.finish(source, None)
+        build(paths, source, None).map(|(c, _)| c)
     }
 
     /// Catalog the set an index file describes (shards relative to its directory).
@@ -789,42 +995,74 @@ impl Catalog {
                 format!("{} shards is more than 65536", files.len()),
             ));
         }
-        let mut b = Builder::new();
-        for f in &files {
-            b.add_shard(&dir.join(f))?;
+        let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+        let (cat, digests) = build(&paths, dir.to_path_buf(), idx.total_size)?;
+        // Every weight_map entry must be in the shard it names, once, and the weight_map
+        // must cover every tensor. Fast path: per shard, the digest of the names the index
+        // assigns to it equals the digest of the names its header holds.
+        const CHUNK: usize = 8192;
+        let wm = &idx.weight_map;
+        let n_chunks = wm.len().div_ceil(CHUNK);
+        let per_chunk = par_map(n_chunks, |c| {
+            let mut d = vec![NameDigest::default(); files.len()];
+            for (name, f) in &wm[c * CHUNK..((c + 1) * CHUNK).min(wm.len())] {
+                if let Ok(s) = files.binary_search(&&**f) {
+                    d[s].add(name);
+                }
+            }
+            d
+        });
+        let mut index_digests = vec![NameDigest::default(); files.len()];
+        for d in &per_chunk {
+            for (acc, x) in index_digests.iter_mut().zip(d) {
+                acc.merge(x);
+            }
         }
-        let cat = b.finish(dir.to_path_buf(), idx.total_size)?;
-        // Every weight_map entry must be in the shard it names, once; and the weight_map
-        // must cover every tensor.
-        let mut seen = vec![false; cat.keys.len()];
-        for (name, f) in &idx.weight_map {
-            let shard = files.binary_search(&&**f).unwrap_or(usize::MAX);
-            let pos = cat.position(name);
-            match pos {
-                Some(p) if cat.recs[p].shard as usize == shard => {
-                    if std::mem::replace(&mut seen[p], true) {
+        if index_digests == digests {
+            return Ok(cat);
+        }
+        // Exact check, to name the first offending tensor (index order).
+        let chunks = par_map(n_chunks, |c| -> Result<Vec<u32>, CatalogError> {
+            let mut buf = String::new();
+            let mut out = Vec::with_capacity(CHUNK);
+            for (name, f) in &wm[c * CHUNK..((c + 1) * CHUNK).min(wm.len())] {
+                let shard = files.binary_search(&&**f).unwrap_or(usize::MAX);
+                let pos = cat
+                    .names
+                    .key_of_with(name, &mut buf)
+                    .and_then(|k| cat.keys.binary_search(&k).ok());
+                match pos {
+                    Some(p) if cat.recs[p].shard as usize == shard => out.push(p as u32),
+                    Some(p) => {
                         return Err(CatalogError::new(
                             index,
                             Some(name),
-                            "listed twice in weight_map",
+                            format!(
+                                "weight_map names shard {f} but the tensor is in {}",
+                                cat.shards[cat.recs[p].shard as usize].path.display()
+                            ),
+                        ));
+                    }
+                    None => {
+                        return Err(CatalogError::new(
+                            index,
+                            Some(name),
+                            format!("weight_map names shard {f} but that shard has no such tensor"),
                         ));
                     }
                 }
-                Some(p) => {
+            }
+            Ok(out)
+        });
+        let mut seen = vec![false; cat.keys.len()];
+        for chunk in chunks {
+            for p in chunk? {
+                if std::mem::replace(&mut seen[p as usize], true) {
+                    let name = cat.names.name_of(cat.keys[p as usize]);
                     return Err(CatalogError::new(
                         index,
-                        Some(name),
-                        format!(
-                            "weight_map names shard {f} but the tensor is in {}",
-                            cat.shards[cat.recs[p].shard as usize].path.display()
-                        ),
-                    ));
-                }
-                None => {
-                    return Err(CatalogError::new(
-                        index,
-                        Some(name),
-                        format!("weight_map names shard {f} but that shard has no such tensor"),
+                        Some(&name),
+                        "listed twice in weight_map",
                     ));
                 }
             }
@@ -840,6 +1078,8 @@ impl Catalog {
                 ),
             ));
         }
+        // Unreachable unless two different name sets collide in the digest; the exact
+        // check passed, so the catalog is consistent.
         Ok(cat)
     }
 

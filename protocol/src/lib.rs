@@ -16,3 +16,4 @@ pub mod catalog;
 pub mod mmap_weights;
 pub mod trunk;
 pub mod classify;
+pub mod released;
