@@ -17,3 +17,4 @@ pub mod mmap_weights;
 pub mod trunk;
 pub mod classify;
 pub mod released;
+pub mod direct_io;
