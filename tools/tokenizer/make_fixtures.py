@@ -32,6 +32,7 @@ import tiktoken
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import corpus as corpus_mod  # noqa: E402
 import kimi_pat  # noqa: E402
+import chat_cases  # noqa: E402
 
 N_MERGES = 3000
 TRAIN_BYTES = 400_000
@@ -253,7 +254,13 @@ def main():
     with open(os.path.join(out_dir, "cases.jsonl"), "w", encoding="utf-8", newline="\n") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=True) + "\n")
-    meta = {"n_ranks": n, "n_cases": len(rows), "tiktoken_version": tiktoken.__version__, "pat_str": kimi_pat.PAT_STR}
+    with open(os.path.join(out_dir, "chat_cases.jsonl"), "w", encoding="utf-8", newline="\n") as f:
+        for name, request, segments in chat_cases.CASES:
+            ids = []
+            for text, allow in segments:
+                ids.extend(kimi_pat.kimi_encode(enc, text, allow))
+            f.write(json.dumps({"name": name, "request": request, "segments": segments, "ids": ids}, ensure_ascii=True) + "\n")
+    meta = {"n_ranks": n, "n_cases": len(rows), "n_chat_cases": len(chat_cases.CASES), "tiktoken_version": tiktoken.__version__, "pat_str": kimi_pat.PAT_STR}
     with open(os.path.join(out_dir, "meta.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")

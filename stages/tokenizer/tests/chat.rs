@@ -1,0 +1,173 @@
+//! XTML chat rendering against the oracle (tools/tokenizer/chat_cases.py: expected segments
+//! written out literally from the spec, ids from tiktoken), and output parsing.
+//!
+//! Wrong implementations these catch: attributes split into several segments or glued to
+//! the tag name, specials recognised inside message text ("Say <|open|> hi"), unsorted or
+//! ASCII-escaped tool JSON, compact JSON for argument values (Python's json.dumps default
+//! uses ", " and ": "), tool results left in arrival order, an effort message when thinking
+//! is off, missing `&quot;`/`&amp;` escaping, a stripped-away empty think block.
+
+use k3_tokenizer::{build_chat_segments, parse_output, ChatRequest, Segment, Tokenizer};
+use std::path::PathBuf;
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer")
+}
+
+#[test]
+fn chat_oracle_cases() {
+    let tok = Tokenizer::from_dir(&fixture_dir()).unwrap();
+    let text = std::fs::read_to_string(fixture_dir().join("chat_cases.jsonl")).unwrap();
+    let mut n = 0;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let case: serde_json::Value = serde_json::from_str(line).unwrap();
+        let name = case["name"].as_str().unwrap();
+        let req: ChatRequest = serde_json::from_value(case["request"].clone()).unwrap();
+        let want: Vec<Segment> = case["segments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| Segment {
+                text: s[0].as_str().unwrap().to_string(),
+                allow_special: s[1].as_bool().unwrap(),
+            })
+            .collect();
+        let got = build_chat_segments(&req.messages, req.tools.as_ref(), &req.options).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{name}: segment {i}");
+        }
+        assert_eq!(got.len(), want.len(), "{name}: segment count");
+        let ids: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tok.encode_segments(&got), ids, "{name}: ids");
+        let via_stage =
+            k3_tokenizer::stage::encode_chat_json(&tok, &case["request"].to_string()).unwrap();
+        assert_eq!(via_stage, ids, "{name}: stage JSON path");
+        n += 1;
+    }
+    println!("chat oracle: {n} conversations match segment for segment and id for id");
+    assert!(n >= 5);
+}
+
+#[test]
+fn chat_rejects_bad_requests() {
+    let bad = [
+        r#"{"messages": [{"role": "user", "content": "x"}], "thinking_effort": "medium"}"#,
+        r#"{"messages": [{"role": "robot", "content": "x"}]}"#,
+        r#"{"messages": [{"content": "x"}]}"#,
+        r#"{"messages": [{"role": "tool", "content": "x"}]}"#,
+        r#"{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]}"#,
+        r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#,
+        r#"{"messages": 3}"#,
+    ];
+    let tok = Tokenizer::from_dir(&fixture_dir()).unwrap();
+    for b in bad {
+        assert!(
+            k3_tokenizer::stage::encode_chat_json(&tok, b).is_err(),
+            "{b}"
+        );
+    }
+    // "medium" is fine when thinking is off: the effort is not used.
+    let ok = r#"{"messages": [{"role": "user", "content": "x"}], "thinking": false, "thinking_effort": "medium"}"#;
+    assert!(k3_tokenizer::stage::encode_chat_json(&tok, ok).is_ok());
+}
+
+#[test]
+fn parse_model_output() {
+    // Output after a thinking-mode prompt (which ended with `<|open|>think<|sep|>`).
+    let out = "Let me check.<|close|>think<|sep|><|open|>response<|sep|>Checking<|close|>response<|sep|>\
+               <|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>\
+               <|open|>argument key=\"city\" type=\"string\"<|sep|>東京 &quot;x&quot;<|close|>argument<|sep|>\
+               <|open|>argument key=\"days\" type=\"number\"<|sep|>2<|close|>argument<|sep|>\
+               <|open|>argument key=\"o\" type=\"object\"<|sep|>{\"k\": [1]}<|close|>argument<|sep|>\
+               <|close|>call<|sep|><|open|>call tool=\"a&amp;b\" index=\"2\"<|sep|>\
+               <|open|>json type=\"object\"<|sep|>{\"q\": 1}<|close|>json<|sep|><|close|>call<|sep|>\
+               <|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>";
+    let p = parse_output(out, true);
+    assert_eq!(p.reasoning, "Let me check.");
+    assert_eq!(p.content, "Checking");
+    assert!(p.finished);
+    assert_eq!(p.tool_calls.len(), 2);
+    let c = &p.tool_calls[0];
+    assert_eq!((c.name.as_str(), c.index), ("get_weather", Some(1)));
+    // Argument bodies are raw text (not attribute-escaped).
+    assert_eq!(c.arguments["city"], serde_json::json!("東京 &quot;x&quot;"));
+    assert_eq!(c.arguments["days"], serde_json::json!(2));
+    assert_eq!(c.arguments["o"], serde_json::json!({"k": [1]}));
+    let c = &p.tool_calls[1];
+    assert_eq!(c.name, "a&b");
+    assert_eq!(c.arguments["q"], serde_json::json!(1));
+    assert_eq!(c.raw_json.as_deref(), Some("{\"q\": 1}"));
+
+    // Thinking off, plain answer, stream cut before the end.
+    let p = parse_output("Hello<|close|>resp", false);
+    assert_eq!(p.content, "Hello<|close|>resp");
+    assert!(!p.finished);
+    let p = parse_output(
+        "Hi there<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
+        false,
+    );
+    assert_eq!(
+        (p.content.as_str(), p.reasoning.as_str(), p.finished),
+        ("Hi there", "", true)
+    );
+}
+
+#[test]
+fn stage_streams_and_stops() {
+    use k3_tokenizer::{TokRequest, TokResponse, TokenizerStage};
+    let tok = Tokenizer::from_dir(&fixture_dir()).unwrap();
+    let ids = tok.encode("中文 ok", false);
+    let eom = tok.special_id("<|end_of_msg|>").unwrap();
+    let mut st = TokenizerStage::new(tok);
+    let mut text = String::new();
+    let mut stopped = false;
+    let mut stream: Vec<u32> = ids.clone();
+    stream.push(eom);
+    stream.extend_from_slice(&ids); // ignored after the stop id
+    for &id in &stream {
+        match st.handle(TokRequest::DecodeIds { ids: vec![id] }) {
+            TokResponse::Text {
+                text: t,
+                stopped: s,
+            } => {
+                text.push_str(&t);
+                stopped = s;
+            }
+            r => panic!("unexpected {r:?}"),
+        }
+    }
+    assert!(stopped);
+    assert_eq!(text, "中文 ok");
+    assert_eq!(
+        st.handle(TokRequest::EncodeText {
+            text: "中文 ok".into(),
+            allow_special: false
+        }),
+        TokResponse::Ids { ids }
+    );
+    assert!(matches!(
+        st.handle(TokRequest::DecodeIds {
+            ids: vec![u32::MAX]
+        }),
+        TokResponse::Text { stopped: true, .. }
+    ));
+    st.handle(TokRequest::DecodeReset);
+    assert!(matches!(
+        st.handle(TokRequest::DecodeIds {
+            ids: vec![u32::MAX]
+        }),
+        TokResponse::Error { .. }
+    ));
+    // The request/response types round-trip through a serde format.
+    let req = TokRequest::EncodeBytes {
+        bytes: vec![0xff, b'a'],
+        allow_special: true,
+    };
+    let back: TokRequest = serde_json::from_str(&serde_json::to_string(&req).unwrap()).unwrap();
+    assert_eq!(back, req);
+}
