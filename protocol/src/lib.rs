@@ -18,3 +18,4 @@ pub mod trunk;
 pub mod classify;
 pub mod released;
 pub mod direct_io;
+pub mod locator;
