@@ -1,8 +1,55 @@
-//! `k3-orch` subcommand `devbw` (not yet built).
+//! `k3-orch devbw FILE`: measure a disk the way the expert fetcher reads it: random O_DIRECT
+//! reads of 16 MiB and of one expert (17,547,264 bytes) at queue depth 1 and 16, in MB/s
+//! (the measurement is `k3_expert_fetcher::devbw`). Falls back to buffered reads, and says
+//! so, where the file system refuses O_DIRECT.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 
-pub fn main(_args: Vec<OsString>) -> i32 {
-    eprintln!("k3-orch: 'devbw' is not implemented yet");
-    1
+use clap::Parser;
+use k3_expert_fetcher::devbw::{measure, render, standard_cells};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "k3-orch devbw",
+    about = "O_DIRECT random reads at queue depth 1 and 16, MB/s"
+)]
+struct Args {
+    /// A large file on the disk to measure (a shard, or trunk.bin)
+    file: PathBuf,
+    /// Seconds per measurement (4 measurements)
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Also print the table as JSON on the last line
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn main(args: Vec<OsString>) -> i32 {
+    let a = match Args::try_parse_from(args) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    if !(a.seconds.is_finite() && a.seconds >= 0.0) {
+        eprintln!("k3-orch devbw: --seconds {} is not a duration", a.seconds);
+        return 2;
+    }
+    let mut results = Vec::new();
+    for (bytes, qd) in standard_cells() {
+        match measure(&a.file, bytes, qd, a.seconds) {
+            Ok(r) => results.push(r),
+            Err(e) => {
+                eprintln!("k3-orch devbw: {e}");
+                return 1;
+            }
+        }
+    }
+    print!("{}", render(&a.file, &results));
+    if a.json {
+        println!("{}", serde_json::to_string(&results).unwrap_or_default());
+    }
+    0
 }

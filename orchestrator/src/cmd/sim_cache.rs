@@ -1,8 +1,103 @@
-//! `k3-orch` subcommand `sim_cache` (not yet built).
+//! `k3-orch sim-cache TRACE`: replay a recorded expert trace (`--dump-cache-trace`, int32
+//! little-endian `(layer, expert)` pairs) against cache policies at several capacities and
+//! print the hit-rate table (the simulator is `k3_expert_fetcher::sim`).
+//!
+//! Routing does not depend on the cache, so one trace answers "how big should the cache be"
+//! for every size and policy without re-running the model. A trace recorded with full
+//! recompute (no `--incremental`) repeats every expert about once per token of prefix and
+//! overstates reuse; treat its rates as an upper bound.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 
-pub fn main(_args: Vec<OsString>) -> i32 {
-    eprintln!("k3-orch: 'sim_cache' is not implemented yet");
-    1
+use clap::Parser;
+use k3_expert_fetcher::sim::{read_trace, run, Policy, SimOptions};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "k3-orch sim-cache",
+    about = "Replay an expert trace against cache policies at several capacities"
+)]
+struct Args {
+    /// expert_trace.bin: int32 little-endian (layer, expert) pairs
+    trace: PathBuf,
+    /// Policies, comma-separated: lru, belady, pin-lru, s3fifo, lfu. The first one drives the
+    /// GB READ/TOK and SEC/TOK columns.
+    #[arg(long, default_value = "lru,belady,pin-lru", value_delimiter = ',')]
+    policy: Vec<String>,
+    /// Cache sizes in GB (10^9 bytes), comma-separated
+    #[arg(
+        long = "sizes-gb",
+        default_value = "8,16,32,64,128,192,1450",
+        value_delimiter = ','
+    )]
+    sizes_gb: Vec<f64>,
+    /// Bytes of one routed expert
+    #[arg(long = "expert-bytes", default_value_t = 17_547_264)]
+    expert_bytes: u64,
+    /// Routed experts per layer (for the pool size)
+    #[arg(long = "experts-per-layer", default_value_t = 896)]
+    experts_per_layer: u64,
+    /// Experts per layer per token (for the token estimate)
+    #[arg(long = "top-k", default_value_t = 16)]
+    top_k: u64,
+    /// Disk bandwidth in MB/s for SEC/TOK (the seed's table implies ~1233.6; use devbw's QD16)
+    #[arg(long = "disk-mbps", default_value_t = 1233.6)]
+    disk_mbps: f64,
+}
+
+pub fn main(args: Vec<OsString>) -> i32 {
+    let a = match Args::try_parse_from(args) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    let mut policies = Vec::new();
+    for p in &a.policy {
+        match Policy::parse(p) {
+            Some(x) if !policies.contains(&x) => policies.push(x),
+            Some(_) => {}
+            None => {
+                eprintln!(
+                    "k3-orch sim-cache: unknown policy {p:?}; known: {}",
+                    Policy::ALL.map(|p| p.name()).join(", ")
+                );
+                return 2;
+            }
+        }
+    }
+    if let Some(bad) = a.sizes_gb.iter().find(|g| !(g.is_finite() && **g > 0.0)) {
+        eprintln!("k3-orch sim-cache: --sizes-gb {bad} is not a positive size");
+        return 2;
+    }
+    if a.expert_bytes == 0 || a.top_k == 0 {
+        eprintln!("k3-orch sim-cache: --expert-bytes and --top-k must be positive");
+        return 2;
+    }
+    let trace = match read_trace(&a.trace) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("k3-orch sim-cache: {e}");
+            return 1;
+        }
+    };
+    if trace.is_empty() {
+        eprintln!(
+            "k3-orch sim-cache: {}: the trace is empty",
+            a.trace.display()
+        );
+        return 1;
+    }
+    let opts = SimOptions {
+        policies,
+        sizes_gb: a.sizes_gb,
+        expert_bytes: a.expert_bytes,
+        experts_per_layer: a.experts_per_layer,
+        top_k: a.top_k,
+        disk_mbps: a.disk_mbps,
+    };
+    print!("{}", run(&trace, &opts).render());
+    0
 }

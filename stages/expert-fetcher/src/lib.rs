@@ -1,6 +1,7 @@
 //! `k3-expert-fetcher`: the routed-expert stage.
 //!
 //! - [`arena`]: the slot memory (4096-aligned, owned for now, shared memory later).
+//! - [`devbw`]: random O_DIRECT read bandwidth at a queue depth (`k3-orch devbw`, bench).
 //! - [`fetcher`]: the LRU expert cache and its batch fetch (reserve serially, read in disk
 //!   order at queue depth >= 16, publish each expert as it lands, report failures).
 //! - [`io`]: positioned reads with O_DIRECT where possible, and a fault-injecting wrapper.
@@ -10,6 +11,7 @@
 //! - [`trace`]: `--dump-cache-trace` writer.
 
 pub mod arena;
+pub mod devbw;
 pub mod fetcher;
 pub mod io;
 pub mod locate;

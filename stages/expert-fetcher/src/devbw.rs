@@ -1,0 +1,220 @@
+//! Device bandwidth the way the fetcher reads: large random O_DIRECT reads from one file at a
+//! given queue depth (that many threads, each with one read outstanding).
+//!
+//! `dd` measures one sequential stream at queue depth 1; the expert path is random 17.55 MB
+//! reads, up to 16 outstanding, and on network storage the two differ several-fold. When the
+//! file system refuses O_DIRECT the reads are buffered and the result says so: a buffered
+//! figure on a file that is in the page cache measures memory, not the disk.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::arena::{align_down, align_up, ArenaMemory, OwnedArena, ALIGN};
+
+/// One measurement.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct DevbwResult {
+    /// Bytes per read (page-rounded).
+    pub read_bytes: u64,
+    /// Threads, each with one read outstanding.
+    pub queue_depth: usize,
+    pub reads: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    /// False when O_DIRECT was refused and the reads went through the page cache.
+    pub direct: bool,
+}
+
+impl DevbwResult {
+    /// MB/s (10^6 bytes per second).
+    pub fn mb_per_s(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.bytes as f64 / 1e6 / self.seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+fn open(path: &Path) -> std::io::Result<(File, bool)> {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    {
+        Ok(f) => Ok((f, true)),
+        Err(_) => Ok((File::open(path)?, false)),
+    }
+}
+
+/// Random reads of `read_bytes` at `queue_depth` for about `seconds` (at least one read per
+/// thread). Offsets are page-aligned, uniformly spread over the file, and drawn from a fixed
+/// seed so two runs read the same places.
+pub fn measure(
+    path: &Path,
+    read_bytes: u64,
+    queue_depth: usize,
+    seconds: f64,
+) -> Result<DevbwResult, String> {
+    let size = std::fs::metadata(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .len();
+    let rb = align_up(read_bytes.max(1));
+    if size < rb {
+        return Err(format!(
+            "{}: {size} bytes is smaller than one {rb}-byte read",
+            path.display()
+        ));
+    }
+    let (probe, mut direct) = open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // Probe once: some file systems accept O_DIRECT at open and refuse it at read time.
+    if direct {
+        let buf = OwnedArena::new(ALIGN).map_err(|e| e.to_string())?;
+        // SAFETY: the arena owns ALIGN bytes; nothing else touches them.
+        let dst = unsafe { std::slice::from_raw_parts_mut(buf.base(), ALIGN) };
+        if probe.read_at(dst, 0).is_err() {
+            direct = false;
+        }
+    }
+    let file = Arc::new(if direct {
+        probe
+    } else {
+        File::open(path).map_err(|e| format!("{}: {e}", path.display()))?
+    });
+    let span = align_down(size - rb) / ALIGN as u64 + 1; // possible page-aligned offsets
+    let qd = queue_depth.max(1);
+    let stop = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now();
+    let threads: Vec<_> = (0..qd)
+        .map(|t| {
+            let file = Arc::clone(&file);
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || -> Result<(u64, u64), String> {
+                let buf = OwnedArena::new(rb as usize).map_err(|e| e.to_string())?;
+                // SAFETY: this thread owns the arena; rb bytes are allocated.
+                let dst = unsafe { std::slice::from_raw_parts_mut(buf.base(), rb as usize) };
+                let mut x =
+                    0x9E37_79B9_7F4A_7C15u64 ^ (t as u64 + 1).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                let (mut reads, mut bytes) = (0u64, 0u64);
+                loop {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let off = (x % span) * ALIGN as u64;
+                    let mut got = 0usize;
+                    while got < dst.len() {
+                        match file.read_at(&mut dst[got..], off + got as u64) {
+                            Ok(0) => break,
+                            Ok(n) => got += n,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            Err(e) => return Err(format!("read at {off}: {e}")),
+                        }
+                    }
+                    reads += 1;
+                    bytes += got as u64;
+                    if stop.load(Ordering::Relaxed) {
+                        return Ok((reads, bytes));
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs_f64(seconds.max(0.0)));
+    stop.store(true, Ordering::Relaxed);
+    let (mut reads, mut bytes) = (0u64, 0u64);
+    let mut err = None;
+    for t in threads {
+        match t.join() {
+            Ok(Ok((r, b))) => {
+                reads += r;
+                bytes += b;
+            }
+            Ok(Err(e)) => err = Some(e),
+            Err(_) => err = Some("a reader thread panicked".into()),
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    if let Some(e) = err {
+        return Err(format!("{}: {e}", path.display()));
+    }
+    Ok(DevbwResult {
+        read_bytes: rb,
+        queue_depth: qd,
+        reads,
+        bytes,
+        seconds: secs,
+        direct,
+    })
+}
+
+/// The standard table: 16 MiB and one Kimi K3 expert (17,547,264 bytes), QD 1 and 16.
+pub fn standard_cells() -> Vec<(u64, usize)> {
+    vec![
+        (16 << 20, 1),
+        (16 << 20, 16),
+        (17_547_264, 1),
+        (17_547_264, 16),
+    ]
+}
+
+/// Render results as a table.
+pub fn render(path: &Path, results: &[DevbwResult]) -> String {
+    let mut s = String::new();
+    let direct = results.iter().all(|r| r.direct);
+    s.push_str(&format!(
+        "devbw: {} ({})\n",
+        path.display(),
+        if direct {
+            "O_DIRECT, page cache bypassed"
+        } else {
+            "BUFFERED: O_DIRECT was refused, so cached pages may inflate these figures"
+        }
+    ));
+    s.push_str(&format!(
+        "{:<16}{:>4}{:>8}{:>10}{:>10}\n",
+        "READ", "QD", "READS", "SECONDS", "MB/s"
+    ));
+    for r in results {
+        let label = if r.read_bytes % (1 << 20) == 0 {
+            format!("{} MiB", r.read_bytes >> 20)
+        } else {
+            format!("{} B", r.read_bytes)
+        };
+        s.push_str(&format!(
+            "{:<16}{:>4}{:>8}{:>10.2}{:>10.0}\n",
+            label,
+            r.queue_depth,
+            r.reads,
+            r.seconds,
+            r.mb_per_s()
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn measures_and_refuses_small_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::File::create(&p)
+            .unwrap()
+            .write_all(&vec![7u8; 3 * 4096 + 100])
+            .unwrap();
+        let r = measure(&p, 8192, 2, 0.0).unwrap();
+        assert_eq!(r.read_bytes, 8192);
+        assert!(r.reads >= 2);
+        assert_eq!(r.bytes, r.reads * 8192);
+        assert!(measure(&p, 1 << 20, 1, 0.0).is_err());
+        assert!(measure(&dir.path().join("missing"), 4096, 1, 0.0).is_err());
+        assert!(render(&p, &[r]).contains("8192 B"));
+    }
+}
