@@ -384,7 +384,15 @@ impl RunCgroups {
     /// Create the run directory `k3-<our pid>` (v2: with the memory controller enabled for
     /// its children).
     pub fn create(support: &Support) -> Result<RunCgroups, String> {
-        let dir = support.parent.join(format!("k3-{}", std::process::id()));
+        Self::create_named(support, &format!("k3-{}", std::process::id()))
+    }
+
+    /// Like [`RunCgroups::create`] with an explicit directory name (one path component).
+    pub fn create_named(support: &Support, name: &str) -> Result<RunCgroups, String> {
+        if name.is_empty() || name.contains('/') || name.starts_with('.') {
+            return Err(format!("bad cgroup name {name:?}"));
+        }
+        let dir = support.parent.join(name);
         match fs::create_dir(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -562,7 +570,9 @@ mod tests {
         let Some(sup) = support_or_skip() else {
             return;
         };
-        let mut run = RunCgroups::create(&sup).unwrap();
+        let mut run =
+            RunCgroups::create_named(&sup, &format!("k3-{}-test-groups", std::process::id()))
+                .unwrap();
         let run_dir = run.path().to_path_buf();
         let limit = 96 << 20;
         let g = run.add_stage("trunk-loader", limit).unwrap();
@@ -597,7 +607,8 @@ mod tests {
         let Some(sup) = support_or_skip() else {
             return;
         };
-        let mut run = RunCgroups::create(&sup).unwrap();
+        let mut run =
+            RunCgroups::create_named(&sup, &format!("k3-{}-test-oom", std::process::id())).unwrap();
         let limit: u64 = 32 << 20;
         let g = run.add_stage("expert-fetcher", limit).unwrap();
         if !g.swap_off() {
