@@ -7,22 +7,76 @@
 use std::ffi::OsString;
 
 mod cmd;
+mod gen;
+mod pipeline;
 
 /// Subcommands and the module that runs each.
 const SUBCOMMANDS: &[(&str, fn(Vec<OsString>) -> i32, &str)] = &[
-    ("demo", cmd::demo::main, "staged run of the bundled tiny model, checked against the oracle"),
-    ("score", cmd::score::main, "one forward over --ids: teacher-forced argmax (and logits)"),
-    ("inspect", cmd::inspect::main, "config summary, tensor census, memory per preset"),
-    ("verify", cmd::verify::main, "shards, headers, index and sizes are consistent"),
-    ("pack-trunk", cmd::pack_trunk::main, "trunk.bin + trunk.json, one run per layer"),
-    ("synth", cmd::synth::main, "a random model in the released multi-shard layout"),
-    ("sim-cache", cmd::sim_cache::main, "replay an expert trace against cache policies"),
-    ("devbw", cmd::devbw::main, "O_DIRECT random reads at queue depth 1 and 16"),
-    ("doctor", cmd::doctor::main, "machine check, preset advice, next command"),
-    ("replay", cmd::replay::main, "re-run one stage from a recording, compare outputs"),
-    ("tokenize", cmd::tokenize::main, "print the ids of a text, comma-separated"),
-    ("detokenize", cmd::tokenize::detokenize_main, "print the text of --ids"),
-    ("stage", cmd::stage::main, "(internal) run one pipeline stage; started by k3-orch"),
+    (
+        "demo",
+        cmd::demo::main,
+        "staged run of the bundled tiny model, checked against the oracle",
+    ),
+    (
+        "score",
+        cmd::score::main,
+        "one forward over --ids: teacher-forced argmax (and logits)",
+    ),
+    (
+        "inspect",
+        cmd::inspect::main,
+        "config summary, tensor census, memory per preset",
+    ),
+    (
+        "verify",
+        cmd::verify::main,
+        "shards, headers, index and sizes are consistent",
+    ),
+    (
+        "pack-trunk",
+        cmd::pack_trunk::main,
+        "trunk.bin + trunk.json, one run per layer",
+    ),
+    (
+        "synth",
+        cmd::synth::main,
+        "a random model in the released multi-shard layout",
+    ),
+    (
+        "sim-cache",
+        cmd::sim_cache::main,
+        "replay an expert trace against cache policies",
+    ),
+    (
+        "devbw",
+        cmd::devbw::main,
+        "O_DIRECT random reads at queue depth 1 and 16",
+    ),
+    (
+        "doctor",
+        cmd::doctor::main,
+        "machine check, preset advice, next command",
+    ),
+    (
+        "replay",
+        cmd::replay::main,
+        "re-run one stage from a recording, compare outputs",
+    ),
+    (
+        "tokenize",
+        cmd::tokenize::main,
+        "print the ids of a text, comma-separated",
+    ),
+    (
+        "detokenize",
+        cmd::tokenize::detokenize_main,
+        "print the text of --ids",
+    ),
+    (
+        "stage",
+        cmd::stage::main,
+        "(internal) run one pipeline stage; started by k3-orch",
+    ),
 ];
 
 fn main() {
@@ -65,11 +119,15 @@ fn print_help() {
     println!("usage: k3-orch <MODEL_DIR> [prompt] [memory] [generation] [diagnostics]");
     println!("       k3-orch <subcommand> ...\n");
     println!("generate (see `k3-orch <MODEL_DIR> --help` for every flag):");
-    println!("  prompt      --prompt TEXT | --prompt-file PATH | --ids 1,2,3   [--chat] [--tok DIR]");
+    println!(
+        "  prompt      --prompt TEXT | --prompt-file PATH | --ids 1,2,3   [--chat] [--tok DIR]"
+    );
     println!("  memory      --preset NAME | --trunk DIR | --trunk-gb X | --cache-gb X");
     println!("  generation  --gen N  --incremental  --temperature T --top-p P --top-k K --seed S");
     println!("  diagnostics --config PATH --layers N --out FILE --dump-logits PATH");
-    println!("              --dump-cache-trace DIR --record DIR --threads N --numa SPEC --inproc\n");
+    println!(
+        "              --dump-cache-trace DIR --record DIR --threads N --numa SPEC --inproc\n"
+    );
     println!("subcommands:");
     for (name, _, what) in SUBCOMMANDS {
         if *name != "stage" {

@@ -1,8 +1,7 @@
-//! `k3-orch` subcommand `generate` (not yet built).
+//! `k3-orch <MODEL_DIR> [flags]`: generation (see `crate::gen`).
 
 use std::ffi::OsString;
 
-pub fn main(_args: Vec<OsString>) -> i32 {
-    eprintln!("k3-orch: 'generate' is not implemented yet");
-    1
+pub fn main(args: Vec<OsString>) -> i32 {
+    crate::gen::main(args)
 }

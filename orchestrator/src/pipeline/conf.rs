@@ -1,0 +1,70 @@
+//! What the orchestrator tells each stage in its `Configure` message (JSON payload).
+//!
+//! One struct per stage role. Everything a stage needs to do its job is here or arrives as a
+//! region on its control socket, so a stage process never reads the command line.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// tokenizer stage.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TokenizerConf {
+    /// Directory with tiktoken.model + tokenizer_config.json; None: a byte vocabulary
+    /// (id = byte), which is what the tiny models use.
+    pub tok_dir: Option<PathBuf>,
+    /// Stop ids the decoder marks (informational).
+    pub record_dir: Option<PathBuf>,
+}
+
+/// trunk-loader stage.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrunkConf {
+    pub model_dir: PathBuf,
+    /// Packed trunk directory (trunk.json + trunk.bin); None: every layer resident, read
+    /// tensor by tensor from the shards.
+    pub trunk_dir: Option<PathBuf>,
+    /// Bytes for pinned layers plus ring slots (streaming mode only).
+    pub budget_bytes: u64,
+    /// Layers bound (`--layers`), i.e. served per pass.
+    pub layers: usize,
+    pub record_dir: Option<PathBuf>,
+}
+
+/// expert-fetcher stage.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FetcherConf {
+    pub model_dir: PathBuf,
+    /// Arena bytes (`--cache-gb`); at least one batch of top-k slots is always allocated.
+    pub cache_bytes: u64,
+    /// Smallest useful arena: top-k experts of one layer.
+    pub min_slots: usize,
+    /// Experts in the bound layers: more slots than this would never be used.
+    pub max_slots: usize,
+    /// Reads in flight.
+    pub readers: usize,
+    /// (layer, expert) pairs whose reads fail on purpose (tests of exit 4).
+    pub inject_failures: Vec<(u32, u32)>,
+    /// Write expert_hist.json + expert_trace.bin here at the end.
+    pub trace_dir: Option<PathBuf>,
+    pub record_dir: Option<PathBuf>,
+}
+
+/// layer-compute stage.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ComputeConf {
+    pub model_dir: PathBuf,
+    pub config_path: PathBuf,
+    pub layers: Option<usize>,
+    pub prompt_ids: Vec<u32>,
+    pub gen: usize,
+    pub incremental: bool,
+    pub sampler: crate::gen::sampler::SamplerConfig,
+    pub threads: usize,
+    pub dump_logits: Option<PathBuf>,
+    /// Seconds to wait for a loader before declaring it hung.
+    pub io_timeout_s: f64,
+    /// Stop generation at these ids (empty for the tiny models, which have no tokenizer).
+    pub stop_ids: Vec<u32>,
+    pub record_dir: Option<PathBuf>,
+}

@@ -1,0 +1,601 @@
+//! The layer-compute stage: the Kimi K3 forward pass over weights other stages own.
+//!
+//! [`StagedWeights`] implements `k3_layer_compute::Weights` over the links: a pass starts
+//! with `StartPass`; `begin_layer(l)` waits for the trunk-loader's `LayerReady{l}` and maps
+//! its tensors in place (handles into the trunk region, never copied); `end_layer(l)` says
+//! `LayerDone`; `experts(layer, ids)` sends `Experts` and delivers each expert to the
+//! forward as its `ExpertReady` lands, in whatever order the reads finish. The forward keeps
+//! one output per top-k slot and sums them in top-k order, so ids do not depend on arrival
+//! order. Model-level tensors (embeddings, lm_head, final norms) are this stage's own,
+//! mapped from the shards, so its cgroup pays for them together with the KV cache, the
+//! recurrent state and the scratch.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k3_layer_compute::forward::{Model, ModelOptions};
+use k3_layer_compute::weights::{ExpertRef, ExpertTensor, Weights};
+use k3_protocol::config::ModelConfig;
+use k3_protocol::messages::{Msg, Stage, StepStats};
+use k3_protocol::mmap_weights::MmapWeights;
+use k3_protocol::shm::{Handle, Region};
+use k3_protocol::tensor::{Dtype, TensorRef, WeightError, WeightSource};
+use k3_protocol::transport::ShmTransport;
+
+use super::super::conf::ComputeConf;
+use super::super::link::{recv_from, send_to, StageCtx};
+use crate::gen::sampler;
+
+const LAYER_PREFIX: &str = "language_model.model.layers.";
+
+/// One tensor of one routed expert, relative to the expert's first byte.
+#[derive(Clone, Debug)]
+struct ExpertPart {
+    suffix: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    offset: u64,
+    len: u64,
+}
+
+/// Per-pass I/O counters, filled from the loaders' reports.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct IoCounters {
+    pub trunk_read_bytes: u64,
+    pub trunk_io_seconds: f64,
+    pub trunk_binds: u64,
+    pub trunk_hits: u64,
+    pub expert_read_bytes: u64,
+    pub expert_io_seconds: f64,
+    pub expert_requests: u64,
+    pub resident_hits: u64,
+    pub expert_failed: u64,
+    /// Seconds compute spent waiting on the links.
+    pub wait_seconds: f64,
+}
+
+/// `Weights` over the trunk-loader's and expert-fetcher's regions.
+pub struct StagedWeights {
+    model: MmapWeights,
+    trunk_region: Arc<Region>,
+    expert_region: Arc<Region>,
+    trunk: RefCell<ShmTransport>,
+    fetch: RefCell<ShmTransport>,
+    /// dtype and shape of every layer trunk tensor, from the checkpoint headers.
+    meta: HashMap<String, (Dtype, Vec<usize>)>,
+    experts: HashMap<(u32, u32), Vec<ExpertPart>>,
+    current: RefCell<HashMap<String, Handle>>,
+    n_layers: usize,
+    pass: Cell<u64>,
+    io: Cell<IoCounters>,
+    timeout: Option<Duration>,
+    /// A link failure seen inside a callback that cannot return it (end_layer).
+    link_error: RefCell<Option<String>>,
+}
+
+impl StagedWeights {
+    fn new(
+        model: MmapWeights,
+        trunk_region: Arc<Region>,
+        expert_region: Arc<Region>,
+        trunk: ShmTransport,
+        fetch: ShmTransport,
+        n_layers: usize,
+        timeout: Option<Duration>,
+    ) -> Self {
+        let mut meta = HashMap::new();
+        let mut parts: HashMap<(u32, u32), Vec<(String, Dtype, Vec<usize>, u64, u64)>> =
+            HashMap::new();
+        for (name, e) in model.catalog().iter() {
+            let Some(rest) = name.strip_prefix(LAYER_PREFIX) else {
+                continue;
+            };
+            if let Some((l, e_id, suffix)) = parse_expert(rest) {
+                parts.entry((l, e_id)).or_default().push((
+                    suffix.to_string(),
+                    e.dtype,
+                    e.shape.to_vec(),
+                    e.offset,
+                    e.len,
+                ));
+            } else {
+                meta.insert(name.clone(), (e.dtype, e.shape.to_vec()));
+            }
+        }
+        let experts = parts
+            .into_iter()
+            .map(|(k, v)| {
+                let start = v.iter().map(|p| p.3).min().unwrap_or(0);
+                let list = v
+                    .into_iter()
+                    .map(|(suffix, dtype, shape, off, len)| ExpertPart {
+                        suffix,
+                        dtype,
+                        shape,
+                        offset: off - start,
+                        len,
+                    })
+                    .collect();
+                (k, list)
+            })
+            .collect();
+        StagedWeights {
+            model,
+            trunk_region,
+            expert_region,
+            trunk: RefCell::new(trunk),
+            fetch: RefCell::new(fetch),
+            meta,
+            experts,
+            current: RefCell::new(HashMap::new()),
+            n_layers,
+            pass: Cell::new(0),
+            io: Cell::new(IoCounters::default()),
+            timeout,
+            link_error: RefCell::new(None),
+        }
+    }
+
+    /// Counters since the last call (and reset them).
+    pub fn take_io(&self) -> IoCounters {
+        self.io.replace(IoCounters::default())
+    }
+
+    fn bump(&self, f: impl FnOnce(&mut IoCounters)) {
+        let mut c = self.io.get();
+        f(&mut c);
+        self.io.set(c);
+    }
+
+    fn recv_trunk(&self) -> Result<Msg, WeightError> {
+        let t0 = Instant::now();
+        let r = recv_from(
+            &mut self.trunk.borrow_mut(),
+            Stage::LayerCompute,
+            Stage::TrunkLoader,
+            self.timeout,
+        );
+        let dt = t0.elapsed().as_secs_f64();
+        self.bump(|c| c.wait_seconds += dt);
+        r.map_err(|msg| WeightError::Io {
+            name: "trunk".into(),
+            msg,
+        })
+    }
+
+    fn expert_tensor<'a>(
+        &'a self,
+        bytes: &'a [u8],
+        parts: &'a [ExpertPart],
+        w: &str,
+    ) -> Result<ExpertTensor<'a>, WeightError> {
+        let find = |suffix: &str| -> Option<TensorRef<'a>> {
+            let p = parts.iter().find(|p| p.suffix == suffix)?;
+            let b = bytes.get(p.offset as usize..(p.offset + p.len) as usize)?;
+            Some(TensorRef {
+                dtype: p.dtype,
+                shape: &p.shape,
+                bytes: b,
+            })
+        };
+        if let (Some(packed), Some(scale)) = (
+            find(&format!("{w}.weight_packed")),
+            find(&format!("{w}.weight_scale")),
+        ) {
+            return Ok(ExpertTensor::Mxfp4 { packed, scale });
+        }
+        find(&format!("{w}.weight"))
+            .map(ExpertTensor::Dense)
+            .ok_or_else(|| WeightError::Missing(format!("expert {w}")))
+    }
+}
+
+/// `<l>.block_sparse_moe.experts.<e>.<suffix>` -> (l, e, suffix).
+fn parse_expert(rest: &str) -> Option<(u32, u32, &str)> {
+    let (l, tail) = rest.split_once('.')?;
+    let tail = tail.strip_prefix("block_sparse_moe.experts.")?;
+    let (e, suffix) = tail.split_once('.')?;
+    Some((l.parse().ok()?, e.parse().ok()?, suffix))
+}
+
+impl Weights for StagedWeights {
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, WeightError> {
+        if !name.starts_with(LAYER_PREFIX) {
+            return self.model.tensor(name);
+        }
+        let (dtype, shape) = self
+            .meta
+            .get(name)
+            .ok_or_else(|| WeightError::Missing(name.to_string()))?;
+        let h = *self
+            .current
+            .borrow()
+            .get(name)
+            .ok_or_else(|| WeightError::Invalid {
+                name: name.to_string(),
+                msg: "asked for outside its layer (not in the current LayerReady)".into(),
+            })?;
+        // SAFETY: the trunk-loader rewrites this range only after our LayerDone for its
+        // layer, which end_layer sends after the forward stopped using the layer's tensors.
+        let bytes = unsafe { self.trunk_region.resolve(&h) }.map_err(|e| WeightError::Invalid {
+            name: name.to_string(),
+            msg: e.to_string(),
+        })?;
+        Ok(TensorRef {
+            dtype: *dtype,
+            shape,
+            bytes,
+        })
+    }
+
+    fn begin_layer(&self, layer: usize) -> Result<(), WeightError> {
+        if layer == 0 {
+            let pass = self.pass.get() + 1;
+            self.pass.set(pass);
+            send_to(
+                &mut self.trunk.borrow_mut(),
+                Stage::LayerCompute,
+                Stage::TrunkLoader,
+                &Msg::StartPass {
+                    pass,
+                    start: 0,
+                    len: 0,
+                },
+                self.timeout,
+            )
+            .map_err(|msg| WeightError::Io {
+                name: "trunk".into(),
+                msg,
+            })?;
+        }
+        let pass = self.pass.get();
+        match self.recv_trunk()? {
+            Msg::LayerReady {
+                pass: p,
+                layer: l,
+                tensors,
+                ..
+            } if p == pass && l as usize == layer => {
+                let mut cur = self.current.borrow_mut();
+                cur.clear();
+                for t in tensors {
+                    match self.meta.get(&t.name) {
+                        Some((dt, sh))
+                            if *dt == t.dtype
+                                && sh.len() == t.shape.len()
+                                && sh.iter().zip(&t.shape).all(|(a, b)| *a as u64 == *b) => {}
+                        _ => return Err(WeightError::Invalid {
+                            name: t.name,
+                            msg: "the trunk-loader's dtype/shape differ from the checkpoint header"
+                                .into(),
+                        }),
+                    }
+                    cur.insert(t.name, t.handle);
+                }
+                Ok(())
+            }
+            other => Err(WeightError::Io {
+                name: format!("layer {layer}"),
+                msg: format!("expected LayerReady of layer {layer} (pass {pass}), got {other:?}"),
+            }),
+        }
+    }
+
+    fn end_layer(&self, layer: usize) {
+        self.current.borrow_mut().clear();
+        let pass = self.pass.get();
+        let r = send_to(
+            &mut self.trunk.borrow_mut(),
+            Stage::LayerCompute,
+            Stage::TrunkLoader,
+            &Msg::LayerDone {
+                pass,
+                layer: layer as u32,
+            },
+            self.timeout,
+        );
+        if let Err(e) = r {
+            self.link_error.borrow_mut().get_or_insert(e);
+            return;
+        }
+        if layer + 1 == self.n_layers {
+            match self.recv_trunk() {
+                Ok(Msg::TrunkPassDone {
+                    pass: p,
+                    binds,
+                    hits,
+                    read_bytes,
+                    io_seconds,
+                }) if p == pass => self.bump(|c| {
+                    c.trunk_binds += binds;
+                    c.trunk_hits += hits;
+                    c.trunk_read_bytes += read_bytes;
+                    c.trunk_io_seconds += io_seconds;
+                }),
+                Ok(other) => {
+                    self.link_error
+                        .borrow_mut()
+                        .get_or_insert(format!("expected TrunkPassDone, got {other:?}"));
+                }
+                Err(e) => {
+                    self.link_error.borrow_mut().get_or_insert(e.to_string());
+                }
+            }
+        }
+    }
+
+    fn experts(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
+    ) {
+        let pass = self.pass.get();
+        let mut delivered = vec![false; ids.len()];
+        let fail_all =
+            |deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
+             delivered: &mut [bool],
+             msg: &str| {
+                for (i, d) in delivered.iter_mut().enumerate() {
+                    if !*d {
+                        *d = true;
+                        deliver(
+                            i,
+                            Err(WeightError::Io {
+                                name: format!("layer {layer} expert {}", ids[i]),
+                                msg: msg.to_string(),
+                            }),
+                        );
+                    }
+                }
+            };
+        let mut link = self.fetch.borrow_mut();
+        if let Err(e) = send_to(
+            &mut link,
+            Stage::LayerCompute,
+            Stage::ExpertFetcher,
+            &Msg::Experts {
+                pass,
+                layer: layer as u32,
+                ids: ids.to_vec(),
+                hint_next: Vec::new(),
+            },
+            self.timeout,
+        ) {
+            self.link_error.borrow_mut().get_or_insert(e.clone());
+            fail_all(deliver, &mut delivered, &e);
+            return;
+        }
+        loop {
+            let t0 = Instant::now();
+            let m = recv_from(
+                &mut link,
+                Stage::LayerCompute,
+                Stage::ExpertFetcher,
+                self.timeout,
+            );
+            let dt = t0.elapsed().as_secs_f64();
+            self.bump(|c| c.wait_seconds += dt);
+            match m {
+                Ok(Msg::ExpertReady {
+                    pass: p,
+                    layer: l,
+                    id,
+                    handle,
+                }) if p == pass && l as usize == layer => {
+                    let Some(slot) = ids.iter().position(|&x| x == id) else {
+                        continue;
+                    };
+                    if delivered[slot] {
+                        continue;
+                    }
+                    delivered[slot] = true;
+                    let r = (|| {
+                        let parts = self.experts.get(&(layer as u32, id)).ok_or_else(|| {
+                            WeightError::Missing(format!("layer {layer} expert {id}"))
+                        })?;
+                        // SAFETY: the fetcher does not reuse this expert's slot before the
+                        // next batch, which we only request after the forward finished with
+                        // this one.
+                        let bytes =
+                            unsafe { self.expert_region.resolve(&handle) }.map_err(|e| {
+                                WeightError::Invalid {
+                                    name: format!("layer {layer} expert {id}"),
+                                    msg: e.to_string(),
+                                }
+                            })?;
+                        Ok(ExpertRef {
+                            w1: self.expert_tensor(bytes, parts, "w1")?,
+                            w2: self.expert_tensor(bytes, parts, "w2")?,
+                            w3: self.expert_tensor(bytes, parts, "w3")?,
+                        })
+                    })();
+                    deliver(slot, r);
+                }
+                Ok(Msg::ExpertFailed {
+                    pass: p,
+                    layer: l,
+                    id,
+                    error,
+                }) if p == pass && l as usize == layer => {
+                    if let Some(slot) = ids.iter().position(|&x| x == id) {
+                        if !delivered[slot] {
+                            delivered[slot] = true;
+                            deliver(
+                                slot,
+                                Err(WeightError::Io {
+                                    name: format!("layer {layer} expert {id}"),
+                                    msg: error,
+                                }),
+                            );
+                        }
+                    }
+                }
+                Ok(Msg::ExpertBatchDone {
+                    pass: p,
+                    layer: l,
+                    requests,
+                    resident_hits,
+                    failed,
+                    read_bytes,
+                    io_seconds,
+                }) if p == pass && l as usize == layer => {
+                    self.bump(|c| {
+                        c.expert_requests += requests;
+                        c.resident_hits += resident_hits;
+                        c.expert_failed += failed;
+                        c.expert_read_bytes += read_bytes;
+                        c.expert_io_seconds += io_seconds;
+                    });
+                    fail_all(
+                        deliver,
+                        &mut delivered,
+                        "the fetcher finished the batch without it",
+                    );
+                    return;
+                }
+                Ok(other) => {
+                    let e = format!("unexpected message from expert-fetcher: {other:?}");
+                    self.link_error.borrow_mut().get_or_insert(e.clone());
+                    fail_all(deliver, &mut delivered, &e);
+                    return;
+                }
+                Err(e) => {
+                    self.link_error.borrow_mut().get_or_insert(e.clone());
+                    fail_all(deliver, &mut delivered, &e);
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Run the layer-compute stage until generation is finished.
+pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+    ctx.wait_configure()?;
+    let conf: ComputeConf = serde_json::from_str(&ctx.conf_json)
+        .map_err(|e| ctx.fail(format!("layer-compute: bad Configure: {e}")))?;
+    ctx.ready()?;
+    ctx.wait_go()?;
+    match generate(&mut ctx, &conf) {
+        Ok(()) => Ok(()),
+        Err(e) => Err(ctx.fail(e)),
+    }
+}
+
+fn region(ctx: &StageCtx, name: &str) -> Result<Arc<Region>, String> {
+    let id = ctx
+        .data
+        .get(name)
+        .ok_or_else(|| format!("layer-compute: the {name} region was not handed over"))?;
+    ctx.regions
+        .get(*id)
+        .cloned()
+        .ok_or_else(|| format!("layer-compute: region {id} ({name}) is not mapped"))
+}
+
+fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
+    let me = Stage::LayerCompute;
+    let cfg = ModelConfig::load(&conf.config_path).map_err(|e| format!("layer-compute: {e}"))?;
+    let n_layers = conf
+        .layers
+        .unwrap_or(cfg.num_hidden_layers)
+        .min(cfg.num_hidden_layers);
+    let model_w = MmapWeights::open(&conf.model_dir).map_err(|e| format!("layer-compute: {e}"))?;
+    let trunk_region = region(ctx, "trunk")?;
+    let expert_region = region(ctx, "experts")?;
+    let trunk = ctx.take_link(Stage::TrunkLoader)?;
+    let fetch = ctx.take_link(Stage::ExpertFetcher)?;
+    let mut tok = ctx.take_link(Stage::Tokenizer)?;
+    let timeout = Some(Duration::from_secs_f64(conf.io_timeout_s));
+    let weights = StagedWeights::new(
+        model_w,
+        trunk_region,
+        expert_region,
+        trunk,
+        fetch,
+        n_layers,
+        timeout,
+    );
+    let model = Model::new(
+        cfg,
+        &weights,
+        ModelOptions {
+            threads: conf.threads.max(1),
+            layers: conf.layers,
+            eps: None,
+        },
+    )
+    .map_err(|e| format!("layer-compute: {e}"))?;
+    let vocab = model.vocab();
+    let mut seq = conf.prompt_ids.clone();
+    let mut sess = model.new_session();
+    let mut generated = Vec::new();
+    for step in 0..conf.gen {
+        let t0 = Instant::now();
+        let _ = weights.take_io();
+        let res = if conf.incremental {
+            if step == 0 {
+                model.prefill(&mut sess, &conf.prompt_ids)
+            } else {
+                model.step(&mut sess, *seq.last().expect("non-empty sequence"))
+            }
+        } else {
+            let mut s = model.new_session();
+            model.forward(&mut s, &seq, false, None)
+        };
+        if let Some(e) = weights.link_error.borrow_mut().take() {
+            return Err(format!("layer-compute: {e}"));
+        }
+        let out =
+            res.map_err(|e| format!("layer-compute: forward pass failed at step {step}: {e}"))?;
+        let row = &out.logits[(out.rows - 1) * vocab..out.rows * vocab];
+        let token = sampler::sample(row, &conf.sampler, step as u64) as u32;
+        if step == 0 {
+            if let Some(p) = &conf.dump_logits {
+                let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();
+                crate::gen::write_atomic(p, &bytes)
+                    .map_err(|e| format!("layer-compute: --dump-logits {}: {e}", p.display()))?;
+            }
+        }
+        let io = weights.take_io();
+        send_to(
+            &mut tok,
+            me,
+            Stage::Tokenizer,
+            &Msg::DecodeId { id: token },
+            timeout,
+        )?;
+        ctx.send_control(&Msg::StepStats(StepStats {
+            step: step as u32,
+            token,
+            seconds: t0.elapsed().as_secs_f64(),
+            trunk_read_bytes: io.trunk_read_bytes,
+            expert_read_bytes: io.expert_read_bytes,
+            expert_requests: io.expert_requests,
+            resident_hits: io.resident_hits,
+            expert_failures: out.stats.expert_failures as u64,
+            io_wait_seconds: io.wait_seconds,
+        }))?;
+        for m in &out.stats.failure_msgs {
+            eprintln!("layer-compute: {m}");
+        }
+        generated.push(token);
+        seq.push(token);
+        if conf.stop_ids.contains(&token) {
+            break;
+        }
+    }
+    drop(model);
+    for (peer, link) in [
+        (Stage::TrunkLoader, &mut *weights.trunk.borrow_mut()),
+        (Stage::ExpertFetcher, &mut *weights.fetch.borrow_mut()),
+        (Stage::Tokenizer, &mut tok),
+    ] {
+        send_to(link, me, peer, &Msg::Shutdown, timeout)?;
+    }
+    ctx.send_control(&Msg::Finished { generated })?;
+    Ok(())
+}

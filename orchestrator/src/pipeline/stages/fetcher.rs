@@ -1,0 +1,193 @@
+//! The expert-fetcher stage: owns the expert arena and serves routed experts to compute.
+//!
+//! Compute sends `Experts{layer, ids}` as soon as routing is known; this stage answers one
+//! `ExpertReady{handle}` per expert the moment it is in the arena (hits first, then reads as
+//! they land, issued in disk order at queue depth `readers`), or `ExpertFailed`, then
+//! `ExpertBatchDone` with the batch's counters. The arena is a shared-memory region this
+//! stage creates and first-touches, so its budget is charged to this stage's cgroup.
+
+use std::sync::Arc;
+
+use k3_expert_fetcher::fetcher::{slot_bytes_for, slots_for_budget, Event, FetcherConfig};
+use k3_expert_fetcher::io::{DirectFiles, FaultyReader, ReadAt};
+use k3_expert_fetcher::locate::{ExpertTable, Locate};
+use k3_expert_fetcher::ExpertFetcher;
+use k3_protocol::catalog::Catalog;
+use k3_protocol::messages::{Msg, Stage};
+use k3_protocol::shm::Region;
+
+use super::super::conf::FetcherConf;
+use super::super::link::{recv_from, send_to, StageCtx};
+use super::trunk::ShmArena;
+
+/// Region id of the expert arena.
+pub const EXPERT_REGION: u32 = 20;
+
+/// Run the expert-fetcher stage until shutdown.
+pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+    ctx.wait_configure()?;
+    let conf: FetcherConf = serde_json::from_str(&ctx.conf_json)
+        .map_err(|e| ctx.fail(format!("expert-fetcher: bad Configure: {e}")))?;
+    let (region, mut fetcher) = setup(&conf).map_err(|e| ctx.fail(e))?;
+    ctx.share_region(&region, "experts")?;
+    ctx.ready()?;
+    ctx.wait_go()?;
+    let mut link = ctx.take_link(Stage::LayerCompute)?;
+    let (me, peer) = (Stage::ExpertFetcher, Stage::LayerCompute);
+    if conf.trace_dir.is_some() {
+        fetcher.record_trace();
+    }
+    let mut last_pass = u64::MAX;
+    loop {
+        match recv_from(&mut link, me, peer, None)? {
+            Msg::Shutdown => break,
+            Msg::Experts {
+                pass,
+                layer,
+                ids,
+                hint_next,
+            } => {
+                if pass != last_pass {
+                    fetcher.begin_step();
+                    last_pass = pass;
+                }
+                if ids.is_empty() {
+                    // A routing hint only: read ahead, publish nothing.
+                    if !hint_next.is_empty() {
+                        fetcher.prefetch(layer + 1, &hint_next);
+                    }
+                    continue;
+                }
+                let before = fetcher.step_stats();
+                let mut send_err: Option<String> = None;
+                fetcher.fetch_batch(layer, &ids, |ev| {
+                    if send_err.is_some() {
+                        return;
+                    }
+                    let m = match ev {
+                        Event::Ready(a) => match region.handle(0, a.arena_offset, a.len) {
+                            Ok(handle) => Msg::ExpertReady {
+                                pass,
+                                layer: a.layer,
+                                id: a.expert,
+                                handle,
+                            },
+                            Err(e) => Msg::ExpertFailed {
+                                pass,
+                                layer: a.layer,
+                                id: a.expert,
+                                error: e.to_string(),
+                            },
+                        },
+                        Event::Failed(e) => {
+                            let (l, id) = match &e {
+                                k3_expert_fetcher::FetchError::Unknown { layer, expert }
+                                | k3_expert_fetcher::FetchError::TooBig { layer, expert, .. }
+                                | k3_expert_fetcher::FetchError::NoSlot { layer, expert }
+                                | k3_expert_fetcher::FetchError::Read { layer, expert, .. } => {
+                                    (*layer, *expert)
+                                }
+                            };
+                            Msg::ExpertFailed {
+                                pass,
+                                layer: l,
+                                id,
+                                error: e.to_string(),
+                            }
+                        }
+                    };
+                    if let Err(e) = send_to(&mut link, me, peer, &m, None) {
+                        send_err = Some(e);
+                    }
+                });
+                if let Some(e) = send_err {
+                    return Err(e);
+                }
+                let after = fetcher.step_stats();
+                send_to(
+                    &mut link,
+                    me,
+                    peer,
+                    &Msg::ExpertBatchDone {
+                        pass,
+                        layer,
+                        requests: after.requests - before.requests,
+                        resident_hits: after.resident_hits() - before.resident_hits(),
+                        failed: after.failed - before.failed,
+                        read_bytes: after.bytes_read - before.bytes_read,
+                        io_seconds: after.io_seconds - before.io_seconds,
+                    },
+                    None,
+                )?;
+                if !hint_next.is_empty() {
+                    fetcher.prefetch(layer + 1, &hint_next);
+                }
+            }
+            other => return Err(ctx.fail(format!("expert-fetcher: unexpected {other:?}"))),
+        }
+    }
+    if let (Some(dir), Some(tr)) = (&conf.trace_dir, fetcher.trace()) {
+        tr.write(dir)
+            .map_err(|e| ctx.fail(format!("expert-fetcher: --dump-cache-trace: {e}")))?;
+    }
+    let total = fetcher.total_stats();
+    let summary = serde_json::json!({
+        "slots": fetcher.slot_count(),
+        "slot_bytes": fetcher.slot_bytes(),
+        "arena_bytes": region.data_len(),
+        "readers": fetcher.readers(),
+        "stats": total,
+        "true_resident_hit_rate": total.true_resident_hit_rate(),
+        "mb_per_s": total.mb_per_s(),
+        "report": fetcher.render_stats("expert cache [whole run]", &total),
+    });
+    ctx.send_control(&Msg::Summary {
+        stage: me,
+        json: summary.to_string(),
+    })?;
+    Ok(())
+}
+
+fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), String> {
+    let cat = Catalog::open(&conf.model_dir).map_err(|e| format!("expert-fetcher: {e}"))?;
+    let paths: Vec<_> = cat.shards().iter().map(|s| s.path.clone()).collect();
+    let table =
+        ExpertTable::from_safetensors(&paths).map_err(|e| format!("expert-fetcher: {e}"))?;
+    let slot_bytes = slot_bytes_for(table.max_span().max(1));
+    let slots = slots_for_budget(conf.cache_bytes, slot_bytes)
+        .min(conf.max_slots)
+        .max(conf.min_slots.max(1));
+    let bytes = slots as u64 * slot_bytes;
+    let region = Region::create(EXPERT_REGION, "experts", bytes, 1)
+        .map_err(|e| format!("expert-fetcher: arena of {bytes} bytes: {e}"))?;
+    region
+        .prefault()
+        .map_err(|e| format!("expert-fetcher: first touch of the arena: {e}"))?;
+    let region = Arc::new(region);
+    let direct = DirectFiles::open(&paths).map_err(|e| format!("expert-fetcher: {e}"))?;
+    let reader: Arc<dyn ReadAt> = if conf.inject_failures.is_empty() {
+        Arc::new(direct)
+    } else {
+        let mut ranges = Vec::new();
+        for &(l, e) in &conf.inject_failures {
+            if let Some(loc) = table.locate(l, e) {
+                for x in &loc.extents {
+                    ranges.push((loc.file, x.offset, x.offset + x.len));
+                }
+            }
+        }
+        Arc::new(FaultyReader::new(direct, ranges))
+    };
+    let fetcher = ExpertFetcher::with_arena(
+        FetcherConfig {
+            slots,
+            slot_bytes,
+            readers: conf.readers.max(1),
+        },
+        Arc::new(table),
+        reader,
+        Arc::new(ShmArena(region.clone())),
+    )
+    .map_err(|e| format!("expert-fetcher: {e}"))?;
+    Ok((region, fetcher))
+}

@@ -1,0 +1,406 @@
+//! The trunk-loader stage: owns the trunk's memory and publishes one layer at a time.
+//!
+//! Two modes:
+//! - **streamed** (`--trunk DIR`): `trunk.bin` + `trunk.json` from `pack-trunk`, served by
+//!   `k3_trunk_loader::TrunkLoader` (pinned prefix + ring of slots, O_DIRECT reads running
+//!   ahead in layer order) over a shared-memory arena this stage owns and first-touches.
+//! - **resident** (no `--trunk`): every layer's trunk tensors are read once from the shards,
+//!   tensor by tensor (any shard layout works), into one region, and stay.
+//!
+//! Per pass, compute sends `StartPass`; this stage answers `LayerReady{layer, handle,
+//! tensors}` for layers 0..n in order, as fast as memory allows, and frees a ring slot only
+//! when compute's `LayerDone` for it arrives. After the last `LayerDone` it sends
+//! `TrunkPassDone` with what the pass cost.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k3_expert_fetcher::arena::{ArenaMemory, ALIGN};
+use k3_expert_fetcher::io::DirectFiles;
+use k3_protocol::catalog::Catalog;
+use k3_protocol::messages::{Msg, Stage, TensorSpan};
+use k3_protocol::shm::Region;
+use k3_protocol::tensor::Dtype;
+use k3_protocol::trunk::TrunkManifest;
+use k3_trunk_loader::{plan, LayerRun, RingPolicy, TrunkLoader};
+
+use super::super::conf::TrunkConf;
+use super::super::link::{recv_from, send_to, StageCtx};
+
+/// Region id of the trunk arena.
+pub const TRUNK_REGION: u32 = 10;
+
+/// A shared-memory region as an arena for the loader libraries.
+pub struct ShmArena(pub Arc<Region>);
+
+// SAFETY: `Region::data_ptr` is page aligned (4096), valid for `data_len` bytes of reads and
+// writes for the region's lifetime (the Arc keeps it mapped), and this stage is the only
+// writer; readers in other processes only read ranges this stage has published and not yet
+// had released, which is the `ArenaMemory` contract's "disjoint slots".
+unsafe impl ArenaMemory for ShmArena {
+    fn base(&self) -> *mut u8 {
+        self.0.data_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.data_len()
+    }
+}
+
+/// One tensor of a layer, relative to the layer's bytes.
+#[derive(Clone, Debug)]
+struct LayerTensor {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    offset: u64,
+    len: u64,
+}
+
+/// Trunk tensors of every bound layer, grouped by layer, in catalog (file) order.
+pub fn layer_tensors(
+    cat: &Catalog,
+    layers: usize,
+) -> Vec<Vec<(String, usize, u64, u64, Dtype, Vec<usize>)>> {
+    let mut out = vec![Vec::new(); layers];
+    for (name, e) in cat.iter() {
+        let Some(rest) = name.strip_prefix("language_model.model.layers.") else {
+            continue;
+        };
+        let Some((l, tail)) = rest.split_once('.') else {
+            continue;
+        };
+        let Ok(l) = l.parse::<usize>() else { continue };
+        if l >= layers || tail.contains(".experts.") {
+            continue;
+        }
+        out[l].push((name, e.shard, e.offset, e.len, e.dtype, e.shape.to_vec()));
+    }
+    out
+}
+
+enum Source {
+    Streamed {
+        loader: TrunkLoader,
+        manifest: TrunkManifest,
+        /// Offset of each layer's first payload byte inside its arena mirror.
+        head: Vec<u64>,
+    },
+    Resident {
+        /// Per layer: (offset of the layer in the region, its tensors).
+        layers: Vec<(u64, u64, Vec<LayerTensor>)>,
+    },
+}
+
+/// Run the trunk-loader stage until shutdown.
+pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+    ctx.wait_configure()?;
+    let conf: TrunkConf = serde_json::from_str(&ctx.conf_json)
+        .map_err(|e| ctx.fail(format!("trunk-loader: bad Configure: {e}")))?;
+    let (region, source, total_read) = match setup(&conf) {
+        Ok(x) => x,
+        Err(e) => return Err(ctx.fail(e)),
+    };
+    ctx.share_region(&region, "trunk")?;
+    ctx.ready()?;
+    ctx.wait_go()?;
+    let mut link = ctx.take_link(Stage::LayerCompute)?;
+    let me = Stage::TrunkLoader;
+    let peer = Stage::LayerCompute;
+    let pinned = match &source {
+        Source::Streamed { loader, .. } => loader.plan().pinned,
+        Source::Resident { layers } => layers.len(),
+    };
+    let ring_slots = match &source {
+        Source::Streamed { loader, .. } => loader.plan().ring_slots.max(1),
+        Source::Resident { .. } => usize::MAX,
+    };
+    let mut resident_read = total_read;
+    let mut passes = 0u64;
+    loop {
+        let msg = recv_from(&mut link, me, peer, None)?;
+        let pass = match msg {
+            Msg::StartPass { pass, .. } => pass,
+            Msg::Shutdown => break,
+            other => return Err(ctx.fail(format!("trunk-loader: unexpected {other:?}"))),
+        };
+        passes += 1;
+        let before = stats_of(&source);
+        let t0 = Instant::now();
+        let mut outstanding: VecDeque<usize> = VecDeque::new();
+        let mut done = 0usize;
+        let n = conf.layers;
+        for l in 0..n {
+            // A streamed layer needs a free ring slot: wait for compute to finish one.
+            if l >= pinned {
+                while outstanding.len() >= ring_slots {
+                    let d = wait_done(&mut link, pass)?;
+                    release(&source, d, pinned).map_err(|e| ctx.fail(e))?;
+                    if let Some(pos) = outstanding.iter().position(|&x| x == d) {
+                        outstanding.remove(pos);
+                    }
+                    done += 1;
+                }
+            }
+            let ready = publish(&region, &source, l, pass).map_err(|e| ctx.fail(e))?;
+            send_to(&mut link, me, peer, &ready, None)?;
+            if l >= pinned {
+                outstanding.push_back(l);
+            }
+        }
+        while done < n {
+            let d = wait_done(&mut link, pass)?;
+            release(&source, d, pinned).map_err(|e| ctx.fail(e))?;
+            if let Some(pos) = outstanding.iter().position(|&x| x == d) {
+                outstanding.remove(pos);
+            }
+            done += 1;
+        }
+        let after = stats_of(&source);
+        let first_resident = std::mem::take(&mut resident_read);
+        let _ = t0;
+        send_to(
+            &mut link,
+            me,
+            peer,
+            &Msg::TrunkPassDone {
+                pass,
+                binds: after.0 - before.0,
+                hits: after.1 - before.1,
+                read_bytes: after.2 - before.2 + first_resident.0,
+                io_seconds: after.3 - before.3 + first_resident.1,
+            },
+            None,
+        )?;
+    }
+    let summary = match &source {
+        Source::Streamed { loader, .. } => serde_json::json!({
+            "mode": "streamed",
+            "plan": loader.plan(),
+            "stats": loader.stats(),
+            "passes": passes,
+        }),
+        Source::Resident { layers } => serde_json::json!({
+            "mode": "resident",
+            "layers": layers.len(),
+            "bytes": region.data_len(),
+            "read_bytes": total_read.0,
+            "read_seconds": total_read.1,
+            "passes": passes,
+        }),
+    };
+    ctx.send_control(&Msg::Summary {
+        stage: me,
+        json: summary.to_string(),
+    })?;
+    Ok(())
+}
+
+/// (binds, hits, bytes read, io seconds) so far.
+fn stats_of(s: &Source) -> (u64, u64, u64, f64) {
+    match s {
+        Source::Streamed { loader, .. } => {
+            let st = loader.stats();
+            (st.binds, st.hits, st.bytes_read, st.io_seconds)
+        }
+        Source::Resident { .. } => (0, 0, 0, 0.0),
+    }
+}
+
+fn wait_done(link: &mut k3_protocol::transport::ShmTransport, pass: u64) -> Result<usize, String> {
+    match recv_from(link, Stage::TrunkLoader, Stage::LayerCompute, None)? {
+        Msg::LayerDone { pass: p, layer } if p == pass => Ok(layer as usize),
+        other => Err(format!(
+            "trunk-loader: expected LayerDone of pass {pass}, got {other:?}"
+        )),
+    }
+}
+
+fn release(s: &Source, layer: usize, _pinned: usize) -> Result<(), String> {
+    match s {
+        Source::Streamed { loader, .. } => loader.release(layer).map_err(|e| e.to_string()),
+        Source::Resident { .. } => Ok(()),
+    }
+}
+
+fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, String> {
+    let (base, len, tensors): (u64, u64, Vec<LayerTensor>) = match s {
+        Source::Streamed {
+            loader,
+            manifest,
+            head,
+        } => {
+            let h = loader.acquire(l).map_err(|e| e.to_string())?;
+            let ml = &manifest.layers[l];
+            let ts = ml
+                .tensors
+                .iter()
+                .map(|t| LayerTensor {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.iter().map(|&d| d as u64).collect(),
+                    offset: t.offset,
+                    len: t.len,
+                })
+                .collect();
+            (h.arena_offset + head[l], ml.length, ts)
+        }
+        Source::Resident { layers } => {
+            let (off, len, ts) = &layers[l];
+            (*off, *len, ts.clone())
+        }
+    };
+    let handle = region
+        .handle(0, base, len)
+        .map_err(|e| format!("trunk-loader: layer {l}: {e}"))?;
+    let mut spans = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        spans.push(TensorSpan {
+            handle: region
+                .handle(0, base + t.offset, t.len)
+                .map_err(|e| format!("trunk-loader: {}: {e}", t.name))?,
+            name: t.name,
+            dtype: t.dtype,
+            shape: t.shape,
+        });
+    }
+    Ok(Msg::LayerReady {
+        pass,
+        layer: l as u32,
+        handle,
+        tensors: spans,
+    })
+}
+
+/// Build the arena and the source; returns the bytes and seconds of the up-front reads.
+fn setup(conf: &TrunkConf) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
+    match &conf.trunk_dir {
+        Some(dir) => setup_streamed(conf, dir),
+        None => setup_resident(conf),
+    }
+}
+
+fn setup_streamed(
+    conf: &TrunkConf,
+    dir: &std::path::Path,
+) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
+    let manifest = TrunkManifest::load_dir(dir).map_err(|e| format!("trunk-loader: {e}"))?;
+    if manifest.layers.len() < conf.layers {
+        return Err(format!(
+            "trunk-loader: {} holds {} layers, the run binds {}",
+            dir.display(),
+            manifest.layers.len(),
+            conf.layers
+        ));
+    }
+    let layers = &manifest.layers[..conf.layers];
+    let runs: Vec<LayerRun> = layers
+        .iter()
+        .map(|l| LayerRun {
+            offset: l.offset,
+            len: l.padded_length,
+        })
+        .collect();
+    let head: Vec<u64> = layers.iter().map(|l| l.offset % ALIGN as u64).collect();
+    let p = plan(conf.budget_bytes, &runs, RingPolicy::default())
+        .map_err(|e| format!("trunk-loader: {e}"))?;
+    let bytes = p.bytes().max(ALIGN as u64);
+    let region = Region::create(TRUNK_REGION, "trunk", bytes, 1)
+        .map_err(|e| format!("trunk-loader: arena of {bytes} bytes: {e}"))?;
+    region
+        .prefault()
+        .map_err(|e| format!("trunk-loader: first touch of the arena: {e}"))?;
+    let region = Arc::new(region);
+    let bin: PathBuf = dir.join(&manifest.file);
+    let reader = DirectFiles::open(std::slice::from_ref(&bin))
+        .map_err(|e| format!("trunk-loader: {}: {e}", bin.display()))?;
+    let loader = TrunkLoader::with_arena(
+        runs,
+        p,
+        Arc::new(reader),
+        0,
+        Arc::new(ShmArena(region.clone())),
+    )
+    .map_err(|e| format!("trunk-loader: {e}"))?;
+    let mut manifest = manifest;
+    manifest.layers.truncate(conf.layers);
+    Ok((
+        region,
+        Source::Streamed {
+            loader,
+            manifest,
+            head,
+        },
+        (0, 0.0),
+    ))
+}
+
+fn setup_resident(conf: &TrunkConf) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
+    let cat = Catalog::open(&conf.model_dir).map_err(|e| format!("trunk-loader: {e}"))?;
+    let per_layer = layer_tensors(&cat, conf.layers);
+    let mut layout = Vec::with_capacity(per_layer.len());
+    let mut at = 0u64;
+    for (l, ts) in per_layer.iter().enumerate() {
+        if ts.is_empty() {
+            return Err(format!(
+                "trunk-loader: layer {l} has no trunk tensors in {}",
+                conf.model_dir.display()
+            ));
+        }
+        let start = at;
+        let mut tensors = Vec::with_capacity(ts.len());
+        for (name, _, _, len, dtype, shape) in ts {
+            tensors.push(LayerTensor {
+                name: name.clone(),
+                dtype: *dtype,
+                shape: shape.iter().map(|&d| d as u64).collect(),
+                offset: at - start,
+                len: *len,
+            });
+            at = (at + len).div_ceil(64) * 64;
+        }
+        layout.push((start, at - start, tensors));
+        at = at.div_ceil(ALIGN as u64) * ALIGN as u64;
+    }
+    let bytes = at.max(ALIGN as u64);
+    let region = Region::create(TRUNK_REGION, "trunk", bytes, 1)
+        .map_err(|e| format!("trunk-loader: {bytes} bytes for the resident trunk: {e}"))?;
+    region
+        .prefault()
+        .map_err(|e| format!("trunk-loader: first touch of the trunk: {e}"))?;
+    let files: Vec<File> = cat
+        .shards()
+        .iter()
+        .map(|s| {
+            File::open(&s.path).map_err(|e| format!("trunk-loader: {}: {e}", s.path.display()))
+        })
+        .collect::<Result<_, _>>()?;
+    let t0 = Instant::now();
+    let mut read = 0u64;
+    let mut buf = Vec::new();
+    for (l, ts) in per_layer.iter().enumerate() {
+        let (start, _, tensors) = &layout[l];
+        for ((name, shard, off, len, _, _), t) in ts.iter().zip(tensors) {
+            buf.resize(*len as usize, 0);
+            files[*shard]
+                .read_exact_at(&mut buf, *off)
+                .map_err(|e| format!("trunk-loader: reading {name}: {e}"))?;
+            region
+                .write_at(start + t.offset, &buf)
+                .map_err(|e| format!("trunk-loader: {name}: {e}"))?;
+            read += len;
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    Ok((
+        Arc::new(region),
+        Source::Resident { layers: layout },
+        (read, secs),
+    ))
+}
+
+/// How long compute may keep a layer before the loader gives up on it.
+pub const LAYER_TIMEOUT: Duration = Duration::from_secs(600);

@@ -1,0 +1,262 @@
+//! Starting, watching and stopping the stage processes.
+//!
+//! Each stage is this same binary re-executed as `k3-orch stage <name>`, with its end of a
+//! control socketpair on fd 3. A watcher thread reaps children as they exit; an exit the
+//! orchestrator did not ask for is a fault that names the stage and its exit status or
+//! signal. Children get `PR_SET_PDEATHSIG = SIGKILL`, so they cannot outlive an
+//! orchestrator that is killed itself; on any fault every remaining stage is killed and
+//! reaped before k3-orch exits, so no process is left behind.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The fd number a stage process finds its control socket on.
+pub const CONTROL_FD: i32 = 3;
+
+/// How a child ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExitCause {
+    Code(i32),
+    Signal(i32),
+}
+
+impl std::fmt::Display for ExitCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExitCause::Code(c) => write!(f, "exited with status {c}"),
+            ExitCause::Signal(s) => write!(f, "was killed by signal {s} ({})", signal_name(*s)),
+        }
+    }
+}
+
+/// Conventional name of a signal number.
+pub fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGINT => "SIGINT",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGILL => "SIGILL",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGSTOP => "SIGSTOP",
+        _ => "signal",
+    }
+}
+
+/// A child that ended, with its resource usage.
+#[derive(Clone, Debug)]
+pub struct Exited {
+    pub stage: String,
+    pub pid: u32,
+    pub cause: ExitCause,
+    /// ru_maxrss of the child, in bytes.
+    pub peak_rss_bytes: u64,
+}
+
+/// One running stage process.
+#[derive(Debug)]
+pub struct Child {
+    pub stage: String,
+    pub pid: u32,
+}
+
+/// Spawn `exe stage <name> [extra...]` with `control` (the stage's end) as its fd 3.
+pub fn spawn_stage(
+    exe: &std::path::Path,
+    name: &str,
+    control: k3_protocol::control::ControlSocket,
+    prepare: impl FnOnce(&mut Command) -> Result<(), String>,
+) -> Result<Child, String> {
+    let mut cmd = Command::new(exe);
+    cmd.arg("stage").arg(name);
+    prepare(&mut cmd)?;
+    cmd.stdin(Stdio::null());
+    cmd.env("K3_CONTROL_FD", CONTROL_FD.to_string());
+    let raw = control.fd().as_raw_fd();
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe calls are allowed: dup2, fcntl, prctl and getppid are. `raw` is a
+    // valid open descriptor in the parent at fork time, so it is valid in the child too.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(raw, CONTROL_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // dup2 clears FD_CLOEXEC on the new descriptor unless raw == 3 already.
+            let fl = libc::fcntl(CONTROL_FD, libc::F_GETFD);
+            libc::fcntl(CONTROL_FD, libc::F_SETFD, fl & !libc::FD_CLOEXEC);
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before prctl took effect.
+            if libc::getppid() == 1 {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(|e| e.to_string())?;
+    drop(control);
+    Ok(Child {
+        stage: name.to_string(),
+        pid: child.id(),
+    })
+}
+
+/// Reaps the stage processes in the background and reports each exit on a channel.
+pub struct Watcher {
+    children: Arc<Mutex<Vec<Child>>>,
+    stop: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watcher {
+    /// Start watching `children`; every exit is sent to `tx` (then the child is forgotten).
+    pub fn start<E: From<Exited> + Send + 'static>(children: Vec<Child>, tx: Sender<E>) -> Watcher {
+        let children = Arc::new(Mutex::new(children));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c2, s2) = (children.clone(), stop.clone());
+        let handle = std::thread::Builder::new()
+            .name("k3-watcher".into())
+            .spawn(move || loop {
+                let mut exited = Vec::new();
+                {
+                    let mut list = c2.lock().unwrap_or_else(|e| e.into_inner());
+                    list.retain(|c| match try_reap(c.pid) {
+                        Some((cause, rss)) => {
+                            exited.push(Exited {
+                                stage: c.stage.clone(),
+                                pid: c.pid,
+                                cause,
+                                peak_rss_bytes: rss,
+                            });
+                            false
+                        }
+                        None => true,
+                    });
+                }
+                for e in exited {
+                    let _ = tx.send(E::from(e));
+                }
+                if s2.load(Ordering::Relaxed) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            })
+            .expect("spawn watcher thread");
+        Watcher {
+            children,
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    /// Pids of the children not yet reaped.
+    pub fn alive(&self) -> Vec<(String, u32)> {
+        self.children
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|c| (c.stage.clone(), c.pid))
+            .collect()
+    }
+
+    /// Send `sig` to every child still alive.
+    pub fn signal_all(&self, sig: i32) {
+        for (_, pid) in self.alive() {
+            // SAFETY: kill(2) with a pid we spawned and have not reaped yet, so it cannot
+            // have been reused by an unrelated process.
+            unsafe {
+                libc::kill(pid as i32, sig);
+            }
+        }
+    }
+
+    /// Wait until every child has been reaped, or `timeout` passes.
+    pub fn wait_all(&self, timeout: Duration) -> bool {
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < timeout {
+            if self.alive().is_empty() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.alive().is_empty()
+    }
+
+    /// Kill everything still running (SIGTERM, a grace period, then SIGKILL) and reap it.
+    pub fn kill_all(&self, grace: Duration) {
+        self.signal_all(libc::SIGTERM);
+        if !self.wait_all(grace) {
+            self.signal_all(libc::SIGKILL);
+            self.wait_all(Duration::from_secs(5));
+        }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.kill_all(Duration::from_millis(500));
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Non-blocking reap of one pid: its cause of exit and peak RSS, or None if still running.
+fn try_reap(pid: u32) -> Option<(ExitCause, u64)> {
+    let mut status: libc::c_int = 0;
+    // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: wait4 writes only through the two valid pointers we pass.
+    let r = unsafe { libc::wait4(pid as i32, &mut status, libc::WNOHANG, &mut ru) };
+    if r != pid as i32 {
+        return None;
+    }
+    let cause = if libc::WIFSIGNALED(status) {
+        ExitCause::Signal(libc::WTERMSIG(status))
+    } else {
+        ExitCause::Code(libc::WEXITSTATUS(status))
+    };
+    Some((cause, ru.ru_maxrss.max(0) as u64 * 1024))
+}
+
+/// Peak RSS of this process so far, in bytes (getrusage).
+pub fn self_peak_rss() -> u64 {
+    // SAFETY: an all-zero rusage is valid; getrusage only writes through the pointer.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: see above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    ru.ru_maxrss.max(0) as u64 * 1024
+}
+
+/// Set by the SIGINT/SIGTERM handler; the orchestrator's loops poll it.
+pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_sig: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// Route SIGINT and SIGTERM to `INTERRUPTED` so a Ctrl-C shuts the stages down cleanly.
+pub fn install_interrupt_handler() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+}
