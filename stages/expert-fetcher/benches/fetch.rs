@@ -71,7 +71,7 @@ fn main() {
     );
     let mut fetch_mbps = Vec::new();
     for qd in [1usize, 16] {
-        let files = Arc::new(DirectFiles::open(&[path.clone()]).expect("open"));
+        let files = Arc::new(DirectFiles::open(std::slice::from_ref(&path)).expect("open"));
         let mut f = ExpertFetcher::new(
             FetcherConfig {
                 slots: 16,
