@@ -1,9 +1,9 @@
 //! Where each routed expert's bytes live: a file number and one or more byte extents.
 //!
-//! This is the fetcher's input type. [`ExpertTable::from_safetensors`] builds it from shard
-//! headers (every `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`), which is
-//! enough for tests, benchmarks and the seed's cache fixture; the pipeline can fill the same
-//! table from `k3_protocol::locator` instead.
+//! This is the fetcher's input type. [`ExpertTable::from_catalog`] fills it from
+//! `k3_protocol::locator` (the checkpoint's verified contiguous run per expert, else one read
+//! per tensor); [`ExpertTable::from_safetensors`] reads shard headers directly (every
+//! `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`), for tests and tools.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -123,6 +123,56 @@ impl ExpertTable {
         self.tensors
             .get(&(layer, expert))
             .map_or(&[], |v| v.as_slice())
+    }
+
+    /// Every routed expert of `layers` x `0..n_experts` of a catalogued checkpoint, located by
+    /// `k3_protocol::locator`. File numbers are the catalog's shard numbers; the per-tensor
+    /// list ([`tensors`](Self::tensors)) holds each part's suffix and offset from the
+    /// expert's first byte.
+    pub fn from_catalog(
+        catalog: &k3_protocol::catalog::Catalog,
+        layers: std::ops::Range<usize>,
+        n_experts: usize,
+    ) -> Result<ExpertTable, String> {
+        let files: Vec<PathBuf> = catalog.shards().iter().map(|s| s.path.clone()).collect();
+        let mut t = ExpertTable::new(files);
+        for layer in layers {
+            for expert in 0..n_experts {
+                let loc = k3_protocol::locator::locate_expert(catalog, layer, expert)
+                    .map_err(|e| e.to_string())?;
+                let reads = loc.reads();
+                let shard = reads[0].shard;
+                if reads.iter().any(|r| r.shard != shard) {
+                    return Err(format!(
+                        "layer {layer} expert {expert}: its tensors are in two shards"
+                    ));
+                }
+                let start = reads.iter().map(|r| r.offset).min().unwrap_or(0);
+                let mut parts: TensorList = loc
+                    .parts
+                    .iter()
+                    .map(|p| (p.suffix.to_string(), p.at.offset - start, p.at.len))
+                    .collect();
+                parts.sort_by_key(|p| p.1);
+                let (l, e) = (layer as u32, expert as u32);
+                t.tensors.insert((l, e), parts);
+                t.insert(
+                    l,
+                    e,
+                    ExpertLocation {
+                        file: shard as u32,
+                        extents: reads
+                            .iter()
+                            .map(|r| Extent {
+                                offset: r.offset,
+                                len: r.len,
+                            })
+                            .collect(),
+                    },
+                );
+            }
+        }
+        Ok(t)
     }
 
     /// Read the headers of safetensors shards and collect every routed expert tensor

@@ -392,3 +392,16 @@ fn trace_recording_round_trips_through_the_simulator_reader() {
     assert_eq!(h["distinct"], 3);
     assert_eq!(h["layers"]["0"]["1"], 2);
 }
+
+/// The protocol's locator and this crate's header reader agree on every fixture expert.
+#[test]
+fn catalog_locations_match_the_header_reader() {
+    let cat = k3_protocol::catalog::Catalog::open(fixture()).unwrap();
+    let a = ExpertTable::from_catalog(&cat, 0..1, 24).unwrap();
+    let b = table();
+    for e in 0..24 {
+        assert_eq!(a.locate(0, e), b.locate(0, e), "expert {e}");
+        assert_eq!(a.tensors(0, e), b.tensors(0, e), "expert {e}");
+    }
+    assert!(ExpertTable::from_catalog(&cat, 0..1, 25).is_err());
+}

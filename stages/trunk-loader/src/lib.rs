@@ -12,6 +12,6 @@ pub mod loader;
 pub mod plan;
 pub mod presets;
 
-pub use loader::{LayerGuard, LayerHandle, LoadError, TrunkLoader, TrunkStats};
+pub use loader::{runs_from_manifest, LayerGuard, LayerHandle, LoadError, TrunkLoader, TrunkStats};
 pub use plan::{plan, LayerRun, PlanError, RingPolicy, TrunkPlan};
 pub use presets::{auto, mem_available, Budgets, Preset, Presets};

@@ -237,7 +237,48 @@ impl Shared {
     }
 }
 
+/// The runs of a packed trunk's manifest, in layer order (payload lengths; the padding
+/// makes each footprint exactly `padded_length`).
+pub fn runs_from_manifest(m: &k3_protocol::trunk::TrunkManifest) -> Vec<LayerRun> {
+    m.layers
+        .iter()
+        .map(|l| LayerRun {
+            offset: l.offset,
+            len: l.length,
+        })
+        .collect()
+}
+
 impl TrunkLoader {
+    /// Open a packed trunk directory (`trunk.json` + `trunk.bin`), plan `budget` bytes over
+    /// its first `layers` layers (all when `None`) and start loading. Returns the manifest
+    /// too (it names each layer's tensors and their offsets inside the run).
+    pub fn open_dir(
+        dir: &std::path::Path,
+        budget: u64,
+        ring: crate::plan::RingPolicy,
+        layers: Option<usize>,
+    ) -> Result<(k3_protocol::trunk::TrunkManifest, TrunkLoader), String> {
+        let m = k3_protocol::trunk::TrunkManifest::load_dir(dir).map_err(|e| e.to_string())?;
+        let mut runs = runs_from_manifest(&m);
+        if let Some(n) = layers {
+            if n > runs.len() {
+                return Err(format!(
+                    "{}: --layers {n} but the packed trunk has {} layers",
+                    dir.display(),
+                    runs.len()
+                ));
+            }
+            runs.truncate(n);
+        }
+        let plan = crate::plan::plan(budget, &runs, ring).map_err(|e| e.to_string())?;
+        let bin = dir.join(&m.file);
+        let reader = k3_expert_fetcher::DirectFiles::open(std::slice::from_ref(&bin))
+            .map_err(|e| format!("{}: {e}", bin.display()))?;
+        let loader = TrunkLoader::new(runs, plan, Arc::new(reader), 0)?;
+        Ok((m, loader))
+    }
+
     /// Start loading: allocates the arena for `plan` and starts the reader thread, which
     /// loads the pinned layers first, then streams. `runs` are the layers of file `file` of
     /// `reader`.

@@ -201,3 +201,69 @@ fn lru_over_a_cyclic_scan_hits_nothing() {
     // The seed's ladder figure: 7 x 90 / 744 = 84.7% for eight tokens.
     assert_eq!(format!("{:.1}", 100.0 * s.hit_rate()), "84.7");
 }
+
+/// A packed trunk directory (`trunk.json` + `trunk.bin`, the protocol's manifest) opens,
+/// plans and serves its layers; `--layers N` binds a prefix; a budget too small is refused
+/// with the shortfall.
+#[test]
+fn open_a_packed_trunk_directory() {
+    use k3_protocol::tensor::Dtype;
+    use k3_protocol::trunk::{SourceIdentity, TrunkLayer, TrunkManifest, TrunkTensor};
+    let sizes = [6000usize, 9000, 3000];
+    let (dir, _path, runs) = make_trunk(&sizes, true);
+    let file_size = std::fs::metadata(dir.path().join("trunk.bin"))
+        .unwrap()
+        .len();
+    let m = TrunkManifest {
+        format: "k3-trunk/1".into(),
+        align: 4096,
+        file: "trunk.bin".into(),
+        file_size,
+        total_bytes: sizes.iter().sum::<usize>() as u64,
+        max_run: 9000,
+        max_run_layer: 1,
+        source: SourceIdentity {
+            total_size: 0,
+            shards: vec![],
+        },
+        layers: runs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| TrunkLayer {
+                layer: i,
+                offset: r.offset,
+                length: r.len,
+                padded_length: r.len.div_ceil(4096) * 4096,
+                shard: "model.safetensors".into(),
+                source_offset: 0,
+                sha256: "0".repeat(64),
+                tensors: vec![TrunkTensor {
+                    name: format!("language_model.model.layers.{i}.x"),
+                    dtype: Dtype::U8,
+                    shape: vec![r.len as usize],
+                    offset: 0,
+                    len: r.len,
+                }],
+            })
+            .collect(),
+    };
+    std::fs::write(
+        dir.path().join("trunk.json"),
+        serde_json::to_string(&m).unwrap(),
+    )
+    .unwrap();
+    let (back, loader) =
+        TrunkLoader::open_dir(dir.path(), 8192 + 12288, RingPolicy::default(), None).unwrap();
+    assert_eq!(back.layers.len(), 3);
+    assert_eq!((loader.plan().pinned, loader.plan().ring_slots), (1, 1));
+    run_tokens(&loader, &sizes, 2);
+    let (_, two) =
+        TrunkLoader::open_dir(dir.path(), 1 << 20, RingPolicy::default(), Some(2)).unwrap();
+    assert_eq!(two.plan().layers, 2);
+    run_tokens(&two, &sizes[..2], 1);
+    let e = TrunkLoader::open_dir(dir.path(), 4096, RingPolicy::default(), None)
+        .err()
+        .unwrap();
+    assert!(e.contains("shortfall of 8192 bytes"), "{e}");
+    assert!(TrunkLoader::open_dir(dir.path(), 1 << 20, RingPolicy::default(), Some(4)).is_err());
+}
