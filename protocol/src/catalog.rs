@@ -569,9 +569,11 @@ struct ShardPart {
     digest: NameDigest,
 }
 
-/// A fast 64-bit hash with full avalanche (multiply-xorshift per 8-byte word, murmur3's
-/// finaliser at the end), seeded; not for adversarial inputs.
-fn mix_hash(bytes: &[u8], seed: u64) -> u64 {
+/// Two independently seeded 64-bit hashes of `bytes` in one pass (one multiply-xorshift
+/// per 8-byte word and lane, murmur3's finaliser at the end); not for adversarial inputs.
+fn mix_hash2(bytes: &[u8]) -> (u64, u64) {
+    const K1: u64 = 0x9e37_79b9_7f4a_7c15;
+    const K2: u64 = 0xc2b2_ae3d_27d4_eb4f;
     let fmix = |mut h: u64| {
         h ^= h >> 33;
         h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
@@ -579,15 +581,23 @@ fn mix_hash(bytes: &[u8], seed: u64) -> u64 {
         h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
         h ^ (h >> 33)
     };
-    let mut h = seed ^ (bytes.len() as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let n = bytes.len() as u64;
+    let (mut a, mut b) = (
+        0x6b33_6361_7461_6c31 ^ n,
+        0x243f_6a88_85a3_08d3 ^ n.rotate_left(17),
+    );
     let mut chunks = bytes.chunks_exact(8);
     for c in &mut chunks {
         let w = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
-        h = fmix(h ^ w);
+        a = (a ^ w).wrapping_mul(K1);
+        a ^= a >> 29;
+        b = (b ^ w.rotate_left(31)).wrapping_mul(K2);
+        b ^= b >> 31;
     }
     let mut tail = [0u8; 8];
     tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
-    fmix(h ^ u64::from_le_bytes(tail) ^ 0x8000_0000_0000_0000)
+    let w = u64::from_le_bytes(tail);
+    (fmix(a ^ w), fmix(b ^ w.rotate_left(31) ^ K1))
 }
 
 /// An order-independent digest of a multiset of names: count and two wrapping sums of
@@ -604,12 +614,9 @@ struct NameDigest {
 impl NameDigest {
     fn add(&mut self, name: &str) {
         self.count += 1;
-        self.s1 = self
-            .s1
-            .wrapping_add(mix_hash(name.as_bytes(), 0x6b33_6361_7461_6c31));
-        self.s2 = self
-            .s2
-            .wrapping_add(mix_hash(name.as_bytes(), 0x9e37_79b9_7f4a_7c15));
+        let (h1, h2) = mix_hash2(name.as_bytes());
+        self.s1 = self.s1.wrapping_add(h1);
+        self.s2 = self.s2.wrapping_add(h2);
     }
 
     fn merge(&mut self, o: &NameDigest) {
@@ -969,7 +976,15 @@ impl Catalog {
         let json = std::fs::read(index)
             .map_err(|e| CatalogError::new(index, None, format!("cannot read: {e}")))?;
         let idx = parse_index(index, &json)?;
-        let mut files: Vec<&str> = idx.weight_map.iter().map(|(_, f)| &**f).collect();
+        // Distinct shard names (the weight_map is usually grouped, so skip repeats cheaply).
+        let mut files: Vec<&str> = Vec::new();
+        let mut last: Option<&str> = None;
+        for (_, f) in &idx.weight_map {
+            if last != Some(&**f) {
+                files.push(f);
+                last = Some(f);
+            }
+        }
         files.sort_unstable();
         files.dedup();
         for f in &files {
@@ -1005,8 +1020,14 @@ impl Catalog {
         let n_chunks = wm.len().div_ceil(CHUNK);
         let per_chunk = par_map(n_chunks, |c| {
             let mut d = vec![NameDigest::default(); files.len()];
+            let mut last: Option<(&str, usize)> = None;
             for (name, f) in &wm[c * CHUNK..((c + 1) * CHUNK).min(wm.len())] {
-                if let Ok(s) = files.binary_search(&&**f) {
+                let s = match last {
+                    Some((lf, s)) if lf == &**f => Some(s),
+                    _ => files.binary_search(&&**f).ok(),
+                };
+                if let Some(s) = s {
+                    last = Some((f, s));
                     d[s].add(name);
                 }
             }
