@@ -11,11 +11,18 @@
 //! depends on is defaulted.
 //!
 //! The only exceptions are a few *architecture switches* that the engine supports at exactly
-//! one value (`topk_method` = "noaux_tc", `num_expert_group` = `topk_group` = 1,
-//! `moe_layer_freq` = 1's rule, `use_full_rank_gate` = true, `use_grouped_topk`) plus the
-//! optional `pad_token_id`. The seed's tiny model omits them; when absent they take that one
-//! supported value and are listed in [`ModelConfig::defaulted`], when present any other value
-//! is refused.
+//! one value — `topk_method` ("noaux_tc"), `num_expert_group` and `topk_group` (1),
+//! `use_full_rank_gate` (true), `use_grouped_topk` (true) — plus `moe_layer_freq` (HF
+//! default 1, any value ≥ 1 accepted when given) and the optional `pad_token_id`. The seed's
+//! tiny model omits them; when absent they take that value and are listed in
+//! [`ModelConfig::defaulted`]; when present at an unsupported value they are refused.
+//!
+//! Validation: dimensions ≥ 1; `num_key_value_heads` = `num_attention_heads`; top-k ≤
+//! experts; `first_k_dense_replace` ≤ layers; token ids inside the vocabulary; positive
+//! eps, SiTU betas and scaling; negative `gate_lower_bound`; MXFP4 dims multiples of the
+//! group size; the ONE-based layer lists in range, without duplicates, disjoint, and
+//! together covering every layer. Unsupported values (`hidden_act` other than "situ", a
+//! non-sigmoid router, `mla_use_nope` = false, other quantisation formats) are refused.
 //!
 //! ```no_run
 //! use k3_protocol::config::{LayerKind, ModelConfig};
