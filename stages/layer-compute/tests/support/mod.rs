@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use k3_layer_compute::{Model, ModelOptions, SourceWeights};
 use k3_protocol::config::ModelConfig;
+use k3_protocol::mmap_weights::MmapWeights;
 use k3_protocol::tensor::{Dtype, TensorRef, WeightError, WeightSource};
 
 /// `tests/fixtures` of the repository.
@@ -151,86 +152,13 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32)
     eprintln!("{what}: worst {worst:.3} of tolerance");
 }
 
-/// A minimal in-memory safetensors reader for the tests (single file or index + shards).
-/// Temporary: replaced by `k3_protocol::mmap_weights::MmapWeights` once it is exported.
-pub struct TestWeights {
-    files: Vec<Vec<u8>>,
-    map: BTreeMap<String, (usize, Dtype, Vec<usize>, usize, usize)>,
-}
-
-impl TestWeights {
-    pub fn open(dir: &std::path::Path) -> TestWeights {
-        let idx = dir.join("model.safetensors.index.json");
-        let names: Vec<PathBuf> = if idx.is_file() {
-            let j = read_json(&idx);
-            let mut f: Vec<String> = j["weight_map"]
-                .as_object()
-                .unwrap()
-                .values()
-                .map(|v| v.as_str().unwrap().to_string())
-                .collect();
-            f.sort();
-            f.dedup();
-            f.into_iter().map(|n| dir.join(n)).collect()
-        } else {
-            vec![dir.join("model.safetensors")]
-        };
-        let mut tw = TestWeights {
-            files: Vec::new(),
-            map: BTreeMap::new(),
-        };
-        for (fi, p) in names.iter().enumerate() {
-            let b = std::fs::read(p).unwrap();
-            let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
-            let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
-            for (k, v) in h.as_object().unwrap() {
-                if k == "__metadata__" {
-                    continue;
-                }
-                let dt = Dtype::parse(v["dtype"].as_str().unwrap()).unwrap();
-                let sh: Vec<usize> = v["shape"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_u64().unwrap() as usize)
-                    .collect();
-                let o = v["data_offsets"].as_array().unwrap();
-                let (a, e) = (
-                    o[0].as_u64().unwrap() as usize + 8 + n,
-                    o[1].as_u64().unwrap() as usize + 8 + n,
-                );
-                tw.map.insert(k.clone(), (fi, dt, sh, a, e));
-            }
-            tw.files.push(b);
-        }
-        tw
-    }
-}
-
-impl WeightSource for TestWeights {
-    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, WeightError> {
-        let (f, dt, sh, a, e) = self
-            .map
-            .get(name)
-            .ok_or_else(|| WeightError::Missing(name.to_string()))?;
-        Ok(TensorRef {
-            dtype: *dt,
-            shape: sh,
-            bytes: &self.files[*f][*a..*e],
-        })
-    }
-    fn contains(&self, name: &str) -> bool {
-        self.map.contains_key(name)
-    }
-}
-
-pub type TinyModel = Model<SourceWeights<TestWeights>>;
+pub type TinyModel = Model<SourceWeights<MmapWeights>>;
 
 /// Load a tiny model directory (`tiny-seed`, `tiny-mxfp4`, or their `sharded/`).
 pub fn load(rel: &str, threads: usize) -> TinyModel {
     let dir = fixtures().join(rel);
     let cfg = ModelConfig::load_dir(&dir).unwrap_or_else(|e| panic!("{e}"));
-    let w = TestWeights::open(&dir);
+    let w = MmapWeights::open(&dir).unwrap_or_else(|e| panic!("{e}"));
     Model::new(
         cfg,
         SourceWeights::new(w),

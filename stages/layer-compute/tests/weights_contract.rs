@@ -1,0 +1,209 @@
+//! The `Weights` contract as the forward uses it: tensors that do not bind are named,
+//! `--layers N` binds only a prefix and brackets each layer with begin/end, expert arrival
+//! order never changes a bit, and failed expert loads are counted, not silently dropped.
+
+mod support;
+
+use std::cell::RefCell;
+
+use k3_layer_compute::weights::{expert_from_source, ExpertRef, Weights};
+use k3_layer_compute::{ForwardError, Model, ModelOptions, SourceWeights};
+use k3_protocol::config::ModelConfig;
+use k3_protocol::mmap_weights::MmapWeights;
+use k3_protocol::tensor::{TensorRef, WeightError, WeightSource};
+use support::*;
+
+fn cfg(rel: &str) -> ModelConfig {
+    ModelConfig::load_dir(fixtures().join(rel)).unwrap()
+}
+
+fn seed_ids() -> Vec<u32> {
+    ids(
+        &read_json(&fixtures().join("tiny-mxfp4/expected-k3ref.json")),
+        "full_ids",
+    )
+}
+
+/// A wrapper that logs lifecycle calls and delivers experts in a chosen order, optionally
+/// failing some ids.
+struct Wrapped {
+    src: MmapWeights,
+    log: RefCell<Vec<String>>,
+    reverse: bool,
+    fail_id: Option<u32>,
+    hide: Option<&'static str>,
+}
+
+impl Weights for Wrapped {
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, WeightError> {
+        if self.hide.is_some_and(|h| name.ends_with(h)) {
+            return Err(WeightError::Missing(name.into()));
+        }
+        self.src.tensor(name)
+    }
+    fn begin_layer(&self, l: usize) -> Result<(), WeightError> {
+        self.log.borrow_mut().push(format!("begin {l}"));
+        Ok(())
+    }
+    fn end_layer(&self, l: usize) {
+        self.log.borrow_mut().push(format!("end {l}"));
+    }
+    fn experts(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
+    ) {
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        if self.reverse {
+            order.reverse();
+        }
+        for slot in order {
+            if Some(ids[slot]) == self.fail_id {
+                deliver(
+                    slot,
+                    Err(WeightError::Io {
+                        name: format!("expert {}", ids[slot]),
+                        msg: "injected".into(),
+                    }),
+                );
+            } else {
+                deliver(slot, expert_from_source(&self.src, layer, ids[slot]));
+            }
+        }
+    }
+}
+
+fn wrapped(reverse: bool, fail_id: Option<u32>, hide: Option<&'static str>) -> Wrapped {
+    Wrapped {
+        src: MmapWeights::open(fixtures().join("tiny-mxfp4")).unwrap(),
+        log: RefCell::new(Vec::new()),
+        reverse,
+        fail_id,
+        hide,
+    }
+}
+
+// Experts delivered in reverse order: per-slot outputs summed in top-k order, so the logits
+// are bitwise identical (catches summing in arrival order).
+#[test]
+fn expert_arrival_order_does_not_matter() {
+    let full = seed_ids();
+    let a = load("tiny-mxfp4", 1).forward_all(&full).unwrap();
+    let m = Model::new(
+        cfg("tiny-mxfp4"),
+        wrapped(true, None, None),
+        ModelOptions::default(),
+    )
+    .unwrap();
+    let b = m.forward_all(&full).unwrap();
+    assert!(a
+        .logits
+        .iter()
+        .zip(&b.logits)
+        .all(|(x, y)| x.to_bits() == y.to_bits()));
+    assert_eq!(b.stats.expert_failures, 0);
+    assert!(b.stats.expert_requests > 0);
+}
+
+// A failed expert load is counted and reported (exit 4 upstream), never silent.
+#[test]
+fn failed_expert_is_counted() {
+    let m = Model::new(
+        cfg("tiny-mxfp4"),
+        wrapped(false, Some(3), None),
+        ModelOptions::default(),
+    )
+    .unwrap();
+    let out = m.forward_all(&seed_ids()).unwrap();
+    assert!(out.stats.expert_failures > 0);
+    assert!(out
+        .stats
+        .failure_msgs
+        .iter()
+        .any(|m| m.contains("injected")));
+}
+
+// --layers N binds only the prefix: layers 0..N begin and end in order, nothing beyond.
+#[test]
+fn layers_prefix_binds_only_the_prefix() {
+    let m = Model::new(
+        cfg("tiny-mxfp4"),
+        wrapped(false, None, None),
+        ModelOptions {
+            layers: Some(4),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let out = m.forward_all(&[1, 2, 3]).unwrap();
+    assert_eq!(out.rows, 3);
+    let log = m.weights().log.borrow().clone();
+    let want: Vec<String> = (0..4)
+        .flat_map(|l| [format!("begin {l}"), format!("end {l}")])
+        .collect();
+    assert_eq!(log, want);
+    assert!(Model::new(
+        cfg("tiny-mxfp4"),
+        wrapped(false, None, None),
+        ModelOptions {
+            layers: Some(14),
+            ..Default::default()
+        }
+    )
+    .is_err());
+}
+
+// A tensor that does not bind is an error naming it (exit 1 upstream).
+#[test]
+fn missing_tensor_is_named() {
+    let m = Model::new(
+        cfg("tiny-mxfp4"),
+        wrapped(false, None, Some("layers.7.self_attn.kv_b_proj.weight")),
+        ModelOptions::default(),
+    )
+    .unwrap();
+    let e = m.check_binding().unwrap_err();
+    assert!(matches!(e, ForwardError::Bind(_)));
+    assert!(
+        e.to_string()
+            .contains("language_model.model.layers.7.self_attn.kv_b_proj.weight"),
+        "{e}"
+    );
+    let e = m.forward_all(&[1]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("layers.7.self_attn.kv_b_proj.weight"),
+        "{e}"
+    );
+    // Wrong shape: tiny-seed's shared experts (width 2 x 48) do not fit tiny-mxfp4's
+    // config (2 x 64); the error names the tensor and both shapes.
+    let m = Model::new(
+        cfg("tiny-mxfp4"),
+        SourceWeights::new(MmapWeights::open(fixtures().join("tiny-seed")).unwrap()),
+        ModelOptions::default(),
+    )
+    .unwrap();
+    let e = m.forward_all(&[1, 2]).unwrap_err().to_string();
+    assert!(
+        e.contains("shared_experts.gate_proj.weight") && e.contains("[96, 128]"),
+        "{e}"
+    );
+}
+
+// Token ids outside the vocabulary are refused, not indexed.
+#[test]
+fn bad_token_is_refused() {
+    let m = load("tiny-seed", 1);
+    assert!(matches!(m.forward_all(&[256]), Err(ForwardError::Input(_))));
+    assert!(matches!(m.forward_all(&[]), Err(ForwardError::Input(_))));
+}
+
+// The WeightSource adapter sees the MXFP4 experts of the released layout.
+#[test]
+fn source_adapter_finds_mxfp4_experts() {
+    let w = MmapWeights::open(fixtures().join("tiny-mxfp4/sharded")).unwrap();
+    assert!(w.contains("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"));
+    let e = expert_from_source(&w, 1, 0).unwrap();
+    assert!(matches!(e.w1, k3_layer_compute::ExpertTensor::Mxfp4 { .. }));
+}
