@@ -641,6 +641,8 @@ fn plain_suffix(w: &str) -> &'static str {
 }
 
 const TC: &str = "text_config";
+/// Largest layer count accepted (the release has 93); guards allocations on bad input.
+pub const MAX_LAYERS: usize = 65_536;
 const LA: &str = "text_config.linear_attn_config";
 const QC: &str = "text_config.quantization_config";
 
@@ -804,6 +806,13 @@ fn read_text_config(
             ));
         }
     }
+    if let Some(n) = num_hidden_layers {
+        if n > MAX_LAYERS {
+            r.problem(format!(
+                "{TC}.num_hidden_layers = {n} is implausible (more than {MAX_LAYERS})"
+            ));
+        }
+    }
     if let (Some(f), Some(n)) = (first_k_dense_replace, num_hidden_layers) {
         if f > n {
             r.problem(format!(
@@ -895,7 +904,9 @@ fn read_text_config(
                 r.problem(format!("{LA}.{k} = 0 must be at least 1"));
             }
         }
-        layer_kinds = check_layer_map(r, la, n);
+        if n <= MAX_LAYERS {
+            layer_kinds = check_layer_map(r, la, n);
+        }
     }
 
     Some(ModelConfig {

@@ -293,7 +293,20 @@ fn random_json() -> impl Strategy<Value = Value> {
         Just(Value::Null),
         any::<bool>().prop_map(Value::Bool),
         any::<i64>().prop_map(Value::from),
-        prop::sample::select(vec![0i64, 1, 2, 4, 8, 13, 93, 999, -1]).prop_map(Value::from),
+        prop::sample::select(vec![
+            0i64,
+            1,
+            2,
+            4,
+            8,
+            13,
+            93,
+            999,
+            -1,
+            4_294_967_295,
+            1 << 40
+        ])
+        .prop_map(Value::from),
         any::<f64>()
             .prop_map(|x| serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number)),
         "[a-z]{0,6}".prop_map(Value::String),
