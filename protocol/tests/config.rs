@@ -313,6 +313,12 @@ fn rejects_unsupported_values() {
             0.into(),
             "hidden_size = 0 must be at least 1",
         ),
+        // A reader that allocated per layer before checking would abort on this.
+        (
+            "num_hidden_layers",
+            4_000_000_000u64.into(),
+            "num_hidden_layers = 4000000000 is implausible",
+        ),
         (
             "moe_intermediate_size",
             48.into(),
