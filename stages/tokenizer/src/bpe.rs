@@ -12,11 +12,22 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 /// Pieces longer than this (bytes) use the heap.
-pub const HEAP_THRESHOLD: usize = 96;
+pub const HEAP_THRESHOLD: usize = 256;
 
 /// Encode one pre-token: the whole piece's rank if it is a token, else rank BPE.
 #[inline]
 pub fn encode_piece(v: &Vocab, piece: &[u8], out: &mut Vec<u32>) {
+    encode_piece_with(v, piece, out, &mut Vec::new())
+}
+
+/// [`encode_piece`] with a reusable scratch buffer (no allocation per piece).
+#[inline]
+pub fn encode_piece_with(
+    v: &Vocab,
+    piece: &[u8],
+    out: &mut Vec<u32>,
+    scratch: &mut Vec<(usize, u32)>,
+) {
     if piece.len() == 1 {
         out.push(v.byte(piece[0]));
         return;
@@ -28,25 +39,29 @@ pub fn encode_piece(v: &Vocab, piece: &[u8], out: &mut Vec<u32>) {
     if piece.len() > HEAP_THRESHOLD {
         merge_heap(v, piece, out)
     } else {
-        merge_scan(v, piece, out)
+        merge_scan_with(v, piece, out, scratch)
     }
 }
 
 /// Linear-scan rank BPE (no whole-piece lookup).
 pub fn merge_scan(v: &Vocab, piece: &[u8], out: &mut Vec<u32>) {
+    merge_scan_with(v, piece, out, &mut Vec::new())
+}
+
+fn merge_scan_with(v: &Vocab, piece: &[u8], out: &mut Vec<u32>, parts: &mut Vec<(usize, u32)>) {
     const NONE: u32 = u32::MAX;
-    // parts[i] = (start byte of part i, rank of part i merged with part i+1).
-    let mut parts: Vec<(usize, u32)> = Vec::with_capacity(piece.len() + 1);
-    for i in 0..piece.len() {
-        let r = if i + 2 <= piece.len() {
-            v.get(&piece[i..i + 2]).unwrap_or(NONE)
-        } else {
-            NONE
-        };
-        parts.push((i, r));
+    if piece.len() < 2 {
+        out.extend(piece.iter().map(|&b| v.byte(b)));
+        return;
     }
+    // parts[i] = (start byte of part i, rank of part i merged with part i+1).
+    parts.clear();
+    for i in 0..piece.len() - 1 {
+        parts.push((i, v.pair(piece[i], piece[i + 1])));
+    }
+    parts.push((piece.len() - 1, NONE));
     parts.push((piece.len(), NONE));
-    let rank_at = |parts: &Vec<(usize, u32)>, i: usize| -> u32 {
+    let rank_at = |parts: &[(usize, u32)], i: usize| -> u32 {
         if i + 3 < parts.len() {
             v.get(&piece[parts[i].0..parts[i + 3].0]).unwrap_or(NONE)
         } else {
@@ -64,9 +79,9 @@ pub fn merge_scan(v: &Vocab, piece: &[u8], out: &mut Vec<u32>) {
             break;
         }
         let i = best.1;
-        parts[i].1 = rank_at(&parts, i);
+        parts[i].1 = rank_at(parts, i);
         if i > 0 {
-            parts[i - 1].1 = rank_at(&parts, i - 1);
+            parts[i - 1].1 = rank_at(parts, i - 1);
         }
         parts.remove(i + 1);
     }
@@ -96,7 +111,8 @@ pub fn merge_heap(v: &Vocab, piece: &[u8], out: &mut Vec<u32>) {
         }
     };
     for s in 0..n.saturating_sub(1) {
-        if let Some(r) = v.get(&piece[s..s + 2]) {
+        let r = v.pair(piece[s], piece[s + 1]);
+        if r != u32::MAX {
             heap.push(Reverse((r, s, s + 2)));
         }
     }

@@ -200,7 +200,10 @@ impl Tokenizer {
     /// Pre-tokenize and BPE-encode text with no special handling.
     fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
         let b = text.as_bytes();
-        pretok::for_each_piece(text, |s, e| bpe::encode_piece(&self.vocab, &b[s..e], out));
+        let mut scratch = Vec::new();
+        pretok::for_each_piece(text, |s, e| {
+            bpe::encode_piece_with(&self.vocab, &b[s..e], out, &mut scratch)
+        });
     }
 
     /// Encode arbitrary bytes, e.g. a file read verbatim: each maximal valid UTF-8 run is

@@ -16,6 +16,8 @@ pub struct Vocab {
     table: Vec<u32>,
     mask: usize,
     byte_rank: [u32; 256],
+    /// Rank of every two-byte token, `u32::MAX` where absent (256 KiB).
+    pair_rank: Vec<u32>,
 }
 
 /// A fast multiplicative hash of a byte string (FxHash-style, 8 bytes at a time).
@@ -74,6 +76,7 @@ impl Vocab {
             table: vec![0; cap],
             mask: cap - 1,
             byte_rank: [u32::MAX; 256],
+            pair_rank: vec![u32::MAX; 65536],
         };
         for (r, t) in tokens.iter().enumerate() {
             if let Some(prev) = v.get(t) {
@@ -89,6 +92,9 @@ impl Vocab {
             v.table[slot] = r as u32 + 1;
             if t.len() == 1 {
                 v.byte_rank[t[0] as usize] = r as u32;
+            }
+            if t.len() == 2 {
+                v.pair_rank[(t[0] as usize) << 8 | t[1] as usize] = r as u32;
             }
         }
         if let Some(b) = (0..256).find(|&b| v.byte_rank[b] == u32::MAX) {
@@ -207,11 +213,10 @@ impl Vocab {
     /// Rank of a byte string, if it is a token.
     #[inline(always)]
     pub fn get(&self, key: &[u8]) -> Option<u32> {
-        if key.len() == 1 {
-            let r = self.byte_rank[key[0] as usize];
-            if r != u32::MAX {
-                return Some(r);
-            }
+        match key.len() {
+            1 => return Some(self.byte_rank[key[0] as usize]).filter(|&r| r != u32::MAX),
+            2 => return Some(self.pair(key[0], key[1])).filter(|&r| r != u32::MAX),
+            _ => {}
         }
         let mut slot = hash(key) as usize & self.mask;
         loop {
@@ -226,6 +231,12 @@ impl Vocab {
             }
             slot = (slot + 1) & self.mask;
         }
+    }
+
+    /// Rank of the two-byte token `[a, b]`, `u32::MAX` when it is not a token.
+    #[inline(always)]
+    pub fn pair(&self, a: u8, b: u8) -> u32 {
+        self.pair_rank[(a as usize) << 8 | b as usize]
     }
 
     /// Rank of a single byte (always present).

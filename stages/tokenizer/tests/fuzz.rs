@@ -120,7 +120,7 @@ fn with_specials() -> impl Strategy<Value = String> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(1500), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(1500), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn pretokenizer_equals_fancy_regex(s in prop_oneof![tricky_string(), any::<String>()]) {
