@@ -248,6 +248,8 @@ struct Job {
 struct Done {
     tag: usize,
     result: Result<u64, String>,
+    /// When the read finished (so callback time does not count as I/O time).
+    at: Instant,
 }
 
 /// Read one expert into its slot; returns the bytes transferred.
@@ -323,6 +325,7 @@ impl Pool {
                             .send(Done {
                                 tag: job.tag,
                                 result,
+                                at: Instant::now(),
                             })
                             .is_err()
                         {
@@ -765,10 +768,12 @@ impl ExpertFetcher {
 
             // 3b. Misses, in arrival order.
             let mut results: Vec<Option<Result<(), String>>> = vec![None; misses.len()];
+            let mut last_done = t0;
             for _ in 0..sent {
                 let Ok(done) = self.pool.done.recv() else {
                     break;
                 };
+                last_done = last_done.max(done.at);
                 let (s, _) = misses[done.tag];
                 match done.result {
                     Ok(bytes) => {
@@ -798,7 +803,7 @@ impl ExpertFetcher {
                 }
             }
             if !misses.is_empty() {
-                let secs = t0.elapsed().as_secs_f64();
+                let secs = last_done.duration_since(t0).as_secs_f64();
                 self.count(|c| c.io_seconds += secs);
             }
             for (i, (s, _)) in misses.iter().enumerate() {
