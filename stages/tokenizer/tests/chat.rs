@@ -71,6 +71,15 @@ fn chat_rejects_bad_requests() {
             "{b}"
         );
     }
+    // A bare list of messages gets the default options (thinking on, effort "max").
+    let list = k3_tokenizer::stage::encode_chat_json(&tok, r#"[{"role": "user", "content": "x"}]"#)
+        .unwrap();
+    let full = k3_tokenizer::stage::encode_chat_json(
+        &tok,
+        r#"{"messages": [{"role": "user", "content": "x"}], "thinking": true, "thinking_effort": "max"}"#,
+    )
+    .unwrap();
+    assert_eq!(list, full);
     // "medium" is fine when thinking is off: the effort is not used.
     let ok = r#"{"messages": [{"role": "user", "content": "x"}], "thinking": false, "thinking_effort": "medium"}"#;
     assert!(k3_tokenizer::stage::encode_chat_json(&tok, ok).is_ok());
