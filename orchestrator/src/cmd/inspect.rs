@@ -1,8 +1,338 @@
-//! `k3-orch` subcommand `inspect` (not yet built).
+//! `k3-orch inspect MODEL_DIR`: what a checkpoint is and what it would cost to run.
+//!
+//! Prints the config summary (when `config.json` reads), a tensor census by class (routed
+//! expert, shared expert, attention, embedding/lm_head, other, vision: count and bytes, see
+//! `k3_protocol::classify`), the routed-expert set (count × bytes per expert), the per-layer
+//! trunk (what `pack-trunk` packs; its largest run), the resident floor with and without a
+//! streamed trunk, and what each preset of `configs/presets.json` would use: the trunk plan
+//! of `k3_trunk_loader::plan` (pinned prefix + ring slots) over this checkpoint's layer runs
+//! as they would be packed, and the expert cache slots of `k3_expert_fetcher`.
+//!
+//! Only headers are read. GB = 10^9 bytes, TB = 10^12 (the seed's units).
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
+use std::path::PathBuf;
 
-pub fn main(_args: Vec<OsString>) -> i32 {
-    eprintln!("k3-orch: 'inspect' is not implemented yet");
-    1
+use clap::Parser;
+
+use k3_expert_fetcher::fetcher::{slot_bytes_for, slots_for_budget};
+use k3_protocol::catalog::Catalog;
+use k3_protocol::classify::{classify, expert_of, layer_of, TensorClass};
+use k3_protocol::config::{ExpertFormat, LayerKind, ModelConfig};
+use k3_protocol::trunk::{align_up, TRUNK_ALIGN};
+use k3_trunk_loader::{plan, LayerRun, Presets, RingPolicy};
+
+/// Command line of `k3-orch inspect`.
+#[derive(Parser, Debug)]
+#[command(
+    name = "k3-orch inspect",
+    about = "Config summary, tensor census by class, resident floor, memory per preset"
+)]
+struct Args {
+    /// The checkpoint directory (index + shards, or model.safetensors).
+    model_dir: PathBuf,
+}
+
+pub fn main(args: Vec<OsString>) -> i32 {
+    let args = match Args::try_parse_from(args) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    let cat = match Catalog::open(&args.model_dir) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("k3-orch inspect: {e}");
+            return 1;
+        }
+    };
+    let cfg = ModelConfig::load_dir(&args.model_dir);
+    print!("{}", report(&cat, cfg.as_ref().map_err(|e| e.to_string())));
+    0
+}
+
+/// `1234567` -> `1,234,567`.
+fn commas(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// GB with two decimals; small amounts (under 10 MB) in bytes.
+fn gb(b: u64) -> String {
+    if b < 10_000_000 {
+        format!("{} bytes", commas(b))
+    } else {
+        format!("{:.2} GB", b as f64 / 1e9)
+    }
+}
+
+/// Census figures of a catalog.
+#[derive(Debug, Default, Clone)]
+pub struct Census {
+    /// Per class: (tensors, bytes).
+    pub classes: BTreeMap<TensorClass, (u64, u64)>,
+    /// Per (layer, expert): (bytes, span from first to last byte).
+    pub experts: BTreeMap<(usize, usize), (u64, u64, u64)>,
+    /// Per decoder layer: bytes of its trunk (non-routed-expert tensors).
+    pub layer_trunk: BTreeMap<usize, u64>,
+    /// Resident tensors outside any layer (embed, lm_head, final norms).
+    pub model_level: u64,
+    /// Of which embed_tokens + lm_head.
+    pub embedding: u64,
+}
+
+/// Count a catalog by class, expert and layer.
+pub fn census(cat: &Catalog) -> Census {
+    let mut c = Census::default();
+    for (name, e) in cat.iter() {
+        let class = classify(&name);
+        let slot = c.classes.entry(class).or_insert((0, 0));
+        slot.0 += 1;
+        slot.1 += e.len;
+        match class {
+            TensorClass::RoutedExpert => {
+                if let Some(k) = expert_of(&name) {
+                    let x = c.experts.entry(k).or_insert((0, u64::MAX, 0));
+                    x.0 += e.len;
+                    x.1 = x.1.min(e.offset);
+                    x.2 = x.2.max(e.end());
+                }
+            }
+            TensorClass::Vision => {}
+            _ => match layer_of(&name) {
+                Some(l) => *c.layer_trunk.entry(l).or_insert(0) += e.len,
+                None => {
+                    c.model_level += e.len;
+                    if class == TensorClass::Embedding {
+                        c.embedding += e.len;
+                    }
+                }
+            },
+        }
+    }
+    c
+}
+
+/// The whole report as text.
+fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
+    let mut o = String::new();
+    let disk: u64 = cat.shards().iter().map(|s| s.file_size).sum();
+    o += &format!(
+        "model          : {} ({} shards, {} tensors, {} bytes on disk)\n",
+        cat.source().display(),
+        cat.shards().len(),
+        commas(cat.len() as u64),
+        commas(disk)
+    );
+    match cfg {
+        Ok(c) => {
+            let kda = c
+                .layer_kinds()
+                .iter()
+                .filter(|k| **k == LayerKind::Kda)
+                .count();
+            let moe = c.moe_layer_indices();
+            o += &format!(
+                "config         : hidden {}, {} layers ({} KDA + {} MLA; {} dense, {} MoE), vocab {}\n",
+                c.hidden_size,
+                c.num_hidden_layers,
+                kda,
+                c.num_hidden_layers - kda,
+                c.num_hidden_layers - moe.len(),
+                moe.len(),
+                c.vocab_size
+            );
+            o += &format!(
+                "                 {} routed experts, top-{}, latent {}, expert FFN {}, shared width {}; experts {}\n",
+                c.num_experts,
+                c.num_experts_per_token,
+                c.routed_expert_hidden_size,
+                c.moe_intermediate_size,
+                c.shared_expert_width(),
+                match c.expert_format() {
+                    ExpertFormat::Mxfp4 { group_size } =>
+                        format!("MXFP4 (compressed-tensors, group {group_size})"),
+                    ExpertFormat::Unquantized => "unquantized".to_string(),
+                }
+            );
+        }
+        Err(e) => o += &format!("config         : not read ({e})\n"),
+    }
+    let c = census(cat);
+    o += "\ncensus by class:\n";
+    o += &format!(
+        "  {:<20} {:>10} {:>22} {:>12}\n",
+        "class", "tensors", "bytes", "GB"
+    );
+    let (mut nt, mut nb) = (0u64, 0u64);
+    for class in TensorClass::ALL {
+        if let Some(&(n, b)) = c.classes.get(&class) {
+            o += &format!(
+                "  {:<20} {:>10} {:>22} {:>12.3}\n",
+                class.label(),
+                commas(n),
+                commas(b),
+                b as f64 / 1e9
+            );
+            nt += n;
+            nb += b;
+        }
+    }
+    o += &format!(
+        "  {:<20} {:>10} {:>22} {:>12.3}\n",
+        "total",
+        commas(nt),
+        commas(nb),
+        nb as f64 / 1e9
+    );
+
+    // Routed experts.
+    let n_exp = c.experts.len() as u64;
+    let exp_bytes: u64 = c.experts.values().map(|x| x.0).sum();
+    let min = c.experts.values().map(|x| x.0).min().unwrap_or(0);
+    let max = c.experts.values().map(|x| x.0).max().unwrap_or(0);
+    let max_span = c
+        .experts
+        .values()
+        .map(|x| x.2.saturating_sub(x.1))
+        .max()
+        .unwrap_or(0);
+    let layers_with_experts = c
+        .experts
+        .keys()
+        .map(|k| k.0)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    o += "\n";
+    if n_exp > 0 {
+        let per = if min == max {
+            format!("{} bytes", commas(min))
+        } else {
+            format!("{}..{} bytes", commas(min), commas(max))
+        };
+        o += &format!(
+            "routed experts : {} ({} MoE layers) x {} = {} bytes ({:.4} TB; streamed, never resident)\n",
+            commas(n_exp),
+            layers_with_experts,
+            per,
+            commas(exp_bytes),
+            exp_bytes as f64 / 1e12
+        );
+    } else {
+        o += "routed experts : none\n";
+    }
+
+    // Trunk, as pack-trunk would lay it out.
+    let trunk: u64 = c.layer_trunk.values().sum();
+    let (largest_layer, largest) =
+        c.layer_trunk.iter().fold(
+            (0usize, 0u64),
+            |m, (&l, &b)| if b > m.1 { (l, b) } else { m },
+        );
+    let mut runs = Vec::new();
+    let mut at = 0u64;
+    for &b in c.layer_trunk.values() {
+        runs.push(LayerRun {
+            offset: at,
+            len: align_up(b, TRUNK_ALIGN),
+        });
+        at += align_up(b, TRUNK_ALIGN);
+    }
+    o += &format!(
+        "trunk          : {} ({} bytes, {} layers, non-routed-expert tensors; largest run {:.3} GB at layer {})\n",
+        gb(trunk),
+        commas(trunk),
+        c.layer_trunk.len(),
+        largest as f64 / 1e9,
+        largest_layer
+    );
+    o += &format!(
+        "embed+lm_head  : {} ({} bytes)\n",
+        gb(c.embedding),
+        commas(c.embedding)
+    );
+    let others = c.model_level - c.embedding;
+    if others > 0 {
+        o += &format!(
+            "model-level    : {} bytes (final norm, output AttnRes)\n",
+            commas(others)
+        );
+    }
+    let resident = trunk + c.model_level;
+    let exp_slot = slot_bytes_for(max_span);
+    o += &format!(
+        "resident floor : {} with the trunk resident (trunk + embed/lm_head + model-level)\n",
+        gb(resident)
+    );
+    let first_slot = runs.iter().map(|r| r.footprint()).max().unwrap_or(0);
+    if n_exp > 0 {
+        o += &format!(
+            "                 {} streaming the trunk (embed/lm_head + model-level + one ring slot {} + one expert slot {})\n",
+            gb(c.model_level + first_slot + exp_slot),
+            gb(first_slot),
+            gb(exp_slot)
+        );
+    }
+
+    // Presets.
+    let presets = Presets::builtin();
+    o += "\npresets (budgets trunk / expert cache GB; plan over this checkpoint's packed runs):\n";
+    for p in &presets.presets {
+        let b = p.budgets();
+        let line = match plan(b.trunk_bytes, &runs, RingPolicy::default()) {
+            Ok(tp) => {
+                // The arena never needs more slots than there are experts.
+                let slots = if n_exp > 0 {
+                    slots_for_budget(b.cache_bytes, exp_slot).min(n_exp as usize)
+                } else {
+                    0
+                };
+                let cache = slots as u64 * exp_slot;
+                let pct = if n_exp > 0 {
+                    100.0 * slots as f64 / n_exp as f64
+                } else {
+                    0.0
+                };
+                format!(
+                    "pinned {:>3}/{} layers, ring {} x {}; cache {} experts ({:.2}% of the pool); uses {}",
+                    tp.pinned,
+                    tp.layers,
+                    tp.ring_slots,
+                    gb(tp.slot_bytes),
+                    slots,
+                    pct,
+                    gb(tp.bytes() + cache + c.model_level)
+                )
+            }
+            Err(e) => format!("refused: {e}"),
+        };
+        o += &format!(
+            "  {:<12} {:>6.1} / {:>6.1}  {}\n",
+            p.name, p.trunk_gb, p.cache_gb, line
+        );
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thousands() {
+        assert_eq!(commas(0), "0");
+        assert_eq!(commas(999), "999");
+        assert_eq!(commas(17547264), "17,547,264");
+        assert_eq!(commas(1446456066048), "1,446,456,066,048");
+    }
 }

@@ -1,0 +1,118 @@
+//! `k3-orch inspect`: on headers of the released shapes it must reproduce the seed's census
+//! (82,432 experts x 17,547,264 bytes = 1.447 TB; trunk 108.81 GB; embed + lm_head
+//! 4.70 GB); on the tiny fixture, the counts its header holds.
+
+mod tools_common;
+
+use tools_common::{fixtures, k3, k3_ok};
+
+/// The census row of `class`: (tensors, bytes), parsed from the table.
+fn row(out: &str, class: &str) -> (u64, u64) {
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with(class))
+        .unwrap_or_else(|| panic!("no {class} row\n{out}"));
+    let nums: Vec<u64> = line[line.find(class).unwrap() + class.len()..]
+        .split_whitespace()
+        .take(2)
+        .map(|f| f.replace(',', "").parse().unwrap())
+        .collect();
+    (nums[0], nums[1])
+}
+
+/// The released 96-shard set as sparse header-only files (written by the protocol crate's
+/// generator from k3-spec §2/§7, not by the code under test), with the released config.
+/// Wrong implementations caught: shared experts counted as routed (92 x 2-wide shared MLPs
+/// would add 3 "experts" per layer and shrink the trunk), vision tensors counted in the
+/// trunk (+0.9 GB), embed/lm_head counted in the trunk, or model.norm counted as embedding.
+#[test]
+fn released_headers_reproduce_the_seed_census() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("released");
+    let set = k3_protocol::released::write_header_only_set(&d).unwrap();
+    assert_eq!(set.n_tensors, 497_220);
+    std::fs::copy(
+        fixtures().join("released/config.json"),
+        d.join("config.json"),
+    )
+    .unwrap();
+    let out = k3_ok(&["inspect", d.to_str().unwrap()]);
+    println!("{out}");
+    // The seed's census lines (Part II, "shard census" and the resident split). The seed
+    // prints the expert set as "1.447 TB"; exactly it is 1,446,456,066,048 bytes (k3-spec
+    // §7) = 1.4465 TB, which the seed rounded twice.
+    assert!(
+        out.contains(
+            "routed experts : 82,432 (92 MoE layers) x 17,547,264 bytes = 1,446,456,066,048 \
+             bytes (1.4465 TB"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("trunk          : 108.81 GB (108,811,877,376 bytes, 93 layers"),
+        "{out}"
+    );
+    assert!(
+        out.contains("embed+lm_head  : 4.70 GB (4,697,620,480 bytes)"),
+        "{out}"
+    );
+    // The largest run is layer 0's 2,341,213,184 bytes (seed: "largest layer run: 2.341 GB").
+    assert!(out.contains("largest run 2.341 GB at layer 0"), "{out}");
+    // 96 shards, 1,560,936,091,448 bytes on disk (k3-spec §7).
+    assert!(
+        out.contains("(96 shards, 497,220 tensors, 1,560,936,091,448 bytes on disk)"),
+        "{out}"
+    );
+    // Class rows: 82,432 x 6 routed tensors; 92 x 3 shared; embed + head.
+    assert_eq!(row(&out, "routed expert"), (494_592, 1_446_456_066_048));
+    assert_eq!(row(&out, "shared expert").0, 276);
+    assert_eq!(row(&out, "embedding/lm_head"), (2, 4_697_620_480));
+    // mm_projector 3 + vision tower 165 tensors, 92,289,024 + 802,428,928 bytes (§7).
+    assert_eq!(row(&out, "vision (unused)"), (168, 894_717_952));
+    assert_eq!(row(&out, "total"), (497_220, 1_560_860_324_864));
+    assert!(
+        out.contains("93 layers (69 KDA + 24 MLA; 1 dense, 92 MoE)"),
+        "{out}"
+    );
+    // Every preset is planned (none refused) on the released geometry.
+    for p in ["laptop", "desktop", "workstation", "server", "max"] {
+        let line = out
+            .lines()
+            .find(|l| l.trim_start().starts_with(p))
+            .unwrap_or_else(|| panic!("no {p} line\n{out}"));
+        assert!(line.contains("pinned"), "{line}");
+    }
+}
+
+/// The tiny fixture: 12 MoE layers x 8 experts of 3 x (64x32 + 64x2) bytes = 6,528.
+#[test]
+fn tiny_fixture_census() {
+    let d = fixtures().join("tiny-mxfp4/sharded");
+    let out = k3_ok(&["inspect", d.to_str().unwrap()]);
+    assert!(
+        out.contains("routed experts : 96 (12 MoE layers) x 6,528 bytes"),
+        "{out}"
+    );
+    assert_eq!(row(&out, "routed expert"), (576, 96 * 6528));
+    assert!(
+        out.contains("13 layers (9 KDA + 4 MLA; 1 dense, 12 MoE)"),
+        "{out}"
+    );
+    assert!(out.contains("MXFP4"), "{out}");
+    // embed + lm_head: 2 x 256 x 128 BF16 = 131,072 bytes.
+    assert_eq!(row(&out, "embedding/lm_head"), (2, 131_072));
+    // Every preset pins all 13 layers and caches every expert (96 of 96).
+    assert!(out.contains("pinned  13/13 layers"), "{out}");
+    assert!(
+        out.contains("cache 96 experts (100.00% of the pool)"),
+        "{out}"
+    );
+}
+
+#[test]
+fn errors() {
+    assert_eq!(k3(&["inspect"]).0, 2);
+    let (code, _, err) = k3(&["inspect", "/nonexistent/k3"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("/nonexistent/k3"), "{err}");
+}
