@@ -521,6 +521,14 @@ fn read_header_bytes(path: &Path) -> Result<(u64, u64, Vec<u8>), CatalogError> {
     }
     let mut len8 = [0u8; 8];
     f.read_exact(&mut len8).map_err(io)?;
+    let n = check_header_len(path, file_size, len8)?;
+    let mut buf = vec![0u8; n as usize];
+    f.read_exact(&mut buf).map_err(io)?;
+    Ok((file_size, n, buf))
+}
+
+/// Validate the 8-byte header length against the file size.
+fn check_header_len(path: &Path, file_size: u64, len8: [u8; 8]) -> Result<u64, CatalogError> {
     let n = u64::from_le_bytes(len8);
     if n > file_size - 8 {
         return Err(CatalogError::new(
@@ -536,9 +544,38 @@ fn read_header_bytes(path: &Path) -> Result<(u64, u64, Vec<u8>), CatalogError> {
             format!("header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit"),
         ));
     }
-    let mut buf = vec![0u8; n as usize];
-    f.read_exact(&mut buf).map_err(io)?;
-    Ok((file_size, n, buf))
+    Ok(n)
+}
+
+/// Validate a whole safetensors file held in memory exactly as [`Catalog::open`] validates
+/// a shard (header length, JSON, dtypes, shapes, offsets, overlaps, duplicate names);
+/// `path` only names the file in errors. Returns the shard's geometry. For tools and
+/// fuzzing.
+pub fn check_safetensors_bytes(path: &Path, file: &[u8]) -> Result<ShardInfo, CatalogError> {
+    let file_size = file.len() as u64;
+    if file_size < 8 {
+        return Err(CatalogError::new(
+            path,
+            None,
+            format!("file is {file_size} bytes, too short for the 8-byte header length"),
+        ));
+    }
+    let mut len8 = [0u8; 8];
+    len8.copy_from_slice(&file[..8]);
+    let n = check_header_len(path, file_size, len8)?;
+    let part = parse_shard_json(path, file_size, n, &file[8..8 + n as usize])?;
+    let mut keys: Vec<Key> = part.items.iter().map(|(k, _)| *k).collect();
+    keys.sort_unstable();
+    if let Some(w) = keys.windows(2).find(|w| w[0] == w[1]) {
+        let names = part.names.finish();
+        let name = names.name_of(w[0]);
+        return Err(CatalogError::new(
+            path,
+            Some(&name),
+            format!("tensor name appears twice (also in {})", path.display()),
+        ));
+    }
+    Ok(part.info)
 }
 
 /// Interns shapes during the build.
@@ -629,7 +666,17 @@ impl NameDigest {
 /// Read and validate one shard's header.
 fn parse_shard(path: &Path) -> Result<ShardPart, CatalogError> {
     let (file_size, n, json) = read_header_bytes(path)?;
-    let raw = parse_header(path, &json)?;
+    parse_shard_json(path, file_size, n, &json)
+}
+
+/// Validate one shard's header JSON (`n` bytes; the file is `file_size` bytes).
+fn parse_shard_json(
+    path: &Path,
+    file_size: u64,
+    n: u64,
+    json: &[u8],
+) -> Result<ShardPart, CatalogError> {
+    let raw = parse_header(path, json)?;
     let data_start = 8 + n;
     let data_len = file_size - data_start;
     let mut names = NameBuilder::default();

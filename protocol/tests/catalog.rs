@@ -1,7 +1,7 @@
 //! Catalog and mmap reader tests: the seed's safetensors edge cases, the tiny models in both
 //! layouts, and corrupted headers built here.
 
-use k3_protocol::catalog::{Catalog, CatalogError};
+use k3_protocol::catalog::{check_safetensors_bytes, Catalog, CatalogError};
 use k3_protocol::mmap_weights::MmapWeights;
 use k3_protocol::tensor::{Dtype, WeightSource};
 use std::path::{Path, PathBuf};
@@ -134,6 +134,8 @@ fn seed_st_shapes_dtypes_bytes() {
         (s.file_size, s.header_len, s.data_start, s.data_end),
         (2906, 1022, 1030, 2906)
     );
+    let bytes = std::fs::read(&s.path).unwrap();
+    assert_eq!(check_safetensors_bytes(&s.path, &bytes).unwrap(), *s);
     // Iteration in file order: shard 0 by offset, then shard 1, with names restored.
     let names: Vec<String> = c.iter().map(|(n, _)| n).collect();
     assert_eq!(names[0], "plain.f32.2d");
@@ -318,6 +320,8 @@ fn corrupted_single_files() {
     let h = r#"{"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, "a": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}}"#;
     write_st(&f, h, 8);
     expect(&open_err(d.path()), &f, Some("a"), "appears twice");
+    let e = check_safetensors_bytes(&f, &std::fs::read(&f).unwrap()).unwrap_err();
+    assert_eq!(e, open_err(d.path()));
 
     // Empty directory.
     let e = Catalog::open(tempfile::tempdir().unwrap().path()).unwrap_err();

@@ -4,7 +4,7 @@
 //! invariants. Cases per property: `PROPTEST_CASES` (default 64, to keep `cargo test`
 //! fast); each test prints how many cases it ran.
 
-use k3_protocol::catalog::Catalog;
+use k3_protocol::catalog::{check_safetensors_bytes, Catalog};
 use k3_protocol::config::{LayerKind, ModelConfig};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -77,8 +77,13 @@ fn fuzz_header_arbitrary_bytes() {
             };
             b.extend_from_slice(&body);
             write_file(&f, &b);
-            if let Ok(c) = Catalog::open(&f) {
-                check_catalog(&c);
+            let mem = check_safetensors_bytes(&f, &b);
+            match Catalog::open(&f) {
+                Ok(c) => {
+                    check_catalog(&c);
+                    assert_eq!(mem.as_ref().ok(), Some(&c.shards()[0]));
+                }
+                Err(e) => assert_eq!(mem.err(), Some(e)),
             }
             Ok(())
         })
@@ -115,9 +120,16 @@ fn fuzz_header_mutations() {
                 }
             }
             write_file(&f, &b);
+            let mem = check_safetensors_bytes(&f, &b);
             match Catalog::open(&f) {
-                Ok(c) => check_catalog(&c),
-                Err(e) => assert!(!e.msg.is_empty()),
+                Ok(c) => {
+                    check_catalog(&c);
+                    assert_eq!(mem.as_ref().ok(), Some(&c.shards()[0]));
+                }
+                Err(e) => {
+                    assert!(!e.msg.is_empty());
+                    assert_eq!(mem.err(), Some(e));
+                }
             }
             Ok(())
         })
