@@ -44,6 +44,11 @@ const SUBCOMMANDS: &[(&str, fn(Vec<OsString>) -> i32, &str)] = &[
         "a random model in the released multi-shard layout",
     ),
     (
+        "ladder",
+        cmd::ladder::main,
+        "the same run at several budgets; the ids must not change",
+    ),
+    (
         "sim-cache",
         cmd::sim_cache::main,
         "replay an expert trace against cache policies",

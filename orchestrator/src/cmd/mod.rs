@@ -5,6 +5,7 @@ pub mod devbw;
 pub mod doctor;
 pub mod generate;
 pub mod inspect;
+pub mod ladder;
 pub mod pack_trunk;
 pub mod replay;
 pub mod score;

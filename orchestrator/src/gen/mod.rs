@@ -328,10 +328,33 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
             }
         }
     }
-    // Never more slots than there are experts to hold, never fewer than one batch.
+    // One request batch (the union of a layer's experts over the tokens of a pass) must fit
+    // in the arena at once: the fetcher publishes a batch's experts into distinct slots and
+    // compute reads them in place, so a smaller arena would recycle a slot still being read.
+    // A text prompt has at most one token per byte (plus the chat wrapper's few hundred).
+    let prompt_bound = match &a.prompt {
+        Prompt::Ids(ids) => ids.len(),
+        Prompt::Text(t) => t.len() + if a.chat { 512 } else { 0 },
+        Prompt::File(p) => {
+            std::fs::metadata(p)
+                .map(|m| m.len() as usize)
+                .unwrap_or(args::MAX_PROMPT)
+                + if a.chat { 512 } else { 0 }
+        }
+    }
+    .min(args::MAX_PROMPT);
+    let max_pass_tokens = if a.incremental {
+        prompt_bound
+    } else {
+        prompt_bound + a.gen
+    } as u64;
+    let batch_slots = (max_pass_tokens * topk as u64)
+        .min(cfg.num_experts as u64)
+        .max(topk as u64);
+    // Never more slots than there are experts to hold.
     let slots = (cache_budget / expert_slot)
         .min(cen.n_experts)
-        .max(topk as u64);
+        .max(batch_slots);
     mp.add("expert cache", "expert-fetcher", slots * expert_slot);
     mp.add("embed + lm_head + norms", "layer-compute", cen.model_bytes);
     mp.add("recurrent state", "layer-compute", cen.kda_state_bytes);
@@ -403,7 +426,8 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
         "multi-process"
     };
     let t0 = Instant::now();
-    let (prompt_ids, generated, steps, text, stages, mut run_notes, failures) = if a.single_process
+    let (prompt_ids, generated, steps, text, stages, mut run_notes, failures, summaries) = if a
+        .single_process
     {
         single_process(a, &cfg, &config_path, threads, sampler, &stop_ids)?
     } else {
@@ -480,7 +504,7 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
             fetcher: conf::FetcherConf {
                 model_dir: a.model_dir.clone(),
                 cache_bytes: cache_budget,
-                min_slots: topk,
+                min_slots: slots as usize,
                 max_slots: cen.n_experts.max(topk as u64) as usize,
                 readers: 16,
                 inject_failures: inject,
@@ -539,6 +563,7 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
             stages,
             notes,
             failures,
+            out.summaries,
         )
     };
     let seconds = t0.elapsed().as_secs_f64();
@@ -592,6 +617,7 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
         totals,
         plan: Some(mp),
         stages,
+        stage_summaries: summaries,
         notes: run_notes.clone(),
     };
     if !a.quiet {
@@ -632,6 +658,7 @@ type RunParts = (
     Vec<StageReport>,
     Vec<String>,
     u64,
+    BTreeMap<String, serde_json::Value>,
 );
 
 /// `--single-process`: the forward called directly over mmapped shards.
@@ -719,6 +746,7 @@ fn single_process(
         Vec::new(),
         Vec::new(),
         failures,
+        BTreeMap::new(),
     ))
 }
 

@@ -64,6 +64,8 @@ pub struct Report {
     pub totals: Totals,
     pub plan: Option<MemoryPlan>,
     pub stages: Vec<StageReport>,
+    /// Each stage's final counters as it reported them (trunk plan and hits, cache slots...).
+    pub stage_summaries: std::collections::BTreeMap<String, serde_json::Value>,
     pub notes: Vec<String>,
 }
 
