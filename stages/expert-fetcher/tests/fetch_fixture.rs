@@ -405,3 +405,18 @@ fn catalog_locations_match_the_header_reader() {
     }
     assert!(ExpertTable::from_catalog(&cat, 0..1, 25).is_err());
 }
+
+/// The pipeline moves a fetcher into its stage thread; the report names the TRUE rate.
+#[test]
+fn fetcher_is_send_and_reports() {
+    fn send<T: Send>() {}
+    send::<ExpertFetcher>();
+    let mut f = fetcher(2, 1, direct());
+    batch(&mut f, &[0, 1]);
+    let text = f.render_stats("final step", &f.step_stats());
+    assert!(
+        text.contains("requests     : 2  hits 0 (0.00%)  misses 2"),
+        "{text}"
+    );
+    assert!(text.contains("TRUE resident hit rate 0.00%"), "{text}");
+}

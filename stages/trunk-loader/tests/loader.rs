@@ -267,3 +267,10 @@ fn open_a_packed_trunk_directory() {
     assert!(e.contains("shortfall of 8192 bytes"), "{e}");
     assert!(TrunkLoader::open_dir(dir.path(), 1 << 20, RingPolicy::default(), Some(4)).is_err());
 }
+
+/// The loader is shared between the stage's threads.
+#[test]
+fn loader_is_send_and_sync() {
+    fn both<T: Send + Sync>() {}
+    both::<TrunkLoader>();
+}
