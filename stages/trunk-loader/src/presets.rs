@@ -136,7 +136,10 @@ impl Presets {
         s.push_str(
             "  auto           from MemAvailable: the trunk first until fully pinned, then the cache\n",
         );
-        s.push_str(&format!("\n{}\n", p_note(&self.note)));
+        s.push_str(&format!(
+            "\n{}.\n",
+            p_note(&self.note).trim_end_matches('.')
+        ));
         s.push_str("Run `k3-orch doctor MODEL_DIR` to see which one this machine fits.\n");
         s
     }
@@ -251,6 +254,7 @@ mod tests {
         assert!(text.contains("laptop"));
         assert!(text.contains("110.0 / 109.0"));
         assert!(text.contains("The floor. Runs, slowly."));
+        assert!(text.contains("need --trunk <packed_dir>.\n"));
         assert!(p.names().ends_with("max, auto"));
     }
 
