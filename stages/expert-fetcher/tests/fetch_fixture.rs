@@ -119,6 +119,13 @@ fn every_expert_arrives_with_its_own_bytes() {
     // 0..8 were resident and are published first, as hits.
     assert!(got[..8].iter().all(|&(e, hit)| hit && e < 8), "{got:?}");
     assert_eq!(f.resident(), 8);
+    // No slot claimed by the batch was a victim while the batch held it: the 8 hits and
+    // the 16 misses needed three waves of 8, with 16 evictions in all. An LRU that ignores
+    // the batch would evict the hits' slots in the first wave (1 wave).
+    assert_eq!(f.total_stats().evictions, 16);
+    let summary = f.fetch_batch(0, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], |_| {});
+    assert_eq!(summary.waves, 2, "{summary:?}");
+    assert_eq!((summary.hits, summary.reads), (0, 10));
     for s in 0..8 {
         let (_, key, _) = f.slot_state(s);
         let (l, e) = key.unwrap();
