@@ -382,10 +382,13 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
         top_k: a.sampling.top_k,
         seed: a.sampling.seed.unwrap_or(0),
     };
-    let stop_ids: Vec<u32> = if a.tok.is_some() {
-        vec![k3_tokenizer::K3_END_OF_MSG, k3_tokenizer::K3_EOS]
-    } else {
-        Vec::new()
+    // Stop ids come from the tokenizer (its special slots follow its ranks); a run without
+    // one (ids in, ids out, the tiny models) never stops early.
+    let stop_ids: Vec<u32> = match &a.tok {
+        Some(dir) => k3_tokenizer::Tokenizer::from_dir(dir)
+            .map_err(|e| (1, format!("k3-orch: --tok {}: {e}", dir.display())))?
+            .stop_ids(),
+        None => Vec::new(),
     };
     let inject: Vec<(u32, u32)> = std::env::var("K3_INJECT_EXPERT_FAILURES")
         .ok()
