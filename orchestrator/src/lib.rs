@@ -12,7 +12,10 @@ pub mod gen;
 pub mod pipeline;
 
 /// Subcommands and the module that runs each.
-const SUBCOMMANDS: &[(&str, fn(Vec<OsString>) -> i32, &str)] = &[
+/// A subcommand's entry point: argv (its name first) to exit code.
+type SubMain = fn(Vec<OsString>) -> i32;
+
+const SUBCOMMANDS: &[(&str, SubMain, &str)] = &[
     (
         "demo",
         cmd::demo::main,

@@ -410,7 +410,7 @@ pub fn run(launch: &Launch) -> Result<Outcome, Failure> {
                     cg.version()
                 ));
             }
-            out.notes.extend(r.notes.drain(..));
+            out.notes.append(&mut r.notes);
             out.numa = r
                 .numa
                 .iter()
@@ -470,8 +470,9 @@ fn drive(launch: &Launch, r: &mut Running) -> Result<Outcome, Failure> {
         }
     };
     // 2. Links: compute is side A of each.
-    let mut link_id = 1;
-    for peer in [Stage::TrunkLoader, Stage::ExpertFetcher, Stage::Tokenizer] {
+    for (link_id, peer) in
+        (1u32..).zip([Stage::TrunkLoader, Stage::ExpertFetcher, Stage::Tokenizer])
+    {
         let region = link_region(link_id, Stage::LayerCompute, peer)?;
         r.send(
             Stage::LayerCompute,
@@ -497,7 +498,6 @@ fn drive(launch: &Launch, r: &mut Running) -> Result<Outcome, Failure> {
             },
             &[region.fd()],
         )?;
-        link_id += 1;
     }
     // 3. Configure the servers; collect their data regions.
     let json = |v: &dyn erased::Json| v.json();
@@ -639,18 +639,19 @@ fn drive(launch: &Launch, r: &mut Running) -> Result<Outcome, Failure> {
     let mut summaries_left: Vec<Stage> = all.to_vec();
     summaries_left.retain(|s| *s != Stage::LayerCompute);
     while !(finished && summaries_left.is_empty()) {
+        // Compute must stay alive until Finished; the others until their Summary.
         let alive: Vec<Stage> = all
             .iter()
             .copied()
             .filter(|s| {
-                !(finished && *s == Stage::LayerCompute) && summaries_left.contains(s)
-                    || (*s == Stage::LayerCompute && !finished)
+                if *s == Stage::LayerCompute {
+                    !finished
+                } else {
+                    summaries_left.contains(s)
+                }
             })
             .collect();
-        let ev = match next_event(r, timeout, &alive) {
-            Ok(ev) => ev,
-            Err(f) => return Err(f),
-        };
+        let ev = next_event(r, timeout, &alive)?;
         // After Finished, compute exits on its own; a clean exit is expected then.
         if let Event::Exit(x) = &ev {
             if let Some(s) = Stage::parse(&x.stage) {
