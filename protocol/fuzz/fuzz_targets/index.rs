@@ -9,7 +9,8 @@ use std::sync::OnceLock;
 fn dir() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-mxfp4/sharded");
+        let src = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/tiny-mxfp4/sharded");
         let d = std::env::temp_dir().join(format!("k3-fuzz-index-{}", std::process::id()));
         std::fs::create_dir_all(&d).expect("temp dir");
         for e in std::fs::read_dir(&src).expect("fixture dir") {
