@@ -579,6 +579,8 @@ fn copy_run(
     let len = p.length;
     let src_off = p.source_offset;
     let reader = input.try_clone()?;
+    advise(input, src_off, len, libc::POSIX_FADV_SEQUENTIAL);
+    let mut flow = WriteFlow::default();
     std::thread::scope(|s| -> Result<()> {
         s.spawn(move || {
             let mut pos = 0u64;
@@ -587,6 +589,8 @@ fn copy_run(
                 let mut buf = ret_rx.try_recv().unwrap_or_default();
                 buf.resize(n, 0);
                 let r = reader.read_exact_at(&mut buf, src_off + pos).map(|_| buf);
+                // The checkpoint's pages are not needed again: leave the cache to others.
+                advise(&reader, src_off + pos, n as u64, libc::POSIX_FADV_DONTNEED);
                 let failed = r.is_err();
                 if tx.send(r).is_err() || failed {
                     return;
@@ -607,6 +611,7 @@ fn copy_run(
             h.update(&buf);
             out.write_all_at(&buf, p.offset + pos)
                 .with_context(|| format!("writing {}", out_path.display()))?;
+            flow.wrote(out, p.offset + pos, buf.len() as u64);
             pos += buf.len() as u64;
             bar.inc(buf.len() as u64);
             let _ = ret_tx.try_send(buf);
@@ -626,6 +631,66 @@ fn copy_run(
             .with_context(|| format!("writing {}", out_path.display()))?;
     }
     Ok(hex(&h.finalize()))
+}
+
+/// `posix_fadvise` hint (errors ignored: it is only advice).
+fn advise(f: &File, off: u64, len: u64, advice: libc::c_int) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain integers and a file descriptor that `f` keeps open for the call; no
+    // memory is passed to the kernel.
+    unsafe {
+        libc::posix_fadvise(
+            f.as_raw_fd(),
+            off as libc::off_t,
+            len as libc::off_t,
+            advice,
+        );
+    }
+}
+
+/// Keeps written data flowing to the disk while the copy reads on: each chunk's writeback
+/// starts as soon as it is written (`sync_file_range` WRITE), and the chunk written two
+/// steps earlier is waited for and dropped from the page cache. Without this the dirty
+/// pages pile up until the per-layer fsync, and reads and writes alternate instead of
+/// overlapping (measured: 61-74 MB/s against 176 MB/s for dd on the slice). Durability
+/// still comes from the per-layer `fdatasync`; these calls are hints.
+#[derive(Default)]
+pub(crate) struct WriteFlow {
+    pending: std::collections::VecDeque<(u64, u64)>,
+}
+
+impl WriteFlow {
+    /// `out` received `len` bytes at `off` (always the same file for one `WriteFlow`).
+    pub(crate) fn wrote(&mut self, out: &File, off: u64, len: u64) {
+        use std::os::fd::AsRawFd;
+        let fd = out.as_raw_fd();
+        // SAFETY: `fd` stays open (borrowed from `out`); only integers are passed.
+        unsafe {
+            libc::sync_file_range(
+                fd,
+                off as libc::off64_t,
+                len as libc::off64_t,
+                libc::SYNC_FILE_RANGE_WRITE,
+            );
+        }
+        self.pending.push_back((off, len));
+        if self.pending.len() > 2 {
+            if let Some((o, l)) = self.pending.pop_front() {
+                // SAFETY: as above.
+                unsafe {
+                    libc::sync_file_range(
+                        fd,
+                        o as libc::off64_t,
+                        l as libc::off64_t,
+                        libc::SYNC_FILE_RANGE_WAIT_BEFORE
+                            | libc::SYNC_FILE_RANGE_WRITE
+                            | libc::SYNC_FILE_RANGE_WAIT_AFTER,
+                    );
+                }
+                advise(out, o, l, libc::POSIX_FADV_DONTNEED);
+            }
+        }
+    }
 }
 
 /// Check a packed trunk: manifest valid, same checkpoint, same layout as the checkpoint's

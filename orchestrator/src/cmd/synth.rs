@@ -450,27 +450,30 @@ fn writer_thread(
     ret: SyncSender<Vec<u8>>,
     sums: bool,
 ) -> Result<Vec<(String, String)>> {
-    let mut cur: Option<(File, PathBuf, Sha256)> = None;
+    let mut cur: Option<(File, PathBuf, Sha256, u64, super::pack_trunk::WriteFlow)> = None;
     let mut out = Vec::new();
     for m in rx {
         match m {
             Msg::Open(p) => {
                 let f = File::create(&p).with_context(|| format!("creating {}", p.display()))?;
-                cur = Some((f, p, Sha256::new()));
+                cur = Some((f, p, Sha256::new(), 0, Default::default()));
             }
             Msg::Data(b) => {
-                let (f, p, h) = cur
+                let (f, p, h, at, flow) = cur
                     .as_mut()
                     .ok_or_else(|| anyhow!("internal: data before a file was opened"))?;
                 f.write_all(&b)
                     .with_context(|| format!("writing {}", p.display()))?;
+                // Start writeback now and bound the dirty pages (see pack_trunk::WriteFlow).
+                flow.wrote(f, *at, b.len() as u64);
+                *at += b.len() as u64;
                 if sums {
                     h.update(&b);
                 }
                 let _ = ret.try_send(b);
             }
             Msg::Close => {
-                if let Some((f, p, h)) = cur.take() {
+                if let Some((f, p, h, _, _)) = cur.take() {
                     f.sync_all()
                         .with_context(|| format!("fsync {}", p.display()))?;
                     if sums {
