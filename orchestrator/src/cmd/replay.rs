@@ -1,8 +1,570 @@
-//! `k3-orch` subcommand `replay` (not yet built).
+//! `k3-orch replay REC_DIR --stage NAME`: re-run one stage alone against its recording.
+//!
+//! The recording is `REC_DIR/<stage>.k3rec`, written by a run with `--record REC_DIR` (format:
+//! `k3_protocol::record`; what a stage logs: `pipeline::link`). The stage role runs in a
+//! thread of this process (`pipeline::stage_main`) on a fresh control socketpair, and this
+//! command plays every peer from the log, entry by entry, in log order:
+//!
+//! - an **inbound** frame is sent to the stage on its channel (`control`, or the link named
+//!   after the peer). A control `Region` that carried a link makes a fresh link region with
+//!   the same id and hands its fd over; one that carried a data region (layer-compute's
+//!   `trunk` and `experts`) makes a region with the same id and geometry (from the
+//!   `@region` entry);
+//! - for layer-compute, the **buffer** entries logged right after an inbound frame are
+//!   written into the recreated data regions *before* that frame is sent (the recording
+//!   must have kept bytes); for the loaders a buffer entry is the hash of a buffer the stage
+//!   published, and is checked against the stage's own region after the message naming it;
+//! - an **outbound** frame is awaited on its channel and compared with the recording.
+//!
+//! Outbound messages are compared byte for byte as re-encoded after masking the fields that
+//! are wall-clock or process noise, and nothing else:
+//!
+//! | message | masked | why |
+//! |---|---|---|
+//! | `Hello` | `pid` | a new process (here: this one) |
+//! | `StepStats` | `seconds`, `io_wait_seconds` | wall-clock time of the step / of its waits |
+//! | `TrunkPassDone` | `io_seconds` | wall-clock time of the loader's reads |
+//! | `ExpertBatchDone` | `io_seconds` | same, for the fetcher |
+//! | `Summary` (JSON) | every key containing `second`, `mb_per_s`, and the rendered `report` text | timing, and a throughput computed from it |
+//!
+//! Heartbeat `Pong`s are not recorded and are skipped here. The expert-fetcher sends one
+//! `ExpertReady`/`ExpertFailed` per expert as its reads land, in whatever order the disk
+//! finishes them (design.md: compute combines experts in top-k order, so the order is
+//! free); a run of consecutive such messages is therefore compared as a multiset, each
+//! message still byte for byte.
+//!
+//! Inbound frames are sent as recorded except for three rewrites that only undo the
+//! original run's environment: a link `Region`'s `peer_pid` becomes 0 (the recorded pid is
+//! gone; 0 = no pid watch), and `Configure`'s `record_dir`, `dump_logits` and `trace_dir`
+//! become null (a replay must not overwrite the recording it reads or the run's outputs).
+//! Paths inside `Configure` (the model directory) are used as recorded, so replay from the
+//! directory the run was started in.
+//!
+//! Exit codes: 0 `replay <stage>: N messages identical` (N = outbound messages compared);
+//! 1 at the first difference, naming the entry, the channel and both messages (or for an
+//! unreadable or modified recording, or a stage that failed); 2 for usage.
 
+use std::collections::HashMap;
 use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-pub fn main(_args: Vec<OsString>) -> i32 {
-    eprintln!("k3-orch: 'replay' is not implemented yet");
-    1
+use clap::Parser;
+use k3_protocol::control::{self, ControlError, ControlSocket};
+use k3_protocol::messages::{self, Msg, RegionRole, Stage};
+use k3_protocol::record::{read_recording, recording_path, sha256, Entry, Recording};
+use k3_protocol::ring::PeerWatch;
+use k3_protocol::shm::{Access, Handle, Region};
+use k3_protocol::transport::{ShmTransport, Side, Transport, TransportError};
+
+use crate::pipeline::link::{link_ring, CONTROL, REGION_META};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "k3-orch replay",
+    about = "Re-run one stage alone against a --record log and compare its outbound messages"
+)]
+struct Args {
+    /// Directory written by `--record DIR`.
+    rec_dir: PathBuf,
+    /// Stage to replay: tokenizer, trunk-loader, expert-fetcher or layer-compute.
+    #[arg(long)]
+    stage: String,
+    /// Read the recording without checking its chain hashes (for deliberately edited logs).
+    #[arg(long)]
+    no_verify: bool,
+    /// Seconds to wait for each message the stage should send.
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
+}
+
+pub fn main(args: Vec<OsString>) -> i32 {
+    let a = match Args::try_parse_from(args) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    let Some(stage) = Stage::parse(&a.stage).filter(|s| *s != Stage::Orchestrator) else {
+        eprintln!(
+            "k3-orch replay: unknown stage '{}' (tokenizer, trunk-loader, expert-fetcher, layer-compute)",
+            a.stage
+        );
+        return 2;
+    };
+    if !(a.timeout > 0.0 && a.timeout.is_finite()) {
+        eprintln!("k3-orch replay: --timeout must be a positive number of seconds");
+        return 2;
+    }
+    let path = recording_path(&a.rec_dir, stage.name());
+    let rec = match read_recording(&path, !a.no_verify) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("k3-orch replay: {e}");
+            return 1;
+        }
+    };
+    if rec.stage != stage.name() {
+        eprintln!(
+            "k3-orch replay: {} is a recording of stage {}, not {stage}",
+            path.display(),
+            rec.stage
+        );
+        return 1;
+    }
+    match replay(stage, &rec, Duration::from_secs_f64(a.timeout)) {
+        Ok(n) => {
+            println!("replay {stage}: {n} messages identical");
+            0
+        }
+        Err(e) => {
+            eprintln!("replay {stage}: FAIL: {e}");
+            1
+        }
+    }
+}
+
+/// Mask the fields of `m` that are timing or pid noise (see the module doc).
+pub fn mask(m: &Msg) -> Msg {
+    let mut m = m.clone();
+    match &mut m {
+        Msg::Hello { pid, .. } => *pid = 0,
+        Msg::StepStats(s) => {
+            s.seconds = 0.0;
+            s.io_wait_seconds = 0.0;
+        }
+        Msg::TrunkPassDone { io_seconds, .. } | Msg::ExpertBatchDone { io_seconds, .. } => {
+            *io_seconds = 0.0
+        }
+        Msg::Summary { json, .. } => {
+            if let Ok(mut v) = serde_json::from_str::<serde_json::Value>(json) {
+                mask_json(&mut v);
+                *json = v.to_string();
+            }
+        }
+        _ => {}
+    }
+    m
+}
+
+fn mask_json(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(o) => {
+            for (k, x) in o.iter_mut() {
+                if k.contains("second") || k.contains("mb_per_s") || k == "report" {
+                    *x = serde_json::Value::Null;
+                } else {
+                    mask_json(x);
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(mask_json),
+        _ => {}
+    }
+}
+
+/// The masked, re-encoded form of a frame (the bytes compared).
+fn masked_bytes(frame: &[u8]) -> Result<(Msg, Vec<u8>), String> {
+    let m = messages::decode(frame).map_err(|e| format!("undecodable frame: {e}"))?;
+    let b = messages::encode(&mask(&m)).map_err(|e| e.to_string())?;
+    Ok((m, b))
+}
+
+fn is_expert_event(frame: &[u8]) -> bool {
+    matches!(
+        messages::decode(frame),
+        Ok(Msg::ExpertReady { .. } | Msg::ExpertFailed { .. })
+    )
+}
+
+struct Replayer {
+    stage: Stage,
+    control: ControlSocket,
+    links: HashMap<String, ShmTransport>,
+    /// Regions the stage shared with us (the loaders' arenas), by id.
+    own: HashMap<u32, Region>,
+    /// Regions we created for the stage (layer-compute's data), by id.
+    data: HashMap<u32, Arc<Region>>,
+    /// Geometry of the data regions, from the `@region` entries.
+    geometry: HashMap<u32, (u64, u32)>,
+    thread: Option<std::thread::JoinHandle<Result<(), String>>>,
+    timeout: Duration,
+}
+
+/// Replay `rec` against a fresh instance of `stage`; returns the number of outbound
+/// messages compared.
+pub fn replay(stage: Stage, rec: &Recording, timeout: Duration) -> Result<usize, String> {
+    let (ours, theirs) = control::pair().map_err(|e| format!("control socketpair: {e}"))?;
+    let thread = std::thread::Builder::new()
+        .name(format!("k3-replay-{stage}"))
+        .spawn(move || crate::pipeline::stage_main(stage, theirs))
+        .map_err(|e| format!("starting the stage thread: {e}"))?;
+    let mut r = Replayer {
+        stage,
+        control: ours,
+        links: HashMap::new(),
+        own: HashMap::new(),
+        data: HashMap::new(),
+        geometry: HashMap::new(),
+        thread: Some(thread),
+        timeout,
+    };
+    for e in &rec.entries {
+        if let Entry::Inbound { channel, frame } = e {
+            if channel == REGION_META {
+                let v: serde_json::Value = serde_json::from_slice(frame)
+                    .map_err(|e| format!("bad {REGION_META} entry: {e}"))?;
+                let g = |k: &str| v.get(k).and_then(|x| x.as_u64());
+                match (g("id"), g("slot_size"), g("nslots")) {
+                    (Some(id), Some(ss), Some(n)) => {
+                        r.geometry.insert(id as u32, (ss, n as u32));
+                    }
+                    _ => return Err(format!("bad {REGION_META} entry: {v}")),
+                }
+            }
+        }
+    }
+    let compute = stage == Stage::LayerCompute;
+    let entries = &rec.entries;
+    let mut compared = 0usize;
+    let mut i = 0usize;
+    while i < entries.len() {
+        match &entries[i] {
+            Entry::Inbound { channel, .. } if channel == REGION_META => i += 1,
+            Entry::Inbound { channel, frame } => {
+                if compute {
+                    let mut j = i + 1;
+                    while let Some(Entry::BufferRead { handle, bytes, .. }) = entries.get(j) {
+                        r.fill(j, handle, bytes.as_deref())?;
+                        j += 1;
+                    }
+                }
+                r.send_inbound(i, channel, frame)?;
+                i += 1;
+            }
+            Entry::Outbound { channel, frame } => {
+                // A run of expert events (and the buffer entries between them) is a group
+                // compared as a multiset.
+                let mut end = i + 1;
+                if channel != CONTROL && is_expert_event(frame) {
+                    while let Some(e) = entries.get(end) {
+                        match e {
+                            Entry::Outbound {
+                                channel: c,
+                                frame: f,
+                            } if c == channel && is_expert_event(f) => {}
+                            Entry::BufferRead { .. } => {}
+                            _ => break,
+                        }
+                        end += 1;
+                    }
+                }
+                compared += r.expect(entries, i, end)?;
+                i = end;
+            }
+            Entry::BufferRead { handle, sha256, .. } => {
+                if !compute {
+                    r.check_published(i, handle, sha256)?;
+                }
+                i += 1;
+            }
+        }
+    }
+    r.finish()?;
+    Ok(compared)
+}
+
+impl Replayer {
+    fn stage_error(&mut self) -> Option<String> {
+        let t = self.thread.as_ref()?;
+        if !t.is_finished() {
+            return None;
+        }
+        let h = self.thread.take()?;
+        Some(match h.join() {
+            Ok(Ok(())) => "the stage finished early".to_string(),
+            Ok(Err(e)) => format!("the stage failed: {e}"),
+            Err(_) => "the stage panicked".to_string(),
+        })
+    }
+
+    fn fill(&mut self, entry: usize, h: &Handle, bytes: Option<&[u8]>) -> Result<(), String> {
+        let bytes = bytes.ok_or_else(|| {
+            format!("entry {entry}: the recording kept only the hash of buffer {h:?}; replaying layer-compute needs the bytes (record with K3_RECORD_BYTES=1)")
+        })?;
+        let region = self.data.get(&h.region).ok_or_else(|| {
+            format!(
+                "entry {entry}: buffer {h:?} is in region {}, which the stage was never given",
+                h.region
+            )
+        })?;
+        let slot = (h.offset / region.slot_size().max(1) as u64) as u32;
+        let mut gen = region.generation(slot).map_err(|e| e.to_string())?;
+        if gen > h.generation {
+            return Err(format!(
+                "entry {entry}: buffer {h:?} has generation {} but the region is at {gen}",
+                h.generation
+            ));
+        }
+        while gen < h.generation {
+            gen = region.bump_generation(slot).map_err(|e| e.to_string())?;
+        }
+        region
+            .write_at(h.offset, bytes)
+            .map_err(|e| format!("entry {entry}: filling {h:?}: {e}"))
+    }
+
+    fn send_inbound(&mut self, entry: usize, channel: &str, frame: &[u8]) -> Result<(), String> {
+        let fail = |e: String| format!("entry {entry} (inbound on {channel}): {e}");
+        if channel != CONTROL {
+            let link = self
+                .links
+                .get_mut(channel)
+                .ok_or_else(|| fail("no link to this peer was set up".into()))?;
+            return link
+                .send_bytes(frame, Some(self.timeout))
+                .map_err(|e| fail(format!("sending to the stage: {e}")));
+        }
+        let msg = messages::decode(frame).map_err(|e| fail(format!("undecodable: {e}")))?;
+        match msg {
+            Msg::Region {
+                id,
+                role: RegionRole::Link { peer, side, .. },
+            } => {
+                let region =
+                    ShmTransport::create_region(id, &format!("replay-{peer}"), &link_ring())
+                        .map_err(|e| fail(e.to_string()))?;
+                let region = Arc::new(region);
+                let ours = match side {
+                    Side::A => Side::B,
+                    Side::B => Side::A,
+                };
+                let t = ShmTransport::attach(region.clone(), ours, PeerWatch::None, link_ring())
+                    .map_err(|e| fail(e.to_string()))?;
+                self.links.insert(peer.name().to_string(), t);
+                let m = Msg::Region {
+                    id,
+                    role: RegionRole::Link {
+                        peer,
+                        side,
+                        peer_pid: 0,
+                    },
+                };
+                self.control
+                    .send(&m, &[region.fd()])
+                    .map_err(|e| fail(e.to_string()))
+            }
+            Msg::Region {
+                id,
+                role: RegionRole::Data { name },
+            } => {
+                let (ss, n) = *self.geometry.get(&id).ok_or_else(|| {
+                    fail(format!(
+                        "no {REGION_META} entry for data region {id} ({name})"
+                    ))
+                })?;
+                let region = Region::create(id, &format!("replay-{name}"), ss, n)
+                    .map_err(|e| fail(e.to_string()))?;
+                self.control
+                    .send_frame(frame, &[region.fd()])
+                    .map_err(|e| fail(e.to_string()))?;
+                self.data.insert(id, Arc::new(region));
+                Ok(())
+            }
+            Msg::Configure { json } => {
+                let json = match serde_json::from_str::<serde_json::Value>(&json) {
+                    Ok(mut v) => {
+                        if let Some(o) = v.as_object_mut() {
+                            for k in ["record_dir", "dump_logits", "trace_dir"] {
+                                if let Some(x) = o.get_mut(k) {
+                                    *x = serde_json::Value::Null;
+                                }
+                            }
+                        }
+                        v.to_string()
+                    }
+                    Err(_) => json,
+                };
+                self.control
+                    .send(&Msg::Configure { json }, &[])
+                    .map_err(|e| fail(e.to_string()))
+            }
+            _ => self
+                .control
+                .send_frame(frame, &[])
+                .map_err(|e| fail(e.to_string())),
+        }
+    }
+
+    /// The next frame the stage sends on `channel` (Pongs skipped).
+    fn recv(&mut self, entry: usize, channel: &str) -> Result<Vec<u8>, String> {
+        let deadline = Instant::now() + self.timeout;
+        let step = Duration::from_millis(50);
+        loop {
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "entry {entry} (outbound on {channel}): the stage sent nothing for {:.0} s",
+                    self.timeout.as_secs_f64()
+                ));
+            }
+            if channel == CONTROL {
+                match self.control.recv_frame(Some(step)) {
+                    Ok((f, mut fds)) => {
+                        let m = messages::decode(&f).map_err(|e| {
+                            format!("entry {entry} (outbound on {channel}): undecodable: {e}")
+                        })?;
+                        match m {
+                            Msg::Pong { .. } => continue,
+                            Msg::Region {
+                                id,
+                                role: RegionRole::Data { .. },
+                            } => {
+                                if let Some(fd) = fds.pop() {
+                                    let r = Region::open(fd, Access::ReadOnly).map_err(|e| {
+                                        format!("entry {entry}: region {id} from the stage: {e}")
+                                    })?;
+                                    self.own.insert(id, r);
+                                }
+                            }
+                            _ => {}
+                        }
+                        return Ok(f);
+                    }
+                    Err(ControlError::Timeout) => {}
+                    Err(e) => {
+                        let why = self.stage_error().unwrap_or_default();
+                        return Err(format!(
+                            "entry {entry} (outbound on {channel}): control: {e} {why}"
+                        ));
+                    }
+                }
+            } else {
+                let link = self.links.get_mut(channel).ok_or_else(|| {
+                    format!("entry {entry} (outbound on {channel}): no link to this peer")
+                })?;
+                match link.recv_bytes(Some(step)) {
+                    Ok(f) => return Ok(f),
+                    Err(TransportError::Timeout) => {}
+                    Err(e) => return Err(format!("entry {entry} (outbound on {channel}): {e}")),
+                }
+            }
+            if let Some(why) = self.stage_error() {
+                return Err(format!(
+                    "entry {entry} (outbound on {channel}): the recording expects a message, but {why}"
+                ));
+            }
+        }
+    }
+
+    /// Await and compare the outbound entries in `start..end` (one, or a group of expert
+    /// events compared as a multiset). Returns how many messages were compared.
+    fn expect(&mut self, entries: &[Entry], start: usize, end: usize) -> Result<usize, String> {
+        let mut want: Vec<(usize, String, Msg, Vec<u8>)> = Vec::new();
+        for (k, e) in entries.iter().enumerate().take(end).skip(start) {
+            if let Entry::Outbound { channel, frame } = e {
+                let (m, b) =
+                    masked_bytes(frame).map_err(|e| format!("entry {k} (recorded): {e}"))?;
+                want.push((k, channel.clone(), m, b));
+            }
+        }
+        let mut got: Vec<(Msg, Vec<u8>)> = Vec::new();
+        for (k, channel, _, _) in &want {
+            let f = self.recv(*k, channel)?;
+            let (m, b) =
+                masked_bytes(&f).map_err(|e| format!("entry {k} (outbound on {channel}): {e}"))?;
+            got.push((m, b));
+        }
+        if want.len() == 1 {
+            let (k, ch, wm, wb) = &want[0];
+            let (gm, gb) = &got[0];
+            if wb != gb {
+                return Err(format!(
+                    "entry {k} (outbound on {ch}) differs\n  stage sent: {gm:?}\n  recorded:   {wm:?}"
+                ));
+            }
+        } else {
+            for (k, ch, wm, wb) in &want {
+                match got.iter().position(|(_, b)| b == wb) {
+                    Some(p) => {
+                        got.remove(p);
+                    }
+                    None => {
+                        let sent: Vec<&Msg> = got.iter().map(|(m, _)| m).collect();
+                        return Err(format!(
+                            "entry {k} (outbound on {ch}, one of a batch of expert events compared in any order) was not sent\n  recorded:   {wm:?}\n  stage sent (unmatched): {sent:?}"
+                        ));
+                    }
+                }
+            }
+        }
+        for (k, e) in entries.iter().enumerate().take(end).skip(start) {
+            if let (Entry::BufferRead { handle, sha256, .. }, false) =
+                (e, self.stage == Stage::LayerCompute)
+            {
+                self.check_published(k, handle, sha256)?;
+            }
+        }
+        Ok(want.len())
+    }
+
+    /// A loader published `h`: its contents must hash as recorded.
+    fn check_published(&self, entry: usize, h: &Handle, want: &[u8; 32]) -> Result<(), String> {
+        let region = self.own.get(&h.region).ok_or_else(|| {
+            format!(
+                "entry {entry}: buffer {h:?} is in region {}, which the stage never shared",
+                h.region
+            )
+        })?;
+        // SAFETY: the stage published this range and does not rewrite it before the
+        // message that releases it, which this replay has not sent yet.
+        let bytes = unsafe { region.resolve(h) }.map_err(|e| format!("entry {entry}: {e}"))?;
+        if &sha256(bytes) != want {
+            return Err(format!(
+                "entry {entry}: the contents of published buffer {h:?} differ from the recording (SHA-256)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// After the log: the stage must finish cleanly and send nothing more.
+    fn finish(mut self) -> Result<(), String> {
+        let deadline = Instant::now() + self.timeout;
+        while self.thread.as_ref().is_some_and(|t| !t.is_finished()) {
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the log is over but the stage is still running after {:.0} s",
+                    self.timeout.as_secs_f64()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if let Some(h) = self.thread.take() {
+            match h.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(format!("after the log the stage failed: {e}")),
+                Err(_) => return Err("after the log the stage panicked".into()),
+            }
+        }
+        while let Ok((f, _)) = self.control.recv_frame(Some(Duration::from_millis(10))) {
+            match messages::decode(&f) {
+                Ok(Msg::Pong { .. }) => continue,
+                m => {
+                    return Err(format!(
+                        "after the log the stage sent on control: {m:?} (not in the recording)"
+                    ))
+                }
+            }
+        }
+        for (ch, l) in self.links.iter_mut() {
+            if let Ok(f) = l.recv_bytes(Some(Duration::from_millis(1))) {
+                return Err(format!(
+                    "after the log the stage sent on {ch}: {:?} (not in the recording)",
+                    messages::decode(&f)
+                ));
+            }
+        }
+        Ok(())
+    }
 }

@@ -5,18 +5,160 @@
 //! `Configure` JSON. The orchestrator's `Ready` is the signal to start serving. A heartbeat
 //! thread answers for the stage while it works, so a stage that is stopped (SIGSTOP, a
 //! deadlock in the kernel) is noticed by the orchestrator even when it has nothing to say.
+//!
+//! Recording (`--record DIR`, see `k3_protocol::record`): the context logs every control
+//! frame the stage receives and sends (not the heartbeat `Pong`s, which are timing noise),
+//! and [`StageCtx::take_link`] wraps each link so its frames are logged too, on a channel
+//! named after the peer (`trunk-loader`, ...; the control socket is `control`). The
+//! directory only arrives inside `Configure`, so what came before (Hello, links, data
+//! regions) is held and written when the recorder starts. Besides frames a recording holds:
+//! - one inbound entry on the pseudo-channel [`REGION_META`] per data region the stage
+//!   mapped (JSON `{"id","name","slot_size","nslots"}`), so a replay can recreate it;
+//! - [`Rec::buffer`] entries: layer-compute logs each trunk layer blob and expert span it
+//!   resolves, right after the message naming it (bytes kept when its data regions total at
+//!   most [`KEEP_BYTES_LIMIT`], or as `K3_RECORD_BYTES=1/0` says); the loaders log the hash
+//!   of every buffer they publish, right after the message. A buffer whose handle was logged
+//!   with the same contents, with no overlapping buffer logged since, is not logged again
+//!   (the replay's copy of the region still holds those bytes).
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k3_protocol::control::ControlSocket;
-use k3_protocol::messages::{Msg, RegionRole, Stage, PROTOCOL_VERSION};
+use k3_protocol::messages::{self, Msg, RegionRole, Stage, PROTOCOL_VERSION};
+use k3_protocol::record::{sha256, Recorder};
 use k3_protocol::ring::{PeerWatch, RingConfig};
-use k3_protocol::shm::{Access, Region, RegionTable};
-use k3_protocol::transport::{ShmTransport, Transport};
+use k3_protocol::shm::{Access, Handle, Region, RegionTable};
+use k3_protocol::transport::{ShmTransport, Transport, TransportError};
+
+/// A link as the stage roles use it: the shared-memory transport, wrapped for recording
+/// when `--record` is on (and a replay transport in tests).
+pub type Link = Box<dyn Transport>;
+
+/// Channel name of the control socket in recordings.
+pub const CONTROL: &str = "control";
+/// Pseudo-channel of the data-region geometry entries in recordings.
+pub const REGION_META: &str = "@region";
+/// Keep buffer bytes in a recording when the stage's data regions total at most this.
+pub const KEEP_BYTES_LIMIT: u64 = 64 << 20;
+
+/// A stage's recorder, shared by its context, its links and its buffer reads. Cloning is
+/// cheap; a default `Rec` records nothing.
+#[derive(Clone, Default)]
+pub struct Rec(Option<Arc<RecState>>);
+
+struct RecState {
+    rec: Mutex<Option<Recorder>>,
+    /// Last contents logged per handle (see the module doc).
+    last: Mutex<HashMap<Handle, [u8; 32]>>,
+}
+
+impl Rec {
+    fn start(dir: &std::path::Path, stage: Stage, keep_bytes: bool) -> Result<Rec, String> {
+        let r = Recorder::create(dir, stage.name(), keep_bytes)
+            .map_err(|e| format!("{stage}: --record: {e}"))?;
+        Ok(Rec(Some(Arc::new(RecState {
+            rec: Mutex::new(Some(r)),
+            last: Mutex::new(HashMap::new()),
+        }))))
+    }
+
+    /// Recording is on.
+    pub fn on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    fn with(
+        &self,
+        f: impl FnOnce(&mut Recorder) -> Result<(), k3_protocol::record::RecordError>,
+    ) -> Result<(), String> {
+        let Some(st) = &self.0 else { return Ok(()) };
+        let mut g = st.rec.lock().unwrap_or_else(|p| p.into_inner());
+        match g.as_mut() {
+            Some(r) => f(r).map_err(|e| format!("--record: {e}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Log a frame.
+    pub fn frame(&self, inbound: bool, channel: &str, frame: &[u8]) -> Result<(), String> {
+        self.with(|r| {
+            if inbound {
+                r.inbound(channel, frame)
+            } else {
+                r.outbound(channel, frame)
+            }
+        })
+    }
+
+    /// Log a shared buffer the stage read (or published): handle, hash, maybe bytes.
+    pub fn buffer(&self, h: &Handle, bytes: &[u8]) -> Result<(), String> {
+        let Some(st) = &self.0 else { return Ok(()) };
+        let sha = sha256(bytes);
+        {
+            let mut last = st.last.lock().unwrap_or_else(|p| p.into_inner());
+            if last.get(h) == Some(&sha) {
+                return Ok(());
+            }
+            let end = h.offset + h.len;
+            last.retain(|k, _| {
+                k.region != h.region || k.offset >= end || k.offset + k.len <= h.offset
+            });
+            last.insert(*h, sha);
+        }
+        self.with(|r| r.buffer_read(h, bytes))
+    }
+
+    /// Write the end marker (the stage finished normally).
+    pub fn finish(&self) -> Result<(), String> {
+        let Some(st) = &self.0 else { return Ok(()) };
+        let r = st.rec.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match r {
+            Some(r) => r.finish().map(|_| ()).map_err(|e| format!("--record: {e}")),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A link whose frames are logged on `channel`.
+struct RecordedLink {
+    inner: ShmTransport,
+    channel: String,
+    rec: Rec,
+}
+
+impl Transport for RecordedLink {
+    fn send_bytes(
+        &mut self,
+        frame: &[u8],
+        timeout: Option<Duration>,
+    ) -> Result<(), TransportError> {
+        self.inner.send_bytes(frame, timeout)?;
+        self.rec
+            .frame(false, &self.channel, frame)
+            .map_err(TransportError::Io)
+    }
+    fn recv_bytes(&mut self, timeout: Option<Duration>) -> Result<Vec<u8>, TransportError> {
+        let f = self.inner.recv_bytes(timeout)?;
+        self.rec
+            .frame(true, &self.channel, &f)
+            .map_err(TransportError::Io)?;
+        Ok(f)
+    }
+    fn max_message(&self) -> usize {
+        self.inner.max_message()
+    }
+    fn peer_dead(&self) -> bool {
+        self.inner.peer_dead()
+    }
+}
+
+/// Frames seen before the recorder could start (it learns its directory from `Configure`).
+type Pending = Vec<(bool, String, Vec<u8>)>;
 
 /// Heartbeat period of every stage.
 pub const HEARTBEAT: Duration = Duration::from_millis(250);
@@ -36,6 +178,10 @@ pub struct StageCtx {
     pub data: HashMap<String, u32>,
     pub conf_json: String,
     heartbeat_stop: Arc<AtomicBool>,
+    /// The recorder (off until `Configure` names a `record_dir`).
+    pub rec: Rec,
+    /// Frames held until `Configure` says whether to record (None once it did).
+    pending: Option<Pending>,
 }
 
 impl Drop for StageCtx {
@@ -48,15 +194,14 @@ impl StageCtx {
     /// Say hello and start the heartbeat.
     pub fn connect(stage: Stage, control: ControlSocket) -> Result<StageCtx, String> {
         let control = Arc::new(control);
+        let hello = messages::encode(&Msg::Hello {
+            stage,
+            pid: std::process::id(),
+            version: PROTOCOL_VERSION,
+        })
+        .map_err(|e| format!("{stage}: hello: {e}"))?;
         control
-            .send(
-                &Msg::Hello {
-                    stage,
-                    pid: std::process::id(),
-                    version: PROTOCOL_VERSION,
-                },
-                &[],
-            )
+            .send_frame(&hello, &[])
             .map_err(|e| format!("{stage}: hello: {e}"))?;
         let stop = Arc::new(AtomicBool::new(false));
         let (c2, s2) = (control.clone(), stop.clone());
@@ -81,7 +226,62 @@ impl StageCtx {
             data: HashMap::new(),
             conf_json: String::new(),
             heartbeat_stop: stop,
+            rec: Rec::default(),
+            pending: Some(vec![(false, CONTROL.to_string(), hello)]),
         })
+    }
+
+    fn log(&mut self, inbound: bool, channel: &str, frame: &[u8]) -> Result<(), String> {
+        match &mut self.pending {
+            Some(p) => {
+                p.push((inbound, channel.to_string(), frame.to_vec()));
+                Ok(())
+            }
+            None => self
+                .rec
+                .frame(inbound, channel, frame)
+                .map_err(|e| format!("{}: {e}", self.stage)),
+        }
+    }
+
+    /// `Configure` arrived: start recording if it names a `record_dir`, and write what was
+    /// held. Buffer bytes are kept when the mapped data regions are small (see the module
+    /// doc); `K3_RECORD_BYTES=1` or `0` forces either way.
+    fn start_recording(&mut self, json: &str) -> Result<(), String> {
+        let pending = self.pending.take().unwrap_or_default();
+        let dir: Option<PathBuf> = serde_json::from_str::<serde_json::Value>(json)
+            .ok()
+            .and_then(|v| {
+                v.get("record_dir")
+                    .and_then(|d| d.as_str())
+                    .map(PathBuf::from)
+            });
+        let Some(dir) = dir else { return Ok(()) };
+        let data_bytes: u64 = self
+            .data
+            .values()
+            .filter_map(|id| self.regions.get(*id))
+            .map(|r| r.data_len() as u64)
+            .sum();
+        let keep = match std::env::var("K3_RECORD_BYTES").ok().as_deref() {
+            Some("1") => true,
+            Some("0") => false,
+            _ => self.stage == Stage::LayerCompute && data_bytes <= KEEP_BYTES_LIMIT,
+        };
+        self.rec = Rec::start(&dir, self.stage, keep)?;
+        for (inbound, ch, f) in pending {
+            self.rec
+                .frame(inbound, &ch, &f)
+                .map_err(|e| format!("{}: {e}", self.stage))?;
+        }
+        Ok(())
+    }
+
+    /// Close the recording normally (end marker). Call after the stage's last message.
+    pub fn finish_recording(&self) -> Result<(), String> {
+        self.rec
+            .finish()
+            .map_err(|e| format!("{}: {e}", self.stage))
     }
 
     /// Receive control messages until `until` says stop (it sees every message that is not a
@@ -91,10 +291,16 @@ impl StageCtx {
         mut until: impl FnMut(&mut Self, Msg) -> Result<bool, String>,
     ) -> Result<(), String> {
         loop {
-            let (msg, mut fds) = self
+            let (frame, mut fds) = self
                 .control
-                .recv(None)
+                .recv_frame(None)
                 .map_err(|e| format!("{}: control: {e}", self.stage))?;
+            let msg =
+                messages::decode(&frame).map_err(|e| format!("{}: control: {e}", self.stage))?;
+            self.log(true, CONTROL, &frame)?;
+            if let Msg::Configure { json } = &msg {
+                self.start_recording(json)?;
+            }
             match msg {
                 Msg::Region { id, role } => {
                     let fd: OwnedFd = fds.pop().ok_or_else(|| {
@@ -135,6 +341,14 @@ impl StageCtx {
             RegionRole::Data { name } => {
                 let region = Region::open(fd, Access::ReadOnly)
                     .map_err(|e| format!("{}: data region {name}: {e}", self.stage))?;
+                let meta = serde_json::json!({
+                    "id": id,
+                    "name": name,
+                    "slot_size": region.slot_size(),
+                    "nslots": region.nslots(),
+                })
+                .to_string();
+                self.log(true, REGION_META, meta.as_bytes())?;
                 let rid = region.id();
                 if rid != id {
                     return Err(format!(
@@ -182,34 +396,52 @@ impl StageCtx {
 
     /// Send a message to the orchestrator.
     pub fn send_control(&self, m: &Msg) -> Result<(), String> {
-        self.control
-            .send(m, &[])
+        self.send_frame(m, &[])
             .map_err(|e| format!("{}: control: {e}", self.stage))
+    }
+
+    fn send_frame(&self, m: &Msg, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<(), String> {
+        let frame = messages::encode(m).map_err(|e| e.to_string())?;
+        self.control
+            .send_frame(&frame, fds)
+            .map_err(|e| e.to_string())?;
+        // After Configure (the only time roles send on their own) pending is None.
+        self.rec.frame(false, CONTROL, &frame)
     }
 
     /// Hand a region this stage owns to the orchestrator (which passes it on).
     pub fn share_region(&self, region: &Region, name: &str) -> Result<(), String> {
-        self.control
-            .send(
-                &Msg::Region {
-                    id: region.id(),
-                    role: RegionRole::Data { name: name.into() },
-                },
-                &[region.fd()],
-            )
-            .map_err(|e| format!("{}: sharing region {name}: {e}", self.stage))
+        self.send_frame(
+            &Msg::Region {
+                id: region.id(),
+                role: RegionRole::Data { name: name.into() },
+            },
+            &[region.fd()],
+        )
+        .map_err(|e| format!("{}: sharing region {name}: {e}", self.stage))
     }
 
-    /// Take the link to `peer` out of the context.
-    pub fn take_link(&mut self, peer: Stage) -> Result<ShmTransport, String> {
-        self.links
+    /// Take the link to `peer` out of the context (logged on channel `<peer>` when
+    /// recording).
+    pub fn take_link(&mut self, peer: Stage) -> Result<Link, String> {
+        let t = self
+            .links
             .remove(&peer)
-            .ok_or_else(|| format!("{}: no link to {peer} was configured", self.stage))
+            .ok_or_else(|| format!("{}: no link to {peer} was configured", self.stage))?;
+        Ok(if self.rec.on() {
+            Box::new(RecordedLink {
+                inner: t,
+                channel: peer.name().to_string(),
+                rec: self.rec.clone(),
+            })
+        } else {
+            Box::new(t)
+        })
     }
 
     /// Report a fatal error to the orchestrator (best effort) and return it.
     pub fn fail(&self, msg: String) -> String {
-        let _ = self.control.send(
+        let _ = self.send_frame(
             &Msg::Error {
                 stage: self.stage,
                 msg: msg.clone(),
@@ -222,7 +454,7 @@ impl StageCtx {
 
 /// Receive on a link, turning a timeout into a message that names the silent peer.
 pub fn recv_from(
-    link: &mut ShmTransport,
+    link: &mut dyn Transport,
     me: Stage,
     peer: Stage,
     timeout: Option<Duration>,
@@ -238,7 +470,7 @@ pub fn recv_from(
 
 /// Send on a link with an error that names the peer.
 pub fn send_to(
-    link: &mut ShmTransport,
+    link: &mut dyn Transport,
     me: Stage,
     peer: Stage,
     m: &Msg,

@@ -10,6 +10,9 @@
 //! mapped from the shards, so its cgroup pays for them together with the KV cache, the
 //! recurrent state and the scratch.
 
+// Tuples of catalog fields are clearer here than one-off structs.
+#![allow(clippy::type_complexity)]
+
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,10 +25,9 @@ use k3_protocol::messages::{Msg, Stage, StepStats};
 use k3_protocol::mmap_weights::MmapWeights;
 use k3_protocol::shm::{Handle, Region};
 use k3_protocol::tensor::{Dtype, TensorRef, WeightError, WeightSource};
-use k3_protocol::transport::ShmTransport;
 
 use super::super::conf::ComputeConf;
-use super::super::link::{recv_from, send_to, StageCtx};
+use super::super::link::{recv_from, send_to, Link, Rec, StageCtx};
 use crate::gen::sampler;
 
 const LAYER_PREFIX: &str = "language_model.model.layers.";
@@ -61,8 +63,10 @@ pub struct StagedWeights {
     model: MmapWeights,
     trunk_region: Arc<Region>,
     expert_region: Arc<Region>,
-    trunk: RefCell<ShmTransport>,
-    fetch: RefCell<ShmTransport>,
+    trunk: RefCell<Link>,
+    fetch: RefCell<Link>,
+    /// The recorder (`--record`): every layer blob and expert span read is logged.
+    rec: Rec,
     /// dtype and shape of every layer trunk tensor, from the checkpoint headers.
     meta: HashMap<String, (Dtype, Vec<usize>)>,
     experts: HashMap<(u32, u32), Vec<ExpertPart>>,
@@ -76,14 +80,16 @@ pub struct StagedWeights {
 }
 
 impl StagedWeights {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         model: MmapWeights,
         trunk_region: Arc<Region>,
         expert_region: Arc<Region>,
-        trunk: ShmTransport,
-        fetch: ShmTransport,
+        trunk: Link,
+        fetch: Link,
         n_layers: usize,
         timeout: Option<Duration>,
+        rec: Rec,
     ) -> Self {
         let mut meta = HashMap::new();
         let mut parts: HashMap<(u32, u32), Vec<(String, Dtype, Vec<usize>, u64, u64)>> =
@@ -127,6 +133,7 @@ impl StagedWeights {
             expert_region,
             trunk: RefCell::new(trunk),
             fetch: RefCell::new(fetch),
+            rec,
             meta,
             experts,
             current: RefCell::new(HashMap::new()),
@@ -152,7 +159,7 @@ impl StagedWeights {
     fn recv_trunk(&self) -> Result<Msg, WeightError> {
         let t0 = Instant::now();
         let r = recv_from(
-            &mut self.trunk.borrow_mut(),
+            &mut **self.trunk.borrow_mut(),
             Stage::LayerCompute,
             Stage::TrunkLoader,
             self.timeout,
@@ -235,7 +242,7 @@ impl Weights for StagedWeights {
             let pass = self.pass.get() + 1;
             self.pass.set(pass);
             send_to(
-                &mut self.trunk.borrow_mut(),
+                &mut **self.trunk.borrow_mut(),
                 Stage::LayerCompute,
                 Stage::TrunkLoader,
                 &Msg::StartPass {
@@ -256,8 +263,23 @@ impl Weights for StagedWeights {
                 pass: p,
                 layer: l,
                 tensors,
-                ..
+                handle,
             } if p == pass && l as usize == layer => {
+                if self.rec.on() {
+                    // SAFETY: as in `tensor`: the loader keeps the layer until LayerDone.
+                    let bytes = unsafe { self.trunk_region.resolve(&handle) }.map_err(|e| {
+                        WeightError::Invalid {
+                            name: format!("layer {layer}"),
+                            msg: e.to_string(),
+                        }
+                    })?;
+                    self.rec
+                        .buffer(&handle, bytes)
+                        .map_err(|msg| WeightError::Io {
+                            name: format!("layer {layer}"),
+                            msg,
+                        })?;
+                }
                 let mut cur = self.current.borrow_mut();
                 cur.clear();
                 for t in tensors {
@@ -287,7 +309,7 @@ impl Weights for StagedWeights {
         self.current.borrow_mut().clear();
         let pass = self.pass.get();
         let r = send_to(
-            &mut self.trunk.borrow_mut(),
+            &mut **self.trunk.borrow_mut(),
             Stage::LayerCompute,
             Stage::TrunkLoader,
             &Msg::LayerDone {
@@ -353,7 +375,7 @@ impl Weights for StagedWeights {
             };
         let mut link = self.fetch.borrow_mut();
         if let Err(e) = send_to(
-            &mut link,
+            &mut **link,
             Stage::LayerCompute,
             Stage::ExpertFetcher,
             &Msg::Experts {
@@ -371,7 +393,7 @@ impl Weights for StagedWeights {
         loop {
             let t0 = Instant::now();
             let m = recv_from(
-                &mut link,
+                &mut **link,
                 Stage::LayerCompute,
                 Stage::ExpertFetcher,
                 self.timeout,
@@ -392,6 +414,14 @@ impl Weights for StagedWeights {
                         continue;
                     }
                     delivered[slot] = true;
+                    if self.rec.on() {
+                        // SAFETY: as below.
+                        if let Ok(b) = unsafe { self.expert_region.resolve(&handle) } {
+                            if let Err(e) = self.rec.buffer(&handle, b) {
+                                self.link_error.borrow_mut().get_or_insert(e);
+                            }
+                        }
+                    }
                     let r = (|| {
                         let parts = self.experts.get(&(layer as u32, id)).ok_or_else(|| {
                             WeightError::Missing(format!("layer {layer} expert {id}"))
@@ -518,6 +548,7 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
         fetch,
         n_layers,
         timeout,
+        ctx.rec.clone(),
     );
     let model = Model::new(
         cfg,
@@ -562,7 +593,7 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
         }
         let io = weights.take_io();
         send_to(
-            &mut tok,
+            &mut *tok,
             me,
             Stage::Tokenizer,
             &Msg::DecodeId { id: token },
@@ -590,12 +621,12 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
     }
     drop(model);
     for (peer, link) in [
-        (Stage::TrunkLoader, &mut *weights.trunk.borrow_mut()),
-        (Stage::ExpertFetcher, &mut *weights.fetch.borrow_mut()),
-        (Stage::Tokenizer, &mut tok),
+        (Stage::TrunkLoader, &mut **weights.trunk.borrow_mut()),
+        (Stage::ExpertFetcher, &mut **weights.fetch.borrow_mut()),
+        (Stage::Tokenizer, &mut *tok),
     ] {
         send_to(link, me, peer, &Msg::Shutdown, timeout)?;
     }
     ctx.send_control(&Msg::Finished { generated })?;
-    Ok(())
+    ctx.finish_recording()
 }

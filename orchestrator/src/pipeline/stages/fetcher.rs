@@ -39,7 +39,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     }
     let mut last_pass = u64::MAX;
     loop {
-        match recv_from(&mut link, me, peer, None)? {
+        match recv_from(&mut *link, me, peer, None)? {
             Msg::Shutdown => break,
             Msg::Experts {
                 pass,
@@ -59,6 +59,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     continue;
                 }
                 let before = fetcher.step_stats();
+                let rec = ctx.rec.clone();
                 let mut send_err: Option<String> = None;
                 fetcher.fetch_batch(layer, &ids, |ev| {
                     if send_err.is_some() {
@@ -96,8 +97,19 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                             }
                         }
                     };
-                    if let Err(e) = send_to(&mut link, me, peer, &m, None) {
+                    if let Err(e) = send_to(&mut *link, me, peer, &m, None) {
                         send_err = Some(e);
+                        return;
+                    }
+                    if let (true, Msg::ExpertReady { handle, .. }) = (rec.on(), &m) {
+                        // SAFETY: the slot was just filled by this stage and is not reused
+                        // before compute's next batch.
+                        let r = unsafe { region.resolve(handle) }
+                            .map_err(|e| format!("expert-fetcher: {e}"))
+                            .and_then(|b| rec.buffer(handle, b));
+                        if let Err(e) = r {
+                            send_err = Some(e);
+                        }
                     }
                 });
                 if let Some(e) = send_err {
@@ -105,7 +117,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 }
                 let after = fetcher.step_stats();
                 send_to(
-                    &mut link,
+                    &mut *link,
                     me,
                     peer,
                     &Msg::ExpertBatchDone {
@@ -145,7 +157,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         stage: me,
         json: summary.to_string(),
     })?;
-    Ok(())
+    ctx.finish_recording()
 }
 
 fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), String> {

@@ -113,7 +113,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     let mut link = ctx.take_link(Stage::LayerCompute)?;
     let mut decoded = 0u64;
     loop {
-        match recv_from(&mut link, Stage::Tokenizer, Stage::LayerCompute, None)? {
+        match recv_from(&mut *link, Stage::Tokenizer, Stage::LayerCompute, None)? {
             Msg::DecodeId { id } => {
                 decoded += 1;
                 ctx.send_control(&Msg::Text {
@@ -128,5 +128,5 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         stage: Stage::Tokenizer,
         json: serde_json::json!({ "decoded": decoded }).to_string(),
     })?;
-    Ok(())
+    ctx.finish_recording()
 }

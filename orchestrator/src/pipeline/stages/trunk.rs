@@ -12,6 +12,9 @@
 //! when compute's `LayerDone` for it arrives. After the last `LayerDone` it sends
 //! `TrunkPassDone` with what the pass cost.
 
+// Tuples of catalog fields are clearer here than one-off structs.
+#![allow(clippy::type_complexity)]
+
 use std::collections::VecDeque;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -121,7 +124,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     let mut resident_read = total_read;
     let mut passes = 0u64;
     loop {
-        let msg = recv_from(&mut link, me, peer, None)?;
+        let msg = recv_from(&mut *link, me, peer, None)?;
         let pass = match msg {
             Msg::StartPass { pass, .. } => pass,
             Msg::Shutdown => break,
@@ -137,7 +140,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
             // A streamed layer needs a free ring slot: wait for compute to finish one.
             if l >= pinned {
                 while outstanding.len() >= ring_slots {
-                    let d = wait_done(&mut link, pass)?;
+                    let d = wait_done(&mut *link, pass)?;
                     release(&source, d, pinned).map_err(|e| ctx.fail(e))?;
                     if let Some(pos) = outstanding.iter().position(|&x| x == d) {
                         outstanding.remove(pos);
@@ -146,13 +149,20 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 }
             }
             let ready = publish(&region, &source, l, pass).map_err(|e| ctx.fail(e))?;
-            send_to(&mut link, me, peer, &ready, None)?;
+            send_to(&mut *link, me, peer, &ready, None)?;
+            if let (true, Msg::LayerReady { handle, .. }) = (ctx.rec.on(), &ready) {
+                // SAFETY: this stage wrote the layer and rewrites it only after compute's
+                // LayerDone for it; reading it here races with nobody.
+                let bytes = unsafe { region.resolve(handle) }
+                    .map_err(|e| ctx.fail(format!("trunk-loader: layer {l}: {e}")))?;
+                ctx.rec.buffer(handle, bytes).map_err(|e| ctx.fail(e))?;
+            }
             if l >= pinned {
                 outstanding.push_back(l);
             }
         }
         while done < n {
-            let d = wait_done(&mut link, pass)?;
+            let d = wait_done(&mut *link, pass)?;
             release(&source, d, pinned).map_err(|e| ctx.fail(e))?;
             if let Some(pos) = outstanding.iter().position(|&x| x == d) {
                 outstanding.remove(pos);
@@ -163,7 +173,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         let first_resident = std::mem::take(&mut resident_read);
         let _ = t0;
         send_to(
-            &mut link,
+            &mut *link,
             me,
             peer,
             &Msg::TrunkPassDone {
@@ -196,7 +206,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         stage: me,
         json: summary.to_string(),
     })?;
-    Ok(())
+    ctx.finish_recording()
 }
 
 /// (binds, hits, bytes read, io seconds) so far.
@@ -210,7 +220,7 @@ fn stats_of(s: &Source) -> (u64, u64, u64, f64) {
     }
 }
 
-fn wait_done(link: &mut k3_protocol::transport::ShmTransport, pass: u64) -> Result<usize, String> {
+fn wait_done(link: &mut dyn k3_protocol::transport::Transport, pass: u64) -> Result<usize, String> {
     match recv_from(link, Stage::TrunkLoader, Stage::LayerCompute, None)? {
         Msg::LayerDone { pass: p, layer } if p == pass => Ok(layer as usize),
         other => Err(format!(
