@@ -487,6 +487,15 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
             mp.stage_bytes("layer-compute") + headroom + (512u64 << 20),
         );
         budgets.insert(Stage::Tokenizer, headroom + (256u64 << 20));
+        // Test hook (tests/e2e/faults.rs, OOM): `K3_STAGE_BUDGET_OVERRIDE=stage=bytes,...`
+        // replaces a stage's cgroup budget.
+        if let Ok(v) = std::env::var("K3_STAGE_BUDGET_OVERRIDE") {
+            for (s, b) in v.split(',').filter_map(|x| x.split_once('=')) {
+                if let (Some(s), Ok(b)) = (Stage::parse(s.trim()), b.trim().parse::<u64>()) {
+                    budgets.insert(s, b);
+                }
+            }
+        }
         let launch = Launch {
             mode: if a.inproc {
                 Mode::Threads

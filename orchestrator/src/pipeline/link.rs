@@ -452,6 +452,22 @@ impl StageCtx {
     }
 }
 
+/// How long a stage that saw its peer die waits before failing itself.
+///
+/// The orchestrator names the first stage whose exit it sees. When one stage is killed its
+/// link peers notice within milliseconds and would exit with a secondary error ("the peer
+/// died") that can reach the orchestrator first; waiting here lets the orchestrator see
+/// the real cause (the killed stage's exit) and stop everyone. Without an orchestrator
+/// (replay, tests) it only delays the error.
+pub const PEER_DEATH_GRACE: Duration = Duration::from_secs(3);
+
+fn peer_death_grace(e: TransportError) -> TransportError {
+    if matches!(e, TransportError::PeerDied(_)) {
+        std::thread::sleep(PEER_DEATH_GRACE);
+    }
+    e
+}
+
 /// Receive on a link, turning a timeout into a message that names the silent peer.
 pub fn recv_from(
     link: &mut dyn Transport,
@@ -459,7 +475,7 @@ pub fn recv_from(
     peer: Stage,
     timeout: Option<Duration>,
 ) -> Result<Msg, String> {
-    link.recv(timeout).map_err(|e| match e {
+    link.recv(timeout).map_err(|e| match peer_death_grace(e) {
         k3_protocol::transport::TransportError::Timeout => format!(
             "{me}: {peer} stopped answering (nothing for {:.0} s)",
             timeout.map(|t| t.as_secs_f64()).unwrap_or(0.0)
@@ -477,5 +493,5 @@ pub fn send_to(
     timeout: Option<Duration>,
 ) -> Result<(), String> {
     link.send(m, timeout)
-        .map_err(|e| format!("{me}: sending to {peer}: {e}"))
+        .map_err(|e| format!("{me}: sending to {peer}: {}", peer_death_grace(e)))
 }
