@@ -11,7 +11,7 @@ K3_KILLS="$N" cargo test -p k3-orch --test e2e_faults random_sigkill_loop -- --n
     2>&1 | tee "$log" | grep -E '^kill' || true
 status="${PIPESTATUS[0]}"
 echo "---- tally ----"
-grep -E '^kill +[0-9]+:' "$log" | awk '{n[$3]++; code[$5" "$6]++; t=$8; if (t>max) max=t; sum+=t}
+grep -E '^kill +[0-9]+:' "$log" | awk '{n[$3]++; code[$5]++; t=$7; if (t>max) max=t; sum+=t}
   END {for (s in n) printf "  %-15s %d kills\n", s, n[s];
        for (c in code) printf "  exit %-10s %d\n", c, code[c];
        if (NR) printf "  %d kills, mean %.3f s, max %.3f s from kill to exit\n", NR, sum/NR, max}'

@@ -192,7 +192,7 @@ fn one_kill(rng: &mut impl Rng) -> Option<(String, Option<i32>, f64)> {
         let (code, _, _, err) = wait_exit(child, Duration::from_secs(60));
         panic!("the four stages did not start (exit {code:?}): {err}");
     }
-    std::thread::sleep(Duration::from_millis(rng.gen_range(0..1500)));
+    std::thread::sleep(Duration::from_millis(rng.gen_range(0..2500)));
     let (pid, name) = stages[rng.gen_range(0..4)].clone();
     if !running(pid) || !signal(pid, libc::SIGKILL) {
         let _ = wait_exit(child, Duration::from_secs(120));

@@ -531,30 +531,34 @@ impl Replayer {
     /// After the log: the stage must finish cleanly and send nothing more.
     fn finish(mut self) -> Result<(), String> {
         let deadline = Instant::now() + self.timeout;
-        while self.thread.as_ref().is_some_and(|t| !t.is_finished()) {
+        // Keep reading control while the stage winds down (it waits for its last frames,
+        // heartbeats included, to be read before it exits).
+        loop {
+            let done = self.thread.as_ref().is_none_or(|t| t.is_finished());
+            match self.control.recv_frame(Some(Duration::from_millis(10))) {
+                Ok((f, _)) => match messages::decode(&f) {
+                    Ok(Msg::Pong { .. }) => {}
+                    m => {
+                        return Err(format!(
+                            "after the log the stage sent on control: {m:?} (not in the recording)"
+                        ))
+                    }
+                },
+                Err(_) if done => break,
+                Err(_) => {}
+            }
             if Instant::now() > deadline {
                 return Err(format!(
                     "the log is over but the stage is still running after {:.0} s",
                     self.timeout.as_secs_f64()
                 ));
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
         if let Some(h) = self.thread.take() {
             match h.join() {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => return Err(format!("after the log the stage failed: {e}")),
                 Err(_) => return Err("after the log the stage panicked".into()),
-            }
-        }
-        while let Ok((f, _)) = self.control.recv_frame(Some(Duration::from_millis(10))) {
-            match messages::decode(&f) {
-                Ok(Msg::Pong { .. }) => continue,
-                m => {
-                    return Err(format!(
-                        "after the log the stage sent on control: {m:?} (not in the recording)"
-                    ))
-                }
             }
         }
         for (ch, l) in self.links.iter_mut() {

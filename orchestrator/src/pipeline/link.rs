@@ -277,11 +277,25 @@ impl StageCtx {
         Ok(())
     }
 
-    /// Close the recording normally (end marker). Call after the stage's last message.
+    /// The stage is done (call after its last message): close the recording normally (end
+    /// marker), stop the heartbeat and wait (up to 2 s) until the orchestrator has read
+    /// everything sent on the control socket.
+    ///
+    /// The wait closes a race: the orchestrator learns of a stage's exit from its process
+    /// watcher and of its last message (`Finished`, `Summary`) from a control reader thread;
+    /// a stage that exits right after sending could be reaped before its last message was
+    /// read, and be reported as "exited with status 0 before the run was finished".
     pub fn finish_recording(&self) -> Result<(), String> {
-        self.rec
+        let r = self
+            .rec
             .finish()
-            .map_err(|e| format!("{}: {e}", self.stage))
+            .map_err(|e| format!("{}: {e}", self.stage));
+        self.heartbeat_stop.store(true, Ordering::Relaxed);
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while std::time::Instant::now() < deadline && unread_control_bytes(&self.control) > 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        r
     }
 
     /// Receive control messages until `until` says stop (it sees every message that is not a
@@ -449,6 +463,20 @@ impl StageCtx {
             &[],
         );
         msg
+    }
+}
+
+/// Bytes sent on `control` that the peer has not read yet (0 when unknown).
+fn unread_control_bytes(control: &ControlSocket) -> i32 {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) on a socket fd we own writes one int through the pointer;
+    // for a unix socket it is the bytes queued to the peer and not yet consumed by it.
+    let r = unsafe { libc::ioctl(control.fd().as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+    if r == 0 {
+        n
+    } else {
+        0
     }
 }
 
