@@ -722,9 +722,18 @@ mod tests {
     /// experts at width 3072) moves one of these sums.
     #[test]
     fn slice_matches_released_sizes() {
-        let g = Geometry::slice(8192);
+        let mut g = Geometry::slice(8192);
         assert_eq!(g.expert_bytes(), 17_547_264);
+        // The router (gate [E, 7168] BF16, e_score_correction_bias [E] F32) scales with the
+        // expert count: at the default 64 experts a MoE layer's trunk is 832 x 14,340 bytes
+        // smaller than released.
+        let small = shards(&g);
+        g.experts = 896;
         let s = shards(&g);
+        assert_eq!(
+            trunk_bytes(&s[1]) - trunk_bytes(&small[1]),
+            832 * (7168 * 2 + 4)
+        );
         assert_eq!(s.len(), 5);
         assert_eq!(trunk_bytes(&s[0]), 2_341_213_184);
         assert_eq!(trunk_bytes(&s[1]), 1_267_744_256);
