@@ -135,12 +135,19 @@ pub fn mask(m: &Msg) -> Msg {
             s.seconds = 0.0;
             s.io_wait_seconds = 0.0;
         }
-        Msg::TrunkPassDone { io_seconds, .. } | Msg::ExpertBatchDone { io_seconds, .. } => {
-            *io_seconds = 0.0
+        Msg::TrunkPassDone {
+            io_seconds,
+            read_bytes,
+            ..
+        } => {
+            *io_seconds = 0.0;
+            *read_bytes = 0;
         }
-        Msg::Summary { json, .. } => {
+        Msg::ExpertBatchDone { io_seconds, .. } => *io_seconds = 0.0,
+        Msg::Summary { json, stage } => {
+            let read_ahead = *stage == Stage::TrunkLoader;
             if let Ok(mut v) = serde_json::from_str::<serde_json::Value>(json) {
-                mask_json(&mut v);
+                mask_json(&mut v, read_ahead);
                 *json = v.to_string();
             }
         }
@@ -149,18 +156,20 @@ pub fn mask(m: &Msg) -> Msg {
     m
 }
 
-fn mask_json(v: &mut serde_json::Value) {
+fn mask_json(v: &mut serde_json::Value, read_ahead: bool) {
     match v {
         serde_json::Value::Object(o) => {
             for (k, x) in o.iter_mut() {
-                if k.contains("second") || k.contains("mb_per_s") || k == "report" {
+                let timing = k.contains("second") || k.contains("mb_per_s") || k == "report";
+                let ahead = read_ahead && (k == "reads" || k == "bytes_read");
+                if timing || ahead {
                     *x = serde_json::Value::Null;
                 } else {
-                    mask_json(x);
+                    mask_json(x, read_ahead);
                 }
             }
         }
-        serde_json::Value::Array(a) => a.iter_mut().for_each(mask_json),
+        serde_json::Value::Array(a) => a.iter_mut().for_each(|x| mask_json(x, read_ahead)),
         _ => {}
     }
 }
