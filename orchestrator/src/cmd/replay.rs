@@ -581,3 +581,58 @@ impl Replayer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k3_protocol::messages::StepStats;
+
+    fn step(token: u32, seconds: f64, expert_read_bytes: u64) -> Msg {
+        Msg::StepStats(StepStats {
+            step: 0,
+            token,
+            seconds,
+            trunk_read_bytes: 1,
+            expert_read_bytes,
+            expert_requests: 2,
+            resident_hits: 3,
+            expert_failures: 0,
+            io_wait_seconds: seconds / 2.0,
+        })
+    }
+
+    /// Timing is masked, everything else still compared: a mask that blanked whole
+    /// messages (or compared only their kind) would make the second and third asserts fail.
+    #[test]
+    fn mask_hides_timing_only() {
+        let enc = |m: &Msg| messages::encode(&mask(m)).unwrap();
+        assert_eq!(enc(&step(7, 0.5, 10)), enc(&step(7, 1.25, 10)));
+        assert_ne!(enc(&step(7, 0.5, 10)), enc(&step(8, 0.5, 10)));
+        assert_ne!(enc(&step(7, 0.5, 10)), enc(&step(7, 0.5, 11)));
+        let sum = |reads: u64, secs: f64, stage: Stage| {
+            Msg::Summary {
+            stage,
+            json: serde_json::json!({"stats": {"reads": reads, "io_seconds": secs}, "report": format!("{secs} s")})
+                .to_string(),
+        }
+        };
+        assert_eq!(
+            enc(&sum(3, 0.1, Stage::ExpertFetcher)),
+            enc(&sum(3, 0.2, Stage::ExpertFetcher))
+        );
+        assert_ne!(
+            enc(&sum(3, 0.1, Stage::ExpertFetcher)),
+            enc(&sum(4, 0.1, Stage::ExpertFetcher))
+        );
+        assert_eq!(
+            enc(&sum(3, 0.1, Stage::TrunkLoader)),
+            enc(&sum(4, 0.1, Stage::TrunkLoader))
+        );
+        let hello = |pid| Msg::Hello {
+            stage: Stage::Tokenizer,
+            pid,
+            version: 1,
+        };
+        assert_eq!(enc(&hello(10)), enc(&hello(20)));
+    }
+}
