@@ -758,7 +758,7 @@ fn parse_shard_json(
                 ));
             }
         }
-        if e > b && prev.map_or(true, |(pend, _)| e > pend) {
+        if e > b && prev.is_none_or(|(pend, _)| e > pend) {
             prev = Some((e, i));
         }
     }

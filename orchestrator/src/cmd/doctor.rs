@@ -124,7 +124,7 @@ fn model_files(dir: &Path) -> (Option<(PathBuf, u64)>, u64) {
             if is_shard {
                 total += m.len();
             }
-            if (is_shard || name == "trunk.bin") && best.as_ref().map_or(true, |b| m.len() > b.1) {
+            if (is_shard || name == "trunk.bin") && best.as_ref().is_none_or(|b| m.len() > b.1) {
                 best = Some((p, m.len()));
             }
         }
