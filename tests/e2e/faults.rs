@@ -185,7 +185,9 @@ fn signal(pid: u32, sig: i32) -> bool {
 /// One random kill: returns None when the run ended before the kill could land (the stage
 /// was already gone), else (stage, exit code, seconds from kill to exit).
 fn one_kill(rng: &mut impl Rng) -> Option<(String, Option<i32>, f64)> {
-    let mut child = start(&[], &[]);
+    // A long full-recompute generation (the later --gen wins), so the random kill lands while
+    // the stages are still working even on an idle machine; the kill ends the run at once.
+    let mut child = start(&["--gen", "400"], &[]);
     let orch = child.id();
     let stages = wait_stages(&mut child);
     if stages.len() != 4 {
@@ -373,19 +375,27 @@ fn numa_placement_is_applied() {
         if name == "tokenizer" {
             continue;
         }
-        signal(*pid, libc::SIGSTOP);
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-        let maps = std::fs::read_to_string(format!("/proc/{pid}/numa_maps")).unwrap_or_default();
-        signal(*pid, libc::SIGCONT);
-        let cpus = status
-            .lines()
-            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-            .map(|s| s.trim().to_string());
-        seen.push((
-            name.clone(),
-            cpus,
-            maps.contains("prefer:0") || maps.contains("bind:0"),
-        ));
+        // The stage applies its placement first thing after exec; we may have found it a
+        // moment earlier, so look again (briefly) until the policy shows or it is gone.
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        let (mut cpus, mut policy) = (None, false);
+        while std::time::Instant::now() < deadline && running(*pid) {
+            signal(*pid, libc::SIGSTOP);
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            let maps =
+                std::fs::read_to_string(format!("/proc/{pid}/numa_maps")).unwrap_or_default();
+            signal(*pid, libc::SIGCONT);
+            cpus = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .map(|s| s.trim().to_string());
+            policy = maps.contains("prefer:0") || maps.contains("bind:0");
+            if policy && cpus.as_deref() == Some(node0.as_str()) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        seen.push((name.clone(), cpus, policy));
     }
     let (code, _, out, err) = wait_exit(child, Duration::from_secs(120));
     assert_eq!(code, Some(0), "{out}\n{err}");
