@@ -145,12 +145,9 @@ fn find_trunk(model: &Path) -> Option<PathBuf> {
 }
 
 pub fn main(args: Vec<OsString>) -> i32 {
-    let a = match Args::try_parse_from(args) {
+    let a = match super::parse_args::<Args>(args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { 2 } else { 0 };
-        }
+        Err(code) => return code,
     };
     if let Some(d) = &a.model_dir {
         if !d.is_dir() {

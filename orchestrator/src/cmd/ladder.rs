@@ -50,12 +50,9 @@ fn f64_at(v: &serde_json::Value, path: &[&str]) -> Option<f64> {
 }
 
 pub fn main(args: Vec<OsString>) -> i32 {
-    let a = match Args::try_parse_from(args) {
+    let a = match super::parse_args::<Args>(args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { 2 } else { 0 };
-        }
+        Err(code) => return code,
     };
     if a.rungs_gb.iter().any(|g| !(g.is_finite() && *g > 0.0)) {
         eprintln!("k3-orch ladder: every rung must be a positive number of GB");

@@ -80,12 +80,9 @@ struct Args {
 }
 
 pub fn main(args: Vec<OsString>) -> i32 {
-    let a = match Args::try_parse_from(args) {
+    let a = match super::parse_args::<Args>(args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { 2 } else { 0 };
-        }
+        Err(code) => return code,
     };
     let Some(stage) = Stage::parse(&a.stage).filter(|s| *s != Stage::Orchestrator) else {
         eprintln!(

@@ -98,12 +98,9 @@ pub struct SynthOptions {
 }
 
 pub fn main(args: Vec<OsString>) -> i32 {
-    let args = match Args::try_parse_from(args) {
+    let args = match super::parse_args::<Args>(args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { 2 } else { 0 };
-        }
+        Err(code) => return code,
     };
     let geometry = match resolve_geometry(&args) {
         Ok(g) => g,

@@ -70,12 +70,9 @@ fn load(dir: &std::path::Path) -> Result<Tokenizer, i32> {
 }
 
 pub fn main(args: Vec<OsString>) -> i32 {
-    let a = match TokArgs::try_parse_from(args) {
+    let a = match super::parse_args::<TokArgs>(args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { 2 } else { 0 };
-        }
+        Err(code) => return code,
     };
     if a.chat && a.specials {
         eprintln!("k3-orch tokenize: --specials cannot be used with --chat (chat text is never scanned for specials)");
@@ -139,12 +136,9 @@ pub fn main(args: Vec<OsString>) -> i32 {
 }
 
 pub fn detokenize_main(args: Vec<OsString>) -> i32 {
-    let a = match DetokArgs::try_parse_from(args) {
+    let a = match super::parse_args::<DetokArgs>(args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { 2 } else { 0 };
-        }
+        Err(code) => return code,
     };
     let mut ids = Vec::new();
     for (i, part) in a.ids.split(',').enumerate() {

@@ -45,12 +45,9 @@ const SINGLE: &str = "model.safetensors";
 pub const SUMS_FILE: &str = "SHA256SUMS";
 
 pub fn main(args: Vec<OsString>) -> i32 {
-    let args = match Args::try_parse_from(args) {
+    let args = match super::parse_args::<Args>(args) {
         Ok(a) => a,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { 2 } else { 0 };
-        }
+        Err(code) => return code,
     };
     if !args.model_dir.is_dir() {
         eprintln!(
