@@ -29,7 +29,7 @@ fn row(out: &str, class: &str) -> (u64, u64) {
 fn released_headers_reproduce_the_seed_census() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("released");
-    let set = k3_protocol::released::write_header_only_set(&d).unwrap();
+    let set = k3_model::released::write_header_only_set(&d).unwrap();
     assert_eq!(set.n_tensors, 497_220);
     std::fs::copy(
         fixtures().join("released/config.json"),

@@ -5,7 +5,7 @@ mod tools_common;
 
 use std::path::Path;
 
-use k3_protocol::trunk::TrunkManifest;
+use k3_model::trunk::TrunkManifest;
 use tools_common::{fixtures, header, k3, k3_ok, tensor_bytes, write_safetensors};
 
 /// The non-routed-expert tensors of layer `l` in a fixture shard, read with the test's own

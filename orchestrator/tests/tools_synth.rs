@@ -6,7 +6,7 @@ mod tools_common;
 
 use std::path::Path;
 
-use k3_protocol::config::ModelConfig;
+use k3_model::config::ModelConfig;
 use tools_common::{fixtures, header, k3, k3_ok, shard_names, tensor_bytes};
 
 /// Every shard's header (names, dtypes, shapes, data offsets, header length), the file

@@ -1,25 +1,18 @@
-//! `k3-protocol`: the only place the stages agree.
+//! `k3-protocol`: only what crosses a process boundary; the one place stages agree.
 //!
-//! - the model and its files: `config` (strict config.json reader), `catalog` (safetensors
-//!   headers and indexes), `mmap_weights`, `tensor` (dtypes, borrowed tensor views, the
-//!   `WeightSource` trait), `classify`, `locator` (routed-expert runs), `released` (the released
-//!   tensor list), `trunk` (the packed-trunk format), `direct_io` (aligned O_DIRECT reads);
-//! - the pipeline: `shm` (memfd regions and handles), `ring` (the cross-process SPSC ring),
-//!   `transport`, `messages`, `control` (control sockets with fd passing), `record`
-//!   (recordings for `--record` and `k3-orch replay`).
+//! - [`shm`]: memfd regions, handles `{region, offset, len, generation}` and region tables.
+//! - [`ring`]: the cross-process single-producer single-consumer ring and its doorbell.
+//! - [`transport`]: a duplex link of two rings ([`transport::ShmTransport`]) or channels.
+//! - [`messages`]: every message a stage sends or receives.
+//! - [`control`]: the control socket between k3-orch and a stage (frames + fd passing).
+//! - [`record`]: recordings for `--record` and `k3-orch replay`.
+//!
+//! The checkpoint itself (config, catalog, tensor names, packed trunk) is `k3-model`; disk
+//! reads and aligned memory are `k3-io`.
 
-pub mod catalog;
-pub mod classify;
-pub mod config;
 pub mod control;
-pub mod direct_io;
-pub mod locator;
 pub mod messages;
-pub mod mmap_weights;
 pub mod record;
-pub mod released;
 pub mod ring;
 pub mod shm;
-pub mod tensor;
 pub mod transport;
-pub mod trunk;

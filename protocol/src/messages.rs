@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::shm::Handle;
-use crate::tensor::Dtype;
+use k3_model::tensor::Dtype;
 
 /// Upper bound on an encoded message (and on what the decoder will allocate).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;

@@ -1,13 +1,13 @@
 //! `k3-orch devbw FILE`: measure a disk the way the expert fetcher reads it: random O_DIRECT
 //! reads of 16 MiB and of one expert (17,547,264 bytes) at queue depth 1 and 16, in MB/s
-//! (the measurement is `k3_expert_fetcher::devbw`). Falls back to buffered reads, and says
+//! (the measurement is `k3_io::devbw`). Falls back to buffered reads, and says
 //! so, where the file system refuses O_DIRECT.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::Parser;
-use k3_expert_fetcher::devbw::{measure, render, standard_cells};
+use k3_io::devbw::{measure, render, standard_cells};
 
 #[derive(Parser, Debug)]
 #[command(

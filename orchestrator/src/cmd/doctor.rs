@@ -12,7 +12,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use k3_expert_fetcher::devbw::measure;
+use k3_io::devbw::measure;
 use k3_trunk_loader::presets::{mem_available, parse_meminfo, Presets, GB};
 
 #[derive(Parser, Debug)]

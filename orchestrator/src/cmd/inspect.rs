@@ -2,7 +2,7 @@
 //!
 //! Prints the config summary (when `config.json` reads), a tensor census by class (routed
 //! expert, shared expert, attention, embedding/lm_head, other, vision: count and bytes, see
-//! `k3_protocol::classify`), the routed-expert set (count × bytes per expert), the per-layer
+//! `k3_model::classify`), the routed-expert set (count × bytes per expert), the per-layer
 //! trunk (what `pack-trunk` packs; its largest run), the resident floor with and without a
 //! streamed trunk, and what each preset of `configs/presets.json` would use: the trunk plan
 //! of `k3_trunk_loader::plan` (pinned prefix + ring slots) over this checkpoint's layer runs
@@ -16,11 +16,12 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use k3_expert_fetcher::fetcher::{slot_bytes_for, slots_for_budget};
-use k3_protocol::catalog::Catalog;
-use k3_protocol::classify::{classify, expert_of, layer_of, TensorClass};
-use k3_protocol::config::{ExpertFormat, LayerKind, ModelConfig};
-use k3_protocol::trunk::{align_up, TRUNK_ALIGN};
+use k3_expert_fetcher::fetcher::slots_for_budget;
+use k3_io::slot_bytes_for;
+use k3_model::catalog::Catalog;
+use k3_model::classify::{classify, expert_of, layer_of, TensorClass};
+use k3_model::config::{ExpertFormat, LayerKind, ModelConfig};
+use k3_model::trunk::{align_up, TRUNK_ALIGN};
 use k3_trunk_loader::{plan, LayerRun, Presets, RingPolicy};
 
 /// Command line of `k3-orch inspect`.

@@ -58,7 +58,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         eprintln!("k3-orch ladder: every rung must be a positive number of GB");
         return 2;
     }
-    let manifest = match k3_protocol::trunk::TrunkManifest::load_dir(&a.trunk) {
+    let manifest = match k3_model::trunk::TrunkManifest::load_dir(&a.trunk) {
         Ok(m) => m,
         Err(e) => {
             eprintln!("k3-orch ladder: {e}");

@@ -1,6 +1,6 @@
 //! `k3-orch pack-trunk MODEL_DIR TRUNK_DIR [--verify] [--force]`: rewrite every decoder
 //! layer's trunk (its non-routed-expert tensors) into `trunk.bin`, one aligned run per
-//! layer, described by `trunk.json` (format: `k3_protocol::trunk`).
+//! layer, described by `trunk.json` (format: `k3_model::trunk`).
 //!
 //! Per layer the tensors must sit in one shard, back to back; otherwise the packer refuses
 //! (exit 2) and names the gap in bytes, since copying the span would drag expert bytes
@@ -32,9 +32,9 @@ use clap::Parser;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use k3_protocol::catalog::Catalog;
-use k3_protocol::classify::{is_layer_trunk, layer_of};
-use k3_protocol::trunk::{
+use k3_model::catalog::Catalog;
+use k3_model::classify::{is_layer_trunk, layer_of};
+use k3_model::trunk::{
     align_up, ShardIdentity, SourceIdentity, TrunkLayer, TrunkManifest, TrunkTensor, TRUNK_ALIGN,
     TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON,
 };
@@ -157,7 +157,7 @@ fn plan(cat: &Catalog) -> Result<Vec<PlannedLayer>, Fail> {
         shard: usize,
         offset: u64,
         len: u64,
-        dtype: k3_protocol::tensor::Dtype,
+        dtype: k3_model::tensor::Dtype,
         shape: Vec<usize>,
     }
     let mut by_layer: BTreeMap<usize, Vec<T>> = BTreeMap::new();

@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use clap::Parser;
 use k3_layer_compute::forward::argmax;
 use k3_layer_compute::{Model, ModelOptions, SourceWeights};
-use k3_protocol::config::ModelConfig;
-use k3_protocol::mmap_weights::MmapWeights;
+use k3_model::config::ModelConfig;
+use k3_model::mmap_weights::MmapWeights;
 
 #[derive(Parser, Debug)]
 #[command(

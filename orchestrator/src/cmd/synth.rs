@@ -35,7 +35,7 @@ use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sha2::{Digest, Sha256};
 
-use k3_protocol::tensor::Dtype;
+use k3_model::tensor::Dtype;
 
 pub use geometry::{Geometry, Init, TensorSpec};
 

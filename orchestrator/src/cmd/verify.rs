@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use sha2::{Digest, Sha256};
 
-use k3_protocol::catalog::Catalog;
+use k3_model::catalog::Catalog;
 
 /// Command line of `k3-orch verify`.
 #[derive(Parser, Debug)]

@@ -18,10 +18,10 @@ use std::time::Instant;
 
 use k3_layer_compute::forward::{ForwardError, Model, ModelOptions, StepOutput};
 use k3_layer_compute::weights::{SourceWeights, Weights};
-use k3_protocol::catalog::Catalog;
-use k3_protocol::config::{LayerKind, ModelConfig};
+use k3_model::catalog::Catalog;
+use k3_model::config::{LayerKind, ModelConfig};
 use k3_protocol::messages::{Msg, Stage, StepStats};
-use k3_protocol::mmap_weights::MmapWeights;
+use k3_model::mmap_weights::MmapWeights;
 
 use crate::pipeline::{self, conf, Launch, Mode};
 use args::{GenArgs, MemFlag, Parsed, Prompt};
@@ -274,7 +274,7 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let cat = Catalog::open(&a.model_dir).map_err(|e| bind(e.to_string()))?;
     let cen = census(&cfg, &cat, layers);
     let trunk_total: u64 = cen.layer_bytes.iter().sum();
-    let expert_slot = k3_expert_fetcher::fetcher::slot_bytes_for(cen.max_expert_span.max(1));
+    let expert_slot = k3_io::slot_bytes_for(cen.max_expert_span.max(1));
     let topk = cfg.num_experts_per_token;
     let other = cen.model_bytes + cen.kda_state_bytes;
     let (trunk_budget, cache_budget, preset) =
@@ -285,7 +285,7 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let mut mp = MemoryPlan::new(trunk_budget, cache_budget, a.trunk.is_some());
     match &a.trunk {
         Some(dir) => {
-            let m = k3_protocol::trunk::TrunkManifest::load_dir(dir)
+            let m = k3_model::trunk::TrunkManifest::load_dir(dir)
                 .map_err(|e| usage(e.to_string()))?;
             if m.layers.len() < layers {
                 return Err(usage(format!(

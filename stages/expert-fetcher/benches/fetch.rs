@@ -10,10 +10,9 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
-use k3_expert_fetcher::devbw;
-use k3_expert_fetcher::{
-    DirectFiles, Event, ExpertFetcher, ExpertLocation, ExpertTable, FetcherConfig,
-};
+use k3_io::devbw;
+use k3_expert_fetcher::{Event, ExpertFetcher, ExpertLocation, ExpertTable, FetcherConfig};
+use k3_io::DirectFiles;
 
 const EXPERT: u64 = 17_547_264;
 const HEADER: u64 = 20_600 + 8; // an unaligned start, like the seed's cache fixture

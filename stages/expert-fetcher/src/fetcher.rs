@@ -27,15 +27,10 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use crate::arena::{align_down, align_up, ArenaMemory, OwnedArena, ALIGN};
-use crate::io::ReadAt;
+use k3_io::arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
+use k3_io::direct::ReadAt;
 use crate::locate::{ExpertLocation, Extent, Locate};
 use crate::trace::TraceRecorder;
-
-/// Bytes one slot needs for experts of at most `max_span` bytes at any file offset.
-pub fn slot_bytes_for(max_span: u64) -> u64 {
-    align_up(max_span) + ALIGN as u64
-}
 
 /// Slots a budget of `budget_bytes` holds (at least 0).
 pub fn slots_for_budget(budget_bytes: u64, slot_bytes: u64) -> usize {
@@ -396,7 +391,7 @@ pub enum SetupError {
         slot: u64,
     },
     #[error(transparent)]
-    Arena(#[from] crate::arena::ArenaError),
+    Arena(#[from] k3_io::arena::ArenaError),
 }
 
 impl ExpertFetcher {

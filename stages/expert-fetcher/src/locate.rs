@@ -1,7 +1,7 @@
 //! Where each routed expert's bytes live: a file number and one or more byte extents.
 //!
 //! This is the fetcher's input type. [`ExpertTable::from_catalog`] fills it from
-//! `k3_protocol::locator` (the checkpoint's verified contiguous run per expert, else one read
+//! `k3_model::locator` (the checkpoint's verified contiguous run per expert, else one read
 //! per tensor); [`ExpertTable::from_safetensors`] reads shard headers directly (every
 //! `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`), for tests and tools.
 
@@ -126,11 +126,11 @@ impl ExpertTable {
     }
 
     /// Every routed expert of `layers` x `0..n_experts` of a catalogued checkpoint, located by
-    /// `k3_protocol::locator`. File numbers are the catalog's shard numbers; the per-tensor
+    /// `k3_model::locator`. File numbers are the catalog's shard numbers; the per-tensor
     /// list ([`tensors`](Self::tensors)) holds each part's suffix and offset from the
     /// expert's first byte.
     pub fn from_catalog(
-        catalog: &k3_protocol::catalog::Catalog,
+        catalog: &k3_model::catalog::Catalog,
         layers: std::ops::Range<usize>,
         n_experts: usize,
     ) -> Result<ExpertTable, String> {
@@ -138,7 +138,7 @@ impl ExpertTable {
         let mut t = ExpertTable::new(files);
         for layer in layers {
             for expert in 0..n_experts {
-                let loc = k3_protocol::locator::locate_expert(catalog, layer, expert)
+                let loc = k3_model::locator::locate_expert(catalog, layer, expert)
                     .map_err(|e| e.to_string())?;
                 let reads = loc.reads();
                 let shard = reads[0].shard;

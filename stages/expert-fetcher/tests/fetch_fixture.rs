@@ -10,9 +10,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use k3_expert_fetcher::{
-    DirectFiles, Event, ExpertFetcher, ExpertLocation, ExpertTable, Extent, FaultyReader,
-    FetchError, FetcherConfig, Locate, ReadAt,
+    Event, ExpertFetcher, ExpertLocation, ExpertTable, Extent, FetchError, FetcherConfig, Locate,
 };
+use k3_io::{DirectFiles, FaultyReader, ReadAt};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -403,7 +403,7 @@ fn trace_recording_round_trips_through_the_simulator_reader() {
 /// The protocol's locator and this crate's header reader agree on every fixture expert.
 #[test]
 fn catalog_locations_match_the_header_reader() {
-    let cat = k3_protocol::catalog::Catalog::open(fixture()).unwrap();
+    let cat = k3_model::catalog::Catalog::open(fixture()).unwrap();
     let a = ExpertTable::from_catalog(&cat, 0..1, 24).unwrap();
     let b = table();
     for e in 0..24 {

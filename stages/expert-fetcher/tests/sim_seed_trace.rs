@@ -90,3 +90,13 @@ fn extra_policies_respect_belady_and_the_ceiling() {
         r.rows[2]
     );
 }
+
+/// Why the trunk-loader pins a prefix rather than caching layers: a 93-layer cyclic scan
+/// through 90 LRU slots hits exactly 0% (every access evicts the layer needed next).
+#[test]
+fn lru_over_a_cyclic_scan_hits_nothing() {
+    use k3_expert_fetcher::sim::{simulate, DenseTrace, Policy};
+    let scan: Vec<(u32, u32)> = (0..8).flat_map(|_| (0..93u32).map(|l| (l, 0))).collect();
+    let t = DenseTrace::new(&scan);
+    assert_eq!(simulate(Policy::Lru, &t, 90), 0);
+}

@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use k3_layer_compute::{Model, ModelOptions};
-use k3_protocol::config::{LayerKind, ModelConfig};
-use k3_protocol::tensor::{Dtype, TensorRef, WeightError, WeightSource};
+use k3_model::config::{LayerKind, ModelConfig};
+use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
 
 struct RandWeights {
     map: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,

@@ -15,8 +15,8 @@
 
 use std::time::Instant;
 
-use k3_protocol::config::{LayerKind, ModelConfig};
-use k3_protocol::tensor::{Dtype, TensorRef, WeightError};
+use k3_model::config::{LayerKind, ModelConfig};
+use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
 use crate::kernels::attnres;
 use crate::kernels::gemv::{gemm, Mat};

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use k3_protocol::tensor::{Dtype, TensorRef, WeightError};
+use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
 use crate::kernels::act::{sigmoid, situ_glu64};
 use crate::kernels::gemv::{gemm, gemm64, gemm64_x64, Mat};

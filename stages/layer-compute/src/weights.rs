@@ -12,9 +12,9 @@
 //! All methods take `&self` so trunk tensors borrowed during a layer stay valid while the
 //! experts arrive; implementations needing mutation use interior mutability.
 //!
-//! [`SourceWeights`] adapts any [`WeightSource`] (e.g. `k3_protocol::mmap_weights::MmapWeights`).
+//! [`SourceWeights`] adapts any [`WeightSource`] (e.g. `k3_model::mmap_weights::MmapWeights`).
 
-use k3_protocol::tensor::{Dtype, TensorRef, WeightError, WeightSource};
+use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
 
 /// Name prefix of every decoder-layer and model-level tensor.
 pub const MODEL_PREFIX: &str = "language_model.model.";

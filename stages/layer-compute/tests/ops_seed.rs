@@ -16,7 +16,7 @@ use k3_layer_compute::layers::{
     MlaWeights, MoeParams, MoeStats, MoeWeights, Situ,
 };
 use k3_layer_compute::weights::{ExpertRef, ExpertTensor};
-use k3_protocol::tensor::{Dtype, TensorRef, WeightError};
+use k3_model::tensor::{Dtype, TensorRef, WeightError};
 use support::*;
 
 const SEED_EPS: Eps = Eps {
@@ -581,7 +581,7 @@ fn released(l: usize, key: &str) -> String {
 #[test]
 fn decoder_layers() {
     let cfg_text = std::fs::read_to_string(fixtures().join("tiny-seed/config.json")).unwrap();
-    let cfg = k3_protocol::config::ModelConfig::from_json_str(&cfg_text).unwrap();
+    let cfg = k3_model::config::ModelConfig::from_json_str(&cfg_text).unwrap();
     for name in ["layer_kda", "layer_mla"] {
         let v = op(name);
         let l = v["layer_idx"].as_u64().unwrap() as usize;

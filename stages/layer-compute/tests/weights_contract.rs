@@ -8,9 +8,9 @@ use std::cell::RefCell;
 
 use k3_layer_compute::weights::{expert_from_source, ExpertRef, Weights};
 use k3_layer_compute::{ForwardError, Model, ModelOptions, SourceWeights};
-use k3_protocol::config::ModelConfig;
-use k3_protocol::mmap_weights::MmapWeights;
-use k3_protocol::tensor::{TensorRef, WeightError, WeightSource};
+use k3_model::config::ModelConfig;
+use k3_model::mmap_weights::MmapWeights;
+use k3_model::tensor::{TensorRef, WeightError, WeightSource};
 use support::*;
 
 fn cfg(rel: &str) -> ModelConfig {

@@ -17,8 +17,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use k3_expert_fetcher::arena::{align_down, ArenaMemory, OwnedArena, ALIGN};
-use k3_expert_fetcher::io::ReadAt;
+use k3_io::arena::{align_down, ArenaMemory, OwnedArena, ALIGN};
+use k3_io::direct::ReadAt;
 
 use crate::plan::{LayerRun, TrunkPlan};
 
@@ -239,7 +239,7 @@ impl Shared {
 
 /// The runs of a packed trunk's manifest, in layer order (payload lengths; the padding
 /// makes each footprint exactly `padded_length`).
-pub fn runs_from_manifest(m: &k3_protocol::trunk::TrunkManifest) -> Vec<LayerRun> {
+pub fn runs_from_manifest(m: &k3_model::trunk::TrunkManifest) -> Vec<LayerRun> {
     m.layers
         .iter()
         .map(|l| LayerRun {
@@ -258,8 +258,8 @@ impl TrunkLoader {
         budget: u64,
         ring: crate::plan::RingPolicy,
         layers: Option<usize>,
-    ) -> Result<(k3_protocol::trunk::TrunkManifest, TrunkLoader), String> {
-        let m = k3_protocol::trunk::TrunkManifest::load_dir(dir).map_err(|e| e.to_string())?;
+    ) -> Result<(k3_model::trunk::TrunkManifest, TrunkLoader), String> {
+        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| e.to_string())?;
         let mut runs = runs_from_manifest(&m);
         if let Some(n) = layers {
             if n > runs.len() {
@@ -273,7 +273,7 @@ impl TrunkLoader {
         }
         let plan = crate::plan::plan(budget, &runs, ring).map_err(|e| e.to_string())?;
         let bin = dir.join(&m.file);
-        let reader = k3_expert_fetcher::DirectFiles::open(std::slice::from_ref(&bin))
+        let reader = k3_io::DirectFiles::open(std::slice::from_ref(&bin))
             .map_err(|e| format!("{}: {e}", bin.display()))?;
         let loader = TrunkLoader::new(runs, plan, Arc::new(reader), 0)?;
         Ok((m, loader))

@@ -16,7 +16,7 @@
 //! Footprints are in whole pages: a layer at file offset `o` of `n` bytes occupies
 //! `align_up(o % 4096 + n)` bytes of arena, so O_DIRECT reads land page-aligned.
 
-use k3_expert_fetcher::arena::{align_up, ALIGN};
+use k3_io::arena::{align_up, ALIGN};
 
 /// One layer's bytes in the trunk file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -170,7 +170,7 @@ fn p_note(note: &str) -> &str {
 /// [`auto_from_meminfo`]. `trunk_total` is the pinned footprint of the whole trunk (sum of
 /// its page-rounded runs), `expert_size` the bytes of one routed expert.
 pub fn auto(spendable: u64, trunk_total: u64, expert_size: u64) -> Budgets {
-    let slot = k3_expert_fetcher::slot_bytes_for(expert_size);
+    let slot = k3_io::slot_bytes_for(expert_size);
     let min_cache = if spendable >= trunk_total.saturating_add(16 * slot) || spendable >= 32 * slot
     {
         16 * slot
@@ -268,7 +268,7 @@ mod tests {
     #[test]
     fn auto_feeds_the_trunk_first() {
         let e = 17_547_264u64;
-        let slot = k3_expert_fetcher::slot_bytes_for(e);
+        let slot = k3_io::slot_bytes_for(e);
         let trunk = 108_810_000_000u64;
         // Plenty: the whole trunk, the rest to the cache.
         let b = auto(200_000_000_000, trunk, e);

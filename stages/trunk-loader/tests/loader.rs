@@ -8,8 +8,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use k3_expert_fetcher::sim::{simulate, DenseTrace, Policy};
-use k3_expert_fetcher::{DirectFiles, FaultyReader, ReadAt};
+use k3_io::{DirectFiles, FaultyReader, ReadAt};
 use k3_trunk_loader::{plan, LayerRun, LoadError, RingPolicy, TrunkLoader};
 
 fn byte(layer: usize, i: usize) -> u8 {
@@ -175,16 +174,12 @@ fn a_failed_layer_read_is_reported() {
     }
 }
 
-/// Why a pinned prefix and not an LRU: the 93-layer cyclic scan through 90 LRU slots hits
-/// exactly 0%, while pinning 90 layers hits 90 of 93 binds per token.
+/// Why a pinned prefix and not an LRU: pinning 90 layers hits 90 of 93 binds per token,
+/// where an LRU of 90 slots over the same cyclic scan hits 0% (the simulator's half of
+/// this test is `expert-fetcher/tests/sim_seed_trace.rs::lru_over_a_cyclic_scan_hits_nothing`).
 #[test]
-fn lru_over_a_cyclic_scan_hits_nothing() {
+fn pinned_prefix_hits_where_lru_misses() {
     let tokens = 8;
-    let scan: Vec<(u32, u32)> = (0..tokens)
-        .flat_map(|_| (0..93u32).map(|l| (l, 0)))
-        .collect();
-    let t = DenseTrace::new(&scan);
-    assert_eq!(simulate(Policy::Lru, &t, 90), 0);
     // The pinned prefix: 90 layers, the first token pays for them.
     let (_d, path, runs) = make_trunk(&[4096; 93], true);
     let p = plan(91 * 4096, &runs, RingPolicy { min: 1, max: 1 }).unwrap();
@@ -207,8 +202,8 @@ fn lru_over_a_cyclic_scan_hits_nothing() {
 /// with the shortfall.
 #[test]
 fn open_a_packed_trunk_directory() {
-    use k3_protocol::tensor::Dtype;
-    use k3_protocol::trunk::{SourceIdentity, TrunkLayer, TrunkManifest, TrunkTensor};
+    use k3_model::tensor::Dtype;
+    use k3_model::trunk::{SourceIdentity, TrunkLayer, TrunkManifest, TrunkTensor};
     let sizes = [6000usize, 9000, 3000];
     let (dir, _path, runs) = make_trunk(&sizes, true);
     let file_size = std::fs::metadata(dir.path().join("trunk.bin"))

@@ -9,7 +9,7 @@
 
 use serde_json::{json, Value};
 
-use k3_protocol::tensor::Dtype;
+use k3_model::tensor::Dtype;
 
 /// Dimensions of a synthetic model (field meanings as in k3-spec §1).
 #[derive(Clone, Debug, PartialEq)]

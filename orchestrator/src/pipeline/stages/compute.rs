@@ -20,11 +20,11 @@ use std::time::{Duration, Instant};
 
 use k3_layer_compute::forward::{Model, ModelOptions};
 use k3_layer_compute::weights::{ExpertRef, ExpertTensor, Weights};
-use k3_protocol::config::ModelConfig;
+use k3_model::config::ModelConfig;
 use k3_protocol::messages::{Msg, Stage, StepStats};
-use k3_protocol::mmap_weights::MmapWeights;
+use k3_model::mmap_weights::MmapWeights;
 use k3_protocol::shm::{Handle, Region};
-use k3_protocol::tensor::{Dtype, TensorRef, WeightError, WeightSource};
+use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
 
 use super::super::conf::ComputeConf;
 use super::super::link::{recv_from, send_to, Link, Rec, StageCtx};

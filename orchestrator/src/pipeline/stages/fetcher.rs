@@ -8,11 +8,12 @@
 
 use std::sync::Arc;
 
-use k3_expert_fetcher::fetcher::{slot_bytes_for, slots_for_budget, Event, FetcherConfig};
-use k3_expert_fetcher::io::{DirectFiles, FaultyReader, ReadAt};
+use k3_expert_fetcher::fetcher::{slots_for_budget, Event, FetcherConfig};
+use k3_io::slot_bytes_for;
+use k3_io::direct::{DirectFiles, FaultyReader, ReadAt};
 use k3_expert_fetcher::locate::{ExpertTable, Locate};
 use k3_expert_fetcher::ExpertFetcher;
-use k3_protocol::catalog::Catalog;
+use k3_model::catalog::Catalog;
 use k3_protocol::messages::{Msg, Stage};
 use k3_protocol::shm::Region;
 

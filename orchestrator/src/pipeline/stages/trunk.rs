@@ -22,13 +22,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k3_expert_fetcher::arena::{ArenaMemory, ALIGN};
-use k3_expert_fetcher::io::DirectFiles;
-use k3_protocol::catalog::Catalog;
+use k3_io::arena::{ArenaMemory, ALIGN};
+use k3_io::direct::DirectFiles;
+use k3_model::catalog::Catalog;
 use k3_protocol::messages::{Msg, Stage, TensorSpan};
 use k3_protocol::shm::Region;
-use k3_protocol::tensor::Dtype;
-use k3_protocol::trunk::TrunkManifest;
+use k3_model::tensor::Dtype;
+use k3_model::trunk::TrunkManifest;
 use k3_trunk_loader::{plan, LayerRun, RingPolicy, TrunkLoader};
 
 use super::super::conf::TrunkConf;

@@ -7,9 +7,9 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use k3_layer_compute::{Model, ModelOptions, SourceWeights};
-use k3_protocol::config::ModelConfig;
-use k3_protocol::mmap_weights::MmapWeights;
-use k3_protocol::tensor::{Dtype, TensorRef, WeightError, WeightSource};
+use k3_model::config::ModelConfig;
+use k3_model::mmap_weights::MmapWeights;
+use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
 
 /// `tests/fixtures` of the repository.
 pub fn fixtures() -> PathBuf {

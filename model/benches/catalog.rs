@@ -9,8 +9,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use k3_protocol::catalog::Catalog;
-use k3_protocol::released;
+use k3_model::catalog::Catalog;
+use k3_model::released;
 
 /// System allocator that tracks live and peak bytes.
 struct Counting;

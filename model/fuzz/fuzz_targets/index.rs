@@ -26,5 +26,5 @@ fn dir() -> &'static PathBuf {
 fuzz_target!(|data: &[u8]| {
     let d = dir();
     std::fs::write(d.join("model.safetensors.index.json"), data).expect("write index");
-    let _ = k3_protocol::catalog::Catalog::open(d);
+    let _ = k3_model::catalog::Catalog::open(d);
 });

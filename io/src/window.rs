@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// Alignment of O_DIRECT windows, buffers and offsets.
-pub const ALIGN: u64 = 4096;
+pub use crate::arena::ALIGN;
 
 /// How a read was served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,9 +39,9 @@ pub enum ReadMode {
 /// The aligned window `[start, start + len)` that contains `[off, off + len)`.
 /// Returns `None` on arithmetic overflow.
 pub fn window(off: u64, len: u64) -> Option<(u64, u64)> {
-    let start = off - off % ALIGN;
+    let start = off - off % (ALIGN as u64);
     let end = off.checked_add(len)?;
-    let wend = end.checked_add(ALIGN - 1)? / ALIGN * ALIGN;
+    let wend = end.checked_add((ALIGN as u64) - 1)? / (ALIGN as u64) * (ALIGN as u64);
     Some((start, wend - start))
 }
 
@@ -71,8 +71,8 @@ unsafe impl Sync for AlignedBuf {}
 impl AlignedBuf {
     /// A zeroed buffer of `len` bytes (rounded up to a multiple of 4096; at least 4096).
     pub fn new(len: usize) -> AlignedBuf {
-        let len = len.max(1).div_ceil(ALIGN as usize) * ALIGN as usize;
-        let layout = Layout::from_size_align(len, ALIGN as usize).expect("aligned buffer layout");
+        let len = len.max(1).div_ceil(ALIGN) * ALIGN;
+        let layout = Layout::from_size_align(len, ALIGN).expect("aligned buffer layout");
         // SAFETY: layout has non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) };
         if ptr.is_null() {
@@ -110,7 +110,7 @@ impl Drop for AlignedBuf {
         unsafe {
             dealloc(
                 self.ptr,
-                Layout::from_size_align_unchecked(self.len, ALIGN as usize),
+                Layout::from_size_align_unchecked(self.len, ALIGN),
             )
         }
     }
@@ -238,7 +238,7 @@ impl DirectFile {
                 "offset + length overflows",
             )
         })?;
-        if (buf.as_ptr() as usize) % ALIGN as usize != 0 {
+        if (buf.as_ptr() as usize) % ALIGN != 0 {
             return Err(self.err(
                 io::ErrorKind::InvalidInput,
                 off,

@@ -13,7 +13,7 @@
 //! layer so `pack-trunk --verify` can prove the bytes.
 //!
 //! ```no_run
-//! use k3_protocol::trunk::TrunkManifest;
+//! use k3_model::trunk::TrunkManifest;
 //! let m = TrunkManifest::load_dir("k3trunk").unwrap();
 //! let l0 = &m.layers[0];
 //! println!("layer 0: {} bytes at {}", l0.length, l0.offset);

@@ -25,7 +25,7 @@
 //! non-sigmoid router, `mla_use_nope` = false, other quantisation formats) are refused.
 //!
 //! ```no_run
-//! use k3_protocol::config::{LayerKind, ModelConfig};
+//! use k3_model::config::{LayerKind, ModelConfig};
 //! let cfg = ModelConfig::load("model/config.json").unwrap();
 //! assert_eq!(cfg.layer_kind(3), LayerKind::Mla);
 //! ```

@@ -1,7 +1,7 @@
 //! Aligned O_DIRECT reads on a temporary file: odd offsets and lengths, windows that run
 //! past EOF, reads past EOF, zero-copy window reads, and the buffered path.
 
-use k3_protocol::direct_io::{window, AlignedBuf, DirectFile, ReadMode, ALIGN};
+use k3_io::window::{window, AlignedBuf, DirectFile, ReadMode, ALIGN};
 use std::path::Path;
 
 fn pattern(n: usize) -> Vec<u8> {

@@ -1,9 +1,9 @@
 //! Expert locator on the seed's misaligned expert cache, the tiny models, and layouts built
 //! here where an expert is not contiguous.
 
-use k3_protocol::catalog::Catalog;
-use k3_protocol::locator::{locate_expert, locate_layer, MXFP4_SUFFIXES};
-use k3_protocol::mmap_weights::MmapWeights;
+use k3_model::catalog::Catalog;
+use k3_model::locator::{locate_expert, locate_layer, MXFP4_SUFFIXES};
+use k3_model::mmap_weights::MmapWeights;
 use std::path::PathBuf;
 
 fn fixture(p: &str) -> PathBuf {

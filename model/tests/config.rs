@@ -2,8 +2,8 @@
 //! k3-spec §1), the two tiny fixture configs and the seed's three rejections redone in the
 //! released shape.
 
-use k3_protocol::config::{ExpertFormat, LayerKind, ModelConfig};
-use k3_protocol::tensor::Dtype;
+use k3_model::config::{ExpertFormat, LayerKind, ModelConfig};
+use k3_model::tensor::Dtype;
 use serde_json::Value;
 use std::path::PathBuf;
 
@@ -23,7 +23,7 @@ fn tiny_json() -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
-fn load_value(v: &Value) -> Result<ModelConfig, k3_protocol::config::ConfigError> {
+fn load_value(v: &Value) -> Result<ModelConfig, k3_model::config::ConfigError> {
     ModelConfig::from_json_str(&serde_json::to_string(v).unwrap())
 }
 

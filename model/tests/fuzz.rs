@@ -4,8 +4,8 @@
 //! invariants. Cases per property: `PROPTEST_CASES` (default 64, to keep `cargo test`
 //! fast); each test prints how many cases it ran.
 
-use k3_protocol::catalog::{check_safetensors_bytes, Catalog};
-use k3_protocol::config::{LayerKind, ModelConfig};
+use k3_model::catalog::{check_safetensors_bytes, Catalog};
+use k3_model::config::{LayerKind, ModelConfig};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use serde_json::Value;
@@ -401,7 +401,7 @@ fn fuzz_config() {
                     for l in 0..c.n_layers() {
                         let _ = c.is_moe(l);
                     }
-                    let _ = c.expert_bytes(k3_protocol::tensor::Dtype::BF16);
+                    let _ = c.expert_bytes(k3_model::tensor::Dtype::BF16);
                 }
                 Err(e) => assert!(!e.problems.is_empty()),
             }

@@ -1,9 +1,9 @@
 //! Catalog and mmap reader tests: the seed's safetensors edge cases, the tiny models in both
 //! layouts, and corrupted headers built here.
 
-use k3_protocol::catalog::{check_safetensors_bytes, Catalog, CatalogError};
-use k3_protocol::mmap_weights::MmapWeights;
-use k3_protocol::tensor::{Dtype, WeightSource};
+use k3_model::catalog::{check_safetensors_bytes, Catalog, CatalogError};
+use k3_model::mmap_weights::MmapWeights;
+use k3_model::tensor::{Dtype, WeightSource};
 use std::path::{Path, PathBuf};
 
 fn fixture(p: &str) -> PathBuf {
@@ -149,7 +149,7 @@ fn seed_st_shapes_dtypes_bytes() {
     assert!(!c.contains("plain.f32"));
     assert!(matches!(
         w.tensor("nope"),
-        Err(k3_protocol::tensor::WeightError::Missing(_))
+        Err(k3_model::tensor::WeightError::Missing(_))
     ));
 }
 

@@ -1,10 +1,10 @@
-//! The released tensor list (`k3_protocol::released`) against the checkpoint facts of
+//! The released tensor list (`k3_model::released`) against the checkpoint facts of
 //! k3-spec §2/§7 (counts, byte totals, header sizes, shard-2 geometry), and the catalog on
 //! released-shape headers.
 
-use k3_protocol::catalog::Catalog;
-use k3_protocol::released::{self, ReleasedTensor};
-use k3_protocol::tensor::Dtype;
+use k3_model::catalog::Catalog;
+use k3_model::released::{self, ReleasedTensor};
+use k3_model::tensor::Dtype;
 
 fn bytes(t: &[ReleasedTensor]) -> u64 {
     t.iter().map(|x| x.bytes()).sum()

@@ -8,7 +8,7 @@
 //! for the layer index.
 //!
 //! ```
-//! use k3_protocol::classify::{classify, TensorClass};
+//! use k3_model::classify::{classify, TensorClass};
 //! let n = "language_model.model.layers.5.block_sparse_moe.experts.17.w2.weight_scale";
 //! assert_eq!(classify(n), TensorClass::RoutedExpert);
 //! ```

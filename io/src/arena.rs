@@ -16,6 +16,12 @@ pub const fn align_up(n: u64) -> u64 {
     n.div_ceil(ALIGN as u64) * ALIGN as u64
 }
 
+/// Bytes one arena slot needs for reads of at most `max_span` bytes at any file offset (the
+/// span rounded up, plus one page for a start that is not page-aligned).
+pub fn slot_bytes_for(max_span: u64) -> u64 {
+    align_up(max_span) + ALIGN as u64
+}
+
 /// Round `n` down to a multiple of [`ALIGN`].
 pub const fn align_down(n: u64) -> u64 {
     n / ALIGN as u64 * ALIGN as u64

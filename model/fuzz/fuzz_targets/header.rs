@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = k3_protocol::catalog::check_safetensors_bytes(
+    let _ = k3_model::catalog::check_safetensors_bytes(
         std::path::Path::new("fuzz.safetensors"),
         data,
     );

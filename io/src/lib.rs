@@ -1,0 +1,17 @@
+//! `k3-io`: reading the checkpoint from disk, shared by the I/O stages and the tools.
+//!
+//! - [`arena`]: 4096-aligned memory ([`arena::ArenaMemory`]) that reads land in, the one
+//!   [`arena::ALIGN`] constant, and slot sizing for expert spans.
+//! - [`direct`]: the one positioned reader: O_DIRECT where the file system allows it,
+//!   buffered otherwise ([`direct::DirectFiles`] behind the [`direct::ReadAt`] trait), and the
+//!   fault-injection hook ([`direct::FaultyReader`]).
+//! - [`window`]: unaligned `(offset, len)` reads widened to aligned windows on one file.
+//! - [`devbw`]: random-read bandwidth at a queue depth (`k3-orch devbw`, `doctor`).
+
+pub mod arena;
+pub mod devbw;
+pub mod direct;
+pub mod window;
+
+pub use arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
+pub use direct::{DirectFiles, FaultyReader, ReadAt};
