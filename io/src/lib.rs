@@ -7,10 +7,12 @@
 //!   fault-injection hook ([`direct::FaultyReader`]).
 //! - [`window`]: unaligned `(offset, len)` reads widened to aligned windows on one file.
 //! - [`devbw`]: random-read bandwidth at a queue depth (`k3-orch devbw`, `doctor`).
+//! - [`output`]: writing user-named output files without leaving half a file.
 
 pub mod arena;
 pub mod devbw;
 pub mod direct;
+pub mod output;
 pub mod window;
 
 pub use arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};

@@ -107,12 +107,7 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with exactly this layout.
-        unsafe {
-            dealloc(
-                self.ptr,
-                Layout::from_size_align_unchecked(self.len, ALIGN),
-            )
-        }
+        unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, ALIGN)) }
     }
 }
 

@@ -1,5 +1,9 @@
-//! Tensor classification by released name: what is streamed (routed experts) and what must
-//! be resident (everything else the text model uses).
+//! Tensor names: the ONE place they are parsed ([`layer_of`], [`split_layer`],
+//! [`expert_of`], [`split_expert`], [`classify`]) and formatted ([`model_tensor`],
+//! [`layer_tensor`], [`expert_tensor`], [`LM_HEAD`]).
+//!
+//! Classification by released name: what is streamed (routed experts) and what must be
+//! resident (everything else the text model uses).
 //!
 //! The two shared experts sit in the same `block_sparse_moe` namespace as the routed ones
 //! but run on every token, so they are resident; confusing the two makes the resident floor
@@ -14,6 +18,46 @@
 //! ```
 
 use std::fmt;
+
+/// Prefix of every text-model tensor except the lm_head.
+pub const MODEL_PREFIX: &str = "language_model.model.";
+/// The output projection.
+pub const LM_HEAD: &str = "language_model.lm_head.weight";
+/// Namespace of the routed experts inside a layer.
+const EXPERTS: &str = "block_sparse_moe.experts.";
+
+/// `language_model.model.<suffix>` (embed_tokens.weight, norm.weight, ...).
+pub fn model_tensor(suffix: &str) -> String {
+    format!("{MODEL_PREFIX}{suffix}")
+}
+
+/// `language_model.model.layers.<layer>.<suffix>`.
+pub fn layer_tensor(layer: usize, suffix: &str) -> String {
+    format!("{MODEL_PREFIX}layers.{layer}.{suffix}")
+}
+
+/// `language_model.model.layers.<layer>.block_sparse_moe.experts.<expert>.<suffix>`.
+pub fn expert_tensor(layer: usize, expert: usize, suffix: &str) -> String {
+    format!("{MODEL_PREFIX}layers.{layer}.{EXPERTS}{expert}.{suffix}")
+}
+
+/// `(layer, rest)` of a decoder-layer tensor: `rest` is what follows `layers.<l>.`.
+pub fn split_layer(name: &str) -> Option<(usize, &str)> {
+    let l = layer_of(name)?;
+    let at = name.find("layers.")? + "layers.".len();
+    let rest = &name[at..];
+    let dot = rest.find('.')?;
+    Some((l, &rest[dot + 1..]))
+}
+
+/// `(layer, expert, suffix)` of a routed-expert tensor: `suffix` is what follows
+/// `experts.<e>.` (`w1.weight_packed`, ...).
+pub fn split_expert(name: &str) -> Option<(usize, usize, &str)> {
+    let (l, rest) = split_layer(name)?;
+    let tail = rest.strip_prefix(EXPERTS)?;
+    let (e, suffix) = tail.split_once('.')?;
+    Some((l, e.parse().ok()?, suffix))
+}
 
 /// What a tensor is, for memory planning.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -181,6 +225,22 @@ mod tests {
             "language_model.model.layers.0.mlp.up_proj.weight"
         ));
         assert_eq!(layer_of("language_model.model.norm.weight"), None);
+        assert_eq!(split_expert(n), Some((91, 100, "w2.weight_packed")));
+        assert_eq!(expert_tensor(91, 100, "w2.weight_packed"), n);
+        assert_eq!(
+            split_layer("language_model.model.layers.3.self_attn.q_proj.weight"),
+            Some((3, "self_attn.q_proj.weight"))
+        );
+        assert_eq!(
+            layer_tensor(3, "mlp.up_proj.weight"),
+            "language_model.model.layers.3.mlp.up_proj.weight"
+        );
+        assert_eq!(
+            split_expert(
+                "language_model.model.layers.3.block_sparse_moe.shared_experts.up_proj.weight"
+            ),
+            None
+        );
         assert_eq!(layer_of("vision_tower.encoder.blocks.3.norm0.weight"), None);
         assert_eq!(layer_of("model.layers.7.self_attn.q_proj.weight"), Some(7));
         assert_eq!(

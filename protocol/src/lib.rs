@@ -6,11 +6,16 @@
 //! - [`messages`]: every message a stage sends or receives.
 //! - [`control`]: the control socket between k3-orch and a stage (frames + fd passing).
 //! - [`record`]: recordings for `--record` and `k3-orch replay`.
+//! - [`conf`]: typed stage configuration (each stage's `Configure` payload, region ids).
+//! - [`link`]: the stage context ([`link::StageCtx`]): hello, heartbeat, links to peers,
+//!   data regions, `Configure`, recording; what every stage's `stage::run` starts from.
 //!
 //! The checkpoint itself (config, catalog, tensor names, packed trunk) is `k3-model`; disk
 //! reads and aligned memory are `k3-io`.
 
+pub mod conf;
 pub mod control;
+pub mod link;
 pub mod messages;
 pub mod record;
 pub mod ring;

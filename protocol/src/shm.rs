@@ -580,6 +580,23 @@ impl RegionTable {
     }
 }
 
+/// A shared-memory region as the loaders' arena memory ([`k3_io::ArenaMemory`]): the
+/// region's owner reads into it, peers map it read-only.
+pub struct ShmArena(pub std::sync::Arc<Region>);
+
+// SAFETY: `Region::data_ptr` is page aligned (4096), valid for `data_len` bytes of reads and
+// writes for the region's lifetime (the Arc keeps it mapped), and the owning stage is the
+// only writer; readers in other processes only read ranges the owner has published and not
+// yet had released, which is the `ArenaMemory` contract's "disjoint slots".
+unsafe impl k3_io::ArenaMemory for ShmArena {
+    fn base(&self) -> *mut u8 {
+        self.0.data_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.data_len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,8 +10,8 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
-use k3_io::devbw;
 use k3_expert_fetcher::{Event, ExpertFetcher, ExpertLocation, ExpertTable, FetcherConfig};
+use k3_io::devbw;
 use k3_io::DirectFiles;
 
 const EXPERT: u64 = 17_547_264;

@@ -27,10 +27,10 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use k3_io::arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
-use k3_io::direct::ReadAt;
 use crate::locate::{ExpertLocation, Extent, Locate};
 use crate::trace::TraceRecorder;
+use k3_io::arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
+use k3_io::direct::ReadAt;
 
 /// Slots a budget of `budget_bytes` holds (at least 0).
 pub fn slots_for_budget(budget_bytes: u64, slot_bytes: u64) -> usize {

@@ -6,14 +6,19 @@
 //!   headers until `k3_model::locator` is used).
 //! - [`sim`]: offline cache-policy simulator for `k3-orch sim-cache`.
 //! - [`trace`]: `--dump-cache-trace` writer.
+//! - [`stage`]: the expert-fetcher stage's process loop (arena in shared memory, `Experts`
+//!   in, `ExpertReady` / `ExpertFailed` out as each read lands).
+//!
+//! Reads and the arena come from `k3_io`.
 
 pub mod fetcher;
 pub mod locate;
 pub mod sim;
+pub mod stage;
 pub mod trace;
 
 pub use fetcher::{
-    slots_for_budget, Arrival, BatchSummary, Event, ExpertFetcher, FetchError,
-    FetchStats, FetcherConfig, SetupError, SlotState,
+    slots_for_budget, Arrival, BatchSummary, Event, ExpertFetcher, FetchError, FetchStats,
+    FetcherConfig, SetupError, SlotState,
 };
 pub use locate::{ExpertLocation, ExpertTable, Extent, Locate};

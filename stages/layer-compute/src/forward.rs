@@ -13,8 +13,6 @@
 //! The forward does no I/O of its own: weights, layer lifecycle and expert delivery all go
 //! through [`Weights`].
 
-use std::time::Instant;
-
 use k3_model::config::{LayerKind, ModelConfig};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
@@ -709,84 +707,4 @@ struct LayerW<'a> {
     post_norm: Vec<f32>,
     attn: Attn<'a>,
     ffn: Ffn<'a>,
-}
-
-/// Index of the largest value; the lowest index wins a tie, NaN never wins.
-pub fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    let mut bv = f32::NEG_INFINITY;
-    for (i, &x) in v.iter().enumerate() {
-        if x > bv {
-            bv = x;
-            best = i;
-        }
-    }
-    best
-}
-
-/// Statistics of one generation step.
-#[derive(Clone, Debug, PartialEq)]
-pub struct GenStep {
-    pub token: u32,
-    pub seconds: f64,
-    pub expert_requests: usize,
-    pub expert_failures: usize,
-}
-
-/// Result of [`generate`].
-#[derive(Clone, Debug)]
-pub struct Generation {
-    /// The generated ids (not including the prompt).
-    pub ids: Vec<u32>,
-    /// Logits of the first step (the prediction after the last prompt token).
-    pub first_logits: Vec<f32>,
-    pub steps: Vec<GenStep>,
-    /// Failure messages of every step (empty in a sound run).
-    pub failure_msgs: Vec<String>,
-}
-
-/// Greedy decode of `n` tokens after `prompt`. `incremental`: carry the session (prefill
-/// once, then one token per step); otherwise every step recomputes the whole prefix.
-/// Both give the same ids.
-pub fn generate<W: Weights>(
-    model: &Model<W>,
-    prompt: &[u32],
-    n: usize,
-    incremental: bool,
-) -> Result<Generation, ForwardError> {
-    let mut seq = prompt.to_vec();
-    let mut sess = model.new_session();
-    let mut out = Generation {
-        ids: Vec::with_capacity(n),
-        first_logits: Vec::new(),
-        steps: Vec::with_capacity(n),
-        failure_msgs: Vec::new(),
-    };
-    for step in 0..n {
-        let t0 = Instant::now();
-        let res = if incremental {
-            if step == 0 {
-                model.prefill(&mut sess, prompt)?
-            } else {
-                model.step(&mut sess, *seq.last().expect("sequence is non-empty"))?
-            }
-        } else {
-            let mut s = model.new_session();
-            model.forward(&mut s, &seq, false, None)?
-        };
-        let tok = argmax(&res.logits) as u32;
-        if step == 0 {
-            out.first_logits = res.logits.clone();
-        }
-        out.steps.push(GenStep {
-            token: tok,
-            seconds: t0.elapsed().as_secs_f64(),
-            expert_requests: res.stats.expert_requests,
-            expert_failures: res.stats.expert_failures,
-        });
-        out.failure_msgs.extend(res.stats.failure_msgs);
-        out.ids.push(tok);
-        seq.push(tok);
-    }
-    Ok(out)
 }

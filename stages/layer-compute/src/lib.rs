@@ -5,7 +5,12 @@
 //! - [`weights`]: the [`weights::Weights`] trait through which the forward receives its
 //!   weights (single-process mmap or the staged pipeline's shared-memory handles).
 //! - [`forward`]: [`forward::Model`] and [`forward::Session`] (full recompute, incremental
-//!   decode with KV cache and KDA state) and greedy [`forward::generate`].
+//!   decode with KV cache and KDA state).
+//! - [`decode`]: the ONE decode loop every mode runs, and greedy [`decode::generate`].
+//! - [`sampler`]: greedy argmax and seeded sampling from a logits row.
+//! - [`links`]: [`links::StagedWeights`], the [`Weights`] over the loaders' links.
+//! - [`pool`]: the compute worker pool (rayon), sized by `--threads`.
+//! - [`stage`]: the layer-compute stage's process loop.
 
 // Kernels spell out their loops by index on purpose: the index order IS the documented
 // reduction order. Layer modules take many plain arguments rather than ad-hoc structs, and
@@ -16,13 +21,16 @@
     clippy::large_enum_variant
 )]
 
+pub mod decode;
 pub mod forward;
 pub mod kernels;
 pub mod layers;
+pub mod links;
+pub mod pool;
+pub mod sampler;
+pub mod stage;
 pub mod weights;
 
-pub use forward::{
-    generate, ForwardError, GenStep, Generation, Model, ModelOptions, Session, StepOutput,
-    StepStats,
-};
+pub use decode::{decode_loop, generate, GenStep, Generation, LoopOptions, Step, StepHooks};
+pub use forward::{ForwardError, Model, ModelOptions, Session, StepOutput, StepStats};
 pub use weights::{ExpertRef, ExpertTensor, SourceWeights, Weights};

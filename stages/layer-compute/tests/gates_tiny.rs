@@ -3,7 +3,7 @@
 
 mod support;
 
-use k3_layer_compute::forward::argmax;
+use k3_layer_compute::sampler::argmax;
 use support::*;
 
 fn rows_argmax(logits: &[f32], vocab: usize) -> Vec<u32> {

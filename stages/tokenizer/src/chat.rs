@@ -801,6 +801,29 @@ pub fn parse_output(text: &str, started_in_think: bool) -> ParsedOutput {
     p
 }
 
+/// Parse a chat request JSON text, render it and encode the segments. Accepts a
+/// [`ChatRequest`] object (`{"messages": [...], "tools": ..., "thinking": ..., ...}`) or a
+/// bare JSON list of messages (rendered with [`ChatOptions::default`]: thinking on,
+/// effort "max", generation prompt).
+pub fn encode_chat_json(
+    tok: &crate::tokenizer::Tokenizer,
+    request_json: &str,
+) -> std::result::Result<Vec<u32>, String> {
+    let v: serde_json::Value = serde_json::from_str(request_json)
+        .map_err(|e| format!("chat request is not valid JSON: {e}"))?;
+    let req: ChatRequest = match v {
+        serde_json::Value::Array(messages) => ChatRequest {
+            messages,
+            tools: None,
+            options: ChatOptions::default(),
+        },
+        v => serde_json::from_value(v).map_err(|e| format!("chat request is not valid: {e}"))?,
+    };
+    let segs = build_chat_segments(&req.messages, req.tools.as_ref(), &req.options)
+        .map_err(|e| e.to_string())?;
+    Ok(tok.encode_segments(&segs))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

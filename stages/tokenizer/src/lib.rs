@@ -7,7 +7,7 @@
 //! * [`StreamDecoder`]: incremental decoding that only emits complete UTF-8.
 //! * [`chat`]: the XTML chat renderer ([`chat::build_chat_segments`]) and output parser
 //!   ([`chat::parse_output`]).
-//! * [`TokenizerStage`]: the stage entry ([`TokRequest`] -> [`TokResponse`]).
+//! * [`stage`]: the tokenizer stage's process loop ([`stage::run`]).
 //!
 //! Special-token layout: the 256 special slots follow the ranks (`n_ranks + k`), which is
 //! 163584..163839 for the released 163,584-rank file and right after the last rank for the
@@ -25,9 +25,9 @@ pub mod tokenizer;
 pub mod vocab;
 
 pub use chat::{
-    build_chat_segments, parse_output, ChatOptions, ChatRequest, ParsedOutput, ParsedToolCall,
+    build_chat_segments, encode_chat_json, parse_output, ChatOptions, ChatRequest, ParsedOutput,
+    ParsedToolCall,
 };
 pub use error::{Result, TokError};
-pub use stage::{TokRequest, TokResponse, TokenizerStage};
 pub use stream::StreamDecoder;
 pub use tokenizer::{Segment, Tokenizer, K3_END_OF_MSG, K3_EOS, K3_STOP_IDS};

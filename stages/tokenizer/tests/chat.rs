@@ -45,7 +45,7 @@ fn chat_oracle_cases() {
             .collect();
         assert_eq!(tok.encode_segments(&got), ids, "{name}: ids");
         let via_stage =
-            k3_tokenizer::stage::encode_chat_json(&tok, &case["request"].to_string()).unwrap();
+            k3_tokenizer::chat::encode_chat_json(&tok, &case["request"].to_string()).unwrap();
         assert_eq!(via_stage, ids, "{name}: stage JSON path");
         n += 1;
     }
@@ -67,14 +67,14 @@ fn chat_rejects_bad_requests() {
     let tok = Tokenizer::from_dir(&fixture_dir()).unwrap();
     for b in bad {
         assert!(
-            k3_tokenizer::stage::encode_chat_json(&tok, b).is_err(),
+            k3_tokenizer::chat::encode_chat_json(&tok, b).is_err(),
             "{b}"
         );
     }
     // A bare list of messages gets the default options (thinking on, effort "max").
-    let list = k3_tokenizer::stage::encode_chat_json(&tok, r#"[{"role": "user", "content": "x"}]"#)
+    let list = k3_tokenizer::chat::encode_chat_json(&tok, r#"[{"role": "user", "content": "x"}]"#)
         .unwrap();
-    let full = k3_tokenizer::stage::encode_chat_json(
+    let full = k3_tokenizer::chat::encode_chat_json(
         &tok,
         r#"{"messages": [{"role": "user", "content": "x"}], "thinking": true, "thinking_effort": "max"}"#,
     )
@@ -82,7 +82,7 @@ fn chat_rejects_bad_requests() {
     assert_eq!(list, full);
     // "medium" is fine when thinking is off: the effort is not used.
     let ok = r#"{"messages": [{"role": "user", "content": "x"}], "thinking": false, "thinking_effort": "medium"}"#;
-    assert!(k3_tokenizer::stage::encode_chat_json(&tok, ok).is_ok());
+    assert!(k3_tokenizer::chat::encode_chat_json(&tok, ok).is_ok());
 }
 
 #[test]
@@ -126,57 +126,32 @@ fn parse_model_output() {
     );
 }
 
+/// What the tokenizer stage does with the generated stream: complete UTF-8 only (a
+/// multi-byte character split over ids is held until complete), a stop id ends the stream,
+/// and an id outside the vocabulary is an error, not a panic. (Was a test of the unused
+/// in-process `TokenizerStage`; the stage process now uses these pieces directly.)
 #[test]
-fn stage_streams_and_stops() {
-    use k3_tokenizer::{TokRequest, TokResponse, TokenizerStage};
+fn stream_decodes_and_stop_ids_stop() {
+    use k3_tokenizer::StreamDecoder;
     let tok = Tokenizer::from_dir(&fixture_dir()).unwrap();
     let ids = tok.encode("中文 ok", false);
     let eom = tok.special_id("<|end_of_msg|>").unwrap();
-    let mut st = TokenizerStage::new(tok);
-    let mut text = String::new();
-    let mut stopped = false;
+    assert!(tok.stop_ids().contains(&eom));
     let mut stream: Vec<u32> = ids.clone();
     stream.push(eom);
     stream.extend_from_slice(&ids); // ignored after the stop id
+    let mut dec = StreamDecoder::new();
+    let mut text = String::new();
+    let mut stopped = false;
     for &id in &stream {
-        match st.handle(TokRequest::DecodeIds { ids: vec![id] }) {
-            TokResponse::Text {
-                text: t,
-                stopped: s,
-            } => {
-                text.push_str(&t);
-                stopped = s;
-            }
-            r => panic!("unexpected {r:?}"),
+        if tok.stop_ids().contains(&id) {
+            stopped = true;
+            break;
         }
+        text.push_str(&dec.push(&tok, id).unwrap());
     }
     assert!(stopped);
     assert_eq!(text, "中文 ok");
-    assert_eq!(
-        st.handle(TokRequest::EncodeText {
-            text: "中文 ok".into(),
-            allow_special: false
-        }),
-        TokResponse::Ids { ids }
-    );
-    assert!(matches!(
-        st.handle(TokRequest::DecodeIds {
-            ids: vec![u32::MAX]
-        }),
-        TokResponse::Text { stopped: true, .. }
-    ));
-    st.handle(TokRequest::DecodeReset);
-    assert!(matches!(
-        st.handle(TokRequest::DecodeIds {
-            ids: vec![u32::MAX]
-        }),
-        TokResponse::Error { .. }
-    ));
-    // The request/response types round-trip through a serde format.
-    let req = TokRequest::EncodeBytes {
-        bytes: vec![0xff, b'a'],
-        allow_special: true,
-    };
-    let back: TokRequest = serde_json::from_str(&serde_json::to_string(&req).unwrap()).unwrap();
-    assert_eq!(back, req);
+    assert_eq!(tok.encode("中文 ok", false), ids);
+    assert!(StreamDecoder::new().push(&tok, u32::MAX).is_err());
 }

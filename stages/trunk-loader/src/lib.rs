@@ -4,13 +4,16 @@
 //! - [`loader`]: the reader thread that loads the pinned prefix once and streams the other
 //!   layers through the ring, in layer order, as far ahead as free slots allow.
 //! - [`presets`]: `--preset` / `--trunk-gb` / `--cache-gb` / `auto` budgets.
+//! - [`stage`]: the trunk-loader stage's process loop (arena in shared memory, `LayerReady`
+//!   / `LayerDone` with layer-compute).
 //!
-//! Reads and the arena come from `k3_expert_fetcher::{io, arena}` (O_DIRECT with buffered
-//! fallback; 4096-aligned memory that a shared-memory region can replace).
+//! Reads and the arena come from `k3_io` (O_DIRECT with buffered fallback; 4096-aligned
+//! memory, which the stage backs with a shared-memory region).
 
 pub mod loader;
 pub mod plan;
 pub mod presets;
+pub mod stage;
 
 pub use loader::{runs_from_manifest, LayerGuard, LayerHandle, LoadError, TrunkLoader, TrunkStats};
 pub use plan::{plan, LayerRun, PlanError, RingPolicy, TrunkPlan};

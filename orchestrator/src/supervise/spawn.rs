@@ -7,13 +7,25 @@
 //! orchestrator that is killed itself; on any fault every remaining stage is killed and
 //! reaped before k3-orch exits, so no process is left behind.
 
+use std::collections::HashMap;
 use std::os::fd::AsRawFd;
+use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use std::time::Instant;
+
+use k3_protocol::control::{self, ControlSocket};
+use k3_protocol::messages::{Msg, Stage};
+
+use super::cgroup::StageCgroups;
+use super::numa::{numa_plan, NUMA_ENV};
+use super::{stage_main, Launch, Mode};
+use crate::error::RunError;
 
 /// The fd number a stage process finds its control socket on.
 pub const CONTROL_FD: i32 = 3;
@@ -259,4 +271,145 @@ pub fn install_interrupt_handler() {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
+}
+
+/// Events the orchestrator's loop waits on.
+pub(super) enum Event {
+    Control(Stage, Result<(Msg, Vec<OwnedFd>), String>),
+    Exit(Exited),
+}
+
+impl From<Exited> for Event {
+    fn from(e: Exited) -> Event {
+        Event::Exit(e)
+    }
+}
+
+pub(super) struct Running {
+    pub(super) controls: HashMap<Stage, Arc<ControlSocket>>,
+    pub(super) watcher: Option<Watcher>,
+    pub(super) threads: Vec<(Stage, std::thread::JoinHandle<Result<(), String>>)>,
+    pub(super) events: Receiver<Event>,
+    pub(super) pids: HashMap<Stage, u32>,
+    pub(super) last_seen: HashMap<Stage, Instant>,
+    pub(super) exited: HashMap<Stage, Exited>,
+    pub(super) cgroups: Option<StageCgroups>,
+    pub(super) notes: Vec<String>,
+    pub(super) numa: HashMap<Stage, u32>,
+}
+
+impl Running {
+    pub(super) fn kill_all(&mut self) {
+        if let Some(w) = &self.watcher {
+            w.kill_all(Duration::from_millis(300));
+        }
+        // Threads end when their control sockets close (the Running value is dropped).
+    }
+
+    pub(super) fn send(
+        &self,
+        s: Stage,
+        m: &Msg,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<(), RunError> {
+        self.controls[&s]
+            .send(m, fds)
+            .map_err(|e| RunError::new(1, format!("k3-orch: sending to {s}: {e}")))
+    }
+}
+
+pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
+    let (tx, rx) = channel::<Event>();
+    let mut controls = HashMap::new();
+    let mut children = Vec::new();
+    let mut threads = Vec::new();
+    let mut notes = Vec::new();
+    let exe = std::env::current_exe()
+        .map_err(|e| RunError::new(1, format!("k3-orch: cannot find its own binary: {e}")))?;
+    let mut cgroups = None;
+    let mut numa_nodes = HashMap::new();
+    if launch.mode == Mode::Processes {
+        match StageCgroups::create(&launch.budgets) {
+            Ok(cg) => cgroups = Some(cg),
+            Err(why) => {
+                if launch.require_cgroups {
+                    return Err(RunError::new(
+                        2,
+                        format!("k3-orch: --require-cgroups: per-stage memory cgroups are unavailable: {why}"),
+                    ));
+                }
+                let n = format!("running without per-stage memory cgroups: {why}");
+                eprintln!("k3-orch: note: {n}");
+                notes.push(n);
+            }
+        }
+        let (map, ns) = numa_plan(launch.numa.as_deref(), &launch.trunk.model_dir)
+            .map_err(|e| RunError::new(2, format!("k3-orch: --numa: {e}")))?;
+        numa_nodes = map;
+        notes.extend(ns);
+    } else if launch.numa.is_some() {
+        notes.push("numa: --inproc runs every stage in one process; --numa is ignored".into());
+    }
+    for stage in Stage::WORKERS {
+        let (ours, theirs) = control::pair()
+            .map_err(|e| RunError::new(1, format!("k3-orch: control socket for {stage}: {e}")))?;
+        match launch.mode {
+            Mode::Processes => {
+                let cg = cgroups.as_ref();
+                let node = numa_nodes.get(&stage).copied();
+                let child = spawn_stage(&exe, stage.name(), theirs, |cmd| {
+                    if let Some(n) = node {
+                        cmd.env(NUMA_ENV, n.to_string());
+                    }
+                    match cg {
+                        Some(cg) => cg.join_on_spawn(stage, cmd),
+                        None => Ok(()),
+                    }
+                })
+                .map_err(|e| RunError::new(1, format!("k3-orch: starting {stage}: {e}")))?;
+                children.push(child);
+            }
+            Mode::Threads => {
+                let h = std::thread::Builder::new()
+                    .name(format!("k3-{stage}"))
+                    .spawn(move || stage_main(stage, theirs))
+                    .map_err(|e| RunError::new(1, format!("k3-orch: starting {stage}: {e}")))?;
+                threads.push((stage, h));
+            }
+        }
+        let ours = Arc::new(ours);
+        let (c2, tx2) = (ours.clone(), tx.clone());
+        std::thread::Builder::new()
+            .name(format!("k3-ctl-{stage}"))
+            .spawn(move || loop {
+                let r = c2.recv(None).map_err(|e| e.to_string());
+                let stop = r.is_err();
+                if tx2.send(Event::Control(stage, r)).is_err() || stop {
+                    break;
+                }
+            })
+            .map_err(|e| RunError::new(1, format!("k3-orch: control reader: {e}")))?;
+        controls.insert(stage, ours);
+    }
+    let pids: HashMap<Stage, u32> = children
+        .iter()
+        .filter_map(|c| Stage::parse(&c.stage).map(|s| (s, c.pid)))
+        .collect();
+    let watcher = if launch.mode == Mode::Processes {
+        Some(Watcher::start(children, tx.clone()))
+    } else {
+        None
+    };
+    Ok(Running {
+        controls,
+        watcher,
+        threads,
+        events: rx,
+        pids,
+        last_seen: HashMap::new(),
+        exited: HashMap::new(),
+        cgroups,
+        notes,
+        numa: numa_nodes,
+    })
 }

@@ -8,21 +8,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
-/// Sampling options; `temperature` None or 0 means greedy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct SamplerConfig {
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<usize>,
-    pub seed: u64,
-}
-
-impl SamplerConfig {
-    /// True when this configuration is plain argmax.
-    pub fn is_greedy(&self) -> bool {
-        self.temperature.is_none_or(|t| t == 0.0)
-    }
-}
+pub use k3_protocol::conf::SamplerConfig;
 
 /// Index of the largest logit; the lowest index wins a tie, NaN never wins.
 pub fn argmax(logits: &[f32]) -> usize {

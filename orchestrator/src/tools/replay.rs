@@ -58,7 +58,7 @@ use k3_protocol::ring::PeerWatch;
 use k3_protocol::shm::{Access, Handle, Region};
 use k3_protocol::transport::{ShmTransport, Side, Transport, TransportError};
 
-use crate::pipeline::link::{link_ring, CONTROL, REGION_META};
+use k3_protocol::link::{link_ring, CONTROL, REGION_META};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -205,7 +205,7 @@ pub fn replay(stage: Stage, rec: &Recording, timeout: Duration) -> Result<usize,
     let (ours, theirs) = control::pair().map_err(|e| format!("control socketpair: {e}"))?;
     let thread = std::thread::Builder::new()
         .name(format!("k3-replay-{stage}"))
-        .spawn(move || crate::pipeline::stage_main(stage, theirs))
+        .spawn(move || crate::supervise::stage_main(stage, theirs))
         .map_err(|e| format!("starting the stage thread: {e}"))?;
     let mut r = Replayer {
         stage,

@@ -61,7 +61,7 @@ pub struct GenArgs {
 /// Most tokens one run may generate (the seed's ceiling).
 pub const MAX_GEN: usize = 4096;
 /// Longest prompt accepted, in tokens.
-pub const MAX_PROMPT: usize = 32768;
+pub const MAX_PROMPT: usize = k3_protocol::conf::MAX_PROMPT_IDS;
 
 /// What the parser found: a run, or a request answered without a model.
 #[derive(Debug)]

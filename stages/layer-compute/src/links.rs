@@ -1,6 +1,6 @@
-//! The layer-compute stage: the Kimi K3 forward pass over weights other stages own.
+//! `Weights` over links: the forward pass over weights other stages own.
 //!
-//! [`StagedWeights`] implements `k3_layer_compute::Weights` over the links: a pass starts
+//! [`StagedWeights`] implements [`crate::Weights`] over the links: a pass starts
 //! with `StartPass`; `begin_layer(l)` waits for the trunk-loader's `LayerReady{l}` and maps
 //! its tensors in place (handles into the trunk region, never copied); `end_layer(l)` says
 //! `LayerDone`; `experts(layer, ids)` sends `Experts` and delivers each expert to the
@@ -18,17 +18,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k3_layer_compute::forward::{Model, ModelOptions};
-use k3_layer_compute::weights::{ExpertRef, ExpertTensor, Weights};
-use k3_model::config::ModelConfig;
-use k3_protocol::messages::{Msg, Stage, StepStats};
+use crate::weights::{ExpertRef, ExpertTensor, Weights};
 use k3_model::mmap_weights::MmapWeights;
-use k3_protocol::shm::{Handle, Region};
 use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
+use k3_protocol::messages::{Msg, Stage};
+use k3_protocol::shm::{Handle, Region};
 
-use super::super::conf::ComputeConf;
-use super::super::link::{recv_from, send_to, Link, Rec, StageCtx};
-use crate::gen::sampler;
+use k3_protocol::link::{recv_from, send_to, Link, Rec};
 
 const LAYER_PREFIX: &str = "language_model.model.layers.";
 
@@ -81,7 +77,7 @@ pub struct StagedWeights {
 
 impl StagedWeights {
     #[allow(clippy::too_many_arguments)]
-    fn new(
+    pub fn new(
         model: MmapWeights,
         trunk_region: Arc<Region>,
         expert_region: Arc<Region>,
@@ -143,6 +139,28 @@ impl StagedWeights {
             timeout,
             link_error: RefCell::new(None),
         }
+    }
+
+    /// A link failure seen since the last call, if any (and forget it).
+    pub fn take_link_error(&self) -> Option<String> {
+        self.link_error.borrow_mut().take()
+    }
+
+    /// Tell both loaders that generation is over.
+    pub fn shutdown(&self) -> Result<(), String> {
+        for (peer, link) in [
+            (Stage::TrunkLoader, &self.trunk),
+            (Stage::ExpertFetcher, &self.fetch),
+        ] {
+            send_to(
+                &mut **link.borrow_mut(),
+                Stage::LayerCompute,
+                peer,
+                &Msg::Shutdown,
+                self.timeout,
+            )?;
+        }
+        Ok(())
     }
 
     /// Counters since the last call (and reset them).
@@ -500,133 +518,4 @@ impl Weights for StagedWeights {
             }
         }
     }
-}
-
-/// Run the layer-compute stage until generation is finished.
-pub fn run(mut ctx: StageCtx) -> Result<(), String> {
-    ctx.wait_configure()?;
-    let conf: ComputeConf = serde_json::from_str(&ctx.conf_json)
-        .map_err(|e| ctx.fail(format!("layer-compute: bad Configure: {e}")))?;
-    ctx.ready()?;
-    ctx.wait_go()?;
-    match generate(&mut ctx, &conf) {
-        Ok(()) => Ok(()),
-        Err(e) => Err(ctx.fail(e)),
-    }
-}
-
-fn region(ctx: &StageCtx, name: &str) -> Result<Arc<Region>, String> {
-    let id = ctx
-        .data
-        .get(name)
-        .ok_or_else(|| format!("layer-compute: the {name} region was not handed over"))?;
-    ctx.regions
-        .get(*id)
-        .cloned()
-        .ok_or_else(|| format!("layer-compute: region {id} ({name}) is not mapped"))
-}
-
-fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
-    let me = Stage::LayerCompute;
-    let cfg = ModelConfig::load(&conf.config_path).map_err(|e| format!("layer-compute: {e}"))?;
-    let n_layers = conf
-        .layers
-        .unwrap_or(cfg.num_hidden_layers)
-        .min(cfg.num_hidden_layers);
-    let model_w = MmapWeights::open(&conf.model_dir).map_err(|e| format!("layer-compute: {e}"))?;
-    let trunk_region = region(ctx, "trunk")?;
-    let expert_region = region(ctx, "experts")?;
-    let trunk = ctx.take_link(Stage::TrunkLoader)?;
-    let fetch = ctx.take_link(Stage::ExpertFetcher)?;
-    let mut tok = ctx.take_link(Stage::Tokenizer)?;
-    let timeout = Some(Duration::from_secs_f64(conf.io_timeout_s));
-    let weights = StagedWeights::new(
-        model_w,
-        trunk_region,
-        expert_region,
-        trunk,
-        fetch,
-        n_layers,
-        timeout,
-        ctx.rec.clone(),
-    );
-    let model = Model::new(
-        cfg,
-        &weights,
-        ModelOptions {
-            threads: conf.threads.max(1),
-            layers: conf.layers,
-            eps: None,
-        },
-    )
-    .map_err(|e| format!("layer-compute: {e}"))?;
-    let vocab = model.vocab();
-    let mut seq = conf.prompt_ids.clone();
-    let mut sess = model.new_session();
-    let mut generated = Vec::new();
-    for step in 0..conf.gen {
-        let t0 = Instant::now();
-        let _ = weights.take_io();
-        let res = if conf.incremental {
-            if step == 0 {
-                model.prefill(&mut sess, &conf.prompt_ids)
-            } else {
-                model.step(&mut sess, *seq.last().expect("non-empty sequence"))
-            }
-        } else {
-            let mut s = model.new_session();
-            model.forward(&mut s, &seq, false, None)
-        };
-        if let Some(e) = weights.link_error.borrow_mut().take() {
-            return Err(format!("layer-compute: {e}"));
-        }
-        let out =
-            res.map_err(|e| format!("layer-compute: forward pass failed at step {step}: {e}"))?;
-        let row = &out.logits[(out.rows - 1) * vocab..out.rows * vocab];
-        let token = sampler::sample(row, &conf.sampler, step as u64) as u32;
-        if step == 0 {
-            if let Some(p) = &conf.dump_logits {
-                let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();
-                crate::gen::write_atomic(p, &bytes)
-                    .map_err(|e| format!("layer-compute: --dump-logits {}: {e}", p.display()))?;
-            }
-        }
-        let io = weights.take_io();
-        send_to(
-            &mut *tok,
-            me,
-            Stage::Tokenizer,
-            &Msg::DecodeId { id: token },
-            timeout,
-        )?;
-        ctx.send_control(&Msg::StepStats(StepStats {
-            step: step as u32,
-            token,
-            seconds: t0.elapsed().as_secs_f64(),
-            trunk_read_bytes: io.trunk_read_bytes,
-            expert_read_bytes: io.expert_read_bytes,
-            expert_requests: io.expert_requests,
-            resident_hits: io.resident_hits,
-            expert_failures: out.stats.expert_failures as u64,
-            io_wait_seconds: io.wait_seconds,
-        }))?;
-        for m in &out.stats.failure_msgs {
-            eprintln!("layer-compute: {m}");
-        }
-        generated.push(token);
-        seq.push(token);
-        if conf.stop_ids.contains(&token) {
-            break;
-        }
-    }
-    drop(model);
-    for (peer, link) in [
-        (Stage::TrunkLoader, &mut **weights.trunk.borrow_mut()),
-        (Stage::ExpertFetcher, &mut **weights.fetch.borrow_mut()),
-        (Stage::Tokenizer, &mut *tok),
-    ] {
-        send_to(link, me, peer, &Msg::Shutdown, timeout)?;
-    }
-    ctx.send_control(&Msg::Finished { generated })?;
-    ctx.finish_recording()
 }

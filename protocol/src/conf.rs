@@ -1,4 +1,5 @@
-//! What the orchestrator tells each stage in its `Configure` message (JSON payload).
+//! Typed stage configuration: what the orchestrator tells each stage in its `Configure`
+//! message (JSON payload), and the region ids the stages agree on.
 //!
 //! One struct per stage role. Everything a stage needs to do its job is here or arrives as a
 //! region on its control socket, so a stage process never reads the command line.
@@ -6,6 +7,31 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+
+/// Region id of the trunk arena (owned by trunk-loader, mapped read-only by layer-compute).
+pub const TRUNK_REGION: u32 = 10;
+/// Region id of the expert arena (owned by expert-fetcher, mapped read-only by layer-compute).
+pub const EXPERT_REGION: u32 = 20;
+
+/// Longest prompt a run accepts, in tokens.
+pub const MAX_PROMPT_IDS: usize = 32768;
+
+/// Sampling options of a generation; `temperature` None or 0 means greedy. The sampler
+/// itself is `k3_layer_compute::sampler`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SamplerConfig {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub seed: u64,
+}
+
+impl SamplerConfig {
+    /// True when this configuration is plain argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature.is_none_or(|t| t == 0.0)
+    }
+}
 
 /// tokenizer stage.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -59,7 +85,7 @@ pub struct ComputeConf {
     pub prompt_ids: Vec<u32>,
     pub gen: usize,
     pub incremental: bool,
-    pub sampler: crate::gen::sampler::SamplerConfig,
+    pub sampler: SamplerConfig,
     pub threads: usize,
     pub dump_logits: Option<PathBuf>,
     /// Seconds to wait for a loader before declaring it hung.

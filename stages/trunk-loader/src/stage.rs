@@ -22,36 +22,18 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k3_io::arena::{ArenaMemory, ALIGN};
+use crate::{plan, LayerRun, RingPolicy, TrunkLoader};
+use k3_io::arena::ALIGN;
 use k3_io::direct::DirectFiles;
 use k3_model::catalog::Catalog;
-use k3_protocol::messages::{Msg, Stage, TensorSpan};
-use k3_protocol::shm::Region;
 use k3_model::tensor::Dtype;
 use k3_model::trunk::TrunkManifest;
-use k3_trunk_loader::{plan, LayerRun, RingPolicy, TrunkLoader};
+use k3_protocol::messages::{Msg, Stage, TensorSpan};
+use k3_protocol::shm::Region;
 
-use super::super::conf::TrunkConf;
-use super::super::link::{recv_from, send_to, StageCtx};
-
-/// Region id of the trunk arena.
-pub const TRUNK_REGION: u32 = 10;
-
-/// A shared-memory region as an arena for the loader libraries.
-pub struct ShmArena(pub Arc<Region>);
-
-// SAFETY: `Region::data_ptr` is page aligned (4096), valid for `data_len` bytes of reads and
-// writes for the region's lifetime (the Arc keeps it mapped), and this stage is the only
-// writer; readers in other processes only read ranges this stage has published and not yet
-// had released, which is the `ArenaMemory` contract's "disjoint slots".
-unsafe impl ArenaMemory for ShmArena {
-    fn base(&self) -> *mut u8 {
-        self.0.data_ptr()
-    }
-    fn len(&self) -> usize {
-        self.0.data_len()
-    }
-}
+use k3_protocol::conf::{TrunkConf, TRUNK_REGION};
+use k3_protocol::link::{recv_from, send_to, StageCtx};
+use k3_protocol::shm::ShmArena;
 
 /// One tensor of a layer, relative to the layer's bytes.
 #[derive(Clone, Debug)]

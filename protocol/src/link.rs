@@ -1,4 +1,5 @@
-//! The stage side of the control protocol, shared by every stage role.
+//! The stage context: the stage side of the control protocol, shared by every stage role
+//! (each stage crate's `stage::run` takes a [`StageCtx`]).
 //!
 //! A stage says `Hello`, then receives (in any order) the links to its peers (two-ring
 //! shared-memory regions), read-only data regions owned by other stages, and its
@@ -6,7 +7,7 @@
 //! thread answers for the stage while it works, so a stage that is stopped (SIGSTOP, a
 //! deadlock in the kernel) is noticed by the orchestrator even when it has nothing to say.
 //!
-//! Recording (`--record DIR`, see `k3_protocol::record`): the context logs every control
+//! Recording (`--record DIR`, see [`crate::record`]): the context logs every control
 //! frame the stage receives and sends (not the heartbeat `Pong`s, which are timing noise),
 //! and [`StageCtx::take_link`] wraps each link so its frames are logged too, on a channel
 //! named after the peer (`trunk-loader`, ...; the control socket is `control`). The
@@ -28,12 +29,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use k3_protocol::control::ControlSocket;
-use k3_protocol::messages::{self, Msg, RegionRole, Stage, PROTOCOL_VERSION};
-use k3_protocol::record::{sha256, Recorder};
-use k3_protocol::ring::{PeerWatch, RingConfig};
-use k3_protocol::shm::{Access, Handle, Region, RegionTable};
-use k3_protocol::transport::{ShmTransport, Transport, TransportError};
+use crate::control::ControlSocket;
+use crate::messages::{self, Msg, RegionRole, Stage, PROTOCOL_VERSION};
+use crate::record::{sha256, Recorder};
+use crate::ring::{PeerWatch, RingConfig};
+use crate::shm::{Access, Handle, Region, RegionTable};
+use crate::transport::{ShmTransport, Transport, TransportError};
 
 /// A link as the stage roles use it: the shared-memory transport, wrapped for recording
 /// when `--record` is on (and a replay transport in tests).
@@ -74,7 +75,7 @@ impl Rec {
 
     fn with(
         &self,
-        f: impl FnOnce(&mut Recorder) -> Result<(), k3_protocol::record::RecordError>,
+        f: impl FnOnce(&mut Recorder) -> Result<(), crate::record::RecordError>,
     ) -> Result<(), String> {
         let Some(st) = &self.0 else { return Ok(()) };
         let mut g = st.rec.lock().unwrap_or_else(|p| p.into_inner());
@@ -504,7 +505,7 @@ pub fn recv_from(
     timeout: Option<Duration>,
 ) -> Result<Msg, String> {
     link.recv(timeout).map_err(|e| match peer_death_grace(e) {
-        k3_protocol::transport::TransportError::Timeout => format!(
+        crate::transport::TransportError::Timeout => format!(
             "{me}: {peer} stopped answering (nothing for {:.0} s)",
             timeout.map(|t| t.as_secs_f64()).unwrap_or(0.0)
         ),

@@ -12,7 +12,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::Parser;
-use k3_layer_compute::forward::argmax;
+use k3_layer_compute::sampler::argmax;
 use k3_layer_compute::{Model, ModelOptions, SourceWeights};
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;

@@ -4,7 +4,26 @@
 
 use serde::Serialize;
 
-use super::plan::{human, MemoryPlan};
+use k3_protocol::messages::StepStats;
+
+use super::plan::MemoryPlan;
+use crate::units::human;
+
+/// A step as the report shows it.
+pub fn to_step_report(s: &StepStats) -> StepReport {
+    StepReport {
+        step: s.step as usize,
+        token: s.token,
+        seconds: s.seconds,
+        trunk_read_bytes: s.trunk_read_bytes,
+        expert_read_bytes: s.expert_read_bytes,
+        expert_requests: s.expert_requests,
+        resident_hits: s.resident_hits,
+        trunk_hits: 0,
+        trunk_binds: 0,
+        io_seconds: s.io_wait_seconds,
+    }
+}
 
 /// One generation step.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -73,9 +92,7 @@ impl Report {
     /// Write the JSON report atomically (temporary name, then rename).
     pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
         let json = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
-        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-        std::fs::write(&tmp, json)?;
-        std::fs::rename(&tmp, path)
+        k3_io::output::write_atomic(path, &json)
     }
 }
 

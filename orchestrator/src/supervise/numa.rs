@@ -13,9 +13,12 @@
 //!   thread) `get_mempolicy`.
 
 use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+
+use k3_protocol::messages::Stage;
 
 /// `MPOL_*` modes (linux/mempolicy.h).
 pub const MPOL_DEFAULT: i32 = 0;
@@ -378,6 +381,49 @@ pub fn placement(pid: Option<u32>) -> Result<Placement, String> {
         mems_allowed_list: get("Mems_allowed_list")?,
         numa_maps_policies: policies,
     })
+}
+
+/// Environment variable that tells a stage process which NUMA node to bind to.
+pub const NUMA_ENV: &str = "K3_NUMA_NODE";
+
+/// A node per stage from `--numa` (None: leave the stage where the kernel puts it).
+pub fn numa_plan(
+    spec: Option<&str>,
+    model_dir: &Path,
+) -> Result<(HashMap<Stage, u32>, Vec<String>), String> {
+    let names: Vec<&str> = Stage::WORKERS.iter().map(|s| s.name()).collect();
+    let spec = match spec {
+        None => return Ok((HashMap::new(), Vec::new())),
+        Some(s) => parse_spec(s, &names)?,
+    };
+    let nodes = online_nodes()?;
+    let device = device_node(model_dir).ok().and_then(|(_, n)| n);
+    let p = plan(
+        &spec,
+        &nodes,
+        device,
+        &["trunk-loader", "expert-fetcher"],
+        &["layer-compute"],
+        &["tokenizer"],
+    )?;
+    let map = p
+        .nodes
+        .iter()
+        .filter_map(|(s, n)| Some((Stage::parse(s)?, (*n)?)))
+        .collect();
+    Ok((map, p.notes))
+}
+
+/// In a stage process: bind to the node named by `K3_NUMA_NODE`, if any.
+pub fn apply_numa_from_env() -> Result<Option<u32>, String> {
+    let Ok(v) = std::env::var(NUMA_ENV) else {
+        return Ok(None);
+    };
+    let node: u32 = v
+        .parse()
+        .map_err(|_| format!("{NUMA_ENV}={v:?} is not a node number"))?;
+    apply_node(node, MemPolicy::Preferred)?;
+    Ok(Some(node))
 }
 
 #[cfg(test)]

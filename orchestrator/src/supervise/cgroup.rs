@@ -25,6 +25,7 @@
 //! Dropping [`RunCgroups`] removes the groups (after their processes are gone; it retries
 //! briefly while the kernel finishes tearing the last task down).
 
+use std::collections::HashMap;
 use std::fs;
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -32,6 +33,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
+
+use k3_protocol::messages::Stage;
 
 /// Which cgroup interface is in use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -519,6 +522,59 @@ fn rmdir_retry(dir: &Path, deadline: Instant) -> Result<(), String> {
 impl Drop for RunCgroups {
     fn drop(&mut self) {
         let _ = self.remove();
+    }
+}
+
+/// The cgroups of one run's stages (removed on drop, after the stages are gone).
+pub struct StageCgroups {
+    run: RunCgroups,
+}
+
+impl StageCgroups {
+    /// One memory cgroup per stage with its budget and swap off.
+    pub fn create(budgets: &HashMap<Stage, u64>) -> Result<StageCgroups, String> {
+        let support = probe()?;
+        let mut run = RunCgroups::create(&support)?;
+        for s in Stage::WORKERS {
+            let limit = budgets.get(&s).copied().unwrap_or(u64::MAX / 2);
+            run.add_stage(s.name(), limit)?;
+        }
+        Ok(StageCgroups { run })
+    }
+
+    /// Make the process `cmd` will start join `stage`'s group before it runs anything.
+    pub fn join_on_spawn(&self, stage: Stage, cmd: &mut Command) -> Result<(), String> {
+        self.run
+            .stage(stage.name())
+            .ok_or_else(|| format!("no cgroup for {stage}"))?
+            .join_on_spawn(cmd)
+    }
+
+    /// The memory limit of a stage whose group recorded an OOM kill.
+    pub fn oom_killed(&self, s: Stage) -> Option<u64> {
+        let g = self.run.stage(s.name())?;
+        (g.oom_kills() > 0).then(|| g.limit())
+    }
+
+    /// (stage, cgroup path, limit, peak bytes) per stage.
+    pub fn report(&self) -> Vec<(Stage, String, u64, Option<u64>)> {
+        Stage::WORKERS
+            .iter()
+            .filter_map(|s| {
+                let g = self.run.stage(s.name())?;
+                Some((
+                    *s,
+                    g.path().display().to_string(),
+                    g.limit(),
+                    g.peak_bytes(),
+                ))
+            })
+            .collect()
+    }
+
+    /// Which interface is in use, for the report.
+    pub fn version(&self) -> String {
+        self.run.version().to_string()
     }
 }
 

@@ -8,21 +8,18 @@
 
 use std::sync::Arc;
 
-use k3_expert_fetcher::fetcher::{slots_for_budget, Event, FetcherConfig};
-use k3_io::slot_bytes_for;
+use crate::fetcher::{slots_for_budget, Event, FetcherConfig};
+use crate::locate::{ExpertTable, Locate};
+use crate::ExpertFetcher;
 use k3_io::direct::{DirectFiles, FaultyReader, ReadAt};
-use k3_expert_fetcher::locate::{ExpertTable, Locate};
-use k3_expert_fetcher::ExpertFetcher;
+use k3_io::slot_bytes_for;
 use k3_model::catalog::Catalog;
 use k3_protocol::messages::{Msg, Stage};
 use k3_protocol::shm::Region;
 
-use super::super::conf::FetcherConf;
-use super::super::link::{recv_from, send_to, StageCtx};
-use super::trunk::ShmArena;
-
-/// Region id of the expert arena.
-pub const EXPERT_REGION: u32 = 20;
+use k3_protocol::conf::{FetcherConf, EXPERT_REGION};
+use k3_protocol::link::{recv_from, send_to, StageCtx};
+use k3_protocol::shm::ShmArena;
 
 /// Run the expert-fetcher stage until shutdown.
 pub fn run(mut ctx: StageCtx) -> Result<(), String> {
@@ -83,10 +80,10 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                         },
                         Event::Failed(e) => {
                             let (l, id) = match &e {
-                                k3_expert_fetcher::FetchError::Unknown { layer, expert }
-                                | k3_expert_fetcher::FetchError::TooBig { layer, expert, .. }
-                                | k3_expert_fetcher::FetchError::NoSlot { layer, expert }
-                                | k3_expert_fetcher::FetchError::Read { layer, expert, .. } => {
+                                crate::FetchError::Unknown { layer, expert }
+                                | crate::FetchError::TooBig { layer, expert, .. }
+                                | crate::FetchError::NoSlot { layer, expert }
+                                | crate::FetchError::Read { layer, expert, .. } => {
                                     (*layer, *expert)
                                 }
                             };

@@ -1,0 +1,74 @@
+//! The census: the sizes a run's memory plan needs, read from the config and the checkpoint
+//! headers (no tensor data is read).
+
+use std::collections::HashMap;
+
+use k3_model::catalog::Catalog;
+use k3_model::classify::{classify, split_expert, split_layer, TensorClass};
+use k3_model::config::{LayerKind, ModelConfig};
+
+/// Sizes of the bound layers.
+pub struct Census {
+    /// Per bound layer, bytes of its trunk tensors.
+    pub layer_bytes: Vec<u64>,
+    /// Model-level tensors: embeddings, lm_head, final norms.
+    pub model_bytes: u64,
+    /// The largest file span of one routed expert.
+    pub max_expert_span: u64,
+    /// Routed experts in the bound layers.
+    pub n_experts: u64,
+    pub kda_state_bytes: u64,
+    /// KV-cache bytes per position (MLA layers).
+    pub kv_per_pos: u64,
+}
+
+/// Count the first `layers` layers of `cat`.
+pub fn census(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> Census {
+    let mut layer_bytes = vec![0u64; layers];
+    let mut model_bytes = 0u64;
+    let mut spans: HashMap<(usize, usize), (u64, u64)> = HashMap::new();
+    for (name, e) in cat.iter() {
+        if classify(name.as_str()) == TensorClass::Vision {
+            continue;
+        }
+        if let Some((l, _)) = split_layer(name.as_str()) {
+            if l >= layers {
+                continue;
+            }
+            if let Some((_, x, _)) = split_expert(name.as_str()) {
+                let s = spans.entry((l, x)).or_insert((u64::MAX, 0));
+                s.0 = s.0.min(e.offset);
+                s.1 = s.1.max(e.end());
+            } else {
+                layer_bytes[l] += e.len;
+            }
+        } else if name.starts_with("language_model.") {
+            model_bytes += e.len;
+        }
+    }
+    let max_expert_span = spans.values().map(|(a, b)| b - a).max().unwrap_or(0);
+    let la = &cfg.linear_attn;
+    let kda_layers = (0..layers)
+        .filter(|&l| cfg.layer_kind(l) == LayerKind::Kda)
+        .count() as u64;
+    let mla_layers = layers as u64 - kda_layers;
+    let p = (la.num_heads * la.head_dim) as u64;
+    let kda_state_bytes = kda_layers
+        * 4
+        * ((la.num_heads * la.head_dim * la.head_dim) as u64
+            + 3 * (la.short_conv_kernel_size.saturating_sub(1)) as u64 * p);
+    let h = cfg.num_attention_heads as u64;
+    let kv_per_pos = mla_layers
+        * 4
+        * (cfg.kv_lora_rank as u64
+            + cfg.qk_rope_head_dim as u64
+            + h * (cfg.qk_nope_head_dim + cfg.v_head_dim) as u64);
+    Census {
+        layer_bytes,
+        model_bytes,
+        max_expert_span,
+        n_experts: spans.len() as u64,
+        kda_state_bytes,
+        kv_per_pos,
+    }
+}

@@ -1,0 +1,341 @@
+//! Launching a generation: the staged pipeline (processes, or threads with `--inproc`) or
+//! the forward called directly (`--single-process`). Both run layer-compute's one decode
+//! loop; this module only builds what each mode needs and collects what it returns.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
+use k3_layer_compute::forward::{Model, ModelOptions};
+use k3_layer_compute::weights::SourceWeights;
+use k3_model::config::ModelConfig;
+use k3_model::mmap_weights::MmapWeights;
+use k3_protocol::conf::{self, SamplerConfig};
+use k3_protocol::messages::{Msg, Stage, StepStats};
+
+use super::args::{GenArgs, Prompt};
+use super::plan::RunPlan;
+use super::report::{self, StageReport};
+use crate::error::RunError;
+use crate::supervise::{self, Launch, Mode, Observer};
+
+/// What a generation produced, in any mode.
+#[derive(Default)]
+pub struct Generated {
+    pub prompt_ids: Vec<u32>,
+    pub generated: Vec<u32>,
+    pub steps: Vec<StepStats>,
+    /// Decoded output bytes (None when no tokenizer decoded them).
+    pub text: Option<Vec<u8>>,
+    pub stages: Vec<StageReport>,
+    pub notes: Vec<String>,
+    pub expert_failures: u64,
+    pub summaries: BTreeMap<String, serde_json::Value>,
+}
+
+/// What every mode is given.
+pub struct Common<'a> {
+    pub args: &'a GenArgs,
+    pub cfg: &'a ModelConfig,
+    pub config_path: &'a Path,
+    pub layers: usize,
+    pub plan: &'a RunPlan,
+    pub threads: usize,
+    pub sampler: SamplerConfig,
+    pub stop_ids: Vec<u32>,
+}
+
+/// Prints the step table as steps finish (unless `--quiet`).
+pub struct StepPrinter {
+    pub quiet: bool,
+}
+
+impl StepPrinter {
+    fn line(&self, s: &StepStats) {
+        if !self.quiet {
+            println!("{}", report::step_line(&report::to_step_report(s)));
+        }
+    }
+}
+
+impl Observer for StepPrinter {
+    fn started(&mut self) {
+        if !self.quiet {
+            println!("{}", report::step_header());
+        }
+    }
+    fn step(&mut self, s: &StepStats) {
+        self.line(s);
+    }
+}
+
+/// `--single-process`: the decode loop's hooks.
+struct Direct {
+    printer: StepPrinter,
+    steps: Vec<StepStats>,
+    failures: u64,
+}
+
+impl StepHooks for Direct {
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+        self.failures += s.out.stats.expert_failures as u64;
+        let st = StepStats {
+            step: s.step as u32,
+            token: s.token,
+            seconds: s.seconds,
+            expert_requests: s.out.stats.expert_requests as u64,
+            expert_failures: s.out.stats.expert_failures as u64,
+            ..Default::default()
+        };
+        self.printer.line(&st);
+        self.steps.push(st);
+        Ok(())
+    }
+}
+
+/// The prompt's ids, encoded here (single-process mode has no tokenizer stage).
+fn encode_locally(a: &GenArgs) -> Result<Vec<u32>, RunError> {
+    let dir = a
+        .tok
+        .as_ref()
+        .ok_or_else(|| RunError::usage("k3-orch: a text prompt needs --tok"))?;
+    let tok = k3_tokenizer::Tokenizer::from_dir(dir)
+        .map_err(|e| RunError::failed(format!("k3-orch: {e}")))?;
+    Ok(match &a.prompt {
+        Prompt::Ids(ids) => ids.clone(),
+        Prompt::Text(t) => tok.encode(t, false),
+        Prompt::File(p) => {
+            let b = std::fs::read(p)
+                .map_err(|e| RunError::usage(format!("k3-orch: {}: {e}", p.display())))?;
+            tok.encode_bytes(&b, false)
+        }
+    })
+}
+
+/// `--single-process`: the forward called directly over mmapped shards.
+pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
+    let a = c.args;
+    let prompt = match &a.prompt {
+        Prompt::Ids(ids) => ids.clone(),
+        _ => encode_locally(a)?,
+    };
+    let failed = |e: String| RunError::failed(format!("k3-orch: {e}"));
+    let pool = k3_layer_compute::pool::build(c.threads).map_err(failed)?;
+    let mw = MmapWeights::open(&a.model_dir).map_err(|e| failed(e.to_string()))?;
+    let model = Model::new(
+        c.cfg.clone(),
+        SourceWeights::new(mw),
+        ModelOptions {
+            threads: c.threads,
+            layers: a.layers,
+            eps: None,
+        },
+    )
+    .map_err(|e| failed(e.to_string()))?;
+    let mut hooks = Direct {
+        printer: StepPrinter { quiet: a.quiet },
+        steps: Vec::new(),
+        failures: 0,
+    };
+    hooks.printer.started();
+    let generated = pool
+        .install(|| {
+            decode_loop(
+                &model,
+                &LoopOptions {
+                    prompt: &prompt,
+                    gen: a.gen,
+                    incremental: a.incremental,
+                    sampler: c.sampler,
+                    stop_ids: &c.stop_ids,
+                    dump_logits: a.dump_logits.as_deref(),
+                },
+                &mut hooks,
+            )
+        })
+        .map_err(failed)?;
+    let text = a.tok.as_ref().and_then(|d| {
+        let tok = k3_tokenizer::Tokenizer::from_dir(d).ok()?;
+        tok.decode_bytes(&generated).ok()
+    });
+    Ok(Generated {
+        prompt_ids: prompt,
+        generated,
+        steps: hooks.steps,
+        text,
+        expert_failures: hooks.failures,
+        ..Default::default()
+    })
+}
+
+/// The prompt as the tokenizer stage is asked to encode it (None: ids were given).
+fn prompt_message(a: &GenArgs) -> Result<Option<Msg>, RunError> {
+    let chat = |t: &str| Msg::EncodeChat {
+        req: 1,
+        chat_json: serde_json::json!([{"role": "user", "content": t}]).to_string(),
+    };
+    Ok(match &a.prompt {
+        Prompt::Ids(_) => None,
+        Prompt::Text(t) if a.chat => Some(chat(t)),
+        Prompt::Text(t) => Some(Msg::EncodeText {
+            req: 1,
+            text: t.clone(),
+            allow_specials: false,
+        }),
+        Prompt::File(p) => {
+            let bytes = std::fs::read(p).map_err(|e| {
+                RunError::usage(format!("k3-orch: --prompt-file {}: {e}", p.display()))
+            })?;
+            if a.chat {
+                let t = String::from_utf8(bytes).map_err(|_| {
+                    RunError::usage(format!(
+                        "k3-orch: --prompt-file {} is not UTF-8, which --chat needs",
+                        p.display()
+                    ))
+                })?;
+                Some(chat(&t))
+            } else {
+                Some(Msg::EncodeBytes {
+                    req: 1,
+                    bytes,
+                    allow_specials: false,
+                })
+            }
+        }
+    })
+}
+
+/// Per-stage cgroup budgets: the plan's bytes for the stage plus headroom.
+fn stage_budgets(plan: &RunPlan) -> HashMap<Stage, u64> {
+    let mp = &plan.memory;
+    let headroom = 256u64 << 20;
+    let mut budgets = HashMap::new();
+    budgets.insert(
+        Stage::TrunkLoader,
+        mp.stage_bytes("trunk-loader") + headroom,
+    );
+    budgets.insert(
+        Stage::ExpertFetcher,
+        mp.stage_bytes("expert-fetcher") + headroom,
+    );
+    budgets.insert(
+        Stage::LayerCompute,
+        mp.stage_bytes("layer-compute") + headroom + (512u64 << 20),
+    );
+    budgets.insert(Stage::Tokenizer, headroom + (256u64 << 20));
+    // Test hook (tests/e2e/faults.rs, OOM): `K3_STAGE_BUDGET_OVERRIDE=stage=bytes,...`
+    // replaces a stage's cgroup budget.
+    if let Ok(v) = std::env::var("K3_STAGE_BUDGET_OVERRIDE") {
+        for (s, b) in v.split(',').filter_map(|x| x.split_once('=')) {
+            if let (Some(s), Ok(b)) = (Stage::parse(s.trim()), b.trim().parse::<u64>()) {
+                budgets.insert(s, b);
+            }
+        }
+    }
+    budgets
+}
+
+/// Routed experts whose reads fail on purpose (`K3_INJECT_EXPERT_FAILURES=layer:expert,...`,
+/// the tests of exit 4).
+fn injected_failures() -> Vec<(u32, u32)> {
+    std::env::var("K3_INJECT_EXPERT_FAILURES")
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .filter_map(|p| {
+                    let (l, e) = p.split_once(':')?;
+                    Some((l.trim().parse().ok()?, e.trim().parse().ok()?))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The staged pipeline (four processes, or threads with `--inproc`).
+pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
+    let a = c.args;
+    let budgets = stage_budgets(c.plan);
+    let launch = Launch {
+        mode: if a.inproc {
+            Mode::Threads
+        } else {
+            Mode::Processes
+        },
+        tokenizer: conf::TokenizerConf {
+            tok_dir: a.tok.clone(),
+            record_dir: a.record.clone(),
+        },
+        trunk: conf::TrunkConf {
+            model_dir: a.model_dir.clone(),
+            trunk_dir: a.trunk.clone(),
+            budget_bytes: c.plan.trunk_budget,
+            layers: c.layers,
+            record_dir: a.record.clone(),
+        },
+        fetcher: conf::FetcherConf {
+            model_dir: a.model_dir.clone(),
+            cache_bytes: c.plan.cache_budget,
+            min_slots: c.plan.min_slots,
+            max_slots: c.plan.max_slots,
+            readers: 16,
+            inject_failures: injected_failures(),
+            trace_dir: a.dump_cache_trace.clone(),
+            record_dir: a.record.clone(),
+        },
+        compute: conf::ComputeConf {
+            model_dir: a.model_dir.clone(),
+            config_path: c.config_path.to_path_buf(),
+            layers: a.layers,
+            prompt_ids: match &a.prompt {
+                Prompt::Ids(ids) => ids.clone(),
+                _ => Vec::new(),
+            },
+            gen: a.gen,
+            incremental: a.incremental,
+            sampler: c.sampler,
+            threads: c.threads,
+            dump_logits: a.dump_logits.clone(),
+            io_timeout_s: a.stage_timeout_s,
+            stop_ids: c.stop_ids.clone(),
+            record_dir: a.record.clone(),
+        },
+        prompt: prompt_message(a)?,
+        stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),
+        budgets: budgets.clone(),
+        require_cgroups: a.require_cgroups,
+        numa: a.numa.clone(),
+    };
+    let out = supervise::run(&launch, &mut StepPrinter { quiet: a.quiet })?;
+    let failures: u64 = out.steps.iter().map(|s| s.expert_failures).sum();
+    let stages = Stage::WORKERS
+        .iter()
+        .map(|s| {
+            let n = s.name().to_string();
+            StageReport {
+                name: n.clone(),
+                pid: out.pids.get(&n).copied().unwrap_or(0),
+                budget_bytes: budgets.get(s).copied(),
+                cgroup: out.cgroups.get(&n).map(|c| c.0.clone()),
+                peak_rss_bytes: out.peak_rss.get(&n).copied().unwrap_or(0),
+                cgroup_peak_bytes: out.cgroups.get(&n).and_then(|c| c.2),
+                numa: out.numa.get(&n).map(|x| format!("node {x}")),
+            }
+        })
+        .collect();
+    let mut notes = out.notes.clone();
+    for (k, v) in &out.summaries {
+        if let Some(r) = v.get("report").and_then(|r| r.as_str()) {
+            notes.push(format!("{k}: {r}"));
+        }
+    }
+    Ok(Generated {
+        prompt_ids: out.prompt_ids,
+        generated: out.generated,
+        steps: out.steps,
+        text: Some(out.text),
+        stages,
+        notes,
+        expert_failures: failures,
+        summaries: out.summaries,
+    })
+}

@@ -1,0 +1,410 @@
+//! Driving a started pipeline: wire the stages (links, regions, `Configure`), encode the
+//! prompt, then relay generation (step statistics, text, summaries) until every stage is
+//! done, turning an exit, an `Error` or silence into a [`RunError`] that names the stage.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::mpsc::RecvTimeoutError;
+use std::time::{Duration, Instant};
+
+use k3_protocol::messages::{Msg, RegionRole, Stage};
+use k3_protocol::shm::Region;
+use k3_protocol::transport::{ShmTransport, Side};
+
+use super::spawn::{Event, ExitCause, Exited, Running};
+use super::{erased, Launch, Mode, Observer, Outcome};
+use crate::error::RunError;
+
+/// Wait for the next event, watching heartbeats; returns a failure for a silent stage.
+fn next_event(
+    r: &mut Running,
+    timeout: Duration,
+    expect_alive: &[Stage],
+) -> Result<Event, RunError> {
+    loop {
+        if super::spawn::INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(RunError::new(130, "k3-orch: interrupted; stages stopped"));
+        }
+        match r.events.recv_timeout(Duration::from_millis(100)) {
+            Ok(ev) => {
+                if let Event::Control(s, Ok(_)) = &ev {
+                    r.last_seen.insert(*s, Instant::now());
+                }
+                return Ok(ev);
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                let now = Instant::now();
+                for s in expect_alive {
+                    if r.exited.contains_key(s) {
+                        continue;
+                    }
+                    let seen = *r.last_seen.entry(*s).or_insert(now);
+                    if now.duration_since(seen) > timeout {
+                        return Err(RunError::new(
+                            1,
+                            format!(
+                                "k3-orch: stage {s} stopped answering (no heartbeat for {:.0} s); stopping the pipeline",
+                                timeout.as_secs_f64()
+                            ),
+                        ));
+                    }
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(RunError::new(1, "k3-orch: every stage connection is gone"))
+            }
+        }
+    }
+}
+
+/// Turn an unexpected exit into a failure naming the stage and the cause.
+fn exit_failure(r: &Running, e: &Exited) -> RunError {
+    let stage = e.stage.clone();
+    let mut msg = format!("k3-orch: stage {stage} (pid {}) {}", e.pid, e.cause);
+    if let Some(cg) = &r.cgroups {
+        if let Some(s) = Stage::parse(&stage) {
+            if let Some(limit) = cg.oom_killed(s) {
+                msg = format!(
+                    "k3-orch: stage {stage} (pid {}) was killed by the kernel OOM killer at its memory limit of {} ({})",
+                    e.pid,
+                    crate::units::human(limit),
+                    e.cause
+                );
+            }
+        }
+    }
+    if matches!(e.cause, ExitCause::Code(0)) {
+        msg.push_str(" before the run was finished");
+    }
+    RunError::new(1, msg)
+}
+
+fn handle_common(
+    r: &mut Running,
+    ev: Event,
+    phase: &str,
+) -> Result<Option<(Stage, Msg, Vec<OwnedFd>)>, RunError> {
+    match ev {
+        Event::Control(s, Ok((Msg::Pong { .. }, _))) => {
+            let _ = s;
+            Ok(None)
+        }
+        Event::Control(s, Ok((Msg::Error { stage, msg }, _))) => {
+            let _ = s;
+            Err(RunError::new(
+                1,
+                format!("k3-orch: stage {stage} failed: {msg}"),
+            ))
+        }
+        Event::Control(s, Ok((m, fds))) => Ok(Some((s, m, fds))),
+        Event::Control(s, Err(e)) => {
+            // The control socket closed: the exit event (process mode) says why; give it a
+            // moment to arrive.
+            let deadline = Instant::now() + Duration::from_millis(500);
+            while Instant::now() < deadline {
+                if let Ok(Event::Exit(x)) = r.events.recv_timeout(Duration::from_millis(50)) {
+                    let f = exit_failure(r, &x);
+                    r.exited.insert(s, x);
+                    return Err(f);
+                }
+            }
+            Err(RunError::new(
+                1,
+                format!("k3-orch: stage {s} closed its control socket {phase}: {e}"),
+            ))
+        }
+        Event::Exit(x) => {
+            let f = exit_failure(r, &x);
+            if let Some(s) = Stage::parse(&x.stage) {
+                r.exited.insert(s, x);
+            }
+            Err(f)
+        }
+    }
+}
+
+fn link_region(id: u32, a: Stage, b: Stage) -> Result<Region, RunError> {
+    ShmTransport::create_region(
+        id,
+        &format!("link-{a}-{b}"),
+        &k3_protocol::link::link_ring(),
+    )
+    .map_err(|e| RunError::new(1, format!("k3-orch: link region {a}<->{b}: {e}")))
+}
+
+/// Run the pipeline; on success the outcome, else a failure with its exit code. Stages are
+/// always stopped and reaped before this returns.
+pub(super) fn drive(
+    launch: &Launch,
+    r: &mut Running,
+    obs: &mut dyn Observer,
+) -> Result<Outcome, RunError> {
+    let timeout = launch.stage_timeout;
+    let all = Stage::WORKERS;
+    // 1. Hello from everyone.
+    let mut hello: HashMap<Stage, u32> = HashMap::new();
+    while hello.len() < all.len() {
+        let ev = next_event(r, timeout, &all)?;
+        if let Some((s, m, _)) = handle_common(r, ev, "during start-up")? {
+            match m {
+                Msg::Hello {
+                    stage,
+                    pid,
+                    version,
+                } if stage == s => {
+                    if version != k3_protocol::messages::PROTOCOL_VERSION {
+                        return Err(RunError::new(
+                            1,
+                            format!("k3-orch: {s} speaks protocol {version}"),
+                        ));
+                    }
+                    hello.insert(s, pid);
+                }
+                other => {
+                    return Err(RunError::new(
+                        1,
+                        format!("k3-orch: {s} sent {other:?} before Hello"),
+                    ))
+                }
+            }
+        }
+    }
+    let peer_pid = |s: Stage| -> u32 {
+        if launch.mode == Mode::Processes {
+            hello[&s]
+        } else {
+            0
+        }
+    };
+    // 2. Links: compute is side A of each.
+    for (link_id, peer) in
+        (1u32..).zip([Stage::TrunkLoader, Stage::ExpertFetcher, Stage::Tokenizer])
+    {
+        let region = link_region(link_id, Stage::LayerCompute, peer)?;
+        r.send(
+            Stage::LayerCompute,
+            &Msg::Region {
+                id: link_id,
+                role: RegionRole::Link {
+                    peer,
+                    side: Side::A,
+                    peer_pid: peer_pid(peer),
+                },
+            },
+            &[region.fd()],
+        )?;
+        r.send(
+            peer,
+            &Msg::Region {
+                id: link_id,
+                role: RegionRole::Link {
+                    peer: Stage::LayerCompute,
+                    side: Side::B,
+                    peer_pid: peer_pid(Stage::LayerCompute),
+                },
+            },
+            &[region.fd()],
+        )?;
+    }
+    // 3. Configure the servers; collect their data regions.
+    let json = |v: &dyn erased::Json| v.json();
+    r.send(
+        Stage::Tokenizer,
+        &Msg::Configure {
+            json: json(&launch.tokenizer),
+        },
+        &[],
+    )?;
+    r.send(
+        Stage::TrunkLoader,
+        &Msg::Configure {
+            json: json(&launch.trunk),
+        },
+        &[],
+    )?;
+    r.send(
+        Stage::ExpertFetcher,
+        &Msg::Configure {
+            json: json(&launch.fetcher),
+        },
+        &[],
+    )?;
+    let mut ready: Vec<Stage> = Vec::new();
+    let mut data: Vec<(u32, String, OwnedFd)> = Vec::new();
+    while ready.len() < 3 {
+        let ev = next_event(r, timeout, &all)?;
+        if let Some((s, m, mut fds)) = handle_common(r, ev, "during set-up")? {
+            match m {
+                Msg::Ready { stage } if stage == s => ready.push(s),
+                Msg::Region {
+                    id,
+                    role: RegionRole::Data { name },
+                } => {
+                    let fd = fds.pop().ok_or_else(|| {
+                        RunError::new(
+                            1,
+                            format!("k3-orch: {s} announced region {name} without its fd"),
+                        )
+                    })?;
+                    data.push((id, name, fd));
+                }
+                other => {
+                    return Err(RunError::new(
+                        1,
+                        format!("k3-orch: {s} sent {other:?} during set-up"),
+                    ))
+                }
+            }
+        }
+    }
+    // 4. The prompt.
+    let mut compute = launch.compute.clone();
+    if let Some(req) = &launch.prompt {
+        r.send(Stage::Tokenizer, req, &[])?;
+        loop {
+            let ev = next_event(r, timeout, &all)?;
+            if let Some((s, m, _)) = handle_common(r, ev, "while encoding the prompt")? {
+                match m {
+                    Msg::Ids { ids, .. } if s == Stage::Tokenizer => {
+                        compute.prompt_ids = ids;
+                        break;
+                    }
+                    other => {
+                        return Err(RunError::new(
+                            1,
+                            format!("k3-orch: {s} sent {other:?} while encoding"),
+                        ))
+                    }
+                }
+            }
+        }
+    }
+    if compute.prompt_ids.is_empty() {
+        return Err(RunError::new(2, "k3-orch: the prompt encodes to no tokens"));
+    }
+    if compute.prompt_ids.len() > k3_protocol::conf::MAX_PROMPT_IDS {
+        return Err(RunError::new(
+            2,
+            format!(
+                "k3-orch: the prompt is {} tokens, over the {}-token limit",
+                compute.prompt_ids.len(),
+                k3_protocol::conf::MAX_PROMPT_IDS
+            ),
+        ));
+    }
+    // 5. Compute: data regions, configuration, go.
+    for (id, name, fd) in &data {
+        r.send(
+            Stage::LayerCompute,
+            &Msg::Region {
+                id: *id,
+                role: RegionRole::Data { name: name.clone() },
+            },
+            &[fd.as_fd()],
+        )?;
+    }
+    drop(data);
+    r.send(
+        Stage::LayerCompute,
+        &Msg::Configure {
+            json: json(&compute),
+        },
+        &[],
+    )?;
+    loop {
+        let ev = next_event(r, timeout, &all)?;
+        if let Some((s, m, _)) = handle_common(r, ev, "during set-up")? {
+            match m {
+                Msg::Ready { stage } if stage == s && s == Stage::LayerCompute => break,
+                other => {
+                    return Err(RunError::new(
+                        1,
+                        format!("k3-orch: {s} sent {other:?} during set-up"),
+                    ))
+                }
+            }
+        }
+    }
+    for s in all {
+        r.send(
+            s,
+            &Msg::Ready {
+                stage: Stage::Orchestrator,
+            },
+            &[],
+        )?;
+    }
+    // 6. Generation.
+    let mut out = Outcome {
+        prompt_ids: compute.prompt_ids.clone(),
+        ..Default::default()
+    };
+    obs.started();
+    let mut finished = false;
+    let mut summaries_left: Vec<Stage> = all.to_vec();
+    summaries_left.retain(|s| *s != Stage::LayerCompute);
+    while !(finished && summaries_left.is_empty()) {
+        // Compute must stay alive until Finished; the others until their Summary.
+        let alive: Vec<Stage> = all
+            .iter()
+            .copied()
+            .filter(|s| {
+                if *s == Stage::LayerCompute {
+                    !finished
+                } else {
+                    summaries_left.contains(s)
+                }
+            })
+            .collect();
+        let ev = next_event(r, timeout, &alive)?;
+        // After Finished, compute exits on its own; a clean exit is expected then.
+        if let Event::Exit(x) = &ev {
+            if let Some(s) = Stage::parse(&x.stage) {
+                let done = (s == Stage::LayerCompute && finished)
+                    || (s != Stage::LayerCompute && !summaries_left.contains(&s));
+                if done && x.cause == ExitCause::Code(0) {
+                    r.exited.insert(s, x.clone());
+                    continue;
+                }
+            }
+        }
+        if let Event::Control(s, Err(_)) = &ev {
+            let done = (*s == Stage::LayerCompute && finished)
+                || (*s != Stage::LayerCompute && !summaries_left.contains(s));
+            if done {
+                continue;
+            }
+        }
+        let Some((s, m, _)) = handle_common(r, ev, "during generation")? else {
+            continue;
+        };
+        match m {
+            Msg::StepStats(st) => {
+                obs.step(&st);
+                out.steps.push(st);
+            }
+            Msg::Text { bytes } => {
+                obs.text(&bytes);
+                out.text.extend_from_slice(&bytes);
+            }
+            Msg::Finished { generated } => {
+                out.generated = generated;
+                finished = true;
+            }
+            Msg::Summary { stage, json } => {
+                summaries_left.retain(|x| *x != stage);
+                out.summaries.insert(
+                    stage.name().to_string(),
+                    serde_json::from_str(&json).unwrap_or(serde_json::Value::String(json)),
+                );
+            }
+            other => {
+                return Err(RunError::new(
+                    1,
+                    format!("k3-orch: {s} sent {other:?} during generation"),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,158 @@
+//! The ONE decode loop: `gen` tokens after a prompt, full recompute or incremental, with the
+//! sampler. Every mode runs it: `--single-process` over mmapped shards, the staged pipeline
+//! (this crate's `stage`, in processes or `--inproc` threads) over links, and the tests'
+//! [`generate`]. What differs between them is only the [`Weights`] and the [`StepHooks`].
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::forward::{ForwardError, Model, StepOutput};
+use crate::sampler::{self, SamplerConfig};
+use crate::weights::Weights;
+
+/// What the loop needs to know.
+pub struct LoopOptions<'a> {
+    pub prompt: &'a [u32],
+    pub gen: usize,
+    /// Carry the session (prefill once, then one token per step); otherwise every step
+    /// recomputes the whole prefix. Both give the same ids.
+    pub incremental: bool,
+    pub sampler: SamplerConfig,
+    /// Generation ends after one of these ids (it is kept in the output).
+    pub stop_ids: &'a [u32],
+    /// Write the first step's logits row here (little-endian f32).
+    pub dump_logits: Option<&'a Path>,
+}
+
+/// One finished step.
+pub struct Step<'a> {
+    pub step: usize,
+    pub token: u32,
+    pub out: &'a StepOutput,
+    /// Wall time of the step: forward plus sampling.
+    pub seconds: f64,
+}
+
+/// What a mode does around each step. An error ends the loop with that message.
+pub trait StepHooks {
+    /// Before the forward of `step`.
+    fn before_step(&mut self, _step: usize) {}
+    /// Right after the forward of `step`, whatever its result (a staged run reports a link
+    /// failure here, which is the cause of any forward error that follows).
+    fn after_forward(&mut self, _step: usize) -> Result<(), String> {
+        Ok(())
+    }
+    /// The step's token is chosen.
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), String>;
+}
+
+/// Decode `o.gen` tokens after `o.prompt`; returns the generated ids.
+pub fn decode_loop<W: Weights>(
+    model: &Model<W>,
+    o: &LoopOptions<'_>,
+    hooks: &mut impl StepHooks,
+) -> Result<Vec<u32>, String> {
+    let vocab = model.vocab();
+    let mut seq = o.prompt.to_vec();
+    let mut sess = model.new_session();
+    let mut generated = Vec::with_capacity(o.gen);
+    for step in 0..o.gen {
+        hooks.before_step(step);
+        let t0 = Instant::now();
+        let res: Result<StepOutput, ForwardError> = if o.incremental {
+            if step == 0 {
+                model.prefill(&mut sess, o.prompt)
+            } else {
+                model.step(&mut sess, *seq.last().expect("non-empty sequence"))
+            }
+        } else {
+            let mut s = model.new_session();
+            model.forward(&mut s, &seq, false, None)
+        };
+        hooks.after_forward(step)?;
+        let out = res.map_err(|e| format!("forward pass failed at generation step {step}: {e}"))?;
+        let row = &out.logits[(out.rows - 1) * vocab..out.rows * vocab];
+        let token = sampler::sample(row, &o.sampler, step as u64) as u32;
+        if step == 0 {
+            if let Some(p) = o.dump_logits {
+                let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();
+                k3_io::output::write_atomic(p, &bytes)
+                    .map_err(|e| format!("--dump-logits {}: {e}", p.display()))?;
+            }
+        }
+        hooks.on_step(Step {
+            step,
+            token,
+            out: &out,
+            seconds: t0.elapsed().as_secs_f64(),
+        })?;
+        generated.push(token);
+        seq.push(token);
+        if o.stop_ids.contains(&token) {
+            break;
+        }
+    }
+    Ok(generated)
+}
+
+/// Statistics of one generation step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenStep {
+    pub token: u32,
+    pub seconds: f64,
+    pub expert_requests: usize,
+    pub expert_failures: usize,
+}
+
+/// Result of [`generate`].
+#[derive(Clone, Debug, Default)]
+pub struct Generation {
+    /// The generated ids (not including the prompt).
+    pub ids: Vec<u32>,
+    /// Logits of the first step (the prediction after the last prompt token).
+    pub first_logits: Vec<f32>,
+    pub steps: Vec<GenStep>,
+    /// Failure messages of every step (empty in a sound run).
+    pub failure_msgs: Vec<String>,
+}
+
+impl StepHooks for Generation {
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+        if s.step == 0 {
+            self.first_logits = s.out.logits.clone();
+        }
+        self.steps.push(GenStep {
+            token: s.token,
+            seconds: s.seconds,
+            expert_requests: s.out.stats.expert_requests,
+            expert_failures: s.out.stats.expert_failures,
+        });
+        self.failure_msgs
+            .extend(s.out.stats.failure_msgs.iter().cloned());
+        Ok(())
+    }
+}
+
+/// Greedy decode of `n` tokens after `prompt` through [`decode_loop`] (no stop ids), with
+/// every step's statistics and the first step's logits.
+pub fn generate<W: Weights>(
+    model: &Model<W>,
+    prompt: &[u32],
+    n: usize,
+    incremental: bool,
+) -> Result<Generation, String> {
+    let mut g = Generation::default();
+    g.ids = decode_loop(
+        model,
+        &LoopOptions {
+            prompt,
+            gen: n,
+            incremental,
+            sampler: SamplerConfig::default(),
+            stop_ids: &[],
+            dump_logits: None,
+        },
+        &mut g,
+    )?;
+    Ok(g)
+}

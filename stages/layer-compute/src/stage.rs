@@ -1,0 +1,160 @@
+//! The layer-compute stage's process loop: configure, then run the one decode loop
+//! ([`crate::decode::decode_loop`]) over [`StagedWeights`], streaming each id to the
+//! tokenizer and each step's statistics to the orchestrator.
+//!
+//! Model-level tensors (embeddings, lm_head, final norms) are this stage's own, mapped from
+//! the shards, so its cgroup pays for them together with the KV cache, the recurrent state
+//! and the scratch. The matrix products run on a rayon pool of `threads` workers built here,
+//! inside this process (whose CPU affinity k3-orch has already set).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k3_model::config::ModelConfig;
+use k3_model::mmap_weights::MmapWeights;
+use k3_protocol::conf::ComputeConf;
+use k3_protocol::link::{send_to, Link, StageCtx};
+use k3_protocol::messages::{Msg, Stage, StepStats};
+use k3_protocol::shm::Region;
+
+use crate::decode::{decode_loop, LoopOptions, Step, StepHooks};
+use crate::forward::{Model, ModelOptions};
+use crate::links::StagedWeights;
+
+/// Run the layer-compute stage until generation is finished.
+pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+    ctx.wait_configure()?;
+    let conf: ComputeConf = serde_json::from_str(&ctx.conf_json)
+        .map_err(|e| ctx.fail(format!("layer-compute: bad Configure: {e}")))?;
+    let pool =
+        crate::pool::build(conf.threads).map_err(|e| ctx.fail(format!("layer-compute: {e}")))?;
+    ctx.ready()?;
+    ctx.wait_go()?;
+    match pool.install(|| generate(&mut ctx, &conf)) {
+        Ok(()) => Ok(()),
+        Err(e) => Err(ctx.fail(e)),
+    }
+}
+
+fn region(ctx: &StageCtx, name: &str) -> Result<Arc<Region>, String> {
+    let id = ctx
+        .data
+        .get(name)
+        .ok_or_else(|| format!("layer-compute: the {name} region was not handed over"))?;
+    ctx.regions
+        .get(*id)
+        .cloned()
+        .ok_or_else(|| format!("layer-compute: region {id} ({name}) is not mapped"))
+}
+
+/// The staged mode's hooks: reset and read the link counters around each step, send the id
+/// to the tokenizer and the statistics to the orchestrator.
+struct Staged<'a> {
+    ctx: &'a StageCtx,
+    weights: &'a StagedWeights,
+    tok: &'a mut Link,
+    timeout: Option<Duration>,
+}
+
+impl StepHooks for Staged<'_> {
+    fn before_step(&mut self, _step: usize) {
+        let _ = self.weights.take_io();
+    }
+
+    fn after_forward(&mut self, _step: usize) -> Result<(), String> {
+        match self.weights.take_link_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+        let io = self.weights.take_io();
+        send_to(
+            &mut **self.tok,
+            Stage::LayerCompute,
+            Stage::Tokenizer,
+            &Msg::DecodeId { id: s.token },
+            self.timeout,
+        )?;
+        self.ctx.send_control(&Msg::StepStats(StepStats {
+            step: s.step as u32,
+            token: s.token,
+            seconds: s.seconds,
+            trunk_read_bytes: io.trunk_read_bytes,
+            expert_read_bytes: io.expert_read_bytes,
+            expert_requests: io.expert_requests,
+            resident_hits: io.resident_hits,
+            expert_failures: s.out.stats.expert_failures as u64,
+            io_wait_seconds: io.wait_seconds,
+        }))?;
+        for m in &s.out.stats.failure_msgs {
+            tracing::warn!("layer-compute: {m}");
+        }
+        Ok(())
+    }
+}
+
+fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
+    let cfg = ModelConfig::load(&conf.config_path).map_err(|e| format!("layer-compute: {e}"))?;
+    let n_layers = conf
+        .layers
+        .unwrap_or(cfg.num_hidden_layers)
+        .min(cfg.num_hidden_layers);
+    let model_w = MmapWeights::open(&conf.model_dir).map_err(|e| format!("layer-compute: {e}"))?;
+    let trunk_region = region(ctx, "trunk")?;
+    let expert_region = region(ctx, "experts")?;
+    let trunk = ctx.take_link(Stage::TrunkLoader)?;
+    let fetch = ctx.take_link(Stage::ExpertFetcher)?;
+    let mut tok = ctx.take_link(Stage::Tokenizer)?;
+    let timeout = Some(Duration::from_secs_f64(conf.io_timeout_s));
+    let weights = StagedWeights::new(
+        model_w,
+        trunk_region,
+        expert_region,
+        trunk,
+        fetch,
+        n_layers,
+        timeout,
+        ctx.rec.clone(),
+    );
+    let model = Model::new(
+        cfg,
+        &weights,
+        ModelOptions {
+            threads: conf.threads.max(1),
+            layers: conf.layers,
+            eps: None,
+        },
+    )
+    .map_err(|e| format!("layer-compute: {e}"))?;
+    let generated = decode_loop(
+        &model,
+        &LoopOptions {
+            prompt: &conf.prompt_ids,
+            gen: conf.gen,
+            incremental: conf.incremental,
+            sampler: conf.sampler,
+            stop_ids: &conf.stop_ids,
+            dump_logits: conf.dump_logits.as_deref(),
+        },
+        &mut Staged {
+            ctx,
+            weights: &weights,
+            tok: &mut tok,
+            timeout,
+        },
+    )
+    .map_err(|e| format!("layer-compute: {e}"))?;
+    drop(model);
+    weights.shutdown()?;
+    send_to(
+        &mut *tok,
+        Stage::LayerCompute,
+        Stage::Tokenizer,
+        &Msg::Shutdown,
+        timeout,
+    )?;
+    ctx.send_control(&Msg::Finished { generated })?;
+    ctx.finish_recording()
+}
