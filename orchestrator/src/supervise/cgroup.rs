@@ -668,7 +668,7 @@ mod tests {
         let limit: u64 = 32 << 20;
         let g = run.add_stage("expert-fetcher", limit).unwrap();
         if !g.swap_off() {
-            eprintln!("note: no swap accounting; relying on the machine having no swap");
+            tracing::warn!("note: no swap accounting; relying on the machine having no swap");
         }
         // dd allocates one 256 MiB buffer and fills it from /dev/zero: every page touched.
         let mut cmd = Command::new("dd");

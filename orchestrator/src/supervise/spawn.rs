@@ -339,7 +339,7 @@ pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
                     ));
                 }
                 let n = format!("running without per-stage memory cgroups: {why}");
-                eprintln!("k3-orch: note: {n}");
+                tracing::warn!("k3-orch: note: {n}");
                 notes.push(n);
             }
         }

@@ -178,7 +178,7 @@ pub fn main(argv: Vec<OsString>) -> i32 {
             }
             Ok(s) => extra.push(s),
             Err(_) => {
-                eprintln!("k3-orch demo: arguments must be UTF-8");
+                tracing::error!("k3-orch demo: arguments must be UTF-8");
                 return 2;
             }
         }
@@ -186,7 +186,7 @@ pub fn main(argv: Vec<OsString>) -> i32 {
     let mut keep: Option<PathBuf> = None;
     if let Some(i) = extra.iter().position(|x| x == "--keep") {
         if i + 1 >= extra.len() {
-            eprintln!("k3-orch demo: --keep needs a directory");
+            tracing::error!("k3-orch demo: --keep needs a directory");
             return 2;
         }
         keep = Some(PathBuf::from(extra.remove(i + 1)));
@@ -199,7 +199,7 @@ pub fn main(argv: Vec<OsString>) -> i32 {
     let dir = match extract_bundled(&tmp) {
         Ok(d) => d,
         Err(e) => {
-            eprintln!(
+            tracing::error!(
                 "k3-orch demo: writing the bundled model to {}: {e}",
                 tmp.display()
             );
@@ -233,7 +233,7 @@ pub fn main(argv: Vec<OsString>) -> i32 {
         Ok(crate::run::args::Parsed::Run(a)) => a,
         Ok(_) => return 0,
         Err(e) => {
-            eprintln!("k3-orch demo: {e}");
+            tracing::error!("k3-orch demo: {e}");
             return 2;
         }
     };

@@ -31,7 +31,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         Err(code) => return code,
     };
     if !(a.seconds.is_finite() && a.seconds >= 0.0) {
-        eprintln!("k3-orch devbw: --seconds {} is not a duration", a.seconds);
+        tracing::error!("k3-orch devbw: --seconds {} is not a duration", a.seconds);
         return 2;
     }
     let mut results = Vec::new();
@@ -39,7 +39,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         match measure(&a.file, bytes, qd, a.seconds) {
             Ok(r) => results.push(r),
             Err(e) => {
-                eprintln!("k3-orch devbw: {e}");
+                tracing::error!("k3-orch devbw: {e}");
                 return 1;
             }
         }

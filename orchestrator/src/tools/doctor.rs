@@ -151,7 +151,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     };
     if let Some(d) = &a.model_dir {
         if !d.is_dir() {
-            eprintln!("k3-orch doctor: {} is not a directory", d.display());
+            tracing::error!("k3-orch doctor: {} is not a directory", d.display());
             return 2;
         }
     }
@@ -187,7 +187,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let total = parse_meminfo(&meminfo, "MemTotal:");
     let Some(avail) = mem_available() else {
-        eprintln!("k3-orch doctor: cannot read MemAvailable from /proc/meminfo");
+        tracing::error!("k3-orch doctor: cannot read MemAvailable from /proc/meminfo");
         return 1;
     };
     println!(

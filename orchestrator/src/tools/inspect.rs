@@ -43,7 +43,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     let cat = match Catalog::open(&args.model_dir) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("k3-orch inspect: {e}");
+            tracing::error!("k3-orch inspect: {e}");
             return 1;
         }
     };

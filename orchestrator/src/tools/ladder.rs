@@ -55,26 +55,26 @@ pub fn main(args: Vec<OsString>) -> i32 {
         Err(code) => return code,
     };
     if a.rungs_gb.iter().any(|g| !(g.is_finite() && *g > 0.0)) {
-        eprintln!("k3-orch ladder: every rung must be a positive number of GB");
+        tracing::error!("k3-orch ladder: every rung must be a positive number of GB");
         return 2;
     }
     let manifest = match k3_model::trunk::TrunkManifest::load_dir(&a.trunk) {
         Ok(m) => m,
         Err(e) => {
-            eprintln!("k3-orch ladder: {e}");
+            tracing::error!("k3-orch ladder: {e}");
             return 2;
         }
     };
     // Page-padded runs: what pinning every layer takes.
     let trunk_gb = manifest.layers.iter().map(|l| l.padded_length).sum::<u64>() as f64 / 1e9;
     if let Err(e) = std::fs::create_dir_all(&a.out) {
-        eprintln!("k3-orch ladder: {}: {e}", a.out.display());
+        tracing::error!("k3-orch ladder: {}: {e}", a.out.display());
         return 1;
     }
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
-            eprintln!("k3-orch ladder: {e}");
+            tracing::error!("k3-orch ladder: {e}");
             return 1;
         }
     };
@@ -126,7 +126,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         let o = match cmd.output() {
             Ok(o) => o,
             Err(e) => {
-                eprintln!("k3-orch ladder: rung {total} GB: {e}");
+                tracing::error!("k3-orch ladder: rung {total} GB: {e}");
                 return 1;
             }
         };
@@ -145,7 +145,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         {
             Some(v) => v,
             None => {
-                eprintln!("k3-orch ladder: rung {total} GB wrote no readable report");
+                tracing::error!("k3-orch ladder: rung {total} GB wrote no readable report");
                 return 1;
             }
         };
@@ -186,7 +186,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         }
     }
     if let Err(e) = std::fs::write(a.out.join("ladder.tsv"), tsv) {
-        eprintln!("k3-orch ladder: ladder.tsv: {e}");
+        tracing::error!("k3-orch ladder: ladder.tsv: {e}");
         return 1;
     }
     match (&first_ids, all_same) {

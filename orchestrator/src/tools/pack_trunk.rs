@@ -95,11 +95,11 @@ pub fn main(args: Vec<OsString>) -> i32 {
     match run(&args) {
         Ok(()) => 0,
         Err(Fail::Refused(m)) => {
-            eprintln!("k3-orch pack-trunk: refused: {m}");
+            tracing::error!("k3-orch pack-trunk: refused: {m}");
             2
         }
         Err(Fail::Failed(e)) => {
-            eprintln!("k3-orch pack-trunk: {e:#}");
+            tracing::error!("k3-orch pack-trunk: {e:#}");
             1
         }
     }
@@ -294,7 +294,7 @@ fn run(a: &Args) -> Result<(), Fail> {
     if !a.force && dir.join(TRUNK_JSON).exists() {
         match TrunkManifest::load_dir(dir) {
             Ok(m) if m.source == src && same_layout(&m, &plan) => {
-                eprintln!(
+                tracing::info!(
                     "{} already holds a complete trunk of this checkpoint ({} layers, {}); \
                      nothing to pack (--force re-packs)",
                     dir.display(),
@@ -306,11 +306,11 @@ fn run(a: &Args) -> Result<(), Fail> {
                 }
                 return Ok(());
             }
-            Ok(_) => eprintln!(
+            Ok(_) => tracing::info!(
                 "{}: the existing trunk is of another checkpoint or layout; re-packing",
                 dir.display()
             ),
-            Err(e) => eprintln!("existing trunk is unusable ({e}); re-packing"),
+            Err(e) => tracing::info!("existing trunk is unusable ({e}); re-packing"),
         }
     }
     // From here on no complete-looking trunk may exist until the new one is committed.
@@ -374,19 +374,19 @@ fn resume_point(dir: &Path, digest: &str, plan: &[PlannedLayer]) -> Vec<TrunkLay
     let bin = dir.join(PARTIAL_BIN);
     let Ok(text) = fs::read_to_string(&jpath) else {
         if bin.exists() {
-            eprintln!("found {PARTIAL_BIN} without a journal: starting over");
+            tracing::info!("found {PARTIAL_BIN} without a journal: starting over");
         }
         return Vec::new();
     };
     let j: Journal = match serde_json::from_str(&text) {
         Ok(j) => j,
         Err(e) => {
-            eprintln!("{JOURNAL} is unreadable ({e}): starting over");
+            tracing::info!("{JOURNAL} is unreadable ({e}): starting over");
             return Vec::new();
         }
     };
     if j.plan_sha256 != digest {
-        eprintln!("{JOURNAL} is from another checkpoint or layout: starting over");
+        tracing::info!("{JOURNAL} is from another checkpoint or layout: starting over");
         return Vec::new();
     }
     let ok_prefix = j
@@ -401,7 +401,7 @@ fn resume_point(dir: &Path, digest: &str, plan: &[PlannedLayer]) -> Vec<TrunkLay
         .unwrap_or(0);
     let have = fs::metadata(&bin).map(|m| m.len()).unwrap_or(0);
     if !ok_prefix || j.done.len() > plan.len() || have < need {
-        eprintln!("{JOURNAL} does not match {PARTIAL_BIN}: starting over");
+        tracing::info!("{JOURNAL} does not match {PARTIAL_BIN}: starting over");
         return Vec::new();
     }
     j.done
@@ -420,7 +420,7 @@ fn pack(
         remove_if_exists(&dir.join(JOURNAL))?;
         remove_if_exists(&dir.join(PARTIAL_BIN))?;
     } else {
-        eprintln!(
+        tracing::info!(
             "resuming: {} of {} layers already packed ({})",
             done.len(),
             plan.len(),
@@ -503,7 +503,7 @@ fn pack(
                 copied as f64 / 1e6 / s.max(1e-9)
             );
             if bar.is_hidden() {
-                eprintln!("{line}");
+                tracing::info!("{line}");
             } else {
                 bar.println(line);
             }

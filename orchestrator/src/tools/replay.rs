@@ -85,26 +85,26 @@ pub fn main(args: Vec<OsString>) -> i32 {
         Err(code) => return code,
     };
     let Some(stage) = Stage::parse(&a.stage).filter(|s| *s != Stage::Orchestrator) else {
-        eprintln!(
+        tracing::error!(
             "k3-orch replay: unknown stage '{}' (tokenizer, trunk-loader, expert-fetcher, layer-compute)",
             a.stage
         );
         return 2;
     };
     if !(a.timeout > 0.0 && a.timeout.is_finite()) {
-        eprintln!("k3-orch replay: --timeout must be a positive number of seconds");
+        tracing::error!("k3-orch replay: --timeout must be a positive number of seconds");
         return 2;
     }
     let path = recording_path(&a.rec_dir, stage.name());
     let rec = match read_recording(&path, !a.no_verify) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("k3-orch replay: {e}");
+            tracing::error!("k3-orch replay: {e}");
             return 1;
         }
     };
     if rec.stage != stage.name() {
-        eprintln!(
+        tracing::error!(
             "k3-orch replay: {} is a recording of stage {}, not {stage}",
             path.display(),
             rec.stage
@@ -117,7 +117,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
             0
         }
         Err(e) => {
-            eprintln!("replay {stage}: FAIL: {e}");
+            tracing::error!("replay {stage}: FAIL: {e}");
             1
         }
     }

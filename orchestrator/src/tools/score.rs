@@ -53,7 +53,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     match run(&a) {
         Ok(code) => code,
         Err((code, msg)) => {
-            eprintln!("k3-orch score: {msg}");
+            tracing::error!("k3-orch score: {msg}");
             code
         }
     }
@@ -115,9 +115,9 @@ fn run(a: &Args) -> Result<i32, (i32, String)> {
     }
     if out.stats.expert_failures > 0 {
         for m in &out.stats.failure_msgs {
-            eprintln!("k3-orch score: {m}");
+            tracing::error!("k3-orch score: {m}");
         }
-        eprintln!(
+        tracing::error!(
             "k3-orch score: RUN INVALID: {} routed expert load(s) failed; the predictions are unsound",
             out.stats.expert_failures
         );

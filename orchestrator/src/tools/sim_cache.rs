@@ -57,7 +57,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
             Some(x) if !policies.contains(&x) => policies.push(x),
             Some(_) => {}
             None => {
-                eprintln!(
+                tracing::error!(
                     "k3-orch sim-cache: unknown policy {p:?}; known: {}",
                     Policy::ALL.map(|p| p.name()).join(", ")
                 );
@@ -66,22 +66,22 @@ pub fn main(args: Vec<OsString>) -> i32 {
         }
     }
     if let Some(bad) = a.sizes_gb.iter().find(|g| !(g.is_finite() && **g > 0.0)) {
-        eprintln!("k3-orch sim-cache: --sizes-gb {bad} is not a positive size");
+        tracing::error!("k3-orch sim-cache: --sizes-gb {bad} is not a positive size");
         return 2;
     }
     if a.expert_bytes == 0 || a.top_k == 0 {
-        eprintln!("k3-orch sim-cache: --expert-bytes and --top-k must be positive");
+        tracing::error!("k3-orch sim-cache: --expert-bytes and --top-k must be positive");
         return 2;
     }
     let trace = match read_trace(&a.trace) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("k3-orch sim-cache: {e}");
+            tracing::error!("k3-orch sim-cache: {e}");
             return 1;
         }
     };
     if trace.is_empty() {
-        eprintln!(
+        tracing::error!(
             "k3-orch sim-cache: {}: the trace is empty",
             a.trace.display()
         );

@@ -105,7 +105,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     let geometry = match resolve_geometry(&args) {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("k3-orch synth: {e}");
+            tracing::error!("k3-orch synth: {e}");
             return 2;
         }
     };
@@ -138,7 +138,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
             0
         }
         Err(e) => {
-            eprintln!("k3-orch synth: {e:#}");
+            tracing::error!("k3-orch synth: {e:#}");
             match e.downcast_ref::<Refused>() {
                 Some(_) => 2,
                 None => 1,
@@ -274,7 +274,7 @@ fn remove_stale_tmp(parent: &Path, name: &str) {
             continue;
         };
         if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
-            eprintln!(
+            tracing::warn!(
                 "synth: removing {} left by an interrupted run",
                 ent.path().display()
             );

@@ -64,7 +64,7 @@ struct DetokArgs {
 
 fn load(dir: &std::path::Path) -> Result<Tokenizer, i32> {
     Tokenizer::from_dir(dir).map_err(|e| {
-        eprintln!("k3-orch: tokenizer: {e}");
+        tracing::error!("k3-orch: tokenizer: {e}");
         1
     })
 }
@@ -75,14 +75,14 @@ pub fn main(args: Vec<OsString>) -> i32 {
         Err(code) => return code,
     };
     if a.chat && a.specials {
-        eprintln!("k3-orch tokenize: --specials cannot be used with --chat (chat text is never scanned for specials)");
+        tracing::error!("k3-orch tokenize: --specials cannot be used with --chat (chat text is never scanned for specials)");
         return 2;
     }
     let effort = match a.effort.as_str() {
         "none" => None,
         e if chat::EFFORTS.contains(&e) => Some(e.to_string()),
         e => {
-            eprintln!("k3-orch tokenize: --effort {e:?}: expected low, high, max or none");
+            tracing::error!("k3-orch tokenize: --effort {e:?}: expected low, high, max or none");
             return 2;
         }
     };
@@ -91,12 +91,12 @@ pub fn main(args: Vec<OsString>) -> i32 {
         (None, Some(f)) => match std::fs::read(f) {
             Ok(b) => b,
             Err(e) => {
-                eprintln!("k3-orch tokenize: cannot read --file {}: {e}", f.display());
+                tracing::error!("k3-orch tokenize: cannot read --file {}: {e}", f.display());
                 return 2;
             }
         },
         (None, None) => {
-            eprintln!("k3-orch tokenize: one of --text or --file is required");
+            tracing::error!("k3-orch tokenize: one of --text or --file is required");
             return 2;
         }
     };
@@ -106,7 +106,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     };
     let ids = if a.chat {
         let Ok(text) = std::str::from_utf8(&input) else {
-            eprintln!(
+            tracing::error!(
                 "k3-orch tokenize: --chat needs UTF-8 text, and the input is not valid UTF-8"
             );
             return 2;
@@ -119,7 +119,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         match tok.encode_chat(&chat::one_user_turn(text), None, &opts) {
             Ok(ids) => ids,
             Err(e) => {
-                eprintln!("k3-orch tokenize: {e}");
+                tracing::error!("k3-orch tokenize: {e}");
                 return 2;
             }
         }
@@ -149,7 +149,7 @@ pub fn detokenize_main(args: Vec<OsString>) -> i32 {
         match part.parse::<u32>() {
             Ok(v) => ids.push(v),
             Err(_) => {
-                eprintln!(
+                tracing::error!(
                     "k3-orch detokenize: --ids item {} ({part:?}) is not a token id",
                     i + 1
                 );
@@ -170,7 +170,7 @@ pub fn detokenize_main(args: Vec<OsString>) -> i32 {
             0
         }
         Err(e) => {
-            eprintln!("k3-orch detokenize: {e}");
+            tracing::error!("k3-orch detokenize: {e}");
             2
         }
     }

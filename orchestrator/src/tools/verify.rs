@@ -50,7 +50,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         Err(code) => return code,
     };
     if !args.model_dir.is_dir() {
-        eprintln!(
+        tracing::error!(
             "k3-orch verify: {} is not a directory",
             args.model_dir.display()
         );
@@ -61,7 +61,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         println!("{l}");
     }
     for p in &r.problems {
-        eprintln!("  FAIL {p}");
+        tracing::error!("  FAIL {p}");
     }
     if r.problems.is_empty() {
         println!("RESULT : OK");
