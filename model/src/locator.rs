@@ -14,6 +14,7 @@
 use std::fmt;
 
 use crate::catalog::Catalog;
+use crate::classify::expert_tensor;
 use crate::tensor::Dtype;
 
 /// Tensor suffixes of an MXFP4 expert, in released (name) order.
@@ -28,11 +29,6 @@ pub const MXFP4_SUFFIXES: [&str; 6] = [
 
 /// Tensor suffixes of an unquantised expert.
 pub const PLAIN_SUFFIXES: [&str; 3] = ["w1.weight", "w2.weight", "w3.weight"];
-
-/// Full name of one expert tensor.
-pub fn expert_tensor_name(layer: usize, expert: usize, suffix: &str) -> String {
-    format!("language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{suffix}")
-}
 
 /// One byte range of one shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -129,15 +125,15 @@ pub fn locate_expert(
     expert: usize,
 ) -> Result<ExpertLoc, LocateError> {
     let suffixes: &'static [&'static str] =
-        if catalog.contains(&expert_tensor_name(layer, expert, MXFP4_SUFFIXES[0])) {
+        if catalog.contains(&expert_tensor(layer, expert, MXFP4_SUFFIXES[0])) {
             &MXFP4_SUFFIXES
-        } else if catalog.contains(&expert_tensor_name(layer, expert, PLAIN_SUFFIXES[0])) {
+        } else if catalog.contains(&expert_tensor(layer, expert, PLAIN_SUFFIXES[0])) {
             &PLAIN_SUFFIXES
         } else {
             return Err(LocateError {
                 layer,
                 expert,
-                tensor: Some(expert_tensor_name(layer, expert, MXFP4_SUFFIXES[0])),
+                tensor: Some(expert_tensor(layer, expert, MXFP4_SUFFIXES[0])),
                 msg: format!(
                     "not in the checkpoint (neither {} nor {} exists)",
                     MXFP4_SUFFIXES[0], PLAIN_SUFFIXES[0]
@@ -146,7 +142,7 @@ pub fn locate_expert(
         };
     let mut parts = Vec::with_capacity(suffixes.len());
     for &suffix in suffixes {
-        let name = expert_tensor_name(layer, expert, suffix);
+        let name = expert_tensor(layer, expert, suffix);
         let e = catalog.get(&name).ok_or_else(|| LocateError {
             layer,
             expert,

@@ -18,6 +18,7 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
+use crate::classify::expert_tensor;
 use crate::tensor::Dtype;
 
 /// Decoder layers.
@@ -70,12 +71,6 @@ pub fn is_kda_layer(l: usize) -> bool {
 /// (five-digit index, six-digit total).
 pub fn shard_file_name(shard: usize) -> String {
     format!("model-{shard:05}-of-{N_SHARDS:06}.safetensors")
-}
-
-/// Name of one routed-expert tensor, e.g.
-/// `language_model.model.layers.12.block_sparse_moe.experts.123.w1.weight_packed`.
-pub fn expert_tensor_name(layer: usize, expert: usize, suffix: &str) -> String {
-    format!("language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{suffix}")
 }
 
 /// The six suffixes of one MXFP4 expert, in the released order.
@@ -174,12 +169,12 @@ pub fn expert_tensors(l: usize, e: usize) -> Vec<ReleasedTensor> {
     let mut t = Vec::with_capacity(6);
     for (w, rows, cols) in [("w1", 3072, 3584), ("w2", 3584, 3072), ("w3", 3072, 3584)] {
         t.push(ReleasedTensor::new(
-            expert_tensor_name(l, e, &format!("{w}.weight_packed")),
+            expert_tensor(l, e, &format!("{w}.weight_packed")),
             Dtype::U8,
             &[rows, cols / 2],
         ));
         t.push(ReleasedTensor::new(
-            expert_tensor_name(l, e, &format!("{w}.weight_scale")),
+            expert_tensor(l, e, &format!("{w}.weight_scale")),
             Dtype::U8,
             &[rows, cols / 32],
         ));

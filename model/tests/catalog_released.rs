@@ -91,7 +91,9 @@ fn shard2_geometry_through_the_catalog() {
     assert_eq!(s.data_end, s.file_size);
     let mut off = 1_268_562_960u64;
     for suf in released::EXPERT_SUFFIXES {
-        let e = c.get(&released::expert_tensor_name(1, 0, suf)).unwrap();
+        let e = c
+            .get(&k3_model::classify::expert_tensor(1, 0, suf))
+            .unwrap();
         assert_eq!(e.offset, off, "{suf}");
         assert_eq!(e.dtype, Dtype::U8);
         off += e.len;
@@ -107,7 +109,7 @@ fn shard2_geometry_through_the_catalog() {
         .collect();
     let want: Vec<String> = [0, 1, 10, 100]
         .iter()
-        .map(|&e| released::expert_tensor_name(1, e, "w1.weight_packed"))
+        .map(|&e| k3_model::classify::expert_tensor(1, e, "w1.weight_packed"))
         .collect();
     assert_eq!(order, want);
     // The trunk is the first 1,267,744,256 data bytes.

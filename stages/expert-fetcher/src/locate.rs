@@ -256,12 +256,8 @@ impl Locate for ExpertTable {
 
 /// `(layer, expert, rest)` of a routed-expert tensor name.
 fn parse_expert_name(name: &str) -> Option<(u32, u32, String)> {
-    let segs: Vec<&str> = name.split('.').collect();
-    let li = segs.iter().position(|s| *s == "layers")?;
-    let layer = segs.get(li + 1)?.parse().ok()?;
-    let ei = segs.iter().skip(li).position(|s| *s == "experts")? + li;
-    let expert = segs.get(ei + 1)?.parse().ok()?;
-    Some((layer, expert, segs[ei + 2..].join(".")))
+    let (l, e, rest) = k3_model::classify::split_expert(name)?;
+    Some((l as u32, e as u32, rest.to_string()))
 }
 
 /// `(absolute offset of the data section, header JSON)` of a safetensors file.

@@ -24,7 +24,8 @@ use crate::layers::{
     KdaState, KdaWeights, MlaCache, MlaDims, MlaWeights, MoeParams, MoeStats, MoeWeights, Situ,
     Trace,
 };
-use crate::weights::{to_f32_vec, Weights, LM_HEAD, MODEL_PREFIX};
+use crate::weights::{to_f32_vec, Weights, LM_HEAD};
+use k3_model::classify::{layer_tensor, model_tensor};
 
 /// Why a forward pass could not run.
 #[derive(Debug, thiserror::Error)]
@@ -119,7 +120,7 @@ pub struct Model<W> {
 }
 
 fn lname(l: usize, suffix: &str) -> String {
-    format!("{MODEL_PREFIX}layers.{l}.{suffix}")
+    layer_tensor(l, suffix)
 }
 
 impl<W: Weights> Model<W> {
@@ -207,7 +208,7 @@ impl<W: Weights> Model<W> {
     pub fn check_binding(&self) -> Result<(), ForwardError> {
         self.embed_tensor()?;
         self.head()?;
-        self.vector(&format!("{MODEL_PREFIX}norm.weight"), self.cfg.hidden_size)?;
+        self.vector(&model_tensor("norm.weight"), self.cfg.hidden_size)?;
         self.final_fold()?;
         for l in 0..self.n_layers {
             self.weights.begin_layer(l)?;
@@ -241,7 +242,7 @@ impl<W: Weights> Model<W> {
     }
 
     fn embed_tensor(&self) -> Result<TensorRef<'_>, ForwardError> {
-        let name = format!("{MODEL_PREFIX}embed_tokens.weight");
+        let name = model_tensor("embed_tokens.weight");
         let t = self.tensor(&name)?;
         let (v, d) = (self.cfg.vocab_size, self.cfg.hidden_size);
         if t.shape != [v, d]
@@ -270,8 +271,8 @@ impl<W: Weights> Model<W> {
 
     fn final_fold(&self) -> Result<Vec<f32>, ForwardError> {
         self.fold(
-            &format!("{MODEL_PREFIX}output_attn_res_norm.weight"),
-            &format!("{MODEL_PREFIX}output_attn_res_proj.weight"),
+            &model_tensor("output_attn_res_norm.weight"),
+            &model_tensor("output_attn_res_proj.weight"),
         )
     }
 
@@ -515,7 +516,7 @@ impl<W: Weights> Model<W> {
         let fold = self.final_fold()?;
         let mixed = attnres_mix_rows(&bank, &h, &fold, self.eps.rms, ntok);
         crate::layers::trace_put(&mut trace, "mix", &mixed);
-        let nw = self.vector(&format!("{MODEL_PREFIX}norm.weight"), d)?;
+        let nw = self.vector(&model_tensor("norm.weight"), d)?;
         let mut normed = vec![0f32; ntok * d];
         for t in 0..ntok {
             norm::rmsnorm(

@@ -19,14 +19,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::weights::{ExpertRef, ExpertTensor, Weights};
+use k3_model::classify::{split_expert, split_layer};
 use k3_model::mmap_weights::MmapWeights;
 use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
 use k3_protocol::messages::{Msg, Stage};
 use k3_protocol::shm::{Handle, Region};
 
 use k3_protocol::link::{recv_from, send_to, Link, Rec};
-
-const LAYER_PREFIX: &str = "language_model.model.layers.";
 
 /// One tensor of one routed expert, relative to the expert's first byte.
 #[derive(Clone, Debug)]
@@ -91,11 +90,11 @@ impl StagedWeights {
         let mut parts: HashMap<(u32, u32), Vec<(String, Dtype, Vec<usize>, u64, u64)>> =
             HashMap::new();
         for (name, e) in model.catalog().iter() {
-            let Some(rest) = name.strip_prefix(LAYER_PREFIX) else {
+            if split_layer(name.as_str()).is_none() {
                 continue;
-            };
-            if let Some((l, e_id, suffix)) = parse_expert(rest) {
-                parts.entry((l, e_id)).or_default().push((
+            }
+            if let Some((l, e_id, suffix)) = split_expert(name.as_str()) {
+                parts.entry((l as u32, e_id as u32)).or_default().push((
                     suffix.to_string(),
                     e.dtype,
                     e.shape.to_vec(),
@@ -217,17 +216,9 @@ impl StagedWeights {
     }
 }
 
-/// `<l>.block_sparse_moe.experts.<e>.<suffix>` -> (l, e, suffix).
-fn parse_expert(rest: &str) -> Option<(u32, u32, &str)> {
-    let (l, tail) = rest.split_once('.')?;
-    let tail = tail.strip_prefix("block_sparse_moe.experts.")?;
-    let (e, suffix) = tail.split_once('.')?;
-    Some((l.parse().ok()?, e.parse().ok()?, suffix))
-}
-
 impl Weights for StagedWeights {
     fn tensor(&self, name: &str) -> Result<TensorRef<'_>, WeightError> {
-        if !name.starts_with(LAYER_PREFIX) {
+        if split_layer(name).is_none() {
             return self.model.tensor(name);
         }
         let (dtype, shape) = self

@@ -16,10 +16,8 @@
 
 use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
 
-/// Name prefix of every decoder-layer and model-level tensor.
-pub const MODEL_PREFIX: &str = "language_model.model.";
-/// Name of the output head.
-pub const LM_HEAD: &str = "language_model.lm_head.weight";
+use k3_model::classify::expert_tensor;
+pub use k3_model::classify::{LM_HEAD, MODEL_PREFIX};
 
 /// One routed-expert projection as stored.
 #[derive(Clone, Copy, Debug)]
@@ -87,11 +85,6 @@ impl<W: Weights + ?Sized> Weights for &W {
     }
 }
 
-/// Full name of a routed-expert tensor, e.g. `expert_name(1, 5, "w1.weight_packed")`.
-pub fn expert_name(layer: usize, id: u32, suffix: &str) -> String {
-    format!("{MODEL_PREFIX}layers.{layer}.block_sparse_moe.experts.{id}.{suffix}")
-}
-
 /// Look up one routed expert in a [`WeightSource`]: MXFP4 (`w*.weight_packed` +
 /// `w*.weight_scale`) when the packed tensor exists, else plain `w*.weight`.
 pub fn expert_from_source<S: WeightSource + ?Sized>(
@@ -100,17 +93,17 @@ pub fn expert_from_source<S: WeightSource + ?Sized>(
     id: u32,
 ) -> Result<ExpertRef<'_>, WeightError> {
     let one = |w: &str| -> Result<ExpertTensor<'_>, WeightError> {
-        let packed = expert_name(layer, id, &format!("{w}.weight_packed"));
+        let packed = expert_tensor(layer, id as usize, &format!("{w}.weight_packed"));
         if src.contains(&packed) {
-            let scale = expert_name(layer, id, &format!("{w}.weight_scale"));
+            let scale = expert_tensor(layer, id as usize, &format!("{w}.weight_scale"));
             Ok(ExpertTensor::Mxfp4 {
                 packed: src.tensor(&packed)?,
                 scale: src.tensor(&scale)?,
             })
         } else {
-            Ok(ExpertTensor::Dense(src.tensor(&expert_name(
+            Ok(ExpertTensor::Dense(src.tensor(&expert_tensor(
                 layer,
-                id,
+                id as usize,
                 &format!("{w}.weight"),
             ))?))
         }

@@ -26,6 +26,7 @@ use crate::{plan, LayerRun, RingPolicy, TrunkLoader};
 use k3_io::arena::ALIGN;
 use k3_io::direct::DirectFiles;
 use k3_model::catalog::Catalog;
+use k3_model::classify::{split_expert, split_layer};
 use k3_model::tensor::Dtype;
 use k3_model::trunk::TrunkManifest;
 use k3_protocol::messages::{Msg, Stage, TensorSpan};
@@ -52,14 +53,10 @@ pub fn layer_tensors(
 ) -> Vec<Vec<(String, usize, u64, u64, Dtype, Vec<usize>)>> {
     let mut out = vec![Vec::new(); layers];
     for (name, e) in cat.iter() {
-        let Some(rest) = name.strip_prefix("language_model.model.layers.") else {
+        let Some((l, _)) = split_layer(&name) else {
             continue;
         };
-        let Some((l, tail)) = rest.split_once('.') else {
-            continue;
-        };
-        let Ok(l) = l.parse::<usize>() else { continue };
-        if l >= layers || tail.contains(".experts.") {
+        if l >= layers || split_expert(&name).is_some() {
             continue;
         }
         out[l].push((name, e.shard, e.offset, e.len, e.dtype, e.shape.to_vec()));
