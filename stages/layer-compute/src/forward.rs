@@ -16,14 +16,14 @@
 use k3_model::config::{LayerKind, ModelConfig};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
-use crate::kernels::attnres;
 use crate::kernels::gemv::{gemm, Mat};
 use crate::kernels::norm;
-use crate::layers::{
-    attnres_mix_rows, glu_mlp, kda_forward, mat_from, mla_forward, moe_forward, Eps, KdaDims,
-    KdaState, KdaWeights, MlaCache, MlaDims, MlaWeights, MoeParams, MoeStats, MoeWeights, Situ,
-    Trace,
-};
+use crate::modules::attnres::attnres_mix_rows;
+use crate::modules::kda::{kda_forward, KdaState, KdaWeights};
+use crate::modules::mla::{mla_forward, MlaCache, MlaWeights};
+use crate::modules::mlp::{glu_mlp, DenseWeights};
+use crate::modules::moe::{moe_forward, MoeStats, MoeWeights};
+use crate::modules::{mat_from, Eps, Trace};
 use crate::weights::{to_f32_vec, Weights, LM_HEAD};
 use k3_model::classify::{layer_tensor, model_tensor};
 
@@ -112,14 +112,14 @@ impl Session {
 
 /// A model: config, weights and options.
 pub struct Model<W> {
-    cfg: ModelConfig,
+    pub(crate) cfg: ModelConfig,
     weights: W,
     threads: usize,
     n_layers: usize,
-    eps: Eps,
+    pub(crate) eps: Eps,
 }
 
-fn lname(l: usize, suffix: &str) -> String {
+pub(crate) fn lname(l: usize, suffix: &str) -> String {
     layer_tensor(l, suffix)
 }
 
@@ -219,17 +219,22 @@ impl<W: Weights> Model<W> {
         Ok(())
     }
 
-    fn tensor(&self, name: &str) -> Result<TensorRef<'_>, ForwardError> {
+    pub(crate) fn tensor(&self, name: &str) -> Result<TensorRef<'_>, ForwardError> {
         Ok(self.weights.tensor(name)?)
     }
 
-    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'_>, ForwardError> {
+    pub(crate) fn mat(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Mat<'_>, ForwardError> {
         let t = self.tensor(name)?;
         Ok(mat_from(name, t, rows, cols)?)
     }
 
     /// A small vector of `len` values (shape `[len]` or `[1, len]`).
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ForwardError> {
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ForwardError> {
         let t = self.tensor(name)?;
         if t.numel() != len || !(t.shape == [len] || t.shape == [1, len]) {
             return Err(WeightError::Invalid {
@@ -262,173 +267,6 @@ impl<W: Weights> Model<W> {
         self.mat(LM_HEAD, self.cfg.vocab_size, self.cfg.hidden_size)
     }
 
-    fn fold(&self, norm_name: &str, proj_name: &str) -> Result<Vec<f32>, ForwardError> {
-        let d = self.cfg.hidden_size;
-        let n = self.vector(norm_name, d)?;
-        let p = self.vector(proj_name, d)?;
-        Ok(attnres::fold(&n, &p))
-    }
-
-    fn final_fold(&self) -> Result<Vec<f32>, ForwardError> {
-        self.fold(
-            &model_tensor("output_attn_res_norm.weight"),
-            &model_tensor("output_attn_res_proj.weight"),
-        )
-    }
-
-    fn kda_dims(&self) -> KdaDims {
-        let la = &self.cfg.linear_attn;
-        KdaDims {
-            hidden: self.cfg.hidden_size,
-            heads: la.num_heads,
-            head_dim: la.head_dim,
-            conv: la.short_conv_kernel_size,
-            lower_bound: la.gate_lower_bound,
-        }
-    }
-
-    fn mla_dims(&self) -> MlaDims {
-        let c = &self.cfg;
-        MlaDims {
-            hidden: c.hidden_size,
-            heads: c.num_attention_heads,
-            q_lora: c.q_lora_rank,
-            kv_lora: c.kv_lora_rank,
-            nope: c.qk_nope_head_dim,
-            rope: c.qk_rope_head_dim,
-            v: c.v_head_dim,
-        }
-    }
-
-    fn conv_taps(
-        &self,
-        name: &str,
-        channels: usize,
-        width: usize,
-    ) -> Result<Vec<f32>, ForwardError> {
-        let t = self.tensor(name)?;
-        if !(t.shape == [channels, 1, width] || t.shape == [channels, width]) {
-            return Err(WeightError::Invalid {
-                name: name.into(),
-                msg: format!("shape {:?}, expected [{channels}, 1, {width}]", t.shape),
-            }
-            .into());
-        }
-        Ok(to_f32_vec(name, &t)?)
-    }
-
-    fn kda_weights(&self, l: usize) -> Result<KdaWeights<'_>, ForwardError> {
-        let d = self.kda_dims();
-        let (h, p, dk, hid) = (d.heads, d.width(), d.head_dim, d.hidden);
-        let n = |s: &str| lname(l, &format!("self_attn.{s}"));
-        let a_log_name = n("A_log");
-        let a_log_t = self.tensor(&a_log_name)?;
-        // A_log is per HEAD: [heads], or padded to [head_dim] (released); use the first heads.
-        if a_log_t.shape.len() != 1 || a_log_t.shape[0] < h {
-            return Err(WeightError::Invalid {
-                name: a_log_name,
-                msg: format!(
-                    "shape {:?}, expected [{h}] or a padded [>= {h}]",
-                    a_log_t.shape
-                ),
-            }
-            .into());
-        }
-        let a_log = to_f32_vec(&a_log_name, &a_log_t)?[..h].to_vec();
-        let frank = {
-            let t = self.tensor(&n("f_a_proj.weight"))?;
-            t.shape.first().copied().unwrap_or(0)
-        };
-        Ok(KdaWeights {
-            q: self.mat(&n("q_proj.weight"), p, hid)?,
-            k: self.mat(&n("k_proj.weight"), p, hid)?,
-            v: self.mat(&n("v_proj.weight"), p, hid)?,
-            q_conv: self.conv_taps(&n("q_conv1d.weight"), p, d.conv)?,
-            k_conv: self.conv_taps(&n("k_conv1d.weight"), p, d.conv)?,
-            v_conv: self.conv_taps(&n("v_conv1d.weight"), p, d.conv)?,
-            f_a: self.mat(&n("f_a_proj.weight"), frank, hid)?,
-            f_b: self.mat(&n("f_b_proj.weight"), p, frank)?,
-            b: self.mat(&n("b_proj.weight"), h, hid)?,
-            g: self.mat(&n("g_proj.weight"), p, hid)?,
-            o: self.mat(&n("o_proj.weight"), hid, p)?,
-            a_log,
-            dt_bias: self.vector(&n("dt_bias"), p)?,
-            o_norm: self.vector(&n("o_norm.weight"), dk)?,
-        })
-    }
-
-    fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, ForwardError> {
-        let d = self.mla_dims();
-        let n = |s: &str| lname(l, &format!("self_attn.{s}"));
-        let qh = d.nope + d.rope;
-        Ok(MlaWeights {
-            q_a: self.mat(&n("q_a_proj.weight"), d.q_lora, d.hidden)?,
-            q_a_norm: self.vector(&n("q_a_layernorm.weight"), d.q_lora)?,
-            q_b: self.mat(&n("q_b_proj.weight"), d.heads * qh, d.q_lora)?,
-            kv_a: self.mat(
-                &n("kv_a_proj_with_mqa.weight"),
-                d.kv_lora + d.rope,
-                d.hidden,
-            )?,
-            kv_a_norm: self.vector(&n("kv_a_layernorm.weight"), d.kv_lora)?,
-            kv_b: self.mat(&n("kv_b_proj.weight"), d.heads * (d.nope + d.v), d.kv_lora)?,
-            g: if self.cfg.mla_use_output_gate {
-                Some(self.mat(&n("g_proj.weight"), d.heads * d.v, d.hidden)?)
-            } else {
-                None
-            },
-            o: self.mat(&n("o_proj.weight"), d.hidden, d.heads * d.v)?,
-        })
-    }
-
-    fn moe_params(&self) -> MoeParams {
-        let c = &self.cfg;
-        MoeParams {
-            hidden: c.hidden_size,
-            n_experts: c.num_experts,
-            top_k: c.num_experts_per_token,
-            latent: c.routed_expert_hidden_size,
-            inter: c.moe_intermediate_size,
-            renormalize: c.moe_renormalize,
-            routed_scale: c.routed_scaling_factor,
-            situ: self.situ(),
-            eps: self.eps.rms,
-        }
-    }
-
-    fn situ(&self) -> Situ {
-        Situ {
-            b1: self.cfg.activation_situ_beta,
-            b2: self.cfg.activation_situ_linear_beta,
-        }
-    }
-
-    fn moe_weights(&self, l: usize) -> Result<MoeWeights<'_>, ForwardError> {
-        let c = &self.cfg;
-        let (d, lat, e, sw) = (
-            c.hidden_size,
-            c.routed_expert_hidden_size,
-            c.num_experts,
-            c.shared_expert_width(),
-        );
-        let n = |s: &str| lname(l, &format!("block_sparse_moe.{s}"));
-        let bias_name = n("gate.e_score_correction_bias");
-        Ok(MoeWeights {
-            gate: self.mat(&n("gate.weight"), e, d)?,
-            bias: Some(self.vector(&bias_name, e)?),
-            down: self.mat(&n("routed_expert_down_proj.weight"), lat, d)?,
-            up: self.mat(&n("routed_expert_up_proj.weight"), d, lat)?,
-            norm: if c.latent_moe_use_norm {
-                Some(self.vector(&n("routed_expert_norm.weight"), lat)?)
-            } else {
-                None
-            },
-            sh_gate: self.mat(&n("shared_experts.gate_proj.weight"), sw, d)?,
-            sh_up: self.mat(&n("shared_experts.up_proj.weight"), sw, d)?,
-            sh_down: self.mat(&n("shared_experts.down_proj.weight"), d, sw)?,
-        })
-    }
-
     fn bind_layer(&self, l: usize) -> Result<LayerW<'_>, ForwardError> {
         let d = self.cfg.hidden_size;
         let attn = match self.cfg.layer_kind(l) {
@@ -438,12 +276,7 @@ impl<W: Weights> Model<W> {
         let ffn = if self.cfg.is_moe(l) {
             Ffn::Moe(self.moe_weights(l)?)
         } else {
-            let f = self.cfg.intermediate_size;
-            Ffn::Dense {
-                gate: self.mat(&lname(l, "mlp.gate_proj.weight"), f, d)?,
-                up: self.mat(&lname(l, "mlp.up_proj.weight"), f, d)?,
-                down: self.mat(&lname(l, "mlp.down_proj.weight"), d, f)?,
-            }
+            Ffn::Dense(self.dense_weights(l)?)
         };
         Ok(LayerW {
             attn_fold: self.fold(
@@ -515,7 +348,7 @@ impl<W: Weights> Model<W> {
         }
         let fold = self.final_fold()?;
         let mixed = attnres_mix_rows(&bank, &h, &fold, self.eps.rms, ntok);
-        crate::layers::trace_put(&mut trace, "mix", &mixed);
+        crate::modules::trace_put(&mut trace, "mix", &mixed);
         let nw = self.vector(&model_tensor("norm.weight"), d)?;
         let mut normed = vec![0f32; ntok * d];
         for t in 0..ntok {
@@ -526,7 +359,7 @@ impl<W: Weights> Model<W> {
                 &mut normed[t * d..(t + 1) * d],
             );
         }
-        crate::layers::trace_put(&mut trace, "norm", &normed);
+        crate::modules::trace_put(&mut trace, "norm", &normed);
         let head = self.head()?;
         let (rows, src) = if all_rows {
             (ntok, &normed[..])
@@ -535,7 +368,7 @@ impl<W: Weights> Model<W> {
         };
         let mut logits = vec![0f32; rows * vocab];
         gemm(&head, src, &mut logits, rows, th);
-        crate::layers::trace_put(&mut trace, "logits", &logits);
+        crate::modules::trace_put(&mut trace, "logits", &logits);
         sess.pos += ntok;
         Ok(StepOutput {
             logits,
@@ -588,7 +421,7 @@ impl<W: Weights> Model<W> {
         stats: &mut StepStats,
         trace: &mut Option<&mut Trace>,
     ) -> Result<(), ForwardError> {
-        use crate::layers::trace_put;
+        use crate::modules::trace_put;
         let d = self.cfg.hidden_size;
         let eps = self.eps;
         let th = self.threads;
@@ -650,7 +483,7 @@ impl<W: Weights> Model<W> {
         }
         // (9) FFN.
         let z = match &w.ffn {
-            Ffn::Dense { gate, up, down } => glu_mlp(gate, up, down, self.situ(), &v, ntok, th),
+            Ffn::Dense(w) => glu_mlp(&w.gate, &w.up, &w.down, self.situ(), &v, ntok, th),
             Ffn::Moe(mw) => {
                 let mut ms = MoeStats::default();
                 let mut fetch = |ids: &[u32],
@@ -693,11 +526,7 @@ enum Attn<'a> {
 }
 
 enum Ffn<'a> {
-    Dense {
-        gate: Mat<'a>,
-        up: Mat<'a>,
-        down: Mat<'a>,
-    },
+    Dense(DenseWeights<'a>),
     Moe(MoeWeights<'a>),
 }
 

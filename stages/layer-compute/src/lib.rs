@@ -1,7 +1,8 @@
 //! `k3-layer-compute`: every Kimi K3 kernel and the whole forward pass.
 //!
 //! - [`kernels`]: portable reference kernels (and bit-identical AVX2 GEMVs).
-//! - [`layers`]: the modules (KDA, MLA, latent MoE, dense MLP, AttnRes) over token batches.
+//! - [`modules`]: one file per module (KDA, MLA, latent MoE, dense MLP, AttnRes), each with
+//!   its forward over a token batch and its weight binding.
 //! - [`weights`]: the [`weights::Weights`] trait through which the forward receives its
 //!   weights (single-process mmap or the staged pipeline's shared-memory handles).
 //! - [`forward`]: [`forward::Model`] and [`forward::Session`] (full recompute, incremental
@@ -24,8 +25,8 @@
 pub mod decode;
 pub mod forward;
 pub mod kernels;
-pub mod layers;
 pub mod links;
+pub mod modules;
 pub mod pool;
 pub mod sampler;
 pub mod stage;

@@ -11,10 +11,11 @@ mod support;
 
 use k3_layer_compute::kernels::gemv::{gemv, Mat};
 use k3_layer_compute::kernels::{act, attnres, conv, kda, mxfp4, norm, router};
-use k3_layer_compute::layers::{
-    kda_forward, mla_forward, moe_forward, Eps, KdaDims, KdaState, KdaWeights, MlaCache, MlaDims,
-    MlaWeights, MoeParams, MoeStats, MoeWeights, Situ,
-};
+use k3_layer_compute::modules::kda::{kda_forward, KdaDims, KdaState, KdaWeights};
+use k3_layer_compute::modules::mla::{mla_forward, MlaCache, MlaDims, MlaWeights};
+use k3_layer_compute::modules::mlp::Situ;
+use k3_layer_compute::modules::moe::{moe_forward, MoeParams, MoeStats, MoeWeights};
+use k3_layer_compute::modules::Eps;
 use k3_layer_compute::weights::{ExpertRef, ExpertTensor};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 use support::*;

@@ -6,7 +6,7 @@
 
 mod support;
 
-use k3_layer_compute::layers::Trace;
+use k3_layer_compute::modules::Trace;
 use support::*;
 
 fn check(rel: &str) {

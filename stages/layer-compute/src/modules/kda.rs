@@ -1,0 +1,218 @@
+//! Kimi Delta Attention (k3-spec §4.3): the module over a token batch and its weight binding.
+
+use k3_model::classify::layer_tensor;
+use k3_model::tensor::WeightError;
+
+use super::trace_put;
+use super::{Eps, Trace};
+use crate::forward::{ForwardError, Model};
+use crate::kernels::act::sigmoid;
+use crate::kernels::gemv::{gemm, Mat};
+use crate::kernels::{conv, kda, norm};
+use crate::weights::to_f32_vec;
+use crate::weights::Weights;
+
+/// KDA geometry.
+#[derive(Clone, Copy, Debug)]
+pub struct KdaDims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub conv: usize,
+    pub lower_bound: f32,
+}
+
+impl KdaDims {
+    pub fn width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+}
+
+/// Weights of one KDA module.
+pub struct KdaWeights<'a> {
+    pub q: Mat<'a>,
+    pub k: Mat<'a>,
+    pub v: Mat<'a>,
+    /// `[width, conv]` taps each.
+    pub q_conv: Vec<f32>,
+    pub k_conv: Vec<f32>,
+    pub v_conv: Vec<f32>,
+    pub f_a: Mat<'a>,
+    pub f_b: Mat<'a>,
+    pub b: Mat<'a>,
+    pub g: Mat<'a>,
+    pub o: Mat<'a>,
+    /// At least `heads` entries; only the first `heads` are read.
+    pub a_log: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    pub o_norm: Vec<f32>,
+}
+
+/// Recurrent state of one KDA layer: the per-head state and the three conv tails.
+#[derive(Clone, Debug)]
+pub struct KdaState {
+    /// `heads × dk × dv`, row = key channel.
+    pub s: Vec<f32>,
+    pub conv_q: Vec<f32>,
+    pub conv_k: Vec<f32>,
+    pub conv_v: Vec<f32>,
+}
+
+impl KdaState {
+    pub fn new(d: &KdaDims) -> Self {
+        let p = d.width();
+        let hist = d.conv.saturating_sub(1);
+        KdaState {
+            s: vec![0.0; d.heads * d.head_dim * d.head_dim],
+            conv_q: vec![0.0; p * hist],
+            conv_k: vec![0.0; p * hist],
+            conv_v: vec![0.0; p * hist],
+        }
+    }
+}
+
+/// KDA over `ntok` consecutive tokens `u` (`ntok × hidden`, post input_layernorm).
+#[allow(clippy::too_many_arguments)]
+pub fn kda_forward(
+    w: &KdaWeights<'_>,
+    d: &KdaDims,
+    eps: &Eps,
+    u: &[f32],
+    ntok: usize,
+    st: &mut KdaState,
+    threads: usize,
+    trace: &mut Option<&mut Trace>,
+) -> Vec<f32> {
+    let p = d.width();
+    let (h, dk) = (d.heads, d.head_dim);
+    let mut q = vec![0f32; ntok * p];
+    let mut k = vec![0f32; ntok * p];
+    let mut v = vec![0f32; ntok * p];
+    gemm(&w.q, u, &mut q, ntok, threads);
+    gemm(&w.k, u, &mut k, ntok, threads);
+    gemm(&w.v, u, &mut v, ntok, threads);
+    let mut qc = vec![0f32; ntok * p];
+    let mut kc = vec![0f32; ntok * p];
+    let mut vc = vec![0f32; ntok * p];
+    conv::shortconv_silu(&q, &w.q_conv, d.conv, p, &mut st.conv_q, &mut qc);
+    conv::shortconv_silu(&k, &w.k_conv, d.conv, p, &mut st.conv_k, &mut kc);
+    conv::shortconv_silu(&v, &w.v_conv, d.conv, p, &mut st.conv_v, &mut vc);
+    let mut beta = vec![0f32; ntok * h];
+    gemm(&w.b, u, &mut beta, ntok, threads);
+    let mut fa = vec![0f32; ntok * w.f_a.rows];
+    gemm(&w.f_a, u, &mut fa, ntok, threads);
+    let mut z = vec![0f32; ntok * p];
+    gemm(&w.f_b, &fa, &mut z, ntok, threads);
+    let mut gate = vec![0f32; ntok * p];
+    gemm(&w.g, u, &mut gate, ntok, threads);
+
+    let qscale = 1.0 / (dk as f32).sqrt();
+    let mut g = vec![0f32; p];
+    let mut alpha = vec![0f32; p];
+    let mut o = vec![0f32; ntok * p];
+    let mut scratch = vec![0f32; dk];
+    for t in 0..ntok {
+        let r = t * p..(t + 1) * p;
+        let (qt, kt, vt) = (&mut qc[r.clone()], &mut kc[r.clone()], &vc[r.clone()]);
+        kda::decay_gate(
+            &z[r.clone()],
+            &w.a_log,
+            &w.dt_bias,
+            h,
+            dk,
+            d.lower_bound,
+            &mut g,
+            &mut alpha,
+        );
+        for hh in 0..h {
+            let hr = hh * dk..(hh + 1) * dk;
+            norm::l2norm_inplace(&mut qt[hr.clone()], eps.kda_l2);
+            norm::l2norm_inplace(&mut kt[hr.clone()], eps.kda_l2);
+            qt[hr.clone()].iter_mut().for_each(|x| *x *= qscale);
+            let b = sigmoid(beta[t * h + hh]);
+            kda::delta_step(
+                &mut st.s[hh * dk * dk..(hh + 1) * dk * dk],
+                &qt[hr.clone()],
+                &kt[hr.clone()],
+                &vt[hr.clone()],
+                &alpha[hr.clone()],
+                b,
+                &mut o[t * p + hh * dk..t * p + (hh + 1) * dk],
+                &mut scratch,
+            );
+        }
+        kda::output_norm_gate(&mut o[r.clone()], &gate[r], &w.o_norm, h, eps.rms);
+    }
+    trace_put(trace, "kda_state", &st.s);
+    let mut y = vec![0f32; ntok * d.hidden];
+    gemm(&w.o, &o, &mut y, ntok, threads);
+    y
+}
+
+impl<W: Weights> Model<W> {
+    pub(crate) fn kda_dims(&self) -> KdaDims {
+        let la = &self.cfg.linear_attn;
+        KdaDims {
+            hidden: self.cfg.hidden_size,
+            heads: la.num_heads,
+            head_dim: la.head_dim,
+            conv: la.short_conv_kernel_size,
+            lower_bound: la.gate_lower_bound,
+        }
+    }
+    pub(crate) fn conv_taps(
+        &self,
+        name: &str,
+        channels: usize,
+        width: usize,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let t = self.tensor(name)?;
+        if !(t.shape == [channels, 1, width] || t.shape == [channels, width]) {
+            return Err(WeightError::Invalid {
+                name: name.into(),
+                msg: format!("shape {:?}, expected [{channels}, 1, {width}]", t.shape),
+            }
+            .into());
+        }
+        Ok(to_f32_vec(name, &t)?)
+    }
+    pub(crate) fn kda_weights(&self, l: usize) -> Result<KdaWeights<'_>, ForwardError> {
+        let d = self.kda_dims();
+        let (h, p, dk, hid) = (d.heads, d.width(), d.head_dim, d.hidden);
+        let n = |s: &str| layer_tensor(l, &format!("self_attn.{s}"));
+        let a_log_name = n("A_log");
+        let a_log_t = self.tensor(&a_log_name)?;
+        // A_log is per HEAD: [heads], or padded to [head_dim] (released); use the first heads.
+        if a_log_t.shape.len() != 1 || a_log_t.shape[0] < h {
+            return Err(WeightError::Invalid {
+                name: a_log_name,
+                msg: format!(
+                    "shape {:?}, expected [{h}] or a padded [>= {h}]",
+                    a_log_t.shape
+                ),
+            }
+            .into());
+        }
+        let a_log = to_f32_vec(&a_log_name, &a_log_t)?[..h].to_vec();
+        let frank = {
+            let t = self.tensor(&n("f_a_proj.weight"))?;
+            t.shape.first().copied().unwrap_or(0)
+        };
+        Ok(KdaWeights {
+            q: self.mat(&n("q_proj.weight"), p, hid)?,
+            k: self.mat(&n("k_proj.weight"), p, hid)?,
+            v: self.mat(&n("v_proj.weight"), p, hid)?,
+            q_conv: self.conv_taps(&n("q_conv1d.weight"), p, d.conv)?,
+            k_conv: self.conv_taps(&n("k_conv1d.weight"), p, d.conv)?,
+            v_conv: self.conv_taps(&n("v_conv1d.weight"), p, d.conv)?,
+            f_a: self.mat(&n("f_a_proj.weight"), frank, hid)?,
+            f_b: self.mat(&n("f_b_proj.weight"), p, frank)?,
+            b: self.mat(&n("b_proj.weight"), h, hid)?,
+            g: self.mat(&n("g_proj.weight"), p, hid)?,
+            o: self.mat(&n("o_proj.weight"), hid, p)?,
+            a_log,
+            dt_bias: self.vector(&n("dt_bias"), p)?,
+            o_norm: self.vector(&n("o_norm.weight"), dk)?,
+        })
+    }
+}

@@ -1,0 +1,190 @@
+//! NoPE multi-head latent attention (k3-spec §4.4): the module and its weight binding.
+
+use k3_model::classify::layer_tensor;
+
+use super::trace_put;
+use super::{Eps, Trace};
+use crate::forward::{ForwardError, Model};
+use crate::kernels::act::sigmoid;
+use crate::kernels::gemv::{gemm, Mat};
+use crate::kernels::{mla, norm};
+use crate::weights::Weights;
+
+/// MLA geometry.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaDims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub q_lora: usize,
+    pub kv_lora: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v: usize,
+}
+
+/// Weights of one MLA module.
+pub struct MlaWeights<'a> {
+    pub q_a: Mat<'a>,
+    pub q_a_norm: Vec<f32>,
+    pub q_b: Mat<'a>,
+    pub kv_a: Mat<'a>,
+    pub kv_a_norm: Vec<f32>,
+    pub kv_b: Mat<'a>,
+    /// The output gate (`g_proj`); `None` when `mla_use_output_gate` is false.
+    pub g: Option<Mat<'a>>,
+    pub o: Mat<'a>,
+}
+
+/// Per-position cache of one MLA layer: the spec's `c̄` (after kv_a_layernorm) and `k_r`,
+/// plus the per-head keys/values expanded from `c̄` once (so a decode step does not
+/// recompute `W_kvb c̄` for every earlier position).
+#[derive(Clone, Debug, Default)]
+pub struct MlaCache {
+    pub len: usize,
+    /// `[pos][kv_lora]`
+    pub latent: Vec<f32>,
+    /// `[pos][rope]`
+    pub k_rope: Vec<f32>,
+    /// `[pos][heads][nope]`
+    pub k_nope: Vec<f32>,
+    /// `[pos][heads][v]`
+    pub v: Vec<f32>,
+}
+
+impl MlaCache {
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.latent.len() + self.k_rope.len() + self.k_nope.len() + self.v.len())
+    }
+}
+
+/// MLA over `ntok` tokens following the cached ones.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_forward(
+    w: &MlaWeights<'_>,
+    d: &MlaDims,
+    eps: &Eps,
+    u: &[f32],
+    ntok: usize,
+    cache: &mut MlaCache,
+    threads: usize,
+    trace: &mut Option<&mut Trace>,
+) -> Vec<f32> {
+    let qh = d.nope + d.rope;
+    let mut cq = vec![0f32; ntok * d.q_lora];
+    gemm(&w.q_a, u, &mut cq, ntok, threads);
+    for t in 0..ntok {
+        norm::rmsnorm_inplace(
+            &mut cq[t * d.q_lora..(t + 1) * d.q_lora],
+            Some(&w.q_a_norm),
+            eps.mla_lora,
+        );
+    }
+    let mut q = vec![0f32; ntok * d.heads * qh];
+    gemm(&w.q_b, &cq, &mut q, ntok, threads);
+    let kvw = d.kv_lora + d.rope;
+    let mut kv = vec![0f32; ntok * kvw];
+    gemm(&w.kv_a, u, &mut kv, ntok, threads);
+    let mut lat = vec![0f32; ntok * d.kv_lora];
+    for t in 0..ntok {
+        norm::rmsnorm(
+            &kv[t * kvw..t * kvw + d.kv_lora],
+            Some(&w.kv_a_norm),
+            eps.mla_lora,
+            &mut lat[t * d.kv_lora..(t + 1) * d.kv_lora],
+        );
+        cache
+            .k_rope
+            .extend_from_slice(&kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
+    }
+    cache.latent.extend_from_slice(&lat);
+    trace_put(trace, "mla_latent", &lat);
+    for t in 0..ntok {
+        trace_put(trace, "mla_k_rope", &kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
+    }
+    let per = d.nope + d.v;
+    let mut kvb = vec![0f32; ntok * d.heads * per];
+    gemm(&w.kv_b, &lat, &mut kvb, ntok, threads);
+    for t in 0..ntok {
+        for h in 0..d.heads {
+            let base = (t * d.heads + h) * per;
+            cache.k_nope.extend_from_slice(&kvb[base..base + d.nope]);
+        }
+        for h in 0..d.heads {
+            let base = (t * d.heads + h) * per;
+            cache.v.extend_from_slice(&kvb[base + d.nope..base + per]);
+        }
+    }
+    let first = cache.len;
+    cache.len += ntok;
+    let dims = mla::MlaDims {
+        heads: d.heads,
+        nope: d.nope,
+        rope: d.rope,
+        v: d.v,
+    };
+    let view = mla::MlaCacheView {
+        k_nope: &cache.k_nope,
+        v: &cache.v,
+        k_rope: &cache.k_rope,
+    };
+    let ow = d.heads * d.v;
+    let mut o = vec![0f32; ntok * ow];
+    for t in 0..ntok {
+        mla::attend(
+            dims,
+            &q[t * d.heads * qh..(t + 1) * d.heads * qh],
+            &view,
+            first + t,
+            &mut o[t * ow..(t + 1) * ow],
+        );
+    }
+    if let Some(g) = &w.g {
+        let mut gate = vec![0f32; ntok * ow];
+        gemm(g, u, &mut gate, ntok, threads);
+        for (x, gv) in o.iter_mut().zip(&gate) {
+            *x *= sigmoid(*gv);
+        }
+    }
+    let mut y = vec![0f32; ntok * d.hidden];
+    gemm(&w.o, &o, &mut y, ntok, threads);
+    y
+}
+
+impl<W: Weights> Model<W> {
+    pub(crate) fn mla_dims(&self) -> MlaDims {
+        let c = &self.cfg;
+        MlaDims {
+            hidden: c.hidden_size,
+            heads: c.num_attention_heads,
+            q_lora: c.q_lora_rank,
+            kv_lora: c.kv_lora_rank,
+            nope: c.qk_nope_head_dim,
+            rope: c.qk_rope_head_dim,
+            v: c.v_head_dim,
+        }
+    }
+    pub(crate) fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, ForwardError> {
+        let d = self.mla_dims();
+        let n = |s: &str| layer_tensor(l, &format!("self_attn.{s}"));
+        let qh = d.nope + d.rope;
+        Ok(MlaWeights {
+            q_a: self.mat(&n("q_a_proj.weight"), d.q_lora, d.hidden)?,
+            q_a_norm: self.vector(&n("q_a_layernorm.weight"), d.q_lora)?,
+            q_b: self.mat(&n("q_b_proj.weight"), d.heads * qh, d.q_lora)?,
+            kv_a: self.mat(
+                &n("kv_a_proj_with_mqa.weight"),
+                d.kv_lora + d.rope,
+                d.hidden,
+            )?,
+            kv_a_norm: self.vector(&n("kv_a_layernorm.weight"), d.kv_lora)?,
+            kv_b: self.mat(&n("kv_b_proj.weight"), d.heads * (d.nope + d.v), d.kv_lora)?,
+            g: if self.cfg.mla_use_output_gate {
+                Some(self.mat(&n("g_proj.weight"), d.heads * d.v, d.hidden)?)
+            } else {
+                None
+            },
+            o: self.mat(&n("o_proj.weight"), d.hidden, d.heads * d.v)?,
+        })
+    }
+}

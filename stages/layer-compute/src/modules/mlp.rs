@@ -1,0 +1,74 @@
+//! The dense SiTU-GLU FFN (layer 0, and the shared experts inside the MoE; k3-spec §4.5)
+//! and its weight binding.
+
+use k3_model::classify::layer_tensor;
+
+use crate::forward::{ForwardError, Model};
+use crate::kernels::act::situ_glu64;
+use crate::kernels::gemv::{gemm, gemm64_x64, Mat};
+use crate::weights::Weights;
+
+/// SiTU caps.
+#[derive(Clone, Copy, Debug)]
+pub struct Situ {
+    pub b1: f32,
+    pub b2: f32,
+}
+
+/// `W_down · SiTU(W_gate x, W_up x)` for `ntok` rows, as unrounded f64 sums. The SiTU
+/// output stays f64 into the down projection (an f64 island inside the FFN).
+pub fn glu_mlp64(
+    gate: &Mat<'_>,
+    up: &Mat<'_>,
+    down: &Mat<'_>,
+    situ: Situ,
+    x: &[f32],
+    ntok: usize,
+    threads: usize,
+) -> Vec<f64> {
+    let f = gate.rows;
+    let mut g = vec![0f32; ntok * f];
+    let mut u = vec![0f32; ntok * f];
+    gemm(gate, x, &mut g, ntok, threads);
+    gemm(up, x, &mut u, ntok, threads);
+    let mut a = vec![0f64; ntok * f];
+    situ_glu64(&g, &u, situ.b1, situ.b2, &mut a);
+    let mut y = vec![0f64; ntok * down.rows];
+    gemm64_x64(down, &a, &mut y, ntok, threads);
+    y
+}
+
+/// `W_down · SiTU(W_gate x, W_up x)` for `ntok` rows (rounded once to f32).
+pub fn glu_mlp(
+    gate: &Mat<'_>,
+    up: &Mat<'_>,
+    down: &Mat<'_>,
+    situ: Situ,
+    x: &[f32],
+    ntok: usize,
+    threads: usize,
+) -> Vec<f32> {
+    glu_mlp64(gate, up, down, situ, x, ntok, threads)
+        .into_iter()
+        .map(|v| v as f32)
+        .collect()
+}
+
+/// The dense FFN's three projections.
+pub struct DenseWeights<'a> {
+    pub gate: Mat<'a>,
+    pub up: Mat<'a>,
+    pub down: Mat<'a>,
+}
+
+impl<W: Weights> Model<W> {
+    pub(crate) fn dense_weights(&self, l: usize) -> Result<DenseWeights<'_>, ForwardError> {
+        let d = self.cfg.hidden_size;
+        let f = self.cfg.intermediate_size;
+        Ok(DenseWeights {
+            gate: self.mat(&layer_tensor(l, "mlp.gate_proj.weight"), f, d)?,
+            up: self.mat(&layer_tensor(l, "mlp.up_proj.weight"), f, d)?,
+            down: self.mat(&layer_tensor(l, "mlp.down_proj.weight"), d, f)?,
+        })
+    }
+}

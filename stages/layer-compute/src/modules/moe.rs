@@ -1,0 +1,237 @@
+//! The latent MoE (k3-spec §4.6-§4.7): router, routed experts in the latent space, shared
+//! experts, and its weight binding. Expert outputs are combined in top-k order, whatever
+//! order they arrive in.
+
+use k3_model::classify::layer_tensor;
+use k3_model::tensor::WeightError;
+
+use super::mlp::{glu_mlp, glu_mlp64, Situ};
+use super::{expert_mat, trace_put, Trace};
+use crate::forward::{ForwardError, Model};
+use crate::kernels::gemv::{gemm, gemm64, Mat};
+use crate::kernels::{norm, router};
+use crate::weights::ExpertRef;
+use crate::weights::Weights;
+
+/// Latent-MoE parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeParams {
+    pub hidden: usize,
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub latent: usize,
+    pub inter: usize,
+    pub renormalize: bool,
+    pub routed_scale: f32,
+    pub situ: Situ,
+    pub eps: f32,
+}
+
+/// Trunk weights of one latent-MoE block.
+pub struct MoeWeights<'a> {
+    pub gate: Mat<'a>,
+    pub bias: Option<Vec<f32>>,
+    pub down: Mat<'a>,
+    pub up: Mat<'a>,
+    /// `routed_expert_norm`; `None` when `latent_moe_use_norm` is false.
+    pub norm: Option<Vec<f32>>,
+    pub sh_gate: Mat<'a>,
+    pub sh_up: Mat<'a>,
+    pub sh_down: Mat<'a>,
+}
+
+/// Counters of one MoE call.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MoeStats {
+    /// Distinct experts requested.
+    pub requests: usize,
+    /// Expert slots that failed to load (or were never delivered); each is left out of
+    /// the sum, and a run with any is unsound.
+    pub failures: usize,
+    /// One message per failure.
+    pub failure_msgs: Vec<String>,
+}
+
+/// A routed-expert supplier: `fetch(ids, deliver)` calls `deliver(slot, result)` once per
+/// slot, in any order.
+pub type ExpertFetch<'f> =
+    dyn FnMut(&[u32], &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>)) + 'f;
+
+/// The latent MoE over `ntok` rows `v` (post post_attention_layernorm).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_forward(
+    w: &MoeWeights<'_>,
+    p: &MoeParams,
+    v: &[f32],
+    ntok: usize,
+    fetch: &mut ExpertFetch<'_>,
+    threads: usize,
+    stats: &mut MoeStats,
+    trace: &mut Option<&mut Trace>,
+) -> Vec<f32> {
+    let (lat, k) = (p.latent, p.top_k);
+    let mut logits = vec![0f32; ntok * p.n_experts];
+    gemm(&w.gate, v, &mut logits, ntok, threads);
+    let routes: Vec<router::Routing> = (0..ntok)
+        .map(|t| {
+            router::route(
+                &logits[t * p.n_experts..(t + 1) * p.n_experts],
+                w.bias.as_deref(),
+                k,
+                p.renormalize,
+                p.routed_scale,
+            )
+        })
+        .collect();
+    for r in &routes {
+        trace_put(trace, "moe_scores", &r.scores);
+        trace_put(
+            trace,
+            "moe_topk_ids",
+            &r.ids.iter().map(|&i| i as f32).collect::<Vec<_>>(),
+        );
+        trace_put(trace, "moe_topk_weights", &r.weights);
+    }
+    let mut xl = vec![0f32; ntok * lat];
+    gemm(&w.down, v, &mut xl, ntok, threads);
+
+    // Distinct ids in first-use order, and who uses each: (token, slot in its top-k).
+    let mut union: Vec<u32> = Vec::new();
+    let mut users: Vec<Vec<(usize, usize)>> = Vec::new();
+    for (t, r) in routes.iter().enumerate() {
+        for (slot, &id) in r.ids.iter().enumerate() {
+            match union.iter().position(|&u| u == id) {
+                Some(ui) => users[ui].push((t, slot)),
+                None => {
+                    union.push(id);
+                    users.push(vec![(t, slot)]);
+                }
+            }
+        }
+    }
+    stats.requests += union.len();
+    let mut outs = vec![0f32; ntok * k * lat];
+    let mut done = vec![false; ntok * k];
+    let mut delivered = vec![false; union.len()];
+    {
+        let mut deliver = |ui: usize, res: Result<ExpertRef<'_>, WeightError>| {
+            if ui >= union.len() || delivered[ui] {
+                stats.failures += 1;
+                stats
+                    .failure_msgs
+                    .push(format!("expert slot {ui} delivered twice or out of range"));
+                return;
+            }
+            delivered[ui] = true;
+            let id = union[ui];
+            let mats = res.and_then(|e| {
+                let n = |x: &str| format!("expert {id} {x}");
+                Ok((
+                    expert_mat(&n("w1"), e.w1, p.inter, lat)?,
+                    expert_mat(&n("w3"), e.w3, p.inter, lat)?,
+                    expert_mat(&n("w2"), e.w2, lat, p.inter)?,
+                ))
+            });
+            match mats {
+                Ok((w1, w3, w2)) => {
+                    let us = &users[ui];
+                    let mut xb = Vec::with_capacity(us.len() * lat);
+                    for &(t, _) in us {
+                        xb.extend_from_slice(&xl[t * lat..(t + 1) * lat]);
+                    }
+                    let y = glu_mlp(&w1, &w3, &w2, p.situ, &xb, us.len(), threads);
+                    for (j, &(t, slot)) in us.iter().enumerate() {
+                        outs[(t * k + slot) * lat..(t * k + slot + 1) * lat]
+                            .copy_from_slice(&y[j * lat..(j + 1) * lat]);
+                        done[t * k + slot] = true;
+                    }
+                }
+                Err(e) => {
+                    stats.failures += 1;
+                    stats.failure_msgs.push(format!("expert {id}: {e}"));
+                }
+            }
+        };
+        fetch(&union, &mut deliver);
+    }
+    for (ui, d) in delivered.iter().enumerate() {
+        if !d {
+            stats.failures += 1;
+            stats
+                .failure_msgs
+                .push(format!("expert {} was never delivered", union[ui]));
+        }
+    }
+    // Weighted sum in top-k order, then the latent norm on the aggregate.
+    let mut agg = vec![0f32; ntok * lat];
+    for t in 0..ntok {
+        let a = &mut agg[t * lat..(t + 1) * lat];
+        for slot in 0..k.min(routes[t].ids.len()) {
+            if !done[t * k + slot] {
+                continue;
+            }
+            let wt = routes[t].weights[slot];
+            let y = &outs[(t * k + slot) * lat..(t * k + slot + 1) * lat];
+            for j in 0..lat {
+                a[j] += wt * y[j];
+            }
+        }
+        if let Some(nw) = &w.norm {
+            norm::rmsnorm_inplace(a, Some(nw), p.eps);
+        }
+    }
+    // z = r + sh, added in f64 from the unrounded products and rounded once (the two
+    // halves are often large and nearly cancelling).
+    let mut r = vec![0f64; ntok * p.hidden];
+    gemm64(&w.up, &agg, &mut r, ntok, threads);
+    let sh = glu_mlp64(&w.sh_gate, &w.sh_up, &w.sh_down, p.situ, v, ntok, threads);
+    r.iter().zip(&sh).map(|(a, b)| (a + b) as f32).collect()
+}
+
+impl<W: Weights> Model<W> {
+    pub(crate) fn moe_params(&self) -> MoeParams {
+        let c = &self.cfg;
+        MoeParams {
+            hidden: c.hidden_size,
+            n_experts: c.num_experts,
+            top_k: c.num_experts_per_token,
+            latent: c.routed_expert_hidden_size,
+            inter: c.moe_intermediate_size,
+            renormalize: c.moe_renormalize,
+            routed_scale: c.routed_scaling_factor,
+            situ: self.situ(),
+            eps: self.eps.rms,
+        }
+    }
+    pub(crate) fn situ(&self) -> Situ {
+        Situ {
+            b1: self.cfg.activation_situ_beta,
+            b2: self.cfg.activation_situ_linear_beta,
+        }
+    }
+    pub(crate) fn moe_weights(&self, l: usize) -> Result<MoeWeights<'_>, ForwardError> {
+        let c = &self.cfg;
+        let (d, lat, e, sw) = (
+            c.hidden_size,
+            c.routed_expert_hidden_size,
+            c.num_experts,
+            c.shared_expert_width(),
+        );
+        let n = |s: &str| layer_tensor(l, &format!("block_sparse_moe.{s}"));
+        let bias_name = n("gate.e_score_correction_bias");
+        Ok(MoeWeights {
+            gate: self.mat(&n("gate.weight"), e, d)?,
+            bias: Some(self.vector(&bias_name, e)?),
+            down: self.mat(&n("routed_expert_down_proj.weight"), lat, d)?,
+            up: self.mat(&n("routed_expert_up_proj.weight"), d, lat)?,
+            norm: if c.latent_moe_use_norm {
+                Some(self.vector(&n("routed_expert_norm.weight"), lat)?)
+            } else {
+                None
+            },
+            sh_gate: self.mat(&n("shared_experts.gate_proj.weight"), sw, d)?,
+            sh_up: self.mat(&n("shared_experts.up_proj.weight"), sw, d)?,
+            sh_down: self.mat(&n("shared_experts.down_proj.weight"), d, sw)?,
+        })
+    }
+}
