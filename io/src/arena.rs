@@ -102,6 +102,15 @@ impl OwnedArena {
     }
 }
 
+impl OwnedArena {
+    /// The bytes, mutably (an owned arena has one owner: `&mut self` is exclusive access).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the allocation is valid for `layout.size()` zero-initialised bytes while
+        // `self` lives, and `&mut self` guarantees no other access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
 /// Touch every page of an arena once (write a zero into each), so its memory is faulted in
 /// now, by the calling process: the stage that owns a region pays for it in its cgroup, and
 /// the first token does not pay the page faults.

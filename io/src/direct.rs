@@ -1,5 +1,11 @@
-//! Positioned reads for the fetcher: O_DIRECT when the request is aligned and the file
-//! system allows it, buffered otherwise, plus a fault-injecting wrapper for tests.
+//! The one positioned reader of k3: O_DIRECT when the request is aligned and the file system
+//! allows it, buffered otherwise, plus a fault-injecting wrapper for tests.
+//!
+//! Aligned requests (offset, length and address multiples of [`ALIGN`]) go straight to
+//! O_DIRECT: that is every expert slot and every packed-trunk chunk. A request at any other
+//! offset is widened to the aligned [`window`] that contains it and read into an aligned
+//! scratch buffer ([`DirectFiles::read_exact_unaligned`]); the last window of a file may run
+//! past EOF as long as the payload is covered.
 //!
 //! The fetcher always asks for page-aligned offsets into page-aligned buffers of whole pages
 //! (its slots mirror the file's page layout), so on a local disk every expert read bypasses
@@ -12,7 +18,17 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::arena::ALIGN;
+use crate::arena::{ArenaMemory, OwnedArena, ALIGN};
+
+/// The aligned window `[start, start + len)` that contains `[off, off + len)`; `None` on
+/// arithmetic overflow.
+pub fn window(off: u64, len: u64) -> Option<(u64, u64)> {
+    let a = ALIGN as u64;
+    let start = off - off % a;
+    let end = off.checked_add(len)?;
+    let wend = end.checked_add(a - 1)? / a * a;
+    Some((start, wend - start))
+}
 
 /// Read bytes of file number `file` at `offset` into `dst`.
 pub trait ReadAt: Send + Sync {
@@ -86,6 +102,55 @@ impl DirectFiles {
     /// Reads that went through the page cache (unaligned, or O_DIRECT refused).
     pub fn buffered_reads(&self) -> u64 {
         self.buffered_reads.load(Ordering::Relaxed)
+    }
+
+    /// Read `dst.len()` bytes at `offset` of file `file`, at any alignment: the aligned
+    /// window around them is read into `scratch` (grown as needed), with O_DIRECT where the
+    /// file system allows it, and the payload is copied out. A file that ends before the
+    /// payload does is an `UnexpectedEof` error naming the file and the range.
+    pub fn read_exact_unaligned(
+        &self,
+        file: u32,
+        offset: u64,
+        dst: &mut [u8],
+        scratch: &mut Option<OwnedArena>,
+    ) -> io::Result<()> {
+        let len = dst.len() as u64;
+        let name = || {
+            self.files
+                .get(file as usize)
+                .map_or_else(|| format!("file {file}"), |f| f.path.display().to_string())
+        };
+        let (start, wlen) = window(offset, len).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: read [{offset}, +{len}): offset + length overflows",
+                    name()
+                ),
+            )
+        })?;
+        if scratch.as_ref().is_none_or(|s| (s.len() as u64) < wlen) {
+            *scratch = Some(OwnedArena::new(wlen as usize).map_err(io::Error::other)?);
+        }
+        let buf = &mut scratch
+            .as_mut()
+            .expect("scratch was just allocated")
+            .as_mut_slice()[..wlen as usize];
+        let got = self.read_at(file, start, buf)?;
+        let skip = (offset - start) as usize;
+        if got < skip + dst.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "{}: read [{offset}, +{len}): the file ends {} bytes into the payload",
+                    name(),
+                    got.saturating_sub(skip)
+                ),
+            ));
+        }
+        dst.copy_from_slice(&buf[skip..skip + dst.len()]);
+        Ok(())
     }
 
     /// True while O_DIRECT is in use for aligned reads.

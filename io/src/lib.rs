@@ -5,7 +5,6 @@
 //! - [`direct`]: the one positioned reader: O_DIRECT where the file system allows it,
 //!   buffered otherwise ([`direct::DirectFiles`] behind the [`direct::ReadAt`] trait), and the
 //!   fault-injection hook ([`direct::FaultyReader`]).
-//! - [`window`]: unaligned `(offset, len)` reads widened to aligned windows on one file.
 //! - [`devbw`]: random-read bandwidth at a queue depth (`k3-orch devbw`, `doctor`).
 //! - [`output`]: writing user-named output files without leaving half a file.
 
@@ -13,7 +12,6 @@ pub mod arena;
 pub mod devbw;
 pub mod direct;
 pub mod output;
-pub mod window;
 
 pub use arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
-pub use direct::{DirectFiles, FaultyReader, ReadAt};
+pub use direct::{window, DirectFiles, FaultyReader, ReadAt};

@@ -16,8 +16,6 @@
 #![allow(clippy::type_complexity)]
 
 use std::collections::VecDeque;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -360,13 +358,9 @@ fn setup_resident(conf: &TrunkConf) -> Result<(Arc<Region>, Source, (u64, f64)),
     region
         .prefault()
         .map_err(|e| format!("trunk-loader: first touch of the trunk: {e}"))?;
-    let files: Vec<File> = cat
-        .shards()
-        .iter()
-        .map(|s| {
-            File::open(&s.path).map_err(|e| format!("trunk-loader: {}: {e}", s.path.display()))
-        })
-        .collect::<Result<_, _>>()?;
+    let paths: Vec<PathBuf> = cat.shards().iter().map(|s| s.path.clone()).collect();
+    let reader = DirectFiles::open(&paths).map_err(|e| format!("trunk-loader: {e}"))?;
+    let mut scratch = None;
     let t0 = Instant::now();
     let mut read = 0u64;
     // Read each tensor straight into its place in the region, in bounded chunks: no copy
@@ -383,8 +377,8 @@ fn setup_resident(conf: &TrunkConf) -> Result<(Arc<Region>, Source, (u64, f64)),
                 // setup returns), so nothing else reads or writes this range.
                 let dst = unsafe { region.bytes_mut(start + t.offset + done, n) }
                     .map_err(|e| format!("trunk-loader: {name}: {e}"))?;
-                files[*shard]
-                    .read_exact_at(dst, *off + done)
+                reader
+                    .read_exact_unaligned(*shard as u32, *off + done, dst, &mut scratch)
                     .map_err(|e| format!("trunk-loader: reading {name}: {e}"))?;
                 done += n;
             }
