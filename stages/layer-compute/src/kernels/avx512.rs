@@ -171,6 +171,15 @@ unsafe fn block<F: Fmt, const R: usize, const T: usize>(
     let ng = groups(m.cols);
     let full = m.cols / GROUP_COLS;
     let mut acc64 = [[[0f64; LANES]; T]; R];
+    // The partial last group (if any) is staged before the loop: no call inside it, so
+    // the accumulators stay in registers.
+    let mut pbuf = [[0u8; 128]; R];
+    let mut psc = [0u8; R];
+    if full < ng {
+        for j in 0..R {
+            psc[j] = stage_partial(m, r + j, full, &mut pbuf[j]);
+        }
+    }
     let mut q = 0;
     // SAFETY (whole body): every group index used is < ng, full groups are read in place
     // (< full), the partial one from a staged 128-byte buffer; x reads stay inside the
@@ -179,18 +188,20 @@ unsafe fn block<F: Fmt, const R: usize, const T: usize>(
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
             let mut a = [[[_mm512_setzero_ps(); 2]; T]; R];
+            // Full groups in place, then (last block only) the staged partial group;
+            // the hot loop has no branch on the group kind.
+            let qf = qe.min(full);
             while q < qe {
+                let staged = q >= qf;
                 let mut w = [[_mm512_setzero_ps(); 2]; R];
-                if q < full {
+                if !staged {
                     for (j, wj) in w.iter_mut().enumerate() {
                         let (p, s) = f.at(r + j, q);
                         *wj = F::dec(p, s);
                     }
                 } else {
                     for (j, wj) in w.iter_mut().enumerate() {
-                        let mut buf = [0u8; 128];
-                        let s = stage_partial(m, r + j, q, &mut buf);
-                        *wj = F::dec(buf.as_ptr(), s);
+                        *wj = F::dec(pbuf[j].as_ptr(), psc[j]);
                     }
                 }
                 for t in 0..T {
@@ -355,18 +366,22 @@ pub unsafe fn rows_f32(
 unsafe fn row64<F: Fmt>(f: F, m: &Mat<'_>, r: usize, xp: *const f64) -> f64 {
     let ng = groups(m.cols);
     let full = m.cols / GROUP_COLS;
+    let mut pbuf = [0u8; 128];
+    let psc = if full < ng {
+        stage_partial(m, r, full, &mut pbuf)
+    } else {
+        0
+    };
     // SAFETY: as in `block`: in-place reads for full groups, staged for the partial one.
     unsafe {
         let mut a = [_mm512_setzero_pd(); 4];
         for q in 0..ng {
-            let w = if q < full {
-                let (p, s) = f.at(r, q);
-                F::dec(p, s)
+            let (p, s) = if q < full {
+                f.at(r, q)
             } else {
-                let mut buf = [0u8; 128];
-                let s = stage_partial(m, r, q, &mut buf);
-                F::dec(buf.as_ptr(), s)
+                (pbuf.as_ptr(), psc)
             };
+            let w = F::dec(p, s);
             let xq = xp.add(GROUP_COLS * q);
             for (k, v) in w.iter().enumerate() {
                 let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(*v));
