@@ -19,12 +19,14 @@
 //! - F32: `vshufps` + `vpermpd` split 32 floats into even and odd columns.
 //!
 //! Register blocking: one token uses 2 rows per pass; several tokens use 1 row × 2
-//! tokens. Blocking never changes what one (row, token) lane computes.
+//! tokens, block by block. Blocking never changes what one (row, token) lane computes.
 
 use std::arch::x86_64::*;
 
 use super::gemv::{Mat, MatData};
-use super::portable::{groups, reduce_lanes, stage_partial, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES};
+use super::portable::{
+    groups, reduce_lanes, stage_partial, x_stride, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES,
+};
 
 /// A weight format's group decoder.
 trait Fmt: Copy {
@@ -180,26 +182,81 @@ unsafe fn promote(a: &[__m256; 4], acc: &mut [f64; LANES]) {
     }
 }
 
-/// `R` rows from `r` × `T` tokens (token `t` at `xp + t*stride`, permuted): the f64 sums
-/// into `out[j*T + t]`.
+/// One f32 block (groups `q0..qe`) of rows `r..r+R` × tokens `t0..t0+T`: the lanes'
+/// f32 partials, promoted into `acc[j*ntok + t0 + t]` at the end.
 ///
 /// # Safety
-/// Rows `r..r+R` exist in `m`, `f` describes `m`, `xp` holds `T` permuted tokens of
-/// `groups(m.cols)*32` values at stride `stride`; AVX2 and FMA enabled in the caller.
+/// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
+/// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc`; `xp` holds `ntok` permuted
+/// tokens at stride `stride`, `t0 + T <= ntok`, `acc.len() >= R*ntok`; AVX2 and FMA enabled
+/// in the caller.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn block<F: Fmt, const R: usize, const T: usize>(
+unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
+    f: F,
+    r: usize,
+    (q0, qe, qf): (usize, usize, usize),
+    (pbuf, psc): (&[[u8; 128]; R], &[u8; R]),
+    xp: *const f32,
+    stride: usize,
+    (t0, ntok): (usize, usize),
+    acc: &mut [[f64; LANES]],
+) {
+    // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
+    // reads stay inside token t0+t (32 values at 32q < stride); acc indices < R*ntok.
+    unsafe {
+        let mut a = [[[_mm256_setzero_ps(); 4]; T]; R];
+        let mut q = q0;
+        while q < qe {
+            let mut w = [[_mm256_setzero_ps(); 4]; R];
+            if q < qf {
+                for (j, wj) in w.iter_mut().enumerate() {
+                    let (p, s) = f.at(r + j, q);
+                    *wj = F::dec(p, s);
+                }
+            } else {
+                for (j, wj) in w.iter_mut().enumerate() {
+                    *wj = F::dec(pbuf[j].as_ptr(), psc[j]);
+                }
+            }
+            for t in 0..T {
+                let xq = xp.add((t0 + t) * stride + GROUP_COLS * q);
+                for k in 0..4 {
+                    let xv = _mm256_loadu_ps(xq.add(8 * k));
+                    for j in 0..R {
+                        a[j][t][k] = _mm256_fmadd_ps(w[j][k], xv, a[j][t][k]);
+                    }
+                }
+            }
+            q += 1;
+        }
+        for j in 0..R {
+            for t in 0..T {
+                promote(&a[j][t], &mut acc[j * ntok + t0 + t]);
+            }
+        }
+    }
+}
+
+/// Rows `r..r+R` × all `ntok` tokens: block by block (so the block's slice of every token
+/// and the f64 lane sums stay in L1), tokens in register blocks of `T` (then one by one).
+/// Sums into `out[(r - r0 + j)*ntok + t]`.
+///
+/// # Safety
+/// As [`seg`]; `out` has room for rows `r - r0 .. r - r0 + R`.
+#[inline(always)]
+unsafe fn tile<F: Fmt, const R: usize, const T: usize>(
     f: F,
     m: &Mat<'_>,
     r: usize,
     xp: *const f32,
-    stride: usize,
+    ntok: usize,
+    acc: &mut Vec<[f64; LANES]>,
     out: &mut [f64],
 ) {
     let ng = groups(m.cols);
     let full = m.cols / GROUP_COLS;
-    let mut acc64 = [[[0f64; LANES]; T]; R];
-    // The partial last group (if any) is staged before the loop: no call inside it, so
-    // the accumulators stay in registers.
+    let stride = x_stride(m.cols);
     let mut pbuf = [[0u8; 128]; R];
     let mut psc = [0u8; R];
     if full < ng {
@@ -207,51 +264,29 @@ unsafe fn block<F: Fmt, const R: usize, const T: usize>(
             psc[j] = stage_partial(m, r + j, full, &mut pbuf[j]);
         }
     }
+    acc.clear();
+    acc.resize(R * ntok, [0f64; LANES]);
     let mut q = 0;
-    // SAFETY (whole body): every group index used is < ng, full groups are read in place
-    // (< full), the partial one from a staged 128-byte buffer; x reads stay inside the
-    // permuted token (32 values at 32q < stride).
+    // SAFETY: the caller's guarantees, passed on to seg with q ranges inside 0..ng.
     unsafe {
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
-            let mut a = [[[_mm256_setzero_ps(); 4]; T]; R];
-            // Full groups in place, then (last block only) the staged partial group;
-            // the hot loop has no branch on the group kind.
-            let qf = qe.min(full);
-            while q < qe {
-                let staged = q >= qf;
-                let mut w = [[_mm256_setzero_ps(); 4]; R];
-                if !staged {
-                    for (j, wj) in w.iter_mut().enumerate() {
-                        let (p, s) = f.at(r + j, q);
-                        *wj = F::dec(p, s);
-                    }
-                } else {
-                    for (j, wj) in w.iter_mut().enumerate() {
-                        *wj = F::dec(pbuf[j].as_ptr(), psc[j]);
-                    }
-                }
-                for t in 0..T {
-                    let xq = xp.add(t * stride + GROUP_COLS * q);
-                    for k in 0..4 {
-                        let xv = _mm256_loadu_ps(xq.add(8 * k));
-                        for j in 0..R {
-                            a[j][t][k] = _mm256_fmadd_ps(w[j][k], xv, a[j][t][k]);
-                        }
-                    }
-                }
-                q += 1;
+            let qs = (q, qe, qe.min(full));
+            let mut t0 = 0;
+            while t0 + T <= ntok {
+                seg::<F, R, T>(f, r, qs, (&pbuf, &psc), xp, stride, (t0, ntok), acc);
+                t0 += T;
             }
-            for j in 0..R {
-                for t in 0..T {
-                    promote(&a[j][t], &mut acc64[j][t]);
-                }
+            while t0 < ntok {
+                seg::<F, R, 1>(f, r, qs, (&pbuf, &psc), xp, stride, (t0, ntok), acc);
+                t0 += 1;
             }
+            q = qe;
         }
     }
     for j in 0..R {
-        for t in 0..T {
-            out[j * T + t] = reduce_lanes(&mut acc64[j][t]);
+        for t in 0..ntok {
+            out[j * ntok + t] = reduce_lanes(&mut acc[j * ntok + t]);
         }
     }
 }
@@ -259,7 +294,7 @@ unsafe fn block<F: Fmt, const R: usize, const T: usize>(
 /// Rows `r0..r1` × all tokens with the f32-block contract.
 ///
 /// # Safety
-/// As [`block`], for every row block; AVX2 and FMA enabled in the caller.
+/// As [`tile`], for every row tile; AVX2 and FMA enabled in the caller.
 #[inline(always)]
 unsafe fn drive<F: Fmt>(
     f: F,
@@ -270,43 +305,24 @@ unsafe fn drive<F: Fmt>(
     ntok: usize,
     out: &mut [f64],
 ) {
-    let stride = groups(m.cols) * GROUP_COLS;
+    let stride = x_stride(m.cols);
     assert!(xp.len() >= ntok * stride);
     assert!(out.len() >= (r1 - r0) * ntok);
     assert!(r1 <= m.rows);
     let x = xp.as_ptr();
-    let mut tmp = [0f64; 4];
-    // SAFETY: rows r..r+R <= r1 <= m.rows, tokens t0..t0+T <= ntok (asserted above).
+    let mut acc = Vec::new();
+    let mut r = r0;
+    // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out (asserted).
     unsafe {
         if ntok == 1 {
-            let mut r = r0;
             while r + 2 <= r1 {
-                block::<F, 2, 1>(f, m, r, x, stride, &mut tmp);
-                out[r - r0] = tmp[0];
-                out[r - r0 + 1] = tmp[1];
+                tile::<F, 2, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
                 r += 2;
             }
-            if r < r1 {
-                block::<F, 1, 1>(f, m, r, x, stride, &mut tmp);
-                out[r - r0] = tmp[0];
-            }
-            return;
         }
-        for r in r0..r1 {
-            let mut t0 = 0;
-            while t0 < ntok {
-                let nt = (ntok - t0).min(2);
-                let xt = x.add(t0 * stride);
-                if nt == 2 {
-                    block::<F, 1, 2>(f, m, r, xt, stride, &mut tmp);
-                } else {
-                    block::<F, 1, 1>(f, m, r, xt, stride, &mut tmp);
-                }
-                for t in 0..nt {
-                    out[(r - r0) * ntok + t0 + t] = tmp[t];
-                }
-                t0 += nt;
-            }
+        while r < r1 {
+            tile::<F, 1, 2>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
+            r += 1;
         }
     }
 }
@@ -424,7 +440,7 @@ unsafe fn drive64<F: Fmt>(
     ntok: usize,
     out: &mut [f64],
 ) {
-    let stride = groups(m.cols) * GROUP_COLS;
+    let stride = x_stride(m.cols);
     assert!(xp.len() >= ntok * stride);
     assert!(out.len() >= (r1 - r0) * ntok);
     assert!(r1 <= m.rows);

@@ -49,12 +49,24 @@ pub static E8M0: [f32; 256] = {
     t
 };
 
+/// Distance (in values) between consecutive permuted tokens: the permuted length
+/// `groups(cols)*32` plus 16 values (64 bytes) of padding, so that the same column of
+/// consecutive tokens does not fall in the same L1 set when `cols*4` is a multiple of
+/// 4096 (7168, 3072: batched products would thrash L1 otherwise).
+#[inline]
+pub const fn x_stride(cols: usize) -> usize {
+    groups(cols) * GROUP_COLS + 16
+}
+
 /// Put `x` (one token, `cols` values) into lane order: `xp[32q + l] = x[32q + lane_col(l)]`,
 /// zero where that column does not exist. `xp.len()` must be `groups(cols) * 32`.
 pub fn permute_into<T: Copy + Default>(x: &[T], xp: &mut [T]) {
     let n = x.len();
-    assert_eq!(xp.len(), groups(n) * GROUP_COLS, "permuted x length");
-    for (q, dst) in xp.chunks_exact_mut(GROUP_COLS).enumerate() {
+    assert!(xp.len() >= groups(n) * GROUP_COLS, "permuted x length");
+    for (q, dst) in xp[..groups(n) * GROUP_COLS]
+        .chunks_exact_mut(GROUP_COLS)
+        .enumerate()
+    {
         let c0 = q * GROUP_COLS;
         if c0 + GROUP_COLS <= n {
             let src = &x[c0..c0 + GROUP_COLS];
@@ -71,14 +83,14 @@ pub fn permute_into<T: Copy + Default>(x: &[T], xp: &mut [T]) {
     }
 }
 
-/// `ntok` tokens of `cols` values each, permuted; returns `ntok × groups(cols)*32` values.
+/// `ntok` tokens of `cols` values each, permuted; token `t` starts at `t * x_stride(cols)`.
 pub fn permute_tokens<T: Copy + Default>(xs: &[T], cols: usize, ntok: usize) -> Vec<T> {
-    let stride = groups(cols) * GROUP_COLS;
+    let stride = x_stride(cols);
     let mut out = vec![T::default(); ntok * stride];
     for t in 0..ntok {
         permute_into(
             &xs[t * cols..(t + 1) * cols],
-            &mut out[t * stride..(t + 1) * stride],
+            &mut out[t * stride..t * stride + groups(cols) * GROUP_COLS],
         );
     }
     out
@@ -218,7 +230,7 @@ pub fn dot_f64_lanes(m: &Mat<'_>, r: usize, xp: &[f64]) -> f64 {
 
 /// Portable row-block kernel: sums for rows `r0..r1` × `ntok` tokens into `out[(r-r0)*ntok+t]`.
 pub fn rows_f32(m: &Mat<'_>, r0: usize, r1: usize, xp: &[f32], ntok: usize, out: &mut [f64]) {
-    let stride = groups(m.cols) * GROUP_COLS;
+    let stride = x_stride(m.cols);
     for r in r0..r1 {
         for t in 0..ntok {
             out[(r - r0) * ntok + t] = dot_f32_lanes(m, r, &xp[t * stride..(t + 1) * stride]);
@@ -228,7 +240,7 @@ pub fn rows_f32(m: &Mat<'_>, r0: usize, r1: usize, xp: &[f32], ntok: usize, out:
 
 /// Portable row-block kernel of the f64 contract (see [`rows_f32`] for the layout).
 pub fn rows_f64(m: &Mat<'_>, r0: usize, r1: usize, xp: &[f64], ntok: usize, out: &mut [f64]) {
-    let stride = groups(m.cols) * GROUP_COLS;
+    let stride = x_stride(m.cols);
     for r in r0..r1 {
         for t in 0..ntok {
             out[(r - r0) * ntok + t] = dot_f64_lanes(m, r, &xp[t * stride..(t + 1) * stride]);
