@@ -1,7 +1,7 @@
 //! The product kernels' determinism contract, bit for bit: AVX-512 == AVX2 == portable
 //! twin, batched == one token at a time, fused == separate, any thread count, MXFP4 ==
 //! F32 of its dequantised matrix. Shapes cover partial groups (cols % 32 != 0), odd
-//! MXFP4 column counts, several 512-column blocks and row counts that leave remainders
+//! MXFP4 column counts, several 1024-column blocks and row counts that leave remainders
 //! after register blocking.
 
 use k3_layer_compute::kernels::gemv::{
@@ -82,10 +82,10 @@ const SHAPES: [(usize, usize); 9] = [
     (5, 31),
     (4, 32),
     (7, 33),
-    (9, 511),
-    (6, 512),
+    (9, 1023),
+    (6, 1024),
     (11, 1057),
-    (13, 1600),
+    (13, 2600),
 ];
 
 // Catches: an AVX2 or AVX-512 kernel that reorders a sum, skips the f32→f64 promotion

@@ -4,7 +4,7 @@
 //! The 32 lanes of a dot product live in four ymm registers (lanes 0..7, 8..15: the even
 //! columns of a 32-column group; 16..23, 24..31: the odd ones). Per group each lane
 //! performs one f32 `vfmadd` of the decoded weight and the permuted activation, exactly
-//! the `mul_add` of the twin; every 512 columns the lanes are widened to f64 (exact) and
+//! the `mul_add` of the twin; every 1024 columns the lanes are widened to f64 (exact) and
 //! added to 32 f64 lane sums; the final halving tree is the shared scalar one.
 //! Weight decode:
 //! - BF16: a 32-byte load gives 8 dwords, each holding an even and an odd column:
@@ -41,6 +41,8 @@ trait Fmt: Copy {
     /// `p` must point to the group's bytes (64 for bf16, 128 for f32, 16 for MXFP4); the
     /// CPU must support AVX2 and FMA (callers are `#[target_feature]` functions).
     unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4];
+    /// Software prefetch distance in bytes ahead of the group being decoded.
+    const PF: usize;
 }
 
 #[derive(Clone, Copy)]
@@ -50,6 +52,7 @@ struct Bf16 {
 }
 
 impl Fmt for Bf16 {
+    const PF: usize = 1024;
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
@@ -79,6 +82,7 @@ struct F32 {
 }
 
 impl Fmt for F32 {
+    const PF: usize = 1024;
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
@@ -112,6 +116,7 @@ struct Mx {
 }
 
 impl Fmt for Mx {
+    const PF: usize = 512;
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: the caller guarantees (r, q) is a full group: 16 packed bytes and a
@@ -212,6 +217,9 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
             if q < qf {
                 for (j, wj) in w.iter_mut().enumerate() {
                     let (p, s) = f.at(r + j, q);
+                    // Software prefetch PF bytes ahead in the row's stream (a hint: it
+                    // never faults; wrapping_add keeps the pointer arithmetic defined).
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
                     *wj = F::dec(p, s);
                 }
             } else {

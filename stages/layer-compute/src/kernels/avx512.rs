@@ -4,7 +4,7 @@
 //! The 32 lanes of a dot product live in two zmm registers (lanes 0..15: the even columns
 //! of a 32-column group; lanes 16..31: the odd ones). Per group each lane performs one f32
 //! `vfmadd` of the decoded weight and the permuted activation, exactly the `mul_add` of the
-//! twin; every 512 columns the lanes are widened to f64 (`vcvtps2pd`, exact) and added to
+//! twin; every 1024 columns the lanes are widened to f64 (`vcvtps2pd`, exact) and added to
 //! 32 f64 lane sums; the final halving tree is the shared scalar one. Weight decode:
 //! - BF16: one 64-byte load gives 16 dwords, each holding an even and an odd column:
 //!   `dword << 16` is the even weight, `dword & 0xFFFF0000` the odd one (exact widening);
@@ -16,7 +16,7 @@
 //!
 //! Register blocking: one token uses 4 rows per pass; several tokens use 2 rows × 4
 //! tokens, so each decoded weight feeds 4 FMAs, and the loops run block by block (one
-//! 512-column block of every token and the f64 lane sums stay in L1). Blocking never
+//! 1024-column block of every token and the f64 lane sums stay in L1). Blocking never
 //! changes what one (row, token) lane computes, so batched results equal one-token
 //! results bit for bit.
 //!
@@ -44,6 +44,8 @@ trait Fmt: Copy {
     /// `p` must point to the group's bytes (64 for bf16, 128 for f32, 16 for MXFP4); the
     /// CPU must support AVX-512F (callers are `#[target_feature]` functions).
     unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2];
+    /// Software prefetch distance in bytes ahead of the group being decoded.
+    const PF: usize;
 }
 
 #[derive(Clone, Copy)]
@@ -53,6 +55,7 @@ struct Bf16 {
 }
 
 impl Fmt for Bf16 {
+    const PF: usize = 1024;
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
@@ -77,6 +80,7 @@ struct F32 {
 }
 
 impl Fmt for F32 {
+    const PF: usize = 1024;
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
@@ -107,6 +111,7 @@ struct Mx {
 }
 
 impl Fmt for Mx {
+    const PF: usize = 512;
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: the caller guarantees (r, q) is a full group: 16 packed bytes and a
@@ -187,6 +192,9 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
             if q < qf {
                 for (j, wj) in w.iter_mut().enumerate() {
                     let (p, s) = f.at(r + j, q);
+                    // Software prefetch PF bytes ahead in the row's stream (a hint: it
+                    // never faults; wrapping_add keeps the pointer arithmetic defined).
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
                     *wj = F::dec(p, s);
                 }
             } else {

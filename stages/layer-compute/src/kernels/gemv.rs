@@ -13,7 +13,7 @@
 //!    padded with zero weights and zero activations). Inside a group, lane `l < 16` takes
 //!    column `32q + 2l` and lane `16 + l` column `32q + 2l + 1` (even columns, then odd:
 //!    [`portable::lane_col`]). The input is permuted into lane order once per product.
-//! 2. **f32 blocks.** Columns are cut into blocks of 512 (16 groups). Inside a block each
+//! 2. **f32 blocks.** Columns are cut into blocks of 1024 (32 groups). Inside a block each
 //!    lane keeps an f32 partial, starting at +0, updated once per group, in increasing `q`,
 //!    by one fused multiply-add `p = fma(w, x, p)`, with `w` the exact f32 weight
 //!    (bf16 widened; MXFP4 `E2M1[code] · 2^(scale−127)`, scale byte 255 → weight 0).
@@ -32,13 +32,13 @@
 //! `s = fma(w as f64, x, s)` over all columns (no f32 blocks).
 //!
 //! Error budgets (u32 = 2^-24, u64 = 2^-53; n = cols; A = Σ|w·x|):
-//! - **E_block** (f32 FMA chain in a lane within one block, ≤ 16 terms): each FMA rounds
-//!   once, so |err| ≤ 16·u32·A_block (worst case 9.5e-7·A; a random walk gives about
-//!   4·u32 ≈ 2.4e-7·A). This is the dominant term and replaces the old exact products.
-//! - **E_promote** (f64 lane sums over n/512 blocks) and **E_tree** (5 levels):
-//!   ≤ (n/512 + 5)·u64·A, negligible (< 2e-15·A for n = 7168).
+//! - **E_block** (f32 FMA chain in a lane within one block, ≤ 32 terms): each FMA rounds
+//!   once, so |err| ≤ 32·u32·A_block (worst case 1.9e-6·A; a random walk gives about
+//!   √32·u32 ≈ 3.4e-7·A). This is the dominant term and replaces the old exact products.
+//! - **E_promote** (f64 lane sums over n/1024 blocks) and **E_tree** (5 levels):
+//!   ≤ (n/1024 + 5)·u64·A, negligible (< 2e-15·A for n = 7168).
 //! - **E_round**: the final f32 rounding, ≤ u32·|y| (half an ulp), as before.
-//! - Total for an f32 output: |y − exact| ≤ 17·u32·A + u32·|y| ≈ 1e-6·A worst case. The
+//! - Total for an f32 output: |y − exact| ≤ 33·u32·A + u32·|y| ≈ 2e-6·A worst case. The
 //!   oracle gates (seed ops 1e-5 + 1e-4 rel, tiny models 1e-4 / 1e-3, trace 5e-4 relative)
 //!   leave a margin of two to three orders of magnitude; see `tests/` for measured gaps.
 //! - f64 contract: ≤ (n/32 + 5)·u64·A, as exact as the old contract for practical
@@ -452,11 +452,13 @@ mod tests {
     }
 
     // Catches: a reduction that is not the documented contract (lane map, f32 blocks of
-    // 512 with FMA, f64 promotion, halving tree), written here independently.
+    // 1024 columns with FMA, f64 promotion, halving tree), written here independently.
     #[test]
     fn f32_dot_follows_block_contract() {
         let mut s = 7u64;
-        for n in [1usize, 5, 31, 32, 33, 64, 100, 257, 511, 512, 513, 1100] {
+        for n in [
+            1usize, 5, 31, 32, 33, 64, 100, 257, 1023, 1024, 1025, 2100, 3100,
+        ] {
             let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
             let x: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
             let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -470,7 +472,7 @@ mod tests {
                     16 + (c % 32) / 2
                 };
                 acc32[l] = wc.mul_add(xc, acc32[l]);
-                if c % 512 == 511 || c + 1 == n.div_ceil(32) * 32 {
+                if c % 1024 == 1023 || c + 1 == n.div_ceil(32) * 32 {
                     for l in 0..32 {
                         acc64[l] += acc32[l] as f64;
                         acc32[l] = 0.0;

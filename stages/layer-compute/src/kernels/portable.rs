@@ -15,8 +15,8 @@ pub const LANES: usize = 32;
 pub const GROUP_COLS: usize = 32;
 /// Lane groups per f32 block: lanes accumulate in f32 for [`BLOCK_COLS`] columns, then
 /// are promoted to f64.
-pub const BLOCK_GROUPS: usize = 16;
-/// Columns per f32 accumulation block (512).
+pub const BLOCK_GROUPS: usize = 32;
+/// Columns per f32 accumulation block (1024).
 pub const BLOCK_COLS: usize = BLOCK_GROUPS * GROUP_COLS;
 
 /// Column (inside its 32-column group) that lane `l` accumulates: lanes 0..15 take the
