@@ -10,8 +10,10 @@
 //!   `dword << 16` is the even weight, `dword & 0xFFFF0000` the odd one (exact widening);
 //! - MXFP4: the 16 packed bytes are zero-extended to dwords; `vpermps` (a 16-entry table
 //!   lookup on the low 4 bits) of `dword` and of `dword >> 4` gives the low and high
-//!   nibbles' values from the table `E2M1 × 2^(scale−127)`, which is exact (the same f32
-//!   multiply the twin performs);
+//!   nibbles' values from the row of [`E2M1_SCALED`] for the group's scale byte, i.e.
+//!   `E2M1[code] × 2^(scale−127)`, exact (the same f32 multiply the twin performs, done at
+//!   compile time). Per group and row: 1 zero-extension, 1 shift, 2 table lookups and the
+//!   FMAs, nothing else;
 //! - F32: `vpermt2ps` splits 32 floats into even and odd columns.
 //!
 //! Register blocking: one token uses 4 rows per pass; several tokens use 2 rows × 4
@@ -26,9 +28,8 @@
 use std::arch::x86_64::*;
 
 use super::gemv::{Mat, MatData};
-use super::mxfp4;
 use super::portable::{
-    groups, reduce_lanes, stage_partial, x_stride, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES,
+    groups, reduce_lanes, stage_partial, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES,
 };
 
 /// A weight format's group decoder.
@@ -127,10 +128,8 @@ impl Fmt for Mx {
     unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2] {
         // SAFETY: 16 readable bytes at p (caller); AVX-512F enabled in the caller.
         unsafe {
-            let tbl = _mm512_mul_ps(
-                _mm512_loadu_ps(mxfp4::E2M1.as_ptr()),
-                _mm512_set1_ps(E8M0[s as usize]),
-            );
+            // The group's 16 weights E2M1[code]·2^(s−127), precomputed (exact f32).
+            let tbl = _mm512_load_ps(E2M1_SCALED.0[s as usize].as_ptr());
             let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
             // vpermps reads the low 4 bits of each index: the low nibble, then the high.
             [

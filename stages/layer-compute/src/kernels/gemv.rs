@@ -54,6 +54,28 @@
 //! inputs including partial groups and blocks, so the path choice ([`super::simd`]) never
 //! changes a result.
 //!
+//! # Wiring (for the callers in the layer modules)
+//!
+//! - **Fused products sharing one input** — [`gemm_fused`] / [`gemm_fused64`]:
+//!   `gemm_fused(&[&w.q, &w.k, &w.v, &w.g], u, &mut [&mut q, &mut k, &mut v, &mut g], ntok, th)`
+//!   for KDA (add `&w.b`, `&w.f_a` when they read the same `u`), `[&w.q_a, &w.kv_a]` for
+//!   MLA, `[gate, up]` in `glu_mlp`/`glu_mlp64` (dense FFN, shared expert, routed
+//!   experts). One x permutation and one fork/join for all matrices; results are bitwise
+//!   those of separate [`gemm`] calls, so wiring it changes no id or logit.
+//! - **Batched prefill** — [`gemm`] with `ntok > 1` *is* the batched, register-blocked
+//!   GEMM (weights read from DRAM once per chunk, 2 rows × 4 tokens per AVX-512 inner
+//!   loop). Callers should pass the whole chunk in one call (as they do today) instead of
+//!   looping tokens; per-token results equal [`gemv`] bit for bit.
+//! - **lm_head** — one [`gemm`] call (rows = vocab) parallelises over 256 KiB row blocks
+//!   on the current pool; nothing else is needed.
+//! - **Pool** — products use `rayon::current_num_threads()`; run the forward inside
+//!   `pool.install(..)` of a pool sized/pinned to the stage's CPUs. `threads <= 1` keeps a
+//!   product on the calling thread.
+//! - **f64 islands** — [`gemm64`] (f32 input, unrounded f64 output) is as fast as
+//!   [`gemm`]; [`gemm64_x64`] (f64 input) uses f64 FMAs, one row and token at a time: about
+//!   half the arithmetic rate, still above the DRAM rate for one token, slower for
+//!   batched prefill (it is used by the shared-expert down projection).
+//!
 //! # Threads
 //!
 //! Products with more than [`PAR_MIN_WEIGHTS`] multiply-adds run on the *current* rayon

@@ -49,6 +49,28 @@ pub static E8M0: [f32; 256] = {
     t
 };
 
+/// 64-byte aligned rows of 16 f32 (one zmm each).
+#[repr(C, align(64))]
+pub struct ScaledE2M1(pub [[f32; 16]; 256]);
+
+/// `E2M1[code] * E8M0[scale]` for every scale byte and code: the exact f32 MXFP4 weight,
+/// computed by the same f32 multiply the twin performs (at compile time). The AVX-512
+/// kernel looks a group's 16 possible weights up in one row (a memory operand of
+/// `vpermps`), which saves the per-group multiply.
+pub static E2M1_SCALED: ScaledE2M1 = {
+    let mut t = [[0f32; 16]; 256];
+    let mut s = 0;
+    while s < 256 {
+        let mut c = 0;
+        while c < 16 {
+            t[s][c] = mxfp4::E2M1[c] * E8M0[s];
+            c += 1;
+        }
+        s += 1;
+    }
+    ScaledE2M1(t)
+};
+
 /// Distance (in values) between consecutive permuted tokens: the permuted length
 /// `groups(cols)*32` plus 16 values (64 bytes) of padding, so that the same column of
 /// consecutive tokens does not fall in the same L1 set when `cols*4` is a multiple of
