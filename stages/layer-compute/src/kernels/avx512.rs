@@ -57,11 +57,15 @@ struct Bf16 {
 
 impl Fmt for Bf16 {
     const PF: usize = 1024;
+    /// # Safety
+    /// As [`Fmt::at`].
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
         (unsafe { self.p.add(r * self.stride + 64 * q) }, 127)
     }
+    /// # Safety
+    /// As [`Fmt::dec`].
     #[inline(always)]
     unsafe fn dec(p: *const u8, _s: u8) -> [__m512; 2] {
         // SAFETY: 64 readable bytes at p (caller); AVX-512F enabled in the caller.
@@ -82,11 +86,15 @@ struct F32 {
 
 impl Fmt for F32 {
     const PF: usize = 1024;
+    /// # Safety
+    /// As [`Fmt::at`].
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
         (unsafe { self.p.add(r * self.stride + 128 * q) }, 127)
     }
+    /// # Safety
+    /// As [`Fmt::dec`].
     #[inline(always)]
     unsafe fn dec(p: *const u8, _s: u8) -> [__m512; 2] {
         // SAFETY: 128 readable bytes at p (caller); AVX-512F enabled in the caller.
@@ -113,6 +121,8 @@ struct Mx {
 
 impl Fmt for Mx {
     const PF: usize = 512;
+    /// # Safety
+    /// As [`Fmt::at`].
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: the caller guarantees (r, q) is a full group: 16 packed bytes and a
@@ -124,6 +134,8 @@ impl Fmt for Mx {
             )
         }
     }
+    /// # Safety
+    /// As [`Fmt::dec`].
     #[inline(always)]
     unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2] {
         // SAFETY: 16 readable bytes at p (caller); AVX-512F enabled in the caller.
@@ -419,6 +431,10 @@ unsafe fn row64<F: Fmt>(f: F, m: &Mat<'_>, r: usize, xp: *const f64) -> f64 {
     }
 }
 
+/// Rows `r0..r1` × all tokens with the f64 contract (one row and token at a time).
+///
+/// # Safety
+/// `f` describes `m`; the CPU features of the calling `#[target_feature]` function.
 #[inline(always)]
 unsafe fn drive64<F: Fmt>(
     f: F,
