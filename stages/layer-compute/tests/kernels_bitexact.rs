@@ -237,3 +237,35 @@ fn fused_threads_and_f64_outputs_agree() {
     gemv(&ms[0], &x, &mut b, 1);
     assert!(same(&a, &b));
 }
+
+// Catches: a contract change that breaks the documented error budget (gemv.rs module doc:
+// |y − exact| ≤ 33·u32·Σ|w·x| + u32·|y|), e.g. f32 blocks much longer than 1024 columns or
+// an f32 tree. Reports the worst observed error relative to Σ|w·x|.
+#[test]
+fn error_within_documented_budget() {
+    let mut s = 0x5eed_0000_1111_2222u64;
+    let (rows, cols) = (64, 7168);
+    let o = Owned::new("bf16", rows, cols, &mut s);
+    let m = o.mat();
+    let x: Vec<f32> = (0..cols).map(|_| randf(&mut s)).collect();
+    let mut y = vec![0f32; rows];
+    gemv(&m, &x, &mut y, 1);
+    let u32_ = 2f64.powi(-24);
+    let mut worst = 0f64;
+    for (r, &yr) in y.iter().enumerate() {
+        let (mut exact, mut a) = (0f64, 0f64);
+        for (c, &xc) in x.iter().enumerate() {
+            let b = &o.a[2 * (r * cols + c)..];
+            let w = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64;
+            exact += w * xc as f64;
+            a += (w * xc as f64).abs();
+        }
+        let err = (yr as f64 - exact).abs();
+        assert!(
+            err <= 33.0 * u32_ * a + u32_ * (yr as f64).abs(),
+            "row {r}: {err} vs A {a}"
+        );
+        worst = worst.max(err / a);
+    }
+    println!("gemv bf16 {rows}x{cols}: worst |err|/Σ|w·x| = {worst:.2e} (budget 2.0e-6)");
+}
