@@ -1,16 +1,20 @@
-//! GEMV benchmark at Kimi K3's real shapes: bf16 and MXFP4 weights, 1 and 2 threads,
-//! AVX2 and portable, in GB/s of weight bytes read, beside the machine's memory read
-//! bandwidth measured in the same run (a multi-threaded sum over a large buffer).
+//! Kernel table at Kimi K3's real shapes: bf16 and MXFP4 weights, 1 and 2 threads (rayon
+//! pools), AVX-512 / AVX2 / portable, plain GEMV, fused products sharing one input and a
+//! batched 16-token GEMM, in GB/s of weight bytes read (MXFP4: packed + scale bytes),
+//! beside the memory read bandwidth measured in the same run by a vectorised read, and
+//! the load average (`uptime`) at the start and the end.
 //!
-//! Run: `cargo run --release -p k3-layer-compute --example gemv_bench [-- --quick]`.
-//! Weight buffers are replicated until each shape streams at least 512 MiB per round, so
-//! the numbers are DRAM numbers, not cache numbers.
+//! Run: `cargo run --release -p k3-layer-compute --example gemv_bench [-- --quick]
+//! [--only NAME]`.
+//! Weight buffers are replicated until each case streams at least 512 MiB per round
+//! (the lm_head is one 2.35 GB copy), so the numbers are DRAM numbers, not cache numbers.
+//! Only meaningful on a quiet machine (load average well below the core count).
 
 use std::hint::black_box;
 use std::time::Instant;
 
-use k3_layer_compute::kernels::gemv::{gemv, Mat};
-use k3_layer_compute::kernels::simd;
+use k3_layer_compute::kernels::gemv::{gemm, gemm_fused, gemv, Mat};
+use k3_layer_compute::kernels::simd::{self, Path};
 
 fn xorshift(s: &mut u64) -> u64 {
     *s ^= *s << 13;
@@ -19,30 +23,34 @@ fn xorshift(s: &mut u64) -> u64 {
     *s
 }
 
-/// Read bandwidth (GB/s) of summing `buf` with `threads` threads, best of `reps`.
-fn read_bw(buf: &[u64], threads: usize, reps: usize) -> f64 {
+fn uptime() -> String {
+    std::process::Command::new("uptime")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|_| "uptime unavailable".into())
+}
+
+/// Sum of a slice with 16 independent u64 lanes (auto-vectorised: 2 zmm / 4 ymm).
+fn sum_chunk(c: &[u64]) -> u64 {
+    let mut acc = [0u64; 16];
+    for blk in c.chunks_exact(16) {
+        for i in 0..16 {
+            acc[i] = acc[i].wrapping_add(blk[i]);
+        }
+    }
+    acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+}
+
+/// Read bandwidth (GB/s) of a vectorised sum over `buf` on `pool`, best of `reps`.
+fn read_bw(pool: &rayon::ThreadPool, buf: &[u64], reps: usize) -> f64 {
+    use rayon::prelude::*;
     let mut best = f64::MAX;
     for _ in 0..reps {
         let t0 = Instant::now();
-        let chunk = buf.len().div_ceil(threads);
-        let total: u64 = std::thread::scope(|s| {
-            let hs: Vec<_> = buf
-                .chunks(chunk)
-                .map(|c| {
-                    s.spawn(move || {
-                        let mut acc = [0u64; 8];
-                        for blk in c.chunks_exact(8) {
-                            for i in 0..8 {
-                                acc[i] = acc[i].wrapping_add(blk[i]);
-                            }
-                        }
-                        acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap())
-                .fold(0, u64::wrapping_add)
+        let total: u64 = pool.install(|| {
+            buf.par_chunks(1 << 16)
+                .map(sum_chunk)
+                .reduce(|| 0, u64::wrapping_add)
         });
         black_box(total);
         best = best.min(t0.elapsed().as_secs_f64());
@@ -50,127 +58,277 @@ fn read_bw(buf: &[u64], threads: usize, reps: usize) -> f64 {
     (buf.len() * 8) as f64 / best / 1e9
 }
 
-struct Case {
-    name: &'static str,
+#[derive(Clone, Copy, PartialEq)]
+enum Fmt {
+    Bf16,
+    Mxfp4,
+}
+
+struct Owned {
+    a: Vec<u8>,
+    b: Vec<u8>,
     rows: usize,
     cols: usize,
+    fmt: Fmt,
+}
+
+impl Owned {
+    fn new(fmt: Fmt, rows: usize, cols: usize, s: &mut u64) -> Self {
+        let (a, b) = match fmt {
+            Fmt::Bf16 => {
+                let mut a = vec![0u8; rows * cols * 2];
+                for ch in a.chunks_exact_mut(2) {
+                    let v = ((xorshift(s) >> 40) as f32 / 16777216.0 - 0.5) * 0.1;
+                    ch.copy_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
+                }
+                (a, vec![])
+            }
+            Fmt::Mxfp4 => {
+                let mut a = vec![0u8; rows * cols / 2];
+                for ch in a.chunks_exact_mut(8) {
+                    ch.copy_from_slice(&xorshift(s).to_le_bytes());
+                }
+                let b = (0..rows * cols / 32)
+                    .map(|_| 118 + (xorshift(s) % 4) as u8)
+                    .collect();
+                (a, b)
+            }
+        };
+        Owned {
+            a,
+            b,
+            rows,
+            cols,
+            fmt,
+        }
+    }
+    fn mat(&self) -> Mat<'_> {
+        match self.fmt {
+            Fmt::Bf16 => Mat::bf16(&self.a, self.rows, self.cols).unwrap(),
+            Fmt::Mxfp4 => Mat::mxfp4(&self.a, &self.b, self.rows, self.cols).unwrap(),
+        }
+    }
+    fn bytes(&self) -> usize {
+        self.a.len() + self.b.len()
+    }
+}
+
+/// What one timed call does.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// One matrix, one token.
+    Gemv,
+    /// All matrices of a set in one `gemm_fused` call, one token.
+    Fused,
+    /// One matrix, 16 tokens (weights read once).
+    Batch16,
+}
+
+struct Case {
+    name: &'static str,
+    fmt: Fmt,
+    /// Shapes of the matrices of one set (fused: several).
+    shapes: Vec<(usize, usize)>,
+    kind: Kind,
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    // `--only SUBSTR`: run only the cases whose name contains SUBSTR (profiling).
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1).cloned());
     let reps = if quick { 2 } else { 4 };
-    let min_bytes: usize = if quick { 128 << 20 } else { 512 << 20 };
+    let min_bytes: usize = if quick { 256 << 20 } else { 512 << 20 };
     let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    let up0 = uptime();
+    println!("uptime at start: {up0}");
 
+    let pools: Vec<rayon::ThreadPool> = [1usize, 2]
+        .iter()
+        .map(|&n| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap()
+        })
+        .collect();
     let bw_buf: Vec<u64> = (0..(1usize << 30) / 8).map(|i| i as u64).collect();
-    let bw1 = read_bw(&bw_buf, 1, reps);
-    let bw2 = read_bw(&bw_buf, 2, reps);
+    let bw: Vec<f64> = pools
+        .iter()
+        .map(|p| read_bw(p, &bw_buf, reps + 2))
+        .collect();
     drop(bw_buf);
-    println!("memory read bandwidth (1 GiB sum): 1 thread {bw1:.2} GB/s, 2 threads {bw2:.2} GB/s");
-    println!("AVX2 available: {}", simd::avx2_available());
+    println!(
+        "memory read bandwidth (vectorised 1 GiB sum): 1 thread {:.2} GB/s, 2 threads {:.2} GB/s",
+        bw[0], bw[1]
+    );
+    println!(
+        "best path: {} (AVX2+FMA {}, AVX-512F {})",
+        simd::best_available().name(),
+        simd::avx2_available(),
+        simd::avx512_available()
+    );
     println!();
     println!(
-        "{:<8} {:<22} {:>9} {:>8} {:>8} {:>9} {:>10}",
-        "format", "shape (out x in)", "MB/copy", "threads", "path", "GB/s", "% of read"
+        "{:<8} {:<34} {:>8} {:>3} {:>8} {:>8} {:>7} {:>9}",
+        "format", "case (out x in)", "MB/set", "th", "path", "GB/s", "% read", "GMAC/s"
     );
 
-    let cases = [
+    let cases = vec![
         Case {
-            name: "kda q/k/v/g",
-            rows: 12288,
-            cols: 7168,
+            name: "lm_head 163840x7168",
+            fmt: Fmt::Bf16,
+            shapes: vec![(163840, 7168)],
+            kind: Kind::Gemv,
         },
         Case {
-            name: "latent down",
-            rows: 3584,
-            cols: 7168,
+            name: "kda q 12288x7168",
+            fmt: Fmt::Bf16,
+            shapes: vec![(12288, 7168)],
+            kind: Kind::Gemv,
         },
         Case {
-            name: "expert w1/w3",
-            rows: 3072,
-            cols: 3584,
+            name: "latent down 3584x7168",
+            fmt: Fmt::Bf16,
+            shapes: vec![(3584, 7168)],
+            kind: Kind::Gemv,
         },
         Case {
-            name: "expert w2",
-            rows: 3584,
-            cols: 3072,
+            name: "fused kda q/k/v/g 4x(12288x7168)",
+            fmt: Fmt::Bf16,
+            shapes: vec![(12288, 7168); 4],
+            kind: Kind::Fused,
+        },
+        Case {
+            name: "batch16 kda q 12288x7168",
+            fmt: Fmt::Bf16,
+            shapes: vec![(12288, 7168)],
+            kind: Kind::Batch16,
+        },
+        Case {
+            name: "expert w1/w3 3072x3584",
+            fmt: Fmt::Mxfp4,
+            shapes: vec![(3072, 3584)],
+            kind: Kind::Gemv,
+        },
+        Case {
+            name: "expert w2 3584x3072",
+            fmt: Fmt::Mxfp4,
+            shapes: vec![(3584, 3072)],
+            kind: Kind::Gemv,
+        },
+        Case {
+            name: "fused expert w1+w3 2x(3072x3584)",
+            fmt: Fmt::Mxfp4,
+            shapes: vec![(3072, 3584); 2],
+            kind: Kind::Fused,
+        },
+        Case {
+            name: "batch16 expert w1 3072x3584",
+            fmt: Fmt::Mxfp4,
+            shapes: vec![(3072, 3584)],
+            kind: Kind::Batch16,
         },
     ];
-    for fmt in ["bf16", "mxfp4"] {
-        for c in &cases {
-            let per = match fmt {
-                "bf16" => c.rows * c.cols * 2,
-                _ => c.rows * c.cols / 2 + c.rows * c.cols / 32,
-            };
-            let copies = min_bytes.div_ceil(per).max(1);
-            // Weights: random bytes (bf16: finite values; MXFP4: any code, scales near 2^-7).
-            let bufs: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
-                .map(|_| match fmt {
-                    "bf16" => (
-                        (0..c.rows * c.cols)
-                            .flat_map(|_| {
-                                let v = ((xorshift(&mut s) >> 40) as f32 / 16777216.0 - 0.5) * 0.1;
-                                ((v.to_bits() >> 16) as u16).to_le_bytes()
-                            })
-                            .collect(),
-                        Vec::new(),
-                    ),
-                    _ => (
-                        (0..c.rows * c.cols / 2)
-                            .map(|_| xorshift(&mut s) as u8)
-                            .collect(),
-                        (0..c.rows * c.cols / 32)
-                            .map(|_| 118 + (xorshift(&mut s) % 4) as u8)
-                            .collect(),
-                    ),
-                })
-                .collect();
-            let mats: Vec<Mat<'_>> = bufs
-                .iter()
-                .map(|(a, b)| match fmt {
-                    "bf16" => Mat::bf16(a, c.rows, c.cols).unwrap(),
-                    _ => Mat::mxfp4(a, b, c.rows, c.cols).unwrap(),
-                })
-                .collect();
-            let x: Vec<f32> = (0..c.cols)
-                .map(|i| ((i % 97) as f32 - 48.0) / 50.0)
-                .collect();
-            let mut y = vec![0f32; c.rows];
-            let paths: &[bool] = if simd::avx2_available() {
-                &[true, false]
-            } else {
-                &[false]
-            };
-            for &avx2 in paths {
-                simd::set_force_portable(!avx2);
-                for threads in [1usize, 2] {
-                    if !avx2 && quick && threads == 2 {
-                        continue;
-                    }
-                    let mut best = f64::MAX;
-                    for _ in 0..reps {
-                        let t0 = Instant::now();
-                        for m in &mats {
-                            gemv(m, &x, &mut y, threads);
-                            black_box(&y);
-                        }
-                        best = best.min(t0.elapsed().as_secs_f64());
-                    }
-                    let gbs = (per * copies) as f64 / best / 1e9;
-                    let base = if threads == 1 { bw1 } else { bw2 };
-                    println!(
-                        "{:<8} {:<22} {:>9.1} {:>8} {:>8} {:>9.2} {:>9.0}%",
-                        fmt,
-                        format!("{} {}x{}", c.name, c.rows, c.cols),
-                        per as f64 / 1e6,
-                        threads,
-                        if avx2 { "avx2" } else { "portable" },
-                        gbs,
-                        100.0 * gbs / base
-                    );
-                }
-            }
-            simd::set_force_portable(false);
-        }
+    let mut paths = vec![];
+    if simd::avx512_available() {
+        paths.push(Path::Avx512);
     }
+    if simd::avx2_available() {
+        paths.push(Path::Avx2);
+    }
+    paths.push(Path::Portable);
+
+    for c in &cases {
+        if quick && c.shapes[0].0 == 163840 {
+            continue;
+        }
+        if only.as_ref().is_some_and(|o| !c.name.contains(o.as_str())) {
+            continue;
+        }
+        let set_bytes: usize = c
+            .shapes
+            .iter()
+            .map(|&(r, k)| match c.fmt {
+                Fmt::Bf16 => r * k * 2,
+                Fmt::Mxfp4 => r * k / 2 + r * k / 32,
+            })
+            .sum();
+        let copies = min_bytes.div_ceil(set_bytes).max(1);
+        let sets: Vec<Vec<Owned>> = (0..copies)
+            .map(|_| {
+                c.shapes
+                    .iter()
+                    .map(|&(r, k)| Owned::new(c.fmt, r, k, &mut s))
+                    .collect()
+            })
+            .collect();
+        debug_assert_eq!(sets[0].iter().map(Owned::bytes).sum::<usize>(), set_bytes);
+        let mats: Vec<Vec<Mat<'_>>> = sets
+            .iter()
+            .map(|set| set.iter().map(Owned::mat).collect())
+            .collect();
+        let cols = c.shapes[0].1;
+        let ntok = if c.kind == Kind::Batch16 { 16 } else { 1 };
+        let x: Vec<f32> = (0..cols * ntok)
+            .map(|i| ((i % 97) as f32 - 48.0) / 50.0)
+            .collect();
+        let macs: usize = c.shapes.iter().map(|&(r, k)| r * k).sum::<usize>() * ntok;
+        let mut ys: Vec<Vec<f32>> = c
+            .shapes
+            .iter()
+            .map(|&(r, _)| vec![0f32; r * ntok])
+            .collect();
+        for &p in &paths {
+            simd::set_max_path(p);
+            for (ti, pool) in pools.iter().enumerate() {
+                let threads = ti + 1;
+                // The portable twin is a reference, not a fast path: one thread, GEMV only.
+                if p == Path::Portable && (threads == 2 || c.kind != Kind::Gemv || quick) {
+                    continue;
+                }
+                if p == Path::Portable && c.shapes[0].0 == 163840 {
+                    continue;
+                }
+                let mut best = f64::MAX;
+                for _ in 0..reps {
+                    let t0 = Instant::now();
+                    pool.install(|| {
+                        for set in &mats {
+                            match c.kind {
+                                Kind::Gemv => gemv(&set[0], &x, &mut ys[0], threads),
+                                Kind::Batch16 => gemm(&set[0], &x, &mut ys[0], ntok, threads),
+                                Kind::Fused => {
+                                    let refs: Vec<&Mat<'_>> = set.iter().collect();
+                                    let mut outs: Vec<&mut [f32]> =
+                                        ys.iter_mut().map(|v| &mut v[..]).collect();
+                                    gemm_fused(&refs, &x, &mut outs, ntok, threads);
+                                }
+                            }
+                            black_box(&ys);
+                        }
+                    });
+                    best = best.min(t0.elapsed().as_secs_f64());
+                }
+                let gbs = (set_bytes * copies) as f64 / best / 1e9;
+                println!(
+                    "{:<8} {:<34} {:>8.1} {:>3} {:>8} {:>8.2} {:>6.0}% {:>9.1}",
+                    if c.fmt == Fmt::Bf16 { "bf16" } else { "mxfp4" },
+                    c.name,
+                    set_bytes as f64 / 1e6,
+                    threads,
+                    p.name(),
+                    gbs,
+                    100.0 * gbs / bw[ti],
+                    (macs * copies) as f64 / best / 1e9
+                );
+            }
+        }
+        simd::set_max_path(Path::Avx512);
+    }
+    println!();
+    println!("uptime at end:   {}", uptime());
 }

@@ -1,42 +1,96 @@
-//! Matrix-vector products `y = W x` over weights kept exactly as shipped.
+//! Matrix-vector and matrix-matrix products `y = W x` over weights kept exactly as shipped.
 //!
-//! Three weight encodings share one reduction contract: BF16 (widened exactly to f32 by a
-//! 16-bit shift), F32, and MXFP4 (compressed-tensors packing, decoded on the fly from the
-//! packed bytes; the matrix is never expanded in memory).
+//! Three weight encodings: BF16 (widened exactly to f32 by a 16-bit shift), F32, and MXFP4
+//! (compressed-tensors packing, decoded on the fly from the packed bytes; the matrix is
+//! never expanded in memory). Activations are f32 (one f64 entry point, [`gemm64_x64`]).
 //!
-//! The reduction contract, which every path (portable, AVX2, 1 or N threads) follows bit
-//! for bit:
-//! - each output row is one dot product; threads split output rows, never a dot product;
-//! - column `c` is accumulated into lane `c % 32` of 32 f64 accumulators, in increasing
-//!   `c`, as a separate multiply then add; the product of a widened weight (≤ 24
-//!   significant bits) and an f32 activation is EXACT in f64, so only the additions round;
-//! - the 32 lanes are then combined by the fixed halving tree of [`reduce_lanes`] and the
-//!   sum is rounded once to f32;
-//! - an MXFP4 weight is `E2M1[code] * 2^(scale - 127)` (an exact f32), multiplied by `x[c]`
-//!   like any other weight; a group whose scale byte is 255 (NaN in the OCP spec) is skipped,
-//!   which is the same as zeroing it.
+//! # Reduction contract
 //!
-//! Consequently an MXFP4 product equals, bit for bit, the F32 product of its dequantised
-//! matrix, and a BF16 product equals the F32 product of its widened matrix.
+//! Every path (portable twin, AVX2+FMA, AVX-512F), every thread count and every batch
+//! size computes each output `y[t][r]` by exactly these operations, in this order:
+//!
+//! 1. **Lanes.** Columns are cut into groups of 32 (`q = c / 32`; the last group is
+//!    padded with zero weights and zero activations). Inside a group, lane `l < 16` takes
+//!    column `32q + 2l` and lane `16 + l` column `32q + 2l + 1` (even columns, then odd:
+//!    [`portable::lane_col`]). The input is permuted into lane order once per product.
+//! 2. **f32 blocks.** Columns are cut into blocks of 1024 (32 groups). Inside a block each
+//!    lane keeps an f32 partial, starting at +0, updated once per group, in increasing `q`,
+//!    by one fused multiply-add `p = fma(w, x, p)`, with `w` the exact f32 weight
+//!    (bf16 widened; MXFP4 `E2M1[code] · 2^(scale−127)`, scale byte 255 → weight 0).
+//! 3. **f64 promotion.** At the end of each block every lane's f32 partial is widened
+//!    (exactly) to f64 and added to that lane's f64 sum (starting at +0), block by block.
+//! 4. **Tree.** The 32 f64 lane sums are combined by the fixed halving tree
+//!    ([`portable::reduce_lanes`]: 16, 8, 4, 2, 1) into one f64, which [`gemm`] rounds once
+//!    to f32 and [`gemm64`] returns unrounded.
+//! 5. **Rows and tokens are independent.** Threads split output rows (fixed row blocks,
+//!    rayon), never a reduction; batching tokens only shares weight reads and decode.
+//!    Hence results are bitwise independent of thread count, of batched vs one token at a
+//!    time, of fusion ([`gemm_fused`]) and of the SIMD path.
+//!
+//! [`gemm64_x64`] (f64 input, an f64 island of the forward) follows the **f64 contract**:
+//! the same lanes and tree, but each lane is one f64 sum updated by an f64 FMA
+//! `s = fma(w as f64, x, s)` over all columns (no f32 blocks).
+//!
+//! Error budgets (u32 = 2^-24, u64 = 2^-53; n = cols; A = Σ|w·x|):
+//! - **E_block** (f32 FMA chain in a lane within one block, ≤ 32 terms): each FMA rounds
+//!   once, so |err| ≤ 32·u32·A_block (worst case 1.9e-6·A; a random walk gives about
+//!   √32·u32 ≈ 3.4e-7·A). This is the dominant term and replaces the old exact products.
+//! - **E_promote** (f64 lane sums over n/1024 blocks) and **E_tree** (5 levels):
+//!   ≤ (n/1024 + 5)·u64·A, negligible (< 2e-15·A for n = 7168).
+//! - **E_round**: the final f32 rounding, ≤ u32·|y| (half an ulp), as before.
+//! - Total for an f32 output: |y − exact| ≤ 33·u32·A + u32·|y| ≈ 2e-6·A worst case. The
+//!   oracle gates (seed ops 1e-5 + 1e-4 rel, tiny models 1e-4 / 1e-3, trace 5e-4 relative)
+//!   leave a margin of two to three orders of magnitude; see `tests/` for measured gaps.
+//! - f64 contract: ≤ (n/32 + 5)·u64·A, as exact as the old contract for practical
+//!   purposes.
+//!
+//! An MXFP4 product equals, bit for bit, the F32 product of its dequantised matrix (same
+//! weights, same operations), and a BF16 product equals the F32 product of its widened
+//! matrix. Products of MXFP4 weights never materialise the f32 matrix: each 32-column group
+//! (16 packed bytes + 1 scale byte) is decoded in registers by a 16-entry table lookup.
+//!
+//! SIMD vs portable: the AVX2 and AVX-512 kernels ([`super::avx2`], [`super::avx512`]) are
+//! bit-identical to the portable twin ([`super::portable`], `mul_add`), tested on random
+//! inputs including partial groups and blocks, so the path choice ([`super::simd`]) never
+//! changes a result.
+//!
+//! # Wiring (for the callers in the layer modules)
+//!
+//! - **Fused products sharing one input** — [`gemm_fused`] / [`gemm_fused64`]:
+//!   `gemm_fused(&[&w.q, &w.k, &w.v, &w.g], u, &mut [&mut q, &mut k, &mut v, &mut g], ntok, th)`
+//!   for KDA (add `&w.b`, `&w.f_a` when they read the same `u`), `[&w.q_a, &w.kv_a]` for
+//!   MLA, `[gate, up]` in `glu_mlp`/`glu_mlp64` (dense FFN, shared expert, routed
+//!   experts). One x permutation and one fork/join for all matrices; results are bitwise
+//!   those of separate [`gemm`] calls, so wiring it changes no id or logit.
+//! - **Batched prefill** — [`gemm`] with `ntok > 1` *is* the batched, register-blocked
+//!   GEMM (weights read from DRAM once per chunk, 2 rows × 4 tokens per AVX-512 inner
+//!   loop). Callers should pass the whole chunk in one call (as they do today) instead of
+//!   looping tokens; per-token results equal [`gemv`] bit for bit.
+//! - **lm_head** — one [`gemm`] call (rows = vocab) parallelises over 256 KiB row blocks
+//!   on the current pool; nothing else is needed.
+//! - **Pool** — products use `rayon::current_num_threads()`; run the forward inside
+//!   `pool.install(..)` of a pool sized/pinned to the stage's CPUs. `threads <= 1` keeps a
+//!   product on the calling thread.
+//! - **f64 islands** — [`gemm64`] (f32 input, unrounded f64 output) is as fast as
+//!   [`gemm`]; [`gemm64_x64`] (f64 input) uses f64 FMAs, one row and token at a time: about
+//!   half the arithmetic rate, still above the DRAM rate for one token, slower for
+//!   batched prefill (it is used by the shared-expert down projection).
+//!
+//! # Threads
+//!
+//! Products with more than [`PAR_MIN_WEIGHTS`] multiply-adds run on the *current* rayon
+//! pool (`rayon::current_num_threads()`; the stage confines it with `pool.install`), split
+//! into row blocks whose size depends only on the matrix shape and the token count. The
+//! `threads` argument is a hint: `threads <= 1` runs on the calling thread, anything else
+//! uses the current pool.
+
+use rayon::prelude::*;
 
 use super::mxfp4;
-use super::simd;
+use super::portable;
+use super::simd::{self, Path};
 
-/// Number of independent accumulator lanes of every dot product.
-pub const LANES: usize = 32;
-
-/// Combine the 32 lanes with the fixed halving tree (16, 8, 4, 2, 1).
-#[inline]
-pub fn reduce_lanes(acc: &mut [f64; LANES]) -> f64 {
-    let mut w = LANES / 2;
-    while w > 0 {
-        for j in 0..w {
-            acc[j] += acc[j + w];
-        }
-        w /= 2;
-    }
-    acc[0]
-}
+pub use super::portable::{reduce_lanes, LANES};
 
 /// How the weight bytes encode the matrix.
 #[derive(Clone, Copy, Debug)]
@@ -137,53 +191,21 @@ impl<'a> Mat<'a> {
 
     /// Dot product of row `r` with `x` (len `cols`), on the selected path.
     pub fn row_dot(&self, r: usize, x: &[f32]) -> f32 {
-        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-        self.row_dot_with(r, &x64, simd::avx2_enabled()) as f32
-    }
-
-    /// The unrounded f64 sum of row `r` · `x` (the lane tree's result).
-    #[inline]
-    fn row_dot_with(&self, r: usize, x: &[f64], avx2: bool) -> f64 {
-        let c = self.cols;
-        match self.data {
-            MatData::Bf16(b) => {
-                let row = &b[r * c * 2..(r + 1) * c * 2];
-                #[cfg(target_arch = "x86_64")]
-                if avx2 {
-                    // SAFETY: avx2_enabled() verified AVX2 at run time.
-                    return unsafe { simd::dot_bf16_avx2(row, x) };
-                }
-                let _ = avx2;
-                dot_bf16_portable(row, x)
-            }
-            MatData::F32(b) => {
-                let row = &b[r * c * 4..(r + 1) * c * 4];
-                #[cfg(target_arch = "x86_64")]
-                if avx2 {
-                    // SAFETY: avx2_enabled() verified AVX2 at run time.
-                    return unsafe { simd::dot_f32_avx2(row, x) };
-                }
-                dot_f32_portable(row, x)
-            }
-            MatData::Mxfp4 { packed, scales } => {
-                let pb = c.div_ceil(2);
-                let sb = c.div_ceil(mxfp4::GROUP);
-                let prow = &packed[r * pb..(r + 1) * pb];
-                let srow = &scales[r * sb..(r + 1) * sb];
-                #[cfg(target_arch = "x86_64")]
-                if avx2 {
-                    // SAFETY: avx2_enabled() verified AVX2 at run time.
-                    return unsafe { simd::dot_mxfp4_avx2(prow, srow, x) };
-                }
-                dot_mxfp4_portable(prow, srow, x)
-            }
-        }
+        self.row_dot_on(r, x, simd::path())
     }
 
     /// Row dot on the portable path regardless of the CPU (for tests and benchmarks).
     pub fn row_dot_portable(&self, r: usize, x: &[f32]) -> f32 {
-        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-        self.row_dot_with(r, &x64, false) as f32
+        self.row_dot_on(r, x, Path::Portable)
+    }
+
+    fn row_dot_on(&self, r: usize, x: &[f32], path: Path) -> f32 {
+        assert_eq!(x.len(), self.cols, "row_dot input length");
+        assert!(r < self.rows, "row_dot row");
+        let xp = portable::permute_tokens(x, self.cols, 1);
+        let mut out = [0f64; 1];
+        rows_f32_on(path, self, r, r + 1, &xp, 1, &mut out);
+        out[0] as f32
     }
 }
 
@@ -199,206 +221,244 @@ pub fn f32_at(b: &[u8], i: usize) -> f32 {
     f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
 }
 
-/// Portable bf16 row · x (x already widened to f64) under the lane contract.
-pub fn dot_bf16_portable(row: &[u8], x: &[f64]) -> f64 {
-    let n = x.len();
-    assert_eq!(row.len(), 2 * n);
-    let mut acc = [0f64; LANES];
-    let full = n / LANES * LANES;
-    let mut i = 0;
-    while i < full {
-        let rb = &row[2 * i..2 * (i + LANES)];
-        let xb = &x[i..i + LANES];
-        for l in 0..LANES {
-            acc[l] += bf16_at(rb, l) as f64 * xb[l];
-        }
-        i += LANES;
+/// Row-block kernel of the f32-block contract on `path`.
+fn rows_f32_on(
+    path: Path,
+    m: &Mat<'_>,
+    r0: usize,
+    r1: usize,
+    xp: &[f32],
+    ntok: usize,
+    out: &mut [f64],
+) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: simd::path() only returns Avx512 when avx512f+avx2+fma were detected.
+        Path::Avx512 => unsafe { super::avx512::rows_f32(m, r0, r1, xp, ntok, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: simd::path() only returns Avx2 when avx2+fma were detected.
+        Path::Avx2 => unsafe { super::avx2::rows_f32(m, r0, r1, xp, ntok, out) },
+        _ => portable::rows_f32(m, r0, r1, xp, ntok, out),
     }
-    for c in full..n {
-        acc[c - full] += bf16_at(row, c) as f64 * x[c];
-    }
-    reduce_lanes(&mut acc)
 }
 
-/// Portable f32 row · x (x already widened to f64) under the lane contract.
-pub fn dot_f32_portable(row: &[u8], x: &[f64]) -> f64 {
-    let n = x.len();
-    assert_eq!(row.len(), 4 * n);
-    let mut acc = [0f64; LANES];
-    let full = n / LANES * LANES;
-    let mut i = 0;
-    while i < full {
-        let rb = &row[4 * i..4 * (i + LANES)];
-        let xb = &x[i..i + LANES];
-        for l in 0..LANES {
-            acc[l] += f32_at(rb, l) as f64 * xb[l];
-        }
-        i += LANES;
+/// Row-block kernel of the f64 contract on `path`.
+fn rows_f64_on(
+    path: Path,
+    m: &Mat<'_>,
+    r0: usize,
+    r1: usize,
+    xp: &[f64],
+    ntok: usize,
+    out: &mut [f64],
+) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: simd::path() only returns Avx512 when avx512f+avx2+fma were detected.
+        Path::Avx512 => unsafe { super::avx512::rows_f64(m, r0, r1, xp, ntok, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: simd::path() only returns Avx2 when avx2+fma were detected.
+        Path::Avx2 => unsafe { super::avx2::rows_f64(m, r0, r1, xp, ntok, out) },
+        _ => portable::rows_f64(m, r0, r1, xp, ntok, out),
     }
-    for c in full..n {
-        acc[c - full] += f32_at(row, c) as f64 * x[c];
-    }
-    reduce_lanes(&mut acc)
 }
 
-/// Portable MXFP4 row · x (x widened to f64) straight from packed bytes, under the lane
-/// contract.
-pub fn dot_mxfp4_portable(prow: &[u8], srow: &[u8], x: &[f64]) -> f64 {
-    let n = x.len();
-    assert_eq!(prow.len(), n.div_ceil(2));
-    assert_eq!(srow.len(), n.div_ceil(mxfp4::GROUP));
-    let mut acc = [0f64; LANES];
-    for (g, &sbyte) in srow.iter().enumerate() {
-        if sbyte == 255 {
-            continue; // NaN scale: the group contributes nothing
-        }
-        let s = mxfp4::e8m0(sbyte);
-        let c0 = g * mxfp4::GROUP;
-        let c1 = (c0 + mxfp4::GROUP).min(n);
-        for c in c0..c1 {
-            let byte = prow[c / 2];
-            let code = if c % 2 == 0 { byte & 0x0F } else { byte >> 4 };
-            let w = mxfp4::E2M1[code as usize] * s;
-            acc[c - c0] += w as f64 * x[c];
-        }
-    }
-    reduce_lanes(&mut acc)
+/// Below this many multiply-adds (rows × cols × tokens, summed over fused matrices) a
+/// product runs on the calling thread only.
+pub const PAR_MIN_WEIGHTS: usize = 1 << 18;
+
+/// Weight bytes per rayon task at one token (smaller with more tokens).
+pub const TASK_BYTES: usize = 256 << 10;
+
+/// Rows per task for `m` at `ntok` tokens: a function of the shape only (never of the
+/// thread count), a multiple of 4.
+pub fn task_rows(m: &Mat<'_>, ntok: usize) -> usize {
+    let row_bytes = (m.weight_bytes() / m.rows.max(1)).max(1);
+    let per = TASK_BYTES / (row_bytes * ntok.clamp(1, 8));
+    per.max(4).div_ceil(4) * 4
 }
 
-/// Below this many weights a product runs on the calling thread only.
-pub const PAR_MIN_WEIGHTS: usize = 1 << 15;
-
-/// Split `0..rows` into at most `parts` contiguous chunks of near-equal size.
-fn row_chunks(rows: usize, parts: usize) -> Vec<(usize, usize)> {
-    let parts = parts.clamp(1, rows.max(1));
-    let base = rows / parts;
-    let extra = rows % parts;
-    let mut out = Vec::with_capacity(parts);
-    let mut r0 = 0;
-    for p in 0..parts {
-        let len = base + usize::from(p < extra);
-        out.push((r0, r0 + len));
-        r0 += len;
-    }
-    out
+/// Input of a product, already permuted into lane order (`ntok × groups(cols)*32`).
+#[derive(Clone, Copy)]
+enum Xp<'a> {
+    F32(&'a [f32]),
+    F64(&'a [f64]),
 }
 
-/// `y = W x` with `threads` workers splitting the output rows.
+/// Output pointer shared by the tasks of one product.
+#[derive(Clone, Copy)]
+struct OutPtr<O>(*mut O, usize);
+// SAFETY: tasks write disjoint elements (distinct (row, token) pairs) of a buffer that
+// outlives the parallel region; O: Send.
+unsafe impl<O: Send> Send for OutPtr<O> {}
+// SAFETY: as above; no element is read or written by two tasks.
+unsafe impl<O: Send> Sync for OutPtr<O> {}
+
+/// Run the products of `mats` (same `cols`) on one permuted input; `outs[i]` is
+/// `ntok × mats[i].rows`, token-major.
+fn run<O: Copy + Send>(
+    mats: &[&Mat<'_>],
+    xp: Xp<'_>,
+    outs: &mut [&mut [O]],
+    ntok: usize,
+    threads: usize,
+    conv: fn(f64) -> O,
+) {
+    assert_eq!(mats.len(), outs.len(), "one output per matrix");
+    for (m, o) in mats.iter().zip(outs.iter()) {
+        assert_eq!(o.len(), ntok * m.rows, "gemm output length");
+        assert_eq!(m.cols, mats[0].cols, "fused matrices share cols");
+    }
+    if ntok == 0 {
+        return;
+    }
+    let path = simd::path();
+    let ptrs: Vec<OutPtr<O>> = outs
+        .iter_mut()
+        .map(|o| OutPtr(o.as_mut_ptr(), o.len()))
+        .collect();
+    let task = |i: usize, r0: usize, r1: usize| {
+        let m = mats[i];
+        let mut sums = vec![0f64; (r1 - r0) * ntok];
+        match xp {
+            Xp::F32(x) => rows_f32_on(path, m, r0, r1, x, ntok, &mut sums),
+            Xp::F64(x) => rows_f64_on(path, m, r0, r1, x, ntok, &mut sums),
+        }
+        let OutPtr(p, len) = ptrs[i];
+        for r in r0..r1 {
+            for t in 0..ntok {
+                let k = t * m.rows + r;
+                assert!(k < len);
+                // SAFETY: k < len of outs[i], which outlives this call; (r, t) belongs to
+                // this task only (row ranges are disjoint), so no other task touches k.
+                unsafe { *p.add(k) = conv(sums[(r - r0) * ntok + t]) };
+            }
+        }
+    };
+    let work: usize = mats.iter().map(|m| m.rows * m.cols).sum::<usize>() * ntok;
+    if threads <= 1 || work < PAR_MIN_WEIGHTS || rayon::current_num_threads() <= 1 {
+        for (i, m) in mats.iter().enumerate() {
+            if m.rows > 0 {
+                task(i, 0, m.rows);
+            }
+        }
+        return;
+    }
+    let mut tasks = Vec::new();
+    for (i, m) in mats.iter().enumerate() {
+        let step = task_rows(m, ntok);
+        let mut r0 = 0;
+        while r0 < m.rows {
+            let r1 = (r0 + step).min(m.rows);
+            tasks.push((i, r0, r1));
+            r0 = r1;
+        }
+    }
+    tasks.par_iter().for_each(|&(i, r0, r1)| task(i, r0, r1));
+}
+
+/// `y = W x` (`threads`: see the module doc).
 pub fn gemv(m: &Mat<'_>, x: &[f32], y: &mut [f32], threads: usize) {
     gemm(m, x, y, 1, threads);
 }
 
 /// `ys[t] = W xs[t]` for `t < ntok`; `xs` is `ntok × cols`, `ys` is `ntok × rows`.
 ///
-/// Row-outer, token-inner: each weight row is read from memory once for all tokens, and
-/// every (row, token) result is the same dot product [`gemv`] computes, so batching never
-/// changes a bit.
+/// A batched, register-blocked GEMM: each weight row is read from memory and decoded
+/// once for all tokens (SIMD: 2 rows × 4 tokens per inner loop on AVX-512), and every
+/// (row, token) result is the dot product [`gemv`] computes, bit for bit.
 pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize) {
-    let x64: Vec<f64> = xs.iter().map(|&v| v as f64).collect();
-    gemm_impl(m, &x64, ys, ntok, threads, |v| v as f32);
+    gemm_fused(&[m], xs, &mut [ys], ntok, threads);
+}
+
+/// Several products sharing one input: `outs[i][t] = mats[i] · xs[t]`, every matrix with
+/// the same `cols`, `outs[i]` being `ntok × mats[i].rows`. The input is permuted once and
+/// all row blocks of all matrices form one parallel region (one fork/join instead of one
+/// per matrix). Each result is bit-identical to [`gemm`] of that matrix alone.
+///
+/// Wire it where products read the same input: gate+up of an FFN, the q/k/v/g (and b,
+/// f_a) projections of KDA, q_a/kv_a of MLA.
+pub fn gemm_fused(
+    mats: &[&Mat<'_>],
+    xs: &[f32],
+    outs: &mut [&mut [f32]],
+    ntok: usize,
+    threads: usize,
+) {
+    let Some(first) = mats.first() else { return };
+    assert_eq!(xs.len(), ntok * first.cols, "gemm input length");
+    let xp = portable::permute_tokens(xs, first.cols, ntok);
+    run(mats, Xp::F32(&xp), outs, ntok, threads, |v| v as f32);
+}
+
+/// [`gemm_fused`] returning the unrounded f64 sums.
+pub fn gemm_fused64(
+    mats: &[&Mat<'_>],
+    xs: &[f32],
+    outs: &mut [&mut [f64]],
+    ntok: usize,
+    threads: usize,
+) {
+    let Some(first) = mats.first() else { return };
+    assert_eq!(xs.len(), ntok * first.cols, "gemm input length");
+    let xp = portable::permute_tokens(xs, first.cols, ntok);
+    run(mats, Xp::F32(&xp), outs, ntok, threads, |v| v);
 }
 
 /// [`gemm`] returning the unrounded f64 sums (for a caller that adds two products and
-/// rounds once).
+/// rounds once). Same contract and speed as [`gemm`].
 pub fn gemm64(m: &Mat<'_>, xs: &[f32], ys: &mut [f64], ntok: usize, threads: usize) {
-    let x64: Vec<f64> = xs.iter().map(|&v| v as f64).collect();
-    gemm_impl(m, &x64, ys, ntok, threads, |v| v);
+    gemm_fused64(&[m], xs, &mut [ys], ntok, threads);
 }
 
 /// [`gemm64`] over an f64 input (an f64 island, e.g. SiTU output feeding a down
-/// projection). The product of a weight and an f64 input rounds in f64.
+/// projection), under the f64 contract (f64 FMA per lane, see the module doc). Not
+/// register-blocked over tokens (each row's weights stay in L1 across the tokens); about
+/// half the f32 path's arithmetic rate, still above the memory rate for one token.
 pub fn gemm64_x64(m: &Mat<'_>, xs: &[f64], ys: &mut [f64], ntok: usize, threads: usize) {
-    gemm_impl(m, xs, ys, ntok, threads, |v| v);
-}
-
-fn gemm_impl<T: Copy + Send + Default>(
-    m: &Mat<'_>,
-    xs: &[f64],
-    ys: &mut [T],
-    ntok: usize,
-    threads: usize,
-    conv: fn(f64) -> T,
-) {
     assert_eq!(xs.len(), ntok * m.cols, "gemm input length");
-    assert_eq!(ys.len(), ntok * m.rows, "gemm output length");
-    let avx2 = simd::avx2_enabled();
-    let work = m.rows * m.cols * ntok.max(1);
-    if threads <= 1 || work < PAR_MIN_WEIGHTS || m.rows < 2 {
-        for r in 0..m.rows {
-            for t in 0..ntok {
-                ys[t * m.rows + r] =
-                    conv(m.row_dot_with(r, &xs[t * m.cols..(t + 1) * m.cols], avx2));
-            }
-        }
-        return;
-    }
-    let chunks = row_chunks(m.rows, threads);
-    if ntok == 1 {
-        // Disjoint output slices, written in place.
-        let mut rest: &mut [T] = ys;
-        let mut slices = Vec::with_capacity(chunks.len());
-        for &(r0, r1) in &chunks {
-            let (a, b) = rest.split_at_mut(r1 - r0);
-            slices.push((r0, a));
-            rest = b;
-        }
-        std::thread::scope(|s| {
-            let mut it = slices.into_iter();
-            let first = it.next();
-            for (r0, out) in it {
-                s.spawn(move || {
-                    for (i, o) in out.iter_mut().enumerate() {
-                        *o = conv(m.row_dot_with(r0 + i, xs, avx2));
-                    }
-                });
-            }
-            if let Some((r0, out)) = first {
-                for (i, o) in out.iter_mut().enumerate() {
-                    *o = conv(m.row_dot_with(r0 + i, xs, avx2));
-                }
-            }
-        });
-        return;
-    }
-    // Several tokens: each worker fills a local [rows_chunk × ntok] block, then scatter.
-    let blocks: Vec<Vec<T>> = std::thread::scope(|s| {
-        let handles: Vec<_> = chunks
-            .iter()
-            .map(|&(r0, r1)| {
-                s.spawn(move || {
-                    let mut blk = Vec::with_capacity((r1 - r0) * ntok);
-                    for r in r0..r1 {
-                        for t in 0..ntok {
-                            blk.push(conv(m.row_dot_with(
-                                r,
-                                &xs[t * m.cols..(t + 1) * m.cols],
-                                avx2,
-                            )));
-                        }
-                    }
-                    blk
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("gemv worker panicked"))
-            .collect()
-    });
-    for (&(r0, r1), blk) in chunks.iter().zip(blocks) {
-        for r in r0..r1 {
-            for t in 0..ntok {
-                ys[t * m.rows + r] = blk[(r - r0) * ntok + t];
-            }
-        }
-    }
+    let xp = portable::permute_tokens(xs, m.cols, ntok);
+    run(&[m], Xp::F64(&xp), &mut [ys], ntok, threads, |v| v);
 }
 
 /// `y = W x` on the portable path, single-threaded (the reference the SIMD tests use).
 pub fn gemv_portable(m: &Mat<'_>, x: &[f32], y: &mut [f32]) {
-    let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-    for (r, o) in y.iter_mut().enumerate().take(m.rows) {
-        *o = m.row_dot_with(r, &x64, false) as f32;
+    assert_eq!(y.len(), m.rows, "gemv output length");
+    let xp = portable::permute_tokens(x, m.cols, 1);
+    let mut sums = vec![0f64; m.rows];
+    portable::rows_f32(m, 0, m.rows, &xp, 1, &mut sums);
+    for (o, s) in y.iter_mut().zip(sums) {
+        *o = s as f32;
+    }
+}
+
+/// [`gemm`] on an explicit path, single-threaded (tests and benchmarks).
+pub fn gemm_on(path: Path, m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize) {
+    assert_eq!(xs.len(), ntok * m.cols, "gemm input length");
+    assert_eq!(ys.len(), ntok * m.rows, "gemm output length");
+    let path = path.min(simd::best_available());
+    let xp = portable::permute_tokens(xs, m.cols, ntok);
+    let mut sums = vec![0f64; m.rows * ntok];
+    rows_f32_on(path, m, 0, m.rows, &xp, ntok, &mut sums);
+    for r in 0..m.rows {
+        for t in 0..ntok {
+            ys[t * m.rows + r] = sums[r * ntok + t] as f32;
+        }
+    }
+}
+
+/// [`gemm64_x64`] on an explicit path, single-threaded (tests and benchmarks).
+pub fn gemm64_x64_on(path: Path, m: &Mat<'_>, xs: &[f64], ys: &mut [f64], ntok: usize) {
+    assert_eq!(xs.len(), ntok * m.cols, "gemm input length");
+    assert_eq!(ys.len(), ntok * m.rows, "gemm output length");
+    let path = path.min(simd::best_available());
+    let xp = portable::permute_tokens(xs, m.cols, ntok);
+    let mut sums = vec![0f64; m.rows * ntok];
+    rows_f64_on(path, m, 0, m.rows, &xp, ntok, &mut sums);
+    for r in 0..m.rows {
+        for t in 0..ntok {
+            ys[t * m.rows + r] = sums[r * ntok + t];
+        }
     }
 }
 
@@ -413,50 +473,70 @@ mod tests {
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
-    // Catches: a reduction that is not the documented lane order (a plain sequential sum
-    // differs in the last bits on these sizes).
+    // Catches: a reduction that is not the documented contract (lane map, f32 blocks of
+    // 1024 columns with FMA, f64 promotion, halving tree), written here independently.
     #[test]
-    fn f32_dot_follows_lane_contract() {
+    fn f32_dot_follows_block_contract() {
         let mut s = 7u64;
-        for n in [1usize, 5, 31, 32, 33, 64, 100, 257] {
+        for n in [
+            1usize, 5, 31, 32, 33, 64, 100, 257, 1023, 1024, 1025, 2100, 3100,
+        ] {
             let w: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
             let x: Vec<f32> = (0..n).map(|_| lcg(&mut s)).collect();
             let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let mut acc = [0f64; LANES];
-            for c in 0..n {
-                acc[c % LANES] += w[c] as f64 * x[c] as f64;
+            let mut acc64 = [0f64; 32];
+            let mut acc32 = [0f32; 32];
+            for c in 0..n.div_ceil(32) * 32 {
+                let (wc, xc) = if c < n { (w[c], x[c]) } else { (0.0, 0.0) };
+                let l = if c % 2 == 0 {
+                    (c % 32) / 2
+                } else {
+                    16 + (c % 32) / 2
+                };
+                acc32[l] = wc.mul_add(xc, acc32[l]);
+                if c % 1024 == 1023 || c + 1 == n.div_ceil(32) * 32 {
+                    for l in 0..32 {
+                        acc64[l] += acc32[l] as f64;
+                        acc32[l] = 0.0;
+                    }
+                }
             }
-            let want = reduce_lanes(&mut acc) as f32;
-            let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-            assert_eq!(
-                (dot_f32_portable(&bytes, &x64) as f32).to_bits(),
-                want.to_bits(),
-                "n={n}"
-            );
+            let want = portable::reduce_lanes(&mut acc64) as f32;
+            let m = Mat::f32(&bytes, 1, n).unwrap();
+            let mut y = [0f32];
+            gemv_portable(&m, &x, &mut y);
+            assert_eq!(y[0].to_bits(), want.to_bits(), "n={n}");
+            assert_eq!(m.row_dot(0, &x).to_bits(), want.to_bits(), "simd n={n}");
         }
     }
 
-    // Catches: a threaded split that changes the reduction (results must be bitwise equal).
+    // Catches: a threaded split or a batched kernel that changes a result (bitwise).
     #[test]
-    fn threads_do_not_change_bits() {
+    fn threads_and_batching_do_not_change_bits() {
         let mut s = 11u64;
-        let (rows, cols) = (301, 257);
+        let (rows, cols) = (301, 1057);
         let w: Vec<u8> = (0..rows * cols)
             .flat_map(|_| ((lcg(&mut s).to_bits() >> 16) as u16).to_le_bytes())
             .collect();
         let m = Mat::bf16(&w, rows, cols).unwrap();
-        let ntok = 3;
+        let ntok = 7;
         let x: Vec<f32> = (0..cols * ntok).map(|_| lcg(&mut s)).collect();
         let mut y1 = vec![0f32; rows * ntok];
         gemm(&m, &x, &mut y1, ntok, 1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         for th in [2, 3, 7] {
             let mut y2 = vec![0f32; rows * ntok];
-            gemm(&m, &x, &mut y2, ntok, th);
+            pool.install(|| gemm(&m, &x, &mut y2, ntok, th));
             assert!(y1.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()));
-            let mut y3 = vec![0f32; rows];
-            gemv(&m, &x[cols..2 * cols], &mut y3, th);
-            for r in 0..rows {
-                assert_eq!(y3[r].to_bits(), y1[rows + r].to_bits());
+            for t in 0..ntok {
+                let mut y3 = vec![0f32; rows];
+                pool.install(|| gemv(&m, &x[t * cols..(t + 1) * cols], &mut y3, th));
+                for r in 0..rows {
+                    assert_eq!(y3[r].to_bits(), y1[t * rows + r].to_bits());
+                }
             }
         }
     }

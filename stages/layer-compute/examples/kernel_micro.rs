@@ -1,0 +1,68 @@
+//! Kernel arithmetic rate with the weights in cache (no DRAM): GMAC/s of one thread for
+//! bf16 and MXFP4 at 1 and 16 tokens, per path. Complements `gemv_bench` (DRAM rates).
+//!
+//! Run: `cargo run --release -p k3-layer-compute --example kernel_micro`.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use k3_layer_compute::kernels::gemv::{gemm_on, Mat};
+use k3_layer_compute::kernels::simd::Path;
+
+fn main() {
+    let rows: usize = std::env::var("MICRO_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128);
+    let cols: usize = std::env::var("MICRO_COLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(7168);
+    let mut s = 0x1234_5678u64;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let bf: Vec<u8> = (0..rows * cols)
+        .flat_map(|_| {
+            ((((next() >> 40) as f32 / 16777216.0 - 0.5).to_bits() >> 16) as u16).to_le_bytes()
+        })
+        .collect();
+    let pk: Vec<u8> = (0..rows * cols / 2).map(|_| next() as u8).collect();
+    let sc: Vec<u8> = (0..rows * cols / 32)
+        .map(|_| 118 + (next() % 4) as u8)
+        .collect();
+    let mats = [
+        ("bf16", Mat::bf16(&bf, rows, cols).unwrap()),
+        ("mxfp4", Mat::mxfp4(&pk, &sc, rows, cols).unwrap()),
+    ];
+    // `kernel_micro FMT NTOK` runs one case (for profiling).
+    let args: Vec<String> = std::env::args().collect();
+    for (name, m) in &mats {
+        if args.len() > 1 && args[1] != *name {
+            continue;
+        }
+        for ntok in [1usize, 4, 16] {
+            if args.len() > 2 && args[2] != ntok.to_string() {
+                continue;
+            }
+            let x: Vec<f32> = (0..ntok * cols).map(|i| (i % 13) as f32 * 0.1).collect();
+            let mut y = vec![0f32; ntok * rows];
+            for p in [Path::Avx512, Path::Avx2] {
+                let iters = (2000 / ntok * if args.len() > 2 { 5 } else { 1 }) * (128 * 7168)
+                    / (rows * cols);
+                let t0 = Instant::now();
+                for _ in 0..iters {
+                    gemm_on(p, m, &x, &mut y, ntok);
+                    black_box(&y);
+                }
+                let dt = t0.elapsed().as_secs_f64();
+                let gmac = (iters * rows * cols * ntok) as f64 / dt / 1e9;
+                let gbs = (iters * m.weight_bytes()) as f64 / dt / 1e9;
+                println!("{name:<6} ntok {ntok:>2} {:<7} {gmac:>7.1} GMAC/s  {gbs:>7.1} GB/s of weights (cached)", p.name());
+            }
+        }
+    }
+}

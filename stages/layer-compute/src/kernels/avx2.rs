@@ -1,0 +1,537 @@
+//! AVX2+FMA product kernels (ymm), bit-identical to the portable twin in
+//! [`super::portable`]. This is the x86-64 baseline path.
+//!
+//! The 32 lanes of a dot product live in four ymm registers (lanes 0..7, 8..15: the even
+//! columns of a 32-column group; 16..23, 24..31: the odd ones). Per group each lane
+//! performs one f32 `vfmadd` of the decoded weight and the permuted activation, exactly
+//! the `mul_add` of the twin; every 1024 columns the lanes are widened to f64 (exact) and
+//! added to 32 f64 lane sums; the final halving tree is the shared scalar one.
+//! Weight decode:
+//! - BF16: a 32-byte load gives 8 dwords, each holding an even and an odd column:
+//!   `dword << 16` is the even weight, `dword & 0xFFFF0000` the odd one (exact widening);
+//! - MXFP4: `vpshufb` maps each nibble through a 16-entry table to the small integer
+//!   `2·E2M1[code]` (−12..12); `vpmovsxbd` + `vcvtdq2ps` make it an exact f32, and one
+//!   multiply by `2^(scale−128)` gives exactly the f32 `E2M1[code] · 2^(scale−127)` of the
+//!   twin (the same real number, rounded once; it is exact except for overflow). The only
+//!   difference is the sign of a zero weight (code 8, or a NaN scale), which cannot change
+//!   any sum: a lane's f32 partial only reaches the result through an f64 lane sum that
+//!   starts at +0, where ±0 are absorbed;
+//! - F32: `vshufps` + `vpermpd` split 32 floats into even and odd columns.
+//!
+//! Register blocking: one token uses 2 rows per pass; several tokens use 1 row × 2
+//! tokens, block by block. Blocking never changes what one (row, token) lane computes.
+
+use std::arch::x86_64::*;
+
+use super::gemv::{Mat, MatData};
+use super::portable::{
+    groups, reduce_lanes, stage_partial, x_stride, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES,
+};
+
+/// A weight format's group decoder.
+trait Fmt: Copy {
+    /// Start of group `q` of row `r` and its scale byte.
+    ///
+    /// # Safety
+    /// `r` and `q` must address a full group inside the matrix.
+    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8);
+    /// Decode one full group at `p` into lanes 0..7, 8..15, 16..23, 24..31.
+    ///
+    /// # Safety
+    /// `p` must point to the group's bytes (64 for bf16, 128 for f32, 16 for MXFP4); the
+    /// CPU must support AVX2 and FMA (callers are `#[target_feature]` functions).
+    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4];
+    /// Software prefetch distance in bytes ahead of the group being decoded.
+    const PF: usize;
+}
+
+#[derive(Clone, Copy)]
+struct Bf16 {
+    p: *const u8,
+    stride: usize,
+}
+
+impl Fmt for Bf16 {
+    const PF: usize = 1024;
+    /// # Safety
+    /// As [`Fmt::at`].
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
+        // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
+        (unsafe { self.p.add(r * self.stride + 64 * q) }, 127)
+    }
+    /// # Safety
+    /// As [`Fmt::dec`].
+    #[inline(always)]
+    unsafe fn dec(p: *const u8, _s: u8) -> [__m256; 4] {
+        // SAFETY: 64 readable bytes at p (caller); AVX2 enabled in the caller.
+        unsafe {
+            let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            let v0 = _mm256_loadu_si256(p as *const __m256i);
+            let v1 = _mm256_loadu_si256(p.add(32) as *const __m256i);
+            [
+                _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)),
+                _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)),
+                _mm256_castsi256_ps(_mm256_and_si256(v0, mask)),
+                _mm256_castsi256_ps(_mm256_and_si256(v1, mask)),
+            ]
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct F32 {
+    p: *const u8,
+    stride: usize,
+}
+
+impl Fmt for F32 {
+    const PF: usize = 1024;
+    /// # Safety
+    /// As [`Fmt::at`].
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
+        // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
+        (unsafe { self.p.add(r * self.stride + 128 * q) }, 127)
+    }
+    /// # Safety
+    /// As [`Fmt::dec`].
+    #[inline(always)]
+    unsafe fn dec(p: *const u8, _s: u8) -> [__m256; 4] {
+        // SAFETY: 128 readable bytes at p (caller); AVX2 enabled in the caller.
+        unsafe {
+            let f = p as *const f32;
+            let a0 = _mm256_loadu_ps(f);
+            let a1 = _mm256_loadu_ps(f.add(8));
+            let a2 = _mm256_loadu_ps(f.add(16));
+            let a3 = _mm256_loadu_ps(f.add(24));
+            [
+                sort(_mm256_shuffle_ps(a0, a1, 0x88)),
+                sort(_mm256_shuffle_ps(a2, a3, 0x88)),
+                sort(_mm256_shuffle_ps(a0, a1, 0xDD)),
+                sort(_mm256_shuffle_ps(a2, a3, 0xDD)),
+            ]
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Mx {
+    p: *const u8,
+    pstride: usize,
+    s: *const u8,
+    sstride: usize,
+}
+
+impl Fmt for Mx {
+    const PF: usize = 512;
+    /// # Safety
+    /// As [`Fmt::at`].
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
+        // SAFETY: the caller guarantees (r, q) is a full group: 16 packed bytes and a
+        // scale byte exist there.
+        unsafe {
+            (
+                self.p.add(r * self.pstride + 16 * q),
+                *self.s.add(r * self.sstride + q),
+            )
+        }
+    }
+    /// # Safety
+    /// As [`Fmt::dec`].
+    #[inline(always)]
+    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4] {
+        // SAFETY: 16 readable bytes at p (caller); AVX2 enabled in the caller.
+        unsafe {
+            let tbl = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+            let low4 = _mm_set1_epi8(0x0F);
+            let b = _mm_loadu_si128(p as *const __m128i);
+            let lo = _mm_shuffle_epi8(tbl, _mm_and_si128(b, low4));
+            let hi = _mm_shuffle_epi8(tbl, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+            // 2^(s-128): exact (E8M0 is a power of two or 0, halving it is exact).
+            let hs = _mm256_set1_ps(E8M0[s as usize] * 0.5);
+            [
+                widen_i8(lo, hs),
+                widen_i8(_mm_srli_si128(lo, 8), hs),
+                widen_i8(hi, hs),
+                widen_i8(_mm_srli_si128(hi, 8), hs),
+            ]
+        }
+    }
+}
+
+/// Columns `[0,2,8,10 | 4,6,12,14]` (a `vshufps` result) sorted to `[0,2,4,..,14]`.
+///
+/// # Safety
+/// AVX2 must be enabled in the caller.
+#[inline(always)]
+unsafe fn sort(v: __m256) -> __m256 {
+    // SAFETY: register-only AVX2 operations (caller enables AVX2).
+    unsafe { _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0b11_01_10_00)) }
+}
+
+/// The low 8 signed bytes of `v` as exact f32, times `hs`.
+///
+/// # Safety
+/// AVX2 must be enabled in the caller.
+#[inline(always)]
+unsafe fn widen_i8(v: __m128i, hs: __m256) -> __m256 {
+    // SAFETY: register-only AVX2 operations (caller enables AVX2).
+    unsafe { _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), hs) }
+}
+
+/// Add the 32 f32 lanes `a` (widened exactly) into the f64 lane sums.
+///
+/// # Safety
+/// AVX2 must be enabled in the caller.
+#[inline(always)]
+unsafe fn promote(a: &[__m256; 4], acc: &mut [f64; LANES]) {
+    // SAFETY: acc has 32 f64; each load/store covers 4 of them at 8k and 8k+4 (k < 4).
+    unsafe {
+        for (k, v) in a.iter().enumerate() {
+            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*v));
+            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps(*v, 1));
+            let p = acc.as_mut_ptr().add(8 * k);
+            _mm256_storeu_pd(p, _mm256_add_pd(_mm256_loadu_pd(p), lo));
+            _mm256_storeu_pd(p.add(4), _mm256_add_pd(_mm256_loadu_pd(p.add(4)), hi));
+        }
+    }
+}
+
+/// One f32 block (groups `q0..qe`) of rows `r..r+R` × tokens `t0..t0+T`: the lanes'
+/// f32 partials, promoted into `acc[j*ntok + t0 + t]` at the end.
+///
+/// # Safety
+/// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
+/// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc`; `xp` holds `ntok` permuted
+/// tokens at stride `stride`, `t0 + T <= ntok`, `acc.len() >= R*ntok`; AVX2 and FMA enabled
+/// in the caller.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
+    f: F,
+    r: usize,
+    (q0, qe, qf): (usize, usize, usize),
+    (pbuf, psc): (&[[u8; 128]; R], &[u8; R]),
+    xp: *const f32,
+    stride: usize,
+    (t0, ntok): (usize, usize),
+    acc: &mut [[f64; LANES]],
+) {
+    // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
+    // reads stay inside token t0+t (32 values at 32q < stride); acc indices < R*ntok.
+    unsafe {
+        let mut a = [[[_mm256_setzero_ps(); 4]; T]; R];
+        let mut q = q0;
+        while q < qe {
+            let mut w = [[_mm256_setzero_ps(); 4]; R];
+            if q < qf {
+                for (j, wj) in w.iter_mut().enumerate() {
+                    let (p, s) = f.at(r + j, q);
+                    // Software prefetch PF bytes ahead in the row's stream (a hint: it
+                    // never faults; wrapping_add keeps the pointer arithmetic defined).
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
+                    *wj = F::dec(p, s);
+                }
+            } else {
+                for (j, wj) in w.iter_mut().enumerate() {
+                    *wj = F::dec(pbuf[j].as_ptr(), psc[j]);
+                }
+            }
+            for t in 0..T {
+                let xq = xp.add((t0 + t) * stride + GROUP_COLS * q);
+                for k in 0..4 {
+                    let xv = _mm256_loadu_ps(xq.add(8 * k));
+                    for j in 0..R {
+                        a[j][t][k] = _mm256_fmadd_ps(w[j][k], xv, a[j][t][k]);
+                    }
+                }
+            }
+            q += 1;
+        }
+        for j in 0..R {
+            for t in 0..T {
+                promote(&a[j][t], &mut acc[j * ntok + t0 + t]);
+            }
+        }
+    }
+}
+
+/// Rows `r..r+R` × all `ntok` tokens: block by block (so the block's slice of every token
+/// and the f64 lane sums stay in L1), tokens in register blocks of `T` (then one by one).
+/// Sums into `out[(r - r0 + j)*ntok + t]`.
+///
+/// # Safety
+/// As [`seg`]; `out` has room for rows `r - r0 .. r - r0 + R`.
+#[inline(always)]
+unsafe fn tile<F: Fmt, const R: usize, const T: usize>(
+    f: F,
+    m: &Mat<'_>,
+    r: usize,
+    xp: *const f32,
+    ntok: usize,
+    acc: &mut Vec<[f64; LANES]>,
+    out: &mut [f64],
+) {
+    let ng = groups(m.cols);
+    let full = m.cols / GROUP_COLS;
+    let stride = x_stride(m.cols);
+    let mut pbuf = [[0u8; 128]; R];
+    let mut psc = [0u8; R];
+    if full < ng {
+        for j in 0..R {
+            psc[j] = stage_partial(m, r + j, full, &mut pbuf[j]);
+        }
+    }
+    acc.clear();
+    acc.resize(R * ntok, [0f64; LANES]);
+    let mut q = 0;
+    // SAFETY: the caller's guarantees, passed on to seg with q ranges inside 0..ng.
+    unsafe {
+        while q < ng {
+            let qe = (q + BLOCK_GROUPS).min(ng);
+            let qs = (q, qe, qe.min(full));
+            let mut t0 = 0;
+            while t0 + T <= ntok {
+                seg::<F, R, T>(f, r, qs, (&pbuf, &psc), xp, stride, (t0, ntok), acc);
+                t0 += T;
+            }
+            while t0 < ntok {
+                seg::<F, R, 1>(f, r, qs, (&pbuf, &psc), xp, stride, (t0, ntok), acc);
+                t0 += 1;
+            }
+            q = qe;
+        }
+    }
+    for j in 0..R {
+        for t in 0..ntok {
+            out[j * ntok + t] = reduce_lanes(&mut acc[j * ntok + t]);
+        }
+    }
+}
+
+/// Rows `r0..r1` × all tokens with the f32-block contract.
+///
+/// # Safety
+/// As [`tile`], for every row tile; AVX2 and FMA enabled in the caller.
+#[inline(always)]
+unsafe fn drive<F: Fmt>(
+    f: F,
+    m: &Mat<'_>,
+    r0: usize,
+    r1: usize,
+    xp: &[f32],
+    ntok: usize,
+    out: &mut [f64],
+) {
+    let stride = x_stride(m.cols);
+    assert!(xp.len() >= ntok * stride);
+    assert!(out.len() >= (r1 - r0) * ntok);
+    assert!(r1 <= m.rows);
+    let x = xp.as_ptr();
+    let mut acc = Vec::new();
+    let mut r = r0;
+    // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out (asserted).
+    unsafe {
+        if ntok == 1 {
+            while r + 2 <= r1 {
+                tile::<F, 2, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
+                r += 2;
+            }
+        }
+        while r < r1 {
+            tile::<F, 1, 2>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
+            r += 1;
+        }
+    }
+}
+
+/// Sums of rows `r0..r1` × `ntok` permuted f32 tokens (f32-block contract) into
+/// `out[(r-r0)*ntok + t]`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn rows_f32(
+    m: &Mat<'_>,
+    r0: usize,
+    r1: usize,
+    xp: &[f32],
+    ntok: usize,
+    out: &mut [f64],
+) {
+    let c = m.cols;
+    // SAFETY: the Fmt values describe m's own buffers (strides from its shape); features
+    // are enabled on this function.
+    unsafe {
+        match m.data {
+            MatData::Bf16(b) => drive(
+                Bf16 {
+                    p: b.as_ptr(),
+                    stride: 2 * c,
+                },
+                m,
+                r0,
+                r1,
+                xp,
+                ntok,
+                out,
+            ),
+            MatData::F32(b) => drive(
+                F32 {
+                    p: b.as_ptr(),
+                    stride: 4 * c,
+                },
+                m,
+                r0,
+                r1,
+                xp,
+                ntok,
+                out,
+            ),
+            MatData::Mxfp4 { packed, scales } => drive(
+                Mx {
+                    p: packed.as_ptr(),
+                    pstride: c.div_ceil(2),
+                    s: scales.as_ptr(),
+                    sstride: groups(c),
+                },
+                m,
+                r0,
+                r1,
+                xp,
+                ntok,
+                out,
+            ),
+        }
+    }
+}
+
+/// One row · one permuted f64 token under the f64 contract.
+///
+/// # Safety
+/// Row `r` exists, `xp` holds `groups(m.cols)*32` values; AVX2 and FMA enabled in the
+/// caller.
+#[inline(always)]
+unsafe fn row64<F: Fmt>(f: F, m: &Mat<'_>, r: usize, xp: *const f64) -> f64 {
+    let ng = groups(m.cols);
+    let full = m.cols / GROUP_COLS;
+    let mut pbuf = [0u8; 128];
+    let psc = if full < ng {
+        stage_partial(m, r, full, &mut pbuf)
+    } else {
+        0
+    };
+    // SAFETY: as in `block`: in-place reads for full groups, staged for the partial one.
+    unsafe {
+        let mut a = [_mm256_setzero_pd(); 8];
+        for q in 0..ng {
+            let (p, s) = if q < full {
+                f.at(r, q)
+            } else {
+                (pbuf.as_ptr(), psc)
+            };
+            let w = F::dec(p, s);
+            let xq = xp.add(GROUP_COLS * q);
+            for (k, v) in w.iter().enumerate() {
+                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*v));
+                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps(*v, 1));
+                a[2 * k] = _mm256_fmadd_pd(lo, _mm256_loadu_pd(xq.add(8 * k)), a[2 * k]);
+                a[2 * k + 1] =
+                    _mm256_fmadd_pd(hi, _mm256_loadu_pd(xq.add(8 * k + 4)), a[2 * k + 1]);
+            }
+        }
+        let mut acc = [0f64; LANES];
+        for (k, v) in a.iter().enumerate() {
+            _mm256_storeu_pd(acc.as_mut_ptr().add(4 * k), *v);
+        }
+        reduce_lanes(&mut acc)
+    }
+}
+
+/// Rows `r0..r1` × all tokens with the f64 contract (one row and token at a time).
+///
+/// # Safety
+/// `f` describes `m`; the CPU features of the calling `#[target_feature]` function.
+#[inline(always)]
+unsafe fn drive64<F: Fmt>(
+    f: F,
+    m: &Mat<'_>,
+    r0: usize,
+    r1: usize,
+    xp: &[f64],
+    ntok: usize,
+    out: &mut [f64],
+) {
+    let stride = x_stride(m.cols);
+    assert!(xp.len() >= ntok * stride);
+    assert!(out.len() >= (r1 - r0) * ntok);
+    assert!(r1 <= m.rows);
+    for r in r0..r1 {
+        for t in 0..ntok {
+            // SAFETY: r < m.rows and token t's permuted values lie inside xp (asserted).
+            out[(r - r0) * ntok + t] = unsafe { row64(f, m, r, xp.as_ptr().add(t * stride)) };
+        }
+    }
+}
+
+/// Sums of rows `r0..r1` × `ntok` permuted f64 tokens (f64 contract) into
+/// `out[(r-r0)*ntok + t]`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn rows_f64(
+    m: &Mat<'_>,
+    r0: usize,
+    r1: usize,
+    xp: &[f64],
+    ntok: usize,
+    out: &mut [f64],
+) {
+    let c = m.cols;
+    // SAFETY: as in `rows_f32`.
+    unsafe {
+        match m.data {
+            MatData::Bf16(b) => drive64(
+                Bf16 {
+                    p: b.as_ptr(),
+                    stride: 2 * c,
+                },
+                m,
+                r0,
+                r1,
+                xp,
+                ntok,
+                out,
+            ),
+            MatData::F32(b) => drive64(
+                F32 {
+                    p: b.as_ptr(),
+                    stride: 4 * c,
+                },
+                m,
+                r0,
+                r1,
+                xp,
+                ntok,
+                out,
+            ),
+            MatData::Mxfp4 { packed, scales } => drive64(
+                Mx {
+                    p: packed.as_ptr(),
+                    pstride: c.div_ceil(2),
+                    s: scales.as_ptr(),
+                    sstride: groups(c),
+                },
+                m,
+                r0,
+                r1,
+                xp,
+                ntok,
+                out,
+            ),
+        }
+    }
+}

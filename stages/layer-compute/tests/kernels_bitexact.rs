@@ -1,0 +1,271 @@
+//! The product kernels' determinism contract, bit for bit: AVX-512 == AVX2 == portable
+//! twin, batched == one token at a time, fused == separate, any thread count, MXFP4 ==
+//! F32 of its dequantised matrix. Shapes cover partial groups (cols % 32 != 0), odd
+//! MXFP4 column counts, several 1024-column blocks and row counts that leave remainders
+//! after register blocking.
+
+use k3_layer_compute::kernels::gemv::{
+    gemm, gemm64, gemm64_x64, gemm64_x64_on, gemm_fused, gemm_on, gemv, Mat,
+};
+use k3_layer_compute::kernels::{mxfp4, simd, simd::Path};
+
+fn rng(s: &mut u64) -> u64 {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    *s
+}
+
+fn randf(s: &mut u64) -> f32 {
+    ((rng(s) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 3.0
+}
+
+struct Owned {
+    fmt: &'static str,
+    rows: usize,
+    cols: usize,
+    a: Vec<u8>,
+    b: Vec<u8>,
+}
+
+impl Owned {
+    fn new(fmt: &'static str, rows: usize, cols: usize, s: &mut u64) -> Self {
+        let (a, b) = match fmt {
+            "bf16" => (
+                (0..rows * cols)
+                    .flat_map(|_| ((randf(s).to_bits() >> 16) as u16).to_le_bytes())
+                    .collect(),
+                vec![],
+            ),
+            "f32" => (
+                (0..rows * cols)
+                    .flat_map(|_| randf(s).to_le_bytes())
+                    .collect(),
+                vec![],
+            ),
+            _ => (
+                (0..rows * cols.div_ceil(2)).map(|_| rng(s) as u8).collect(),
+                (0..rows * cols.div_ceil(32))
+                    .map(|_| match rng(s) % 12 {
+                        0 => 255,
+                        1 => 0,
+                        2 => 1,
+                        _ => 110 + (rng(s) % 30) as u8,
+                    })
+                    .collect(),
+            ),
+        };
+        Owned {
+            fmt,
+            rows,
+            cols,
+            a,
+            b,
+        }
+    }
+    fn mat(&self) -> Mat<'_> {
+        match self.fmt {
+            "bf16" => Mat::bf16(&self.a, self.rows, self.cols).unwrap(),
+            "f32" => Mat::f32(&self.a, self.rows, self.cols).unwrap(),
+            _ => Mat::mxfp4(&self.a, &self.b, self.rows, self.cols).unwrap(),
+        }
+    }
+}
+
+fn same(a: &[f32], b: &[f32]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+const SHAPES: [(usize, usize); 9] = [
+    (1, 1),
+    (3, 7),
+    (5, 31),
+    (4, 32),
+    (7, 33),
+    (9, 1023),
+    (6, 1024),
+    (11, 1057),
+    (13, 2600),
+];
+
+// Catches: an AVX2 or AVX-512 kernel that reorders a sum, skips the f32→f64 promotion
+// at a block edge, decodes a nibble or a partial group differently, or a register-blocked
+// batch that differs from one token.
+#[test]
+fn simd_paths_match_portable_twin_bitwise() {
+    let mut s = 0x1234_5678_9abc_def1u64;
+    let paths = [Path::Avx2, Path::Avx512];
+    for fmt in ["bf16", "f32", "mxfp4"] {
+        for &(rows, cols) in &SHAPES {
+            let o = Owned::new(fmt, rows, cols, &mut s);
+            let m = o.mat();
+            for ntok in [1usize, 2, 3, 4, 5, 9] {
+                let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
+                let mut want = vec![0f32; ntok * rows];
+                gemm_on(Path::Portable, &m, &x, &mut want, ntok);
+                for &p in &paths {
+                    let mut got = vec![0f32; ntok * rows];
+                    gemm_on(p, &m, &x, &mut got, ntok);
+                    assert!(same(&got, &want), "{fmt} {rows}x{cols} ntok={ntok} {p:?}");
+                }
+                // Batched == one token at a time (on the portable path as well).
+                for t in 0..ntok {
+                    let mut one = vec![0f32; rows];
+                    gemm_on(
+                        Path::Portable,
+                        &m,
+                        &x[t * cols..(t + 1) * cols],
+                        &mut one,
+                        1,
+                    );
+                    assert!(
+                        same(&one, &want[t * rows..(t + 1) * rows]),
+                        "{fmt} batch t={t}"
+                    );
+                }
+                let x64: Vec<f64> = x.iter().map(|&v| v as f64 * 1.000_000_1).collect();
+                let mut w64 = vec![0f64; ntok * rows];
+                gemm64_x64_on(Path::Portable, &m, &x64, &mut w64, ntok);
+                for &p in &paths {
+                    let mut g64 = vec![0f64; ntok * rows];
+                    gemm64_x64_on(p, &m, &x64, &mut g64, ntok);
+                    assert!(
+                        g64.iter()
+                            .zip(&w64)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "f64 {fmt} {rows}x{cols} ntok={ntok} {p:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+// Catches: an MXFP4 kernel whose weights are not exactly E2M1·2^(s−127) (or that treats
+// the NaN scale differently from a zeroed group): it must equal the F32 product of the
+// dequantised matrix bit for bit, on every path.
+#[test]
+fn mxfp4_equals_dequantised_f32_bitwise() {
+    let mut s = 0xfeed_f00d_1234_5679u64;
+    for &(rows, cols) in &SHAPES {
+        let o = Owned::new("mxfp4", rows, cols, &mut s);
+        let m = o.mat();
+        let deq: Vec<u8> = mxfp4::dequantize(&o.a, &o.b, rows, cols)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let mf = Mat::f32(&deq, rows, cols).unwrap();
+        let ntok = 3;
+        let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
+        for p in [Path::Portable, Path::Avx2, Path::Avx512] {
+            let (mut a, mut b) = (vec![0f32; ntok * rows], vec![0f32; ntok * rows]);
+            gemm_on(p, &m, &x, &mut a, ntok);
+            gemm_on(p, &mf, &x, &mut b, ntok);
+            assert!(same(&a, &b), "{rows}x{cols} {p:?}");
+        }
+    }
+}
+
+// Catches: a fused product, a multi-threaded split or the f64-output variant that differs
+// from the plain single-threaded product.
+#[test]
+fn fused_threads_and_f64_outputs_agree() {
+    let mut s = 0x0bad_cafe_dead_beefu64;
+    let cols = 1500;
+    let mats: Vec<Owned> = [("bf16", 700), ("mxfp4", 333), ("bf16", 64), ("f32", 129)]
+        .iter()
+        .map(|&(f, r)| Owned::new(f, r, cols, &mut s))
+        .collect();
+    let ms: Vec<Mat<'_>> = mats.iter().map(|o| o.mat()).collect();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for ntok in [1usize, 6] {
+        let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
+        let singles: Vec<Vec<f32>> = ms
+            .iter()
+            .map(|m| {
+                let mut y = vec![0f32; ntok * m.rows];
+                gemm(m, &x, &mut y, ntok, 1);
+                y
+            })
+            .collect();
+        let mut fused: Vec<Vec<f32>> = ms.iter().map(|m| vec![0f32; ntok * m.rows]).collect();
+        {
+            let refs: Vec<&Mat<'_>> = ms.iter().collect();
+            let mut outs: Vec<&mut [f32]> = fused.iter_mut().map(|v| &mut v[..]).collect();
+            pool.install(|| gemm_fused(&refs, &x, &mut outs, ntok, 3));
+        }
+        for (i, m) in ms.iter().enumerate() {
+            assert!(same(&fused[i], &singles[i]), "fused {i} ntok={ntok}");
+            let mut y2 = vec![0f32; ntok * m.rows];
+            pool.install(|| gemm(m, &x, &mut y2, ntok, 2));
+            assert!(same(&y2, &singles[i]), "threads {i}");
+            let mut y64 = vec![0f64; ntok * m.rows];
+            gemm64(m, &x, &mut y64, ntok, 2);
+            assert!(
+                y64.iter()
+                    .zip(&singles[i])
+                    .all(|(a, b)| (*a as f32).to_bits() == b.to_bits()),
+                "gemm64 {i}"
+            );
+            if ntok == 1 {
+                let mut g = vec![0f32; m.rows];
+                gemv(m, &x, &mut g, 2);
+                assert!(same(&g, &singles[i]));
+                for r in [0, m.rows / 2, m.rows - 1] {
+                    assert_eq!(m.row_dot(r, &x).to_bits(), singles[i][r].to_bits());
+                    assert_eq!(m.row_dot_portable(r, &x).to_bits(), singles[i][r].to_bits());
+                }
+            }
+            let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            let (mut a, mut b) = (vec![0f64; ntok * m.rows], vec![0f64; ntok * m.rows]);
+            gemm64_x64(m, &x64, &mut a, ntok, 1);
+            pool.install(|| gemm64_x64(m, &x64, &mut b, ntok, 3));
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        }
+    }
+    // The process-wide switch still forces the portable path (and changes nothing).
+    simd::set_force_portable(true);
+    assert_eq!(simd::path(), Path::Portable);
+    let x: Vec<f32> = (0..cols).map(|_| randf(&mut s)).collect();
+    let mut a = vec![0f32; ms[0].rows];
+    gemv(&ms[0], &x, &mut a, 1);
+    simd::set_force_portable(false);
+    let mut b = vec![0f32; ms[0].rows];
+    gemv(&ms[0], &x, &mut b, 1);
+    assert!(same(&a, &b));
+}
+
+// Catches: a contract change that breaks the documented error budget (gemv.rs module doc:
+// |y − exact| ≤ 33·u32·Σ|w·x| + u32·|y|), e.g. f32 blocks much longer than 1024 columns or
+// an f32 tree. Reports the worst observed error relative to Σ|w·x|.
+#[test]
+fn error_within_documented_budget() {
+    let mut s = 0x5eed_0000_1111_2222u64;
+    let (rows, cols) = (64, 7168);
+    let o = Owned::new("bf16", rows, cols, &mut s);
+    let m = o.mat();
+    let x: Vec<f32> = (0..cols).map(|_| randf(&mut s)).collect();
+    let mut y = vec![0f32; rows];
+    gemv(&m, &x, &mut y, 1);
+    let u32_ = 2f64.powi(-24);
+    let mut worst = 0f64;
+    for (r, &yr) in y.iter().enumerate() {
+        let (mut exact, mut a) = (0f64, 0f64);
+        for (c, &xc) in x.iter().enumerate() {
+            let b = &o.a[2 * (r * cols + c)..];
+            let w = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64;
+            exact += w * xc as f64;
+            a += (w * xc as f64).abs();
+        }
+        let err = (yr as f64 - exact).abs();
+        assert!(
+            err <= 33.0 * u32_ * a + u32_ * (yr as f64).abs(),
+            "row {r}: {err} vs A {a}"
+        );
+        worst = worst.max(err / a);
+    }
+    println!("gemv bf16 {rows}x{cols}: worst |err|/Σ|w·x| = {worst:.2e} (budget 2.0e-6)");
+}
