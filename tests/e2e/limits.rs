@@ -37,12 +37,7 @@ fn small_cgroup_refuses_up_front_or_fits() {
         };
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("run.json");
-        let o = cg.run(&args(
-            m.to_str().unwrap(),
-            &ids,
-            "4",
-            out.to_str().unwrap(),
-        ));
+        let o = cg.run(&args(m.to_str().unwrap(), &ids, "4", out.to_str().unwrap()));
         let t = text(&o);
         println!("{mb} MB: exit {:?}", o.status.code());
         assert!(!t.contains("OOM killer"), "{mb} MB: OOM-killed:\n{t}");
@@ -170,13 +165,26 @@ fn preset_auto_sizes_from_available_memory() {
             + r["plan"]["cache_budget_bytes"].as_u64().unwrap()
     };
     let avail = r["plan"]["available_bytes"].as_u64().unwrap();
-    assert!(budget(&r) <= avail, "auto budgets {} > available {avail}", budget(&r));
+    assert!(
+        budget(&r) <= avail,
+        "auto budgets {} > available {avail}",
+        budget(&r)
+    );
     // The default budgets (16 + 64 GB) are not what auto gives.
-    assert_ne!(budget(&r), 80_000_000_000, "--preset auto left the default budgets");
+    assert_ne!(
+        budget(&r),
+        80_000_000_000,
+        "--preset auto left the default budgets"
+    );
 
     let cg = match TestCgroup::new("auto", 64 * MB) {
         Ok(cg) => cg,
-        Err(why) => return skip("preset_auto_sizes_from_available_memory (cgroup part)", &why),
+        Err(why) => {
+            return skip(
+                "preset_auto_sizes_from_available_memory (cgroup part)",
+                &why,
+            )
+        }
     };
     std::fs::remove_file(&out).unwrap();
     let o = cg.run(&a);

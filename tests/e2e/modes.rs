@@ -122,7 +122,14 @@ fn seeded_sampling_same_ids_in_every_mode_and_budget() {
     let budgets: [&[&str]; 4] = [
         &[],
         &["--cache-gb", "0.00001"],
-        &["--trunk", trunk, "--trunk-gb", "0.00025", "--cache-gb", "0.00001"],
+        &[
+            "--trunk",
+            trunk,
+            "--trunk-gb",
+            "0.00025",
+            "--cache-gb",
+            "0.00001",
+        ],
         &["--trunk", trunk, "--trunk-gb", "0.004"],
     ];
     for mode in MODES {

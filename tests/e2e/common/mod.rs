@@ -15,8 +15,10 @@ pub fn fixtures() -> PathBuf {
 }
 
 pub fn json(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
-        .unwrap()
+    serde_json::from_slice(
+        &std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap()
 }
 
 pub fn u32s(v: &serde_json::Value) -> Vec<u32> {
@@ -79,14 +81,21 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 pub fn assert_bits_eq(what: &str, a: &[f32], b: &[f32]) {
     assert_eq!(a.len(), b.len(), "{what}: length");
     assert!(!a.is_empty(), "{what}: nothing to compare");
-    if let Some(i) = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits()) {
+    if let Some(i) = a
+        .iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits())
+    {
         panic!("{what}: differs at [{i}]: {} vs {}", a[i], b[i]);
     }
 }
 
 /// Run k3-orch with `args`; returns its output.
 pub fn run(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().expect("run k3-orch")
+    Command::new(bin())
+        .args(args)
+        .output()
+        .expect("run k3-orch")
 }
 
 pub fn text(o: &Output) -> String {
@@ -136,8 +145,12 @@ impl TestCgroup {
         let parent = memory_cgroup_dir().ok_or("no memory cgroup for this process")?;
         let v2 = !parent.starts_with("/sys/fs/cgroup/memory");
         let dir = parent.join(format!("k3-test-{name}-{}", std::process::id()));
-        std::fs::create_dir(&dir)
-            .map_err(|e| format!("cannot create a memory cgroup under {}: {e}", parent.display()))?;
+        std::fs::create_dir(&dir).map_err(|e| {
+            format!(
+                "cannot create a memory cgroup under {}: {e}",
+                parent.display()
+            )
+        })?;
         let cg = TestCgroup { dir, v2 };
         let (limit, swap) = if v2 {
             ("memory.max", "memory.swap.max")
@@ -149,7 +162,11 @@ impl TestCgroup {
         // No swap, so the limit is the limit (v1: memsw = mem; v2: swap.max 0).
         let _ = std::fs::write(
             cg.dir.join(swap),
-            if v2 { "0".to_string() } else { limit_bytes.to_string() },
+            if v2 {
+                "0".to_string()
+            } else {
+                limit_bytes.to_string()
+            },
         );
         Ok(cg)
     }
