@@ -56,6 +56,12 @@ fn seed_golden_real_checkpoint() {
     // the seed's is expected to differ more than its 7.9e-6).
     let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
     let d = max_abs_diff(&got, &want);
-    eprintln!("golden: max |diff| {d:e}, {:e} of max |logit| {scale}", d / scale);
-    assert!(d <= 1e-3 * scale, "logits differ by {d} (max |logit| {scale})");
+    eprintln!(
+        "golden: max |diff| {d:e}, {:e} of max |logit| {scale}",
+        d / scale
+    );
+    assert!(
+        d <= 1e-3 * scale,
+        "logits differ by {d} (max |logit| {scale})"
+    );
 }

@@ -211,15 +211,15 @@ pub const BUDGET_OVERRIDE_ENV: &str = "K3_STAGE_BUDGET_OVERRIDE";
 /// Environment variable that arms the test hooks; without `=1` a hook is refused.
 pub const TEST_HOOKS_ENV: &str = "K3_TEST_HOOKS";
 
+/// Budgets a test hook replaces, and the banner that says so.
+type BudgetOverride = (Vec<(Stage, u64)>, String);
+
 /// The test hook `K3_STAGE_BUDGET_OVERRIDE=stage=bytes,...` (tests/e2e/faults.rs puts a stage
 /// over its budget to test the OOM path). It replaces cgroup budgets, so it is never taken
 /// silently: it is honoured only with `K3_TEST_HOOKS=1` (else the run is refused, exit 2, so
 /// a stray value in a user's shell cannot shrink a budget unseen), a malformed entry is
 /// refused, and a run that honours it says so on stderr and in the report's notes.
-fn budget_override(
-    value: Option<String>,
-    armed: bool,
-) -> Result<Option<(Vec<(Stage, u64)>, String)>, RunError> {
+fn budget_override(value: Option<String>, armed: bool) -> Result<Option<BudgetOverride>, RunError> {
     let Some(v) = value else {
         return Ok(None);
     };
