@@ -206,7 +206,53 @@ fn prompt_message(a: &GenArgs) -> Result<Option<Msg>, RunError> {
 }
 
 /// Per-stage cgroup budgets: the plan's bytes for the stage plus headroom.
-fn stage_budgets(plan: &RunPlan) -> HashMap<Stage, u64> {
+/// Environment variable of the budget test hook (see [`budget_override`]).
+pub const BUDGET_OVERRIDE_ENV: &str = "K3_STAGE_BUDGET_OVERRIDE";
+/// Environment variable that arms the test hooks; without `=1` a hook is refused.
+pub const TEST_HOOKS_ENV: &str = "K3_TEST_HOOKS";
+
+/// Budgets a test hook replaces, and the banner that says so.
+type BudgetOverride = (Vec<(Stage, u64)>, String);
+
+/// The test hook `K3_STAGE_BUDGET_OVERRIDE=stage=bytes,...` (tests/e2e/faults.rs puts a stage
+/// over its budget to test the OOM path). It replaces cgroup budgets, so it is never taken
+/// silently: it is honoured only with `K3_TEST_HOOKS=1` (else the run is refused, exit 2, so
+/// a stray value in a user's shell cannot shrink a budget unseen), a malformed entry is
+/// refused, and a run that honours it says so on stderr and in the report's notes.
+fn budget_override(value: Option<String>, armed: bool) -> Result<Option<BudgetOverride>, RunError> {
+    let Some(v) = value else {
+        return Ok(None);
+    };
+    if !armed {
+        return Err(RunError::usage(format!(
+            "k3-orch: {BUDGET_OVERRIDE_ENV} is a test hook that replaces stage memory budgets; \
+             it is honoured only with {TEST_HOOKS_ENV}=1 (unset it for a normal run)"
+        )));
+    }
+    let mut out = Vec::new();
+    for part in v.split(',').filter(|p| !p.trim().is_empty()) {
+        let parsed = part
+            .split_once('=')
+            .and_then(|(s, b)| Some((Stage::parse(s.trim())?, b.trim().parse::<u64>().ok()?)));
+        match parsed {
+            Some((s, b)) if s != Stage::Orchestrator => out.push((s, b)),
+            _ => {
+                return Err(RunError::usage(format!(
+                    "k3-orch: {BUDGET_OVERRIDE_ENV}: {part:?} is not stage=bytes \
+                     (stages: tokenizer, trunk-loader, expert-fetcher, layer-compute)"
+                )))
+            }
+        }
+    }
+    let what: Vec<String> = out.iter().map(|(s, b)| format!("{s}={b} bytes")).collect();
+    let banner = format!(
+        "TEST HOOK {BUDGET_OVERRIDE_ENV} replaced cgroup budgets: {}",
+        what.join(", ")
+    );
+    Ok(Some((out, banner)))
+}
+
+fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>), RunError> {
     let mp = &plan.memory;
     let headroom = 256u64 << 20;
     let mut budgets = HashMap::new();
@@ -223,16 +269,16 @@ fn stage_budgets(plan: &RunPlan) -> HashMap<Stage, u64> {
         mp.stage_bytes("layer-compute") + headroom + (512u64 << 20),
     );
     budgets.insert(Stage::Tokenizer, headroom + (256u64 << 20));
-    // Test hook (tests/e2e/faults.rs, OOM): `K3_STAGE_BUDGET_OVERRIDE=stage=bytes,...`
-    // replaces a stage's cgroup budget.
-    if let Ok(v) = std::env::var("K3_STAGE_BUDGET_OVERRIDE") {
-        for (s, b) in v.split(',').filter_map(|x| x.split_once('=')) {
-            if let (Some(s), Ok(b)) = (Stage::parse(s.trim()), b.trim().parse::<u64>()) {
-                budgets.insert(s, b);
-            }
-        }
-    }
-    budgets
+    let hook = budget_override(
+        std::env::var(BUDGET_OVERRIDE_ENV).ok(),
+        std::env::var(TEST_HOOKS_ENV).as_deref() == Ok("1"),
+    )?;
+    let banner = hook.map(|(pairs, banner)| {
+        budgets.extend(pairs);
+        tracing::warn!("k3-orch: {banner}");
+        banner
+    });
+    Ok((budgets, banner))
 }
 
 /// Routed experts whose reads fail on purpose (`K3_INJECT_EXPERT_FAILURES=layer:expert,...`,
@@ -254,7 +300,7 @@ fn injected_failures() -> Vec<(u32, u32)> {
 /// The staged pipeline (four processes, or threads with `--inproc`).
 pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
     let a = c.args;
-    let budgets = stage_budgets(c.plan);
+    let (budgets, hook_banner) = stage_budgets(c.plan)?;
     let launch = Launch {
         mode: if a.inproc {
             Mode::Threads
@@ -323,6 +369,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         })
         .collect();
     let mut notes = out.notes.clone();
+    notes.extend(hook_banner);
     for (k, v) in &out.summaries {
         if let Some(r) = v.get("report").and_then(|r| r.as_str()) {
             notes.push(format!("{k}: {r}"));
@@ -338,4 +385,51 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         expert_failures: failures,
         summaries: out.summaries,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Catches a hook that is taken silently: without K3_TEST_HOOKS=1 it is refused (exit 2),
+    // never applied.
+    #[test]
+    fn budget_override_needs_the_arming_variable() {
+        assert_eq!(budget_override(None, false).unwrap(), None);
+        let e = budget_override(Some("layer-compute=1000000".into()), false).unwrap_err();
+        assert_eq!(e.code, crate::error::EXIT_USAGE);
+        assert!(e.msg.contains("K3_TEST_HOOKS=1"), "{}", e.msg);
+    }
+
+    // Catches malformed entries being skipped (the old parser dropped them silently).
+    #[test]
+    fn budget_override_refuses_malformed_entries() {
+        for bad in [
+            "layer-compute",
+            "gpu=5",
+            "layer-compute=lots",
+            "orchestrator=1",
+        ] {
+            let e = budget_override(Some(bad.into()), true).unwrap_err();
+            assert_eq!(e.code, crate::error::EXIT_USAGE, "{bad}");
+        }
+    }
+
+    // When armed it applies and names every replaced budget in its banner.
+    #[test]
+    fn budget_override_when_armed_has_a_banner() {
+        let (pairs, banner) =
+            budget_override(Some("layer-compute=1000000, tokenizer=5".into()), true)
+                .unwrap()
+                .unwrap();
+        assert_eq!(
+            pairs,
+            vec![(Stage::LayerCompute, 1_000_000), (Stage::Tokenizer, 5)]
+        );
+        assert!(
+            banner.starts_with("TEST HOOK K3_STAGE_BUDGET_OVERRIDE"),
+            "{banner}"
+        );
+        assert!(banner.contains("layer-compute=1000000 bytes"), "{banner}");
+    }
 }

@@ -71,7 +71,8 @@ impl MemoryPlan {
         let limit = have as f64 * 0.95;
         if self.total_bytes as f64 > limit {
             return Err(format!(
-                "REFUSING TO START: this needs {} and the machine has {} available, a shortfall of {}.\n\
+                "REFUSING TO START: this needs {} and the machine has {} available (MemAvailable, capped by\n\
+                 the memory limit of the cgroup k3 runs in), a shortfall of {}.\n\
                  Options: a smaller --cache-gb or --trunk-gb (or a smaller --preset), --trunk DIR to stream the\n\
                  trunk instead of loading it whole, fewer --layers, or a machine with more memory.",
                 human(self.total_bytes),
@@ -105,6 +106,19 @@ impl MemoryPlan {
     }
 }
 
+/// The staged run's worker processes (tokenizer, trunk-loader, expert-fetcher, compute).
+pub const STAGE_PROCESSES: usize = 4;
+/// What one stage process holds before any plan item: its heap, stacks, page tables and the
+/// pages of the binary it touches. Measured as a stage cgroup's peak minus its plan items on
+/// the tiny model: 1.0 to 2.5 MB; 4 MiB leaves room. Negligible on a real model, but a run
+/// in a small cgroup that ignored it was OOM-killed at start instead of refused.
+pub const STAGE_PROCESS_BYTES: u64 = 4 << 20;
+
+/// Positions an incremental run caches: the prompt, the generated tokens, and one more.
+pub fn kv_positions(prompt_tokens: usize, gen: usize) -> usize {
+    prompt_tokens + gen + 1
+}
+
 /// KV-cache refusal: an incremental run holds `per_pos` bytes for each of `positions`.
 pub fn check_kv(positions: usize, per_pos: u64, available: Option<u64>) -> Result<(), String> {
     let Some(have) = available else {
@@ -125,16 +139,100 @@ pub fn check_kv(positions: usize, per_pos: u64, available: Option<u64>) -> Resul
     Ok(())
 }
 
-/// MemAvailable from /proc/meminfo, in bytes.
+/// Memory this run may still take: MemAvailable from /proc/meminfo, capped by the room left
+/// in the memory cgroup k3 itself runs in (see [`cgroup_room`]). Without the cap a run
+/// inside a small container or cgroup was planned against the host's memory and then
+/// OOM-killed instead of refused up front.
 pub fn mem_available() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    for line in s.lines() {
-        if let Some(rest) = line.strip_prefix("MemAvailable:") {
-            let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
-            return Some(kb * 1024);
+    let host = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| k3_trunk_loader::presets::parse_meminfo(&s, "MemAvailable:"));
+    match (host, cgroup_room()) {
+        (Some(h), Some(c)) => Some(h.min(c)),
+        (h, c) => h.or(c),
+    }
+}
+
+/// Room left under the memory limits of this process's cgroup and of every ancestor visible
+/// in the mount (v2 `memory.max`, v1 `memory.limit_in_bytes` and `hierarchical_memory_limit`):
+/// the smallest `limit − (usage − inactive file cache)`. None when no limit applies.
+pub fn cgroup_room() -> Option<u64> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    // (mount root, mount point, v2?) of the hierarchy holding the memory controller.
+    let mount = mounts.lines().find_map(|l| {
+        let (pre, post) = l.split_once(" - ")?;
+        let pre: Vec<&str> = pre.split(' ').collect();
+        let post: Vec<&str> = post.split(' ').collect();
+        let (root, point) = (*pre.get(3)?, *pre.get(4)?);
+        match *post.first()? {
+            "cgroup2" => {
+                let c = std::fs::read_to_string(format!("{point}/cgroup.controllers")).ok()?;
+                c.split_whitespace()
+                    .any(|x| x == "memory")
+                    .then_some((root, point, true))
+            }
+            "cgroup" if post.get(2)?.split(',').any(|o| o == "memory") => {
+                Some((root, point, false))
+            }
+            _ => None,
+        }
+    })?;
+    let (root, point, v2) = mount;
+    let path = own.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (id, ctrls, path) = (f.next()?, f.next()?, f.next()?);
+        let hit = if v2 {
+            id == "0" && ctrls.is_empty()
+        } else {
+            ctrls.split(',').any(|c| c == "memory")
+        };
+        hit.then_some(path)
+    })?;
+    let rel = if root == "/" {
+        path
+    } else {
+        path.strip_prefix(root).unwrap_or("/")
+    };
+    let top = std::path::PathBuf::from(point);
+    let mut dir = top.join(rel.trim_start_matches('/'));
+    let num = |d: &std::path::Path, f: &str| -> Option<u64> {
+        std::fs::read_to_string(d.join(f)).ok()?.trim().parse().ok()
+    };
+    let stat = |d: &std::path::Path, key: &str| -> Option<u64> {
+        let s = std::fs::read_to_string(d.join("memory.stat")).ok()?;
+        s.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+    };
+    // v1 reports "no limit" as a huge page-aligned number; anything past 2^62 is unlimited.
+    let limited = |x: u64| (x < 1 << 62).then_some(x);
+    let mut room: Option<u64> = None;
+    loop {
+        let (limit, usage, cache) = if v2 {
+            (
+                num(&dir, "memory.max"),
+                num(&dir, "memory.current"),
+                stat(&dir, "inactive_file"),
+            )
+        } else {
+            let l = num(&dir, "memory.limit_in_bytes").and_then(limited);
+            let h = stat(&dir, "hierarchical_memory_limit").and_then(limited);
+            (
+                l.into_iter().chain(h).min(),
+                num(&dir, "memory.usage_in_bytes"),
+                stat(&dir, "total_inactive_file"),
+            )
+        };
+        if let Some(limit) = limit {
+            let used = usage.unwrap_or(0).saturating_sub(cache.unwrap_or(0));
+            let r = limit.saturating_sub(used);
+            room = Some(room.map_or(r, |x| x.min(r)));
+        }
+        if dir == top || !dir.pop() || !dir.starts_with(&top) {
+            break;
         }
     }
-    None
+    room
 }
 
 /// Default budgets when no memory flag is given (the seed's defaults).
@@ -155,9 +253,15 @@ pub fn budgets(
     for f in &a.mem {
         match f {
             MemFlag::Preset(p) if p == "auto" => {
-                let b =
-                    k3_trunk_loader::presets::auto_from_meminfo(other, trunk_total, expert_size)
-                        .ok_or("--preset auto: cannot read MemAvailable from /proc/meminfo")?;
+                // 95% of what is available (the plan refuses above that), cgroup included.
+                let avail = mem_available()
+                    .ok_or("--preset auto: cannot read MemAvailable from /proc/meminfo")?;
+                let spendable = (avail as f64 * 0.95) as u64;
+                let b = k3_trunk_loader::presets::auto(
+                    spendable.saturating_sub(other),
+                    trunk_total,
+                    expert_size,
+                );
                 t = b.trunk_bytes;
                 c = b.cache_bytes;
                 preset = Some("auto".to_string());
@@ -283,10 +387,18 @@ pub fn plan_run(
     mp.add("expert cache", "expert-fetcher", slots * expert_slot);
     mp.add("embed + lm_head + norms", "layer-compute", cen.model_bytes);
     mp.add("recurrent state", "layer-compute", cen.kda_state_bytes);
-    let positions = match &a.prompt {
-        Prompt::Ids(ids) => ids.len() + a.gen + 1,
-        _ => a.gen + 1,
-    };
+    if !a.inproc && !a.single_process {
+        mp.add(
+            "stage processes",
+            "processes",
+            STAGE_PROCESSES as u64 * STAGE_PROCESS_BYTES,
+        );
+    }
+    // Every prompt position and every generated one is cached. For a text prompt the token
+    // count is not known before the tokenizer runs; `prompt_bound` (one token per byte at
+    // most, plus the chat wrapper) is an upper bound, so a request that passes here fits.
+    // (This was `gen + 1` for --prompt/--prompt-file, which ignored the prompt entirely.)
+    let positions = kv_positions(prompt_bound, a.gen);
     let kv = if a.incremental {
         cen.kv_per_pos * positions as u64
     } else {

@@ -23,7 +23,14 @@ fn next_event(
 ) -> Result<Event, RunError> {
     loop {
         if super::spawn::INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(RunError::new(130, "k3-orch: interrupted; stages stopped"));
+            let code = super::spawn::interrupted_exit_code();
+            return Err(RunError::new(
+                code,
+                format!(
+                    "k3-orch: interrupted by {}; stages stopped",
+                    super::spawn::signal_name(code - 128)
+                ),
+            ));
         }
         match r.events.recv_timeout(Duration::from_millis(100)) {
             Ok(ev) => {

@@ -12,7 +12,7 @@ use std::os::fd::AsRawFd;
 use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
@@ -260,8 +260,21 @@ pub fn self_peak_rss() -> u64 {
 /// Set by the SIGINT/SIGTERM handler; the orchestrator's loops poll it.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_signal(_sig: libc::c_int) {
+/// The signal that interrupted the run (0 while none has).
+static INTERRUPT_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    INTERRUPT_SIGNAL.store(sig, Ordering::SeqCst);
     INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// The exit code of a run stopped by a signal: the shell's 128 + signal number, so SIGINT
+/// exits 130 and SIGTERM 143 (a SIGTERM that exited 130 would read as a Ctrl-C).
+pub fn interrupted_exit_code() -> i32 {
+    match INTERRUPT_SIGNAL.load(Ordering::SeqCst) {
+        0 => 128 + libc::SIGINT,
+        s => 128 + s,
+    }
 }
 
 /// Route SIGINT and SIGTERM to `INTERRUPTED` so a Ctrl-C shuts the stages down cleanly.
@@ -358,9 +371,13 @@ pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
                 let cg = cgroups.as_ref();
                 let node = numa_nodes.get(&stage).copied();
                 let child = spawn_stage(&exe, stage.name(), theirs, |cmd| {
-                    if let Some(n) = node {
-                        cmd.env(NUMA_ENV, n.to_string());
-                    }
+                    // K3_NUMA_NODE is internal: set per stage from the plan, and never
+                    // inherited from the user's shell (a stray value would bind every stage
+                    // even with --numa off).
+                    match node {
+                        Some(n) => cmd.env(NUMA_ENV, n.to_string()),
+                        None => cmd.env_remove(NUMA_ENV),
+                    };
                     match cg {
                         Some(cg) => cg.join_on_spawn(stage, cmd),
                         None => Ok(()),

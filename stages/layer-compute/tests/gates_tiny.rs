@@ -70,11 +70,7 @@ fn tiny_mxfp4_teacher_forced_matches_oracles() {
     let a = single.forward_all(&full).unwrap();
     let b = sharded.forward_all(&full).unwrap();
     // Same tensors, different container: bit-identical.
-    assert!(a
-        .logits
-        .iter()
-        .zip(&b.logits)
-        .all(|(x, y)| x.to_bits() == y.to_bits()));
+    assert_bits_eq("tiny-mxfp4 single vs sharded", &a.logits, &b.logits);
     let v = single.vocab();
     let pred = rows_argmax(&a.logits, v);
     for (f, npy) in [
@@ -112,27 +108,25 @@ fn check_generation(rel: &str, expected: &str) {
     assert_eq!(gi.ids, want, "{rel}: incremental");
     let p = prompt.len();
     let row = |i: usize| &tf.logits[i * v..(i + 1) * v];
-    assert!(g
-        .first_logits
-        .iter()
-        .zip(row(p - 1))
-        .all(|(a, b)| a.to_bits() == b.to_bits()));
-    assert!(gi
-        .first_logits
-        .iter()
-        .zip(row(p - 1))
-        .all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert_bits_eq(
+        &format!("{rel}: greedy first logits"),
+        &g.first_logits,
+        row(p - 1),
+    );
+    assert_bits_eq(
+        &format!("{rel}: incremental first logits"),
+        &gi.first_logits,
+        row(p - 1),
+    );
     // Every decode step equals its teacher-forced row, bitwise (same kernels, same order).
     let mut s = m.new_session();
     m.prefill(&mut s, &full[..p]).unwrap();
     for (i, &t) in full.iter().enumerate().skip(p) {
         let o = m.step(&mut s, t).unwrap();
-        assert!(
-            o.logits
-                .iter()
-                .zip(row(i))
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{rel}: decode step at position {i} differs from the teacher-forced row"
+        assert_bits_eq(
+            &format!("{rel}: decode step at position {i} vs the teacher-forced row"),
+            &o.logits,
+            row(i),
         );
     }
     assert_eq!(s.len(), full.len());
@@ -155,11 +149,7 @@ fn tiny_seed_sharded_is_bit_identical() {
     let full = ids(&e, "full_ids");
     let a = load("tiny-seed", 1).forward_all(&full).unwrap();
     let b = load("tiny-seed/sharded", 1).forward_all(&full).unwrap();
-    assert!(a
-        .logits
-        .iter()
-        .zip(&b.logits)
-        .all(|(x, y)| x.to_bits() == y.to_bits()));
+    assert_bits_eq("tiny-seed single vs sharded", &a.logits, &b.logits);
 }
 
 // Determinism: threads split rows (never a reduction) and the AVX2 kernels repeat the
@@ -170,18 +160,10 @@ fn threads_and_simd_do_not_change_logits() {
     let full = ids(&e, "full_ids");
     let one = load("tiny-mxfp4", 1).forward_all(&full).unwrap();
     let two = load("tiny-mxfp4", 2).forward_all(&full).unwrap();
-    assert!(one
-        .logits
-        .iter()
-        .zip(&two.logits)
-        .all(|(x, y)| x.to_bits() == y.to_bits()));
+    assert_bits_eq("1 vs 2 threads", &one.logits, &two.logits);
     k3_layer_compute::kernels::simd::set_force_portable(true);
     let port = load("tiny-mxfp4", 2).forward_all(&full);
     k3_layer_compute::kernels::simd::set_force_portable(false);
     let port = port.unwrap();
-    assert!(one
-        .logits
-        .iter()
-        .zip(&port.logits)
-        .all(|(x, y)| x.to_bits() == y.to_bits()));
+    assert_bits_eq("SIMD vs portable", &one.logits, &port.logits);
 }

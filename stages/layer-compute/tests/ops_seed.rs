@@ -272,6 +272,7 @@ fn router_topk_renormalised_and_scaled() {
             .collect();
         got.sort_by_key(|p| p.0);
         want.sort_by_key(|p| p.0);
+        assert_eq!(got.len(), want.len(), "row {t}: number of selected experts");
         for ((gi, gw), (wi, ww)) in got.iter().zip(&want) {
             assert_eq!(gi, wi, "row {t}: selected set");
             assert!(
@@ -284,6 +285,7 @@ fn router_topk_renormalised_and_scaled() {
         // routed_scaling_factor multiplies every weight after renormalisation.
         let scaled = router::route(&lg, Some(&bias), 2, true, 2.5);
         assert_eq!(scaled.ids, rt.ids);
+        assert_eq!(scaled.weights.len(), rt.weights.len());
         for (s, u) in scaled.weights.iter().zip(&rt.weights) {
             assert!((s - 2.5 * u).abs() <= 1e-6, "scaling factor not applied");
         }
@@ -488,6 +490,7 @@ fn moe_module() {
     // implementation named above moves outputs by orders of magnitude more.
     let want = arr(&v, "out");
     let (a, r) = tol();
+    assert_eq!(y.len(), want.len(), "output length");
     for (t, (yr, wr)) in y.chunks(128).zip(want.chunks(128)).enumerate() {
         let rowmax = wr.iter().fold(0f32, |m, x| m.max(x.abs()));
         for (i, (g, w)) in yr.iter().zip(wr).enumerate() {
@@ -659,6 +662,7 @@ fn mxfp4_real_bytes() {
         .iter()
         .map(|x| x.as_f64().unwrap() as f32)
         .collect();
+    assert_eq!(lut.len(), mxfp4::E2M1.len(), "E2M1 table length");
     for (a, b) in lut.iter().zip(mxfp4::E2M1.iter()) {
         assert_eq!(
             a.to_bits(),
@@ -695,7 +699,7 @@ fn mxfp4_real_bytes() {
     let (mut y1, mut y2) = (vec![0f32; rows], vec![0f32; rows]);
     gemv(&m, &x, &mut y1, 1);
     gemv(&mf, &x, &mut y2, 1);
-    assert!(y1.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert_bits_eq("bf16 vs f32 gemv", &y1, &y2);
     for r in 0..rows {
         assert_eq!(m.row_dot_portable(r, &x).to_bits(), y1[r].to_bits());
     }

@@ -127,13 +127,40 @@ pub fn le_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// Largest |got − want|.
+/// Largest |got − want|, or NaN when any element of either side is NaN (or the difference
+/// is, as for +Inf against +Inf), so every `d <= tol` check fails on a NaN. Folding with
+/// `f32::max` instead drops NaN and would count a NaN logit as a difference of 0.
 pub fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len(), "length mismatch");
-    got.iter()
+    let mut worst = 0f32;
+    for (a, b) in got.iter().zip(want) {
+        let d = (a - b).abs();
+        if d.is_nan() {
+            return f32::NAN;
+        }
+        worst = worst.max(d);
+    }
+    worst
+}
+
+/// Assert `got` and `want` are the same length, non-empty, and equal bit for bit; names the
+/// first differing index. (`zip(..).all(..)` alone passes when one side is empty.)
+pub fn assert_bits_eq(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    assert!(!got.is_empty(), "{what}: nothing to compare");
+    if let Some(i) = got
+        .iter()
         .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        panic!(
+            "{what}: differs at [{i}]: {} vs {} (bits {:#010x} vs {:#010x})",
+            got[i],
+            want[i],
+            got[i].to_bits(),
+            want[i].to_bits()
+        );
+    }
 }
 
 /// Assert the MANIFEST tolerance `|got − want| ≤ atol + rtol·|want|` elementwise.
@@ -197,4 +224,31 @@ impl WeightSource for MapWeights {
     fn contains(&self, name: &str) -> bool {
         self.map.contains_key(name)
     }
+}
+
+// The helpers themselves: each catches a wrong helper that would let a broken engine pass.
+#[test]
+fn max_abs_diff_fails_on_nan() {
+    // Catches a fold with f32::max, which drops NaN and reports 0.
+    assert!(max_abs_diff(&[1.0, f32::NAN], &[1.0, 2.0]).is_nan());
+    assert!(max_abs_diff(&[1.0, 2.0], &[f32::NAN, 2.0]).is_nan());
+    // The way every gate uses it: `d <= tol` must be false for a NaN.
+    let d = max_abs_diff(&[f32::NAN], &[0.0]);
+    assert!(d.partial_cmp(&1e-3) != Some(std::cmp::Ordering::Less));
+    assert!(max_abs_diff(&[f32::INFINITY], &[0.0]) > 1e-3);
+    assert_eq!(max_abs_diff(&[1.0, 2.5], &[1.5, 2.0]), 0.5);
+}
+
+#[test]
+#[should_panic(expected = "length")]
+fn assert_bits_eq_checks_lengths() {
+    // Catches zip(..).all(..), which passes when one side is empty.
+    assert_bits_eq("x", &[], &[1.0]);
+}
+
+#[test]
+#[should_panic(expected = "differs at [1]")]
+fn assert_bits_eq_checks_bits() {
+    // -0.0 == 0.0 as floats; bitwise it differs.
+    assert_bits_eq("x", &[1.0, -0.0], &[1.0, 0.0]);
 }

@@ -1,0 +1,73 @@
+//! The decode loop's stop ids (issue 13, "untested paths"): generation ends right after the
+//! first generated id that is a stop id, which is kept. The expected ids are the oracle's
+//! (tiny-mxfp4, k3ref), cut at the first stop id by the rule; nothing comes from our own
+//! output. (End to end, a tiny model can never produce the tokenizer's stop ids, which
+//! follow its 3,261 ranks; so the rule is tested here, on the loop every mode runs.)
+
+mod support;
+
+use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
+use k3_layer_compute::sampler::SamplerConfig;
+use support::*;
+
+struct Count(usize);
+
+impl StepHooks for Count {
+    fn on_step(&mut self, _s: Step<'_>) -> Result<(), String> {
+        self.0 += 1;
+        Ok(())
+    }
+}
+
+/// Catches: stop ids ignored (all 20 ids come back), the stop id dropped from the output,
+/// a stop checked before sampling or against the prompt (the prompt holds none of them
+/// here, but a check of `seq` instead of the new token would stop at once if it did), and
+/// an off-by-one that runs one more step.
+#[test]
+fn stop_ids_end_generation_after_the_stop_id() {
+    let m = load("tiny-mxfp4", 1);
+    let e = read_json(&fixtures().join("tiny-mxfp4/expected-k3ref.json"));
+    let prompt = ids(&e, "prompt_ids");
+    let full = ids(&e, "full_ids");
+    let want = &full[prompt.len()..];
+    assert_eq!(want.len(), 20);
+    // Stop ids: one that first appears at generated index 5, one that never appears, and
+    // one that is in the prompt but not generated before index 5.
+    let stop = want[5];
+    assert!(!want[..5].contains(&stop));
+    let in_prompt = *prompt.iter().find(|i| !want[..=5].contains(i)).unwrap();
+    let stops = [999u32, stop, in_prompt];
+    for incremental in [false, true] {
+        let mut hooks = Count(0);
+        let got = decode_loop(
+            &m,
+            &LoopOptions {
+                prompt: &prompt,
+                gen: want.len(),
+                incremental,
+                sampler: SamplerConfig::default(),
+                stop_ids: &stops,
+                dump_logits: None,
+            },
+            &mut hooks,
+        )
+        .unwrap();
+        assert_eq!(got, want[..=5], "incremental {incremental}");
+        assert_eq!(hooks.0, 6, "steps run");
+    }
+    // Without stop ids the loop runs to the end (the oracle's 20 ids).
+    let got = decode_loop(
+        &m,
+        &LoopOptions {
+            prompt: &prompt,
+            gen: want.len(),
+            incremental: true,
+            sampler: SamplerConfig::default(),
+            stop_ids: &[],
+            dump_logits: None,
+        },
+        &mut Count(0),
+    )
+    .unwrap();
+    assert_eq!(got, want);
+}

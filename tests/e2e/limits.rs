@@ -1,0 +1,199 @@
+//! Up-front refusals and memory limits through the CLI (issue 13, item 7 and "untested
+//! paths"): the memory plan counts the cgroup k3 itself runs in, so inside a small cgroup
+//! the tiny model is refused (exit 2) or fits and gives the oracle's ids, never OOM-killed;
+//! the KV-cache refusal counts a text prompt's positions; `--preset auto` sizes the budgets
+//! from the memory really available.
+//!
+//! The cgroup tests make a memory cgroup (root, or a delegated cgroup); where that is not
+//! possible they print `SKIPPED:` (and fail under K3_REQUIRE_PRIVILEGED_TESTS=1).
+
+mod common;
+
+use common::*;
+
+const MODEL: &str = "tiny-mxfp4/sharded";
+const ORACLE: &str = "tiny-mxfp4/expected-k3ref.json";
+const MB: u64 = 1 << 20;
+
+/// Args of a greedy run of the oracle prompt, report to `out`.
+fn args<'a>(model: &'a str, ids: &'a str, gen: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![model, "--ids", ids, "--gen", gen, "--quiet", "--out", out]
+}
+
+/// Inside a memory cgroup of 8 to 24 MB the run is either refused up front (exit 2, the
+/// plan's REFUSING line) or fits and gives the oracle's ids; at 64 MB it fits. Catches a
+/// plan that reads only MemAvailable (the host's memory): at 8 MB that run was OOM-killed
+/// (exit 1, "killed by the kernel OOM killer"), since four stage processes do not fit; and
+/// a plan that over-refuses (the 64 MB run).
+#[test]
+fn small_cgroup_refuses_up_front_or_fits() {
+    let (prompt, want) = oracle(ORACLE);
+    let m = fixtures().join(MODEL);
+    let ids = join(&prompt);
+    for mb in [8u64, 12, 16, 24, 64] {
+        let cg = match TestCgroup::new(&format!("limit{mb}"), mb * MB) {
+            Ok(cg) => cg,
+            Err(why) => return skip("small_cgroup_refuses_up_front_or_fits", &why),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run.json");
+        let o = cg.run(&args(m.to_str().unwrap(), &ids, "4", out.to_str().unwrap()));
+        let t = text(&o);
+        println!("{mb} MB: exit {:?}", o.status.code());
+        assert!(!t.contains("OOM killer"), "{mb} MB: OOM-killed:\n{t}");
+        assert_eq!(cg.oom_kills(), 0, "{mb} MB: OOM kill in the cgroup:\n{t}");
+        match o.status.code() {
+            Some(0) => {
+                assert_eq!(u32s(&json(&out)["generated_ids"]), want[..4], "{mb} MB");
+            }
+            Some(2) if mb < 64 => {
+                assert!(t.contains("REFUSING TO START"), "{mb} MB:\n{t}");
+                assert!(!out.exists(), "{mb} MB: a refused run wrote a report");
+            }
+            _ => panic!("{mb} MB: neither refused (exit 2) nor a clean run:\n{t}"),
+        }
+    }
+}
+
+/// The plan refusal through the CLI: in an 8 MB cgroup the tiny model (four stage processes
+/// and 4.2 MB of plan items) cannot fit; the refusal comes before any stage starts, names
+/// the need, what is available and the shortfall, and offers the options. Catches a plan
+/// check that is skipped, or one that compares against the host instead of the cgroup.
+#[test]
+fn plan_refusal_names_the_shortfall() {
+    let cg = match TestCgroup::new("refuse", 8 * MB) {
+        Ok(cg) => cg,
+        Err(why) => return skip("plan_refusal_names_the_shortfall", &why),
+    };
+    let (prompt, _) = oracle(ORACLE);
+    let m = fixtures().join(MODEL);
+    let ids = join(&prompt);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run.json");
+    let t0 = std::time::Instant::now();
+    let o = cg.run(&args(m.to_str().unwrap(), &ids, "4", out.to_str().unwrap()));
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    for want in ["REFUSING TO START", "shortfall of", "Options:", "cgroup"] {
+        assert!(t.contains(want), "missing {want:?}:\n{t}");
+    }
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(20),
+        "a refusal must come up front"
+    );
+}
+
+/// The KV-cache refusal counts the prompt: a 30,000-byte --prompt-file with --gen 1
+/// --incremental needs up to 30,002 cached positions (3.2 KB each on the tiny model, 96 MB)
+/// and a 64 MB cgroup cannot hold them. Catches the old wiring (positions = gen + 1 for
+/// --prompt/--prompt-file, ignoring the prompt), which accepted it. The same prompt given as
+/// --ids is refused the same way, and a short prompt is not refused.
+#[test]
+fn kv_refusal_counts_the_prompt() {
+    let cg = match TestCgroup::new("kv", 64 * MB) {
+        Ok(cg) => cg,
+        Err(why) => return skip("kv_refusal_counts_the_prompt", &why),
+    };
+    let m = fixtures().join(MODEL);
+    let tok = fixtures().join("tokenizer");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run.json");
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, "[".repeat(30_000)).unwrap();
+    let common = [
+        "--gen",
+        "1",
+        "--incremental",
+        "--quiet",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let mut a = vec![
+        m.to_str().unwrap(),
+        "--tok",
+        tok.to_str().unwrap(),
+        "--prompt-file",
+        file.to_str().unwrap(),
+    ];
+    a.extend_from_slice(&common);
+    let o = cg.run(&a);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "--prompt-file:\n{t}");
+    assert!(
+        t.contains("REFUSING: the KV cache for 30002 positions"),
+        "--prompt-file:\n{t}"
+    );
+    let ids = join(&vec![58u32; 30_000]);
+    let mut a = vec![m.to_str().unwrap(), "--ids", &ids];
+    a.extend_from_slice(&common);
+    let o = cg.run(&a);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "--ids:\n{t}");
+    assert!(
+        t.contains("REFUSING: the KV cache for 30002 positions"),
+        "--ids:\n{t}"
+    );
+    let (prompt, want) = oracle(ORACLE);
+    let ids = join(&prompt);
+    let mut a = vec![m.to_str().unwrap(), "--ids", &ids];
+    a.extend_from_slice(&common);
+    let o = cg.run(&a);
+    assert!(o.status.success(), "short prompt:\n{}", text(&o));
+    assert_eq!(u32s(&json(&out)["generated_ids"]), want[..1]);
+}
+
+/// `--preset auto` through the CLI sizes trunk + cache from the memory available to the
+/// run: on this machine it runs and gives the oracle's ids with budgets within
+/// MemAvailable; inside a 64 MB cgroup its budgets stay within the cgroup. Catches an auto
+/// preset sized from the host's MemAvailable inside a container (gigabytes in 64 MB), and
+/// an auto that fails or changes the ids.
+#[test]
+fn preset_auto_sizes_from_available_memory() {
+    let (prompt, want) = oracle(ORACLE);
+    let m = fixtures().join(MODEL);
+    let ids = join(&prompt);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run.json");
+    let mut a = args(m.to_str().unwrap(), &ids, "4", out.to_str().unwrap());
+    a.extend_from_slice(&["--preset", "auto"]);
+    let o = run(&a);
+    assert!(o.status.success(), "{}", text(&o));
+    let r = json(&out);
+    assert_eq!(u32s(&r["generated_ids"]), want[..4]);
+    let budget = |r: &serde_json::Value| {
+        r["plan"]["trunk_budget_bytes"].as_u64().unwrap()
+            + r["plan"]["cache_budget_bytes"].as_u64().unwrap()
+    };
+    let avail = r["plan"]["available_bytes"].as_u64().unwrap();
+    assert!(
+        budget(&r) <= avail,
+        "auto budgets {} > available {avail}",
+        budget(&r)
+    );
+    // The default budgets (16 + 64 GB) are not what auto gives.
+    assert_ne!(
+        budget(&r),
+        80_000_000_000,
+        "--preset auto left the default budgets"
+    );
+
+    let cg = match TestCgroup::new("auto", 64 * MB) {
+        Ok(cg) => cg,
+        Err(why) => {
+            return skip(
+                "preset_auto_sizes_from_available_memory (cgroup part)",
+                &why,
+            )
+        }
+    };
+    std::fs::remove_file(&out).unwrap();
+    let o = cg.run(&a);
+    assert!(o.status.success(), "64 MB cgroup:\n{}", text(&o));
+    let r = json(&out);
+    assert_eq!(u32s(&r["generated_ids"]), want[..4]);
+    assert!(
+        budget(&r) <= 64 * MB,
+        "auto budgets {} exceed the 64 MB cgroup",
+        budget(&r)
+    );
+}
