@@ -7,7 +7,7 @@ use super::trace_put;
 use super::{Eps, Trace};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
-use crate::kernels::gemv::{gemm, Mat};
+use crate::kernels::gemv::{gemm, gemm_fused, Mat};
 use crate::kernels::{conv, kda, norm};
 use crate::weights::to_f32_vec;
 use crate::weights::Weights;
@@ -88,23 +88,26 @@ pub fn kda_forward(
     let mut q = vec![0f32; ntok * p];
     let mut k = vec![0f32; ntok * p];
     let mut v = vec![0f32; ntok * p];
-    gemm(&w.q, u, &mut q, ntok, threads);
-    gemm(&w.k, u, &mut k, ntok, threads);
-    gemm(&w.v, u, &mut v, ntok, threads);
+    let mut beta = vec![0f32; ntok * h];
+    let mut fa = vec![0f32; ntok * w.f_a.rows];
+    let mut gate = vec![0f32; ntok * p];
+    // Every projection of the layer input in one pass over `u` (each result bit-identical
+    // to its own product).
+    gemm_fused(
+        &[&w.q, &w.k, &w.v, &w.b, &w.f_a, &w.g],
+        u,
+        &mut [&mut q, &mut k, &mut v, &mut beta, &mut fa, &mut gate],
+        ntok,
+        threads,
+    );
     let mut qc = vec![0f32; ntok * p];
     let mut kc = vec![0f32; ntok * p];
     let mut vc = vec![0f32; ntok * p];
     conv::shortconv_silu(&q, &w.q_conv, d.conv, p, &mut st.conv_q, &mut qc);
     conv::shortconv_silu(&k, &w.k_conv, d.conv, p, &mut st.conv_k, &mut kc);
     conv::shortconv_silu(&v, &w.v_conv, d.conv, p, &mut st.conv_v, &mut vc);
-    let mut beta = vec![0f32; ntok * h];
-    gemm(&w.b, u, &mut beta, ntok, threads);
-    let mut fa = vec![0f32; ntok * w.f_a.rows];
-    gemm(&w.f_a, u, &mut fa, ntok, threads);
     let mut z = vec![0f32; ntok * p];
     gemm(&w.f_b, &fa, &mut z, ntok, threads);
-    let mut gate = vec![0f32; ntok * p];
-    gemm(&w.g, u, &mut gate, ntok, threads);
 
     let qscale = 1.0 / (dk as f32).sqrt();
     let mut g = vec![0f32; p];

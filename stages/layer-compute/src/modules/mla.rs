@@ -6,7 +6,7 @@ use super::trace_put;
 use super::{Eps, Trace};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
-use crate::kernels::gemv::{gemm, Mat};
+use crate::kernels::gemv::{gemm, gemm_fused, Mat};
 use crate::kernels::{mla, norm};
 use crate::weights::Weights;
 
@@ -72,7 +72,27 @@ pub fn mla_forward(
 ) -> Vec<f32> {
     let qh = d.nope + d.rope;
     let mut cq = vec![0f32; ntok * d.q_lora];
-    gemm(&w.q_a, u, &mut cq, ntok, threads);
+    let kvw = d.kv_lora + d.rope;
+    let mut kv = vec![0f32; ntok * kvw];
+    let ow = d.heads * d.v;
+    let mut gate = vec![0f32; if w.g.is_some() { ntok * ow } else { 0 }];
+    // q_a, kv_a and the output gate all read the layer input: one pass over `u`.
+    match &w.g {
+        Some(g) => gemm_fused(
+            &[&w.q_a, &w.kv_a, g],
+            u,
+            &mut [&mut cq, &mut kv, &mut gate],
+            ntok,
+            threads,
+        ),
+        None => gemm_fused(
+            &[&w.q_a, &w.kv_a],
+            u,
+            &mut [&mut cq, &mut kv],
+            ntok,
+            threads,
+        ),
+    }
     for t in 0..ntok {
         norm::rmsnorm_inplace(
             &mut cq[t * d.q_lora..(t + 1) * d.q_lora],
@@ -82,9 +102,6 @@ pub fn mla_forward(
     }
     let mut q = vec![0f32; ntok * d.heads * qh];
     gemm(&w.q_b, &cq, &mut q, ntok, threads);
-    let kvw = d.kv_lora + d.rope;
-    let mut kv = vec![0f32; ntok * kvw];
-    gemm(&w.kv_a, u, &mut kv, ntok, threads);
     let mut lat = vec![0f32; ntok * d.kv_lora];
     for t in 0..ntok {
         norm::rmsnorm(
@@ -128,7 +145,6 @@ pub fn mla_forward(
         v: &cache.v,
         k_rope: &cache.k_rope,
     };
-    let ow = d.heads * d.v;
     let mut o = vec![0f32; ntok * ow];
     for t in 0..ntok {
         mla::attend(
@@ -139,9 +155,7 @@ pub fn mla_forward(
             &mut o[t * ow..(t + 1) * ow],
         );
     }
-    if let Some(g) = &w.g {
-        let mut gate = vec![0f32; ntok * ow];
-        gemm(g, u, &mut gate, ntok, threads);
+    if w.g.is_some() {
         for (x, gv) in o.iter_mut().zip(&gate) {
             *x *= sigmoid(*gv);
         }

@@ -5,7 +5,7 @@ use k3_model::classify::layer_tensor;
 
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::situ_glu64;
-use crate::kernels::gemv::{gemm, gemm64_x64, Mat};
+use crate::kernels::gemv::{gemm64_x64, gemm_fused, Mat};
 use crate::weights::Weights;
 
 /// SiTU caps.
@@ -29,10 +29,22 @@ pub fn glu_mlp64(
     let f = gate.rows;
     let mut g = vec![0f32; ntok * f];
     let mut u = vec![0f32; ntok * f];
-    gemm(gate, x, &mut g, ntok, threads);
-    gemm(up, x, &mut u, ntok, threads);
-    let mut a = vec![0f64; ntok * f];
-    situ_glu64(&g, &u, situ.b1, situ.b2, &mut a);
+    gemm_fused(&[gate, up], x, &mut [&mut g, &mut u], ntok, threads);
+    glu_down64(&g, &u, down, situ, ntok, threads)
+}
+
+/// The second half of [`glu_mlp64`], for callers that computed the gate and up products
+/// themselves (fused with other products of the same input).
+pub fn glu_down64(
+    g: &[f32],
+    u: &[f32],
+    down: &Mat<'_>,
+    situ: Situ,
+    ntok: usize,
+    threads: usize,
+) -> Vec<f64> {
+    let mut a = vec![0f64; g.len()];
+    situ_glu64(g, u, situ.b1, situ.b2, &mut a);
     let mut y = vec![0f64; ntok * down.rows];
     gemm64_x64(down, &a, &mut y, ntok, threads);
     y

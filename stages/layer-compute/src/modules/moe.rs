@@ -5,10 +5,10 @@
 use k3_model::classify::layer_tensor;
 use k3_model::tensor::WeightError;
 
-use super::mlp::{glu_mlp, glu_mlp64, Situ};
+use super::mlp::{glu_down64, glu_mlp, Situ};
 use super::{expert_mat, trace_put, Trace};
 use crate::forward::{ForwardError, Model};
-use crate::kernels::gemv::{gemm, gemm64, Mat};
+use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
 use crate::kernels::{norm, router};
 use crate::weights::ExpertRef;
 use crate::weights::Weights;
@@ -71,7 +71,18 @@ pub fn moe_forward(
 ) -> Vec<f32> {
     let (lat, k) = (p.latent, p.top_k);
     let mut logits = vec![0f32; ntok * p.n_experts];
-    gemm(&w.gate, v, &mut logits, ntok, threads);
+    let mut xl = vec![0f32; ntok * lat];
+    let sw = w.sh_gate.rows;
+    let mut sh_g = vec![0f32; ntok * sw];
+    let mut sh_u = vec![0f32; ntok * sw];
+    // Router, latent down-projection and the shared experts' gate/up all read `v`: one pass.
+    gemm_fused(
+        &[&w.gate, &w.down, &w.sh_gate, &w.sh_up],
+        v,
+        &mut [&mut logits, &mut xl, &mut sh_g, &mut sh_u],
+        ntok,
+        threads,
+    );
     let routes: Vec<router::Routing> = (0..ntok)
         .map(|t| {
             router::route(
@@ -92,8 +103,6 @@ pub fn moe_forward(
         );
         trace_put(trace, "moe_topk_weights", &r.weights);
     }
-    let mut xl = vec![0f32; ntok * lat];
-    gemm(&w.down, v, &mut xl, ntok, threads);
 
     // Distinct ids in first-use order, and who uses each: (token, slot in its top-k).
     let mut union: Vec<u32> = Vec::new();
@@ -184,7 +193,7 @@ pub fn moe_forward(
     // halves are often large and nearly cancelling).
     let mut r = vec![0f64; ntok * p.hidden];
     gemm64(&w.up, &agg, &mut r, ntok, threads);
-    let sh = glu_mlp64(&w.sh_gate, &w.sh_up, &w.sh_down, p.situ, v, ntok, threads);
+    let sh = glu_down64(&sh_g, &sh_u, &w.sh_down, p.situ, ntok, threads);
     r.iter().zip(&sh).map(|(a, b)| (a + b) as f32).collect()
 }
 
