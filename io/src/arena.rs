@@ -1,9 +1,11 @@
-//! Slot memory for the expert cache.
+//! Aligned memory that reads land in: the loaders' arenas and scratch buffers.
 //!
-//! The fetcher only needs "a 4096-aligned run of bytes that lives as long as I do", so that is
-//! what [`ArenaMemory`] is. [`OwnedArena`] is a private heap allocation; the staged pipeline
-//! will back the same trait with a shared-memory region so that `(offset, len)` pairs the
-//! fetcher publishes can be turned into handles that another process maps.
+//! The loaders only need "a 4096-aligned run of bytes that lives as long as I do", so that
+//! is what [`ArenaMemory`] is. [`OwnedArena`] is a private heap allocation (tests, tools,
+//! scratch); the stages back the same trait with a shared-memory region
+//! (`k3_protocol::shm::ShmArena`), so the `(offset, len)` pairs they publish become
+//! handles that layer-compute maps in place. [`ALIGN`] is the one alignment constant of
+//! the workspace (O_DIRECT needs 4096: pages and sectors).
 
 use std::alloc::Layout;
 use std::ptr::NonNull;

@@ -168,9 +168,9 @@ impl ReadAt for DirectFiles {
         let f = self.files.get(file as usize).ok_or_else(|| {
             io::Error::new(io::ErrorKind::NotFound, format!("no file number {file}"))
         })?;
-        let aligned = offset % ALIGN as u64 == 0
-            && dst.as_ptr() as usize % ALIGN == 0
-            && dst.len() % ALIGN == 0;
+        let aligned = offset.is_multiple_of(ALIGN as u64)
+            && (dst.as_ptr() as usize).is_multiple_of(ALIGN)
+            && dst.len().is_multiple_of(ALIGN);
         if aligned && self.direct_ok.load(Ordering::Relaxed) {
             if let Some(d) = &f.direct {
                 match fill(d, offset, dst) {

@@ -515,7 +515,9 @@ impl ModelConfig {
     /// Whether 0-based layer `l` uses the latent MoE (else the dense FFN):
     /// `l >= first_k_dense_replace && l % moe_layer_freq == 0`.
     pub fn is_moe(&self, l: usize) -> bool {
-        l < self.n_layers() && l >= self.first_k_dense_replace && l % self.moe_layer_freq == 0
+        l < self.n_layers()
+            && l >= self.first_k_dense_replace
+            && l.is_multiple_of(self.moe_layer_freq)
     }
 
     /// 0-based MoE layers, ascending.
@@ -525,7 +527,7 @@ impl ModelConfig {
 
     /// Whether layer `l` starts an Attention-Residual block (`l % attn_res_block_size == 0`).
     pub fn is_attn_res_boundary(&self, l: usize) -> bool {
-        l % self.attn_res_block_size == 0
+        l.is_multiple_of(self.attn_res_block_size)
     }
 
     /// MLA per-head query/key width `qk_nope_head_dim + qk_rope_head_dim` (192 released).

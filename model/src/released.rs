@@ -64,7 +64,7 @@ impl ReleasedTensor {
 
 /// Whether 0-based layer `l` is KDA in the release ((l+1) mod 4 ≠ 0 and l ≤ 90).
 pub fn is_kda_layer(l: usize) -> bool {
-    (l + 1) % 4 != 0 && l <= 90
+    !(l + 1).is_multiple_of(4) && l <= 90
 }
 
 /// The released file name of 1-based shard `shard`: `model-00001-of-000096.safetensors`

@@ -123,7 +123,7 @@ impl RingConfig {
                 self.slots
             )));
         }
-        if self.slot_size < 64 || self.slot_size % 64 != 0 || self.slot_size > 1 << 24 {
+        if self.slot_size < 64 || !self.slot_size.is_multiple_of(64) || self.slot_size > 1 << 24 {
             return Err(TransportError::Config(format!(
                 "ring slot size {} (must be a multiple of 64 in 64..=16777216)",
                 self.slot_size
@@ -234,7 +234,7 @@ pub fn init_ring(region: &Region, offset: usize, cfg: &RingConfig) -> Result<(),
 }
 
 fn check_room(region: &Region, offset: usize, cfg: &RingConfig) -> Result<(), TransportError> {
-    if offset % 128 != 0 {
+    if !offset.is_multiple_of(128) {
         return Err(TransportError::Config(format!(
             "ring offset {offset} is not 128-byte aligned"
         )));

@@ -491,7 +491,7 @@ fn pack(
             &dir.join(JOURNAL),
             &serde_json::to_vec(&j).map_err(anyhow::Error::from)?,
         )?;
-        if done.len() % every == 0 || done.len() == plan.len() {
+        if done.len().is_multiple_of(every) || done.len() == plan.len() {
             let s = start.elapsed().as_secs_f64();
             let packed: u64 = done.iter().map(|d| d.length).sum();
             let line = format!(

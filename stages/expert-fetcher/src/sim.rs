@@ -44,7 +44,7 @@ pub enum TraceError {
 
 /// Parse int32 little-endian `(layer, expert)` pairs. `name` is used in error messages.
 pub fn parse_trace(bytes: &[u8], name: &str) -> Result<Vec<Key>, TraceError> {
-    if bytes.len() % 8 != 0 {
+    if !bytes.len().is_multiple_of(8) {
         return Err(TraceError::Length {
             path: name.to_string(),
             len: bytes.len(),

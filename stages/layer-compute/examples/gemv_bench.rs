@@ -4,7 +4,7 @@
 //! beside the memory read bandwidth measured in the same run by a vectorised read, and
 //! the load average (`uptime`) at the start and the end.
 //!
-//! Run: `cargo run --release -p k3-layer-compute --example gemv_bench [-- --quick]
+//! Run: `cargo run --release -p k3-layer-compute --example gemv_bench [-- --quick | --membw]
 //! [--only NAME]`.
 //! Weight buffers are replicated until each case streams at least 512 MiB per round
 //! (the lm_head is one 2.35 GB copy), so the numbers are DRAM numbers, not cache numbers.
@@ -165,6 +165,10 @@ fn main() {
         "memory read bandwidth (vectorised 1 GiB sum): 1 thread {:.2} GB/s, 2 threads {:.2} GB/s",
         bw[0], bw[1]
     );
+    // `--membw`: only the read bandwidth (scripts/bench-slice.sh measures it beside a run).
+    if args.iter().any(|a| a == "--membw") {
+        return;
+    }
     println!(
         "best path: {} (AVX2+FMA {}, AVX-512F {})",
         simd::best_available().name(),

@@ -264,7 +264,7 @@ impl Geometry {
 
     /// Whether the routed experts can be MXFP4 (both dimensions multiples of 32).
     pub fn experts_mxfp4(&self) -> bool {
-        self.latent % 32 == 0 && self.moe_inter % 32 == 0
+        self.latent.is_multiple_of(32) && self.moe_inter.is_multiple_of(32)
     }
 
     /// Bytes of one routed expert.

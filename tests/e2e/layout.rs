@@ -1,0 +1,120 @@
+//! The import rules of docs/architecture.md, checked on the sources themselves:
+//! - no stage crate depends on another stage crate (normal, dev or build dependencies);
+//! - `k3-protocol`, `k3-model` and `k3-io` depend on no stage and not on the orchestrator,
+//!   and `k3-model`/`k3-io` not on `k3-protocol`;
+//! - inside the orchestrator, imports only go down: `cli -> tools -> run -> supervise`.
+//!
+//! A stage that reached into another (the trunk-loader once imported the expert-fetcher's
+//! arena and reader) or a `supervise` module calling back into `run` fails here.
+
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Every `k3-*` crate a Cargo.toml names as a dependency, in any dependency section.
+fn k3_deps(manifest: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(manifest).unwrap();
+    let mut in_deps = false;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let l = line.trim();
+        if l.starts_with('[') {
+            in_deps = l.contains("dependencies");
+            continue;
+        }
+        if in_deps && l.starts_with("k3-") {
+            let name = l.split(['.', ' ', '=']).next().unwrap().to_string();
+            out.push(name);
+        }
+    }
+    out
+}
+
+const STAGES: [&str; 4] = [
+    "k3-tokenizer",
+    "k3-trunk-loader",
+    "k3-expert-fetcher",
+    "k3-layer-compute",
+];
+
+#[test]
+fn crates_import_only_downward() {
+    let r = root();
+    for (dir, name) in [
+        ("stages/tokenizer", "k3-tokenizer"),
+        ("stages/trunk-loader", "k3-trunk-loader"),
+        ("stages/expert-fetcher", "k3-expert-fetcher"),
+        ("stages/layer-compute", "k3-layer-compute"),
+    ] {
+        let deps = k3_deps(&r.join(dir).join("Cargo.toml"));
+        for d in &deps {
+            assert!(
+                !STAGES.contains(&d.as_str()) && d != "k3-orch",
+                "{name} depends on {d}: stages meet only through k3-protocol"
+            );
+        }
+    }
+    for (dir, allowed) in [
+        ("protocol", &["k3-model", "k3-io"][..]),
+        ("model", &[][..]),
+        ("io", &[][..]),
+    ] {
+        let deps = k3_deps(&r.join(dir).join("Cargo.toml"));
+        for d in &deps {
+            assert!(
+                allowed.contains(&d.as_str()),
+                "{dir} depends on {d}; allowed: {allowed:?}"
+            );
+        }
+    }
+    // The check itself must see dependencies (an empty parse would pass everything).
+    assert!(k3_deps(&r.join("protocol/Cargo.toml")).contains(&"k3-model".to_string()));
+    assert!(k3_deps(&r.join("orchestrator/Cargo.toml")).len() >= 6);
+}
+
+/// `crate::<module>` paths used by the files under `orchestrator/src/<dir>`.
+fn crate_paths(dir: &str) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    let base = root().join("orchestrator/src").join(dir);
+    let mut stack = vec![base];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                for (i, _) in text.match_indices("crate::") {
+                    let rest = &text[i + "crate::".len()..];
+                    let m: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    out.push((p.clone(), m));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn orchestrator_modules_import_only_downward() {
+    for (dir, forbidden) in [
+        ("supervise", &["run", "tools", "cli"][..]),
+        ("run", &["tools", "cli"][..]),
+        ("tools", &["cli"][..]),
+    ] {
+        let paths = crate_paths(dir);
+        assert!(!paths.is_empty(), "{dir}: no crate:: paths seen");
+        for (file, m) in paths {
+            assert!(
+                !forbidden.contains(&m.as_str()),
+                "{} imports crate::{m}: {dir} may not import {forbidden:?}",
+                file.display()
+            );
+        }
+    }
+}
