@@ -27,6 +27,12 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     let conf: FetcherConf = serde_json::from_str(&ctx.conf_json)
         .map_err(|e| ctx.fail(format!("expert-fetcher: bad Configure: {e}")))?;
     let (region, mut fetcher) = setup(&conf).map_err(|e| ctx.fail(e))?;
+    tracing::debug!(
+        slots = fetcher.slot_count(),
+        slot_bytes = fetcher.slot_bytes(),
+        readers = fetcher.readers(),
+        "expert-fetcher: arena ready"
+    );
     ctx.share_region(&region, "experts")?;
     ctx.ready()?;
     ctx.wait_go()?;

@@ -30,6 +30,10 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         crate::pool::build(conf.threads).map_err(|e| ctx.fail(format!("layer-compute: {e}")))?;
     ctx.ready()?;
     ctx.wait_go()?;
+    tracing::debug!(
+        threads = pool.current_num_threads(),
+        "layer-compute: pool ready"
+    );
     match pool.install(|| generate(&mut ctx, &conf)) {
         Ok(()) => Ok(()),
         Err(e) => Err(ctx.fail(e)),
@@ -70,6 +74,15 @@ impl StepHooks for Staged<'_> {
 
     fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
         let io = self.weights.take_io();
+        tracing::debug!(
+            step = s.step,
+            token = s.token,
+            seconds = s.seconds,
+            wait_seconds = io.wait_seconds,
+            trunk_read_bytes = io.trunk_read_bytes,
+            expert_read_bytes = io.expert_read_bytes,
+            "layer-compute: step"
+        );
         send_to(
             &mut **self.tok,
             Stage::LayerCompute,

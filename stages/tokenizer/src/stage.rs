@@ -74,6 +74,10 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     let conf: TokenizerConf = serde_json::from_str(&ctx.conf_json)
         .map_err(|e| ctx.fail(format!("tokenizer: bad Configure: {e}")))?;
     let vocab = Vocab::load(&conf).map_err(|e| ctx.fail(e))?;
+    tracing::debug!(
+        kimi = matches!(vocab, Vocab::Kimi(_)),
+        "tokenizer: vocabulary loaded"
+    );
     ctx.ready()?;
     ctx.serve_control(|ctx, m| {
         let reply = match m {

@@ -84,6 +84,12 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         Ok(x) => x,
         Err(e) => return Err(ctx.fail(e)),
     };
+    tracing::debug!(
+        arena_bytes = region.data_len(),
+        read_bytes = total_read.0,
+        read_seconds = total_read.1,
+        "trunk-loader: arena ready"
+    );
     ctx.share_region(&region, "trunk")?;
     ctx.ready()?;
     ctx.wait_go()?;
