@@ -4,8 +4,8 @@
 use k3_model::classify::layer_tensor;
 
 use crate::forward::{ForwardError, Model};
-use crate::kernels::act::situ_glu64;
-use crate::kernels::gemv::{gemm64_x64, gemm_fused, Mat};
+use crate::kernels::act::situ_glu;
+use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
 use crate::weights::Weights;
 
 /// SiTU caps.
@@ -43,10 +43,10 @@ pub fn glu_down64(
     ntok: usize,
     threads: usize,
 ) -> Vec<f64> {
-    let mut a = vec![0f64; g.len()];
-    situ_glu64(g, u, situ.b1, situ.b2, &mut a);
+    let mut a = vec![0f32; g.len()];
+    situ_glu(g, u, situ.b1, situ.b2, &mut a);
     let mut y = vec![0f64; ntok * down.rows];
-    gemm64_x64(down, &a, &mut y, ntok, threads);
+    gemm64(down, &a, &mut y, ntok, threads);
     y
 }
 
