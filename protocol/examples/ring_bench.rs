@@ -110,7 +110,6 @@ fn layer_exchange(t: &mut dyn Transport, layers: usize) -> f64 {
             pass: 1,
             layer: l as u32,
             ids,
-            hint_next: vec![],
         };
         t.send(&m, T).unwrap();
         for _ in 0..17 {

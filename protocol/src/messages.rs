@@ -200,18 +200,13 @@ pub enum Msg {
         pass: u64,
         layer: u32,
     },
-    /// The pass is finished.
-    PassDone {
-        pass: u64,
-    },
-
     // --- experts (compute <-> expert-fetcher)
-    /// Routed experts for `layer` (top-k order); `hint_next`: predicted ids for `layer + 1`.
+    /// Routed experts for `layer` (top-k order). Each published expert's slot stays held
+    /// for compute until its `ExpertsDone`.
     Experts {
         pass: u64,
         layer: u32,
         ids: Vec<u32>,
-        hint_next: Vec<u32>,
     },
     ExpertReady {
         pass: u64,
@@ -225,7 +220,8 @@ pub enum Msg {
         id: u32,
         error: String,
     },
-    /// Compute is done with these experts of `layer` (their arena slots may be evicted).
+    /// Compute is done with these experts of `layer`: the fetcher releases their slots
+    /// (until then they are never evicted, so a slot compute reads is never rewritten).
     ExpertsDone {
         pass: u64,
         layer: u32,
@@ -361,7 +357,6 @@ mod tests {
                 pass: 2,
                 layer: 3,
                 ids: (0..16).collect(),
-                hint_next: vec![5],
             },
             Msg::ExpertFailed {
                 pass: 2,

@@ -434,7 +434,6 @@ fn check_large(h: &dyn Harness) {
         pass: 3,
         layer: 17,
         ids: (0..16).map(|i| i * 55).collect(),
-        hint_next: vec![1, 2, 3],
     };
     t.send(&m, LONG).unwrap();
     assert_eq!(t.recv(LONG).unwrap(), m);

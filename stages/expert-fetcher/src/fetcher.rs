@@ -200,6 +200,9 @@ struct Slot {
     pinned: bool,
     /// Claimed by the wave in progress (never a victim).
     in_batch: bool,
+    /// Published and not yet released by its reader (never a victim; see
+    /// [`ExpertFetcher::hold_published`]).
+    held: bool,
     /// LRU clock of the last use.
     stamp: u64,
     /// Step in which it was read.
@@ -213,6 +216,7 @@ const EMPTY_SLOT: Slot = Slot {
     state: SlotState::Empty,
     key: (u32::MAX, u32::MAX),
     pinned: false,
+    held: false,
     in_batch: false,
     stamp: 0,
     loaded_step: 0,
@@ -375,6 +379,8 @@ pub struct ExpertFetcher {
     step_stats: FetchStats,
     total_stats: FetchStats,
     recorder: Option<TraceRecorder>,
+    /// Published slots stay held until released (see [`ExpertFetcher::hold_published`]).
+    hold: bool,
 }
 
 /// The fetcher could not be built.
@@ -455,6 +461,7 @@ impl ExpertFetcher {
             step_stats: FetchStats::default(),
             total_stats: FetchStats::default(),
             recorder: None,
+            hold: false,
         })
     }
 
@@ -526,9 +533,45 @@ impl ExpertFetcher {
         let slot = &mut self.slots[s];
         if slot.pinned {
             slot.pinned = false;
-            self.lru.insert((slot.stamp, s));
+            if !slot.held {
+                self.lru.insert((slot.stamp, s));
+            }
         }
         true
+    }
+
+    /// With `hold` on, every expert a [`fetch_batch`](Self::fetch_batch) publishes stays in
+    /// its slot, never a victim, until [`release`](Self::release) names it: the reader in
+    /// another process maps the slot in place, so reuse must wait for its word, not for a
+    /// convention. A batch that finds every slot held fails its misses with
+    /// [`FetchError::NoSlot`] rather than overwrite a slot being read.
+    pub fn hold_published(&mut self, hold: bool) {
+        self.hold = hold;
+    }
+
+    /// The reader is done with these experts of `layer`: their slots may be evicted again.
+    /// Returns how many were held.
+    pub fn release(&mut self, layer: u32, ids: &[u32]) -> usize {
+        let mut n = 0;
+        for &id in ids {
+            let Some(&s) = self.index.get(&(layer, id)) else {
+                continue;
+            };
+            let slot = &mut self.slots[s];
+            if slot.held {
+                slot.held = false;
+                n += 1;
+                if !slot.pinned {
+                    self.lru.insert((slot.stamp, s));
+                }
+            }
+        }
+        n
+    }
+
+    /// Slots published and not yet released.
+    pub fn held(&self) -> usize {
+        self.slots.iter().filter(|s| s.held).count()
     }
 
     /// Start a new step (token): step counters reset, totals keep counting.
@@ -814,13 +857,17 @@ impl ExpertFetcher {
                 }
             }
 
-            // 4. The wave is over: its slots become ordinary LRU entries.
+            // 4. The wave is over: its slots become ordinary LRU entries, except those a
+            //    reader holds until it releases them.
             for s in claimed {
                 let stamp = self.tick();
+                let hold = self.hold && publish;
                 let slot = &mut self.slots[s];
                 slot.in_batch = false;
                 slot.stamp = stamp;
-                if !slot.pinned {
+                if hold && slot.state == SlotState::Resident {
+                    slot.held = true;
+                } else if !slot.pinned && !slot.held {
                     self.lru.insert((stamp, s));
                 }
             }

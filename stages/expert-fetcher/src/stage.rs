@@ -35,26 +35,19 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     if conf.trace_dir.is_some() {
         fetcher.record_trace();
     }
+    // Compute maps published slots in place: each stays held until its ExpertsDone.
+    fetcher.hold_published(true);
     let mut last_pass = u64::MAX;
     loop {
         match recv_from(&mut *link, me, peer, None)? {
             Msg::Shutdown => break,
-            Msg::Experts {
-                pass,
-                layer,
-                ids,
-                hint_next,
-            } => {
+            Msg::ExpertsDone { layer, ids, .. } => {
+                fetcher.release(layer, &ids);
+            }
+            Msg::Experts { pass, layer, ids } => {
                 if pass != last_pass {
                     fetcher.begin_step();
                     last_pass = pass;
-                }
-                if ids.is_empty() {
-                    // A routing hint only: read ahead, publish nothing.
-                    if !hint_next.is_empty() {
-                        fetcher.prefetch(layer + 1, &hint_next);
-                    }
-                    continue;
                 }
                 let before = fetcher.step_stats();
                 let rec = ctx.rec.clone();
@@ -100,8 +93,8 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                         return;
                     }
                     if let (true, Msg::ExpertReady { handle, .. }) = (rec.on(), &m) {
-                        // SAFETY: the slot was just filled by this stage and is not reused
-                        // before compute's next batch.
+                        // SAFETY: the slot was just filled by this stage and stays held (never
+                        // rewritten) until compute's ExpertsDone for it.
                         let r = unsafe { region.resolve(handle) }
                             .map_err(|e| format!("expert-fetcher: {e}"))
                             .and_then(|b| rec.buffer(handle, b));
@@ -129,9 +122,6 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     },
                     None,
                 )?;
-                if !hint_next.is_empty() {
-                    fetcher.prefetch(layer + 1, &hint_next);
-                }
             }
             other => return Err(ctx.fail(format!("expert-fetcher: unexpected {other:?}"))),
         }

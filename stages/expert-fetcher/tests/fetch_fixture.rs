@@ -427,3 +427,33 @@ fn fetcher_is_send_and_reports() {
     );
     assert!(text.contains("TRUE resident hit rate 0.00%"), "{text}");
 }
+
+/// Expert-slot release is explicit: with `hold_published` (what the stage runs with), a
+/// published slot is never a victim until `release` names it, so a reader in another
+/// process never sees its slot rewritten. Without the hold (the old convention) the LRU
+/// would evict expert 0 for expert 2 below while compute still reads it.
+#[test]
+fn held_slots_are_never_evicted_until_released() {
+    let mut f = fetcher(2, 2, direct());
+    f.hold_published(true);
+    batch(&mut f, &[0, 1]);
+    assert_eq!(f.held(), 2);
+    // Every slot is held: the miss fails with NoSlot instead of overwriting a held slot.
+    let (got, failed) = batch(&mut f, &[2]);
+    assert!(got.is_empty());
+    assert!(
+        matches!(failed.as_slice(), [FetchError::NoSlot { expert: 2, .. }]),
+        "{failed:?}"
+    );
+    assert!(f.is_resident(0, 0) && f.is_resident(0, 1));
+    // A hit on a held expert is served (and stays held).
+    let (got, _) = batch(&mut f, &[1]);
+    assert_eq!(got, vec![(1, true)]);
+    // Released: 0 becomes the LRU victim, 1 stays held.
+    assert_eq!(f.release(0, &[0]), 1);
+    let (got, failed) = batch(&mut f, &[2]);
+    assert_eq!((got, failed.len()), (vec![(2, false)], 0));
+    assert!(!f.is_resident(0, 0) && f.is_resident(0, 1) && f.is_resident(0, 2));
+    assert_eq!(f.release(0, &[1, 2, 7]), 2);
+    assert_eq!(f.held(), 0);
+}

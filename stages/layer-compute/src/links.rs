@@ -400,7 +400,6 @@ impl Weights for StagedWeights {
                 pass,
                 layer: layer as u32,
                 ids: ids.to_vec(),
-                hint_next: Vec::new(),
             },
             self.timeout,
         ) {
@@ -444,9 +443,9 @@ impl Weights for StagedWeights {
                         let parts = self.experts.get(&(layer as u32, id)).ok_or_else(|| {
                             WeightError::Missing(format!("layer {layer} expert {id}"))
                         })?;
-                        // SAFETY: the fetcher does not reuse this expert's slot before the
-                        // next batch, which we only request after the forward finished with
-                        // this one.
+                        // SAFETY: the fetcher holds this expert's slot (never rewrites it)
+                        // until our ExpertsDone, which we send only after every delivery of
+                        // the batch has returned.
                         let bytes =
                             unsafe { self.expert_region.resolve(&handle) }.map_err(|e| {
                                 WeightError::Invalid {
@@ -509,6 +508,22 @@ impl Weights for StagedWeights {
                         &mut delivered,
                         "the fetcher finished the batch without it",
                     );
+                    // Every delivery has returned, and an `ExpertRef` cannot outlive its
+                    // delivery (its lifetime is the callback's), so no byte of this batch is
+                    // read again: release the slots.
+                    if let Err(e) = send_to(
+                        &mut **link,
+                        Stage::LayerCompute,
+                        Stage::ExpertFetcher,
+                        &Msg::ExpertsDone {
+                            pass,
+                            layer: layer as u32,
+                            ids: ids.to_vec(),
+                        },
+                        self.timeout,
+                    ) {
+                        self.link_error.borrow_mut().get_or_insert(e);
+                    }
                     return;
                 }
                 Ok(other) => {

@@ -56,10 +56,6 @@ pub trait Weights {
     /// Layer `layer` is finished; its trunk tensors will not be asked for again this step.
     fn end_layer(&self, _layer: usize) {}
 
-    /// A hint that the experts `ids` of `layer` will probably be requested (speculative
-    /// prefetch); may be ignored.
-    fn hint_experts(&self, _layer: usize, _ids: &[u32]) {}
-
     /// Deliver the routed experts `ids` of `layer` (distinct ids, in first-use order: for
     /// one token its top-k order). Call `deliver(slot, result)` exactly once per slot
     /// `0..ids.len()`, in any order; the borrowed weights need only live for the call.
@@ -80,9 +76,6 @@ impl<W: Weights + ?Sized> Weights for &W {
     }
     fn end_layer(&self, layer: usize) {
         (**self).end_layer(layer)
-    }
-    fn hint_experts(&self, layer: usize, ids: &[u32]) {
-        (**self).hint_experts(layer, ids)
     }
     fn experts(
         &self,
