@@ -88,6 +88,16 @@ const SUBCOMMANDS: &[(&str, SubMain, &str)] = &[
         "print the text of --ids",
     ),
     (
+        "serve",
+        crate::serve::serve_main,
+        "OpenAI-compatible HTTP server with a chat page (docs/serve.md)",
+    ),
+    (
+        "chat",
+        crate::serve::repl::chat_main,
+        "interactive multi-turn chat, streamed (one stdin line per turn)",
+    ),
+    (
         "stage",
         stage::main,
         "(internal) run one pipeline stage; started by k3-orch",
