@@ -13,6 +13,7 @@
 pub mod cli;
 pub mod error;
 pub mod run;
+pub mod serve;
 pub mod supervise;
 pub mod tools;
 pub mod units;

@@ -17,17 +17,28 @@ pub const EXPERT_REGION: u32 = 20;
 pub const MAX_PROMPT_IDS: usize = 32768;
 
 /// Sampling options of a generation; `temperature` None or 0 means greedy. The sampler
-/// itself is `k3_layer_compute::sampler`.
+/// itself is `k3_layer_compute::sampler`. `min_p` and `repetition_penalty` were added after
+/// the first protocol version; they default to off when absent (serde default).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SamplerConfig {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub top_k: Option<usize>,
     pub seed: u64,
+    /// Drop candidates whose probability is below `min_p` times the top candidate's.
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    /// Divide positive (multiply negative) logits of ids seen in the last
+    /// [`REPEAT_WINDOW`] tokens by this factor (1 = off); applies to greedy too.
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
 }
 
+/// How many of the most recent tokens (prompt included) the repetition penalty looks at.
+pub const REPEAT_WINDOW: usize = 64;
+
 impl SamplerConfig {
-    /// True when this configuration is plain argmax.
+    /// True when this configuration is plain argmax (a repetition penalty may still apply).
     pub fn is_greedy(&self) -> bool {
         self.temperature.is_none_or(|t| t == 0.0)
     }

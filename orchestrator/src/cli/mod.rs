@@ -88,6 +88,16 @@ const SUBCOMMANDS: &[(&str, SubMain, &str)] = &[
         "print the text of --ids",
     ),
     (
+        "serve",
+        crate::serve::serve_main,
+        "OpenAI-compatible HTTP server with a chat page (docs/serve.md)",
+    ),
+    (
+        "chat",
+        crate::serve::repl::chat_main,
+        "interactive multi-turn chat, streamed (one stdin line per turn)",
+    ),
+    (
         "stage",
         stage::main,
         "(internal) run one pipeline stage; started by k3-orch",
@@ -170,7 +180,20 @@ pub fn dispatch(mut args: Vec<OsString>) -> i32 {
                 0
             }
         }
-        _ => generate::main(args),
+        _ => {
+            // A word that is not a directory but is close to a subcommand's name is a typo
+            // ("k3-orch inpsect DIR"), not a model directory.
+            let names: Vec<&str> = SUBCOMMANDS.iter().map(|(n, _, _)| *n).collect();
+            if !first.starts_with('-') && !std::path::Path::new(first).exists() {
+                if let Some(n) = crate::run::args::nearest(first, &names) {
+                    tracing::error!(
+                        "k3-orch: unknown subcommand '{first}'; did you mean '{n}'? (see k3-orch --help)"
+                    );
+                    return crate::error::EXIT_USAGE;
+                }
+            }
+            generate::main(args)
+        }
     }
 }
 
@@ -179,25 +202,11 @@ fn print_help() {
         "k3-orch {}: run Kimi K3 as a staged pipeline on one CPU machine\n",
         env!("CARGO_PKG_VERSION")
     );
-    println!("usage: k3-orch <MODEL_DIR> [prompt] [memory] [generation] [diagnostics]");
-    println!("       k3-orch <subcommand> ...\n");
-    println!("generate (see `k3-orch <MODEL_DIR> --help` for every flag):");
-    println!(
-        "  prompt      --prompt TEXT | --prompt-file PATH | --ids 1,2,3   [--chat] [--tok DIR]"
-    );
-    println!("  memory      --preset NAME | --trunk DIR | --trunk-gb X | --cache-gb X");
-    println!("  generation  --gen N  --incremental  --temperature T --top-p P --top-k K --seed S");
-    println!("  diagnostics --config PATH --layers N --out FILE --dump-logits PATH");
-    println!(
-        "              --dump-cache-trace DIR --record DIR --threads N --numa SPEC --inproc\n"
-    );
-    println!("subcommands:");
+    print!("{}", crate::run::args::HELP);
+    println!("\nsubcommands (k3-orch <subcommand> --help for each):");
     for (name, _, what) in SUBCOMMANDS {
         if *name != "stage" {
             println!("  {name:<12} {what}");
         }
     }
-    println!("\n  --help | --version | --list-presets");
-    println!("\nexit codes: 0 ok; 1 bind/forward failure or a stage died; 2 usage, config or refused request;");
-    println!("            4 finished but a routed expert failed to load (ids unsound)");
 }

@@ -22,13 +22,80 @@ pub enum MemFlag {
     CacheGb(f64),
 }
 
-/// Sampling options; greedy when `temperature` is None or 0.
+/// Sampling options as given; greedy when no sampling flag is given (see
+/// [`Sampling::resolve`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Sampling {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
     pub seed: Option<u64>,
+    /// Generation ends when the decoded text contains one of these (the text is cut before
+    /// it; the ids end with the token that completed it).
+    pub stop: Vec<String>,
+}
+
+/// Chat rendering flags shared by generation and `tokenize --chat`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatFlags {
+    /// Thinking on (the prompt opens `think`); `--no-thinking` opens `response`.
+    pub thinking: bool,
+    /// `low`, `high`, `max`, or None (`--effort none`: no effort message).
+    pub effort: Option<String>,
+}
+
+impl Default for ChatFlags {
+    fn default() -> Self {
+        ChatFlags {
+            thinking: true,
+            effort: Some("max".into()),
+        }
+    }
+}
+
+/// Parse an `--effort` value.
+pub fn parse_effort(v: &str) -> Result<Option<String>, String> {
+    match v {
+        "none" => Ok(None),
+        e if k3_tokenizer::chat::EFFORTS.contains(&e) => Ok(Some(e.to_string())),
+        e => Err(format!("--effort {e:?}: expected low, high, max or none")),
+    }
+}
+
+impl Sampling {
+    /// The sampler configuration of a run. A filter (top-k, top-p, min-p) given without a
+    /// temperature samples at temperature 1 (it is not silently greedy); `--temperature 0`
+    /// is greedy whatever else is given. When the run samples and no seed was given, the
+    /// seed is drawn at random (`random_seed`), and the caller prints and records it.
+    pub fn resolve(&self, random_seed: impl FnOnce() -> u64) -> k3_protocol::conf::SamplerConfig {
+        let filtered = self.top_k.is_some() || self.top_p.is_some() || self.min_p.is_some();
+        let temperature = match self.temperature {
+            Some(t) => Some(t),
+            None if filtered => Some(1.0),
+            None => None,
+        };
+        let mut cfg = k3_protocol::conf::SamplerConfig {
+            temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: 0,
+        };
+        cfg.seed = match self.seed {
+            Some(s) => s,
+            None if !cfg.is_greedy() => random_seed(),
+            None => 0,
+        };
+        cfg
+    }
+}
+
+/// A seed from the OS's randomness (for sampling runs given no `--seed`).
+pub fn random_seed() -> u64 {
+    rand::random::<u64>() >> 11 // 53 bits: exact in JSON numbers and JavaScript
 }
 
 /// Everything the generation command accepts.
@@ -37,6 +104,7 @@ pub struct GenArgs {
     pub model_dir: PathBuf,
     pub prompt: Prompt,
     pub chat: bool,
+    pub chat_flags: ChatFlags,
     pub tok: Option<PathBuf>,
     pub mem: Vec<MemFlag>,
     pub trunk: Option<PathBuf>,
@@ -73,23 +141,35 @@ pub enum Parsed {
 
 pub const HELP: &str = "\
 usage: k3-orch <MODEL_DIR> [prompt] [memory] [generation] [diagnostics]
+       k3-orch serve <MODEL_DIR> --tok DIR [--port N]   (OpenAI-compatible server; see --help)
+       k3-orch chat <MODEL_DIR> --tok DIR               (interactive chat)
 
 prompt (exactly one):
-  --prompt TEXT          tokenize TEXT (needs --tok)
-  --prompt-file PATH     tokenize the file's bytes verbatim (needs --tok)
+  --prompt TEXT, -p      tokenize TEXT (needs --tok)
+  --prompt-file PATH, -f tokenize the file's bytes verbatim (needs --tok)
   --ids 1,2,3            token ids directly; no tokenizer is loaded
   --chat                 wrap the prompt as one user turn in K3's XTML chat format (needs --tok)
+  --no-thinking          with --chat: open a `response` block instead of `think`
+  --effort E             with --chat: thinking effort low|high|max|none (default max)
 memory (applied left to right; a later flag wins):
   --preset NAME          laptop|desktop|workstation|server|max|auto (sets both budgets)
   --trunk DIR            the packed trunk (pack-trunk); without it the trunk is loaded whole
   --trunk-gb X           budget for pinned trunk layers plus the streaming ring
   --cache-gb X           budget for the routed-expert cache
 generation:
-  --gen N                tokens to generate (default 8, at most 4096)
+  --gen N, -n N          tokens to generate (default 8, at most 4096)
   --incremental          carry KV cache and recurrent state (same ids as full recompute)
   --tok DIR              tiktoken.model + tokenizer_config.json
-  --temperature T --top-p P --top-k K --seed S
-                         opt-in sampling; greedy by default
+sampling (greedy unless one of these is given):
+  --temperature T, --temp T
+                         softmax temperature; 0 = greedy
+  --top-k K              keep the K most likely ids
+  --top-p P              keep the smallest set with probability >= P
+  --min-p P              drop ids below P times the top id's probability
+                         (top-k/top-p/min-p without --temperature sample at temperature 1)
+  --repeat-penalty R     divide logits of ids in the last 64 tokens by R (also greedy)
+  --seed S, -s S         seed of the draw; random (printed, recorded) when sampling without it
+  --stop TEXT            end when the decoded text contains TEXT (repeatable; cut before it)
 diagnostics:
   --config PATH          model config (default <MODEL_DIR>/config.json)
   --layers N             bind only layers 0..N-1
@@ -97,13 +177,15 @@ diagnostics:
   --dump-logits PATH     float32 LE logits of the first generation step
   --dump-cache-trace DIR expert_hist.json + expert_trace.bin
   --record DIR           record every stage's inbound messages and buffer hashes
-  --threads N            compute threads (default: all cores)
+  --threads N, -t N      compute threads (default: all cores)
   --numa SPEC            auto|off|stage=node,...
   --inproc               run the stages as threads in one process (same ids)
   --single-process       run the forward directly, without stages (same ids)
   --require-cgroups      fail when per-stage memory cgroups cannot be created
   --stage-timeout S      seconds a stage may stay silent before it is declared hung (default 60)
-  --quiet                no per-step lines
+  --quiet, -q            only the generated text on stdout; warnings and errors on stderr
+  -v, -vv                debug / trace diagnostics on stderr (or K3_LOG=filter)
+  --list-presets         the memory presets
 exit codes: 0 ok; 1 bind/forward failure or a stage died; 2 usage, config or refused request;
             4 finished but a routed expert failed to load (ids unsound)
 ";
@@ -156,6 +238,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
         model_dir: PathBuf::new(),
         prompt: Prompt::Ids(Vec::new()),
         chat: false,
+        chat_flags: ChatFlags::default(),
         tok: None,
         mem: Vec::new(),
         trunk: None,
@@ -193,10 +276,12 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
         match flag {
             "--help" | "-h" => return Ok(Parsed::Help),
             "--list-presets" => return Ok(Parsed::ListPresets),
-            "--prompt" => prompts.push(Prompt::Text(val(&mut i)?)),
-            "--prompt-file" => prompts.push(Prompt::File(PathBuf::from(val(&mut i)?))),
+            "--prompt" | "-p" => prompts.push(Prompt::Text(val(&mut i)?)),
+            "--prompt-file" | "-f" => prompts.push(Prompt::File(PathBuf::from(val(&mut i)?))),
             "--ids" => prompts.push(Prompt::Ids(parse_ids(&val(&mut i)?)?)),
             "--chat" => a.chat = true,
+            "--no-thinking" => a.chat_flags.thinking = false,
+            "--effort" => a.chat_flags.effort = parse_effort(&val(&mut i)?)?,
             "--tok" => a.tok = Some(PathBuf::from(val(&mut i)?)),
             "--preset" => {
                 let p = val(&mut i)?;
@@ -213,18 +298,18 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "--trunk" => a.trunk = Some(PathBuf::from(val(&mut i)?)),
             "--trunk-gb" => a.mem.push(MemFlag::TrunkGb(gb(&val(&mut i)?, flag)?)),
             "--cache-gb" => a.mem.push(MemFlag::CacheGb(gb(&val(&mut i)?, flag)?)),
-            "--gen" => {
+            "--gen" | "-n" | "--n-predict" => {
                 let n: usize = num(&val(&mut i)?, flag)?;
                 if n == 0 || n > MAX_GEN {
-                    return Err(format!("--gen: {n} is out of range (1..={MAX_GEN})"));
+                    return Err(format!("{flag}: {n} is out of range (1..={MAX_GEN})"));
                 }
                 a.gen = n;
             }
             "--incremental" => a.incremental = true,
-            "--temperature" => {
+            "--temperature" | "--temp" => {
                 let t: f32 = num(&val(&mut i)?, flag)?;
                 if !t.is_finite() || t < 0.0 {
-                    return Err(format!("--temperature: {t} must be >= 0"));
+                    return Err(format!("{flag}: {t} must be >= 0"));
                 }
                 a.sampling.temperature = Some(t);
             }
@@ -242,7 +327,28 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                 }
                 a.sampling.top_k = Some(k);
             }
-            "--seed" => a.sampling.seed = Some(num(&val(&mut i)?, flag)?),
+            "--min-p" => {
+                let p: f32 = num(&val(&mut i)?, flag)?;
+                if !(0.0..=1.0).contains(&p) {
+                    return Err(format!("--min-p: {p} must be in [0, 1]"));
+                }
+                a.sampling.min_p = Some(p);
+            }
+            "--repeat-penalty" | "--repetition-penalty" => {
+                let r: f32 = num(&val(&mut i)?, flag)?;
+                if !(r.is_finite() && r > 0.0) {
+                    return Err(format!("{flag}: {r} must be a positive number (1 = off)"));
+                }
+                a.sampling.repetition_penalty = Some(r);
+            }
+            "--stop" => {
+                let t = val(&mut i)?;
+                if t.is_empty() {
+                    return Err("--stop: the stop text must not be empty".into());
+                }
+                a.sampling.stop.push(t);
+            }
+            "--seed" | "-s" => a.sampling.seed = Some(num(&val(&mut i)?, flag)?),
             "--config" => a.config = Some(PathBuf::from(val(&mut i)?)),
             "--layers" => {
                 let n: usize = num(&val(&mut i)?, flag)?;
@@ -255,7 +361,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "--dump-logits" => a.dump_logits = Some(PathBuf::from(val(&mut i)?)),
             "--dump-cache-trace" => a.dump_cache_trace = Some(PathBuf::from(val(&mut i)?)),
             "--record" => a.record = Some(PathBuf::from(val(&mut i)?)),
-            "--threads" => {
+            "--threads" | "-t" => {
                 let n: usize = num(&val(&mut i)?, flag)?;
                 if n == 0 || n > 1024 {
                     return Err(format!("--threads: {n} is out of range (1..=1024)"));
@@ -274,7 +380,12 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                 a.stage_timeout_s = s;
             }
             "--quiet" | "-q" => a.quiet = true,
-            _ if flag.starts_with('-') => return Err(format!("unknown flag '{flag}'")),
+            _ if flag.starts_with('-') => {
+                return Err(match nearest(flag, FLAGS) {
+                    Some(n) => format!("unknown flag '{flag}' (did you mean {n}?)"),
+                    None => format!("unknown flag '{flag}'"),
+                })
+            }
             _ => {
                 if model_dir.is_some() {
                     return Err(format!(
@@ -310,10 +421,85 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             ));
         }
     }
+    if a.chat_flags != ChatFlags::default() && !a.chat {
+        return Err("--no-thinking and --effort shape the chat prompt; they need --chat".into());
+    }
+    if !a.sampling.stop.is_empty() && a.tok.is_none() {
+        return Err("--stop matches decoded text, which needs --tok DIR".into());
+    }
     if a.inproc && a.single_process {
         return Err("--inproc and --single-process are different modes; give at most one".into());
     }
     Ok(Parsed::Run(Box::new(a)))
+}
+
+/// Every long flag the generation command knows (for "did you mean").
+pub const FLAGS: &[&str] = &[
+    "--prompt",
+    "--prompt-file",
+    "--ids",
+    "--chat",
+    "--no-thinking",
+    "--effort",
+    "--tok",
+    "--preset",
+    "--trunk",
+    "--trunk-gb",
+    "--cache-gb",
+    "--gen",
+    "--incremental",
+    "--temperature",
+    "--temp",
+    "--top-p",
+    "--top-k",
+    "--min-p",
+    "--repeat-penalty",
+    "--repetition-penalty",
+    "--seed",
+    "--stop",
+    "--config",
+    "--layers",
+    "--out",
+    "--dump-logits",
+    "--dump-cache-trace",
+    "--record",
+    "--threads",
+    "--numa",
+    "--inproc",
+    "--single-process",
+    "--require-cgroups",
+    "--stage-timeout",
+    "--quiet",
+    "--help",
+    "--list-presets",
+    "--n-predict",
+];
+
+/// Edit distance (Levenshtein) between two short strings.
+pub fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// The candidate closest to `word`, when it is close enough to be a likely typo (at most a
+/// third of its length edited, and at most 3 edits).
+pub fn nearest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    let limit = (word.chars().count() / 3).clamp(1, 3);
+    candidates
+        .iter()
+        .map(|c| (edit_distance(word, c), *c))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
 }
 
 #[cfg(test)]
@@ -381,5 +567,74 @@ mod tests {
     fn help_and_presets_need_no_model() {
         assert!(matches!(p("--help"), Ok(Parsed::Help)));
         assert!(matches!(p("--list-presets"), Ok(Parsed::ListPresets)));
+    }
+
+    #[test]
+    fn llama_cpp_spellings_are_aliases() {
+        let a = run("m --ids 1 --temp 0.7 -n 5 -s 11 -t 2");
+        assert_eq!(a.sampling.temperature, Some(0.7));
+        assert_eq!(a.gen, 5);
+        assert_eq!(a.sampling.seed, Some(11));
+        assert_eq!(a.threads, Some(2));
+        assert_eq!(run("m -p hi --tok t").prompt, Prompt::Text("hi".into()));
+    }
+
+    #[test]
+    fn sampling_flags_and_resolution() {
+        let a = run("m --ids 1 --top-k 5");
+        // top-k alone samples (temperature 1), with a random seed when none is given.
+        let c = a.sampling.resolve(|| 77);
+        assert_eq!(c.temperature, Some(1.0));
+        assert_eq!(c.top_k, Some(5));
+        assert_eq!(c.seed, 77);
+        assert!(!c.is_greedy());
+        // Greedy by default: no random seed is drawn.
+        let g = run("m --ids 1")
+            .sampling
+            .resolve(|| panic!("greedy draws no seed"));
+        assert!(g.is_greedy());
+        assert_eq!(g.seed, 0);
+        // An explicit temperature 0 stays greedy; an explicit seed wins.
+        let z = run("m --ids 1 --temp 0 --top-k 5 --seed 3")
+            .sampling
+            .resolve(|| 1);
+        assert!(z.is_greedy());
+        assert_eq!(z.seed, 3);
+        let m = run("m --ids 1 --min-p 0.1 --repeat-penalty 1.3");
+        let mc = m.sampling.resolve(|| 5);
+        assert_eq!(mc.min_p, Some(0.1));
+        assert_eq!(mc.repetition_penalty, Some(1.3));
+        assert!(p("m --ids 1 --min-p 2").is_err());
+        assert!(p("m --ids 1 --repeat-penalty 0").is_err());
+        assert!(p("m --ids 1 --stop x").unwrap_err().contains("--tok"));
+        let s = run("m --prompt hi --tok t --stop a --stop bc");
+        assert_eq!(s.sampling.stop, vec!["a".to_string(), "bc".to_string()]);
+    }
+
+    #[test]
+    fn chat_flags_match_tokenize() {
+        let a = run("m --prompt hi --tok t --chat --no-thinking --effort low");
+        assert!(!a.chat_flags.thinking);
+        assert_eq!(a.chat_flags.effort.as_deref(), Some("low"));
+        assert_eq!(
+            run("m --prompt hi --tok t --chat --effort none")
+                .chat_flags
+                .effort,
+            None
+        );
+        assert!(p("m --prompt hi --tok t --chat --effort medium").is_err());
+        assert!(p("m --prompt hi --tok t --no-thinking")
+            .unwrap_err()
+            .contains("--chat"));
+    }
+
+    #[test]
+    fn typos_get_a_suggestion() {
+        assert!(p("m --ids 1 --temprature 1")
+            .unwrap_err()
+            .contains("did you mean --temperature"));
+        assert_eq!(nearest("inpsect", &["inspect", "verify"]), Some("inspect"));
+        assert_eq!(nearest("zzzzzz", &["inspect", "verify"]), None);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
     }
 }

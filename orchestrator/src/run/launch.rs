@@ -45,35 +45,101 @@ pub struct Common<'a> {
     pub stop_ids: Vec<u32>,
 }
 
-/// Prints the step table as steps finish (unless `--quiet`).
+/// What the user sees while a generation runs: the generated text streamed to stdout as
+/// each token decodes (complete UTF-8 only, stop strings held back and cut), and the step
+/// table with a progress/ETA on stderr (diagnostics: dropped by `--quiet`).
 pub struct StepPrinter {
     pub quiet: bool,
+    /// Decoded text (None: no tokenizer, ids in and ids out).
+    pub stream: Option<super::stream::TextStream>,
+    /// Tokens the run may generate (for the ETA).
+    pub gen: usize,
+    started: Option<std::time::Instant>,
+    steps: usize,
 }
 
 impl StepPrinter {
-    fn line(&self, s: &StepStats) {
-        if !self.quiet {
-            println!("{}", report::step_line(&report::to_step_report(s)));
+    pub fn new(quiet: bool, stream: Option<super::stream::TextStream>, gen: usize) -> Self {
+        StepPrinter {
+            quiet,
+            stream,
+            gen,
+            started: None,
+            steps: 0,
         }
+    }
+
+    fn line(&mut self, s: &StepStats) {
+        self.steps += 1;
+        if self.quiet {
+            return;
+        }
+        let line = report::step_line(&report::to_step_report(s));
+        let eta = match self.started {
+            Some(t0) if self.gen > self.steps => {
+                let per = t0.elapsed().as_secs_f64() / self.steps as f64;
+                format!("  (eta {:.1} s)", per * (self.gen - self.steps) as f64)
+            }
+            _ => String::new(),
+        };
+        tracing::info!("{line}{eta}");
+    }
+
+    /// Print newly safe text; true when a stop string has ended the stream.
+    fn text_bytes(&mut self, bytes: &[u8]) -> bool {
+        let Some(st) = self.stream.as_mut() else {
+            return false;
+        };
+        let t = st.push(bytes);
+        if !t.is_empty() {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(t.as_bytes());
+            let _ = out.flush();
+        }
+        st.stopped()
+    }
+
+    /// End of generation: the rest of the text and a final newline.
+    pub fn finish(&mut self) {
+        if let Some(st) = self.stream.as_mut() {
+            use std::io::Write;
+            let t = st.finish();
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(t.as_bytes());
+            let _ = out.write_all(b"\n");
+            let _ = out.flush();
+        }
+    }
+
+    /// Tokens to keep when a stop string ended the text early.
+    pub fn stopped_at(&self) -> Option<usize> {
+        self.stream.as_ref().and_then(|s| s.stopped_at())
     }
 }
 
 impl Observer for StepPrinter {
     fn started(&mut self) {
+        self.started = Some(std::time::Instant::now());
         if !self.quiet {
-            println!("{}", report::step_header());
+            tracing::info!("{}", report::step_header());
         }
     }
     fn step(&mut self, s: &StepStats) {
         self.line(s);
+    }
+    fn text(&mut self, bytes: &[u8]) {
+        self.text_bytes(bytes);
     }
 }
 
 /// `--single-process`: the decode loop's hooks.
 struct Direct {
     printer: StepPrinter,
+    tok: Option<k3_tokenizer::Tokenizer>,
     steps: Vec<StepStats>,
     failures: u64,
+    stop: bool,
 }
 
 impl StepHooks for Direct {
@@ -89,35 +155,67 @@ impl StepHooks for Direct {
         };
         self.printer.line(&st);
         self.steps.push(st);
+        if let Some(tok) = &self.tok {
+            let bytes = tok
+                .token_bytes(s.token)
+                .map(<[u8]>::to_vec)
+                .unwrap_or_else(|_| format!("<|bad_id_{}|>", s.token).into_bytes());
+            self.stop = self.printer.text_bytes(&bytes);
+        }
         Ok(())
+    }
+    fn done(&mut self) -> bool {
+        self.stop
     }
 }
 
-/// The prompt's ids, encoded here (single-process mode has no tokenizer stage).
-fn encode_locally(a: &GenArgs) -> Result<Vec<u32>, RunError> {
-    let dir = a
-        .tok
-        .as_ref()
-        .ok_or_else(|| RunError::usage("k3-orch: a text prompt needs --tok"))?;
-    let tok = k3_tokenizer::Tokenizer::from_dir(dir)
-        .map_err(|e| RunError::failed(format!("k3-orch: {e}")))?;
-    Ok(match &a.prompt {
-        Prompt::Ids(ids) => ids.clone(),
-        Prompt::Text(t) => tok.encode(t, false),
-        Prompt::File(p) => {
-            let b = std::fs::read(p)
-                .map_err(|e| RunError::usage(format!("k3-orch: {}: {e}", p.display())))?;
-            tok.encode_bytes(&b, false)
-        }
+/// The chat request the tokenizer renders for `--chat` (options from `--effort` and
+/// `--no-thinking`).
+pub fn chat_request_json(a: &GenArgs, text: &str) -> String {
+    serde_json::json!({
+        "messages": [{"role": "user", "content": text}],
+        "thinking": a.chat_flags.thinking,
+        "thinking_effort": a.chat_flags.effort,
+        "add_generation_prompt": true,
     })
+    .to_string()
+}
+
+/// The prompt's ids, encoded here (single-process mode has no tokenizer stage).
+fn encode_locally(a: &GenArgs, tok: &k3_tokenizer::Tokenizer) -> Result<Vec<u32>, RunError> {
+    let text_of = |b: Vec<u8>, what: &str| {
+        String::from_utf8(b).map_err(|_| {
+            RunError::usage(format!("k3-orch: {what} is not UTF-8, which --chat needs"))
+        })
+    };
+    let bytes = match &a.prompt {
+        Prompt::Ids(ids) => return Ok(ids.clone()),
+        Prompt::Text(t) => t.clone().into_bytes(),
+        Prompt::File(p) => std::fs::read(p)
+            .map_err(|e| RunError::usage(format!("k3-orch: {}: {e}", p.display())))?,
+    };
+    if a.chat {
+        let t = text_of(bytes, "the prompt")?;
+        return k3_tokenizer::chat::encode_chat_json(tok, &chat_request_json(a, &t))
+            .map_err(|e| RunError::usage(format!("k3-orch: --chat: {e}")));
+    }
+    Ok(tok.encode_bytes(&bytes, false))
 }
 
 /// `--single-process`: the forward called directly over mmapped shards.
 pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
     let a = c.args;
-    let prompt = match &a.prompt {
-        Prompt::Ids(ids) => ids.clone(),
-        _ => encode_locally(a)?,
+    let tok = match &a.tok {
+        Some(dir) => Some(
+            k3_tokenizer::Tokenizer::from_dir(dir)
+                .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?,
+        ),
+        None => None,
+    };
+    let prompt = match (&a.prompt, &tok) {
+        (Prompt::Ids(ids), _) => ids.clone(),
+        (_, Some(t)) => encode_locally(a, t)?,
+        (_, None) => return Err(RunError::usage("k3-orch: a text prompt needs --tok")),
     };
     let failed = |e: String| RunError::failed(format!("k3-orch: {e}"));
     let pool = k3_layer_compute::pool::build(c.threads).map_err(failed)?;
@@ -132,10 +230,15 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         },
     )
     .map_err(|e| failed(e.to_string()))?;
+    let stream = tok
+        .as_ref()
+        .map(|_| super::stream::TextStream::new(&a.sampling.stop));
     let mut hooks = Direct {
-        printer: StepPrinter { quiet: a.quiet },
+        printer: StepPrinter::new(a.quiet, stream, a.gen),
+        tok,
         steps: Vec::new(),
         failures: 0,
+        stop: false,
     };
     hooks.printer.started();
     let generated = pool
@@ -154,10 +257,8 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
             )
         })
         .map_err(failed)?;
-    let text = a.tok.as_ref().and_then(|d| {
-        let tok = k3_tokenizer::Tokenizer::from_dir(d).ok()?;
-        tok.decode_bytes(&generated).ok()
-    });
+    hooks.printer.finish();
+    let text = hooks.printer.stream.as_ref().map(|s| s.text().into_bytes());
     Ok(Generated {
         prompt_ids: prompt,
         generated,
@@ -172,7 +273,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
 fn prompt_message(a: &GenArgs) -> Result<Option<Msg>, RunError> {
     let chat = |t: &str| Msg::EncodeChat {
         req: 1,
-        chat_json: serde_json::json!([{"role": "user", "content": t}]).to_string(),
+        chat_json: chat_request_json(a, t),
     };
     Ok(match &a.prompt {
         Prompt::Ids(_) => None,
@@ -351,7 +452,20 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         require_cgroups: a.require_cgroups,
         numa: a.numa.clone(),
     };
-    let out = supervise::run(&launch, &mut StepPrinter { quiet: a.quiet })?;
+    let stream = a
+        .tok
+        .as_ref()
+        .map(|_| super::stream::TextStream::new(&a.sampling.stop));
+    let mut printer = StepPrinter::new(a.quiet, stream, a.gen);
+    let mut out = supervise::run(&launch, &mut printer)?;
+    printer.finish();
+    let text = printer.stream.as_ref().map(|s| s.text().into_bytes());
+    // A stop string ended the text: the ids end with the token that completed it. (The
+    // compute stage ran on to --gen; what it made after that is not part of the result.)
+    if let Some(k) = printer.stopped_at() {
+        out.generated.truncate(k);
+        out.steps.truncate(k);
+    }
     let failures: u64 = out.steps.iter().map(|s| s.expert_failures).sum();
     let stages = Stage::WORKERS
         .iter()
@@ -379,7 +493,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         prompt_ids: out.prompt_ids,
         generated: out.generated,
         steps: out.steps,
-        text: Some(out.text),
+        text,
         stages,
         notes,
         expert_failures: failures,

@@ -15,6 +15,7 @@ pub mod census;
 pub mod launch;
 pub mod plan;
 pub mod report;
+pub mod stream;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -24,7 +25,7 @@ use k3_model::config::ModelConfig;
 use k3_protocol::conf::SamplerConfig;
 
 use crate::error::{RunError, EXIT_OK, EXIT_UNSOUND};
-use args::{GenArgs, Prompt};
+use args::GenArgs;
 use launch::{Common, Generated};
 use report::{Report, StepReport, Totals};
 
@@ -57,12 +58,20 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let sampler = SamplerConfig {
-        temperature: a.sampling.temperature,
-        top_p: a.sampling.top_p,
-        top_k: a.sampling.top_k,
-        seed: a.sampling.seed.unwrap_or(0),
-    };
+    let sampler: SamplerConfig = a.sampling.resolve(args::random_seed);
+    if !sampler.is_greedy() {
+        // Printed even with --quiet: without it a sampled run could not be repeated.
+        tracing::warn!(
+            "k3-orch: sampling with seed {}{} (repeat with --seed {})",
+            sampler.seed,
+            if a.sampling.seed.is_none() {
+                " (random)"
+            } else {
+                ""
+            },
+            sampler.seed
+        );
+    }
     // Stop ids come from the tokenizer (its special slots follow its ranks); a run without
     // one (ids in, ids out, the tiny models) never stops early.
     let stop_ids: Vec<u32> = match &a.tok {
@@ -72,12 +81,12 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
         None => Vec::new(),
     };
     if !a.quiet {
-        println!(
+        tracing::info!(
             "k3-orch {}: {}",
             env!("CARGO_PKG_VERSION"),
             a.model_dir.display()
         );
-        println!(
+        tracing::info!(
             "  model  : {} layers bound of {}, hidden {}, vocab {}, {} experts top-{}",
             layers,
             cfg.num_hidden_layers,
@@ -87,11 +96,11 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
             cfg.num_experts_per_token
         );
         if let Some(p) = &plan.preset {
-            println!("  preset : {p}");
+            tracing::info!("  preset : {p}");
         }
-        print!("{}", plan.memory.render());
+        tracing::info!("{}", plan.memory.render().trim_end());
         for n in &plan.notes {
-            println!("  {n}");
+            tracing::info!("  {n}");
         }
     }
     let common = Common {
@@ -115,23 +124,26 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     };
     let seconds = t0.elapsed().as_secs_f64();
     let failures = g.expert_failures;
-    let rep = build_report(a, mode, g, plan, seconds);
+    let rep = build_report(a, mode, g, plan, seconds, &sampler);
+    // The text was streamed to stdout as it decoded; without a tokenizer the ids are the
+    // output. The rest is diagnostics (stderr, dropped by --quiet).
+    let ids_line = rep
+        .generated_ids
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    if rep.text.is_none() {
+        println!("ids: {ids_line}");
+    }
     if !a.quiet {
-        if let Some(t) = &rep.text {
-            println!("--- generated text ---\n{t}\n----------------------");
-        }
         for n in &rep.notes {
-            println!("{n}");
+            tracing::info!("{n}");
         }
-        print!("{}", report::summary(&rep));
-        println!(
-            "ids: {}",
-            rep.generated_ids
-                .iter()
-                .map(|i| i.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        );
+        tracing::info!("{}", report::summary(&rep).trim_end());
+        if rep.text.is_some() {
+            tracing::info!("ids: {ids_line}");
+        }
     }
     rep.write(&a.out).map_err(|e| {
         RunError::failed(format!(
@@ -155,6 +167,7 @@ fn build_report(
     g: Generated,
     plan: plan::RunPlan,
     seconds: f64,
+    sampler: &SamplerConfig,
 ) -> Report {
     let step_reports: Vec<StepReport> = g.steps.iter().map(report::to_step_report).collect();
     let mut totals = Totals {
@@ -191,10 +204,10 @@ fn build_report(
     let total: u64 = peaks.values().sum();
     peaks.insert("total".into(), total);
     totals.peak_rss_bytes = peaks;
-    let text = match (&a.prompt, &g.text) {
-        (Prompt::Ids(_), _) | (_, None) => None,
-        (_, Some(t)) => Some(String::from_utf8_lossy(t).into_owned()),
-    };
+    let text = g
+        .text
+        .as_ref()
+        .map(|t| String::from_utf8_lossy(t).into_owned());
     let mut notes = g.notes;
     notes.extend(plan.notes);
     Report {
@@ -202,6 +215,7 @@ fn build_report(
         model_dir: a.model_dir.display().to_string(),
         mode: mode.to_string(),
         incremental: a.incremental,
+        sampling: report::sampling_json(sampler, &a.sampling),
         prompt_ids: g.prompt_ids,
         generated_ids: g.generated,
         text,

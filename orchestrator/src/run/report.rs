@@ -75,6 +75,8 @@ pub struct Report {
     pub model_dir: String,
     pub mode: String,
     pub incremental: bool,
+    /// Every sampling parameter the run used (the seed too, random or given).
+    pub sampling: serde_json::Value,
     pub prompt_ids: Vec<u32>,
     pub generated_ids: Vec<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -94,6 +96,25 @@ impl Report {
         let json = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
         k3_io::output::write_atomic(path, &json)
     }
+}
+
+/// The report's `sampling` object.
+pub fn sampling_json(
+    c: &k3_protocol::conf::SamplerConfig,
+    given: &super::args::Sampling,
+) -> serde_json::Value {
+    serde_json::json!({
+        "mode": if c.is_greedy() { "greedy" } else { "sample" },
+        "temperature": c.temperature,
+        "top_k": c.top_k,
+        "top_p": c.top_p,
+        "min_p": c.min_p,
+        "repetition_penalty": c.repetition_penalty,
+        "repeat_window": k3_protocol::conf::REPEAT_WINDOW,
+        "seed": c.seed,
+        "seed_given": given.seed.is_some(),
+        "stop": given.stop,
+    })
 }
 
 /// Header of the per-step table.

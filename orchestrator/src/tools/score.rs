@@ -17,6 +17,10 @@ use k3_layer_compute::{Model, ModelOptions, SourceWeights};
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
 
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "k3-orch score",
@@ -34,8 +38,8 @@ struct Args {
     /// All-position logits, T x vocab float32 little-endian
     #[arg(long)]
     logits: Option<PathBuf>,
-    /// Worker threads for the matrix products
-    #[arg(long, default_value_t = 1)]
+    /// Worker threads for the matrix products (default: all cores, as generation)
+    #[arg(long, short = 't', default_value_t = default_threads())]
     threads: usize,
     /// Bind only layers 0..N-1
     #[arg(long)]

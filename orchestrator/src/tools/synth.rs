@@ -1,6 +1,6 @@
 //! `k3-orch synth`: write a deterministic random model in the released multi-shard layout.
 //!
-//! `k3-orch synth --shape tiny|slice|FILE.json [--seed N] [--layers N] [--experts N]
+//! `k3-orch synth --shape tiny|tiny-chat|slice|FILE.json [--seed N] [--layers N] [--experts N]
 //! [--top-k N] [--vocab N] [--sums] [--force] OUT_DIR`
 //!
 //! Layout (k3-spec §7): shards `model-%05d-of-%06d.safetensors`, layer l in shard l+1 with its
@@ -20,6 +20,7 @@
 //! fsynced; leftovers of dead runs (`OUT_DIR.tmp-<pid>` whose process is gone) are removed.
 
 mod geometry;
+pub mod tokenizer;
 
 use std::ffi::OsString;
 use std::fs::{self, File};
@@ -46,7 +47,7 @@ pub use geometry::{Geometry, Init, TensorSpec};
     about = "Write a deterministic random K3 model in the released multi-shard layout"
 )]
 struct Args {
-    /// `tiny` (13-layer fixture geometry), `slice` (released per-layer dims, few layers and
+    /// `tiny` (13-layer fixture geometry), `tiny-chat` (tiny, 4 layers, released vocabulary, with tokenizer files: `k3-orch chat DIR --tok DIR`), `slice` (released per-layer dims, few layers and
     /// experts) or a config.json in the released shape.
     #[arg(long)]
     shape: String,
@@ -95,6 +96,9 @@ pub struct SynthOptions {
     pub sums: bool,
     pub force: bool,
     pub progress: bool,
+    /// Also write tiktoken.model + tokenizer_config.json with the released special ids
+    /// (`--shape tiny-chat`).
+    pub tokenizer: bool,
 }
 
 pub fn main(args: Vec<OsString>) -> i32 {
@@ -116,6 +120,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         sums: args.sums,
         force: args.force,
         progress: true,
+        tokenizer: args.shape == "tiny-chat",
     };
     match synth(&opts, &args.out_dir) {
         Ok(s) => {
@@ -162,10 +167,25 @@ impl std::error::Error for Refused {}
 fn resolve_geometry(a: &Args) -> Result<Geometry, String> {
     let mut g = match a.shape.as_str() {
         "tiny" => Geometry::tiny(),
+        "tiny-chat" => {
+            // The tiny geometry at the released vocabulary (163,840, special ids from
+            // 163,584) with 4 layers (3 KDA + 1 MLA): a chat model that answers in
+            // milliseconds (gibberish, deterministic).
+            let mut g = Geometry::tiny();
+            g.vocab = 163_840;
+            g.bos = 163_584;
+            g.eos = 163_586;
+            g.pad = 163_839;
+            g.set_layers(4);
+            g.note = "tiny-chat: the tiny geometry, 4 layers, the released vocabulary \
+                      (163840) and special ids, with tokenizer files; random weights"
+                .to_string();
+            g
+        }
         "slice" => Geometry::slice(a.vocab.unwrap_or(8192)),
         path => {
             let text = fs::read_to_string(path).map_err(|e| {
-                format!("--shape {path}: not tiny, slice or a readable config.json: {e}")
+                format!("--shape {path}: not tiny, tiny-chat, slice or a readable config.json: {e}")
             })?;
             Geometry::from_config_json(&text, path)?
         }
@@ -238,7 +258,14 @@ pub fn synth(opts: &SynthOptions, out_dir: &Path) -> Result<SynthSummary> {
     }
     fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
 
-    let result = write_model(opts, &tmp);
+    let result = write_model(opts, &tmp).and_then(|s| {
+        if opts.tokenizer {
+            let (model, config) = tokenizer::files()?;
+            fs::write(tmp.join("tiktoken.model"), model)?;
+            fs::write(tmp.join("tokenizer_config.json"), config)?;
+        }
+        Ok(s)
+    });
     let summary = match result {
         Ok(s) => s,
         Err(e) => {

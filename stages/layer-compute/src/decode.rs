@@ -44,6 +44,11 @@ pub trait StepHooks {
     }
     /// The step's token is chosen.
     fn on_step(&mut self, s: Step<'_>) -> Result<(), String>;
+    /// Asked after each step: true ends generation there (a stop string was decoded, the
+    /// client went away). The ids so far are the result.
+    fn done(&mut self) -> bool {
+        false
+    }
 }
 
 /// Decode `o.gen` tokens after `o.prompt`; returns the generated ids.
@@ -72,7 +77,7 @@ pub fn decode_loop<W: Weights>(
         hooks.after_forward(step)?;
         let out = res.map_err(|e| format!("forward pass failed at generation step {step}: {e}"))?;
         let row = &out.logits[(out.rows - 1) * vocab..out.rows * vocab];
-        let token = sampler::sample(row, &o.sampler, step as u64) as u32;
+        let token = sampler::sample(row, &o.sampler, step as u64, &seq) as u32;
         if step == 0 {
             if let Some(p) = o.dump_logits {
                 let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -88,7 +93,7 @@ pub fn decode_loop<W: Weights>(
         })?;
         generated.push(token);
         seq.push(token);
-        if o.stop_ids.contains(&token) {
+        if o.stop_ids.contains(&token) || hooks.done() {
             break;
         }
     }

@@ -465,7 +465,14 @@ impl Weights for StagedWeights {
                                 slot,
                                 Err(WeightError::Io {
                                     name: format!("layer {layer} expert {id}"),
-                                    msg: error,
+                                    // The fetcher's message already names the expert and
+                                    // says "read failed"; keep only its cause.
+                                    msg: error
+                                        .strip_prefix(&format!(
+                                            "layer {layer} expert {id}: read failed: "
+                                        ))
+                                        .map(str::to_string)
+                                        .unwrap_or(error),
                                 }),
                             );
                         }

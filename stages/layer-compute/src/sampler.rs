@@ -1,14 +1,18 @@
 //! Token selection from a row of logits: greedy argmax, or opt-in seeded sampling.
 //!
-//! Greedy is the default and the contract the tests rest on. Sampling (temperature,
-//! top-k, top-p) draws from a ChaCha stream keyed by (seed, step), so a seeded run picks
-//! the same ids at every memory budget, in every process mode, and whether the prefix is
-//! recomputed or carried: nothing but the logits row and the step number enters the draw.
+//! Greedy is the default and the contract the tests rest on. Sampling (temperature, then
+//! top-k, top-p and min-p as filters) draws from a ChaCha stream keyed by (seed, step), so a
+//! seeded run picks the same ids at every memory budget, in every process mode, and whether
+//! the prefix is recomputed or carried: nothing but the logits row, the step number and the
+//! tokens so far (for the repetition penalty) enters the draw.
+//!
+//! Order, as in llama.cpp: repetition penalty on the raw logits; greedy stops there; else
+//! sort, top-k, softmax at the temperature, top-p, min-p, draw.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
-pub use k3_protocol::conf::SamplerConfig;
+pub use k3_protocol::conf::{SamplerConfig, REPEAT_WINDOW};
 
 /// Index of the largest logit; the lowest index wins a tie, NaN never wins.
 pub fn argmax(logits: &[f32]) -> usize {
@@ -23,8 +27,28 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
-/// Pick the next token for generation step `step` (0-based).
-pub fn sample(logits: &[f32], cfg: &SamplerConfig, step: u64) -> usize {
+/// The logits row with the repetition penalty applied to the ids among the last
+/// [`REPEAT_WINDOW`] of `history` (None when the penalty is off: use the row as it is).
+fn penalised(logits: &[f32], cfg: &SamplerConfig, history: &[u32]) -> Option<Vec<f32>> {
+    let pen = cfg.repetition_penalty.filter(|p| *p > 0.0 && *p != 1.0)?;
+    let mut row = logits.to_vec();
+    let recent = &history[history.len().saturating_sub(REPEAT_WINDOW)..];
+    let mut seen = std::collections::BTreeSet::new();
+    for &id in recent {
+        let i = id as usize;
+        if i < row.len() && seen.insert(i) {
+            let v = row[i];
+            row[i] = if v > 0.0 { v / pen } else { v * pen };
+        }
+    }
+    Some(row)
+}
+
+/// Pick the next token for generation step `step` (0-based); `history` is every token so
+/// far (prompt and generated), which only the repetition penalty reads.
+pub fn sample(logits: &[f32], cfg: &SamplerConfig, step: u64, history: &[u32]) -> usize {
+    let owned = penalised(logits, cfg, history);
+    let logits: &[f32] = owned.as_deref().unwrap_or(logits);
     let t = match cfg.temperature {
         Some(t) if t > 0.0 => t as f64,
         _ => return argmax(logits),
@@ -57,6 +81,12 @@ pub fn sample(logits: &[f32], cfg: &SamplerConfig, step: u64) -> usize {
             }
         }
     }
+    if let Some(mp) = cfg.min_p.filter(|p| *p > 0.0) {
+        // w[0] is the top candidate's weight (1.0); candidates are sorted, so the kept set
+        // is a prefix. The top candidate always stays.
+        let floor = mp as f64 * w[0];
+        keep = keep.min(w.iter().take_while(|&&x| x >= floor).count().max(1));
+    }
     let zk: f64 = w[..keep].iter().sum();
     let mut rng = ChaCha20Rng::seed_from_u64(cfg.seed);
     rng.set_stream(step);
@@ -86,7 +116,7 @@ mod tests {
         let l = [0.1, 0.9, 0.3];
         let cfg = SamplerConfig::default();
         assert!(cfg.is_greedy());
-        assert_eq!(sample(&l, &cfg, 7), 1);
+        assert_eq!(sample(&l, &cfg, 7, &[]), 1);
     }
 
     #[test]
@@ -97,9 +127,10 @@ mod tests {
             top_p: Some(0.9),
             top_k: Some(20),
             seed: 42,
+            ..Default::default()
         };
-        let a: Vec<usize> = (0..20).map(|s| sample(&l, &cfg, s)).collect();
-        let b: Vec<usize> = (0..20).map(|s| sample(&l, &cfg, s)).collect();
+        let a: Vec<usize> = (0..20).map(|s| sample(&l, &cfg, s, &[])).collect();
+        let b: Vec<usize> = (0..20).map(|s| sample(&l, &cfg, s, &[])).collect();
         assert_eq!(a, b);
         // Different steps draw differently (a sampler that ignored the step would repeat).
         assert!(a.iter().any(|&x| x != a[0]));
@@ -108,6 +139,70 @@ mod tests {
             top_k: Some(1),
             ..cfg
         };
-        assert!((0..10).all(|s| sample(&l, &k1, s) == argmax(&l)));
+        assert!((0..10).all(|s| sample(&l, &k1, s, &[]) == argmax(&l)));
+    }
+
+    fn row() -> Vec<f32> {
+        (0..50).map(|i| (i as f32 * 0.37).sin() * 3.0).collect()
+    }
+
+    #[test]
+    fn min_p_keeps_only_candidates_near_the_top() {
+        // Two strong candidates, the rest far below: min-p 0.5 keeps only the two.
+        let mut l = vec![-10.0f32; 30];
+        l[3] = 5.0;
+        l[7] = 4.8;
+        let cfg = SamplerConfig {
+            temperature: Some(1.0),
+            min_p: Some(0.5),
+            seed: 1,
+            ..Default::default()
+        };
+        let picks: std::collections::BTreeSet<usize> =
+            (0..200).map(|s| sample(&l, &cfg, s, &[])).collect();
+        assert_eq!(picks, [3usize, 7].into_iter().collect());
+        // Without min-p at a high temperature the tail is reachable.
+        let hot = SamplerConfig {
+            temperature: Some(50.0),
+            min_p: None,
+            ..cfg
+        };
+        let picks: std::collections::BTreeSet<usize> =
+            (0..200).map(|s| sample(&l, &hot, s, &[])).collect();
+        assert!(picks.len() > 2);
+    }
+
+    #[test]
+    fn repetition_penalty_moves_greedy_off_a_repeated_id() {
+        let l = [1.0f32, 3.0, 2.5, -1.0];
+        let cfg = SamplerConfig {
+            repetition_penalty: Some(1.5),
+            ..Default::default()
+        };
+        // Without history the top id wins; once id 1 was seen, 3.0/1.5 = 2.0 < 2.5.
+        assert_eq!(sample(&l, &cfg, 0, &[]), 1);
+        assert_eq!(sample(&l, &cfg, 0, &[1]), 2);
+        // Negative logits are pushed further down, not up.
+        let neg = [-1.0f32, -1.2];
+        assert_eq!(sample(&neg, &cfg, 0, &[0]), 1);
+        // Only the last REPEAT_WINDOW tokens count.
+        let mut old = vec![1u32];
+        old.extend(std::iter::repeat_n(3u32, REPEAT_WINDOW));
+        assert_eq!(sample(&l, &cfg, 0, &old), 1);
+    }
+
+    #[test]
+    fn top_k_alone_with_a_temperature_is_not_greedy() {
+        let l = row();
+        let cfg = SamplerConfig {
+            temperature: Some(1.0),
+            top_k: Some(5),
+            seed: 9,
+            ..Default::default()
+        };
+        let picks: std::collections::BTreeSet<usize> =
+            (0..100).map(|s| sample(&l, &cfg, s, &[])).collect();
+        assert!(picks.len() > 1, "top-k 5 at T=1 drew only {picks:?}");
+        assert!(picks.len() <= 5);
     }
 }

@@ -19,6 +19,7 @@ fn cfg(t: f32, top_k: Option<usize>, top_p: Option<f32>) -> SamplerConfig {
         top_k,
         top_p,
         seed: 20260413,
+        ..SamplerConfig::default()
     }
 }
 
@@ -54,7 +55,7 @@ fn expected(t: f64, top_k: Option<usize>, top_p: Option<f64>) -> Vec<f64> {
 fn counts(c: &SamplerConfig) -> Vec<u64> {
     let mut n = vec![0u64; LOGITS.len()];
     for step in 0..DRAWS {
-        n[sample(&LOGITS, c, step)] += 1;
+        n[sample(&LOGITS, c, step, &[])] += 1;
     }
     n
 }

@@ -1,0 +1,449 @@
+//! Request validation shared by the HTTP server and the REPL: OpenAI-style JSON bodies to a
+//! tokenized [`Prepared`] job, or an [`ApiError`] (an OpenAI error object with its status).
+
+use serde_json::{json, Value};
+
+use k3_protocol::conf::SamplerConfig;
+use k3_tokenizer::chat::ChatOptions;
+use k3_tokenizer::Tokenizer;
+
+/// An error for the client: HTTP status plus OpenAI's error object.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    pub fn bad(message: impl Into<String>, param: Option<&str>) -> ApiError {
+        ApiError {
+            status: 400,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param: param.map(str::to_string),
+        }
+    }
+    pub fn new(status: u16, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+            param: None,
+        }
+    }
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.status,
+        }})
+    }
+}
+
+/// Roles the chat format renders.
+pub const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
+/// Limits the server enforces.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Largest `max_tokens`.
+    pub max_tokens: usize,
+    /// Prompt plus completion tokens (the KV budget).
+    pub ctx: usize,
+    /// `max_tokens` when the request gives none.
+    pub default_max_tokens: usize,
+}
+
+/// A validated request.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub prompt: Vec<u32>,
+    pub snapshot_at: Option<usize>,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn opt_f32(v: &Value, key: &str, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => {
+            let f = x
+                .as_f64()
+                .ok_or_else(|| ApiError::bad(format!("'{key}' must be a number"), Some(key)))?
+                as f32;
+            if !(f.is_finite() && f >= lo && f <= hi) {
+                return Err(ApiError::bad(
+                    format!("'{key}' must be between {lo} and {hi}"),
+                    Some(key),
+                ));
+            }
+            Ok(Some(f))
+        }
+    }
+}
+
+fn opt_u64(v: &Value, key: &str) -> Result<Option<u64>, ApiError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x.as_u64().map(Some).ok_or_else(|| {
+            ApiError::bad(format!("'{key}' must be a non-negative integer"), Some(key))
+        }),
+    }
+}
+
+/// Sampling, stop and length fields common to both endpoints.
+fn common(v: &Value, lim: &Limits, prompt_len: usize) -> Result<Prepared, ApiError> {
+    let max_tokens = match opt_u64(v, "max_completion_tokens")?.or(opt_u64(v, "max_tokens")?) {
+        None => lim.default_max_tokens.min(lim.max_tokens),
+        Some(0) => {
+            return Err(ApiError::bad(
+                "'max_tokens' must be at least 1",
+                Some("max_tokens"),
+            ))
+        }
+        Some(n) if n as usize > lim.max_tokens => {
+            return Err(ApiError::bad(
+                format!("'max_tokens' {n} is over the limit of {}", lim.max_tokens),
+                Some("max_tokens"),
+            ))
+        }
+        Some(n) => n as usize,
+    };
+    if prompt_len + max_tokens > lim.ctx {
+        return Err(ApiError::bad(
+            format!(
+                "the prompt is {prompt_len} tokens; with max_tokens {max_tokens} that is over \
+                 the {}-token context (KV budget)",
+                lim.ctx
+            ),
+            Some("messages"),
+        ));
+    }
+    let temperature = opt_f32(v, "temperature", 0.0, 100.0)?;
+    let top_p = opt_f32(v, "top_p", 0.0, 1.0)?.filter(|p| *p < 1.0);
+    let min_p = opt_f32(v, "min_p", 0.0, 1.0)?.filter(|p| *p > 0.0);
+    let repetition_penalty = opt_f32(v, "repetition_penalty", 0.0, 10.0)?
+        .or(opt_f32(v, "repeat_penalty", 0.0, 10.0)?)
+        .filter(|p| *p > 0.0 && *p != 1.0);
+    if top_p == Some(0.0) {
+        return Err(ApiError::bad("'top_p' must be above 0", Some("top_p")));
+    }
+    let top_k = match opt_u64(v, "top_k")? {
+        None | Some(0) => None,
+        Some(k) => Some(k as usize),
+    };
+    let stop: Vec<String> = match v.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_str().map(str::to_string).ok_or_else(|| {
+                    ApiError::bad("'stop' must be a string or a list of strings", Some("stop"))
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'stop' must be a string or a list of strings",
+                Some("stop"),
+            ))
+        }
+    };
+    if stop.len() > 4 || stop.iter().any(String::is_empty) {
+        return Err(ApiError::bad(
+            "'stop' takes at most 4 non-empty strings",
+            Some("stop"),
+        ));
+    }
+    let stream = match v.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::bad("'stream' must be a boolean", Some("stream"))),
+    };
+    let include_usage = v
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    // Greedy unless asked: a filter without a temperature samples at temperature 1, as on
+    // the command line; a sampled request without a seed gets a random one.
+    let filtered = top_k.is_some() || top_p.is_some() || min_p.is_some();
+    let args = crate::run::args::Sampling {
+        temperature: temperature.or(if filtered { Some(1.0) } else { None }),
+        top_p,
+        top_k,
+        min_p,
+        repetition_penalty,
+        seed: opt_u64(v, "seed")?,
+        stop: stop.clone(),
+    };
+    let sampler = args.resolve(crate::run::args::random_seed);
+    Ok(Prepared {
+        prompt: Vec::new(),
+        snapshot_at: None,
+        max_tokens,
+        sampler,
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+/// Text of a message's `content`: a string, or a list of `{"type": "text", "text": ...}`.
+fn content_text(c: &Value, i: usize) -> Result<String, ApiError> {
+    let param = format!("messages[{i}].content");
+    match c {
+        Value::String(s) => Ok(s.clone()),
+        Value::Null => Ok(String::new()),
+        Value::Array(parts) => {
+            let mut s = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => s.push_str(t),
+                    _ => {
+                        return Err(ApiError::bad(
+                            "only text content parts are supported",
+                            Some(&param),
+                        ))
+                    }
+                }
+            }
+            Ok(s)
+        }
+        _ => Err(ApiError::bad(
+            "'content' must be a string or a list of text parts",
+            Some(&param),
+        )),
+    }
+}
+
+/// `POST /v1/chat/completions` body to a job.
+pub fn chat(tok: &Tokenizer, v: &Value, lim: &Limits) -> Result<Prepared, ApiError> {
+    let msgs = match v.get("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => m,
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad("'messages' is empty", Some("messages")))
+        }
+        Some(_) => return Err(ApiError::bad("'messages' must be a list", Some("messages"))),
+        None => {
+            return Err(ApiError::bad(
+                "missing required field 'messages'",
+                Some("messages"),
+            ))
+        }
+    };
+    let mut clean = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::bad(
+                format!("messages[{i}] has no 'role'"),
+                Some(&format!("messages[{i}].role")),
+            )
+        })?;
+        if !ROLES.contains(&role) {
+            return Err(ApiError::bad(
+                format!("messages[{i}]: unknown role '{role}' (system, user, assistant, tool)"),
+                Some(&format!("messages[{i}].role")),
+            ));
+        }
+        let content = content_text(m.get("content").unwrap_or(&Value::Null), i)?;
+        let mut o = json!({"role": role, "content": content});
+        if let Some(n) = m.get("name").and_then(Value::as_str) {
+            o["name"] = json!(n);
+        }
+        clean.push(o);
+    }
+    // Thinking is off unless asked for (`"thinking": true` or a `reasoning_effort`).
+    let effort = match v.get("reasoning_effort").and_then(Value::as_str) {
+        None => None,
+        Some(e) if k3_tokenizer::chat::EFFORTS.contains(&e) => Some(e.to_string()),
+        Some(e) => {
+            return Err(ApiError::bad(
+                format!("'reasoning_effort' {e:?}: expected low, high or max"),
+                Some("reasoning_effort"),
+            ))
+        }
+    };
+    let thinking = v
+        .get("thinking")
+        .and_then(Value::as_bool)
+        .unwrap_or(effort.is_some());
+    let opts = ChatOptions {
+        thinking,
+        thinking_effort: effort,
+        add_generation_prompt: true,
+        ..ChatOptions::default()
+    };
+    let prompt = tok
+        .encode_chat(&clean, None, &opts)
+        .map_err(|e| ApiError::bad(format!("messages: {e}"), Some("messages")))?;
+    let history = tok
+        .encode_chat(
+            &clean,
+            None,
+            &ChatOptions {
+                add_generation_prompt: false,
+                ..opts
+            },
+        )
+        .ok()
+        .filter(|h| !h.is_empty() && h.len() < prompt.len() && prompt.starts_with(h))
+        .map(|h| h.len());
+    let mut p = common(v, lim, prompt.len())?;
+    p.prompt = prompt;
+    p.snapshot_at = history;
+    Ok(p)
+}
+
+/// `POST /v1/completions` body to a job (`prompt`: a string, or a list of token ids).
+pub fn completion(
+    tok: &Tokenizer,
+    v: &Value,
+    lim: &Limits,
+    vocab: usize,
+) -> Result<Prepared, ApiError> {
+    let prompt: Vec<u32> = match v.get("prompt") {
+        Some(Value::String(s)) => tok.encode(s, false),
+        Some(Value::Array(a)) if a.iter().all(Value::is_u64) => {
+            let ids: Vec<u32> = a
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x as u32)
+                .collect();
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+                return Err(ApiError::bad(
+                    format!("token id {bad} is outside the vocabulary 0..{vocab}"),
+                    Some("prompt"),
+                ));
+            }
+            ids
+        }
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            tok.encode(a[0].as_str().unwrap_or(""), false)
+        }
+        Some(_) => {
+            return Err(ApiError::bad(
+                "'prompt' must be a string or a list of token ids",
+                Some("prompt"),
+            ))
+        }
+        None => {
+            return Err(ApiError::bad(
+                "missing required field 'prompt'",
+                Some("prompt"),
+            ))
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad(
+            "the prompt encodes to no tokens",
+            Some("prompt"),
+        ));
+    }
+    let mut p = common(v, lim, prompt.len())?;
+    p.prompt = prompt;
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tok() -> Tokenizer {
+        let d =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer");
+        Tokenizer::from_dir(&d).unwrap()
+    }
+
+    const LIM: Limits = Limits {
+        max_tokens: 64,
+        ctx: 512,
+        default_max_tokens: 16,
+    };
+
+    #[test]
+    fn chat_requests_are_validated() {
+        let t = tok();
+        let ok = chat(
+            &t,
+            &json!({"messages": [{"role": "user", "content": "hi"}]}),
+            &LIM,
+        )
+        .unwrap();
+        assert_eq!(ok.max_tokens, 16);
+        assert!(ok.sampler.is_greedy());
+        // The history snapshot ends before the generation prompt.
+        let b = ok.snapshot_at.unwrap();
+        assert!(b > 0 && b < ok.prompt.len());
+        for (body, needle) in [
+            (json!({}), "missing required field 'messages'"),
+            (json!({"messages": []}), "empty"),
+            (
+                json!({"messages": [{"role": "wizard", "content": "x"}]}),
+                "unknown role",
+            ),
+            (json!({"messages": [{"content": "x"}]}), "no 'role'"),
+            (
+                json!({"messages": [{"role": "user", "content": 5}]}),
+                "content",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+                "at least 1",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 65}),
+                "over the limit",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+                "number",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
+                "boolean",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x".repeat(3000)}], "max_tokens": 60}),
+                "context",
+            ),
+        ] {
+            let e = chat(&t, &body, &LIM).unwrap_err();
+            assert_eq!(e.status, 400);
+            assert!(e.message.contains(needle), "{body}: {}", e.message);
+        }
+        // top_k alone samples, with a random seed.
+        let s = chat(
+            &t,
+            &json!({"messages": [{"role": "user", "content": "x"}], "top_k": 4}),
+            &LIM,
+        )
+        .unwrap();
+        assert!(!s.sampler.is_greedy());
+    }
+
+    #[test]
+    fn completion_prompts_as_text_or_ids() {
+        let t = tok();
+        let p = completion(
+            &t,
+            &json!({"prompt": [1, 2, 3], "max_tokens": 2}),
+            &LIM,
+            4000,
+        )
+        .unwrap();
+        assert_eq!(p.prompt, vec![1, 2, 3]);
+        assert!(completion(&t, &json!({"prompt": [99999]}), &LIM, 4000).is_err());
+        assert!(completion(&t, &json!({"prompt": 7}), &LIM, 4000).is_err());
+        assert!(!completion(&t, &json!({"prompt": "hello"}), &LIM, 4000)
+            .unwrap()
+            .prompt
+            .is_empty());
+    }
+}

@@ -1,0 +1,389 @@
+//! The generation engine behind `serve` and `chat`: one worker thread that owns the model
+//! (loaded once), the tokenizer and the prefix cache, and runs jobs one at a time in arrival
+//! order.
+//!
+//! The model is the forward over the memory-mapped shards (the `--single-process` engine):
+//! the same decode semantics and sampler as every other mode, so a greedy or seeded request
+//! gives the ids `k3-orch DIR --incremental` gives for the same prompt.
+//!
+//! Prefix reuse: after each job the session state (MLA KV cache, KDA recurrent state and
+//! conv tails, all in [`Session`]) is kept, keyed by the tokens it has consumed — one entry
+//! at the end of the prompt's last complete message (`snapshot_at`), one at the end of
+//! generation. A later prompt that starts with a kept key clones that state and prefills
+//! only the rest; `cached_tokens` says how many tokens were skipped.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
+
+use k3_layer_compute::forward::{Model, ModelOptions, Session};
+use k3_layer_compute::sampler;
+use k3_layer_compute::weights::SourceWeights;
+use k3_model::config::ModelConfig;
+use k3_model::mmap_weights::MmapWeights;
+use k3_protocol::conf::SamplerConfig;
+use k3_tokenizer::Tokenizer;
+
+use crate::run::stream::TextStream;
+
+type Weights = SourceWeights<MmapWeights>;
+
+/// One generation request, already tokenized.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    /// Keep a prefix-cache entry after this many prompt tokens too (the end of the last
+    /// complete chat message), when it is shorter than the prompt.
+    pub snapshot_at: Option<usize>,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    /// Set by the caller to end the job early (client gone, server draining).
+    pub cancel: Arc<AtomicBool>,
+    pub events: tokio::sync::mpsc::UnboundedSender<Event>,
+}
+
+/// Why generation ended (OpenAI's `finish_reason`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    Stop,
+    Length,
+    Cancelled,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What a job reports, in order: `Started`, any number of `Text`, then `Done` or `Error`.
+#[derive(Debug)]
+pub enum Event {
+    Started { cached_tokens: usize },
+    Text(String),
+    Done(Done),
+    Error(String),
+}
+
+#[derive(Clone, Debug)]
+pub struct Done {
+    pub finish: Finish,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+    pub ids: Vec<u32>,
+    pub seconds: f64,
+}
+
+/// Counters for `/metrics`.
+#[derive(Default)]
+pub struct Stats {
+    pub requests: AtomicU64,
+    pub failed: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    pub cached_tokens: AtomicU64,
+    pub expert_requests: AtomicU64,
+    /// Queued plus running jobs.
+    pub queue: AtomicUsize,
+    /// Tokens/s of the last finished job's decode, as f64 bits.
+    pub last_tps_bits: AtomicU64,
+    pub ready: AtomicBool,
+    /// Set while shutting down past the drain grace period: running jobs end now.
+    pub abort: AtomicBool,
+    pub load_error: Mutex<Option<String>>,
+}
+
+/// How to load the engine.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub model_dir: std::path::PathBuf,
+    pub config_path: std::path::PathBuf,
+    pub tok_dir: std::path::PathBuf,
+    pub threads: usize,
+    pub layers: Option<usize>,
+    /// Prefix-cache entries kept (0: no reuse).
+    pub cache_entries: usize,
+}
+
+/// Handle to the worker thread.
+pub struct Engine {
+    jobs: Mutex<mpsc::Sender<Job>>,
+    pub stats: Arc<Stats>,
+    pub tok: Arc<Tokenizer>,
+    pub vocab: usize,
+    pub model_name: String,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Engine {
+    /// Load the tokenizer now; start the worker, which loads the model (`stats.ready` turns
+    /// true when it is done; a load failure is kept in `stats.load_error`).
+    pub fn start(o: EngineOptions) -> Result<Engine, String> {
+        let tok = Arc::new(
+            Tokenizer::from_dir(&o.tok_dir)
+                .map_err(|e| format!("--tok {}: {e}", o.tok_dir.display()))?,
+        );
+        let cfg = ModelConfig::load(&o.config_path).map_err(|e| e.to_string())?;
+        if (tok.n_vocab() as usize) > cfg.vocab_size {
+            return Err(format!(
+                "the tokenizer has {} ids but the model's vocabulary is {}",
+                tok.n_vocab(),
+                cfg.vocab_size
+            ));
+        }
+        let vocab = cfg.vocab_size;
+        let stats = Arc::new(Stats::default());
+        let (tx, rx) = mpsc::channel::<Job>();
+        let st = stats.clone();
+        let tk = tok.clone();
+        let worker = std::thread::Builder::new()
+            .name("k3-engine".into())
+            .spawn(move || worker(o, cfg, tk, rx, st))
+            .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+        let model_name = "k3".to_string();
+        Ok(Engine {
+            jobs: Mutex::new(tx),
+            stats,
+            tok,
+            vocab,
+            model_name,
+            worker: Mutex::new(Some(worker)),
+        })
+    }
+
+    /// Queue a job (the caller has counted it in `stats.queue`).
+    pub fn submit(&self, job: Job) -> Result<(), String> {
+        self.jobs
+            .lock()
+            .map_err(|_| "engine lock poisoned".to_string())?
+            .send(job)
+            .map_err(|_| "the engine has stopped".to_string())
+    }
+
+    /// Wait until the model is loaded or failed to load.
+    pub fn wait_ready(&self) -> Result<(), String> {
+        loop {
+            if self.stats.ready.load(Ordering::SeqCst) {
+                return Ok(());
+            }
+            if let Some(e) = self.stats.load_error.lock().ok().and_then(|g| g.clone()) {
+                return Err(e);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// Stop taking jobs and wait for the worker to finish the queued ones.
+    pub fn shutdown(&self) {
+        if let Ok(mut j) = self.jobs.lock() {
+            let (dead, _) = mpsc::channel();
+            *j = dead;
+        }
+        if let Some(h) = self.worker.lock().ok().and_then(|mut w| w.take()) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Kept session states, most recently used last.
+struct PrefixCache {
+    entries: Vec<(Vec<u32>, Session)>,
+    cap: usize,
+}
+
+impl PrefixCache {
+    /// The longest kept key that is a proper prefix of `prompt` (at least one token left
+    /// to feed), cloned.
+    fn lookup(&mut self, prompt: &[u32]) -> Option<(usize, Session)> {
+        let best = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, (k, _))| k.len() < prompt.len() && prompt.starts_with(k))
+            .max_by_key(|(_, (k, _))| k.len())
+            .map(|(i, _)| i)?;
+        let e = self.entries.remove(best);
+        let out = (e.0.len(), e.1.clone());
+        self.entries.push(e);
+        Some(out)
+    }
+
+    fn insert(&mut self, key: Vec<u32>, s: Session) {
+        if self.cap == 0 || key.is_empty() {
+            return;
+        }
+        self.entries.retain(|(k, _)| *k != key);
+        self.entries.push((key, s));
+        while self.entries.len() > self.cap {
+            self.entries.remove(0);
+        }
+    }
+}
+
+fn worker(
+    o: EngineOptions,
+    cfg: ModelConfig,
+    tok: Arc<Tokenizer>,
+    rx: mpsc::Receiver<Job>,
+    stats: Arc<Stats>,
+) {
+    let fail = |e: String| {
+        tracing::error!("k3-orch serve: loading the model: {e}");
+        if let Ok(mut g) = stats.load_error.lock() {
+            *g = Some(e);
+        }
+    };
+    let pool = match k3_layer_compute::pool::build(o.threads) {
+        Ok(p) => p,
+        Err(e) => return fail(e),
+    };
+    let mw = match MmapWeights::open(&o.model_dir) {
+        Ok(m) => m,
+        Err(e) => return fail(e.to_string()),
+    };
+    let model = match Model::new(
+        cfg,
+        SourceWeights::new(mw),
+        ModelOptions {
+            threads: o.threads,
+            layers: o.layers,
+            eps: None,
+        },
+    ) {
+        Ok(m) => m,
+        Err(e) => return fail(e.to_string()),
+    };
+    if let Err(e) = model.check_binding() {
+        return fail(e.to_string());
+    }
+    stats.ready.store(true, Ordering::SeqCst);
+    tracing::info!("k3-orch serve: model loaded");
+    let stop_ids = tok.stop_ids();
+    let mut cache = PrefixCache {
+        entries: Vec::new(),
+        cap: o.cache_entries,
+    };
+    while let Ok(job) = rx.recv() {
+        let res = pool.install(|| run_job(&model, &tok, &stop_ids, &mut cache, &job, &stats));
+        match res {
+            Ok(d) => {
+                stats
+                    .prompt_tokens
+                    .fetch_add(d.prompt_tokens as u64, Ordering::Relaxed);
+                stats
+                    .completion_tokens
+                    .fetch_add(d.completion_tokens as u64, Ordering::Relaxed);
+                stats
+                    .cached_tokens
+                    .fetch_add(d.cached_tokens as u64, Ordering::Relaxed);
+                if d.seconds > 0.0 {
+                    stats.last_tps_bits.store(
+                        (d.completion_tokens as f64 / d.seconds).to_bits(),
+                        Ordering::Relaxed,
+                    );
+                }
+                let _ = job.events.send(Event::Done(d));
+            }
+            Err(e) => {
+                stats.failed.fetch_add(1, Ordering::Relaxed);
+                let _ = job.events.send(Event::Error(e));
+            }
+        }
+        stats.queue.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn run_job(
+    model: &Model<Weights>,
+    tok: &Tokenizer,
+    stop_ids: &[u32],
+    cache: &mut PrefixCache,
+    job: &Job,
+    stats: &Stats,
+) -> Result<Done, String> {
+    let t0 = Instant::now();
+    let vocab = model.vocab();
+    let (cached, mut sess) = cache
+        .lookup(&job.prompt)
+        .unwrap_or_else(|| (0, model.new_session()));
+    let _ = job.events.send(Event::Started {
+        cached_tokens: cached,
+    });
+    let ferr = |e: k3_layer_compute::forward::ForwardError| format!("forward pass failed: {e}");
+    // Prefill: up to the snapshot point first (kept for the next turn), then the rest.
+    let mut fed = cached;
+    if let Some(b) = job
+        .snapshot_at
+        .filter(|&b| b > cached && b < job.prompt.len())
+    {
+        model
+            .prefill(&mut sess, &job.prompt[cached..b])
+            .map_err(ferr)?;
+        cache.insert(job.prompt[..b].to_vec(), sess.clone());
+        fed = b;
+    }
+    let mut out = model.prefill(&mut sess, &job.prompt[fed..]).map_err(ferr)?;
+    let mut seq = job.prompt.clone();
+    let mut ids = Vec::new();
+    let mut text = TextStream::new(&job.stop);
+    let mut finish = Finish::Length;
+    let t_decode = Instant::now();
+    for step in 0..job.max_tokens {
+        if job.cancel.load(Ordering::Relaxed) || stats.abort.load(Ordering::Relaxed) {
+            finish = Finish::Cancelled;
+            break;
+        }
+        stats
+            .expert_requests
+            .fetch_add(out.stats.expert_requests as u64, Ordering::Relaxed);
+        let row = &out.logits[(out.rows - 1) * vocab..out.rows * vocab];
+        let id = sampler::sample(row, &job.sampler, step as u64, &seq) as u32;
+        ids.push(id);
+        seq.push(id);
+        if stop_ids.contains(&id) {
+            finish = Finish::Stop;
+            break;
+        }
+        let bytes = tok
+            .token_bytes(id)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_else(|_| format!("<|bad_id_{id}|>").into_bytes());
+        let delta = text.push(&bytes);
+        if !delta.is_empty() && job.events.send(Event::Text(delta)).is_err() {
+            finish = Finish::Cancelled; // the client went away
+            break;
+        }
+        if text.stopped() {
+            finish = Finish::Stop;
+            break;
+        }
+        if step + 1 == job.max_tokens {
+            break;
+        }
+        out = model.step(&mut sess, id).map_err(ferr)?;
+    }
+    let rest = text.finish();
+    if !rest.is_empty() {
+        let _ = job.events.send(Event::Text(rest));
+    }
+    // The session has consumed everything but the last id.
+    let consumed = seq.len() - 1;
+    if sess.len() == consumed {
+        cache.insert(seq[..consumed].to_vec(), sess);
+    }
+    let seconds = t_decode.elapsed().as_secs_f64();
+    let _ = t0;
+    Ok(Done {
+        finish,
+        prompt_tokens: job.prompt.len(),
+        completion_tokens: ids.len(),
+        cached_tokens: cached,
+        ids,
+        seconds,
+    })
+}

@@ -1,0 +1,467 @@
+//! The HTTP side of `k3-orch serve` (axum on tokio): OpenAI-compatible endpoints, SSE
+//! streaming, errors as OpenAI error objects, the chat page, health and metrics.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Value};
+
+use super::api::{self, ApiError, Limits, Prepared};
+use super::engine::{Done, Engine, Event, Job};
+
+/// Shared server state.
+pub struct App {
+    pub engine: Arc<Engine>,
+    pub limits: Limits,
+    pub api_key: Option<String>,
+    pub max_queue: usize,
+    pub draining: Arc<AtomicBool>,
+    pub next_id: AtomicU64,
+}
+
+type AppState = Arc<App>;
+
+const CHAT_PAGE: &str = include_str!("chat.html");
+
+pub fn router(app: AppState) -> Router {
+    Router::new()
+        .route("/", get(|| async { Html(CHAT_PAGE) }))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .fallback(|| async { err(ApiError::new(404, "not_found_error", "no such endpoint")) })
+        .with_state(app)
+}
+
+fn err(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut r = (status, axum::Json(e.body())).into_response();
+    if matches!(e.status, 429 | 503) {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    r
+}
+
+fn parse_body(body: &Bytes) -> Result<Value, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("the body is not valid JSON: {e}"), None))?;
+    if !v.is_object() {
+        return Err(ApiError::bad("the body must be a JSON object", None));
+    }
+    Ok(v)
+}
+
+fn check_key(app: &App, h: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &app.api_key else {
+        return Ok(());
+    };
+    let given = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(key.as_str()) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            401,
+            "authentication_error",
+            "missing or wrong API key (Authorization: Bearer KEY)",
+        ))
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Sets the job's cancel flag when dropped (the handler's future is dropped when the client
+/// goes away).
+struct CancelOnDrop(Arc<AtomicBool>);
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Queue a prepared request; the event receiver and the cancel guard.
+fn enqueue(
+    app: &App,
+    p: &Prepared,
+) -> Result<(tokio::sync::mpsc::UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
+    let st = &app.engine.stats;
+    if app.draining.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            503,
+            "unavailable_error",
+            "the server is shutting down",
+        ));
+    }
+    if !st.ready.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            503,
+            "unavailable_error",
+            "the model is still loading",
+        ));
+    }
+    let before = st.queue.fetch_add(1, Ordering::SeqCst);
+    if before >= app.max_queue {
+        st.queue.fetch_sub(1, Ordering::SeqCst);
+        return Err(ApiError::new(
+            429,
+            "rate_limit_error",
+            format!(
+                "the queue is full ({} requests); retry later",
+                app.max_queue
+            ),
+        ));
+    }
+    st.requests.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = Job {
+        prompt: p.prompt.clone(),
+        snapshot_at: p.snapshot_at,
+        max_tokens: p.max_tokens,
+        sampler: p.sampler,
+        stop: p.stop.clone(),
+        cancel: cancel.clone(),
+        events: tx,
+    };
+    if let Err(e) = app.engine.submit(job) {
+        st.queue.fetch_sub(1, Ordering::SeqCst);
+        return Err(ApiError::new(503, "unavailable_error", e));
+    }
+    Ok((rx, CancelOnDrop(cancel)))
+}
+
+fn usage(d: &Done) -> Value {
+    json!({
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.completion_tokens,
+        "total_tokens": d.prompt_tokens + d.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": d.cached_tokens},
+    })
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+async fn chat_completions(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Response {
+    generate(app, h, body, Kind::Chat).await
+}
+
+async fn completions(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Response {
+    generate(app, h, body, Kind::Completion).await
+}
+
+async fn generate(app: AppState, h: HeaderMap, body: Bytes, kind: Kind) -> Response {
+    let prepared = check_key(&app, &h).and_then(|_| {
+        let v = parse_body(&body)?;
+        match kind {
+            Kind::Chat => api::chat(&app.engine.tok, &v, &app.limits),
+            Kind::Completion => api::completion(&app.engine.tok, &v, &app.limits, app.engine.vocab),
+        }
+    });
+    let p = match prepared {
+        Ok(p) => p,
+        Err(e) => return err(e),
+    };
+    let (mut rx, guard) = match enqueue(&app, &p) {
+        Ok(x) => x,
+        Err(e) => return err(e),
+    };
+    let n = app.next_id.fetch_add(1, Ordering::Relaxed);
+    let (id, object) = match kind {
+        Kind::Chat => (format!("chatcmpl-{n}"), "chat.completion"),
+        Kind::Completion => (format!("cmpl-{n}"), "text_completion"),
+    };
+    let created = now();
+    let model = app.engine.model_name.clone();
+    let seed = p.sampler.seed;
+    if !p.stream {
+        let mut text = String::new();
+        let done = loop {
+            match rx.recv().await {
+                Some(Event::Started { .. }) => {}
+                Some(Event::Text(t)) => text.push_str(&t),
+                Some(Event::Done(d)) => break d,
+                Some(Event::Error(e)) => {
+                    return err(ApiError::new(
+                        500,
+                        "server_error",
+                        format!("generation failed: {e}"),
+                    ))
+                }
+                None => {
+                    return err(ApiError::new(
+                        500,
+                        "server_error",
+                        "the engine stopped during the request",
+                    ))
+                }
+            }
+        };
+        drop(guard);
+        let choice = match kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": done.finish.as_str(),
+            }),
+            Kind::Completion => json!({
+                "index": 0, "text": text, "finish_reason": done.finish.as_str(),
+            }),
+        };
+        return axum::Json(json!({
+            "id": id, "object": object, "created": created, "model": model,
+            "choices": [choice], "usage": usage(&done), "seed": seed,
+        }))
+        .into_response();
+    }
+    // Streaming: OpenAI chunks as server-sent events, then `data: [DONE]`.
+    let chunk_object = match kind {
+        Kind::Chat => "chat.completion.chunk",
+        Kind::Completion => "text_completion",
+    };
+    let include_usage = p.include_usage;
+    let chunk = move |delta: Value, finish: Option<&str>| -> Value {
+        let choice = match kind {
+            Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish}),
+            Kind::Completion => json!({
+                "index": 0,
+                "text": delta.get("content").cloned().unwrap_or(json!("")),
+                "finish_reason": finish,
+            }),
+        };
+        json!({"id": id, "object": chunk_object, "created": created, "model": model,
+               "choices": [choice]})
+    };
+    let stream = async_stream(rx, guard, chunk, include_usage);
+    Sse::new(stream).into_response()
+}
+
+/// The SSE event stream of one streamed request. Dropping it (the client went away) drops
+/// the guard, which cancels the generation.
+fn async_stream(
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+    chunk: impl Fn(Value, Option<&str>) -> Value + Send + Sync + 'static,
+    include_usage: bool,
+) -> impl futures_util::Stream<Item = Result<SseEvent, Infallible>> + Send + 'static {
+    struct St {
+        rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+        _guard: CancelOnDrop,
+        out: std::collections::VecDeque<String>,
+        fin: bool,
+    }
+    let chunk = Arc::new(chunk);
+    let st = St {
+        rx,
+        _guard: guard,
+        out: Default::default(),
+        fin: false,
+    };
+    futures_util::stream::unfold(st, move |mut s| {
+        let chunk = chunk.clone();
+        async move {
+            loop {
+                if let Some(x) = s.out.pop_front() {
+                    return Some((Ok(SseEvent::default().data(x)), s));
+                }
+                if s.fin {
+                    return None;
+                }
+                let fail = |m: String| ApiError::new(500, "server_error", m).body().to_string();
+                match s.rx.recv().await {
+                    Some(Event::Started { .. }) => s.out.push_back(
+                        chunk(json!({"role": "assistant", "content": ""}), None).to_string(),
+                    ),
+                    Some(Event::Text(t)) => s
+                        .out
+                        .push_back(chunk(json!({"content": t}), None).to_string()),
+                    Some(Event::Done(d)) => {
+                        s.out
+                            .push_back(chunk(json!({}), Some(d.finish.as_str())).to_string());
+                        if include_usage {
+                            let mut u = chunk(json!({}), None);
+                            u["choices"] = json!([]);
+                            u["usage"] = usage(&d);
+                            s.out.push_back(u.to_string());
+                        }
+                        s.out.push_back("[DONE]".into());
+                        s.fin = true;
+                    }
+                    Some(Event::Error(e)) => {
+                        s.out.push_back(fail(format!("generation failed: {e}")));
+                        s.out.push_back("[DONE]".into());
+                        s.fin = true;
+                    }
+                    None => {
+                        s.out
+                            .push_back(fail("the engine stopped during the request".into()));
+                        s.out.push_back("[DONE]".into());
+                        s.fin = true;
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Resident bytes of this process (/proc/self/statm).
+fn self_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+async fn health(State(app): State<AppState>) -> Response {
+    let st = &app.engine.stats;
+    if let Some(e) = st.load_error.lock().ok().and_then(|g| g.clone()) {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Json(json!({"status": "error", "error": e})),
+        )
+            .into_response();
+    }
+    if st.ready.load(Ordering::SeqCst) {
+        axum::Json(json!({"status": "ok"})).into_response()
+    } else {
+        let mut r = (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "loading"})),
+        )
+            .into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        r
+    }
+}
+
+async fn models(State(app): State<AppState>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{"id": app.engine.model_name, "object": "model", "created": now(), "owned_by": "k3"}],
+    }))
+    .into_response()
+}
+
+async fn metrics(State(app): State<AppState>) -> Response {
+    let st = &app.engine.stats;
+    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let rss = self_rss();
+    let tps = f64::from_bits(st.last_tps_bits.load(Ordering::Relaxed));
+    let body = format!(
+        "# HELP k3_requests_total Generation requests accepted.\n# TYPE k3_requests_total counter\n\
+         k3_requests_total {}\n\
+         # HELP k3_requests_failed_total Generation requests that failed in the engine.\n# TYPE k3_requests_failed_total counter\n\
+         k3_requests_failed_total {}\n\
+         # HELP k3_prompt_tokens_total Prompt tokens received.\n# TYPE k3_prompt_tokens_total counter\n\
+         k3_prompt_tokens_total {}\n\
+         # HELP k3_cached_tokens_total Prompt tokens served from the prefix cache.\n# TYPE k3_cached_tokens_total counter\n\
+         k3_cached_tokens_total {}\n\
+         # HELP k3_completion_tokens_total Tokens generated.\n# TYPE k3_completion_tokens_total counter\n\
+         k3_completion_tokens_total {}\n\
+         # HELP k3_tokens_per_second Decode speed of the last finished request.\n# TYPE k3_tokens_per_second gauge\n\
+         k3_tokens_per_second {:.3}\n\
+         # HELP k3_queue_depth Requests queued or running.\n# TYPE k3_queue_depth gauge\n\
+         k3_queue_depth {}\n\
+         # HELP k3_expert_requests_total Routed-expert lookups.\n# TYPE k3_expert_requests_total counter\n\
+         k3_expert_requests_total {}\n\
+         # HELP k3_expert_hit_rate Share of routed-expert lookups served without a read (the in-process engine maps every expert: 1).\n# TYPE k3_expert_hit_rate gauge\n\
+         k3_expert_hit_rate 1\n\
+         # HELP k3_stage_rss_bytes Resident memory per stage (the in-process engine is one stage, \"server\").\n# TYPE k3_stage_rss_bytes gauge\n\
+         k3_stage_rss_bytes{{stage=\"server\"}} {}\n\
+         # HELP k3_ready 1 when the model is loaded.\n# TYPE k3_ready gauge\n\
+         k3_ready {}\n",
+        g(&st.requests),
+        g(&st.failed),
+        g(&st.prompt_tokens),
+        g(&st.cached_tokens),
+        g(&st.completion_tokens),
+        tps,
+        st.queue.load(Ordering::SeqCst),
+        g(&st.expert_requests),
+        rss,
+        u8::from(st.ready.load(Ordering::SeqCst)),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn tokenize(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Response {
+    let r = check_key(&app, &h)
+        .and_then(|_| parse_body(&body))
+        .and_then(|v| {
+            let text = v
+                .get("content")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::bad("'content' must be a string", Some("content")))?;
+            let specials = v
+                .get("add_special")
+                .and_then(Value::as_bool)
+                .unwrap_or(false)
+                || v.get("parse_special")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+            Ok(json!({"tokens": app.engine.tok.encode(text, specials)}))
+        });
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+async fn detokenize(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Response {
+    let r = check_key(&app, &h)
+        .and_then(|_| parse_body(&body))
+        .and_then(|v| {
+            let ids: Vec<u32> = match v.get("tokens") {
+                Some(Value::Array(a)) if a.iter().all(Value::is_u64) => a
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .map(|x| x as u32)
+                    .collect(),
+                _ => {
+                    return Err(ApiError::bad(
+                        "'tokens' must be a list of token ids",
+                        Some("tokens"),
+                    ))
+                }
+            };
+            let bytes = app
+                .engine
+                .tok
+                .decode_bytes(&ids)
+                .map_err(|e| ApiError::bad(format!("tokens: {e}"), Some("tokens")))?;
+            Ok(json!({"content": String::from_utf8_lossy(&bytes)}))
+        });
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => err(e),
+    }
+}
+
+/// When the server started (for logs).
+pub fn uptime(t0: Instant) -> f64 {
+    t0.elapsed().as_secs_f64()
+}

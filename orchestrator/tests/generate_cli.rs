@@ -1,0 +1,116 @@
+//! Generation on the command line with a tokenizer (`synth --shape tiny-chat`): text
+//! streamed to stdout and nothing else there, sampling recorded and deterministic across
+//! process modes, a random seed printed and recorded, stop strings.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use serde_json::Value;
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_k3-orch")
+}
+
+fn model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = std::env::temp_dir().join(format!("k3-gen-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let o = Command::new(bin())
+            .args(["synth", "--shape", "tiny-chat", d.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        d
+    })
+}
+
+/// Run a generation; (stdout, stderr, report).
+fn gen(extra: &[&str]) -> (String, String, Value) {
+    let m = model().to_str().unwrap();
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let o = Command::new(bin())
+        .args([
+            m,
+            "--tok",
+            m,
+            "--prompt",
+            "Hello there",
+            "--gen",
+            "8",
+            "--incremental",
+        ])
+        .args(["--threads", "1", "--out", out.path().to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap();
+    let (so, se) = (
+        String::from_utf8(o.stdout).unwrap(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    );
+    assert!(o.status.success(), "{extra:?}\n{se}");
+    let rep: Value = serde_json::from_slice(&std::fs::read(out.path()).unwrap()).unwrap();
+    (so, se, rep)
+}
+
+#[test]
+fn stdout_is_the_text_and_seeded_sampling_is_the_same_in_every_mode() {
+    let s = [
+        "--temp", "0.8", "--top-k", "50", "--min-p", "0.01", "-s", "3",
+    ];
+    let (text, err, rep) = gen(&s);
+    assert_eq!(format!("{}\n", rep["text"].as_str().unwrap()), text);
+    assert!(err.contains("STEP"), "the step table goes to stderr: {err}");
+    assert_eq!(rep["sampling"]["seed"], 3);
+    assert_eq!(rep["sampling"]["mode"], "sample");
+    assert_eq!(rep["sampling"]["top_k"], 50);
+    for mode in ["--inproc", "--single-process"] {
+        let mut args = s.to_vec();
+        args.push(mode);
+        let (t, _, r) = gen(&args);
+        assert_eq!(t, text, "{mode}");
+        assert_eq!(r["generated_ids"], rep["generated_ids"], "{mode}");
+    }
+    // --quiet keeps the text and drops the diagnostics.
+    let mut q = s.to_vec();
+    q.push("-q");
+    let (t, e, _) = gen(&q);
+    assert_eq!(t, text);
+    assert!(!e.contains("STEP"), "{e}");
+    // Sampling greedy-free without a seed: a random one, printed and recorded.
+    let (_, e, r) = gen(&["--top-k", "50"]);
+    let seed = r["sampling"]["seed"].as_u64().unwrap();
+    assert!(
+        e.contains(&format!("sampling with seed {seed} (random)")),
+        "{e}"
+    );
+    assert_eq!(r["sampling"]["seed_given"], false);
+    assert_eq!(r["sampling"]["temperature"], 1.0);
+}
+
+#[test]
+fn a_stop_string_cuts_the_text_and_the_ids() {
+    let (full, _, rep) = gen(&[]);
+    let full = full.trim_end_matches('\n').to_string();
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() > 8, "{full:?}");
+    let stop: String = chars[5..7].iter().collect();
+    let at = full.find(&stop).unwrap();
+    for mode in [&[][..], &["--single-process"][..]] {
+        let mut args = vec!["--stop", stop.as_str()];
+        args.extend_from_slice(mode);
+        let (t, _, r) = gen(&args);
+        assert_eq!(t, format!("{}\n", &full[..at]), "{mode:?}");
+        let n = r["generated_ids"].as_array().unwrap().len();
+        assert!(
+            n < rep["generated_ids"].as_array().unwrap().len(),
+            "{mode:?}"
+        );
+        assert_eq!(
+            r["generated_ids"].as_array().unwrap()[..],
+            rep["generated_ids"].as_array().unwrap()[..n]
+        );
+        assert_eq!(r["sampling"]["stop"][0], stop.as_str());
+    }
+}

@@ -1,0 +1,418 @@
+//! `k3-orch serve` and `k3-orch chat` end to end: the real binary on 127.0.0.1 with a
+//! `synth --shape tiny-chat` model, driven over real HTTP by a Rust client (ureq).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_k3-orch")
+}
+
+/// One tiny-chat model for every test in this binary.
+fn model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = std::env::temp_dir().join(format!("k3-serve-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let o = Command::new(bin())
+            .args(["synth", "--shape", "tiny-chat", d.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        d
+    })
+}
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(extra: &[&str]) -> Server {
+    let m = model().to_str().unwrap();
+    let mut child = Command::new(bin())
+        .args(["serve", m, "--tok", m, "--port", "0", "--threads", "1"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    let base = format!("http://{addr}");
+    let s = Server { child, base };
+    let t0 = Instant::now();
+    loop {
+        if let Ok(r) = ureq::get(&format!("{}/health", s.base)).call() {
+            if r.status() == 200 {
+                return s;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "server never became ready"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// POST JSON; (status, body as JSON, Retry-After).
+fn post(s: &Server, path: &str, body: &str) -> (u16, Value, Option<String>) {
+    let r = ureq::post(&format!("{}{path}", s.base))
+        .set("Content-Type", "application/json")
+        .send_string(body);
+    let resp = match r {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("{path}: {e}"),
+    };
+    let status = resp.status();
+    let retry = resp.header("retry-after").map(str::to_string);
+    let text = resp.into_string().unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        retry,
+    )
+}
+
+fn chat_body(msgs: Value, n: usize, stream: bool) -> String {
+    json!({"model": "k3", "messages": msgs, "max_tokens": n, "stream": stream,
+           "stream_options": {"include_usage": true}})
+    .to_string()
+}
+
+/// A streamed request: (concatenated content, finish_reason, usage, saw [DONE]).
+fn stream(s: &Server, body: &str) -> (String, String, Value, bool) {
+    let r = ureq::post(&format!("{}/v1/chat/completions", s.base))
+        .set("Content-Type", "application/json")
+        .send_string(body)
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.content_type().starts_with("text/event-stream"));
+    let mut text = String::new();
+    r.into_reader().read_to_string(&mut text).unwrap();
+    let (mut content, mut finish, mut usage, mut done) =
+        (String::new(), String::new(), Value::Null, false);
+    for line in text.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        assert_eq!(v["object"], "chat.completion.chunk");
+        if let Some(c) = v
+            .pointer("/choices/0/delta/content")
+            .and_then(Value::as_str)
+        {
+            content.push_str(c);
+        }
+        if let Some(f) = v
+            .pointer("/choices/0/finish_reason")
+            .and_then(Value::as_str)
+        {
+            finish = f.to_string();
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    }
+    (content, finish, usage, done)
+}
+
+#[test]
+fn streamed_text_equals_non_streamed_and_follow_ups_reuse_the_prefix() {
+    let s = start(&[]);
+    let turn1 = json!([{"role": "user", "content": "Hello, who are you?"}]);
+    let (st, full, _) = post(
+        &s,
+        "/v1/chat/completions",
+        &chat_body(turn1.clone(), 12, false),
+    );
+    assert_eq!(st, 200, "{full}");
+    let text = full["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(full["usage"]["completion_tokens"], 12);
+    assert!(!text.is_empty());
+    let (streamed, finish, usage, done) = stream(&s, &chat_body(turn1, 12, true));
+    assert_eq!(
+        streamed, text,
+        "greedy: streamed text must equal the non-streamed text"
+    );
+    assert_eq!(finish, "length");
+    assert!(done, "no data: [DONE]");
+    assert_eq!(usage["completion_tokens"], 12);
+    // A follow-up turn extends the conversation: its history prefix is reused.
+    let turn2 = json!([
+        {"role": "user", "content": "Hello, who are you?"},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "Tell me more."}
+    ]);
+    let (st, r2, _) = post(
+        &s,
+        "/v1/chat/completions",
+        &chat_body(turn2.clone(), 4, false),
+    );
+    assert_eq!(st, 200, "{r2}");
+    let cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = r2["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(cached > 0 && cached < prompt, "cached {cached} of {prompt}");
+    // Reuse does not change the answer: a server without a prefix cache says the same.
+    let cold = start(&["--cache-entries", "0"]);
+    let (_, r3, _) = post(&cold, "/v1/chat/completions", &chat_body(turn2, 4, false));
+    assert_eq!(r3["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        r3["choices"][0]["message"]["content"],
+        r2["choices"][0]["message"]["content"]
+    );
+    // A seeded sampled request is repeatable.
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                      "temperature": 0.9, "top_k": 40, "seed": 5})
+    .to_string();
+    let a = post(&s, "/v1/chat/completions", &body).1;
+    let b = post(&cold, "/v1/chat/completions", &body).1;
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+    assert_eq!(a["seed"], 5);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+    let s = start(&["--max-tokens", "64", "--ctx", "256"]);
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let cases: Vec<(String, &str)> = vec![
+        ("{not json".into(), "not valid JSON"),
+        ("[1,2]".into(), "JSON object"),
+        (json!({"max_tokens": 3}).to_string(), "messages"),
+        (json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string(), "unknown role"),
+        (json!({"messages": user, "max_tokens": 0}).to_string(), "at least 1"),
+        (json!({"messages": user, "max_tokens": 65}).to_string(), "over the limit"),
+        (json!({"messages": user, "temperature": "warm"}).to_string(), "temperature"),
+        (
+            json!({"messages": [{"role": "user", "content": "word ".repeat(400)}], "max_tokens": 8})
+                .to_string(),
+            "context",
+        ),
+    ];
+    for (body, needle) in &cases {
+        let (st, v, _) = post(&s, "/v1/chat/completions", body);
+        assert_eq!(st, 400, "{body}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(needle), "{body}: {msg}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    let (st, v, _) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": [999999]}).to_string(),
+    );
+    assert_eq!(st, 400, "{v}");
+    let (st, _, _) = post(&s, "/v1/nope", "{}");
+    assert_eq!(st, 404);
+    // Still serving.
+    let (st, v, _) = post(&s, "/v1/chat/completions", &chat_body(user, 2, false));
+    assert_eq!(st, 200, "{v}");
+    // Tokenize and detokenize round-trip; models lists one model; metrics count.
+    let (_, t, _) = post(
+        &s,
+        "/tokenize",
+        &json!({"content": "Hello, world"}).to_string(),
+    );
+    let (_, d, _) = post(
+        &s,
+        "/detokenize",
+        &json!({"tokens": t["tokens"]}).to_string(),
+    );
+    assert_eq!(d["content"], "Hello, world");
+    let m: Value = ureq::get(&format!("{}/v1/models", s.base))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    assert_eq!(m["data"][0]["id"], "k3");
+    let metrics = ureq::get(&format!("{}/metrics", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    assert!(metrics.contains("k3_requests_total 1"), "{metrics}");
+    assert!(
+        metrics.contains("k3_completion_tokens_total 2"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("k3_stage_rss_bytes{stage=\"server\"}"),
+        "{metrics}"
+    );
+    let page = ureq::get(&format!("{}/", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    assert!(page.contains("/v1/chat/completions") && page.contains("/metrics"));
+}
+
+#[test]
+fn concurrent_requests_are_all_answered_and_a_full_queue_gets_429() {
+    let s = start(&["--max-queue", "4"]);
+    let base = s.base.clone();
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let b = base.clone();
+            std::thread::spawn(move || {
+                let body = json!({"messages": [{"role": "user", "content": format!("request {i}")}],
+                                  "max_tokens": 5});
+                let v: Value = ureq::post(&format!("{b}/v1/chat/completions"))
+                    .send_json(body)
+                    .unwrap()
+                    .into_json()
+                    .unwrap();
+                v["usage"]["completion_tokens"].as_u64().unwrap()
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), 5);
+    }
+    // One queue slot, held by a long request: the next one is refused with Retry-After.
+    let s1 = start(&["--max-queue", "1"]);
+    let b1 = s1.base.clone();
+    let long = std::thread::spawn(move || {
+        ureq::post(&format!("{b1}/v1/completions"))
+            .send_json(json!({"prompt": "Once upon a time", "max_tokens": 400}))
+            .map(|r| r.status())
+            .unwrap_or(0)
+    });
+    // Wait until the long request holds the slot (queue depth 1), then ask again.
+    let t0 = Instant::now();
+    loop {
+        let m = ureq::get(&format!("{}/metrics", s1.base))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap();
+        if m.contains("\nk3_queue_depth 1\n") {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the long request never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (st, v, refused) = post(
+        &s1,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 1}).to_string(),
+    );
+    assert_eq!(st, 429, "{v}");
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    assert_eq!(refused.as_deref(), Some("1"));
+    assert_eq!(long.join().unwrap(), 200);
+}
+
+#[test]
+fn sigterm_drains_and_exits_0_within_5_s() {
+    let mut s = start(&[]);
+    let b = s.base.clone();
+    let inflight = std::thread::spawn(move || {
+        ureq::post(&format!("{b}/v1/completions"))
+            .send_json(json!({"prompt": "Hello", "max_tokens": 2000}))
+            .map(|r| r.status())
+            .unwrap_or(0)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let pid = s.child.id() as i32;
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let status = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "still running 5 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(0));
+    // The in-flight request was answered, not dropped.
+    assert_eq!(inflight.join().unwrap(), 200);
+}
+
+#[test]
+fn chat_repl_works_from_a_pipe() {
+    let m = model().to_str().unwrap();
+    let mut child = Command::new(bin())
+        .args([
+            "chat",
+            m,
+            "--tok",
+            m,
+            "-n",
+            "6",
+            "--threads",
+            "1",
+            "--stats",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hello there\nAnd then?\n/reset\nHello there\n/exit\nnever read\n")
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8(o.stdout).unwrap();
+    let replies: Vec<&str> = out.lines().collect();
+    assert_eq!(replies.len(), 3, "{out:?}");
+    // After /reset the same first message gets the same (greedy) reply.
+    assert_eq!(replies[0], replies[2]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("(conversation reset)"), "{err}");
+    // The second turn reused the first turn's state.
+    let reused: Vec<u64> = err
+        .lines()
+        .filter_map(|l| {
+            l.split(" prompt tokens, ")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(reused.len(), 3, "{err}");
+    assert!(reused[1] > 0, "{err}");
+}
