@@ -102,6 +102,10 @@ fn run(a: &Args) -> Result<i32, (i32, String)> {
     model.check_binding().map_err(|e| (1, e.to_string()))?;
     let out = model.forward_all(&a.ids).map_err(|e| (1, e.to_string()))?;
     let vocab = model.vocab();
+    for (i, row) in out.logits.chunks(vocab).enumerate() {
+        k3_layer_compute::decode::check_finite(row)
+            .map_err(|e| (1, format!("position {i}: {e}")))?;
+    }
     let tf_pred: Vec<u32> = out.logits.chunks(vocab).map(|r| argmax(r) as u32).collect();
     let json = serde_json::json!({ "ids": a.ids, "tf_pred": tf_pred });
     write_atomic(&a.out, format!("{json}\n").as_bytes())

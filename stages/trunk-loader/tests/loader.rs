@@ -295,7 +295,8 @@ fn long_runs_are_checked_piece_by_piece() {
         let p = plan(1 << 26, &runs, RingPolicy::default()).unwrap();
         let arena: Arc<dyn k3_io::arena::ArenaMemory> =
             Arc::new(k3_io::arena::OwnedArena::new(p.bytes() as usize).unwrap());
-        let reader: Arc<dyn ReadAt> = Arc::new(DirectFiles::open(std::slice::from_ref(&path)).unwrap());
+        let reader: Arc<dyn ReadAt> =
+            Arc::new(DirectFiles::open(std::slice::from_ref(&path)).unwrap());
         TrunkLoader::with_arena_checked(runs.clone(), p, reader, 0, arena, checks).unwrap()
     };
     let good = RunCheck {
