@@ -247,3 +247,128 @@ fn output_paths_are_checked_up_front() {
         assert!(!text.contains("ids:"), "refused before generating: {text}");
     }
 }
+
+/// A recording cut short (10 bytes off its end) is refused at once, naming the entry where
+/// it stops. Before: replay waited the whole --timeout (60 s) and then blamed the stage.
+#[test]
+fn replay_of_a_truncated_recording_says_so_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixtures().join("recordings/tiny-mxfp4/tokenizer.k3rec");
+    let b = std::fs::read(&src).unwrap();
+    std::fs::write(tmp.path().join("tokenizer.k3rec"), &b[..b.len() - 10]).unwrap();
+    let t0 = std::time::Instant::now();
+    let (code, text) = run(&[
+        "replay",
+        tmp.path().to_str().unwrap(),
+        "--stage",
+        "tokenizer",
+    ]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("recording truncated at entry"), "{text}");
+    assert!(t0.elapsed().as_secs() < 20, "{:?}", t0.elapsed());
+}
+
+/// `--record DIR` where `DIR/<stage>.k3rec` is a planted symlink: the recorder refuses to
+/// follow it and the symlink's target is untouched. Before: the target was truncated and
+/// overwritten.
+#[test]
+fn record_does_not_follow_a_planted_symlink() {
+    let tmp = tempfile::tempdir().unwrap();
+    let victim = tmp.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let rec = tmp.path().join("rec");
+    std::fs::create_dir(&rec).unwrap();
+    std::os::unix::fs::symlink(&victim, rec.join("tokenizer.k3rec")).unwrap();
+    let (code, text) = run(&[
+        tiny().to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--gen",
+        "1",
+        "--record",
+        rec.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0, "{text}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+}
+
+/// `--out` naming a symlink, a hard link or a device is written in place, never replaced by
+/// a regular file; no predictable temporary is left. Before: each was replaced (as root,
+/// `--out /dev/null` replaced /dev/null).
+#[test]
+fn outputs_never_replace_links_or_devices() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target.json");
+    std::fs::write(&target, b"old").unwrap();
+    let link = tmp.path().join("link.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let hard = tmp.path().join("hard.json");
+    std::fs::hard_link(&target, &hard).unwrap();
+    let m = tiny();
+    for out in [&link, &hard] {
+        k3_ok(&[
+            m.to_str().unwrap(),
+            "--ids",
+            IDS,
+            "--gen",
+            "1",
+            "-q",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+    }
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(
+        std::fs::metadata(&target).unwrap().ino(),
+        std::fs::metadata(&hard).unwrap().ino()
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&target).unwrap()).unwrap();
+    assert!(v["generated_ids"].is_array());
+    let s = tmp.path().join("s-link.json");
+    std::os::unix::fs::symlink(&target, &s).unwrap();
+    k3_ok(&[
+        "score",
+        m.to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--out",
+        s.to_str().unwrap(),
+    ]);
+    assert!(std::fs::symlink_metadata(&s)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    k3_ok(&[
+        "score",
+        m.to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--out",
+        "/dev/null",
+    ]);
+    let names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.contains("tmp")), "{names:?}");
+}
+
+/// demo works in a fresh private directory (mode 0700) and removes it on every way out,
+/// a refused argument included. Before: /tmp/k3-demo-<pid>, reused if present, and left
+/// behind when the arguments were refused.
+#[test]
+fn demo_leaves_no_directory_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args(["demo", "--no-such-flag"])
+        .env("TMPDIR", tmp.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+}
