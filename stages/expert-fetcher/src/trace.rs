@@ -7,7 +7,6 @@
 //! a half-written trace that looks whole.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::sim::Key;
