@@ -372,3 +372,46 @@ fn demo_leaves_no_directory_behind() {
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// sim-cache refuses a zero bandwidth or zero experts per layer (exit 2). Before: accepted.
+#[test]
+fn sim_cache_refuses_zero_rates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("t.bin");
+    std::fs::write(&trace, [0u8; 8]).unwrap();
+    for (flag, val) in [("--disk-mbps", "0"), ("--experts-per-layer", "0")] {
+        let (code, text) = run(&["sim-cache", trace.to_str().unwrap(), flag, val]);
+        assert_eq!(code, 2, "{flag}: {text}");
+        assert!(text.contains(flag), "{text}");
+    }
+}
+
+/// A malformed K3_INJECT_EXPERT_FAILURES is a usage error naming the bad item. Before:
+/// silently ignored (the test that meant to inject failures passed without any).
+#[test]
+fn malformed_injection_is_refused() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args([tiny().to_str().unwrap(), "--ids", IDS, "--gen", "1"])
+        .env("K3_INJECT_EXPERT_FAILURES", "1:0,two:3")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(text.contains("\"two:3\" is not LAYER:EXPERT"), "{text}");
+}
+
+/// inspect of a device or a FIFO says what it is. Before: "no such file or directory".
+#[test]
+fn inspect_names_devices_and_fifos() {
+    let (code, text) = run(&["inspect", "/dev/zero"]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("a character device"), "{text}");
+    let tmp = tempfile::tempdir().unwrap();
+    let fifo = tmp.path().join("f");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only reads it.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let (code, text) = run(&["inspect", fifo.to_str().unwrap()]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("a FIFO"), "{text}");
+}
