@@ -977,6 +977,22 @@ fn parse_index<'a>(file: &Path, json: &'a [u8]) -> Result<Index<'a>, CatalogErro
         .map_err(|e| CatalogError::new(file, None, format!("not a valid safetensors index: {e}")))
 }
 
+/// Words for a file type that is not a regular file or directory.
+fn kind_of(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    }
+}
+
 impl Catalog {
     /// Open a checkpoint: a directory with `model.safetensors.index.json` (sharded; the
     /// shards are the distinct files its `weight_map` names, in file-name order), else a
@@ -999,10 +1015,15 @@ impl Catalog {
         Err(CatalogError::new(
             path,
             None,
-            if path.is_dir() {
-                format!("no {INDEX_FILE} or {SINGLE_FILE} in this directory")
-            } else {
-                "no such file or directory".to_string()
+            match std::fs::metadata(path) {
+                Ok(m) if m.is_dir() => {
+                    format!("no {INDEX_FILE} or {SINGLE_FILE} in this directory")
+                }
+                Ok(m) => format!(
+                    "not a checkpoint: a {}, not a directory or a .safetensors file",
+                    kind_of(&m.file_type())
+                ),
+                Err(e) => e.to_string(),
             },
         ))
     }

@@ -365,3 +365,134 @@ pub fn write_header_only_set(dir: &Path) -> std::io::Result<HeaderOnlySet> {
     index.flush()?;
     Ok(out)
 }
+
+/// File size of 1-based shard `shard` as built from the tensor list: 8 + header + data.
+pub fn computed_shard_size(shard: usize) -> u64 {
+    let (json, data) = header_json(&shard_tensors(shard));
+    8 + json.len() as u64 + data
+}
+
+/// The released shards' file sizes in bytes (`SHARD_SIZES[k - 1]` is shard k's), as
+/// [`computed_shard_size`] builds them from the tensor list (the test
+/// `size_table_is_the_tensor_list` holds the two together). They add up to
+/// [`RELEASED_BYTES`], the figure the seed's download script checks.
+pub const SHARD_SIZES: [u64; N_SHARDS] = [
+    2_341_216_112,
+    16_990_911_504,
+    16_990_911_504,
+    16_567_501_776,
+    16_990_911_504,
+    16_990_911_504,
+    16_990_911_504,
+    16_567_501_776,
+    16_990_911_504,
+    16_990_911_504,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_990_916_912,
+    16_990_916_912,
+    16_990_916_912,
+    16_567_507_176,
+    16_567_507_176,
+    4_697_664_072,
+    92_289_328,
+    802_448_352,
+];
+
+/// Bytes of the 96 released shards together.
+pub const RELEASED_BYTES: u64 = 1_560_936_091_448;
+/// The index's `metadata.total_size` of the release (tensor payload bytes, no headers).
+pub const RELEASED_PAYLOAD: u64 = 1_560_860_324_864;
+
+#[cfg(test)]
+mod size_table_tests {
+    use super::*;
+
+    #[test]
+    fn size_table_is_the_tensor_list() {
+        let mut payload = 0u64;
+        for (k, &want) in SHARD_SIZES.iter().enumerate() {
+            let (json, data) = header_json(&shard_tensors(k + 1));
+            assert_eq!(8 + json.len() as u64 + data, want, "shard {}", k + 1);
+            payload += data;
+        }
+        assert_eq!(SHARD_SIZES.iter().sum::<u64>(), RELEASED_BYTES);
+        assert_eq!(payload, RELEASED_PAYLOAD);
+    }
+}

@@ -8,9 +8,11 @@
 //! tensors keep their shard order; each tensor's `offset` is relative to the run start.
 //!
 //! The manifest also records the identity of the checkpoint it was packed from (payload
-//! total and every shard's file size) so a trunk packed from another checkpoint, or from
-//! one that changed since, is detected ([`TrunkManifest::check_source`]), and a sha256 per
-//! layer so `pack-trunk --verify` can prove the bytes.
+//! total, every shard's file size and the sha256 of every shard's header bytes) so a trunk
+//! packed from another checkpoint, or from one that changed since, is detected
+//! ([`TrunkManifest::check_source`], [`TrunkManifest::check_against`]); a sha256 per layer
+//! so `pack-trunk --verify` can prove the bytes; and a CRC-32C per [`CHECK_CHUNK`] bytes of
+//! every run, which the trunk-loader checks on every read ([`RunCheck`]).
 //!
 //! ```no_run
 //! use k3_model::trunk::TrunkManifest;
@@ -27,7 +29,11 @@ use serde::{Deserialize, Serialize};
 use crate::tensor::Dtype;
 
 /// The `format` string of the current manifest version.
-pub const TRUNK_FORMAT: &str = "k3-trunk/1";
+/// (`k3-trunk/2`: shard header digests in `source`, per-chunk CRC-32 in every layer.)
+pub const TRUNK_FORMAT: &str = "k3-trunk/2";
+/// Bytes covered by one entry of [`TrunkLayer::crc32`] (the last chunk of a run may be
+/// shorter).
+pub const CHECK_CHUNK: u64 = 1 << 20;
 /// Alignment of every run's start and padded length in `trunk.bin`.
 pub const TRUNK_ALIGN: u64 = 4096;
 /// File name of the manifest inside the trunk directory.
@@ -67,11 +73,162 @@ pub struct SourceIdentity {
     pub shards: Vec<ShardIdentity>,
 }
 
-/// One shard file and its size.
+/// One shard file: its size, the sha256 of its header bytes (the 8-byte length and the JSON
+/// header: every tensor's name, dtype, shape and offsets) and the sha256 of a sample of its
+/// data (two checkpoints of one layout have identical headers), lower-case hex.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ShardIdentity {
     pub file: String,
     pub size: u64,
+    pub header_sha256: String,
+    /// sha256 of [`SAMPLES`] reads of [`SAMPLE_BYTES`] spread evenly over the data region
+    /// (the whole region when it is smaller than that).
+    pub sample_sha256: String,
+}
+
+/// Data samples per shard in [`ShardIdentity::sample_sha256`].
+pub const SAMPLES: u64 = 16;
+/// Bytes per data sample.
+pub const SAMPLE_BYTES: u64 = 4096;
+
+impl SourceIdentity {
+    /// The identity of the checkpoint `cat` was opened from: reads every shard's header
+    /// bytes (`data_start` bytes per shard; kilobytes to a few megabytes in all).
+    pub fn of(cat: &crate::catalog::Catalog) -> Result<SourceIdentity, String> {
+        use sha2::{Digest, Sha256};
+        use std::io::Read;
+        let mut shards = Vec::with_capacity(cat.shards().len());
+        for s in cat.shards() {
+            let file = s
+                .path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let mut head = Vec::new();
+            std::fs::File::open(&s.path)
+                .and_then(|f| f.take(s.data_start).read_to_end(&mut head))
+                .map_err(|e| format!("{}: reading its header: {e}", s.path.display()))?;
+            if head.len() as u64 != s.data_start {
+                return Err(format!(
+                    "{}: header is {} bytes, read {}",
+                    s.path.display(),
+                    s.data_start,
+                    head.len()
+                ));
+            }
+            let sample_sha256 = sample_digest(&s.path, s.data_start, s.file_size)
+                .map_err(|e| format!("{}: reading a data sample: {e}", s.path.display()))?;
+            shards.push(ShardIdentity {
+                file,
+                size: s.file_size,
+                header_sha256: hex(&Sha256::digest(&head)),
+                sample_sha256,
+            });
+        }
+        shards.sort();
+        Ok(SourceIdentity {
+            total_size: cat
+                .index_total_size()
+                .unwrap_or_else(|| cat.payload_bytes()),
+            shards,
+        })
+    }
+}
+
+/// sha256 of [`SAMPLES`] × [`SAMPLE_BYTES`] of `[start, end)` of the file, evenly spaced
+/// (the whole range when it is shorter).
+fn sample_digest(path: &Path, start: u64, end: u64) -> std::io::Result<String> {
+    use sha2::{Digest, Sha256};
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path)?;
+    let len = end.saturating_sub(start);
+    let mut h = Sha256::new();
+    if len <= SAMPLES * SAMPLE_BYTES {
+        let mut buf = vec![0u8; len as usize];
+        f.read_exact_at(&mut buf, start)?;
+        h.update(&buf);
+    } else {
+        let mut buf = vec![0u8; SAMPLE_BYTES as usize];
+        for k in 0..SAMPLES {
+            let off = start + (len - SAMPLE_BYTES) * k / (SAMPLES - 1);
+            f.read_exact_at(&mut buf, off)?;
+            h.update(&buf);
+        }
+    }
+    Ok(hex(&h.finalize()))
+}
+
+fn short(h: &str) -> &str {
+    h.get(..12).unwrap_or(h)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The CRC-32C of every [`CHECK_CHUNK`] bytes of `payload` (what [`TrunkLayer::crc32`]
+/// holds), through the `crc32c` crate (the SSE4.2 / ARMv8 CRC instructions where the CPU has
+/// them, detected at run time).
+pub fn chunk_crcs(payload: &[u8]) -> Vec<u32> {
+    payload
+        .chunks(CHECK_CHUNK as usize)
+        .map(crc32c::crc32c)
+        .collect()
+}
+
+/// What a reader needs to check one layer's run as it reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunCheck {
+    pub layer: usize,
+    /// Offset of the run in `trunk.bin` (for the message).
+    pub offset: u64,
+    /// Payload bytes.
+    pub length: u64,
+    /// [`TrunkLayer::crc32`].
+    pub crc32: Vec<u32>,
+}
+
+impl RunCheck {
+    /// Check `payload` (the run's bytes, at least `length` of them) against the CRCs; the
+    /// error names the layer and the `trunk.bin` offset of the first chunk that differs.
+    pub fn check(&self, payload: &[u8]) -> Result<(), String> {
+        if (payload.len() as u64) < self.length {
+            return Err(format!(
+                "trunk layer {}: {} bytes read, the run has {}",
+                self.layer,
+                payload.len(),
+                self.length
+            ));
+        }
+        self.check_range(0, payload)
+    }
+
+    /// Check the bytes of the run from byte `at` on (`at` a multiple of [`CHECK_CHUNK`];
+    /// bytes past the run's `length` are ignored), so a reader can check a run piece by
+    /// piece as the pieces land. A piece must end on a chunk boundary or at the run's end.
+    pub fn check_range(&self, at: u64, bytes: &[u8]) -> Result<(), String> {
+        if !at.is_multiple_of(CHECK_CHUNK) {
+            return Err(format!("internal: check at {at}, not a chunk boundary"));
+        }
+        let n = (bytes.len() as u64).min(self.length.saturating_sub(at)) as usize;
+        let first = (at / CHECK_CHUNK) as usize;
+        for (i, c) in bytes[..n].chunks(CHECK_CHUNK as usize).enumerate() {
+            let k = first + i;
+            let at = k as u64 * CHECK_CHUNK;
+            let whole = (CHECK_CHUNK).min(self.length - at) as usize;
+            if c.len() != whole || self.crc32.get(k) != Some(&crc32c::crc32c(c)) {
+                return Err(format!(
+                    "checksum mismatch at offset {} of {TRUNK_BIN} (layer {}, the {} bytes \
+                     from byte {at} of its run): the file changed since it was packed; \
+                     re-run k3-orch pack-trunk --force",
+                    self.offset + at,
+                    self.layer,
+                    c.len(),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One layer's run.
@@ -89,8 +246,11 @@ pub struct TrunkLayer {
     pub shard: String,
     /// Absolute byte offset of the run in that shard file.
     pub source_offset: u64,
-    /// sha256 of the `length` payload bytes, lower-case hex.
+    /// sha256 of the `length` payload bytes, lower-case hex (`pack-trunk --verify`).
     pub sha256: String,
+    /// CRC-32C of every [`CHECK_CHUNK`] bytes of the payload ([`chunk_crcs`]), checked on
+    /// every read.
+    pub crc32: Vec<u32>,
     /// The layer's tensors, in run order.
     pub tensors: Vec<TrunkTensor>,
 }
@@ -223,6 +383,14 @@ impl TrunkManifest {
                     self.file_size
                 ));
             }
+            let chunks = l.length.div_ceil(CHECK_CHUNK);
+            if l.crc32.len() as u64 != chunks {
+                p.push(format!(
+                    "{who}: {} crc32 entries, its {} bytes need {chunks}",
+                    l.crc32.len(),
+                    l.length
+                ));
+            }
             if l.sha256.len() != 64 || !l.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
                 p.push(format!("{who}: sha256 is not 64 hex digits"));
             }
@@ -293,7 +461,7 @@ impl TrunkManifest {
     }
 
     /// Refuse a trunk packed from another checkpoint: `current` is the identity of the
-    /// checkpoint about to be used (see [`SourceIdentity`]). The error names what differs.
+    /// checkpoint about to be used (see [`SourceIdentity::of`]). The error names what differs.
     pub fn check_source(&self, current: &SourceIdentity) -> Result<(), String> {
         let mut diffs = Vec::new();
         if self.source.total_size != current.total_size {
@@ -302,37 +470,142 @@ impl TrunkManifest {
                 current.total_size, self.source.total_size
             ));
         }
-        let was: BTreeMap<&str, u64> = self
+        let was: BTreeMap<&str, &ShardIdentity> = self
             .source
             .shards
             .iter()
-            .map(|s| (s.file.as_str(), s.size))
+            .map(|s| (s.file.as_str(), s))
             .collect();
-        let now: BTreeMap<&str, u64> = current
-            .shards
-            .iter()
-            .map(|s| (s.file.as_str(), s.size))
-            .collect();
-        for (f, sz) in &now {
-            match was.get(f) {
-                None => diffs.push(format!("{f} was not in the packed checkpoint")),
-                Some(w) if w != sz => diffs.push(format!("{f} is {sz} bytes, was {w}")),
+        for s in &current.shards {
+            match was.get(s.file.as_str()) {
+                None => diffs.push(format!("{} was not in the packed checkpoint", s.file)),
+                Some(w) if w.size != s.size => {
+                    diffs.push(format!("{} is {} bytes, was {}", s.file, s.size, w.size))
+                }
+                Some(w) if w.header_sha256 != s.header_sha256 => diffs.push(format!(
+                    "{}: its header differs (sha256 {} now, {} when packed)",
+                    s.file,
+                    short(&s.header_sha256),
+                    short(&w.header_sha256)
+                )),
+                Some(w) if w.sample_sha256 != s.sample_sha256 => diffs.push(format!(
+                    "{}: same header, other data (sample sha256 {} now, {} when packed)",
+                    s.file,
+                    short(&s.sample_sha256),
+                    short(&w.sample_sha256)
+                )),
                 _ => {}
             }
         }
         for f in was.keys() {
-            if !now.contains_key(f) {
+            if !current.shards.iter().any(|s| s.file == *f) {
                 diffs.push(format!("{f} is gone"));
             }
         }
         if diffs.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "the trunk is stale (packed from another checkpoint): {}; re-run pack-trunk",
-                diffs.join("; ")
-            ))
+            return Ok(());
         }
+        let n = diffs.len();
+        if n > 3 {
+            diffs.truncate(3);
+            diffs.push(format!("{} more", n - 3));
+        }
+        Err(format!(
+            "the trunk was packed from another checkpoint (or this one changed since): {}; \
+             re-run k3-orch pack-trunk --force",
+            diffs.join("; ")
+        ))
+    }
+
+    /// Check the trunk against the checkpoint in `cat` before using it: the source identity
+    /// ([`check_source`](Self::check_source)), and every layer's tensor table against the
+    /// checkpoint's headers (same names, dtypes, shapes, shard and offsets, and no trunk
+    /// tensor of the checkpoint missing), so a manifest whose tensor names were swapped is
+    /// refused too. Reads the shards' headers only.
+    pub fn check_against(&self, cat: &crate::catalog::Catalog) -> Result<(), String> {
+        self.check_source(&SourceIdentity::of(cat)?)?;
+        let mut diffs = Vec::new();
+        let shard_of = |i: usize| {
+            cat.shards()
+                .get(i)
+                .and_then(|s| s.path.file_name())
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
+        let mut packed = std::collections::BTreeSet::new();
+        for l in &self.layers {
+            for t in &l.tensors {
+                packed.insert(t.name.as_str());
+                let Some(e) = cat.get(&t.name) else {
+                    diffs.push(format!(
+                        "layer {}: {} is not in the checkpoint",
+                        l.layer, t.name
+                    ));
+                    continue;
+                };
+                if crate::classify::layer_of(&t.name) != Some(l.layer) {
+                    diffs.push(format!(
+                        "layer {}: {} belongs to another layer",
+                        l.layer, t.name
+                    ));
+                }
+                if e.dtype != t.dtype
+                    || e.shape != t.shape.as_slice()
+                    || shard_of(e.shard) != l.shard
+                    || e.offset != l.source_offset.saturating_add(t.offset)
+                    || e.len != t.len
+                {
+                    diffs.push(format!(
+                        "layer {}: {} is {} {:?} at {}+{} in the checkpoint, the manifest says \
+                         {} {:?} at {}+{}",
+                        l.layer,
+                        t.name,
+                        e.dtype,
+                        e.shape,
+                        shard_of(e.shard),
+                        e.offset,
+                        t.dtype,
+                        t.shape,
+                        l.shard,
+                        l.source_offset.saturating_add(t.offset)
+                    ));
+                }
+            }
+        }
+        for (name, _) in cat.iter() {
+            let Some(layer) = crate::classify::layer_of(&name) else {
+                continue;
+            };
+            if layer < self.layers.len()
+                && crate::classify::is_layer_trunk(&name)
+                && !packed.contains(name.as_str())
+            {
+                diffs.push(format!("layer {layer}: {name} is not in the manifest"));
+            }
+        }
+        if diffs.is_empty() {
+            return Ok(());
+        }
+        let n = diffs.len();
+        diffs.truncate(5);
+        Err(format!(
+            "the trunk's tensor table does not match the checkpoint's headers ({n} \
+             difference(s)): {}; re-run k3-orch pack-trunk --force",
+            diffs.join("; ")
+        ))
+    }
+
+    /// The per-read checks of every layer.
+    pub fn run_checks(&self) -> Vec<RunCheck> {
+        self.layers
+            .iter()
+            .map(|l| RunCheck {
+                layer: l.layer,
+                offset: l.offset,
+                length: l.length,
+                crc32: l.crc32.clone(),
+            })
+            .collect()
     }
 
     /// The tensor `name` of layer `layer`, if packed.
@@ -370,6 +643,8 @@ mod tests {
                 shards: vec![ShardIdentity {
                     file: "a".into(),
                     size: 10,
+                    header_sha256: "ab".repeat(32),
+                    sample_sha256: "ef".repeat(32),
                 }],
             },
             layers: vec![
@@ -381,6 +656,7 @@ mod tests {
                     shard: "a".into(),
                     source_offset: 8,
                     sha256: "0".repeat(64),
+                    crc32: vec![0],
                     tensors: vec![t("x", 0), t("y", 12)],
                 },
                 TrunkLayer {
@@ -391,6 +667,7 @@ mod tests {
                     shard: "a".into(),
                     source_offset: 8,
                     sha256: "0".repeat(64),
+                    crc32: vec![0],
                     tensors: vec![t("z", 0)],
                 },
             ],
@@ -435,5 +712,50 @@ mod tests {
         other.shards[0].size = 11;
         let e = m.check_source(&other).unwrap_err();
         assert!(e.contains("a is 11 bytes, was 10"), "{e}");
+    }
+
+    /// Same sizes, different header bytes (another checkpoint of the same layout): refused.
+    /// Failed before the header digest was part of the identity (sizes alone matched).
+    #[test]
+    fn same_sizes_other_headers_are_detected() {
+        let m = sample();
+        let mut other = m.source.clone();
+        other.shards[0].header_sha256 = "cd".repeat(32);
+        let e = m.check_source(&other).unwrap_err();
+        assert!(e.contains("a: its header differs"), "{e}");
+        let mut other = m.source.clone();
+        other.shards[0].sample_sha256 = "cd".repeat(32);
+        let e = m.check_source(&other).unwrap_err();
+        assert!(e.contains("a: same header, other data"), "{e}");
+    }
+
+    #[test]
+    fn crc_count_must_match_the_run() {
+        let mut m = sample();
+        m.layers[0].crc32.clear();
+        assert!(m.problems().join("\n").contains("0 crc32 entries"));
+    }
+
+    /// A flipped byte is found and named by layer and trunk.bin offset.
+    #[test]
+    fn run_check_names_layer_and_offset() {
+        let payload: Vec<u8> = (0..(CHECK_CHUNK * 2 + 100)).map(|i| i as u8).collect();
+        let c = RunCheck {
+            layer: 2,
+            offset: 8192,
+            length: payload.len() as u64,
+            crc32: chunk_crcs(&payload),
+        };
+        assert_eq!(c.crc32.len(), 3);
+        assert!(c.check(&payload).is_ok());
+        let mut bad = payload.clone();
+        bad[CHECK_CHUNK as usize + 5] ^= 1;
+        let e = c.check(&bad).unwrap_err();
+        assert!(e.contains("(layer 2,"), "{e}");
+        assert!(
+            e.contains(&format!("at offset {} ", 8192 + CHECK_CHUNK)),
+            "{e}"
+        );
+        assert!(c.check(&payload[..10]).is_err());
     }
 }

@@ -92,11 +92,22 @@ fn packs_the_fixture_byte_for_byte() {
     ]);
     assert!(out.contains("verify: OK"), "{out}");
 
-    // Same-size corruption of one layer's bytes is caught by --verify and named.
+    // Same-size corruption of one layer's bytes is caught by --verify's sha256 and named,
+    // even when the per-chunk CRCs were forged to match (a plain corruption is re-packed:
+    // corrupted_trunk_is_repacked_not_trusted).
     let mut bad = bin.clone();
     let at = (m.layers[4].offset + 100) as usize;
     bad[at] ^= 0xff;
     std::fs::write(trunk.join("trunk.bin"), &bad).unwrap();
+    let mut forged = m.clone();
+    let l4 = &m.layers[4];
+    forged.layers[4].crc32 =
+        k3_model::trunk::chunk_crcs(&bad[l4.offset as usize..(l4.offset + l4.length) as usize]);
+    std::fs::write(
+        trunk.join("trunk.json"),
+        serde_json::to_vec_pretty(&forged).unwrap(),
+    )
+    .unwrap();
     let (code, _, err) = k3(&[
         "pack-trunk",
         model.to_str().unwrap(),
@@ -192,7 +203,8 @@ fn interrupted_pack_resumes_or_restarts() {
     );
     assert_eq!(std::fs::read(j.join("trunk.bin")).unwrap(), want_bin);
 
-    // A complete trunk of another checkpoint in TRUNK_DIR is replaced, not trusted.
+    // A complete trunk of another checkpoint in TRUNK_DIR is refused (exit 2), not trusted
+    // and not silently overwritten; --force replaces it.
     let other = tmp.path().join("other");
     k3_ok(&[
         "synth",
@@ -203,8 +215,10 @@ fn interrupted_pack_resumes_or_restarts() {
         other.to_str().unwrap(),
     ]);
     let (code, _, err) = k3(&["pack-trunk", other.to_str().unwrap(), ts]);
-    assert_eq!(code, 0, "{err}");
+    assert_eq!(code, 2, "{err}");
     assert!(err.contains("another checkpoint"), "{err}");
+    let (code, _, err) = k3(&["pack-trunk", other.to_str().unwrap(), ts, "--force"]);
+    assert_eq!(code, 0, "{err}");
     let mo = TrunkManifest::load_dir(&t).unwrap();
     assert_ne!(std::fs::read(t.join("trunk.bin")).unwrap(), want_bin);
     assert_eq!(mo.layers.len(), 13);
@@ -285,4 +299,83 @@ fn refuses_non_contiguous_and_split_layers() {
 
     let (code, _, _) = k3(&["pack-trunk", a.to_str().unwrap()]);
     assert_eq!(code, 2, "usage error");
+}
+
+/// A trunk packed from another checkpoint with the same layout (same shard names, sizes and
+/// headers; `synth --seed 7` of the tiny shape) is refused by pack-trunk, --verify included
+/// (exit 2). Failed before: sizes were the whole identity, and pack-trunk --verify said
+/// "already holds a complete trunk of this checkpoint ... verify: OK".
+#[test]
+fn same_layout_other_checkpoint_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s7 = tmp.path().join("s7");
+    let t7 = tmp.path().join("t7");
+    k3_ok(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--seed",
+        "7",
+        s7.to_str().unwrap(),
+    ]);
+    k3_ok(&["pack-trunk", s7.to_str().unwrap(), t7.to_str().unwrap()]);
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    for extra in [&[][..], &["--verify"][..]] {
+        let mut args = vec!["pack-trunk", model.to_str().unwrap(), t7.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let (code, out, err) = k3(&args);
+        assert_eq!(code, 2, "{extra:?}: {out}{err}");
+        assert!(err.contains("same header, other data"), "{err}");
+        assert!(!out.contains("verify: OK"), "{out}");
+    }
+}
+
+/// Bytes of trunk.bin changed after packing: plain pack-trunk no longer calls the directory
+/// complete (its per-chunk CRCs are re-read) and re-packs it to the checkpoint's bytes;
+/// --verify names the layer. Failed before: "complete ... nothing to pack".
+#[test]
+fn corrupted_trunk_is_repacked_not_trusted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let (m, t) = (model.to_str().unwrap(), tmp.path().join("t"));
+    k3_ok(&["pack-trunk", m, t.to_str().unwrap()]);
+    let good = std::fs::read(t.join("trunk.bin")).unwrap();
+    let man = TrunkManifest::load_dir(&t).unwrap();
+    let mut bad = good.clone();
+    let at = man.layers[2].offset as usize + 4096;
+    bad[at..at + 4096].fill(0xAB);
+    std::fs::write(t.join("trunk.bin"), &bad).unwrap();
+    let (code, _, err) = k3(&["pack-trunk", m, t.to_str().unwrap(), "--verify"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("checksum mismatch") && err.contains("(layer 2,"),
+        "{err}"
+    );
+    assert!(!err.contains("nothing to pack"), "{err}");
+    assert_eq!(std::fs::read(t.join("trunk.bin")).unwrap(), good);
+}
+
+/// Two pack-trunk runs into one directory: the second is refused (exit 2) while the first
+/// holds the directory's lock, instead of failing later with a rename ENOENT.
+#[test]
+fn concurrent_pack_is_refused() {
+    use std::os::fd::AsRawFd;
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("t");
+    std::fs::create_dir(&t).unwrap();
+    let lock = std::fs::File::create(t.join(".pack-trunk.lock")).unwrap();
+    // SAFETY: flock on a descriptor `lock` keeps open.
+    assert_eq!(
+        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let (code, _, err) = k3(&["pack-trunk", model.to_str().unwrap(), t.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("another k3-orch pack-trunk is writing"),
+        "{err}"
+    );
+    drop(lock);
+    k3_ok(&["pack-trunk", model.to_str().unwrap(), t.to_str().unwrap()]);
 }

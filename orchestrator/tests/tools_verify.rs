@@ -183,3 +183,126 @@ fn usage_errors() {
     assert_eq!(k3(&["verify"]).0, 2);
     assert_eq!(k3(&["verify", "/nonexistent/k3/model"]).0, 2);
 }
+
+/// SHA256SUMS entries outside the model directory, or naming something that is not a
+/// regular file, are refused (never hashed or counted as a match; /dev/zero never hangs).
+/// Before: `../../../etc/hostname` was hashed and matched, `/dev/zero` hung verify.
+#[test]
+fn sums_entries_must_be_plain_files_inside_the_dir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("m");
+    k3_ok(&["synth", "--shape", "tiny", "--sums", d.to_str().unwrap()]);
+    let outside = tmp.path().join("outside");
+    std::fs::write(&outside, b"x\n").unwrap();
+    // sha256 of "x\n"
+    let h = "1f3cd6e4d5b2c1ee6a3a1a2e3dcbd0e8f2d0c8ca0c8e8f0c9b1e1f5b8c7d9a0e";
+    let mut sums = std::fs::read_to_string(d.join("SHA256SUMS")).unwrap();
+    sums.push_str(&format!("{h}  ../outside\n{h}  /dev/zero\n"));
+    std::fs::write(d.join("SHA256SUMS"), sums).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", d.join("zero")).unwrap();
+    let mut sums = std::fs::read_to_string(d.join("SHA256SUMS")).unwrap();
+    sums.push_str(&format!("{h}  zero\n"));
+    std::fs::write(d.join("SHA256SUMS"), sums).unwrap();
+    let (code, _, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("names \"../outside\": only plain file names"),
+        "{err}"
+    );
+    assert!(err.contains("names \"/dev/zero\""), "{err}");
+    assert!(
+        err.contains("zero: listed in SHA256SUMS but not a regular file"),
+        "{err}"
+    );
+}
+
+/// verify reads config.json: garbage there is a problem (exit 1). Before: passed.
+#[test]
+fn garbage_config_fails_verify() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("m");
+    copy_fixture(&d);
+    std::fs::write(d.join("config.json"), b"{ not json").unwrap();
+    let (code, _, err) = k3(&["verify", d.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("config.json"), "{err}");
+}
+
+/// The release table: a directory holding released shard names is checked against the
+/// published sizes even without SHA256SUMS (header-only sparse copies of two shards, one
+/// cut short). Before: only self-consistency was checked.
+#[test]
+fn released_shard_sizes_are_checked() {
+    use k3_model::released::{shard_file_name, SHARD_SIZES};
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    for (k, len) in [(95usize, SHARD_SIZES[94]), (96, SHARD_SIZES[95] - 100)] {
+        let f = std::fs::File::create(d.join(shard_file_name(k))).unwrap();
+        f.set_len(len).unwrap();
+    }
+    let r = k3_orch::tools::verify::verify_dir(d, false);
+    let all = r.problems.join("\n");
+    assert!(
+        all.contains(&format!(
+            "{}: {} bytes, the released shard is {} (100 bytes short)",
+            shard_file_name(96),
+            SHARD_SIZES[95] - 100,
+            SHARD_SIZES[95]
+        )),
+        "{all}"
+    );
+    assert!(
+        all.contains(&format!("{}: missing", shard_file_name(1))),
+        "{all}"
+    );
+    assert!(
+        !all.contains(&format!("{}: {}", shard_file_name(95), SHARD_SIZES[94])),
+        "{all}"
+    );
+}
+
+/// `verify --hashes` checks every shard against the hub's download metadata (etag = the
+/// LFS file's sha256): a matching set passes, a changed byte is named, and no metadata at
+/// all is a problem rather than a silent pass.
+#[test]
+fn hub_metadata_hashes_are_checked() {
+    use sha2::{Digest, Sha256};
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("m");
+    copy_fixture(&d);
+    let (code, _, err) = k3(&["verify", "--hashes", d.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(".cache/huggingface/download does not exist"),
+        "{err}"
+    );
+    let meta = d.join(".cache/huggingface/download");
+    std::fs::create_dir_all(&meta).unwrap();
+    for e in std::fs::read_dir(&d).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        if name.ends_with(".safetensors") {
+            let h: String = Sha256::digest(std::fs::read(d.join(&name)).unwrap())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            std::fs::write(
+                meta.join(format!("{name}.metadata")),
+                format!("{}\n{h}\n1712656091.123\n", "a".repeat(40)),
+            )
+            .unwrap();
+        }
+    }
+    let out = k3_ok(&["verify", "--hashes", d.to_str().unwrap()]);
+    assert!(out.contains("hub    : 14 of 14 shard(s) match"), "{out}");
+    let p = d.join(shard(3));
+    let mut b = std::fs::read(&p).unwrap();
+    let n = b.len();
+    b[n - 1] ^= 1;
+    std::fs::write(&p, b).unwrap();
+    let (code, _, err) = k3(&["verify", "--hashes", d.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(&format!("{}: sha256 differs from the hub's etag", shard(3))),
+        "{err}"
+    );
+}

@@ -150,7 +150,18 @@ impl Recorder {
             });
         }
         std::fs::create_dir_all(dir).map_err(ioe)?;
-        let f = File::create(&path).map_err(ioe)?;
+        // Never through a symlink planted at the predictable name (O_NOFOLLOW: ELOOP).
+        let f = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+                .map_err(ioe)?
+        };
         let mut header = Vec::with_capacity(11 + stage.len());
         header.extend_from_slice(MAGIC);
         header.extend_from_slice(&(stage.len() as u16).to_le_bytes());

@@ -383,19 +383,24 @@ fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>)
 }
 
 /// Routed experts whose reads fail on purpose (`K3_INJECT_EXPERT_FAILURES=layer:expert,...`,
-/// the tests of exit 4).
-fn injected_failures() -> Vec<(u32, u32)> {
-    std::env::var("K3_INJECT_EXPERT_FAILURES")
-        .ok()
-        .map(|v| {
-            v.split(',')
-                .filter_map(|p| {
-                    let (l, e) = p.split_once(':')?;
-                    Some((l.trim().parse().ok()?, e.trim().parse().ok()?))
+/// the tests of exit 4). A malformed value is a usage error, not silently ignored.
+fn injected_failures() -> Result<Vec<(u32, u32)>, RunError> {
+    let Ok(v) = std::env::var("K3_INJECT_EXPERT_FAILURES") else {
+        return Ok(Vec::new());
+    };
+    v.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            p.split_once(':')
+                .and_then(|(l, e)| Some((l.trim().parse().ok()?, e.trim().parse().ok()?)))
+                .ok_or_else(|| {
+                    RunError::usage(format!(
+                        "k3-orch: K3_INJECT_EXPERT_FAILURES={v:?}: {p:?} is not LAYER:EXPERT \
+                         (a comma-separated list, e.g. 1:0,2:3)"
+                    ))
                 })
-                .collect()
         })
-        .unwrap_or_default()
+        .collect()
 }
 
 /// The staged pipeline (four processes, or threads with `--inproc`).
@@ -425,7 +430,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
             min_slots: c.plan.min_slots,
             max_slots: c.plan.max_slots,
             readers: 16,
-            inject_failures: injected_failures(),
+            inject_failures: injected_failures()?,
             trace_dir: a.dump_cache_trace.clone(),
             record_dir: a.record.clone(),
         },

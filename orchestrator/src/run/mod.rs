@@ -25,7 +25,7 @@ use k3_model::config::ModelConfig;
 use k3_protocol::conf::SamplerConfig;
 
 use crate::error::{RunError, EXIT_OK, EXIT_UNSOUND};
-use args::GenArgs;
+use args::{GenArgs, Prompt};
 use launch::{Common, Generated};
 use report::{Report, StepReport, Totals};
 
@@ -53,6 +53,7 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     }
     let layers = a.layers.unwrap_or(cfg.num_hidden_layers);
     let cat = Catalog::open(&a.model_dir).map_err(|e| RunError::failed(format!("k3-orch: {e}")))?;
+    preflight(a, &cfg, &cat)?;
     let cen = census::census(&cfg, &cat, layers);
     let plan = plan::plan_run(a, &cfg, &cen, layers)?;
     let threads = a
@@ -158,6 +159,85 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
         return Ok(EXIT_UNSOUND);
     }
     Ok(EXIT_OK)
+}
+
+/// What can be refused before any stage starts (exit 2): a packed trunk of another
+/// checkpoint, prompt ids outside the vocabulary, output paths whose directory is missing
+/// or that are not files, a `--record` that is not a directory.
+fn preflight(a: &GenArgs, cfg: &ModelConfig, cat: &Catalog) -> Result<(), RunError> {
+    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+    if let Some(dir) = &a.trunk {
+        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| usage(e.to_string()))?;
+        m.check_against(cat)
+            .map_err(|e| usage(format!("--trunk {}: {e}", dir.display())))?;
+    }
+    if let Prompt::Ids(ids) = &a.prompt {
+        let vocab = cfg.vocab_size;
+        let bad: Vec<String> = ids
+            .iter()
+            .filter(|&&i| i as u64 >= vocab as u64)
+            .take(5)
+            .map(|i| i.to_string())
+            .collect();
+        if !bad.is_empty() {
+            return Err(usage(format!(
+                "--ids: {} outside the model's vocabulary (vocab_size {vocab}: ids 0..={})",
+                bad.join(", "),
+                vocab.saturating_sub(1)
+            )));
+        }
+    }
+    check_output("--out", &a.out).map_err(usage)?;
+    if let Some(p) = &a.dump_logits {
+        check_output("--dump-logits", p).map_err(usage)?;
+    }
+    if let Some(d) = &a.record {
+        match std::fs::symlink_metadata(d) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(usage(format!(
+                    "--record {}: not a directory (it names the directory the stage \
+                     recordings go in)",
+                    d.display()
+                )))
+            }
+            Err(_) => {
+                let parent = parent_dir(d);
+                if !parent.is_dir() {
+                    return Err(usage(format!(
+                        "--record {}: its directory {} does not exist",
+                        d.display(),
+                        parent.display()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The directory a path's file goes in (`.` for a bare name).
+fn parent_dir(p: &std::path::Path) -> &std::path::Path {
+    match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    }
+}
+
+/// An output file must go in an existing directory and must not itself be a directory.
+fn check_output(flag: &str, p: &std::path::Path) -> Result<(), String> {
+    if p.is_dir() {
+        return Err(format!("{flag} {}: is a directory", p.display()));
+    }
+    let d = parent_dir(p);
+    if !d.is_dir() {
+        return Err(format!(
+            "{flag} {}: the directory {} does not exist",
+            p.display(),
+            d.display()
+        ));
+    }
+    Ok(())
 }
 
 /// The JSON report of a finished generation.

@@ -192,9 +192,22 @@ pub fn main(argv: Vec<OsString>) -> i32 {
         keep = Some(PathBuf::from(extra.remove(i + 1)));
         extra.remove(i);
     }
-    let tmp = match &keep {
-        Some(d) => d.clone(),
-        None => std::env::temp_dir().join(format!("k3-demo-{}", std::process::id())),
+    // A fresh private directory (mkdtemp: random name, mode 0700), removed on every way
+    // out, refusals included; never a predictable /tmp/k3-demo-<pid> that may already exist.
+    let private = match keep {
+        Some(_) => None,
+        None => match tempfile::Builder::new().prefix("k3-demo-").tempdir() {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::error!("k3-orch demo: creating a temporary directory: {e}");
+                return 1;
+            }
+        },
+    };
+    let tmp = match (&keep, &private) {
+        (Some(d), _) => d.clone(),
+        (None, Some(p)) => p.path().to_path_buf(),
+        (None, None) => unreachable!("a private directory exists when --keep is not given"),
     };
     let dir = match extract_bundled(&tmp) {
         Ok(d) => d,
@@ -256,9 +269,7 @@ pub fn main(argv: Vec<OsString>) -> i32 {
                 .collect()
         })
         .unwrap_or_default();
-    if keep.is_none() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
+    drop(private);
     let want = &k3ref_full[prompt.len()..];
     let want_llama = &llama_full[prompt.len()..];
     let same = got.iter().zip(want).filter(|(a, b)| a == b).count();

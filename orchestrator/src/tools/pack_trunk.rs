@@ -35,7 +35,7 @@ use sha2::{Digest, Sha256};
 use k3_model::catalog::Catalog;
 use k3_model::classify::{is_layer_trunk, layer_of};
 use k3_model::trunk::{
-    align_up, ShardIdentity, SourceIdentity, TrunkLayer, TrunkManifest, TrunkTensor, TRUNK_ALIGN,
+    align_up, chunk_crcs, SourceIdentity, TrunkLayer, TrunkManifest, TrunkTensor, TRUNK_ALIGN,
     TRUNK_BIN, TRUNK_FORMAT, TRUNK_JSON,
 };
 
@@ -122,25 +122,6 @@ struct PlannedLayer {
 struct Journal {
     plan_sha256: String,
     done: Vec<TrunkLayer>,
-}
-
-/// The identity of the checkpoint in `cat`.
-fn source_identity(cat: &Catalog) -> SourceIdentity {
-    let mut shards: Vec<ShardIdentity> = cat
-        .shards()
-        .iter()
-        .map(|s| ShardIdentity {
-            file: file_name(&s.path),
-            size: s.file_size,
-        })
-        .collect();
-    shards.sort();
-    SourceIdentity {
-        total_size: cat
-            .index_total_size()
-            .unwrap_or_else(|| cat.payload_bytes()),
-        shards,
-    }
 }
 
 fn file_name(p: &Path) -> String {
@@ -278,7 +259,7 @@ fn run(a: &Args) -> Result<(), Fail> {
             "cannot catalog the checkpoint: {e} (run k3-orch verify)"
         ))
     })?;
-    let src = source_identity(&cat);
+    let src = SourceIdentity::of(&cat).map_err(Fail::Refused)?;
     let plan = plan(&cat)?;
     let digest = plan_digest(&plan, &src);
     let dir = &a.trunk_dir;
@@ -289,27 +270,40 @@ fn run(a: &Args) -> Result<(), Fail> {
         )));
     }
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // One packer per directory: a second one would cut the first one's files.
+    let _lock = lock_dir(dir)?;
 
     // Already complete for this checkpoint and plan?
-    if !a.force && dir.join(TRUNK_JSON).exists() {
+    if dir.join(TRUNK_JSON).exists() {
         match TrunkManifest::load_dir(dir) {
-            Ok(m) if m.source == src && same_layout(&m, &plan) => {
-                tracing::info!(
-                    "{} already holds a complete trunk of this checkpoint ({} layers, {}); \
-                     nothing to pack (--force re-packs)",
-                    dir.display(),
-                    m.layers.len(),
-                    gb(m.total_bytes)
-                );
-                if a.verify {
-                    return verify(dir, &plan, &src);
-                }
-                return Ok(());
+            Ok(m) if !a.force && m.source != src => {
+                let why = m
+                    .check_against(&cat)
+                    .err()
+                    .unwrap_or_else(|| "its source identity differs".into());
+                return Err(Fail::Refused(format!("{}: {why}", dir.display())));
             }
-            Ok(_) => tracing::info!(
-                "{}: the existing trunk is of another checkpoint or layout; re-packing",
+            Ok(m) if !a.force && same_layout(&m, &plan) => match crc_scan(dir, &m) {
+                Ok(()) => {
+                    tracing::info!(
+                        "{} already holds a complete trunk of this checkpoint ({} layers, {}); \
+                         nothing to pack (--force re-packs)",
+                        dir.display(),
+                        m.layers.len(),
+                        gb(m.total_bytes)
+                    );
+                    if a.verify {
+                        return verify(dir, &cat, &plan);
+                    }
+                    return Ok(());
+                }
+                Err(e) => tracing::warn!("{e}; re-packing"),
+            },
+            Ok(_) if !a.force => tracing::info!(
+                "{}: the existing trunk has another layout; re-packing",
                 dir.display()
             ),
+            Ok(_) => {}
             Err(e) => tracing::info!("existing trunk is unusable ({e}); re-packing"),
         }
     }
@@ -319,7 +313,52 @@ fn run(a: &Args) -> Result<(), Fail> {
 
     pack(a, &cat, &plan, &src, &digest)?;
     if a.verify {
-        verify(dir, &plan, &src)?;
+        verify(dir, &cat, &plan)?;
+    }
+    Ok(())
+}
+
+/// Take `DIR/.pack-trunk.lock` (flock, released when the returned file closes); refused
+/// when another pack-trunk holds it.
+fn lock_dir(dir: &Path) -> Result<File, Fail> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let p = dir.join(".pack-trunk.lock");
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(&p)
+        .with_context(|| format!("opening {}", p.display()))?;
+    // SAFETY: a plain syscall on a descriptor `f` keeps open; no memory is passed.
+    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(Fail::Refused(format!(
+                "another k3-orch pack-trunk is writing {} (it holds {}); wait for it to finish",
+                dir.display(),
+                p.display()
+            )));
+        }
+        return Err(Fail::Failed(anyhow!("locking {}: {e}", p.display())));
+    }
+    Ok(f)
+}
+
+/// Re-read every run of `trunk.bin` and check its per-chunk CRCs (what the loader checks on
+/// every read; far cheaper than the sha256 of `--verify`).
+fn crc_scan(dir: &Path, m: &TrunkManifest) -> Result<(), String> {
+    let bin = dir.join(&m.file);
+    let f = File::open(&bin).map_err(|e| format!("{}: {e}", bin.display()))?;
+    let mut buf = Vec::new();
+    for c in m.run_checks() {
+        buf.resize(c.length as usize, 0);
+        f.read_exact_at(&mut buf, c.offset)
+            .map_err(|e| format!("{}: reading layer {}: {e}", bin.display(), c.layer))?;
+        c.check(&buf)?;
     }
     Ok(())
 }
@@ -351,16 +390,20 @@ fn sync_dir(dir: &Path) {
 
 /// Write `bytes` to `path` atomically (temp name, fsync, rename, fsync the directory).
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    {
-        let mut f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        f.write_all(bytes)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        f.sync_all()
-            .with_context(|| format!("fsync {}", tmp.display()))?;
-    }
-    fs::rename(&tmp, path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    // A fresh, unpredictable name created with O_EXCL (tempfile), never a fixed one.
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".k3-")
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    tmp.write_all(bytes)
+        .with_context(|| format!("writing {}", tmp.path().display()))?;
+    tmp.as_file()
+        .sync_all()
+        .with_context(|| format!("fsync {}", tmp.path().display()))?;
+    tmp.persist(path)
+        .map_err(|e| anyhow!("renaming to {}: {}", path.display(), e.error))?;
     if let Some(p) = path.parent() {
         sync_dir(p);
     }
@@ -469,7 +512,7 @@ fn pack(
             v.insert(f);
         }
         let input = &shard_files[&p.shard_index];
-        let sha = copy_run(input, shard_path, &out, &bin_path, p, &bar)?;
+        let (sha, crc32) = copy_run(input, shard_path, &out, &bin_path, p, &bar)?;
         out.sync_data()
             .with_context(|| format!("fsync {}", bin_path.display()))?;
         copied += p.length;
@@ -481,6 +524,7 @@ fn pack(
             shard: p.shard.clone(),
             source_offset: p.source_offset,
             sha256: sha,
+            crc32,
             tensors: p.tensors.clone(),
         });
         let j = Journal {
@@ -561,7 +605,7 @@ fn pack(
 }
 
 /// Copy one run (reader thread → hash + write here), then its zero padding; returns the
-/// sha256 of the run.
+/// sha256 of the run and its per-chunk CRCs (`CHUNK` is a multiple of `CHECK_CHUNK`).
 fn copy_run(
     input: &File,
     in_path: &Path,
@@ -569,7 +613,9 @@ fn copy_run(
     out_path: &Path,
     p: &PlannedLayer,
     bar: &indicatif::ProgressBar,
-) -> Result<String> {
+) -> Result<(String, Vec<u32>)> {
+    const _: () = assert!((CHUNK as u64).is_multiple_of(k3_model::trunk::CHECK_CHUNK));
+    let mut crcs = Vec::new();
     let (tx, rx) = sync_channel::<std::io::Result<Vec<u8>>>(3);
     let (ret_tx, ret_rx) = sync_channel::<Vec<u8>>(4);
     let mut h = Sha256::new();
@@ -606,6 +652,7 @@ fn copy_run(
                 )
             })?;
             h.update(&buf);
+            crcs.extend(chunk_crcs(&buf));
             out.write_all_at(&buf, p.offset + pos)
                 .with_context(|| format!("writing {}", out_path.display()))?;
             flow.wrote(out, p.offset + pos, buf.len() as u64);
@@ -627,7 +674,7 @@ fn copy_run(
         out.write_all_at(&vec![0u8; pad as usize], p.offset + len)
             .with_context(|| format!("writing {}", out_path.display()))?;
     }
-    Ok(hex(&h.finalize()))
+    Ok((hex(&h.finalize()), crcs))
 }
 
 /// `posix_fadvise` hint (errors ignored: it is only advice).
@@ -692,9 +739,9 @@ impl WriteFlow {
 
 /// Check a packed trunk: manifest valid, same checkpoint, same layout as the checkpoint's
 /// headers, every layer's sha256 and zero padding.
-fn verify(dir: &Path, plan: &[PlannedLayer], src: &SourceIdentity) -> Result<(), Fail> {
+fn verify(dir: &Path, cat: &Catalog, plan: &[PlannedLayer]) -> Result<(), Fail> {
     let m = TrunkManifest::load_dir(dir).map_err(|e| Fail::Failed(anyhow!("{e}")))?;
-    m.check_source(src).map_err(|e| Fail::Failed(anyhow!(e)))?;
+    m.check_against(cat).map_err(|e| Fail::Failed(anyhow!(e)))?;
     if !same_layout(&m, plan) {
         return Err(Fail::Failed(anyhow!(
             "{}: its layer table does not match the checkpoint's headers",
@@ -707,7 +754,9 @@ fn verify(dir: &Path, plan: &[PlannedLayer], src: &SourceIdentity) -> Result<(),
     let bar = indicatif::ProgressBar::new(m.total_bytes);
     let mut bad = Vec::new();
     let mut buf = vec![0u8; CHUNK];
+    let mut run = Vec::new();
     for l in &m.layers {
+        run.clear();
         let mut h = Sha256::new();
         let mut pos = 0u64;
         let mut pad_ok = true;
@@ -717,11 +766,15 @@ fn verify(dir: &Path, plan: &[PlannedLayer], src: &SourceIdentity) -> Result<(),
                 .with_context(|| format!("reading layer {} of {}", l.layer, bin.display()))?;
             let payload = (l.length.saturating_sub(pos) as usize).min(n);
             h.update(&buf[..payload]);
+            run.extend_from_slice(&buf[..payload]);
             if buf[payload..n].iter().any(|&b| b != 0) {
                 pad_ok = false;
             }
             pos += n as u64;
             bar.inc(payload as u64);
+        }
+        if let Err(e) = m.run_checks()[l.layer].check(&run) {
+            bad.push(e);
         }
         if hex(&h.finalize()) != l.sha256 {
             bad.push(format!(

@@ -202,6 +202,15 @@ struct Replayer {
 /// Replay `rec` against a fresh instance of `stage`; returns the number of outbound
 /// messages compared.
 pub fn replay(stage: Stage, rec: &Recording, timeout: Duration) -> Result<usize, String> {
+    if !rec.complete {
+        // Feeding the stage a log that stops mid-run would only wait out `timeout` and then
+        // blame the stage.
+        return Err(format!(
+            "recording truncated at entry {}: it ends without its end marker (the recorded \
+             run was cut short or the file was cut); nothing to replay it against",
+            rec.entries.len()
+        ));
+    }
     let (ours, theirs) = control::pair().map_err(|e| format!("control socketpair: {e}"))?;
     let thread = std::thread::Builder::new()
         .name(format!("k3-replay-{stage}"))
@@ -600,6 +609,20 @@ mod tests {
 
     /// Timing is masked, everything else still compared: a mask that blanked whole
     /// messages (or compared only their kind) would make the second and third asserts fail.
+    #[test]
+    fn truncated_recording_fails_at_once() {
+        let rec = Recording {
+            stage: "tokenizer".into(),
+            bytes_kept: false,
+            entries: Vec::new(),
+            complete: false,
+        };
+        let t0 = std::time::Instant::now();
+        let e = replay(Stage::Tokenizer, &rec, Duration::from_secs(60)).unwrap_err();
+        assert!(e.contains("recording truncated at entry 0"), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+
     #[test]
     fn mask_hides_timing_only() {
         let enc = |m: &Msg| messages::encode(&mask(m)).unwrap();

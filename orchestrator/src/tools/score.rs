@@ -8,7 +8,6 @@
 //! load (the predictions are unsound).
 
 use std::ffi::OsString;
-use std::io::Write;
 use std::path::PathBuf;
 
 use clap::Parser;
@@ -106,16 +105,20 @@ fn run(a: &Args) -> Result<i32, (i32, String)> {
     model.check_binding().map_err(|e| (1, e.to_string()))?;
     let out = model.forward_all(&a.ids).map_err(|e| (1, e.to_string()))?;
     let vocab = model.vocab();
+    for (i, row) in out.logits.chunks(vocab).enumerate() {
+        k3_layer_compute::decode::check_finite(row)
+            .map_err(|e| (1, format!("position {i}: {e}")))?;
+    }
     let tf_pred: Vec<u32> = out.logits.chunks(vocab).map(|r| argmax(r) as u32).collect();
     let json = serde_json::json!({ "ids": a.ids, "tf_pred": tf_pred });
-    write_atomic(&a.out, format!("{json}\n").as_bytes())
+    k3_io::output::write_atomic(&a.out, format!("{json}\n").as_bytes())
         .map_err(|e| (1, format!("{}: {e}", a.out.display())))?;
     if let Some(l) = &a.logits {
         let mut bytes = Vec::with_capacity(out.logits.len() * 4);
         for v in &out.logits {
             bytes.extend_from_slice(&v.to_le_bytes());
         }
-        write_atomic(l, &bytes).map_err(|e| (1, format!("{}: {e}", l.display())))?;
+        k3_io::output::write_atomic(l, &bytes).map_err(|e| (1, format!("{}: {e}", l.display())))?;
     }
     if out.stats.expert_failures > 0 {
         for m in &out.stats.failure_msgs {
@@ -128,17 +131,4 @@ fn run(a: &Args) -> Result<i32, (i32, String)> {
         return Ok(4);
     }
     Ok(0)
-}
-
-/// Write to a temporary name beside `path`, then rename over it.
-fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)
 }

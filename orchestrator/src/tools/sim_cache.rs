@@ -69,6 +69,17 @@ pub fn main(args: Vec<OsString>) -> i32 {
         tracing::error!("k3-orch sim-cache: --sizes-gb {bad} is not a positive size");
         return 2;
     }
+    if !(a.disk_mbps.is_finite() && a.disk_mbps > 0.0) {
+        tracing::error!(
+            "k3-orch sim-cache: --disk-mbps {} is not a positive bandwidth",
+            a.disk_mbps
+        );
+        return 2;
+    }
+    if a.experts_per_layer == 0 {
+        tracing::error!("k3-orch sim-cache: --experts-per-layer must be positive");
+        return 2;
+    }
     if a.expert_bytes == 0 || a.top_k == 0 {
         tracing::error!("k3-orch sim-cache: --expert-bytes and --top-k must be positive");
         return 2;

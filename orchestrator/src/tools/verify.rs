@@ -1,4 +1,4 @@
-//! `k3-orch verify MODEL_DIR [--no-hashes]`: is this checkpoint whole and consistent?
+//! `k3-orch verify MODEL_DIR [--no-hashes | --hashes]`: is this checkpoint whole and consistent?
 //!
 //! Checks, naming every problem (not just the first): every shard the index names (and
 //! every shard its `-of-N` numbering implies) is present; each shard's header is valid and
@@ -10,6 +10,13 @@
 //! (the format `sha256sum` writes and `sha256sum -c` reads: `<64 hex>  <file name>` per
 //! line, `*` before the name allowed; `k3-orch synth --sums` writes one) every listed file
 //! is hashed and compared; otherwise the report says plainly that hashes were not checked.
+//! SHA256SUMS entries must be plain file names of regular files inside MODEL_DIR.
+//!
+//! The release: when the index is the release's (`metadata.total_size`) or released shard
+//! names are present, every one of the 96 shards must have its published size
+//! (`k3_model::released::SHARD_SIZES`), SHA256SUMS or not. `--hashes` hashes every shard
+//! against the metadata `hf download --local-dir` leaves in `.cache/huggingface/download`
+//! (the etag of an LFS file is its sha256). `config.json`, when present, must read.
 //!
 //! Exit 0 when everything checked is consistent, 1 when a problem was found, 2 on a usage
 //! error or when MODEL_DIR is not a directory.
@@ -35,8 +42,13 @@ struct Args {
     /// The checkpoint directory.
     model_dir: PathBuf,
     /// Skip hashing even when SHA256SUMS is present (sizes and headers only).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "hashes")]
     no_hashes: bool,
+    /// Hash every shard against the hub's download metadata (`hf download --local-dir`
+    /// leaves `.cache/huggingface/download/<file>.metadata`, whose etag is the file's
+    /// sha256), with a progress bar.
+    #[arg(long)]
+    hashes: bool,
 }
 
 const INDEX: &str = "model.safetensors.index.json";
@@ -56,7 +68,10 @@ pub fn main(args: Vec<OsString>) -> i32 {
         );
         return 2;
     }
-    let r = verify_dir(&args.model_dir, !args.no_hashes);
+    let mut r = verify_dir(&args.model_dir, !args.no_hashes);
+    if args.hashes {
+        check_hub_hashes(&args.model_dir, &mut r);
+    }
     for l in &r.lines {
         println!("{l}");
     }
@@ -103,6 +118,12 @@ fn read_index(path: &Path) -> Result<Index, String> {
         let f = f
             .as_str()
             .ok_or_else(|| format!("{INDEX}: weight_map[{k:?}] is not a file name"))?;
+        if !is_plain_name(f) {
+            return Err(format!(
+                "{INDEX}: weight_map[{k:?}] is {f:?}, not a plain file name inside the model \
+                 directory"
+            ));
+        }
         weight_map.insert(k.clone(), f.to_string());
     }
     Ok(Index {
@@ -143,6 +164,7 @@ pub fn verify_dir(dir: &Path, hashes: bool) -> VerifyReport {
             "{}: neither {INDEX} nor {SINGLE} is present",
             dir.display()
         ));
+        check_release(dir, None, &mut r);
         return r;
     };
 
@@ -306,6 +328,17 @@ pub fn verify_dir(dir: &Path, hashes: bool) -> VerifyReport {
                 .push(format!("index  : single file {SINGLE}, no index")),
         }
     }
+    check_release(dir, index.as_ref().and_then(|i| i.total_size), &mut r);
+    let cfg = dir.join("config.json");
+    if cfg.exists() {
+        match k3_model::config::ModelConfig::load(&cfg) {
+            Ok(_) => r.lines.push("config : config.json reads".to_string()),
+            Err(e) => r.problems.push(format!("config.json: {e}")),
+        }
+    } else {
+        r.lines
+            .push("config : NOT CHECKED: no config.json in the directory".to_string());
+    }
     check_sums(dir, hashes, &shards, &mut r);
     r
 }
@@ -354,6 +387,146 @@ fn diagnose(path: &Path, name: &str, size: u64, catalog_err: &str) -> String {
     }
 }
 
+/// Largest SHA256SUMS read (a line per file; the release has 96 shards).
+const SUMS_CAP: u64 = 1 << 20;
+
+/// A file name that stays inside the directory: no separator, not `.` or `..`.
+fn is_plain_name(f: &str) -> bool {
+    !f.is_empty() && f != "." && f != ".." && !f.contains('/') && !f.contains('\0')
+}
+
+/// sha256 of a file, with the progress bar advanced by its bytes.
+fn sha256_file(path: &Path, bar: &indicatif::ProgressBar) -> std::io::Result<String> {
+    let mut file = File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 8 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        bar.inc(n as u64);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// `--hashes`: every shard against `.cache/huggingface/download/<shard>.metadata` (three
+/// lines: commit hash, etag, timestamp; for LFS files the etag is the file's sha256).
+fn check_hub_hashes(dir: &Path, r: &mut VerifyReport) {
+    let meta_dir = dir.join(".cache/huggingface/download");
+    let mut shards: Vec<String> = match std::fs::read_dir(dir) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".safetensors"))
+            .collect(),
+        Err(e) => {
+            r.problems.push(format!("{}: {e}", dir.display()));
+            return;
+        }
+    };
+    shards.sort();
+    if !meta_dir.is_dir() {
+        r.problems.push(format!(
+            "--hashes: {} does not exist (the model was not fetched with `hf download \
+             --local-dir`; scripts/download-model.sh does that), so there is nothing to check \
+             the shards against",
+            meta_dir.display()
+        ));
+        return;
+    }
+    let mut want = Vec::new();
+    for s in &shards {
+        let mp = meta_dir.join(format!("{s}.metadata"));
+        let text = match super::read_capped(&mp, 4096) {
+            Ok(t) => t,
+            Err(e) => {
+                r.problems.push(format!(
+                    "{s}: no hub download metadata ({}: {e})",
+                    mp.display()
+                ));
+                continue;
+            }
+        };
+        let etag = text
+            .lines()
+            .nth(1)
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        if etag.len() != 64 || !etag.bytes().all(|b| b.is_ascii_hexdigit()) {
+            r.problems.push(format!(
+                "{s}: the hub metadata's etag {etag:?} is not a sha256 (not an LFS file?)"
+            ));
+            continue;
+        }
+        want.push((s.clone(), etag));
+    }
+    let total: u64 = want
+        .iter()
+        .filter_map(|(s, _)| std::fs::metadata(dir.join(s)).ok())
+        .map(|m| m.len())
+        .sum();
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "verify --hashes {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut ok = 0usize;
+    for (s, etag) in &want {
+        match sha256_file(&dir.join(s), &bar) {
+            Ok(got) if &got == etag => ok += 1,
+            Ok(_) => r.problems.push(format!(
+                "{s}: sha256 differs from the hub's etag (corrupted or changed; re-download it)"
+            )),
+            Err(e) => r
+                .problems
+                .push(format!("{s}: read error while hashing: {e}")),
+        }
+    }
+    bar.finish_and_clear();
+    r.lines.push(format!(
+        "hub    : {ok} of {} shard(s) match the sha256 in the hub's download metadata",
+        shards.len()
+    ));
+}
+
+/// The release's shard sizes: when the index is the release's (its total_size) or the
+/// directory holds released shard names, every released shard must have its published size.
+fn check_release(dir: &Path, total_size: Option<u64>, r: &mut VerifyReport) {
+    use k3_model::released::{shard_file_name, N_SHARDS, RELEASED_PAYLOAD, SHARD_SIZES};
+    let names: Vec<String> = (1..=N_SHARDS).map(shard_file_name).collect();
+    let any_named = names.iter().any(|n| dir.join(n).exists());
+    if total_size != Some(RELEASED_PAYLOAD) && !any_named {
+        return;
+    }
+    let mut same = 0usize;
+    for (n, &want) in names.iter().zip(SHARD_SIZES.iter()) {
+        match std::fs::metadata(dir.join(n)) {
+            Ok(m) if m.len() == want => same += 1,
+            Ok(m) => r.problems.push(format!(
+                "{n}: {} bytes, the released shard is {want} ({})",
+                m.len(),
+                if m.len() < want {
+                    format!("{} bytes short", want - m.len())
+                } else {
+                    format!("{} bytes too many", m.len() - want)
+                }
+            )),
+            Err(_) => r
+                .problems
+                .push(format!("{n}: missing (the release has {N_SHARDS} shards)")),
+        }
+    }
+    r.lines.push(format!(
+        "release: {same} of {N_SHARDS} shards have the published size ({} bytes in all)",
+        k3_model::released::RELEASED_BYTES
+    ));
+}
+
 /// Parse `SHA256SUMS`: (hex, file) per line.
 fn parse_sums(text: &str) -> Result<Vec<(String, String)>, String> {
     let mut out = Vec::new();
@@ -392,7 +565,7 @@ fn check_sums(dir: &Path, hashes: bool, shards: &BTreeSet<String>, r: &mut Verif
         ));
         return;
     }
-    let list = match std::fs::read_to_string(&sums_path)
+    let list = match super::read_capped(&sums_path, SUMS_CAP)
         .map_err(|e| format!("{SUMS_FILE}: {e}"))
         .and_then(|t| parse_sums(&t))
     {
@@ -404,14 +577,29 @@ fn check_sums(dir: &Path, hashes: bool, shards: &BTreeSet<String>, r: &mut Verif
     };
     let total: u64 = list
         .iter()
+        .filter(|(_, f)| is_plain_name(f))
         .filter_map(|(_, f)| std::fs::metadata(dir.join(f)).ok())
+        .filter(|m| m.is_file())
         .map(|m| m.len())
         .sum();
     let bar = indicatif::ProgressBar::new(total);
     let mut ok = 0usize;
     let mut buf = vec![0u8; 8 << 20];
     for (want, f) in &list {
+        if !is_plain_name(f) {
+            r.problems.push(format!(
+                "{SUMS_FILE} names {f:?}: only plain file names inside the model directory are \
+                 checked"
+            ));
+            continue;
+        }
         let path = dir.join(f);
+        if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+            r.problems.push(format!(
+                "{f}: listed in {SUMS_FILE} but not a regular file in the model directory"
+            ));
+            continue;
+        }
         let Ok(mut file) = File::open(&path) else {
             r.problems
                 .push(format!("{f}: listed in {SUMS_FILE} but cannot be opened"));

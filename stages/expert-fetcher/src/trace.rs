@@ -7,7 +7,6 @@
 //! a half-written trace that looks whole.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::sim::Key;
@@ -41,12 +40,7 @@ impl TraceRecorder {
 }
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("{} -> {}: {e}", tmp.display(), path.display()))
+    k3_io::output::write_atomic(path, bytes).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// The `expert_hist.json` document for a trace: requests, distinct experts, and per layer the

@@ -77,6 +77,7 @@ pub fn decode_loop<W: Weights>(
         hooks.after_forward(step)?;
         let out = res.map_err(|e| format!("forward pass failed at generation step {step}: {e}"))?;
         let row = &out.logits[(out.rows - 1) * vocab..out.rows * vocab];
+        check_finite(row).map_err(|e| format!("generation step {step}: {e}"))?;
         let token = sampler::sample(row, &o.sampler, step as u64, &seq) as u32;
         if step == 0 {
             if let Some(p) = o.dump_logits {
@@ -98,6 +99,21 @@ pub fn decode_loop<W: Weights>(
         }
     }
     Ok(generated)
+}
+
+/// Refuse a logits row holding NaN or ±Inf: a token chosen from it would be noise (argmax
+/// of NaN is index 0), so the run ends instead, naming the first bad entry.
+pub fn check_finite(row: &[f32]) -> Result<(), String> {
+    match row.iter().position(|x| !x.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "the logits are not finite (logit {i} is {}, {} of {} entries bad); no token is \
+             chosen from them",
+            row[i],
+            row.iter().filter(|x| !x.is_finite()).count(),
+            row.len()
+        )),
+    }
 }
 
 /// Statistics of one generation step.

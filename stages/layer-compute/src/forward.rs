@@ -36,6 +36,10 @@ pub enum ForwardError {
     /// The request itself is invalid (token id out of range, no tokens, bad options).
     #[error("{0}")]
     Input(String),
+    /// A layer's output holds NaN or ±Inf (corrupt weights, or an overflow): the run must
+    /// not turn it into a token.
+    #[error("{0}")]
+    NonFinite(String),
 }
 
 /// Options of a [`Model`].
@@ -342,6 +346,14 @@ impl<W: Weights> Model<W> {
             let r = self.run_layer(l, sess, &mut h, &mut bank, ntok, &mut stats, &mut trace);
             self.weights.end_layer(l);
             r?;
+            if let Some(i) = h.iter().position(|x| !x.is_finite()) {
+                return Err(ForwardError::NonFinite(format!(
+                    "layer {l} output is not finite: hidden state of token {} dim {} is {}",
+                    sess.pos + i / d,
+                    i % d,
+                    h[i]
+                )));
+            }
         }
         if let Some(t) = trace.as_deref_mut() {
             t.prefix = "final.".into();

@@ -122,6 +122,8 @@ struct Shared {
     ring_at: u64,
     reader: Arc<dyn ReadAt>,
     file: u32,
+    /// Per-layer CRCs checked after every read (empty: unchecked, e.g. a raw file in tests).
+    checks: Vec<k3_model::trunk::RunCheck>,
     state: Mutex<State>,
     cv: Condvar,
 }
@@ -151,15 +153,26 @@ impl Shared {
             std::slice::from_raw_parts_mut(self.arena.base().add(at as usize), need as usize)
         };
         let start = align_down(r.offset);
-        let got = self
-            .reader
-            .read_at(self.file, start, dst)
-            .map_err(|e| e.to_string())?;
+        let check = self.checks.get(layer);
+        let got = match check {
+            // Packed trunks start every run on a page: check each piece on a second thread
+            // while the next piece is read, so the check costs one piece's CRC per layer of
+            // wall time, not the whole run's.
+            Some(c) if start == r.offset => read_checked(&*self.reader, self.file, start, dst, c)?,
+            _ => self
+                .reader
+                .read_at(self.file, start, dst)
+                .map_err(|e| e.to_string())?,
+        };
         if start + (got as u64) < r.offset + r.len {
             return Err(format!(
                 "short read: {got} bytes at offset {start}, needed {}",
                 r.offset + r.len - start
             ));
+        }
+        if let (Some(c), false) = (check, start == r.offset) {
+            let head = (r.offset - start) as usize;
+            c.check(&dst[head..])?;
         }
         Ok(got as u64)
     }
@@ -237,6 +250,69 @@ impl Shared {
     }
 }
 
+/// Bytes per read when a run is checked as it lands (a multiple of the CRC chunk and of
+/// the page).
+const PIECE: usize = 16 << 20;
+
+/// Read `dst` from `offset` in pieces of [`PIECE`], checking each landed piece against `c`
+/// on a scoped thread while the next one is read. Returns the bytes read.
+fn read_checked(
+    reader: &dyn ReadAt,
+    file: u32,
+    offset: u64,
+    dst: &mut [u8],
+    c: &k3_model::trunk::RunCheck,
+) -> Result<usize, String> {
+    const _: () = assert!((PIECE as u64).is_multiple_of(k3_model::trunk::CHECK_CHUNK));
+    const _: () = assert!(PIECE.is_multiple_of(ALIGN));
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(u64, &[u8])>(2);
+    std::thread::scope(|s| {
+        let checker = s.spawn(move || -> Result<(), String> {
+            for (at, piece) in rx {
+                c.check_range(at, piece)?;
+            }
+            Ok(())
+        });
+        let mut got = 0usize;
+        let mut rest = dst;
+        let mut read_err = None;
+        while !rest.is_empty() && (got as u64) < c.length {
+            let n = rest.len().min(PIECE);
+            let (piece, tail) = rest.split_at_mut(n);
+            rest = tail;
+            match reader.read_at(file, offset + got as u64, piece) {
+                Ok(k) => {
+                    let landed: &[u8] = &piece[..k];
+                    got += k;
+                    // A closed channel means the checker found a mismatch: stop reading.
+                    if tx.send(((got - k) as u64, landed)).is_err() || k < n {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    read_err = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        drop(tx);
+        let checked = checker
+            .join()
+            .unwrap_or_else(|_| Err("the trunk checker thread panicked".into()));
+        if let Some(e) = read_err {
+            return Err(e);
+        }
+        checked?;
+        if (got as u64) < c.length {
+            return Err(format!(
+                "short read: {got} bytes at offset {offset}, the run has {}",
+                c.length
+            ));
+        }
+        Ok(got)
+    })
+}
+
 /// The runs of a packed trunk's manifest, in layer order (payload lengths; the padding
 /// makes each footprint exactly `padded_length`).
 pub fn runs_from_manifest(m: &k3_model::trunk::TrunkManifest) -> Vec<LayerRun> {
@@ -275,7 +351,12 @@ impl TrunkLoader {
         let bin = dir.join(&m.file);
         let reader = k3_io::DirectFiles::open(std::slice::from_ref(&bin))
             .map_err(|e| format!("{}: {e}", bin.display()))?;
-        let loader = TrunkLoader::new(runs, plan, Arc::new(reader), 0)?;
+        let bytes = plan.bytes().max(ALIGN as u64);
+        let arena: Arc<dyn ArenaMemory> =
+            Arc::new(OwnedArena::new(bytes as usize).map_err(|e| format!("trunk arena: {e}"))?);
+        let checks = m.run_checks();
+        let loader =
+            TrunkLoader::with_arena_checked(runs, plan, Arc::new(reader), 0, arena, checks)?;
         Ok((m, loader))
     }
 
@@ -302,6 +383,22 @@ impl TrunkLoader {
         reader: Arc<dyn ReadAt>,
         file: u32,
         arena: Arc<dyn ArenaMemory>,
+    ) -> Result<TrunkLoader, String> {
+        Self::with_arena_checked(runs, plan, reader, file, arena, Vec::new())
+    }
+
+    /// Like [`with_arena`](Self::with_arena), checking every layer read against
+    /// `checks[layer]` (a packed trunk's per-chunk CRCs, [`TrunkManifest::run_checks`]): a
+    /// mismatch fails that layer's acquire with the layer and the offset.
+    ///
+    /// [`TrunkManifest::run_checks`]: k3_model::trunk::TrunkManifest::run_checks
+    pub fn with_arena_checked(
+        runs: Vec<LayerRun>,
+        plan: TrunkPlan,
+        reader: Arc<dyn ReadAt>,
+        file: u32,
+        arena: Arc<dyn ArenaMemory>,
+        checks: Vec<k3_model::trunk::RunCheck>,
     ) -> Result<TrunkLoader, String> {
         if runs.len() != plan.layers {
             return Err(format!(
@@ -348,6 +445,7 @@ impl TrunkLoader {
             ring_at: at,
             reader,
             file,
+            checks,
             state: Mutex::new(State {
                 pinned: vec![Loaded::No; plan.pinned],
                 pinned_used: vec![false; plan.pinned],

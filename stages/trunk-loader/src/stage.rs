@@ -310,12 +310,15 @@ fn setup_streamed(
     let bin: PathBuf = dir.join(&manifest.file);
     let reader = DirectFiles::open(std::slice::from_ref(&bin))
         .map_err(|e| format!("trunk-loader: {}: {e}", bin.display()))?;
-    let loader = TrunkLoader::with_arena(
+    let mut checks = manifest.run_checks();
+    checks.truncate(conf.layers);
+    let loader = TrunkLoader::with_arena_checked(
         runs,
         p,
         Arc::new(reader),
         0,
         Arc::new(ShmArena(region.clone())),
+        checks,
     )
     .map_err(|e| format!("trunk-loader: {e}"))?;
     let mut manifest = manifest;

@@ -210,7 +210,7 @@ fn open_a_packed_trunk_directory() {
         .unwrap()
         .len();
     let m = TrunkManifest {
-        format: "k3-trunk/1".into(),
+        format: k3_model::trunk::TRUNK_FORMAT.into(),
         align: 4096,
         file: "trunk.bin".into(),
         file_size,
@@ -232,6 +232,9 @@ fn open_a_packed_trunk_directory() {
                 shard: "model.safetensors".into(),
                 source_offset: 0,
                 sha256: "0".repeat(64),
+                crc32: k3_model::trunk::chunk_crcs(
+                    &(0..r.len as usize).map(|b| byte(i, b)).collect::<Vec<u8>>(),
+                ),
                 tensors: vec![TrunkTensor {
                     name: format!("language_model.model.layers.{i}.x"),
                     dtype: Dtype::U8,
@@ -261,6 +264,52 @@ fn open_a_packed_trunk_directory() {
         .unwrap();
     assert!(e.contains("shortfall of 8192 bytes"), "{e}");
     assert!(TrunkLoader::open_dir(dir.path(), 1 << 20, RingPolicy::default(), Some(4)).is_err());
+
+    // One byte of layer 1 changed on disk: its acquire fails naming the layer and the
+    // trunk.bin offset; layer 0 is still served. (Before the per-chunk CRC the loader
+    // served the changed bytes.)
+    let bin = dir.path().join("trunk.bin");
+    let mut bytes = std::fs::read(&bin).unwrap();
+    bytes[runs[1].offset as usize + 17] ^= 0x40;
+    std::fs::write(&bin, &bytes).unwrap();
+    let (_, loader) =
+        TrunkLoader::open_dir(dir.path(), 1 << 20, RingPolicy::default(), None).unwrap();
+    check(0, &loader.layer(0).unwrap(), sizes[0]);
+    let e = loader.layer(1).err().unwrap().to_string();
+    assert!(
+        e.contains(&format!("checksum mismatch at offset {} ", runs[1].offset))
+            && e.contains("(layer 1,"),
+        "{e}"
+    );
+}
+
+/// A run longer than one read piece (16 MiB) is checked piece by piece: a change in the
+/// second piece is found, and an unchanged run is served whole.
+#[test]
+fn long_runs_are_checked_piece_by_piece() {
+    use k3_model::trunk::{chunk_crcs, RunCheck};
+    let n = (16 << 20) + 5000;
+    let (_d, path, runs) = make_trunk(&[n], true);
+    let want: Vec<u8> = (0..n).map(|i| byte(0, i)).collect();
+    let mk = |checks: Vec<RunCheck>| {
+        let p = plan(1 << 26, &runs, RingPolicy::default()).unwrap();
+        let arena: Arc<dyn k3_io::arena::ArenaMemory> =
+            Arc::new(k3_io::arena::OwnedArena::new(p.bytes() as usize).unwrap());
+        let reader: Arc<dyn ReadAt> =
+            Arc::new(DirectFiles::open(std::slice::from_ref(&path)).unwrap());
+        TrunkLoader::with_arena_checked(runs.clone(), p, reader, 0, arena, checks).unwrap()
+    };
+    let good = RunCheck {
+        layer: 0,
+        offset: 0,
+        length: n as u64,
+        crc32: chunk_crcs(&want),
+    };
+    check(0, &mk(vec![good.clone()]).layer(0).unwrap(), n);
+    let mut bad = good;
+    bad.crc32[16] ^= 1;
+    let e = mk(vec![bad]).layer(0).err().unwrap().to_string();
+    assert!(e.contains(&format!("at offset {} ", 16 << 20)), "{e}");
 }
 
 /// The loader is shared between the stage's threads.

@@ -1,0 +1,417 @@
+//! Issue 13 (part A): no silent wrong output and no late refusals. Each test here failed on
+//! the code before the fix it names: the run used to exit 0 with wrong ids, or refused only
+//! after the generation.
+
+mod tools_common;
+
+use std::path::{Path, PathBuf};
+
+use k3_model::trunk::TrunkManifest;
+use tools_common::{fixtures, header, k3, k3_ok};
+
+const IDS: &str = "77,198,74";
+
+fn tiny() -> PathBuf {
+    fixtures().join("tiny-mxfp4/sharded")
+}
+
+fn shard(i: usize) -> String {
+    format!("model-{i:05}-of-000014.safetensors")
+}
+
+/// A copy of the sharded tiny model with `bytes` written at byte `at` of tensor `name`'s
+/// data in shard `i` (1-based).
+fn corrupted_copy(dir: &Path, i: usize, name: &str, at: usize, bytes: &[u8]) -> PathBuf {
+    let m = dir.join("m");
+    std::fs::create_dir_all(&m).unwrap();
+    for e in std::fs::read_dir(tiny()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
+    }
+    let p = m.join(shard(i));
+    let (n, h) = header(&p);
+    let off = h[name]["data_offsets"][0].as_u64().unwrap() as usize + 8 + n as usize + at;
+    let mut b = std::fs::read(&p).unwrap();
+    b[off..off + bytes.len()].copy_from_slice(bytes);
+    std::fs::write(&p, b).unwrap();
+    m
+}
+
+fn run(args: &[&str]) -> (i32, String) {
+    let (code, out, err) = k3(args);
+    (code, format!("{out}{err}"))
+}
+
+/// `c0 7f` × 64 (BF16 NaN) in layer 2's q_proj: greedy, sampled and score runs end with
+/// exit 1 naming layer 2. Before: token 0 at every step, exit 0.
+#[test]
+fn nan_weights_end_the_run_naming_the_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let nan: Vec<u8> = [0xc0u8, 0x7f].repeat(64);
+    let m = corrupted_copy(
+        tmp.path(),
+        3,
+        "language_model.model.layers.2.self_attn.q_proj.weight",
+        0,
+        &nan,
+    );
+    let ms = m.to_str().unwrap();
+    let out = tmp.path().join("r.json");
+    let outs = out.to_str().unwrap();
+    for extra in [
+        &[][..],
+        &["--single-process", "--temperature", "0.8", "--seed", "3"][..],
+        &["--inproc", "--incremental"][..],
+    ] {
+        let mut a = vec![ms, "--ids", IDS, "--gen", "2", "-q", "--out", outs];
+        a.extend_from_slice(extra);
+        let (code, text) = run(&a);
+        assert_eq!(code, 1, "{extra:?}: {text}");
+        assert!(text.contains("layer 2 output is not finite"), "{text}");
+        assert!(!out.exists(), "no report from a NaN run");
+    }
+    let (code, text) = run(&["score", ms, "--ids", IDS, "--out", outs]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("layer 2 output is not finite"), "{text}");
+}
+
+/// NaN in one row of lm_head: the hidden state is finite, logit 5 is NaN. The decode loop
+/// refuses to choose a token from it (exit 1, naming the step); score names the position.
+#[test]
+fn nan_logits_end_the_run_naming_the_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let nan: Vec<u8> = [0xc0u8, 0x7f].repeat(128);
+    let m = corrupted_copy(
+        tmp.path(),
+        14,
+        "language_model.lm_head.weight",
+        5 * 256,
+        &nan,
+    );
+    let ms = m.to_str().unwrap();
+    for extra in [
+        &[][..],
+        &["--single-process", "--top-k", "5", "--temperature", "1"][..],
+    ] {
+        let mut a = vec![ms, "--ids", IDS, "--gen", "2", "-q"];
+        a.extend_from_slice(extra);
+        let (code, text) = run(&a);
+        assert_eq!(code, 1, "{extra:?}: {text}");
+        assert!(
+            text.contains("generation step 0: the logits are not finite (logit 5 is NaN"),
+            "{text}"
+        );
+    }
+    let out = tmp.path().join("s.json");
+    let (code, text) = run(&["score", ms, "--ids", IDS, "--out", out.to_str().unwrap()]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("position 0: the logits are not finite"),
+        "{text}"
+    );
+}
+
+/// A trunk packed from another checkpoint of the same layout (`synth --seed 7` of the tiny
+/// shape: same shard names, sizes and headers) is refused by a run, exit 2, before any stage
+/// starts. Before: accepted, wrong ids, exit 0.
+#[test]
+fn run_refuses_a_trunk_of_another_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s7 = tmp.path().join("s7");
+    let t7 = tmp.path().join("t7");
+    k3_ok(&[
+        "synth",
+        "--shape",
+        "tiny",
+        "--seed",
+        "7",
+        s7.to_str().unwrap(),
+    ]);
+    k3_ok(&["pack-trunk", s7.to_str().unwrap(), t7.to_str().unwrap()]);
+    let (code, text) = run(&[
+        tiny().to_str().unwrap(),
+        "--trunk",
+        t7.to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--gen",
+        "2",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("packed from another checkpoint"), "{text}");
+    assert!(text.contains("same header, other data"), "{text}");
+}
+
+/// Two tensor names swapped in trunk.json (the manifest stays self-consistent): refused
+/// against the checkpoint's headers, exit 2. Before: ran silently on the wrong tensors.
+#[test]
+fn run_refuses_a_manifest_with_swapped_tensor_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("t");
+    k3_ok(&["pack-trunk", tiny().to_str().unwrap(), t.to_str().unwrap()]);
+    let mut m = TrunkManifest::load_dir(&t).unwrap();
+    let ts = &mut m.layers[3].tensors;
+    let (a, b) = (ts[0].name.clone(), ts[1].name.clone());
+    ts[0].name = b;
+    ts[1].name = a;
+    assert!(m.problems().is_empty());
+    std::fs::write(t.join("trunk.json"), serde_json::to_vec(&m).unwrap()).unwrap();
+    let (code, text) = run(&[
+        tiny().to_str().unwrap(),
+        "--trunk",
+        t.to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--gen",
+        "2",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("does not match the checkpoint's headers"),
+        "{text}"
+    );
+    assert!(text.contains("layer 3:"), "{text}");
+}
+
+/// 4 KiB of layer 2's run in trunk.bin overwritten: the run fails (exit 1) naming layer 2
+/// and the offset, at every trunk budget (pinned and streamed). Before: wrong ids, exit 0.
+#[test]
+fn run_fails_on_a_corrupted_trunk_naming_layer_and_offset() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("t");
+    k3_ok(&["pack-trunk", tiny().to_str().unwrap(), t.to_str().unwrap()]);
+    let m = TrunkManifest::load_dir(&t).unwrap();
+    let mut bin = std::fs::read(t.join("trunk.bin")).unwrap();
+    let at = m.layers[2].offset as usize;
+    bin[at + 4096..at + 8192].fill(0x5a);
+    std::fs::write(t.join("trunk.bin"), &bin).unwrap();
+    for gb in ["1", "0.0005"] {
+        let (code, text) = run(&[
+            tiny().to_str().unwrap(),
+            "--trunk",
+            t.to_str().unwrap(),
+            "--trunk-gb",
+            gb,
+            "--ids",
+            IDS,
+            "--gen",
+            "2",
+        ]);
+        assert_eq!(code, 1, "--trunk-gb {gb}: {text}");
+        assert!(
+            text.contains(&format!("checksum mismatch at offset {at} "))
+                && text.contains("(layer 2,"),
+            "{text}"
+        );
+    }
+}
+
+/// `--ids` beyond the vocabulary is a usage error naming the vocabulary, before any stage
+/// starts. Before: found at step 0, and the final line sometimes blamed the tokenizer.
+#[test]
+fn ids_outside_the_vocabulary_are_a_usage_error() {
+    let (code, text) = run(&[tiny().to_str().unwrap(), "--ids", "77,256,3", "--gen", "1"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("--ids: 256 outside the model's vocabulary (vocab_size 256"),
+        "{text}"
+    );
+    assert!(!text.contains("tokenizer"), "{text}");
+}
+
+/// `--out` in a missing directory, `--dump-logits` naming a directory and `--record` naming
+/// a regular file are refused (exit 2) before the stages start. Before: the first two
+/// failed only after the whole generation, the last in every stage.
+#[test]
+fn output_paths_are_checked_up_front() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tiny();
+    let ms = m.to_str().unwrap();
+    let missing = tmp.path().join("no/such/dir/r.json");
+    let file = tmp.path().join("f");
+    std::fs::write(&file, b"x").unwrap();
+    let cases: [(&[&str], &str); 3] = [
+        (&["--out", missing.to_str().unwrap()], "does not exist"),
+        (
+            &["--dump-logits", tmp.path().to_str().unwrap()],
+            "is a directory",
+        ),
+        (&["--record", file.to_str().unwrap()], "not a directory"),
+    ];
+    for (extra, want) in cases {
+        let mut a = vec![ms, "--ids", IDS, "--gen", "1"];
+        a.extend_from_slice(extra);
+        let (code, text) = run(&a);
+        assert_eq!(code, 2, "{extra:?}: {text}");
+        assert!(text.contains(want), "{extra:?}: {text}");
+        assert!(!text.contains("ids:"), "refused before generating: {text}");
+    }
+}
+
+/// A recording cut short (10 bytes off its end) is refused at once, naming the entry where
+/// it stops. Before: replay waited the whole --timeout (60 s) and then blamed the stage.
+#[test]
+fn replay_of_a_truncated_recording_says_so_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixtures().join("recordings/tiny-mxfp4/tokenizer.k3rec");
+    let b = std::fs::read(&src).unwrap();
+    std::fs::write(tmp.path().join("tokenizer.k3rec"), &b[..b.len() - 10]).unwrap();
+    let t0 = std::time::Instant::now();
+    let (code, text) = run(&[
+        "replay",
+        tmp.path().to_str().unwrap(),
+        "--stage",
+        "tokenizer",
+    ]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("recording truncated at entry"), "{text}");
+    assert!(t0.elapsed().as_secs() < 20, "{:?}", t0.elapsed());
+}
+
+/// `--record DIR` where `DIR/<stage>.k3rec` is a planted symlink: the recorder refuses to
+/// follow it and the symlink's target is untouched. Before: the target was truncated and
+/// overwritten.
+#[test]
+fn record_does_not_follow_a_planted_symlink() {
+    let tmp = tempfile::tempdir().unwrap();
+    let victim = tmp.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let rec = tmp.path().join("rec");
+    std::fs::create_dir(&rec).unwrap();
+    std::os::unix::fs::symlink(&victim, rec.join("tokenizer.k3rec")).unwrap();
+    let (code, text) = run(&[
+        tiny().to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--gen",
+        "1",
+        "--record",
+        rec.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0, "{text}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+}
+
+/// `--out` naming a symlink, a hard link or a device is written in place, never replaced by
+/// a regular file; no predictable temporary is left. Before: each was replaced (as root,
+/// `--out /dev/null` replaced /dev/null).
+#[test]
+fn outputs_never_replace_links_or_devices() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target.json");
+    std::fs::write(&target, b"old").unwrap();
+    let link = tmp.path().join("link.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let hard = tmp.path().join("hard.json");
+    std::fs::hard_link(&target, &hard).unwrap();
+    let m = tiny();
+    for out in [&link, &hard] {
+        k3_ok(&[
+            m.to_str().unwrap(),
+            "--ids",
+            IDS,
+            "--gen",
+            "1",
+            "-q",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+    }
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(
+        std::fs::metadata(&target).unwrap().ino(),
+        std::fs::metadata(&hard).unwrap().ino()
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&target).unwrap()).unwrap();
+    assert!(v["generated_ids"].is_array());
+    let s = tmp.path().join("s-link.json");
+    std::os::unix::fs::symlink(&target, &s).unwrap();
+    k3_ok(&[
+        "score",
+        m.to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--out",
+        s.to_str().unwrap(),
+    ]);
+    assert!(std::fs::symlink_metadata(&s)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    k3_ok(&[
+        "score",
+        m.to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--out",
+        "/dev/null",
+    ]);
+    let names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.contains("tmp")), "{names:?}");
+}
+
+/// demo works in a fresh private directory (mode 0700) and removes it on every way out,
+/// a refused argument included. Before: /tmp/k3-demo-<pid>, reused if present, and left
+/// behind when the arguments were refused.
+#[test]
+fn demo_leaves_no_directory_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args(["demo", "--no-such-flag"])
+        .env("TMPDIR", tmp.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+/// sim-cache refuses a zero bandwidth or zero experts per layer (exit 2). Before: accepted.
+#[test]
+fn sim_cache_refuses_zero_rates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("t.bin");
+    std::fs::write(&trace, [0u8; 8]).unwrap();
+    for (flag, val) in [("--disk-mbps", "0"), ("--experts-per-layer", "0")] {
+        let (code, text) = run(&["sim-cache", trace.to_str().unwrap(), flag, val]);
+        assert_eq!(code, 2, "{flag}: {text}");
+        assert!(text.contains(flag), "{text}");
+    }
+}
+
+/// A malformed K3_INJECT_EXPERT_FAILURES is a usage error naming the bad item. Before:
+/// silently ignored (the test that meant to inject failures passed without any).
+#[test]
+fn malformed_injection_is_refused() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args([tiny().to_str().unwrap(), "--ids", IDS, "--gen", "1"])
+        .env("K3_INJECT_EXPERT_FAILURES", "1:0,two:3")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(text.contains("\"two:3\" is not LAYER:EXPERT"), "{text}");
+}
+
+/// inspect of a device or a FIFO says what it is. Before: "no such file or directory".
+#[test]
+fn inspect_names_devices_and_fifos() {
+    let (code, text) = run(&["inspect", "/dev/zero"]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("a character device"), "{text}");
+    let tmp = tempfile::tempdir().unwrap();
+    let fifo = tmp.path().join("f");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only reads it.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let (code, text) = run(&["inspect", fifo.to_str().unwrap()]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("a FIFO"), "{text}");
+}
