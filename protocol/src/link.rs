@@ -491,7 +491,9 @@ fn unread_control_bytes(control: &ControlSocket) -> i32 {
 pub const PEER_DEATH_GRACE: Duration = Duration::from_secs(3);
 
 fn peer_death_grace(e: TransportError) -> TransportError {
-    if matches!(e, TransportError::PeerDied(_)) {
+    // A peer that closed its end mid-run failed (and reported why) or was killed: either
+    // way its own report, not ours, names the cause, so let it reach k3-orch first.
+    if matches!(e, TransportError::PeerDied(_) | TransportError::Closed) {
         std::thread::sleep(PEER_DEATH_GRACE);
     }
     e
