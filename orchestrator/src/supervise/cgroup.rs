@@ -383,10 +383,67 @@ pub struct RunCgroups {
     stages: Vec<StageGroup>,
 }
 
+/// Run groups (`k3-<pid>/`) under `parent` whose k3-orch is gone: what a SIGKILLed run
+/// leaves behind (its stages died with it; the groups did not).
+pub fn dead_runs(parent: &Path) -> Vec<PathBuf> {
+    let Ok(rd) = fs::read_dir(parent) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = rd
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let pid: u32 = name.strip_prefix("k3-")?.parse().ok()?;
+            let alive = Path::new(&format!("/proc/{pid}")).exists();
+            (!alive && pid != std::process::id() && e.path().is_dir()).then(|| e.path())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Remove the groups of dead runs that hold no process (a group with a live process is
+/// left alone and reported). Returns (removed, kept with the reason).
+pub fn sweep_dead_runs(parent: &Path) -> (Vec<PathBuf>, Vec<(PathBuf, String)>) {
+    let mut removed = Vec::new();
+    let mut kept = Vec::new();
+    for run in dead_runs(parent) {
+        let stages: Vec<PathBuf> = fs::read_dir(&run)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .map(|e| e.path())
+                    .filter(|p| p.is_dir())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let busy = stages.iter().chain(std::iter::once(&run)).any(|g| {
+            fs::read_to_string(g.join("cgroup.procs")).is_ok_and(|s| !s.trim().is_empty())
+        });
+        if busy {
+            kept.push((run, "still holds processes".to_string()));
+            continue;
+        }
+        let ok = stages.iter().all(|g| fs::remove_dir(g).is_ok()) && fs::remove_dir(&run).is_ok();
+        if ok {
+            removed.push(run);
+        } else {
+            kept.push((run, "could not be removed".to_string()));
+        }
+    }
+    (removed, kept)
+}
+
 impl RunCgroups {
     /// Create the run directory `k3-<our pid>` (v2: with the memory controller enabled for
     /// its children).
     pub fn create(support: &Support) -> Result<RunCgroups, String> {
+        let (removed, kept) = sweep_dead_runs(&support.parent);
+        for r in &removed {
+            tracing::info!("k3-orch: removed the cgroup of a dead run: {}", r.display());
+        }
+        for (r, why) in &kept {
+            tracing::warn!("k3-orch: cgroup of a dead run {}: {why}", r.display());
+        }
         Self::create_named(support, &format!("k3-{}", std::process::id()))
     }
 

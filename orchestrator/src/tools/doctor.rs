@@ -267,6 +267,20 @@ pub fn main(args: Vec<OsString>) -> i32 {
             "; budgets cannot be enforced by the kernel here (the plan still applies)"
         }
     );
+    if let Ok(sup) = crate::supervise::cgroup::probe() {
+        let dead = crate::supervise::cgroup::dead_runs(&sup.parent);
+        if dead.is_empty() {
+            println!("leftovers  : no cgroups of dead k3 runs");
+        } else {
+            println!(
+                "leftovers  : {} cgroup(s) of dead k3 runs (the next run removes the empty ones):",
+                dead.len()
+            );
+            for d in &dead {
+                println!("             {}", d.display());
+            }
+        }
+    }
     let nodes = numa_nodes();
     println!(
         "numa       : {nodes} node{}{}",
