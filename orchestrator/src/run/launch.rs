@@ -254,7 +254,17 @@ fn budget_override(value: Option<String>, armed: bool) -> Result<Option<BudgetOv
 
 fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>), RunError> {
     let mp = &plan.memory;
-    let headroom = 256u64 << 20;
+    // Each stage's cgroup gets its plan items plus headroom for what the plan cannot count
+    // exactly (heap growth, page tables). Under one total budget (`--mem-gb`, auto, the
+    // default) the headroom comes out of what the plan left of the total, so the stage
+    // limits add up to the total rather than to the total plus 1.8 GB.
+    let (headroom, extra) = match plan.total_budget {
+        Some(t) => {
+            let slack = t.saturating_sub(mp.total_bytes) / 5;
+            (slack.clamp(8 << 20, 256 << 20), slack.min(512 << 20))
+        }
+        None => (256u64 << 20, 512u64 << 20),
+    };
     let mut budgets = HashMap::new();
     budgets.insert(
         Stage::TrunkLoader,
@@ -266,9 +276,9 @@ fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>)
     );
     budgets.insert(
         Stage::LayerCompute,
-        mp.stage_bytes("layer-compute") + headroom + (512u64 << 20),
+        mp.stage_bytes("layer-compute") + headroom + extra,
     );
-    budgets.insert(Stage::Tokenizer, headroom + (256u64 << 20));
+    budgets.insert(Stage::Tokenizer, headroom + extra.min(256 << 20));
     let hook = budget_override(
         std::env::var(BUDGET_OVERRIDE_ENV).ok(),
         std::env::var(TEST_HOOKS_ENV).as_deref() == Ok("1"),

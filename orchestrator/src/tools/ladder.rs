@@ -160,7 +160,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
             + f64_at(&v, &["totals", "expert_read_bytes"]).unwrap_or(0.0))
             / 1e9
             / tokens;
-        let peak = f64_at(&v, &["totals", "peak_rss_bytes", "total"]).unwrap_or(0.0) / 1e9;
+        let peak = f64_at(&v, &["totals", "peak_bytes"]).unwrap_or(0.0) / 1e9;
         let ts = &v["stage_summaries"]["trunk-loader"];
         let pinned = ts["plan"]["pinned"].as_u64().unwrap_or(0);
         let binds = ts["stats"]["binds"].as_f64().unwrap_or(0.0);
