@@ -119,3 +119,54 @@ fn auto_and_mem_gb_pin_the_packed_trunk_and_keep_the_ids() {
         assert!(text(&o).contains("REFUSING TO START"), "{}", text(&o));
     }
 }
+
+/// The embedding read row by row and the lm_head streamed in chunks (the test hook forces
+/// chunk sizes that do not divide the vocabulary, down to one row) give the very logits of
+/// the held lm_head, bit for bit, in both tiny models. Catches a chunk
+/// written to the wrong columns, a last partial chunk dropped, a double-buffer that hands
+/// the multiply the chunk being read, and an embedding row read at the wrong offset.
+#[test]
+fn streamed_lm_head_and_embedding_rows_keep_the_logits() {
+    for model in ["tiny-mxfp4", "tiny-seed"] {
+        let dir = tempfile::tempdir().unwrap();
+        let trunk = dir.path().join("trunk");
+        let o = k3()
+            .arg("pack-trunk")
+            .arg(fixture(&format!("{model}/sharded")))
+            .arg(&trunk)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        let out = dir.path().join("r.json");
+        let mut first: Option<(Vec<u8>, serde_json::Value)> = None;
+        for chunk in [None, Some("7000"), Some("1"), Some("100000000")] {
+            let logits = dir.path().join("logits.bin");
+            let mut c = k3();
+            c.arg(fixture(&format!("{model}/sharded")))
+                .args(["--ids", &prompt(model), "--gen", "5", "--trunk"])
+                .arg(&trunk)
+                .arg("--dump-logits")
+                .arg(&logits)
+                .arg("--out")
+                .arg(&out);
+            if let Some(n) = chunk {
+                c.env("K3_TEST_HOOKS", "1").env("K3_LM_HEAD_CHUNK_BYTES", n);
+            }
+            let o = c.output().unwrap();
+            let t = text(&o);
+            assert!(o.status.success(), "{model} chunk {chunk:?}: {t}");
+            if chunk.is_some() {
+                assert!(t.contains("lm_head (streamed)"), "{t}");
+            }
+            let r = json(&out);
+            let got = (std::fs::read(&logits).unwrap(), r["generated_ids"].clone());
+            match &first {
+                None => first = Some(got),
+                Some(f) => {
+                    assert_eq!(got.1, f.1, "{model} chunk {chunk:?}: ids");
+                    assert!(got.0 == f.0, "{model} chunk {chunk:?}: logits differ");
+                }
+            }
+        }
+    }
+}

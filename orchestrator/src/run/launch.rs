@@ -354,6 +354,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
             io_timeout_s: a.stage_timeout_s,
             stop_ids: c.stop_ids.clone(),
             record_dir: a.record.clone(),
+            lm_head_chunk_bytes: c.plan.lm_head_chunk_bytes,
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),

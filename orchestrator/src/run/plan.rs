@@ -33,7 +33,8 @@ pub struct MemoryPlan {
     pub available_bytes: Option<u64>,
     /// The whole run's budget (`--mem-gb`, `auto` or the default), when there is one.
     pub total_budget_bytes: Option<u64>,
-    /// Trunk bytes read per token (layers not pinned); 0 when the trunk is resident.
+    /// Bytes read per token outside the expert cache: trunk layers not pinned and a streamed
+    /// lm_head (0 when both are held).
     pub streamed_bytes_per_token: u64,
 }
 
@@ -425,6 +426,8 @@ pub struct RunPlan {
     pub max_slots: usize,
     /// The whole run's budget when one was given or derived (`--mem-gb`, auto, default).
     pub total_budget: Option<u64>,
+    /// Stream the lm_head in chunks of this many bytes (None: pinned, held by compute).
+    pub lm_head_chunk_bytes: Option<u64>,
     /// Lines printed under the plan.
     pub notes: Vec<String>,
 }
@@ -435,6 +438,21 @@ pub fn compute_scratch(cfg: &ModelConfig, pass_tokens: u64) -> u64 {
     let t = pass_tokens.max(1);
     t * (cfg.hidden_size as u64 * 4 * 32 + cfg.vocab_size as u64 * 4) + (4 << 20)
 }
+
+/// The lm_head chunk when it streams: a sixteenth of it, at most 32 MiB, at least a page.
+/// Compute holds two (one multiplied while the next is read).
+pub fn lm_head_chunk(lm_head: u64) -> u64 {
+    (lm_head / 16).clamp(4096, 32 << 20).min(lm_head.max(1))
+}
+
+/// What compute holds for a streamed lm_head: two chunk buffers, page-rounded, plus a page.
+pub fn lm_head_stream_bytes(lm_head: u64) -> u64 {
+    2 * (lm_head_chunk(lm_head).div_ceil(4096) * 4096 + 4096)
+}
+
+/// Test hook: `K3_LM_HEAD_CHUNK_BYTES=N` (with `K3_TEST_HOOKS=1`) streams the lm_head in
+/// chunks of N bytes whatever the plan decides.
+pub const LM_HEAD_CHUNK_ENV: &str = "K3_LM_HEAD_CHUNK_BYTES";
 
 /// Trunk runs of a packed trunk, for the bound layers.
 fn packed_runs(
@@ -531,36 +549,81 @@ pub fn plan_run(
     if a.incremental {
         check_kv(positions, cen.kv_per_pos, mem_available()).map_err(RunError::usage)?;
     }
-    let (trunk_budget, cache_budget) = match res.total {
-        Some(total) => {
-            let sp = Spend {
-                total,
-                fixed,
-                trunk_need,
-                lm_head: cen.lm_head_bytes,
-                expert_slot,
-                min_slots: batch_slots,
-                max_slots,
-            };
-            let trunk_over = if runs.is_none() {
-                Some(trunk_need)
-            } else {
+    let lm = cen.lm_head_bytes;
+    // Per candidate (lm_head pinned or streamed): the split and the bytes read per token;
+    // the plan takes the one that reads least (pinned on a tie).
+    let mut pick: Option<(u64, u64, bool, u64)> = None;
+    let mut first_err = None;
+    for pinned in [true, false] {
+        let (t, c) = match res.total {
+            Some(total) => {
+                let sp = Spend {
+                    total,
+                    fixed,
+                    trunk_need,
+                    lm_head: if pinned { lm } else { lm_head_stream_bytes(lm) },
+                    expert_slot,
+                    min_slots: batch_slots,
+                    max_slots,
+                };
+                let trunk_over = if runs.is_none() {
+                    Some(trunk_need)
+                } else {
+                    res.trunk
+                };
+                match spend(&sp, trunk_over, res.cache) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                        continue;
+                    }
+                }
+            }
+            // Named budgets without a total: the lm_head is held, as before.
+            None if !pinned => continue,
+            None => (
                 res.trunk
-            };
-            spend(&sp, trunk_over, res.cache).map_err(|e| {
-                RunError::usage(format!(
-                    "REFUSING TO START ({}): {e}.\nOptions: a larger --mem-gb, fewer --layers, \
-                     --trunk DIR to stream the trunk, or a machine with more memory.",
-                    res.source
-                ))
-            })?
+                    .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_TRUNK_GB)),
+                res.cache
+                    .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_CACHE_GB)),
+            ),
+        };
+        let trunk_read = match &runs {
+            Some(r) => match k3_trunk_loader::plan(t, r, k3_trunk_loader::RingPolicy::default()) {
+                Ok(tp) => r[tp.pinned..].iter().map(|x| x.len).sum::<u64>(),
+                Err(e) => {
+                    first_err.get_or_insert(e.to_string());
+                    continue;
+                }
+            },
+            None => 0,
+        };
+        let read = trunk_read + if pinned { 0 } else { lm };
+        if pick.is_none_or(|p| read < p.3) {
+            pick = Some((t, c, pinned, read));
         }
-        None => (
-            res.trunk
-                .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_TRUNK_GB)),
-            res.cache
-                .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_CACHE_GB)),
-        ),
+    }
+    let Some((trunk_budget, cache_budget, head_pinned, _)) = pick else {
+        return Err(RunError::usage(format!(
+            "REFUSING TO START ({}): {}.\nOptions: a larger --mem-gb, fewer --layers, \
+             --trunk DIR to stream the trunk, or a machine with more memory.",
+            if res.source.is_empty() {
+                "--trunk-gb/--cache-gb"
+            } else {
+                &res.source
+            },
+            first_err.unwrap_or_default()
+        )));
+    };
+    let hook = std::env::var(LM_HEAD_CHUNK_ENV)
+        .ok()
+        .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&n| n > 0);
+    let lm_head_chunk_bytes = match hook {
+        Some(n) => Some(n),
+        None if head_pinned => None,
+        None => Some(lm_head_chunk(lm)),
     };
     let mut cache_budget = cache_budget;
     let mut notes = Vec::new();
@@ -610,7 +673,22 @@ pub fn plan_run(
         .min(cen.n_experts)
         .max(batch_slots);
     mp.add("expert cache", "expert-fetcher", slots * expert_slot);
-    mp.add("lm_head", "layer-compute", cen.lm_head_bytes);
+    match lm_head_chunk_bytes {
+        None => mp.add("lm_head (pinned)", "layer-compute", lm),
+        Some(c) => {
+            mp.add(
+                "lm_head (streamed)",
+                "layer-compute",
+                2 * (c.div_ceil(4096) * 4096 + 4096),
+            );
+            mp.streamed_bytes_per_token += lm;
+            notes.push(format!(
+                "lm_head streamed in chunks of {} ({} read per token)",
+                human(c),
+                human(lm)
+            ));
+        }
+    }
     mp.add("embedding rows", "layer-compute", embed_rows);
     mp.add("norms", "layer-compute", norms);
     mp.add("recurrent state", "layer-compute", cen.kda_state_bytes);
@@ -630,6 +708,7 @@ pub fn plan_run(
         min_slots: slots as usize,
         max_slots: max_slots as usize,
         total_budget: res.total,
+        lm_head_chunk_bytes,
         notes,
     })
 }
