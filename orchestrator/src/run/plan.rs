@@ -311,7 +311,7 @@ pub fn spend(
         (None, None) => {
             // Trunk first; the cache keeps a batch, 16 slots when there is room for them.
             let keep = if left >= s.trunk_need + 16 * s.expert_slot || left >= 32 * s.expert_slot {
-                (16 * s.expert_slot).max(min_cache)
+                (16.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
             } else {
                 min_cache
             };
@@ -322,6 +322,66 @@ pub fn spend(
     // The cache never needs more slots than there are experts.
     let c = c.min(s.max_slots.max(1) * s.expert_slot).max(min_cache);
     Ok((t, c))
+}
+
+/// A total spent: the parts, whether the lm_head is pinned, and the bytes read per token
+/// outside the expert cache (streamed trunk layers, a streamed lm_head).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub trunk: u64,
+    pub cache: u64,
+    pub head_pinned: bool,
+    pub read_per_token: u64,
+}
+
+/// Spend a total both ways — lm_head pinned (held whole) or streamed (two chunk buffers) —
+/// and take the one that reads the fewest bytes per token, pinned on a tie. `runs`: the
+/// packed trunk (None: resident, its bytes fixed by `trunk_over`).
+pub fn choose(
+    s: &Spend,
+    runs: Option<&[k3_trunk_loader::LayerRun]>,
+    trunk_over: Option<u64>,
+    cache_over: Option<u64>,
+) -> Result<Choice, String> {
+    let mut pick: Option<Choice> = None;
+    let mut first_err = None;
+    for pinned in [true, false] {
+        let sp = Spend {
+            lm_head: if pinned {
+                s.lm_head
+            } else {
+                lm_head_stream_bytes(s.lm_head)
+            },
+            ..s.clone()
+        };
+        let (t, c) = match spend(&sp, trunk_over, cache_over) {
+            Ok(x) => x,
+            Err(e) => {
+                first_err.get_or_insert(e);
+                continue;
+            }
+        };
+        let trunk_read = match runs {
+            Some(r) => match k3_trunk_loader::plan(t, r, k3_trunk_loader::RingPolicy::default()) {
+                Ok(tp) => r[tp.pinned..].iter().map(|x| x.len).sum::<u64>(),
+                Err(e) => {
+                    first_err.get_or_insert(e.to_string());
+                    continue;
+                }
+            },
+            None => 0,
+        };
+        let read = trunk_read + if pinned { 0 } else { s.lm_head };
+        if pick.is_none_or(|p| read < p.read_per_token) {
+            pick = Some(Choice {
+                trunk: t,
+                cache: c,
+                head_pinned: pinned,
+                read_per_token: read,
+            });
+        }
+    }
+    pick.ok_or_else(|| first_err.unwrap_or_default())
 }
 
 /// The memory flags, resolved left to right.
@@ -550,71 +610,54 @@ pub fn plan_run(
         check_kv(positions, cen.kv_per_pos, mem_available()).map_err(RunError::usage)?;
     }
     let lm = cen.lm_head_bytes;
-    // Per candidate (lm_head pinned or streamed): the split and the bytes read per token;
-    // the plan takes the one that reads least (pinned on a tie).
-    let mut pick: Option<(u64, u64, bool, u64)> = None;
-    let mut first_err = None;
-    for pinned in [true, false] {
-        let (t, c) = match res.total {
-            Some(total) => {
-                let sp = Spend {
-                    total,
-                    fixed,
-                    trunk_need,
-                    lm_head: if pinned { lm } else { lm_head_stream_bytes(lm) },
-                    expert_slot,
-                    min_slots: batch_slots,
-                    max_slots,
-                };
-                let trunk_over = if runs.is_none() {
-                    Some(trunk_need)
-                } else {
-                    res.trunk
-                };
-                match spend(&sp, trunk_over, res.cache) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        first_err.get_or_insert(e);
-                        continue;
-                    }
-                }
-            }
-            // Named budgets without a total: the lm_head is held, as before.
-            None if !pinned => continue,
-            None => (
-                res.trunk
-                    .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_TRUNK_GB)),
-                res.cache
-                    .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_CACHE_GB)),
-            ),
-        };
-        let trunk_read = match &runs {
-            Some(r) => match k3_trunk_loader::plan(t, r, k3_trunk_loader::RingPolicy::default()) {
-                Ok(tp) => r[tp.pinned..].iter().map(|x| x.len).sum::<u64>(),
-                Err(e) => {
-                    first_err.get_or_insert(e.to_string());
-                    continue;
-                }
+    let trunk_over = if runs.is_none() {
+        Some(trunk_need)
+    } else {
+        res.trunk
+    };
+    let picked = match res.total {
+        Some(total) => choose(
+            &Spend {
+                total,
+                fixed,
+                trunk_need,
+                lm_head: lm,
+                expert_slot,
+                min_slots: batch_slots,
+                max_slots,
             },
-            None => 0,
-        };
-        let read = trunk_read + if pinned { 0 } else { lm };
-        if pick.is_none_or(|p| read < p.3) {
-            pick = Some((t, c, pinned, read));
-        }
-    }
-    let Some((trunk_budget, cache_budget, head_pinned, _)) = pick else {
-        return Err(RunError::usage(format!(
-            "REFUSING TO START ({}): {}.\nOptions: a larger --mem-gb, fewer --layers, \
+            runs.as_deref(),
+            trunk_over,
+            res.cache,
+        ),
+        // Named budgets without a total: the lm_head is held, as before.
+        None => Ok(Choice {
+            trunk: res
+                .trunk
+                .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_TRUNK_GB)),
+            cache: res
+                .cache
+                .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_CACHE_GB)),
+            head_pinned: true,
+            read_per_token: 0,
+        }),
+    };
+    let Choice {
+        trunk: trunk_budget,
+        cache: cache_budget,
+        head_pinned,
+        ..
+    } = picked.map_err(|e| {
+        RunError::usage(format!(
+            "REFUSING TO START ({}): {e}.\nOptions: a larger --mem-gb, fewer --layers, \
              --trunk DIR to stream the trunk, or a machine with more memory.",
             if res.source.is_empty() {
                 "--trunk-gb/--cache-gb"
             } else {
                 &res.source
             },
-            first_err.unwrap_or_default()
-        )));
-    };
+        ))
+    })?;
     let hook = std::env::var(LM_HEAD_CHUNK_ENV)
         .ok()
         .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
@@ -812,5 +855,35 @@ mod tests {
         );
         p.total_budget_bytes = Some(3_000);
         assert!(p.check().is_ok());
+    }
+
+    // The lm_head is pinned when that reads least, streamed when only streaming fits (a
+    // 1.5 GB run of the slice cannot hold its 2.35 GB lm_head).
+    #[test]
+    fn the_lm_head_streams_only_when_that_reads_less_or_alone_fits() {
+        const P: u64 = 4096;
+        let runs: Vec<k3_trunk_loader::LayerRun> = (0..4)
+            .map(|i| k3_trunk_loader::LayerRun {
+                offset: i * 10 * P,
+                len: 10 * P,
+            })
+            .collect();
+        let s = |total| Spend {
+            total,
+            fixed: 0,
+            trunk_need: 40 * P,
+            lm_head: 50 * P,
+            expert_slot: P,
+            min_slots: 1,
+            max_slots: 1,
+        };
+        assert_eq!(lm_head_stream_bytes(50 * P), 10 * P);
+        let c = choose(&s(62 * P), Some(&runs), None, None).unwrap();
+        assert!(c.head_pinned, "{c:?}");
+        assert_eq!(c.read_per_token, 40 * P);
+        let c = choose(&s(45 * P), Some(&runs), None, None).unwrap();
+        assert!(!c.head_pinned, "{c:?}");
+        assert_eq!((c.trunk, c.read_per_token), (34 * P, 20 * P + 50 * P));
+        assert!(choose(&s(20 * P), Some(&runs), None, None).is_err());
     }
 }
