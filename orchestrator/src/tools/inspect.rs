@@ -325,19 +325,6 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
     o
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn thousands() {
-        assert_eq!(commas(0), "0");
-        assert_eq!(commas(999), "999");
-        assert_eq!(commas(17547264), "17,547,264");
-        assert_eq!(commas(1446456066048), "1,446,456,066,048");
-    }
-}
-
 /// Positions of context the budget table assumes (KV cache of the MLA layers).
 pub const TABLE_CONTEXT: usize = 64;
 
@@ -472,4 +459,17 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
     o +=
         "  * trunk layers and lm_head read per token; routed experts come on top (see sim-cache)\n";
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thousands() {
+        assert_eq!(commas(0), "0");
+        assert_eq!(commas(999), "999");
+        assert_eq!(commas(17547264), "17,547,264");
+        assert_eq!(commas(1446456066048), "1,446,456,066,048");
+    }
 }
