@@ -151,10 +151,10 @@ pub fn read_parallel(
         .collect();
     let n = pieces.len();
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let slots: Vec<Mutex<Option<(usize, &mut [u8])>>> =
-        pieces.into_iter().map(|p| Mutex::new(Some(p))).collect();
-    let results: Vec<Mutex<Option<Result<(usize, usize, usize), String>>>> =
-        (0..n).map(|_| Mutex::new(None)).collect();
+    type Piece<'a> = Mutex<Option<(usize, &'a mut [u8])>>;
+    type Outcome = Mutex<Option<Result<(usize, usize, usize), String>>>;
+    let slots: Vec<Piece<'_>> = pieces.into_iter().map(|p| Mutex::new(Some(p))).collect();
+    let results: Vec<Outcome> = (0..n).map(|_| Mutex::new(None)).collect();
     std::thread::scope(|s| {
         for _ in 0..READ_QD.min(n) {
             s.spawn(|| loop {
