@@ -86,7 +86,12 @@ impl MemoryPlan {
         let Some(have) = self.available_bytes else {
             return Ok(());
         };
-        let limit = have as f64 * 0.95;
+        // A total already left its reserve; otherwise keep 5% of what is available.
+        let limit = if self.total_budget_bytes.is_some() {
+            have as f64
+        } else {
+            have as f64 * 0.95
+        };
         if self.total_bytes as f64 > limit {
             return Err(format!(
                 "REFUSING TO START: this needs {} and the machine has {} available (MemAvailable, capped by\n\
@@ -256,8 +261,8 @@ pub fn cgroup_room() -> Option<u64> {
     room
 }
 
-/// The reserve the default and `auto` leave unplanned: 5% of what is available (the plan
-/// refuses above 95% of it anyway), for the page tables, allocator slack and the kernel.
+/// The reserve a total leaves unplanned: 5% of what is available (default, `auto`) or of
+/// `--mem-gb`, for the page tables, allocator slack, page cache and the kernel.
 pub const RESERVE_SHARE: f64 = 0.05;
 
 /// What a total budget is spent on, and what is fixed before it is spent.
@@ -445,8 +450,10 @@ pub fn resolve(
     for f in flags {
         match f {
             MemFlag::MemGb(x) => {
-                r.total = Some(gb(*x));
-                r.source = format!("--mem-gb {x}");
+                // The reserve comes out of the total, so `--mem-gb L` runs inside a cgroup
+                // of L: the plan spends L minus the reserve.
+                r.total = Some(gb(*x) - (gb(*x) as f64 * RESERVE_SHARE) as u64);
+                r.source = format!("--mem-gb {x} minus a {:.0}% reserve", 100.0 * RESERVE_SHARE);
                 (r.trunk, r.cache, r.preset) = (None, None, None);
             }
             MemFlag::Preset(p) if p == "auto" => {
@@ -820,9 +827,9 @@ mod tests {
         assert_eq!((r.total, r.trunk, r.cache), (Some(9_500), None, None));
         assert!(r.source.contains("5% reserve"), "{}", r.source);
         let r = resolve(&[MemFlag::TrunkGb(1.0), MemFlag::MemGb(2.0)], avail).unwrap();
-        assert_eq!((r.total, r.trunk), (Some(2_000_000_000), None));
+        assert_eq!((r.total, r.trunk), (Some(1_900_000_000), None));
         let r = resolve(&[MemFlag::MemGb(2.0), MemFlag::CacheGb(0.5)], avail).unwrap();
-        assert_eq!((r.total, r.cache), (Some(2_000_000_000), Some(500_000_000)));
+        assert_eq!((r.total, r.cache), (Some(1_900_000_000), Some(500_000_000)));
         let r = resolve(
             &[MemFlag::MemGb(2.0), MemFlag::Preset("laptop".into())],
             avail,
