@@ -170,3 +170,40 @@ fn streamed_lm_head_and_embedding_rows_keep_the_logits() {
         }
     }
 }
+
+/// Prefill reads each expert once per pass: the prompt's 12 tokens route 12 x 12 MoE layers
+/// x top-2 = 288 expert uses on tiny-mxfp4, but a layer has only 8 experts, so the union is
+/// at most 96 loads, and with the smallest cache every load is a read. Catches a prefill
+/// that fetches per token (288 requests, 2.95 MB) instead of the union of the routes.
+#[test]
+fn prefill_reads_the_union_of_the_routes() {
+    let model = "tiny-mxfp4";
+    let dir = tempfile::tempdir().unwrap();
+    let trunk = dir.path().join("trunk");
+    let o = k3()
+        .arg("pack-trunk")
+        .arg(fixture(&format!("{model}/sharded")))
+        .arg(&trunk)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let out = dir.path().join("r.json");
+    let o = gen(model, &trunk, &out, &["--cache-gb", "0"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let r = json(&out);
+    let prefill = &r["steps"][0];
+    let req = prefill["expert_requests"].as_u64().unwrap();
+    let bytes = prefill["expert_read_bytes"].as_u64().unwrap();
+    let per_token = 12 * 12 * 2;
+    assert!(req <= 96 && req > 24, "prefill requested {req} experts");
+    assert!(req < per_token);
+    // Each request is one expert's bytes (no cache to hit).
+    let decode = &r["steps"][1];
+    let per_expert = decode["expert_read_bytes"].as_u64().unwrap() as f64
+        / decode["expert_requests"].as_u64().unwrap().max(1) as f64;
+    assert!(
+        (bytes as f64) < 0.5 * per_token as f64 * per_expert,
+        "prefill read {bytes} bytes, token by token would read {}",
+        per_token as f64 * per_expert
+    );
+}
