@@ -166,7 +166,7 @@ pub fn summary(r: &Report) -> String {
         ));
     }
     s.push_str(&format!(
-        "I/O share of wall clock: {:.1}%  ({:.3} s of {:.3} s; trunk read {}, experts read {})\n",
+        "I/O share of wall clock: {:.1}%  ({:.3} s of {:.3} s; trunk + lm_head + embedding rows read {}, experts read {})\n",
         100.0 * t.io_share,
         t.io_seconds,
         t.seconds,
