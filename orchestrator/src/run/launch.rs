@@ -256,9 +256,9 @@ fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>)
     let mp = &plan.memory;
     // Each stage's cgroup gets its plan items plus headroom for what the plan cannot count
     // exactly (heap growth, page tables). Under one total budget (`--mem-gb`, auto, the
-    // default) the headroom comes out of what the plan left of the total, so the stage
-    // limits add up to the total rather than to the total plus 1.8 GB.
-    let (headroom, extra) = match plan.total_budget {
+    // default) the headroom comes out of what the plan left of the limit (the reserve, at
+    // least), so the stage limits add up to the limit rather than to it plus 1.8 GB.
+    let (headroom, extra) = match plan.limit {
         Some(t) => {
             let slack = t.saturating_sub(mp.total_bytes) / 5;
             (slack.clamp(8 << 20, 256 << 20), slack.min(512 << 20))

@@ -400,6 +400,8 @@ pub struct Resolved {
     pub preset: Option<String>,
     /// Where the total came from, for the plan's first line.
     pub source: String,
+    /// The limit before the reserve (`--mem-gb`, or what is available).
+    pub limit: Option<u64>,
 }
 
 /// Memory the default and `auto` spend: available (MemAvailable capped by the cgroup k3
@@ -425,10 +427,12 @@ pub fn resolve(
         cache: None,
         preset: None,
         source: String::new(),
+        limit: None,
     };
     let from_available = |r: &mut Resolved, what: &str| -> Result<(), String> {
         let (t, avail) = default_total()?;
         r.total = Some(t);
+        r.limit = Some(avail);
         r.source = format!(
             "{what}: {} available (MemAvailable, capped by the cgroup k3 runs in) minus a {:.0}% reserve",
             human(avail),
@@ -453,6 +457,7 @@ pub fn resolve(
                 // The reserve comes out of the total, so `--mem-gb L` runs inside a cgroup
                 // of L: the plan spends L minus the reserve.
                 r.total = Some(gb(*x) - (gb(*x) as f64 * RESERVE_SHARE) as u64);
+                r.limit = Some(gb(*x));
                 r.source = format!("--mem-gb {x} minus a {:.0}% reserve", 100.0 * RESERVE_SHARE);
                 (r.trunk, r.cache, r.preset) = (None, None, None);
             }
@@ -467,6 +472,7 @@ pub fn resolve(
                     .ok_or_else(|| format!("--preset: unknown preset '{p}' ({})", presets.names()))?
                     .budgets();
                 (r.trunk, r.cache, r.total) = (Some(b.trunk_bytes), Some(b.cache_bytes), None);
+                r.limit = None;
                 r.preset = Some(p.clone());
                 r.source = format!("--preset {p}");
             }
@@ -493,6 +499,9 @@ pub struct RunPlan {
     pub max_slots: usize,
     /// The whole run's budget when one was given or derived (`--mem-gb`, auto, default).
     pub total_budget: Option<u64>,
+    /// The whole run's limit the total came from (`--mem-gb`, or what is available), its
+    /// reserve included: the stages' cgroup headroom comes out of `limit - plan`.
+    pub limit: Option<u64>,
     /// Stream the lm_head in chunks of this many bytes (None: pinned, held by compute).
     pub lm_head_chunk_bytes: Option<u64>,
     /// Lines printed under the plan.
@@ -758,6 +767,7 @@ pub fn plan_run(
         min_slots: slots as usize,
         max_slots: max_slots as usize,
         total_budget: res.total,
+        limit: res.limit,
         lm_head_chunk_bytes,
         notes,
     })

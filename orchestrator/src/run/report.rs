@@ -166,7 +166,7 @@ pub fn summary(r: &Report) -> String {
         ));
     }
     s.push_str(&format!(
-        "I/O share of wall clock: {:.1}%  ({:.3} s of {:.3} s; trunk + lm_head + embedding rows read {}, experts read {})\n",
+        "I/O share of wall clock: {:.1}%  ({:.3} s of {:.3} s; trunk + lm_head read {}, experts read {})\n",
         100.0 * t.io_share,
         t.io_seconds,
         t.seconds,
@@ -248,7 +248,8 @@ pub fn true_peak(
 
 /// Samples the proportional set size (PSS: shared pages split between the processes that
 /// map them, so a sum does not count an arena twice) of this process and its descendants
-/// every 50 ms, keeping the highest sum, until dropped.
+/// every 200 ms (smaps_rollup walks page tables: not free on a large arena), keeping the
+/// highest sum, until dropped.
 pub struct PssSampler {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     handle: Option<std::thread::JoinHandle<Option<u64>>>,
@@ -270,7 +271,7 @@ impl PssSampler {
                     if s2.load(std::sync::atomic::Ordering::Relaxed) {
                         return best;
                     }
-                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    std::thread::sleep(std::time::Duration::from_millis(200));
                 }
             })
             .ok();

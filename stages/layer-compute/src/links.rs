@@ -177,7 +177,7 @@ impl StagedWeights {
     }
 
     /// Counters since the last call (and reset them).
-    /// Embedding rows and lm_head chunks count with the trunk's reads.
+    /// lm_head chunks count with the trunk's reads.
     pub fn take_io(&self) -> IoCounters {
         let mut c = self.io.replace(IoCounters::default());
         if let Some(s) = &self.stream {
