@@ -14,6 +14,10 @@
 #   on trunk.bin, the ratio of the bytes to the floor max(0, S - L + 0.5 GB) (S: the bytes a
 #   token touches, from inspect: trunk + lm_head + top-k experts per MoE layer), the
 #   cgroup's peak and the report's own true peak, and the ids (they must be equal).
+# Expect the 1.5 GB rung to be refused up front (exit 2) until the trunk streams below layer
+# granularity: layer 0 of the slice (2.34 GB) needs one whole ring slot, so the slice's floor
+# is about 2.9 GB (slot + lm_head chunk buffers + 16 expert slots + state, plus the 5%
+# reserve); `inspect SLICE` prints it.
 # Needs root (cgroups, drop_caches). Environment: K3 (default target/release/k3-orch),
 # GEN (default 8), IDS (default 1,2,3,4,5,6,7,8).
 set -euo pipefail
