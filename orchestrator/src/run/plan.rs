@@ -1,8 +1,17 @@
 //! The memory plan: everything a run will hold, added up before anything is allocated.
 //!
-//! The plan is a forecast; the report's measured peak RSS is the number to quote. A plan
-//! that does not fit in MemAvailable is refused up front (exit 2) with the shortfall and
-//! the options, and so is an incremental run whose KV cache alone would not fit.
+//! One total budget (`--mem-gb`, or by default and with `--preset auto` what is available:
+//! MemAvailable capped by the room in k3's own cgroup, minus a 5% reserve) is spent to read
+//! the fewest bytes per token ([`choose`], [`spend`]): what every run holds first (state,
+//! KV, scratch, one embedding row per token: the embedding is never resident), then the
+//! trunk and the lm_head pinned by bytes saved per token (the lm_head streams in chunks when
+//! pinning it would read more), the expert cache last. `--preset NAME`, `--trunk-gb` and
+//! `--cache-gb` override parts, left to right ([`resolve`]).
+//!
+//! The plan is a forecast; the report's measured true peak (the stage cgroups' peaks, or
+//! the sampled PSS) is the number to quote. A plan that does not fit its total or what is
+//! available is refused up front (exit 2) with the shortfall and the options, and so is an
+//! incremental run whose KV cache alone would not fit.
 
 use serde::Serialize;
 
