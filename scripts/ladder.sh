@@ -17,17 +17,17 @@ mkdir -p "$WORK"
 [ -f "$WORK/slice/config.json" ] || "$BIN" synth --shape slice --seed 7 "$WORK/slice"
 [ -f "$WORK/trunk/trunk.json" ] || "$BIN" pack-trunk "$WORK/slice" "$WORK/trunk"
 if [ -z "$RUNGS" ]; then
-  # From one ring slot of the largest layer to the whole trunk plus every expert.
-  RUNGS=$(python3 - "$WORK/trunk/trunk.json" <<'PY'
-import json, sys
-m = json.load(open(sys.argv[1]))
-slot = m["max_run"] / 1e9 + 0.01
-total = m["total_bytes"] / 1e9
-top = total + 1.2
-rungs = [slot + (top - slot) * i / 7 for i in range(8)]
-print(",".join(f"{r:.3f}" for r in rungs))
-PY
-)
+  # Rungs are --mem-gb totals for the whole run: from just above inspect's streaming floor
+  # to the top row of its one-total-budget table (everything pinned, every expert cached).
+  RUNGS=$("$BIN" inspect "$WORK/slice" | python3 -c '
+import re, sys
+t = sys.stdin.read()
+floor = float(re.search(r"streaming floor: ([0-9.]+) GB", t).group(1))
+rows = [float(m) for m in re.findall(r"^\s+([0-9.]+) GB\s+\d+/\d+", t, re.M)]
+top = max(rows)
+lo = floor * 1.02
+print(",".join(f"{lo + (top - lo) * i / 7:.3f}" for i in range(8)))
+')
 fi
 "$BIN" ladder "$WORK/slice" --trunk "$WORK/trunk" --ids 1,2,3,4 --gen 4 \
   --rungs-gb "$RUNGS" --out "$WORK/out"

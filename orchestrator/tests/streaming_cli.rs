@@ -51,6 +51,30 @@ fn sim_cache_reprints_the_seed_table() {
     assert!(text.contains("90.00% hit rate for ANY policy"));
 }
 
+/// `--other-read-gb` adds the plan's trunk + lm_head reads to every row: at 8 GB the seed's
+/// 16.47 GB/token of expert misses plus 2.5 GB is 18.97 GB, 15.38 s at 1233.6 MB/s.
+#[test]
+fn sim_cache_adds_the_plans_other_reads() {
+    let out = k3()
+        .args(["sim-cache", "--sizes-gb", "8", "--other-read-gb", "2.5"])
+        .arg(fixture("seed/expert_trace.bin"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let rows: Vec<String> = text
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    assert!(rows.iter().any(|l| l == "8 GB 16.47 18.97 15.38"), "{text}");
+    let bad = k3()
+        .args(["sim-cache", "--other-read-gb", "-1"])
+        .arg(fixture("seed/expert_trace.bin"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
+
 #[test]
 fn sim_cache_extra_policies_and_errors() {
     let out = k3()

@@ -116,3 +116,58 @@ fn errors() {
     assert_eq!(code, 1);
     assert!(err.contains("/nonexistent/k3"), "{err}");
 }
+
+/// `synth --shape released --headers-only` writes the released set (with its config) and
+/// `inspect` plans one total budget over it. The streaming floor no longer carries the
+/// embedding and lm_head (4.70 GB resident in the seed's 7.06/8.24 GB floors): it is at most
+/// one ring slot (layer 0, 2.34 GB) plus the lm_head's chunk buffers, 16 expert slots, the
+/// state and a short context. Catches a floor that still counts the embedding or the whole
+/// lm_head, and `--shape released` without `--headers-only` (1.45 TB of weights) accepted.
+#[test]
+fn released_headers_only_and_the_budget_table() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("released");
+    let out = k3_ok(&[
+        "synth",
+        "--shape",
+        "released",
+        "--headers-only",
+        d.to_str().unwrap(),
+    ]);
+    assert!(out.contains("497220 tensors"), "{out}");
+    assert!(d.join("config.json").exists());
+    let full = tmp.path().join("full");
+    let (code, _, _) = k3(&["synth", "--shape", "released", full.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    let (code, _, _) = k3(&[
+        "synth",
+        "--shape",
+        "released",
+        "--headers-only",
+        d.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "a non-empty OUT_DIR needs --force");
+    let out = k3_ok(&["inspect", d.to_str().unwrap()]);
+    let line = out
+        .lines()
+        .find(|l| l.contains("streaming floor:"))
+        .unwrap_or_else(|| panic!("no floor line\n{out}"));
+    let gb: f64 = line
+        .split("streaming floor:")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        gb < 4.0,
+        "floor {gb} GB still holds the embedding or lm_head:\n{out}"
+    );
+    assert!(
+        gb > 2.34,
+        "floor {gb} GB below the one ring slot it needs:\n{out}"
+    );
+    assert!(out.contains("streamed"), "{out}");
+}

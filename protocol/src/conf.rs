@@ -104,4 +104,8 @@ pub struct ComputeConf {
     /// Stop generation at these ids (empty for the tiny models, which have no tokenizer).
     pub stop_ids: Vec<u32>,
     pub record_dir: Option<PathBuf>,
+    /// Stream the lm_head in chunks of about this many bytes (the memory plan did not pin
+    /// it); None: it stays mapped and held. The embedding is always read row by row.
+    #[serde(default)]
+    pub lm_head_chunk_bytes: Option<u64>,
 }

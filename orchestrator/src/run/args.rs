@@ -20,6 +20,8 @@ pub enum MemFlag {
     Preset(String),
     TrunkGb(f64),
     CacheGb(f64),
+    /// `--mem-gb`: one total budget for the whole run (issue 11).
+    MemGb(f64),
 }
 
 /// Sampling options as given; greedy when no sampling flag is given (see
@@ -154,6 +156,8 @@ prompt (exactly one):
 memory (applied left to right; a later flag wins):
   --preset NAME          laptop|desktop|workstation|server|max|auto (sets both budgets)
   --trunk DIR            the packed trunk (pack-trunk); without it the trunk is loaded whole
+  --mem-gb X             one total budget for the whole run, spent to read the fewest bytes
+                         per token (default: MemAvailable/cgroup room minus a 5% reserve)
   --trunk-gb X           budget for pinned trunk layers plus the streaming ring
   --cache-gb X           budget for the routed-expert cache
 generation:
@@ -298,6 +302,7 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
             "--trunk" => a.trunk = Some(PathBuf::from(val(&mut i)?)),
             "--trunk-gb" => a.mem.push(MemFlag::TrunkGb(gb(&val(&mut i)?, flag)?)),
             "--cache-gb" => a.mem.push(MemFlag::CacheGb(gb(&val(&mut i)?, flag)?)),
+            "--mem-gb" => a.mem.push(MemFlag::MemGb(gb(&val(&mut i)?, flag)?)),
             "--gen" | "-n" | "--n-predict" => {
                 let n: usize = num(&val(&mut i)?, flag)?;
                 if n == 0 || n > MAX_GEN {

@@ -4,15 +4,23 @@
 use std::collections::HashMap;
 
 use k3_model::catalog::Catalog;
-use k3_model::classify::{classify, split_expert, split_layer, TensorClass};
+use k3_model::classify::{classify, model_tensor, split_expert, split_layer, TensorClass, LM_HEAD};
 use k3_model::config::{LayerKind, ModelConfig};
 
 /// Sizes of the bound layers.
 pub struct Census {
     /// Per bound layer, bytes of its trunk tensors.
     pub layer_bytes: Vec<u64>,
+    /// Per bound layer, what the trunk-loader's resident region gives it: each tensor
+    /// rounded up to 64 bytes, the layer to a 4096-byte page (its `setup_resident` layout).
+    pub layer_resident_bytes: Vec<u64>,
     /// Model-level tensors: embeddings, lm_head, final norms.
     pub model_bytes: u64,
+    /// Of which the token embedding and the lm_head.
+    pub embed_bytes: u64,
+    pub lm_head_bytes: u64,
+    /// Bytes of one embedding row (hidden x dtype size).
+    pub embed_row_bytes: u64,
     /// The largest file span of one routed expert.
     pub max_expert_span: u64,
     /// Routed experts in the bound layers.
@@ -25,7 +33,10 @@ pub struct Census {
 /// Count the first `layers` layers of `cat`.
 pub fn census(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> Census {
     let mut layer_bytes = vec![0u64; layers];
+    let mut layer_resident_bytes = vec![0u64; layers];
     let mut model_bytes = 0u64;
+    let (mut embed_bytes, mut lm_head_bytes, mut embed_row_bytes) = (0u64, 0u64, 0u64);
+    let embed_name = model_tensor("embed_tokens.weight");
     let mut spans: HashMap<(usize, usize), (u64, u64)> = HashMap::new();
     for (name, e) in cat.iter() {
         if classify(name.as_str()) == TensorClass::Vision {
@@ -41,9 +52,16 @@ pub fn census(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> Census {
                 s.1 = s.1.max(e.end());
             } else {
                 layer_bytes[l] += e.len;
+                layer_resident_bytes[l] += e.len.div_ceil(64) * 64;
             }
         } else if name.starts_with("language_model.") {
             model_bytes += e.len;
+            if name.as_str() == LM_HEAD {
+                lm_head_bytes += e.len;
+            } else if name.as_str() == embed_name {
+                embed_bytes += e.len;
+                embed_row_bytes = e.len / (e.shape.first().copied().unwrap_or(1).max(1) as u64);
+            }
         }
     }
     let max_expert_span = spans.values().map(|(a, b)| b - a).max().unwrap_or(0);
@@ -63,9 +81,16 @@ pub fn census(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> Census {
         * (cfg.kv_lora_rank as u64
             + cfg.qk_rope_head_dim as u64
             + h * (cfg.qk_nope_head_dim + cfg.v_head_dim) as u64);
+    for b in &mut layer_resident_bytes {
+        *b = b.div_ceil(4096) * 4096;
+    }
     Census {
         layer_bytes,
+        layer_resident_bytes,
         model_bytes,
+        embed_bytes,
+        lm_head_bytes,
+        embed_row_bytes,
         max_expert_span,
         n_experts: spans.len() as u64,
         kda_state_bytes,

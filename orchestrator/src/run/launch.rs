@@ -355,7 +355,17 @@ fn budget_override(value: Option<String>, armed: bool) -> Result<Option<BudgetOv
 
 fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>), RunError> {
     let mp = &plan.memory;
-    let headroom = 256u64 << 20;
+    // Each stage's cgroup gets its plan items plus headroom for what the plan cannot count
+    // exactly (heap growth, page tables). Under one total budget (`--mem-gb`, auto, the
+    // default) the headroom comes out of what the plan left of the limit (the reserve, at
+    // least), so the stage limits add up to the limit rather than to it plus 1.8 GB.
+    let (headroom, extra) = match plan.limit {
+        Some(t) => {
+            let slack = t.saturating_sub(mp.total_bytes) / 5;
+            (slack.clamp(8 << 20, 256 << 20), slack.min(512 << 20))
+        }
+        None => (256u64 << 20, 512u64 << 20),
+    };
     let mut budgets = HashMap::new();
     budgets.insert(
         Stage::TrunkLoader,
@@ -367,9 +377,9 @@ fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>)
     );
     budgets.insert(
         Stage::LayerCompute,
-        mp.stage_bytes("layer-compute") + headroom + (512u64 << 20),
+        mp.stage_bytes("layer-compute") + headroom + extra,
     );
-    budgets.insert(Stage::Tokenizer, headroom + (256u64 << 20));
+    budgets.insert(Stage::Tokenizer, headroom + extra.min(256 << 20));
     let hook = budget_override(
         std::env::var(BUDGET_OVERRIDE_ENV).ok(),
         std::env::var(TEST_HOOKS_ENV).as_deref() == Ok("1"),
@@ -450,6 +460,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
             io_timeout_s: a.stage_timeout_s,
             stop_ids: c.stop_ids.clone(),
             record_dir: a.record.clone(),
+            lm_head_chunk_bytes: c.plan.lm_head_chunk_bytes,
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),

@@ -115,6 +115,7 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
         stop_ids,
     };
     let t0 = Instant::now();
+    let pss_sampler = report::PssSampler::start();
     let (mode, g) = if a.single_process {
         ("single-process", launch::single_process(&common)?)
     } else {
@@ -124,8 +125,9 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
         )
     };
     let seconds = t0.elapsed().as_secs_f64();
+    let pss = pss_sampler.finish();
     let failures = g.expert_failures;
-    let rep = build_report(a, mode, g, plan, seconds, &sampler);
+    let rep = build_report(a, mode, g, plan, seconds, &sampler, pss);
     // The text was streamed to stdout as it decoded; without a tokenizer the ids are the
     // output. The rest is diagnostics (stderr, dropped by --quiet).
     let ids_line = rep
@@ -248,6 +250,7 @@ fn build_report(
     plan: plan::RunPlan,
     seconds: f64,
     sampler: &SamplerConfig,
+    pss: Option<u64>,
 ) -> Report {
     let step_reports: Vec<StepReport> = g.steps.iter().map(report::to_step_report).collect();
     let mut totals = Totals {
@@ -277,13 +280,18 @@ fn build_report(
     for st in &g.stages {
         peaks.insert(st.name.clone(), st.peak_rss_bytes);
     }
-    peaks.insert(
-        "orchestrator".into(),
-        crate::supervise::spawn::self_peak_rss(),
-    );
-    let total: u64 = peaks.values().sum();
-    peaks.insert("total".into(), total);
+    let own = crate::supervise::spawn::self_peak_rss();
+    peaks.insert("orchestrator".into(), own);
     totals.peak_rss_bytes = peaks;
+    // In-process modes have one process: its peak RSS is the run's peak.
+    let (peak, source) = if g.stages.is_empty() || mode == "inproc" {
+        (Some(own), "the one process's peak RSS".to_string())
+    } else {
+        report::true_peak(&g.stages, own, pss)
+    };
+    totals.peak_bytes = peak;
+    totals.peak_source = source;
+    totals.peak_pss_bytes = pss;
     let text = g
         .text
         .as_ref()

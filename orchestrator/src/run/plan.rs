@@ -1,8 +1,17 @@
 //! The memory plan: everything a run will hold, added up before anything is allocated.
 //!
-//! The plan is a forecast; the report's measured peak RSS is the number to quote. A plan
-//! that does not fit in MemAvailable is refused up front (exit 2) with the shortfall and
-//! the options, and so is an incremental run whose KV cache alone would not fit.
+//! One total budget (`--mem-gb`, or by default and with `--preset auto` what is available:
+//! MemAvailable capped by the room in k3's own cgroup, minus a 5% reserve) is spent to read
+//! the fewest bytes per token ([`choose`], [`spend`]): what every run holds first (state,
+//! KV, scratch, one embedding row per token: the embedding is never resident), then the
+//! trunk and the lm_head pinned by bytes saved per token (the lm_head streams in chunks when
+//! pinning it would read more), the expert cache last. `--preset NAME`, `--trunk-gb` and
+//! `--cache-gb` override parts, left to right ([`resolve`]).
+//!
+//! The plan is a forecast; the report's measured true peak (the stage cgroups' peaks, or
+//! the sampled PSS) is the number to quote. A plan that does not fit its total or what is
+//! available is refused up front (exit 2) with the shortfall and the options, and so is an
+//! incremental run whose KV cache alone would not fit.
 
 use serde::Serialize;
 
@@ -31,6 +40,11 @@ pub struct MemoryPlan {
     pub items: Vec<PlanItem>,
     pub total_bytes: u64,
     pub available_bytes: Option<u64>,
+    /// The whole run's budget (`--mem-gb`, `auto` or the default), when there is one.
+    pub total_budget_bytes: Option<u64>,
+    /// Bytes read per token outside the expert cache: trunk layers not pinned and a streamed
+    /// lm_head (0 when both are held).
+    pub streamed_bytes_per_token: u64,
 }
 
 impl MemoryPlan {
@@ -42,6 +56,8 @@ impl MemoryPlan {
             items: Vec::new(),
             total_bytes: 0,
             available_bytes: None,
+            total_budget_bytes: None,
+            streamed_bytes_per_token: 0,
         }
     }
 
@@ -65,10 +81,26 @@ impl MemoryPlan {
 
     /// Refuse when the plan exceeds 95% of what the machine has available.
     pub fn check(&self) -> Result<(), String> {
+        if let Some(b) = self.total_budget_bytes {
+            if self.total_bytes > b {
+                return Err(format!(
+                    "REFUSING TO START: this needs {} and the budget is {}, a shortfall of {}.\n\
+                     Options: a larger --mem-gb, smaller --trunk-gb/--cache-gb, fewer --layers.",
+                    human(self.total_bytes),
+                    human(b),
+                    human(self.total_bytes - b)
+                ));
+            }
+        }
         let Some(have) = self.available_bytes else {
             return Ok(());
         };
-        let limit = have as f64 * 0.95;
+        // A total already left its reserve; otherwise keep 5% of what is available.
+        let limit = if self.total_budget_bytes.is_some() {
+            have as f64
+        } else {
+            have as f64 * 0.95
+        };
         if self.total_bytes as f64 > limit {
             return Err(format!(
                 "REFUSING TO START: this needs {} and the machine has {} available (MemAvailable, capped by\n\
@@ -99,6 +131,9 @@ impl MemoryPlan {
             "TOTAL",
             human(self.total_bytes)
         ));
+        if let Some(b) = self.total_budget_bytes {
+            s.push_str(&format!("  {:<22} {:>10}\n", "budget", human(b)));
+        }
         if let Some(a) = self.available_bytes {
             s.push_str(&format!("  {:<22} {:>10}\n", "available", human(a)));
         }
@@ -235,52 +270,231 @@ pub fn cgroup_room() -> Option<u64> {
     room
 }
 
-/// Default budgets when no memory flag is given (the seed's defaults).
-pub const DEFAULT_TRUNK_GB: f64 = 16.0;
-pub const DEFAULT_CACHE_GB: f64 = 64.0;
+/// The reserve a total leaves unplanned: 5% of what is available (default, `auto`) or of
+/// `--mem-gb`, for the page tables, allocator slack, page cache and the kernel.
+pub const RESERVE_SHARE: f64 = 0.05;
 
-/// Resolve the memory flags left to right into (trunk, cache) bytes and the preset named.
-pub fn budgets(
-    a: &GenArgs,
-    trunk_total: u64,
-    expert_size: u64,
-    other: u64,
-) -> Result<(u64, u64, Option<String>), String> {
+/// What a total budget is spent on, and what is fixed before it is spent.
+#[derive(Clone, Debug)]
+pub struct Spend {
+    /// The whole run's budget (`--mem-gb`, or available minus the reserve).
+    pub total: u64,
+    /// Everything the trunk, the lm_head and the cache do not cover: state, KV, embedding
+    /// rows, norms, scratch, the stage processes.
+    pub fixed: u64,
+    /// Bytes the whole trunk takes pinned (its packed, page-rounded runs; resident: its
+    /// region).
+    pub trunk_need: u64,
+    /// The lm_head's bytes (always held by compute).
+    pub lm_head: u64,
+    /// One expert arena slot; the fewest slots a run needs; the most it can use.
+    pub expert_slot: u64,
+    pub min_slots: u64,
+    pub max_slots: u64,
+}
+
+/// A total budget spent to read the fewest bytes per token: the fixed part and the lm_head
+/// first (compute holds them), the trunk next (a pinned GB removes a GB of certain reads per
+/// token), the expert cache last (it pays only past its knee), keeping at least one batch
+/// of expert slots (16 when there is room). An explicit `--trunk-gb`/`--cache-gb` fixes its
+/// part and the other gets what is left. Returns (trunk, cache) or why it cannot fit.
+pub fn spend(
+    s: &Spend,
+    trunk_over: Option<u64>,
+    cache_over: Option<u64>,
+) -> Result<(u64, u64), String> {
+    let held = s.fixed + s.lm_head;
+    let min_cache = s.min_slots.max(1) * s.expert_slot;
+    let left = s.total.checked_sub(held + min_cache).ok_or_else(|| {
+        format!(
+            "a total of {} cannot hold what every run needs: {} (state, KV, embedding rows, \
+             norms, scratch, stage processes), the lm_head {} and one batch of expert slots {}: \
+             a shortfall of {}",
+            human(s.total),
+            human(s.fixed),
+            human(s.lm_head),
+            human(min_cache),
+            human(held + min_cache - s.total)
+        )
+    })?;
+    let left = left + min_cache;
+    let (t, c) = match (trunk_over, cache_over) {
+        (Some(t), Some(c)) => (t, c),
+        (Some(t), None) => (t, left.saturating_sub(t)),
+        (None, Some(c)) => (left.saturating_sub(c), c),
+        (None, None) => {
+            // Trunk first; the cache keeps a batch, 16 slots when there is room for them.
+            let keep = if left >= s.trunk_need + 16 * s.expert_slot || left >= 32 * s.expert_slot {
+                (16.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
+            } else {
+                min_cache
+            };
+            let t = left.saturating_sub(keep).min(s.trunk_need);
+            (t, left - t)
+        }
+    };
+    // The cache never needs more slots than there are experts.
+    let c = c.min(s.max_slots.max(1) * s.expert_slot).max(min_cache);
+    Ok((t, c))
+}
+
+/// A total spent: the parts, whether the lm_head is pinned, and the bytes read per token
+/// outside the expert cache (streamed trunk layers, a streamed lm_head).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub trunk: u64,
+    pub cache: u64,
+    pub head_pinned: bool,
+    pub read_per_token: u64,
+}
+
+/// Spend a total both ways — lm_head pinned (held whole) or streamed (two chunk buffers) —
+/// and take the one that reads the fewest bytes per token, pinned on a tie. `runs`: the
+/// packed trunk (None: resident, its bytes fixed by `trunk_over`).
+pub fn choose(
+    s: &Spend,
+    runs: Option<&[k3_trunk_loader::LayerRun]>,
+    trunk_over: Option<u64>,
+    cache_over: Option<u64>,
+) -> Result<Choice, String> {
+    let mut pick: Option<Choice> = None;
+    let mut first_err = None;
+    for pinned in [true, false] {
+        let sp = Spend {
+            lm_head: if pinned {
+                s.lm_head
+            } else {
+                lm_head_stream_bytes(s.lm_head)
+            },
+            ..s.clone()
+        };
+        let (t, c) = match spend(&sp, trunk_over, cache_over) {
+            Ok(x) => x,
+            Err(e) => {
+                first_err.get_or_insert(e);
+                continue;
+            }
+        };
+        let trunk_read = match runs {
+            Some(r) => match k3_trunk_loader::plan(t, r, k3_trunk_loader::RingPolicy::default()) {
+                Ok(tp) => r[tp.pinned..].iter().map(|x| x.len).sum::<u64>(),
+                Err(e) => {
+                    first_err.get_or_insert(e.to_string());
+                    continue;
+                }
+            },
+            None => 0,
+        };
+        let read = trunk_read + if pinned { 0 } else { s.lm_head };
+        if pick.is_none_or(|p| read < p.read_per_token) {
+            pick = Some(Choice {
+                trunk: t,
+                cache: c,
+                head_pinned: pinned,
+                read_per_token: read,
+            });
+        }
+    }
+    pick.ok_or_else(|| first_err.unwrap_or_default())
+}
+
+/// The memory flags, resolved left to right.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Resolved {
+    /// A total to spend (`--mem-gb`, `--preset auto`, or the default); None after a named
+    /// preset.
+    pub total: Option<u64>,
+    pub trunk: Option<u64>,
+    pub cache: Option<u64>,
+    pub preset: Option<String>,
+    /// Where the total came from, for the plan's first line.
+    pub source: String,
+    /// The limit before the reserve (`--mem-gb`, or what is available).
+    pub limit: Option<u64>,
+}
+
+/// Memory the default and `auto` spend: available (MemAvailable capped by the cgroup k3
+/// runs in) minus the reserve.
+pub fn default_total() -> Result<(u64, u64), String> {
+    let avail = mem_available()
+        .ok_or("cannot read MemAvailable from /proc/meminfo; give the budget with --mem-gb")?;
+    Ok((avail - (avail as f64 * RESERVE_SHARE) as u64, avail))
+}
+
+/// Resolve the memory flags left to right: `--mem-gb` and `--preset auto` set a total (and
+/// clear earlier part budgets), a named preset sets both parts (and clears the total),
+/// `--trunk-gb`/`--cache-gb` fix one part. No flag: the default total.
+pub fn resolve(
+    flags: &[MemFlag],
+    default_total: impl Fn() -> Result<(u64, u64), String>,
+) -> Result<Resolved, String> {
     let presets = k3_trunk_loader::Presets::builtin();
-    let gb = |x: f64| (x * GB) as u64;
-    let (mut t, mut c) = (gb(DEFAULT_TRUNK_GB), gb(DEFAULT_CACHE_GB));
-    let mut preset = None;
-    for f in &a.mem {
+    let gb = |x: f64| k3_trunk_loader::presets::gb_to_bytes(x);
+    let mut r = Resolved {
+        total: None,
+        trunk: None,
+        cache: None,
+        preset: None,
+        source: String::new(),
+        limit: None,
+    };
+    let from_available = |r: &mut Resolved, what: &str| -> Result<(), String> {
+        let (t, avail) = default_total()?;
+        r.total = Some(t);
+        r.limit = Some(avail);
+        r.source = format!(
+            "{what}: {} available (MemAvailable, capped by the cgroup k3 runs in) minus a {:.0}% reserve",
+            human(avail),
+            100.0 * RESERVE_SHARE
+        );
+        Ok(())
+    };
+    // Part budgets alone override parts of the default total; without MemAvailable they
+    // fall back on the seed's fixed defaults.
+    if !flags
+        .iter()
+        .any(|f| matches!(f, MemFlag::MemGb(_) | MemFlag::Preset(_)))
+        && from_available(&mut r, "default").is_err()
+    {
+        r.source = format!(
+            "the fixed defaults ({DEFAULT_TRUNK_GB} GB trunk, {DEFAULT_CACHE_GB} GB cache): MemAvailable is unreadable"
+        );
+    }
+    for f in flags {
         match f {
+            MemFlag::MemGb(x) => {
+                // The reserve comes out of the total, so `--mem-gb L` runs inside a cgroup
+                // of L: the plan spends L minus the reserve.
+                r.total = Some(gb(*x) - (gb(*x) as f64 * RESERVE_SHARE) as u64);
+                r.limit = Some(gb(*x));
+                r.source = format!("--mem-gb {x} minus a {:.0}% reserve", 100.0 * RESERVE_SHARE);
+                (r.trunk, r.cache, r.preset) = (None, None, None);
+            }
             MemFlag::Preset(p) if p == "auto" => {
-                // 95% of what is available (the plan refuses above that), cgroup included.
-                let avail = mem_available()
-                    .ok_or("--preset auto: cannot read MemAvailable from /proc/meminfo")?;
-                let spendable = (avail as f64 * 0.95) as u64;
-                let b = k3_trunk_loader::presets::auto(
-                    spendable.saturating_sub(other),
-                    trunk_total,
-                    expert_size,
-                );
-                t = b.trunk_bytes;
-                c = b.cache_bytes;
-                preset = Some("auto".to_string());
+                from_available(&mut r, "--preset auto")?;
+                (r.trunk, r.cache) = (None, None);
+                r.preset = Some("auto".into());
             }
             MemFlag::Preset(p) => {
                 let b = presets
                     .get(p)
                     .ok_or_else(|| format!("--preset: unknown preset '{p}' ({})", presets.names()))?
                     .budgets();
-                t = b.trunk_bytes;
-                c = b.cache_bytes;
-                preset = Some(p.clone());
+                (r.trunk, r.cache, r.total) = (Some(b.trunk_bytes), Some(b.cache_bytes), None);
+                r.limit = None;
+                r.preset = Some(p.clone());
+                r.source = format!("--preset {p}");
             }
-            MemFlag::TrunkGb(x) => t = gb(*x),
-            MemFlag::CacheGb(x) => c = gb(*x),
+            MemFlag::TrunkGb(x) => r.trunk = Some(gb(*x)),
+            MemFlag::CacheGb(x) => r.cache = Some(gb(*x)),
         }
     }
-    Ok((t, c, preset))
+    Ok(r)
 }
+
+/// Budgets of the seed's default, used when only one part is given without a total.
+pub const DEFAULT_TRUNK_GB: f64 = 16.0;
+pub const DEFAULT_CACHE_GB: f64 = 64.0;
 
 /// A run's plan: the memory plan and what the stages are sized by.
 pub struct RunPlan {
@@ -292,8 +506,59 @@ pub struct RunPlan {
     pub min_slots: usize,
     /// Experts in the bound layers (more slots would never be used).
     pub max_slots: usize,
+    /// The whole run's budget when one was given or derived (`--mem-gb`, auto, default).
+    pub total_budget: Option<u64>,
+    /// The whole run's limit the total came from (`--mem-gb`, or what is available), its
+    /// reserve included: the stages' cgroup headroom comes out of `limit - plan`.
+    pub limit: Option<u64>,
+    /// Stream the lm_head in chunks of this many bytes (None: pinned, held by compute).
+    pub lm_head_chunk_bytes: Option<u64>,
     /// Lines printed under the plan.
     pub notes: Vec<String>,
+}
+
+/// Scratch compute allocates beside the plan items: activations (a few dozen hidden-size
+/// rows per token), logits (vocab per row) and the worker threads' stacks (4 MiB).
+pub fn compute_scratch(cfg: &ModelConfig, pass_tokens: u64) -> u64 {
+    let t = pass_tokens.max(1);
+    t * (cfg.hidden_size as u64 * 4 * 32 + cfg.vocab_size as u64 * 4) + (4 << 20)
+}
+
+/// The lm_head chunk when it streams: a sixteenth of it, at most 32 MiB, at least a page.
+/// Compute holds two (one multiplied while the next is read).
+pub fn lm_head_chunk(lm_head: u64) -> u64 {
+    (lm_head / 16).clamp(4096, 32 << 20).min(lm_head.max(1))
+}
+
+/// What compute holds for a streamed lm_head: two chunk buffers, page-rounded, plus a page.
+pub fn lm_head_stream_bytes(lm_head: u64) -> u64 {
+    2 * (lm_head_chunk(lm_head).div_ceil(4096) * 4096 + 4096)
+}
+
+/// Test hook: `K3_LM_HEAD_CHUNK_BYTES=N` (with `K3_TEST_HOOKS=1`) streams the lm_head in
+/// chunks of N bytes whatever the plan decides.
+pub const LM_HEAD_CHUNK_ENV: &str = "K3_LM_HEAD_CHUNK_BYTES";
+
+/// Trunk runs of a packed trunk, for the bound layers.
+fn packed_runs(
+    dir: &std::path::Path,
+    layers: usize,
+) -> Result<Vec<k3_trunk_loader::LayerRun>, String> {
+    let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| e.to_string())?;
+    if m.layers.len() < layers {
+        return Err(format!(
+            "--trunk {}: it holds {} layers, the run binds {layers}",
+            dir.display(),
+            m.layers.len()
+        ));
+    }
+    Ok(m.layers[..layers]
+        .iter()
+        .map(|l| k3_trunk_loader::LayerRun {
+            offset: l.offset,
+            len: l.padded_length,
+        })
+        .collect())
 }
 
 /// Add up everything the run will hold and refuse up front what cannot fit.
@@ -304,59 +569,21 @@ pub fn plan_run(
     layers: usize,
 ) -> Result<RunPlan, RunError> {
     let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
-    let trunk_total: u64 = cen.layer_bytes.iter().sum();
     let expert_slot = k3_io::slot_bytes_for(cen.max_expert_span.max(1));
     let topk = cfg.num_experts_per_token;
-    let other = cen.model_bytes + cen.kda_state_bytes;
-    let (trunk_budget, cache_budget, preset) =
-        budgets(a, trunk_total, expert_slot, other).map_err(usage)?;
-    let mut notes = Vec::new();
-    let mut mp = MemoryPlan::new(trunk_budget, cache_budget, a.trunk.is_some());
-    match &a.trunk {
-        Some(dir) => {
-            let m =
-                k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| usage(e.to_string()))?;
-            if m.layers.len() < layers {
-                return Err(usage(format!(
-                    "--trunk {}: it holds {} layers, the run binds {layers}",
-                    dir.display(),
-                    m.layers.len()
-                )));
-            }
-            let runs: Vec<k3_trunk_loader::LayerRun> = m.layers[..layers]
-                .iter()
-                .map(|l| k3_trunk_loader::LayerRun {
-                    offset: l.offset,
-                    len: l.padded_length,
-                })
-                .collect();
-            let tp =
-                k3_trunk_loader::plan(trunk_budget, &runs, k3_trunk_loader::RingPolicy::default())
-                    .map_err(|e| usage(e.to_string()))?;
-            mp.add(
-                &format!("trunk ({}/{} pinned)", tp.pinned, tp.layers),
-                "trunk-loader",
-                tp.bytes(),
-            );
-            notes.push(format!(
-                "trunk streamed: {}/{} layers pinned, ring {} x {}; deterministic hit rate {:.1}%",
-                tp.pinned,
-                tp.layers,
-                tp.ring_slots,
-                human(tp.slot_bytes),
-                100.0 * tp.hit_rate()
-            ));
-        }
-        None => {
-            mp.add("trunk (resident)", "trunk-loader", trunk_total);
-            if !a.mem.is_empty() {
-                notes.push(
-                    "--trunk was not given: the trunk is loaded whole, whatever --trunk-gb says"
-                        .into(),
-                );
-            }
-        }
-    }
+    let runs = match &a.trunk {
+        Some(dir) => Some(packed_runs(dir, layers).map_err(usage)?),
+        None => None,
+    };
+    // What pinning the whole trunk takes: the packed, page-rounded runs the trunk-loader
+    // allocates (not the census sum of tensor bytes, which is smaller: `--preset auto` sized
+    // from it pinned 11 of 13 layers of a tiny model with gigabytes free), or the resident
+    // region's layout.
+    let trunk_need: u64 = match &runs {
+        Some(r) => r.iter().map(|r| r.footprint()).sum(),
+        None => cen.layer_resident_bytes.iter().sum(),
+    };
+    let res = resolve(&a.mem, default_total).map_err(usage)?;
     // One request batch (the union of a layer's experts over the tokens of a pass) must fit
     // in the arena at once: the fetcher publishes a batch's experts into distinct slots and
     // compute reads them in place, so a smaller arena would recycle a slot still being read.
@@ -380,43 +607,177 @@ pub fn plan_run(
     let batch_slots = (max_pass_tokens * topk as u64)
         .min(cfg.num_experts as u64)
         .max(topk as u64);
-    // Never more slots than there are experts to hold.
-    let slots = (cache_budget / expert_slot)
-        .min(cen.n_experts)
-        .max(batch_slots);
-    mp.add("expert cache", "expert-fetcher", slots * expert_slot);
-    mp.add("embed + lm_head + norms", "layer-compute", cen.model_bytes);
-    mp.add("recurrent state", "layer-compute", cen.kda_state_bytes);
-    if !a.inproc && !a.single_process {
-        mp.add(
-            "stage processes",
-            "processes",
-            STAGE_PROCESSES as u64 * STAGE_PROCESS_BYTES,
-        );
-    }
+    let max_slots = cen.n_experts.max(topk as u64);
     // Every prompt position and every generated one is cached. For a text prompt the token
     // count is not known before the tokenizer runs; `prompt_bound` (one token per byte at
     // most, plus the chat wrapper) is an upper bound, so a request that passes here fits.
-    // (This was `gen + 1` for --prompt/--prompt-file, which ignored the prompt entirely.)
     let positions = kv_positions(prompt_bound, a.gen);
     let kv = if a.incremental {
         cen.kv_per_pos * positions as u64
     } else {
         0
     };
+    let staged = !a.inproc && !a.single_process;
+    let processes = if staged {
+        STAGE_PROCESSES as u64 * STAGE_PROCESS_BYTES
+    } else {
+        0
+    };
+    let norms = cen
+        .model_bytes
+        .saturating_sub(cen.embed_bytes + cen.lm_head_bytes);
+    let scratch = compute_scratch(cfg, max_pass_tokens);
+    // The embedding is never resident: compute reads the rows a pass needs on demand.
+    let embed_rows = (max_pass_tokens.max(1) * cen.embed_row_bytes).div_ceil(4096) * 4096;
+    let fixed = embed_rows + norms + cen.kda_state_bytes + kv + processes + scratch;
+    // The KV cache alone not fitting is said as such, before the whole plan is weighed.
+    if a.incremental {
+        check_kv(positions, cen.kv_per_pos, mem_available()).map_err(RunError::usage)?;
+    }
+    let lm = cen.lm_head_bytes;
+    let trunk_over = if runs.is_none() {
+        Some(trunk_need)
+    } else {
+        res.trunk
+    };
+    let picked = match res.total {
+        Some(total) => choose(
+            &Spend {
+                total,
+                fixed,
+                trunk_need,
+                lm_head: lm,
+                expert_slot,
+                min_slots: batch_slots,
+                max_slots,
+            },
+            runs.as_deref(),
+            trunk_over,
+            res.cache,
+        ),
+        // Named budgets without a total: the lm_head is held, as before.
+        None => Ok(Choice {
+            trunk: res
+                .trunk
+                .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_TRUNK_GB)),
+            cache: res
+                .cache
+                .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_CACHE_GB)),
+            head_pinned: true,
+            read_per_token: 0,
+        }),
+    };
+    let Choice {
+        trunk: trunk_budget,
+        cache: cache_budget,
+        head_pinned,
+        ..
+    } = picked.map_err(|e| {
+        RunError::usage(format!(
+            "REFUSING TO START ({}): {e}.\nOptions: a larger --mem-gb, fewer --layers, \
+             --trunk DIR to stream the trunk, or a machine with more memory.",
+            if res.source.is_empty() {
+                "--trunk-gb/--cache-gb"
+            } else {
+                &res.source
+            },
+        ))
+    })?;
+    let hook = std::env::var(LM_HEAD_CHUNK_ENV)
+        .ok()
+        .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&n| n > 0);
+    let lm_head_chunk_bytes = match hook {
+        Some(n) => Some(n),
+        None if head_pinned => None,
+        None => Some(lm_head_chunk(lm)),
+    };
+    let mut cache_budget = cache_budget;
+    let mut notes = Vec::new();
+    if !res.source.is_empty() {
+        notes.push(format!("budget from {}", res.source));
+    }
+    let mut mp = MemoryPlan::new(trunk_budget, cache_budget, a.trunk.is_some());
+    match &runs {
+        Some(runs) => {
+            let tp =
+                k3_trunk_loader::plan(trunk_budget, runs, k3_trunk_loader::RingPolicy::default())
+                    .map_err(|e| usage(e.to_string()))?;
+            // In a total, what the trunk plan leaves of its share goes to the cache.
+            if res.total.is_some() && res.cache.is_none() {
+                cache_budget += trunk_budget - tp.bytes();
+                mp.cache_budget_bytes = cache_budget;
+            }
+            mp.add(
+                &format!("trunk ({}/{} pinned)", tp.pinned, tp.layers),
+                "trunk-loader",
+                tp.bytes(),
+            );
+            let streamed: u64 = runs[tp.pinned..].iter().map(|r| r.len).sum();
+            mp.streamed_bytes_per_token = streamed;
+            notes.push(format!(
+                "trunk streamed: {}/{} layers pinned, ring {} x {}; deterministic hit rate {:.1}%; {} read per token",
+                tp.pinned,
+                tp.layers,
+                tp.ring_slots,
+                human(tp.slot_bytes),
+                100.0 * tp.hit_rate(),
+                human(streamed)
+            ));
+        }
+        None => {
+            mp.add("trunk (resident)", "trunk-loader", trunk_need);
+            if a.mem.iter().any(|f| !matches!(f, MemFlag::MemGb(_))) {
+                notes.push(
+                    "--trunk was not given: the trunk is loaded whole, whatever --trunk-gb says"
+                        .into(),
+                );
+            }
+        }
+    }
+    // Never more slots than there are experts to hold.
+    let slots = (cache_budget / expert_slot)
+        .min(cen.n_experts)
+        .max(batch_slots);
+    mp.add("expert cache", "expert-fetcher", slots * expert_slot);
+    match lm_head_chunk_bytes {
+        None => mp.add("lm_head (pinned)", "layer-compute", lm),
+        Some(c) => {
+            mp.add(
+                "lm_head (streamed)",
+                "layer-compute",
+                2 * (c.div_ceil(4096) * 4096 + 4096),
+            );
+            mp.streamed_bytes_per_token += lm;
+            notes.push(format!(
+                "lm_head streamed in chunks of {} ({} read per token)",
+                human(c),
+                human(lm)
+            ));
+        }
+    }
+    mp.add("embedding rows", "layer-compute", embed_rows);
+    mp.add("norms", "layer-compute", norms);
+    mp.add("recurrent state", "layer-compute", cen.kda_state_bytes);
+    mp.add("scratch", "layer-compute", scratch);
+    if staged {
+        mp.add("stage processes", "processes", processes);
+    }
     mp.add("KV cache", "layer-compute", kv);
     mp.available_bytes = mem_available();
-    if a.incremental {
-        check_kv(positions, cen.kv_per_pos, mp.available_bytes).map_err(RunError::usage)?;
-    }
+    mp.total_budget_bytes = res.total;
     mp.check().map_err(RunError::usage)?;
     Ok(RunPlan {
         memory: mp,
         trunk_budget,
         cache_budget,
-        preset,
+        preset: res.preset,
         min_slots: slots as usize,
-        max_slots: cen.n_experts.max(topk as u64) as usize,
+        max_slots: max_slots as usize,
+        total_budget: res.total,
+        limit: res.limit,
+        lm_head_chunk_bytes,
         notes,
     })
 }
@@ -444,5 +805,111 @@ mod tests {
         let e = check_kv(1000, 2_370_000, Some(1_000_000_000)).unwrap_err();
         assert!(e.contains("2.37 MB per position"), "{e}");
         assert!(check_kv(10, 2_370_000, Some(1_000_000_000)).is_ok());
+    }
+
+    fn sp(total: u64) -> Spend {
+        Spend {
+            total,
+            fixed: 100,
+            trunk_need: 1_000,
+            lm_head: 50,
+            expert_slot: 10,
+            min_slots: 2,
+            max_slots: 40,
+        }
+    }
+
+    // Trunk first, then the cache (16 slots kept when there is room), and never more cache
+    // than the experts fill. Catches a split that starves the trunk for the cache.
+    #[test]
+    fn a_total_feeds_the_trunk_first() {
+        // Room for all: the trunk whole, the cache capped at 40 slots.
+        assert_eq!(spend(&sp(10_000), None, None).unwrap(), (1_000, 400));
+        // Tight: the trunk gets all but 16 slots.
+        assert_eq!(spend(&sp(150 + 500), None, None).unwrap(), (340, 160));
+        // Tighter: all but one batch.
+        assert_eq!(spend(&sp(150 + 200), None, None).unwrap(), (180, 20));
+        // Overrides fix their part; the other gets the rest.
+        assert_eq!(spend(&sp(650), None, Some(100)).unwrap(), (400, 100));
+        assert_eq!(spend(&sp(650), Some(300), None).unwrap(), (300, 200));
+        // Below what every run holds: refused, naming the parts.
+        let e = spend(&sp(169), None, None).unwrap_err();
+        assert!(e.contains("lm_head") && e.contains("expert slots"), "{e}");
+    }
+
+    // Left to right: --mem-gb clears earlier parts, a named preset clears the total, the
+    // -gb flags override parts; no flag (or only parts) uses the available total.
+    #[test]
+    fn memory_flags_resolve_left_to_right() {
+        let avail = || Ok((9_500u64, 10_000u64));
+        let r = resolve(&[], avail).unwrap();
+        assert_eq!((r.total, r.trunk, r.cache), (Some(9_500), None, None));
+        assert!(r.source.contains("5% reserve"), "{}", r.source);
+        let r = resolve(&[MemFlag::TrunkGb(1.0), MemFlag::MemGb(2.0)], avail).unwrap();
+        assert_eq!((r.total, r.trunk), (Some(1_900_000_000), None));
+        let r = resolve(&[MemFlag::MemGb(2.0), MemFlag::CacheGb(0.5)], avail).unwrap();
+        assert_eq!((r.total, r.cache), (Some(1_900_000_000), Some(500_000_000)));
+        let r = resolve(
+            &[MemFlag::MemGb(2.0), MemFlag::Preset("laptop".into())],
+            avail,
+        )
+        .unwrap();
+        assert_eq!(
+            (r.total, r.trunk, r.cache),
+            (None, Some(3_000_000_000), Some(1_000_000_000))
+        );
+        let r = resolve(&[MemFlag::Preset("auto".into())], avail).unwrap();
+        assert_eq!((r.total, r.preset.as_deref()), (Some(9_500), Some("auto")));
+        let r = resolve(&[MemFlag::CacheGb(1.0)], avail).unwrap();
+        assert_eq!((r.total, r.cache), (Some(9_500), Some(1_000_000_000)));
+        // Without MemAvailable, parts alone fall back on the fixed defaults; auto refuses.
+        let none = || Err("no meminfo".to_string());
+        assert_eq!(resolve(&[MemFlag::TrunkGb(1.0)], none).unwrap().total, None);
+        assert!(resolve(&[MemFlag::Preset("auto".into())], none).is_err());
+    }
+
+    // A plan over the total budget is refused with the shortfall.
+    #[test]
+    fn refuses_over_the_total_budget() {
+        let mut p = MemoryPlan::new(0, 0, true);
+        p.add("trunk", "trunk-loader", 3_000);
+        p.total_budget_bytes = Some(2_000);
+        let e = p.check().unwrap_err();
+        assert!(
+            e.contains("budget is 2.00 KB") && e.contains("shortfall"),
+            "{e}"
+        );
+        p.total_budget_bytes = Some(3_000);
+        assert!(p.check().is_ok());
+    }
+
+    // The lm_head is pinned when that reads least, streamed when only streaming fits (a
+    // 1.5 GB run of the slice cannot hold its 2.35 GB lm_head).
+    #[test]
+    fn the_lm_head_streams_only_when_that_reads_less_or_alone_fits() {
+        const P: u64 = 4096;
+        let runs: Vec<k3_trunk_loader::LayerRun> = (0..4)
+            .map(|i| k3_trunk_loader::LayerRun {
+                offset: i * 10 * P,
+                len: 10 * P,
+            })
+            .collect();
+        let s = |total| Spend {
+            total,
+            fixed: 0,
+            trunk_need: 40 * P,
+            lm_head: 50 * P,
+            expert_slot: P,
+            min_slots: 1,
+            max_slots: 1,
+        };
+        assert_eq!(lm_head_stream_bytes(50 * P), 10 * P);
+        let c = choose(&s(62 * P), Some(&runs), None, None).unwrap();
+        assert!(c.head_pinned, "{c:?}");
+        assert_eq!(c.read_per_token, 40 * P);
+        let c = choose(&s(45 * P), Some(&runs), None, None).unwrap();
+        assert!(!c.head_pinned, "{c:?}");
+        assert_eq!((c.trunk, c.read_per_token), (34 * P, 20 * P + 50 * P));
+        assert!(choose(&s(20 * P), Some(&runs), None, None).is_err());
     }
 }

@@ -58,7 +58,17 @@ pub struct Totals {
     pub tokens: usize,
     pub seconds: f64,
     pub s_per_token: f64,
+    /// Per process, its own peak RSS. Each counts the shared arenas it maps (compute maps
+    /// the trunk and expert arenas the loaders own), so these do NOT add up to the run's use.
     pub peak_rss_bytes: std::collections::BTreeMap<String, u64>,
+    /// The run's true peak: the sum of the stage cgroups' peaks plus the orchestrator's RSS
+    /// where every stage had a cgroup, else the highest sampled sum of PSS over the
+    /// orchestrator and its descendants. None when neither could be measured.
+    pub peak_bytes: Option<u64>,
+    /// How `peak_bytes` was measured.
+    pub peak_source: String,
+    /// The highest sampled PSS sum (also when the cgroup peaks are the headline).
+    pub peak_pss_bytes: Option<u64>,
     pub io_seconds: f64,
     pub io_share: f64,
     pub trunk_read_bytes: u64,
@@ -177,7 +187,7 @@ pub fn summary(r: &Report) -> String {
         ));
     }
     s.push_str(&format!(
-        "I/O share of wall clock: {:.1}%  ({:.3} s of {:.3} s; trunk read {}, experts read {})\n",
+        "I/O share of wall clock: {:.1}%  ({:.3} s of {:.3} s; trunk + lm_head read {}, experts read {})\n",
         100.0 * t.io_share,
         t.io_seconds,
         t.seconds,
@@ -206,10 +216,196 @@ pub fn summary(r: &Report) -> String {
             t.experts_failed
         ));
     }
-    let total = t.peak_rss_bytes.get("total").copied().unwrap_or(0);
-    s.push_str(&format!(
-        "PEAK RSS for the whole run: {}   <- quote this, not the plan\n",
-        human(total)
-    ));
+    let plan = r.plan.as_ref().map(|p| p.total_bytes);
+    match t.peak_bytes {
+        Some(p) => s.push_str(&format!(
+            "PEAK memory of the whole run: {}   ({}){}\n",
+            human(p),
+            t.peak_source,
+            plan.map(|b| format!("; the plan said {}", human(b)))
+                .unwrap_or_default()
+        )),
+        None => {
+            s.push_str("PEAK memory of the whole run: not measured (no cgroups, no /proc PSS)\n")
+        }
+    }
+    if !t.peak_rss_bytes.is_empty() {
+        let per: Vec<String> = t
+            .peak_rss_bytes
+            .iter()
+            .map(|(k, v)| format!("{k} {}", human(*v)))
+            .collect();
+        s.push_str(&format!(
+            "per-process peak RSS (each counts the shared arenas it maps; they do not add up): {}\n",
+            per.join(", ")
+        ));
+    }
     s
+}
+
+/// The run's true peak from what was measured: the sum of the stage cgroups' peaks plus
+/// the orchestrator's own RSS when every stage had a cgroup peak (a shared arena is charged
+/// once, to the cgroup of the stage that first touched it), else the sampled PSS sum.
+pub fn true_peak(
+    stages: &[StageReport],
+    orchestrator_rss: u64,
+    pss: Option<u64>,
+) -> (Option<u64>, String) {
+    let peaks: Vec<u64> = stages.iter().filter_map(|s| s.cgroup_peak_bytes).collect();
+    if !stages.is_empty() && peaks.len() == stages.len() {
+        return (
+            Some(peaks.iter().sum::<u64>() + orchestrator_rss),
+            "sum of the stage cgroups' peaks + the orchestrator's RSS".into(),
+        );
+    }
+    match pss {
+        Some(p) => (
+            Some(p),
+            "highest sampled sum of PSS over the orchestrator and its stage processes".into(),
+        ),
+        None => (None, "not measured".into()),
+    }
+}
+
+/// Samples the proportional set size (PSS: shared pages split between the processes that
+/// map them, so a sum does not count an arena twice) of this process and its descendants
+/// every 200 ms (smaps_rollup walks page tables: not free on a large arena), keeping the
+/// highest sum, until dropped.
+pub struct PssSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<Option<u64>>>,
+}
+
+impl PssSampler {
+    pub fn start() -> PssSampler {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s2 = stop.clone();
+        let handle = std::thread::Builder::new()
+            .name("pss-sampler".into())
+            .spawn(move || {
+                let me = std::process::id();
+                let mut best: Option<u64> = None;
+                loop {
+                    if let Some(x) = pss_tree(me) {
+                        best = Some(best.map_or(x, |b| b.max(x)));
+                    }
+                    if s2.load(std::sync::atomic::Ordering::Relaxed) {
+                        return best;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+            })
+            .ok();
+        PssSampler { stop, handle }
+    }
+
+    /// Stop sampling; the highest PSS sum seen.
+    pub fn finish(mut self) -> Option<u64> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.handle.take().and_then(|h| h.join().ok().flatten())
+    }
+}
+
+impl Drop for PssSampler {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// PSS of `root` and every descendant, from /proc (None when `root`'s is unreadable).
+pub fn pss_tree(root: u32) -> Option<u64> {
+    let mut parent: Vec<(u32, u32)> = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // The parent pid is the second field after the parenthesised command.
+            if let Some(pp) = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|x| x.parse().ok())
+            {
+                parent.push((pid, pp));
+            }
+        }
+    }
+    let mut tree = vec![root];
+    let mut i = 0;
+    while i < tree.len() {
+        let p = tree[i];
+        tree.extend(parent.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    let mut sum = 0u64;
+    for (k, pid) in tree.iter().enumerate() {
+        match pss_of(*pid) {
+            Some(x) => sum += x,
+            None if k == 0 => return None,
+            None => {}
+        }
+    }
+    Some(sum)
+}
+
+/// `Pss:` of /proc/PID/smaps_rollup, in bytes.
+fn pss_of(pid: u32) -> Option<u64> {
+    let t = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    k3_trunk_loader::presets::parse_meminfo(&t, "Pss:")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn st(name: &str, rss: u64, cg: Option<u64>) -> StageReport {
+        StageReport {
+            name: name.into(),
+            peak_rss_bytes: rss,
+            cgroup_peak_bytes: cg,
+            ..Default::default()
+        }
+    }
+
+    // The case: a resident run summed per-process RSS to 20.25 GB (compute counts
+    // the arenas the loaders own) while its cgroups peaked at 11.9 GB. The true peak is the
+    // cgroup sum, never the RSS sum.
+    #[test]
+    fn true_peak_is_the_cgroup_sum_not_the_rss_sum() {
+        let stages = [
+            st("tokenizer", 10, Some(10)),
+            st("trunk-loader", 6_000, Some(6_000)),
+            st("expert-fetcher", 1_000, Some(1_000)),
+            st("layer-compute", 13_000, Some(4_900)),
+        ];
+        let (p, why) = true_peak(&stages, 40, Some(99_999));
+        assert_eq!(p, Some(11_950));
+        assert!(why.contains("cgroup"), "{why}");
+        // One stage without a cgroup peak: the PSS sample is the answer.
+        let mut partial = stages.clone();
+        partial[2].cgroup_peak_bytes = None;
+        assert_eq!(true_peak(&partial, 40, Some(12_345)).0, Some(12_345));
+        assert_eq!(true_peak(&partial, 40, None).0, None);
+        assert_eq!(true_peak(&[], 40, Some(7)).0, Some(7));
+    }
+
+    // PSS of this process is readable and at most its RSS; a child's PSS is included.
+    #[test]
+    fn pss_tree_counts_this_process() {
+        if !std::path::Path::new("/proc/self/smaps_rollup").exists() {
+            eprintln!("SKIPPED pss_tree_counts_this_process: no smaps_rollup");
+            return;
+        }
+        let me = pss_tree(std::process::id()).unwrap();
+        assert!(me > 0);
+        let s = PssSampler::start();
+        let v: Vec<u8> = vec![1; 64 << 20];
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let peak = s.finish().unwrap();
+        assert!(peak >= 64 << 20, "sampled {peak} with 64 MiB touched");
+        drop(v);
+    }
 }

@@ -49,6 +49,9 @@ pub fn main(args: Vec<OsString>) -> i32 {
     };
     let cfg = ModelConfig::load_dir(&args.model_dir);
     print!("{}", report(&cat, cfg.as_ref().map_err(|e| e.to_string())));
+    if let Ok(c) = &cfg {
+        print!("{}", budget_table(&cat, c));
+    }
     0
 }
 
@@ -319,6 +322,142 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
             p.name, p.trunk_gb, p.cache_gb, line
         );
     }
+    o
+}
+
+/// Positions of context the budget table assumes (KV cache of the MLA layers).
+pub const TABLE_CONTEXT: usize = 64;
+
+/// The smallest total [`crate::run::plan::choose`] accepts (None: not even everything).
+pub fn floor_of(s: &crate::run::plan::Spend, runs: &[LayerRun]) -> Option<u64> {
+    use crate::run::plan::{choose, Spend};
+    let ok = |t: u64| {
+        choose(
+            &Spend {
+                total: t,
+                ..s.clone()
+            },
+            Some(runs),
+            None,
+            None,
+        )
+        .is_ok()
+    };
+    let mut hi = s.fixed
+        + s.lm_head
+        + runs.iter().map(|r| r.footprint()).sum::<u64>()
+        + s.max_slots.max(s.min_slots) * s.expert_slot
+        + (1 << 30);
+    if !ok(hi) {
+        return None;
+    }
+    let mut lo = 0u64;
+    while hi - lo > 4096 {
+        let mid = lo + (hi - lo) / 2;
+        if ok(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(hi)
+}
+
+/// "one total budget": what `--mem-gb X` (the staged run, a packed trunk, incremental
+/// decode at a context of [`TABLE_CONTEXT`]) would hold and read per token, from the
+/// streaming floor up, by the run's own plan ([`crate::run::plan::choose`]).
+pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
+    use crate::run::plan::{choose, compute_scratch, lm_head_stream_bytes, Spend};
+    let layers = cfg.num_hidden_layers;
+    let cen = crate::run::census::census(cfg, cat, layers);
+    let mut runs = Vec::new();
+    let mut at = 0u64;
+    for &b in &cen.layer_bytes {
+        runs.push(LayerRun {
+            offset: at,
+            len: align_up(b, TRUNK_ALIGN),
+        });
+        at += align_up(b, TRUNK_ALIGN);
+    }
+    let topk = cfg.num_experts_per_token as u64;
+    let expert_slot = slot_bytes_for(cen.max_expert_span.max(1));
+    let norms = cen
+        .model_bytes
+        .saturating_sub(cen.embed_bytes + cen.lm_head_bytes);
+    let fixed = cen.embed_row_bytes.div_ceil(4096) * 4096
+        + norms
+        + cen.kda_state_bytes
+        + cen.kv_per_pos * TABLE_CONTEXT as u64
+        + crate::run::plan::STAGE_PROCESSES as u64 * crate::run::plan::STAGE_PROCESS_BYTES
+        + compute_scratch(cfg, 1);
+    let base = Spend {
+        total: 0,
+        fixed,
+        trunk_need: runs.iter().map(|r| r.footprint()).sum(),
+        lm_head: cen.lm_head_bytes,
+        expert_slot,
+        min_slots: topk.max(1),
+        max_slots: cen.n_experts.max(topk),
+    };
+    let mut o = String::new();
+    o += &format!(
+        "\none total budget (--mem-gb; staged, packed trunk, incremental at {TABLE_CONTEXT} positions):\n"
+    );
+    o += &format!(
+        "  held whatever the budget: {} (embedding row, norms, recurrent state, KV, scratch, processes); \
+         the embedding is never resident, the lm_head ({}) is pinned or streamed ({} of chunk buffers)\n",
+        gb(fixed),
+        gb(cen.lm_head_bytes),
+        gb(lm_head_stream_bytes(cen.lm_head_bytes))
+    );
+    let floor = floor_of(&base, &runs);
+    match floor {
+        Some(f) => {
+            o += &format!(
+                "  streaming floor: {} (one ring slot of {} for the largest layer, one batch of {topk} expert slots)\n",
+                gb(f),
+                gb(runs.iter().map(|r| r.footprint()).max().unwrap_or(0))
+            )
+        }
+        None => o += "  streaming floor: none (the plan refuses every total)\n",
+    }
+    let all = base.fixed + base.lm_head + base.trunk_need + base.max_slots * expert_slot;
+    let mut totals: Vec<u64> = floor.into_iter().collect();
+    for g in [1.5, 2.0, 5.5, 8.0, 16.0, 64.0, 128.0] {
+        let b = (g * 1e9) as u64;
+        if floor.is_none_or(|f| b > f) && b < all {
+            totals.push(b);
+        }
+    }
+    totals.push(all);
+    o += &format!(
+        "  {:>10}  {:>14}  {:>9}  {:>13}  {:>16}\n",
+        "total", "trunk pinned", "lm_head", "cache slots", "read/token*"
+    );
+    for t in totals {
+        let sp = Spend {
+            total: t,
+            ..base.clone()
+        };
+        match choose(&sp, Some(&runs), None, None) {
+            Ok(c) => {
+                let tp = plan(c.trunk, &runs, RingPolicy::default()).ok();
+                let slots = (c.cache / expert_slot).min(base.max_slots);
+                o += &format!(
+                    "  {:>10}  {:>14}  {:>9}  {:>13}  {:>16}\n",
+                    gb(t),
+                    tp.map(|p| format!("{}/{}", p.pinned, p.layers))
+                        .unwrap_or_default(),
+                    if c.head_pinned { "pinned" } else { "streamed" },
+                    slots,
+                    gb(c.read_per_token)
+                );
+            }
+            Err(e) => o += &format!("  {:>10}  refused: {e}\n", gb(t)),
+        }
+    }
+    o +=
+        "  * trunk layers and lm_head read per token; routed experts come on top (see sim-cache)\n";
     o
 }
 

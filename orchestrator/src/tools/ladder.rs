@@ -2,9 +2,9 @@
 //! from the floor to all-resident, each rung a separate staged run under its own per-stage
 //! cgroups, and a table that must show the same ids on every row.
 //!
-//! A budget is split trunk-first (the seed's "allocation beats capacity"): the trunk gets
-//! `min(total, trunk size)`, the expert cache the rest (at least one batch of experts, which
-//! the memory plan enforces anyway). The table goes to stdout and `ladder.tsv`; a rung whose
+//! Each rung is one total budget, `--mem-gb X`, which the run's own plan spends (the
+//! embedding never resident, the trunk and the lm_head pinned by bytes saved per token, the
+//! expert cache last); the table shows what it chose and the run's true peak. The table goes to stdout and `ladder.tsv`; a rung whose
 //! ids differ from the first rung's makes the command exit 1.
 
 use std::ffi::OsString;
@@ -27,8 +27,9 @@ struct Args {
     /// Tokens to generate per rung.
     #[arg(long, default_value_t = 4)]
     gen: usize,
-    /// Total budgets in GB (trunk + cache), ascending.
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Total budgets in GB (`--mem-gb` of each rung), ascending. The default is the
+    /// slice's rungs: 1.5 GB (the floor), 5.5 GB and 8 GB.
+    #[arg(long, value_delimiter = ',', default_value = "1.5,5.5,8")]
     rungs_gb: Vec<f64>,
     /// Where the per-rung reports and ladder.tsv go.
     #[arg(long, default_value = "ladder-out")]
@@ -58,15 +59,14 @@ pub fn main(args: Vec<OsString>) -> i32 {
         tracing::error!("k3-orch ladder: every rung must be a positive number of GB");
         return 2;
     }
-    let manifest = match k3_model::trunk::TrunkManifest::load_dir(&a.trunk) {
-        Ok(m) => m,
+    // The packed trunk must load (each rung would refuse it anyway).
+    match k3_model::trunk::TrunkManifest::load_dir(&a.trunk) {
+        Ok(_) => {}
         Err(e) => {
             tracing::error!("k3-orch ladder: {e}");
             return 2;
         }
     };
-    // Page-padded runs: what pinning every layer takes.
-    let trunk_gb = manifest.layers.iter().map(|l| l.padded_length).sum::<u64>() as f64 / 1e9;
     if let Err(e) = std::fs::create_dir_all(&a.out) {
         tracing::error!("k3-orch ladder: {}: {e}", a.out.display());
         return 1;
@@ -88,28 +88,21 @@ pub fn main(args: Vec<OsString>) -> i32 {
         "s_per_tok",
         "trunk_hit",
         "gb_read/tok",
-        "peak_rss_gb"
+        "peak_gb"
     );
     println!("{header}");
     let mut tsv = String::from(
-        "total_gb\ttrunk_gb\tcache_gb\tpinned_layers\tcache_slots\ts_per_token\ttrunk_hit\tgb_read_per_token\tpeak_rss_gb\tids\n",
+        "total_gb\ttrunk_gb\tcache_gb\tpinned_layers\tcache_slots\ts_per_token\ttrunk_hit\tgb_read_per_token\tpeak_gb\tids\n",
     );
     let mut first_ids: Option<String> = None;
     let mut all_same = true;
     for &total in &a.rungs_gb {
-        let tg = total.min(trunk_gb + 1e-9);
-        let cg = (total - tg).max(1e-9);
         let report = a.out.join(format!("rung-{total}.json"));
         let mut cmd = Command::new(&exe);
         cmd.arg(&a.model_dir)
             .arg("--trunk")
             .arg(&a.trunk)
-            .args([
-                "--trunk-gb",
-                &format!("{tg:.9}"),
-                "--cache-gb",
-                &format!("{cg:.9}"),
-            ])
+            .args(["--mem-gb", &format!("{total:.9}")])
             .args([
                 "--ids",
                 &a.ids,
@@ -160,7 +153,9 @@ pub fn main(args: Vec<OsString>) -> i32 {
             + f64_at(&v, &["totals", "expert_read_bytes"]).unwrap_or(0.0))
             / 1e9
             / tokens;
-        let peak = f64_at(&v, &["totals", "peak_rss_bytes", "total"]).unwrap_or(0.0) / 1e9;
+        let peak = f64_at(&v, &["totals", "peak_bytes"]).unwrap_or(0.0) / 1e9;
+        let tg = f64_at(&v, &["plan", "trunk_budget_bytes"]).unwrap_or(0.0) / 1e9;
+        let cg = f64_at(&v, &["plan", "cache_budget_bytes"]).unwrap_or(0.0) / 1e9;
         let ts = &v["stage_summaries"]["trunk-loader"];
         let pinned = ts["plan"]["pinned"].as_u64().unwrap_or(0);
         let binds = ts["stats"]["binds"].as_f64().unwrap_or(0.0);

@@ -44,6 +44,11 @@ struct Args {
     /// Disk bandwidth in MB/s for SEC/TOK (the seed's table implies ~1233.6; use devbw's QD16)
     #[arg(long = "disk-mbps", default_value_t = 1233.6)]
     disk_mbps: f64,
+    /// GB read per token outside the expert cache under a total budget: the streamed trunk
+    /// layers and a streamed lm_head (the read/token column of `inspect`'s one-total-budget
+    /// table for that --mem-gb). Adds a table of whole-token reads and seconds.
+    #[arg(long = "other-read-gb", default_value_t = 0.0)]
+    other_read_gb: f64,
 }
 
 pub fn main(args: Vec<OsString>) -> i32 {
@@ -106,6 +111,44 @@ pub fn main(args: Vec<OsString>) -> i32 {
         top_k: a.top_k,
         disk_mbps: a.disk_mbps,
     };
-    print!("{}", run(&trace, &opts).render());
+    if !(a.other_read_gb.is_finite() && a.other_read_gb >= 0.0) {
+        tracing::error!("k3-orch sim-cache: --other-read-gb must be a non-negative number");
+        return 2;
+    }
+    let rep = run(&trace, &opts);
+    print!("{}", rep.render());
+    if a.other_read_gb > 0.0 {
+        print!("{}", whole_token(&rep, a.other_read_gb));
+    }
     0
+}
+
+/// Per cache size, what a token reads in all under a total budget: the first policy's
+/// expert misses plus `other_gb` of trunk and lm_head, and the seconds at the disk rate.
+pub fn whole_token(rep: &k3_expert_fetcher::sim::SimReport, other_gb: f64) -> String {
+    let o = &rep.options;
+    let tokens = rep.tokens();
+    let mut s = format!(
+        "\nwith {other_gb:.3} GB/token of trunk + lm_head reads (one total budget, see inspect):\n{:<12}{:>14}{:>14}{:>12}\n",
+        "CACHE", "EXPERT GB/TOK", "TOTAL GB/TOK", "SEC/TOK"
+    );
+    for r in &rep.rows {
+        let first = r.hits.first().copied().unwrap_or(0);
+        let exp = if tokens > 0.0 {
+            (rep.requests - first) as f64 * o.expert_bytes as f64 / 1e9 / tokens
+        } else {
+            0.0
+        };
+        let total = exp + other_gb;
+        let sec = if o.disk_mbps > 0.0 {
+            total * 1e3 / o.disk_mbps
+        } else {
+            0.0
+        };
+        s.push_str(&format!(
+            "{:<12}{exp:>14.2}{total:>14.2}{sec:>12.2}\n",
+            format!("{} GB", r.size_gb)
+        ));
+    }
+    s
 }

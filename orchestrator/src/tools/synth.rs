@@ -73,6 +73,12 @@ struct Args {
     /// Replace OUT_DIR when it exists and is not empty.
     #[arg(long)]
     force: bool,
+    /// With `--shape released`: write the 96 released shards as sparse header-only files
+    /// (full size on paper, no data: about 120 MB of real disk) plus the index and the
+    /// released config.json, for `inspect` and the planners at full scale. Nothing can run
+    /// on them.
+    #[arg(long = "headers-only")]
+    headers_only: bool,
     /// Output directory (created).
     out_dir: PathBuf,
 }
@@ -106,6 +112,9 @@ pub fn main(args: Vec<OsString>) -> i32 {
         Ok(a) => a,
         Err(code) => return code,
     };
+    if args.shape == "released" || args.headers_only {
+        return released_headers(&args);
+    }
     let geometry = match resolve_geometry(&args) {
         Ok(g) => g,
         Err(e) => {
@@ -623,6 +632,51 @@ fn fill(t: &TensorSpec, rng: &mut ChaCha8Rng, first: usize, out: &mut [u8]) {
             }
         }
     }
+}
+
+/// The released config.json (the fixture transcribed from k3-spec.md section 1).
+pub const RELEASED_CONFIG: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/fixtures/released/config.json"
+));
+
+/// `synth --shape released --headers-only OUT_DIR`.
+fn released_headers(a: &Args) -> i32 {
+    if a.shape != "released" || !a.headers_only {
+        tracing::error!(
+            "k3-orch synth: --headers-only goes with --shape released, and --shape released \
+             only with --headers-only (its weights are 1.45 TB)"
+        );
+        return 2;
+    }
+    let nonempty = fs::read_dir(&a.out_dir).is_ok_and(|mut d| d.next().is_some());
+    if nonempty && !a.force {
+        tracing::error!(
+            "k3-orch synth: {} exists and is not empty (--force replaces it)",
+            a.out_dir.display()
+        );
+        return 2;
+    }
+    let t0 = std::time::Instant::now();
+    let set = match k3_model::released::write_header_only_set(&a.out_dir)
+        .and_then(|s| fs::write(a.out_dir.join("config.json"), RELEASED_CONFIG).map(|_| s))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("k3-orch synth: {}: {e}", a.out_dir.display());
+            return 1;
+        }
+    };
+    println!(
+        "wrote {} header-only shards, {} tensors, {:.2} TB on paper ({} bytes of headers) in {:.1} s -> {}",
+        k3_model::released::N_SHARDS,
+        set.n_tensors,
+        set.payload_bytes as f64 / 1e12,
+        set.header_bytes,
+        t0.elapsed().as_secs_f64(),
+        a.out_dir.display()
+    );
+    0
 }
 
 #[cfg(test)]

@@ -323,16 +323,34 @@ impl<W: Weights> Model<W> {
         let th = self.threads;
         let mut stats = StepStats::default();
 
-        // Embed.
+        // Embed: one row per token, read on demand where the weights can (staged compute
+        // never holds the embedding), else sliced from the tensor.
         let emb = self.embed_tensor()?;
         let mut h = Vec::with_capacity(ntok * d);
         let es = emb.dtype.size();
-        for &id in ids {
+        let on_demand = self
+            .weights
+            .model_rows(&model_tensor("embed_tokens.weight"), ids)
+            .transpose()?;
+        for (k, &id) in ids.iter().enumerate() {
             let i = id as usize;
+            let bytes = match &on_demand {
+                Some((dt, b)) if *dt == emb.dtype && b.len() == ntok * d * es => {
+                    &b[k * d * es..(k + 1) * d * es]
+                }
+                Some(_) => {
+                    return Err(WeightError::Invalid {
+                        name: model_tensor("embed_tokens.weight"),
+                        msg: "on-demand rows differ from the tensor's dtype or size".into(),
+                    }
+                    .into())
+                }
+                None => &emb.bytes[i * d * es..(i + 1) * d * es],
+            };
             let row = TensorRef {
                 dtype: emb.dtype,
                 shape: &[d],
-                bytes: &emb.bytes[i * d * es..(i + 1) * d * es],
+                bytes,
             };
             h.extend(to_f32_vec("embed_tokens.weight", &row)?);
         }
@@ -372,14 +390,40 @@ impl<W: Weights> Model<W> {
             );
         }
         crate::modules::trace_put(&mut trace, "norm", &normed);
-        let head = self.head()?;
         let (rows, src) = if all_rows {
             (ntok, &normed[..])
         } else {
             (1, &normed[(ntok - 1) * d..])
         };
         let mut logits = vec![0f32; rows * vocab];
-        gemm(&head, src, &mut logits, rows, th);
+        // The lm_head whole, or streamed in row chunks (every logit is one dot product,
+        // the same bits either way).
+        let mut chunk_out = Vec::new();
+        let chunked = self.weights.matrix_chunks(LM_HEAD, &mut |r0, t| {
+            let n = t.shape.first().copied().unwrap_or(0);
+            if r0 + n > vocab {
+                return Err(WeightError::Invalid {
+                    name: LM_HEAD.into(),
+                    msg: format!("chunk rows {r0}..{} past the vocabulary {vocab}", r0 + n),
+                });
+            }
+            let m = mat_from(LM_HEAD, t, n, d)?;
+            chunk_out.clear();
+            chunk_out.resize(rows * n, 0f32);
+            gemm(&m, src, &mut chunk_out, rows, th);
+            for r in 0..rows {
+                logits[r * vocab + r0..r * vocab + r0 + n]
+                    .copy_from_slice(&chunk_out[r * n..(r + 1) * n]);
+            }
+            Ok(())
+        });
+        match chunked {
+            Some(r) => r?,
+            None => {
+                let head = self.head()?;
+                gemm(&head, src, &mut logits, rows, th);
+            }
+        }
         crate::modules::trace_put(&mut trace, "logits", &logits);
         sess.pos += ntok;
         Ok(StepOutput {

@@ -10,6 +10,7 @@
 //! - [`decode`]: the ONE decode loop every mode runs, and greedy [`decode::generate`].
 //! - [`sampler`]: greedy argmax and seeded sampling from a logits row.
 //! - [`links`]: [`links::StagedWeights`], the [`Weights`] over the loaders' links.
+//! - [`model_stream`]: the embedding one row per token on demand, the lm_head in chunks.
 //! - [`pool`]: the compute worker pool (rayon), sized by `--threads`.
 //! - [`stage`]: the layer-compute stage's process loop.
 
@@ -26,6 +27,7 @@ pub mod decode;
 pub mod forward;
 pub mod kernels;
 pub mod links;
+pub mod model_stream;
 pub mod modules;
 pub mod pool;
 pub mod sampler;

@@ -72,6 +72,8 @@ pub struct StagedWeights {
     timeout: Option<Duration>,
     /// A link failure seen inside a callback that cannot return it (end_layer).
     link_error: RefCell<Option<String>>,
+    /// Embedding rows on demand and lm_head chunks (None: both from the mapping).
+    stream: Option<crate::model_stream::ModelStream>,
 }
 
 impl StagedWeights {
@@ -137,7 +139,19 @@ impl StagedWeights {
             io: Cell::new(IoCounters::default()),
             timeout,
             link_error: RefCell::new(None),
+            stream: None,
         }
+    }
+
+    /// Read the embedding one row per token on demand, and the lm_head in chunks of about
+    /// `head_chunk_bytes` when given (else it stays mapped and held), instead of from the
+    /// mapping of the shards.
+    pub fn with_model_stream(mut self, head_chunk_bytes: Option<u64>) -> Result<Self, String> {
+        self.stream = Some(crate::model_stream::ModelStream::open(
+            self.model.catalog(),
+            head_chunk_bytes,
+        )?);
+        Ok(self)
     }
 
     /// A link failure seen since the last call, if any (and forget it).
@@ -163,8 +177,15 @@ impl StagedWeights {
     }
 
     /// Counters since the last call (and reset them).
+    /// lm_head chunks count with the trunk's reads.
     pub fn take_io(&self) -> IoCounters {
-        self.io.replace(IoCounters::default())
+        let mut c = self.io.replace(IoCounters::default());
+        if let Some(s) = &self.stream {
+            let r = s.take_read();
+            c.trunk_read_bytes += r.bytes;
+            c.trunk_io_seconds += r.seconds;
+        }
+        c
     }
 
     fn bump(&self, f: impl FnOnce(&mut IoCounters)) {
@@ -244,6 +265,22 @@ impl Weights for StagedWeights {
             shape,
             bytes,
         })
+    }
+
+    fn model_rows(
+        &self,
+        name: &str,
+        rows: &[u32],
+    ) -> Option<Result<(Dtype, Vec<u8>), WeightError>> {
+        self.stream.as_ref()?.rows(name, rows)
+    }
+
+    fn matrix_chunks(
+        &self,
+        name: &str,
+        f: &mut dyn FnMut(usize, TensorRef<'_>) -> Result<(), WeightError>,
+    ) -> Option<Result<(), WeightError>> {
+        self.stream.as_ref()?.chunks(name, f)
     }
 
     fn begin_layer(&self, layer: usize) -> Result<(), WeightError> {

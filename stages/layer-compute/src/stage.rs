@@ -130,7 +130,9 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
         n_layers,
         timeout,
         ctx.rec.clone(),
-    );
+    )
+    .with_model_stream(conf.lm_head_chunk_bytes)
+    .map_err(|e| format!("layer-compute: {e}"))?;
     let model = Model::new(
         cfg,
         &weights,

@@ -54,6 +54,30 @@ pub trait Weights {
     /// Layer `layer` is finished; its trunk tensors will not be asked for again this step.
     fn end_layer(&self, _layer: usize) {}
 
+    /// Rows `rows` of the model-level matrix `name` (the token embedding), read on demand,
+    /// as (dtype, the rows' bytes back to back). `None`: no on-demand path; the forward
+    /// slices `tensor(name)` instead. An implementation that reads here never needs the
+    /// whole embedding in memory: a token needs one row.
+    fn model_rows(
+        &self,
+        _name: &str,
+        _rows: &[u32],
+    ) -> Option<Result<(Dtype, Vec<u8>), WeightError>> {
+        None
+    }
+
+    /// The model-level matrix `name` (the lm_head) in consecutive row chunks: `f(first_row,
+    /// chunk)` for chunks covering every row in order, each a `[n, cols]` tensor. `None`:
+    /// not chunked (the matrix is held; the forward uses `tensor(name)`). Each output row
+    /// is one dot product, so chunking never changes a logit.
+    fn matrix_chunks(
+        &self,
+        _name: &str,
+        _f: &mut dyn FnMut(usize, TensorRef<'_>) -> Result<(), WeightError>,
+    ) -> Option<Result<(), WeightError>> {
+        None
+    }
+
     /// Deliver the routed experts `ids` of `layer` (distinct ids, in first-use order: for
     /// one token its top-k order). Call `deliver(slot, result)` exactly once per slot
     /// `0..ids.len()`, in any order; the borrowed weights need only live for the call.
@@ -74,6 +98,20 @@ impl<W: Weights + ?Sized> Weights for &W {
     }
     fn end_layer(&self, layer: usize) {
         (**self).end_layer(layer)
+    }
+    fn model_rows(
+        &self,
+        name: &str,
+        rows: &[u32],
+    ) -> Option<Result<(Dtype, Vec<u8>), WeightError>> {
+        (**self).model_rows(name, rows)
+    }
+    fn matrix_chunks(
+        &self,
+        name: &str,
+        f: &mut dyn FnMut(usize, TensorRef<'_>) -> Result<(), WeightError>,
+    ) -> Option<Result<(), WeightError>> {
+        (**self).matrix_chunks(name, f)
     }
     fn experts(
         &self,

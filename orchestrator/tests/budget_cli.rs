@@ -1,0 +1,209 @@
+//! One total budget through the real binary (issue 11): `--preset auto` and `--mem-gb` plan
+//! over the packed trunk's page-rounded runs, pin every layer when memory allows, give the
+//! same ids at every budget, refuse up front (exit 2) what does not fit, and the report
+//! carries the run's true peak beside the plan.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn k3() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+}
+
+fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(rel)
+}
+
+fn prompt(model: &str) -> String {
+    let v: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixture(&format!("{model}/expected-k3ref.json"))).unwrap(),
+    )
+    .unwrap();
+    v["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap().to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn gen(model: &str, trunk: &Path, out: &Path, extra: &[&str]) -> Output {
+    k3().arg(fixture(&format!("{model}/sharded")))
+        .args([
+            "--ids",
+            &prompt(model),
+            "--gen",
+            "4",
+            "--incremental",
+            "--trunk",
+        ])
+        .arg(trunk)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+fn json(p: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Catches `auto` budgeting the census sum of tensor bytes instead of the packed runs (it
+/// pinned 11 of 13 layers with gigabytes free), a `--mem-gb` that changes the ids, a plan
+/// over its total that is not refused, and a report that sums per-process RSS.
+#[test]
+fn auto_and_mem_gb_pin_the_packed_trunk_and_keep_the_ids() {
+    for model in ["tiny-mxfp4", "tiny-seed"] {
+        let dir = tempfile::tempdir().unwrap();
+        let trunk = dir.path().join("trunk");
+        let o = k3()
+            .arg("pack-trunk")
+            .arg(fixture(&format!("{model}/sharded")))
+            .arg(&trunk)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        let out = dir.path().join("r.json");
+        let mut ids: Vec<(String, serde_json::Value)> = Vec::new();
+        for extra in [
+            &["--preset", "auto"][..],
+            &["--mem-gb", "0.032"],
+            &["--mem-gb", "0.032", "--trunk-gb", "0.00045"],
+            &["--mem-gb", "0.032", "--cache-gb", "0"],
+            &["--inproc", "--mem-gb", "0.032"],
+        ] {
+            let o = gen(model, &trunk, &out, extra);
+            assert!(o.status.success(), "{model} {extra:?}: {}", text(&o));
+            let r = json(&out);
+            let t = text(&o);
+            if extra[0] == "--preset" {
+                let n = r["plan"]["items"][0]["what"].as_str().unwrap().to_string();
+                let (p, l) = n
+                    .trim_start_matches("trunk (")
+                    .trim_end_matches(" pinned)")
+                    .split_once('/')
+                    .unwrap();
+                assert_eq!(p, l, "{model}: --preset auto with memory to spare: {n}");
+            }
+            let peak = r["totals"]["peak_bytes"].as_u64().expect("a measured peak");
+            assert!(peak > 0);
+            assert!(t.contains("PEAK memory of the whole run"), "{t}");
+            assert!(!t.contains("quote this"), "{t}");
+            if extra.contains(&"--mem-gb") {
+                let plan = r["plan"]["total_bytes"].as_u64().unwrap();
+                assert!(
+                    plan <= 32_000_000,
+                    "{model} {extra:?}: plan {plan} over --mem-gb"
+                );
+            }
+            ids.push((format!("{extra:?}"), r["generated_ids"].clone()));
+        }
+        for (w, v) in &ids[1..] {
+            assert_eq!(v, &ids[0].1, "{model}: {w} vs {}", ids[0].0);
+        }
+        // Too small: refused up front with exit 2, naming what every run holds.
+        let o = gen(model, &trunk, &out, &["--mem-gb", "0.001"]);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains("REFUSING TO START"), "{}", text(&o));
+    }
+}
+
+/// The embedding read row by row and the lm_head streamed in chunks (the test hook forces
+/// chunk sizes that do not divide the vocabulary, down to one row) give the very logits of
+/// the held lm_head, bit for bit, in both tiny models. Catches a chunk
+/// written to the wrong columns, a last partial chunk dropped, a double-buffer that hands
+/// the multiply the chunk being read, and an embedding row read at the wrong offset.
+#[test]
+fn streamed_lm_head_and_embedding_rows_keep_the_logits() {
+    for model in ["tiny-mxfp4", "tiny-seed"] {
+        let dir = tempfile::tempdir().unwrap();
+        let trunk = dir.path().join("trunk");
+        let o = k3()
+            .arg("pack-trunk")
+            .arg(fixture(&format!("{model}/sharded")))
+            .arg(&trunk)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        let out = dir.path().join("r.json");
+        let mut first: Option<(Vec<u8>, serde_json::Value)> = None;
+        for chunk in [None, Some("7000"), Some("1"), Some("100000000")] {
+            let logits = dir.path().join("logits.bin");
+            let mut c = k3();
+            c.arg(fixture(&format!("{model}/sharded")))
+                .args(["--ids", &prompt(model), "--gen", "5", "--trunk"])
+                .arg(&trunk)
+                .arg("--dump-logits")
+                .arg(&logits)
+                .arg("--out")
+                .arg(&out);
+            if let Some(n) = chunk {
+                c.env("K3_TEST_HOOKS", "1").env("K3_LM_HEAD_CHUNK_BYTES", n);
+            }
+            let o = c.output().unwrap();
+            let t = text(&o);
+            assert!(o.status.success(), "{model} chunk {chunk:?}: {t}");
+            if chunk.is_some() {
+                assert!(t.contains("lm_head (streamed)"), "{t}");
+            }
+            let r = json(&out);
+            let got = (std::fs::read(&logits).unwrap(), r["generated_ids"].clone());
+            match &first {
+                None => first = Some(got),
+                Some(f) => {
+                    assert_eq!(got.1, f.1, "{model} chunk {chunk:?}: ids");
+                    assert!(got.0 == f.0, "{model} chunk {chunk:?}: logits differ");
+                }
+            }
+        }
+    }
+}
+
+/// Prefill reads each expert once per pass: the prompt's 12 tokens route 12 x 12 MoE layers
+/// x top-2 = 288 expert uses on tiny-mxfp4, but a layer has only 8 experts, so the union is
+/// at most 96 loads, and with the smallest cache every load is a read. Catches a prefill
+/// that fetches per token (288 requests, 2.95 MB) instead of the union of the routes.
+#[test]
+fn prefill_reads_the_union_of_the_routes() {
+    let model = "tiny-mxfp4";
+    let dir = tempfile::tempdir().unwrap();
+    let trunk = dir.path().join("trunk");
+    let o = k3()
+        .arg("pack-trunk")
+        .arg(fixture(&format!("{model}/sharded")))
+        .arg(&trunk)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let out = dir.path().join("r.json");
+    let o = gen(model, &trunk, &out, &["--cache-gb", "0"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let r = json(&out);
+    let prefill = &r["steps"][0];
+    let req = prefill["expert_requests"].as_u64().unwrap();
+    let bytes = prefill["expert_read_bytes"].as_u64().unwrap();
+    let per_token = 12 * 12 * 2;
+    assert!(req <= 96 && req > 24, "prefill requested {req} experts");
+    assert!(req < per_token);
+    // Each request is one expert's bytes (no cache to hit).
+    let decode = &r["steps"][1];
+    let per_expert = decode["expert_read_bytes"].as_u64().unwrap() as f64
+        / decode["expert_requests"].as_u64().unwrap().max(1) as f64;
+    assert!(
+        (bytes as f64) < 0.5 * per_token as f64 * per_expert,
+        "prefill read {bytes} bytes, token by token would read {}",
+        per_token as f64 * per_expert
+    );
+}

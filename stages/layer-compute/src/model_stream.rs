@@ -1,0 +1,250 @@
+//! The model-level matrices read from disk instead of held: the token embedding one row per
+//! token on demand, and (when the memory plan does not pin it) the lm_head in bounded row
+//! chunks, double-buffered so the read of chunk k+1 runs while chunk k is multiplied.
+//!
+//! Reads are O_DIRECT where the file system allows (`k3_io::direct::DirectFiles`), so they
+//! leave no page cache behind to be charged to compute's cgroup: what compute holds is the
+//! few rows of a pass and two chunk buffers, whatever the vocabulary.
+
+use std::cell::{Cell, RefCell};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use k3_io::arena::{OwnedArena, ALIGN};
+use k3_io::direct::{window, DirectFiles, ReadAt};
+use k3_model::catalog::Catalog;
+use k3_model::classify::{model_tensor, LM_HEAD};
+use k3_model::tensor::{Dtype, TensorRef, WeightError};
+
+/// Where a `[rows, cols]` model-level matrix lies in the shards.
+#[derive(Clone, Debug)]
+struct Matrix {
+    name: String,
+    shard: u32,
+    offset: u64,
+    rows: usize,
+    row_bytes: u64,
+    dtype: Dtype,
+}
+
+/// Bytes and seconds of lm_head chunks read since the last [`ModelStream::take_read`]
+/// (embedding rows are not counted: see [`ModelStream::rows`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Read {
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// Embedding rows on demand and lm_head chunks.
+pub struct ModelStream {
+    files: DirectFiles,
+    embed: Option<Matrix>,
+    head: Option<Matrix>,
+    /// Rows per lm_head chunk; None: the lm_head is held (not chunked).
+    head_chunk_rows: Option<usize>,
+    scratch: RefCell<Option<OwnedArena>>,
+    /// Two chunk buffers, allocated on first use.
+    bufs: RefCell<Option<[OwnedArena; 2]>>,
+    read: Cell<Read>,
+}
+
+fn matrix(cat: &Catalog, name: &str) -> Option<Matrix> {
+    let e = cat.get(name)?;
+    let (rows, cols) = match e.shape {
+        [r, c] => (*r, *c),
+        _ => return None,
+    };
+    Some(Matrix {
+        name: name.to_string(),
+        shard: e.shard as u32,
+        offset: e.offset,
+        rows,
+        row_bytes: (cols * e.dtype.size()) as u64,
+        dtype: e.dtype,
+    })
+}
+
+impl ModelStream {
+    /// Open the shards of `cat`. `head_chunk_bytes`: stream the lm_head in chunks of about
+    /// that many bytes (at least one row); None: the lm_head stays held by the caller.
+    pub fn open(cat: &Catalog, head_chunk_bytes: Option<u64>) -> Result<ModelStream, String> {
+        let paths: Vec<PathBuf> = cat.shards().iter().map(|s| s.path.clone()).collect();
+        let files = DirectFiles::open(&paths).map_err(|e| e.to_string())?;
+        let embed = matrix(cat, &model_tensor("embed_tokens.weight"));
+        let head = matrix(cat, LM_HEAD);
+        let head_chunk_rows = match (&head, head_chunk_bytes) {
+            (Some(h), Some(b)) => Some(((b / h.row_bytes.max(1)) as usize).clamp(1, h.rows)),
+            _ => None,
+        };
+        Ok(ModelStream {
+            files,
+            embed,
+            head,
+            head_chunk_rows,
+            scratch: RefCell::new(None),
+            bufs: RefCell::new(None),
+            read: Cell::new(Read::default()),
+        })
+    }
+
+    /// What was read since the last call (and reset it).
+    pub fn take_read(&self) -> Read {
+        self.read.replace(Read::default())
+    }
+
+    fn count(&self, bytes: u64, seconds: f64) {
+        let mut r = self.read.get();
+        r.bytes += bytes;
+        r.seconds += seconds;
+        self.read.set(r);
+    }
+
+    /// Rows of the embedding (None for any other name, or without an embedding).
+    pub fn rows(&self, name: &str, rows: &[u32]) -> Option<Result<(Dtype, Vec<u8>), WeightError>> {
+        let m = self.embed.as_ref().filter(|m| m.name == name)?;
+        let rb = m.row_bytes as usize;
+        let mut out = vec![0u8; rows.len() * rb];
+        let mut scratch = self.scratch.borrow_mut();
+        for (k, &r) in rows.iter().enumerate() {
+            if r as usize >= m.rows {
+                return Some(Err(WeightError::Invalid {
+                    name: name.to_string(),
+                    msg: format!("row {r} of {}", m.rows),
+                }));
+            }
+            let off = m.offset + r as u64 * m.row_bytes;
+            if let Err(e) = self.files.read_exact_unaligned(
+                m.shard,
+                off,
+                &mut out[k * rb..(k + 1) * rb],
+                &mut scratch,
+            ) {
+                return Some(Err(WeightError::Io {
+                    name: name.to_string(),
+                    msg: e.to_string(),
+                }));
+            }
+        }
+        // Not counted in the step's read bytes: one row per token (14 KB at full scale) is
+        // noise beside a layer, and the committed replay recordings compare those bytes.
+        Some(Ok((m.dtype, out)))
+    }
+
+    /// Rows per lm_head chunk when it is streamed.
+    pub fn head_chunk_rows(&self) -> Option<usize> {
+        self.head_chunk_rows
+    }
+
+    /// Read rows `r0..r1` of `m` into `buf` (page-aligned window); the payload's range.
+    fn read_rows(
+        files: &DirectFiles,
+        m: &Matrix,
+        r0: usize,
+        r1: usize,
+        buf: &mut OwnedArena,
+    ) -> std::io::Result<(usize, usize)> {
+        let off = m.offset + r0 as u64 * m.row_bytes;
+        let len = (r1 - r0) as u64 * m.row_bytes;
+        let (start, wlen) = window(off, len)
+            .ok_or_else(|| std::io::Error::other("lm_head chunk offset overflows"))?;
+        let dst = &mut buf.as_mut_slice()[..wlen as usize];
+        let got = files.read_at(m.shard, start, dst)?;
+        let skip = (off - start) as usize;
+        if got < skip + len as usize {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("{}: rows {r0}..{r1} end past the file", m.name),
+            ));
+        }
+        Ok((skip, skip + len as usize))
+    }
+
+    /// The lm_head in chunks (see `Weights::matrix_chunks`); None when it is held.
+    pub fn chunks(
+        &self,
+        name: &str,
+        f: &mut dyn FnMut(usize, TensorRef<'_>) -> Result<(), WeightError>,
+    ) -> Option<Result<(), WeightError>> {
+        let m = self.head.as_ref().filter(|m| m.name == name)?;
+        let step = self.head_chunk_rows?;
+        let cols = (m.row_bytes as usize) / m.dtype.size();
+        let cap = (step as u64 * m.row_bytes).div_ceil(ALIGN as u64) as usize * ALIGN + ALIGN;
+        let mut bufs = self.bufs.borrow_mut();
+        if bufs.is_none() {
+            let a = OwnedArena::new(cap).and_then(|a| Ok([a, OwnedArena::new(cap)?]));
+            match a {
+                Ok(a) => *bufs = Some(a),
+                Err(e) => {
+                    return Some(Err(WeightError::Io {
+                        name: name.to_string(),
+                        msg: format!("lm_head chunk buffers: {e}"),
+                    }))
+                }
+            }
+        }
+        let [a, b] = bufs.as_mut().expect("allocated above");
+        let io_err = |e: std::io::Error| WeightError::Io {
+            name: name.to_string(),
+            msg: e.to_string(),
+        };
+        let t0 = Instant::now();
+        let mut io_s = 0.0;
+        let mut first = match Self::read_rows(&self.files, m, 0, step.min(m.rows), a) {
+            Ok(r) => r,
+            Err(e) => return Some(Err(io_err(e))),
+        };
+        io_s += t0.elapsed().as_secs_f64();
+        let (mut cur, mut next) = (a, b);
+        let mut r0 = 0;
+        while r0 < m.rows {
+            let r1 = (r0 + step).min(m.rows);
+            let r2 = (r1 + step).min(m.rows);
+            let files = &self.files;
+            // Read chunk k+1 on another thread while chunk k is multiplied here.
+            let (res, read) = std::thread::scope(|s| {
+                let nb: &mut OwnedArena = &mut *next;
+                let h = (r1 < r2).then(|| {
+                    s.spawn(move || {
+                        let t = Instant::now();
+                        let r = Self::read_rows(files, m, r1, r2, nb);
+                        (r, t.elapsed().as_secs_f64())
+                    })
+                });
+                let (lo, hi) = first;
+                let shape = [r1 - r0, cols];
+                let bytes = &cur.as_mut_slice()[lo..hi];
+                let res = f(
+                    r0,
+                    TensorRef {
+                        dtype: m.dtype,
+                        shape: &shape,
+                        bytes,
+                    },
+                );
+                let read = h.map(|h| h.join());
+                (res, read)
+            });
+            if let Err(e) = res {
+                return Some(Err(e));
+            }
+            match read {
+                Some(Ok((Ok(rg), secs))) => {
+                    io_s += secs;
+                    first = rg;
+                }
+                Some(Ok((Err(e), _))) => return Some(Err(io_err(e))),
+                Some(Err(_)) => {
+                    return Some(Err(WeightError::Io {
+                        name: name.to_string(),
+                        msg: "the lm_head reader thread panicked".into(),
+                    }))
+                }
+                None => {}
+            }
+            std::mem::swap(&mut cur, &mut next);
+            r0 = r1;
+        }
+        self.count(m.rows as u64 * m.row_bytes, io_s);
+        Some(Ok(()))
+    }
+}
