@@ -53,7 +53,7 @@ vocab, hidden = tc["vocab_size"], tc["hidden_size"]
 lm_head = vocab * hidden * 2
 layers = tc["num_hidden_layers"]
 first_dense = tc.get("first_k_dense_replace", 1)
-topk = tc["num_experts_per_tok"]
+topk = tc["num_experts_per_token"]
 # One routed expert of the released geometry (design.md §5: exactly 17,547,264 bytes).
 expert = 17_547_264
 moe_layers = layers - first_dense

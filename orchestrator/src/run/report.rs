@@ -269,7 +269,7 @@ pub fn true_peak(
 
 /// Samples the proportional set size (PSS: shared pages split between the processes that
 /// map them, so a sum does not count an arena twice) of this process and its descendants
-/// every 200 ms (smaps_rollup walks page tables: not free on a large arena), keeping the
+/// every second (smaps_rollup walks page tables: not free on a large arena), keeping the
 /// highest sum, until dropped.
 pub struct PssSampler {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -292,7 +292,7 @@ impl PssSampler {
                     if s2.load(std::sync::atomic::Ordering::Relaxed) {
                         return best;
                     }
-                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    std::thread::sleep(std::time::Duration::from_secs(1));
                 }
             })
             .ok();
