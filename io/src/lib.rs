@@ -6,11 +6,13 @@
 //!   buffered otherwise ([`direct::DirectFiles`] behind the [`direct::ReadAt`] trait), and the
 //!   fault-injection hook ([`direct::FaultyReader`]).
 //! - [`devbw`]: random-read bandwidth at a queue depth (`k3-orch devbw`, `doctor`).
+//! - [`input`]: reading user-named input files with a stated size cap, regular files only.
 //! - [`output`]: writing user-named output files without leaving half a file.
 
 pub mod arena;
 pub mod devbw;
 pub mod direct;
+pub mod input;
 pub mod output;
 
 pub use arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};

@@ -424,9 +424,11 @@ impl ModelConfig {
     pub fn load(path: impl AsRef<Path>) -> Result<ModelConfig, ConfigError> {
         let path = path.as_ref();
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            file: file.clone(),
-            problems: vec![format!("cannot read: {e}")],
+        let text = k3_io::input::read_capped_string(path, k3_io::input::JSON_CAP).map_err(|e| {
+            ConfigError {
+                file: file.clone(),
+                problems: vec![format!("cannot read: {e}")],
+            }
         })?;
         Self::parse(&text, file)
     }

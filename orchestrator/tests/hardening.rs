@@ -415,3 +415,46 @@ fn inspect_names_devices_and_fifos() {
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("a FIFO"), "{text}");
 }
+
+/// Input files are capped and must be regular files: `/dev/zero` as a `--prompt-file` or a
+/// config is refused at once (exit 2) instead of being read until memory runs out, and
+/// `score` refuses more ids than one forward accepts. Before: /dev/zero was read forever
+/// and 65,000 score ids ran on.
+#[test]
+fn device_inputs_and_oversize_score_are_refused() {
+    let (code, text) = run(&[
+        tiny().to_str().unwrap(),
+        "--tok",
+        tiny().join("../../tokenizer").to_str().unwrap(),
+        "--prompt-file",
+        "/dev/zero",
+        "--gen",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("not a regular file"), "{text}");
+    let (code, text) = run(&[
+        tiny().to_str().unwrap(),
+        "--config",
+        "/dev/zero",
+        "--ids",
+        IDS,
+        "--gen",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("not a regular file"), "{text}");
+    let many = vec!["1"; 40_000].join(",");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("s.json");
+    let (code, text) = run(&[
+        "score",
+        tiny().to_str().unwrap(),
+        "--ids",
+        &many,
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("32768-id limit"), "{text}");
+}

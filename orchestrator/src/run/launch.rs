@@ -191,7 +191,7 @@ fn encode_locally(a: &GenArgs, tok: &k3_tokenizer::Tokenizer) -> Result<Vec<u32>
     let bytes = match &a.prompt {
         Prompt::Ids(ids) => return Ok(ids.clone()),
         Prompt::Text(t) => t.clone().into_bytes(),
-        Prompt::File(p) => std::fs::read(p)
+        Prompt::File(p) => k3_io::input::read_capped(p, k3_io::input::PROMPT_CAP)
             .map_err(|e| RunError::usage(format!("k3-orch: {}: {e}", p.display())))?,
     };
     if a.chat {
@@ -284,7 +284,7 @@ fn prompt_message(a: &GenArgs) -> Result<Option<Msg>, RunError> {
             allow_specials: false,
         }),
         Prompt::File(p) => {
-            let bytes = std::fs::read(p).map_err(|e| {
+            let bytes = k3_io::input::read_capped(p, k3_io::input::PROMPT_CAP).map_err(|e| {
                 RunError::usage(format!("k3-orch: --prompt-file {}: {e}", p.display()))
             })?;
             if a.chat {

@@ -66,6 +66,18 @@ fn run(a: &Args) -> Result<i32, (i32, String)> {
     if a.ids.is_empty() {
         return Err((2, "--ids is empty".into()));
     }
+    // One forward holds every position's activations and KV: the same prompt limit as a
+    // generation (65,000 ids once ran until memory ran out).
+    let max = k3_protocol::conf::MAX_PROMPT_IDS;
+    if a.ids.len() > max {
+        return Err((
+            2,
+            format!(
+                "--ids: {} ids, over the {max}-id limit of one forward",
+                a.ids.len()
+            ),
+        ));
+    }
     if a.threads == 0 {
         return Err((2, "--threads must be at least 1".into()));
     }

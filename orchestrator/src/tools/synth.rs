@@ -193,7 +193,11 @@ fn resolve_geometry(a: &Args) -> Result<Geometry, String> {
         }
         "slice" => Geometry::slice(a.vocab.unwrap_or(8192)),
         path => {
-            let text = fs::read_to_string(path).map_err(|e| {
+            let text = k3_io::input::read_capped_string(
+                std::path::Path::new(path),
+                k3_io::input::JSON_CAP,
+            )
+            .map_err(|e| {
                 format!("--shape {path}: not tiny, tiny-chat, slice or a readable config.json: {e}")
             })?;
             Geometry::from_config_json(&text, path)?

@@ -88,7 +88,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     };
     let input: Vec<u8> = match (&a.text, &a.file) {
         (Some(t), _) => t.clone().into_bytes(),
-        (None, Some(f)) => match std::fs::read(f) {
+        (None, Some(f)) => match k3_io::input::read_capped(f, k3_io::input::PROMPT_CAP) {
             Ok(b) => b,
             Err(e) => {
                 tracing::error!("k3-orch tokenize: cannot read --file {}: {e}", f.display());

@@ -70,9 +70,11 @@ pub fn parse_trace(bytes: &[u8], name: &str) -> Result<Vec<Key>, TraceError> {
 /// Read a trace file (see [`parse_trace`]).
 pub fn read_trace(path: &Path) -> Result<Vec<Key>, TraceError> {
     let name = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| TraceError::Io {
-        path: name.clone(),
-        source,
+    let bytes = k3_io::input::read_capped(path, k3_io::input::TRACE_CAP).map_err(|source| {
+        TraceError::Io {
+            path: name.clone(),
+            source,
+        }
     })?;
     parse_trace(&bytes, &name)
 }

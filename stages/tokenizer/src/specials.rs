@@ -134,9 +134,11 @@ impl Specials {
 
     /// Read and parse `tokenizer_config.json`.
     pub fn load(path: &Path, base: u32) -> Result<Specials> {
-        let text = std::fs::read(path).map_err(|source| TokError::Io {
-            path: path.to_path_buf(),
-            source,
+        let text = k3_io::input::read_capped(path, k3_io::input::JSON_CAP).map_err(|source| {
+            TokError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
         })?;
         Specials::parse_config(&text, base, path)
     }

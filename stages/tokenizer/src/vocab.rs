@@ -193,10 +193,13 @@ impl Vocab {
 
     /// Read and parse a `tiktoken.model` file.
     pub fn load(path: &Path) -> Result<Vocab> {
-        let contents = std::fs::read(path).map_err(|source| TokError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let contents =
+            k3_io::input::read_capped(path, k3_io::input::TOKENIZER_CAP).map_err(|source| {
+                TokError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            })?;
         Vocab::parse(&contents, path)
     }
 

@@ -1,0 +1,80 @@
+//! Reading user-named input files with a stated size cap: regular files only (a FIFO, a
+//! device or `/dev/zero` is refused up front instead of being read until memory runs out),
+//! and at most `cap` bytes (checked against the file's size first, and again while
+//! reading, in case it grows).
+
+use std::io::{Error, ErrorKind, Read};
+use std::path::Path;
+
+/// config.json, tokenizer_config.json, a safetensors index, `synth --shape FILE`,
+/// trunk.json (the released files are a few hundred KB at most).
+pub const JSON_CAP: u64 = 64 << 20;
+/// tiktoken.model (the released one is ~2.8 MB for 163,584 ranks).
+pub const TOKENIZER_CAP: u64 = 256 << 20;
+/// `--prompt-file` and `tokenize --file`: 512 bytes for each of the 32,768 prompt tokens a
+/// run accepts.
+pub const PROMPT_CAP: u64 = 16 << 20;
+/// An expert trace for `sim-cache` (8 bytes per routed expert request).
+pub const TRACE_CAP: u64 = 8 << 30;
+
+/// The bytes of `path`, refused unless it is a regular file of at most `cap` bytes.
+pub fn read_capped(path: &Path, cap: u64) -> std::io::Result<Vec<u8>> {
+    let m = std::fs::metadata(path)?;
+    if !m.is_file() {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "not a regular file (a device, FIFO or directory is not read)",
+        ));
+    }
+    if m.len() > cap {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "{} bytes, more than the {cap}-byte limit for this kind of file",
+                m.len()
+            ),
+        ));
+    }
+    let mut v = Vec::with_capacity(m.len() as usize);
+    std::fs::File::open(path)?
+        .take(cap + 1)
+        .read_to_end(&mut v)?;
+    if v.len() as u64 > cap {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!("grew past the {cap}-byte limit while being read"),
+        ));
+    }
+    Ok(v)
+}
+
+/// [`read_capped`] as UTF-8 text.
+pub fn read_capped_string(path: &Path, cap: u64) -> std::io::Result<String> {
+    String::from_utf8(read_capped(path, cap)?)
+        .map_err(|_| Error::new(ErrorKind::InvalidData, "not UTF-8 text"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `/dev/zero` and a FIFO are refused at once (the old plain read never returned from
+    /// /dev/zero); a file over the cap is refused with its size; one within it is read.
+    #[test]
+    fn devices_fifos_and_oversize_files_are_refused() {
+        let e = read_capped(Path::new("/dev/zero"), 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path; mkfifo only creates a file system node.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(read_capped(&fifo, 1 << 20).is_err());
+        let f = d.path().join("f");
+        std::fs::write(&f, vec![7u8; 100]).unwrap();
+        let e = read_capped(&f, 99).unwrap_err();
+        assert!(e.to_string().contains("100 bytes"), "{e}");
+        assert_eq!(read_capped(&f, 100).unwrap(), vec![7u8; 100]);
+        assert!(read_capped_string(&f, 100).is_ok());
+    }
+}
