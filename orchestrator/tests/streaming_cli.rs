@@ -159,4 +159,16 @@ fn doctor_reports_every_check() {
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
+    // A directory that is not a checkpoint gets no pack-trunk advice that would fail (it
+    // used to suggest `pack-trunk DIR DIR-trunk`), and exit 2.
+    let empty = tempfile::tempdir().unwrap();
+    let out = k3()
+        .args(["doctor", "--seconds", "0"])
+        .arg(empty.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(text.contains("is not a checkpoint"), "{text}");
+    assert!(!text.contains("pack-trunk"), "{text}");
 }

@@ -218,3 +218,25 @@ fn refusals_and_atomic_replace() {
         .join("model-00014-of-000014.safetensors")
         .exists());
 }
+
+/// A geometry larger than the free space is refused up front (exit 2) with its size and the
+/// free space, and nothing is left behind. Before: a ~1 TB slice started writing with no
+/// estimate and filled the disk.
+#[test]
+fn a_geometry_larger_than_the_disk_is_refused_before_writing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("huge");
+    let (code, _, err) = k3(&[
+        "synth",
+        "--shape",
+        "slice",
+        "--layers",
+        "93",
+        "--experts",
+        "896",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("GB free"), "{err}");
+    assert!(std::fs::read_dir(tmp.path()).unwrap().next().is_none());
+}

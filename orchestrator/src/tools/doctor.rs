@@ -298,6 +298,22 @@ pub fn main(args: Vec<OsString>) -> i32 {
         .as_ref()
         .map_or("MODEL_DIR".to_string(), |p| p.display().to_string());
     let ids = "--ids 1008,10484,318,15383,387 --gen 8 --incremental";
+    // A directory that is not a checkpoint gets no run or pack-trunk advice that would fail.
+    if let Some(dir) = &a.model_dir {
+        let problem = match k3_model::config::ModelConfig::load_dir(dir) {
+            Err(e) => Some(e.to_string()),
+            Ok(_) => k3_model::catalog::Catalog::open(dir)
+                .err()
+                .map(|e| e.to_string()),
+        };
+        if let Some(why) = problem {
+            println!("next       : {model} is not a checkpoint ({why})");
+            println!(
+                "             fetch one with scripts/download-model.sh DIR, or try the bundled tiny model: k3-orch demo"
+            );
+            return 2;
+        }
+    }
     match (preset, fits_whole) {
         (_, true) => {
             println!("next       : k3-orch {model} --ids 1,2,3 --gen 8 --incremental");

@@ -265,6 +265,33 @@ pub fn synth(opts: &SynthOptions, out_dir: &Path) -> Result<SynthSummary> {
     };
     fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
     remove_stale_tmp(&parent, &out_name);
+    // Size first: a multi-TB geometry is refused before a byte is written, with the numbers.
+    let payload: u64 = geometry::shards(g)
+        .iter()
+        .flat_map(|s| s.tensors.iter())
+        .map(TensorSpec::bytes)
+        .sum();
+    if let Ok(st) = rustix::fs::statvfs(&parent) {
+        let free = st.f_bavail.saturating_mul(st.f_frsize);
+        // Headers, the index and the file system's own blocks: 1% and 64 MiB of room.
+        let need = payload + payload / 100 + (64 << 20);
+        tracing::info!(
+            "synth: {:.2} GB of tensors to write, {:.2} GB free in {}",
+            payload as f64 / 1e9,
+            free as f64 / 1e9,
+            parent.display()
+        );
+        if need > free {
+            return Err(Refused(format!(
+                "this geometry writes {:.2} GB ({payload} bytes of tensors) and {} has {:.2} GB \
+                 free: free space or choose fewer --layers/--experts",
+                need as f64 / 1e9,
+                parent.display(),
+                free as f64 / 1e9
+            ))
+            .into());
+        }
+    }
     let tmp = parent.join(format!("{out_name}.tmp-{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).with_context(|| format!("removing {}", tmp.display()))?;
