@@ -35,15 +35,3 @@ pub fn situ_glu(gate: &[f32], up: &[f32], b1: f32, b2: f32, out: &mut [f32]) {
         out[i] = (a * b) as f32;
     }
 }
-
-/// [`situ_glu`] without the final rounding (f64 output).
-pub fn situ_glu64(gate: &[f32], up: &[f32], b1: f32, b2: f32, out: &mut [f64]) {
-    assert_eq!(gate.len(), up.len());
-    assert_eq!(gate.len(), out.len());
-    let (b1, b2) = (b1 as f64, b2 as f64);
-    for i in 0..out.len() {
-        let g = gate[i] as f64;
-        let u = up[i] as f64;
-        out[i] = b1 * (g / b1).tanh() * sigmoid64(g) * (b2 * (u / b2).tanh());
-    }
-}

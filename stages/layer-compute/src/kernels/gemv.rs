@@ -2,7 +2,8 @@
 //!
 //! Three weight encodings: BF16 (widened exactly to f32 by a 16-bit shift), F32, and MXFP4
 //! (compressed-tensors packing, decoded on the fly from the packed bytes; the matrix is
-//! never expanded in memory). Activations are f32 (one f64 entry point, [`gemm64_x64`]).
+//! never expanded in memory). Activations are f32 (one f64 entry point, [`gemm64_x64`],
+//! which the forward no longer calls since the SiTU output stays f32; kept tested).
 //!
 //! # Reduction contract
 //!

@@ -16,7 +16,7 @@ pub struct Situ {
 }
 
 /// `W_down · SiTU(W_gate x, W_up x)` for `ntok` rows, as unrounded f64 sums. The SiTU
-/// output stays f64 into the down projection (an f64 island inside the FFN).
+/// output is rounded to f32 (activations are f32) before the down projection.
 pub fn glu_mlp64(
     gate: &Mat<'_>,
     up: &Mat<'_>,
