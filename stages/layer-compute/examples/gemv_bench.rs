@@ -30,32 +30,126 @@ fn uptime() -> String {
         .unwrap_or_else(|_| "uptime unavailable".into())
 }
 
-/// Sum of a slice with 16 independent u64 lanes (auto-vectorised: 2 zmm / 4 ymm).
-fn sum_chunk(c: &[u64]) -> u64 {
+/// Bytes per row of the read probe's interleaved streams: one bf16 row of the released
+/// hidden size (7168 columns), the stream length a GEMV row tile reads.
+const PROBE_ROW: usize = 14336;
+/// Bytes per rayon task of the read probe (the kernels' `TASK_BYTES` scale).
+const PROBE_TASK: usize = 57344 * 4;
+
+/// Sum `k` interleaved streams over `chunk` (rows of [`PROBE_ROW`] bytes, `k` rows side by
+/// side, 64 bytes from each row in turn, like a `k`-row GEMV tile), with AVX-512 loads.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum_streams_512(chunk: &[u8], k: usize) -> u64 {
+    use std::arch::x86_64::*;
+    let mut s = [_mm512_setzero_si512(); 8];
+    let tile = k * PROBE_ROW;
+    let p = chunk.as_ptr();
+    let mut r = 0;
+    while r + tile <= chunk.len() {
+        let mut c = 0;
+        while c < PROBE_ROW {
+            for (i, si) in s.iter_mut().enumerate().take(k) {
+                // SAFETY: r + i*ROW + c + 64 <= r + tile <= chunk.len().
+                let v = unsafe { _mm512_loadu_si512(p.add(r + i * PROBE_ROW + c) as *const _) };
+                *si = _mm512_add_epi64(*si, v);
+            }
+            c += 64;
+        }
+        r += tile;
+    }
+    let mut t = s[0];
+    for v in &s[1..] {
+        t = _mm512_add_epi64(t, *v);
+    }
+    _mm512_reduce_add_epi64(t) as u64
+}
+
+/// Portable twin of [`sum_streams_512`] (16 u64 lanes per 128 bytes, auto-vectorised).
+fn sum_streams(chunk: &[u8], k: usize) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if simd::avx512_available() {
+        // SAFETY: AVX-512F detected at run time.
+        return unsafe { sum_streams_512(chunk, k) };
+    }
     let mut acc = [0u64; 16];
-    for blk in c.chunks_exact(16) {
-        for i in 0..16 {
-            acc[i] = acc[i].wrapping_add(blk[i]);
+    for blk in chunk.chunks_exact(128) {
+        for (i, a) in acc.iter_mut().enumerate() {
+            let v = u64::from_le_bytes(blk[8 * i..8 * i + 8].try_into().unwrap());
+            *a = a.wrapping_add(v);
         }
     }
+    let _ = k;
     acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
 }
 
-/// Read bandwidth (GB/s) of a vectorised sum over `buf` on `pool`, best of `reps`.
-fn read_bw(pool: &rayon::ThreadPool, buf: &[u64], reps: usize) -> f64 {
+/// Read bandwidth (GB/s) over `buf` on `pool` with `k` interleaved streams per task,
+/// best of `reps`.
+fn read_bw(pool: &rayon::ThreadPool, buf: &[u8], k: usize, reps: usize) -> f64 {
     use rayon::prelude::*;
+    let task = PROBE_TASK / (k * PROBE_ROW) * (k * PROBE_ROW);
+    let task = task.max(k * PROBE_ROW);
+    let used = buf.len() / task * task;
     let mut best = f64::MAX;
     for _ in 0..reps {
         let t0 = Instant::now();
         let total: u64 = pool.install(|| {
-            buf.par_chunks(1 << 16)
-                .map(sum_chunk)
+            buf[..used]
+                .par_chunks(task)
+                .map(|c| sum_streams(c, k))
                 .reduce(|| 0, u64::wrapping_add)
         });
         black_box(total);
         best = best.min(t0.elapsed().as_secs_f64());
     }
-    (buf.len() * 8) as f64 / best / 1e9
+    used as f64 / best / 1e9
+}
+
+/// The memory read limit on each pool: 1, 4 and 8 interleaved streams per task over a
+/// 1 GiB buffer (10× the L3), best of `reps`; prints every variant and returns the best
+/// per pool.
+fn read_limit(pools: &[rayon::ThreadPool], reps: usize) -> Vec<f64> {
+    let buf: Vec<u8> = (0..1usize << 30).map(|i| (i >> 12) as u8).collect();
+    let mut best = vec![0f64; pools.len()];
+    for k in [1usize, 4, 8] {
+        let row: Vec<String> = pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let g = read_bw(p, &buf, k, reps);
+                best[i] = best[i].max(g);
+                format!("{} thread(s) {g:.2} GB/s", p.current_num_threads())
+            })
+            .collect();
+        println!(
+            "  read probe, {k} stream(s) per task ({} loads): {}",
+            if simd::avx512_available() { "zmm" } else { "portable" },
+            row.join(", ")
+        );
+    }
+    best
+}
+
+/// CPU time (seconds) of every thread of this process so far (`/proc/self/task/*/schedstat`,
+/// nanoseconds on CPU), so a busy machine's share can be told apart from the kernel's.
+fn cpu_seconds() -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return f64::NAN;
+    };
+    let mut ns = 0u64;
+    for e in dir.flatten() {
+        if let Ok(s) = std::fs::read_to_string(e.path().join("schedstat")) {
+            ns += s
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    ns as f64 / 1e9
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -140,6 +234,14 @@ fn main() {
         .iter()
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1).cloned());
+    // `--path NAME` / `--th N`: only that kernel path / pool size (A/B runs, profiling).
+    let arg = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let only_path = arg("--path");
+    let only_th: Option<usize> = arg("--th").and_then(|v| v.parse().ok());
     let reps = if quick { 2 } else { 4 };
     let min_bytes: usize = if quick { 256 << 20 } else { 512 << 20 };
     let mut s = 0x9e37_79b9_7f4a_7c15u64;
@@ -155,14 +257,9 @@ fn main() {
                 .unwrap()
         })
         .collect();
-    let bw_buf: Vec<u64> = (0..(1usize << 30) / 8).map(|i| i as u64).collect();
-    let bw: Vec<f64> = pools
-        .iter()
-        .map(|p| read_bw(p, &bw_buf, reps + 2))
-        .collect();
-    drop(bw_buf);
+    let bw = read_limit(&pools, reps + 2);
     println!(
-        "memory read bandwidth (vectorised 1 GiB sum): 1 thread {:.2} GB/s, 2 threads {:.2} GB/s",
+        "memory read bandwidth (best probe, 1 GiB): 1 thread {:.2} GB/s, 2 threads {:.2} GB/s",
         bw[0], bw[1]
     );
     // `--membw`: only the read bandwidth (scripts/bench-slice.sh measures it beside a run).
@@ -177,8 +274,8 @@ fn main() {
     );
     println!();
     println!(
-        "{:<8} {:<34} {:>8} {:>3} {:>8} {:>8} {:>7} {:>9}",
-        "format", "case (out x in)", "MB/set", "th", "path", "GB/s", "% read", "GMAC/s"
+        "{:<8} {:<34} {:>8} {:>3} {:>8} {:>8} {:>7} {:>9} {:>9}",
+        "format", "case (out x in)", "MB/set", "th", "path", "GB/s", "% read", "GMAC/s", "GMAC/cpu-s"
     );
 
     let cases = vec![
@@ -297,8 +394,15 @@ fn main() {
                 if p == Path::Portable && c.shapes[0].0 == 163840 {
                     continue;
                 }
+                if only_path.as_ref().is_some_and(|o| o != p.name())
+                    || only_th.is_some_and(|n| n != threads)
+                {
+                    continue;
+                }
                 let mut best = f64::MAX;
+                let mut best_cpu = f64::MAX;
                 for _ in 0..reps {
+                    let c0 = cpu_seconds();
                     let t0 = Instant::now();
                     pool.install(|| {
                         for set in &mats {
@@ -316,10 +420,11 @@ fn main() {
                         }
                     });
                     best = best.min(t0.elapsed().as_secs_f64());
+                    best_cpu = best_cpu.min(cpu_seconds() - c0);
                 }
                 let gbs = (set_bytes * copies) as f64 / best / 1e9;
                 println!(
-                    "{:<8} {:<34} {:>8.1} {:>3} {:>8} {:>8.2} {:>6.0}% {:>9.1}",
+                    "{:<8} {:<34} {:>8.1} {:>3} {:>8} {:>8.2} {:>6.0}% {:>9.1} {:>9.1}",
                     if c.fmt == Fmt::Bf16 { "bf16" } else { "mxfp4" },
                     c.name,
                     set_bytes as f64 / 1e6,
@@ -327,7 +432,8 @@ fn main() {
                     p.name(),
                     gbs,
                     100.0 * gbs / bw[ti],
-                    (macs * copies) as f64 / best / 1e9
+                    (macs * copies) as f64 / best / 1e9,
+                    (macs * copies) as f64 / best_cpu / 1e9
                 );
             }
         }

@@ -9,6 +9,15 @@ use std::time::Instant;
 use k3_layer_compute::kernels::gemv::{gemm_on, Mat};
 use k3_layer_compute::kernels::simd::Path;
 
+/// On-CPU seconds of the calling thread (`/proc/thread-self/schedstat`), so a busy
+/// machine's share can be told apart from the kernel's rate; NaN where unavailable.
+fn thread_cpu() -> f64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(f64::NAN, |ns| ns as f64 / 1e9)
+}
+
 fn main() {
     let rows: usize = std::env::var("MICRO_ROWS")
         .ok()
@@ -53,15 +62,21 @@ fn main() {
             for p in [Path::Avx512, Path::Avx2] {
                 let iters = (2000 / ntok * if args.len() > 2 { 5 } else { 1 }) * (128 * 7168)
                     / (rows * cols);
+                let c0 = thread_cpu();
                 let t0 = Instant::now();
                 for _ in 0..iters {
                     gemm_on(p, m, &x, &mut y, ntok);
                     black_box(&y);
                 }
                 let dt = t0.elapsed().as_secs_f64();
+                let cpu = thread_cpu() - c0;
                 let gmac = (iters * rows * cols * ntok) as f64 / dt / 1e9;
                 let gbs = (iters * m.weight_bytes()) as f64 / dt / 1e9;
-                println!("{name:<6} ntok {ntok:>2} {:<7} {gmac:>7.1} GMAC/s  {gbs:>7.1} GB/s of weights (cached)", p.name());
+                let per_cpu = (iters * rows * cols * ntok) as f64 / cpu / 1e9;
+                println!(
+                    "{name:<6} ntok {ntok:>2} {:<7} {gmac:>7.1} GMAC/s  {gbs:>7.1} GB/s of weights (cached)  {per_cpu:>7.1} GMAC/cpu-s",
+                    p.name()
+                );
             }
         }
     }

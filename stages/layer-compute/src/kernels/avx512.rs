@@ -16,16 +16,23 @@
 //!   FMAs, nothing else;
 //! - F32: `vpermt2ps` splits 32 floats into even and odd columns.
 //!
-//! Register blocking: one token uses 4 rows per pass; several tokens use 2 rows × 4
-//! tokens, so each decoded weight feeds 4 FMAs, and the loops run block by block (one
-//! 1024-column block of every token and the f64 lane sums stay in L1). Blocking never
-//! changes what one (row, token) lane computes, so batched results equal one-token
-//! results bit for bit.
+//! Register blocking:
+//! - one token (decode, memory-bound): [`R1`] rows streamed side by side, block by block;
+//! - several tokens (prefill): panels of [`PANEL`] rows. Per 1024-column block and per
+//!   sub-block of [`SB`] groups, each row pair's groups are decoded once into an L1
+//!   buffer, then multiplied into register tiles of 2 rows × up to 6 tokens (24 zmm
+//!   accumulators), the f32 partials parked in L1 between sub-blocks (an exact store and
+//!   reload). The sub-block's activations stay in L1 while the whole panel uses them.
+//!
+//! Blocking never changes what one (row, token) lane computes (the same FMAs in the same
+//! order, the same promotion at block ends, the same tree), so batched results equal
+//! one-token results bit for bit.
 //!
 //! Only AVX-512F instructions are used (plus AVX2/FMA from the baseline), so the path needs
 //! `avx512f` at run time; nothing else is assumed.
 
 use std::arch::x86_64::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::gemv::{Mat, MatData};
 use super::portable::{
@@ -173,84 +180,76 @@ unsafe fn promote(a: &[__m512; 2], acc: &mut [f64; LANES]) {
     }
 }
 
-/// One f32 block (groups `q0..qe`) of rows `r..r+R` × tokens `t0..t0+T`: the lanes'
-/// f32 partials, promoted into `acc[j*ntok + t0 + t]` at the end.
+/// One token, one f32 block (groups `q0..qe`) of rows `r..r+R`: each group's activations
+/// are loaded once, then every row's group is loaded, decoded and multiplied (R weight
+/// streams side by side); the lanes' f32 partials are promoted into `acc[j]` at the end.
+/// `pf` is the software prefetch distance in bytes along each row (0: none).
 ///
 /// # Safety
 /// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
-/// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc`; `xp` holds `ntok` permuted
-/// tokens at stride `stride`, `t0 + T <= ntok`, `acc.len() >= R*ntok`; AVX-512F enabled
-/// in the caller.
-#[allow(clippy::too_many_arguments)]
+/// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc`; `xp` holds one permuted
+/// token; `acc.len() >= R`; AVX-512F enabled in the caller.
 #[inline(always)]
-unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
+unsafe fn seg1<F: Fmt, const R: usize>(
     f: F,
     r: usize,
     (q0, qe, qf): (usize, usize, usize),
     (pbuf, psc): (&[[u8; 128]; R], &[u8; R]),
     xp: *const f32,
-    stride: usize,
-    (t0, ntok): (usize, usize),
+    pf: usize,
     acc: &mut [[f64; LANES]],
 ) {
     // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
-    // reads stay inside token t0+t (32 values at 32q < stride); acc indices < R*ntok.
+    // reads stay inside the token (32 values at 32q < its length); acc indices < R.
     unsafe {
-        let mut a = [[[_mm512_setzero_ps(); 2]; T]; R];
-        let mut q = q0;
-        while q < qe {
-            let mut w = [[_mm512_setzero_ps(); 2]; R];
-            if q < qf {
-                for (j, wj) in w.iter_mut().enumerate() {
-                    let (p, s) = f.at(r + j, q);
-                    // Software prefetch PF bytes ahead in the row's stream (a hint: it
-                    // never faults; wrapping_add keeps the pointer arithmetic defined).
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
-                    *wj = F::dec(p, s);
+        let mut a = [[_mm512_setzero_ps(); 2]; R];
+        let qm = qf.clamp(q0, qe);
+        for q in q0..qm {
+            let xq = xp.add(GROUP_COLS * q);
+            let x0 = _mm512_loadu_ps(xq);
+            let x1 = _mm512_loadu_ps(xq.add(16));
+            for (j, aj) in a.iter_mut().enumerate() {
+                let (p, s) = f.at(r + j, q);
+                if pf != 0 {
+                    // A hint: it never faults; wrapping_add keeps the arithmetic defined.
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
                 }
-            } else {
-                for (j, wj) in w.iter_mut().enumerate() {
-                    *wj = F::dec(pbuf[j].as_ptr(), psc[j]);
-                }
+                let w = F::dec(p, s);
+                aj[0] = _mm512_fmadd_ps(w[0], x0, aj[0]);
+                aj[1] = _mm512_fmadd_ps(w[1], x1, aj[1]);
             }
-            for t in 0..T {
-                let xq = xp.add((t0 + t) * stride + GROUP_COLS * q);
-                let x0 = _mm512_loadu_ps(xq);
-                let x1 = _mm512_loadu_ps(xq.add(16));
-                for j in 0..R {
-                    a[j][t][0] = _mm512_fmadd_ps(w[j][0], x0, a[j][t][0]);
-                    a[j][t][1] = _mm512_fmadd_ps(w[j][1], x1, a[j][t][1]);
-                }
-            }
-            q += 1;
         }
-        for j in 0..R {
-            for t in 0..T {
-                promote(&a[j][t], &mut acc[j * ntok + t0 + t]);
+        for q in qm..qe {
+            let xq = xp.add(GROUP_COLS * q);
+            let x0 = _mm512_loadu_ps(xq);
+            let x1 = _mm512_loadu_ps(xq.add(16));
+            for (j, aj) in a.iter_mut().enumerate() {
+                let w = F::dec(pbuf[j].as_ptr(), psc[j]);
+                aj[0] = _mm512_fmadd_ps(w[0], x0, aj[0]);
+                aj[1] = _mm512_fmadd_ps(w[1], x1, aj[1]);
             }
+        }
+        for (aj, accj) in a.iter().zip(acc.iter_mut()) {
+            promote(aj, accj);
         }
     }
 }
 
-/// Rows `r..r+R` × all `ntok` tokens: block by block (so the block's slice of every token
-/// and the f64 lane sums stay in L1), tokens in register blocks of `T` (then one by one).
-/// Sums into `out[(r - r0 + j)*ntok + t]`.
+/// Rows `r..r+R` × one token, block by block. Sums into `out[j]`.
 ///
 /// # Safety
-/// As [`seg`]; `out` has room for rows `r - r0 .. r - r0 + R`.
+/// As [`seg1`]; `out.len() >= R`.
 #[inline(always)]
-unsafe fn tile<F: Fmt, const R: usize, const T: usize>(
+unsafe fn tile1<F: Fmt, const R: usize>(
     f: F,
     m: &Mat<'_>,
     r: usize,
     xp: *const f32,
-    ntok: usize,
-    acc: &mut Vec<[f64; LANES]>,
+    pf: usize,
     out: &mut [f64],
 ) {
     let ng = groups(m.cols);
     let full = m.cols / GROUP_COLS;
-    let stride = x_stride(m.cols);
     let mut pbuf = [[0u8; 128]; R];
     let mut psc = [0u8; R];
     if full < ng {
@@ -258,37 +257,241 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize>(
             psc[j] = stage_partial(m, r + j, full, &mut pbuf[j]);
         }
     }
-    acc.clear();
-    acc.resize(R * ntok, [0f64; LANES]);
+    let mut acc = [[0f64; LANES]; R];
     let mut q = 0;
-    // SAFETY: the caller's guarantees, passed on to seg with q ranges inside 0..ng.
+    // SAFETY: the caller's guarantees, passed on to seg1 with q ranges inside 0..ng.
     unsafe {
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
-            let qs = (q, qe, qe.min(full));
-            let mut t0 = 0;
-            while t0 + T <= ntok {
-                seg::<F, R, T>(f, r, qs, (&pbuf, &psc), xp, stride, (t0, ntok), acc);
-                t0 += T;
+            seg1::<F, R>(f, r, (q, qe, full), (&pbuf, &psc), xp, pf, &mut acc);
+            q = qe;
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc.iter_mut()) {
+        *o = reduce_lanes(a);
+    }
+}
+
+/// Groups per sub-block of the batched path: the f32 partials of a (row tile, token) pair
+/// are kept in registers for this many groups, then parked in an L1 buffer (an exact f32
+/// store/reload, so the lane's FMA chain is unchanged). Sized so that the sub-block's
+/// slice of 16 tokens (16 × 8 × 128 B = 16 KiB) stays in L1.
+const SB: usize = 8;
+/// Rows per register tile of the batched path.
+const RB: usize = 2;
+/// Tokens per register tile of the batched path (RB × TB × 2 = 24 accumulators, RB × 2
+/// decoded weights and 2 activations: 30 of the 32 zmm registers).
+const TB: usize = 6;
+
+/// The batched micro-kernel: rows `0..R` of the decoded sub-block `w` (`n` groups, row `j`
+/// at `w[j*SB + g]`) × tokens `0..T` of `x` (token `t`, group `g` at `x + t*stride + 32g`),
+/// continuing the f32 partials `acc[j*ntok + t]`.
+///
+/// # Safety
+/// `x` addresses `T` tokens × `n` groups; `acc` has `(R-1)*ntok + T` entries; AVX-512F
+/// enabled in the caller.
+#[inline(always)]
+unsafe fn micro<const R: usize, const T: usize>(
+    w: &[[__m512; 2]; RB * SB],
+    n: usize,
+    x: *const f32,
+    stride: usize,
+    ntok: usize,
+    acc: &mut [[__m512; 2]],
+) {
+    // SAFETY: indices as documented; loads are unaligned-safe.
+    unsafe {
+        let mut a = [[[_mm512_setzero_ps(); 2]; T]; R];
+        for j in 0..R {
+            for t in 0..T {
+                a[j][t] = acc[j * ntok + t];
             }
-            while t0 < ntok {
-                seg::<F, R, 1>(f, r, qs, (&pbuf, &psc), xp, stride, (t0, ntok), acc);
-                t0 += 1;
+        }
+        for g in 0..n {
+            let mut wr = [[_mm512_setzero_ps(); 2]; R];
+            for j in 0..R {
+                wr[j] = w[j * SB + g];
+            }
+            for t in 0..T {
+                let xq = x.add(t * stride + GROUP_COLS * g);
+                let x0 = _mm512_loadu_ps(xq);
+                let x1 = _mm512_loadu_ps(xq.add(16));
+                for j in 0..R {
+                    a[j][t][0] = _mm512_fmadd_ps(wr[j][0], x0, a[j][t][0]);
+                    a[j][t][1] = _mm512_fmadd_ps(wr[j][1], x1, a[j][t][1]);
+                }
+            }
+        }
+        for j in 0..R {
+            for t in 0..T {
+                acc[j * ntok + t] = a[j][t];
+            }
+        }
+    }
+}
+
+/// [`micro`] for a token tile of `t` (1..=TB) tokens.
+///
+/// # Safety
+/// As [`micro`] with `T = t`.
+#[inline(always)]
+unsafe fn micro_t<const R: usize>(
+    t: usize,
+    w: &[[__m512; 2]; RB * SB],
+    n: usize,
+    x: *const f32,
+    stride: usize,
+    ntok: usize,
+    acc: &mut [[__m512; 2]],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        match t {
+            6 => micro::<R, 6>(w, n, x, stride, ntok, acc),
+            5 => micro::<R, 5>(w, n, x, stride, ntok, acc),
+            4 => micro::<R, 4>(w, n, x, stride, ntok, acc),
+            3 => micro::<R, 3>(w, n, x, stride, ntok, acc),
+            2 => micro::<R, 2>(w, n, x, stride, ntok, acc),
+            _ => micro::<R, 1>(w, n, x, stride, ntok, acc),
+        }
+    }
+}
+
+/// Rows per panel of the batched path: the panel's f32 partials (PANEL × ntok × 128 B,
+/// 16 KiB at 16 tokens) and the sub-block's activations (16 KiB) stay in L1 while every
+/// row pair of the panel runs over the sub-block, so each activation loaded from L2 feeds
+/// PANEL rows.
+pub const PANEL: usize = 4;
+
+/// Rows `r..r+p` (p ≤ [`PANEL`]) × all `ntok` tokens, batched. Per 1024-column block, per
+/// sub-block of [`SB`] groups, per row pair of the panel: the pair's groups are decoded
+/// once into an L1 buffer, then multiplied into every token tile of up to [`TB`] tokens
+/// (f32 partials parked in L1 between sub-blocks). Each (row, token) lane still performs
+/// exactly the contract's FMA chain (in increasing group order), promotes at the end of
+/// each block and reduces by the shared tree, so results equal the one-token kernel bit
+/// for bit.
+///
+/// # Safety
+/// As [`tile`] for rows `r..r+p`; `out` has room for `p * ntok` sums.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_batched<F: Fmt>(
+    f: F,
+    m: &Mat<'_>,
+    r: usize,
+    p: usize,
+    xp: *const f32,
+    ntok: usize,
+    acc32: &mut Vec<[__m512; 2]>,
+    acc: &mut Vec<[f64; LANES]>,
+    out: &mut [f64],
+) {
+    let ng = groups(m.cols);
+    let full = m.cols / GROUP_COLS;
+    let stride = x_stride(m.cols);
+    let mut pbuf = [[0u8; 128]; PANEL];
+    let mut psc = [0u8; PANEL];
+    if full < ng {
+        for j in 0..p {
+            psc[j] = stage_partial(m, r + j, full, &mut pbuf[j]);
+        }
+    }
+    acc.clear();
+    acc.resize(p * ntok, [0f64; LANES]);
+    // SAFETY: the caller's guarantees: full groups are read in place, the partial one
+    // from pbuf; x offsets stay inside the ntok permuted tokens; acc32 indices < p*ntok.
+    unsafe {
+        let zero = [_mm512_setzero_ps(); 2];
+        acc32.clear();
+        acc32.resize(p * ntok, zero);
+        let mut w = [zero; RB * SB];
+        let mut q = 0;
+        while q < ng {
+            let qe = (q + BLOCK_GROUPS).min(ng);
+            for a in acc32.iter_mut() {
+                *a = zero;
+            }
+            let mut s0 = q;
+            while s0 < qe {
+                let se = (s0 + SB).min(qe);
+                let mut j0 = 0;
+                while j0 < p {
+                    let rr = (p - j0).min(RB);
+                    for j in 0..rr {
+                        for g in s0..se {
+                            w[j * SB + g - s0] = if g < full {
+                                let (pw, sc) = f.at(r + j0 + j, g);
+                                _mm_prefetch::<_MM_HINT_T0>(pw.wrapping_add(F::PF) as *const i8);
+                                F::dec(pw, sc)
+                            } else {
+                                F::dec(pbuf[j0 + j].as_ptr(), psc[j0 + j])
+                            };
+                        }
+                    }
+                    let mut t0 = 0;
+                    while t0 < ntok {
+                        let t = (ntok - t0).min(TB);
+                        let x = xp.add(t0 * stride + GROUP_COLS * s0);
+                        let a = &mut acc32[j0 * ntok + t0..];
+                        if rr == RB {
+                            micro_t::<RB>(t, &w, se - s0, x, stride, ntok, a);
+                        } else {
+                            micro_t::<1>(t, &w, se - s0, x, stride, ntok, a);
+                        }
+                        t0 += t;
+                    }
+                    j0 += rr;
+                }
+                s0 = se;
+            }
+            for (a32, a64) in acc32.iter().zip(acc.iter_mut()) {
+                promote(a32, a64);
             }
             q = qe;
         }
     }
-    for j in 0..R {
-        for t in 0..ntok {
-            out[j * ntok + t] = reduce_lanes(&mut acc[j * ntok + t]);
-        }
+    for (o, a) in out[..p * ntok].iter_mut().zip(acc.iter_mut()) {
+        *o = reduce_lanes(a);
     }
+}
+
+/// Decode-path tuning: rows streamed side by side (2, 4, 6 or 8) and the software
+/// prefetch distance in bytes along each row (0: none; `usize::MAX`: the format's
+/// default). Neither changes a result (rows are independent), only the memory access
+/// pattern; read once from `K3_GEMV_ROWS` / `K3_GEMV_PF`, overridable by
+/// [`set_decode_tuning`] (benchmarks sweep them).
+static DEC_ROWS: AtomicUsize = AtomicUsize::new(0);
+static DEC_PF: AtomicUsize = AtomicUsize::new(usize::MAX - 1);
+
+/// Default rows per one-token tile.
+pub const R1: usize = 4;
+
+/// Set the decode path's rows per tile (2, 4, 6 or 8; anything else: [`R1`]) and prefetch
+/// distance (bytes; 0 = none, `usize::MAX` = the format's default). Results never change.
+pub fn set_decode_tuning(rows: usize, prefetch: usize) {
+    DEC_ROWS.store(rows.max(1), Ordering::Relaxed);
+    DEC_PF.store(prefetch, Ordering::Relaxed);
+}
+
+/// The decode tuning in effect: (rows per tile, prefetch distance or `usize::MAX`).
+pub fn decode_tuning() -> (usize, usize) {
+    if DEC_ROWS.load(Ordering::Relaxed) == 0 {
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse().ok());
+        let rows = env("K3_GEMV_ROWS").unwrap_or(R1);
+        let pf = env("K3_GEMV_PF").unwrap_or(usize::MAX);
+        // A race here stores the same values twice.
+        set_decode_tuning(rows, pf);
+    }
+    (
+        DEC_ROWS.load(Ordering::Relaxed),
+        DEC_PF.load(Ordering::Relaxed),
+    )
 }
 
 /// Rows `r0..r1` × all tokens with the f32-block contract.
 ///
 /// # Safety
-/// As [`tile`], for every row tile; AVX-512F enabled in the caller.
+/// `f` describes `m`; AVX-512F enabled in the caller.
 #[inline(always)]
 unsafe fn drive<F: Fmt>(
     f: F,
@@ -304,24 +507,36 @@ unsafe fn drive<F: Fmt>(
     assert!(out.len() >= (r1 - r0) * ntok);
     assert!(r1 <= m.rows);
     let x = xp.as_ptr();
-    let mut acc = Vec::new();
     let mut r = r0;
     // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out (asserted).
     unsafe {
         if ntok == 1 {
-            while r + 4 <= r1 {
-                tile::<F, 4, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
-                r += 4;
+            let (rows, pf) = decode_tuning();
+            let pf = if pf == usize::MAX { F::PF } else { pf };
+            macro_rules! run_rows {
+                ($n:literal) => {
+                    while r + $n <= r1 {
+                        tile1::<F, $n>(f, m, r, x, pf, &mut out[r - r0..]);
+                        r += $n;
+                    }
+                };
             }
+            match rows {
+                8 => run_rows!(8),
+                6 => run_rows!(6),
+                2 => run_rows!(2),
+                _ => run_rows!(4),
+            }
+            run_rows!(1);
         } else {
-            while r + 2 <= r1 {
-                tile::<F, 2, 4>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
-                r += 2;
+            let mut acc = Vec::new();
+            let mut acc32 = Vec::new();
+            while r < r1 {
+                let p = (r1 - r).min(PANEL);
+                let o = &mut out[(r - r0) * ntok..];
+                panel_batched::<F>(f, m, r, p, x, ntok, &mut acc32, &mut acc, o);
+                r += p;
             }
-        }
-        while r < r1 {
-            tile::<F, 1, 4>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
-            r += 1;
         }
     }
 }
@@ -370,136 +585,6 @@ pub unsafe fn rows_f32(
                 out,
             ),
             MatData::Mxfp4 { packed, scales } => drive(
-                Mx {
-                    p: packed.as_ptr(),
-                    pstride: c.div_ceil(2),
-                    s: scales.as_ptr(),
-                    sstride: groups(c),
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-        }
-    }
-}
-
-/// One row · one permuted f64 token under the f64 contract.
-///
-/// # Safety
-/// Row `r` exists, `xp` holds `groups(m.cols)*32` values; AVX-512F enabled in the caller.
-#[inline(always)]
-unsafe fn row64<F: Fmt>(f: F, m: &Mat<'_>, r: usize, xp: *const f64) -> f64 {
-    let ng = groups(m.cols);
-    let full = m.cols / GROUP_COLS;
-    let mut pbuf = [0u8; 128];
-    let psc = if full < ng {
-        stage_partial(m, r, full, &mut pbuf)
-    } else {
-        0
-    };
-    // SAFETY: as in `block`: in-place reads for full groups, staged for the partial one.
-    unsafe {
-        let mut a = [_mm512_setzero_pd(); 4];
-        for q in 0..ng {
-            let (p, s) = if q < full {
-                f.at(r, q)
-            } else {
-                (pbuf.as_ptr(), psc)
-            };
-            let w = F::dec(p, s);
-            let xq = xp.add(GROUP_COLS * q);
-            for (k, v) in w.iter().enumerate() {
-                let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(*v));
-                let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
-                    _mm512_castps_pd(*v),
-                    1,
-                )));
-                a[2 * k] = _mm512_fmadd_pd(lo, _mm512_loadu_pd(xq.add(16 * k)), a[2 * k]);
-                a[2 * k + 1] =
-                    _mm512_fmadd_pd(hi, _mm512_loadu_pd(xq.add(16 * k + 8)), a[2 * k + 1]);
-            }
-        }
-        let mut acc = [0f64; LANES];
-        for (k, v) in a.iter().enumerate() {
-            _mm512_storeu_pd(acc.as_mut_ptr().add(8 * k), *v);
-        }
-        reduce_lanes(&mut acc)
-    }
-}
-
-/// Rows `r0..r1` × all tokens with the f64 contract (one row and token at a time).
-///
-/// # Safety
-/// `f` describes `m`; the CPU features of the calling `#[target_feature]` function.
-#[inline(always)]
-unsafe fn drive64<F: Fmt>(
-    f: F,
-    m: &Mat<'_>,
-    r0: usize,
-    r1: usize,
-    xp: &[f64],
-    ntok: usize,
-    out: &mut [f64],
-) {
-    let stride = x_stride(m.cols);
-    assert!(xp.len() >= ntok * stride);
-    assert!(out.len() >= (r1 - r0) * ntok);
-    assert!(r1 <= m.rows);
-    for r in r0..r1 {
-        for t in 0..ntok {
-            // SAFETY: r < m.rows and token t's permuted values lie inside xp (asserted).
-            out[(r - r0) * ntok + t] = unsafe { row64(f, m, r, xp.as_ptr().add(t * stride)) };
-        }
-    }
-}
-
-/// Sums of rows `r0..r1` × `ntok` permuted f64 tokens (f64 contract) into
-/// `out[(r-r0)*ntok + t]`.
-///
-/// # Safety
-/// The CPU must support AVX-512F, AVX2 and FMA.
-#[target_feature(enable = "avx512f,avx2,fma")]
-pub unsafe fn rows_f64(
-    m: &Mat<'_>,
-    r0: usize,
-    r1: usize,
-    xp: &[f64],
-    ntok: usize,
-    out: &mut [f64],
-) {
-    let c = m.cols;
-    // SAFETY: as in `rows_f32`.
-    unsafe {
-        match m.data {
-            MatData::Bf16(b) => drive64(
-                Bf16 {
-                    p: b.as_ptr(),
-                    stride: 2 * c,
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-            MatData::F32(b) => drive64(
-                F32 {
-                    p: b.as_ptr(),
-                    stride: 4 * c,
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-            MatData::Mxfp4 { packed, scales } => drive64(
                 Mx {
                     p: packed.as_ptr(),
                     pstride: c.div_ceil(2),

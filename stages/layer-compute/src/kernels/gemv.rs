@@ -2,8 +2,8 @@
 //!
 //! Three weight encodings: BF16 (widened exactly to f32 by a 16-bit shift), F32, and MXFP4
 //! (compressed-tensors packing, decoded on the fly from the packed bytes; the matrix is
-//! never expanded in memory). Activations are f32 (one f64 entry point, [`gemm64_x64`],
-//! which the forward no longer calls since the SiTU output stays f32; kept tested).
+//! never expanded in memory). Activations are f32 (the f64-input products were removed
+//! once the forward stopped calling them: the SiTU output stays f32).
 //!
 //! # Reduction contract
 //!
@@ -28,10 +28,6 @@
 //!    Hence results are bitwise independent of thread count, of batched vs one token at a
 //!    time, of fusion ([`gemm_fused`]) and of the SIMD path.
 //!
-//! [`gemm64_x64`] (f64 input, an f64 island of the forward) follows the **f64 contract**:
-//! the same lanes and tree, but each lane is one f64 sum updated by an f64 FMA
-//! `s = fma(w as f64, x, s)` over all columns (no f32 blocks).
-//!
 //! Error budgets (u32 = 2^-24, u64 = 2^-53; n = cols; A = Σ|w·x|):
 //! - **E_block** (f32 FMA chain in a lane within one block, ≤ 32 terms): each FMA rounds
 //!   once, so |err| ≤ 32·u32·A_block (worst case 1.9e-6·A; a random walk gives about
@@ -42,8 +38,6 @@
 //! - Total for an f32 output: |y − exact| ≤ 33·u32·A + u32·|y| ≈ 2e-6·A worst case. The
 //!   oracle gates (seed ops 1e-5 + 1e-4 rel, tiny models 1e-4 / 1e-3, trace 5e-4 relative)
 //!   leave a margin of two to three orders of magnitude; see `tests/` for measured gaps.
-//! - f64 contract: ≤ (n/32 + 5)·u64·A, as exact as the old contract for practical
-//!   purposes.
 //!
 //! An MXFP4 product equals, bit for bit, the F32 product of its dequantised matrix (same
 //! weights, same operations), and a BF16 product equals the F32 product of its widened
@@ -64,18 +58,17 @@
 //!   experts). One x permutation and one fork/join for all matrices; results are bitwise
 //!   those of separate [`gemm`] calls, so wiring it changes no id or logit.
 //! - **Batched prefill** — [`gemm`] with `ntok > 1` *is* the batched, register-blocked
-//!   GEMM (weights read from DRAM once per chunk, 2 rows × 4 tokens per AVX-512 inner
-//!   loop). Callers should pass the whole chunk in one call (as they do today) instead of
+//!   GEMM (weights read from DRAM once per chunk; on AVX-512, panels of 4 rows whose
+//!   32-column groups are decoded once per sub-block of 256 columns and multiplied into
+//!   2 rows × 6 tokens per inner loop). Callers should pass the whole chunk in one call (as they do today) instead of
 //!   looping tokens; per-token results equal [`gemv`] bit for bit.
 //! - **lm_head** — one [`gemm`] call (rows = vocab) parallelises over 256 KiB row blocks
 //!   on the current pool; nothing else is needed.
 //! - **Pool** — products use `rayon::current_num_threads()`; run the forward inside
 //!   `pool.install(..)` of a pool sized/pinned to the stage's CPUs. `threads <= 1` keeps a
 //!   product on the calling thread.
-//! - **f64 islands** — [`gemm64`] (f32 input, unrounded f64 output) is as fast as
-//!   [`gemm`]; [`gemm64_x64`] (f64 input) uses f64 FMAs, one row and token at a time: about
-//!   half the arithmetic rate, still above the DRAM rate for one token, slower for
-//!   batched prefill (it is used by the shared-expert down projection).
+//! - **f64 outputs** — [`gemm64`] (f32 input, unrounded f64 output) is as fast as
+//!   [`gemm`].
 //!
 //! # Threads
 //!
@@ -243,27 +236,6 @@ fn rows_f32_on(
     }
 }
 
-/// Row-block kernel of the f64 contract on `path`.
-fn rows_f64_on(
-    path: Path,
-    m: &Mat<'_>,
-    r0: usize,
-    r1: usize,
-    xp: &[f64],
-    ntok: usize,
-    out: &mut [f64],
-) {
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: simd::path() only returns Avx512 when avx512f+avx2+fma were detected.
-        Path::Avx512 => unsafe { super::avx512::rows_f64(m, r0, r1, xp, ntok, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: simd::path() only returns Avx2 when avx2+fma were detected.
-        Path::Avx2 => unsafe { super::avx2::rows_f64(m, r0, r1, xp, ntok, out) },
-        _ => portable::rows_f64(m, r0, r1, xp, ntok, out),
-    }
-}
-
 /// Below this many multiply-adds (rows × cols × tokens, summed over fused matrices) a
 /// product runs on the calling thread only.
 pub const PAR_MIN_WEIGHTS: usize = 1 << 18;
@@ -272,18 +244,17 @@ pub const PAR_MIN_WEIGHTS: usize = 1 << 18;
 pub const TASK_BYTES: usize = 256 << 10;
 
 /// Rows per task for `m` at `ntok` tokens: a function of the shape only (never of the
-/// thread count), a multiple of 4.
+/// thread count), a multiple of 4 (of 16 when batched).
 pub fn task_rows(m: &Mat<'_>, ntok: usize) -> usize {
     let row_bytes = (m.weight_bytes() / m.rows.max(1)).max(1);
-    let per = TASK_BYTES / (row_bytes * ntok.clamp(1, 8));
+    if ntok > 1 {
+        // Batched: whole panels of rows (the SIMD kernels share each activation slice
+        // across a panel), at least 16 rows per task.
+        let per = TASK_BYTES / (row_bytes * ntok.min(8));
+        return per.max(16).div_ceil(16) * 16;
+    }
+    let per = TASK_BYTES / row_bytes;
     per.max(4).div_ceil(4) * 4
-}
-
-/// Input of a product, already permuted into lane order (`ntok × groups(cols)*32`).
-#[derive(Clone, Copy)]
-enum Xp<'a> {
-    F32(&'a [f32]),
-    F64(&'a [f64]),
 }
 
 /// Output pointer shared by the tasks of one product.
@@ -299,7 +270,7 @@ unsafe impl<O: Send> Sync for OutPtr<O> {}
 /// `ntok × mats[i].rows`, token-major.
 fn run<O: Copy + Send>(
     mats: &[&Mat<'_>],
-    xp: Xp<'_>,
+    xp: &[f32],
     outs: &mut [&mut [O]],
     ntok: usize,
     threads: usize,
@@ -321,10 +292,7 @@ fn run<O: Copy + Send>(
     let task = |i: usize, r0: usize, r1: usize| {
         let m = mats[i];
         let mut sums = vec![0f64; (r1 - r0) * ntok];
-        match xp {
-            Xp::F32(x) => rows_f32_on(path, m, r0, r1, x, ntok, &mut sums),
-            Xp::F64(x) => rows_f64_on(path, m, r0, r1, x, ntok, &mut sums),
-        }
+        rows_f32_on(path, m, r0, r1, xp, ntok, &mut sums);
         let OutPtr(p, len) = ptrs[i];
         for r in r0..r1 {
             for t in 0..ntok {
@@ -366,7 +334,7 @@ pub fn gemv(m: &Mat<'_>, x: &[f32], y: &mut [f32], threads: usize) {
 /// `ys[t] = W xs[t]` for `t < ntok`; `xs` is `ntok × cols`, `ys` is `ntok × rows`.
 ///
 /// A batched, register-blocked GEMM: each weight row is read from memory and decoded
-/// once for all tokens (SIMD: 2 rows × 4 tokens per inner loop on AVX-512), and every
+/// once for all tokens (SIMD: 2 rows × 6 tokens per inner loop on AVX-512), and every
 /// (row, token) result is the dot product [`gemv`] computes, bit for bit.
 pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize) {
     gemm_fused(&[m], xs, &mut [ys], ntok, threads);
@@ -389,7 +357,7 @@ pub fn gemm_fused(
     let Some(first) = mats.first() else { return };
     assert_eq!(xs.len(), ntok * first.cols, "gemm input length");
     let xp = portable::permute_tokens(xs, first.cols, ntok);
-    run(mats, Xp::F32(&xp), outs, ntok, threads, |v| v as f32);
+    run(mats, &xp, outs, ntok, threads, |v| v as f32);
 }
 
 /// [`gemm_fused`] returning the unrounded f64 sums.
@@ -403,23 +371,13 @@ pub fn gemm_fused64(
     let Some(first) = mats.first() else { return };
     assert_eq!(xs.len(), ntok * first.cols, "gemm input length");
     let xp = portable::permute_tokens(xs, first.cols, ntok);
-    run(mats, Xp::F32(&xp), outs, ntok, threads, |v| v);
+    run(mats, &xp, outs, ntok, threads, |v| v);
 }
 
 /// [`gemm`] returning the unrounded f64 sums (for a caller that adds two products and
 /// rounds once). Same contract and speed as [`gemm`].
 pub fn gemm64(m: &Mat<'_>, xs: &[f32], ys: &mut [f64], ntok: usize, threads: usize) {
     gemm_fused64(&[m], xs, &mut [ys], ntok, threads);
-}
-
-/// [`gemm64`] over an f64 input (an f64 island, e.g. SiTU output feeding a down
-/// projection), under the f64 contract (f64 FMA per lane, see the module doc). Not
-/// register-blocked over tokens (each row's weights stay in L1 across the tokens); about
-/// half the f32 path's arithmetic rate, still above the memory rate for one token.
-pub fn gemm64_x64(m: &Mat<'_>, xs: &[f64], ys: &mut [f64], ntok: usize, threads: usize) {
-    assert_eq!(xs.len(), ntok * m.cols, "gemm input length");
-    let xp = portable::permute_tokens(xs, m.cols, ntok);
-    run(&[m], Xp::F64(&xp), &mut [ys], ntok, threads, |v| v);
 }
 
 /// `y = W x` on the portable path, single-threaded (the reference the SIMD tests use).
@@ -444,21 +402,6 @@ pub fn gemm_on(path: Path, m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize)
     for r in 0..m.rows {
         for t in 0..ntok {
             ys[t * m.rows + r] = sums[r * ntok + t] as f32;
-        }
-    }
-}
-
-/// [`gemm64_x64`] on an explicit path, single-threaded (tests and benchmarks).
-pub fn gemm64_x64_on(path: Path, m: &Mat<'_>, xs: &[f64], ys: &mut [f64], ntok: usize) {
-    assert_eq!(xs.len(), ntok * m.cols, "gemm input length");
-    assert_eq!(ys.len(), ntok * m.rows, "gemm output length");
-    let path = path.min(simd::best_available());
-    let xp = portable::permute_tokens(xs, m.cols, ntok);
-    let mut sums = vec![0f64; m.rows * ntok];
-    rows_f64_on(path, m, 0, m.rows, &xp, ntok, &mut sums);
-    for r in 0..m.rows {
-        for t in 0..ntok {
-            ys[t * m.rows + r] = sums[r * ntok + t];
         }
     }
 }

@@ -234,38 +234,12 @@ pub fn dot_f32_lanes(m: &Mat<'_>, r: usize, xp: &[f32]) -> f64 {
     reduce_lanes(&mut acc64)
 }
 
-/// Row `r` · one permuted f64 token under the f64 contract (f64 FMA per lane, no blocks).
-pub fn dot_f64_lanes(m: &Mat<'_>, r: usize, xp: &[f64]) -> f64 {
-    let ng = groups(m.cols);
-    assert!(xp.len() >= ng * GROUP_COLS);
-    let mut acc64 = [0f64; LANES];
-    let mut w = [0f32; LANES];
-    for q in 0..ng {
-        decode_group(m, r, q, &mut w);
-        let xq = &xp[q * GROUP_COLS..(q + 1) * GROUP_COLS];
-        for l in 0..LANES {
-            acc64[l] = (w[l] as f64).mul_add(xq[l], acc64[l]);
-        }
-    }
-    reduce_lanes(&mut acc64)
-}
-
 /// Portable row-block kernel: sums for rows `r0..r1` × `ntok` tokens into `out[(r-r0)*ntok+t]`.
 pub fn rows_f32(m: &Mat<'_>, r0: usize, r1: usize, xp: &[f32], ntok: usize, out: &mut [f64]) {
     let stride = x_stride(m.cols);
     for r in r0..r1 {
         for t in 0..ntok {
             out[(r - r0) * ntok + t] = dot_f32_lanes(m, r, &xp[t * stride..(t + 1) * stride]);
-        }
-    }
-}
-
-/// Portable row-block kernel of the f64 contract (see [`rows_f32`] for the layout).
-pub fn rows_f64(m: &Mat<'_>, r0: usize, r1: usize, xp: &[f64], ntok: usize, out: &mut [f64]) {
-    let stride = x_stride(m.cols);
-    for r in r0..r1 {
-        for t in 0..ntok {
-            out[(r - r0) * ntok + t] = dot_f64_lanes(m, r, &xp[t * stride..(t + 1) * stride]);
         }
     }
 }
