@@ -2,6 +2,9 @@
 # Resident compute on the synthetic slice (released per-layer dims and the released
 # vocabulary, so the lm_head is the real 2.35 GB): decode s/token and prompt (prefill) time
 # beside the memory read bandwidth measured in the same run, then the kernel table.
+# Rows: resident decode `--single-process` (the kernels alone), resident decode in the
+# staged default mode (stage processes, `--mem-gb 20` so every weight stays resident),
+# and the 16-token prompt (prefill, batched GEMM).
 #
 #   scripts/bench-slice.sh [WORK_DIR] [THREADS]
 #
@@ -21,9 +24,10 @@ mkdir -p "$WORK"
 [ -f "$WORK/slice/config.json" ] || "$BIN" synth --shape slice --vocab 163840 --seed 7 "$WORK/slice"
 
 echo "== uptime (start): $(uptime)"
-membw() { "$BENCH" --membw | grep 'memory read bandwidth'; }
+# The read probe: AVX-512 loads over 1 GiB with 1, 4 and 8 interleaved streams per task
+# on the kernels' rayon pools; the best variant is the floor ("memory read bandwidth").
+membw() { "$BENCH" --membw | grep -E 'memory read bandwidth|read probe' | tee /dev/stderr | grep 'memory read bandwidth'; }
 BW0=$(membw)
-echo "$BW0"
 
 IDS1=1
 IDS16=$(seq -s, 1 16)
@@ -31,11 +35,15 @@ run() { # name, ids, gen
   "$BIN" "$WORK/slice" --single-process --incremental --threads "$THREADS" \
     --ids "$2" --gen "$3" --out "$WORK/$1.json" --quiet
 }
+staged() { # name, ids, gen: the product's default (staged) mode, everything resident
+  "$BIN" "$WORK/slice" --mem-gb 20 --incremental --threads "$THREADS" \
+    --ids "$2" --gen "$3" --out "$WORK/$1.json" --quiet
+}
 run warmup "$IDS1" 4 # pages every trunk tensor and the routed experts it touches in
 run decode "$IDS1" 12
 run prefill "$IDS16" 1
+staged staged "$IDS1" 12
 BW1=$(membw)
-echo "$BW1"
 echo "== uptime (end of runs): $(uptime)"
 
 python3 - "$WORK" "$BW0" "$BW1" "$THREADS" <<'PY'
@@ -45,6 +53,7 @@ cfg = json.load(open(f"{work}/slice/config.json"))
 tc = cfg.get("text_config", cfg)
 dec = json.load(open(f"{work}/decode.json"))
 pre = json.load(open(f"{work}/prefill.json"))
+stg = json.load(open(f"{work}/staged.json"))
 # Weight bytes one decode token reads: every trunk tensor, the lm_head, and top-k routed
 # experts per MoE layer (the embedding row is negligible).
 plan = {i["what"]: i["bytes"] for i in dec["plan"]["items"]}
@@ -58,19 +67,31 @@ topk = tc["num_experts_per_token"]
 expert = 17_547_264
 moe_layers = layers - first_dense
 per_token = trunk + lm_head + moe_layers * topk * expert
-steps = [s["seconds"] for s in dec["steps"][1:]]
-s_tok = statistics.median(steps)
+def s_per_token(rep):
+    return statistics.median([s["seconds"] for s in rep["steps"][1:]])
 bw = [float(x) for x in re.findall(r"([0-9.]+) GB/s", bw0 + " " + bw1)]
 bw2 = max(bw[1], bw[3]) if len(bw) >= 4 else max(bw)
 floor = per_token / 1e9 / bw2
 print()
-print(f"slice: {layers} layers, vocab {vocab}, top-{topk}, {threads} threads, --single-process, resident")
-print(f"{'weight GB/token':>16} {'s/token':>8} {'GB/s':>6} {'mem GB/s':>8} {'floor s':>8} {'ratio':>6} {'16-token prompt s':>18}")
-print(f"{per_token/1e9:16.2f} {s_tok:8.3f} {per_token/1e9/s_tok:6.1f} {bw2:8.1f} {floor:8.3f} {s_tok/floor:6.2f} {pre['steps'][0]['seconds']:18.3f}")
-print(f"decode ids {dec['generated_ids']}")
+print(f"slice: {layers} layers, vocab {vocab}, top-{topk}, {threads} threads, resident; "
+      f"read floor {bw2:.1f} GB/s (best probe, 2 threads, max of before/after)")
+print(f"{'mode':<28} {'weight GB/token':>16} {'s/token':>8} {'GB/s':>6} {'floor s':>8} {'ratio':>6}")
+for name, rep in (("decode --single-process", dec), ("decode staged --mem-gb 20", stg)):
+    st = s_per_token(rep)
+    print(f"{name:<28} {per_token/1e9:16.2f} {st:8.3f} {per_token/1e9/st:6.1f} {floor:8.3f} {st/floor:6.2f}")
+print(f"{'16-token prompt (prefill)':<28} {pre['steps'][0]['seconds']:>34.3f} s (goal <= 0.8 s)")
+print(f"decode ids {dec['generated_ids']}, staged ids {stg['generated_ids']}")
+if dec["generated_ids"] != stg["generated_ids"][: len(dec["generated_ids"])]:
+    print("WARNING: staged and single-process ids differ")
 PY
 
 echo
-echo "== kernel table"
+echo "== kernel table (GB/s of weight bytes; % of the best read probe of the same pool)"
 "$BENCH"
+echo
+echo "== decode tuning sweep (lm_head GEMV, 2 threads; rows side by side x prefetch bytes)"
+# Results never depend on the tuning; the fastest row may become the default
+# (gemv::R1 and the formats' PF) or be set per run with K3_GEMV_ROWS / K3_GEMV_PF.
+"$BENCH" --sweep --only lm_head --th 2 --path avx512 | grep -E 'lm_head|read bandwidth' \
+  | awk '/lm_head/ {print; if ($(NF-3)+0 > best) {best=$(NF-3)+0; line=$0}} END {print "fastest: " line}'
 echo "== uptime (end): $(uptime)"

@@ -5,7 +5,15 @@
 //! the load average (`uptime`) at the start and the end.
 //!
 //! Run: `cargo run --release -p k3-layer-compute --example gemv_bench [-- --quick | --membw]
-//! [--only NAME]`.
+//! [--only NAME] [--path avx512|avx2|portable] [--th 1|2] [--sweep]`.
+//!
+//! The read probe sums a 1 GiB buffer (10× the L3 here) with AVX-512 loads on the same
+//! rayon pools as the kernels, with 1, 4 and 8 interleaved streams per task (rows of
+//! 14336 bytes read 64 bytes at a time in turn, like a GEMV row tile), and prints every
+//! variant; "% read" is relative to the best one. `--sweep` times the one-token cases
+//! for every decode tuning (rows side by side × software prefetch distance, see
+//! `gemv::set_decode_tuning`); the "GMAC/cpu-s" column divides by the CPU time the
+//! process spent (all threads), which tells a loaded machine from a slow kernel.
 //! Weight buffers are replicated until each case streams at least 512 MiB per round
 //! (the lm_head is one 2.35 GB copy), so the numbers are DRAM numbers, not cache numbers.
 //! Only meaningful on a quiet machine (load average well below the core count).
@@ -13,7 +21,9 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use k3_layer_compute::kernels::gemv::{gemm, gemm_fused, gemv, Mat};
+use k3_layer_compute::kernels::gemv::{
+    decode_tuning, gemm, gemm_fused, gemv, set_decode_tuning, Mat,
+};
 use k3_layer_compute::kernels::simd::{self, Path};
 
 fn xorshift(s: &mut u64) -> u64 {
@@ -126,7 +136,11 @@ fn read_limit(pools: &[rayon::ThreadPool], reps: usize) -> Vec<f64> {
             .collect();
         println!(
             "  read probe, {k} stream(s) per task ({} loads): {}",
-            if simd::avx512_available() { "zmm" } else { "portable" },
+            if simd::avx512_available() {
+                "zmm"
+            } else {
+                "portable"
+            },
             row.join(", ")
         );
     }
@@ -242,6 +256,17 @@ fn main() {
     };
     let only_path = arg("--path");
     let only_th: Option<usize> = arg("--th").and_then(|v| v.parse().ok());
+    // `--sweep`: one-token cases only, AVX-512 only, every decode tuning (rows side by
+    // side × prefetch distance); results never change, only the access pattern.
+    let sweep = args.iter().any(|a| a == "--sweep");
+    let tunings: Vec<(usize, usize)> = if sweep {
+        [2usize, 4, 6, 8]
+            .iter()
+            .flat_map(|&r| [0usize, 512, 1024, 2048, 4096].map(|p| (r, p)))
+            .collect()
+    } else {
+        vec![decode_tuning()]
+    };
     let reps = if quick { 2 } else { 4 };
     let min_bytes: usize = if quick { 256 << 20 } else { 512 << 20 };
     let mut s = 0x9e37_79b9_7f4a_7c15u64;
@@ -275,7 +300,15 @@ fn main() {
     println!();
     println!(
         "{:<8} {:<34} {:>8} {:>3} {:>8} {:>8} {:>7} {:>9} {:>9}",
-        "format", "case (out x in)", "MB/set", "th", "path", "GB/s", "% read", "GMAC/s", "GMAC/cpu-s"
+        "format",
+        "case (out x in)",
+        "MB/set",
+        "th",
+        "path",
+        "GB/s",
+        "% read",
+        "GMAC/s",
+        "GMAC/cpu-s"
     );
 
     let cases = vec![
@@ -350,6 +383,9 @@ fn main() {
         if only.as_ref().is_some_and(|o| !c.name.contains(o.as_str())) {
             continue;
         }
+        if sweep && c.kind != Kind::Gemv {
+            continue;
+        }
         let set_bytes: usize = c
             .shapes
             .iter()
@@ -383,7 +419,14 @@ fn main() {
             .iter()
             .map(|&(r, _)| vec![0f32; r * ntok])
             .collect();
-        for &p in &paths {
+        for (&p, &(trows, tpf)) in paths
+            .iter()
+            .flat_map(|p| tunings.iter().map(move |t| (p, t)))
+        {
+            if sweep && p != Path::Avx512 {
+                continue;
+            }
+            set_decode_tuning(trows, tpf);
             simd::set_max_path(p);
             for (ti, pool) in pools.iter().enumerate() {
                 let threads = ti + 1;
@@ -423,17 +466,28 @@ fn main() {
                     best_cpu = best_cpu.min(cpu_seconds() - c0);
                 }
                 let gbs = (set_bytes * copies) as f64 / best / 1e9;
+                let label = if sweep {
+                    let pf = if tpf == usize::MAX {
+                        "default".to_string()
+                    } else {
+                        tpf.to_string()
+                    };
+                    format!("{} [rows {trows}, pf {pf}]", c.name)
+                } else {
+                    c.name.to_string()
+                };
                 println!(
-                    "{:<8} {:<34} {:>8.1} {:>3} {:>8} {:>8.2} {:>6.0}% {:>9.1} {:>9.1}",
+                    "{:<8} {:<w$} {:>8.1} {:>3} {:>8} {:>8.2} {:>6.0}% {:>9.1} {:>9.1}",
                     if c.fmt == Fmt::Bf16 { "bf16" } else { "mxfp4" },
-                    c.name,
+                    label,
                     set_bytes as f64 / 1e6,
                     threads,
                     p.name(),
                     gbs,
                     100.0 * gbs / bw[ti],
                     (macs * copies) as f64 / best / 1e9,
-                    (macs * copies) as f64 / best_cpu / 1e9
+                    (macs * copies) as f64 / best_cpu / 1e9,
+                    w = if sweep { 48 } else { 34 },
                 );
             }
         }

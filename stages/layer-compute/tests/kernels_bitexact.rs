@@ -4,9 +4,7 @@
 //! MXFP4 column counts, several 1024-column blocks and row counts that leave remainders
 //! after register blocking.
 
-use k3_layer_compute::kernels::gemv::{
-    gemm, gemm64, gemm_fused, gemm_on, gemv, Mat,
-};
+use k3_layer_compute::kernels::gemv::{gemm, gemm64, gemm_fused, gemm_on, gemv, Mat};
 use k3_layer_compute::kernels::{mxfp4, simd, simd::Path};
 
 fn rng(s: &mut u64) -> u64 {

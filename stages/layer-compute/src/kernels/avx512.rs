@@ -17,7 +17,8 @@
 //! - F32: `vpermt2ps` splits 32 floats into even and odd columns.
 //!
 //! Register blocking:
-//! - one token (decode, memory-bound): [`R1`] rows streamed side by side, block by block;
+//! - one token (decode, memory-bound): [`super::gemv::R1`] rows (tunable) streamed side by
+//!   side, block by block;
 //! - several tokens (prefill): panels of [`PANEL`] rows. Per 1024-column block and per
 //!   sub-block of [`SB`] groups, each row pair's groups are decoded once into an L1
 //!   buffer, then multiplied into register tiles of 2 rows × up to 6 tokens (24 zmm
@@ -32,9 +33,8 @@
 //! `avx512f` at run time; nothing else is assumed.
 
 use std::arch::x86_64::*;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::gemv::{Mat, MatData};
+use super::gemv::{decode_tuning, Mat, MatData};
 use super::portable::{
     groups, reduce_lanes, stage_partial, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES,
 };
@@ -285,26 +285,31 @@ const TB: usize = 6;
 
 /// The batched micro-kernel: rows `0..R` of the decoded sub-block `w` (`n` groups, row `j`
 /// at `w[j*SB + g]`) × tokens `0..T` of `x` (token `t`, group `g` at `x + t*stride + 32g`),
-/// continuing the f32 partials `acc[j*ntok + t]`.
+/// continuing the f32 partials `acc[j*ntok + t]` (from +0 when `first`: the block's first
+/// sub-block), and at the block's last sub-block (`last`) promoting them straight into
+/// the f64 lane sums `acc64[j*ntok + t]` instead of parking them.
 ///
 /// # Safety
-/// `x` addresses `T` tokens × `n` groups; `acc` has `(R-1)*ntok + T` entries; AVX-512F
-/// enabled in the caller.
+/// `x` addresses `T` tokens × `n` groups; `acc` and `acc64` have `(R-1)*ntok + T` entries;
+/// AVX-512F enabled in the caller.
 #[inline(always)]
 unsafe fn micro<const R: usize, const T: usize>(
     w: &[[__m512; 2]; RB * SB],
     n: usize,
     x: *const f32,
-    stride: usize,
-    ntok: usize,
+    (stride, ntok): (usize, usize),
+    (first, last): (bool, bool),
     acc: &mut [[__m512; 2]],
+    acc64: &mut [[f64; LANES]],
 ) {
     // SAFETY: indices as documented; loads are unaligned-safe.
     unsafe {
         let mut a = [[[_mm512_setzero_ps(); 2]; T]; R];
-        for j in 0..R {
-            for t in 0..T {
-                a[j][t] = acc[j * ntok + t];
+        if !first {
+            for j in 0..R {
+                for t in 0..T {
+                    a[j][t] = acc[j * ntok + t];
+                }
             }
         }
         for g in 0..n {
@@ -322,9 +327,17 @@ unsafe fn micro<const R: usize, const T: usize>(
                 }
             }
         }
-        for j in 0..R {
-            for t in 0..T {
-                acc[j * ntok + t] = a[j][t];
+        if last {
+            for j in 0..R {
+                for t in 0..T {
+                    promote(&a[j][t], &mut acc64[j * ntok + t]);
+                }
+            }
+        } else {
+            for j in 0..R {
+                for t in 0..T {
+                    acc[j * ntok + t] = a[j][t];
+                }
             }
         }
     }
@@ -335,24 +348,26 @@ unsafe fn micro<const R: usize, const T: usize>(
 /// # Safety
 /// As [`micro`] with `T = t`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn micro_t<const R: usize>(
     t: usize,
     w: &[[__m512; 2]; RB * SB],
     n: usize,
     x: *const f32,
-    stride: usize,
-    ntok: usize,
+    sn: (usize, usize),
+    fl: (bool, bool),
     acc: &mut [[__m512; 2]],
+    acc64: &mut [[f64; LANES]],
 ) {
     // SAFETY: forwarded.
     unsafe {
         match t {
-            6 => micro::<R, 6>(w, n, x, stride, ntok, acc),
-            5 => micro::<R, 5>(w, n, x, stride, ntok, acc),
-            4 => micro::<R, 4>(w, n, x, stride, ntok, acc),
-            3 => micro::<R, 3>(w, n, x, stride, ntok, acc),
-            2 => micro::<R, 2>(w, n, x, stride, ntok, acc),
-            _ => micro::<R, 1>(w, n, x, stride, ntok, acc),
+            6 => micro::<R, 6>(w, n, x, sn, fl, acc, acc64),
+            5 => micro::<R, 5>(w, n, x, sn, fl, acc, acc64),
+            4 => micro::<R, 4>(w, n, x, sn, fl, acc, acc64),
+            3 => micro::<R, 3>(w, n, x, sn, fl, acc, acc64),
+            2 => micro::<R, 2>(w, n, x, sn, fl, acc, acc64),
+            _ => micro::<R, 1>(w, n, x, sn, fl, acc, acc64),
         }
     }
 }
@@ -366,7 +381,8 @@ pub const PANEL: usize = 4;
 /// Rows `r..r+p` (p ≤ [`PANEL`]) × all `ntok` tokens, batched. Per 1024-column block, per
 /// sub-block of [`SB`] groups, per row pair of the panel: the pair's groups are decoded
 /// once into an L1 buffer, then multiplied into every token tile of up to [`TB`] tokens
-/// (f32 partials parked in L1 between sub-blocks). Each (row, token) lane still performs
+/// (f32 partials start at +0 in the block's first sub-block, are parked in L1 between
+/// sub-blocks and promoted from registers after the block's last one). Each (row, token) lane still performs
 /// exactly the contract's FMA chain (in increasing group order), promotes at the end of
 /// each block and reduces by the shared tree, so results equal the one-token kernel bit
 /// for bit.
@@ -408,9 +424,6 @@ unsafe fn panel_batched<F: Fmt>(
         let mut q = 0;
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
-            for a in acc32.iter_mut() {
-                *a = zero;
-            }
             let mut s0 = q;
             while s0 < qe {
                 let se = (s0 + SB).min(qe);
@@ -428,15 +441,18 @@ unsafe fn panel_batched<F: Fmt>(
                             };
                         }
                     }
+                    let fl = (s0 == q, se == qe);
                     let mut t0 = 0;
                     while t0 < ntok {
                         let t = (ntok - t0).min(TB);
                         let x = xp.add(t0 * stride + GROUP_COLS * s0);
                         let a = &mut acc32[j0 * ntok + t0..];
+                        let a64 = &mut acc[j0 * ntok + t0..];
+                        let sn = (stride, ntok);
                         if rr == RB {
-                            micro_t::<RB>(t, &w, se - s0, x, stride, ntok, a);
+                            micro_t::<RB>(t, &w, se - s0, x, sn, fl, a, a64);
                         } else {
-                            micro_t::<1>(t, &w, se - s0, x, stride, ntok, a);
+                            micro_t::<1>(t, &w, se - s0, x, sn, fl, a, a64);
                         }
                         t0 += t;
                     }
@@ -444,48 +460,12 @@ unsafe fn panel_batched<F: Fmt>(
                 }
                 s0 = se;
             }
-            for (a32, a64) in acc32.iter().zip(acc.iter_mut()) {
-                promote(a32, a64);
-            }
             q = qe;
         }
     }
     for (o, a) in out[..p * ntok].iter_mut().zip(acc.iter_mut()) {
         *o = reduce_lanes(a);
     }
-}
-
-/// Decode-path tuning: rows streamed side by side (2, 4, 6 or 8) and the software
-/// prefetch distance in bytes along each row (0: none; `usize::MAX`: the format's
-/// default). Neither changes a result (rows are independent), only the memory access
-/// pattern; read once from `K3_GEMV_ROWS` / `K3_GEMV_PF`, overridable by
-/// [`set_decode_tuning`] (benchmarks sweep them).
-static DEC_ROWS: AtomicUsize = AtomicUsize::new(0);
-static DEC_PF: AtomicUsize = AtomicUsize::new(usize::MAX - 1);
-
-/// Default rows per one-token tile.
-pub const R1: usize = 4;
-
-/// Set the decode path's rows per tile (2, 4, 6 or 8; anything else: [`R1`]) and prefetch
-/// distance (bytes; 0 = none, `usize::MAX` = the format's default). Results never change.
-pub fn set_decode_tuning(rows: usize, prefetch: usize) {
-    DEC_ROWS.store(rows.max(1), Ordering::Relaxed);
-    DEC_PF.store(prefetch, Ordering::Relaxed);
-}
-
-/// The decode tuning in effect: (rows per tile, prefetch distance or `usize::MAX`).
-pub fn decode_tuning() -> (usize, usize) {
-    if DEC_ROWS.load(Ordering::Relaxed) == 0 {
-        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse().ok());
-        let rows = env("K3_GEMV_ROWS").unwrap_or(R1);
-        let pf = env("K3_GEMV_PF").unwrap_or(usize::MAX);
-        // A race here stores the same values twice.
-        set_decode_tuning(rows, pf);
-    }
-    (
-        DEC_ROWS.load(Ordering::Relaxed),
-        DEC_PF.load(Ordering::Relaxed),
-    )
 }
 
 /// Rows `r0..r1` × all tokens with the f32-block contract.
@@ -527,7 +507,10 @@ unsafe fn drive<F: Fmt>(
                 2 => run_rows!(2),
                 _ => run_rows!(4),
             }
-            run_rows!(1);
+            while r < r1 {
+                tile1::<F, 1>(f, m, r, x, pf, &mut out[r - r0..]);
+                r += 1;
+            }
         } else {
             let mut acc = Vec::new();
             let mut acc32 = Vec::new();

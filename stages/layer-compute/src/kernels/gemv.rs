@@ -78,6 +78,8 @@
 //! `threads` argument is a hint: `threads <= 1` runs on the calling thread, anything else
 //! uses the current pool.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use rayon::prelude::*;
 
 use super::mxfp4;
@@ -234,6 +236,39 @@ fn rows_f32_on(
         Path::Avx2 => unsafe { super::avx2::rows_f32(m, r0, r1, xp, ntok, out) },
         _ => portable::rows_f32(m, r0, r1, xp, ntok, out),
     }
+}
+
+/// Decode-path tuning of the AVX-512 kernels: rows streamed side by side (2, 4, 6 or 8) and the software
+/// prefetch distance in bytes along each row (0: none; `usize::MAX`: the format's
+/// default). Neither changes a result (rows are independent), only the memory access
+/// pattern; read once from `K3_GEMV_ROWS` / `K3_GEMV_PF`, overridable by
+/// [`set_decode_tuning`] (benchmarks sweep them).
+static DEC_ROWS: AtomicUsize = AtomicUsize::new(0);
+static DEC_PF: AtomicUsize = AtomicUsize::new(usize::MAX - 1);
+
+/// Default rows per one-token tile of the AVX-512 decode path.
+pub const R1: usize = 4;
+
+/// Set the decode path's rows per tile (2, 4, 6 or 8; anything else: [`R1`]) and prefetch
+/// distance (bytes; 0 = none, `usize::MAX` = the format's default). Results never change.
+pub fn set_decode_tuning(rows: usize, prefetch: usize) {
+    DEC_ROWS.store(rows.max(1), Ordering::Relaxed);
+    DEC_PF.store(prefetch, Ordering::Relaxed);
+}
+
+/// The decode tuning in effect: (rows per tile, prefetch distance or `usize::MAX`).
+pub fn decode_tuning() -> (usize, usize) {
+    if DEC_ROWS.load(Ordering::Relaxed) == 0 {
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse().ok());
+        let rows = env("K3_GEMV_ROWS").unwrap_or(R1);
+        let pf = env("K3_GEMV_PF").unwrap_or(usize::MAX);
+        // A race here stores the same values twice.
+        set_decode_tuning(rows, pf);
+    }
+    (
+        DEC_ROWS.load(Ordering::Relaxed),
+        DEC_PF.load(Ordering::Relaxed),
+    )
 }
 
 /// Below this many multiply-adds (rows × cols × tokens, summed over fused matrices) a
