@@ -279,7 +279,8 @@ pub const PAR_MIN_WEIGHTS: usize = 1 << 18;
 pub const TASK_BYTES: usize = 256 << 10;
 
 /// Rows per task for `m` at `ntok` tokens: a function of the shape only (never of the
-/// thread count), a multiple of 4 (of 16 when batched).
+/// thread count), a multiple of 8 (of 16 when batched), so the decode tiles of 2, 4 or 8
+/// rows divide it.
 pub fn task_rows(m: &Mat<'_>, ntok: usize) -> usize {
     let row_bytes = (m.weight_bytes() / m.rows.max(1)).max(1);
     if ntok > 1 {
@@ -289,7 +290,7 @@ pub fn task_rows(m: &Mat<'_>, ntok: usize) -> usize {
         return per.max(16).div_ceil(16) * 16;
     }
     let per = TASK_BYTES / row_bytes;
-    per.max(4).div_ceil(4) * 4
+    per.max(8).div_ceil(8) * 8
 }
 
 /// Output pointer shared by the tasks of one product.
