@@ -1,5 +1,7 @@
 //! Kernel arithmetic rate with the weights in cache (no DRAM): GMAC/s of one thread for
-//! bf16 and MXFP4 at 1 and 16 tokens, per path. Complements `gemv_bench` (DRAM rates).
+//! bf16 and MXFP4 at 1 and 16 tokens, per path, in wall time and per CPU-second of the
+//! thread (`/proc/thread-self/schedstat`: meaningful on a loaded machine too).
+//! Complements `gemv_bench` (DRAM rates).
 //!
 //! Run: `cargo run --release -p k3-layer-compute --example kernel_micro`.
 
@@ -74,7 +76,8 @@ fn main() {
                 let gbs = (iters * m.weight_bytes()) as f64 / dt / 1e9;
                 let per_cpu = (iters * rows * cols * ntok) as f64 / cpu / 1e9;
                 println!(
-                    "{name:<6} ntok {ntok:>2} {:<7} {gmac:>7.1} GMAC/s  {gbs:>7.1} GB/s of weights (cached)  {per_cpu:>7.1} GMAC/cpu-s",
+                    "{name:<6} ntok {ntok:>2} {:<7} {gmac:>7.1} GMAC/s  {gbs:>7.1} GB/s of weights \
+                     (cached)  {per_cpu:>7.1} GMAC/cpu-s",
                     p.name()
                 );
             }

@@ -400,7 +400,7 @@ unsafe fn micro_t<const R: usize>(
 }
 
 /// Rows per panel of the batched path: the panel's f32 partials (PANEL × ntok × 128 B,
-/// 16 KiB at 16 tokens) and the sub-block's activations (16 KiB) stay in L1 while every
+/// 8 KiB at 16 tokens) and the sub-block's activations (16 KiB) stay in L1 while every
 /// row pair of the panel runs over the sub-block, so each activation loaded from L2 feeds
 /// PANEL rows.
 pub const PANEL: usize = 4;
@@ -409,10 +409,10 @@ pub const PANEL: usize = 4;
 /// sub-block of [`SB`] groups, per row pair of the panel: the pair's groups are decoded
 /// once into an L1 buffer, then multiplied into every token tile of up to [`TB`] tokens
 /// (f32 partials start at +0 in the block's first sub-block, are parked in L1 between
-/// sub-blocks and promoted from registers after the block's last one). Each (row, token) lane still performs
-/// exactly the contract's FMA chain (in increasing group order), promotes at the end of
-/// each block and reduces by the shared tree, so results equal the one-token kernel bit
-/// for bit.
+/// sub-blocks and promoted from registers after the block's last one). Each (row, token)
+/// lane still performs exactly the contract's FMA chain (in increasing group order),
+/// promotes at the end of each block and reduces by the shared tree, so results equal
+/// the one-token kernel bit for bit.
 ///
 /// # Safety
 /// As [`tile`] for rows `r..r+p`; `out` has room for `p * ntok` sums.

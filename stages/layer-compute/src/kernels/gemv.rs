@@ -60,8 +60,12 @@
 //! - **Batched prefill** — [`gemm`] with `ntok > 1` *is* the batched, register-blocked
 //!   GEMM (weights read from DRAM once per chunk; on AVX-512, panels of 4 rows whose
 //!   32-column groups are decoded once per sub-block of 256 columns and multiplied into
-//!   2 rows × 6 tokens per inner loop). Callers should pass the whole chunk in one call (as they do today) instead of
-//!   looping tokens; per-token results equal [`gemv`] bit for bit.
+//!   2 rows × 6 tokens per inner loop). Callers should pass the whole chunk in one call
+//!   (as they do today) instead of looping tokens; per-token results equal [`gemv`] bit
+//!   for bit.
+//! - **Decode tuning** — [`set_decode_tuning`] (or `K3_GEMV_ROWS` / `K3_GEMV_PF`) picks
+//!   how many rows the one-token AVX-512 kernel streams side by side and its prefetch
+//!   distance; a speed setting only, never a result.
 //! - **lm_head** — one [`gemm`] call (rows = vocab) parallelises over 256 KiB row blocks
 //!   on the current pool; nothing else is needed.
 //! - **Pool** — products use `rayon::current_num_threads()`; run the forward inside
@@ -238,13 +242,13 @@ fn rows_f32_on(
     }
 }
 
-/// Decode-path tuning of the AVX-512 kernels: rows streamed side by side (2, 4, 6 or 8) and the software
-/// prefetch distance in bytes along each row (0: none; `usize::MAX`: the format's
-/// default). Neither changes a result (rows are independent), only the memory access
+/// Decode-path tuning of the AVX-512 kernels: rows streamed side by side (2, 4, 6 or 8)
+/// and the software prefetch distance in bytes along each row (0: none; `usize::MAX`:
+/// the format's default). Neither changes a result (rows are independent), only the memory access
 /// pattern; read once from `K3_GEMV_ROWS` / `K3_GEMV_PF`, overridable by
 /// [`set_decode_tuning`] (benchmarks sweep them).
 static DEC_ROWS: AtomicUsize = AtomicUsize::new(0);
-static DEC_PF: AtomicUsize = AtomicUsize::new(usize::MAX - 1);
+static DEC_PF: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Default rows per one-token tile of the AVX-512 decode path.
 pub const R1: usize = 4;
@@ -252,23 +256,22 @@ pub const R1: usize = 4;
 /// Set the decode path's rows per tile (2, 4, 6 or 8; anything else: [`R1`]) and prefetch
 /// distance (bytes; 0 = none, `usize::MAX` = the format's default). Results never change.
 pub fn set_decode_tuning(rows: usize, prefetch: usize) {
-    DEC_ROWS.store(rows.max(1), Ordering::Relaxed);
+    // The distance first: a reader that sees the new row count (Acquire) sees it too.
     DEC_PF.store(prefetch, Ordering::Relaxed);
+    DEC_ROWS.store(rows.max(1), Ordering::Release);
 }
 
 /// The decode tuning in effect: (rows per tile, prefetch distance or `usize::MAX`).
 pub fn decode_tuning() -> (usize, usize) {
-    if DEC_ROWS.load(Ordering::Relaxed) == 0 {
+    if DEC_ROWS.load(Ordering::Acquire) == 0 {
         let env = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse().ok());
         let rows = env("K3_GEMV_ROWS").unwrap_or(R1);
         let pf = env("K3_GEMV_PF").unwrap_or(usize::MAX);
         // A race here stores the same values twice.
         set_decode_tuning(rows, pf);
     }
-    (
-        DEC_ROWS.load(Ordering::Relaxed),
-        DEC_PF.load(Ordering::Relaxed),
-    )
+    let rows = DEC_ROWS.load(Ordering::Acquire);
+    (rows, DEC_PF.load(Ordering::Relaxed))
 }
 
 /// Below this many multiply-adds (rows × cols × tokens, summed over fused matrices) a
