@@ -108,4 +108,8 @@ pub struct ComputeConf {
     /// it); None: it stays mapped and held. The embedding is always read row by row.
     #[serde(default)]
     pub lm_head_chunk_bytes: Option<u64>,
+    /// Serve a sequence of requests (`Msg::Generate` on the control socket) until
+    /// `Shutdown`, instead of one generation of `prompt_ids` (`serve`, `chat`).
+    #[serde(default)]
+    pub warm: bool,
 }

@@ -131,6 +131,9 @@ impl Observer for StepPrinter {
     fn text(&mut self, bytes: &[u8]) {
         self.text_bytes(bytes);
     }
+    fn stop_requested(&self) -> bool {
+        self.stream.as_ref().is_some_and(|s| s.stopped())
+    }
 }
 
 /// `--single-process`: the decode loop's hooks.
@@ -413,8 +416,63 @@ fn injected_failures() -> Result<Vec<(u32, u32)>, RunError> {
         .collect()
 }
 
-/// The staged pipeline (four processes, or threads with `--inproc`).
-pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
+/// The pipeline `serve` and `chat` keep warm: the memory plan and every stage's
+/// configuration for the generation flags `a` (its prompt and `--gen` are not used; each
+/// request brings its own), and the tokenizer's stop ids.
+pub fn warm_launch(a: &GenArgs) -> Result<(Launch, Vec<u32>), RunError> {
+    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+    let config_path = a
+        .config
+        .clone()
+        .unwrap_or_else(|| a.model_dir.join("config.json"));
+    let cfg = ModelConfig::load(&config_path).map_err(|e| usage(e.to_string()))?;
+    if let Some(n) = a.layers {
+        if n > cfg.num_hidden_layers {
+            return Err(usage(format!(
+                "--layers {n}: the model has {} layers",
+                cfg.num_hidden_layers
+            )));
+        }
+    }
+    let layers = a.layers.unwrap_or(cfg.num_hidden_layers);
+    let cat = k3_model::catalog::Catalog::open(&a.model_dir)
+        .map_err(|e| RunError::failed(format!("k3-orch: {e}")))?;
+    if let Some(dir) = &a.trunk {
+        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| usage(e.to_string()))?;
+        m.check_against(&cat)
+            .map_err(|e| usage(format!("--trunk {}: {e}", dir.display())))?;
+    }
+    let cen = super::census::census(&cfg, &cat, layers);
+    let plan = super::plan::plan_run(a, &cfg, &cen, layers)?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let stop_ids: Vec<u32> = match &a.tok {
+        Some(dir) => k3_tokenizer::Tokenizer::from_dir(dir)
+            .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?
+            .stop_ids(),
+        None => Vec::new(),
+    };
+    let common = Common {
+        args: a,
+        cfg: &cfg,
+        config_path: &config_path,
+        layers,
+        plan: &plan,
+        threads,
+        sampler: SamplerConfig::default(),
+        stop_ids: stop_ids.clone(),
+    };
+    let (mut launch, _, banner) = launch_of(&common)?;
+    launch.compute.warm = true;
+    for n in plan.notes.iter().chain(&banner) {
+        tracing::info!("k3-orch: {n}");
+    }
+    Ok((launch, stop_ids))
+}
+
+/// Every stage's configuration for a run; the budgets and the test-hook banner.
+fn launch_of(c: &Common<'_>) -> Result<(Launch, HashMap<Stage, u64>, Option<String>), RunError> {
     let a = c.args;
     let (budgets, hook_banner) = stage_budgets(c.plan)?;
     let launch = Launch {
@@ -461,6 +519,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
             stop_ids: c.stop_ids.clone(),
             record_dir: a.record.clone(),
             lm_head_chunk_bytes: c.plan.lm_head_chunk_bytes,
+            warm: false,
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),
@@ -468,6 +527,13 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         require_cgroups: a.require_cgroups,
         numa: a.numa.clone(),
     };
+    Ok((launch, budgets, hook_banner))
+}
+
+/// The staged pipeline (four processes, or threads with `--inproc`).
+pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
+    let a = c.args;
+    let (launch, budgets, hook_banner) = launch_of(c)?;
     let stream = a
         .tok
         .as_ref()
@@ -476,9 +542,17 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
     let mut out = supervise::run(&launch, &mut printer)?;
     printer.finish();
     let text = printer.stream.as_ref().map(|s| s.text().into_bytes());
-    // A stop string ended the text: the ids end with the token that completed it. (The
-    // compute stage ran on to --gen; what it made after that is not part of the result.)
+    // A stop string ended the text: the ids end with the token that completed it. Compute
+    // was told to stop there too; it may have finished a step or two more before it read
+    // that, which are not part of the result.
+    let mut stop_note = None;
     if let Some(k) = printer.stopped_at() {
+        stop_note = Some(format!(
+            "a stop string ended the output at token {k}; layer-compute stopped after {} of \
+             --gen {} steps",
+            out.steps.len(),
+            a.gen
+        ));
         out.generated.truncate(k);
         out.steps.truncate(k);
     }
@@ -500,6 +574,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         .collect();
     let mut notes = out.notes.clone();
     notes.extend(hook_banner);
+    notes.extend(stop_note);
     for (k, v) in &out.summaries {
         if let Some(r) = v.get("report").and_then(|r| r.as_str()) {
             notes.push(format!("{k}: {r}"));

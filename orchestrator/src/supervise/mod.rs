@@ -3,6 +3,8 @@
 //!
 //! - [`spawn`]: the stage processes (or `--inproc` threads), their exit watcher, Ctrl-C;
 //! - [`drive`]: the wiring and the generation loop on the control sockets;
+//! - [`warm`]: the same stages kept up for request after request (`serve`, `chat`), with
+//!   restart after a fault;
 //! - [`cgroup`]: per-stage memory cgroups (v1 and v2); [`numa`]: per-stage NUMA placement.
 //!
 //! Nothing here knows about CLI flags or reports: `run/` builds a [`Launch`] and reads the
@@ -30,6 +32,7 @@ pub mod cgroup;
 pub mod drive;
 pub mod numa;
 pub mod spawn;
+pub mod warm;
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -51,6 +54,7 @@ pub enum Mode {
 }
 
 /// What each stage gets, already serialised.
+#[derive(Clone, Debug)]
 pub struct Launch {
     pub mode: Mode,
     pub tokenizer: conf::TokenizerConf,
@@ -92,6 +96,11 @@ pub trait Observer {
     fn step(&mut self, _s: &StepStats) {}
     /// The tokenizer decoded bytes of the output.
     fn text(&mut self, _bytes: &[u8]) {}
+    /// Asked after each text: true when the output has ended (a stop string), so compute
+    /// is told to stop generating.
+    fn stop_requested(&self) -> bool {
+        false
+    }
 }
 
 /// An observer that ignores everything.

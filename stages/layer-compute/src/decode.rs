@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use crate::forward::{ForwardError, Model, StepOutput};
+use crate::forward::{ForwardError, Model, Session, StepOutput};
 use crate::sampler::{self, SamplerConfig};
 use crate::weights::Weights;
 
@@ -57,18 +57,39 @@ pub fn decode_loop<W: Weights>(
     o: &LoopOptions<'_>,
     hooks: &mut impl StepHooks,
 ) -> Result<Vec<u32>, String> {
+    let mut sess = model.new_session();
+    decode_session(model, &mut sess, 0, o, hooks)
+}
+
+/// [`decode_loop`] on a session that has already consumed the first `fed` prompt tokens
+/// (a kept prefix state; incremental only, `fed < o.prompt.len()`). Afterwards `sess` has
+/// consumed the prompt and every generated id but the last (which is what a follow-up
+/// request extends).
+pub fn decode_session<W: Weights>(
+    model: &Model<W>,
+    sess: &mut Session,
+    fed: usize,
+    o: &LoopOptions<'_>,
+    hooks: &mut impl StepHooks,
+) -> Result<Vec<u32>, String> {
+    if fed > 0 && (!o.incremental || fed >= o.prompt.len() || sess.len() != fed) {
+        return Err(format!(
+            "a kept session of {} tokens cannot continue a {}-token prompt from token {fed}",
+            sess.len(),
+            o.prompt.len()
+        ));
+    }
     let vocab = model.vocab();
     let mut seq = o.prompt.to_vec();
-    let mut sess = model.new_session();
     let mut generated = Vec::with_capacity(o.gen);
     for step in 0..o.gen {
         hooks.before_step(step);
         let t0 = Instant::now();
         let res: Result<StepOutput, ForwardError> = if o.incremental {
             if step == 0 {
-                model.prefill(&mut sess, o.prompt)
+                model.prefill(sess, &o.prompt[fed..])
             } else {
-                model.step(&mut sess, *seq.last().expect("non-empty sequence"))
+                model.step(sess, *seq.last().expect("non-empty sequence"))
             }
         } else {
             let mut s = model.new_session();
@@ -99,6 +120,58 @@ pub fn decode_loop<W: Weights>(
         }
     }
     Ok(generated)
+}
+
+/// Session states kept after requests, keyed by the tokens each has consumed, most
+/// recently used last (prefix reuse in `serve` and `chat`: a prompt that extends a kept key
+/// prefills only the rest).
+pub struct PrefixCache {
+    entries: Vec<(Vec<u32>, Session)>,
+    /// Entries kept (0: no reuse).
+    pub cap: usize,
+}
+
+impl PrefixCache {
+    pub fn new(cap: usize) -> PrefixCache {
+        PrefixCache {
+            entries: Vec::new(),
+            cap,
+        }
+    }
+
+    /// The longest kept key that is a proper prefix of `prompt` (at least one token left
+    /// to feed): its length and a clone of its state.
+    pub fn lookup(&mut self, prompt: &[u32]) -> Option<(usize, Session)> {
+        let best = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, (k, _))| k.len() < prompt.len() && prompt.starts_with(k))
+            .max_by_key(|(_, (k, _))| k.len())
+            .map(|(i, _)| i)?;
+        let e = self.entries.remove(best);
+        let out = (e.0.len(), e.1.clone());
+        self.entries.push(e);
+        Some(out)
+    }
+
+    /// Keep `s` under `key` (the tokens it consumed), dropping the least recently used
+    /// entry beyond the cap.
+    pub fn insert(&mut self, key: Vec<u32>, s: Session) {
+        if self.cap == 0 || key.is_empty() || s.len() != key.len() {
+            return;
+        }
+        self.entries.retain(|(k, _)| *k != key);
+        self.entries.push((key, s));
+        while self.entries.len() > self.cap {
+            self.entries.remove(0);
+        }
+    }
+
+    /// Drop every entry.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
 }
 
 /// Refuse a logits row holding NaN or ±Inf: a token chosen from it would be noise (argmax
