@@ -92,3 +92,152 @@ fn a_stop_string_stops_the_compute_stage_too() {
         "compute ran {steps} steps for {n} kept tokens of --gen 400: {note}"
     );
 }
+
+fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(rel)
+}
+
+/// The k3ref oracle of tiny-mxfp4: its prompt and its greedy continuation.
+fn oracle() -> (Vec<u64>, Vec<u64>) {
+    let v: Value =
+        serde_json::from_slice(&std::fs::read(fixture("tiny-mxfp4/expected-k3ref.json")).unwrap())
+            .unwrap();
+    let full: Vec<u64> = v["full_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    let n = v["n_prompt"].as_u64().unwrap() as usize;
+    (full[..n].to_vec(), full[n..].to_vec())
+}
+
+/// A run on a fixture model without a tokenizer; (exit code, stderr, report).
+fn run_ids(model: &str, extra: &[&str]) -> (i32, String, Option<Value>) {
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let o = Command::new(bin())
+        .arg(fixture(model))
+        .args([
+            "--threads",
+            "1",
+            "-q",
+            "--out",
+            out.path().to_str().unwrap(),
+        ])
+        .args(extra)
+        .output()
+        .unwrap();
+    let rep = std::fs::read(out.path())
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+        rep,
+    )
+}
+
+/// Generate N with --save-state, then --load-state and generate M: the N+M ids are the
+/// k3ref oracle's greedy continuation (an oracle test, not a comparison with our own
+/// uninterrupted run), in the staged pipeline and in --single-process, across the two
+/// modes too (a state saved by one continues in the other).
+#[test]
+fn save_then_load_continues_with_the_oracle_ids() {
+    let (prompt, want) = oracle();
+    let ids = prompt
+        .iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let dir = tempfile::tempdir().unwrap();
+    let (n, m) = (7usize, 13usize);
+    assert!(n + m <= want.len());
+    for (save_mode, load_mode) in [
+        (&[][..], &[][..]),
+        (&["--single-process"][..], &["--single-process"][..]),
+        (&["--single-process"][..], &[][..]),
+    ] {
+        let f = dir.path().join("s.k3state");
+        let fs = f.to_str().unwrap();
+        let mut a = vec!["--ids", &ids, "--gen", "7", "--save-state", fs];
+        a.extend_from_slice(save_mode);
+        let (code, err, r1) = run_ids("tiny-mxfp4/sharded", &a);
+        assert_eq!(code, 0, "{save_mode:?}: {err}");
+        let mut b = vec!["--gen", "13", "--load-state", fs];
+        b.extend_from_slice(load_mode);
+        let (code, err, r2) = run_ids("tiny-mxfp4/sharded", &b);
+        assert_eq!(code, 0, "{load_mode:?}: {err}");
+        let mut got = ids_of(&r1.unwrap());
+        got.extend(ids_of(&r2.unwrap()));
+        assert_eq!(got.len(), n + m);
+        assert_eq!(got[..], want[..n + m], "{save_mode:?} then {load_mode:?}");
+    }
+}
+
+fn ids_of(r: &Value) -> Vec<u64> {
+    ids(r)
+}
+
+/// A state is refused (exit 2, a clear message) for another model, another configuration
+/// (--layers), a wrong version and a bad checksum; nothing runs.
+#[test]
+fn a_state_of_another_model_version_or_checksum_is_refused() {
+    let (prompt, _) = oracle();
+    let ids = prompt
+        .iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("s.k3state");
+    let fs = f.to_str().unwrap();
+    let (code, err, _) = run_ids(
+        "tiny-mxfp4/sharded",
+        &[
+            "--ids",
+            &ids,
+            "--gen",
+            "3",
+            "--save-state",
+            fs,
+            "--single-process",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let good = std::fs::read(&f).unwrap();
+    let refuse = |model: &str, extra: &[&str], needle: &str| {
+        let mut a = vec!["--gen", "2", "--load-state", fs, "--single-process"];
+        a.extend_from_slice(extra);
+        let (code, err, _) = run_ids(model, &a);
+        assert_eq!(code, 2, "{model} {extra:?}: {err}");
+        assert!(err.contains(needle), "{model} {extra:?}: {err}");
+    };
+    refuse("tiny-seed/sharded", &[], "another model or configuration");
+    refuse(
+        "tiny-mxfp4/sharded",
+        &["--layers", "3"],
+        "another model or configuration",
+    );
+    let mut bad = good.clone();
+    bad[8] = 99; // the version field
+    std::fs::write(&f, &bad).unwrap();
+    refuse("tiny-mxfp4/sharded", &[], "version 99");
+    let mut bad = good.clone();
+    let last = bad.len() - 1;
+    bad[last] ^= 0x40; // one payload bit
+    std::fs::write(&f, &bad).unwrap();
+    refuse("tiny-mxfp4/sharded", &[], "checksum");
+    std::fs::write(&f, &good[..good.len() / 2]).unwrap();
+    refuse("tiny-mxfp4/sharded", &[], "truncated");
+    std::fs::write(&f, b"hello").unwrap();
+    refuse("tiny-mxfp4/sharded", &[], "not a k3 state file");
+    // The good file still loads.
+    std::fs::write(&f, &good).unwrap();
+    let (code, err, _) = run_ids(
+        "tiny-mxfp4/sharded",
+        &["--gen", "2", "--load-state", fs, "--single-process"],
+    );
+    assert_eq!(code, 0, "{err}");
+}

@@ -112,4 +112,13 @@ pub struct ComputeConf {
     /// `Shutdown`, instead of one generation of `prompt_ids` (`serve`, `chat`).
     #[serde(default)]
     pub warm: bool,
+    /// Continue from this saved session state (`--load-state`; checked by k3-orch first).
+    #[serde(default)]
+    pub load_state: Option<PathBuf>,
+    /// Write the session state here after the run (`--save-state`).
+    #[serde(default)]
+    pub save_state: Option<PathBuf>,
+    /// The model's fingerprint for state files (`k3_layer_compute::state::fingerprint`).
+    #[serde(default)]
+    pub state_fingerprint: String,
 }

@@ -5,8 +5,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
+use k3_layer_compute::decode::{decode_resumed, LoopOptions, Resume, Step, StepHooks};
 use k3_layer_compute::forward::{Model, ModelOptions};
+use k3_layer_compute::state::Start;
 use k3_layer_compute::weights::SourceWeights;
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
@@ -220,6 +221,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         (_, Some(t)) => encode_locally(a, t)?,
         (_, None) => return Err(RunError::usage("k3-orch: a text prompt needs --tok")),
     };
+    let fp = state_fingerprint(c)?;
     let failed = |e: String| RunError::failed(format!("k3-orch: {e}"));
     let pool = k3_layer_compute::pool::build(c.threads).map_err(failed)?;
     let mw = MmapWeights::open(&a.model_dir).map_err(|e| failed(e.to_string()))?;
@@ -244,12 +246,19 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         stop: false,
     };
     hooks.printer.started();
+    let load = a.load_state.as_deref().map(|p| (p, fp.as_str()));
+    let mut start = Start::new(&model, load, &prompt).map_err(failed)?;
     let generated = pool
         .install(|| {
-            decode_loop(
+            decode_resumed(
                 &model,
+                &mut start.session,
+                &Resume {
+                    history: &start.history,
+                    first_step: start.first_step,
+                },
                 &LoopOptions {
-                    prompt: &prompt,
+                    prompt: &start.prompt,
                     gen: a.gen,
                     incremental: a.incremental,
                     sampler: c.sampler,
@@ -261,6 +270,9 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         })
         .map_err(failed)?;
     hooks.printer.finish();
+    if let Some(p) = &a.save_state {
+        start.save(p, &fp, &generated).map_err(failed)?;
+    }
     let text = hooks.printer.stream.as_ref().map(|s| s.text().into_bytes());
     Ok(Generated {
         prompt_ids: prompt,
@@ -268,8 +280,51 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         steps: hooks.steps,
         text,
         expert_failures: hooks.failures,
+        notes: state_notes(a),
         ..Default::default()
     })
+}
+
+/// The model's fingerprint for `--save-state` / `--load-state` (empty without them); a
+/// state file of another model, version or with a bad checksum is refused here (exit 2),
+/// and so is a `--save-state` path that cannot be written.
+fn state_fingerprint(c: &Common<'_>) -> Result<String, RunError> {
+    let a = c.args;
+    if a.save_state.is_none() && a.load_state.is_none() {
+        return Ok(String::new());
+    }
+    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+    let fp = k3_layer_compute::state::fingerprint(c.config_path, &a.model_dir, c.layers)
+        .map_err(|e| RunError::failed(format!("k3-orch: model fingerprint: {e}")))?;
+    if let Some(p) = &a.load_state {
+        let bytes = k3_layer_compute::state::read(p).map_err(usage)?;
+        k3_layer_compute::state::check(&bytes, &fp)
+            .map_err(|e| usage(format!("--load-state {}: {e}", p.display())))?;
+    }
+    if let Some(p) = &a.save_state {
+        let dir = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        if p.is_dir() || !dir.is_dir() {
+            return Err(usage(format!(
+                "--save-state {}: not a file in an existing directory",
+                p.display()
+            )));
+        }
+    }
+    Ok(fp)
+}
+
+fn state_notes(a: &GenArgs) -> Vec<String> {
+    let mut n = Vec::new();
+    if let Some(p) = &a.load_state {
+        n.push(format!("continued from the saved state {}", p.display()));
+    }
+    if let Some(p) = &a.save_state {
+        n.push(format!("session state saved to {}", p.display()));
+    }
+    n
 }
 
 /// The prompt as the tokenizer stage is asked to encode it (None: ids were given).
@@ -520,6 +575,9 @@ fn launch_of(c: &Common<'_>) -> Result<(Launch, HashMap<Stage, u64>, Option<Stri
             record_dir: a.record.clone(),
             lm_head_chunk_bytes: c.plan.lm_head_chunk_bytes,
             warm: false,
+            load_state: a.load_state.clone(),
+            save_state: a.save_state.clone(),
+            state_fingerprint: state_fingerprint(c)?,
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),
@@ -575,6 +633,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
     let mut notes = out.notes.clone();
     notes.extend(hook_banner);
     notes.extend(stop_note);
+    notes.extend(state_notes(a));
     for (k, v) in &out.summaries {
         if let Some(r) = v.get("report").and_then(|r| r.as_str()) {
             notes.push(format!("{k}: {r}"));

@@ -174,7 +174,7 @@ pub(super) fn drive(
             }
         }
     }
-    if compute.prompt_ids.is_empty() {
+    if compute.prompt_ids.is_empty() && compute.load_state.is_none() {
         return Err(RunError::new(2, "k3-orch: the prompt encodes to no tokens"));
     }
     if compute.prompt_ids.len() > k3_protocol::conf::MAX_PROMPT_IDS {

@@ -72,22 +72,76 @@ pub fn decode_session<W: Weights>(
     o: &LoopOptions<'_>,
     hooks: &mut impl StepHooks,
 ) -> Result<Vec<u32>, String> {
-    if fed > 0 && (!o.incremental || fed >= o.prompt.len() || sess.len() != fed) {
+    if fed > o.prompt.len() || (fed > 0 && fed == o.prompt.len()) {
         return Err(format!(
-            "a kept session of {} tokens cannot continue a {}-token prompt from token {fed}",
-            sess.len(),
+            "a kept session of {fed} tokens cannot continue a {}-token prompt",
             o.prompt.len()
         ));
     }
+    let rest = LoopOptions {
+        prompt: &o.prompt[fed..],
+        gen: o.gen,
+        incremental: o.incremental,
+        sampler: o.sampler,
+        stop_ids: o.stop_ids,
+        dump_logits: o.dump_logits,
+    };
+    decode_resumed(
+        model,
+        sess,
+        &Resume {
+            history: &o.prompt[..fed],
+            first_step: 0,
+        },
+        &rest,
+        hooks,
+    )
+}
+
+/// Where a resumed generation picks up.
+pub struct Resume<'a> {
+    /// The tokens `sess` has consumed (the repetition penalty looks at them too).
+    pub history: &'a [u32],
+    /// The sampler's step number of this loop's first step (a seeded run continued from a
+    /// saved state draws what the uninterrupted run drew).
+    pub first_step: usize,
+}
+
+/// The one decode loop on a session that has consumed `r.history`: `o.prompt` holds the
+/// tokens still to feed (at least one when there is a history). With an empty history and
+/// `first_step` 0 this is [`decode_loop`].
+pub fn decode_resumed<W: Weights>(
+    model: &Model<W>,
+    sess: &mut Session,
+    r: &Resume<'_>,
+    o: &LoopOptions<'_>,
+    hooks: &mut impl StepHooks,
+) -> Result<Vec<u32>, String> {
+    if sess.len() != r.history.len()
+        || (!r.history.is_empty() && (!o.incremental || o.prompt.is_empty()))
+    {
+        return Err(format!(
+            "a session of {} tokens cannot continue after {} tokens with {} more to feed{}",
+            sess.len(),
+            r.history.len(),
+            o.prompt.len(),
+            if o.incremental {
+                ""
+            } else {
+                " (continuing needs incremental decoding)"
+            }
+        ));
+    }
     let vocab = model.vocab();
-    let mut seq = o.prompt.to_vec();
+    let mut seq = r.history.to_vec();
+    seq.extend_from_slice(o.prompt);
     let mut generated = Vec::with_capacity(o.gen);
     for step in 0..o.gen {
         hooks.before_step(step);
         let t0 = Instant::now();
         let res: Result<StepOutput, ForwardError> = if o.incremental {
             if step == 0 {
-                model.prefill(sess, &o.prompt[fed..])
+                model.prefill(sess, o.prompt)
             } else {
                 model.step(sess, *seq.last().expect("non-empty sequence"))
             }
@@ -99,7 +153,7 @@ pub fn decode_session<W: Weights>(
         let out = res.map_err(|e| format!("forward pass failed at generation step {step}: {e}"))?;
         let row = &out.logits[(out.rows - 1) * vocab..out.rows * vocab];
         check_finite(row).map_err(|e| format!("generation step {step}: {e}"))?;
-        let token = sampler::sample(row, &o.sampler, step as u64, &seq) as u32;
+        let token = sampler::sample(row, &o.sampler, (r.first_step + step) as u64, &seq) as u32;
         if step == 0 {
             if let Some(p) = o.dump_logits {
                 let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();

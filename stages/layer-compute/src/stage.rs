@@ -20,9 +20,12 @@ use k3_protocol::link::{send_to, Link, StageCtx};
 use k3_protocol::messages::{Msg, Stage, StepStats};
 use k3_protocol::shm::Region;
 
-use crate::decode::{decode_loop, decode_session, LoopOptions, PrefixCache, Step, StepHooks};
+use crate::decode::{
+    decode_resumed, decode_session, LoopOptions, PrefixCache, Resume, Step, StepHooks,
+};
 use crate::forward::{Model, ModelOptions};
 use crate::links::StagedWeights;
+use crate::state::Start;
 
 /// Run the layer-compute stage until generation is finished.
 pub fn run(mut ctx: StageCtx) -> Result<(), String> {
@@ -187,10 +190,21 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
         serve_requests(ctx, &model, &weights, &mut tok, timeout)?;
         Vec::new()
     } else {
-        decode_loop(
+        let load = conf
+            .load_state
+            .as_deref()
+            .map(|p| (p, conf.state_fingerprint.as_str()));
+        let mut start = Start::new(&model, load, &conf.prompt_ids)
+            .map_err(|e| format!("layer-compute: {e}"))?;
+        let generated = decode_resumed(
             &model,
+            &mut start.session,
+            &Resume {
+                history: &start.history,
+                first_step: start.first_step,
+            },
             &LoopOptions {
-                prompt: &conf.prompt_ids,
+                prompt: &start.prompt,
                 gen: conf.gen,
                 incremental: conf.incremental,
                 sampler: conf.sampler,
@@ -207,7 +221,13 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
                 shutdown: false,
             },
         )
-        .map_err(|e| format!("layer-compute: {e}"))?
+        .map_err(|e| format!("layer-compute: {e}"))?;
+        if let Some(p) = &conf.save_state {
+            start
+                .save(p, &conf.state_fingerprint, &generated)
+                .map_err(|e| format!("layer-compute: {e}"))?;
+        }
+        generated
     };
     drop(model);
     weights.shutdown()?;
