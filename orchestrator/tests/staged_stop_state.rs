@@ -1,6 +1,7 @@
-//! The staged CLI on the tiny-chat model (`synth --shape tiny-chat`): a stop string ends
-//! generation in the layer-compute stage too, not only on stdout; `--save-state` /
-//! `--load-state` continue a generation.
+//! The staged CLI: a stop string ends generation in the layer-compute stage too, not only
+//! on stdout (tiny-chat model); `--save-state` / `--load-state` continue a generation with
+//! the oracle's ids and refuse a foreign or damaged state (tiny fixtures); the progress
+//! line during the trunk load and the prefill.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -240,4 +241,60 @@ fn a_state_of_another_model_version_or_checksum_is_refused() {
         &["--gen", "2", "--load-state", fs, "--single-process"],
     );
     assert_eq!(code, 0, "{err}");
+}
+
+/// The progress of the trunk load and of the prefill reaches stderr (plain lines: stderr is
+/// not a terminal here), and `--quiet` drops it.
+#[test]
+fn progress_lines_for_the_load_and_the_prefill() {
+    let (prompt, _) = oracle();
+    let ids = prompt
+        .iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let m = fixture("tiny-mxfp4/sharded");
+    let o = Command::new(bin())
+        .arg(&m)
+        .args([
+            "--ids",
+            &ids,
+            "--gen",
+            "2",
+            "--threads",
+            "1",
+            "--incremental",
+        ])
+        .args(["--out", "/dev/null"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("trunk-loader: loading the trunk") && err.contains("(100%)"),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!(
+            "prefill of {} tokens: layer 13 of 13 (100%)",
+            prompt.len()
+        )),
+        "{err}"
+    );
+    assert!(
+        !err.contains('\r'),
+        "no carriage returns when stderr is not a terminal"
+    );
+    let o = Command::new(bin())
+        .arg(&m)
+        .args(["--ids", &ids, "--gen", "2", "--threads", "1", "-q"])
+        .args(["--out", "/dev/null"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        !err.contains("loading the trunk") && !err.contains("prefill"),
+        "{err}"
+    );
 }

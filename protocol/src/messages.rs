@@ -282,6 +282,14 @@ pub enum Msg {
         req: u64,
         generated: Vec<u32>,
     },
+    /// A stage's progress through a long phase (the trunk load in bytes, the prefill in
+    /// layers), for the progress line on stderr.
+    Progress {
+        stage: Stage,
+        phase: String,
+        done: u64,
+        total: u64,
+    },
 }
 
 /// One request of a warm compute stage (see [`Msg::Generate`]).
@@ -429,6 +437,12 @@ mod tests {
                 cached_tokens: 2,
             },
             Msg::StopRequest { req: 3 },
+            Msg::Progress {
+                stage: Stage::TrunkLoader,
+                phase: "load".into(),
+                done: 1 << 30,
+                total: 3 << 30,
+            },
             Msg::RequestDone {
                 req: 3,
                 generated: vec![5, 6],

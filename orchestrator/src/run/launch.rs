@@ -584,6 +584,7 @@ fn launch_of(c: &Common<'_>) -> Result<(Launch, HashMap<Stage, u64>, Option<Stri
         budgets: budgets.clone(),
         require_cgroups: a.require_cgroups,
         numa: a.numa.clone(),
+        progress: !a.quiet,
     };
     Ok((launch, budgets, hook_banner))
 }

@@ -96,6 +96,21 @@ pub(super) fn handle_common(
             let _ = s;
             Ok(None)
         }
+        Event::Control(
+            _,
+            Ok((
+                Msg::Progress {
+                    stage,
+                    phase,
+                    done,
+                    total,
+                },
+                _,
+            )),
+        ) => {
+            r.progress.update(stage, &phase, done, total);
+            Ok(None)
+        }
         Event::Control(s, Ok((Msg::Error { stage, msg }, _))) => {
             let _ = s;
             Err(RunError::new(
@@ -187,6 +202,7 @@ pub(super) fn drive(
             ),
         ));
     }
+    r.progress.set_prompt_tokens(compute.prompt_ids.len());
     start_compute(launch, r, &compute, data)?;
     generate(launch, r, obs, compute.prompt_ids.clone())
 }
@@ -425,6 +441,7 @@ fn generate(
         };
         match m {
             Msg::StepStats(st) => {
+                r.progress.clear();
                 obs.step(&st);
                 out.steps.push(st);
             }

@@ -5,7 +5,8 @@
 //! - [`drive`]: the wiring and the generation loop on the control sockets;
 //! - [`warm`]: the same stages kept up for request after request (`serve`, `chat`), with
 //!   restart after a fault;
-//! - [`cgroup`]: per-stage memory cgroups (v1 and v2); [`numa`]: per-stage NUMA placement.
+//! - [`cgroup`]: per-stage memory cgroups (v1 and v2); [`numa`]: per-stage NUMA placement;
+//! - [`progress`]: the progress line during the trunk load and the prefill.
 //!
 //! Nothing here knows about CLI flags or reports: `run/` builds a [`Launch`] and reads the
 //! [`Outcome`]; an [`Observer`] sees steps and text as they happen.
@@ -31,6 +32,7 @@
 pub mod cgroup;
 pub mod drive;
 pub mod numa;
+pub mod progress;
 pub mod spawn;
 pub mod warm;
 
@@ -68,6 +70,8 @@ pub struct Launch {
     pub budgets: HashMap<Stage, u64>,
     pub require_cgroups: bool,
     pub numa: Option<String>,
+    /// Show the progress line on stderr during the trunk load and the prefill.
+    pub progress: bool,
 }
 
 /// Everything the pipeline reports back.

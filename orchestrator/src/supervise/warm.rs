@@ -87,6 +87,8 @@ impl Warm {
             let c = launch.compute.clone();
             start_compute(&launch, &mut r, &c, data)
         });
+        // The load had its progress line; per-request prefills in a server do not.
+        r.progress = super::progress::Progress::new(false);
         match res {
             Ok(()) => Ok(Warm {
                 r,
