@@ -446,7 +446,7 @@ fn k3_cgroup_of(pid: u32) -> Option<PathBuf> {
         let base = if l.starts_with("0::") {
             "/sys/fs/cgroup".to_string()
         } else {
-            let ctl = l.splitn(3, ':').nth(1)?;
+            let ctl = l.split(':').nth(1)?;
             if !ctl.split(',').any(|c| c == "memory") {
                 return None;
             }

@@ -526,8 +526,11 @@ pub fn warm_launch(a: &GenArgs) -> Result<(Launch, Vec<u32>), RunError> {
     Ok((launch, stop_ids))
 }
 
+/// A run's stage configuration, its cgroup budgets and the test-hook banner.
+type LaunchOf = (Launch, HashMap<Stage, u64>, Option<String>);
+
 /// Every stage's configuration for a run; the budgets and the test-hook banner.
-fn launch_of(c: &Common<'_>) -> Result<(Launch, HashMap<Stage, u64>, Option<String>), RunError> {
+fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
     let a = c.args;
     let (budgets, hook_banner) = stage_budgets(c.plan)?;
     let launch = Launch {
