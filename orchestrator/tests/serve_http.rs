@@ -192,6 +192,19 @@ fn streamed_text_equals_non_streamed_and_follow_ups_reuse_the_prefix() {
         r3["choices"][0]["message"]["content"],
         r2["choices"][0]["message"]["content"]
     );
+    // The warm stages and the in-process engine give the same text (a consistency check
+    // between modes; the tiny-chat model has no oracle).
+    let single = start(&["--single-process"]);
+    let (_, r4, _) = post(
+        &single,
+        "/v1/chat/completions",
+        &chat_body(
+            json!([{"role": "user", "content": "Hello, who are you?"}]),
+            12,
+            false,
+        ),
+    );
+    assert_eq!(r4["choices"][0]["message"]["content"], text.as_str());
     // A seeded sampled request is repeatable.
     let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
                       "temperature": 0.9, "top_k": 40, "seed": 5})
@@ -266,10 +279,20 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         metrics.contains("k3_completion_tokens_total 2"),
         "{metrics}"
     );
-    assert!(
-        metrics.contains("k3_stage_rss_bytes{stage=\"server\"}"),
-        "{metrics}"
-    );
+    // Warm stages: memory per stage process (cgroup usage), and the orchestrator's own.
+    for stage in [
+        "orchestrator",
+        "tokenizer",
+        "trunk-loader",
+        "expert-fetcher",
+        "layer-compute",
+    ] {
+        assert!(
+            metrics.contains(&format!("k3_stage_rss_bytes{{stage=\"{stage}\"}}")),
+            "{metrics}"
+        );
+    }
+    assert!(metrics.contains("k3_stage_restarts_total 0"), "{metrics}");
     let page = ureq::get(&format!("{}/", s.base))
         .call()
         .unwrap()
@@ -348,6 +371,12 @@ fn sigterm_drains_and_exits_0_within_5_s() {
             .unwrap_or(0)
     });
     std::thread::sleep(Duration::from_millis(300));
+    let stages = wait_for_stages(s.child.id());
+    let cgroups: Vec<PathBuf> = stages
+        .iter()
+        .filter_map(|(_, p)| k3_cgroup_of(*p))
+        .collect();
+    let shm_before = k3_shm_entries();
     let t0 = Instant::now();
     let pid = s.child.id() as i32;
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
@@ -364,6 +393,170 @@ fn sigterm_drains_and_exits_0_within_5_s() {
     assert_eq!(status.code(), Some(0));
     // The in-flight request was answered, not dropped.
     assert_eq!(inflight.join().unwrap(), 200);
+    // Nothing is left behind: no stage process, no cgroup, no shared memory of the run.
+    std::thread::sleep(Duration::from_millis(100));
+    for (name, p) in &stages {
+        assert!(
+            !Path::new(&format!("/proc/{p}")).exists()
+                || std::fs::read_to_string(format!("/proc/{p}/stat"))
+                    .map_or(true, |st| st.contains(") Z ")),
+            "stage {name} (pid {p}) outlived the server"
+        );
+    }
+    for d in &cgroups {
+        assert!(!d.exists(), "cgroup {} outlived the server", d.display());
+    }
+    let shm_after = k3_shm_entries();
+    assert!(
+        shm_after.iter().all(|e| shm_before.contains(e)),
+        "shared memory left behind: {shm_after:?}"
+    );
+}
+
+/// The stage processes of a server: (stage name, pid), from /proc (children of `pid`).
+fn stage_pids(pid: u32) -> Vec<(String, u32)> {
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let children = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        for c in children
+            .split_whitespace()
+            .filter_map(|c| c.parse::<u32>().ok())
+        {
+            let cmd = std::fs::read(format!("/proc/{c}/cmdline")).unwrap_or_default();
+            let args: Vec<String> = cmd
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            if args.len() >= 3 && args[1] == "stage" {
+                out.push((args[2].clone(), c));
+            }
+        }
+    }
+    out
+}
+
+/// The cgroup directory a process is in (cgroup v2 unified hierarchy), if it is a k3 one.
+fn k3_cgroup_of(pid: u32) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    text.lines().find_map(|l| {
+        let path = l.splitn(3, ':').nth(2)?;
+        let base = if l.starts_with("0::") {
+            "/sys/fs/cgroup".to_string()
+        } else {
+            let ctl = l.split(':').nth(1)?;
+            if !ctl.split(',').any(|c| c == "memory") {
+                return None;
+            }
+            format!("/sys/fs/cgroup/{ctl}")
+        };
+        path.contains("k3")
+            .then(|| PathBuf::from(format!("{base}{path}")))
+    })
+}
+
+/// Entries in /dev/shm that look like ours (the links and arenas are memfds, so none
+/// are expected at all).
+fn k3_shm_entries() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains("k3"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Wait until the server lists `n` stage processes.
+fn wait_for_stages(pid: u32) -> Vec<(String, u32)> {
+    let t0 = Instant::now();
+    loop {
+        let s = stage_pids(pid);
+        if s.len() == 4 {
+            return s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "stages never started: {s:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_sigkilled_stage_fails_its_request_with_a_5xx_and_the_next_request_succeeds() {
+    let s = start(&[]);
+    let user = json!([{"role": "user", "content": "Hello"}]);
+    let (st, good, _) = post(
+        &s,
+        "/v1/chat/completions",
+        &chat_body(user.clone(), 6, false),
+    );
+    assert_eq!(st, 200, "{good}");
+    for victim in ["layer-compute", "expert-fetcher", "tokenizer"] {
+        let stages = wait_for_stages(s.child.id());
+        let pid = stages.iter().find(|(n, _)| n == victim).unwrap().1;
+        let b = s.base.clone();
+        let inflight = std::thread::spawn(move || {
+            let body =
+                json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2000});
+            match ureq::post(&format!("{b}/v1/chat/completions")).send_json(body) {
+                Ok(r) => (r.status(), r.into_json::<Value>().unwrap_or(Value::Null)),
+                Err(ureq::Error::Status(c, r)) => {
+                    (c, r.into_json::<Value>().unwrap_or(Value::Null))
+                }
+                Err(e) => panic!("transport error: {e}"),
+            }
+        });
+        // Kill the stage once the request is generating.
+        let t0 = Instant::now();
+        loop {
+            let m = ureq::get(&format!("{}/metrics", s.base))
+                .call()
+                .unwrap()
+                .into_string()
+                .unwrap();
+            if m.contains("\nk3_queue_depth 1\n") {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "the request never started"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+        let (code, v) = inflight.join().unwrap();
+        assert!((500..600).contains(&code), "{victim}: {code} {v}");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains(victim) && msg.contains("SIGKILL"),
+            "{victim}: the error names the stage and the cause: {msg}"
+        );
+        // The next request is served by fresh stages, with the same greedy answer.
+        let (st, again, _) = post(
+            &s,
+            "/v1/chat/completions",
+            &chat_body(user.clone(), 6, false),
+        );
+        assert_eq!(st, 200, "{victim}: {again}");
+        assert_eq!(
+            again["choices"][0]["message"]["content"],
+            good["choices"][0]["message"]["content"]
+        );
+        let after = wait_for_stages(s.child.id());
+        assert!(!after.iter().any(|(_, p)| *p == pid), "{after:?}");
+    }
+    let m = ureq::get(&format!("{}/metrics", s.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    assert!(m.contains("k3_stage_restarts_total 3"), "{m}");
 }
 
 #[test]

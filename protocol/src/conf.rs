@@ -108,4 +108,17 @@ pub struct ComputeConf {
     /// it); None: it stays mapped and held. The embedding is always read row by row.
     #[serde(default)]
     pub lm_head_chunk_bytes: Option<u64>,
+    /// Serve a sequence of requests (`Msg::Generate` on the control socket) until
+    /// `Shutdown`, instead of one generation of `prompt_ids` (`serve`, `chat`).
+    #[serde(default)]
+    pub warm: bool,
+    /// Continue from this saved session state (`--load-state`; checked by k3-orch first).
+    #[serde(default)]
+    pub load_state: Option<PathBuf>,
+    /// Write the session state here after the run (`--save-state`).
+    #[serde(default)]
+    pub save_state: Option<PathBuf>,
+    /// The model's fingerprint for state files (`k3_layer_compute::state::fingerprint`).
+    #[serde(default)]
+    pub state_fingerprint: String,
 }

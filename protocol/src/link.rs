@@ -424,6 +424,20 @@ impl StageCtx {
         self.rec.frame(false, CONTROL, &frame)
     }
 
+    /// Report progress through a long phase to the orchestrator (best effort). Like the
+    /// heartbeat it is timing, not behaviour: it is not recorded, and replay skips it.
+    pub fn progress(&self, phase: &str, done: u64, total: u64) {
+        let _ = self.control.send(
+            &Msg::Progress {
+                stage: self.stage,
+                phase: phase.to_string(),
+                done,
+                total,
+            },
+            &[],
+        );
+    }
+
     /// Hand a region this stage owns to the orchestrator (which passes it on).
     pub fn share_region(&self, region: &Region, name: &str) -> Result<(), String> {
         self.send_frame(

@@ -260,6 +260,54 @@ pub enum Msg {
     Finished {
         generated: Vec<u32>,
     },
+
+    // --- warm requests (orchestrator <-> a warm layer-compute, on its control socket)
+    /// Start one request on a warm compute stage (`ComputeConf::warm`): the stages stay up
+    /// between requests and compute keeps session states for prefix reuse.
+    Generate(GenRequest),
+    /// compute -> orchestrator: the request started; its first `cached_tokens` prompt tokens
+    /// come from a kept session state (not prefilled again).
+    RequestStarted {
+        req: u64,
+        cached_tokens: u32,
+    },
+    /// orchestrator -> compute: end request `req` after the step in progress (a stop string
+    /// was decoded, the client went away). A one-shot run's request is 0. A stop for a request
+    /// that is not running is ignored.
+    StopRequest {
+        req: u64,
+    },
+    /// compute -> orchestrator: request `req` is finished; the ids it generated.
+    RequestDone {
+        req: u64,
+        generated: Vec<u32>,
+    },
+    /// A stage's progress through a long phase (the trunk load in bytes, the prefill in
+    /// layers), for the progress line on stderr.
+    Progress {
+        stage: Stage,
+        phase: String,
+        done: u64,
+        total: u64,
+    },
+}
+
+/// One request of a warm compute stage (see [`Msg::Generate`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenRequest {
+    pub req: u64,
+    /// The whole prompt (compute finds the longest kept prefix of it itself).
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub gen: u32,
+    pub sampler: crate::conf::SamplerConfig,
+    /// Generation ends after one of these ids (it is kept in the output).
+    pub stop_ids: Vec<u32>,
+    /// Also keep the session state after this many prompt tokens (the end of the last
+    /// complete chat message), when it is shorter than the prompt.
+    pub snapshot_at: Option<u32>,
+    /// Session states compute keeps for prefix reuse (0: none).
+    pub cache_entries: u32,
 }
 
 /// Encoding or decoding failed.
@@ -371,6 +419,34 @@ mod tests {
                 ..Default::default()
             }),
             Msg::Shutdown,
+            Msg::Generate(GenRequest {
+                req: 3,
+                prompt: vec![1, 2, 163_839],
+                gen: 16,
+                sampler: crate::conf::SamplerConfig {
+                    temperature: Some(0.7),
+                    seed: 9,
+                    ..Default::default()
+                },
+                stop_ids: vec![163_586],
+                snapshot_at: Some(2),
+                cache_entries: 8,
+            }),
+            Msg::RequestStarted {
+                req: 3,
+                cached_tokens: 2,
+            },
+            Msg::StopRequest { req: 3 },
+            Msg::Progress {
+                stage: Stage::TrunkLoader,
+                phase: "load".into(),
+                done: 1 << 30,
+                total: 3 << 30,
+            },
+            Msg::RequestDone {
+                req: 3,
+                generated: vec![5, 6],
+            },
         ];
         for m in msgs {
             let b = encode(&m).unwrap();

@@ -31,7 +31,7 @@ fn root() -> PathBuf {
 fn recv(c: &ControlSocket) -> (Msg, Vec<OwnedFd>) {
     loop {
         match c.recv(Some(T)).expect("stage control message") {
-            (Msg::Pong { .. }, _) => continue,
+            (Msg::Pong { .. } | Msg::Progress { .. }, _) => continue,
             (Msg::Error { stage, msg }, _) => panic!("{stage} failed: {msg}"),
             m => return m,
         }

@@ -126,6 +126,11 @@ pub struct GenArgs {
     pub require_cgroups: bool,
     pub stage_timeout_s: f64,
     pub quiet: bool,
+    /// Write the session state after the run here (implies --incremental).
+    pub save_state: Option<PathBuf>,
+    /// Continue from this saved state (implies --incremental; the prompt is optional and
+    /// follows the saved tokens).
+    pub load_state: Option<PathBuf>,
 }
 
 /// Most tokens one run may generate (the seed's ceiling).
@@ -164,6 +169,9 @@ generation:
   --gen N, -n N          tokens to generate (default 8, at most 4096)
   --incremental          carry KV cache and recurrent state (same ids as full recompute)
   --tok DIR              tiktoken.model + tokenizer_config.json
+  --save-state FILE      write the session state (KV cache, KDA state) after the run
+  --load-state FILE      continue from a saved state; the prompt is optional and follows it
+                         (refused, exit 2, for another model, version or a bad checksum)
 sampling (greedy unless one of these is given):
   --temperature T, --temp T
                          softmax temperature; 0 = greedy
@@ -262,6 +270,8 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
         require_cgroups: false,
         stage_timeout_s: 60.0,
         quiet: false,
+        save_state: None,
+        load_state: None,
     };
     let mut i = 0;
     while i < args.len() {
@@ -385,6 +395,8 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                 a.stage_timeout_s = s;
             }
             "--quiet" | "-q" => a.quiet = true,
+            "--save-state" => a.save_state = Some(PathBuf::from(val(&mut i)?)),
+            "--load-state" => a.load_state = Some(PathBuf::from(val(&mut i)?)),
             _ if flag.starts_with('-') => {
                 return Err(match nearest(flag, FLAGS) {
                     Some(n) => format!("unknown flag '{flag}' (did you mean {n}?)"),
@@ -403,7 +415,13 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
         i += 1;
     }
     a.model_dir = model_dir.ok_or("missing <MODEL_DIR>")?;
+    if a.save_state.is_some() || a.load_state.is_some() {
+        // A state is the incremental session; full recompute gives the same ids.
+        a.incremental = true;
+    }
     match prompts.len() {
+        // After --load-state the saved tokens are the prompt; one given is appended.
+        0 if a.load_state.is_some() => {}
         0 => return Err("no prompt: give exactly one of --prompt, --prompt-file, --ids".into()),
         1 => a.prompt = prompts.pop().expect("one prompt"),
         n => {
@@ -475,6 +493,8 @@ pub const FLAGS: &[&str] = &[
     "--require-cgroups",
     "--stage-timeout",
     "--quiet",
+    "--save-state",
+    "--load-state",
     "--help",
     "--list-presets",
     "--n-predict",

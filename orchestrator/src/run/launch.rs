@@ -5,8 +5,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
+use k3_layer_compute::decode::{decode_resumed, LoopOptions, Resume, Step, StepHooks};
 use k3_layer_compute::forward::{Model, ModelOptions};
+use k3_layer_compute::state::Start;
 use k3_layer_compute::weights::SourceWeights;
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
@@ -131,6 +132,9 @@ impl Observer for StepPrinter {
     fn text(&mut self, bytes: &[u8]) {
         self.text_bytes(bytes);
     }
+    fn stop_requested(&self) -> bool {
+        self.stream.as_ref().is_some_and(|s| s.stopped())
+    }
 }
 
 /// `--single-process`: the decode loop's hooks.
@@ -217,6 +221,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         (_, Some(t)) => encode_locally(a, t)?,
         (_, None) => return Err(RunError::usage("k3-orch: a text prompt needs --tok")),
     };
+    let fp = state_fingerprint(c)?;
     let failed = |e: String| RunError::failed(format!("k3-orch: {e}"));
     let pool = k3_layer_compute::pool::build(c.threads).map_err(failed)?;
     let mw = MmapWeights::open(&a.model_dir).map_err(|e| failed(e.to_string()))?;
@@ -241,12 +246,19 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         stop: false,
     };
     hooks.printer.started();
+    let load = a.load_state.as_deref().map(|p| (p, fp.as_str()));
+    let mut start = Start::new(&model, load, &prompt).map_err(failed)?;
     let generated = pool
         .install(|| {
-            decode_loop(
+            decode_resumed(
                 &model,
+                &mut start.session,
+                &Resume {
+                    history: &start.history,
+                    first_step: start.first_step,
+                },
                 &LoopOptions {
-                    prompt: &prompt,
+                    prompt: &start.prompt,
                     gen: a.gen,
                     incremental: a.incremental,
                     sampler: c.sampler,
@@ -258,6 +270,9 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         })
         .map_err(failed)?;
     hooks.printer.finish();
+    if let Some(p) = &a.save_state {
+        start.save(p, &fp, &generated).map_err(failed)?;
+    }
     let text = hooks.printer.stream.as_ref().map(|s| s.text().into_bytes());
     Ok(Generated {
         prompt_ids: prompt,
@@ -265,8 +280,51 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         steps: hooks.steps,
         text,
         expert_failures: hooks.failures,
+        notes: state_notes(a),
         ..Default::default()
     })
+}
+
+/// The model's fingerprint for `--save-state` / `--load-state` (empty without them); a
+/// state file of another model, version or with a bad checksum is refused here (exit 2),
+/// and so is a `--save-state` path that cannot be written.
+fn state_fingerprint(c: &Common<'_>) -> Result<String, RunError> {
+    let a = c.args;
+    if a.save_state.is_none() && a.load_state.is_none() {
+        return Ok(String::new());
+    }
+    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+    let fp = k3_layer_compute::state::fingerprint(c.config_path, &a.model_dir, c.layers)
+        .map_err(|e| RunError::failed(format!("k3-orch: model fingerprint: {e}")))?;
+    if let Some(p) = &a.load_state {
+        let bytes = k3_layer_compute::state::read(p).map_err(usage)?;
+        k3_layer_compute::state::check(&bytes, &fp)
+            .map_err(|e| usage(format!("--load-state {}: {e}", p.display())))?;
+    }
+    if let Some(p) = &a.save_state {
+        let dir = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        if p.is_dir() || !dir.is_dir() {
+            return Err(usage(format!(
+                "--save-state {}: not a file in an existing directory",
+                p.display()
+            )));
+        }
+    }
+    Ok(fp)
+}
+
+fn state_notes(a: &GenArgs) -> Vec<String> {
+    let mut n = Vec::new();
+    if let Some(p) = &a.load_state {
+        n.push(format!("continued from the saved state {}", p.display()));
+    }
+    if let Some(p) = &a.save_state {
+        n.push(format!("session state saved to {}", p.display()));
+    }
+    n
 }
 
 /// The prompt as the tokenizer stage is asked to encode it (None: ids were given).
@@ -413,8 +471,66 @@ fn injected_failures() -> Result<Vec<(u32, u32)>, RunError> {
         .collect()
 }
 
-/// The staged pipeline (four processes, or threads with `--inproc`).
-pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
+/// The pipeline `serve` and `chat` keep warm: the memory plan and every stage's
+/// configuration for the generation flags `a` (its prompt and `--gen` are not used; each
+/// request brings its own), and the tokenizer's stop ids.
+pub fn warm_launch(a: &GenArgs) -> Result<(Launch, Vec<u32>), RunError> {
+    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+    let config_path = a
+        .config
+        .clone()
+        .unwrap_or_else(|| a.model_dir.join("config.json"));
+    let cfg = ModelConfig::load(&config_path).map_err(|e| usage(e.to_string()))?;
+    if let Some(n) = a.layers {
+        if n > cfg.num_hidden_layers {
+            return Err(usage(format!(
+                "--layers {n}: the model has {} layers",
+                cfg.num_hidden_layers
+            )));
+        }
+    }
+    let layers = a.layers.unwrap_or(cfg.num_hidden_layers);
+    let cat = k3_model::catalog::Catalog::open(&a.model_dir)
+        .map_err(|e| RunError::failed(format!("k3-orch: {e}")))?;
+    if let Some(dir) = &a.trunk {
+        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| usage(e.to_string()))?;
+        m.check_against(&cat)
+            .map_err(|e| usage(format!("--trunk {}: {e}", dir.display())))?;
+    }
+    let cen = super::census::census(&cfg, &cat, layers);
+    let plan = super::plan::plan_run(a, &cfg, &cen, layers)?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let stop_ids: Vec<u32> = match &a.tok {
+        Some(dir) => k3_tokenizer::Tokenizer::from_dir(dir)
+            .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?
+            .stop_ids(),
+        None => Vec::new(),
+    };
+    let common = Common {
+        args: a,
+        cfg: &cfg,
+        config_path: &config_path,
+        layers,
+        plan: &plan,
+        threads,
+        sampler: SamplerConfig::default(),
+        stop_ids: stop_ids.clone(),
+    };
+    let (mut launch, _, banner) = launch_of(&common)?;
+    launch.compute.warm = true;
+    for n in plan.notes.iter().chain(&banner) {
+        tracing::info!("k3-orch: {n}");
+    }
+    Ok((launch, stop_ids))
+}
+
+/// A run's stage configuration, its cgroup budgets and the test-hook banner.
+type LaunchOf = (Launch, HashMap<Stage, u64>, Option<String>);
+
+/// Every stage's configuration for a run; the budgets and the test-hook banner.
+fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
     let a = c.args;
     let (budgets, hook_banner) = stage_budgets(c.plan)?;
     let launch = Launch {
@@ -461,13 +577,25 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
             stop_ids: c.stop_ids.clone(),
             record_dir: a.record.clone(),
             lm_head_chunk_bytes: c.plan.lm_head_chunk_bytes,
+            warm: false,
+            load_state: a.load_state.clone(),
+            save_state: a.save_state.clone(),
+            state_fingerprint: state_fingerprint(c)?,
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),
         budgets: budgets.clone(),
         require_cgroups: a.require_cgroups,
         numa: a.numa.clone(),
+        progress: !a.quiet,
     };
+    Ok((launch, budgets, hook_banner))
+}
+
+/// The staged pipeline (four processes, or threads with `--inproc`).
+pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
+    let a = c.args;
+    let (launch, budgets, hook_banner) = launch_of(c)?;
     let stream = a
         .tok
         .as_ref()
@@ -476,9 +604,17 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
     let mut out = supervise::run(&launch, &mut printer)?;
     printer.finish();
     let text = printer.stream.as_ref().map(|s| s.text().into_bytes());
-    // A stop string ended the text: the ids end with the token that completed it. (The
-    // compute stage ran on to --gen; what it made after that is not part of the result.)
+    // A stop string ended the text: the ids end with the token that completed it. Compute
+    // was told to stop there too; it may have finished a step or two more before it read
+    // that, which are not part of the result.
+    let mut stop_note = None;
     if let Some(k) = printer.stopped_at() {
+        stop_note = Some(format!(
+            "a stop string ended the output at token {k}; layer-compute stopped after {} of \
+             --gen {} steps",
+            out.steps.len(),
+            a.gen
+        ));
         out.generated.truncate(k);
         out.steps.truncate(k);
     }
@@ -500,6 +636,8 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         .collect();
     let mut notes = out.notes.clone();
     notes.extend(hook_banner);
+    notes.extend(stop_note);
+    notes.extend(state_notes(a));
     for (k, v) in &out.summaries {
         if let Some(r) = v.get("report").and_then(|r| r.as_str()) {
             notes.push(format!("{k}: {r}"));

@@ -2,21 +2,29 @@
 //! (loaded once), the tokenizer and the prefix cache, and runs jobs one at a time in arrival
 //! order.
 //!
-//! The model is the forward over the memory-mapped shards (the `--single-process` engine):
-//! the same decode semantics and sampler as every other mode, so a greedy or seeded request
-//! gives the ids `k3-orch DIR --incremental` gives for the same prompt.
+//! Two backends, with the same decode semantics and sampler as every other mode, so a
+//! greedy or seeded request gives the ids `k3-orch DIR --incremental` gives for the same
+//! prompt:
+//! - **warm stages** (the default): the product's pipeline, the four stage processes each in
+//!   its own cgroup, started once and kept up ([`crate::supervise::warm`]); the trunk is
+//!   loaded once. A stage that dies fails the request in progress (an error naming the stage
+//!   and the cause) and the stages are started again for the next one. `/metrics` reads each
+//!   stage's cgroup.
+//! - **`--single-process`**: the forward over the memory-mapped shards in this process.
 //!
 //! Prefix reuse: after each job the session state (MLA KV cache, KDA recurrent state and
-//! conv tails, all in [`Session`]) is kept, keyed by the tokens it has consumed — one entry
+//! conv tails, all in a `Session`) is kept, keyed by the tokens it has consumed — one entry
 //! at the end of the prompt's last complete message (`snapshot_at`), one at the end of
 //! generation. A later prompt that starts with a kept key clones that state and prefills
-//! only the rest; `cached_tokens` says how many tokens were skipped.
+//! only the rest; `cached_tokens` says how many tokens were skipped. With warm stages the
+//! layer-compute stage keeps the states ([`k3_layer_compute::decode::PrefixCache`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use k3_layer_compute::forward::{Model, ModelOptions, Session};
+use k3_layer_compute::decode::PrefixCache;
+use k3_layer_compute::forward::{Model, ModelOptions};
 use k3_layer_compute::sampler;
 use k3_layer_compute::weights::SourceWeights;
 use k3_model::config::ModelConfig;
@@ -25,6 +33,9 @@ use k3_protocol::conf::SamplerConfig;
 use k3_tokenizer::Tokenizer;
 
 use crate::run::stream::TextStream;
+use crate::supervise::warm::{StageMemory, Warm, WarmObserver, WarmRequest};
+use crate::supervise::Launch;
+use k3_protocol::messages::StepStats;
 
 type Weights = SourceWeights<MmapWeights>;
 
@@ -92,6 +103,12 @@ pub struct Stats {
     pub queue: AtomicUsize,
     /// Tokens/s of the last finished job's decode, as f64 bits.
     pub last_tps_bits: AtomicU64,
+    /// Routed-expert lookups served from experts already resident.
+    pub resident_hits: AtomicU64,
+    /// Times the stages were started again after a fault.
+    pub restarts: AtomicU64,
+    /// Per-stage memory of the warm stages (empty for `--single-process`).
+    pub stages: Mutex<Vec<StageMemory>>,
     pub ready: AtomicBool,
     /// Set while shutting down past the drain grace period: running jobs end now.
     pub abort: AtomicBool,
@@ -108,6 +125,8 @@ pub struct EngineOptions {
     pub layers: Option<usize>,
     /// Prefix-cache entries kept (0: no reuse).
     pub cache_entries: usize,
+    /// The warm pipeline to run (None: `--single-process`).
+    pub warm: Option<Launch>,
 }
 
 /// Handle to the worker thread.
@@ -143,7 +162,10 @@ impl Engine {
         let tk = tok.clone();
         let worker = std::thread::Builder::new()
             .name("k3-engine".into())
-            .spawn(move || worker(o, cfg, tk, rx, st))
+            .spawn(move || match o.warm.clone() {
+                Some(l) => warm_worker(&o, l, tk, rx, st),
+                None => worker(o, cfg, tk, rx, st),
+            })
             .map_err(|e| format!("cannot start the engine thread: {e}"))?;
         let model_name = "k3".to_string();
         Ok(Engine {
@@ -190,41 +212,6 @@ impl Engine {
     }
 }
 
-/// Kept session states, most recently used last.
-struct PrefixCache {
-    entries: Vec<(Vec<u32>, Session)>,
-    cap: usize,
-}
-
-impl PrefixCache {
-    /// The longest kept key that is a proper prefix of `prompt` (at least one token left
-    /// to feed), cloned.
-    fn lookup(&mut self, prompt: &[u32]) -> Option<(usize, Session)> {
-        let best = self
-            .entries
-            .iter()
-            .enumerate()
-            .filter(|(_, (k, _))| k.len() < prompt.len() && prompt.starts_with(k))
-            .max_by_key(|(_, (k, _))| k.len())
-            .map(|(i, _)| i)?;
-        let e = self.entries.remove(best);
-        let out = (e.0.len(), e.1.clone());
-        self.entries.push(e);
-        Some(out)
-    }
-
-    fn insert(&mut self, key: Vec<u32>, s: Session) {
-        if self.cap == 0 || key.is_empty() {
-            return;
-        }
-        self.entries.retain(|(k, _)| *k != key);
-        self.entries.push((key, s));
-        while self.entries.len() > self.cap {
-            self.entries.remove(0);
-        }
-    }
-}
-
 fn worker(
     o: EngineOptions,
     cfg: ModelConfig,
@@ -264,38 +251,250 @@ fn worker(
     stats.ready.store(true, Ordering::SeqCst);
     tracing::info!("k3-orch serve: model loaded");
     let stop_ids = tok.stop_ids();
-    let mut cache = PrefixCache {
-        entries: Vec::new(),
-        cap: o.cache_entries,
-    };
+    let mut cache = PrefixCache::new(o.cache_entries);
     while let Ok(job) = rx.recv() {
         let res = pool.install(|| run_job(&model, &tok, &stop_ids, &mut cache, &job, &stats));
-        match res {
-            Ok(d) => {
-                stats
-                    .prompt_tokens
-                    .fetch_add(d.prompt_tokens as u64, Ordering::Relaxed);
-                stats
-                    .completion_tokens
-                    .fetch_add(d.completion_tokens as u64, Ordering::Relaxed);
-                stats
-                    .cached_tokens
-                    .fetch_add(d.cached_tokens as u64, Ordering::Relaxed);
-                if d.seconds > 0.0 {
-                    stats.last_tps_bits.store(
-                        (d.completion_tokens as f64 / d.seconds).to_bits(),
-                        Ordering::Relaxed,
-                    );
-                }
-                let _ = job.events.send(Event::Done(d));
+        finish_job(&job, res, &stats);
+    }
+}
+
+/// Report a finished job and count it.
+fn finish_job(job: &Job, res: Result<Done, String>, stats: &Stats) {
+    match res {
+        Ok(d) => {
+            stats
+                .prompt_tokens
+                .fetch_add(d.prompt_tokens as u64, Ordering::Relaxed);
+            stats
+                .completion_tokens
+                .fetch_add(d.completion_tokens as u64, Ordering::Relaxed);
+            stats
+                .cached_tokens
+                .fetch_add(d.cached_tokens as u64, Ordering::Relaxed);
+            if d.seconds > 0.0 {
+                stats.last_tps_bits.store(
+                    (d.completion_tokens as f64 / d.seconds).to_bits(),
+                    Ordering::Relaxed,
+                );
+            }
+            let _ = job.events.send(Event::Done(d));
+        }
+        Err(e) => {
+            stats.failed.fetch_add(1, Ordering::Relaxed);
+            let _ = job.events.send(Event::Error(e));
+        }
+    }
+    stats.queue.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Start the warm stages; a failure is logged.
+fn start_warm(launch: &Launch, stats: &Stats) -> Result<Warm, String> {
+    let t0 = Instant::now();
+    match Warm::start(launch) {
+        Ok(w) => {
+            tracing::info!(
+                "k3-orch serve: stages up in {:.1} s ({})",
+                t0.elapsed().as_secs_f64(),
+                w.pids()
+                    .iter()
+                    .map(|(s, p)| format!("{s} pid {p}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            if let Ok(mut g) = stats.stages.lock() {
+                *g = w.memory();
+            }
+            Ok(w)
+        }
+        Err(e) => Err(e.msg.trim_start_matches("k3-orch: ").to_string()),
+    }
+}
+
+/// The warm-stage backend: start the pipeline once, run every job on it, start it again
+/// after a fault.
+fn warm_worker(
+    o: &EngineOptions,
+    launch: Launch,
+    tok: Arc<Tokenizer>,
+    rx: mpsc::Receiver<Job>,
+    stats: Arc<Stats>,
+) {
+    let stop_ids = tok.stop_ids();
+    let mut warm = match start_warm(&launch, &stats) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::error!("k3-orch serve: starting the stages: {e}");
+            if let Ok(mut g) = stats.load_error.lock() {
+                *g = Some(e);
+            }
+            return;
+        }
+    };
+    stats.ready.store(true, Ordering::SeqCst);
+    tracing::info!("k3-orch serve: model loaded");
+    let restart = |old: Option<Warm>, why: &str| -> Option<Warm> {
+        if let Some(w) = old {
+            w.kill();
+        }
+        stats.restarts.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!("k3-orch serve: {why}; starting the stages again");
+        match start_warm(&launch, &stats) {
+            Ok(w) => {
+                stats.ready.store(true, Ordering::SeqCst);
+                Some(w)
             }
             Err(e) => {
-                stats.failed.fetch_add(1, Ordering::Relaxed);
-                let _ = job.events.send(Event::Error(e));
+                tracing::error!("k3-orch serve: restarting the stages: {e}");
+                stats.ready.store(false, Ordering::SeqCst);
+                None
             }
         }
-        stats.queue.fetch_sub(1, Ordering::SeqCst);
+    };
+    loop {
+        match rx.recv_timeout(std::time::Duration::from_millis(500)) {
+            Ok(job) => {
+                // A stage that died while idle is noticed before the job starts on it.
+                if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
+                    let why = e.msg.trim_start_matches("k3-orch: ").to_string();
+                    warm = restart(warm.take(), &why);
+                }
+                if warm.is_none() {
+                    warm = restart(None, "the stages are down");
+                }
+                let Some(w) = warm.as_mut() else {
+                    finish_job(
+                        &job,
+                        Err("the stages could not be started again".into()),
+                        &stats,
+                    );
+                    continue;
+                };
+                match run_warm_job(w, &stop_ids, &job, &stats, o.cache_entries) {
+                    Ok(d) => finish_job(&job, Ok(d), &stats),
+                    Err(e) => {
+                        let why = e.trim_start_matches("k3-orch: ").to_string();
+                        finish_job(
+                            &job,
+                            Err(format!("{why}; the stages are being restarted")),
+                            &stats,
+                        );
+                        warm = restart(warm.take(), &why);
+                    }
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
+                    let why = e.msg.trim_start_matches("k3-orch: ").to_string();
+                    warm = restart(warm.take(), &why);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        if let (Some(w), Ok(mut g)) = (warm.as_ref(), stats.stages.lock()) {
+            *g = w.memory();
+        }
     }
+    if let Some(w) = warm {
+        w.shutdown(std::time::Duration::from_millis(1500));
+    }
+    if let Ok(mut g) = stats.stages.lock() {
+        g.clear();
+    }
+}
+
+/// What one warm job reports as its tokens arrive.
+struct JobObserver<'a> {
+    job: &'a Job,
+    stats: &'a Stats,
+    stop_ids: &'a [u32],
+    text: TextStream,
+    ids: Vec<u32>,
+    finish: Finish,
+}
+
+impl WarmObserver for JobObserver<'_> {
+    fn started(&mut self, cached_tokens: usize) {
+        let _ = self.job.events.send(Event::Started { cached_tokens });
+    }
+
+    fn token(&mut self, st: &StepStats, bytes: &[u8]) -> bool {
+        self.stats
+            .expert_requests
+            .fetch_add(st.expert_requests, Ordering::Relaxed);
+        self.stats
+            .resident_hits
+            .fetch_add(st.resident_hits, Ordering::Relaxed);
+        self.ids.push(st.token);
+        if self.stop_ids.contains(&st.token) {
+            self.finish = Finish::Stop;
+            return true;
+        }
+        let delta = self.text.push(bytes);
+        if !delta.is_empty() && self.job.events.send(Event::Text(delta)).is_err() {
+            self.finish = Finish::Cancelled; // the client went away
+            return true;
+        }
+        if self.text.stopped() {
+            self.finish = Finish::Stop;
+            return true;
+        }
+        if self.ids.len() >= self.job.max_tokens {
+            return true;
+        }
+        false
+    }
+
+    fn cancelled(&mut self) -> bool {
+        let c = self.job.cancel.load(Ordering::Relaxed) || self.stats.abort.load(Ordering::Relaxed);
+        if c && self.finish == Finish::Length {
+            self.finish = Finish::Cancelled;
+        }
+        c
+    }
+}
+
+fn run_warm_job(
+    w: &mut Warm,
+    stop_ids: &[u32],
+    job: &Job,
+    stats: &Stats,
+    cache_entries: usize,
+) -> Result<Done, String> {
+    let t0 = Instant::now();
+    let mut obs = JobObserver {
+        job,
+        stats,
+        stop_ids,
+        text: TextStream::new(&job.stop),
+        ids: Vec::new(),
+        finish: Finish::Length,
+    };
+    let d = w
+        .generate(
+            &WarmRequest {
+                prompt: job.prompt.clone(),
+                gen: job.max_tokens,
+                sampler: job.sampler,
+                stop_ids: stop_ids.to_vec(),
+                snapshot_at: job.snapshot_at,
+                cache_entries,
+            },
+            &mut obs,
+        )
+        .map_err(|e| e.msg)?;
+    let rest = obs.text.finish();
+    if !rest.is_empty() {
+        let _ = job.events.send(Event::Text(rest));
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    Ok(Done {
+        finish: obs.finish,
+        prompt_tokens: job.prompt.len(),
+        completion_tokens: obs.ids.len(),
+        cached_tokens: d.cached_tokens,
+        ids: obs.ids,
+        seconds,
+    })
 }
 
 fn run_job(

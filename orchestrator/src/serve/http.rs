@@ -329,7 +329,19 @@ fn async_stream(
 
 /// Resident bytes of this process (/proc/self/statm).
 fn self_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
+    statm_rss("/proc/self/statm")
+}
+
+/// RSS of a stage process (when it has no cgroup); 0 when unknown.
+fn pid_rss(pid: u32) -> u64 {
+    if pid == 0 {
+        return 0;
+    }
+    statm_rss(&format!("/proc/{pid}/statm"))
+}
+
+fn statm_rss(path: &str) -> u64 {
+    std::fs::read_to_string(path)
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
         .map_or(0, |pages| pages * 4096)
@@ -371,6 +383,73 @@ async fn metrics(State(app): State<AppState>) -> Response {
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let rss = self_rss();
     let tps = f64::from_bits(st.last_tps_bits.load(Ordering::Relaxed));
+    let stages = st.stages.lock().map(|g| g.clone()).unwrap_or_default();
+    let hit_rate = if stages.is_empty() {
+        1.0
+    } else {
+        let req = g(&st.expert_requests);
+        if req == 0 {
+            0.0
+        } else {
+            g(&st.resident_hits) as f64 / req as f64
+        }
+    };
+    let mut stage_lines = String::new();
+    {
+        use std::fmt::Write;
+        let own = if stages.is_empty() {
+            "server"
+        } else {
+            "orchestrator"
+        };
+        let _ = writeln!(stage_lines, "k3_stage_rss_bytes{{stage=\"{own}\"}} {rss}");
+        for m in &stages {
+            let b = m.usage_bytes.unwrap_or_else(|| pid_rss(m.pid));
+            let _ = writeln!(
+                stage_lines,
+                "k3_stage_rss_bytes{{stage=\"{}\"}} {b}",
+                m.stage
+            );
+        }
+        if !stages.is_empty() {
+            stage_lines.push_str(
+                "# HELP k3_stage_memory_peak_bytes Peak memory of each stage's cgroup.\n\
+                 # TYPE k3_stage_memory_peak_bytes gauge\n",
+            );
+            for m in &stages {
+                if let Some(p) = m.peak_bytes {
+                    let _ = writeln!(
+                        stage_lines,
+                        "k3_stage_memory_peak_bytes{{stage=\"{}\"}} {p}",
+                        m.stage
+                    );
+                }
+            }
+            stage_lines.push_str(
+                "# HELP k3_stage_memory_limit_bytes Memory limit of each stage's cgroup.\n\
+                 # TYPE k3_stage_memory_limit_bytes gauge\n",
+            );
+            for m in &stages {
+                if let Some(l) = m.limit_bytes {
+                    let _ = writeln!(
+                        stage_lines,
+                        "k3_stage_memory_limit_bytes{{stage=\"{}\"}} {l}",
+                        m.stage
+                    );
+                }
+            }
+            stage_lines.push_str(
+                "# HELP k3_stage_pid Process id of each stage.\n# TYPE k3_stage_pid gauge\n",
+            );
+            for m in &stages {
+                let _ = writeln!(
+                    stage_lines,
+                    "k3_stage_pid{{stage=\"{}\"}} {}",
+                    m.stage, m.pid
+                );
+            }
+        }
+    }
     let body = format!(
         "# HELP k3_requests_total Generation requests accepted.\n# TYPE k3_requests_total counter\n\
          k3_requests_total {}\n\
@@ -388,10 +467,12 @@ async fn metrics(State(app): State<AppState>) -> Response {
          k3_queue_depth {}\n\
          # HELP k3_expert_requests_total Routed-expert lookups.\n# TYPE k3_expert_requests_total counter\n\
          k3_expert_requests_total {}\n\
-         # HELP k3_expert_hit_rate Share of routed-expert lookups served without a read (the in-process engine maps every expert: 1).\n# TYPE k3_expert_hit_rate gauge\n\
-         k3_expert_hit_rate 1\n\
-         # HELP k3_stage_rss_bytes Resident memory per stage (the in-process engine is one stage, \"server\").\n# TYPE k3_stage_rss_bytes gauge\n\
-         k3_stage_rss_bytes{{stage=\"server\"}} {}\n\
+         # HELP k3_expert_hit_rate Share of routed-expert lookups served from experts already resident (the in-process engine maps every expert: 1).\n# TYPE k3_expert_hit_rate gauge\n\
+         k3_expert_hit_rate {}\n\
+         # HELP k3_stage_restarts_total Times the stages were started again after a fault.\n# TYPE k3_stage_restarts_total counter\n\
+         k3_stage_restarts_total {}\n\
+         # HELP k3_stage_rss_bytes Memory per stage: the stage's cgroup usage (RSS without cgroups); the orchestrator's own RSS.\n# TYPE k3_stage_rss_bytes gauge\n\
+         {}\
          # HELP k3_ready 1 when the model is loaded.\n# TYPE k3_ready gauge\n\
          k3_ready {}\n",
         g(&st.requests),
@@ -402,7 +483,9 @@ async fn metrics(State(app): State<AppState>) -> Response {
         tps,
         st.queue.load(Ordering::SeqCst),
         g(&st.expert_requests),
-        rss,
+        hit_rate,
+        g(&st.restarts),
+        stage_lines,
         u8::from(st.ready.load(Ordering::SeqCst)),
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()

@@ -1,6 +1,7 @@
 //! `k3-orch serve` (an OpenAI-compatible HTTP server) and `k3-orch chat` (a REPL), both on
-//! one warm [`engine::Engine`]: the model is loaded once and every request reuses it, with
-//! prefix reuse across turns. See docs/serve.md.
+//! one warm [`engine::Engine`]: the four stage processes are started once (the trunk is
+//! loaded once) and every request reuses them, with prefix reuse across turns
+//! (`--single-process`: the forward in this process). See docs/serve.md.
 //!
 //! - [`api`]: request validation (OpenAI bodies to tokenized jobs, error objects);
 //! - [`engine`]: the worker thread, the prefix cache, the decode loop with streaming;
@@ -49,6 +50,24 @@ pub struct ModelFlags {
     /// Session states kept for prefix reuse (0 turns reuse off)
     #[arg(long, default_value_t = 8)]
     pub cache_entries: usize,
+    /// Run the forward in this process instead of the four warm stage processes
+    #[arg(long)]
+    pub single_process: bool,
+    /// The packed trunk (pack-trunk); without it the trunk-loader loads it whole
+    #[arg(long)]
+    pub trunk: Option<PathBuf>,
+    /// Memory preset: laptop|desktop|workstation|server|max|auto
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// One total memory budget for the stages, in GB
+    #[arg(long)]
+    pub mem_gb: Option<f64>,
+    /// Seconds a stage may stay silent before it is declared hung
+    #[arg(long, default_value_t = 60.0)]
+    pub stage_timeout: f64,
+    /// Fail when per-stage memory cgroups cannot be created
+    #[arg(long)]
+    pub require_cgroups: bool,
 }
 
 impl ModelFlags {
@@ -67,6 +86,11 @@ impl ModelFlags {
         if self.ctx == 0 || self.max_tokens == 0 {
             return Err("--ctx and --max-tokens must be at least 1".into());
         }
+        let warm = if self.single_process {
+            None
+        } else {
+            Some(self.warm_launch(threads)?)
+        };
         Engine::start(EngineOptions {
             model_dir: self.model_dir.clone(),
             config_path: self
@@ -77,7 +101,52 @@ impl ModelFlags {
             threads,
             layers: self.layers,
             cache_entries: self.cache_entries,
+            warm,
         })
+    }
+
+    /// The warm pipeline's configuration: the generation command line these flags stand
+    /// for, through the same memory plan as a CLI run.
+    fn warm_launch(&self, threads: usize) -> Result<crate::supervise::Launch, String> {
+        let mut argv: Vec<String> = vec![
+            self.model_dir.display().to_string(),
+            "--ids".into(),
+            "0".into(),
+            "--incremental".into(),
+            "--tok".into(),
+            self.tok.display().to_string(),
+            "--threads".into(),
+            threads.to_string(),
+            "--stage-timeout".into(),
+            self.stage_timeout.to_string(),
+        ];
+        let mut opt = |flag: &str, v: Option<String>| {
+            if let Some(v) = v {
+                argv.push(flag.into());
+                argv.push(v);
+            }
+        };
+        opt(
+            "--config",
+            self.config.as_ref().map(|p| p.display().to_string()),
+        );
+        opt("--layers", self.layers.map(|n| n.to_string()));
+        opt(
+            "--trunk",
+            self.trunk.as_ref().map(|p| p.display().to_string()),
+        );
+        opt("--preset", self.preset.clone());
+        opt("--mem-gb", self.mem_gb.map(|g| g.to_string()));
+        if self.require_cgroups {
+            argv.push("--require-cgroups".into());
+        }
+        let a = match crate::run::args::parse(&argv)? {
+            crate::run::args::Parsed::Run(a) => a,
+            _ => return Err("unexpected flags".into()),
+        };
+        crate::run::launch::warm_launch(&a)
+            .map(|(l, _)| l)
+            .map_err(|e| e.msg.trim_start_matches("k3-orch: ").to_string())
     }
 
     pub fn limits(&self) -> api::Limits {

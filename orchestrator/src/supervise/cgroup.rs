@@ -629,6 +629,12 @@ impl StageCgroups {
             .collect()
     }
 
+    /// (current usage, peak, limit) of a stage's group, for `/metrics`.
+    pub fn usage(&self, s: Stage) -> Option<(Option<u64>, Option<u64>, u64)> {
+        let g = self.run.stage(s.name())?;
+        Some((g.usage_bytes(), g.peak_bytes(), g.limit()))
+    }
+
     /// Which interface is in use, for the report.
     pub fn version(&self) -> String {
         self.run.version().to_string()

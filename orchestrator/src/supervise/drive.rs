@@ -16,7 +16,7 @@ use super::{erased, Launch, Mode, Observer, Outcome};
 use crate::error::RunError;
 
 /// Wait for the next event, watching heartbeats; returns a failure for a silent stage.
-fn next_event(
+pub(super) fn next_event(
     r: &mut Running,
     timeout: Duration,
     expect_alive: &[Stage],
@@ -65,7 +65,7 @@ fn next_event(
 }
 
 /// Turn an unexpected exit into a failure naming the stage and the cause.
-fn exit_failure(r: &Running, e: &Exited) -> RunError {
+pub(super) fn exit_failure(r: &Running, e: &Exited) -> RunError {
     let stage = e.stage.clone();
     let mut msg = format!("k3-orch: stage {stage} (pid {}) {}", e.pid, e.cause);
     if let Some(cg) = &r.cgroups {
@@ -86,7 +86,7 @@ fn exit_failure(r: &Running, e: &Exited) -> RunError {
     RunError::new(1, msg)
 }
 
-fn handle_common(
+pub(super) fn handle_common(
     r: &mut Running,
     ev: Event,
     phase: &str,
@@ -94,6 +94,21 @@ fn handle_common(
     match ev {
         Event::Control(s, Ok((Msg::Pong { .. }, _))) => {
             let _ = s;
+            Ok(None)
+        }
+        Event::Control(
+            _,
+            Ok((
+                Msg::Progress {
+                    stage,
+                    phase,
+                    done,
+                    total,
+                },
+                _,
+            )),
+        ) => {
+            r.progress.update(stage, &phase, done, total);
             Ok(None)
         }
         Event::Control(s, Ok((Msg::Error { stage, msg }, _))) => {
@@ -139,6 +154,9 @@ fn link_region(id: u32, a: Stage, b: Stage) -> Result<Region, RunError> {
     .map_err(|e| RunError::new(1, format!("k3-orch: link region {a}<->{b}: {e}")))
 }
 
+/// A data region a loader shared (id, name, fd), to pass on to compute.
+pub(super) type DataRegion = (u32, String, OwnedFd);
+
 /// Run the pipeline; on success the outcome, else a failure with its exit code. Stages are
 /// always stopped and reaped before this returns.
 pub(super) fn drive(
@@ -146,6 +164,52 @@ pub(super) fn drive(
     r: &mut Running,
     obs: &mut dyn Observer,
 ) -> Result<Outcome, RunError> {
+    let timeout = launch.stage_timeout;
+    let all = Stage::WORKERS;
+    let data = wire(launch, r)?;
+    // 4. The prompt.
+    let mut compute = launch.compute.clone();
+    if let Some(req) = &launch.prompt {
+        r.send(Stage::Tokenizer, req, &[])?;
+        loop {
+            let ev = next_event(r, timeout, &all)?;
+            if let Some((s, m, _)) = handle_common(r, ev, "while encoding the prompt")? {
+                match m {
+                    Msg::Ids { ids, .. } if s == Stage::Tokenizer => {
+                        compute.prompt_ids = ids;
+                        break;
+                    }
+                    other => {
+                        return Err(RunError::new(
+                            1,
+                            format!("k3-orch: {s} sent {other:?} while encoding"),
+                        ))
+                    }
+                }
+            }
+        }
+    }
+    if compute.prompt_ids.is_empty() && compute.load_state.is_none() {
+        return Err(RunError::new(2, "k3-orch: the prompt encodes to no tokens"));
+    }
+    if compute.prompt_ids.len() > k3_protocol::conf::MAX_PROMPT_IDS {
+        return Err(RunError::new(
+            2,
+            format!(
+                "k3-orch: the prompt is {} tokens, over the {}-token limit",
+                compute.prompt_ids.len(),
+                k3_protocol::conf::MAX_PROMPT_IDS
+            ),
+        ));
+    }
+    r.progress.set_prompt_tokens(compute.prompt_ids.len());
+    start_compute(launch, r, &compute, data)?;
+    generate(launch, r, obs, compute.prompt_ids.clone())
+}
+
+/// Steps 1-3 of the wiring: every `Hello`, the links, `Configure` to the three servers;
+/// returns the data regions they shared.
+pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, RunError> {
     let timeout = launch.stage_timeout;
     let all = Stage::WORKERS;
     // 1. Hello from everyone.
@@ -264,42 +328,20 @@ pub(super) fn drive(
             }
         }
     }
-    // 4. The prompt.
-    let mut compute = launch.compute.clone();
-    if let Some(req) = &launch.prompt {
-        r.send(Stage::Tokenizer, req, &[])?;
-        loop {
-            let ev = next_event(r, timeout, &all)?;
-            if let Some((s, m, _)) = handle_common(r, ev, "while encoding the prompt")? {
-                match m {
-                    Msg::Ids { ids, .. } if s == Stage::Tokenizer => {
-                        compute.prompt_ids = ids;
-                        break;
-                    }
-                    other => {
-                        return Err(RunError::new(
-                            1,
-                            format!("k3-orch: {s} sent {other:?} while encoding"),
-                        ))
-                    }
-                }
-            }
-        }
-    }
-    if compute.prompt_ids.is_empty() {
-        return Err(RunError::new(2, "k3-orch: the prompt encodes to no tokens"));
-    }
-    if compute.prompt_ids.len() > k3_protocol::conf::MAX_PROMPT_IDS {
-        return Err(RunError::new(
-            2,
-            format!(
-                "k3-orch: the prompt is {} tokens, over the {}-token limit",
-                compute.prompt_ids.len(),
-                k3_protocol::conf::MAX_PROMPT_IDS
-            ),
-        ));
-    }
-    // 5. Compute: data regions, configuration, go.
+    Ok(data)
+}
+
+/// Step 5 of the wiring: compute gets the data regions and its configuration; once it is
+/// ready every stage gets `Ready` (go).
+pub(super) fn start_compute(
+    launch: &Launch,
+    r: &mut Running,
+    compute: &k3_protocol::conf::ComputeConf,
+    data: Vec<DataRegion>,
+) -> Result<(), RunError> {
+    let timeout = launch.stage_timeout;
+    let all = Stage::WORKERS;
+    let json = |v: &dyn erased::Json| v.json();
     for (id, name, fd) in &data {
         r.send(
             Stage::LayerCompute,
@@ -314,7 +356,7 @@ pub(super) fn drive(
     r.send(
         Stage::LayerCompute,
         &Msg::Configure {
-            json: json(&compute),
+            json: json(compute),
         },
         &[],
     )?;
@@ -341,12 +383,24 @@ pub(super) fn drive(
             &[],
         )?;
     }
-    // 6. Generation.
+    Ok(())
+}
+
+/// Step 6: relay one generation to the end (every stage's summary).
+fn generate(
+    launch: &Launch,
+    r: &mut Running,
+    obs: &mut dyn Observer,
+    prompt_ids: Vec<u32>,
+) -> Result<Outcome, RunError> {
+    let timeout = launch.stage_timeout;
+    let all = Stage::WORKERS;
     let mut out = Outcome {
-        prompt_ids: compute.prompt_ids.clone(),
+        prompt_ids,
         ..Default::default()
     };
     obs.started();
+    let mut stop_sent = false;
     let mut finished = false;
     let mut summaries_left: Vec<Stage> = all.to_vec();
     summaries_left.retain(|s| *s != Stage::LayerCompute);
@@ -387,12 +441,19 @@ pub(super) fn drive(
         };
         match m {
             Msg::StepStats(st) => {
+                r.progress.clear();
                 obs.step(&st);
                 out.steps.push(st);
             }
             Msg::Text { bytes } => {
                 obs.text(&bytes);
                 out.text.extend_from_slice(&bytes);
+                // A stop string ended the text: compute stops too (its generation and its
+                // time end there, not at --gen). It may be finished already.
+                if !stop_sent && !finished && obs.stop_requested() {
+                    stop_sent = true;
+                    let _ = r.send(Stage::LayerCompute, &Msg::StopRequest { req: 0 }, &[]);
+                }
             }
             Msg::Finished { generated } => {
                 out.generated = generated;

@@ -3,7 +3,10 @@
 //!
 //! - [`spawn`]: the stage processes (or `--inproc` threads), their exit watcher, Ctrl-C;
 //! - [`drive`]: the wiring and the generation loop on the control sockets;
-//! - [`cgroup`]: per-stage memory cgroups (v1 and v2); [`numa`]: per-stage NUMA placement.
+//! - [`warm`]: the same stages kept up for request after request (`serve`, `chat`), with
+//!   restart after a fault;
+//! - [`cgroup`]: per-stage memory cgroups (v1 and v2); [`numa`]: per-stage NUMA placement;
+//! - [`progress`]: the progress line during the trunk load and the prefill.
 //!
 //! Nothing here knows about CLI flags or reports: `run/` builds a [`Launch`] and reads the
 //! [`Outcome`]; an [`Observer`] sees steps and text as they happen.
@@ -29,7 +32,9 @@
 pub mod cgroup;
 pub mod drive;
 pub mod numa;
+pub mod progress;
 pub mod spawn;
+pub mod warm;
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -51,6 +56,7 @@ pub enum Mode {
 }
 
 /// What each stage gets, already serialised.
+#[derive(Clone, Debug)]
 pub struct Launch {
     pub mode: Mode,
     pub tokenizer: conf::TokenizerConf,
@@ -64,6 +70,8 @@ pub struct Launch {
     pub budgets: HashMap<Stage, u64>,
     pub require_cgroups: bool,
     pub numa: Option<String>,
+    /// Show the progress line on stderr during the trunk load and the prefill.
+    pub progress: bool,
 }
 
 /// Everything the pipeline reports back.
@@ -92,6 +100,11 @@ pub trait Observer {
     fn step(&mut self, _s: &StepStats) {}
     /// The tokenizer decoded bytes of the output.
     fn text(&mut self, _bytes: &[u8]) {}
+    /// Asked after each text: true when the output has ended (a stop string), so compute
+    /// is told to stop generating.
+    fn stop_requested(&self) -> bool {
+        false
+    }
 }
 
 /// An observer that ignores everything.

@@ -309,6 +309,7 @@ pub(super) struct Running {
     pub(super) cgroups: Option<StageCgroups>,
     pub(super) notes: Vec<String>,
     pub(super) numa: HashMap<Stage, u32>,
+    pub(super) progress: super::progress::Progress,
 }
 
 impl Running {
@@ -428,5 +429,6 @@ pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
         cgroups,
         notes,
         numa: numa_nodes,
+        progress: super::progress::Progress::new(launch.progress),
     })
 }

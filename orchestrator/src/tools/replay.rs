@@ -431,7 +431,7 @@ impl Replayer {
                             format!("entry {entry} (outbound on {channel}): undecodable: {e}")
                         })?;
                         match m {
-                            Msg::Pong { .. } => continue,
+                            Msg::Pong { .. } | Msg::Progress { .. } => continue,
                             Msg::Region {
                                 id,
                                 role: RegionRole::Data { .. },
@@ -552,7 +552,7 @@ impl Replayer {
             let done = self.thread.as_ref().is_none_or(|t| t.is_finished());
             match self.control.recv_frame(Some(Duration::from_millis(10))) {
                 Ok((f, _)) => match messages::decode(&f) {
-                    Ok(Msg::Pong { .. }) => {}
+                    Ok(Msg::Pong { .. }) | Ok(Msg::Progress { .. }) => {}
                     m => {
                         return Err(format!(
                             "after the log the stage sent on control: {m:?} (not in the recording)"

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use crate::forward::{ForwardError, Model, StepOutput};
+use crate::forward::{ForwardError, Model, Session, StepOutput};
 use crate::sampler::{self, SamplerConfig};
 use crate::weights::Weights;
 
@@ -57,18 +57,93 @@ pub fn decode_loop<W: Weights>(
     o: &LoopOptions<'_>,
     hooks: &mut impl StepHooks,
 ) -> Result<Vec<u32>, String> {
-    let vocab = model.vocab();
-    let mut seq = o.prompt.to_vec();
     let mut sess = model.new_session();
+    decode_session(model, &mut sess, 0, o, hooks)
+}
+
+/// [`decode_loop`] on a session that has already consumed the first `fed` prompt tokens
+/// (a kept prefix state; incremental only, `fed < o.prompt.len()`). Afterwards `sess` has
+/// consumed the prompt and every generated id but the last (which is what a follow-up
+/// request extends).
+pub fn decode_session<W: Weights>(
+    model: &Model<W>,
+    sess: &mut Session,
+    fed: usize,
+    o: &LoopOptions<'_>,
+    hooks: &mut impl StepHooks,
+) -> Result<Vec<u32>, String> {
+    if fed > o.prompt.len() || (fed > 0 && fed == o.prompt.len()) {
+        return Err(format!(
+            "a kept session of {fed} tokens cannot continue a {}-token prompt",
+            o.prompt.len()
+        ));
+    }
+    let rest = LoopOptions {
+        prompt: &o.prompt[fed..],
+        gen: o.gen,
+        incremental: o.incremental,
+        sampler: o.sampler,
+        stop_ids: o.stop_ids,
+        dump_logits: o.dump_logits,
+    };
+    decode_resumed(
+        model,
+        sess,
+        &Resume {
+            history: &o.prompt[..fed],
+            first_step: 0,
+        },
+        &rest,
+        hooks,
+    )
+}
+
+/// Where a resumed generation picks up.
+pub struct Resume<'a> {
+    /// The tokens `sess` has consumed (the repetition penalty looks at them too).
+    pub history: &'a [u32],
+    /// The sampler's step number of this loop's first step (a seeded run continued from a
+    /// saved state draws what the uninterrupted run drew).
+    pub first_step: usize,
+}
+
+/// The one decode loop on a session that has consumed `r.history`: `o.prompt` holds the
+/// tokens still to feed (at least one when there is a history). With an empty history and
+/// `first_step` 0 this is [`decode_loop`].
+pub fn decode_resumed<W: Weights>(
+    model: &Model<W>,
+    sess: &mut Session,
+    r: &Resume<'_>,
+    o: &LoopOptions<'_>,
+    hooks: &mut impl StepHooks,
+) -> Result<Vec<u32>, String> {
+    if sess.len() != r.history.len()
+        || (!r.history.is_empty() && (!o.incremental || o.prompt.is_empty()))
+    {
+        return Err(format!(
+            "a session of {} tokens cannot continue after {} tokens with {} more to feed{}",
+            sess.len(),
+            r.history.len(),
+            o.prompt.len(),
+            if o.incremental {
+                ""
+            } else {
+                " (continuing needs incremental decoding)"
+            }
+        ));
+    }
+    let vocab = model.vocab();
+    let mut seq = r.history.to_vec();
+    seq.extend_from_slice(o.prompt);
     let mut generated = Vec::with_capacity(o.gen);
     for step in 0..o.gen {
         hooks.before_step(step);
         let t0 = Instant::now();
         let res: Result<StepOutput, ForwardError> = if o.incremental {
             if step == 0 {
-                model.prefill(&mut sess, o.prompt)
+                model.prefill(sess, o.prompt)
             } else {
-                model.step(&mut sess, *seq.last().expect("non-empty sequence"))
+                model.step(sess, *seq.last().expect("non-empty sequence"))
             }
         } else {
             let mut s = model.new_session();
@@ -78,7 +153,7 @@ pub fn decode_loop<W: Weights>(
         let out = res.map_err(|e| format!("forward pass failed at generation step {step}: {e}"))?;
         let row = &out.logits[(out.rows - 1) * vocab..out.rows * vocab];
         check_finite(row).map_err(|e| format!("generation step {step}: {e}"))?;
-        let token = sampler::sample(row, &o.sampler, step as u64, &seq) as u32;
+        let token = sampler::sample(row, &o.sampler, (r.first_step + step) as u64, &seq) as u32;
         if step == 0 {
             if let Some(p) = o.dump_logits {
                 let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -99,6 +174,58 @@ pub fn decode_loop<W: Weights>(
         }
     }
     Ok(generated)
+}
+
+/// Session states kept after requests, keyed by the tokens each has consumed, most
+/// recently used last (prefix reuse in `serve` and `chat`: a prompt that extends a kept key
+/// prefills only the rest).
+pub struct PrefixCache {
+    entries: Vec<(Vec<u32>, Session)>,
+    /// Entries kept (0: no reuse).
+    pub cap: usize,
+}
+
+impl PrefixCache {
+    pub fn new(cap: usize) -> PrefixCache {
+        PrefixCache {
+            entries: Vec::new(),
+            cap,
+        }
+    }
+
+    /// The longest kept key that is a proper prefix of `prompt` (at least one token left
+    /// to feed): its length and a clone of its state.
+    pub fn lookup(&mut self, prompt: &[u32]) -> Option<(usize, Session)> {
+        let best = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, (k, _))| k.len() < prompt.len() && prompt.starts_with(k))
+            .max_by_key(|(_, (k, _))| k.len())
+            .map(|(i, _)| i)?;
+        let e = self.entries.remove(best);
+        let out = (e.0.len(), e.1.clone());
+        self.entries.push(e);
+        Some(out)
+    }
+
+    /// Keep `s` under `key` (the tokens it consumed), dropping the least recently used
+    /// entry beyond the cap.
+    pub fn insert(&mut self, key: Vec<u32>, s: Session) {
+        if self.cap == 0 || key.is_empty() || s.len() != key.len() {
+            return;
+        }
+        self.entries.retain(|(k, _)| *k != key);
+        self.entries.push((key, s));
+        while self.entries.len() > self.cap {
+            self.entries.remove(0);
+        }
+    }
+
+    /// Drop every entry.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
 }
 
 /// Refuse a logits row holding NaN or ±Inf: a token chosen from it would be noise (argmax

@@ -104,6 +104,18 @@ impl Session {
     pub fn kv_bytes(&self) -> usize {
         self.mla.iter().flatten().map(|c| c.bytes()).sum()
     }
+    /// The carried state, layer by layer (saving a session: [`crate::state`]).
+    pub(crate) fn parts(&self) -> (usize, &[Option<KdaState>], &[Option<MlaCache>]) {
+        (self.pos, &self.kda, &self.mla)
+    }
+    /// A session from saved parts ([`crate::state`] checks them against the model first).
+    pub(crate) fn from_parts(
+        pos: usize,
+        kda: Vec<Option<KdaState>>,
+        mla: Vec<Option<MlaCache>>,
+    ) -> Session {
+        Session { pos, kda, mla }
+    }
     /// Bytes of KDA state held.
     pub fn kda_bytes(&self) -> usize {
         self.kda

@@ -13,6 +13,7 @@
 //! - [`model_stream`]: the embedding one row per token on demand, the lm_head in chunks.
 //! - [`pool`]: the compute worker pool (rayon), sized by `--threads`.
 //! - [`stage`]: the layer-compute stage's process loop.
+//! - [`state`]: saved session states (`--save-state` / `--load-state`).
 
 // Kernels spell out their loops by index on purpose: the index order IS the documented
 // reduction order. Layer modules take many plain arguments rather than ad-hoc structs, and
@@ -32,6 +33,7 @@ pub mod modules;
 pub mod pool;
 pub mod sampler;
 pub mod stage;
+pub mod state;
 pub mod weights;
 
 pub use decode::{decode_loop, generate, GenStep, Generation, LoopOptions, Step, StepHooks};

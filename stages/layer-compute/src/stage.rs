@@ -1,6 +1,9 @@
 //! The layer-compute stage's process loop: configure, then run the one decode loop
 //! ([`crate::decode::decode_loop`]) over [`StagedWeights`], streaming each id to the
-//! tokenizer and each step's statistics to the orchestrator.
+//! tokenizer and each step's statistics to the orchestrator. A warm stage (`serve`, `chat`:
+//! `ComputeConf::warm`) runs request after request (`Generate` ... `RequestDone` on the
+//! control socket) on the same model, keeping session states for prefix reuse, until
+//! `Shutdown`. Between steps it reads `StopRequest` (a stop string, a client gone).
 //!
 //! Model-level tensors (embeddings, lm_head, final norms) are this stage's own, mapped from
 //! the shards, so its cgroup pays for them together with the KV cache, the recurrent state
@@ -17,9 +20,12 @@ use k3_protocol::link::{send_to, Link, StageCtx};
 use k3_protocol::messages::{Msg, Stage, StepStats};
 use k3_protocol::shm::Region;
 
-use crate::decode::{decode_loop, LoopOptions, Step, StepHooks};
+use crate::decode::{
+    decode_resumed, decode_session, LoopOptions, PrefixCache, Resume, Step, StepHooks,
+};
 use crate::forward::{Model, ModelOptions};
 use crate::links::StagedWeights;
+use crate::state::Start;
 
 /// Run the layer-compute stage until generation is finished.
 pub fn run(mut ctx: StageCtx) -> Result<(), String> {
@@ -52,12 +58,45 @@ fn region(ctx: &StageCtx, name: &str) -> Result<Arc<Region>, String> {
 }
 
 /// The staged mode's hooks: reset and read the link counters around each step, send the id
-/// to the tokenizer and the statistics to the orchestrator.
+/// to the tokenizer and the statistics to the orchestrator, and end the request early when
+/// the orchestrator says so (`StopRequest`: a stop string, a client gone; `Shutdown`).
 struct Staged<'a> {
     ctx: &'a StageCtx,
     weights: &'a StagedWeights,
     tok: &'a mut Link,
     timeout: Option<Duration>,
+    /// The request running (0 in a one-shot run).
+    req: u64,
+    stop: bool,
+    /// `Shutdown` arrived during the request: end it, then the stage.
+    shutdown: bool,
+}
+
+impl Staged<'_> {
+    /// Read what the orchestrator sent since the last step, without waiting.
+    fn poll_control(&mut self) -> Result<(), String> {
+        loop {
+            match self.ctx.control.recv(Some(Duration::ZERO)) {
+                Ok((Msg::StopRequest { req }, _)) => {
+                    if req == self.req {
+                        self.stop = true;
+                    }
+                }
+                Ok((Msg::Shutdown, _)) => {
+                    self.stop = true;
+                    self.shutdown = true;
+                }
+                Ok((Msg::Ping { .. }, _)) => {}
+                Ok((other, _)) => {
+                    return Err(format!(
+                        "layer-compute: unexpected {other:?} during a generation"
+                    ))
+                }
+                Err(k3_protocol::control::ControlError::Timeout) => return Ok(()),
+                Err(e) => return Err(format!("layer-compute: control: {e}")),
+            }
+        }
+    }
 }
 
 impl StepHooks for Staged<'_> {
@@ -104,7 +143,11 @@ impl StepHooks for Staged<'_> {
         for m in &s.out.stats.failure_msgs {
             tracing::warn!("layer-compute: {m}");
         }
-        Ok(())
+        self.poll_control()
+    }
+
+    fn done(&mut self) -> bool {
+        self.stop
     }
 }
 
@@ -143,24 +186,49 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
         },
     )
     .map_err(|e| format!("layer-compute: {e}"))?;
-    let generated = decode_loop(
-        &model,
-        &LoopOptions {
-            prompt: &conf.prompt_ids,
-            gen: conf.gen,
-            incremental: conf.incremental,
-            sampler: conf.sampler,
-            stop_ids: &conf.stop_ids,
-            dump_logits: conf.dump_logits.as_deref(),
-        },
-        &mut Staged {
-            ctx,
-            weights: &weights,
-            tok: &mut tok,
-            timeout,
-        },
-    )
-    .map_err(|e| format!("layer-compute: {e}"))?;
+    let generated = if conf.warm {
+        serve_requests(ctx, &model, &weights, &mut tok, timeout)?;
+        Vec::new()
+    } else {
+        let load = conf
+            .load_state
+            .as_deref()
+            .map(|p| (p, conf.state_fingerprint.as_str()));
+        let mut start = Start::new(&model, load, &conf.prompt_ids)
+            .map_err(|e| format!("layer-compute: {e}"))?;
+        let generated = decode_resumed(
+            &model,
+            &mut start.session,
+            &Resume {
+                history: &start.history,
+                first_step: start.first_step,
+            },
+            &LoopOptions {
+                prompt: &start.prompt,
+                gen: conf.gen,
+                incremental: conf.incremental,
+                sampler: conf.sampler,
+                stop_ids: &conf.stop_ids,
+                dump_logits: conf.dump_logits.as_deref(),
+            },
+            &mut Staged {
+                ctx,
+                weights: &weights,
+                tok: &mut tok,
+                timeout,
+                req: 0,
+                stop: false,
+                shutdown: false,
+            },
+        )
+        .map_err(|e| format!("layer-compute: {e}"))?;
+        if let Some(p) = &conf.save_state {
+            start
+                .save(p, &conf.state_fingerprint, &generated)
+                .map_err(|e| format!("layer-compute: {e}"))?;
+        }
+        generated
+    };
     drop(model);
     weights.shutdown()?;
     send_to(
@@ -172,4 +240,95 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
     )?;
     ctx.send_control(&Msg::Finished { generated })?;
     ctx.finish_recording()
+}
+
+/// A warm stage (`serve`, `chat`): run requests (`Generate` on the control socket) one after
+/// another on the same model and links until `Shutdown`. After each request the session
+/// state (MLA KV, KDA state, conv tails) is kept, keyed by the tokens it consumed (and at the
+/// request's `snapshot_at`), so a prompt that extends a kept key prefills only the rest.
+fn serve_requests(
+    ctx: &StageCtx,
+    model: &Model<&StagedWeights>,
+    weights: &StagedWeights,
+    tok: &mut Link,
+    timeout: Option<Duration>,
+) -> Result<(), String> {
+    let mut cache = PrefixCache::new(0);
+    loop {
+        let (m, _) = ctx
+            .control
+            .recv(None)
+            .map_err(|e| format!("layer-compute: control: {e}"))?;
+        let r = match m {
+            Msg::Generate(r) => r,
+            Msg::Shutdown => return Ok(()),
+            // A stop that arrived after its request had ended.
+            Msg::StopRequest { .. } | Msg::Ping { .. } => continue,
+            other => {
+                return Err(format!(
+                    "layer-compute: unexpected {other:?} between requests"
+                ))
+            }
+        };
+        cache.cap = r.cache_entries as usize;
+        let (cached, mut sess) = cache
+            .lookup(&r.prompt)
+            .unwrap_or_else(|| (0, model.new_session()));
+        ctx.send_control(&Msg::RequestStarted {
+            req: r.req,
+            cached_tokens: cached as u32,
+        })?;
+        let mut fed = cached;
+        if let Some(b) = r
+            .snapshot_at
+            .map(|b| b as usize)
+            .filter(|&b| b > cached && b < r.prompt.len())
+        {
+            let _ = weights.take_io();
+            let res = model.prefill(&mut sess, &r.prompt[cached..b]);
+            if let Some(e) = weights.take_link_error() {
+                return Err(e);
+            }
+            res.map_err(|e| format!("layer-compute: forward pass failed: {e}"))?;
+            cache.insert(r.prompt[..b].to_vec(), sess.clone());
+            fed = b;
+        }
+        let mut hooks = Staged {
+            ctx,
+            weights,
+            tok,
+            timeout,
+            req: r.req,
+            stop: false,
+            shutdown: false,
+        };
+        let generated = decode_session(
+            model,
+            &mut sess,
+            fed,
+            &LoopOptions {
+                prompt: &r.prompt,
+                gen: r.gen as usize,
+                incremental: true,
+                sampler: r.sampler,
+                stop_ids: &r.stop_ids,
+                dump_logits: None,
+            },
+            &mut hooks,
+        )
+        .map_err(|e| format!("layer-compute: {e}"))?;
+        let shutdown = hooks.shutdown;
+        // The session has consumed the prompt and every generated id but the last.
+        let mut seq = r.prompt.clone();
+        seq.extend_from_slice(&generated);
+        seq.pop();
+        cache.insert(seq, sess);
+        ctx.send_control(&Msg::RequestDone {
+            req: r.req,
+            generated,
+        })?;
+        if shutdown {
+            return Ok(());
+        }
+    }
 }

@@ -80,7 +80,16 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     ctx.wait_configure()?;
     let conf: TrunkConf = serde_json::from_str(&ctx.conf_json)
         .map_err(|e| ctx.fail(format!("trunk-loader: bad Configure: {e}")))?;
-    let (region, source, total_read) = match setup(&conf) {
+    let me = Stage::TrunkLoader;
+    // Progress of the up-front read, at most every 100 ms (and at the end).
+    let mut last = Instant::now();
+    let mut progress = |done: u64, total: u64| {
+        if done == total || last.elapsed() >= Duration::from_millis(100) {
+            last = Instant::now();
+            ctx.progress("load", done, total);
+        }
+    };
+    let (region, source, total_read) = match setup(&conf, &mut progress) {
         Ok(x) => x,
         Err(e) => return Err(ctx.fail(e)),
     };
@@ -94,7 +103,6 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     ctx.ready()?;
     ctx.wait_go()?;
     let mut link = ctx.take_link(Stage::LayerCompute)?;
-    let me = Stage::TrunkLoader;
     let peer = Stage::LayerCompute;
     let pinned = match &source {
         Source::Streamed { loader, .. } => loader.plan().pinned,
@@ -129,6 +137,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                         outstanding.remove(pos);
                     }
                     done += 1;
+                    prefill_progress(&ctx, passes == 1, done, n);
                 }
             }
             let ready = publish(&region, &source, l, pass).map_err(|e| ctx.fail(e))?;
@@ -151,6 +160,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 outstanding.remove(pos);
             }
             done += 1;
+            prefill_progress(&ctx, passes == 1, done, n);
         }
         let after = stats_of(&source);
         let first_resident = std::mem::take(&mut resident_read);
@@ -190,6 +200,14 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         json: summary.to_string(),
     })?;
     ctx.finish_recording()
+}
+
+/// The first pass is the prefill (the whole prompt through one layer at a time): say how
+/// many layers it has done.
+fn prefill_progress(ctx: &StageCtx, first: bool, done: usize, n: usize) {
+    if first {
+        ctx.progress("prefill", done as u64, n as u64);
+    }
 }
 
 /// (binds, hits, bytes read, io seconds) so far.
@@ -269,10 +287,13 @@ fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, Stri
 }
 
 /// Build the arena and the source; returns the bytes and seconds of the up-front reads.
-fn setup(conf: &TrunkConf) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
+fn setup(
+    conf: &TrunkConf,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
     match &conf.trunk_dir {
         Some(dir) => setup_streamed(conf, dir),
-        None => setup_resident(conf),
+        None => setup_resident(conf, progress),
     }
 }
 
@@ -334,7 +355,10 @@ fn setup_streamed(
     ))
 }
 
-fn setup_resident(conf: &TrunkConf) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
+fn setup_resident(
+    conf: &TrunkConf,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
     let cat = Catalog::open(&conf.model_dir).map_err(|e| format!("trunk-loader: {e}"))?;
     let per_layer = layer_tensors(&cat, conf.layers);
     let mut layout = Vec::with_capacity(per_layer.len());
@@ -376,6 +400,7 @@ fn setup_resident(conf: &TrunkConf) -> Result<(Arc<Region>, Source, (u64, f64)),
     // buffer the size of the largest tensor (484 MB for layer 0's dense FFN) on top of the
     // arena, which the stage's cgroup budget does not cover.
     const CHUNK: u64 = 8 << 20;
+    let total: u64 = per_layer.iter().flat_map(|ts| ts.iter().map(|t| t.3)).sum();
     for (l, ts) in per_layer.iter().enumerate() {
         let (start, _, tensors) = &layout[l];
         for ((name, shard, off, len, _, _), t) in ts.iter().zip(tensors) {
@@ -390,9 +415,13 @@ fn setup_resident(conf: &TrunkConf) -> Result<(Arc<Region>, Source, (u64, f64)),
                     .read_exact_unaligned(*shard as u32, *off + done, dst, &mut scratch)
                     .map_err(|e| format!("trunk-loader: reading {name}: {e}"))?;
                 done += n;
+                progress(read + done, total);
             }
             read += len;
         }
+    }
+    if total == 0 {
+        progress(0, 0);
     }
     let secs = t0.elapsed().as_secs_f64();
     Ok((

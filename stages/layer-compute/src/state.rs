@@ -1,0 +1,441 @@
+//! Saved session states (`--save-state FILE` / `--load-state FILE`): the carried state of
+//! one sequence (MLA KV caches, KDA recurrent states and conv tails) with the tokens it has
+//! seen, so a later run continues where this one stopped and gives the ids one
+//! uninterrupted run would have given.
+//!
+//! The file:
+//!
+//! ```text
+//! "K3STATE\n"                 8 bytes
+//! version                     u32 LE (STATE_VERSION)
+//! header length               u32 LE
+//! header                      JSON: fingerprint, tokens, steps, layers, payload_bytes,
+//!                             payload_sha256
+//! payload                     little endian: pos u64, steps u64, tokens (u64 count, u32s),
+//!                             layers u32, then per layer a tag (0 none, 1 KDA, 2 MLA) and
+//!                             its f32 vectors (u64 count, values)
+//! ```
+//!
+//! The fingerprint ([`fingerprint`]) names the model: a SHA-256 over config.json, the bound
+//! layer count and every shard's name, size and safetensors header. A file is refused for
+//! another fingerprint, another version, a payload whose SHA-256 does not match, or state
+//! whose shapes do not fit the model. The tokens are every id the session consumed plus the
+//! last generated one, which the next run feeds first.
+
+use std::path::Path;
+
+use crate::forward::{Model, Session};
+use crate::modules::kda::KdaState;
+use crate::modules::mla::MlaCache;
+use crate::weights::Weights;
+use k3_model::config::LayerKind;
+
+/// Version of the file layout.
+pub const STATE_VERSION: u32 = 1;
+const MAGIC: &[u8; 8] = b"K3STATE\n";
+/// Longest header accepted.
+const MAX_HEADER: usize = 1 << 20;
+
+/// What the header says.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Header {
+    pub fingerprint: String,
+    pub tokens: u64,
+    pub steps: u64,
+    pub layers: u64,
+    pub payload_bytes: u64,
+    pub payload_sha256: String,
+}
+
+/// A loaded state.
+pub struct Saved {
+    /// Every id the session consumed, then the last generated id (not consumed yet).
+    pub tokens: Vec<u32>,
+    /// Generation steps taken so far (the sampler's next step number).
+    pub steps: u64,
+    pub session: Session,
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    hex(&k3_protocol::record::sha256(b))
+}
+
+/// The model's fingerprint: SHA-256 over config.json, the bound layer count, and each
+/// shard's file name, size and safetensors header (in the catalog's shard order).
+pub fn fingerprint(config_path: &Path, model_dir: &Path, layers: usize) -> Result<String, String> {
+    use std::io::Read;
+    let config = k3_io::input::read_capped(config_path, k3_io::input::JSON_CAP)
+        .map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let cat = k3_model::catalog::Catalog::open(model_dir).map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    buf.extend_from_slice(b"k3 state fingerprint 1\n");
+    buf.extend_from_slice(&(config.len() as u64).to_le_bytes());
+    buf.extend_from_slice(&config);
+    buf.extend_from_slice(&(layers as u64).to_le_bytes());
+    for sh in cat.shards() {
+        let name = sh
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut f =
+            std::fs::File::open(&sh.path).map_err(|e| format!("{}: {e}", sh.path.display()))?;
+        let size = f
+            .metadata()
+            .map_err(|e| format!("{}: {e}", sh.path.display()))?
+            .len();
+        let mut n = [0u8; 8];
+        f.read_exact(&mut n)
+            .map_err(|e| format!("{}: {e}", sh.path.display()))?;
+        let hlen = u64::from_le_bytes(n)
+            .min(size.saturating_sub(8))
+            .min(256 << 20);
+        let mut header = vec![0u8; hlen as usize];
+        f.read_exact(&mut header)
+            .map_err(|e| format!("{}: {e}", sh.path.display()))?;
+        buf.extend_from_slice(&(name.len() as u64).to_le_bytes());
+        buf.extend_from_slice(name.as_bytes());
+        buf.extend_from_slice(&size.to_le_bytes());
+        buf.extend_from_slice(&hlen.to_le_bytes());
+        buf.extend_from_slice(&header);
+    }
+    Ok(sha256_hex(&buf))
+}
+
+fn put_u64(b: &mut Vec<u8>, v: u64) {
+    b.extend_from_slice(&v.to_le_bytes());
+}
+
+fn put_f32s(b: &mut Vec<u8>, v: &[f32]) {
+    put_u64(b, v.len() as u64);
+    b.reserve(v.len() * 4);
+    for x in v {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+/// The file bytes of a session that consumed `tokens[..len-1]`.
+pub fn encode(
+    fingerprint: &str,
+    tokens: &[u32],
+    steps: u64,
+    session: &Session,
+) -> Result<Vec<u8>, String> {
+    let (pos, kda, mla) = session.parts();
+    if tokens.len() != pos + 1 {
+        return Err(format!(
+            "the session consumed {pos} tokens but {} are recorded (expected one more)",
+            tokens.len()
+        ));
+    }
+    let mut p = Vec::new();
+    put_u64(&mut p, pos as u64);
+    put_u64(&mut p, steps);
+    put_u64(&mut p, tokens.len() as u64);
+    for t in tokens {
+        p.extend_from_slice(&t.to_le_bytes());
+    }
+    p.extend_from_slice(&(kda.len() as u32).to_le_bytes());
+    for l in 0..kda.len() {
+        match (&kda[l], mla.get(l).and_then(Option::as_ref)) {
+            (Some(s), _) => {
+                p.push(1);
+                for v in [&s.s, &s.conv_q, &s.conv_k, &s.conv_v] {
+                    put_f32s(&mut p, v);
+                }
+            }
+            (None, Some(c)) => {
+                p.push(2);
+                put_u64(&mut p, c.len as u64);
+                for v in [&c.latent, &c.k_rope, &c.k_nope, &c.v] {
+                    put_f32s(&mut p, v);
+                }
+            }
+            (None, None) => p.push(0),
+        }
+    }
+    let header = Header {
+        fingerprint: fingerprint.to_string(),
+        tokens: tokens.len() as u64,
+        steps,
+        layers: kda.len() as u64,
+        payload_bytes: p.len() as u64,
+        payload_sha256: sha256_hex(&p),
+    };
+    let h = serde_json::to_vec(&header).map_err(|e| e.to_string())?;
+    let mut out = Vec::with_capacity(16 + h.len() + p.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&STATE_VERSION.to_le_bytes());
+    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&p);
+    Ok(out)
+}
+
+/// Write a state file atomically (`k3_io::output`).
+pub fn save(
+    path: &Path,
+    fingerprint: &str,
+    tokens: &[u32],
+    steps: u64,
+    session: &Session,
+) -> Result<(), String> {
+    let bytes = encode(fingerprint, tokens, steps, session)?;
+    k3_io::output::write_atomic(path, &bytes)
+        .map_err(|e| format!("--save-state {}: {e}", path.display()))
+}
+
+/// Check a file's magic, version, model and checksum; returns the header and the payload.
+pub fn check<'a>(bytes: &'a [u8], fingerprint: &str) -> Result<(Header, &'a [u8]), String> {
+    if bytes.len() < 16 || &bytes[..8] != MAGIC {
+        return Err("not a k3 state file (written by --save-state)".into());
+    }
+    let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap_or_default());
+    if version != STATE_VERSION {
+        return Err(format!(
+            "state file version {version}; this k3-orch reads version {STATE_VERSION}"
+        ));
+    }
+    let hlen = u32::from_le_bytes(bytes[12..16].try_into().unwrap_or_default()) as usize;
+    if hlen > MAX_HEADER || 16 + hlen > bytes.len() {
+        return Err("the state file's header is truncated".into());
+    }
+    let header: Header = serde_json::from_slice(&bytes[16..16 + hlen])
+        .map_err(|e| format!("the state file's header is unreadable: {e}"))?;
+    if header.fingerprint != fingerprint {
+        return Err(format!(
+            "the state was saved for another model or configuration (fingerprint {}, this \
+             run's is {fingerprint})",
+            header.fingerprint
+        ));
+    }
+    let payload = &bytes[16 + hlen..];
+    if payload.len() as u64 != header.payload_bytes {
+        return Err(format!(
+            "the state file is truncated or padded: {} payload bytes, the header says {}",
+            payload.len(),
+            header.payload_bytes
+        ));
+    }
+    if sha256_hex(payload) != header.payload_sha256 {
+        return Err(
+            "the state file is corrupt: its payload checksum (SHA-256) does not match".into(),
+        );
+    }
+    Ok((header, payload))
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len())
+            .ok_or("the state payload is truncated")?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().unwrap_or_default(),
+        ))
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().unwrap_or_default(),
+        ))
+    }
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    fn count(&mut self, elem: usize) -> Result<usize, String> {
+        let n = self.u64()?;
+        let left = (self.b.len() - self.at) as u64;
+        if n.saturating_mul(elem as u64) > left {
+            return Err("the state payload is truncated".into());
+        }
+        Ok(n as usize)
+    }
+    fn f32s(&mut self, want: usize, what: &str) -> Result<Vec<f32>, String> {
+        let n = self.count(4)?;
+        if n != want {
+            return Err(format!(
+                "{what} holds {n} values where the model needs {want}"
+            ));
+        }
+        Ok(self
+            .take(n * 4)?
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect())
+    }
+}
+
+/// Read a checked payload into a session for `model`, checking every shape against it.
+pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, String> {
+    let mut r = Reader { b: payload, at: 0 };
+    let pos = r.u64()? as usize;
+    let steps = r.u64()?;
+    let nt = r.count(4)?;
+    if nt != pos + 1 {
+        return Err(format!(
+            "the state records {nt} tokens for a session of {pos} (expected one more)"
+        ));
+    }
+    let tokens: Vec<u32> = (0..nt).map(|_| r.u32()).collect::<Result<_, _>>()?;
+    let vocab = model.vocab() as u32;
+    if let Some(t) = tokens.iter().find(|&&t| t >= vocab) {
+        return Err(format!("the state holds id {t}, outside the vocabulary"));
+    }
+    let layers = r.u32()? as usize;
+    let fresh = model.new_session();
+    let want_layers = fresh.parts().1.len();
+    if layers != want_layers {
+        return Err(format!(
+            "the state has {layers} layers, the model binds {want_layers}"
+        ));
+    }
+    let kd = model.kda_dims();
+    let proto = KdaState::new(&kd);
+    let md = model.mla_dims();
+    let mut kda = vec![None; layers];
+    let mut mla = vec![None; layers];
+    for l in 0..layers {
+        let kind = model.cfg.layer_kind(l);
+        match (r.u8()?, kind) {
+            (0, _) if pos == 0 => {}
+            (1, LayerKind::Kda) => {
+                kda[l] = Some(KdaState {
+                    s: r.f32s(proto.s.len(), "a KDA state")?,
+                    conv_q: r.f32s(proto.conv_q.len(), "a KDA conv tail")?,
+                    conv_k: r.f32s(proto.conv_k.len(), "a KDA conv tail")?,
+                    conv_v: r.f32s(proto.conv_v.len(), "a KDA conv tail")?,
+                })
+            }
+            (2, LayerKind::Mla) => {
+                let len = r.u64()? as usize;
+                if len != pos {
+                    return Err(format!(
+                        "layer {l}'s KV cache holds {len} positions, the session {pos}"
+                    ));
+                }
+                mla[l] = Some(MlaCache {
+                    len,
+                    latent: r.f32s(len * md.kv_lora, "an MLA latent cache")?,
+                    k_rope: r.f32s(len * md.rope, "an MLA rope cache")?,
+                    k_nope: r.f32s(len * md.heads * md.nope, "an MLA key cache")?,
+                    v: r.f32s(len * md.heads * md.v, "an MLA value cache")?,
+                })
+            }
+            (tag, kind) => {
+                return Err(format!(
+                    "layer {l} is {kind:?} but the state holds kind {tag} for it"
+                ))
+            }
+        }
+    }
+    if r.at != payload.len() {
+        return Err(format!(
+            "{} bytes after the last layer of the state",
+            payload.len() - r.at
+        ));
+    }
+    Ok(Saved {
+        tokens,
+        steps,
+        session: Session::from_parts(pos, kda, mla),
+    })
+}
+
+/// Read, check and decode a state file for `model`.
+pub fn load<W: Weights>(path: &Path, fingerprint: &str, model: &Model<W>) -> Result<Saved, String> {
+    let bytes = read(path)?;
+    let (_, payload) =
+        check(&bytes, fingerprint).map_err(|e| format!("--load-state {}: {e}", path.display()))?;
+    decode(payload, model).map_err(|e| format!("--load-state {}: {e}", path.display()))
+}
+
+/// Read a state file (a regular file only).
+pub fn read(path: &Path) -> Result<Vec<u8>, String> {
+    let m = std::fs::metadata(path).map_err(|e| format!("--load-state {}: {e}", path.display()))?;
+    if !m.is_file() {
+        return Err(format!(
+            "--load-state {}: not a regular file",
+            path.display()
+        ));
+    }
+    std::fs::read(path).map_err(|e| format!("--load-state {}: {e}", path.display()))
+}
+
+/// Where a run starts: a fresh session over the prompt, or a loaded state whose last token
+/// (generated, not consumed yet) and then the prompt are fed first.
+pub struct Start {
+    pub session: Session,
+    /// Tokens the session has consumed.
+    pub history: Vec<u32>,
+    /// The sampler's first step number.
+    pub first_step: usize,
+    /// Tokens to feed first.
+    pub prompt: Vec<u32>,
+}
+
+impl Start {
+    /// Begin from `load` (path, fingerprint) when given, else from nothing.
+    pub fn new<W: Weights>(
+        model: &Model<W>,
+        load: Option<(&Path, &str)>,
+        prompt: &[u32],
+    ) -> Result<Start, String> {
+        let Some((path, fp)) = load else {
+            return Ok(Start {
+                session: model.new_session(),
+                history: Vec::new(),
+                first_step: 0,
+                prompt: prompt.to_vec(),
+            });
+        };
+        let mut saved = self::load(path, fp, model)?;
+        let last = saved
+            .tokens
+            .pop()
+            .ok_or_else(|| format!("--load-state {}: no tokens", path.display()))?;
+        let mut p = vec![last];
+        p.extend_from_slice(prompt);
+        Ok(Start {
+            session: saved.session,
+            history: saved.tokens,
+            first_step: saved.steps as usize,
+            prompt: p,
+        })
+    }
+
+    /// Save the session after the loop generated `generated` from this start.
+    pub fn save(&self, path: &Path, fp: &str, generated: &[u32]) -> Result<(), String> {
+        if generated.is_empty() {
+            return Err(format!(
+                "--save-state {}: nothing was generated, so there is no state to save",
+                path.display()
+            ));
+        }
+        let mut tokens = self.history.clone();
+        tokens.extend_from_slice(&self.prompt);
+        tokens.extend_from_slice(generated);
+        save(
+            path,
+            fp,
+            &tokens,
+            (self.first_step + generated.len()) as u64,
+            &self.session,
+        )
+    }
+}
