@@ -315,8 +315,26 @@ impl TrunkManifest {
         Ok(m)
     }
 
-    /// Parse and validate a manifest (no file access).
+    /// Parse and validate a manifest (no file access). A manifest of another format
+    /// version (an older k3's `k3-trunk/1`, say, whose fields differ) is refused by its
+    /// `format` alone, with what to do, before its fields are read.
     pub fn from_json_str(text: &str) -> Result<TrunkManifest, TrunkError> {
+        #[derive(Deserialize)]
+        struct Format {
+            format: Option<serde_json::Value>,
+        }
+        if let Ok(Format { format: Some(f) }) = serde_json::from_str::<Format>(text) {
+            if f.as_str() != Some(TRUNK_FORMAT) {
+                return Err(TrunkError {
+                    path: PathBuf::from(TRUNK_JSON),
+                    problems: vec![format!(
+                        "this trunk was packed in format {f}, this build reads \
+                         {TRUNK_FORMAT:?} only: re-run k3-orch pack-trunk --force MODEL_DIR \
+                         TRUNK_DIR to repack it"
+                    )],
+                });
+            }
+        }
         let m: TrunkManifest = serde_json::from_str(text).map_err(|e| TrunkError {
             path: PathBuf::from(TRUNK_JSON),
             problems: vec![format!("not a valid trunk manifest: {e}")],
@@ -727,6 +745,25 @@ mod tests {
         other.shards[0].sample_sha256 = "cd".repeat(32);
         let e = m.check_source(&other).unwrap_err();
         assert!(e.contains("a: same header, other data"), "{e}");
+    }
+
+    /// An older version's manifest (other fields, other format string) is refused by its
+    /// format, naming both versions and the command that repacks it; without the early
+    /// check the message was serde's "missing field" about whichever field differs.
+    #[test]
+    fn another_format_version_is_refused_with_the_fix() {
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["format"] = "k3-trunk/1".into();
+        v.as_object_mut().unwrap().remove("source");
+        let e = TrunkManifest::from_json_str(&v.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"k3-trunk/1\""), "{e}");
+        assert!(e.contains(TRUNK_FORMAT), "{e}");
+        assert!(e.contains("re-run k3-orch pack-trunk --force"), "{e}");
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["format"] = "k3-trunk/3".into();
+        assert!(TrunkManifest::from_json_str(&v.to_string()).is_err());
     }
 
     #[test]

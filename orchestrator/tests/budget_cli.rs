@@ -207,3 +207,87 @@ fn prefill_reads_the_union_of_the_routes() {
         per_token as f64 * per_expert
     );
 }
+
+fn pack(model: &str, trunk: &Path) {
+    let o = k3()
+        .arg("pack-trunk")
+        .arg(fixture(&format!("{model}/sharded")))
+        .arg(trunk)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+/// The first `n` ids the oracle (k3ref, tests/fixtures) generates after the prompt.
+fn oracle_ids(model: &str, n: usize) -> Vec<u64> {
+    let v: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixture(&format!("{model}/expected-k3ref.json"))).unwrap(),
+    )
+    .unwrap();
+    let p = v["n_prompt"].as_u64().unwrap() as usize;
+    v["full_ids"].as_array().unwrap()[p..p + n]
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+/// At the smallest budgets (a streaming trunk slot, no expert cache: every routed expert is
+/// read, its request sent the moment the router chose it, before the shared experts are
+/// computed) both tiny models give the oracle's ids, in separate processes and in-process.
+/// Catches a reordering of the MoE products that changes a value, an announced batch that
+/// is answered twice or not at all, and ids that depend on the budget.
+#[test]
+fn smallest_budgets_give_the_oracle_ids() {
+    for model in ["tiny-mxfp4", "tiny-seed"] {
+        let dir = tempfile::tempdir().unwrap();
+        let trunk = dir.path().join("trunk");
+        pack(model, &trunk);
+        let out = dir.path().join("r.json");
+        let want = oracle_ids(model, 4);
+        for extra in [
+            &["--mem-gb", "0.032", "--cache-gb", "0"][..],
+            &[
+                "--mem-gb",
+                "0.032",
+                "--trunk-gb",
+                "0.00045",
+                "--cache-gb",
+                "0",
+            ],
+            &["--inproc", "--trunk-gb", "0.00045", "--cache-gb", "0"],
+        ] {
+            let o = gen(model, &trunk, &out, extra);
+            assert!(o.status.success(), "{model} {extra:?}: {}", text(&o));
+            let got: Vec<u64> = json(&out)["generated_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect();
+            assert_eq!(got, want, "{model} {extra:?}: ids differ from the oracle");
+        }
+    }
+}
+
+/// A trunk packed in another format version (here the manifest says `k3-trunk/1`) is
+/// refused up front, exit 2, with the command that repacks it, not a serde error about a
+/// missing field and not a run over bytes laid out differently.
+#[test]
+fn an_old_version_trunk_is_refused_with_the_repack_command() {
+    let model = "tiny-mxfp4";
+    let dir = tempfile::tempdir().unwrap();
+    let trunk = dir.path().join("trunk");
+    pack(model, &trunk);
+    let json_path = trunk.join("trunk.json");
+    let mut m = json(&json_path);
+    m["format"] = "k3-trunk/1".into();
+    m.as_object_mut().unwrap().remove("source");
+    std::fs::write(&json_path, m.to_string()).unwrap();
+    let out = dir.path().join("r.json");
+    let o = gen(model, &trunk, &out, &["--mem-gb", "0.032"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(t.contains("k3-trunk/1"), "{t}");
+    assert!(t.contains("re-run k3-orch pack-trunk --force"), "{t}");
+    assert!(!out.exists(), "a refused run wrote a report");
+}

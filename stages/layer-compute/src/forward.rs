@@ -22,7 +22,7 @@ use crate::modules::attnres::attnres_mix_rows;
 use crate::modules::kda::{kda_forward, KdaState, KdaWeights};
 use crate::modules::mla::{mla_forward, MlaCache, MlaWeights};
 use crate::modules::mlp::{glu_mlp, DenseWeights};
-use crate::modules::moe::{moe_forward, MoeStats, MoeWeights};
+use crate::modules::moe::{moe_forward_announced, MoeStats, MoeWeights};
 use crate::modules::{mat_from, Eps, Trace};
 use crate::weights::{to_f32_vec, Weights, LM_HEAD};
 use k3_model::classify::{layer_tensor, model_tensor};
@@ -547,11 +547,15 @@ impl<W: Weights> Model<W> {
                     usize,
                     Result<crate::weights::ExpertRef<'b>, WeightError>,
                 )| { self.weights.experts(l, ids, deliver) };
-                let z = moe_forward(
+                // The expert reads start when the router has chosen (before the shared
+                // experts are computed), so they overlap that compute.
+                let mut announce = |ids: &[u32]| self.weights.announce_experts(l, ids);
+                let z = moe_forward_announced(
                     mw,
                     &self.moe_params(),
                     &v,
                     ntok,
+                    &mut announce,
                     &mut fetch,
                     th,
                     &mut ms,

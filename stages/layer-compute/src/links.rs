@@ -74,6 +74,9 @@ pub struct StagedWeights {
     link_error: RefCell<Option<String>>,
     /// Embedding rows on demand and lm_head chunks (None: both from the mapping).
     stream: Option<crate::model_stream::ModelStream>,
+    /// The `Experts` request already sent by `announce_experts` (pass, layer, ids), which
+    /// the next `experts` call for the same batch answers instead of sending it again.
+    announced: RefCell<Option<(u64, usize, Vec<u32>)>>,
 }
 
 impl StagedWeights {
@@ -140,6 +143,7 @@ impl StagedWeights {
             timeout,
             link_error: RefCell::new(None),
             stream: None,
+            announced: RefCell::new(None),
         }
     }
 
@@ -394,6 +398,29 @@ impl Weights for StagedWeights {
         }
     }
 
+    fn announce_experts(&self, layer: usize, ids: &[u32]) {
+        let pass = self.pass.get();
+        *self.announced.borrow_mut() = None;
+        let r = send_to(
+            &mut **self.fetch.borrow_mut(),
+            Stage::LayerCompute,
+            Stage::ExpertFetcher,
+            &Msg::Experts {
+                pass,
+                layer: layer as u32,
+                ids: ids.to_vec(),
+            },
+            self.timeout,
+        );
+        match r {
+            Ok(()) => *self.announced.borrow_mut() = Some((pass, layer, ids.to_vec())),
+            // `experts` sends it again and fails every slot with the link's error.
+            Err(e) => {
+                self.link_error.borrow_mut().get_or_insert(e);
+            }
+        }
+    }
+
     fn experts(
         &self,
         layer: usize,
@@ -401,6 +428,31 @@ impl Weights for StagedWeights {
         deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
     ) {
         let pass = self.pass.get();
+        // Already requested by `announce_experts` (the same batch): only collect it. A
+        // different batch than announced cannot happen with the forward in this crate; if
+        // it did, the announced one would be answered first and this one fail as
+        // unexpected, so it is refused plainly instead.
+        let sent = match self.announced.borrow_mut().take() {
+            Some((p, l, a)) if p == pass && l == layer && a == ids => true,
+            Some((p, l, _)) => {
+                let e = format!(
+                    "internal: experts of layer {layer} asked for, but the batch announced was \
+                     layer {l} (pass {p}) with other ids"
+                );
+                self.link_error.borrow_mut().get_or_insert(e.clone());
+                for (i, id) in ids.iter().enumerate() {
+                    deliver(
+                        i,
+                        Err(WeightError::Io {
+                            name: format!("layer {layer} expert {id}"),
+                            msg: e.clone(),
+                        }),
+                    );
+                }
+                return;
+            }
+            None => false,
+        };
         let mut delivered = vec![false; ids.len()];
         let fail_all =
             |deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
@@ -420,17 +472,22 @@ impl Weights for StagedWeights {
                 }
             };
         let mut link = self.fetch.borrow_mut();
-        if let Err(e) = send_to(
-            &mut **link,
-            Stage::LayerCompute,
-            Stage::ExpertFetcher,
-            &Msg::Experts {
-                pass,
-                layer: layer as u32,
-                ids: ids.to_vec(),
-            },
-            self.timeout,
-        ) {
+        let r = if sent {
+            Ok(())
+        } else {
+            send_to(
+                &mut **link,
+                Stage::LayerCompute,
+                Stage::ExpertFetcher,
+                &Msg::Experts {
+                    pass,
+                    layer: layer as u32,
+                    ids: ids.to_vec(),
+                },
+                self.timeout,
+            )
+        };
+        if let Err(e) = r {
             self.link_error.borrow_mut().get_or_insert(e.clone());
             fail_all(deliver, &mut delivered, &e);
             return;

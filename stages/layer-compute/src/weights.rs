@@ -78,6 +78,13 @@ pub trait Weights {
         None
     }
 
+    /// The forward will ask for the routed experts `ids` of `layer` next (the same ids,
+    /// in the same order, in its next [`experts`](Self::experts) call); it says so the
+    /// moment the router has chosen them, before it computes the shared experts, so an
+    /// implementation that reads experts can start the reads now and overlap them with
+    /// that compute. The default does nothing (`experts` then asks for them).
+    fn announce_experts(&self, _layer: usize, _ids: &[u32]) {}
+
     /// Deliver the routed experts `ids` of `layer` (distinct ids, in first-use order: for
     /// one token its top-k order). Call `deliver(slot, result)` exactly once per slot
     /// `0..ids.len()`, in any order; the borrowed weights need only live for the call.
@@ -112,6 +119,9 @@ impl<W: Weights + ?Sized> Weights for &W {
         f: &mut dyn FnMut(usize, TensorRef<'_>) -> Result<(), WeightError>,
     ) -> Option<Result<(), WeightError>> {
         (**self).matrix_chunks(name, f)
+    }
+    fn announce_experts(&self, layer: usize, ids: &[u32]) {
+        (**self).announce_experts(layer, ids)
     }
     fn experts(
         &self,
