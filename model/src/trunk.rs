@@ -636,6 +636,136 @@ impl TrunkManifest {
     }
 }
 
+/// When the forward uses a decoder-layer trunk tensor, by its suffix after
+/// `layers.<l>.`: 0 the attention (its AttnRes mix, `input_layernorm`, `self_attn.*`), 1 the
+/// FFN's input side (the pre-MLP mix, `post_attention_layernorm`, a dense FFN's gate and up,
+/// every tensor of a latent MoE), 2 a dense FFN's down-projection, 3 anything else (never
+/// asked for; read and let go). The forward binds and releases the tensors of one phase
+/// together, so a trunk streamed in parts ([`TrunkManifest::layer_parts`]) never needs more
+/// than one phase of a layer in memory at once.
+pub fn use_phase(suffix: &str) -> u8 {
+    if suffix.starts_with("self_attn.")
+        || suffix.starts_with("self_attention_res_")
+        || suffix == "input_layernorm.weight"
+    {
+        0
+    } else if suffix.starts_with("mlp_res_")
+        || suffix == "post_attention_layernorm.weight"
+        || suffix.starts_with("block_sparse_moe.")
+        || suffix.starts_with("mlp.gate_proj.")
+        || suffix.starts_with("mlp.up_proj.")
+    {
+        1
+    } else if suffix.starts_with("mlp.down_proj.") {
+        2
+    } else {
+        3
+    }
+}
+
+/// One piece of a [`TrunkPart`]: `[at, at + len)` of its layer's run. `at` is a multiple
+/// of [`CHECK_CHUNK`] and the piece ends on one or at the run's end, so every piece is
+/// checked by the run's own CRCs ([`RunCheck::check_range`]) and read page-aligned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartPiece {
+    pub at: u64,
+    pub len: u64,
+}
+
+/// The tensors of one layer that the forward uses together ([`use_phase`]), as the pieces
+/// of the run that hold them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TrunkPart {
+    pub phase: u8,
+    pub pieces: Vec<PartPiece>,
+    /// (index into the layer's `tensors`, byte of the tensor inside the part's pieces laid
+    /// back to back).
+    pub tensors: Vec<(usize, u64)>,
+}
+
+impl TrunkPart {
+    /// Bytes the part's pieces hold back to back (each a whole number of pages).
+    pub fn bytes(&self) -> u64 {
+        self.pieces
+            .iter()
+            .map(|p| align_up(p.len, TRUNK_ALIGN))
+            .sum()
+    }
+}
+
+/// The parts of one layer's run (see [`TrunkManifest::layer_parts`]).
+pub fn layer_parts_of(l: &TrunkLayer) -> Vec<TrunkPart> {
+    let mut out = Vec::new();
+    for phase in 0..=3u8 {
+        let mut idx: Vec<usize> = (0..l.tensors.len())
+            .filter(|&i| {
+                let n = &l.tensors[i].name;
+                let suffix = crate::classify::split_layer(n).map_or(n.as_str(), |(_, s)| s);
+                use_phase(suffix) == phase
+            })
+            .collect();
+        if idx.is_empty() {
+            continue;
+        }
+        idx.sort_by_key(|&i| l.tensors[i].offset);
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for &i in &idx {
+            let t = &l.tensors[i];
+            let a = t.offset / CHECK_CHUNK * CHECK_CHUNK;
+            let b = align_up(t.offset + t.len, CHECK_CHUNK).min(l.length);
+            match ranges.last_mut() {
+                Some(r) if a <= r.1 => r.1 = r.1.max(b),
+                _ => ranges.push((a, b)),
+            }
+        }
+        let pieces: Vec<PartPiece> = ranges
+            .iter()
+            .map(|&(a, b)| PartPiece { at: a, len: b - a })
+            .collect();
+        let mut tensors = Vec::with_capacity(idx.len());
+        for &i in &idx {
+            let t = &l.tensors[i];
+            let mut base = 0u64;
+            for p in &pieces {
+                if t.offset >= p.at && t.offset + t.len <= p.at + p.len {
+                    tensors.push((i, base + t.offset - p.at));
+                    break;
+                }
+                base += align_up(p.len, TRUNK_ALIGN);
+            }
+        }
+        out.push(TrunkPart {
+            phase,
+            pieces,
+            tensors,
+        });
+    }
+    out
+}
+
+impl TrunkManifest {
+    /// The parts of layer `layer`, in use order (phases with no tensor are left out): each
+    /// phase's tensors widened to whole [`CHECK_CHUNK`]s of the run (so the CRCs check
+    /// them), overlapping or touching ranges merged. Two parts may share the chunk where
+    /// one tensor ends and the next begins (read twice, at most a MiB each).
+    pub fn layer_parts(&self, layer: usize) -> Vec<TrunkPart> {
+        self.layers
+            .get(layer)
+            .map(layer_parts_of)
+            .unwrap_or_default()
+    }
+
+    /// The largest part of any layer in bytes ([`TrunkPart::bytes`]): the slot a trunk
+    /// streamed in parts needs.
+    pub fn max_part(&self) -> u64 {
+        (0..self.layers.len())
+            .flat_map(|l| self.layer_parts(l))
+            .map(|p| p.bytes())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

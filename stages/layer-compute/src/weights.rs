@@ -2,7 +2,8 @@
 //!
 //! The forward asks for trunk tensors by their released name, brackets each decoder layer
 //! with [`Weights::begin_layer`] / [`Weights::end_layer`] (so a trunk loader can stream
-//! layers through ring slots), and asks for the routed experts of a layer with
+//! layers through ring slots) and its use phases with [`Weights::end_phase`] (so it can
+//! stream the parts of a layer), and asks for the routed experts of a layer with
 //! [`Weights::experts`], which may deliver them in ANY order, each to a callback tagged with
 //! its position in the request. Compute keeps one output per request slot and combines them
 //! in top-k order, so results never depend on arrival order. A failed expert load is
@@ -53,6 +54,12 @@ pub trait Weights {
 
     /// Layer `layer` is finished; its trunk tensors will not be asked for again this step.
     fn end_layer(&self, _layer: usize) {}
+
+    /// The trunk tensors of `layer` asked for since `begin_layer` or the last `end_phase`
+    /// are no longer used (the forward dropped every borrow of them): a trunk streamed in
+    /// parts gives their slot back now. The forward binds a layer one use phase at a time
+    /// (`k3_model::trunk::use_phase`) and calls this between phases.
+    fn end_phase(&self, _layer: usize) {}
 
     /// Rows `rows` of the model-level matrix `name` (the token embedding), read on demand,
     /// as (dtype, the rows' bytes back to back). `None`: no on-demand path; the forward
@@ -105,6 +112,9 @@ impl<W: Weights + ?Sized> Weights for &W {
     }
     fn end_layer(&self, layer: usize) {
         (**self).end_layer(layer)
+    }
+    fn end_phase(&self, layer: usize) {
+        (**self).end_phase(layer)
     }
     fn model_rows(
         &self,
