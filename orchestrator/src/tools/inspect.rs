@@ -76,6 +76,7 @@ pub fn packed_streams(cat: &Catalog, layers: Option<usize>) -> Streams {
             shape: e.shape.to_vec(),
             offset: e.offset,
             len: e.len,
+            crc32: Vec::new(),
         });
     }
     let mut at = 0u64;

@@ -48,15 +48,18 @@ pub struct LayerHandle {
 }
 
 /// One contiguous byte range of the trunk file that a [`Unit`] reads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Piece {
     /// Byte offset in the file.
     pub offset: u64,
     /// Bytes to read.
     pub len: u64,
     /// The run check (`checks[i]`) that covers it and the byte of that run it starts at (a
-    /// multiple of `CHECK_CHUNK`); `None`: unchecked.
+    /// multiple of `CHECK_CHUNK`); `None`: unchecked (or checked by `tensor_checks`).
     pub check: Option<(usize, u64)>,
+    /// Checks of single tensors inside the piece (a part of a layer): `checks[i]` for the
+    /// tensor that starts `at` bytes after the piece's first byte.
+    pub tensor_checks: Vec<(usize, u64)>,
 }
 
 impl Piece {
@@ -311,9 +314,17 @@ impl Shared {
                     r.offset + r.len - start
                 ));
             }
+            let head = (r.offset - start) as usize;
             if let (Some((c, a)), false) = (check, start == r.offset) {
-                let head = (r.offset - start) as usize;
                 c.check_range(a, &dst[head..head + r.len as usize])?;
+            }
+            for &(i, off) in &r.tensor_checks {
+                let c = self
+                    .checks
+                    .get(i)
+                    .ok_or_else(|| format!("internal: no check {i}"))?;
+                let from = head + off as usize;
+                c.check(dst.get(from..).unwrap_or_default())?;
             }
             total += got as u64;
             pos += fp;
@@ -489,6 +500,7 @@ impl TrunkLoader {
                     offset: r.offset,
                     len: r.len,
                     check: (l < checks.len()).then_some((l, 0)),
+                    tensor_checks: Vec::new(),
                 }],
             })
             .collect();

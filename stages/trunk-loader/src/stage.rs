@@ -385,7 +385,7 @@ fn setup_streamed(
         .map_err(|e| format!("trunk-loader: {e}"))?;
     let p = sp.plan;
     let (units, parts) = if sp.parts {
-        let (units, parts) = part_units(&manifest, conf.layers);
+        let (units, parts) = part_units(&manifest, conf.layers, &mut checks);
         (units, Some(parts))
     } else {
         let units: Vec<Unit> = runs
@@ -396,6 +396,7 @@ fn setup_streamed(
                     offset: r.offset,
                     len: r.len,
                     check: Some((l, 0)),
+                    tensor_checks: Vec::new(),
                 }],
             })
             .collect();
@@ -435,25 +436,38 @@ fn setup_streamed(
 }
 
 /// The parts of layers `0..layers` as loader units (in stream order: layer by layer, each
-/// layer's parts in use order) and what each part holds.
-fn part_units(m: &TrunkManifest, layers: usize) -> (Vec<Unit>, Vec<PartUnit>) {
+/// layer's parts in use order) and what each part holds. Each tensor is checked by its own
+/// CRCs: their checks are appended to `checks`.
+fn part_units(
+    m: &TrunkManifest,
+    layers: usize,
+    checks: &mut Vec<k3_model::trunk::RunCheck>,
+) -> (Vec<Unit>, Vec<PartUnit>) {
     let mut units = Vec::new();
     let mut parts = Vec::new();
     for (l, ml) in m.layers.iter().enumerate().take(layers) {
         let lp = m.layer_parts(l);
         let n = lp.len();
         for (k, part) in lp.into_iter().enumerate() {
-            units.push(Unit {
-                pieces: part
-                    .pieces
-                    .iter()
-                    .map(|pc| Piece {
-                        offset: ml.offset + pc.at,
-                        len: pc.len,
-                        check: Some((l, pc.at)),
-                    })
-                    .collect(),
-            });
+            let mut pieces: Vec<Piece> = part
+                .pieces
+                .iter()
+                .map(|pc| Piece {
+                    offset: ml.offset + pc.at,
+                    len: pc.len,
+                    check: None,
+                    tensor_checks: Vec::new(),
+                })
+                .collect();
+            for &(i, _, pk) in &part.tensors {
+                if let Some(c) = m.tensor_check(l, i) {
+                    pieces[pk]
+                        .tensor_checks
+                        .push((checks.len(), ml.tensors[i].offset - part.pieces[pk].at));
+                    checks.push(c);
+                }
+            }
+            units.push(Unit { pieces });
             parts.push(PartUnit {
                 layer: l,
                 part: k,
@@ -461,7 +475,7 @@ fn part_units(m: &TrunkManifest, layers: usize) -> (Vec<Unit>, Vec<PartUnit>) {
                 tensors: part
                     .tensors
                     .iter()
-                    .map(|&(i, off)| {
+                    .map(|&(i, off, _)| {
                         let t = &ml.tensors[i];
                         LayerTensor {
                             name: t.name.clone(),

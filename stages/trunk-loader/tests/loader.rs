@@ -241,6 +241,9 @@ fn open_a_packed_trunk_directory() {
                     shape: vec![r.len as usize],
                     offset: 0,
                     len: r.len,
+                    crc32: k3_model::trunk::chunk_crcs(
+                        &(0..r.len as usize).map(|b| byte(i, b)).collect::<Vec<u8>>(),
+                    ),
                 }],
             })
             .collect(),
