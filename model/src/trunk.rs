@@ -992,7 +992,7 @@ mod tests {
         assert!(e.contains(TRUNK_FORMAT), "{e}");
         assert!(e.contains("re-run k3-orch pack-trunk --force"), "{e}");
         let mut v = serde_json::to_value(sample()).unwrap();
-        v["format"] = "k3-trunk/3".into();
+        v["format"] = "k3-trunk/2".into();
         assert!(TrunkManifest::from_json_str(&v.to_string()).is_err());
     }
 
@@ -1071,11 +1071,24 @@ mod tests {
         };
         let parts = layer_parts_of(&l);
         assert_eq!(parts.iter().map(|p| p.phase).collect::<Vec<_>>(), [0, 1]);
-        // Phase 0: input_layernorm and q_proj, adjacent: one piece.
-        assert_eq!(parts[0].pieces.len(), 1);
-        assert_eq!(parts[0].pieces[0].at, 4096);
-        // Phase 1: the MoE gate (0..5000) and mlp_res_proj + post norm (5100..14200).
-        assert_eq!(parts[1].pieces[0].at, 0);
+        // Phase 0: input_layernorm (5000..5100) and q_proj (14200..34200): two pieces of
+        // whole pages, the second up to the run's padded end.
+        assert_eq!(
+            parts[0].pieces,
+            [
+                PartPiece {
+                    at: 4096,
+                    len: 4096
+                },
+                PartPiece {
+                    at: 12288,
+                    len: 36864 - 12288
+                }
+            ]
+        );
+        // Phase 1: the MoE gate (0..5000), mlp_res_proj and the post norm (5000..14200),
+        // touching pages merged into one piece.
+        assert_eq!(parts[1].pieces, [PartPiece { at: 0, len: 16384 }]);
         for p in &parts {
             assert!(p.bytes() < l.padded_length || p.pieces.len() > 1);
             for &(i, off, k) in &p.tensors {
