@@ -269,7 +269,8 @@ fn smallest_budgets_give_the_oracle_ids() {
     }
 }
 
-/// A trunk packed in another format version (here the manifest says `k3-trunk/1`) is
+/// A trunk packed in another format version (here the manifest says `k3-trunk/1`; the
+/// `k3-trunk/2` of the last release reads the same way) is
 /// refused up front, exit 2, with the command that repacks it, not a serde error about a
 /// missing field and not a run over bytes laid out differently.
 #[test]
@@ -290,4 +291,51 @@ fn an_old_version_trunk_is_refused_with_the_repack_command() {
     assert!(t.contains("k3-trunk/1"), "{t}");
     assert!(t.contains("re-run k3-orch pack-trunk --force"), "{t}");
     assert!(!out.exists(), "a refused run wrote a report");
+}
+
+/// A trunk budget below one slot for the largest layer but at least the largest part (the
+/// tensors the forward uses together): the trunk streams in parts through one slot smaller
+/// than a layer, and both tiny models still give the oracle's ids, staged and in-process.
+/// Catches a part missing a tensor its phase binds, a forward that binds the next phase
+/// before it gives the last back (it would wait forever on a one-slot ring), a tensor mapped
+/// at the wrong offset inside its part, and a part whose pieces are not checked.
+#[test]
+fn a_slot_smaller_than_a_layer_streams_parts_and_keeps_the_oracle_ids() {
+    for model in ["tiny-mxfp4", "tiny-seed"] {
+        let dir = tempfile::tempdir().unwrap();
+        let trunk = dir.path().join("trunk");
+        pack(model, &trunk);
+        let m = k3_model::trunk::TrunkManifest::load_dir(&trunk).unwrap();
+        let (part, layer) = (m.max_part(), m.max_run);
+        let budget = part + 4096;
+        assert!(
+            budget < layer,
+            "{model}: the largest part {part} is not smaller than the largest layer {layer}"
+        );
+        let gb = format!("{:.9}", budget as f64 / 1e9);
+        let out = dir.path().join("r.json");
+        let want = oracle_ids(model, 4);
+        for inproc in [false, true] {
+            let mut extra = vec!["--trunk-gb", gb.as_str(), "--cache-gb", "0"];
+            if inproc {
+                extra.insert(0, "--inproc");
+            }
+            let o = gen(model, &trunk, &out, &extra);
+            let t = text(&o);
+            assert!(o.status.success(), "{model} {extra:?}: {t}");
+            assert!(t.contains("layer parts pinned, ring 1 x"), "{model}: {t}");
+            let got: Vec<u64> = json(&out)["generated_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect();
+            assert_eq!(got, want, "{model} {extra:?}: ids differ from the oracle");
+        }
+        // Below the largest part: refused up front, naming the shortfall.
+        let gb = format!("{:.9}", (part - 4096) as f64 / 1e9);
+        let o = gen(model, &trunk, &out, &["--trunk-gb", gb.as_str()]);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains("largest part"), "{}", text(&o));
+    }
 }
