@@ -312,10 +312,12 @@ fn a_slot_smaller_than_a_layer_streams_parts_and_keeps_the_oracle_ids() {
             budget < layer,
             "{model}: the largest part {part} is not smaller than the largest layer {layer}"
         );
-        let gb = format!("{:.9}", budget as f64 / 1e9);
         let out = dir.path().join("r.json");
         let want = oracle_ids(model, 4);
-        for inproc in [false, true] {
+        // One slot for the largest part, nothing pinned (staged and in-process); then just
+        // under a layer: some parts pinned, the rest through the ring.
+        for (b, inproc) in [(budget, false), (budget, true), (layer - 4096, false)] {
+            let gb = format!("{:.9}", b as f64 / 1e9);
             let mut extra = vec!["--trunk-gb", gb.as_str(), "--cache-gb", "0"];
             if inproc {
                 extra.insert(0, "--inproc");
@@ -323,7 +325,14 @@ fn a_slot_smaller_than_a_layer_streams_parts_and_keeps_the_oracle_ids() {
             let o = gen(model, &trunk, &out, &extra);
             let t = text(&o);
             assert!(o.status.success(), "{model} {extra:?}: {t}");
-            assert!(t.contains("layer parts pinned, ring 1 x"), "{model}: {t}");
+            if b == budget {
+                assert!(
+                    t.contains("0/") && t.contains("layer parts pinned, ring 1 x"),
+                    "{model}: {t}"
+                );
+            } else {
+                assert!(t.contains("layer parts pinned"), "{model}: {t}");
+            }
             let got: Vec<u64> = json(&out)["generated_ids"]
                 .as_array()
                 .unwrap()
@@ -338,4 +347,34 @@ fn a_slot_smaller_than_a_layer_streams_parts_and_keeps_the_oracle_ids() {
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         assert!(text(&o).contains("largest part"), "{}", text(&o));
     }
+}
+
+/// A flipped byte inside a tensor is caught when the trunk streams in parts (each tensor
+/// checked by its own CRCs, `k3-trunk/3`): the run fails naming the checksum, it never
+/// computes on the bad byte. Catches parts read without their tensor checks.
+#[test]
+fn a_corrupt_tensor_is_caught_in_a_streamed_part() {
+    let model = "tiny-mxfp4";
+    let dir = tempfile::tempdir().unwrap();
+    let trunk = dir.path().join("trunk");
+    pack(model, &trunk);
+    let m = k3_model::trunk::TrunkManifest::load_dir(&trunk).unwrap();
+    let l = &m.layers[1];
+    let t = l.tensors.iter().max_by_key(|t| t.len).unwrap();
+    let at = (l.offset + t.offset + t.len / 2) as usize;
+    let bin = trunk.join("trunk.bin");
+    let mut bytes = std::fs::read(&bin).unwrap();
+    bytes[at] ^= 0x40;
+    std::fs::write(&bin, bytes).unwrap();
+    let gb = format!("{:.9}", (m.max_part() + 4096) as f64 / 1e9);
+    let out = dir.path().join("r.json");
+    let o = gen(
+        model,
+        &trunk,
+        &out,
+        &["--trunk-gb", gb.as_str(), "--cache-gb", "0"],
+    );
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("checksum mismatch"), "{t}");
 }
