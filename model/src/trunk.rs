@@ -1016,7 +1016,7 @@ mod tests {
             });
             at += n;
         }
-        let run: Vec<u8> = (0..at).map(|i| (i * 2654435761 >> 13) as u8).collect();
+        let run: Vec<u8> = (0..at).map(|i| ((i * 2654435761) >> 13) as u8).collect();
         let mut c = TensorCrcs::new(&ts);
         let mut pos = 0usize;
         for step in [1usize, 4093, 1 << 20, 77, usize::MAX].iter().cycle() {
