@@ -228,9 +228,9 @@ impl<W: Weights> Model<W> {
     fn bind_layer_phases(&self, l: usize) -> Result<(), ForwardError> {
         self.bind_attn(l)?;
         self.weights.end_phase(l);
-        let ffn = self.bind_ffn_in(l)?;
+        let dense = matches!(self.bind_ffn_in(l)?.ffn, FfnIn::Dense { .. });
         self.weights.end_phase(l);
-        if matches!(ffn.ffn, FfnIn::Dense { .. }) {
+        if dense {
             self.dense_down(l)?;
             self.weights.end_phase(l);
         }
@@ -585,6 +585,7 @@ impl<W: Weights> Model<W> {
                 let mut g = vec![0f32; ntok * f];
                 let mut u = vec![0f32; ntok * f];
                 gemm_fused(&[gate, up], &v, &mut [&mut g, &mut u], ntok, th);
+                // `gate` and `up` are not read again from here on.
                 self.weights.end_phase(l);
                 let down = self.dense_down(l)?;
                 glu_down64(&g, &u, &down, self.situ(), ntok, th)

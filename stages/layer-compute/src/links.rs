@@ -380,7 +380,8 @@ impl Weights for StagedWeights {
                     .into(),
             })?;
         // SAFETY: the trunk-loader rewrites this range only after our LayerDone for its
-        // layer, which end_layer sends after the forward stopped using the layer's tensors.
+        // layer (or PartDone for its part), which end_layer (end_phase) sends after the
+        // forward stopped using the tensors.
         let bytes = unsafe { self.trunk_region.resolve(&h) }.map_err(|e| WeightError::Invalid {
             name: name.to_string(),
             msg: e.to_string(),
