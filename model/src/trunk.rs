@@ -186,8 +186,11 @@ pub struct RunCheck {
     pub offset: u64,
     /// Payload bytes.
     pub length: u64,
-    /// [`TrunkLayer::crc32`].
+    /// [`TrunkLayer::crc32`], or a tensor's [`TrunkTensor::crc32`].
     pub crc32: Vec<u32>,
+    /// `Some(name)`: the check of one tensor (`offset` and the chunks are the tensor's),
+    /// not of the layer's whole run.
+    pub tensor: Option<String>,
 }
 
 impl RunCheck {
@@ -219,9 +222,13 @@ impl RunCheck {
             let at = k as u64 * CHECK_CHUNK;
             let whole = (CHECK_CHUNK).min(self.length - at) as usize;
             if c.len() != whole || self.crc32.get(k) != Some(&crc32c::crc32c(c)) {
+                let of = match &self.tensor {
+                    Some(t) => format!("tensor {t}"),
+                    None => "its run".to_string(),
+                };
                 return Err(format!(
                     "checksum mismatch at offset {} of {TRUNK_BIN} (layer {}, the {} bytes \
-                     from byte {at} of its run): the file changed since it was packed; \
+                     from byte {at} of {of}): the file changed since it was packed; \
                      re-run k3-orch pack-trunk --force",
                     self.offset + at,
                     self.layer,
@@ -637,6 +644,7 @@ impl TrunkManifest {
                 offset: l.offset,
                 length: l.length,
                 crc32: l.crc32.clone(),
+                tensor: None,
             })
             .collect()
     }
@@ -651,6 +659,7 @@ impl TrunkManifest {
             offset: l.offset + t.offset,
             length: t.len,
             crc32: t.crc32.clone(),
+            tensor: Some(t.name.clone()),
         })
     }
 
@@ -1122,6 +1131,7 @@ mod tests {
             offset: 8192,
             length: payload.len() as u64,
             crc32: chunk_crcs(&payload),
+            tensor: None,
         };
         assert_eq!(c.crc32.len(), 3);
         assert!(c.check(&payload).is_ok());

@@ -277,8 +277,16 @@ fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, Stri
             parts: Some(parts),
             ..
         } => {
-            let h = loader.acquire(l).map_err(|e| e.to_string())?;
             let u = &parts[l];
+            let h = loader.acquire(l).map_err(|e| match e {
+                crate::LoadError::Read { why, .. } => {
+                    format!(
+                        "trunk layer {} part {}: read failed: {why}",
+                        u.layer, u.part
+                    )
+                }
+                other => format!("trunk layer {} part {}: {other}", u.layer, u.part),
+            })?;
             let mut spans = Vec::with_capacity(u.tensors.len());
             for t in &u.tensors {
                 spans.push(TensorSpan {

@@ -307,6 +307,7 @@ fn long_runs_are_checked_piece_by_piece() {
         offset: 0,
         length: n as u64,
         crc32: chunk_crcs(&want),
+        tensor: None,
     };
     check(0, &mk(vec![good.clone()]).layer(0).unwrap(), n);
     let mut bad = good;
