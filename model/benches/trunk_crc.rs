@@ -15,6 +15,7 @@ fn main() {
         offset: 0,
         length: n as u64,
         crc32: crcs,
+        tensor: None,
     };
     let mut best = f64::MAX;
     for _ in 0..5 {

@@ -29,8 +29,10 @@ use serde::{Deserialize, Serialize};
 use crate::tensor::Dtype;
 
 /// The `format` string of the current manifest version.
-/// (`k3-trunk/2`: shard header digests in `source`, per-chunk CRC-32 in every layer.)
-pub const TRUNK_FORMAT: &str = "k3-trunk/2";
+/// (`k3-trunk/2`: shard header digests in `source`, per-chunk CRC-32 in every layer;
+/// `k3-trunk/3`: also a CRC-32C per [`CHECK_CHUNK`] of every tensor, so a part of a layer
+/// read on its own is checked too.)
+pub const TRUNK_FORMAT: &str = "k3-trunk/3";
 /// Bytes covered by one entry of [`TrunkLayer::crc32`] (the last chunk of a run may be
 /// shorter).
 pub const CHECK_CHUNK: u64 = 1 << 20;
@@ -184,8 +186,11 @@ pub struct RunCheck {
     pub offset: u64,
     /// Payload bytes.
     pub length: u64,
-    /// [`TrunkLayer::crc32`].
+    /// [`TrunkLayer::crc32`], or a tensor's [`TrunkTensor::crc32`].
     pub crc32: Vec<u32>,
+    /// `Some(name)`: the check of one tensor (`offset` and the chunks are the tensor's),
+    /// not of the layer's whole run.
+    pub tensor: Option<String>,
 }
 
 impl RunCheck {
@@ -217,9 +222,13 @@ impl RunCheck {
             let at = k as u64 * CHECK_CHUNK;
             let whole = (CHECK_CHUNK).min(self.length - at) as usize;
             if c.len() != whole || self.crc32.get(k) != Some(&crc32c::crc32c(c)) {
+                let of = match &self.tensor {
+                    Some(t) => format!("tensor {t}"),
+                    None => "its run".to_string(),
+                };
                 return Err(format!(
                     "checksum mismatch at offset {} of {TRUNK_BIN} (layer {}, the {} bytes \
-                     from byte {at} of its run): the file changed since it was packed; \
+                     from byte {at} of {of}): the file changed since it was packed; \
                      re-run k3-orch pack-trunk --force",
                     self.offset + at,
                     self.layer,
@@ -266,6 +275,10 @@ pub struct TrunkTensor {
     pub offset: u64,
     /// Byte length (= dtype size × shape product).
     pub len: u64,
+    /// CRC-32C of every [`CHECK_CHUNK`] bytes of the tensor, from its first byte
+    /// ([`chunk_crcs`] of its bytes): checked when the tensor is read as part of a layer's
+    /// part rather than with the whole run.
+    pub crc32: Vec<u32>,
 }
 
 /// A manifest that cannot be used: the file and every problem found, one per line.
@@ -315,8 +328,26 @@ impl TrunkManifest {
         Ok(m)
     }
 
-    /// Parse and validate a manifest (no file access).
+    /// Parse and validate a manifest (no file access). A manifest of another format
+    /// version (an older k3's `k3-trunk/1`, say, whose fields differ) is refused by its
+    /// `format` alone, with what to do, before its fields are read.
     pub fn from_json_str(text: &str) -> Result<TrunkManifest, TrunkError> {
+        #[derive(Deserialize)]
+        struct Format {
+            format: Option<serde_json::Value>,
+        }
+        if let Ok(Format { format: Some(f) }) = serde_json::from_str::<Format>(text) {
+            if f.as_str() != Some(TRUNK_FORMAT) {
+                return Err(TrunkError {
+                    path: PathBuf::from(TRUNK_JSON),
+                    problems: vec![format!(
+                        "this trunk was packed in format {f}, this build reads \
+                         {TRUNK_FORMAT:?} only: re-run k3-orch pack-trunk --force MODEL_DIR \
+                         TRUNK_DIR to repack it"
+                    )],
+                });
+            }
+        }
         let m: TrunkManifest = serde_json::from_str(text).map_err(|e| TrunkError {
             path: PathBuf::from(TRUNK_JSON),
             problems: vec![format!("not a valid trunk manifest: {e}")],
@@ -416,6 +447,15 @@ impl TrunkManifest {
                     p.push(format!(
                         "{who}: tensor {} overlaps the tensor before it",
                         t.name
+                    ));
+                }
+                if t.crc32.len() as u64 != t.len.div_ceil(CHECK_CHUNK) {
+                    p.push(format!(
+                        "{who}: tensor {}: {} crc32 entries, its {} bytes need {}",
+                        t.name,
+                        t.crc32.len(),
+                        t.len,
+                        t.len.div_ceil(CHECK_CHUNK)
                     ));
                 }
                 t_end = t.offset.saturating_add(t.len);
@@ -604,8 +644,23 @@ impl TrunkManifest {
                 offset: l.offset,
                 length: l.length,
                 crc32: l.crc32.clone(),
+                tensor: None,
             })
             .collect()
+    }
+
+    /// The check of tensor `i` of layer `layer` on its own (its CRCs, from its first byte;
+    /// `offset` is its byte in `trunk.bin`).
+    pub fn tensor_check(&self, layer: usize, i: usize) -> Option<RunCheck> {
+        let l = self.layers.get(layer)?;
+        let t = l.tensors.get(i)?;
+        Some(RunCheck {
+            layer,
+            offset: l.offset + t.offset,
+            length: t.len,
+            crc32: t.crc32.clone(),
+            tensor: Some(t.name.clone()),
+        })
     }
 
     /// The tensor `name` of layer `layer`, if packed.
@@ -615,6 +670,207 @@ impl TrunkManifest {
             .tensors
             .iter()
             .find(|t| t.name == name)
+    }
+}
+
+/// Every tensor's CRC-32C per `CHECK_CHUNK` of its own bytes, fed with the run's bytes in
+/// order as they are copied (the tensors cover the run back to back).
+pub struct TensorCrcs {
+    /// (run offset, length) of each tensor, in the order given.
+    spans: Vec<(u64, u64)>,
+    /// Tensor indices by offset.
+    order: Vec<usize>,
+    next: usize,
+    cur: u32,
+    out: Vec<Vec<u32>>,
+}
+
+impl TensorCrcs {
+    /// For the tensors `ts` of one run.
+    pub fn new(ts: &[TrunkTensor]) -> Self {
+        let spans: Vec<(u64, u64)> = ts.iter().map(|t| (t.offset, t.len)).collect();
+        let mut order: Vec<usize> = (0..ts.len()).filter(|&i| ts[i].len > 0).collect();
+        order.sort_by_key(|&i| spans[i].0);
+        TensorCrcs {
+            spans,
+            order,
+            next: 0,
+            cur: 0,
+            out: vec![Vec::new(); ts.len()],
+        }
+    }
+
+    /// Bytes `[at, at + buf.len())` of the run, fed in order.
+    pub fn feed(&mut self, at: u64, buf: &[u8]) {
+        const C: u64 = CHECK_CHUNK;
+        let mut at = at;
+        let mut b = buf;
+        while !b.is_empty() {
+            // The tensor that holds `at` (bytes outside every tensor are skipped).
+            while self.next < self.order.len() && {
+                let (o, l) = self.spans[self.order[self.next]];
+                at >= o + l
+            } {
+                self.next += 1;
+            }
+            let Some(&i) = self.order.get(self.next) else {
+                return;
+            };
+            let (o, l) = self.spans[i];
+            if at < o {
+                let skip = ((o - at) as usize).min(b.len());
+                at += skip as u64;
+                b = &b[skip..];
+                continue;
+            }
+            let inside = at - o;
+            let chunk_end = ((inside / C + 1) * C).min(l);
+            let n = ((chunk_end - inside) as usize).min(b.len());
+            self.cur = crc32c::crc32c_append(self.cur, &b[..n]);
+            if inside + n as u64 == chunk_end {
+                self.out[i].push(self.cur);
+                self.cur = 0;
+            }
+            at += n as u64;
+            b = &b[n..];
+        }
+    }
+}
+
+impl TensorCrcs {
+    /// Each tensor's CRCs ([`TrunkTensor::crc32`]), in the order given to `new`.
+    pub fn finish(self) -> Vec<Vec<u32>> {
+        self.out
+    }
+}
+
+/// When the forward uses a decoder-layer trunk tensor, by its suffix after
+/// `layers.<l>.`: 0 the attention (its AttnRes mix, `input_layernorm`, `self_attn.*`), 1 the
+/// FFN's input side (the pre-MLP mix, `post_attention_layernorm`, a dense FFN's gate and up,
+/// every tensor of a latent MoE), 2 a dense FFN's down-projection, 3 anything else (never
+/// asked for; read and let go). The forward binds and releases the tensors of one phase
+/// together, so a trunk streamed in parts ([`TrunkManifest::layer_parts`]) never needs more
+/// than one phase of a layer in memory at once.
+pub fn use_phase(suffix: &str) -> u8 {
+    if suffix.starts_with("self_attn.")
+        || suffix.starts_with("self_attention_res_")
+        || suffix == "input_layernorm.weight"
+    {
+        0
+    } else if suffix.starts_with("mlp_res_")
+        || suffix == "post_attention_layernorm.weight"
+        || suffix.starts_with("block_sparse_moe.")
+        || suffix.starts_with("mlp.gate_proj.")
+        || suffix.starts_with("mlp.up_proj.")
+    {
+        1
+    } else if suffix.starts_with("mlp.down_proj.") {
+        2
+    } else {
+        3
+    }
+}
+
+/// One piece of a [`TrunkPart`]: `[at, at + len)` of its layer's run, `at` a multiple of
+/// [`TRUNK_ALIGN`] (so the piece is read page-aligned); it ends on a page or at the end of
+/// the run's padding. Its tensors are checked by their own CRCs ([`TrunkTensor::crc32`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartPiece {
+    pub at: u64,
+    pub len: u64,
+}
+
+/// The tensors of one layer that the forward uses together ([`use_phase`]), as the pieces
+/// of the run that hold them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TrunkPart {
+    pub phase: u8,
+    pub pieces: Vec<PartPiece>,
+    /// (index into the layer's `tensors`, byte of the tensor inside the part's pieces laid
+    /// back to back, index of the piece that holds it).
+    pub tensors: Vec<(usize, u64, usize)>,
+}
+
+impl TrunkPart {
+    /// Bytes the part's pieces hold back to back (each a whole number of pages).
+    pub fn bytes(&self) -> u64 {
+        self.pieces
+            .iter()
+            .map(|p| align_up(p.len, TRUNK_ALIGN))
+            .sum()
+    }
+}
+
+/// The parts of one layer's run (see [`TrunkManifest::layer_parts`]).
+pub fn layer_parts_of(l: &TrunkLayer) -> Vec<TrunkPart> {
+    let mut out = Vec::new();
+    for phase in 0..=3u8 {
+        let mut idx: Vec<usize> = (0..l.tensors.len())
+            .filter(|&i| {
+                let n = &l.tensors[i].name;
+                let suffix = crate::classify::split_layer(n).map_or(n.as_str(), |(_, s)| s);
+                use_phase(suffix) == phase
+            })
+            .collect();
+        if idx.is_empty() {
+            continue;
+        }
+        idx.sort_by_key(|&i| l.tensors[i].offset);
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for &i in &idx {
+            let t = &l.tensors[i];
+            let a = t.offset / TRUNK_ALIGN * TRUNK_ALIGN;
+            let b = align_up(t.offset + t.len, TRUNK_ALIGN).min(l.padded_length.max(l.length));
+            match ranges.last_mut() {
+                Some(r) if a <= r.1 => r.1 = r.1.max(b),
+                _ => ranges.push((a, b)),
+            }
+        }
+        let pieces: Vec<PartPiece> = ranges
+            .iter()
+            .map(|&(a, b)| PartPiece { at: a, len: b - a })
+            .collect();
+        let mut tensors = Vec::with_capacity(idx.len());
+        for &i in &idx {
+            let t = &l.tensors[i];
+            let mut base = 0u64;
+            for (k, p) in pieces.iter().enumerate() {
+                if t.offset >= p.at && t.offset + t.len <= p.at + p.len {
+                    tensors.push((i, base + t.offset - p.at, k));
+                    break;
+                }
+                base += align_up(p.len, TRUNK_ALIGN);
+            }
+        }
+        out.push(TrunkPart {
+            phase,
+            pieces,
+            tensors,
+        });
+    }
+    out
+}
+
+impl TrunkManifest {
+    /// The parts of layer `layer`, in use order (phases with no tensor are left out): each
+    /// phase's tensors widened to whole pages of the run, overlapping or touching ranges
+    /// merged. Two parts may share the page where one tensor ends and the next begins (read
+    /// twice, at most 4 KiB each).
+    pub fn layer_parts(&self, layer: usize) -> Vec<TrunkPart> {
+        self.layers
+            .get(layer)
+            .map(layer_parts_of)
+            .unwrap_or_default()
+    }
+
+    /// The largest part of any layer in bytes ([`TrunkPart::bytes`]): the slot a trunk
+    /// streamed in parts needs.
+    pub fn max_part(&self) -> u64 {
+        (0..self.layers.len())
+            .flat_map(|l| self.layer_parts(l))
+            .map(|p| p.bytes())
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -629,6 +885,7 @@ mod tests {
             shape: vec![2, 3],
             offset: off,
             len: 12,
+            crc32: vec![0],
         };
         TrunkManifest {
             format: TRUNK_FORMAT.into(),
@@ -729,6 +986,135 @@ mod tests {
         assert!(e.contains("a: same header, other data"), "{e}");
     }
 
+    /// An older version's manifest (other fields, other format string) is refused by its
+    /// format, naming both versions and the command that repacks it; without the early
+    /// check the message was serde's "missing field" about whichever field differs.
+    #[test]
+    fn another_format_version_is_refused_with_the_fix() {
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["format"] = "k3-trunk/1".into();
+        v.as_object_mut().unwrap().remove("source");
+        let e = TrunkManifest::from_json_str(&v.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"k3-trunk/1\""), "{e}");
+        assert!(e.contains(TRUNK_FORMAT), "{e}");
+        assert!(e.contains("re-run k3-orch pack-trunk --force"), "{e}");
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["format"] = "k3-trunk/2".into();
+        assert!(TrunkManifest::from_json_str(&v.to_string()).is_err());
+    }
+
+    /// Tensor CRCs fed from a run in odd-sized buffers equal `chunk_crcs` of each tensor's
+    /// own bytes (a tensor over two chunks, one of zero bytes, one ending mid-buffer).
+    /// Catches a chunk boundary counted from the run instead of the tensor, a CRC carried
+    /// across tensors, and a last partial chunk dropped.
+    #[test]
+    fn tensor_crcs_match_each_tensors_own_chunks() {
+        let sizes = [5u64, CHECK_CHUNK + 7, 0, 3 * CHECK_CHUNK, 1];
+        let mut ts = Vec::new();
+        let mut at = 0u64;
+        for (i, &n) in sizes.iter().enumerate() {
+            ts.push(TrunkTensor {
+                name: format!("t{i}"),
+                dtype: Dtype::U8,
+                shape: vec![n as usize],
+                offset: at,
+                len: n,
+                crc32: Vec::new(),
+            });
+            at += n;
+        }
+        let run: Vec<u8> = (0..at).map(|i| ((i * 2654435761) >> 13) as u8).collect();
+        let mut c = TensorCrcs::new(&ts);
+        let mut pos = 0usize;
+        for step in [1usize, 4093, 1 << 20, 77, usize::MAX].iter().cycle() {
+            if pos >= run.len() {
+                break;
+            }
+            let n = (*step).min(run.len() - pos);
+            c.feed(pos as u64, &run[pos..pos + n]);
+            pos += n;
+        }
+        let got = c.finish();
+        for (t, g) in ts.iter().zip(&got) {
+            let want = chunk_crcs(&run[t.offset as usize..(t.offset + t.len) as usize]);
+            assert_eq!(g, &want, "{}", t.name);
+        }
+    }
+
+    /// Parts are the use phases, page-granular, smaller than the layer, each tensor inside
+    /// its part at the offset its pieces put it.
+    #[test]
+    fn parts_group_the_use_phases() {
+        let names = [
+            ("layers.0.block_sparse_moe.gate.weight", 5000u64),
+            ("layers.0.input_layernorm.weight", 100),
+            ("layers.0.mlp_res_proj.weight", 9000),
+            ("layers.0.post_attention_layernorm.weight", 100),
+            ("layers.0.self_attn.q_proj.weight", 20000),
+        ];
+        let mut ts = Vec::new();
+        let mut at = 0u64;
+        for (n, len) in names {
+            ts.push(TrunkTensor {
+                name: format!("language_model.model.{n}"),
+                dtype: Dtype::U8,
+                shape: vec![len as usize],
+                offset: at,
+                len,
+                crc32: vec![0],
+            });
+            at += len;
+        }
+        let l = TrunkLayer {
+            layer: 0,
+            offset: 0,
+            length: at,
+            padded_length: align_up(at, TRUNK_ALIGN),
+            shard: "a".into(),
+            source_offset: 0,
+            sha256: "0".repeat(64),
+            crc32: vec![0],
+            tensors: ts,
+        };
+        let parts = layer_parts_of(&l);
+        assert_eq!(parts.iter().map(|p| p.phase).collect::<Vec<_>>(), [0, 1]);
+        // Phase 0: input_layernorm (5000..5100) and q_proj (14200..34200): two pieces of
+        // whole pages, the second up to the run's padded end.
+        assert_eq!(
+            parts[0].pieces,
+            [
+                PartPiece {
+                    at: 4096,
+                    len: 4096
+                },
+                PartPiece {
+                    at: 12288,
+                    len: 36864 - 12288
+                }
+            ]
+        );
+        // Phase 1: the MoE gate (0..5000), mlp_res_proj and the post norm (5000..14200),
+        // touching pages merged into one piece.
+        assert_eq!(parts[1].pieces, [PartPiece { at: 0, len: 16384 }]);
+        for p in &parts {
+            assert!(p.bytes() < l.padded_length || p.pieces.len() > 1);
+            for &(i, off, k) in &p.tensors {
+                let t = &l.tensors[i];
+                let pc = p.pieces[k];
+                let before: u64 = p.pieces[..k]
+                    .iter()
+                    .map(|x| align_up(x.len, TRUNK_ALIGN))
+                    .sum();
+                assert_eq!(off, before + t.offset - pc.at, "{}", t.name);
+                assert!(t.offset + t.len <= pc.at + pc.len);
+            }
+        }
+        let all: usize = parts.iter().map(|p| p.tensors.len()).sum();
+        assert_eq!(all, 5);
+    }
+
     #[test]
     fn crc_count_must_match_the_run() {
         let mut m = sample();
@@ -745,6 +1131,7 @@ mod tests {
             offset: 8192,
             length: payload.len() as u64,
             crc32: chunk_crcs(&payload),
+            tensor: None,
         };
         assert_eq!(c.crc32.len(), 3);
         assert!(c.check(&payload).is_ok());

@@ -207,3 +207,174 @@ fn prefill_reads_the_union_of_the_routes() {
         per_token as f64 * per_expert
     );
 }
+
+fn pack(model: &str, trunk: &Path) {
+    let o = k3()
+        .arg("pack-trunk")
+        .arg(fixture(&format!("{model}/sharded")))
+        .arg(trunk)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+/// The first `n` ids the oracle (k3ref, tests/fixtures) generates after the prompt.
+fn oracle_ids(model: &str, n: usize) -> Vec<u64> {
+    let v: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixture(&format!("{model}/expected-k3ref.json"))).unwrap(),
+    )
+    .unwrap();
+    let p = v["n_prompt"].as_u64().unwrap() as usize;
+    v["full_ids"].as_array().unwrap()[p..p + n]
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+/// At the smallest budgets (a streaming trunk slot, no expert cache: every routed expert is
+/// read, its request sent the moment the router chose it, before the shared experts are
+/// computed) both tiny models give the oracle's ids, in separate processes and in-process.
+/// Catches a reordering of the MoE products that changes a value, an announced batch that
+/// is answered twice or not at all, and ids that depend on the budget.
+#[test]
+fn smallest_budgets_give_the_oracle_ids() {
+    for model in ["tiny-mxfp4", "tiny-seed"] {
+        let dir = tempfile::tempdir().unwrap();
+        let trunk = dir.path().join("trunk");
+        pack(model, &trunk);
+        let out = dir.path().join("r.json");
+        let want = oracle_ids(model, 4);
+        for extra in [
+            &["--mem-gb", "0.032", "--cache-gb", "0"][..],
+            &[
+                "--mem-gb",
+                "0.032",
+                "--trunk-gb",
+                "0.00045",
+                "--cache-gb",
+                "0",
+            ],
+            &["--inproc", "--trunk-gb", "0.00045", "--cache-gb", "0"],
+        ] {
+            let o = gen(model, &trunk, &out, extra);
+            assert!(o.status.success(), "{model} {extra:?}: {}", text(&o));
+            let got: Vec<u64> = json(&out)["generated_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect();
+            assert_eq!(got, want, "{model} {extra:?}: ids differ from the oracle");
+        }
+    }
+}
+
+/// A trunk packed in another format version (here the manifest says `k3-trunk/1`; the
+/// `k3-trunk/2` of the last release reads the same way) is
+/// refused up front, exit 2, with the command that repacks it, not a serde error about a
+/// missing field and not a run over bytes laid out differently.
+#[test]
+fn an_old_version_trunk_is_refused_with_the_repack_command() {
+    let model = "tiny-mxfp4";
+    let dir = tempfile::tempdir().unwrap();
+    let trunk = dir.path().join("trunk");
+    pack(model, &trunk);
+    let json_path = trunk.join("trunk.json");
+    let mut m = json(&json_path);
+    m["format"] = "k3-trunk/1".into();
+    m.as_object_mut().unwrap().remove("source");
+    std::fs::write(&json_path, m.to_string()).unwrap();
+    let out = dir.path().join("r.json");
+    let o = gen(model, &trunk, &out, &["--mem-gb", "0.032"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(t.contains("k3-trunk/1"), "{t}");
+    assert!(t.contains("re-run k3-orch pack-trunk --force"), "{t}");
+    assert!(!out.exists(), "a refused run wrote a report");
+}
+
+/// A trunk budget below one slot for the largest layer but at least the largest part (the
+/// tensors the forward uses together): the trunk streams in parts through one slot smaller
+/// than a layer, and both tiny models still give the oracle's ids, staged and in-process.
+/// Catches a part missing a tensor its phase binds, a forward that binds the next phase
+/// before it gives the last back (it would wait forever on a one-slot ring), a tensor mapped
+/// at the wrong offset inside its part, and a part whose pieces are not checked.
+#[test]
+fn a_slot_smaller_than_a_layer_streams_parts_and_keeps_the_oracle_ids() {
+    for model in ["tiny-mxfp4", "tiny-seed"] {
+        let dir = tempfile::tempdir().unwrap();
+        let trunk = dir.path().join("trunk");
+        pack(model, &trunk);
+        let m = k3_model::trunk::TrunkManifest::load_dir(&trunk).unwrap();
+        let (part, layer) = (m.max_part(), m.max_run);
+        let budget = part + 4096;
+        assert!(
+            budget < layer,
+            "{model}: the largest part {part} is not smaller than the largest layer {layer}"
+        );
+        let out = dir.path().join("r.json");
+        let want = oracle_ids(model, 4);
+        // One slot for the largest part, nothing pinned (staged and in-process); then just
+        // under a layer: some parts pinned, the rest through the ring.
+        for (b, inproc) in [(budget, false), (budget, true), (layer - 4096, false)] {
+            let gb = format!("{:.9}", b as f64 / 1e9);
+            let mut extra = vec!["--trunk-gb", gb.as_str(), "--cache-gb", "0"];
+            if inproc {
+                extra.insert(0, "--inproc");
+            }
+            let o = gen(model, &trunk, &out, &extra);
+            let t = text(&o);
+            assert!(o.status.success(), "{model} {extra:?}: {t}");
+            if b == budget {
+                assert!(
+                    t.contains("0/") && t.contains("layer parts pinned, ring 1 x"),
+                    "{model}: {t}"
+                );
+            } else {
+                assert!(t.contains("layer parts pinned"), "{model}: {t}");
+            }
+            let got: Vec<u64> = json(&out)["generated_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect();
+            assert_eq!(got, want, "{model} {extra:?}: ids differ from the oracle");
+        }
+        // Below the largest part: refused up front, naming the shortfall.
+        let gb = format!("{:.9}", (part - 4096) as f64 / 1e9);
+        let o = gen(model, &trunk, &out, &["--trunk-gb", gb.as_str()]);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains("largest part"), "{}", text(&o));
+    }
+}
+
+/// A flipped byte inside a tensor is caught when the trunk streams in parts (each tensor
+/// checked by its own CRCs, `k3-trunk/3`): the run fails naming the checksum, it never
+/// computes on the bad byte. Catches parts read without their tensor checks.
+#[test]
+fn a_corrupt_tensor_is_caught_in_a_streamed_part() {
+    let model = "tiny-mxfp4";
+    let dir = tempfile::tempdir().unwrap();
+    let trunk = dir.path().join("trunk");
+    pack(model, &trunk);
+    let m = k3_model::trunk::TrunkManifest::load_dir(&trunk).unwrap();
+    let l = &m.layers[1];
+    let t = l.tensors.iter().max_by_key(|t| t.len).unwrap();
+    let at = (l.offset + t.offset + t.len / 2) as usize;
+    let bin = trunk.join("trunk.bin");
+    let mut bytes = std::fs::read(&bin).unwrap();
+    bytes[at] ^= 0x40;
+    std::fs::write(&bin, bytes).unwrap();
+    let gb = format!("{:.9}", (m.max_part() + 4096) as f64 / 1e9);
+    let out = dir.path().join("r.json");
+    let o = gen(
+        model,
+        &trunk,
+        &out,
+        &["--trunk-gb", gb.as_str(), "--cache-gb", "0"],
+    );
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("checksum mismatch"), "{t}");
+}

@@ -198,9 +198,20 @@ fn run_fails_on_a_corrupted_trunk_naming_layer_and_offset() {
             "2",
         ]);
         assert_eq!(code, 1, "--trunk-gb {gb}: {text}");
+        // Whole layers are checked per MiB of the run (the first chunk, at the run's
+        // start); a small budget streams the layers' parts, each tensor checked on its own
+        // (the corrupted tensor's first chunk, at the tensor's start).
+        let l2 = &m.layers[2];
+        let (lo, hi) = (at as u64 + 4096, at as u64 + 8192);
+        let named = |off: u64| text.contains(&format!("checksum mismatch at offset {off} "));
+        let tensor_hit = l2
+            .tensors
+            .iter()
+            .map(|t| (l2.offset + t.offset, l2.offset + t.offset + t.len))
+            .filter(|&(a, b)| a < hi && lo < b)
+            .any(|(a, _)| named(a));
         assert!(
-            text.contains(&format!("checksum mismatch at offset {at} "))
-                && text.contains("(layer 2,"),
+            (named(at as u64) || tensor_hit) && text.contains("(layer 2,"),
             "{text}"
         );
     }

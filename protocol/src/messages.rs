@@ -290,6 +290,25 @@ pub enum Msg {
         done: u64,
         total: u64,
     },
+
+    // --- the trunk below layer granularity (compute <-> trunk-loader)
+    /// Part `part` (of `parts`, in use order) of layer `layer` is in a slot: the tensors the
+    /// forward uses together (attention; FFN input side; dense FFN down-projection; see
+    /// `k3_model::trunk::use_phase`). Sent instead of `LayerReady` when the trunk streams
+    /// in parts; compute answers each with `PartDone` as soon as it stops using them.
+    PartReady {
+        pass: u64,
+        layer: u32,
+        part: u32,
+        parts: u32,
+        tensors: Vec<TensorSpan>,
+    },
+    /// Compute is done with part `part` of layer `layer`; the loader may reuse its slot.
+    PartDone {
+        pass: u64,
+        layer: u32,
+        part: u32,
+    },
 }
 
 /// One request of a warm compute stage (see [`Msg::Generate`]).

@@ -353,7 +353,7 @@ pub struct Choice {
 /// packed trunk (None: resident, its bytes fixed by `trunk_over`).
 pub fn choose(
     s: &Spend,
-    runs: Option<&[k3_trunk_loader::LayerRun]>,
+    runs: Option<&k3_trunk_loader::Streams>,
     trunk_over: Option<u64>,
     cache_over: Option<u64>,
 ) -> Result<Choice, String> {
@@ -376,13 +376,15 @@ pub fn choose(
             }
         };
         let trunk_read = match runs {
-            Some(r) => match k3_trunk_loader::plan(t, r, k3_trunk_loader::RingPolicy::default()) {
-                Ok(tp) => r[tp.pinned..].iter().map(|x| x.len).sum::<u64>(),
-                Err(e) => {
-                    first_err.get_or_insert(e.to_string());
-                    continue;
+            Some(r) => {
+                match k3_trunk_loader::plan_streams(t, r, k3_trunk_loader::RingPolicy::default()) {
+                    Ok(sp) => sp.read_per_token,
+                    Err(e) => {
+                        first_err.get_or_insert(e.to_string());
+                        continue;
+                    }
                 }
-            },
+            }
             None => 0,
         };
         let read = trunk_read + if pinned { 0 } else { s.lm_head };
@@ -539,11 +541,8 @@ pub fn lm_head_stream_bytes(lm_head: u64) -> u64 {
 /// chunks of N bytes whatever the plan decides.
 pub const LM_HEAD_CHUNK_ENV: &str = "K3_LM_HEAD_CHUNK_BYTES";
 
-/// Trunk runs of a packed trunk, for the bound layers.
-fn packed_runs(
-    dir: &std::path::Path,
-    layers: usize,
-) -> Result<Vec<k3_trunk_loader::LayerRun>, String> {
+/// The streams of a packed trunk (whole layers and their parts), for the bound layers.
+fn packed_runs(dir: &std::path::Path, layers: usize) -> Result<k3_trunk_loader::Streams, String> {
     let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| e.to_string())?;
     if m.layers.len() < layers {
         return Err(format!(
@@ -552,13 +551,7 @@ fn packed_runs(
             m.layers.len()
         ));
     }
-    Ok(m.layers[..layers]
-        .iter()
-        .map(|l| k3_trunk_loader::LayerRun {
-            offset: l.offset,
-            len: l.padded_length,
-        })
-        .collect())
+    Ok(k3_trunk_loader::Streams::of_layers(&m.layers[..layers]))
 }
 
 /// Add up everything the run will hold and refuse up front what cannot fit.
@@ -580,7 +573,7 @@ pub fn plan_run(
     // from it pinned 11 of 13 layers of a tiny model with gigabytes free), or the resident
     // region's layout.
     let trunk_need: u64 = match &runs {
-        Some(r) => r.iter().map(|r| r.footprint()).sum(),
+        Some(r) => r.pinned_bytes(),
         None => cen.layer_resident_bytes.iter().sum(),
     };
     let res = resolve(&a.mem, default_total).map_err(usage)?;
@@ -651,7 +644,7 @@ pub fn plan_run(
                 min_slots: batch_slots,
                 max_slots,
             },
-            runs.as_deref(),
+            runs.as_ref(),
             trunk_over,
             res.cache,
         ),
@@ -701,23 +694,28 @@ pub fn plan_run(
     let mut mp = MemoryPlan::new(trunk_budget, cache_budget, a.trunk.is_some());
     match &runs {
         Some(runs) => {
-            let tp =
-                k3_trunk_loader::plan(trunk_budget, runs, k3_trunk_loader::RingPolicy::default())
-                    .map_err(|e| usage(e.to_string()))?;
+            let sp = k3_trunk_loader::plan_streams(
+                trunk_budget,
+                runs,
+                k3_trunk_loader::RingPolicy::default(),
+            )
+            .map_err(|e| usage(e.to_string()))?;
+            let tp = sp.plan;
             // In a total, what the trunk plan leaves of its share goes to the cache.
             if res.total.is_some() && res.cache.is_none() {
                 cache_budget += trunk_budget - tp.bytes();
                 mp.cache_budget_bytes = cache_budget;
             }
+            let unit = if sp.parts { "layer parts" } else { "layers" };
             mp.add(
                 &format!("trunk ({}/{} pinned)", tp.pinned, tp.layers),
                 "trunk-loader",
                 tp.bytes(),
             );
-            let streamed: u64 = runs[tp.pinned..].iter().map(|r| r.len).sum();
+            let streamed = sp.read_per_token;
             mp.streamed_bytes_per_token = streamed;
             notes.push(format!(
-                "trunk streamed: {}/{} layers pinned, ring {} x {}; deterministic hit rate {:.1}%; {} read per token",
+                "trunk streamed: {}/{} {unit} pinned, ring {} x {}; deterministic hit rate {:.1}%; {} read per token",
                 tp.pinned,
                 tp.layers,
                 tp.ring_slots,
@@ -888,12 +886,15 @@ mod tests {
     #[test]
     fn the_lm_head_streams_only_when_that_reads_less_or_alone_fits() {
         const P: u64 = 4096;
-        let runs: Vec<k3_trunk_loader::LayerRun> = (0..4)
-            .map(|i| k3_trunk_loader::LayerRun {
-                offset: i * 10 * P,
-                len: 10 * P,
-            })
-            .collect();
+        let runs = k3_trunk_loader::Streams {
+            layers: (0..4)
+                .map(|i| k3_trunk_loader::LayerRun {
+                    offset: i * 10 * P,
+                    len: 10 * P,
+                })
+                .collect(),
+            parts: Vec::new(),
+        };
         let s = |total| Spend {
             total,
             fixed: 0,

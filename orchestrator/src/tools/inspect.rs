@@ -22,7 +22,7 @@ use k3_model::catalog::Catalog;
 use k3_model::classify::{classify, expert_of, layer_of, TensorClass};
 use k3_model::config::{ExpertFormat, LayerKind, ModelConfig};
 use k3_model::trunk::{align_up, TRUNK_ALIGN};
-use k3_trunk_loader::{plan, LayerRun, Presets, RingPolicy};
+use k3_trunk_loader::{plan_streams, Presets, RingPolicy, Streams};
 
 /// Command line of `k3-orch inspect`.
 #[derive(Parser, Debug)]
@@ -56,6 +56,55 @@ pub fn main(args: Vec<OsString>) -> i32 {
 }
 
 /// `1234567` -> `1,234,567`.
+/// The trunk of layers `0..layers` (all when `None`) as `pack-trunk` would lay it out (each
+/// layer's tensors in shard order, one page-aligned run per layer), as [`Streams`]: whole
+/// layers and their parts. Headers only.
+pub fn packed_streams(cat: &Catalog, layers: Option<usize>) -> Streams {
+    use k3_model::trunk::{TrunkLayer, TrunkTensor};
+    let mut by_layer: BTreeMap<usize, Vec<TrunkTensor>> = BTreeMap::new();
+    for (name, e) in cat.iter() {
+        if !k3_model::classify::is_layer_trunk(&name) {
+            continue;
+        }
+        let Some(l) = layer_of(&name) else { continue };
+        if layers.is_some_and(|n| l >= n) {
+            continue;
+        }
+        by_layer.entry(l).or_default().push(TrunkTensor {
+            name,
+            dtype: e.dtype,
+            shape: e.shape.to_vec(),
+            offset: e.offset,
+            len: e.len,
+            crc32: Vec::new(),
+        });
+    }
+    let mut at = 0u64;
+    let mut out = Vec::with_capacity(by_layer.len());
+    for (l, mut ts) in by_layer {
+        ts.sort_by_key(|t| t.offset);
+        let lo = ts.first().map_or(0, |t| t.offset);
+        let hi = ts.iter().map(|t| t.offset + t.len).max().unwrap_or(lo);
+        for t in &mut ts {
+            t.offset -= lo;
+        }
+        let length = hi - lo;
+        out.push(TrunkLayer {
+            layer: l,
+            offset: at,
+            length,
+            padded_length: align_up(length, TRUNK_ALIGN),
+            shard: String::new(),
+            source_offset: lo,
+            sha256: String::new(),
+            crc32: Vec::new(),
+            tensors: ts,
+        });
+        at += align_up(length, TRUNK_ALIGN);
+    }
+    Streams::of_layers(&out)
+}
+
 fn commas(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
@@ -240,15 +289,7 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
             (0usize, 0u64),
             |m, (&l, &b)| if b > m.1 { (l, b) } else { m },
         );
-    let mut runs = Vec::new();
-    let mut at = 0u64;
-    for &b in c.layer_trunk.values() {
-        runs.push(LayerRun {
-            offset: at,
-            len: align_up(b, TRUNK_ALIGN),
-        });
-        at += align_up(b, TRUNK_ALIGN);
-    }
+    let runs = packed_streams(cat, None);
     o += &format!(
         "trunk          : {} ({} bytes, {} layers, non-routed-expert tensors; largest run {:.3} GB at layer {})\n",
         gb(trunk),
@@ -275,10 +316,10 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
         "resident floor : {} with the trunk resident (trunk + embed/lm_head + model-level)\n",
         gb(resident)
     );
-    let first_slot = runs.iter().map(|r| r.footprint()).max().unwrap_or(0);
+    let first_slot = runs.parts.iter().map(|r| r.footprint()).max().unwrap_or(0);
     if n_exp > 0 {
         o += &format!(
-            "                 {} streaming the trunk (embed/lm_head + model-level + one ring slot {} + one expert slot {})\n",
+            "                 {} streaming the trunk in parts with embed/lm_head held (embed/lm_head + model-level + one ring slot {} for the largest layer part + one expert slot {}; the budget table below streams the lm_head too)\n",
             gb(c.model_level + first_slot + exp_slot),
             gb(first_slot),
             gb(exp_slot)
@@ -290,8 +331,9 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
     o += "\npresets (budgets trunk / expert cache GB; plan over this checkpoint's packed runs):\n";
     for p in &presets.presets {
         let b = p.budgets();
-        let line = match plan(b.trunk_bytes, &runs, RingPolicy::default()) {
-            Ok(tp) => {
+        let line = match plan_streams(b.trunk_bytes, &runs, RingPolicy::default()) {
+            Ok(sp) => {
+                let tp = sp.plan;
                 // The arena never needs more slots than there are experts.
                 let slots = if n_exp > 0 {
                     slots_for_budget(b.cache_bytes, exp_slot).min(n_exp as usize)
@@ -305,9 +347,10 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
                     0.0
                 };
                 format!(
-                    "pinned {:>3}/{} layers, ring {} x {}; cache {} experts ({:.2}% of the pool); uses {}",
+                    "pinned {:>3}/{} {}, ring {} x {}; cache {} experts ({:.2}% of the pool); uses {}",
                     tp.pinned,
                     tp.layers,
+                    if sp.parts { "layer parts" } else { "layers" },
                     tp.ring_slots,
                     gb(tp.slot_bytes),
                     slots,
@@ -329,7 +372,7 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
 pub const TABLE_CONTEXT: usize = 64;
 
 /// The smallest total [`crate::run::plan::choose`] accepts (None: not even everything).
-pub fn floor_of(s: &crate::run::plan::Spend, runs: &[LayerRun]) -> Option<u64> {
+pub fn floor_of(s: &crate::run::plan::Spend, runs: &Streams) -> Option<u64> {
     use crate::run::plan::{choose, Spend};
     let ok = |t: u64| {
         choose(
@@ -345,7 +388,7 @@ pub fn floor_of(s: &crate::run::plan::Spend, runs: &[LayerRun]) -> Option<u64> {
     };
     let mut hi = s.fixed
         + s.lm_head
-        + runs.iter().map(|r| r.footprint()).sum::<u64>()
+        + runs.pinned_bytes()
         + s.max_slots.max(s.min_slots) * s.expert_slot
         + (1 << 30);
     if !ok(hi) {
@@ -370,15 +413,7 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
     use crate::run::plan::{choose, compute_scratch, lm_head_stream_bytes, Spend};
     let layers = cfg.num_hidden_layers;
     let cen = crate::run::census::census(cfg, cat, layers);
-    let mut runs = Vec::new();
-    let mut at = 0u64;
-    for &b in &cen.layer_bytes {
-        runs.push(LayerRun {
-            offset: at,
-            len: align_up(b, TRUNK_ALIGN),
-        });
-        at += align_up(b, TRUNK_ALIGN);
-    }
+    let runs = packed_streams(cat, Some(layers));
     let topk = cfg.num_experts_per_token as u64;
     let expert_slot = slot_bytes_for(cen.max_expert_span.max(1));
     let norms = cen
@@ -393,7 +428,7 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
     let base = Spend {
         total: 0,
         fixed,
-        trunk_need: runs.iter().map(|r| r.footprint()).sum(),
+        trunk_need: runs.pinned_bytes(),
         lm_head: cen.lm_head_bytes,
         expert_slot,
         min_slots: topk.max(1),
@@ -413,10 +448,26 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
     let floor = floor_of(&base, &runs);
     match floor {
         Some(f) => {
+            let sp = choose(
+                &Spend {
+                    total: f,
+                    ..base.clone()
+                },
+                Some(&runs),
+                None,
+                None,
+            )
+            .ok()
+            .and_then(|c| plan_streams(c.trunk, &runs, RingPolicy::default()).ok());
+            let (slot, what) = match sp {
+                Some(sp) if sp.parts => (sp.plan.slot_bytes, "the largest layer part"),
+                Some(sp) => (sp.plan.slot_bytes, "the largest layer"),
+                None => (0, "the trunk"),
+            };
             o += &format!(
-                "  streaming floor: {} (one ring slot of {} for the largest layer, one batch of {topk} expert slots)\n",
+                "  streaming floor: {} (one ring slot of {} for {what}, one batch of {topk} expert slots)\n",
                 gb(f),
-                gb(runs.iter().map(|r| r.footprint()).max().unwrap_or(0))
+                gb(slot)
             )
         }
         None => o += "  streaming floor: none (the plan refuses every total)\n",
@@ -441,13 +492,18 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
         };
         match choose(&sp, Some(&runs), None, None) {
             Ok(c) => {
-                let tp = plan(c.trunk, &runs, RingPolicy::default()).ok();
+                let tp = plan_streams(c.trunk, &runs, RingPolicy::default()).ok();
                 let slots = (c.cache / expert_slot).min(base.max_slots);
                 o += &format!(
                     "  {:>10}  {:>14}  {:>9}  {:>13}  {:>16}\n",
                     gb(t),
-                    tp.map(|p| format!("{}/{}", p.pinned, p.layers))
-                        .unwrap_or_default(),
+                    tp.map(|p| format!(
+                        "{}/{}{}",
+                        p.plan.pinned,
+                        p.plan.layers,
+                        if p.parts { " parts" } else { "" }
+                    ))
+                    .unwrap_or_default(),
                     if c.head_pinned { "pinned" } else { "streamed" },
                     slots,
                     gb(c.read_per_token)

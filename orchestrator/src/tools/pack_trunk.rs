@@ -220,6 +220,8 @@ fn plan(cat: &Catalog) -> Result<Vec<PlannedLayer>, Fail> {
                 shape: t.shape.clone(),
                 offset: t.offset - lo,
                 len: t.len,
+                // Filled in as the run is copied.
+                crc32: Vec::new(),
             })
             .collect();
         at = align_up(at, TRUNK_ALIGN);
@@ -370,7 +372,11 @@ fn same_layout(m: &TrunkManifest, plan: &[PlannedLayer]) -> bool {
                 && l.length == p.length
                 && l.shard == p.shard
                 && l.source_offset == p.source_offset
-                && l.tensors == p.tensors
+                && l.tensors.len() == p.tensors.len()
+                && l.tensors.iter().zip(&p.tensors).all(|(a, b)| {
+                    (&a.name, a.dtype, &a.shape, a.offset, a.len)
+                        == (&b.name, b.dtype, &b.shape, b.offset, b.len)
+                })
         })
 }
 
@@ -512,7 +518,11 @@ fn pack(
             v.insert(f);
         }
         let input = &shard_files[&p.shard_index];
-        let (sha, crc32) = copy_run(input, shard_path, &out, &bin_path, p, &bar)?;
+        let (sha, crc32, tensor_crcs) = copy_run(input, shard_path, &out, &bin_path, p, &bar)?;
+        let mut tensors = p.tensors.clone();
+        for (t, c) in tensors.iter_mut().zip(tensor_crcs) {
+            t.crc32 = c;
+        }
         out.sync_data()
             .with_context(|| format!("fsync {}", bin_path.display()))?;
         copied += p.length;
@@ -525,7 +535,7 @@ fn pack(
             source_offset: p.source_offset,
             sha256: sha,
             crc32,
-            tensors: p.tensors.clone(),
+            tensors,
         });
         let j = Journal {
             plan_sha256: digest.to_string(),
@@ -605,7 +615,8 @@ fn pack(
 }
 
 /// Copy one run (reader thread → hash + write here), then its zero padding; returns the
-/// sha256 of the run and its per-chunk CRCs (`CHUNK` is a multiple of `CHECK_CHUNK`).
+/// sha256 of the run, its per-chunk CRCs (`CHUNK` is a multiple of `CHECK_CHUNK`) and
+/// every tensor's own per-chunk CRCs (in `p.tensors` order).
 fn copy_run(
     input: &File,
     in_path: &Path,
@@ -613,9 +624,10 @@ fn copy_run(
     out_path: &Path,
     p: &PlannedLayer,
     bar: &indicatif::ProgressBar,
-) -> Result<(String, Vec<u32>)> {
+) -> Result<(String, Vec<u32>, Vec<Vec<u32>>)> {
     const _: () = assert!((CHUNK as u64).is_multiple_of(k3_model::trunk::CHECK_CHUNK));
     let mut crcs = Vec::new();
+    let mut tcrc = k3_model::trunk::TensorCrcs::new(&p.tensors);
     let (tx, rx) = sync_channel::<std::io::Result<Vec<u8>>>(3);
     let (ret_tx, ret_rx) = sync_channel::<Vec<u8>>(4);
     let mut h = Sha256::new();
@@ -653,6 +665,7 @@ fn copy_run(
             })?;
             h.update(&buf);
             crcs.extend(chunk_crcs(&buf));
+            tcrc.feed(pos, &buf);
             out.write_all_at(&buf, p.offset + pos)
                 .with_context(|| format!("writing {}", out_path.display()))?;
             flow.wrote(out, p.offset + pos, buf.len() as u64);
@@ -674,7 +687,7 @@ fn copy_run(
         out.write_all_at(&vec![0u8; pad as usize], p.offset + len)
             .with_context(|| format!("writing {}", out_path.display()))?;
     }
-    Ok((hex(&h.finalize()), crcs))
+    Ok((hex(&h.finalize()), crcs, tcrc.finish()))
 }
 
 /// `posix_fadvise` hint (errors ignored: it is only advice).

@@ -16,13 +16,13 @@
 use k3_model::config::{LayerKind, ModelConfig};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
-use crate::kernels::gemv::{gemm, Mat};
+use crate::kernels::gemv::{gemm, gemm_fused, Mat};
 use crate::kernels::norm;
 use crate::modules::attnres::attnres_mix_rows;
 use crate::modules::kda::{kda_forward, KdaState, KdaWeights};
 use crate::modules::mla::{mla_forward, MlaCache, MlaWeights};
-use crate::modules::mlp::{glu_mlp, DenseWeights};
-use crate::modules::moe::{moe_forward, MoeStats, MoeWeights};
+use crate::modules::mlp::glu_down64;
+use crate::modules::moe::{moe_forward_announced, MoeStats, MoeWeights};
 use crate::modules::{mat_from, Eps, Trace};
 use crate::weights::{to_f32_vec, Weights, LM_HEAD};
 use k3_model::classify::{layer_tensor, model_tensor};
@@ -228,9 +228,23 @@ impl<W: Weights> Model<W> {
         self.final_fold()?;
         for l in 0..self.n_layers {
             self.weights.begin_layer(l)?;
-            let r = self.bind_layer(l).map(|_| ());
+            let r = self.bind_layer_phases(l);
             self.weights.end_layer(l);
             r?;
+        }
+        Ok(())
+    }
+
+    /// Bind every trunk tensor of layer `l` the way the forward does: one use phase at a
+    /// time, each released ([`Weights::end_phase`]) before the next is bound.
+    fn bind_layer_phases(&self, l: usize) -> Result<(), ForwardError> {
+        self.bind_attn(l)?;
+        self.weights.end_phase(l);
+        let dense = matches!(self.bind_ffn_in(l)?.ffn, FfnIn::Dense { .. });
+        self.weights.end_phase(l);
+        if dense {
+            self.dense_down(l)?;
+            self.weights.end_phase(l);
         }
         Ok(())
     }
@@ -283,31 +297,51 @@ impl<W: Weights> Model<W> {
         self.mat(LM_HEAD, self.cfg.vocab_size, self.cfg.hidden_size)
     }
 
-    fn bind_layer(&self, l: usize) -> Result<LayerW<'_>, ForwardError> {
+    /// The tensors of layer `l`'s use phase 0 (`k3_model::trunk::use_phase`): the
+    /// pre-attention mix, `input_layernorm` and the attention.
+    fn bind_attn(&self, l: usize) -> Result<AttnW<'_>, ForwardError> {
         let d = self.cfg.hidden_size;
         let attn = match self.cfg.layer_kind(l) {
             LayerKind::Kda => Attn::Kda(self.kda_weights(l)?),
             LayerKind::Mla => Attn::Mla(self.mla_weights(l)?),
         };
-        let ffn = if self.cfg.is_moe(l) {
-            Ffn::Moe(self.moe_weights(l)?)
-        } else {
-            Ffn::Dense(self.dense_weights(l)?)
-        };
-        Ok(LayerW {
+        Ok(AttnW {
             attn_fold: self.fold(
                 &lname(l, "self_attention_res_norm.weight"),
                 &lname(l, "self_attention_res_proj.weight"),
             )?,
+            in_norm: self.vector(&lname(l, "input_layernorm.weight"), d)?,
+            attn,
+        })
+    }
+
+    /// The tensors of phase 1: the pre-MLP mix, `post_attention_layernorm`, and a dense
+    /// FFN's gate and up or the whole latent MoE.
+    fn bind_ffn_in(&self, l: usize) -> Result<FfnW<'_>, ForwardError> {
+        let d = self.cfg.hidden_size;
+        let ffn = if self.cfg.is_moe(l) {
+            FfnIn::Moe(self.moe_weights(l)?)
+        } else {
+            let f = self.cfg.intermediate_size;
+            FfnIn::Dense {
+                gate: self.mat(&lname(l, "mlp.gate_proj.weight"), f, d)?,
+                up: self.mat(&lname(l, "mlp.up_proj.weight"), f, d)?,
+            }
+        };
+        Ok(FfnW {
             mlp_fold: self.fold(
                 &lname(l, "mlp_res_norm.weight"),
                 &lname(l, "mlp_res_proj.weight"),
             )?,
-            in_norm: self.vector(&lname(l, "input_layernorm.weight"), d)?,
             post_norm: self.vector(&lname(l, "post_attention_layernorm.weight"), d)?,
-            attn,
             ffn,
         })
+    }
+
+    /// Phase 2: a dense FFN's down-projection.
+    fn dense_down(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
+        let (d, f) = (self.cfg.hidden_size, self.cfg.intermediate_size);
+        self.mat(&lname(l, "mlp.down_proj.weight"), d, f)
     }
 
     /// Run `ids` through the model after the session's tokens. `all_rows`: return every
@@ -493,7 +527,9 @@ impl<W: Weights> Model<W> {
         let d = self.cfg.hidden_size;
         let eps = self.eps;
         let th = self.threads;
-        let w = self.bind_layer(l)?;
+        // Each use phase's tensors are bound when it starts and released when it ends
+        // (`Weights::end_phase`), so a trunk streamed in parts holds one phase at a time.
+        let w = self.bind_attn(l)?;
         trace_put(trace, "in", h);
         // (2) pre-attention mix, guarded on an empty bank.
         let a = if bank.is_empty() {
@@ -530,6 +566,8 @@ impl<W: Weights> Model<W> {
                 mla_forward(mw, &dims, &eps, &u, ntok, cache, th, trace)
             }
         };
+        drop(w);
+        self.weights.end_phase(l);
         trace_put(trace, "attn_out", &y);
         // (6) accumulate.
         if p.is_empty() {
@@ -538,6 +576,7 @@ impl<W: Weights> Model<W> {
             p.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
         }
         // (7-8) pre-MLP mix, unguarded.
+        let w = self.bind_ffn_in(l)?;
         let m = attnres_mix_rows(bank, &p, &w.mlp_fold, eps.rms, ntok);
         trace_put(trace, "mlp_mix", &m);
         let mut v = vec![0f32; ntok * d];
@@ -551,19 +590,37 @@ impl<W: Weights> Model<W> {
         }
         // (9) FFN.
         let z = match &w.ffn {
-            Ffn::Dense(w) => glu_mlp(&w.gate, &w.up, &w.down, self.situ(), &v, ntok, th),
-            Ffn::Moe(mw) => {
+            FfnIn::Dense { gate, up } => {
+                // glu_mlp's products in its order (gate and up fused, then the down
+                // projection of the SiTU), with gate and up released before down is bound.
+                let f = gate.rows;
+                let mut g = vec![0f32; ntok * f];
+                let mut u = vec![0f32; ntok * f];
+                gemm_fused(&[gate, up], &v, &mut [&mut g, &mut u], ntok, th);
+                // `gate` and `up` are not read again from here on.
+                self.weights.end_phase(l);
+                let down = self.dense_down(l)?;
+                glu_down64(&g, &u, &down, self.situ(), ntok, th)
+                    .into_iter()
+                    .map(|x| x as f32)
+                    .collect()
+            }
+            FfnIn::Moe(mw) => {
                 let mut ms = MoeStats::default();
                 let mut fetch = |ids: &[u32],
                                  deliver: &mut dyn for<'b> FnMut(
                     usize,
                     Result<crate::weights::ExpertRef<'b>, WeightError>,
                 )| { self.weights.experts(l, ids, deliver) };
-                let z = moe_forward(
+                // The expert reads start when the router has chosen (before the shared
+                // experts are computed), so they overlap that compute.
+                let mut announce = |ids: &[u32]| self.weights.announce_experts(l, ids);
+                let z = moe_forward_announced(
                     mw,
                     &self.moe_params(),
                     &v,
                     ntok,
+                    &mut announce,
                     &mut fetch,
                     th,
                     &mut ms,
@@ -593,16 +650,23 @@ enum Attn<'a> {
     Mla(MlaWeights<'a>),
 }
 
-enum Ffn<'a> {
-    Dense(DenseWeights<'a>),
+enum FfnIn<'a> {
+    /// A dense FFN's gate and up (its down-projection is phase 2).
+    Dense {
+        gate: Mat<'a>,
+        up: Mat<'a>,
+    },
     Moe(MoeWeights<'a>),
 }
 
-struct LayerW<'a> {
+struct AttnW<'a> {
     attn_fold: Vec<f32>,
-    mlp_fold: Vec<f32>,
     in_norm: Vec<f32>,
-    post_norm: Vec<f32>,
     attn: Attn<'a>,
-    ffn: Ffn<'a>,
+}
+
+struct FfnW<'a> {
+    mlp_fold: Vec<f32>,
+    post_norm: Vec<f32>,
+    ffn: FfnIn<'a>,
 }

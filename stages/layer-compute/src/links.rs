@@ -1,5 +1,11 @@
 //! `Weights` over links: the forward pass over weights other stages own.
 //!
+//! When the budget cannot hold a whole layer the trunk-loader sends a layer's parts instead
+//! (`PartReady`, one per use phase, in use order): `begin_layer` maps the first, `tensor`
+//! waits for the part that holds a name, `end_phase` gives every part held back
+//! (`PartDone`), and `end_layer` gives back the rest, so compute never holds more than one
+//! phase of a layer.
+//!
 //! [`StagedWeights`] implements [`crate::Weights`] over the links: a pass starts
 //! with `StartPass`; `begin_layer(l)` waits for the trunk-loader's `LayerReady{l}` and maps
 //! its tensors in place (handles into the trunk region, never copied); `end_layer(l)` says
@@ -74,6 +80,14 @@ pub struct StagedWeights {
     link_error: RefCell<Option<String>>,
     /// Embedding rows on demand and lm_head chunks (None: both from the mapping).
     stream: Option<crate::model_stream::ModelStream>,
+    /// The trunk streams in parts (`PartReady`): (layer, parts of it received, parts it
+    /// has); `None` while whole layers come (`LayerReady`).
+    parts: Cell<Option<(usize, usize, usize)>>,
+    /// Parts received and not yet given back (`PartDone`), as (layer, part).
+    held: RefCell<Vec<(u32, u32)>>,
+    /// The `Experts` request already sent by `announce_experts` (pass, layer, ids), which
+    /// the next `experts` call for the same batch answers instead of sending it again.
+    announced: RefCell<Option<(u64, usize, Vec<u32>)>>,
 }
 
 impl StagedWeights {
@@ -140,6 +154,9 @@ impl StagedWeights {
             timeout,
             link_error: RefCell::new(None),
             stream: None,
+            announced: RefCell::new(None),
+            parts: Cell::new(None),
+            held: RefCell::new(Vec::new()),
         }
     }
 
@@ -210,6 +227,104 @@ impl StagedWeights {
         })
     }
 
+    /// Check a trunk-loader's tensor spans against the checkpoint headers and map them.
+    fn take_spans(
+        &self,
+        tensors: Vec<k3_protocol::messages::TensorSpan>,
+    ) -> Result<(), WeightError> {
+        let mut cur = self.current.borrow_mut();
+        for t in tensors {
+            match self.meta.get(&t.name) {
+                Some((dt, sh))
+                    if *dt == t.dtype
+                        && sh.len() == t.shape.len()
+                        && sh.iter().zip(&t.shape).all(|(a, b)| *a as u64 == *b) => {}
+                _ => {
+                    return Err(WeightError::Invalid {
+                        name: t.name,
+                        msg: "the trunk-loader's dtype/shape differ from the checkpoint header"
+                            .into(),
+                    })
+                }
+            }
+            if self.rec.on() {
+                // SAFETY: as in `tensor`: the loader keeps the part until PartDone.
+                let bytes = unsafe { self.trunk_region.resolve(&t.handle) }.map_err(|e| {
+                    WeightError::Invalid {
+                        name: t.name.clone(),
+                        msg: e.to_string(),
+                    }
+                })?;
+                self.rec
+                    .buffer(&t.handle, bytes)
+                    .map_err(|msg| WeightError::Io {
+                        name: t.name.clone(),
+                        msg,
+                    })?;
+            }
+            cur.insert(t.name, t.handle);
+        }
+        Ok(())
+    }
+
+    /// Receive the next part of layer `layer` (the trunk streams in parts) and map it.
+    /// False when every part of the layer has come already.
+    fn next_part(&self, layer: usize) -> Result<bool, WeightError> {
+        if let Some((l, got, n)) = self.parts.get() {
+            if l == layer && got >= n {
+                return Ok(false);
+            }
+        }
+        let pass = self.pass.get();
+        match self.recv_trunk()? {
+            Msg::PartReady {
+                pass: p,
+                layer: l,
+                part,
+                parts,
+                tensors,
+            } if p == pass && l as usize == layer => {
+                let got = match self.parts.get() {
+                    Some((pl, got, _)) if pl == layer => got,
+                    _ => 0,
+                };
+                if part as usize != got {
+                    return Err(WeightError::Io {
+                        name: format!("layer {layer}"),
+                        msg: format!("part {part} came, part {got} was next"),
+                    });
+                }
+                self.parts.set(Some((layer, got + 1, parts as usize)));
+                self.held.borrow_mut().push((l, part));
+                self.take_spans(tensors)?;
+                Ok(true)
+            }
+            other => Err(WeightError::Io {
+                name: format!("layer {layer}"),
+                msg: format!("expected PartReady of layer {layer} (pass {pass}), got {other:?}"),
+            }),
+        }
+    }
+
+    /// Give back every part held (`PartDone`) and forget its tensors.
+    fn release_parts(&self) {
+        self.current.borrow_mut().clear();
+        let held = std::mem::take(&mut *self.held.borrow_mut());
+        let pass = self.pass.get();
+        for (layer, part) in held {
+            let r = send_to(
+                &mut **self.trunk.borrow_mut(),
+                Stage::LayerCompute,
+                Stage::TrunkLoader,
+                &Msg::PartDone { pass, layer, part },
+                self.timeout,
+            );
+            if let Err(e) = r {
+                self.link_error.borrow_mut().get_or_insert(e);
+            }
+        }
+    }
+
     fn expert_tensor<'a>(
         &'a self,
         bytes: &'a [u8],
@@ -246,16 +361,27 @@ impl Weights for StagedWeights {
             .meta
             .get(name)
             .ok_or_else(|| WeightError::Missing(name.to_string()))?;
+        // Streamed in parts: the parts of the layer come in use order; wait for the one
+        // that holds `name` (the parts before it are the phase being bound).
+        if let Some((layer, _, _)) = self.parts.get() {
+            while !self.current.borrow().contains_key(name) {
+                if !self.next_part(layer)? {
+                    break;
+                }
+            }
+        }
         let h = *self
             .current
             .borrow()
             .get(name)
             .ok_or_else(|| WeightError::Invalid {
                 name: name.to_string(),
-                msg: "asked for outside its layer (not in the current LayerReady)".into(),
+                msg: "asked for outside its layer (not in the current LayerReady or its parts)"
+                    .into(),
             })?;
         // SAFETY: the trunk-loader rewrites this range only after our LayerDone for its
-        // layer, which end_layer sends after the forward stopped using the layer's tensors.
+        // layer (or PartDone for its part), which end_layer (end_phase) sends after the
+        // forward stopped using the tensors.
         let bytes = unsafe { self.trunk_region.resolve(&h) }.map_err(|e| WeightError::Invalid {
             name: name.to_string(),
             msg: e.to_string(),
@@ -304,7 +430,28 @@ impl Weights for StagedWeights {
             })?;
         }
         let pass = self.pass.get();
+        self.held.borrow_mut().clear();
+        if self.parts.get().is_some() {
+            // Streamed in parts: the layer's first part comes now.
+            self.parts.set(Some((layer, 0, usize::MAX)));
+            self.current.borrow_mut().clear();
+            self.next_part(layer)?;
+            return Ok(());
+        }
         match self.recv_trunk()? {
+            Msg::PartReady {
+                pass: p,
+                layer: l,
+                part: 0,
+                parts,
+                tensors,
+            } if p == pass && l as usize == layer => {
+                self.parts.set(Some((layer, 1, parts as usize)));
+                self.held.borrow_mut().push((l, 0));
+                self.current.borrow_mut().clear();
+                self.take_spans(tensors)?;
+                Ok(())
+            }
             Msg::LayerReady {
                 pass: p,
                 layer: l,
@@ -326,6 +473,7 @@ impl Weights for StagedWeights {
                             msg,
                         })?;
                 }
+                // The layer's blob was recorded above; its spans are not recorded again.
                 let mut cur = self.current.borrow_mut();
                 cur.clear();
                 for t in tensors {
@@ -351,9 +499,34 @@ impl Weights for StagedWeights {
         }
     }
 
+    fn end_phase(&self, _layer: usize) {
+        if self.parts.get().is_some() {
+            self.release_parts();
+        }
+    }
+
     fn end_layer(&self, layer: usize) {
-        self.current.borrow_mut().clear();
         let pass = self.pass.get();
+        if self.parts.get().is_some() {
+            // Give back what is held, then take and give back at once the parts the
+            // forward never asked for (tensors it does not use), so the stream goes on.
+            self.release_parts();
+            loop {
+                match self.next_part(layer) {
+                    Ok(true) => self.release_parts(),
+                    Ok(false) => break,
+                    Err(e) => {
+                        self.link_error.borrow_mut().get_or_insert(e.to_string());
+                        return;
+                    }
+                }
+            }
+            if layer + 1 == self.n_layers {
+                self.finish_pass(pass);
+            }
+            return;
+        }
+        self.current.borrow_mut().clear();
         let r = send_to(
             &mut **self.trunk.borrow_mut(),
             Stage::LayerCompute,
@@ -369,6 +542,28 @@ impl Weights for StagedWeights {
             return;
         }
         if layer + 1 == self.n_layers {
+            self.finish_pass(pass);
+        }
+    }
+
+    fn experts(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
+    ) {
+        self.experts_impl(layer, ids, deliver)
+    }
+
+    fn announce_experts(&self, layer: usize, ids: &[u32]) {
+        self.announce_impl(layer, ids)
+    }
+}
+
+impl StagedWeights {
+    /// After the last layer of a pass: the trunk-loader's `TrunkPassDone`.
+    fn finish_pass(&self, pass: u64) {
+        {
             match self.recv_trunk() {
                 Ok(Msg::TrunkPassDone {
                     pass: p,
@@ -394,13 +589,61 @@ impl Weights for StagedWeights {
         }
     }
 
-    fn experts(
+    fn announce_impl(&self, layer: usize, ids: &[u32]) {
+        let pass = self.pass.get();
+        *self.announced.borrow_mut() = None;
+        let r = send_to(
+            &mut **self.fetch.borrow_mut(),
+            Stage::LayerCompute,
+            Stage::ExpertFetcher,
+            &Msg::Experts {
+                pass,
+                layer: layer as u32,
+                ids: ids.to_vec(),
+            },
+            self.timeout,
+        );
+        match r {
+            Ok(()) => *self.announced.borrow_mut() = Some((pass, layer, ids.to_vec())),
+            // `experts` sends it again and fails every slot with the link's error.
+            Err(e) => {
+                self.link_error.borrow_mut().get_or_insert(e);
+            }
+        }
+    }
+
+    fn experts_impl(
         &self,
         layer: usize,
         ids: &[u32],
         deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
     ) {
         let pass = self.pass.get();
+        // Already requested by `announce_experts` (the same batch): only collect it. A
+        // different batch than announced cannot happen with the forward in this crate; if
+        // it did, the announced one would be answered first and this one fail as
+        // unexpected, so it is refused plainly instead.
+        let sent = match self.announced.borrow_mut().take() {
+            Some((p, l, a)) if p == pass && l == layer && a == ids => true,
+            Some((p, l, _)) => {
+                let e = format!(
+                    "internal: experts of layer {layer} asked for, but the batch announced was \
+                     layer {l} (pass {p}) with other ids"
+                );
+                self.link_error.borrow_mut().get_or_insert(e.clone());
+                for (i, id) in ids.iter().enumerate() {
+                    deliver(
+                        i,
+                        Err(WeightError::Io {
+                            name: format!("layer {layer} expert {id}"),
+                            msg: e.clone(),
+                        }),
+                    );
+                }
+                return;
+            }
+            None => false,
+        };
         let mut delivered = vec![false; ids.len()];
         let fail_all =
             |deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
@@ -420,17 +663,22 @@ impl Weights for StagedWeights {
                 }
             };
         let mut link = self.fetch.borrow_mut();
-        if let Err(e) = send_to(
-            &mut **link,
-            Stage::LayerCompute,
-            Stage::ExpertFetcher,
-            &Msg::Experts {
-                pass,
-                layer: layer as u32,
-                ids: ids.to_vec(),
-            },
-            self.timeout,
-        ) {
+        let r = if sent {
+            Ok(())
+        } else {
+            send_to(
+                &mut **link,
+                Stage::LayerCompute,
+                Stage::ExpertFetcher,
+                &Msg::Experts {
+                    pass,
+                    layer: layer as u32,
+                    ids: ids.to_vec(),
+                },
+                self.timeout,
+            )
+        };
+        if let Err(e) = r {
             self.link_error.borrow_mut().get_or_insert(e.clone());
             fail_all(deliver, &mut delivered, &e);
             return;

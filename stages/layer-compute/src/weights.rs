@@ -2,7 +2,8 @@
 //!
 //! The forward asks for trunk tensors by their released name, brackets each decoder layer
 //! with [`Weights::begin_layer`] / [`Weights::end_layer`] (so a trunk loader can stream
-//! layers through ring slots), and asks for the routed experts of a layer with
+//! layers through ring slots) and its use phases with [`Weights::end_phase`] (so it can
+//! stream the parts of a layer), and asks for the routed experts of a layer with
 //! [`Weights::experts`], which may deliver them in ANY order, each to a callback tagged with
 //! its position in the request. Compute keeps one output per request slot and combines them
 //! in top-k order, so results never depend on arrival order. A failed expert load is
@@ -54,6 +55,12 @@ pub trait Weights {
     /// Layer `layer` is finished; its trunk tensors will not be asked for again this step.
     fn end_layer(&self, _layer: usize) {}
 
+    /// The trunk tensors of `layer` asked for since `begin_layer` or the last `end_phase`
+    /// are no longer used (the forward dropped every borrow of them): a trunk streamed in
+    /// parts gives their slot back now. The forward binds a layer one use phase at a time
+    /// (`k3_model::trunk::use_phase`) and calls this between phases.
+    fn end_phase(&self, _layer: usize) {}
+
     /// Rows `rows` of the model-level matrix `name` (the token embedding), read on demand,
     /// as (dtype, the rows' bytes back to back). `None`: no on-demand path; the forward
     /// slices `tensor(name)` instead. An implementation that reads here never needs the
@@ -78,6 +85,13 @@ pub trait Weights {
         None
     }
 
+    /// The forward will ask for the routed experts `ids` of `layer` next (the same ids,
+    /// in the same order, in its next [`experts`](Self::experts) call); it says so the
+    /// moment the router has chosen them, before it computes the shared experts, so an
+    /// implementation that reads experts can start the reads now and overlap them with
+    /// that compute. The default does nothing (`experts` then asks for them).
+    fn announce_experts(&self, _layer: usize, _ids: &[u32]) {}
+
     /// Deliver the routed experts `ids` of `layer` (distinct ids, in first-use order: for
     /// one token its top-k order). Call `deliver(slot, result)` exactly once per slot
     /// `0..ids.len()`, in any order; the borrowed weights need only live for the call.
@@ -99,6 +113,9 @@ impl<W: Weights + ?Sized> Weights for &W {
     fn end_layer(&self, layer: usize) {
         (**self).end_layer(layer)
     }
+    fn end_phase(&self, layer: usize) {
+        (**self).end_phase(layer)
+    }
     fn model_rows(
         &self,
         name: &str,
@@ -112,6 +129,9 @@ impl<W: Weights + ?Sized> Weights for &W {
         f: &mut dyn FnMut(usize, TensorRef<'_>) -> Result<(), WeightError>,
     ) -> Option<Result<(), WeightError>> {
         (**self).matrix_chunks(name, f)
+    }
+    fn announce_experts(&self, layer: usize, ids: &[u32]) {
+        (**self).announce_experts(layer, ids)
     }
     fn experts(
         &self,

@@ -32,6 +32,8 @@ struct Wrapped {
     reverse: bool,
     fail_id: Option<u32>,
     hide: Option<&'static str>,
+    /// `announce L ids` and `experts L ids`, in call order.
+    expert_log: RefCell<Vec<String>>,
 }
 
 impl Weights for Wrapped {
@@ -48,12 +50,20 @@ impl Weights for Wrapped {
     fn end_layer(&self, l: usize) {
         self.log.borrow_mut().push(format!("end {l}"));
     }
+    fn announce_experts(&self, layer: usize, ids: &[u32]) {
+        self.expert_log
+            .borrow_mut()
+            .push(format!("announce {layer} {ids:?}"));
+    }
     fn experts(
         &self,
         layer: usize,
         ids: &[u32],
         deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
     ) {
+        self.expert_log
+            .borrow_mut()
+            .push(format!("experts {layer} {ids:?}"));
         let mut order: Vec<usize> = (0..ids.len()).collect();
         if self.reverse {
             order.reverse();
@@ -81,7 +91,40 @@ fn wrapped(reverse: bool, fail_id: Option<u32>, hide: Option<&'static str>) -> W
         reverse,
         fail_id,
         hide,
+        expert_log: RefCell::new(Vec::new()),
     }
+}
+
+// Every MoE layer announces its routed experts (the same ids, in the same order) before it
+// asks for them, exactly once per layer and pass, and the logits are the plain source's bit
+// for bit (the MoE computes the router alone, then the shared experts, then the routed
+// ones). Catches a forward that never announces (no overlap of the reads with the shared
+// experts), announces other ids than it fetches, or changes a value by the reordering.
+#[test]
+fn experts_are_announced_before_they_are_fetched() {
+    let full = seed_ids();
+    let a = load("tiny-mxfp4", 1).forward_all(&full).unwrap();
+    let m = Model::new(
+        cfg("tiny-mxfp4"),
+        wrapped(false, None, None),
+        ModelOptions::default(),
+    )
+    .unwrap();
+    let b = m.forward_all(&full).unwrap();
+    assert_bits_eq("announced experts", &a.logits, &b.logits);
+    let log = m.weights().expert_log.borrow().clone();
+    assert!(!log.is_empty());
+    assert_eq!(log.len() % 2, 0, "{log:?}");
+    for pair in log.chunks(2) {
+        let fetched = pair[1]
+            .strip_prefix("experts ")
+            .expect("experts after announce");
+        assert_eq!(pair[0], format!("announce {fetched}"), "{log:?}");
+    }
+    let moe_layers = (0..cfg("tiny-mxfp4").n_layers())
+        .filter(|&l| cfg("tiny-mxfp4").is_moe(l))
+        .count();
+    assert_eq!(log.len(), 2 * moe_layers, "{log:?}");
 }
 
 // Experts delivered in reverse order: per-slot outputs summed in top-k order, so the logits

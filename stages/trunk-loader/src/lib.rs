@@ -1,6 +1,8 @@
 //! `k3-trunk-loader`: the dense trunk as a dial.
 //!
-//! - [`plan`]: the fixed-point sizing of a pinned prefix plus a ring of slots for a budget.
+//! - [`plan`]: the fixed-point sizing of a pinned prefix plus a ring of slots for a budget,
+//!   over whole layers or, below one slot for the largest layer, over the layers' parts
+//!   (the tensors the forward uses together; [`plan_streams`]).
 //! - [`loader`]: the reader thread that loads the pinned prefix once and streams the other
 //!   layers through the ring, in layer order, as far ahead as free slots allow.
 //! - [`presets`]: `--preset` / `--trunk-gb` / `--cache-gb` / `auto` budgets.
@@ -15,6 +17,10 @@ pub mod plan;
 pub mod presets;
 pub mod stage;
 
-pub use loader::{runs_from_manifest, LayerGuard, LayerHandle, LoadError, TrunkLoader, TrunkStats};
-pub use plan::{plan, LayerRun, PlanError, RingPolicy, TrunkPlan};
+pub use loader::{
+    runs_from_manifest, LayerGuard, LayerHandle, LoadError, Piece, TrunkLoader, TrunkStats, Unit,
+};
+pub use plan::{
+    plan, plan_streams, LayerRun, PlanError, RingPolicy, StreamPlan, Streams, TrunkPlan,
+};
 pub use presets::{auto, mem_available, Budgets, Preset, Presets};

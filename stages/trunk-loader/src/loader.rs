@@ -47,6 +47,56 @@ pub struct LayerHandle {
     pub hit: bool,
 }
 
+/// One contiguous byte range of the trunk file that a [`Unit`] reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: u64,
+    /// The run check (`checks[i]`) that covers it and the byte of that run it starts at (a
+    /// multiple of `CHECK_CHUNK`); `None`: unchecked (or checked by `tensor_checks`).
+    pub check: Option<(usize, u64)>,
+    /// Checks of single tensors inside the piece (a part of a layer): `checks[i]` for the
+    /// tensor that starts `at` bytes after the piece's first byte.
+    pub tensor_checks: Vec<(usize, u64)>,
+}
+
+impl Piece {
+    /// Arena bytes it occupies (page-mirrored: an unaligned start is read from its page).
+    pub fn footprint(&self) -> u64 {
+        k3_io::arena::align_up(self.offset % ALIGN as u64 + self.len)
+    }
+}
+
+/// What the loader streams as one: a whole layer (one piece), or a part of a layer (the
+/// pieces holding the tensors the forward uses together), read back to back into one slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unit {
+    pub pieces: Vec<Piece>,
+}
+
+impl Unit {
+    /// Arena bytes of the whole unit.
+    pub fn footprint(&self) -> u64 {
+        self.pieces.iter().map(Piece::footprint).sum()
+    }
+
+    /// Where piece `k`'s first byte lands, relative to the unit's first arena byte.
+    pub fn piece_at(&self, k: usize) -> u64 {
+        let before: u64 = self.pieces[..k].iter().map(Piece::footprint).sum();
+        before + self.pieces[k].offset % ALIGN as u64
+    }
+
+    /// As a [`LayerRun`] of the same footprint (what [`crate::plan::plan`] sizes).
+    pub fn as_run(&self) -> LayerRun {
+        LayerRun {
+            offset: 0,
+            len: self.footprint(),
+        }
+    }
+}
+
 /// Counters for the whole run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct TrunkStats {
@@ -114,7 +164,7 @@ struct State {
 
 struct Shared {
     arena: Arc<dyn ArenaMemory>,
-    runs: Vec<LayerRun>,
+    units: Vec<Unit>,
     plan: TrunkPlan,
     /// Arena offset of each pinned layer's page-mirror.
     pinned_at: Vec<u64>,
@@ -122,7 +172,8 @@ struct Shared {
     ring_at: u64,
     reader: Arc<dyn ReadAt>,
     file: u32,
-    /// Per-layer CRCs checked after every read (empty: unchecked, e.g. a raw file in tests).
+    /// Per-run CRCs checked after every read, named by each piece's `check` (empty:
+    /// unchecked, e.g. a raw file in tests).
     checks: Vec<k3_model::trunk::RunCheck>,
     state: Mutex<State>,
     cv: Condvar,
@@ -144,13 +195,27 @@ pub fn read_parallel(
     dst: &mut [u8],
     check: Option<&k3_model::trunk::RunCheck>,
 ) -> Result<usize, String> {
+    read_parallel_at(reader, file, offset, dst, check.map(|c| (c, 0)))
+}
+
+/// [`read_parallel`] of bytes that start at byte `at` of the checked run (`at` a multiple
+/// of `CHECK_CHUNK`): the pieces are checked against the run's CRCs from there.
+pub fn read_parallel_at(
+    reader: &dyn ReadAt,
+    file: u32,
+    offset: u64,
+    dst: &mut [u8],
+    check: Option<(&k3_model::trunk::RunCheck, u64)>,
+) -> Result<usize, String> {
     const _: () = assert!((READ_CHUNK as u64).is_multiple_of(k3_model::trunk::CHECK_CHUNK));
+    let base = check.map_or(0, |c| c.1);
+    let check = check.map(|c| c.0);
     if dst.len() <= READ_CHUNK {
         let got = reader
             .read_at(file, offset, dst)
             .map_err(|e| e.to_string())?;
         if let Some(c) = check {
-            c.check_range(0, &dst[..got])?;
+            c.check_range(base, &dst[..got])?;
         }
         return Ok(got);
     }
@@ -181,7 +246,7 @@ pub fn read_parallel(
                     .map_err(|e| e.to_string())
                     .and_then(|got| {
                         if let Some(c) = check {
-                            c.check_range(at as u64, &buf[..got])?;
+                            c.check_range(base + at as u64, &buf[..got])?;
                         }
                         Ok((at, got, buf.len()))
                     });
@@ -216,35 +281,55 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Read layer `layer` into the arena region at `at` (page-mirrored).
-    fn read_layer(&self, layer: usize, at: u64, cap: u64) -> Result<u64, String> {
-        let r = self.runs[layer];
-        let need = r.footprint();
+    /// Read unit `unit` into the arena region at `at` (each piece page-mirrored, back to
+    /// back); returns the bytes read.
+    fn read_layer(&self, unit: usize, at: u64, cap: u64) -> Result<u64, String> {
+        let u = &self.units[unit];
+        let need = u.footprint();
         if need > cap {
             return Err(format!("needs {need} bytes, the region holds {cap}"));
         }
-        // SAFETY: [at, at + need) lies inside the arena (regions are laid out from the plan in
-        // `new`); the region is not loaded, so no consumer holds a reference into it, and only
-        // this reader thread writes it.
-        let dst = unsafe {
-            std::slice::from_raw_parts_mut(self.arena.base().add(at as usize), need as usize)
-        };
-        let start = align_down(r.offset);
-        // Packed trunks start every run on a page and record a CRC-32C per MiB: each piece
-        // is checked by the thread that read it, right after it lands.
-        let check = self.checks.get(layer).filter(|_| start == r.offset);
-        let got = read_parallel(&*self.reader, self.file, start, dst, check)?;
-        if start + (got as u64) < r.offset + r.len {
-            return Err(format!(
-                "short read: {got} bytes at offset {start}, needed {}",
-                r.offset + r.len - start
-            ));
-        }
-        if let (Some(c), false) = (check, start == r.offset) {
+        let mut total = 0u64;
+        let mut pos = at;
+        for r in &u.pieces {
+            let fp = r.footprint();
+            // SAFETY: [pos, pos + fp) lies inside the unit's region [at, at + need), which
+            // lies inside the arena (regions are laid out from the plan in `new`); the region
+            // is not loaded, so no consumer holds a reference into it, and only this reader
+            // thread writes it.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(self.arena.base().add(pos as usize), fp as usize)
+            };
+            let start = align_down(r.offset);
+            // Packed trunks start every run on a page and record a CRC-32C per MiB: each
+            // piece is checked by the thread that read it, right after it lands.
+            let check = r
+                .check
+                .and_then(|(i, a)| self.checks.get(i).map(|c| (c, a)));
+            let aligned = check.filter(|_| start == r.offset);
+            let got = read_parallel_at(&*self.reader, self.file, start, dst, aligned)?;
+            if start + (got as u64) < r.offset + r.len {
+                return Err(format!(
+                    "short read: {got} bytes at offset {start}, needed {}",
+                    r.offset + r.len - start
+                ));
+            }
             let head = (r.offset - start) as usize;
-            c.check(&dst[head..])?;
+            if let (Some((c, a)), false) = (check, start == r.offset) {
+                c.check_range(a, &dst[head..head + r.len as usize])?;
+            }
+            for &(i, off) in &r.tensor_checks {
+                let c = self
+                    .checks
+                    .get(i)
+                    .ok_or_else(|| format!("internal: no check {i}"))?;
+                let from = head + off as usize;
+                c.check(dst.get(from..).unwrap_or_default())?;
+            }
+            total += got as u64;
+            pos += fp;
         }
-        Ok(got as u64)
+        Ok(total)
     }
 
     fn next_streamed(&self, layer: usize) -> usize {
@@ -262,7 +347,7 @@ impl Shared {
                 return;
             }
             let t0 = Instant::now();
-            let r = self.read_layer(layer, self.pinned_at[layer], self.runs[layer].footprint());
+            let r = self.read_layer(layer, self.pinned_at[layer], self.units[layer].footprint());
             let dt = t0.elapsed().as_secs_f64();
             let mut st = self.lock();
             st.stats.io_seconds += dt;
@@ -407,6 +492,34 @@ impl TrunkLoader {
         arena: Arc<dyn ArenaMemory>,
         checks: Vec<k3_model::trunk::RunCheck>,
     ) -> Result<TrunkLoader, String> {
+        let units = runs
+            .iter()
+            .enumerate()
+            .map(|(l, r)| Unit {
+                pieces: vec![Piece {
+                    offset: r.offset,
+                    len: r.len,
+                    check: (l < checks.len()).then_some((l, 0)),
+                    tensor_checks: Vec::new(),
+                }],
+            })
+            .collect();
+        Self::with_units(units, plan, reader, file, arena, checks)
+    }
+
+    /// Like [`with_arena_checked`](Self::with_arena_checked) over units of several pieces
+    /// (a trunk streamed in parts): unit `i` is what `acquire(i)` serves; each piece names
+    /// the check in `checks` that covers it. `plan` is over the units' footprints
+    /// ([`Unit::as_run`]).
+    pub fn with_units(
+        units: Vec<Unit>,
+        plan: TrunkPlan,
+        reader: Arc<dyn ReadAt>,
+        file: u32,
+        arena: Arc<dyn ArenaMemory>,
+        checks: Vec<k3_model::trunk::RunCheck>,
+    ) -> Result<TrunkLoader, String> {
+        let runs = &units;
         if runs.len() != plan.layers {
             return Err(format!(
                 "the plan is for {} layers, the trunk has {}",
@@ -469,7 +582,7 @@ impl TrunkLoader {
                 stats,
             }),
             cv: Condvar::new(),
-            runs,
+            units,
         });
         let s2 = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -507,8 +620,12 @@ impl TrunkLoader {
                 layers: p.layers,
             });
         }
-        let r = sh.runs[layer];
-        let head = r.offset % ALIGN as u64;
+        let u = &sh.units[layer];
+        let head = u.pieces.first().map_or(0, |p| p.offset % ALIGN as u64);
+        let len = match u.pieces.as_slice() {
+            [one] => one.len,
+            _ => u.footprint() - head,
+        };
         let t0 = Instant::now();
         let mut st = sh.lock();
         if layer < p.pinned {
@@ -536,7 +653,7 @@ impl TrunkLoader {
             return Ok(LayerHandle {
                 layer,
                 arena_offset: sh.pinned_at[layer] + head,
-                len: r.len,
+                len,
                 hit,
             });
         }
@@ -561,7 +678,7 @@ impl TrunkLoader {
                         return Ok(LayerHandle {
                             layer,
                             arena_offset: sh.ring_at + i as u64 * p.slot_bytes + head,
-                            len: r.len,
+                            len,
                             hit: false,
                         });
                     }

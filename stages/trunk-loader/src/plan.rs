@@ -92,7 +92,8 @@ impl TrunkPlan {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
     "the trunk budget of {budget} bytes cannot hold one streaming slot for the largest layer \
-     ({need} bytes): a shortfall of {shortfall} bytes. Options: a larger --trunk-gb, or fewer --layers"
+     (or, streamed in parts, the largest part: {need} bytes): a shortfall of {shortfall} bytes. \
+     Options: a larger --trunk-gb, or fewer --layers"
 )]
 pub struct PlanError {
     pub budget: u64,
@@ -150,6 +151,86 @@ pub fn plan(budget: u64, runs: &[LayerRun], ring: RingPolicy) -> Result<TrunkPla
         slot_bytes: if ring_slots == 0 { 0 } else { slot_bytes },
         budget,
     })
+}
+
+/// A packed trunk's two ways to stream: whole layers, or the layers' parts (the tensors the
+/// forward uses together, `k3_model::trunk::layer_parts_of`), both in stream order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Streams {
+    /// One run per layer (its padded length).
+    pub layers: Vec<LayerRun>,
+    /// One run per part, layer by layer (the bytes its pieces take).
+    pub parts: Vec<LayerRun>,
+}
+
+impl Streams {
+    /// The streams of these layers of a packed trunk (or of a trunk laid out as `pack-trunk`
+    /// would lay it out, for `inspect`).
+    pub fn of_layers(layers: &[k3_model::trunk::TrunkLayer]) -> Streams {
+        Streams {
+            layers: layers
+                .iter()
+                .map(|l| LayerRun {
+                    offset: l.offset,
+                    len: l.padded_length,
+                })
+                .collect(),
+            parts: layers
+                .iter()
+                .flat_map(k3_model::trunk::layer_parts_of)
+                .map(|p| LayerRun {
+                    offset: 0,
+                    len: p.bytes(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Arena bytes of the whole trunk pinned (whole layers).
+    pub fn pinned_bytes(&self) -> u64 {
+        self.layers.iter().map(LayerRun::footprint).sum()
+    }
+}
+
+/// What [`plan_streams`] chose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct StreamPlan {
+    /// Over layers, or over parts when `parts` (then `pinned`, `layers`, `ring_slots` count
+    /// parts).
+    pub plan: TrunkPlan,
+    pub parts: bool,
+    /// Trunk bytes read per token: the streamed units' bytes.
+    pub read_per_token: u64,
+}
+
+/// Plan a budget both ways, whole layers and parts, and take the one that reads fewer bytes
+/// per token (whole layers on a tie, and whenever there are no parts): a budget below one
+/// slot for the largest layer streams in parts, whose slot is the largest part. Refused
+/// with the shortfall when not even one slot for the largest part fits. The trunk-loader
+/// and the orchestrator's plan both call this, so they agree.
+pub fn plan_streams(budget: u64, s: &Streams, ring: RingPolicy) -> Result<StreamPlan, PlanError> {
+    let read = |runs: &[LayerRun], p: &TrunkPlan| -> u64 {
+        runs[p.pinned..].iter().map(LayerRun::footprint).sum()
+    };
+    let whole = plan(budget, &s.layers, ring).map(|p| StreamPlan {
+        plan: p,
+        parts: false,
+        read_per_token: read(&s.layers, &p),
+    });
+    if s.parts.is_empty() {
+        return whole;
+    }
+    let parts = plan(budget, &s.parts, ring).map(|p| StreamPlan {
+        plan: p,
+        parts: true,
+        read_per_token: read(&s.parts, &p),
+    });
+    match (whole, parts) {
+        (Ok(w), Ok(p)) if p.read_per_token < w.read_per_token => Ok(p),
+        (Ok(w), _) => Ok(w),
+        (Err(_), Ok(p)) => Ok(p),
+        (Err(_), Err(e)) => Err(e),
+    }
 }
 
 #[cfg(test)]

@@ -7,6 +7,10 @@
 //! - **resident** (no `--trunk`): every layer's trunk tensors are read once from the shards,
 //!   tensor by tensor (any shard layout works), into one region, and stay.
 //!
+//! When the budget cannot hold one slot for the largest layer, the trunk streams in parts
+//! instead (`k3_model::trunk::TrunkManifest::layer_parts`: the tensors the forward uses
+//! together), each part a loader unit answered by `PartReady` / `PartDone`.
+//!
 //! Per pass, compute sends `StartPass`; this stage answers `LayerReady{layer, handle,
 //! tensors}` for layers 0..n in order, as fast as memory allows, and frees a ring slot only
 //! when compute's `LayerDone` for it arrives. After the last `LayerDone` it sends
@@ -20,7 +24,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::{plan, LayerRun, RingPolicy, TrunkLoader};
+use crate::loader::{Piece, Unit};
+use crate::{LayerRun, RingPolicy, TrunkLoader};
 use k3_io::arena::ALIGN;
 use k3_io::direct::DirectFiles;
 use k3_model::catalog::Catalog;
@@ -62,12 +67,25 @@ pub fn layer_tensors(
     out
 }
 
+/// One part of a layer when the trunk streams in parts: unit `i` of the loader.
+#[derive(Clone, Debug)]
+struct PartUnit {
+    layer: usize,
+    part: usize,
+    parts: usize,
+    /// Offsets relative to the unit's first arena byte.
+    tensors: Vec<LayerTensor>,
+}
+
 enum Source {
     Streamed {
         loader: TrunkLoader,
         manifest: TrunkManifest,
         /// Offset of each layer's first payload byte inside its arena mirror.
         head: Vec<u64>,
+        /// `Some`: the trunk streams in parts (a budget below one whole layer): the
+        /// loader's units are these, in stream order, and compute gets `PartReady`.
+        parts: Option<Vec<PartUnit>>,
     },
     Resident {
         /// Per layer: (offset of the layer in the region, its tensors).
@@ -126,12 +144,18 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         let t0 = Instant::now();
         let mut outstanding: VecDeque<usize> = VecDeque::new();
         let mut done = 0usize;
-        let n = conf.layers;
+        // Units served per pass: layers, or the layers' parts.
+        let n = match &source {
+            Source::Streamed {
+                parts: Some(parts), ..
+            } => parts.len(),
+            _ => conf.layers,
+        };
         for l in 0..n {
             // A streamed layer needs a free ring slot: wait for compute to finish one.
             if l >= pinned {
                 while outstanding.len() >= ring_slots {
-                    let d = wait_done(&mut *link, pass)?;
+                    let d = wait_done(&mut *link, pass, &source)?;
                     release(&source, d, pinned).map_err(|e| ctx.fail(e))?;
                     if let Some(pos) = outstanding.iter().position(|&x| x == d) {
                         outstanding.remove(pos);
@@ -149,12 +173,20 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     .map_err(|e| ctx.fail(format!("trunk-loader: layer {l}: {e}")))?;
                 ctx.rec.buffer(handle, bytes).map_err(|e| ctx.fail(e))?;
             }
+            if let (true, Msg::PartReady { tensors, .. }) = (ctx.rec.on(), &ready) {
+                for t in tensors {
+                    // SAFETY: as above: the part stays until compute's PartDone for it.
+                    let bytes = unsafe { region.resolve(&t.handle) }
+                        .map_err(|e| ctx.fail(format!("trunk-loader: {}: {e}", t.name)))?;
+                    ctx.rec.buffer(&t.handle, bytes).map_err(|e| ctx.fail(e))?;
+                }
+            }
             if l >= pinned {
                 outstanding.push_back(l);
             }
         }
         while done < n {
-            let d = wait_done(&mut *link, pass)?;
+            let d = wait_done(&mut *link, pass, &source)?;
             release(&source, d, pinned).map_err(|e| ctx.fail(e))?;
             if let Some(pos) = outstanding.iter().position(|&x| x == d) {
                 outstanding.remove(pos);
@@ -180,8 +212,8 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         )?;
     }
     let summary = match &source {
-        Source::Streamed { loader, .. } => serde_json::json!({
-            "mode": "streamed",
+        Source::Streamed { loader, parts, .. } => serde_json::json!({
+            "mode": if parts.is_some() { "streamed in parts" } else { "streamed" },
             "plan": loader.plan(),
             "stats": loader.stats(),
             "passes": passes,
@@ -221,9 +253,28 @@ fn stats_of(s: &Source) -> (u64, u64, u64, f64) {
     }
 }
 
-fn wait_done(link: &mut dyn k3_protocol::transport::Transport, pass: u64) -> Result<usize, String> {
+fn wait_done(
+    link: &mut dyn k3_protocol::transport::Transport,
+    pass: u64,
+    source: &Source,
+) -> Result<usize, String> {
     match recv_from(link, Stage::TrunkLoader, Stage::LayerCompute, None)? {
         Msg::LayerDone { pass: p, layer } if p == pass => Ok(layer as usize),
+        Msg::PartDone {
+            pass: p,
+            layer,
+            part,
+        } if p == pass => match source {
+            Source::Streamed {
+                parts: Some(parts), ..
+            } => parts
+                .iter()
+                .position(|u| u.layer == layer as usize && u.part == part as usize)
+                .ok_or_else(|| format!("trunk-loader: PartDone of layer {layer} part {part}: no such part")),
+            _ => Err(format!(
+                "trunk-loader: PartDone of layer {layer} part {part}, but the trunk is served whole layers"
+            )),
+        },
         other => Err(format!(
             "trunk-loader: expected LayerDone of pass {pass}, got {other:?}"
         )),
@@ -241,8 +292,43 @@ fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, Stri
     let (base, len, tensors): (u64, u64, Vec<LayerTensor>) = match s {
         Source::Streamed {
             loader,
+            parts: Some(parts),
+            ..
+        } => {
+            let u = &parts[l];
+            let h = loader.acquire(l).map_err(|e| match e {
+                crate::LoadError::Read { why, .. } => {
+                    format!(
+                        "trunk layer {} part {}: read failed: {why}",
+                        u.layer, u.part
+                    )
+                }
+                other => format!("trunk layer {} part {}: {other}", u.layer, u.part),
+            })?;
+            let mut spans = Vec::with_capacity(u.tensors.len());
+            for t in &u.tensors {
+                spans.push(TensorSpan {
+                    handle: region
+                        .handle(0, h.arena_offset + t.offset, t.len)
+                        .map_err(|e| format!("trunk-loader: {}: {e}", t.name))?,
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                });
+            }
+            return Ok(Msg::PartReady {
+                pass,
+                layer: u.layer as u32,
+                part: u.part as u32,
+                parts: u.parts as u32,
+                tensors: spans,
+            });
+        }
+        Source::Streamed {
+            loader,
             manifest,
             head,
+            parts: None,
         } => {
             let h = loader.acquire(l).map_err(|e| e.to_string())?;
             let ml = &manifest.layers[l];
@@ -319,8 +405,32 @@ fn setup_streamed(
         })
         .collect();
     let head: Vec<u64> = layers.iter().map(|l| l.offset % ALIGN as u64).collect();
-    let p = plan(conf.budget_bytes, &runs, RingPolicy::default())
+    // Whole layers when one slot for the largest fits the budget; else the layers' parts
+    // (the tensors the forward uses together), so no slot holds a whole layer.
+    let mut checks = manifest.run_checks();
+    checks.truncate(conf.layers);
+    let streams = crate::Streams::of_layers(layers);
+    let sp = crate::plan_streams(conf.budget_bytes, &streams, RingPolicy::default())
         .map_err(|e| format!("trunk-loader: {e}"))?;
+    let p = sp.plan;
+    let (units, parts) = if sp.parts {
+        let (units, parts) = part_units(&manifest, conf.layers, &mut checks);
+        (units, Some(parts))
+    } else {
+        let units: Vec<Unit> = runs
+            .iter()
+            .enumerate()
+            .map(|(l, r)| Unit {
+                pieces: vec![Piece {
+                    offset: r.offset,
+                    len: r.len,
+                    check: Some((l, 0)),
+                    tensor_checks: Vec::new(),
+                }],
+            })
+            .collect();
+        (units, None)
+    };
     let bytes = p.bytes().max(ALIGN as u64);
     let region = Region::create(TRUNK_REGION, "trunk", bytes, 1)
         .map_err(|e| format!("trunk-loader: arena of {bytes} bytes: {e}"))?;
@@ -331,10 +441,8 @@ fn setup_streamed(
     let bin: PathBuf = dir.join(&manifest.file);
     let reader = DirectFiles::open(std::slice::from_ref(&bin))
         .map_err(|e| format!("trunk-loader: {}: {e}", bin.display()))?;
-    let mut checks = manifest.run_checks();
-    checks.truncate(conf.layers);
-    let loader = TrunkLoader::with_arena_checked(
-        runs,
+    let loader = TrunkLoader::with_units(
+        units,
         p,
         Arc::new(reader),
         0,
@@ -350,9 +458,67 @@ fn setup_streamed(
             loader,
             manifest,
             head,
+            parts,
         },
         (0, 0.0),
     ))
+}
+
+/// The parts of layers `0..layers` as loader units (in stream order: layer by layer, each
+/// layer's parts in use order) and what each part holds. Each tensor is checked by its own
+/// CRCs: their checks are appended to `checks`.
+fn part_units(
+    m: &TrunkManifest,
+    layers: usize,
+    checks: &mut Vec<k3_model::trunk::RunCheck>,
+) -> (Vec<Unit>, Vec<PartUnit>) {
+    let mut units = Vec::new();
+    let mut parts = Vec::new();
+    for (l, ml) in m.layers.iter().enumerate().take(layers) {
+        let lp = m.layer_parts(l);
+        let n = lp.len();
+        for (k, part) in lp.into_iter().enumerate() {
+            let mut pieces: Vec<Piece> = part
+                .pieces
+                .iter()
+                .map(|pc| Piece {
+                    offset: ml.offset + pc.at,
+                    len: pc.len,
+                    check: None,
+                    tensor_checks: Vec::new(),
+                })
+                .collect();
+            for &(i, _, pk) in &part.tensors {
+                if let Some(c) = m.tensor_check(l, i) {
+                    pieces[pk]
+                        .tensor_checks
+                        .push((checks.len(), ml.tensors[i].offset - part.pieces[pk].at));
+                    checks.push(c);
+                }
+            }
+            units.push(Unit { pieces });
+            parts.push(PartUnit {
+                layer: l,
+                part: k,
+                parts: n,
+                tensors: part
+                    .tensors
+                    .iter()
+                    .map(|&(i, off, _)| {
+                        let t = &ml.tensors[i];
+                        LayerTensor {
+                            name: t.name.clone(),
+                            dtype: t.dtype,
+                            shape: t.shape.iter().map(|&d| d as u64).collect(),
+                            offset: off,
+                            len: t.len,
+                        }
+                    })
+                    .collect(),
+            });
+        }
+    }
+    (units, parts)
 }
 
 fn setup_resident(

@@ -241,6 +241,9 @@ fn open_a_packed_trunk_directory() {
                     shape: vec![r.len as usize],
                     offset: 0,
                     len: r.len,
+                    crc32: k3_model::trunk::chunk_crcs(
+                        &(0..r.len as usize).map(|b| byte(i, b)).collect::<Vec<u8>>(),
+                    ),
                 }],
             })
             .collect(),
@@ -304,6 +307,7 @@ fn long_runs_are_checked_piece_by_piece() {
         offset: 0,
         length: n as u64,
         crc32: chunk_crcs(&want),
+        tensor: None,
     };
     check(0, &mk(vec![good.clone()]).layer(0).unwrap(), n);
     let mut bad = good;

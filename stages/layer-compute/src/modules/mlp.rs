@@ -1,12 +1,9 @@
-//! The dense SiTU-GLU FFN (layer 0, and the shared experts inside the MoE; k3-spec §4.5)
-//! and its weight binding.
+//! The dense SiTU-GLU FFN (layer 0, and the shared experts inside the MoE; k3-spec §4.5).
+//! A dense layer's FFN weights are bound in `forward.rs` by use phase (gate and up, then
+//! down), so a trunk streamed in parts never holds all three.
 
-use k3_model::classify::layer_tensor;
-
-use crate::forward::{ForwardError, Model};
 use crate::kernels::act::situ_glu;
 use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
-use crate::weights::Weights;
 
 /// SiTU caps.
 #[derive(Clone, Copy, Debug)]
@@ -71,16 +68,4 @@ pub struct DenseWeights<'a> {
     pub gate: Mat<'a>,
     pub up: Mat<'a>,
     pub down: Mat<'a>,
-}
-
-impl<W: Weights> Model<W> {
-    pub(crate) fn dense_weights(&self, l: usize) -> Result<DenseWeights<'_>, ForwardError> {
-        let d = self.cfg.hidden_size;
-        let f = self.cfg.intermediate_size;
-        Ok(DenseWeights {
-            gate: self.mat(&layer_tensor(l, "mlp.gate_proj.weight"), f, d)?,
-            up: self.mat(&layer_tensor(l, "mlp.up_proj.weight"), f, d)?,
-            down: self.mat(&layer_tensor(l, "mlp.down_proj.weight"), d, f)?,
-        })
-    }
 }

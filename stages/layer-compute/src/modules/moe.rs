@@ -69,20 +69,34 @@ pub fn moe_forward(
     stats: &mut MoeStats,
     trace: &mut Option<&mut Trace>,
 ) -> Vec<f32> {
+    moe_forward_announced(w, p, v, ntok, &mut |_| {}, fetch, threads, stats, trace)
+}
+
+/// [`moe_forward`] that tells `announce(ids)` which routed experts it will fetch the moment
+/// the router has chosen them (the distinct ids, in the order `fetch` will ask for them),
+/// before it computes the shared experts and the latent down-projection, so a streaming
+/// supplier's reads overlap that compute. Then `fetch(ids, ...)` with the same ids.
+///
+/// The order of the products changes, not their values: the router's product alone, then
+/// the latent down-projection and the shared experts' gate/up fused, then the shared
+/// experts' down-projection, then the routed experts; every product is bit-identical to
+/// the same matrix multiplied alone (`gemm_fused`'s contract), and the sums are the same.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_forward_announced(
+    w: &MoeWeights<'_>,
+    p: &MoeParams,
+    v: &[f32],
+    ntok: usize,
+    announce: &mut dyn FnMut(&[u32]),
+    fetch: &mut ExpertFetch<'_>,
+    threads: usize,
+    stats: &mut MoeStats,
+    trace: &mut Option<&mut Trace>,
+) -> Vec<f32> {
     let (lat, k) = (p.latent, p.top_k);
     let mut logits = vec![0f32; ntok * p.n_experts];
-    let mut xl = vec![0f32; ntok * lat];
-    let sw = w.sh_gate.rows;
-    let mut sh_g = vec![0f32; ntok * sw];
-    let mut sh_u = vec![0f32; ntok * sw];
-    // Router, latent down-projection and the shared experts' gate/up all read `v`: one pass.
-    gemm_fused(
-        &[&w.gate, &w.down, &w.sh_gate, &w.sh_up],
-        v,
-        &mut [&mut logits, &mut xl, &mut sh_g, &mut sh_u],
-        ntok,
-        threads,
-    );
+    // The router first, alone: its choice starts the expert reads.
+    gemm_fused(&[&w.gate], v, &mut [&mut logits], ntok, threads);
     let routes: Vec<router::Routing> = (0..ntok)
         .map(|t| {
             router::route(
@@ -94,16 +108,6 @@ pub fn moe_forward(
             )
         })
         .collect();
-    for r in &routes {
-        trace_put(trace, "moe_scores", &r.scores);
-        trace_put(
-            trace,
-            "moe_topk_ids",
-            &r.ids.iter().map(|&i| i as f32).collect::<Vec<_>>(),
-        );
-        trace_put(trace, "moe_topk_weights", &r.weights);
-    }
-
     // Distinct ids in first-use order, and who uses each: (token, slot in its top-k).
     let mut union: Vec<u32> = Vec::new();
     let mut users: Vec<Vec<(usize, usize)>> = Vec::new();
@@ -118,6 +122,30 @@ pub fn moe_forward(
             }
         }
     }
+    announce(&union);
+    // While the experts load: the latent down-projection and the shared experts.
+    let mut xl = vec![0f32; ntok * lat];
+    let sw = w.sh_gate.rows;
+    let mut sh_g = vec![0f32; ntok * sw];
+    let mut sh_u = vec![0f32; ntok * sw];
+    gemm_fused(
+        &[&w.down, &w.sh_gate, &w.sh_up],
+        v,
+        &mut [&mut xl, &mut sh_g, &mut sh_u],
+        ntok,
+        threads,
+    );
+    let sh = glu_down64(&sh_g, &sh_u, &w.sh_down, p.situ, ntok, threads);
+    for r in &routes {
+        trace_put(trace, "moe_scores", &r.scores);
+        trace_put(
+            trace,
+            "moe_topk_ids",
+            &r.ids.iter().map(|&i| i as f32).collect::<Vec<_>>(),
+        );
+        trace_put(trace, "moe_topk_weights", &r.weights);
+    }
+
     stats.requests += union.len();
     let mut outs = vec![0f32; ntok * k * lat];
     let mut done = vec![false; ntok * k];
@@ -193,7 +221,6 @@ pub fn moe_forward(
     // halves are often large and nearly cancelling).
     let mut r = vec![0f64; ntok * p.hidden];
     gemm64(&w.up, &agg, &mut r, ntok, threads);
-    let sh = glu_down64(&sh_g, &sh_u, &w.sh_down, p.situ, ntok, threads);
     r.iter().zip(&sh).map(|(a, b)| (a + b) as f32).collect()
 }
 

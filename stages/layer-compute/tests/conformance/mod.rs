@@ -7,7 +7,9 @@
 //! What every implementation must do, in the order the forward uses it:
 //! - between `begin_layer(l)` and `end_layer(l)`, every trunk tensor of layer `l` comes back
 //!   with the checkpoint's dtype, shape and bytes (an implementation that served the wrong
-//!   layer's slot, a stale ring slot, or the padded run instead of the tensor fails);
+//!   layer's slot, a stale ring slot, or the padded run instead of the tensor fails), asked
+//!   for one use phase at a time (`k3_model::trunk::use_phase`) with `end_phase(l)` between
+//!   phases, as the forward does (a trunk streamed in parts holds one phase at a time);
 //! - a name that is not in the checkpoint is `WeightError::Missing` naming it, not a panic;
 //! - `experts(l, ids)` delivers every index exactly once, each with the checkpoint's bytes
 //!   of that expert (a fetcher that published the wrong slot, or delivered an expert twice
@@ -73,12 +75,21 @@ pub fn check_pass<W: Weights>(w: &W, src: &MmapWeights, cfg: &ModelConfig, layer
     for l in 0..layers {
         w.begin_layer(l)
             .unwrap_or_else(|e| panic!("begin_layer({l}): {e}"));
-        let names = layer_trunk(src, l);
+        let mut names = layer_trunk(src, l);
         assert!(
             !names.is_empty(),
             "layer {l}: the checkpoint has no trunk tensors"
         );
+        let phase = |n: &str| {
+            k3_model::classify::split_layer(n).map_or(3, |(_, s)| k3_model::trunk::use_phase(s))
+        };
+        names.sort_by_key(|n| phase(n));
+        let mut last = None;
         for n in &names {
+            if last.is_some_and(|p| p != phase(n)) {
+                w.end_phase(l);
+            }
+            last = Some(phase(n));
             let got = w.tensor(n).unwrap_or_else(|e| panic!("{n}: {e}"));
             same(n, &got, &src.tensor(n).unwrap());
         }
