@@ -250,7 +250,10 @@ fn random_value(rng: &mut Rng) -> Value {
     match rng.below(14) {
         0 => Value::Null,
         1 => Value::Bool(rng.one_in(2)),
-        2 | 3 => serde_json::from_str(*rng.pick(INT_STRS)).unwrap_or(Value::from(-1)),
+        2 | 3 => {
+            let s = *rng.pick(INT_STRS);
+            serde_json::from_str(s).unwrap_or(Value::from(-1))
+        }
         4 => Value::from(*rng.pick(U64S)),
         5 => Value::from(rng.next() as i64),
         6 => serde_json::Number::from_f64(f64::from_bits(rng.next()))
@@ -675,7 +678,7 @@ fn synth_shard(rng: &mut Rng, names: &[String]) -> Vec<u8> {
     let mut text = serde_json::to_vec(&Value::Object(h)).unwrap_or_default();
     // The released writer pads the header with spaces to a multiple of 8.
     if rng.one_in(2) {
-        while text.len() % 8 != 0 {
+        while !text.len().is_multiple_of(8) {
             text.push(b' ');
         }
     }
@@ -1245,7 +1248,7 @@ impl Fuzzer {
                 _ => {
                     // Spaces (the writer's padding) or a BOM / NUL at either end.
                     let pads: [&[u8]; 4] = [b"   ", b"\xef\xbb\xbf", b"\0", b"\n"];
-                    let pad: &[u8] = *rng.pick(&pads);
+                    let pad = *rng.pick(&pads);
                     if rng.one_in(2) {
                         json.extend_from_slice(pad);
                     } else {
@@ -1550,7 +1553,7 @@ fn continue_progress(
     t0: &Instant,
     progress: &mut impl FnMut(&Report),
 ) {
-    if every > 0 && (case + 1) % every == 0 {
+    if every > 0 && (case + 1).is_multiple_of(every) {
         rep.secs = t0.elapsed().as_secs_f64();
         progress(rep);
     }
