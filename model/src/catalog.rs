@@ -490,10 +490,23 @@ impl<'de> Visitor<'de> for HeaderSeed<'_> {
     }
 }
 
+/// `json` as UTF-8 text, or an error naming the first bad byte. The safetensors format (and
+/// its reference reader) requires the whole header to be UTF-8, and serde_json does not
+/// check the strings it skips (`__metadata__`, unknown fields).
+fn utf8<'a>(file: &Path, what: &str, json: &'a [u8]) -> Result<&'a str, CatalogError> {
+    std::str::from_utf8(json).map_err(|e| {
+        CatalogError::new(
+            file,
+            None,
+            format!("{what} is not UTF-8 text (bad byte at {})", e.valid_up_to()),
+        )
+    })
+}
+
 /// Parse a header's JSON bytes into raw tensors (no validation beyond JSON structure).
 fn parse_header<'a>(file: &Path, json: &'a [u8]) -> Result<Vec<RawTensor<'a>>, CatalogError> {
     let failing = RefCell::new(None);
-    let mut de = serde_json::Deserializer::from_slice(json);
+    let mut de = serde_json::Deserializer::from_str(utf8(file, "header", json)?);
     let res = HeaderSeed { failing: &failing }
         .deserialize(&mut de)
         .and_then(|v| de.end().map(|_| v));
@@ -560,10 +573,7 @@ pub fn check_safetensors_bytes(path: &Path, file: &[u8]) -> Result<ShardInfo, Ca
             format!("file is {file_size} bytes, too short for the 8-byte header length"),
         ));
     }
-    let mut len8 = [0u8; 8];
-    len8.copy_from_slice(&file[..8]);
-    let n = check_header_len(path, file_size, len8)?;
-    let part = parse_shard_json(path, file_size, n, &file[8..8 + n as usize])?;
+    let part = parse_shard_bytes(path, file)?;
     let mut keys: Vec<Key> = part.items.iter().map(|(k, _)| *k).collect();
     keys.sort_unstable();
     if let Some(w) = keys.windows(2).find(|w| w[0] == w[1]) {
@@ -576,6 +586,22 @@ pub fn check_safetensors_bytes(path: &Path, file: &[u8]) -> Result<ShardInfo, Ca
         ));
     }
     Ok(part.info)
+}
+
+/// Validate one shard held in memory (the in-memory twin of [`parse_shard`]).
+fn parse_shard_bytes(path: &Path, file: &[u8]) -> Result<ShardPart, CatalogError> {
+    let file_size = file.len() as u64;
+    if file_size < 8 {
+        return Err(CatalogError::new(
+            path,
+            None,
+            format!("file is {file_size} bytes, too short for the 8-byte header length"),
+        ));
+    }
+    let mut len8 = [0u8; 8];
+    len8.copy_from_slice(&file[..8]);
+    let n = check_header_len(path, file_size, len8)?;
+    parse_shard_json(path, file_size, n, &file[8..8 + n as usize])
 }
 
 /// Interns shapes during the build.
@@ -812,11 +838,13 @@ fn par_map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
         .collect()
 }
 
-/// Parse `paths` (in parallel) and merge them into one catalog; shard `i` is `paths[i]`.
+/// Parse `paths` (in parallel, with `parse`: [`parse_shard`] for files) and merge them
+/// into one catalog; shard `i` is `paths[i]`.
 fn build(
     paths: &[PathBuf],
     source: PathBuf,
     index_total_size: Option<u64>,
+    parse: &(dyn Fn(&Path) -> Result<ShardPart, CatalogError> + Sync),
 ) -> Result<(Catalog, Vec<NameDigest>), CatalogError> {
     if paths.len() > u16::MAX as usize + 1 {
         return Err(CatalogError::new(
@@ -825,8 +853,7 @@ fn build(
             format!("{} shards is more than 65536", paths.len()),
         ));
     }
-    let parts: Vec<Result<ShardPart, CatalogError>> =
-        par_map(paths.len(), |i| parse_shard(&paths[i]));
+    let parts: Vec<Result<ShardPart, CatalogError>> = par_map(paths.len(), |i| parse(&paths[i]));
     let total: usize = parts
         .iter()
         .map(|p| p.as_ref().map_or(0, |p| p.items.len()))
@@ -971,7 +998,7 @@ impl<'de> Deserialize<'de> for WeightMap<'de> {
 }
 
 fn parse_index<'a>(file: &Path, json: &'a [u8]) -> Result<Index<'a>, CatalogError> {
-    let mut de = serde_json::Deserializer::from_slice(json);
+    let mut de = serde_json::Deserializer::from_str(utf8(file, "index", json)?);
     de.deserialize_map(IndexVisitor)
         .and_then(|v| de.end().map(|_| v))
         .map_err(|e| CatalogError::new(file, None, format!("not a valid safetensors index: {e}")))
@@ -1035,15 +1062,43 @@ impl Catalog {
         } else {
             PathBuf::new()
         };
-        build(paths, source, None).map(|(c, _)| c)
+        build(paths, source, None, &parse_shard).map(|(c, _)| c)
     }
 
     /// Catalog the set an index file describes (shards relative to its directory).
     pub fn open_index(index: &Path) -> Result<Catalog, CatalogError> {
-        let dir = index.parent().unwrap_or(Path::new("."));
         let json = std::fs::read(index)
             .map_err(|e| CatalogError::new(index, None, format!("cannot read: {e}")))?;
-        let idx = parse_index(index, &json)?;
+        Self::index_with(index, &json, &parse_shard)
+    }
+
+    /// In-memory twin of [`Catalog::open_index`], for tools and fuzzing: `json` is the
+    /// index file's bytes and `shard(name)` the whole file `name` of the model directory
+    /// (`None`: no such file). Every check is the same code as for files; only the reading
+    /// differs (a missing shard's error says "cannot read: no such file").
+    pub fn from_index_bytes<'b>(
+        index: &Path,
+        json: &[u8],
+        shard: impl Fn(&str) -> Option<&'b [u8]> + Sync,
+    ) -> Result<Catalog, CatalogError> {
+        Self::index_with(index, json, &|p: &Path| match p
+            .file_name()
+            .and_then(|f| f.to_str())
+            .and_then(&shard)
+        {
+            Some(bytes) => parse_shard_bytes(p, bytes),
+            None => Err(CatalogError::new(p, None, "cannot read: no such file")),
+        })
+    }
+
+    /// [`Catalog::open_index`] on the index bytes `json`, reading shards with `parse`.
+    fn index_with(
+        index: &Path,
+        json: &[u8],
+        parse: &(dyn Fn(&Path) -> Result<ShardPart, CatalogError> + Sync),
+    ) -> Result<Catalog, CatalogError> {
+        let dir = index.parent().unwrap_or(Path::new("."));
+        let idx = parse_index(index, json)?;
         // Distinct shard names (the weight_map is usually grouped, so skip repeats cheaply).
         let mut files: Vec<&str> = Vec::new();
         let mut last: Option<&str> = None;
@@ -1079,7 +1134,7 @@ impl Catalog {
             ));
         }
         let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
-        let (cat, digests) = build(&paths, dir.to_path_buf(), idx.total_size)?;
+        let (cat, digests) = build(&paths, dir.to_path_buf(), idx.total_size, parse)?;
         // Every weight_map entry must be in the shard it names, once, and the weight_map
         // must cover every tensor. Fast path: per shard, the digest of the names the index
         // assigns to it equals the digest of the names its header holds.

@@ -2,7 +2,9 @@
 //! safetensors header parser, the index reader and the config reader. Every input must
 //! give a result or an error, never a panic; accepted inputs must satisfy the readers'
 //! invariants. Cases per property: `PROPTEST_CASES` (default 64, to keep `cargo test`
-//! fast); each test prints how many cases it ran.
+//! fast); each test prints how many cases it ran. The long runs (≥ 10^7 cases per reader)
+//! use the faster mutation fuzzer in `examples/fuzz_parsers` (docs/fuzzing.md); its
+//! findings have regression tests at the end of this file.
 
 use k3_model::catalog::{check_safetensors_bytes, Catalog};
 use k3_model::config::{LayerKind, ModelConfig};
@@ -412,5 +414,99 @@ fn fuzz_config() {
         "fuzz_config: {} cases, {} accepted",
         n.get(),
         accepted.get()
+    );
+}
+
+/// Found by the mutation fuzzer (examples/fuzz_parsers): a header whose skipped
+/// `__metadata__` held bytes that are not UTF-8 was accepted (serde_json does not check the
+/// strings it skips; the safetensors reference reader refuses such a header). Both readers,
+/// in memory and from a file, now refuse it and say why.
+#[test]
+fn a_header_that_is_not_utf8_is_refused() {
+    let json: &[u8] = b"{\"__metadata__\":{\"\xe6ormat\":\"pt\"}}";
+    let mut b = (json.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(json);
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("model.safetensors");
+    write_file(&f, &b);
+    let mem = check_safetensors_bytes(&f, &b).unwrap_err();
+    assert!(mem.msg.contains("not UTF-8"), "{mem}");
+    assert_eq!(Catalog::open(&f).unwrap_err(), mem);
+    // The same header with valid text is accepted (no tensors).
+    let ok: &[u8] = b"{\"__metadata__\":{\"format\":\"pt\"}}";
+    let mut b = (ok.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(ok);
+    assert_eq!(check_safetensors_bytes(&f, &b).unwrap().n_tensors, 0);
+}
+
+/// Same finding for the index: bytes that are not UTF-8 in a member the reader skips.
+#[test]
+fn an_index_that_is_not_utf8_is_refused() {
+    let shard = std::fs::read(fixture("seed/st/model-00002-of-00002.safetensors")).unwrap();
+    let (n, rest) = shard.split_at(8);
+    let n = u64::from_le_bytes(n.try_into().unwrap()) as usize;
+    let h: Value = serde_json::from_slice(&rest[..n]).unwrap();
+    let mut wm = serde_json::Map::new();
+    for k in h.as_object().unwrap().keys() {
+        if k != "__metadata__" {
+            wm.insert(k.clone(), Value::from("s.safetensors"));
+        }
+    }
+    let good = serde_json::to_vec(&serde_json::json!({ "weight_map": wm })).unwrap();
+    let mut bad = b"{\"x\": \"\xff\", ".to_vec();
+    bad.extend_from_slice(&good[1..]);
+    let shards = |name: &str| (name == "s.safetensors").then_some(shard.as_slice());
+    let d = tempfile::tempdir().unwrap();
+    let idx = d.path().join("model.safetensors.index.json");
+    let c = Catalog::from_index_bytes(&idx, &good, shards).unwrap();
+    assert_eq!(c.len(), wm.len());
+    let e = Catalog::from_index_bytes(&idx, &bad, shards).unwrap_err();
+    assert!(e.msg.contains("not UTF-8"), "{e}");
+    // From files: the same verdicts.
+    write_file(&d.path().join("s.safetensors"), &shard);
+    write_file(&idx, &good);
+    assert_eq!(Catalog::open(d.path()).unwrap().len(), wm.len());
+    write_file(&idx, &bad);
+    assert_eq!(Catalog::open(d.path()).unwrap_err(), e);
+}
+
+/// The in-memory index reader agrees with the file reader on the real sharded fixture:
+/// same tensors, same places; a missing shard is an error naming it.
+#[test]
+fn from_index_bytes_matches_open_index() {
+    let dir = fixture("tiny-mxfp4/sharded");
+    let idx = dir.join("model.safetensors.index.json");
+    let json = std::fs::read(&idx).unwrap();
+    let files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .map(|p| {
+            let n = p.file_name().unwrap().to_str().unwrap().to_string();
+            (n, std::fs::read(&p).unwrap())
+        })
+        .collect();
+    let get = |name: &str| {
+        files
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, b)| b.as_slice())
+    };
+    let mem = Catalog::from_index_bytes(&idx, &json, get).unwrap();
+    let disk = Catalog::open(&dir).unwrap();
+    assert_eq!(mem.len(), 916);
+    assert_eq!(mem.shards(), disk.shards());
+    let a: Vec<_> = mem.iter().collect();
+    let b: Vec<_> = disk.iter().collect();
+    assert_eq!(a, b);
+    check_catalog(&mem);
+    let missing = Catalog::from_index_bytes(&idx, &json, |n: &str| {
+        (!n.starts_with("model-00003")).then(|| get(n)).flatten()
+    })
+    .unwrap_err();
+    assert!(
+        missing.file.ends_with("model-00003-of-000014.safetensors")
+            && missing.msg.contains("cannot read"),
+        "{missing}"
     );
 }

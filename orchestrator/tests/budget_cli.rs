@@ -3,18 +3,12 @@
 //! same ids at every budget, refuse up front (exit 2) what does not fit, and the report
 //! carries the run's true peak beside the plan.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod tools_common;
 
-fn k3() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_k3-orch"))
-}
+use std::path::Path;
+use std::process::Output;
 
-fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(rel)
-}
+use tools_common::{fixture, k3_cmd as k3, output_text as text, read_json as json};
 
 fn prompt(model: &str) -> String {
     let v: serde_json::Value = serde_json::from_slice(
@@ -46,18 +40,6 @@ fn gen(model: &str, trunk: &Path, out: &Path, extra: &[&str]) -> Output {
         .args(extra)
         .output()
         .unwrap()
-}
-
-fn json(p: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// Catches `auto` budgeting the census sum of tensor bytes instead of the packed runs (it

@@ -2,22 +2,20 @@
 //! streamed to stdout and nothing else there, sampling recorded and deterministic across
 //! process modes, a random seed printed and recorded, stop strings.
 
+mod tools_common;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use serde_json::Value;
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_k3-orch")
-}
+use tools_common::k3_cmd;
 
 fn model() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let d = std::env::temp_dir().join(format!("k3-gen-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
-        let o = Command::new(bin())
+        let o = k3_cmd()
             .args(["synth", "--shape", "tiny-chat", d.to_str().unwrap()])
             .output()
             .unwrap();
@@ -30,7 +28,7 @@ fn model() -> &'static Path {
 fn gen(extra: &[&str]) -> (String, String, Value) {
     let m = model().to_str().unwrap();
     let out = tempfile::NamedTempFile::new().unwrap();
-    let o = Command::new(bin())
+    let o = k3_cmd()
         .args([
             m,
             "--tok",

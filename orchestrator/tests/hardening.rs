@@ -7,7 +7,7 @@ mod tools_common;
 use std::path::{Path, PathBuf};
 
 use k3_model::trunk::TrunkManifest;
-use tools_common::{fixtures, header, k3, k3_ok};
+use tools_common::{fixtures, header, k3_ok, k3_text as run};
 
 const IDS: &str = "77,198,74";
 
@@ -35,11 +35,6 @@ fn corrupted_copy(dir: &Path, i: usize, name: &str, at: usize, bytes: &[u8]) -> 
     b[off..off + bytes.len()].copy_from_slice(bytes);
     std::fs::write(&p, b).unwrap();
     m
-}
-
-fn run(args: &[&str]) -> (i32, String) {
-    let (code, out, err) = k3(args);
-    (code, format!("{out}{err}"))
 }
 
 /// `c0 7f` × 64 (BF16 NaN) in layer 2's q_proj: greedy, sampled and score runs end with

@@ -1,9 +1,15 @@
-//! Helpers shared by the `tools_*` integration tests: run the built `k3-orch`, read a
-//! safetensors header, find the fixtures.
+//! Helpers shared by the orchestrator's integration tests (`tools_*`, `hardening`,
+//! `generate_cli`, `budget_cli`): run the built `k3-orch`, read a safetensors header, find
+//! the fixtures. A test file uses them with `mod tools_common;`.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
+
+/// A command for the built `k3-orch`, to add arguments to.
+pub fn k3_cmd() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+}
 
 /// Exit code, stdout and stderr of `k3-orch <args>`.
 pub fn k3(args: &[&str]) -> (i32, String, String) {
@@ -16,6 +22,27 @@ pub fn k3(args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Exit code and stdout followed by stderr of `k3-orch <args>`.
+pub fn k3_text(args: &[&str]) -> (i32, String) {
+    let (code, out, err) = k3(args);
+    (code, format!("{out}{err}"))
+}
+
+/// Stdout followed by stderr of a finished command.
+pub fn output_text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A JSON file, parsed (panics with the path when it is not).
+pub fn read_json(p: &Path) -> serde_json::Value {
+    let b = std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_slice(&b).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
 /// Like [`k3`] but panics (with the output) unless the exit code is 0.
@@ -31,6 +58,11 @@ pub fn k3_ok(args: &[&str]) -> String {
 /// The repository's `tests/fixtures`.
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+/// `tests/fixtures/<rel>`.
+pub fn fixture(rel: &str) -> PathBuf {
+    fixtures().join(rel)
 }
 
 /// Header length and parsed JSON of a safetensors file.

@@ -9,6 +9,7 @@
 
 use serde_json::{json, Value};
 
+use k3_model::classify::{expert_tensor, layer_tensor, model_tensor, LM_HEAD};
 use k3_model::tensor::Dtype;
 
 /// Dimensions of a synthetic model (field meanings as in k3-spec §1).
@@ -467,7 +468,7 @@ pub fn scale_center(inp: usize) -> u8 {
 
 /// Tensors of routed expert `e` of layer `l`, in their on-disk order.
 fn expert_tensors_e(g: &Geometry, l: usize, e: usize) -> Vec<TensorSpec> {
-    let p = format!("language_model.model.layers.{l}.block_sparse_moe.experts.{e}.");
+    let name = |suffix: &str| expert_tensor(l, e, suffix);
     // (name, rows, cols): w1 gate and w3 up map latent -> F; w2 maps back.
     let mats = [
         ("w1", g.moe_inter, g.latent),
@@ -478,19 +479,19 @@ fn expert_tensors_e(g: &Geometry, l: usize, e: usize) -> Vec<TensorSpec> {
     for (w, rows, cols) in mats {
         if g.experts_mxfp4() {
             out.push(t(
-                format!("{p}{w}.weight_packed"),
+                name(&format!("{w}.weight_packed")),
                 Dtype::U8,
                 &[rows, cols / 2],
                 Init::Packed,
             ));
             out.push(t(
-                format!("{p}{w}.weight_scale"),
+                name(&format!("{w}.weight_scale")),
                 Dtype::U8,
                 &[rows, cols / 32],
                 Init::Scale(scale_center(cols)),
             ));
         } else {
-            out.push(lin(format!("{p}{w}.weight"), rows, cols));
+            out.push(lin(name(&format!("{w}.weight")), rows, cols));
         }
     }
     out
@@ -498,7 +499,11 @@ fn expert_tensors_e(g: &Geometry, l: usize, e: usize) -> Vec<TensorSpec> {
 
 /// The non-expert ("trunk") tensors of layer `l`, unsorted.
 fn trunk_tensors(g: &Geometry, l: usize) -> Vec<TensorSpec> {
-    let p = format!("language_model.model.layers.{l}.");
+    // `p(suffix)`, `a(suffix)` and `m(suffix)`: names in the layer, its attention and
+    // its MoE block.
+    let p = |suffix: &str| layer_tensor(l, suffix);
+    let a = |suffix: &str| layer_tensor(l, &format!("self_attn.{suffix}"));
+    let m = |suffix: &str| layer_tensor(l, &format!("block_sparse_moe.{suffix}"));
     let d = g.hidden;
     let mut v = Vec::new();
     for n in [
@@ -507,111 +512,87 @@ fn trunk_tensors(g: &Geometry, l: usize) -> Vec<TensorSpec> {
         "self_attention_res_norm",
         "mlp_res_norm",
     ] {
-        v.push(t(format!("{p}{n}.weight"), Dtype::BF16, &[d], Init::Gain));
+        v.push(t(p(&format!("{n}.weight")), Dtype::BF16, &[d], Init::Gain));
     }
     for n in ["self_attention_res_proj", "mlp_res_proj"] {
-        v.push(lin(format!("{p}{n}.weight"), 1, d));
+        v.push(lin(p(&format!("{n}.weight")), 1, d));
     }
-    let a = format!("{p}self_attn.");
     if g.mla[l] {
         let h = g.mla_heads;
-        v.push(lin(format!("{a}q_a_proj.weight"), g.q_lora, d));
+        v.push(lin(a("q_a_proj.weight"), g.q_lora, d));
         v.push(t(
-            format!("{a}q_a_layernorm.weight"),
+            a("q_a_layernorm.weight"),
             Dtype::BF16,
             &[g.q_lora],
             Init::Gain,
         ));
-        v.push(lin(
-            format!("{a}q_b_proj.weight"),
-            h * (g.nope + g.rope),
-            g.q_lora,
-        ));
-        v.push(lin(
-            format!("{a}kv_a_proj_with_mqa.weight"),
-            g.kv_lora + g.rope,
-            d,
-        ));
+        v.push(lin(a("q_b_proj.weight"), h * (g.nope + g.rope), g.q_lora));
+        v.push(lin(a("kv_a_proj_with_mqa.weight"), g.kv_lora + g.rope, d));
         v.push(t(
-            format!("{a}kv_a_layernorm.weight"),
+            a("kv_a_layernorm.weight"),
             Dtype::BF16,
             &[g.kv_lora],
             Init::Gain,
         ));
         v.push(lin(
-            format!("{a}kv_b_proj.weight"),
+            a("kv_b_proj.weight"),
             h * (g.nope + g.v_head),
             g.kv_lora,
         ));
-        v.push(lin(format!("{a}g_proj.weight"), h * g.v_head, d));
-        v.push(lin(format!("{a}o_proj.weight"), d, h * g.v_head));
+        v.push(lin(a("g_proj.weight"), h * g.v_head, d));
+        v.push(lin(a("o_proj.weight"), d, h * g.v_head));
     } else {
         let hd = g.kda_head_dim;
         let pp = g.kda_heads * hd;
         for n in ["q_proj", "k_proj", "v_proj", "g_proj"] {
-            v.push(lin(format!("{a}{n}.weight"), pp, d));
+            v.push(lin(a(&format!("{n}.weight")), pp, d));
         }
-        v.push(lin(format!("{a}o_proj.weight"), d, pp));
+        v.push(lin(a("o_proj.weight"), d, pp));
         let conv_std = 1.0 / (g.conv as f32).sqrt();
         for n in ["q_conv1d", "k_conv1d", "v_conv1d"] {
             v.push(t(
-                format!("{a}{n}.weight"),
+                a(&format!("{n}.weight")),
                 Dtype::F32,
                 &[pp, 1, g.conv],
                 Init::Normal(conv_std),
             ));
         }
-        v.push(lin(format!("{a}f_a_proj.weight"), hd, d));
-        v.push(lin(format!("{a}f_b_proj.weight"), pp, hd));
+        v.push(lin(a("f_a_proj.weight"), hd, d));
+        v.push(lin(a("f_b_proj.weight"), pp, hd));
+        v.push(t(a("dt_bias"), Dtype::F32, &[pp], Init::Uniform(-1.0, 1.0)));
         v.push(t(
-            format!("{a}dt_bias"),
-            Dtype::F32,
-            &[pp],
-            Init::Uniform(-1.0, 1.0),
-        ));
-        v.push(t(
-            format!("{a}A_log"),
+            a("A_log"),
             Dtype::F32,
             &[hd.max(g.kda_heads)],
             Init::ALog(g.kda_heads),
         ));
-        v.push(lin(format!("{a}b_proj.weight"), g.kda_heads, d));
-        v.push(t(
-            format!("{a}o_norm.weight"),
-            Dtype::F32,
-            &[hd],
-            Init::Gain,
-        ));
+        v.push(lin(a("b_proj.weight"), g.kda_heads, d));
+        v.push(t(a("o_norm.weight"), Dtype::F32, &[hd], Init::Gain));
     }
     if g.is_moe(l) {
-        let m = format!("{p}block_sparse_moe.");
-        v.push(lin(format!("{m}gate.weight"), g.experts, d));
+        v.push(lin(m("gate.weight"), g.experts, d));
         v.push(t(
-            format!("{m}gate.e_score_correction_bias"),
+            m("gate.e_score_correction_bias"),
             Dtype::F32,
             &[g.experts],
             Init::Uniform(-0.01, 0.01),
         ));
-        v.push(lin(
-            format!("{m}routed_expert_down_proj.weight"),
-            g.latent,
-            d,
-        ));
+        v.push(lin(m("routed_expert_down_proj.weight"), g.latent, d));
         v.push(t(
-            format!("{m}routed_expert_norm.weight"),
+            m("routed_expert_norm.weight"),
             Dtype::BF16,
             &[g.latent],
             Init::Gain,
         ));
-        v.push(lin(format!("{m}routed_expert_up_proj.weight"), d, g.latent));
+        v.push(lin(m("routed_expert_up_proj.weight"), d, g.latent));
         let fs = g.n_shared * g.moe_inter;
-        v.push(lin(format!("{m}shared_experts.gate_proj.weight"), fs, d));
-        v.push(lin(format!("{m}shared_experts.up_proj.weight"), fs, d));
-        v.push(lin(format!("{m}shared_experts.down_proj.weight"), d, fs));
+        v.push(lin(m("shared_experts.gate_proj.weight"), fs, d));
+        v.push(lin(m("shared_experts.up_proj.weight"), fs, d));
+        v.push(lin(m("shared_experts.down_proj.weight"), d, fs));
     } else {
-        v.push(lin(format!("{p}mlp.gate_proj.weight"), g.dense_inter, d));
-        v.push(lin(format!("{p}mlp.up_proj.weight"), g.dense_inter, d));
-        v.push(lin(format!("{p}mlp.down_proj.weight"), d, g.dense_inter));
+        v.push(lin(p("mlp.gate_proj.weight"), g.dense_inter, d));
+        v.push(lin(p("mlp.up_proj.weight"), g.dense_inter, d));
+        v.push(lin(p("mlp.down_proj.weight"), d, g.dense_inter));
     }
     v
 }
@@ -669,29 +650,16 @@ pub fn shards(g: &Geometry) -> Vec<ShardSpec> {
     }
     let d = g.hidden;
     let mut last = vec![
-        lin(
-            "language_model.model.embed_tokens.weight".into(),
-            g.vocab,
-            d,
-        ),
-        lin("language_model.lm_head.weight".into(), g.vocab, d),
+        lin(model_tensor("embed_tokens.weight"), g.vocab, d),
+        lin(LM_HEAD.into(), g.vocab, d),
+        t(model_tensor("norm.weight"), Dtype::BF16, &[d], Init::Gain),
         t(
-            "language_model.model.norm.weight".into(),
+            model_tensor("output_attn_res_norm.weight"),
             Dtype::BF16,
             &[d],
             Init::Gain,
         ),
-        t(
-            "language_model.model.output_attn_res_norm.weight".into(),
-            Dtype::BF16,
-            &[d],
-            Init::Gain,
-        ),
-        lin(
-            "language_model.model.output_attn_res_proj.weight".into(),
-            1,
-            d,
-        ),
+        lin(model_tensor("output_attn_res_proj.weight"), 1, d),
     ];
     // Embedding rows are looked up, not multiplied: give them unit scale.
     last[0].init = Init::Normal(1.0);
