@@ -475,28 +475,8 @@ fn injected_failures() -> Result<Vec<(u32, u32)>, RunError> {
 /// configuration for the generation flags `a` (its prompt and `--gen` are not used; each
 /// request brings its own), and the tokenizer's stop ids.
 pub fn warm_launch(a: &GenArgs) -> Result<(Launch, Vec<u32>), RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
-    let config_path = a
-        .config
-        .clone()
-        .unwrap_or_else(|| a.model_dir.join("config.json"));
-    let cfg = ModelConfig::load(&config_path).map_err(|e| usage(e.to_string()))?;
-    if let Some(n) = a.layers {
-        if n > cfg.num_hidden_layers {
-            return Err(usage(format!(
-                "--layers {n}: the model has {} layers",
-                cfg.num_hidden_layers
-            )));
-        }
-    }
-    let layers = a.layers.unwrap_or(cfg.num_hidden_layers);
-    let cat = k3_model::catalog::Catalog::open(&a.model_dir)
-        .map_err(|e| RunError::failed(format!("k3-orch: {e}")))?;
-    if let Some(dir) = &a.trunk {
-        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| usage(e.to_string()))?;
-        m.check_against(&cat)
-            .map_err(|e| usage(format!("--trunk {}: {e}", dir.display())))?;
-    }
+    let (cfg, cat, layers) = super::open_model(a)?;
+    let config_path = super::config_path(a);
     let cen = super::census::census(&cfg, &cat, layers);
     let plan = super::plan::plan_run(a, &cfg, &cen, layers)?;
     let threads = a

@@ -29,19 +29,20 @@ use args::{GenArgs, Prompt};
 use launch::{Common, Generated};
 use report::{Report, StepReport, Totals};
 
-/// Run a generation; the exit code (0, or 4 for unsound ids), or the error that ended it.
-pub fn run(a: &GenArgs) -> Result<i32, RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
-    if !a.model_dir.is_dir() {
-        return Err(usage(format!(
-            "model directory {} does not exist",
-            a.model_dir.display()
-        )));
-    }
-    let config_path = a
-        .config
+/// The config file a generation reads: `--config`, or the model dir's `config.json`.
+pub(crate) fn config_path(a: &GenArgs) -> std::path::PathBuf {
+    a.config
         .clone()
-        .unwrap_or_else(|| a.model_dir.join("config.json"));
+        .unwrap_or_else(|| a.model_dir.join("config.json"))
+}
+
+/// The model a generation runs: its config (`--config` or the model dir's), the shard
+/// catalog, and the layer count (`--layers`, refused past the model's); a `--trunk` is
+/// checked against the catalog. Shared by the
+/// one-shot run and the warm pipeline of `serve`/`chat`.
+pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), RunError> {
+    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+    let config_path = config_path(a);
     let cfg = ModelConfig::load(&config_path).map_err(|e| usage(e.to_string()))?;
     if let Some(n) = a.layers {
         if n > cfg.num_hidden_layers {
@@ -53,7 +54,26 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     }
     let layers = a.layers.unwrap_or(cfg.num_hidden_layers);
     let cat = Catalog::open(&a.model_dir).map_err(|e| RunError::failed(format!("k3-orch: {e}")))?;
-    preflight(a, &cfg, &cat)?;
+    if let Some(dir) = &a.trunk {
+        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| usage(e.to_string()))?;
+        m.check_against(&cat)
+            .map_err(|e| usage(format!("--trunk {}: {e}", dir.display())))?;
+    }
+    Ok((cfg, cat, layers))
+}
+
+/// Run a generation; the exit code (0, or 4 for unsound ids), or the error that ended it.
+pub fn run(a: &GenArgs) -> Result<i32, RunError> {
+    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+    if !a.model_dir.is_dir() {
+        return Err(usage(format!(
+            "model directory {} does not exist",
+            a.model_dir.display()
+        )));
+    }
+    let (cfg, cat, layers) = open_model(a)?;
+    let config_path = config_path(a);
+    preflight(a, &cfg)?;
     let cen = census::census(&cfg, &cat, layers);
     let plan = plan::plan_run(a, &cfg, &cen, layers)?;
     let threads = a
@@ -168,13 +188,8 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
 /// What can be refused before any stage starts (exit 2): a packed trunk of another
 /// checkpoint, prompt ids outside the vocabulary, output paths whose directory is missing
 /// or that are not files, a `--record` that is not a directory.
-fn preflight(a: &GenArgs, cfg: &ModelConfig, cat: &Catalog) -> Result<(), RunError> {
+fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), RunError> {
     let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
-    if let Some(dir) = &a.trunk {
-        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| usage(e.to_string()))?;
-        m.check_against(cat)
-            .map_err(|e| usage(format!("--trunk {}: {e}", dir.display())))?;
-    }
     if let Prompt::Ids(ids) = &a.prompt {
         let vocab = cfg.vocab_size;
         let bad: Vec<String> = ids
