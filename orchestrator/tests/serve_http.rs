@@ -333,22 +333,7 @@ fn concurrent_requests_are_all_answered_and_a_full_queue_gets_429() {
             .unwrap_or(0)
     });
     // Wait until the long request holds the slot (queue depth 1), then ask again.
-    let t0 = Instant::now();
-    loop {
-        let m = ureq::get(&format!("{}/metrics", s1.base))
-            .call()
-            .unwrap()
-            .into_string()
-            .unwrap();
-        if m.contains("\nk3_queue_depth 1\n") {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the long request never started"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_one_in_flight(&s1.base, "the long request");
     let (st, v, refused) = post(
         &s1,
         "/v1/completions",
@@ -512,22 +497,7 @@ fn a_sigkilled_stage_fails_its_request_with_a_5xx_and_the_next_request_succeeds(
             }
         });
         // Kill the stage once the request is generating.
-        let t0 = Instant::now();
-        loop {
-            let m = ureq::get(&format!("{}/metrics", s.base))
-                .call()
-                .unwrap()
-                .into_string()
-                .unwrap();
-            if m.contains("\nk3_queue_depth 1\n") {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "the request never started"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_for_one_in_flight(&s.base, "the request");
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
         let (code, v) = inflight.join().unwrap();
@@ -608,4 +578,25 @@ fn chat_repl_works_from_a_pipe() {
         .collect();
     assert_eq!(reused.len(), 3, "{err}");
     assert!(reused[1] > 0, "{err}");
+}
+
+/// Wait (at most 20 s) until `/metrics` at `base` shows one request holding the slot
+/// (queue depth 1); `what` names the request in the failure message.
+fn wait_for_one_in_flight(base: &str, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        let m = ureq::get(&format!("{base}/metrics"))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap();
+        if m.contains("\nk3_queue_depth 1\n") {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{what} never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
