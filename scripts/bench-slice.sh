@@ -31,9 +31,9 @@ BW0=$(membw)
 
 IDS1=1
 IDS16=$(seq -s, 1 16)
-run() { # name, ids, gen
-  "$BIN" "$WORK/slice" --single-process --incremental --threads "$THREADS" \
-    --ids "$2" --gen "$3" --out "$WORK/$1.json" --quiet
+run() { # name, ids, gen; the per-phase profile (K3_PROFILE, observation only) to NAME.prof
+  K3_PROFILE=1 "$BIN" "$WORK/slice" --single-process --incremental --threads "$THREADS" \
+    --ids "$2" --gen "$3" --out "$WORK/$1.json" --quiet 2> "$WORK/$1.prof"
 }
 staged() { # name, ids, gen: the product's default (staged) mode, everything resident
   "$BIN" "$WORK/slice" --mem-gb 20 --incremental --threads "$THREADS" \
@@ -84,6 +84,9 @@ print(f"decode ids {dec['generated_ids']}, staged ids {stg['generated_ids']}")
 if dec["generated_ids"] != stg["generated_ids"][: len(dec["generated_ids"])]:
     print("WARNING: staged and single-process ids differ")
 PY
+echo "== where the time goes (K3_PROFILE, ms per forward call, summed over layers)"
+echo "decode, last 3 steps:"; grep 'k3 profile' "$WORK/decode.prof" | tail -3
+echo "16-token prompt:"; grep 'k3 profile' "$WORK/prefill.prof" | head -1
 
 echo
 echo "== kernel table (GB/s of weight bytes; % of the best read probe of the same pool)"

@@ -112,3 +112,47 @@ fn a_stop_string_cuts_the_text_and_the_ids() {
         assert_eq!(r["sampling"]["stop"][0], stop.as_str());
     }
 }
+
+// Catches: a K3_PROFILE that prints nothing, misses a phase, or changes a result (the
+// profile is observation only: the ids and the text must equal the run without it). One
+// line per forward call: the prompt's, then one per decode step after the first token.
+#[test]
+fn the_phase_profile_prints_one_line_per_forward_call_and_changes_nothing() {
+    for mode in [&[][..], &["--single-process"][..]] {
+        let (text0, _, rep0) = gen(mode);
+        let m = model().to_str().unwrap();
+        let out = tempfile::NamedTempFile::new().unwrap();
+        let o = k3_cmd()
+            .env("K3_PROFILE", "1")
+            .args([m, "--tok", m, "--prompt", "Hello there", "--gen", "8"])
+            .args(["--incremental", "--threads", "1"])
+            .args(["--out", out.path().to_str().unwrap()])
+            .args(mode)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{mode:?}");
+        let se = String::from_utf8_lossy(&o.stderr);
+        let lines: Vec<&str> = se.lines().filter(|l| l.contains("k3 profile:")).collect();
+        let rep: Value = serde_json::from_slice(&std::fs::read(out.path()).unwrap()).unwrap();
+        let steps = rep["steps"].as_array().unwrap().len();
+        assert_eq!(lines.len(), steps, "{mode:?}: one line per step\n{se}");
+        for l in &lines {
+            for p in [
+                "total",
+                "attn",
+                "router",
+                "shared",
+                "experts",
+                "expert-wait",
+                "combine",
+                "dense-ffn",
+                "head",
+                "other",
+            ] {
+                assert!(l.contains(&format!(" {p} ")), "{mode:?}: no {p} in {l}");
+            }
+        }
+        assert_eq!(rep["generated_ids"], rep0["generated_ids"], "{mode:?}");
+        assert_eq!(String::from_utf8(o.stdout).unwrap(), text0, "{mode:?}");
+    }
+}

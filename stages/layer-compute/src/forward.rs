@@ -368,6 +368,7 @@ impl<W: Weights> Model<W> {
         }
         let th = self.threads;
         let mut stats = StepStats::default();
+        let prof = crate::profile::begin_call();
 
         // Embed: one row per token, read on demand where the weights can (staged compute
         // never holds the embedding), else sliced from the tensor.
@@ -422,6 +423,7 @@ impl<W: Weights> Model<W> {
         if let Some(t) = trace.as_deref_mut() {
             t.prefix = "final.".into();
         }
+        let head_span = crate::profile::span(crate::profile::Phase::Head);
         let fold = self.final_fold()?;
         let mixed = attnres_mix_rows(&bank, &h, &fold, self.eps.rms, ntok);
         crate::modules::trace_put(&mut trace, "mix", &mixed);
@@ -470,7 +472,9 @@ impl<W: Weights> Model<W> {
                 gemm(&head, src, &mut logits, rows, th);
             }
         }
+        head_span.end();
         crate::modules::trace_put(&mut trace, "logits", &logits);
+        crate::profile::end_call(prof, ntok);
         sess.pos += ntok;
         Ok(StepOutput {
             logits,
@@ -554,6 +558,7 @@ impl<W: Weights> Model<W> {
                 &mut u[t * d..(t + 1) * d],
             );
         }
+        let attn_span = crate::profile::span(crate::profile::Phase::Attn);
         let y = match &w.attn {
             Attn::Kda(kw) => {
                 let dims = self.kda_dims();
@@ -566,6 +571,7 @@ impl<W: Weights> Model<W> {
                 mla_forward(mw, &dims, &eps, &u, ntok, cache, th, trace)
             }
         };
+        attn_span.end();
         drop(w);
         self.weights.end_phase(l);
         trace_put(trace, "attn_out", &y);
@@ -591,6 +597,7 @@ impl<W: Weights> Model<W> {
         // (9) FFN.
         let z = match &w.ffn {
             FfnIn::Dense { gate, up } => {
+                let _dense = crate::profile::span(crate::profile::Phase::Dense);
                 // glu_mlp's products in its order (gate and up fused, then the down
                 // projection of the SiTU), with gate and up released before down is bound.
                 let f = gate.rows;

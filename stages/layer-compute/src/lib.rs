@@ -12,6 +12,7 @@
 //! - [`links`]: [`links::StagedWeights`], the [`Weights`] over the loaders' links.
 //! - [`model_stream`]: the embedding one row per token on demand, the lm_head in chunks.
 //! - [`pool`]: the compute worker pool (rayon), sized by `--threads`.
+//! - [`profile`]: the opt-in per-phase wall-time profile (`K3_PROFILE=1`).
 //! - [`stage`]: the layer-compute stage's process loop.
 //! - [`state`]: saved session states (`--save-state` / `--load-state`).
 
@@ -31,6 +32,7 @@ pub mod links;
 pub mod model_stream;
 pub mod modules;
 pub mod pool;
+pub mod profile;
 pub mod sampler;
 pub mod stage;
 pub mod state;

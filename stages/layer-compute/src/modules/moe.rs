@@ -10,6 +10,7 @@ use super::{expert_mat, trace_put, Trace};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
 use crate::kernels::{norm, router};
+use crate::profile::{self, Phase};
 use crate::weights::ExpertRef;
 use crate::weights::Weights;
 
@@ -94,6 +95,7 @@ pub fn moe_forward_announced(
     trace: &mut Option<&mut Trace>,
 ) -> Vec<f32> {
     let (lat, k) = (p.latent, p.top_k);
+    let router_span = profile::span(Phase::Router);
     let mut logits = vec![0f32; ntok * p.n_experts];
     // The router first, alone: its choice starts the expert reads.
     gemm_fused(&[&w.gate], v, &mut [&mut logits], ntok, threads);
@@ -123,6 +125,8 @@ pub fn moe_forward_announced(
         }
     }
     announce(&union);
+    router_span.end();
+    let shared_span = profile::span(Phase::Shared);
     // While the experts load: the latent down-projection and the shared experts.
     let mut xl = vec![0f32; ntok * lat];
     let sw = w.sh_gate.rows;
@@ -136,6 +140,7 @@ pub fn moe_forward_announced(
         threads,
     );
     let sh = glu_down64(&sh_g, &sh_u, &w.sh_down, p.situ, ntok, threads);
+    shared_span.end();
     for r in &routes {
         trace_put(trace, "moe_scores", &r.scores);
         trace_put(
@@ -151,6 +156,8 @@ pub fn moe_forward_announced(
     let mut done = vec![false; ntok * k];
     let mut delivered = vec![false; union.len()];
     {
+        // The fetch's time less the routed products inside it is the wait for weights.
+        let mut wait_span = profile::span(Phase::ExpertWait);
         let mut deliver = |ui: usize, res: Result<ExpertRef<'_>, WeightError>| {
             if ui >= union.len() || delivered[ui] {
                 stats.failures += 1;
@@ -176,7 +183,13 @@ pub fn moe_forward_announced(
                     for &(t, _) in us {
                         xb.extend_from_slice(&xl[t * lat..(t + 1) * lat]);
                     }
+                    let t0 = profile::enabled().then(std::time::Instant::now);
+                    let ex_span = profile::span(Phase::Experts);
                     let y = glu_mlp(&w1, &w3, &w2, p.situ, &xb, us.len(), threads);
+                    ex_span.end();
+                    if let Some(t0) = t0 {
+                        wait_span.exclude(t0.elapsed());
+                    }
                     for (j, &(t, slot)) in us.iter().enumerate() {
                         outs[(t * k + slot) * lat..(t * k + slot + 1) * lat]
                             .copy_from_slice(&y[j * lat..(j + 1) * lat]);
@@ -199,6 +212,7 @@ pub fn moe_forward_announced(
                 .push(format!("expert {} was never delivered", union[ui]));
         }
     }
+    let _combine = profile::span(Phase::Combine);
     // Weighted sum in top-k order, then the latent norm on the aggregate.
     let mut agg = vec![0f32; ntok * lat];
     for t in 0..ntok {
