@@ -44,6 +44,8 @@ pub struct Common<'a> {
     pub threads: usize,
     pub sampler: SamplerConfig,
     pub stop_ids: Vec<u32>,
+    /// The `--tok` tokenizer, loaded once per run (None: ids in, ids out).
+    pub tok: Option<std::sync::Arc<k3_tokenizer::Tokenizer>>,
 }
 
 /// What the user sees while a generation runs: the generated text streamed to stdout as
@@ -140,7 +142,7 @@ impl Observer for StepPrinter {
 /// `--single-process`: the decode loop's hooks.
 struct Direct {
     printer: StepPrinter,
-    tok: Option<k3_tokenizer::Tokenizer>,
+    tok: Option<std::sync::Arc<k3_tokenizer::Tokenizer>>,
     steps: Vec<StepStats>,
     failures: u64,
     stop: bool,
@@ -209,13 +211,7 @@ fn encode_locally(a: &GenArgs, tok: &k3_tokenizer::Tokenizer) -> Result<Vec<u32>
 /// `--single-process`: the forward called directly over mmapped shards.
 pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
     let a = c.args;
-    let tok = match &a.tok {
-        Some(dir) => Some(
-            k3_tokenizer::Tokenizer::from_dir(dir)
-                .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?,
-        ),
-        None => None,
-    };
+    let tok = c.tok.clone();
     let prompt = match (&a.prompt, &tok) {
         (Prompt::Ids(ids), _) => ids.clone(),
         (_, Some(t)) => encode_locally(a, t)?,
@@ -497,6 +493,7 @@ pub fn warm_launch(a: &GenArgs) -> Result<(Launch, Vec<u32>), RunError> {
         threads,
         sampler: SamplerConfig::default(),
         stop_ids: stop_ids.clone(),
+        tok: None,
     };
     let (mut launch, _, banner) = launch_of(&common)?;
     launch.compute.warm = true;

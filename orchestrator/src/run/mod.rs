@@ -95,12 +95,15 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     }
     // Stop ids come from the tokenizer (its special slots follow its ranks); a run without
     // one (ids in, ids out, the tiny models) never stops early.
-    let stop_ids: Vec<u32> = match &a.tok {
-        Some(dir) => k3_tokenizer::Tokenizer::from_dir(dir)
-            .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?
-            .stop_ids(),
-        None => Vec::new(),
+    // Loaded once here: the stop ids, and single-process mode's encoding and text.
+    let tok = match &a.tok {
+        Some(dir) => Some(std::sync::Arc::new(
+            k3_tokenizer::Tokenizer::from_dir(dir)
+                .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?,
+        )),
+        None => None,
     };
+    let stop_ids: Vec<u32> = tok.as_ref().map_or_else(Vec::new, |t| t.stop_ids());
     if !a.quiet {
         tracing::info!(
             "k3-orch {}: {}",
@@ -133,6 +136,7 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
         threads,
         sampler,
         stop_ids,
+        tok,
     };
     let t0 = Instant::now();
     // One process in the in-process modes: its own peak RSS is the run's peak, and walking
