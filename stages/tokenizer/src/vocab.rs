@@ -109,7 +109,8 @@ impl Vocab {
     }
 
     /// Parse the text of a `tiktoken.model` file: `<base64> <rank>` per line (split on the
-    /// last space; blank lines skipped; `\r\n` accepted). Ranks must be unique and cover
+    /// last space; ASCII only; blank lines, of ASCII whitespace, skipped; the same whitespace
+    /// trimmed around the fields; `\r\n` accepted). Ranks must be unique and cover
     /// `0..n` exactly (any order). Errors name the 1-based line.
     pub fn parse(contents: &[u8], path: &Path) -> Result<Vocab> {
         let line_err = |line: usize, msg: String| TokError::RankLine {
@@ -124,16 +125,20 @@ impl Vocab {
             if raw.iter().all(|b| b.is_ascii_whitespace()) {
                 continue;
             }
+            // ASCII only, and trimmed of the ASCII whitespace that makes a line blank: `trim`
+            // would also drop Unicode spaces (U+00A0, U+3000, ...) and U+000B.
             let line = std::str::from_utf8(raw)
-                .map_err(|_| line_err(lineno, "line is not ASCII text".into()))?;
-            let line = line.trim();
+                .ok()
+                .filter(|_| raw.is_ascii())
+                .ok_or_else(|| line_err(lineno, "line is not ASCII text".into()))?;
+            let line = line.trim_ascii();
             let (tok, rank) = line.rsplit_once(' ').ok_or_else(|| {
                 line_err(
                     lineno,
                     format!("expected '<base64 token> <rank>', got {line:?}"),
                 )
             })?;
-            let tok = tok.trim_end();
+            let tok = tok.trim_ascii_end();
             let rank: u32 = rank.parse().map_err(|_| {
                 line_err(
                     lineno,

@@ -202,3 +202,36 @@ fn report_executions() {
         7 * cases(1500)
     );
 }
+
+/// Found by `examples/fuzz_tokfiles`: a rank line padded with a Unicode space (U+00A0,
+/// U+0085, U+3000, ...) or U+000B was trimmed and accepted, though the file is ASCII and a
+/// blank line is one of ASCII whitespace. Such a line is refused, and named.
+#[test]
+fn a_rank_line_with_unicode_or_vt_whitespace_is_refused() {
+    let mut base = String::new();
+    for b in 0..=255u8 {
+        let t = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, [b]);
+        base.push_str(&format!("{t} {b}\n"));
+    }
+    assert!(Vocab::parse(base.as_bytes(), Path::new("t.model")).is_ok());
+    // ASCII whitespace around the fields is still trimmed.
+    let ok = base.replacen("AA== 0\n", "\t AA==  \t 0 \r\n", 1);
+    assert!(Vocab::parse(ok.as_bytes(), Path::new("t.model")).is_ok());
+    for (bad, what) in [
+        ("AA==\u{a0} 0", "not ASCII"),
+        ("AA== 0\u{3000}", "not ASCII"),
+        ("\u{85}AA== 0", "not ASCII"),
+        ("AA== 0\u{b}", "rank \"0\\u{b}\""),
+        ("AA==\u{b} 0", "not valid base64"),
+    ] {
+        let text = base.replacen("AA== 0", bad, 1);
+        let e = Vocab::parse(text.as_bytes(), Path::new("t.model"))
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            e.as_deref()
+                .is_some_and(|e| e.starts_with("t.model:1: ") && e.contains(what)),
+            "{bad:?}: {e:?}"
+        );
+    }
+}
