@@ -36,7 +36,7 @@
 #
 # ---- How the llama.cpp build and the GGUF were made (reproduce on a fresh machine) ----
 # llama.cpp: the copy vendored in the llama-cpp-python sdist (0.3.36 here, ggml 0.25.3,
-# llama.cpp commit 0c1e570; it has src/models/kimi-k3.cpp and conversion/kimi_k3.py).
+# llama-bench reports build 1652066; it has src/models/kimi-k3.cpp and conversion/kimi_k3.py).
 #   mkdir -p /work/llama && cd /work/llama
 #   pip download --no-deps --no-binary :all: llama-cpp-python
 #       # the sdist lands first; pip then builds its build deps from source (cmake
@@ -63,6 +63,11 @@
 #       /work/bench/slice --outtype bf16 --outfile /work/bench/slice.gguf
 #   # --outtype bf16 keeps the trunk BF16; the experts are repacked losslessly to ggml MXFP4
 #   # (no requantisation). Check: python3 /work/llama/src/gguf-py/gguf/scripts/gguf_dump.py
+# Result here: 13,754,897,952 bytes, 107 tensors: 51 BF16 (trunk, token_embd, output),
+# 9 MXFP4 (ffn_{gate,up,down}_exps of layers 1-3, 64 experts each), 47 F32 (norms and other
+# 1-D tensors, which the converter always writes as F32; ~8 MB). Smoke: llama-bench -t 2
+# -p 4 -n 2 -r 1 runs (loaded machine, numbers meaningless). The cgroup part (b) has not
+# been run yet: check its first run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LLAMA_BIN=${LLAMA_BIN:-/work/llama/src/build/bin}
