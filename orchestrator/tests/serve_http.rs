@@ -580,6 +580,135 @@ fn chat_repl_works_from_a_pipe() {
     assert!(reused[1] > 0, "{err}");
 }
 
+/// `k3-orch chat` on the tiny model with `extra` flags, `input` on stdin; (stdout, stderr),
+/// after checking it exited 0.
+fn chat_pipe(extra: &[&str], input: &str) -> (String, String) {
+    let m = model().to_str().unwrap();
+    let mut child = Command::new(bin())
+        .args([
+            "chat",
+            m,
+            "--tok",
+            m,
+            "-n",
+            "8",
+            "--threads",
+            "1",
+            "--stats",
+        ])
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{extra:?} {input:?}: {err}");
+    (String::from_utf8(o.stdout).unwrap(), err)
+}
+
+/// The "N reused" counts of the `--stats` lines, in order.
+fn reused_counts(err: &str) -> Vec<u64> {
+    err.lines()
+        .filter_map(|l| {
+            l.split(" prompt tokens, ")
+                .nth(1)?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// `/save` in one process and `/load` in another continue the session: the second turn
+/// prefills only its new tokens (reused > 0) and replies exactly as an uninterrupted
+/// session does, greedy and seeded-sampled (the sampled reply depends on the whole logits
+/// row, so a state that were off would show), on warm stages and in one process. A state
+/// for another configuration, a corrupt one and a missing one are not used (and say so);
+/// the conversation is loaded anyway and the REPL keeps going.
+#[test]
+fn chat_save_and_load_continue_the_session_in_a_new_process() {
+    let dir = std::env::temp_dir().join(format!("k3-chat-save-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let modes: [&[&str]; 4] = [
+        &[],
+        &["--temperature", "1.5", "--seed", "7"],
+        &["--single-process"],
+        &["--single-process", "--temperature", "1.5", "--seed", "7"],
+    ];
+    for (i, flags) in modes.iter().enumerate() {
+        let f = dir.join(format!("s{i}.json"));
+        let f = f.to_str().unwrap();
+        let (whole, err) = chat_pipe(flags, "Hello there\nAnd then?\n");
+        assert_eq!(reused_counts(&err).len(), 2, "{flags:?}: {err}");
+        let (first, err) = chat_pipe(flags, &format!("Hello there\n/save {f}\n"));
+        assert!(err.contains("session state ("), "{flags:?}: {err}");
+        assert!(Path::new(&format!("{f}.state")).is_file());
+        let (second, err) = chat_pipe(flags, &format!("/load {f}\nAnd then?\n"));
+        assert!(err.contains("(loaded 2 messages from"), "{flags:?}: {err}");
+        let reused = reused_counts(&err);
+        assert_eq!(reused.len(), 1, "{flags:?}: {err}");
+        assert!(reused[0] > 0, "{flags:?}: the state was not reused: {err}");
+        // Replies can hold newlines: compare the whole transcripts.
+        assert!(!second.trim().is_empty(), "{flags:?}");
+        assert_eq!(
+            format!("{first}{second}"),
+            whole,
+            "{flags:?}: the loaded session replied otherwise than the uninterrupted one"
+        );
+    }
+    let f = dir.join("s0.json");
+    let f = f.to_str().unwrap();
+    // Another configuration (fewer layers: another fingerprint): refused, clearly.
+    let (out, err) = chat_pipe(&["--layers", "1"], &format!("/load {f}\nAnd then?\n"));
+    assert!(
+        err.contains("not reused") && err.contains("another model or configuration"),
+        "{err}"
+    );
+    assert_eq!(reused_counts(&err), [0], "{err}");
+    assert!(!out.trim().is_empty());
+    // A corrupt state: one payload byte changed.
+    let bad = dir.join("bad.json");
+    std::fs::copy(f, &bad).unwrap();
+    let mut st = std::fs::read(format!("{f}.state")).unwrap();
+    let n = st.len();
+    st[n - 5] ^= 0x40;
+    std::fs::write(dir.join("bad.json.state"), &st).unwrap();
+    let bad = bad.to_str().unwrap();
+    let (_, err) = chat_pipe(&[], &format!("/load {bad}\nAnd then?\n"));
+    assert!(
+        err.contains("(loaded 2 messages from") && err.contains("not reused"),
+        "{err}"
+    );
+    assert!(err.contains("corrupt"), "{err}");
+    assert_eq!(reused_counts(&err), [0], "{err}");
+    // A missing state: the conversation alone.
+    std::fs::remove_file(dir.join("bad.json.state")).unwrap();
+    let (_, err) = chat_pipe(&[], &format!("/load {bad}\nAnd then?\n"));
+    assert!(
+        err.contains("(loaded 2 messages from") && err.contains("not reused"),
+        "{err}"
+    );
+    assert_eq!(reused_counts(&err), [0], "{err}");
+    // Nothing to save yet: the conversation is saved, no state file is left.
+    let empty = dir.join("empty.json");
+    let empty = empty.to_str().unwrap();
+    let (_, err) = chat_pipe(&[], &format!("/save {empty}\n"));
+    assert!(err.contains("not saved"), "{err}");
+    assert!(Path::new(empty).is_file());
+    assert!(!Path::new(&format!("{empty}.state")).exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Wait (at most 20 s) until `/metrics` at `base` shows one request holding the slot
 /// (queue depth 1); `what` names the request in the failure message.
 fn wait_for_one_in_flight(base: &str, what: &str) {

@@ -18,6 +18,12 @@
 //! generation. A later prompt that starts with a kept key clones that state and prefills
 //! only the rest; `cached_tokens` says how many tokens were skipped. With warm stages the
 //! layer-compute stage keeps the states ([`k3_layer_compute::decode::PrefixCache`]).
+//!
+//! Saved sessions (`k3-orch chat`'s `/save` and `/load`): [`Engine::save_state`] writes the
+//! kept state for a conversation to a state file (`k3_layer_compute::state`, the
+//! `--save-state` format, with this model's fingerprint) and [`Engine::load_state`] puts one
+//! back in the prefix cache; with warm stages layer-compute does both (`SaveState` /
+//! `LoadState` on its control socket). They run on the worker between jobs, in order.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -115,6 +121,26 @@ pub struct Stats {
     pub load_error: Mutex<Option<String>>,
 }
 
+/// A session-state operation for the worker (`chat`'s `/save` and `/load`).
+enum StateOp {
+    /// Write the state kept for the longest proper prefix of `conversation` to `path`.
+    Save {
+        path: std::path::PathBuf,
+        conversation: Vec<u32>,
+    },
+    /// Read the state file at `path` (its tokens must start `conversation`) into the cache.
+    Load {
+        path: std::path::PathBuf,
+        conversation: Vec<u32>,
+    },
+}
+
+/// What the worker is sent: a job, or a state operation with where to answer it.
+enum Work {
+    Job(Job),
+    State(StateOp, mpsc::Sender<Result<usize, String>>),
+}
+
 /// How to load the engine.
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -131,7 +157,7 @@ pub struct EngineOptions {
 
 /// Handle to the worker thread.
 pub struct Engine {
-    jobs: Mutex<mpsc::Sender<Job>>,
+    jobs: Mutex<mpsc::Sender<Work>>,
     pub stats: Arc<Stats>,
     pub tok: Arc<Tokenizer>,
     pub vocab: usize,
@@ -157,7 +183,7 @@ impl Engine {
         }
         let vocab = cfg.vocab_size;
         let stats = Arc::new(Stats::default());
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Work>();
         let st = stats.clone();
         let tk = tok.clone();
         let worker = std::thread::Builder::new()
@@ -183,8 +209,45 @@ impl Engine {
         self.jobs
             .lock()
             .map_err(|_| "engine lock poisoned".to_string())?
-            .send(job)
+            .send(Work::Job(job))
             .map_err(|_| "the engine has stopped".to_string())
+    }
+
+    /// Write the session state kept for `conversation` (the tokens of the conversation so
+    /// far, as the next turn's prompt starts) to the state file `path`; how many tokens it
+    /// holds. Runs after the jobs queued before it.
+    pub fn save_state(
+        &self,
+        path: &std::path::Path,
+        conversation: &[u32],
+    ) -> Result<usize, String> {
+        self.state_op(StateOp::Save {
+            path: absolute(path)?,
+            conversation: conversation.to_vec(),
+        })
+    }
+
+    /// Read the state file `path` (saved by [`Engine::save_state`] for this model, its tokens
+    /// a prefix of `conversation`) back into the prefix cache; how many tokens it holds.
+    pub fn load_state(
+        &self,
+        path: &std::path::Path,
+        conversation: &[u32],
+    ) -> Result<usize, String> {
+        self.state_op(StateOp::Load {
+            path: absolute(path)?,
+            conversation: conversation.to_vec(),
+        })
+    }
+
+    fn state_op(&self, op: StateOp) -> Result<usize, String> {
+        let (tx, rx) = mpsc::channel();
+        self.jobs
+            .lock()
+            .map_err(|_| "engine lock poisoned".to_string())?
+            .send(Work::State(op, tx))
+            .map_err(|_| "the engine has stopped".to_string())?;
+        rx.recv().map_err(|_| "the engine stopped".to_string())?
     }
 
     /// Wait until the model is loaded or failed to load.
@@ -212,11 +275,27 @@ impl Engine {
     }
 }
 
+/// `path` made absolute (a warm stage may not share this process's working directory).
+fn absolute(path: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The model's fingerprint for state files, as `--save-state` computes it.
+fn state_fingerprint(o: &EngineOptions) -> Result<String, String> {
+    let cfg = ModelConfig::load(&o.config_path).map_err(|e| e.to_string())?;
+    let layers = o
+        .layers
+        .unwrap_or(cfg.num_hidden_layers)
+        .min(cfg.num_hidden_layers);
+    k3_layer_compute::state::fingerprint(&o.config_path, &o.model_dir, layers)
+        .map_err(|e| format!("model fingerprint: {e}"))
+}
+
 fn worker(
     o: EngineOptions,
     cfg: ModelConfig,
     tok: Arc<Tokenizer>,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Work>,
     stats: Arc<Stats>,
 ) {
     let fail = |e: String| {
@@ -252,9 +331,39 @@ fn worker(
     tracing::info!("k3-orch serve: model loaded");
     let stop_ids = tok.stop_ids();
     let mut cache = PrefixCache::new(o.cache_entries);
-    while let Ok(job) = rx.recv() {
-        let res = pool.install(|| run_job(&model, &tok, &stop_ids, &mut cache, &job, &stats));
-        finish_job(&job, res, &stats);
+    while let Ok(work) = rx.recv() {
+        match work {
+            Work::Job(job) => {
+                let res =
+                    pool.install(|| run_job(&model, &tok, &stop_ids, &mut cache, &job, &stats));
+                finish_job(&job, res, &stats);
+            }
+            Work::State(op, answer) => {
+                let res = state_fingerprint(&o).and_then(|fp| match op {
+                    StateOp::Save { path, conversation } => {
+                        let (bytes, n) =
+                            k3_layer_compute::state::encode_prefix(&mut cache, &conversation, &fp)?;
+                        k3_io::output::write_atomic(&path, &bytes)
+                            .map_err(|e| format!("{}: {e}", path.display()))?;
+                        Ok(n)
+                    }
+                    StateOp::Load { path, conversation } => {
+                        let bytes = k3_layer_compute::state::read(&path)
+                            .map_err(|e| e.trim_start_matches("--load-state ").to_string())?;
+                        let (key, sess) = k3_layer_compute::state::decode_prefix(
+                            &bytes,
+                            &fp,
+                            &model,
+                            &conversation,
+                        )?;
+                        let n = key.len();
+                        cache.insert(key, sess);
+                        Ok(n)
+                    }
+                });
+                let _ = answer.send(res);
+            }
+        }
     }
 }
 
@@ -316,7 +425,7 @@ fn warm_worker(
     o: &EngineOptions,
     launch: Launch,
     tok: Arc<Tokenizer>,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Work>,
     stats: Arc<Stats>,
 ) {
     let stop_ids = tok.stop_ids();
@@ -352,7 +461,36 @@ fn warm_worker(
     };
     loop {
         match rx.recv_timeout(std::time::Duration::from_millis(500)) {
-            Ok(job) => {
+            Ok(Work::State(op, answer)) => {
+                if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
+                    let why = e.msg.trim_start_matches("k3-orch: ").to_string();
+                    warm = restart(warm.take(), &why);
+                }
+                if warm.is_none() {
+                    warm = restart(None, "the stages are down");
+                }
+                let res = match (warm.as_mut(), state_fingerprint(o)) {
+                    (None, _) => Err("the stages could not be started again".to_string()),
+                    (Some(_), Err(e)) => Err(e),
+                    (Some(w), Ok(fp)) => {
+                        let r = match &op {
+                            StateOp::Save { path, conversation } => {
+                                w.save_state(path, &fp, conversation)
+                            }
+                            StateOp::Load { path, conversation } => {
+                                w.load_state(path, &fp, conversation, o.cache_entries)
+                            }
+                        };
+                        r.unwrap_or_else(|e| {
+                            let why = e.msg.trim_start_matches("k3-orch: ").to_string();
+                            warm = restart(warm.take(), &why);
+                            Err(format!("{why}; the stages were restarted"))
+                        })
+                    }
+                };
+                let _ = answer.send(res);
+            }
+            Ok(Work::Job(job)) => {
                 // A stage that died while idle is noticed before the job starts on it.
                 if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
                     let why = e.msg.trim_start_matches("k3-orch: ").to_string();
