@@ -361,6 +361,12 @@ fn sigterm_drains_and_exits_0_within_5_s() {
         .iter()
         .filter_map(|(_, p)| k3_cgroup_of(*p))
         .collect();
+    if cgroups.len() != stages.len() {
+        skip(
+            "sigterm_drains_and_exits_0_within_5_s (its cgroup check)",
+            "the stages run without per-stage cgroups (needs root)",
+        );
+    }
     let shm_before = k3_shm_entries();
     let t0 = Instant::now();
     let pid = s.child.id() as i32;
@@ -396,6 +402,77 @@ fn sigterm_drains_and_exits_0_within_5_s() {
         shm_after.iter().all(|e| shm_before.contains(e)),
         "shared memory left behind: {shm_after:?}"
     );
+}
+
+/// A test that cannot run here (no per-stage cgroups: not root) says so on stderr, and
+/// fails instead under K3_REQUIRE_PRIVILEGED_TESTS=1 (CI, as root), as tests/e2e does.
+fn skip(test: &str, why: &str) {
+    if std::env::var("K3_REQUIRE_PRIVILEGED_TESTS").as_deref() == Ok("1") {
+        panic!("{test} cannot run ({why}) and K3_REQUIRE_PRIVILEGED_TESTS=1");
+    }
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: {why}");
+}
+
+/// SIGTERM while layer-compute does not answer (stopped with SIGSTOP mid-generation, so the
+/// drain's cut at 2.5 s is never honoured): the deadline path still exits 0 within 5 s and
+/// leaves no stage process and no cgroup behind (it used to exit at 4.5 s past the cleanup,
+/// leaving the run's cgroups).
+#[test]
+fn sigterm_with_a_stage_that_does_not_answer_still_cleans_up_within_5_s() {
+    let mut s = start(&[]);
+    let b = s.base.clone();
+    let inflight = std::thread::spawn(move || {
+        let _ = ureq::post(&format!("{b}/v1/completions"))
+            .send_json(json!({"prompt": "Hello", "max_tokens": 2000}));
+    });
+    wait_for_one_in_flight(&s.base, "the request");
+    let stages = wait_for_stages(s.child.id());
+    let cgroups: Vec<PathBuf> = stages
+        .iter()
+        .filter_map(|(_, p)| k3_cgroup_of(*p))
+        .collect();
+    if cgroups.len() != stages.len() {
+        skip(
+            "sigterm_with_a_stage_that_does_not_answer_still_cleans_up_within_5_s",
+            "the stages run without per-stage cgroups (needs root)",
+        );
+        return;
+    }
+    let run_dirs: Vec<PathBuf> = cgroups
+        .iter()
+        .filter_map(|d| d.parent().map(Path::to_path_buf))
+        .collect();
+    let compute = stages.iter().find(|(n, _)| n == "layer-compute").unwrap().1;
+    assert_eq!(unsafe { libc::kill(compute as i32, libc::SIGSTOP) }, 0);
+    let t0 = Instant::now();
+    assert_eq!(unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) }, 0);
+    let status = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        if t0.elapsed() > Duration::from_secs(5) {
+            unsafe { libc::kill(compute as i32, libc::SIGKILL) };
+            panic!("still running 5 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = t0.elapsed();
+    assert_eq!(status.code(), Some(0), "after {took:?}");
+    std::thread::sleep(Duration::from_millis(200));
+    let alive: Vec<&(String, u32)> = stages
+        .iter()
+        .filter(|(_, p)| {
+            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|st| !st.contains(") Z "))
+        })
+        .collect();
+    for (_, p) in &alive {
+        unsafe { libc::kill(*p as i32, libc::SIGKILL) };
+    }
+    assert!(alive.is_empty(), "stages outlived the server: {alive:?}");
+    for d in cgroups.iter().chain(&run_dirs) {
+        assert!(!d.exists(), "cgroup {} outlived the server", d.display());
+    }
+    let _ = inflight.join();
 }
 
 /// The stage processes of a server: (stage name, pid), from /proc (children of `pid`).

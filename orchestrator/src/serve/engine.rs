@@ -118,6 +118,10 @@ pub struct Stats {
     pub ready: AtomicBool,
     /// Set while shutting down past the drain grace period: running jobs end now.
     pub abort: AtomicBool,
+    /// Set at the shutdown deadline: the stages are not started again, queued jobs fail.
+    pub closing: AtomicBool,
+    /// Stops the current warm stages from another thread ([`Engine::stop_stages_now`]).
+    pub stopper: Mutex<Option<crate::supervise::warm::Stopper>>,
     pub load_error: Mutex<Option<String>>,
 }
 
@@ -263,6 +267,19 @@ impl Engine {
         }
     }
 
+    /// The shutdown deadline: no restart from now on, and the warm stages are killed and
+    /// reaped and their cgroups removed now, from this thread, whatever the worker is doing
+    /// (a stage that does not answer cannot hold the exit up). The job in progress fails.
+    pub fn stop_stages_now(&self) {
+        self.stats.closing.store(true, Ordering::SeqCst);
+        self.stats.abort.store(true, Ordering::SeqCst);
+        if let Ok(g) = self.stats.stopper.lock() {
+            if let Some(s) = g.as_ref() {
+                s.stop_now();
+            }
+        }
+    }
+
     /// Stop taking jobs and wait for the worker to finish the queued ones.
     pub fn shutdown(&self) {
         if let Ok(mut j) = self.jobs.lock() {
@@ -401,6 +418,15 @@ fn start_warm(launch: &Launch, stats: &Stats) -> Result<Warm, String> {
     let t0 = Instant::now();
     match Warm::start(launch) {
         Ok(w) => {
+            // Registered under the lock `Engine::stop_stages_now` holds, so stages started
+            // while it runs are not missed: they are stopped here instead.
+            match stats.stopper.lock() {
+                Ok(mut g) if !stats.closing.load(Ordering::SeqCst) => *g = Some(w.stopper()),
+                _ => {
+                    w.kill();
+                    return Err("the server is shutting down".into());
+                }
+            }
             tracing::info!(
                 "k3-orch serve: stages up in {:.1} s ({})",
                 t0.elapsed().as_secs_f64(),
@@ -444,6 +470,9 @@ fn warm_worker(
     let restart = |old: Option<Warm>, why: &str| -> Option<Warm> {
         if let Some(w) = old {
             w.kill();
+        }
+        if stats.closing.load(Ordering::SeqCst) {
+            return None;
         }
         stats.restarts.fetch_add(1, Ordering::Relaxed);
         tracing::warn!("k3-orch serve: {why}; starting the stages again");
@@ -490,6 +519,9 @@ fn warm_worker(
                 };
                 let _ = answer.send(res);
             }
+            Ok(Work::Job(job)) if stats.closing.load(Ordering::SeqCst) => {
+                finish_job(&job, Err("the server is shutting down".into()), &stats);
+            }
             Ok(Work::Job(job)) => {
                 // A stage that died while idle is noticed before the job starts on it.
                 if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
@@ -511,11 +543,12 @@ fn warm_worker(
                     Ok(d) => finish_job(&job, Ok(d), &stats),
                     Err(e) => {
                         let why = e.trim_start_matches("k3-orch: ").to_string();
-                        finish_job(
-                            &job,
-                            Err(format!("{why}; the stages are being restarted")),
-                            &stats,
-                        );
+                        let next = if stats.closing.load(Ordering::SeqCst) {
+                            "the server is shutting down"
+                        } else {
+                            "the stages are being restarted"
+                        };
+                        finish_job(&job, Err(format!("{why}; {next}")), &stats);
                         warm = restart(warm.take(), &why);
                     }
                 }

@@ -9,7 +9,8 @@
 //! Faults: a stage that dies, reports an `Error` or falls silent fails the request in
 //! progress with a [`RunError`] naming the stage and the cause; the caller then drops this
 //! [`Warm`] ([`Warm::kill`]: every stage killed and reaped, cgroups removed) and starts a
-//! new one. [`Warm::poll`] notices a stage that died between requests.
+//! new one. [`Warm::poll`] notices a stage that died between requests. A [`Stopper`] kills
+//! the stages and removes the cgroups from another thread (a server's shutdown deadline).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -67,6 +68,31 @@ pub struct StageMemory {
     pub limit_bytes: Option<u64>,
 }
 
+/// Stops a [`Warm`]'s stages from another thread, whatever the thread that owns it is
+/// doing (a server's shutdown deadline): every stage SIGKILLed and reaped, then the cgroups
+/// removed. The owner then sees the stages die as a fault; its own cleanup finds nothing
+/// left to do.
+#[derive(Clone)]
+pub struct Stopper {
+    killer: Option<super::spawn::Killer>,
+    cgroups: Vec<std::path::PathBuf>,
+}
+
+impl Stopper {
+    /// Kill and reap the stages, remove the cgroups; within about a second at most.
+    pub fn stop_now(&self) {
+        if let Some(k) = &self.killer {
+            if !k.kill_now(Duration::from_millis(500)) {
+                tracing::warn!("k3-orch: a stage was not reaped 0.5 s after SIGKILL");
+            }
+        }
+        let deadline = Instant::now() + Duration::from_millis(400);
+        if let Err(e) = super::cgroup::remove_dirs(&self.cgroups, deadline) {
+            tracing::warn!("k3-orch: {e}");
+        }
+    }
+}
+
 /// The started pipeline.
 pub struct Warm {
     r: Running,
@@ -100,6 +126,14 @@ impl Warm {
                 r.kill_all();
                 Err(e)
             }
+        }
+    }
+
+    /// A handle that stops these stages from another thread.
+    pub fn stopper(&self) -> Stopper {
+        Stopper {
+            killer: self.r.watcher.as_ref().map(|w| w.killer()),
+            cgroups: self.r.cgroups.as_ref().map_or(Vec::new(), |c| c.dirs()),
         }
     }
 
