@@ -1,32 +1,15 @@
 //! `k3-orch serve` and `k3-orch chat` end to end: the real binary on 127.0.0.1 with a
 //! `synth --shape tiny-chat` model, driven over real HTTP by a Rust client (ureq).
 
+mod tools_common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_k3-orch")
-}
-
-/// One tiny-chat model for every test in this binary.
-fn model() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("k3-serve-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        let o = Command::new(bin())
-            .args(["synth", "--shape", "tiny-chat", d.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        d
-    })
-}
+use tools_common::{bin, skip, tiny_chat_model as model};
 
 struct Server {
     child: Child,
@@ -402,15 +385,6 @@ fn sigterm_drains_and_exits_0_within_5_s() {
         shm_after.iter().all(|e| shm_before.contains(e)),
         "shared memory left behind: {shm_after:?}"
     );
-}
-
-/// A test that cannot run here (no per-stage cgroups: not root) says so on stderr, and
-/// fails instead under K3_REQUIRE_PRIVILEGED_TESTS=1 (CI, as root), as tests/e2e does.
-fn skip(test: &str, why: &str) {
-    if std::env::var("K3_REQUIRE_PRIVILEGED_TESTS").as_deref() == Ok("1") {
-        panic!("{test} cannot run ({why}) and K3_REQUIRE_PRIVILEGED_TESTS=1");
-    }
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: {why}");
 }
 
 /// SIGTERM while layer-compute does not answer (stopped with SIGSTOP mid-generation, so the
