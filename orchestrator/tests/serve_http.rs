@@ -683,7 +683,8 @@ fn reused_counts(err: &str) -> Vec<u64> {
 /// prefills only its new tokens (reused > 0) and replies exactly as an uninterrupted
 /// session does, greedy and seeded-sampled (the sampled reply depends on the whole logits
 /// row, so a state that were off would show), on warm stages and in one process. A state
-/// for another configuration, a corrupt one and a missing one are not used (and say so);
+/// for another configuration, a corrupt one, one for another conversation and a missing one
+/// are not used (and say so);
 /// the conversation is loaded anyway and the REPL keeps going.
 #[test]
 fn chat_save_and_load_continue_the_session_in_a_new_process() {
@@ -741,6 +742,18 @@ fn chat_save_and_load_continue_the_session_in_a_new_process() {
         "{err}"
     );
     assert!(err.contains("corrupt"), "{err}");
+    assert_eq!(reused_counts(&err), [0], "{err}");
+    // A state for another conversation (the saved one with its first message changed).
+    let other = dir.join("other.json");
+    let conv = std::fs::read_to_string(f).unwrap();
+    assert!(conv.contains("Hello there"), "{conv}");
+    std::fs::write(&other, conv.replace("Hello there", "Hello world")).unwrap();
+    std::fs::copy(format!("{f}.state"), dir.join("other.json.state")).unwrap();
+    let (_, err) = chat_pipe(&[], &format!("/load {}\nAnd then?\n", other.display()));
+    assert!(
+        err.contains("not reused") && err.contains("another conversation"),
+        "{err}"
+    );
     assert_eq!(reused_counts(&err), [0], "{err}");
     // A missing state: the conversation alone.
     std::fs::remove_file(dir.join("bad.json.state")).unwrap();
