@@ -8,6 +8,8 @@
 //! `K3_REQUIRE_BROWSER_TESTS=1` (set by `.ci/run` after installing them), which makes a
 //! missing browser a failure.
 
+mod tools_common;
+
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -15,10 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_k3-orch")
-}
+use tools_common::{bin, tiny_chat_model};
 
 /// A child process killed when dropped.
 struct Kill(Child);
@@ -97,13 +96,7 @@ fn the_chat_page_streams_the_greedy_reply_in_a_real_browser() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("tc");
-    let o = Command::new(bin())
-        .args(["synth", "--shape", "tiny-chat", model.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let (_server, base) = start_server(&model);
+    let (_server, base) = start_server(tiny_chat_model());
 
     let port = free_port();
     let _driver = Kill(

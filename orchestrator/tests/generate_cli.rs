@@ -4,25 +4,8 @@
 
 mod tools_common;
 
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-
 use serde_json::Value;
-use tools_common::k3_cmd;
-
-fn model() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("k3-gen-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        let o = k3_cmd()
-            .args(["synth", "--shape", "tiny-chat", d.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        d
-    })
-}
+use tools_common::{k3_cmd, tiny_chat_model as model};
 
 /// Run a generation; (stdout, stderr, report).
 fn gen(extra: &[&str]) -> (String, String, Value) {

@@ -3,29 +3,12 @@
 //! the oracle's ids and refuse a foreign or damaged state (tiny fixtures); the progress
 //! line during the trunk load and the prefill.
 
-use std::path::{Path, PathBuf};
+mod tools_common;
+
 use std::process::Command;
-use std::sync::OnceLock;
 
 use serde_json::Value;
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_k3-orch")
-}
-
-fn model() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("k3-stopstate-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        let o = Command::new(bin())
-            .args(["synth", "--shape", "tiny-chat", d.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        d
-    })
-}
+use tools_common::{bin, fixture, tiny_chat_model as model};
 
 /// Run a generation; (exit code, stdout, stderr, report if written).
 fn gen(extra: &[&str]) -> (i32, String, String, Option<Value>) {
@@ -92,12 +75,6 @@ fn a_stop_string_stops_the_compute_stage_too() {
         steps >= n && steps < 100,
         "compute ran {steps} steps for {n} kept tokens of --gen 400: {note}"
     );
-}
-
-fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(rel)
 }
 
 /// The k3ref oracle of tiny-mxfp4: its prompt and its greedy continuation.

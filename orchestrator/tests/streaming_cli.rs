@@ -2,19 +2,11 @@
 //! published table from the seed's recorded trace (the oracle is that table, transcribed),
 //! `devbw` and `doctor` run and report, and usage errors exit 2.
 
+mod tools_common;
+
 use std::io::Write;
-use std::path::PathBuf;
-use std::process::Command;
 
-fn k3() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_k3-orch"))
-}
-
-fn fixture(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(rel)
-}
+use tools_common::{fixture, k3_cmd as k3};
 
 /// Rows of the seed's section 13 table: size, slots, LRU, BELADY, PIN+LRU, GB/tok, s/tok.
 /// A simulator with GB as GiB, a wrong Belady, or PIN+LRU hits on first touch fails here.

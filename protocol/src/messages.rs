@@ -309,6 +309,36 @@ pub enum Msg {
         layer: u32,
         part: u32,
     },
+
+    // --- saved sessions on a warm compute (`k3-orch chat`'s /save and /load), between
+    // requests, on its control socket; each is answered by `StateDone`
+    /// orchestrator -> compute: write the kept session state whose key is the longest proper
+    /// prefix of `tokens` (the conversation so far) to `path`, in the state-file format
+    /// (`k3_layer_compute::state`), with `fingerprint` naming the model.
+    SaveState {
+        req: u64,
+        path: std::path::PathBuf,
+        fingerprint: String,
+        tokens: Vec<u32>,
+    },
+    /// orchestrator -> compute: read the state file at `path`, check it (version, checksum,
+    /// `fingerprint`, shapes) and that its tokens start `tokens` (the loaded conversation),
+    /// and keep it for prefix reuse (`cache_entries`: as in [`GenRequest`]).
+    LoadState {
+        req: u64,
+        path: std::path::PathBuf,
+        fingerprint: String,
+        tokens: Vec<u32>,
+        cache_entries: u32,
+    },
+    /// compute -> orchestrator: `SaveState`/`LoadState` `req` is done: the state covers
+    /// `tokens` consumed tokens, or `error` says why nothing was saved or kept (the stage
+    /// carries on either way).
+    StateDone {
+        req: u64,
+        tokens: u32,
+        error: Option<String>,
+    },
 }
 
 /// One request of a warm compute stage (see [`Msg::Generate`]).
@@ -465,6 +495,24 @@ mod tests {
             Msg::RequestDone {
                 req: 3,
                 generated: vec![5, 6],
+            },
+            Msg::SaveState {
+                req: 4,
+                path: "/tmp/chat.json.state".into(),
+                fingerprint: "ab12".into(),
+                tokens: vec![1, 2, 3],
+            },
+            Msg::LoadState {
+                req: 5,
+                path: "chat.json.state".into(),
+                fingerprint: "ab12".into(),
+                tokens: vec![1, 2, 3],
+                cache_entries: 8,
+            },
+            Msg::StateDone {
+                req: 5,
+                tokens: 2,
+                error: Some("the state was saved for another model".into()),
             },
         ];
         for m in msgs {

@@ -223,8 +223,8 @@ fn content_text(c: &Value, i: usize) -> Result<String, ApiError> {
     }
 }
 
-/// `POST /v1/chat/completions` body to a job.
-pub fn chat(tok: &Tokenizer, v: &Value, lim: &Limits) -> Result<Prepared, ApiError> {
+/// A chat body's messages, checked, and the template options it asks for.
+fn chat_messages(v: &Value) -> Result<(Vec<Value>, ChatOptions), ApiError> {
     let msgs = match v.get("messages") {
         Some(Value::Array(m)) if !m.is_empty() => m,
         Some(Value::Array(_)) => {
@@ -280,6 +280,27 @@ pub fn chat(tok: &Tokenizer, v: &Value, lim: &Limits) -> Result<Prepared, ApiErr
         add_generation_prompt: true,
         ..ChatOptions::default()
     };
+    Ok((clean, opts))
+}
+
+/// The tokens of a chat body's messages as a finished conversation (no generation prompt):
+/// what the next turn's prompt starts with (`k3-orch chat`'s `/save` and `/load`).
+pub fn conversation_tokens(tok: &Tokenizer, v: &Value) -> Result<Vec<u32>, ApiError> {
+    let (clean, opts) = chat_messages(v)?;
+    tok.encode_chat(
+        &clean,
+        None,
+        &ChatOptions {
+            add_generation_prompt: false,
+            ..opts
+        },
+    )
+    .map_err(|e| ApiError::bad(format!("messages: {e}"), Some("messages")))
+}
+
+/// `POST /v1/chat/completions` body to a job.
+pub fn chat(tok: &Tokenizer, v: &Value, lim: &Limits) -> Result<Prepared, ApiError> {
+    let (clean, opts) = chat_messages(v)?;
     let prompt = tok
         .encode_chat(&clean, None, &opts)
         .map_err(|e| ApiError::bad(format!("messages: {e}"), Some("messages")))?;

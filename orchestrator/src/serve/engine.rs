@@ -18,6 +18,12 @@
 //! generation. A later prompt that starts with a kept key clones that state and prefills
 //! only the rest; `cached_tokens` says how many tokens were skipped. With warm stages the
 //! layer-compute stage keeps the states ([`k3_layer_compute::decode::PrefixCache`]).
+//!
+//! Saved sessions (`k3-orch chat`'s `/save` and `/load`): [`Engine::save_state`] writes the
+//! kept state for a conversation to a state file (`k3_layer_compute::state`, the
+//! `--save-state` format, with this model's fingerprint) and [`Engine::load_state`] puts one
+//! back in the prefix cache; with warm stages layer-compute does both (`SaveState` /
+//! `LoadState` on its control socket). They run on the worker between jobs, in order.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -112,7 +118,31 @@ pub struct Stats {
     pub ready: AtomicBool,
     /// Set while shutting down past the drain grace period: running jobs end now.
     pub abort: AtomicBool,
+    /// Set at the shutdown deadline: the stages are not started again, queued jobs fail.
+    pub closing: AtomicBool,
+    /// Stops the current warm stages from another thread ([`Engine::stop_stages_now`]).
+    pub stopper: Mutex<Option<crate::supervise::warm::Stopper>>,
     pub load_error: Mutex<Option<String>>,
+}
+
+/// A session-state operation for the worker (`chat`'s `/save` and `/load`).
+enum StateOp {
+    /// Write the state kept for the longest proper prefix of `conversation` to `path`.
+    Save {
+        path: std::path::PathBuf,
+        conversation: Vec<u32>,
+    },
+    /// Read the state file at `path` (its tokens must start `conversation`) into the cache.
+    Load {
+        path: std::path::PathBuf,
+        conversation: Vec<u32>,
+    },
+}
+
+/// What the worker is sent: a job, or a state operation with where to answer it.
+enum Work {
+    Job(Job),
+    State(StateOp, mpsc::Sender<Result<usize, String>>),
 }
 
 /// How to load the engine.
@@ -131,7 +161,7 @@ pub struct EngineOptions {
 
 /// Handle to the worker thread.
 pub struct Engine {
-    jobs: Mutex<mpsc::Sender<Job>>,
+    jobs: Mutex<mpsc::Sender<Work>>,
     pub stats: Arc<Stats>,
     pub tok: Arc<Tokenizer>,
     pub vocab: usize,
@@ -157,7 +187,7 @@ impl Engine {
         }
         let vocab = cfg.vocab_size;
         let stats = Arc::new(Stats::default());
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Work>();
         let st = stats.clone();
         let tk = tok.clone();
         let worker = std::thread::Builder::new()
@@ -183,8 +213,45 @@ impl Engine {
         self.jobs
             .lock()
             .map_err(|_| "engine lock poisoned".to_string())?
-            .send(job)
+            .send(Work::Job(job))
             .map_err(|_| "the engine has stopped".to_string())
+    }
+
+    /// Write the session state kept for `conversation` (the tokens of the conversation so
+    /// far, as the next turn's prompt starts) to the state file `path`; how many tokens it
+    /// holds. Runs after the jobs queued before it.
+    pub fn save_state(
+        &self,
+        path: &std::path::Path,
+        conversation: &[u32],
+    ) -> Result<usize, String> {
+        self.state_op(StateOp::Save {
+            path: absolute(path)?,
+            conversation: conversation.to_vec(),
+        })
+    }
+
+    /// Read the state file `path` (saved by [`Engine::save_state`] for this model, its tokens
+    /// a prefix of `conversation`) back into the prefix cache; how many tokens it holds.
+    pub fn load_state(
+        &self,
+        path: &std::path::Path,
+        conversation: &[u32],
+    ) -> Result<usize, String> {
+        self.state_op(StateOp::Load {
+            path: absolute(path)?,
+            conversation: conversation.to_vec(),
+        })
+    }
+
+    fn state_op(&self, op: StateOp) -> Result<usize, String> {
+        let (tx, rx) = mpsc::channel();
+        self.jobs
+            .lock()
+            .map_err(|_| "engine lock poisoned".to_string())?
+            .send(Work::State(op, tx))
+            .map_err(|_| "the engine has stopped".to_string())?;
+        rx.recv().map_err(|_| "the engine stopped".to_string())?
     }
 
     /// Wait until the model is loaded or failed to load.
@@ -200,6 +267,19 @@ impl Engine {
         }
     }
 
+    /// The shutdown deadline: no restart from now on, and the warm stages are killed and
+    /// reaped and their cgroups removed now, from this thread, whatever the worker is doing
+    /// (a stage that does not answer cannot hold the exit up). The job in progress fails.
+    pub fn stop_stages_now(&self) {
+        self.stats.closing.store(true, Ordering::SeqCst);
+        self.stats.abort.store(true, Ordering::SeqCst);
+        if let Ok(g) = self.stats.stopper.lock() {
+            if let Some(s) = g.as_ref() {
+                s.stop_now();
+            }
+        }
+    }
+
     /// Stop taking jobs and wait for the worker to finish the queued ones.
     pub fn shutdown(&self) {
         if let Ok(mut j) = self.jobs.lock() {
@@ -212,11 +292,27 @@ impl Engine {
     }
 }
 
+/// `path` made absolute (a warm stage may not share this process's working directory).
+fn absolute(path: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The model's fingerprint for state files, as `--save-state` computes it.
+fn state_fingerprint(o: &EngineOptions) -> Result<String, String> {
+    let cfg = ModelConfig::load(&o.config_path).map_err(|e| e.to_string())?;
+    let layers = o
+        .layers
+        .unwrap_or(cfg.num_hidden_layers)
+        .min(cfg.num_hidden_layers);
+    k3_layer_compute::state::fingerprint(&o.config_path, &o.model_dir, layers)
+        .map_err(|e| format!("model fingerprint: {e}"))
+}
+
 fn worker(
     o: EngineOptions,
     cfg: ModelConfig,
     tok: Arc<Tokenizer>,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Work>,
     stats: Arc<Stats>,
 ) {
     let fail = |e: String| {
@@ -252,9 +348,39 @@ fn worker(
     tracing::info!("k3-orch serve: model loaded");
     let stop_ids = tok.stop_ids();
     let mut cache = PrefixCache::new(o.cache_entries);
-    while let Ok(job) = rx.recv() {
-        let res = pool.install(|| run_job(&model, &tok, &stop_ids, &mut cache, &job, &stats));
-        finish_job(&job, res, &stats);
+    while let Ok(work) = rx.recv() {
+        match work {
+            Work::Job(job) => {
+                let res =
+                    pool.install(|| run_job(&model, &tok, &stop_ids, &mut cache, &job, &stats));
+                finish_job(&job, res, &stats);
+            }
+            Work::State(op, answer) => {
+                let res = state_fingerprint(&o).and_then(|fp| match op {
+                    StateOp::Save { path, conversation } => {
+                        let (bytes, n) =
+                            k3_layer_compute::state::encode_prefix(&mut cache, &conversation, &fp)?;
+                        k3_io::output::write_atomic(&path, &bytes)
+                            .map_err(|e| format!("{}: {e}", path.display()))?;
+                        Ok(n)
+                    }
+                    StateOp::Load { path, conversation } => {
+                        let bytes = k3_layer_compute::state::read(&path)
+                            .map_err(|e| e.trim_start_matches("--load-state ").to_string())?;
+                        let (key, sess) = k3_layer_compute::state::decode_prefix(
+                            &bytes,
+                            &fp,
+                            &model,
+                            &conversation,
+                        )?;
+                        let n = key.len();
+                        cache.insert(key, sess);
+                        Ok(n)
+                    }
+                });
+                let _ = answer.send(res);
+            }
+        }
     }
 }
 
@@ -292,6 +418,15 @@ fn start_warm(launch: &Launch, stats: &Stats) -> Result<Warm, String> {
     let t0 = Instant::now();
     match Warm::start(launch) {
         Ok(w) => {
+            // Registered under the lock `Engine::stop_stages_now` holds, so stages started
+            // while it runs are not missed: they are stopped here instead.
+            match stats.stopper.lock() {
+                Ok(mut g) if !stats.closing.load(Ordering::SeqCst) => *g = Some(w.stopper()),
+                _ => {
+                    w.kill();
+                    return Err("the server is shutting down".into());
+                }
+            }
             tracing::info!(
                 "k3-orch serve: stages up in {:.1} s ({})",
                 t0.elapsed().as_secs_f64(),
@@ -316,7 +451,7 @@ fn warm_worker(
     o: &EngineOptions,
     launch: Launch,
     tok: Arc<Tokenizer>,
-    rx: mpsc::Receiver<Job>,
+    rx: mpsc::Receiver<Work>,
     stats: Arc<Stats>,
 ) {
     let stop_ids = tok.stop_ids();
@@ -336,6 +471,9 @@ fn warm_worker(
         if let Some(w) = old {
             w.kill();
         }
+        if stats.closing.load(Ordering::SeqCst) {
+            return None;
+        }
         stats.restarts.fetch_add(1, Ordering::Relaxed);
         tracing::warn!("k3-orch serve: {why}; starting the stages again");
         match start_warm(&launch, &stats) {
@@ -352,7 +490,39 @@ fn warm_worker(
     };
     loop {
         match rx.recv_timeout(std::time::Duration::from_millis(500)) {
-            Ok(job) => {
+            Ok(Work::State(op, answer)) => {
+                if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
+                    let why = e.msg.trim_start_matches("k3-orch: ").to_string();
+                    warm = restart(warm.take(), &why);
+                }
+                if warm.is_none() {
+                    warm = restart(None, "the stages are down");
+                }
+                let res = match (warm.as_mut(), state_fingerprint(o)) {
+                    (None, _) => Err("the stages could not be started again".to_string()),
+                    (Some(_), Err(e)) => Err(e),
+                    (Some(w), Ok(fp)) => {
+                        let r = match &op {
+                            StateOp::Save { path, conversation } => {
+                                w.save_state(path, &fp, conversation)
+                            }
+                            StateOp::Load { path, conversation } => {
+                                w.load_state(path, &fp, conversation, o.cache_entries)
+                            }
+                        };
+                        r.unwrap_or_else(|e| {
+                            let why = e.msg.trim_start_matches("k3-orch: ").to_string();
+                            warm = restart(warm.take(), &why);
+                            Err(format!("{why}; the stages were restarted"))
+                        })
+                    }
+                };
+                let _ = answer.send(res);
+            }
+            Ok(Work::Job(job)) if stats.closing.load(Ordering::SeqCst) => {
+                finish_job(&job, Err("the server is shutting down".into()), &stats);
+            }
+            Ok(Work::Job(job)) => {
                 // A stage that died while idle is noticed before the job starts on it.
                 if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
                     let why = e.msg.trim_start_matches("k3-orch: ").to_string();
@@ -373,11 +543,12 @@ fn warm_worker(
                     Ok(d) => finish_job(&job, Ok(d), &stats),
                     Err(e) => {
                         let why = e.trim_start_matches("k3-orch: ").to_string();
-                        finish_job(
-                            &job,
-                            Err(format!("{why}; the stages are being restarted")),
-                            &stats,
-                        );
+                        let next = if stats.closing.load(Ordering::SeqCst) {
+                            "the server is shutting down"
+                        } else {
+                            "the stages are being restarted"
+                        };
+                        finish_job(&job, Err(format!("{why}; {next}")), &stats);
                         warm = restart(warm.take(), &why);
                     }
                 }

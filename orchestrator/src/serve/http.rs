@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 
 use super::api::{self, ApiError, Limits, Prepared};
 use super::engine::{Done, Engine, Event, Job};
+use crate::supervise::warm::StageMemory;
 
 /// Shared server state.
 pub struct App {
@@ -412,42 +413,30 @@ async fn metrics(State(app): State<AppState>) -> Response {
             );
         }
         if !stages.is_empty() {
-            stage_lines.push_str(
-                "# HELP k3_stage_memory_peak_bytes Peak memory of each stage's cgroup.\n\
-                 # TYPE k3_stage_memory_peak_bytes gauge\n",
+            // One per-stage gauge: its help and type lines, then a line per stage that has a
+            // value.
+            let mut gauge =
+                |name: &str, help: &str, value: &dyn Fn(&StageMemory) -> Option<u64>| {
+                    let _ = writeln!(stage_lines, "# HELP {name} {help}\n# TYPE {name} gauge");
+                    for m in &stages {
+                        if let Some(v) = value(m) {
+                            let _ = writeln!(stage_lines, "{name}{{stage=\"{}\"}} {v}", m.stage);
+                        }
+                    }
+                };
+            gauge(
+                "k3_stage_memory_peak_bytes",
+                "Peak memory of each stage's cgroup.",
+                &|m| m.peak_bytes,
             );
-            for m in &stages {
-                if let Some(p) = m.peak_bytes {
-                    let _ = writeln!(
-                        stage_lines,
-                        "k3_stage_memory_peak_bytes{{stage=\"{}\"}} {p}",
-                        m.stage
-                    );
-                }
-            }
-            stage_lines.push_str(
-                "# HELP k3_stage_memory_limit_bytes Memory limit of each stage's cgroup.\n\
-                 # TYPE k3_stage_memory_limit_bytes gauge\n",
+            gauge(
+                "k3_stage_memory_limit_bytes",
+                "Memory limit of each stage's cgroup.",
+                &|m| m.limit_bytes,
             );
-            for m in &stages {
-                if let Some(l) = m.limit_bytes {
-                    let _ = writeln!(
-                        stage_lines,
-                        "k3_stage_memory_limit_bytes{{stage=\"{}\"}} {l}",
-                        m.stage
-                    );
-                }
-            }
-            stage_lines.push_str(
-                "# HELP k3_stage_pid Process id of each stage.\n# TYPE k3_stage_pid gauge\n",
-            );
-            for m in &stages {
-                let _ = writeln!(
-                    stage_lines,
-                    "k3_stage_pid{{stage=\"{}\"}} {}",
-                    m.stage, m.pid
-                );
-            }
+            gauge("k3_stage_pid", "Process id of each stage.", &|m| {
+                Some(u64::from(m.pid))
+            });
         }
     }
     let body = format!(

@@ -220,6 +220,7 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
         next_id: AtomicU64::new(1),
     });
     let stats = engine.stats.clone();
+    let deadline_engine = engine.clone();
     let code = rt.block_on(async move {
         let addr = format!("{}:{}", a.host, a.port);
         let listener = match tokio::net::TcpListener::bind(&addr).await {
@@ -243,13 +244,20 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
             wait_for_signal().await;
             tracing::info!("k3-orch serve: shutting down (draining in-flight requests)");
             draining.store(true, Ordering::SeqCst);
-            // In-flight work gets 2.5 s to finish, then is cut; the process is gone by 4.5 s.
+            // In-flight work gets 2.5 s to finish, then is cut (between steps). At 3.5 s
+            // whatever still runs (a stage that does not answer, a long prefill) has its
+            // stages killed and cgroups removed from here, so the normal shutdown can end;
+            // at 4.5 s the process exits regardless, after doing the same.
             let st = stats.clone();
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(2500));
                 st.abort.store(true, Ordering::SeqCst);
-                std::thread::sleep(Duration::from_millis(2000));
-                tracing::warn!("k3-orch serve: drain deadline passed; exiting");
+                std::thread::sleep(Duration::from_millis(1000));
+                tracing::warn!("k3-orch serve: drain deadline passed; stopping the stages");
+                deadline_engine.stop_stages_now();
+                std::thread::sleep(Duration::from_millis(1000));
+                tracing::warn!("k3-orch serve: still shutting down at 4.5 s; exiting");
+                deadline_engine.stop_stages_now();
                 std::process::exit(EXIT_OK);
             });
         };

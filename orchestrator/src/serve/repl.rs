@@ -1,7 +1,15 @@
 //! `k3-orch chat MODEL_DIR --tok DIR`: a multi-turn chat on the warm engine. Each stdin line
 //! is one user turn (so it works from a pipe as well as a terminal); the reply streams to
-//! stdout as it decodes. Commands: `/reset`, `/save FILE`, `/load FILE` (the conversation
-//! as JSON), `/exit`. Follow-up turns reuse the previous turns' state (prefix reuse).
+//! stdout as it decodes. Commands: `/reset`, `/save FILE`, `/load FILE`, `/exit`.
+//! Follow-up turns reuse the previous turns' state (prefix reuse).
+//!
+//! `/save FILE` saves the session in two files: FILE, the conversation as JSON
+//! (`{"k3_chat": 1, "messages": [...]}`), and FILE.state, the model state kept for it (MLA
+//! KV, KDA state, conv tails) in the `--save-state` format (versioned, checksummed, with the
+//! model's fingerprint; see `k3_layer_compute::state`). `/load FILE` reads both: the next
+//! turn then prefills only its new tokens. A FILE.state that is missing, corrupt, for
+//! another model or configuration, or for another conversation is not used (the message
+//! says why); the conversation is loaded all the same.
 
 use std::ffi::OsString;
 use std::io::{BufRead, IsTerminal, Write};
@@ -109,14 +117,23 @@ pub fn chat_main(argv: Vec<OsString>) -> i32 {
                 }
                 ("save", f) if !f.is_empty() => {
                     let body = json!({"k3_chat": 1, "messages": messages});
-                    match std::fs::write(f, serde_json::to_vec_pretty(&body).unwrap_or_default()) {
-                        Ok(()) => eprintln!("(saved {} messages to {f})", messages.len()),
+                    let bytes = serde_json::to_vec_pretty(&body).unwrap_or_default();
+                    match k3_io::output::write_atomic(std::path::Path::new(f), &bytes) {
+                        Ok(()) => eprintln!(
+                            "(saved {} messages to {f}; {})",
+                            messages.len(),
+                            save_state(&engine, &a, &messages, f)
+                        ),
                         Err(e) => eprintln!("(cannot save {f}: {e})"),
                     }
                 }
                 ("load", f) if !f.is_empty() => match load(f) {
                     Ok(m) => {
-                        eprintln!("(loaded {} messages from {f})", m.len());
+                        eprintln!(
+                            "(loaded {} messages from {f}; {})",
+                            m.len(),
+                            load_state(&engine, &a, &m, f)
+                        );
                         messages = m;
                     }
                     Err(e) => eprintln!("(cannot load {f}: {e})"),
@@ -126,13 +143,17 @@ pub fn chat_main(argv: Vec<OsString>) -> i32 {
             continue;
         }
         messages.push(json!({"role": "user", "content": line}));
-        let mut body = json!({
-            "messages": messages, "max_tokens": a.gen.min(lim.max_tokens), "thinking": a.thinking,
-            "temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p, "min_p": a.min_p,
-            "repetition_penalty": a.repeat_penalty, "seed": a.seed,
-        });
-        if a.thinking {
-            body["reasoning_effort"] = json!("max");
+        let mut body = chat_body(&a, &messages);
+        for (k, v) in [
+            ("max_tokens", json!(a.gen.min(lim.max_tokens))),
+            ("temperature", json!(a.temperature)),
+            ("top_k", json!(a.top_k)),
+            ("top_p", json!(a.top_p)),
+            ("min_p", json!(a.min_p)),
+            ("repetition_penalty", json!(a.repeat_penalty)),
+            ("seed", json!(a.seed)),
+        ] {
+            body[k] = v;
         }
         let p = match super::api::chat(&engine.tok, &body, &lim) {
             Ok(p) => p,
@@ -202,6 +223,48 @@ pub fn chat_main(argv: Vec<OsString>) -> i32 {
     }
     engine.shutdown();
     EXIT_OK
+}
+
+/// A chat body with the conversation and the thinking flags (the template options).
+fn chat_body(a: &ChatArgs, messages: &[Value]) -> Value {
+    let mut body = json!({"messages": messages, "thinking": a.thinking});
+    if a.thinking {
+        body["reasoning_effort"] = json!("max");
+    }
+    body
+}
+
+/// Where `/save FILE` puts the session state: FILE.state.
+fn state_path(f: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("{f}.state"))
+}
+
+/// `/save`'s second half: the kept state for the conversation to FILE.state. What happened,
+/// for the message (a state that cannot be saved leaves no stale FILE.state behind).
+fn save_state(engine: &super::engine::Engine, a: &ChatArgs, messages: &[Value], f: &str) -> String {
+    let p = state_path(f);
+    let res = super::api::conversation_tokens(&engine.tok, &chat_body(a, messages))
+        .map_err(|e| e.message)
+        .and_then(|conv| engine.save_state(&p, &conv));
+    match res {
+        Ok(n) => format!("session state ({n} tokens) to {}", p.display()),
+        Err(e) => {
+            let _ = std::fs::remove_file(&p);
+            format!("the session state was not saved: {e}")
+        }
+    }
+}
+
+/// `/load`'s second half: FILE.state back into the prefix cache, when it fits.
+fn load_state(engine: &super::engine::Engine, a: &ChatArgs, messages: &[Value], f: &str) -> String {
+    let p = state_path(f);
+    let res = super::api::conversation_tokens(&engine.tok, &chat_body(a, messages))
+        .map_err(|e| e.message)
+        .and_then(|conv| engine.load_state(&p, &conv));
+    match res {
+        Ok(n) => format!("session state ({n} tokens) from {}", p.display()),
+        Err(e) => format!("the session state was not reused: {e}"),
+    }
 }
 
 fn load(f: &str) -> Result<Vec<Value>, String> {

@@ -639,6 +639,34 @@ impl StageCgroups {
     pub fn version(&self) -> String {
         self.run.version().to_string()
     }
+
+    /// Every directory, in removal order (the stages' groups, then the run's), for
+    /// [`remove_dirs`] from another thread.
+    pub fn dirs(&self) -> Vec<PathBuf> {
+        let mut d: Vec<PathBuf> = self
+            .run
+            .stages()
+            .iter()
+            .rev()
+            .map(|g| g.path().to_path_buf())
+            .collect();
+        d.push(self.run.path().to_path_buf());
+        d
+    }
+}
+
+/// Remove the groups `dirs` (from [`StageCgroups::dirs`], their processes gone), retrying
+/// a busy one until `deadline`; one already removed is fine. Errors name what is left.
+pub fn remove_dirs(dirs: &[PathBuf], deadline: Instant) -> Result<(), String> {
+    let failed: Vec<String> = dirs
+        .iter()
+        .filter_map(|d| rmdir_retry(d, deadline).err())
+        .collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(failed.join("; "))
+    }
 }
 
 #[cfg(test)]

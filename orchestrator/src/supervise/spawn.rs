@@ -210,12 +210,60 @@ impl Watcher {
         self.alive().is_empty()
     }
 
+    /// A handle that can kill the children from another thread (see [`Killer`]).
+    pub fn killer(&self) -> Killer {
+        Killer {
+            children: self.children.clone(),
+        }
+    }
+
     /// Kill everything still running (SIGTERM, a grace period, then SIGKILL) and reap it.
     pub fn kill_all(&self, grace: Duration) {
         self.signal_all(libc::SIGTERM);
         if !self.wait_all(grace) {
             self.signal_all(libc::SIGKILL);
             self.wait_all(Duration::from_secs(5));
+        }
+    }
+}
+
+/// Kills a [`Watcher`]'s children from any thread (a server's shutdown deadline, while the
+/// thread that owns the pipeline may be blocked). The children are signalled under the
+/// watcher's lock, so a pid is never one the watcher has already reaped (and the system
+/// may have reused).
+#[derive(Clone)]
+pub struct Killer {
+    children: Arc<Mutex<Vec<Child>>>,
+}
+
+impl Killer {
+    /// SIGKILL every child not reaped yet, then wait up to `wait` for the watcher to reap
+    /// them (it reports each exit as usual); true when none is left.
+    pub fn kill_now(&self, wait: Duration) -> bool {
+        let t0 = Instant::now();
+        {
+            let list = self.children.lock().unwrap_or_else(|e| e.into_inner());
+            for c in list.iter() {
+                // SAFETY: kill(2) on a child that has not been reaped (the watcher reaps
+                // under this lock), so the pid is still ours.
+                unsafe {
+                    libc::kill(c.pid as i32, libc::SIGKILL);
+                }
+            }
+        }
+        loop {
+            if self
+                .children
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
+            {
+                return true;
+            }
+            if t0.elapsed() >= wait {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }

@@ -3,12 +3,14 @@
 //! mode (`ComputeConf::warm`): each request is `Generate` on its control socket, answered by
 //! `RequestStarted`, the usual `StepStats` (and the tokenizer's `Text` per id), then
 //! `RequestDone`; `StopRequest` ends a request early. Compute keeps the session states
-//! between requests (prefix reuse).
+//! between requests (prefix reuse); `SaveState` / `LoadState` (answered by `StateDone`)
+//! write one to a state file and read one back (`k3-orch chat`'s `/save` and `/load`).
 //!
 //! Faults: a stage that dies, reports an `Error` or falls silent fails the request in
 //! progress with a [`RunError`] naming the stage and the cause; the caller then drops this
 //! [`Warm`] ([`Warm::kill`]: every stage killed and reaped, cgroups removed) and starts a
-//! new one. [`Warm::poll`] notices a stage that died between requests.
+//! new one. [`Warm::poll`] notices a stage that died between requests. A [`Stopper`] kills
+//! the stages and removes the cgroups from another thread (a server's shutdown deadline).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -66,6 +68,31 @@ pub struct StageMemory {
     pub limit_bytes: Option<u64>,
 }
 
+/// Stops a [`Warm`]'s stages from another thread, whatever the thread that owns it is
+/// doing (a server's shutdown deadline): every stage SIGKILLed and reaped, then the cgroups
+/// removed. The owner then sees the stages die as a fault; its own cleanup finds nothing
+/// left to do.
+#[derive(Clone)]
+pub struct Stopper {
+    killer: Option<super::spawn::Killer>,
+    cgroups: Vec<std::path::PathBuf>,
+}
+
+impl Stopper {
+    /// Kill and reap the stages, remove the cgroups; within about a second at most.
+    pub fn stop_now(&self) {
+        if let Some(k) = &self.killer {
+            if !k.kill_now(Duration::from_millis(500)) {
+                tracing::warn!("k3-orch: a stage was not reaped 0.5 s after SIGKILL");
+            }
+        }
+        let deadline = Instant::now() + Duration::from_millis(400);
+        if let Err(e) = super::cgroup::remove_dirs(&self.cgroups, deadline) {
+            tracing::warn!("k3-orch: {e}");
+        }
+    }
+}
+
 /// The started pipeline.
 pub struct Warm {
     r: Running,
@@ -99,6 +126,14 @@ impl Warm {
                 r.kill_all();
                 Err(e)
             }
+        }
+    }
+
+    /// A handle that stops these stages from another thread.
+    pub fn stopper(&self) -> Stopper {
+        Stopper {
+            killer: self.r.watcher.as_ref().map(|w| w.killer()),
+            cgroups: self.r.cgroups.as_ref().map_or(Vec::new(), |c| c.dirs()),
         }
     }
 
@@ -242,6 +277,77 @@ impl Warm {
         }
         out.generated = done.unwrap_or_default();
         Ok(out)
+    }
+
+    /// `k3-orch chat`'s `/save`: compute writes the kept state for the longest proper prefix
+    /// of `tokens` to `path` (see [`Msg::SaveState`]). The outer error is a pipeline fault;
+    /// the inner one says why nothing was saved (the stages carry on).
+    pub fn save_state(
+        &mut self,
+        path: &std::path::Path,
+        fingerprint: &str,
+        tokens: &[u32],
+    ) -> Result<Result<usize, String>, RunError> {
+        let req = self.next_req;
+        self.state_request(Msg::SaveState {
+            req,
+            path: path.to_path_buf(),
+            fingerprint: fingerprint.to_string(),
+            tokens: tokens.to_vec(),
+        })
+    }
+
+    /// `k3-orch chat`'s `/load`: compute reads and checks the state file at `path` and keeps
+    /// it for prefix reuse when its tokens start `tokens` (see [`Msg::LoadState`]).
+    pub fn load_state(
+        &mut self,
+        path: &std::path::Path,
+        fingerprint: &str,
+        tokens: &[u32],
+        cache_entries: usize,
+    ) -> Result<Result<usize, String>, RunError> {
+        let req = self.next_req;
+        self.state_request(Msg::LoadState {
+            req,
+            path: path.to_path_buf(),
+            fingerprint: fingerprint.to_string(),
+            tokens: tokens.to_vec(),
+            cache_entries: cache_entries.min(u32::MAX as usize) as u32,
+        })
+    }
+
+    /// Send a `SaveState`/`LoadState` (numbered `self.next_req`) and wait for its `StateDone`.
+    fn state_request(&mut self, m: Msg) -> Result<Result<usize, String>, RunError> {
+        self.poll()?;
+        let req = self.next_req;
+        self.next_req += 1;
+        self.r.send(Stage::LayerCompute, &m, &[])?;
+        let timeout = self.launch.stage_timeout;
+        loop {
+            let ev = next_event(&mut self.r, timeout, &Stage::WORKERS)?;
+            let Some((s, m, _)) = handle_common(&mut self.r, ev, "saving or loading a state")?
+            else {
+                continue;
+            };
+            match m {
+                Msg::StateDone {
+                    req: r,
+                    tokens,
+                    error,
+                } if r == req && s == Stage::LayerCompute => {
+                    return Ok(match error {
+                        None => Ok(tokens as usize),
+                        Some(e) => Err(e),
+                    })
+                }
+                other => {
+                    return Err(RunError::new(
+                        1,
+                        format!("k3-orch: {s} sent {other:?} while saving or loading a state"),
+                    ))
+                }
+            }
+        }
     }
 
     /// Stop every stage cleanly (compute ends the loaders and the tokenizer), within

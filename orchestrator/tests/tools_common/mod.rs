@@ -1,14 +1,49 @@
 //! Helpers shared by the orchestrator's integration tests (`tools_*`, `hardening`,
-//! `generate_cli`, `budget_cli`): run the built `k3-orch`, read a safetensors header, find
-//! the fixtures. A test file uses them with `mod tools_common;`.
+//! `generate_cli`, `budget_cli`, `serve_http`, `staged_stop_state`, `streaming_cli`,
+//! `browser_chat`): run the built `k3-orch`, make the tiny chat model once per test binary,
+//! read a safetensors header, find the fixtures, skip a privileged test visibly. A test
+//! file uses them with `mod tools_common;`.
 #![allow(dead_code)]
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// The built `k3-orch`.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_k3-orch")
+}
 
 /// A command for the built `k3-orch`, to add arguments to.
 pub fn k3_cmd() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+    Command::new(bin())
+}
+
+/// One `k3-orch synth --shape tiny-chat` model (weights and tokenizer) for every test in
+/// this test binary, made on first use in a temporary directory named after the process.
+pub fn tiny_chat_model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = std::env::temp_dir().join(format!("k3-tiny-chat-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let o = k3_cmd()
+            .args(["synth", "--shape", "tiny-chat", d.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        d
+    })
+}
+
+/// A test that cannot run here (no per-stage cgroups: not root) says so on the real stderr
+/// (`SKIPPED:`, which .ci/run collects), and fails instead under
+/// K3_REQUIRE_PRIVILEGED_TESTS=1 (CI, as root), as tests/e2e does.
+pub fn skip(test: &str, why: &str) {
+    if std::env::var("K3_REQUIRE_PRIVILEGED_TESTS").as_deref() == Ok("1") {
+        panic!("{test} cannot run ({why}) and K3_REQUIRE_PRIVILEGED_TESTS=1");
+    }
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: {why}");
 }
 
 /// Exit code, stdout and stderr of `k3-orch <args>`.

@@ -3,7 +3,9 @@
 //! tokenizer and each step's statistics to the orchestrator. A warm stage (`serve`, `chat`:
 //! `ComputeConf::warm`) runs request after request (`Generate` ... `RequestDone` on the
 //! control socket) on the same model, keeping session states for prefix reuse, until
-//! `Shutdown`. Between steps it reads `StopRequest` (a stop string, a client gone).
+//! `Shutdown`; between requests it also writes and reads those states for `k3-orch chat`'s
+//! `/save` and `/load` (`SaveState` / `LoadState`, answered by `StateDone`). Between steps
+//! it reads `StopRequest` (a stop string, a client gone).
 //!
 //! Model-level tensors (embeddings, lm_head, final norms) are this stage's own, mapped from
 //! the shards, so its cgroup pays for them together with the KV cache, the recurrent state
@@ -261,6 +263,41 @@ fn serve_requests(
             .map_err(|e| format!("layer-compute: control: {e}"))?;
         let r = match m {
             Msg::Generate(r) => r,
+            Msg::SaveState {
+                req,
+                path,
+                fingerprint,
+                tokens,
+            } => {
+                let res = crate::state::encode_prefix(&mut cache, &tokens, &fingerprint).and_then(
+                    |(bytes, n)| {
+                        k3_io::output::write_atomic(&path, &bytes)
+                            .map(|()| n)
+                            .map_err(|e| format!("{}: {e}", path.display()))
+                    },
+                );
+                ctx.send_control(&state_done(req, res))?;
+                continue;
+            }
+            Msg::LoadState {
+                req,
+                path,
+                fingerprint,
+                tokens,
+                cache_entries,
+            } => {
+                let res = crate::state::read(&path)
+                    .map_err(|e| e.trim_start_matches("--load-state ").to_string())
+                    .and_then(|b| crate::state::decode_prefix(&b, &fingerprint, model, &tokens))
+                    .map(|(key, sess)| {
+                        let n = key.len();
+                        cache.cap = cache_entries as usize;
+                        cache.insert(key, sess);
+                        n
+                    });
+                ctx.send_control(&state_done(req, res))?;
+                continue;
+            }
             Msg::Shutdown => return Ok(()),
             // A stop that arrived after its request had ended.
             Msg::StopRequest { .. } | Msg::Ping { .. } => continue,
@@ -330,5 +367,21 @@ fn serve_requests(
         if shutdown {
             return Ok(());
         }
+    }
+}
+
+/// The answer to `SaveState` / `LoadState`.
+fn state_done(req: u64, res: Result<usize, String>) -> Msg {
+    match res {
+        Ok(n) => Msg::StateDone {
+            req,
+            tokens: n.min(u32::MAX as usize) as u32,
+            error: None,
+        },
+        Err(e) => Msg::StateDone {
+            req,
+            tokens: 0,
+            error: Some(e),
+        },
     }
 }

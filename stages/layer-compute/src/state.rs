@@ -21,9 +21,17 @@
 //! another fingerprint, another version, a payload whose SHA-256 does not match, or state
 //! whose shapes do not fit the model. The tokens are every id the session consumed plus the
 //! last generated one, which the next run feeds first.
+//!
+//! `k3-orch chat`'s `/save FILE` writes the same file (as `FILE.state`) from a kept prefix
+//! state ([`encode_prefix`]): the tokens are the ones the state consumed plus the
+//! conversation's next token (the one the next turn's prompt feeds first at that point),
+//! and `steps` is 0 (each chat turn samples from step 0). `/load FILE` ([`decode_prefix`])
+//! checks it like `--load-state` and also that its tokens start the loaded conversation,
+//! and puts it back in the prefix cache, so the next turn prefills only what follows.
 
 use std::path::Path;
 
+use crate::decode::PrefixCache;
 use crate::forward::{Model, Session};
 use crate::modules::kda::KdaState;
 use crate::modules::mla::MlaCache;
@@ -438,4 +446,43 @@ impl Start {
             &self.session,
         )
     }
+}
+
+/// `k3-orch chat`'s `/save`: the state-file bytes of the state kept in `cache` whose key is
+/// the longest proper prefix of `conversation` (the conversation so far, as the next turn's
+/// prompt starts), and how many tokens it consumed. Its recorded tokens are the key plus
+/// the conversation's next token. None kept (prefix reuse off, no turn yet): an error.
+pub fn encode_prefix(
+    cache: &mut PrefixCache,
+    conversation: &[u32],
+    fingerprint: &str,
+) -> Result<(Vec<u8>, usize), String> {
+    let (n, session) = cache.lookup(conversation).ok_or(
+        "no session state is kept for this conversation (no turn yet, or prefix reuse is off)",
+    )?;
+    let bytes = encode(fingerprint, &conversation[..n + 1], 0, &session)?;
+    Ok((bytes, n))
+}
+
+/// `k3-orch chat`'s `/load`: check a state file's bytes (version, checksum, model) and
+/// decode them for `model`; its tokens must start `conversation` (the loaded one). Returns
+/// the key (the tokens the session consumed) and the session, for the prefix cache.
+pub fn decode_prefix<W: Weights>(
+    bytes: &[u8],
+    fingerprint: &str,
+    model: &Model<W>,
+    conversation: &[u32],
+) -> Result<(Vec<u32>, Session), String> {
+    let (_, payload) = check(bytes, fingerprint)?;
+    let mut saved = decode(payload, model)?;
+    if !conversation.starts_with(&saved.tokens) {
+        return Err(format!(
+            "the state ({} tokens) is not a prefix of this conversation ({} tokens): it was \
+             saved for another conversation",
+            saved.tokens.len(),
+            conversation.len()
+        ));
+    }
+    saved.tokens.pop();
+    Ok((saved.tokens, saved.session))
 }
