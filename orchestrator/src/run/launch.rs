@@ -469,8 +469,9 @@ fn injected_failures() -> Result<Vec<(u32, u32)>, RunError> {
 
 /// The pipeline `serve` and `chat` keep warm: the memory plan and every stage's
 /// configuration for the generation flags `a` (its prompt and `--gen` are not used; each
-/// request brings its own), and the tokenizer's stop ids.
-pub fn warm_launch(a: &GenArgs) -> Result<(Launch, Vec<u32>), RunError> {
+/// request brings its own, stop ids included, so the tokenizer is not loaded here: the
+/// serve engine loads it once).
+pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
     let (cfg, cat, layers) = super::open_model(a)?;
     let config_path = super::config_path(a);
     let cen = super::census::census(&cfg, &cat, layers);
@@ -478,12 +479,6 @@ pub fn warm_launch(a: &GenArgs) -> Result<(Launch, Vec<u32>), RunError> {
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let stop_ids: Vec<u32> = match &a.tok {
-        Some(dir) => k3_tokenizer::Tokenizer::from_dir(dir)
-            .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?
-            .stop_ids(),
-        None => Vec::new(),
-    };
     let common = Common {
         args: a,
         cfg: &cfg,
@@ -492,7 +487,8 @@ pub fn warm_launch(a: &GenArgs) -> Result<(Launch, Vec<u32>), RunError> {
         plan: &plan,
         threads,
         sampler: SamplerConfig::default(),
-        stop_ids: stop_ids.clone(),
+        // Unused by a warm compute: every Generate request carries its stop ids.
+        stop_ids: Vec::new(),
         tok: None,
     };
     let (mut launch, _, banner) = launch_of(&common)?;
@@ -500,7 +496,7 @@ pub fn warm_launch(a: &GenArgs) -> Result<(Launch, Vec<u32>), RunError> {
     for n in plan.notes.iter().chain(&banner) {
         tracing::info!("k3-orch: {n}");
     }
-    Ok((launch, stop_ids))
+    Ok(launch)
 }
 
 /// A run's stage configuration, its cgroup budgets and the test-hook banner.

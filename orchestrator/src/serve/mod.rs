@@ -145,7 +145,6 @@ impl ModelFlags {
             _ => return Err("unexpected flags".into()),
         };
         crate::run::launch::warm_launch(&a)
-            .map(|(l, _)| l)
             .map_err(|e| e.msg.trim_start_matches("k3-orch: ").to_string())
     }
 
