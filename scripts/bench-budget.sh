@@ -17,7 +17,9 @@
 #   decode s/token (steps after the prefill), bytes read per token (decode), devbw at QD16
 #   on trunk.bin, the ratio of the bytes to the floor max(0, S - L + 0.5 GB) (S: the bytes a
 #   token touches, from inspect: trunk + lm_head + top-k experts per MoE layer), the
-#   cgroup's peak and the report's own true peak, the exit code and the ids, which must
+#   cgroup's peak and the report's own true peak, how busy the disk was during the decode
+#   steps (the report's `totals.disk_busy`: the kernel's io_ticks over the steps' wall
+#   time; 100% means the disk never waited for compute), the exit code and the ids, which must
 #   equal EXPECT (the resident run's ids for IDS/GEN; the default is those of `--ids 1
 #   --gen 8`). A rung whose plan does not fit is refused up front (exit 2, no report). The
 #   slice's floor is 1.37 GB (`inspect SLICE`): the trunk streams in parts (the tensors the
@@ -101,7 +103,7 @@ make_cg() { # name bytes -> path
 }
 peak_of() { if [ $CG = v2 ]; then cat "$1/memory.peak" 2>/dev/null || echo 0; else cat "$1/memory.max_usage_in_bytes"; fi; }
 
-printf '%-8s %10s %12s %8s %8s %10s %10s %6s  %s\n' limit s/token bytes/tok devbw ratio cg_peak peak exit ids
+printf '%-8s %10s %12s %8s %8s %9s %10s %10s %6s  %s\n' limit s/token bytes/tok devbw ratio disk_busy cg_peak peak exit ids
 IFS=, read -ra LS <<< "$LIMITS"
 for L in "${LS[@]}"; do
     if [ "$L" = resident ]; then
@@ -136,12 +138,14 @@ bpt = sum(s["trunk_read_bytes"] + s["expert_read_bytes"] for s in steps) / len(s
 floor = max(0.0, S - L * 1e9 + 0.5e9) if L > 0 else 0.0
 ratio = f"{bpt / floor:.2f}" if floor > 0 else "-"
 peak = r["totals"].get("peak_bytes") or 0
+db = r["totals"].get("disk_busy")
+busy = f"{100 * db['busy_share']:.1f}%" if db else "-"
 ids = ",".join(map(str, r["generated_ids"]))
 same = "" if not expect else ("  (= expected)" if ids == expect else f"  (DIFFERENT: expected {expect})")
-print(f"{name:<8} {spt:>10.3f} {bpt/1e9:>10.3f}GB {devbw:>8} {ratio:>8} {cg/1e9:>8.3f}GB {peak/1e9:>8.3f}GB {rc:>6}  {ids}{same}")
+print(f"{name:<8} {spt:>10.3f} {bpt/1e9:>10.3f}GB {devbw:>8} {ratio:>8} {busy:>9} {cg/1e9:>8.3f}GB {peak/1e9:>8.3f}GB {rc:>6}  {ids}{same}")
 PY
     else
-        printf '%-8s %10s %12s %8s %8s %8.3fGB %10s %6s  %s\n' "$L" - - "$DEVBW" - \
+        printf '%-8s %10s %12s %8s %8s %9s %8.3fGB %10s %6s  %s\n' "$L" - - "$DEVBW" - - \
             "$(python3 -c "print($PEAK/1e9)")" - "$rc" "(no report: $(tail -1 "$WORK/rung-$L.log"))"
     fi
     rmdir "$d" 2>/dev/null || true

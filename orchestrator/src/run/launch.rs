@@ -32,6 +32,10 @@ pub struct Generated {
     pub notes: Vec<String>,
     pub expert_failures: u64,
     pub summaries: BTreeMap<String, serde_json::Value>,
+    /// Per step: seconds the busiest disk the run reads from was busy (empty: none watched).
+    pub disk_busy: Vec<Option<f64>>,
+    /// The disks watched for `disk_busy`.
+    pub disks: Option<String>,
 }
 
 /// What every mode is given.
@@ -59,6 +63,11 @@ pub struct StepPrinter {
     pub gen: usize,
     started: Option<std::time::Instant>,
     steps: usize,
+    /// The disks the run reads from, and their `io_ticks` at the previous step's end.
+    disk: Option<super::disk::DiskBusy>,
+    last_ticks: Vec<Option<u64>>,
+    /// Per step: seconds the busiest of those disks was busy (None: not measured).
+    pub disk_busy: Vec<Option<f64>>,
 }
 
 impl StepPrinter {
@@ -69,11 +78,31 @@ impl StepPrinter {
             gen,
             started: None,
             steps: 0,
+            disk: None,
+            last_ticks: Vec::new(),
+            disk_busy: Vec::new(),
         }
+    }
+
+    /// Measure how busy the disks under `paths` are during each step (see [`super::disk`]).
+    pub fn watch_disks(mut self, paths: &[&Path]) -> Self {
+        self.disk = super::disk::DiskBusy::of(paths);
+        self
+    }
+
+    /// The devices watched, comma-separated (None: none could be).
+    pub fn disk_names(&self) -> Option<String> {
+        self.disk.as_ref().map(|d| d.names())
     }
 
     fn line(&mut self, s: &StepStats) {
         self.steps += 1;
+        if let Some(d) = &self.disk {
+            let now = d.sample();
+            self.disk_busy
+                .push(super::disk::DiskBusy::busy_seconds(&self.last_ticks, &now));
+            self.last_ticks = now;
+        }
         if self.quiet {
             return;
         }
@@ -124,6 +153,9 @@ impl StepPrinter {
 impl Observer for StepPrinter {
     fn started(&mut self) {
         self.started = Some(std::time::Instant::now());
+        if let Some(d) = &self.disk {
+            self.last_ticks = d.sample();
+        }
         if !self.quiet {
             tracing::info!("{}", report::step_header());
         }
@@ -235,7 +267,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         .as_ref()
         .map(|_| super::stream::TextStream::new(&a.sampling.stop));
     let mut hooks = Direct {
-        printer: StepPrinter::new(a.quiet, stream, a.gen),
+        printer: StepPrinter::new(a.quiet, stream, a.gen).watch_disks(&disk_paths(a)),
         tok,
         steps: Vec::new(),
         failures: 0,
@@ -277,8 +309,17 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
         text,
         expert_failures: hooks.failures,
         notes: state_notes(a),
+        disks: hooks.printer.disk_names(),
+        disk_busy: hooks.printer.disk_busy,
         ..Default::default()
     })
+}
+
+/// The directories a run reads weights from: the model's shards and the packed trunk.
+fn disk_paths(a: &GenArgs) -> Vec<&Path> {
+    let mut v = vec![a.model_dir.as_path()];
+    v.extend(a.trunk.as_deref());
+    v
 }
 
 /// The model's fingerprint for `--save-state` / `--load-state` (empty without them); a
@@ -573,7 +614,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         .tok
         .as_ref()
         .map(|_| super::stream::TextStream::new(&a.sampling.stop));
-    let mut printer = StepPrinter::new(a.quiet, stream, a.gen);
+    let mut printer = StepPrinter::new(a.quiet, stream, a.gen).watch_disks(&disk_paths(a));
     let mut out = supervise::run(&launch, &mut printer)?;
     printer.finish();
     let text = printer.stream.as_ref().map(|s| s.text().into_bytes());
@@ -590,6 +631,7 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         ));
         out.generated.truncate(k);
         out.steps.truncate(k);
+        printer.disk_busy.truncate(k);
     }
     let failures: u64 = out.steps.iter().map(|s| s.expert_failures).sum();
     let stages = Stage::WORKERS
@@ -625,6 +667,8 @@ pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
         notes,
         expert_failures: failures,
         summaries: out.summaries,
+        disks: printer.disk_names(),
+        disk_busy: printer.disk_busy,
     })
 }
 

@@ -12,6 +12,7 @@
 
 pub mod args;
 pub mod census;
+pub mod disk;
 pub mod launch;
 pub mod plan;
 pub mod report;
@@ -273,7 +274,10 @@ fn build_report(
     sampler: &SamplerConfig,
     pss: Option<u64>,
 ) -> Report {
-    let step_reports: Vec<StepReport> = g.steps.iter().map(report::to_step_report).collect();
+    let mut step_reports: Vec<StepReport> = g.steps.iter().map(report::to_step_report).collect();
+    for (r, b) in step_reports.iter_mut().zip(&g.disk_busy) {
+        r.disk_busy_seconds = *b;
+    }
     let mut totals = Totals {
         tokens: g.generated.len(),
         seconds,
@@ -297,6 +301,7 @@ fn build_report(
         0.0
     };
     totals.experts_failed = g.expert_failures;
+    totals.disk_busy = report::disk_busy_totals(&step_reports, g.disks.clone());
     let mut peaks: BTreeMap<String, u64> = BTreeMap::new();
     for st in &g.stages {
         peaks.insert(st.name.clone(), st.peak_rss_bytes);

@@ -22,6 +22,7 @@ pub fn to_step_report(s: &StepStats) -> StepReport {
         trunk_hits: 0,
         trunk_binds: 0,
         io_seconds: s.io_wait_seconds,
+        disk_busy_seconds: None,
     }
 }
 
@@ -38,6 +39,50 @@ pub struct StepReport {
     pub trunk_hits: u64,
     pub trunk_binds: u64,
     pub io_seconds: f64,
+    /// Seconds the busiest disk the run reads from had I/O in flight during this step (the
+    /// kernel's `io_ticks`; absent when no disk could be watched).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_busy_seconds: Option<f64>,
+}
+
+/// How busy the disks were over the decode steps (every step after the first, which also
+/// reads the prompt; the first when it is the only one).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DiskBusyTotals {
+    /// The block devices watched (the model's and the trunk's).
+    pub devices: String,
+    /// Steps counted, their wall seconds and the busiest disk's busy seconds over them.
+    pub steps: usize,
+    pub seconds: f64,
+    pub busy_seconds: f64,
+    /// busy_seconds / seconds: 1.0 means the disk never waited for compute.
+    pub busy_share: f64,
+}
+
+/// [`DiskBusyTotals`] of these steps (None when no disk was watched).
+pub fn disk_busy_totals(steps: &[StepReport], devices: Option<String>) -> Option<DiskBusyTotals> {
+    let devices = devices?;
+    let decode = if steps.len() > 1 { &steps[1..] } else { steps };
+    let mut t = DiskBusyTotals {
+        devices,
+        ..Default::default()
+    };
+    for s in decode {
+        if let Some(b) = s.disk_busy_seconds {
+            t.steps += 1;
+            t.seconds += s.seconds;
+            t.busy_seconds += b;
+        }
+    }
+    if t.steps == 0 {
+        return None;
+    }
+    t.busy_share = if t.seconds > 0.0 {
+        t.busy_seconds / t.seconds
+    } else {
+        0.0
+    };
+    Some(t)
 }
 
 /// One stage's process, cgroup and memory.
@@ -76,6 +121,9 @@ pub struct Totals {
     pub expert_requests: u64,
     pub resident_hits: u64,
     pub experts_failed: u64,
+    /// How busy the disks were during the decode steps (absent: not measured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_busy: Option<DiskBusyTotals>,
 }
 
 /// The JSON report.
@@ -194,6 +242,16 @@ pub fn summary(r: &Report) -> String {
         human(t.trunk_read_bytes),
         human(t.expert_read_bytes)
     ));
+    if let Some(d) = &t.disk_busy {
+        s.push_str(&format!(
+            "disk busy ({}): {:.1}% of the decode steps' wall time ({:.3} s of {:.3} s over {} step(s))\n",
+            d.devices,
+            100.0 * d.busy_share,
+            d.busy_seconds,
+            d.seconds,
+            d.steps
+        ));
+    }
     if !r.stages.is_empty() {
         s.push_str("stages\n");
         for st in &r.stages {
