@@ -589,20 +589,30 @@ impl StagedWeights {
         }
     }
 
-    fn announce_impl(&self, layer: usize, ids: &[u32]) {
-        let pass = self.pass.get();
-        *self.announced.borrow_mut() = None;
-        let r = send_to(
-            &mut **self.fetch.borrow_mut(),
+    /// Ask the fetcher for a layer's batch of experts in this pass.
+    fn send_experts(
+        &self,
+        link: &mut dyn k3_protocol::transport::Transport,
+        layer: usize,
+        ids: &[u32],
+    ) -> Result<(), String> {
+        send_to(
+            link,
             Stage::LayerCompute,
             Stage::ExpertFetcher,
             &Msg::Experts {
-                pass,
+                pass: self.pass.get(),
                 layer: layer as u32,
                 ids: ids.to_vec(),
             },
             self.timeout,
-        );
+        )
+    }
+
+    fn announce_impl(&self, layer: usize, ids: &[u32]) {
+        let pass = self.pass.get();
+        *self.announced.borrow_mut() = None;
+        let r = self.send_experts(&mut **self.fetch.borrow_mut(), layer, ids);
         match r {
             Ok(()) => *self.announced.borrow_mut() = Some((pass, layer, ids.to_vec())),
             // `experts` sends it again and fails every slot with the link's error.
@@ -666,17 +676,7 @@ impl StagedWeights {
         let r = if sent {
             Ok(())
         } else {
-            send_to(
-                &mut **link,
-                Stage::LayerCompute,
-                Stage::ExpertFetcher,
-                &Msg::Experts {
-                    pass,
-                    layer: layer as u32,
-                    ids: ids.to_vec(),
-                },
-                self.timeout,
-            )
+            self.send_experts(&mut **link, layer, ids)
         };
         if let Err(e) = r {
             self.link_error.borrow_mut().get_or_insert(e.clone());

@@ -155,11 +155,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
             // A streamed layer needs a free ring slot: wait for compute to finish one.
             if l >= pinned {
                 while outstanding.len() >= ring_slots {
-                    let d = wait_done(&mut *link, pass, &source)?;
-                    release(&source, d, pinned).map_err(|e| ctx.fail(e))?;
-                    if let Some(pos) = outstanding.iter().position(|&x| x == d) {
-                        outstanding.remove(pos);
-                    }
+                    retire_one(&ctx, &mut *link, pass, &source, &mut outstanding)?;
                     done += 1;
                     prefill_progress(&ctx, passes == 1, done, n);
                 }
@@ -186,11 +182,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
             }
         }
         while done < n {
-            let d = wait_done(&mut *link, pass, &source)?;
-            release(&source, d, pinned).map_err(|e| ctx.fail(e))?;
-            if let Some(pos) = outstanding.iter().position(|&x| x == d) {
-                outstanding.remove(pos);
-            }
+            retire_one(&ctx, &mut *link, pass, &source, &mut outstanding)?;
             done += 1;
             prefill_progress(&ctx, passes == 1, done, n);
         }
@@ -232,6 +224,22 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         json: summary.to_string(),
     })?;
     ctx.finish_recording()
+}
+
+/// Wait for compute to finish one unit of this pass, free its ring slot and forget it.
+fn retire_one(
+    ctx: &StageCtx,
+    link: &mut dyn k3_protocol::transport::Transport,
+    pass: u64,
+    source: &Source,
+    outstanding: &mut VecDeque<usize>,
+) -> Result<(), String> {
+    let d = wait_done(link, pass, source)?;
+    release(source, d).map_err(|e| ctx.fail(e))?;
+    if let Some(pos) = outstanding.iter().position(|&x| x == d) {
+        outstanding.remove(pos);
+    }
+    Ok(())
 }
 
 /// The first pass is the prefill (the whole prompt through one layer at a time): say how
@@ -281,7 +289,7 @@ fn wait_done(
     }
 }
 
-fn release(s: &Source, layer: usize, _pinned: usize) -> Result<(), String> {
+fn release(s: &Source, layer: usize) -> Result<(), String> {
     match s {
         Source::Streamed { loader, .. } => loader.release(layer).map_err(|e| e.to_string()),
         Source::Resident { .. } => Ok(()),
