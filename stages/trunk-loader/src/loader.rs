@@ -150,6 +150,8 @@ struct RingSlot {
     layer: Option<usize>,
     loaded: Loaded,
     acquired: bool,
+    /// Bytes the read that loaded it transferred (counted as served when acquired).
+    bytes: u64,
 }
 
 struct State {
@@ -160,6 +162,10 @@ struct State {
     next_consume: usize,
     stop: bool,
     stats: TrunkStats,
+    /// Bytes each pinned layer's read transferred (counted as served at its first bind).
+    pinned_bytes: Vec<u64>,
+    /// Bytes of the reads behind the units served so far (see [`TrunkLoader::served_bytes`]).
+    served_bytes: u64,
 }
 
 struct Shared {
@@ -355,6 +361,7 @@ impl Shared {
                 Ok(b) => {
                     st.stats.reads += 1;
                     st.stats.bytes_read += b;
+                    st.pinned_bytes[layer] = b;
                     Loaded::Yes
                 }
                 Err(w) => Loaded::Failed(w),
@@ -378,6 +385,7 @@ impl Shared {
                             layer: Some(next),
                             loaded: Loaded::No,
                             acquired: false,
+                            bytes: 0,
                         };
                         break i;
                     }
@@ -394,6 +402,7 @@ impl Shared {
                 Ok(b) => {
                     st.stats.reads += 1;
                     st.stats.bytes_read += b;
+                    st.ring[slot].bytes = b;
                     Loaded::Yes
                 }
                 Err(w) => Loaded::Failed(w),
@@ -569,11 +578,14 @@ impl TrunkLoader {
             state: Mutex::new(State {
                 pinned: vec![Loaded::No; plan.pinned],
                 pinned_used: vec![false; plan.pinned],
+                pinned_bytes: vec![0; plan.pinned],
+                served_bytes: 0,
                 ring: vec![
                     RingSlot {
                         layer: None,
                         loaded: Loaded::No,
                         acquired: false,
+                        bytes: 0,
                     };
                     plan.ring_slots
                 ],
@@ -608,6 +620,14 @@ impl TrunkLoader {
     /// Counters so far.
     pub fn stats(&self) -> TrunkStats {
         self.shared.lock().stats
+    }
+
+    /// Bytes of the reads behind the units served so far, each counted when the unit it
+    /// loaded is first acquired. Unlike `stats().bytes_read` (counted when a read lands),
+    /// the difference over a pass is exactly what that pass used: the ring reads the next
+    /// pass's first streamed unit as soon as a slot frees, which lands between passes.
+    pub fn served_bytes(&self) -> u64 {
+        self.shared.lock().served_bytes
     }
 
     /// Wait until `layer` is in memory; its bytes stay valid until [`release`](Self::release).
@@ -647,6 +667,9 @@ impl TrunkLoader {
             }
             let hit = st.pinned_used[layer];
             st.pinned_used[layer] = true;
+            if !hit {
+                st.served_bytes += st.pinned_bytes[layer];
+            }
             st.stats.binds += 1;
             st.stats.hits += hit as u64;
             st.stats.wait_seconds += t0.elapsed().as_secs_f64();
@@ -672,6 +695,7 @@ impl TrunkLoader {
                 match &st.ring[i].loaded {
                     Loaded::Yes => {
                         st.ring[i].acquired = true;
+                        st.served_bytes += std::mem::take(&mut st.ring[i].bytes);
                         st.next_consume = sh.next_streamed(layer);
                         st.stats.binds += 1;
                         st.stats.wait_seconds += t0.elapsed().as_secs_f64();
@@ -720,6 +744,7 @@ impl TrunkLoader {
             layer: None,
             loaded: Loaded::No,
             acquired: false,
+            bytes: 0,
         };
         drop(st);
         sh.cv.notify_all();

@@ -13,6 +13,13 @@
 //! as the rest of the budget holds (at most `ring_max`, at most L-P). A budget that cannot
 //! hold even one slot for the largest layer is refused with the shortfall.
 //!
+//! Parts (a trunk streamed below layer granularity, [`plan_streams`]) need not pin a
+//! prefix: the slot only has to hold the largest *streamed* part, so pinning the large
+//! attention parts and streaming the small MoE parts can free a big slot's worth of memory
+//! for more pinning. `pin_order` picks such a set; the loader's units are then put in the
+//! order pinned-first (`StreamPlan::order`), streamed ones in stream order, and the prefix
+//! rule above applies to that order unchanged.
+//!
 //! Footprints are in whole pages: a layer at file offset `o` of `n` bytes occupies
 //! `align_up(o % 4096 + n)` bytes of arena, so O_DIRECT reads land page-aligned.
 
@@ -193,14 +200,74 @@ impl Streams {
 }
 
 /// What [`plan_streams`] chose.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct StreamPlan {
     /// Over layers, or over parts when `parts` (then `pinned`, `layers`, `ring_slots` count
-    /// parts).
+    /// parts). Its units are in `order`: the loader's unit `i` is stream unit `order[i]`.
     pub plan: TrunkPlan,
     pub parts: bool,
     /// Trunk bytes read per token: the streamed units' bytes.
     pub read_per_token: u64,
+    /// The loader's units in terms of the stream's (`order[i]`: the stream unit the loader's
+    /// unit `i` is): the pinned units first, then the streamed ones, each group in stream
+    /// order, so the ring still reads the streamed units in the order the forward uses
+    /// them. `None`: the stream's own order (the pinned units are its prefix).
+    #[serde(skip)]
+    pub order: Option<Vec<usize>>,
+}
+
+/// Which units to pin when the pinned ones need not be a prefix (parts: a layer's small
+/// MoE part can be pinned while its large attention part streams, so the ring slot is
+/// sized for the largest streamed unit only). For every candidate slot size `s` (each
+/// distinct footprint): the units larger than `s` must be pinned; of the rest, the largest
+/// that still fit beside one slot of `s` are pinned too (every pinned byte saves one byte
+/// read per token). The candidate that streams the fewest bytes wins (the smallest slot on
+/// a tie). Returns the order (pinned first, then streamed, each in stream order), or None
+/// when no candidate fits or every unit fits pinned.
+fn pin_order(budget: u64, runs: &[LayerRun]) -> Option<Vec<usize>> {
+    let fp: Vec<u64> = runs.iter().map(LayerRun::footprint).collect();
+    let total: u64 = fp.iter().sum();
+    if total <= budget {
+        return None;
+    }
+    let mut sizes = fp.clone();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut by_size: Vec<usize> = (0..runs.len()).collect();
+    by_size.sort_by_key(|&i| std::cmp::Reverse(fp[i]));
+    let mut best: Option<(u64, Vec<bool>)> = None;
+    for &slot in &sizes {
+        let Some(mut cap) = budget.checked_sub(slot) else {
+            continue;
+        };
+        let mut pin = vec![false; runs.len()];
+        let forced: u64 = (0..runs.len())
+            .filter(|&i| fp[i] > slot)
+            .map(|i| fp[i])
+            .sum();
+        let Some(left) = cap.checked_sub(forced) else {
+            continue;
+        };
+        cap = left;
+        for &i in &by_size {
+            if fp[i] > slot {
+                pin[i] = true;
+            } else if fp[i] <= cap {
+                pin[i] = true;
+                cap -= fp[i];
+            }
+        }
+        let streamed: u64 = (0..runs.len()).filter(|&i| !pin[i]).map(|i| fp[i]).sum();
+        if best.as_ref().is_none_or(|(b, _)| streamed < *b) {
+            best = Some((streamed, pin));
+        }
+    }
+    let (_, pin) = best?;
+    let order: Vec<usize> = (0..runs.len())
+        .filter(|&i| pin[i])
+        .chain((0..runs.len()).filter(|&i| !pin[i]))
+        .collect();
+    Some(order)
 }
 
 /// Plan a budget both ways, whole layers and parts, and take the one that reads fewer bytes
@@ -216,15 +283,33 @@ pub fn plan_streams(budget: u64, s: &Streams, ring: RingPolicy) -> Result<Stream
         plan: p,
         parts: false,
         read_per_token: read(&s.layers, &p),
+        order: None,
     });
     if s.parts.is_empty() {
         return whole;
     }
-    let parts = plan(budget, &s.parts, ring).map(|p| StreamPlan {
+    let prefix = plan(budget, &s.parts, ring).map(|p| StreamPlan {
         plan: p,
         parts: true,
         read_per_token: read(&s.parts, &p),
+        order: None,
     });
+    // Parts may also pin a set that is not a prefix (see `pin_order`); the prefix plan
+    // stays on a tie.
+    let chosen = pin_order(budget, &s.parts).and_then(|order| {
+        let runs: Vec<LayerRun> = order.iter().map(|&i| s.parts[i]).collect();
+        plan(budget, &runs, ring).ok().map(|p| StreamPlan {
+            plan: p,
+            parts: true,
+            read_per_token: read(&runs, &p),
+            order: Some(order),
+        })
+    });
+    let parts = match (prefix, chosen) {
+        (Ok(a), Some(b)) if b.read_per_token < a.read_per_token => Ok(b),
+        (Err(_), Some(b)) => Ok(b),
+        (a, _) => a,
+    };
     match (whole, parts) {
         (Ok(w), Ok(p)) if p.read_per_token < w.read_per_token => Ok(p),
         (Ok(w), _) => Ok(w),
@@ -357,5 +442,97 @@ mod tests {
             len: 1,
         };
         assert_eq!(r.footprint(), P);
+    }
+
+    /// Parts of the slice (4 layers at the released dims), in 4 KiB pages scaled by a
+    /// million bytes: layer 0 attention, gate+up, down; layers 1-2 attention, MoE; layer 3
+    /// (MLA) attention, MoE.
+    const SLICE: [u64; 9] = [888, 969, 484, 888, 368, 888, 368, 464, 368];
+
+    fn streams_of(pages: &[u64]) -> Streams {
+        Streams {
+            layers: runs(&[pages.iter().sum()]),
+            parts: runs(pages),
+        }
+    }
+
+    /// The fewest bytes any pinned set can stream: sum(pinned) + the largest unpinned
+    /// footprint must fit (exhaustive over subsets).
+    fn best_streamed(budget: u64, pages: &[u64]) -> u64 {
+        let n = pages.len();
+        let total: u64 = pages.iter().sum();
+        (0u32..1 << n)
+            .filter_map(|m| {
+                let pinned: u64 = (0..n).filter(|&i| m >> i & 1 == 1).map(|i| pages[i]).sum();
+                let slot = (0..n)
+                    .filter(|&i| m >> i & 1 == 0)
+                    .map(|i| pages[i])
+                    .max()
+                    .unwrap_or(0);
+                (pinned + slot <= budget).then_some(total - pinned)
+            })
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
+    // Catches: a plan that pins only a prefix (at 4833 pages the slice's prefix plan pins
+    // layers 0-1 and streams 2088 pages through an 888-page slot; pinning the three large
+    // attention parts instead streams 1568 through a 464-page slot), a streamed order that
+    // is not the forward's (the ring reads units in order), and a plan over its budget.
+    #[test]
+    fn parts_pin_a_set_not_only_a_prefix() {
+        let ring = RingPolicy::default();
+        let s = streams_of(&SLICE);
+        let prefix = plan(4833 * P, &s.parts, ring).unwrap();
+        assert_eq!((prefix.pinned, prefix.slot_bytes), (5, 888 * P));
+        let sp = plan_streams(4833 * P, &s, ring).unwrap();
+        assert!(sp.parts);
+        assert_eq!(sp.read_per_token, 1568 * P);
+        assert_eq!(sp.plan.slot_bytes, 464 * P);
+        let order = sp.order.clone().expect("a set that is not a prefix");
+        assert_eq!(order, vec![0, 1, 2, 3, 5, 4, 6, 7, 8]);
+        assert!(sp.plan.bytes() <= 4833 * P);
+    }
+
+    // Catches: a chooser worse than the prefix plan, a plan over budget, or streamed units
+    // out of forward order, on random part lists (and how far it is from the exhaustive best).
+    #[test]
+    fn chosen_sets_fit_and_never_stream_more_than_the_prefix() {
+        let mut seed = 0x5eed_u64;
+        let mut next = |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        for _ in 0..400 {
+            let n = 2 + next(9) as usize;
+            let pages: Vec<u64> = (0..n).map(|_| 1 + next(40)).collect();
+            let total: u64 = pages.iter().sum();
+            let budget = 1 + next(total + 10);
+            let s = streams_of(&pages);
+            let ring = RingPolicy::default();
+            let Ok(sp) = plan_streams(budget * P, &s, ring) else {
+                continue;
+            };
+            assert!(sp.plan.bytes() <= budget * P, "{pages:?} {budget}");
+            if let Ok(pre) = plan(budget * P, &s.parts, ring) {
+                let pre_read: u64 = s.parts[pre.pinned..].iter().map(LayerRun::footprint).sum();
+                assert!(
+                    sp.read_per_token <= pre_read.min(total * P),
+                    "{pages:?} {budget}"
+                );
+            }
+            if let Some(o) = &sp.order {
+                let streamed = &o[sp.plan.pinned..];
+                assert!(streamed.windows(2).all(|w| w[0] < w[1]), "{o:?}");
+                let mut all = o.clone();
+                all.sort_unstable();
+                assert_eq!(all, (0..n).collect::<Vec<_>>());
+            }
+            if sp.parts {
+                assert!(sp.read_per_token >= best_streamed(budget, &pages) * P);
+            }
+        }
     }
 }

@@ -130,6 +130,18 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         Source::Streamed { loader, .. } => loader.plan().ring_slots.max(1),
         Source::Resident { .. } => usize::MAX,
     };
+    // The loader's unit for each stream unit, in the order the forward uses them (parts
+    // are the loader's in the plan's order, pinned first).
+    let fwd: Vec<usize> = match &source {
+        Source::Streamed {
+            parts: Some(parts), ..
+        } => {
+            let mut v: Vec<usize> = (0..parts.len()).collect();
+            v.sort_by_key(|&i| (parts[i].layer, parts[i].part));
+            v
+        }
+        _ => (0..conf.layers).collect(),
+    };
     let mut resident_read = total_read;
     let mut passes = 0u64;
     loop {
@@ -151,16 +163,16 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
             } => parts.len(),
             _ => conf.layers,
         };
-        for l in 0..n {
+        for (l, &li) in fwd.iter().enumerate() {
             // A streamed layer needs a free ring slot: wait for compute to finish one.
-            if l >= pinned {
+            if li >= pinned {
                 while outstanding.len() >= ring_slots {
                     retire_one(&ctx, &mut *link, pass, &source, &mut outstanding)?;
                     done += 1;
                     prefill_progress(&ctx, passes == 1, done, n);
                 }
             }
-            let ready = publish(&region, &source, l, pass).map_err(|e| ctx.fail(e))?;
+            let ready = publish(&region, &source, li, pass).map_err(|e| ctx.fail(e))?;
             send_to(&mut *link, me, peer, &ready, None)?;
             if let (true, Msg::LayerReady { handle, .. }) = (ctx.rec.on(), &ready) {
                 // SAFETY: this stage wrote the layer and rewrites it only after compute's
@@ -177,8 +189,8 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     ctx.rec.buffer(&t.handle, bytes).map_err(|e| ctx.fail(e))?;
                 }
             }
-            if l >= pinned {
-                outstanding.push_back(l);
+            if li >= pinned {
+                outstanding.push_back(li);
             }
         }
         while done < n {
@@ -250,12 +262,12 @@ fn prefill_progress(ctx: &StageCtx, first: bool, done: usize, n: usize) {
     }
 }
 
-/// (binds, hits, bytes read, io seconds) so far.
+/// (binds, hits, bytes read for the units served, io seconds) so far.
 fn stats_of(s: &Source) -> (u64, u64, u64, f64) {
     match s {
         Source::Streamed { loader, .. } => {
             let st = loader.stats();
-            (st.binds, st.hits, st.bytes_read, st.io_seconds)
+            (st.binds, st.hits, loader.served_bytes(), st.io_seconds)
         }
         Source::Resident { .. } => (0, 0, 0, 0.0),
     }
@@ -423,7 +435,15 @@ fn setup_streamed(
     let p = sp.plan;
     let (units, parts) = if sp.parts {
         let (units, parts) = part_units(&manifest, conf.layers, &mut checks);
-        (units, Some(parts))
+        // The loader's units in the plan's order (pinned first); `PartUnit` keeps each
+        // one's place in the stream.
+        match &sp.order {
+            Some(order) => (
+                order.iter().map(|&i| units[i].clone()).collect(),
+                Some(order.iter().map(|&i| parts[i].clone()).collect()),
+            ),
+            None => (units, Some(parts)),
+        }
     } else {
         let units: Vec<Unit> = runs
             .iter()
