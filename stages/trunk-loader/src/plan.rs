@@ -237,18 +237,12 @@ fn pin_order(budget: u64, runs: &[LayerRun]) -> Option<Vec<usize>> {
     by_size.sort_by_key(|&i| std::cmp::Reverse(fp[i]));
     let mut best: Option<(u64, Vec<bool>)> = None;
     for &slot in &sizes {
-        let Some(mut cap) = budget.checked_sub(slot) else {
+        let forced: u64 = fp.iter().filter(|&&f| f > slot).sum();
+        // What one slot and the units that cannot stream through it leave.
+        let Some(mut cap) = budget.checked_sub(slot).and_then(|c| c.checked_sub(forced)) else {
             continue;
         };
         let mut pin = vec![false; runs.len()];
-        let forced: u64 = (0..runs.len())
-            .filter(|&i| fp[i] > slot)
-            .map(|i| fp[i])
-            .sum();
-        let Some(left) = cap.checked_sub(forced) else {
-            continue;
-        };
-        cap = left;
         for &i in &by_size {
             if fp[i] > slot {
                 pin[i] = true;

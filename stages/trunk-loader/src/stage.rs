@@ -157,12 +157,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         let mut outstanding: VecDeque<usize> = VecDeque::new();
         let mut done = 0usize;
         // Units served per pass: layers, or the layers' parts.
-        let n = match &source {
-            Source::Streamed {
-                parts: Some(parts), ..
-            } => parts.len(),
-            _ => conf.layers,
-        };
+        let n = fwd.len();
         for (l, &li) in fwd.iter().enumerate() {
             // A streamed layer needs a free ring slot: wait for compute to finish one.
             if li >= pinned {
