@@ -102,11 +102,13 @@ fn auto_and_mem_gb_pin_the_packed_trunk_and_keep_the_ids() {
     }
 }
 
-/// The embedding read row by row and the lm_head streamed in chunks (the test hook forces
-/// chunk sizes that do not divide the vocabulary, down to one row) give the very logits of
-/// the held lm_head, bit for bit, in both tiny models. Catches a chunk
-/// written to the wrong columns, a last partial chunk dropped, a double-buffer that hands
-/// the multiply the chunk being read, and an embedding row read at the wrong offset.
+/// The embedding read row by row and the lm_head streamed in chunks (the test hooks force
+/// chunk sizes that do not divide the vocabulary, down to one row, and leading rows held
+/// that are not a whole number of chunks) give the very logits of the held lm_head, bit
+/// for bit, in both tiny models. Catches a chunk written to the wrong columns, a last
+/// partial chunk dropped, a double-buffer that hands the multiply the chunk being read, an
+/// embedding row read at the wrong offset, and streamed rows that restart at row 0 (or
+/// skip a row) after the held ones.
 #[test]
 fn streamed_lm_head_and_embedding_rows_keep_the_logits() {
     for model in ["tiny-mxfp4", "tiny-seed"] {
@@ -121,7 +123,15 @@ fn streamed_lm_head_and_embedding_rows_keep_the_logits() {
         assert!(o.status.success(), "{}", text(&o));
         let out = dir.path().join("r.json");
         let mut first: Option<(Vec<u8>, serde_json::Value)> = None;
-        for chunk in [None, Some("7000"), Some("1"), Some("100000000")] {
+        for (chunk, held) in [
+            (None, None),
+            (Some("7000"), None),
+            (Some("1"), None),
+            (Some("100000000"), None),
+            (Some("7000"), Some("10000")),
+            (Some("7000"), Some("600")),
+            (Some("1"), Some("10000")),
+        ] {
             let logits = dir.path().join("logits.bin");
             let mut c = k3();
             c.arg(fixture(&format!("{model}/sharded")))
@@ -134,19 +144,31 @@ fn streamed_lm_head_and_embedding_rows_keep_the_logits() {
             if let Some(n) = chunk {
                 c.env("K3_TEST_HOOKS", "1").env("K3_LM_HEAD_CHUNK_BYTES", n);
             }
+            if let Some(n) = held {
+                c.env("K3_LM_HEAD_HELD_BYTES", n);
+            }
             let o = c.output().unwrap();
             let t = text(&o);
-            assert!(o.status.success(), "{model} chunk {chunk:?}: {t}");
+            assert!(
+                o.status.success(),
+                "{model} chunk {chunk:?} held {held:?}: {t}"
+            );
             if chunk.is_some() {
                 assert!(t.contains("lm_head (streamed)"), "{t}");
+            }
+            if held.is_some() {
+                assert!(t.contains("of its leading rows held"), "{t}");
             }
             let r = json(&out);
             let got = (std::fs::read(&logits).unwrap(), r["generated_ids"].clone());
             match &first {
                 None => first = Some(got),
                 Some(f) => {
-                    assert_eq!(got.1, f.1, "{model} chunk {chunk:?}: ids");
-                    assert!(got.0 == f.0, "{model} chunk {chunk:?}: logits differ");
+                    assert_eq!(got.1, f.1, "{model} chunk {chunk:?} held {held:?}: ids");
+                    assert!(
+                        got.0 == f.0,
+                        "{model} chunk {chunk:?} held {held:?}: logits differ"
+                    );
                 }
             }
         }

@@ -66,6 +66,11 @@ pub struct TrunkConf {
     /// Layers bound (`--layers`), i.e. served per pass.
     pub layers: usize,
     pub record_dir: Option<PathBuf>,
+    /// Bytes outside the trunk that hold what its plan leaves of the budget (a streamed
+    /// lm_head's rows): the plan is made beside this sink
+    /// (`k3_trunk_loader::plan_streams_with`), as the orchestrator's was. 0: none.
+    #[serde(default)]
+    pub sink_bytes: u64,
 }
 
 /// expert-fetcher stage.
@@ -108,6 +113,10 @@ pub struct ComputeConf {
     /// it); None: it stays mapped and held. The embedding is always read row by row.
     #[serde(default)]
     pub lm_head_chunk_bytes: Option<u64>,
+    /// With a streamed lm_head: hold its leading rows, this many bytes of them, for the
+    /// whole run (read once, on first use) and stream only the rest. 0: none.
+    #[serde(default)]
+    pub lm_head_held_bytes: u64,
     /// Serve a sequence of requests (`Msg::Generate` on the control socket) until
     /// `Shutdown`, instead of one generation of `prompt_ids` (`serve`, `chat`).
     #[serde(default)]

@@ -119,6 +119,7 @@ fn staged(model: &Path, trunk_dir: Option<PathBuf>, layers: usize) -> (StagedWei
         budget_bytes: 1 << 20,
         layers,
         record_dir: None,
+        sink_bytes: 0,
     };
     let fetcher = FetcherConf {
         model_dir: model.to_path_buf(),

@@ -563,6 +563,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
             budget_bytes: c.plan.trunk_budget,
             layers: c.layers,
             record_dir: a.record.clone(),
+            sink_bytes: c.plan.trunk_sink,
         },
         fetcher: conf::FetcherConf {
             model_dir: a.model_dir.clone(),
@@ -591,6 +592,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
             stop_ids: c.stop_ids.clone(),
             record_dir: a.record.clone(),
             lm_head_chunk_bytes: c.plan.lm_head_chunk_bytes,
+            lm_head_held_bytes: c.plan.lm_head_held_bytes,
             warm: false,
             load_state: a.load_state.clone(),
             save_state: a.save_state.clone(),

@@ -285,8 +285,9 @@ pub struct Spend {
     /// Bytes the whole trunk takes pinned (its packed, page-rounded runs; resident: its
     /// region).
     pub trunk_need: u64,
-    /// The lm_head's bytes (always held by compute).
+    /// The lm_head's bytes (always held by compute), and one row's.
     pub lm_head: u64,
+    pub lm_head_row: u64,
     /// One expert arena slot; the fewest slots a run needs; the most it can use.
     pub expert_slot: u64,
     pub min_slots: u64,
@@ -323,19 +324,39 @@ pub fn spend(
         (Some(t), None) => (t, left.saturating_sub(t)),
         (None, Some(c)) => (left.saturating_sub(c), c),
         (None, None) => {
-            // Trunk first; the cache keeps a batch, 16 slots when there is room for them.
-            let keep = if left >= s.trunk_need + 16 * s.expert_slot || left >= 32 * s.expert_slot {
-                (16.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
-            } else {
-                min_cache
-            };
-            let t = left.saturating_sub(keep).min(s.trunk_need);
+            let t = left.saturating_sub(cache_keep(s, left)).min(s.trunk_need);
             (t, left - t)
         }
     };
     // The cache never needs more slots than there are experts.
     let c = c.min(s.max_slots.max(1) * s.expert_slot).max(min_cache);
     Ok((t, c))
+}
+
+/// What the expert cache keeps of `left` (the total less the fixed part and the lm_head)
+/// when nothing fixes it: a batch, 16 slots when there is room for them beside the whole
+/// trunk or for 32.
+fn cache_keep(s: &Spend, left: u64) -> u64 {
+    let min_cache = s.min_slots.max(1) * s.expert_slot;
+    if left >= s.trunk_need + 16 * s.expert_slot || left >= 32 * s.expert_slot {
+        (16.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
+    } else {
+        min_cache
+    }
+}
+
+/// Arena bytes compute allocates to hold `rows` rows of `row` bytes read O_DIRECT: whole
+/// pages, plus one for a start that is not page-aligned.
+pub fn held_rows_bytes(rows: u64, row: u64) -> u64 {
+    (rows * row).div_ceil(4096) * 4096 + 4096
+}
+
+/// The most lm_head rows (of `row` bytes, at most `rows`) whose arena fits in `room`.
+fn rows_fitting(room: u64, row: u64, rows: u64) -> u64 {
+    if room < 2 * 4096 || row == 0 {
+        return 0;
+    }
+    (((room - 4096) / 4096 * 4096) / row).min(rows)
 }
 
 /// A total spent: the parts, whether the lm_head is pinned, and the bytes read per token
@@ -345,12 +366,23 @@ pub struct Choice {
     pub trunk: u64,
     pub cache: u64,
     pub head_pinned: bool,
+    /// A streamed lm_head's leading rows held for the whole run (their payload bytes;
+    /// 0 when it is pinned or nothing is left to hold them).
+    pub head_held: u64,
+    /// The sink the trunk was planned beside (`k3_trunk_loader::plan_streams_with`): the
+    /// streamed lm_head's bytes, 0 when it is pinned.
+    pub sink: u64,
     pub read_per_token: u64,
 }
 
 /// Spend a total both ways — lm_head pinned (held whole) or streamed (two chunk buffers) —
 /// and take the one that reads the fewest bytes per token, pinned on a tie. `runs`: the
 /// packed trunk (None: resident, its bytes fixed by `trunk_over`).
+///
+/// A streamed lm_head's rows are pinned like trunk bytes (each held byte is one byte less
+/// read per token): the trunk is planned with the lm_head as its sink, and what the trunk
+/// plan leaves of its share, with what the cache has beyond its keep when `--cache-gb`
+/// does not fix it, holds the lm_head's leading rows. The cache gets the rest.
 pub fn choose(
     s: &Spend,
     runs: Option<&k3_trunk_loader::Streams>,
@@ -375,24 +407,60 @@ pub fn choose(
                 continue;
             }
         };
-        let trunk_read = match runs {
-            Some(r) => {
-                match k3_trunk_loader::plan_streams(t, r, k3_trunk_loader::RingPolicy::default()) {
-                    Ok(sp) => sp.read_per_token,
-                    Err(e) => {
-                        first_err.get_or_insert(e.to_string());
-                        continue;
-                    }
+        let sink = if pinned { 0 } else { s.lm_head };
+        let (trunk_read, trunk_left) = match runs {
+            Some(r) => match k3_trunk_loader::plan_streams_with(
+                t,
+                r,
+                k3_trunk_loader::RingPolicy::default(),
+                sink,
+            ) {
+                Ok(sp) => (sp.read_per_token, sp.left()),
+                Err(e) => {
+                    first_err.get_or_insert(e.to_string());
+                    continue;
                 }
-            }
-            None => 0,
+            },
+            None => (0, 0),
         };
-        let read = trunk_read + if pinned { 0 } else { s.lm_head };
+        // The trunk plan's leftover, and (when no flag fixes the cache) what the cache
+        // would hold beyond its keep, hold lm_head rows; the cache gets what they leave.
+        let left = sp.total.saturating_sub(sp.fixed + sp.lm_head);
+        let (head_held, cache) = match (pinned, cache_over) {
+            (true, None) => (0, c + trunk_left),
+            (true, Some(_)) => (0, c),
+            (false, _) => {
+                let spare = match cache_over {
+                    Some(_) => 0,
+                    None => left.saturating_sub(t).saturating_sub(cache_keep(&sp, left)),
+                };
+                let rows = rows_fitting(
+                    trunk_left + spare,
+                    s.lm_head_row,
+                    s.lm_head / s.lm_head_row.max(1),
+                );
+                let alloc = if rows == 0 {
+                    0
+                } else {
+                    held_rows_bytes(rows, s.lm_head_row)
+                };
+                let cache = match cache_over {
+                    Some(_) => c,
+                    None => (left.saturating_sub(t) + trunk_left - alloc)
+                        .min(s.max_slots.max(1) * s.expert_slot)
+                        .max(s.min_slots.max(1) * s.expert_slot),
+                };
+                (rows * s.lm_head_row, cache)
+            }
+        };
+        let read = trunk_read + if pinned { 0 } else { s.lm_head - head_held };
         if pick.is_none_or(|p| read < p.read_per_token) {
             pick = Some(Choice {
                 trunk: t,
-                cache: c,
+                cache,
                 head_pinned: pinned,
+                head_held,
+                sink,
                 read_per_token: read,
             });
         }
@@ -515,6 +583,10 @@ pub struct RunPlan {
     pub limit: Option<u64>,
     /// Stream the lm_head in chunks of this many bytes (None: pinned, held by compute).
     pub lm_head_chunk_bytes: Option<u64>,
+    /// A streamed lm_head's leading rows held for the whole run (payload bytes; 0: none).
+    pub lm_head_held_bytes: u64,
+    /// The sink the trunk-loader plans its budget beside (`plan_streams_with`).
+    pub trunk_sink: u64,
     /// Lines printed under the plan.
     pub notes: Vec<String>,
 }
@@ -540,6 +612,10 @@ pub fn lm_head_stream_bytes(lm_head: u64) -> u64 {
 /// Test hook: `K3_LM_HEAD_CHUNK_BYTES=N` (with `K3_TEST_HOOKS=1`) streams the lm_head in
 /// chunks of N bytes whatever the plan decides.
 pub const LM_HEAD_CHUNK_ENV: &str = "K3_LM_HEAD_CHUNK_BYTES";
+
+/// Test hook: `K3_LM_HEAD_HELD_BYTES=N` (with `K3_TEST_HOOKS=1`) holds N bytes of a
+/// streamed lm_head's leading rows (whole rows) whatever the plan decides.
+pub const LM_HEAD_HELD_ENV: &str = "K3_LM_HEAD_HELD_BYTES";
 
 /// The streams of a packed trunk (whole layers and their parts), for the bound layers.
 fn packed_runs(dir: &std::path::Path, layers: usize) -> Result<k3_trunk_loader::Streams, String> {
@@ -628,6 +704,7 @@ pub fn plan_run(
         check_kv(positions, cen.kv_per_pos, mem_available()).map_err(RunError::usage)?;
     }
     let lm = cen.lm_head_bytes;
+    let lm_head_row = lm / (cfg.vocab_size as u64).max(1);
     let trunk_over = if runs.is_none() {
         Some(trunk_need)
     } else {
@@ -643,6 +720,7 @@ pub fn plan_run(
                 expert_slot,
                 min_slots: batch_slots,
                 max_slots,
+                lm_head_row,
             },
             runs.as_ref(),
             trunk_over,
@@ -657,15 +735,12 @@ pub fn plan_run(
                 .cache
                 .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_CACHE_GB)),
             head_pinned: true,
+            head_held: 0,
+            sink: 0,
             read_per_token: 0,
         }),
     };
-    let Choice {
-        trunk: trunk_budget,
-        cache: cache_budget,
-        head_pinned,
-        ..
-    } = picked.map_err(|e| {
+    let choice = picked.map_err(|e| {
         RunError::usage(format!(
             "REFUSING TO START ({}): {e}.\nOptions: a larger --mem-gb, fewer --layers, \
              --trunk DIR to stream the trunk, or a machine with more memory.",
@@ -676,17 +751,30 @@ pub fn plan_run(
             },
         ))
     })?;
-    let hook = std::env::var(LM_HEAD_CHUNK_ENV)
-        .ok()
-        .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .filter(|&n| n > 0);
-    let lm_head_chunk_bytes = match hook {
+    let Choice {
+        trunk: trunk_budget,
+        cache: cache_budget,
+        head_pinned,
+        head_held,
+        sink: trunk_sink,
+        ..
+    } = choice;
+    let hook = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|&n| n > 0)
+    };
+    let head_held = match hook(LM_HEAD_HELD_ENV) {
+        Some(n) => (n.min(lm) / lm_head_row.max(1)) * lm_head_row,
+        None => head_held,
+    };
+    let lm_head_chunk_bytes = match hook(LM_HEAD_CHUNK_ENV) {
         Some(n) => Some(n),
         None if head_pinned => None,
         None => Some(lm_head_chunk(lm)),
     };
-    let mut cache_budget = cache_budget;
     let mut notes = Vec::new();
     if !res.source.is_empty() {
         notes.push(format!("budget from {}", res.source));
@@ -694,18 +782,16 @@ pub fn plan_run(
     let mut mp = MemoryPlan::new(trunk_budget, cache_budget, a.trunk.is_some());
     match &runs {
         Some(runs) => {
-            let sp = k3_trunk_loader::plan_streams(
+            // The trunk-loader plans the same budget beside the same sink (what the plan
+            // leaves of its share went to the lm_head's rows and the cache in `choose`).
+            let sp = k3_trunk_loader::plan_streams_with(
                 trunk_budget,
                 runs,
                 k3_trunk_loader::RingPolicy::default(),
+                trunk_sink,
             )
             .map_err(|e| usage(e.to_string()))?;
             let tp = sp.plan;
-            // In a total, what the trunk plan leaves of its share goes to the cache.
-            if res.total.is_some() && res.cache.is_none() {
-                cache_budget += trunk_budget - tp.bytes();
-                mp.cache_budget_bytes = cache_budget;
-            }
             let unit = if sp.parts { "layer parts" } else { "layers" };
             mp.add(
                 &format!("trunk ({}/{} pinned)", tp.pinned, tp.layers),
@@ -747,12 +833,27 @@ pub fn plan_run(
                 "layer-compute",
                 2 * (c.div_ceil(4096) * 4096 + 4096),
             );
-            mp.streamed_bytes_per_token += lm;
-            notes.push(format!(
-                "lm_head streamed in chunks of {} ({} read per token)",
-                human(c),
-                human(lm)
-            ));
+            let head_read = lm - head_held;
+            mp.streamed_bytes_per_token += head_read;
+            if head_held > 0 {
+                mp.add(
+                    "lm_head rows held",
+                    "layer-compute",
+                    held_rows_bytes(head_held / lm_head_row.max(1), lm_head_row),
+                );
+                notes.push(format!(
+                    "lm_head: {} of its leading rows held, the rest streamed in chunks of {} ({} read per token)",
+                    human(head_held),
+                    human(c),
+                    human(head_read)
+                ));
+            } else {
+                notes.push(format!(
+                    "lm_head streamed in chunks of {} ({} read per token)",
+                    human(c),
+                    human(lm)
+                ));
+            }
         }
     }
     mp.add("embedding rows", "layer-compute", embed_rows);
@@ -776,6 +877,12 @@ pub fn plan_run(
         total_budget: res.total,
         limit: res.limit,
         lm_head_chunk_bytes,
+        lm_head_held_bytes: if lm_head_chunk_bytes.is_some() {
+            head_held
+        } else {
+            0
+        },
+        trunk_sink,
         notes,
     })
 }
@@ -811,6 +918,7 @@ mod tests {
             fixed: 100,
             trunk_need: 1_000,
             lm_head: 50,
+            lm_head_row: 5,
             expert_slot: 10,
             min_slots: 2,
             max_slots: 40,
@@ -900,6 +1008,7 @@ mod tests {
             fixed: 0,
             trunk_need: 40 * P,
             lm_head: 50 * P,
+            lm_head_row: P,
             expert_slot: P,
             min_slots: 1,
             max_slots: 1,
@@ -908,9 +1017,53 @@ mod tests {
         let c = choose(&s(62 * P), Some(&runs), None, None).unwrap();
         assert!(c.head_pinned, "{c:?}");
         assert_eq!(c.read_per_token, 40 * P);
+        // Streamed: the trunk's 34-page share pins 2 layers beside a 10-page slot; the
+        // 4 pages it leaves hold 3 lm_head rows (and the page a held window may need).
         let c = choose(&s(45 * P), Some(&runs), None, None).unwrap();
         assert!(!c.head_pinned, "{c:?}");
-        assert_eq!((c.trunk, c.read_per_token), (34 * P, 20 * P + 50 * P));
+        assert_eq!(
+            (c.trunk, c.head_held, c.cache, c.read_per_token),
+            (34 * P, 3 * P, P, 20 * P + 47 * P)
+        );
+        assert_eq!(c.sink, 50 * P);
         assert!(choose(&s(20 * P), Some(&runs), None, None).is_err());
+    }
+
+    // Catches: a plan that gives what the trunk leaves to a cache that cannot use it (the
+    // slice at 5.5 GB gave 14 expert slots, 0.25 GB, for a 0.5% hit rate) instead of
+    // lm_head rows, which save their bytes on every token; and held rows over the total.
+    #[test]
+    fn what_the_trunk_leaves_holds_lm_head_rows_before_the_cache() {
+        const P: u64 = 4096;
+        let runs = k3_trunk_loader::Streams {
+            layers: (0..4)
+                .map(|i| k3_trunk_loader::LayerRun {
+                    offset: i * 10 * P,
+                    len: 10 * P,
+                })
+                .collect(),
+            parts: Vec::new(),
+        };
+        let s = |total| Spend {
+            total,
+            fixed: 0,
+            trunk_need: 40 * P,
+            lm_head: 50 * P,
+            lm_head_row: P,
+            expert_slot: P,
+            min_slots: 1,
+            max_slots: 100,
+        };
+        // The whole trunk fits beside a streamed lm_head but not beside a pinned one: the
+        // 29 pages beyond the 16 kept slots hold 28 rows, not 29 more slots.
+        let c = choose(&s(95 * P), Some(&runs), None, None).unwrap();
+        assert!(!c.head_pinned, "{c:?}");
+        assert_eq!((c.trunk, c.head_held, c.cache), (40 * P, 28 * P, 16 * P));
+        assert_eq!(c.read_per_token, 22 * P);
+        let held = held_rows_bytes(c.head_held / P, P);
+        assert!(10 * P + c.trunk + held + c.cache <= 95 * P, "{c:?}");
+        // --cache-gb fixes the cache: only the trunk's leftover holds rows.
+        let c = choose(&s(95 * P), Some(&runs), None, Some(40 * P)).unwrap();
+        assert_eq!((c.trunk, c.head_held, c.cache), (45 * P, 4 * P, 40 * P));
     }
 }

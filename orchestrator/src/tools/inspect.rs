@@ -22,7 +22,7 @@ use k3_model::catalog::Catalog;
 use k3_model::classify::{classify, expert_of, layer_of, TensorClass};
 use k3_model::config::{ExpertFormat, LayerKind, ModelConfig};
 use k3_model::trunk::{align_up, TRUNK_ALIGN};
-use k3_trunk_loader::{plan_streams, Presets, RingPolicy, Streams};
+use k3_trunk_loader::{plan_streams, plan_streams_with, Presets, RingPolicy, Streams};
 
 /// Command line of `k3-orch inspect`.
 #[derive(Parser, Debug)]
@@ -430,6 +430,7 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
         fixed,
         trunk_need: runs.pinned_bytes(),
         lm_head: cen.lm_head_bytes,
+        lm_head_row: cen.lm_head_bytes / (cfg.vocab_size as u64).max(1),
         expert_slot,
         min_slots: topk.max(1),
         max_slots: cen.n_experts.max(topk),
@@ -458,7 +459,7 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
                 None,
             )
             .ok()
-            .and_then(|c| plan_streams(c.trunk, &runs, RingPolicy::default()).ok());
+            .and_then(|c| plan_streams_with(c.trunk, &runs, RingPolicy::default(), c.sink).ok());
             let (slot, what) = match sp {
                 Some(sp) if sp.parts => (sp.plan.slot_bytes, "the largest layer part"),
                 Some(sp) => (sp.plan.slot_bytes, "the largest layer"),
@@ -482,7 +483,7 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
     }
     totals.push(all);
     o += &format!(
-        "  {:>10}  {:>14}  {:>9}  {:>13}  {:>16}\n",
+        "  {:>10}  {:>14}  {:>15}  {:>13}  {:>16}\n",
         "total", "trunk pinned", "lm_head", "cache slots", "read/token*"
     );
     for t in totals {
@@ -492,10 +493,10 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
         };
         match choose(&sp, Some(&runs), None, None) {
             Ok(c) => {
-                let tp = plan_streams(c.trunk, &runs, RingPolicy::default()).ok();
+                let tp = plan_streams_with(c.trunk, &runs, RingPolicy::default(), c.sink).ok();
                 let slots = (c.cache / expert_slot).min(base.max_slots);
                 o += &format!(
-                    "  {:>10}  {:>14}  {:>9}  {:>13}  {:>16}\n",
+                    "  {:>10}  {:>14}  {:>15}  {:>13}  {:>16}\n",
                     gb(t),
                     tp.map(|p| format!(
                         "{}/{}{}",
@@ -504,7 +505,13 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
                         if p.parts { " parts" } else { "" }
                     ))
                     .unwrap_or_default(),
-                    if c.head_pinned { "pinned" } else { "streamed" },
+                    if c.head_pinned {
+                        "pinned".to_string()
+                    } else if c.head_held > 0 {
+                        format!("{} held", gb(c.head_held))
+                    } else {
+                        "streamed".to_string()
+                    },
                     slots,
                     gb(c.read_per_token)
                 );

@@ -163,10 +163,15 @@ impl StagedWeights {
     /// Read the embedding one row per token on demand, and the lm_head in chunks of about
     /// `head_chunk_bytes` when given (else it stays mapped and held), instead of from the
     /// mapping of the shards.
-    pub fn with_model_stream(mut self, head_chunk_bytes: Option<u64>) -> Result<Self, String> {
+    pub fn with_model_stream(
+        mut self,
+        head_chunk_bytes: Option<u64>,
+        head_held_bytes: u64,
+    ) -> Result<Self, String> {
         self.stream = Some(crate::model_stream::ModelStream::open(
             self.model.catalog(),
             head_chunk_bytes,
+            head_held_bytes,
         )?);
         Ok(self)
     }

@@ -2,6 +2,10 @@
 //! token on demand, and (when the memory plan does not pin it) the lm_head in bounded row
 //! chunks, double-buffered so the read of chunk k+1 runs while chunk k is multiplied.
 //!
+//! A streamed lm_head may keep its leading rows held for the whole run (the memory plan
+//! spends what the trunk leaves on them: each held byte is one byte less read per token).
+//! They are read once, on first use, and multiplied while the first streamed chunk is read.
+//!
 //! Reads are O_DIRECT where the file system allows (`k3_io::direct::DirectFiles`), so they
 //! leave no page cache behind to be charged to compute's cgroup: what compute holds is the
 //! few rows of a pass and two chunk buffers, whatever the vocabulary.
@@ -42,6 +46,10 @@ pub struct ModelStream {
     head: Option<Matrix>,
     /// Rows per lm_head chunk; None: the lm_head is held (not chunked).
     head_chunk_rows: Option<usize>,
+    /// Leading lm_head rows held for the run (0: none), and their buffer once read (with
+    /// the payload's range in it).
+    head_held_rows: usize,
+    held: RefCell<Option<(OwnedArena, (usize, usize))>>,
     scratch: RefCell<Option<OwnedArena>>,
     /// Two chunk buffers, allocated on first use.
     bufs: RefCell<Option<[OwnedArena; 2]>>,
@@ -67,7 +75,13 @@ fn matrix(cat: &Catalog, name: &str) -> Option<Matrix> {
 impl ModelStream {
     /// Open the shards of `cat`. `head_chunk_bytes`: stream the lm_head in chunks of about
     /// that many bytes (at least one row); None: the lm_head stays held by the caller.
-    pub fn open(cat: &Catalog, head_chunk_bytes: Option<u64>) -> Result<ModelStream, String> {
+    /// `head_held_bytes`: with a streamed lm_head, hold that many bytes of its leading rows
+    /// (whole rows, fewer than all) and stream only the rest.
+    pub fn open(
+        cat: &Catalog,
+        head_chunk_bytes: Option<u64>,
+        head_held_bytes: u64,
+    ) -> Result<ModelStream, String> {
         let paths: Vec<PathBuf> = cat.shards().iter().map(|s| s.path.clone()).collect();
         let files = DirectFiles::open(&paths).map_err(|e| e.to_string())?;
         let embed = matrix(cat, &model_tensor("embed_tokens.weight"));
@@ -76,11 +90,17 @@ impl ModelStream {
             (Some(h), Some(b)) => Some(((b / h.row_bytes.max(1)) as usize).clamp(1, h.rows)),
             _ => None,
         };
+        let head_held_rows = match (&head, head_chunk_rows) {
+            (Some(h), Some(_)) => ((head_held_bytes / h.row_bytes.max(1)) as usize).min(h.rows),
+            _ => 0,
+        };
         Ok(ModelStream {
             files,
             embed,
             head,
             head_chunk_rows,
+            head_held_rows,
+            held: RefCell::new(None),
             scratch: RefCell::new(None),
             bufs: RefCell::new(None),
             read: Cell::new(Read::default()),
@@ -187,19 +207,81 @@ impl ModelStream {
             name: name.to_string(),
             msg: e.to_string(),
         };
-        let t0 = Instant::now();
         let mut io_s = 0.0;
-        let mut first = match Self::read_rows(&self.files, m, 0, step.min(m.rows), a) {
-            Ok(r) => r,
-            Err(e) => return Some(Err(io_err(e))),
+        let mut read_bytes = 0u64;
+        let held_rows = self.head_held_rows;
+        let mut held = self.held.borrow_mut();
+        if held_rows > 0 && held.is_none() {
+            let t = Instant::now();
+            let cap =
+                (held_rows as u64 * m.row_bytes).div_ceil(ALIGN as u64) as usize * ALIGN + ALIGN;
+            let mut buf = match OwnedArena::new(cap) {
+                Ok(x) => x,
+                Err(e) => {
+                    return Some(Err(WeightError::Io {
+                        name: name.to_string(),
+                        msg: format!("held lm_head rows: {e}"),
+                    }))
+                }
+            };
+            match Self::read_rows(&self.files, m, 0, held_rows, &mut buf) {
+                Ok(range) => *held = Some((buf, range)),
+                Err(e) => return Some(Err(io_err(e))),
+            }
+            io_s += t.elapsed().as_secs_f64();
+            read_bytes += held_rows as u64 * m.row_bytes;
+        }
+        let start = held_rows.min(m.rows);
+        let files = &self.files;
+        let first_end = (start + step).min(m.rows);
+        // The held rows are multiplied while the first streamed chunk is read.
+        let (res, first) = std::thread::scope(|s| {
+            let na: &mut OwnedArena = &mut *a;
+            let h = (start < first_end).then(|| {
+                s.spawn(move || {
+                    let t = Instant::now();
+                    let r = Self::read_rows(files, m, start, first_end, na);
+                    (r, t.elapsed().as_secs_f64())
+                })
+            });
+            let res = match held.as_mut() {
+                Some((buf, (lo, hi))) => {
+                    let shape = [start, cols];
+                    f(
+                        0,
+                        TensorRef {
+                            dtype: m.dtype,
+                            shape: &shape,
+                            bytes: &buf.as_mut_slice()[*lo..*hi],
+                        },
+                    )
+                }
+                None => Ok(()),
+            };
+            (res, h.map(|h| h.join()))
+        });
+        if let Err(e) = res {
+            return Some(Err(e));
+        }
+        let mut first = match first {
+            None => (0, 0),
+            Some(Ok((Ok(rg), secs))) => {
+                io_s += secs;
+                rg
+            }
+            Some(Ok((Err(e), _))) => return Some(Err(io_err(e))),
+            Some(Err(_)) => {
+                return Some(Err(WeightError::Io {
+                    name: name.to_string(),
+                    msg: "the lm_head reader thread panicked".into(),
+                }))
+            }
         };
-        io_s += t0.elapsed().as_secs_f64();
         let (mut cur, mut next) = (a, b);
-        let mut r0 = 0;
+        let mut r0 = start;
         while r0 < m.rows {
             let r1 = (r0 + step).min(m.rows);
             let r2 = (r1 + step).min(m.rows);
-            let files = &self.files;
             // Read chunk k+1 on another thread while chunk k is multiplied here.
             let (res, read) = std::thread::scope(|s| {
                 let nb: &mut OwnedArena = &mut *next;
@@ -244,7 +326,8 @@ impl ModelStream {
             std::mem::swap(&mut cur, &mut next);
             r0 = r1;
         }
-        self.count(m.rows as u64 * m.row_bytes, io_s);
+        read_bytes += (m.rows - start) as u64 * m.row_bytes;
+        self.count(read_bytes, io_s);
         Some(Ok(()))
     }
 }

@@ -176,7 +176,7 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
         timeout,
         ctx.rec.clone(),
     )
-    .with_model_stream(conf.lm_head_chunk_bytes)
+    .with_model_stream(conf.lm_head_chunk_bytes, conf.lm_head_held_bytes)
     .map_err(|e| format!("layer-compute: {e}"))?;
     let model = Model::new(
         cfg,

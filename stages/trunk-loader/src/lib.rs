@@ -21,6 +21,7 @@ pub use loader::{
     runs_from_manifest, LayerGuard, LayerHandle, LoadError, Piece, TrunkLoader, TrunkStats, Unit,
 };
 pub use plan::{
-    plan, plan_streams, LayerRun, PlanError, RingPolicy, StreamPlan, Streams, TrunkPlan,
+    plan, plan_streams, plan_streams_with, LayerRun, PlanError, RingPolicy, StreamPlan, Streams,
+    TrunkPlan,
 };
 pub use presets::{auto, mem_available, Budgets, Preset, Presets};

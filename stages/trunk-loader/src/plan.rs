@@ -20,6 +20,12 @@
 //! order pinned-first (`StreamPlan::order`), streamed ones in stream order, and the prefix
 //! rule above applies to that order unchanged.
 //!
+//! A sink ([`plan_streams_with`]) is memory outside the trunk that takes whatever the trunk
+//! plan leaves of its budget and saves one read byte per byte it holds: the rows of a
+//! streamed lm_head. With one, every byte the trunk does not spend on its slot is either
+//! pinned trunk or held sink, so the plan that reads least is the one with the smallest
+//! slot that still fits beside the parts too big to stream through it.
+//!
 //! Footprints are in whole pages: a layer at file offset `o` of `n` bytes occupies
 //! `align_up(o % 4096 + n)` bytes of arena, so O_DIRECT reads land page-aligned.
 
@@ -216,6 +222,19 @@ pub struct StreamPlan {
     pub order: Option<Vec<usize>>,
 }
 
+impl StreamPlan {
+    /// What the trunk's budget leaves unspent.
+    pub fn left(&self) -> u64 {
+        self.plan.budget.saturating_sub(self.plan.bytes())
+    }
+
+    /// Bytes the trunk and a sink of `sink` bytes read per token together: the trunk's
+    /// reads plus the sink's bytes that the budget left cannot hold.
+    pub fn read_with(&self, sink: u64) -> u64 {
+        self.read_per_token + sink.saturating_sub(self.left())
+    }
+}
+
 /// Which units to pin when the pinned ones need not be a prefix (parts: a layer's small
 /// MoE part can be pinned while its large attention part streams, so the ring slot is
 /// sized for the largest streamed unit only). For every candidate slot size `s` (each
@@ -224,7 +243,10 @@ pub struct StreamPlan {
 /// read per token). The candidate that streams the fewest bytes wins (the smallest slot on
 /// a tie). Returns the order (pinned first, then streamed, each in stream order), or None
 /// when no candidate fits or every unit fits pinned.
-fn pin_order(budget: u64, runs: &[LayerRun]) -> Option<Vec<usize>> {
+///
+/// With a `sink` (see the module documentation) a candidate's bytes are its streamed bytes
+/// plus the sink's bytes that its unspent budget cannot hold.
+fn pin_order(budget: u64, runs: &[LayerRun], sink: u64) -> Option<Vec<usize>> {
     let fp: Vec<u64> = runs.iter().map(LayerRun::footprint).collect();
     let total: u64 = fp.iter().sum();
     if total <= budget {
@@ -252,6 +274,7 @@ fn pin_order(budget: u64, runs: &[LayerRun]) -> Option<Vec<usize>> {
             }
         }
         let streamed: u64 = (0..runs.len()).filter(|&i| !pin[i]).map(|i| fp[i]).sum();
+        let streamed = streamed + sink.saturating_sub(cap);
         if best.as_ref().is_none_or(|(b, _)| streamed < *b) {
             best = Some((streamed, pin));
         }
@@ -270,9 +293,22 @@ fn pin_order(budget: u64, runs: &[LayerRun]) -> Option<Vec<usize>> {
 /// with the shortfall when not even one slot for the largest part fits. The trunk-loader
 /// and the orchestrator's plan both call this, so they agree.
 pub fn plan_streams(budget: u64, s: &Streams, ring: RingPolicy) -> Result<StreamPlan, PlanError> {
+    plan_streams_with(budget, s, ring, 0)
+}
+
+/// [`plan_streams`] beside a sink of `sink` bytes (see the module documentation): the
+/// candidates are weighed by their reads less what the budget they leave lets the sink
+/// hold ([`StreamPlan::read_with`]). A sink of 0 is [`plan_streams`].
+pub fn plan_streams_with(
+    budget: u64,
+    s: &Streams,
+    ring: RingPolicy,
+    sink: u64,
+) -> Result<StreamPlan, PlanError> {
     let read = |runs: &[LayerRun], p: &TrunkPlan| -> u64 {
         runs[p.pinned..].iter().map(LayerRun::footprint).sum()
     };
+    let net = |p: &StreamPlan| p.read_with(sink);
     let whole = plan(budget, &s.layers, ring).map(|p| StreamPlan {
         plan: p,
         parts: false,
@@ -290,7 +326,7 @@ pub fn plan_streams(budget: u64, s: &Streams, ring: RingPolicy) -> Result<Stream
     });
     // Parts may also pin a set that is not a prefix (see `pin_order`); the prefix plan
     // stays on a tie.
-    let chosen = pin_order(budget, &s.parts).and_then(|order| {
+    let chosen = pin_order(budget, &s.parts, sink).and_then(|order| {
         let runs: Vec<LayerRun> = order.iter().map(|&i| s.parts[i]).collect();
         plan(budget, &runs, ring).ok().map(|p| StreamPlan {
             plan: p,
@@ -300,12 +336,12 @@ pub fn plan_streams(budget: u64, s: &Streams, ring: RingPolicy) -> Result<Stream
         })
     });
     let parts = match (prefix, chosen) {
-        (Ok(a), Some(b)) if b.read_per_token < a.read_per_token => Ok(b),
+        (Ok(a), Some(b)) if net(&b) < net(&a) => Ok(b),
         (Err(_), Some(b)) => Ok(b),
         (a, _) => a,
     };
     match (whole, parts) {
-        (Ok(w), Ok(p)) if p.read_per_token < w.read_per_token => Ok(p),
+        (Ok(w), Ok(p)) if net(&p) < net(&w) => Ok(p),
         (Ok(w), _) => Ok(w),
         (Err(_), Ok(p)) => Ok(p),
         (Err(_), Err(e)) => Err(e),
@@ -486,6 +522,65 @@ mod tests {
         let order = sp.order.clone().expect("a set that is not a prefix");
         assert_eq!(order, vec![0, 1, 2, 3, 5, 4, 6, 7, 8]);
         assert!(sp.plan.bytes() <= 4833 * P);
+    }
+
+    /// The fewest bytes any pinned set and a sink of `sink` pages can read together: the
+    /// streamed pages plus the sink's pages that the budget left beside the pinned set and
+    /// one slot cannot hold (exhaustive over subsets).
+    fn best_with_sink(budget: u64, pages: &[u64], sink: u64) -> u64 {
+        let n = pages.len();
+        let total: u64 = pages.iter().sum();
+        (0u32..1 << n)
+            .filter_map(|m| {
+                let pinned: u64 = (0..n).filter(|&i| m >> i & 1 == 1).map(|i| pages[i]).sum();
+                let slot = (0..n)
+                    .filter(|&i| m >> i & 1 == 0)
+                    .map(|i| pages[i])
+                    .max()
+                    .unwrap_or(0);
+                let left = budget.checked_sub(pinned + slot)?;
+                Some(total - pinned + sink.saturating_sub(left))
+            })
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
+    // Catches: a plan that ignores the sink (at 4833 pages beside a 2350-page lm_head it
+    // must still pick the 464-page slot and give the sink the 252 pages it leaves), and a
+    // chooser that is not the exhaustive best when
+    // every unspent byte goes to the sink (then only the slot's size matters).
+    #[test]
+    fn a_sink_takes_what_the_trunk_leaves() {
+        let ring = RingPolicy::default();
+        let s = streams_of(&SLICE);
+        let sp = plan_streams_with(4833 * P, &s, ring, 2350 * P).unwrap();
+        assert_eq!(sp.read_per_token, 1568 * P);
+        assert_eq!((sp.plan.slot_bytes, sp.plan.ring_slots), (464 * P, 1));
+        assert_eq!(sp.left(), 252 * P);
+        assert_eq!(sp.read_with(2350 * P), (1568 + 2350 - 252) * P);
+        let mut seed = 0xfeed_u64;
+        let mut next = |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        for _ in 0..300 {
+            let n = 2 + next(8) as usize;
+            let pages: Vec<u64> = (0..n).map(|_| 1 + next(40)).collect();
+            let total: u64 = pages.iter().sum();
+            let budget = 1 + next(total + 10);
+            let sink = budget + next(50);
+            let Ok(sp) = plan_streams_with(budget * P, &streams_of(&pages), ring, sink * P) else {
+                continue;
+            };
+            assert!(sp.plan.bytes() <= budget * P, "{pages:?} {budget}");
+            assert_eq!(
+                sp.read_with(sink * P),
+                best_with_sink(budget, &pages, sink) * P,
+                "{pages:?} budget {budget} sink {sink}"
+            );
+        }
     }
 
     // Catches: a chooser worse than the prefix plan, a plan over budget, or streamed units

@@ -425,8 +425,13 @@ fn setup_streamed(
     let mut checks = manifest.run_checks();
     checks.truncate(conf.layers);
     let streams = crate::Streams::of_layers(layers);
-    let sp = crate::plan_streams(conf.budget_bytes, &streams, RingPolicy::default())
-        .map_err(|e| format!("trunk-loader: {e}"))?;
+    let sp = crate::plan_streams_with(
+        conf.budget_bytes,
+        &streams,
+        RingPolicy::default(),
+        conf.sink_bytes,
+    )
+    .map_err(|e| format!("trunk-loader: {e}"))?;
     let p = sp.plan;
     let (units, parts) = if sp.parts {
         let (units, parts) = part_units(&manifest, conf.layers, &mut checks);
