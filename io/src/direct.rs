@@ -11,6 +11,10 @@
 //! (its slots mirror the file's page layout), so on a local disk every expert read bypasses
 //! the page cache. Where O_DIRECT is refused (tmpfs, some network file systems) the reader
 //! falls back to buffered reads and counts them, so a report can say so.
+//!
+//! A big read is one request at a time, which leaves a drive's queue mostly empty:
+//! [`read_parallel`] splits it into [`READ_CHUNK`] pieces with [`READ_QD`] in flight (the
+//! trunk-loader's units, a streamed lm_head's chunks).
 
 use std::fs::File;
 use std::io;
@@ -236,4 +240,82 @@ impl<R: ReadAt + ?Sized> ReadAt for std::sync::Arc<R> {
     fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
         (**self).read_at(file, offset, dst)
     }
+}
+
+/// Bytes of one piece of a [`read_parallel`].
+pub const READ_CHUNK: usize = 8 << 20;
+/// Pieces of a [`read_parallel`] in flight (the device's queue depth; one big read is one
+/// request at a time, which leaves an NVMe drive mostly idle).
+pub const READ_QD: usize = 8;
+
+/// A piece that landed: `(at, bytes)`, `at` its offset in the destination. Returning an
+/// error fails the whole read (a checksum, say).
+pub type OnPiece<'a> = dyn Fn(usize, &[u8]) -> Result<(), String> + Sync + 'a;
+
+/// Fill `dst` from `offset` of `file` in [`READ_CHUNK`] pieces, [`READ_QD`] in flight, each
+/// piece at an offset of `dst` that is a multiple of [`READ_CHUNK`] (an aligned `offset`
+/// and buffer keep every piece O_DIRECT). `on_piece` sees each piece as it lands. Returns
+/// the bytes read: `dst.len()`, or fewer only when the file ends inside the last piece.
+pub fn read_parallel(
+    reader: &dyn ReadAt,
+    file: u32,
+    offset: u64,
+    dst: &mut [u8],
+    on_piece: &OnPiece<'_>,
+) -> Result<usize, String> {
+    use std::sync::Mutex;
+    if dst.len() <= READ_CHUNK {
+        let got = reader
+            .read_at(file, offset, dst)
+            .map_err(|e| e.to_string())?;
+        on_piece(0, &dst[..got])?;
+        return Ok(got);
+    }
+    let pieces: Vec<(usize, &mut [u8])> = dst
+        .chunks_mut(READ_CHUNK)
+        .enumerate()
+        .map(|(i, c)| (i * READ_CHUNK, c))
+        .collect();
+    let n = pieces.len();
+    let next = AtomicU64::new(0);
+    type Piece<'a> = Mutex<Option<(usize, &'a mut [u8])>>;
+    type Outcome = Mutex<Option<Result<(usize, usize, usize), String>>>;
+    let slots: Vec<Piece<'_>> = pieces.into_iter().map(|p| Mutex::new(Some(p))).collect();
+    let results: Vec<Outcome> = (0..n).map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..READ_QD.min(n) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                if i >= n {
+                    return;
+                }
+                let Some((at, buf)) = slots[i].lock().unwrap_or_else(|p| p.into_inner()).take()
+                else {
+                    continue;
+                };
+                let r = reader
+                    .read_at(file, offset + at as u64, buf)
+                    .map_err(|e| e.to_string())
+                    .and_then(|got| {
+                        on_piece(at, &buf[..got])?;
+                        Ok((at, got, buf.len()))
+                    });
+                *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            });
+        }
+    });
+    let mut total = 0usize;
+    for (i, r) in results.into_iter().enumerate() {
+        let r = r
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .unwrap_or_else(|| Err(format!("piece {i} was not read")))?;
+        let (at, got, len) = r;
+        total = at + got;
+        // A short piece is the end of the file: nothing after it can hold data.
+        if got < len {
+            break;
+        }
+    }
+    Ok(total)
 }

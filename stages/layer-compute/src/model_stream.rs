@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use k3_io::arena::{OwnedArena, ALIGN};
-use k3_io::direct::{window, DirectFiles, ReadAt};
+use k3_io::direct::{window, DirectFiles};
 use k3_model::catalog::Catalog;
 use k3_model::classify::{model_tensor, LM_HEAD};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
@@ -168,7 +168,10 @@ impl ModelStream {
         let (start, wlen) = window(off, len)
             .ok_or_else(|| std::io::Error::other("lm_head chunk offset overflows"))?;
         let dst = &mut buf.as_mut_slice()[..wlen as usize];
-        let got = files.read_at(m.shard, start, dst)?;
+        // In pieces, several in flight: one 32 MiB request at a time left the disk's queue
+        // mostly empty.
+        let got = k3_io::direct::read_parallel(files, m.shard, start, dst, &|_, _| Ok(()))
+            .map_err(std::io::Error::other)?;
         let skip = (off - start) as usize;
         if got < skip + len as usize {
             return Err(std::io::Error::new(

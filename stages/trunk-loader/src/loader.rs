@@ -185,14 +185,10 @@ struct Shared {
     cv: Condvar,
 }
 
-/// Bytes of one read of a layer; reads of a layer are issued [`READ_QD`] at a time.
-pub const READ_CHUNK: usize = 8 << 20;
-/// Reads in flight while a layer loads (the device's queue depth; one big read is one
-/// request at a time, which leaves an NVMe drive mostly idle).
-pub const READ_QD: usize = 8;
+pub use k3_io::direct::{READ_CHUNK, READ_QD};
 
-/// Fill `dst` from `offset` of `file` in [`READ_CHUNK`] pieces, [`READ_QD`] in flight, each
-/// piece at an aligned offset of an aligned buffer (O_DIRECT stays possible). Returns the
+/// Fill `dst` from `offset` of `file` with [`k3_io::direct::read_parallel`] ([`READ_CHUNK`]
+/// pieces, [`READ_QD`] in flight), checking each piece against `check`'s CRCs. Returns the
 /// bytes read: `dst.len()`, or fewer only when the file ends inside the last piece read.
 pub fn read_parallel(
     reader: &dyn ReadAt,
@@ -214,66 +210,11 @@ pub fn read_parallel_at(
     check: Option<(&k3_model::trunk::RunCheck, u64)>,
 ) -> Result<usize, String> {
     const _: () = assert!((READ_CHUNK as u64).is_multiple_of(k3_model::trunk::CHECK_CHUNK));
-    let base = check.map_or(0, |c| c.1);
-    let check = check.map(|c| c.0);
-    if dst.len() <= READ_CHUNK {
-        let got = reader
-            .read_at(file, offset, dst)
-            .map_err(|e| e.to_string())?;
-        if let Some(c) = check {
-            c.check_range(base, &dst[..got])?;
-        }
-        return Ok(got);
-    }
-    let pieces: Vec<(usize, &mut [u8])> = dst
-        .chunks_mut(READ_CHUNK)
-        .enumerate()
-        .map(|(i, c)| (i * READ_CHUNK, c))
-        .collect();
-    let n = pieces.len();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    type Piece<'a> = Mutex<Option<(usize, &'a mut [u8])>>;
-    type Outcome = Mutex<Option<Result<(usize, usize, usize), String>>>;
-    let slots: Vec<Piece<'_>> = pieces.into_iter().map(|p| Mutex::new(Some(p))).collect();
-    let results: Vec<Outcome> = (0..n).map(|_| Mutex::new(None)).collect();
-    std::thread::scope(|s| {
-        for _ in 0..READ_QD.min(n) {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= n {
-                    return;
-                }
-                let Some((at, buf)) = slots[i].lock().unwrap_or_else(|p| p.into_inner()).take()
-                else {
-                    continue;
-                };
-                let r = reader
-                    .read_at(file, offset + at as u64, buf)
-                    .map_err(|e| e.to_string())
-                    .and_then(|got| {
-                        if let Some(c) = check {
-                            c.check_range(base + at as u64, &buf[..got])?;
-                        }
-                        Ok((at, got, buf.len()))
-                    });
-                *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-            });
-        }
-    });
-    let mut total = 0usize;
-    for (i, r) in results.into_iter().enumerate() {
-        let r = r
-            .into_inner()
-            .unwrap_or_else(|p| p.into_inner())
-            .unwrap_or_else(|| Err(format!("piece {i} was not read")))?;
-        let (at, got, len) = r;
-        total = at + got;
-        // A short piece is the end of the file: nothing after it can hold data.
-        if got < len {
-            break;
-        }
-    }
-    Ok(total)
+    let on_piece = |at: usize, got: &[u8]| match check {
+        Some((c, base)) => c.check_range(base + at as u64, got),
+        None => Ok(()),
+    };
+    k3_io::direct::read_parallel(reader, file, offset, dst, &on_piece)
 }
 
 /// Serves trunk layers. See the module documentation.
