@@ -747,8 +747,11 @@ impl TensorCrcs {
 /// When the forward uses a decoder-layer trunk tensor, by its suffix after
 /// `layers.<l>.`: 0 the attention (its AttnRes mix, `input_layernorm`, `self_attn.*`), 1 the
 /// FFN's input side (the pre-MLP mix, `post_attention_layernorm`, a dense FFN's gate and up,
-/// every tensor of a latent MoE), 2 a dense FFN's down-projection, 3 anything else (never
-/// asked for; read and let go). The forward binds and releases the tensors of one phase
+/// a latent MoE's router, latent down-projection and shared experts), 2 what the FFN uses
+/// last (a dense FFN's down-projection; a latent MoE's `routed_expert_norm` and
+/// `routed_expert_up_proj`, used after the routed experts, so the much larger phase 1 is
+/// given back while they are computed), 3 anything else (never asked for; read and let
+/// go). The forward binds and releases the tensors of one phase
 /// together, so a trunk streamed in parts ([`TrunkManifest::layer_parts`]) never needs more
 /// than one phase of a layer in memory at once.
 pub fn use_phase(suffix: &str) -> u8 {
@@ -757,6 +760,11 @@ pub fn use_phase(suffix: &str) -> u8 {
         || suffix == "input_layernorm.weight"
     {
         0
+    } else if suffix.starts_with("mlp.down_proj.")
+        || suffix.starts_with("block_sparse_moe.routed_expert_up_proj.")
+        || suffix.starts_with("block_sparse_moe.routed_expert_norm.")
+    {
+        2
     } else if suffix.starts_with("mlp_res_")
         || suffix == "post_attention_layernorm.weight"
         || suffix.starts_with("block_sparse_moe.")
@@ -764,8 +772,6 @@ pub fn use_phase(suffix: &str) -> u8 {
         || suffix.starts_with("mlp.up_proj.")
     {
         1
-    } else if suffix.starts_with("mlp.down_proj.") {
-        2
     } else {
         3
     }
@@ -1040,6 +1046,25 @@ mod tests {
         for (t, g) in ts.iter().zip(&got) {
             let want = chunk_crcs(&run[t.offset as usize..(t.offset + t.len) as usize]);
             assert_eq!(g, &want, "{}", t.name);
+        }
+    }
+
+    // Catches: a latent MoE bound as one phase (its router and shared experts then stay
+    // held, in a streamed trunk's only ring slot, while the routed experts are computed),
+    // and a tail tensor (used after the routed experts) put in phase 1.
+    #[test]
+    fn a_latent_moe_is_two_phases() {
+        for (s, want) in [
+            ("block_sparse_moe.gate.weight", 1),
+            ("block_sparse_moe.gate.e_score_correction_bias", 1),
+            ("block_sparse_moe.routed_expert_down_proj.weight", 1),
+            ("block_sparse_moe.shared_experts.down_proj.weight", 1),
+            ("block_sparse_moe.routed_expert_up_proj.weight", 2),
+            ("block_sparse_moe.routed_expert_norm.weight", 2),
+            ("mlp.down_proj.weight", 2),
+            ("self_attn.q_proj.weight", 0),
+        ] {
+            assert_eq!(use_phase(s), want, "{s}");
         }
     }
 

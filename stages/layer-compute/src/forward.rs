@@ -22,7 +22,7 @@ use crate::modules::attnres::attnres_mix_rows;
 use crate::modules::kda::{kda_forward, KdaState, KdaWeights};
 use crate::modules::mla::{mla_forward, MlaCache, MlaWeights};
 use crate::modules::mlp::glu_down64;
-use crate::modules::moe::{moe_forward_announced, MoeStats, MoeWeights};
+use crate::modules::moe::{moe_forward_phased, MoeHead, MoeHooks, MoeStats};
 use crate::modules::{mat_from, Eps, Trace};
 use crate::weights::{to_f32_vec, Weights, LM_HEAD};
 use k3_model::classify::{layer_tensor, model_tensor};
@@ -244,8 +244,10 @@ impl<W: Weights> Model<W> {
         self.weights.end_phase(l);
         if dense {
             self.dense_down(l)?;
-            self.weights.end_phase(l);
+        } else {
+            self.moe_tail(l)?;
         }
+        self.weights.end_phase(l);
         Ok(())
     }
 
@@ -316,11 +318,12 @@ impl<W: Weights> Model<W> {
     }
 
     /// The tensors of phase 1: the pre-MLP mix, `post_attention_layernorm`, and a dense
-    /// FFN's gate and up or the whole latent MoE.
+    /// FFN's gate and up or the latent MoE's head (its tail, used after the routed experts,
+    /// is phase 2).
     fn bind_ffn_in(&self, l: usize) -> Result<FfnW<'_>, ForwardError> {
         let d = self.cfg.hidden_size;
         let ffn = if self.cfg.is_moe(l) {
-            FfnIn::Moe(self.moe_weights(l)?)
+            FfnIn::Moe(self.moe_head(l)?)
         } else {
             let f = self.cfg.intermediate_size;
             FfnIn::Dense {
@@ -620,19 +623,25 @@ impl<W: Weights> Model<W> {
                     Result<crate::weights::ExpertRef<'b>, WeightError>,
                 )| { self.weights.experts(l, ids, deliver) };
                 // The expert reads start when the router has chosen (before the shared
-                // experts are computed), so they overlap that compute.
-                let mut announce = |ids: &[u32]| self.weights.announce_experts(l, ids);
-                let z = moe_forward_announced(
+                // experts are computed), so they overlap that compute; the head's part is
+                // given back before the routed experts (a streamed trunk reads its next
+                // part meanwhile) and the tail bound after them.
+                let mut hooks = MoeHooks {
+                    announce: &mut |ids: &[u32]| self.weights.announce_experts(l, ids),
+                    release_head: &mut || self.weights.end_phase(l),
+                    tail: &mut || self.moe_tail(l),
+                };
+                let z = moe_forward_phased(
                     mw,
                     &self.moe_params(),
                     &v,
                     ntok,
-                    &mut announce,
+                    &mut hooks,
                     &mut fetch,
                     th,
                     &mut ms,
                     trace,
-                );
+                )?;
                 stats.expert_requests += ms.requests;
                 stats.expert_failures += ms.failures;
                 stats.failure_msgs.extend(
@@ -663,7 +672,7 @@ enum FfnIn<'a> {
         gate: Mat<'a>,
         up: Mat<'a>,
     },
-    Moe(MoeWeights<'a>),
+    Moe(MoeHead<'a>),
 }
 
 struct AttnW<'a> {

@@ -14,7 +14,9 @@ use k3_layer_compute::kernels::{act, attnres, conv, kda, mxfp4, norm, router};
 use k3_layer_compute::modules::kda::{kda_forward, KdaDims, KdaState, KdaWeights};
 use k3_layer_compute::modules::mla::{mla_forward, MlaCache, MlaDims, MlaWeights};
 use k3_layer_compute::modules::mlp::Situ;
-use k3_layer_compute::modules::moe::{moe_forward, MoeParams, MoeStats, MoeWeights};
+use k3_layer_compute::modules::moe::{
+    moe_forward, MoeHead, MoeParams, MoeStats, MoeTail, MoeWeights,
+};
 use k3_layer_compute::modules::Eps;
 use k3_layer_compute::weights::{ExpertRef, ExpertTensor};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
@@ -427,14 +429,18 @@ fn moe_module() {
         f32mat(b, s)
     };
     let w = MoeWeights {
-        gate: get("gate_weight"),
-        bias: Some(arr(&v, "e_score_correction_bias")),
-        down: get("down_weight"),
-        up: get("up_weight"),
-        norm: Some(arr(&v, "norm_weight")),
-        sh_gate: get("shared_w1_weight"),
-        sh_up: get("shared_w3_weight"),
-        sh_down: get("shared_w2_weight"),
+        head: MoeHead {
+            gate: get("gate_weight"),
+            bias: Some(arr(&v, "e_score_correction_bias")),
+            down: get("down_weight"),
+            sh_gate: get("shared_w1_weight"),
+            sh_up: get("shared_w3_weight"),
+            sh_down: get("shared_w2_weight"),
+        },
+        tail: MoeTail {
+            up: get("up_weight"),
+            norm: Some(arr(&v, "norm_weight")),
+        },
     };
     let p = MoeParams {
         hidden: 128,
@@ -480,7 +486,8 @@ fn moe_module() {
         1,
         &mut stats,
         &mut None,
-    );
+    )
+    .unwrap();
     assert_eq!(stats.failures, 0);
     // The MANIFEST tolerance, elementwise — except that |want| is floored at 1e-3 of the
     // row's largest |value|. Rows here reach |177|, and a few outputs are near-cancellations
@@ -526,7 +533,8 @@ fn moe_module() {
         1,
         &mut stats,
         &mut None,
-    );
+    )
+    .unwrap();
     assert!(stats.failures > 0 && stats.failures == stats.requests);
     // An implementation that never delivers a slot is counted too.
     let mut silent =
@@ -541,7 +549,8 @@ fn moe_module() {
         1,
         &mut stats,
         &mut None,
-    );
+    )
+    .unwrap();
     assert_eq!(stats.failures, stats.requests);
 }
 

@@ -28,17 +28,31 @@ pub struct MoeParams {
     pub eps: f32,
 }
 
-/// Trunk weights of one latent-MoE block.
+/// Trunk weights of one latent-MoE block: the part used before the routed experts (use
+/// phase 1) and the part used after them (phase 2, `k3_model::trunk::use_phase`).
 pub struct MoeWeights<'a> {
+    pub head: MoeHead<'a>,
+    pub tail: MoeTail<'a>,
+}
+
+/// What the MoE uses before the routed experts: the router (and its bias), the latent
+/// down-projection and the shared experts.
+pub struct MoeHead<'a> {
     pub gate: Mat<'a>,
     pub bias: Option<Vec<f32>>,
     pub down: Mat<'a>,
-    pub up: Mat<'a>,
-    /// `routed_expert_norm`; `None` when `latent_moe_use_norm` is false.
-    pub norm: Option<Vec<f32>>,
     pub sh_gate: Mat<'a>,
     pub sh_up: Mat<'a>,
     pub sh_down: Mat<'a>,
+}
+
+/// What the MoE uses after the routed experts: the latent norm and up-projection of their
+/// combined output.
+#[derive(Clone)]
+pub struct MoeTail<'a> {
+    pub up: Mat<'a>,
+    /// `routed_expert_norm`; `None` when `latent_moe_use_norm` is false.
+    pub norm: Option<Vec<f32>>,
 }
 
 /// Counters of one MoE call.
@@ -69,31 +83,48 @@ pub fn moe_forward(
     threads: usize,
     stats: &mut MoeStats,
     trace: &mut Option<&mut Trace>,
-) -> Vec<f32> {
-    moe_forward_announced(w, p, v, ntok, &mut |_| {}, fetch, threads, stats, trace)
+) -> Result<Vec<f32>, ForwardError> {
+    let mut hooks = MoeHooks {
+        announce: &mut |_| {},
+        release_head: &mut || {},
+        tail: &mut || Ok(w.tail.clone()),
+    };
+    moe_forward_phased(
+        &w.head, p, v, ntok, &mut hooks, fetch, threads, stats, trace,
+    )
 }
 
-/// [`moe_forward`] that tells `announce(ids)` which routed experts it will fetch the moment
-/// the router has chosen them (the distinct ids, in the order `fetch` will ask for them),
-/// before it computes the shared experts and the latent down-projection, so a streaming
-/// supplier's reads overlap that compute. Then `fetch(ids, ...)` with the same ids.
+/// What a streaming supplier is told during [`moe_forward_phased`], in this order:
+/// `announce(ids)` the moment the router has chosen (the distinct ids, in the order `fetch`
+/// will ask for them), before the shared experts and the latent down-projection are
+/// computed, so the expert reads overlap that compute; `release_head()` once the head's
+/// weights are read for the last time (before the routed experts: a trunk streamed in
+/// parts can then read its next part while they are computed); `tail()` for the tail's
+/// weights, after the routed experts.
+pub struct MoeHooks<'h, 't> {
+    pub announce: &'h mut dyn FnMut(&[u32]),
+    pub release_head: &'h mut dyn FnMut(),
+    pub tail: &'h mut dyn FnMut() -> Result<MoeTail<'t>, ForwardError>,
+}
+
+/// [`moe_forward`] in two use phases with the supplier's hooks ([`MoeHooks`]).
 ///
 /// The order of the products changes, not their values: the router's product alone, then
 /// the latent down-projection and the shared experts' gate/up fused, then the shared
 /// experts' down-projection, then the routed experts; every product is bit-identical to
 /// the same matrix multiplied alone (`gemm_fused`'s contract), and the sums are the same.
 #[allow(clippy::too_many_arguments)]
-pub fn moe_forward_announced(
-    w: &MoeWeights<'_>,
+pub fn moe_forward_phased<'t>(
+    w: &MoeHead<'_>,
     p: &MoeParams,
     v: &[f32],
     ntok: usize,
-    announce: &mut dyn FnMut(&[u32]),
+    hooks: &mut MoeHooks<'_, 't>,
     fetch: &mut ExpertFetch<'_>,
     threads: usize,
     stats: &mut MoeStats,
     trace: &mut Option<&mut Trace>,
-) -> Vec<f32> {
+) -> Result<Vec<f32>, ForwardError> {
     let (lat, k) = (p.latent, p.top_k);
     let router_span = profile::span(Phase::Router);
     let mut logits = vec![0f32; ntok * p.n_experts];
@@ -124,7 +155,7 @@ pub fn moe_forward_announced(
             }
         }
     }
-    announce(&union);
+    (hooks.announce)(&union);
     router_span.end();
     let shared_span = profile::span(Phase::Shared);
     // While the experts load: the latent down-projection and the shared experts.
@@ -141,6 +172,8 @@ pub fn moe_forward_announced(
     );
     let sh = glu_down64(&sh_g, &sh_u, &w.sh_down, p.situ, ntok, threads);
     shared_span.end();
+    // The head's weights are not read again from here on.
+    (hooks.release_head)();
     for r in &routes {
         trace_put(trace, "moe_scores", &r.scores);
         trace_put(
@@ -212,6 +245,7 @@ pub fn moe_forward_announced(
                 .push(format!("expert {} was never delivered", union[ui]));
         }
     }
+    let tail = (hooks.tail)()?;
     let _combine = profile::span(Phase::Combine);
     // Weighted sum in top-k order, then the latent norm on the aggregate.
     let mut agg = vec![0f32; ntok * lat];
@@ -227,15 +261,15 @@ pub fn moe_forward_announced(
                 a[j] += wt * y[j];
             }
         }
-        if let Some(nw) = &w.norm {
+        if let Some(nw) = &tail.norm {
             norm::rmsnorm_inplace(a, Some(nw), p.eps);
         }
     }
     // z = r + sh, added in f64 from the unrounded products and rounded once (the two
     // halves are often large and nearly cancelling).
     let mut r = vec![0f64; ntok * p.hidden];
-    gemm64(&w.up, &agg, &mut r, ntok, threads);
-    r.iter().zip(&sh).map(|(a, b)| (a + b) as f32).collect()
+    gemm64(&tail.up, &agg, &mut r, ntok, threads);
+    Ok(r.iter().zip(&sh).map(|(a, b)| (a + b) as f32).collect())
 }
 
 impl<W: Weights> Model<W> {
@@ -259,7 +293,8 @@ impl<W: Weights> Model<W> {
             b2: self.cfg.activation_situ_linear_beta,
         }
     }
-    pub(crate) fn moe_weights(&self, l: usize) -> Result<MoeWeights<'_>, ForwardError> {
+    /// Layer `l`'s MoE weights of use phase 1 (before the routed experts).
+    pub(crate) fn moe_head(&self, l: usize) -> Result<MoeHead<'_>, ForwardError> {
         let c = &self.cfg;
         let (d, lat, e, sw) = (
             c.hidden_size,
@@ -269,19 +304,28 @@ impl<W: Weights> Model<W> {
         );
         let n = |s: &str| layer_tensor(l, &format!("block_sparse_moe.{s}"));
         let bias_name = n("gate.e_score_correction_bias");
-        Ok(MoeWeights {
+        Ok(MoeHead {
             gate: self.mat(&n("gate.weight"), e, d)?,
             bias: Some(self.vector(&bias_name, e)?),
             down: self.mat(&n("routed_expert_down_proj.weight"), lat, d)?,
+            sh_gate: self.mat(&n("shared_experts.gate_proj.weight"), sw, d)?,
+            sh_up: self.mat(&n("shared_experts.up_proj.weight"), sw, d)?,
+            sh_down: self.mat(&n("shared_experts.down_proj.weight"), d, sw)?,
+        })
+    }
+
+    /// Layer `l`'s MoE weights of use phase 2 (after the routed experts).
+    pub(crate) fn moe_tail(&self, l: usize) -> Result<MoeTail<'_>, ForwardError> {
+        let c = &self.cfg;
+        let (d, lat) = (c.hidden_size, c.routed_expert_hidden_size);
+        let n = |s: &str| layer_tensor(l, &format!("block_sparse_moe.{s}"));
+        Ok(MoeTail {
             up: self.mat(&n("routed_expert_up_proj.weight"), d, lat)?,
             norm: if c.latent_moe_use_norm {
                 Some(self.vector(&n("routed_expert_norm.weight"), lat)?)
             } else {
                 None
             },
-            sh_gate: self.mat(&n("shared_experts.gate_proj.weight"), sw, d)?,
-            sh_up: self.mat(&n("shared_experts.up_proj.weight"), sw, d)?,
-            sh_down: self.mat(&n("shared_experts.down_proj.weight"), d, sw)?,
         })
     }
 }
