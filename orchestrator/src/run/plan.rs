@@ -991,9 +991,11 @@ mod tests {
 
     // The lm_head is pinned when that reads least, streamed when only streaming fits (a
     // 1.5 GB run of the slice cannot hold its 2.35 GB lm_head).
-    #[test]
-    fn the_lm_head_streams_only_when_that_reads_less_or_alone_fits() {
-        const P: u64 = 4096;
+    const P: u64 = 4096;
+
+    /// Four 10-page layers (no parts), a 50-page lm_head of 1-page rows, 1-page expert
+    /// slots: the budget `total`, at most `max_slots` slots.
+    fn four_layers(total: u64, max_slots: u64) -> (k3_trunk_loader::Streams, Spend) {
         let runs = k3_trunk_loader::Streams {
             layers: (0..4)
                 .map(|i| k3_trunk_loader::LayerRun {
@@ -1003,7 +1005,7 @@ mod tests {
                 .collect(),
             parts: Vec::new(),
         };
-        let s = |total| Spend {
+        let s = Spend {
             total,
             fixed: 0,
             trunk_need: 40 * P,
@@ -1011,8 +1013,15 @@ mod tests {
             lm_head_row: P,
             expert_slot: P,
             min_slots: 1,
-            max_slots: 1,
+            max_slots,
         };
+        (runs, s)
+    }
+
+    #[test]
+    fn the_lm_head_streams_only_when_that_reads_less_or_alone_fits() {
+        let runs = four_layers(0, 1).0;
+        let s = |total| four_layers(total, 1).1;
         assert_eq!(lm_head_stream_bytes(50 * P), 10 * P);
         let c = choose(&s(62 * P), Some(&runs), None, None).unwrap();
         assert!(c.head_pinned, "{c:?}");
@@ -1034,26 +1043,8 @@ mod tests {
     // lm_head rows, which save their bytes on every token; and held rows over the total.
     #[test]
     fn what_the_trunk_leaves_holds_lm_head_rows_before_the_cache() {
-        const P: u64 = 4096;
-        let runs = k3_trunk_loader::Streams {
-            layers: (0..4)
-                .map(|i| k3_trunk_loader::LayerRun {
-                    offset: i * 10 * P,
-                    len: 10 * P,
-                })
-                .collect(),
-            parts: Vec::new(),
-        };
-        let s = |total| Spend {
-            total,
-            fixed: 0,
-            trunk_need: 40 * P,
-            lm_head: 50 * P,
-            lm_head_row: P,
-            expert_slot: P,
-            min_slots: 1,
-            max_slots: 100,
-        };
+        let runs = four_layers(0, 100).0;
+        let s = |total| four_layers(total, 100).1;
         // The whole trunk fits beside a streamed lm_head but not beside a pinned one: the
         // 29 pages beyond the 16 kept slots hold 28 rows, not 29 more slots.
         let c = choose(&s(95 * P), Some(&runs), None, None).unwrap();

@@ -39,6 +39,9 @@ pub struct Read {
     pub seconds: f64,
 }
 
+/// A chunk read into its buffer: the payload's byte range in it, and the read's seconds.
+type Landed = ((usize, usize), f64);
+
 /// Embedding rows on demand and lm_head chunks.
 pub struct ModelStream {
     files: DirectFiles,
@@ -182,6 +185,43 @@ impl ModelStream {
         Ok((skip, skip + len as usize))
     }
 
+    /// Run `work` here while rows `r0..r1` of `m` are read into `buf` on another thread
+    /// (nothing is read when the range is empty). Returns the payload's range in `buf` and
+    /// the read's seconds, or the first error: `work`'s, then the read's.
+    fn overlapped(
+        files: &DirectFiles,
+        m: &Matrix,
+        r0: usize,
+        r1: usize,
+        buf: &mut OwnedArena,
+        work: impl FnOnce() -> Result<(), WeightError>,
+    ) -> Result<Option<Landed>, WeightError> {
+        let (res, read) = std::thread::scope(|s| {
+            let h = (r0 < r1).then(|| {
+                s.spawn(move || {
+                    let t = Instant::now();
+                    let r = Self::read_rows(files, m, r0, r1, buf);
+                    (r, t.elapsed().as_secs_f64())
+                })
+            });
+            let res = work();
+            (res, h.map(|h| h.join()))
+        });
+        res?;
+        match read {
+            None => Ok(None),
+            Some(Ok((Ok(rg), secs))) => Ok(Some((rg, secs))),
+            Some(Ok((Err(e), _))) => Err(WeightError::Io {
+                name: m.name.clone(),
+                msg: e.to_string(),
+            }),
+            Some(Err(_)) => Err(WeightError::Io {
+                name: m.name.clone(),
+                msg: "the lm_head reader thread panicked".into(),
+            }),
+        }
+    }
+
     /// The lm_head in chunks (see `Weights::matrix_chunks`); None when it is held.
     pub fn chunks(
         &self,
@@ -236,95 +276,56 @@ impl ModelStream {
         }
         let start = held_rows.min(m.rows);
         let files = &self.files;
-        let first_end = (start + step).min(m.rows);
         // The held rows are multiplied while the first streamed chunk is read.
-        let (res, first) = std::thread::scope(|s| {
-            let na: &mut OwnedArena = &mut *a;
-            let h = (start < first_end).then(|| {
-                s.spawn(move || {
-                    let t = Instant::now();
-                    let r = Self::read_rows(files, m, start, first_end, na);
-                    (r, t.elapsed().as_secs_f64())
-                })
-            });
-            let res = match held.as_mut() {
-                Some((buf, (lo, hi))) => {
-                    let shape = [start, cols];
-                    f(
-                        0,
-                        TensorRef {
-                            dtype: m.dtype,
-                            shape: &shape,
-                            bytes: &buf.as_mut_slice()[*lo..*hi],
-                        },
-                    )
-                }
-                None => Ok(()),
-            };
-            (res, h.map(|h| h.join()))
-        });
-        if let Err(e) = res {
-            return Some(Err(e));
-        }
-        let mut first = match first {
-            None => (0, 0),
-            Some(Ok((Ok(rg), secs))) => {
+        let held_work = || match held.as_mut() {
+            Some((buf, (lo, hi))) => {
+                let shape = [start, cols];
+                f(
+                    0,
+                    TensorRef {
+                        dtype: m.dtype,
+                        shape: &shape,
+                        bytes: &buf.as_mut_slice()[*lo..*hi],
+                    },
+                )
+            }
+            None => Ok(()),
+        };
+        let first_end = (start + step).min(m.rows);
+        let mut first = match Self::overlapped(files, m, start, first_end, a, held_work) {
+            Ok(Some((rg, secs))) => {
                 io_s += secs;
                 rg
             }
-            Some(Ok((Err(e), _))) => return Some(Err(io_err(e))),
-            Some(Err(_)) => {
-                return Some(Err(WeightError::Io {
-                    name: name.to_string(),
-                    msg: "the lm_head reader thread panicked".into(),
-                }))
-            }
+            Ok(None) => (0, 0),
+            Err(e) => return Some(Err(e)),
         };
         let (mut cur, mut next) = (a, b);
         let mut r0 = start;
         while r0 < m.rows {
             let r1 = (r0 + step).min(m.rows);
             let r2 = (r1 + step).min(m.rows);
-            // Read chunk k+1 on another thread while chunk k is multiplied here.
-            let (res, read) = std::thread::scope(|s| {
-                let nb: &mut OwnedArena = &mut *next;
-                let h = (r1 < r2).then(|| {
-                    s.spawn(move || {
-                        let t = Instant::now();
-                        let r = Self::read_rows(files, m, r1, r2, nb);
-                        (r, t.elapsed().as_secs_f64())
-                    })
-                });
-                let (lo, hi) = first;
+            // Read chunk k+1 into `next` while chunk k is multiplied here.
+            let (lo, hi) = first;
+            let cur_bytes = &cur.as_mut_slice()[lo..hi];
+            let work = || {
                 let shape = [r1 - r0, cols];
-                let bytes = &cur.as_mut_slice()[lo..hi];
-                let res = f(
+                f(
                     r0,
                     TensorRef {
                         dtype: m.dtype,
                         shape: &shape,
-                        bytes,
+                        bytes: cur_bytes,
                     },
-                );
-                let read = h.map(|h| h.join());
-                (res, read)
-            });
-            if let Err(e) = res {
-                return Some(Err(e));
-            }
-            match read {
-                Some(Ok((Ok(rg), secs))) => {
+                )
+            };
+            match Self::overlapped(files, m, r1, r2, next, work) {
+                Ok(Some((rg, secs))) => {
                     io_s += secs;
                     first = rg;
                 }
-                Some(Ok((Err(e), _))) => return Some(Err(io_err(e))),
-                Some(Err(_)) => {
-                    return Some(Err(WeightError::Io {
-                        name: name.to_string(),
-                        msg: "the lm_head reader thread panicked".into(),
-                    }))
-                }
-                None => {}
+                Ok(None) => {}
+                Err(e) => return Some(Err(e)),
             }
             std::mem::swap(&mut cur, &mut next);
             r0 = r1;

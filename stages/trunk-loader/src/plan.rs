@@ -486,25 +486,6 @@ mod tests {
         }
     }
 
-    /// The fewest bytes any pinned set can stream: sum(pinned) + the largest unpinned
-    /// footprint must fit (exhaustive over subsets).
-    fn best_streamed(budget: u64, pages: &[u64]) -> u64 {
-        let n = pages.len();
-        let total: u64 = pages.iter().sum();
-        (0u32..1 << n)
-            .filter_map(|m| {
-                let pinned: u64 = (0..n).filter(|&i| m >> i & 1 == 1).map(|i| pages[i]).sum();
-                let slot = (0..n)
-                    .filter(|&i| m >> i & 1 == 0)
-                    .map(|i| pages[i])
-                    .max()
-                    .unwrap_or(0);
-                (pinned + slot <= budget).then_some(total - pinned)
-            })
-            .min()
-            .unwrap_or(u64::MAX)
-    }
-
     // Catches: a plan that pins only a prefix (at 4833 pages the slice's prefix plan pins
     // layers 0-1 and streams 2088 pages through an 888-page slot; pinning the three large
     // attention parts instead streams 1568 through a 464-page slot), a streamed order that
@@ -524,7 +505,18 @@ mod tests {
         assert!(sp.plan.bytes() <= 4833 * P);
     }
 
-    /// The fewest bytes any pinned set and a sink of `sink` pages can read together: the
+    /// A xorshift generator from `seed`: `next(m)` is in `0..m`.
+    fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |m| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        }
+    }
+
+    /// The fewest bytes any pinned set and a sink of `sink` pages can read together (with no
+    /// sink: the fewest any pinned set can stream): the
     /// streamed pages plus the sink's pages that the budget left beside the pinned set and
     /// one slot cannot hold (exhaustive over subsets).
     fn best_with_sink(budget: u64, pages: &[u64], sink: u64) -> u64 {
@@ -558,13 +550,7 @@ mod tests {
         assert_eq!((sp.plan.slot_bytes, sp.plan.ring_slots), (464 * P, 1));
         assert_eq!(sp.left(), 252 * P);
         assert_eq!(sp.read_with(2350 * P), (1568 + 2350 - 252) * P);
-        let mut seed = 0xfeed_u64;
-        let mut next = |m: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % m
-        };
+        let mut next = xorshift(0xfeed_u64);
         for _ in 0..300 {
             let n = 2 + next(8) as usize;
             let pages: Vec<u64> = (0..n).map(|_| 1 + next(40)).collect();
@@ -587,13 +573,7 @@ mod tests {
     // out of forward order, on random part lists (and how far it is from the exhaustive best).
     #[test]
     fn chosen_sets_fit_and_never_stream_more_than_the_prefix() {
-        let mut seed = 0x5eed_u64;
-        let mut next = |m: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % m
-        };
+        let mut next = xorshift(0x5eed_u64);
         for _ in 0..400 {
             let n = 2 + next(9) as usize;
             let pages: Vec<u64> = (0..n).map(|_| 1 + next(40)).collect();
@@ -620,7 +600,7 @@ mod tests {
                 assert_eq!(all, (0..n).collect::<Vec<_>>());
             }
             if sp.parts {
-                assert!(sp.read_per_token >= best_streamed(budget, &pages) * P);
+                assert!(sp.read_per_token >= best_with_sink(budget, &pages, 0) * P);
             }
         }
     }
