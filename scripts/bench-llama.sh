@@ -52,6 +52,8 @@
 #   nice -n 19 cmake -S . -B build -G Ninja -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON \
 #       -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON \
 #       -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+#       # on a CPU without AVX-512 use -DGGML_AVX512=OFF and drop the two after it (with
+#       # GGML_NATIVE=OFF the flags above decide the instructions the build uses)
 #   nice -n 19 cmake --build build -j2 --target llama-bench llama-simple llama-completion llama-gguf
 # Converter venv (torch is imported by every converter module; the PyPI wheel, since
 # download.pytorch.org is not reachable here, pulls the CUDA libraries too):
