@@ -345,10 +345,10 @@ fn cache_keep(s: &Spend, left: u64) -> u64 {
     }
 }
 
-/// Arena bytes compute allocates to hold `rows` rows of `row` bytes read O_DIRECT: whole
-/// pages, plus one for a start that is not page-aligned.
+/// Arena bytes compute allocates to hold `rows` rows of `row` bytes read O_DIRECT
+/// ([`k3_io::slot_bytes_for`], as compute sizes it).
 pub fn held_rows_bytes(rows: u64, row: u64) -> u64 {
-    (rows * row).div_ceil(4096) * 4096 + 4096
+    k3_io::slot_bytes_for(rows * row)
 }
 
 /// The most lm_head rows (of `row` bytes, at most `rows`) whose arena fits in `room`.
@@ -606,7 +606,7 @@ pub fn lm_head_chunk(lm_head: u64) -> u64 {
 
 /// What compute holds for a streamed lm_head: two chunk buffers, page-rounded, plus a page.
 pub fn lm_head_stream_bytes(lm_head: u64) -> u64 {
-    2 * (lm_head_chunk(lm_head).div_ceil(4096) * 4096 + 4096)
+    2 * k3_io::slot_bytes_for(lm_head_chunk(lm_head))
 }
 
 /// Test hook: `K3_LM_HEAD_CHUNK_BYTES=N` (with `K3_TEST_HOOKS=1`) streams the lm_head in
@@ -831,7 +831,7 @@ pub fn plan_run(
             mp.add(
                 "lm_head (streamed)",
                 "layer-compute",
-                2 * (c.div_ceil(4096) * 4096 + 4096),
+                2 * k3_io::slot_bytes_for(c),
             );
             let head_read = lm - head_held;
             mp.streamed_bytes_per_token += head_read;
@@ -989,8 +989,6 @@ mod tests {
         assert!(p.check().is_ok());
     }
 
-    // The lm_head is pinned when that reads least, streamed when only streaming fits (a
-    // 1.5 GB run of the slice cannot hold its 2.35 GB lm_head).
     const P: u64 = 4096;
 
     /// Four 10-page layers (no parts), a 50-page lm_head of 1-page rows, 1-page expert
@@ -1018,6 +1016,8 @@ mod tests {
         (runs, s)
     }
 
+    // The lm_head is pinned when that reads least, streamed when only streaming fits (a
+    // 1.5 GB run of the slice cannot hold its 2.35 GB lm_head).
     #[test]
     fn the_lm_head_streams_only_when_that_reads_less_or_alone_fits() {
         let runs = four_layers(0, 1).0;

@@ -14,7 +14,7 @@ use std::cell::{Cell, RefCell};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use k3_io::arena::{OwnedArena, ALIGN};
+use k3_io::arena::{slot_bytes_for, OwnedArena};
 use k3_io::direct::{window, DirectFiles};
 use k3_model::catalog::Catalog;
 use k3_model::classify::{model_tensor, LM_HEAD};
@@ -231,7 +231,7 @@ impl ModelStream {
         let m = self.head.as_ref().filter(|m| m.name == name)?;
         let step = self.head_chunk_rows?;
         let cols = (m.row_bytes as usize) / m.dtype.size();
-        let cap = (step as u64 * m.row_bytes).div_ceil(ALIGN as u64) as usize * ALIGN + ALIGN;
+        let cap = slot_bytes_for(step as u64 * m.row_bytes) as usize;
         let mut bufs = self.bufs.borrow_mut();
         if bufs.is_none() {
             let a = OwnedArena::new(cap).and_then(|a| Ok([a, OwnedArena::new(cap)?]));
@@ -256,8 +256,7 @@ impl ModelStream {
         let mut held = self.held.borrow_mut();
         if held_rows > 0 && held.is_none() {
             let t = Instant::now();
-            let cap =
-                (held_rows as u64 * m.row_bytes).div_ceil(ALIGN as u64) as usize * ALIGN + ALIGN;
+            let cap = slot_bytes_for(held_rows as u64 * m.row_bytes) as usize;
             let mut buf = match OwnedArena::new(cap) {
                 Ok(x) => x,
                 Err(e) => {
