@@ -25,6 +25,17 @@ fn prompt(model: &str) -> String {
 }
 
 fn gen(model: &str, trunk: &Path, out: &Path, extra: &[&str]) -> Output {
+    gen_with(model, trunk, out, extra, &[])
+}
+
+/// [`gen`] with environment variables (the test hooks).
+fn gen_with(
+    model: &str,
+    trunk: &Path,
+    out: &Path,
+    extra: &[&str],
+    envs: &[(&str, &str)],
+) -> Output {
     k3().arg(fixture(&format!("{model}/sharded")))
         .args([
             "--ids",
@@ -38,6 +49,7 @@ fn gen(model: &str, trunk: &Path, out: &Path, extra: &[&str]) -> Output {
         .arg("--out")
         .arg(out)
         .args(extra)
+        .envs(envs.iter().copied())
         .output()
         .unwrap()
 }
@@ -302,7 +314,11 @@ fn an_old_version_trunk_is_refused_with_the_repack_command() {
 /// than a layer, and both tiny models still give the oracle's ids, staged and in-process.
 /// Catches a part missing a tensor its phase binds, a forward that binds the next phase
 /// before it gives the last back (it would wait forever on a one-slot ring), a tensor mapped
-/// at the wrong offset inside its part, and a part whose pieces are not checked.
+/// at the wrong offset inside its part, and a part whose pieces are not checked. With the
+/// lm_head streamed too (test hook), a plan whose tokens start with a pinned part holds
+/// each token's first streamed part until the token starts, and one that pins nothing does
+/// not; both keep the ids. Catches a held read that never lets go (the run would hang until
+/// the stage timeout) and a hold switched on where the token would wait for it at once.
 #[test]
 fn a_slot_smaller_than_a_layer_streams_parts_and_keeps_the_oracle_ids() {
     for model in ["tiny-mxfp4", "tiny-seed"] {
@@ -320,15 +336,34 @@ fn a_slot_smaller_than_a_layer_streams_parts_and_keeps_the_oracle_ids() {
         let want = oracle_ids(model, 4);
         // One slot for the largest part, nothing pinned (staged and in-process); then just
         // under a layer: some parts pinned, the rest through the ring.
-        for (b, inproc) in [(budget, false), (budget, true), (layer - 4096, false)] {
+        let hold = "first streamed part is read when the token starts";
+        for (b, inproc, streamed_head) in [
+            (budget, false, false),
+            (budget, true, false),
+            (layer - 4096, false, false),
+            (budget, false, true),
+            (layer - 4096, false, true),
+            (layer - 4096, true, true),
+        ] {
             let gb = format!("{:.9}", b as f64 / 1e9);
             let mut extra = vec!["--trunk-gb", gb.as_str(), "--cache-gb", "0"];
             if inproc {
                 extra.insert(0, "--inproc");
             }
-            let o = gen(model, &trunk, &out, &extra);
+            let hooks: &[(&str, &str)] = if streamed_head {
+                &[("K3_TEST_HOOKS", "1"), ("K3_LM_HEAD_CHUNK_BYTES", "7000")]
+            } else {
+                &[]
+            };
+            let o = gen_with(model, &trunk, &out, &extra, hooks);
             let t = text(&o);
             assert!(o.status.success(), "{model} {extra:?}: {t}");
+            // Held only with a streamed lm_head and a token that starts with a pinned part.
+            assert_eq!(
+                t.contains(hold),
+                streamed_head && b != budget,
+                "{model} {extra:?} streamed lm_head {streamed_head}: {t}"
+            );
             if b == budget {
                 assert!(
                     t.contains("0/") && t.contains("layer parts pinned, ring 1 x"),
@@ -381,4 +416,78 @@ fn a_corrupt_tensor_is_caught_in_a_streamed_part() {
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(t.contains("checksum mismatch"), "{t}");
+}
+
+/// A prompt whose experts do not fit beside the rest is fed in smaller passes instead of
+/// being refused. On both tiny models, in separate processes: the smallest `--mem-gb` that
+/// runs at all (found by stepping up from a refused total) feeds the prompt in passes and
+/// gives the oracle's ids; the test hook's passes of 1 and 5 tokens give the very logits of
+/// one pass (the first step's row, bit for bit) and the oracle's ids. Catches a plan that
+/// still asks for the whole prompt's experts (the smallest run would be refused, or run in
+/// one pass), logits taken from a pass other than the last, and session state that does
+/// not carry across passes.
+#[test]
+fn a_prompt_whose_experts_do_not_fit_is_fed_in_passes() {
+    for model in ["tiny-mxfp4", "tiny-seed"] {
+        let dir = tempfile::tempdir().unwrap();
+        let trunk = dir.path().join("trunk");
+        pack(model, &trunk);
+        let out = dir.path().join("r.json");
+        let logits = dir.path().join("logits.bin");
+        let want = oracle_ids(model, 4);
+        let ids_of = |out: &Path| -> Vec<u64> {
+            json(out)["generated_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap())
+                .collect()
+        };
+        let dump = ["--dump-logits", logits.to_str().unwrap()];
+        let o = gen(model, &trunk, &out, &dump);
+        assert!(o.status.success(), "{model}: {}", text(&o));
+        assert!(!text(&o).contains("prompt fed in passes"), "{}", text(&o));
+        let one_pass = std::fs::read(&logits).unwrap();
+        for chunk in ["1", "5"] {
+            let o = gen_with(
+                model,
+                &trunk,
+                &out,
+                &dump,
+                &[("K3_TEST_HOOKS", "1"), ("K3_PREFILL_CHUNK", chunk)],
+            );
+            let t = text(&o);
+            assert!(o.status.success(), "{model} chunk {chunk}: {t}");
+            assert!(
+                t.contains(&format!("prompt fed in passes of at most {chunk} token(s)")),
+                "{t}"
+            );
+            assert_eq!(ids_of(&out), want, "{model} chunk {chunk}");
+            assert!(
+                std::fs::read(&logits).unwrap() == one_pass,
+                "{model} chunk {chunk}: the first step's logits differ from one pass"
+            );
+        }
+        // Step up, 100 KB at a time, from a total that is refused to the first that runs.
+        let mut step = 200u32;
+        let o = gen(model, &trunk, &out, &["--mem-gb", "0.0200"]);
+        assert_eq!(o.status.code(), Some(2), "{model}: 20 MB ran: {}", text(&o));
+        let first = loop {
+            step += 1;
+            assert!(step <= 400, "{model}: nothing up to 40 MB runs");
+            let gb = format!("{:.4}", step as f64 / 1e4);
+            let o = gen(model, &trunk, &out, &["--mem-gb", gb.as_str()]);
+            if o.status.success() {
+                break (gb, text(&o));
+            }
+            assert_eq!(o.status.code(), Some(2), "{model} {gb}: {}", text(&o));
+        };
+        assert!(
+            first.1.contains("prompt fed in passes"),
+            "{model} {}: {}",
+            first.0,
+            first.1
+        );
+        assert_eq!(ids_of(&out), want, "{model} --mem-gb {}", first.0);
+    }
 }

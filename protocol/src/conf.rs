@@ -71,6 +71,11 @@ pub struct TrunkConf {
     /// (`k3_trunk_loader::plan_streams_with`), as the orchestrator's was. 0: none.
     #[serde(default)]
     pub sink_bytes: u64,
+    /// Read each pass's first streamed unit only once compute starts that pass
+    /// (`StartPass`), not as soon as a ring slot frees: set when the lm_head streams from
+    /// the same disk between passes and the pass starts with pinned units.
+    #[serde(default)]
+    pub hold_wrap: bool,
 }
 
 /// expert-fetcher stage.
@@ -130,4 +135,8 @@ pub struct ComputeConf {
     /// The model's fingerprint for state files (`k3_layer_compute::state::fingerprint`).
     #[serde(default)]
     pub state_fingerprint: String,
+    /// Feed prompts in passes of at most this many tokens (the memory plan's expert arena
+    /// holds one such pass's experts, not the whole prompt's); None: one pass.
+    #[serde(default)]
+    pub prefill_chunk: Option<usize>,
 }

@@ -120,6 +120,7 @@ fn staged(model: &Path, trunk_dir: Option<PathBuf>, layers: usize) -> (StagedWei
         layers,
         record_dir: None,
         sink_bytes: 0,
+        hold_wrap: false,
     };
     let fetcher = FetcherConf {
         model_dir: model.to_path_buf(),

@@ -292,6 +292,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
                     sampler: c.sampler,
                     stop_ids: &c.stop_ids,
                     dump_logits: a.dump_logits.as_deref(),
+                    prefill_chunk: None,
                 },
                 &mut hooks,
             )
@@ -564,6 +565,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
             layers: c.layers,
             record_dir: a.record.clone(),
             sink_bytes: c.plan.trunk_sink,
+            hold_wrap: c.plan.trunk_hold_wrap,
         },
         fetcher: conf::FetcherConf {
             model_dir: a.model_dir.clone(),
@@ -597,6 +599,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
             load_state: a.load_state.clone(),
             save_state: a.save_state.clone(),
             state_fingerprint: state_fingerprint(c)?,
+            prefill_chunk: c.plan.prefill_chunk,
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),

@@ -587,6 +587,12 @@ pub struct RunPlan {
     pub lm_head_held_bytes: u64,
     /// The sink the trunk-loader plans its budget beside (`plan_streams_with`).
     pub trunk_sink: u64,
+    /// The trunk-loader reads each token's first streamed part when the token starts, not
+    /// while the previous token's lm_head streams (`TrunkConf::hold_wrap`).
+    pub trunk_hold_wrap: bool,
+    /// Feed the prompt in passes of at most this many tokens (their experts fit the arena,
+    /// the whole prompt's would not); None: one pass.
+    pub prefill_chunk: Option<usize>,
     /// Lines printed under the plan.
     pub notes: Vec<String>,
 }
@@ -612,6 +618,10 @@ pub fn lm_head_stream_bytes(lm_head: u64) -> u64 {
 /// Test hook: `K3_LM_HEAD_CHUNK_BYTES=N` (with `K3_TEST_HOOKS=1`) streams the lm_head in
 /// chunks of N bytes whatever the plan decides.
 pub const LM_HEAD_CHUNK_ENV: &str = "K3_LM_HEAD_CHUNK_BYTES";
+
+/// Test hook: `K3_PREFILL_CHUNK=N` (with `K3_TEST_HOOKS=1`) feeds prompts in passes of at
+/// most N tokens whatever the plan decides.
+pub const PREFILL_CHUNK_ENV: &str = "K3_PREFILL_CHUNK";
 
 /// Test hook: `K3_LM_HEAD_HELD_BYTES=N` (with `K3_TEST_HOOKS=1`) holds N bytes of a
 /// streamed lm_head's leading rows (whole rows) whatever the plan decides.
@@ -673,9 +683,12 @@ pub fn plan_run(
     } else {
         prompt_bound + a.gen
     } as u64;
-    let batch_slots = (max_pass_tokens * topk as u64)
-        .min(cfg.num_experts as u64)
-        .max(topk as u64);
+    // A pass of `t` tokens asks for the union of their routes at once.
+    let batch_of = |t: u64| {
+        (t * topk as u64)
+            .min(cfg.num_experts as u64)
+            .max(topk as u64)
+    };
     let max_slots = cen.n_experts.max(topk as u64);
     // Every prompt position and every generated one is cached. For a text prompt the token
     // count is not known before the tokenizer runs; `prompt_bound` (one token per byte at
@@ -695,10 +708,11 @@ pub fn plan_run(
     let norms = cen
         .model_bytes
         .saturating_sub(cen.embed_bytes + cen.lm_head_bytes);
-    let scratch = compute_scratch(cfg, max_pass_tokens);
+    let scratch_of = |t: u64| compute_scratch(cfg, t);
     // The embedding is never resident: compute reads the rows a pass needs on demand.
-    let embed_rows = (max_pass_tokens.max(1) * cen.embed_row_bytes).div_ceil(4096) * 4096;
-    let fixed = embed_rows + norms + cen.kda_state_bytes + kv + processes + scratch;
+    let embed_rows_of = |t: u64| (t.max(1) * cen.embed_row_bytes).div_ceil(4096) * 4096;
+    let fixed_of =
+        |t: u64| embed_rows_of(t) + norms + cen.kda_state_bytes + kv + processes + scratch_of(t);
     // The KV cache alone not fitting is said as such, before the whole plan is weighed.
     if a.incremental {
         check_kv(positions, cen.kv_per_pos, mem_available()).map_err(RunError::usage)?;
@@ -710,22 +724,60 @@ pub fn plan_run(
     } else {
         res.trunk
     };
+    let hook = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|&n| n > 0)
+    };
+    // Tokens per pass: the whole prompt (or prefix) in one pass, unless its experts do not
+    // fit beside the rest: then the prompt is fed in the largest passes that do (the same
+    // ids; each pass reads its own union of experts).
+    let mut pass_tokens = match hook(PREFILL_CHUNK_ENV) {
+        Some(n) => n.min(max_pass_tokens).max(1),
+        None => max_pass_tokens.max(1),
+    };
     let picked = match res.total {
-        Some(total) => choose(
-            &Spend {
-                total,
-                fixed,
-                trunk_need,
-                lm_head: lm,
-                expert_slot,
-                min_slots: batch_slots,
-                max_slots,
-                lm_head_row,
-            },
-            runs.as_ref(),
-            trunk_over,
-            res.cache,
-        ),
+        Some(total) => {
+            let try_pass = |t: u64| {
+                choose(
+                    &Spend {
+                        total,
+                        fixed: fixed_of(t),
+                        trunk_need,
+                        lm_head: lm,
+                        expert_slot,
+                        min_slots: batch_of(t),
+                        max_slots,
+                        lm_head_row,
+                    },
+                    runs.as_ref(),
+                    trunk_over,
+                    res.cache,
+                )
+            };
+            match try_pass(pass_tokens) {
+                // Not even one token per pass fits: that is the shortfall to report.
+                Err(_) if pass_tokens > 1 && try_pass(1).is_err() => try_pass(1),
+                Err(_) if pass_tokens > 1 => {
+                    // Fits at 1, not at `pass_tokens`: the largest that fits (what a pass
+                    // needs grows with its tokens).
+                    let (mut lo, mut hi) = (1u64, pass_tokens);
+                    while hi - lo > 1 {
+                        let mid = lo + (hi - lo) / 2;
+                        if try_pass(mid).is_ok() {
+                            lo = mid;
+                        } else {
+                            hi = mid;
+                        }
+                    }
+                    pass_tokens = lo;
+                    try_pass(lo)
+                }
+                r => r,
+            }
+        }
         // Named budgets without a total: the lm_head is held, as before.
         None => Ok(Choice {
             trunk: res
@@ -759,13 +811,6 @@ pub fn plan_run(
         sink: trunk_sink,
         ..
     } = choice;
-    let hook = |name: &str| {
-        std::env::var(name)
-            .ok()
-            .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .filter(|&n| n > 0)
-    };
     let head_held = match hook(LM_HEAD_HELD_ENV) {
         Some(n) => (n.min(lm) / lm_head_row.max(1)) * lm_head_row,
         None => head_held,
@@ -776,10 +821,22 @@ pub fn plan_run(
         None => Some(lm_head_chunk(lm)),
     };
     let mut notes = Vec::new();
+    if pass_tokens < max_pass_tokens {
+        notes.push(format!(
+            "prompt fed in passes of at most {pass_tokens} token(s): a pass's experts take {} \
+             slots ({}); the whole {max_pass_tokens}-token {} in one pass would take {} ({})",
+            batch_of(pass_tokens),
+            human(batch_of(pass_tokens) * expert_slot),
+            if a.incremental { "prompt" } else { "prefix" },
+            batch_of(max_pass_tokens),
+            human(batch_of(max_pass_tokens) * expert_slot),
+        ));
+    }
     if !res.source.is_empty() {
         notes.push(format!("budget from {}", res.source));
     }
     let mut mp = MemoryPlan::new(trunk_budget, cache_budget, a.trunk.is_some());
+    let mut trunk_hold_wrap = false;
     match &runs {
         Some(runs) => {
             // The trunk-loader plans the same budget beside the same sink (what the plan
@@ -809,6 +866,17 @@ pub fn plan_run(
                 100.0 * tp.hit_rate(),
                 human(streamed)
             ));
+            // The lm_head streams from the same disk between tokens: a ring that read the
+            // next token's first part then would share the disk with it, while the token
+            // starts with pinned parts whose compute that read can overlap instead.
+            if lm_head_chunk_bytes.is_some() && tp.ring_slots > 0 && sp.starts_pinned() {
+                trunk_hold_wrap = true;
+                notes.push(
+                    "trunk ring: each token's first streamed part is read when the token \
+                     starts (its pinned parts come first), not while the lm_head streams"
+                        .into(),
+                );
+            }
         }
         None => {
             mp.add("trunk (resident)", "trunk-loader", trunk_need);
@@ -823,7 +891,7 @@ pub fn plan_run(
     // Never more slots than there are experts to hold.
     let slots = (cache_budget / expert_slot)
         .min(cen.n_experts)
-        .max(batch_slots);
+        .max(batch_of(pass_tokens));
     mp.add("expert cache", "expert-fetcher", slots * expert_slot);
     match lm_head_chunk_bytes {
         None => mp.add("lm_head (pinned)", "layer-compute", lm),
@@ -856,10 +924,14 @@ pub fn plan_run(
             }
         }
     }
-    mp.add("embedding rows", "layer-compute", embed_rows);
+    mp.add(
+        "embedding rows",
+        "layer-compute",
+        embed_rows_of(pass_tokens),
+    );
     mp.add("norms", "layer-compute", norms);
     mp.add("recurrent state", "layer-compute", cen.kda_state_bytes);
-    mp.add("scratch", "layer-compute", scratch);
+    mp.add("scratch", "layer-compute", scratch_of(pass_tokens));
     if staged {
         mp.add("stage processes", "processes", processes);
     }
@@ -883,6 +955,8 @@ pub fn plan_run(
             0
         },
         trunk_sink,
+        trunk_hold_wrap,
+        prefill_chunk: (pass_tokens < max_pass_tokens).then_some(pass_tokens as usize),
         notes,
     })
 }

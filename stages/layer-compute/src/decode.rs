@@ -22,6 +22,9 @@ pub struct LoopOptions<'a> {
     pub stop_ids: &'a [u32],
     /// Write the first step's logits row here (little-endian f32).
     pub dump_logits: Option<&'a Path>,
+    /// Feed a prompt (and, recomputing, the whole prefix) in passes of at most this many
+    /// tokens ([`Model::prefill_chunked`]); None: one pass. The same ids either way.
+    pub prefill_chunk: Option<usize>,
 }
 
 /// One finished step.
@@ -85,6 +88,7 @@ pub fn decode_session<W: Weights>(
         sampler: o.sampler,
         stop_ids: o.stop_ids,
         dump_logits: o.dump_logits,
+        prefill_chunk: o.prefill_chunk,
     };
     decode_resumed(
         model,
@@ -139,15 +143,16 @@ pub fn decode_resumed<W: Weights>(
     for step in 0..o.gen {
         hooks.before_step(step);
         let t0 = Instant::now();
+        let chunk = o.prefill_chunk.unwrap_or(usize::MAX);
         let res: Result<StepOutput, ForwardError> = if o.incremental {
             if step == 0 {
-                model.prefill(sess, o.prompt)
+                model.prefill_chunked(sess, o.prompt, chunk)
             } else {
                 model.step(sess, *seq.last().expect("non-empty sequence"))
             }
         } else {
             let mut s = model.new_session();
-            model.forward(&mut s, &seq, false, None)
+            model.prefill_chunked(&mut s, &seq, chunk)
         };
         hooks.after_forward(step)?;
         let out = res.map_err(|e| format!("forward pass failed at generation step {step}: {e}"))?;
@@ -299,6 +304,7 @@ pub fn generate<W: Weights>(
             sampler: SamplerConfig::default(),
             stop_ids: &[],
             dump_logits: None,
+            prefill_chunk: None,
         },
         &mut g,
     )?;

@@ -74,6 +74,15 @@ pub struct StepStats {
     pub failure_msgs: Vec<String>,
 }
 
+/// Which tokens of a pass get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rows {
+    All,
+    Last,
+    /// None: the pass only carries the session on (a prefill pass before the last).
+    None,
+}
+
 /// Output of one forward call.
 #[derive(Clone, Debug)]
 pub struct StepOutput {
@@ -194,6 +203,39 @@ impl<W: Weights> Model<W> {
     /// Feed `ids` after the session's tokens; return the logits of the last token.
     pub fn prefill(&self, sess: &mut Session, ids: &[u32]) -> Result<StepOutput, ForwardError> {
         self.forward(sess, ids, false, None)
+    }
+
+    /// [`Model::prefill`] in passes of at most `chunk` tokens (the last one takes what is
+    /// left): each pass carries the session on, and only the last computes logits (of its
+    /// last token). The logits are those of one pass over `ids`, bit for bit (every product
+    /// is independent of how many tokens share a pass, and the recurrent state and the KV
+    /// cache carry across passes exactly); what changes is that a pass's experts (the union
+    /// of its tokens' routes) fit a smaller arena.
+    pub fn prefill_chunked(
+        &self,
+        sess: &mut Session,
+        ids: &[u32],
+        chunk: usize,
+    ) -> Result<StepOutput, ForwardError> {
+        let chunk = chunk.max(1);
+        if ids.len() <= chunk {
+            return self.prefill(sess, ids);
+        }
+        let last = (ids.len() - 1) % chunk + 1;
+        let (body, tail) = ids.split_at(ids.len() - last);
+        let mut stats = StepStats::default();
+        for c in body.chunks(chunk) {
+            let o = self.forward_rows(sess, c, Rows::None, None)?;
+            stats.expert_requests += o.stats.expert_requests;
+            stats.expert_failures += o.stats.expert_failures;
+            stats.failure_msgs.extend(o.stats.failure_msgs);
+        }
+        let mut out = self.forward_rows(sess, tail, Rows::Last, None)?;
+        stats.expert_requests += out.stats.expert_requests;
+        stats.expert_failures += out.stats.expert_failures;
+        stats.failure_msgs.append(&mut out.stats.failure_msgs);
+        out.stats = stats;
+        Ok(out)
     }
 
     /// Feed one token; return its logits.
@@ -354,6 +396,17 @@ impl<W: Weights> Model<W> {
         sess: &mut Session,
         ids: &[u32],
         all_rows: bool,
+        trace: Option<&mut Trace>,
+    ) -> Result<StepOutput, ForwardError> {
+        let rows = if all_rows { Rows::All } else { Rows::Last };
+        self.forward_rows(sess, ids, rows, trace)
+    }
+
+    fn forward_rows(
+        &self,
+        sess: &mut Session,
+        ids: &[u32],
+        want: Rows,
         mut trace: Option<&mut Trace>,
     ) -> Result<StepOutput, ForwardError> {
         let ntok = ids.len();
@@ -423,6 +476,16 @@ impl<W: Weights> Model<W> {
                 )));
             }
         }
+        if want == Rows::None {
+            // A pass that only carries the session on: no head, no logits.
+            crate::profile::end_call(prof, ntok);
+            sess.pos += ntok;
+            return Ok(StepOutput {
+                logits: Vec::new(),
+                rows: 0,
+                stats,
+            });
+        }
         if let Some(t) = trace.as_deref_mut() {
             t.prefix = "final.".into();
         }
@@ -441,7 +504,7 @@ impl<W: Weights> Model<W> {
             );
         }
         crate::modules::trace_put(&mut trace, "norm", &normed);
-        let (rows, src) = if all_rows {
+        let (rows, src) = if want == Rows::All {
             (ntok, &normed[..])
         } else {
             (1, &normed[(ntok - 1) * d..])
@@ -600,7 +663,7 @@ impl<W: Weights> Model<W> {
         // (9) FFN.
         let z = match &w.ffn {
             FfnIn::Dense { gate, up } => {
-                let _dense = crate::profile::span(crate::profile::Phase::Dense);
+                let dense = crate::profile::span(crate::profile::Phase::Dense);
                 // glu_mlp's products in its order (gate and up fused, then the down
                 // projection of the SiTU), with gate and up released before down is bound.
                 let f = gate.rows;
@@ -609,7 +672,10 @@ impl<W: Weights> Model<W> {
                 gemm_fused(&[gate, up], &v, &mut [&mut g, &mut u], ntok, th);
                 // `gate` and `up` are not read again from here on.
                 self.weights.end_phase(l);
+                // Binding `down` may wait for the trunk (its own profile phase).
+                dense.end();
                 let down = self.dense_down(l)?;
+                let _dense = crate::profile::span(crate::profile::Phase::Dense);
                 glu_down64(&g, &u, &down, self.situ(), ntok, th)
                     .into_iter()
                     .map(|x| x as f32)

@@ -217,6 +217,7 @@ impl StagedWeights {
     }
 
     fn recv_trunk(&self) -> Result<Msg, WeightError> {
+        let _wait = crate::profile::span(crate::profile::Phase::TrunkWait);
         let t0 = Instant::now();
         let r = recv_from(
             &mut **self.trunk.borrow_mut(),

@@ -33,10 +33,12 @@ pub enum Phase {
     Dense,
     /// The final AttnRes mix, the norm and the lm_head.
     Head,
+    /// Waiting for the trunk-loader to hand over a streamed layer or part (staged runs).
+    TrunkWait,
 }
 
 impl Phase {
-    const ALL: [Phase; 8] = [
+    const ALL: [Phase; 9] = [
         Phase::Attn,
         Phase::Router,
         Phase::Shared,
@@ -45,6 +47,7 @@ impl Phase {
         Phase::Combine,
         Phase::Dense,
         Phase::Head,
+        Phase::TrunkWait,
     ];
 
     fn name(self) -> &'static str {
@@ -57,6 +60,7 @@ impl Phase {
             Phase::Combine => "combine",
             Phase::Dense => "dense-ffn",
             Phase::Head => "head",
+            Phase::TrunkWait => "trunk-wait",
         }
     }
 }

@@ -189,7 +189,7 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
     )
     .map_err(|e| format!("layer-compute: {e}"))?;
     let generated = if conf.warm {
-        serve_requests(ctx, &model, &weights, &mut tok, timeout)?;
+        serve_requests(ctx, &model, &weights, &mut tok, timeout, conf.prefill_chunk)?;
         Vec::new()
     } else {
         let load = conf
@@ -212,6 +212,7 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
                 sampler: conf.sampler,
                 stop_ids: &conf.stop_ids,
                 dump_logits: conf.dump_logits.as_deref(),
+                prefill_chunk: conf.prefill_chunk,
             },
             &mut Staged {
                 ctx,
@@ -254,6 +255,7 @@ fn serve_requests(
     weights: &StagedWeights,
     tok: &mut Link,
     timeout: Option<Duration>,
+    prefill_chunk: Option<usize>,
 ) -> Result<(), String> {
     let mut cache = PrefixCache::new(0);
     loop {
@@ -322,7 +324,8 @@ fn serve_requests(
             .filter(|&b| b > cached && b < r.prompt.len())
         {
             let _ = weights.take_io();
-            let res = model.prefill(&mut sess, &r.prompt[cached..b]);
+            let chunk = prefill_chunk.unwrap_or(usize::MAX);
+            let res = model.prefill_chunked(&mut sess, &r.prompt[cached..b], chunk);
             if let Some(e) = weights.take_link_error() {
                 return Err(e);
             }
@@ -350,6 +353,7 @@ fn serve_requests(
                 sampler: r.sampler,
                 stop_ids: &r.stop_ids,
                 dump_logits: None,
+                prefill_chunk,
             },
             &mut hooks,
         )

@@ -3,6 +3,8 @@
 //! (tiny-mxfp4, k3ref), cut at the first stop id by the rule; nothing comes from our own
 //! output. (End to end, a tiny model can never produce the tokenizer's stop ids, which
 //! follow its 3,261 ranks; so the rule is tested here, on the loop every mode runs.)
+//! Also: a prompt fed in passes of a few tokens gives the oracle's ids and the very logits
+//! of one pass.
 
 mod support;
 
@@ -48,6 +50,7 @@ fn stop_ids_end_generation_after_the_stop_id() {
                 sampler: SamplerConfig::default(),
                 stop_ids: &stops,
                 dump_logits: None,
+                prefill_chunk: None,
             },
             &mut hooks,
         )
@@ -65,9 +68,79 @@ fn stop_ids_end_generation_after_the_stop_id() {
             sampler: SamplerConfig::default(),
             stop_ids: &[],
             dump_logits: None,
+            prefill_chunk: None,
         },
         &mut Count(0),
     )
     .unwrap();
     assert_eq!(got, want);
+}
+
+/// The first step's logits row and every id.
+#[derive(Default)]
+struct Logits(Vec<f32>);
+
+impl StepHooks for Logits {
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+        if s.step == 0 {
+            let v = s.out.logits.len() / s.out.rows;
+            self.0 = s.out.logits[(s.out.rows - 1) * v..].to_vec();
+        }
+        Ok(())
+    }
+}
+
+/// A prompt fed in passes of 1, 3, 5 and 7 tokens (the last pass takes the rest; only it
+/// computes logits), incremental and recomputing the prefix each step, gives the oracle's
+/// 20 ids (k3ref, both tiny models) and the first step's logits of one pass, bit for bit.
+/// Catches a pass boundary that drops or repeats a token, positions that restart at each
+/// pass (the MLA cache and the rotary phase), recurrent state not carried across passes,
+/// logits taken from an earlier pass, and a last pass of the wrong length.
+#[test]
+fn a_prompt_in_passes_gives_the_oracle_ids_and_the_same_logits() {
+    for model in ["tiny-mxfp4", "tiny-seed"] {
+        let m = load(model, 1);
+        let e = read_json(&fixtures().join(format!("{model}/expected-k3ref.json")));
+        let prompt = ids(&e, "prompt_ids");
+        let full = ids(&e, "full_ids");
+        let want = &full[prompt.len()..];
+        assert!(
+            prompt.len() > 7,
+            "{model}: the prompt must span several passes"
+        );
+        let run = |chunk: Option<usize>, incremental: bool| {
+            let mut hooks = Logits::default();
+            let got = decode_loop(
+                &m,
+                &LoopOptions {
+                    prompt: &prompt,
+                    gen: want.len(),
+                    incremental,
+                    sampler: SamplerConfig::default(),
+                    stop_ids: &[],
+                    dump_logits: None,
+                    prefill_chunk: chunk,
+                },
+                &mut hooks,
+            )
+            .unwrap();
+            (got, hooks.0)
+        };
+        let (one_ids, one_logits) = run(None, true);
+        assert_eq!(one_ids, want, "{model}: one pass");
+        for incremental in [true, false] {
+            for chunk in [1, 3, 5, 7] {
+                let (got, logits) = run(Some(chunk), incremental);
+                assert_eq!(got, want, "{model} chunk {chunk} incremental {incremental}");
+                assert!(
+                    logits.len() == one_logits.len()
+                        && logits
+                            .iter()
+                            .zip(&one_logits)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{model} chunk {chunk} incremental {incremental}: logits differ"
+                );
+            }
+        }
+    }
 }

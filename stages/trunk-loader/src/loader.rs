@@ -161,6 +161,12 @@ struct State {
     /// The streamed layer the consumer must acquire next.
     next_consume: usize,
     stop: bool,
+    /// With [`TrunkLoader::hold_wrap`]: passes the consumer has opened
+    /// ([`TrunkLoader::open_pass`]) and times the reader has started the first streamed
+    /// unit; the reader starts it for pass `n + 1` only once `opened > n`.
+    hold_wrap: bool,
+    opened: u64,
+    wraps: u64,
     stats: TrunkStats,
     /// Bytes each pinned layer's read transferred (counted as served at its first bind).
     pinned_bytes: Vec<u64>,
@@ -314,20 +320,32 @@ impl Shared {
         }
         let mut next = p.pinned;
         loop {
-            // Wait for a free slot.
+            // Wait for a free slot (and, holding the wrap, for the pass that uses it).
             let slot = {
                 let mut st = self.lock();
                 loop {
                     if st.stop {
                         return;
                     }
-                    if let Some(i) = st.ring.iter().position(|s| s.layer.is_none()) {
+                    // Pass 1's first streamed unit is read at once; pass n + 1's once the
+                    // consumer has opened it.
+                    let held =
+                        next == p.pinned && st.hold_wrap && st.wraps > 0 && st.opened <= st.wraps;
+                    let free = if held {
+                        None
+                    } else {
+                        st.ring.iter().position(|s| s.layer.is_none())
+                    };
+                    if let Some(i) = free {
                         st.ring[i] = RingSlot {
                             layer: Some(next),
                             loaded: Loaded::No,
                             acquired: false,
                             bytes: 0,
                         };
+                        if next == p.pinned {
+                            st.wraps += 1;
+                        }
                         break i;
                     }
                     st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -532,6 +550,9 @@ impl TrunkLoader {
                 ],
                 next_consume: plan.pinned,
                 stop: false,
+                hold_wrap: false,
+                opened: 0,
+                wraps: 0,
                 stats,
             }),
             cv: Condvar::new(),
@@ -546,6 +567,23 @@ impl TrunkLoader {
             shared,
             thread: Some(thread),
         })
+    }
+
+    /// Hold the read of each pass's first streamed unit until that pass is opened
+    /// ([`open_pass`](Self::open_pass)) instead of reading it as soon as a slot frees. For a
+    /// consumer that streams other bytes from the same disk between passes (a streamed
+    /// lm_head) and starts each pass with pinned units: the read then overlaps the pinned
+    /// units' compute instead of sharing the disk with the other stream. Never changes what
+    /// is served, only when it is read.
+    pub fn hold_wrap(&self, on: bool) {
+        self.shared.lock().hold_wrap = on;
+        self.shared.cv.notify_all();
+    }
+
+    /// A pass has started (see [`hold_wrap`](Self::hold_wrap)); without the hold a no-op.
+    pub fn open_pass(&self) {
+        self.shared.lock().opened += 1;
+        self.shared.cv.notify_all();
     }
 
     /// The plan in use.
@@ -626,6 +664,12 @@ impl TrunkLoader {
                 layer,
                 expected: st.next_consume,
             });
+        }
+        let started = st.ring.iter().any(|s| s.layer == Some(layer));
+        if layer == p.pinned && st.hold_wrap && !started && st.opened <= st.wraps {
+            // The consumer wants the held unit: its pass has started, opened or not.
+            st.opened = st.wraps + 1;
+            sh.cv.notify_all();
         }
         loop {
             if let Some(i) = st
@@ -790,6 +834,98 @@ mod tests {
             dst[..n].copy_from_slice(&self.0[o..o + n]);
             Ok(n)
         }
+    }
+
+    /// A file in memory that logs the offset of every read.
+    struct Logged(Mem, Mutex<Vec<u64>>);
+
+    impl ReadAt for Logged {
+        fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
+            self.1.lock().unwrap().push(offset);
+            self.0.read_at(file, offset, dst)
+        }
+    }
+
+    /// Three one-page layers, layer 0 pinned, one ring slot for layers 1 and 2; returns the
+    /// loader and the read log.
+    fn ring_of_three(hold: bool) -> (TrunkLoader, Arc<Logged>) {
+        let page = ALIGN as u64;
+        let runs: Vec<LayerRun> = (0..3)
+            .map(|l| LayerRun {
+                offset: l * page,
+                len: page,
+            })
+            .collect();
+        let log = Arc::new(Logged(Mem(vec![7u8; 3 * ALIGN]), Mutex::new(Vec::new())));
+        let plan = crate::plan::plan(2 * page, &runs, crate::plan::RingPolicy::default()).unwrap();
+        assert_eq!((plan.pinned, plan.ring_slots), (1, 1));
+        let reader: Arc<dyn ReadAt> = log.clone();
+        let loader = TrunkLoader::new(runs, plan, reader, 0).unwrap();
+        loader.hold_wrap(hold);
+        (loader, log)
+    }
+
+    fn reads_of(log: &Logged, offset: u64) -> usize {
+        log.1
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|&&o| o == offset)
+            .count()
+    }
+
+    /// One pass: open it, bind layer 0 (pinned), then stream 1 and 2 through the slot.
+    fn pass(loader: &TrunkLoader) {
+        loader.open_pass();
+        for l in 0..3 {
+            loader.acquire(l).unwrap();
+            loader.release(l).unwrap();
+        }
+    }
+
+    // With the hold, the next pass's first streamed layer is not read when the slot frees
+    // at the end of a pass, only once that pass is opened; without it, at once. Catches a
+    // hold that is ignored (the read happens between passes), an open that does not start
+    // the read, and a consumer that never opens its pass left waiting forever.
+    #[test]
+    fn a_held_wrap_is_read_when_the_pass_opens() {
+        let page = ALIGN as u64;
+        let wait_for = |log: &Logged, n: usize| {
+            let t0 = Instant::now();
+            while reads_of(log, page) < n && t0.elapsed().as_secs() < 10 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            reads_of(log, page)
+        };
+        let (free, log) = ring_of_three(false);
+        pass(&free);
+        assert_eq!(
+            wait_for(&log, 2),
+            2,
+            "without the hold the wrap is read at once"
+        );
+        let (held, log) = ring_of_three(true);
+        pass(&held);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(
+            reads_of(&log, page),
+            1,
+            "the held wrap was read between passes"
+        );
+        held.open_pass();
+        assert_eq!(
+            wait_for(&log, 2),
+            2,
+            "opening the pass did not start the read"
+        );
+        for l in 0..3 {
+            held.acquire(l).unwrap();
+            held.release(l).unwrap();
+        }
+        // A consumer that asks for the held layer without opening its pass is served.
+        held.acquire(0).unwrap();
+        held.acquire(1).unwrap();
+        assert_eq!(reads_of(&log, page), 3);
     }
 
     // Pieces land at their own offsets, in parallel, and a file ending inside the last

@@ -228,6 +228,16 @@ impl StreamPlan {
         self.plan.budget.saturating_sub(self.plan.bytes())
     }
 
+    /// Whether the unit each pass uses first (stream unit 0) is pinned: then a pass starts
+    /// with compute that no trunk read holds up, which a read held until the pass starts
+    /// (`TrunkLoader::hold_wrap`) can overlap.
+    pub fn starts_pinned(&self) -> bool {
+        match &self.order {
+            Some(order) => order[..self.plan.pinned].contains(&0),
+            None => self.plan.pinned > 0,
+        }
+    }
+
     /// Bytes the trunk and a sink of `sink` bytes read per token together: the trunk's
     /// reads plus the sink's bytes that the budget left cannot hold.
     pub fn read_with(&self, sink: u64) -> u64 {

@@ -144,10 +144,18 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     };
     let mut resident_read = total_read;
     let mut passes = 0u64;
+    if let (Source::Streamed { loader, .. }, true) = (&source, conf.hold_wrap) {
+        loader.hold_wrap(true);
+    }
     loop {
         let msg = recv_from(&mut *link, me, peer, None)?;
         let pass = match msg {
-            Msg::StartPass { pass, .. } => pass,
+            Msg::StartPass { pass, .. } => {
+                if let Source::Streamed { loader, .. } = &source {
+                    loader.open_pass();
+                }
+                pass
+            }
             Msg::Shutdown => break,
             other => return Err(ctx.fail(format!("trunk-loader: unexpected {other:?}"))),
         };
