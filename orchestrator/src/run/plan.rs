@@ -597,6 +597,37 @@ pub struct RunPlan {
     pub notes: Vec<String>,
 }
 
+/// What a run asks for, for [`run_read_estimate`].
+#[derive(Clone, Copy, Debug)]
+pub struct RunShape {
+    /// Prompt tokens and tokens to generate.
+    pub prompt: u64,
+    pub gen: u64,
+    /// MoE layers bound, routed experts per token per layer, bytes of one expert read.
+    pub moe_layers: u64,
+    pub top_k: u64,
+    pub expert_bytes: u64,
+}
+
+/// Bytes an incremental run reads with the prompt fed in passes of `pass` tokens under
+/// plan `c` (`lm_head`: its bytes): each pass reads the streamed trunk and its batch of
+/// `batch` experts per MoE layer; the last pass also the streamed lm_head; each of the
+/// other `gen - 1` tokens reads the streamed trunk, the streamed lm_head and `top_k`
+/// experts per MoE layer. No cache hit is counted (the plan does not guess them).
+pub fn run_read_estimate(r: &RunShape, pass: u64, batch: u64, c: &Choice, lm_head: u64) -> u64 {
+    let head = if c.head_pinned {
+        0
+    } else {
+        lm_head.saturating_sub(c.head_held)
+    };
+    let trunk = c.read_per_token.saturating_sub(head);
+    let passes = r.prompt.max(1).div_ceil(pass.max(1));
+    let prefill = passes * (trunk + r.moe_layers * batch * r.expert_bytes) + head;
+    let decode =
+        r.gen.saturating_sub(1) * (c.read_per_token + r.moe_layers * r.top_k * r.expert_bytes);
+    prefill + decode
+}
+
 /// Scratch compute allocates beside the plan items: activations (a few dozen hidden-size
 /// rows per token), logits (vocab per row) and the worker threads' stacks (4 MiB).
 pub fn compute_scratch(cfg: &ModelConfig, pass_tokens: u64) -> u64 {
@@ -734,6 +765,8 @@ pub fn plan_run(
     // Tokens per pass: the whole prompt (or prefix) in one pass, unless its experts do not
     // fit beside the rest: then the prompt is fed in the largest passes that do (the same
     // ids; each pass reads its own union of experts).
+    // Whether one pass of the whole prompt fits at all (for the plan's note).
+    let mut whole_fits = true;
     let mut pass_tokens = match hook(PREFILL_CHUNK_ENV) {
         Some(n) => n.min(max_pass_tokens).max(1),
         None => max_pass_tokens.max(1),
@@ -757,7 +790,9 @@ pub fn plan_run(
                     res.cache,
                 )
             };
-            match try_pass(pass_tokens) {
+            let first = try_pass(pass_tokens);
+            whole_fits = first.is_ok();
+            match first {
                 // Not even one token per pass fits: that is the shortfall to report.
                 Err(_) if pass_tokens > 1 && try_pass(1).is_err() => try_pass(1),
                 Err(_) if pass_tokens > 1 => {
@@ -777,6 +812,45 @@ pub fn plan_run(
                 }
                 r => r,
             }
+            .map(|fit| {
+                if !a.incremental || hook(PREFILL_CHUNK_ENV).is_some() {
+                    return fit;
+                }
+                // Fewer tokens per pass can leave more for the trunk and the lm_head, which
+                // every decode token reads: take the pass size that reads least over the
+                // run (prompt and `gen` tokens), the largest on a tie. Only sizes whose
+                // batch is smaller than the largest one's differ in memory.
+                let moe_layers = cen.n_experts / (cfg.num_experts as u64).max(1);
+                let cost = |t: u64, c: &Choice| {
+                    run_read_estimate(
+                        &RunShape {
+                            prompt: max_pass_tokens,
+                            gen: a.gen as u64,
+                            moe_layers,
+                            top_k: topk as u64,
+                            expert_bytes: expert_slot,
+                        },
+                        t,
+                        batch_of(t),
+                        c,
+                        lm,
+                    )
+                };
+                let mut best = (cost(pass_tokens, &fit), pass_tokens, fit);
+                for t in (1..pass_tokens).rev() {
+                    if batch_of(t) >= batch_of(pass_tokens) {
+                        continue;
+                    }
+                    if let Ok(c) = try_pass(t) {
+                        let b = cost(t, &c);
+                        if b < best.0 {
+                            best = (b, t, c);
+                        }
+                    }
+                }
+                pass_tokens = best.1;
+                best.2
+            })
         }
         // Named budgets without a total: the lm_head is held, as before.
         None => Ok(Choice {
@@ -824,12 +898,18 @@ pub fn plan_run(
     if pass_tokens < max_pass_tokens {
         notes.push(format!(
             "prompt fed in passes of at most {pass_tokens} token(s): a pass's experts take {} \
-             slots ({}); the whole {max_pass_tokens}-token {} in one pass would take {} ({})",
+             slots ({}); the whole {max_pass_tokens}-token {} in one pass would take {} ({}), {}",
             batch_of(pass_tokens),
             human(batch_of(pass_tokens) * expert_slot),
             if a.incremental { "prompt" } else { "prefix" },
             batch_of(max_pass_tokens),
             human(batch_of(max_pass_tokens) * expert_slot),
+            if whole_fits {
+                "which fits but leaves less for the trunk and lm_head that every one of \
+                 --gen's tokens reads: more read over the run"
+            } else {
+                "which does not fit"
+            }
         ));
     }
     if !res.source.is_empty() {
@@ -964,6 +1044,43 @@ pub fn plan_run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // The run's reads with the prompt in passes: each pass reads the streamed trunk and its
+    // batch, the last the streamed lm_head too; each later token the streamed trunk and
+    // lm_head and top-k experts per MoE layer. Numbers by hand: trunk 10, lm_head 100 of
+    // which 30 held (70 streamed), 2 MoE layers, top-2, experts of 3 bytes.
+    // Catches a lm_head read per pass (not once), experts read per token instead of per
+    // pass's batch, the first generated token counted twice, and a pinned lm_head read.
+    #[test]
+    fn run_reads_of_a_prompt_in_passes() {
+        let c = Choice {
+            trunk: 0,
+            cache: 0,
+            head_pinned: false,
+            head_held: 30,
+            sink: 100,
+            read_per_token: 80,
+        };
+        let r = RunShape {
+            prompt: 5,
+            gen: 4,
+            moe_layers: 2,
+            top_k: 2,
+            expert_bytes: 3,
+        };
+        // Passes of 2 tokens: 3 passes x (10 + 2 x 4 x 3) + 70, then 3 x (80 + 2 x 2 x 3).
+        assert_eq!(run_read_estimate(&r, 2, 4, &c, 100), 3 * 34 + 70 + 3 * 92);
+        // One pass of 5 (a batch of 10 experts).
+        assert_eq!(run_read_estimate(&r, 5, 10, &c, 100), 70 + 70 + 3 * 92);
+        // A pinned lm_head is never read.
+        let pinned = Choice {
+            head_pinned: true,
+            head_held: 0,
+            read_per_token: 10,
+            ..c
+        };
+        assert_eq!(run_read_estimate(&r, 5, 10, &pinned, 100), 70 + 3 * 22);
+    }
 
     #[test]
     fn refuses_with_the_shortfall() {
