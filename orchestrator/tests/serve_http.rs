@@ -24,12 +24,22 @@ impl Drop for Server {
 }
 
 fn start(extra: &[&str]) -> Server {
+    start_with(extra, &[], None)
+}
+
+/// [`start`] with environment variables (test hooks), stderr to `log` when given.
+fn start_with(extra: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
     let m = model().to_str().unwrap();
+    let stderr = match log {
+        Some(p) => Stdio::from(std::fs::File::create(p).unwrap()),
+        None => Stdio::null(),
+    };
     let mut child = Command::new(bin())
         .args(["serve", m, "--tok", m, "--port", "0", "--threads", "1"])
         .args(extra)
+        .envs(envs.iter().copied())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let mut line = String::new();
@@ -792,4 +802,91 @@ fn wait_for_one_in_flight(base: &str, what: &str) {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Routed experts that fail to load end the request with an error, never with text
+/// computed without them (a CLI run exits 4 for the same). And a budget whose expert arena
+/// holds fewer slots than a layer has experts answers a long prompt, fed in passes, with the
+/// text a roomy budget gives. Catches a server that answers 200 over failed experts (it
+/// did, for a prompt whose experts outnumbered the slots: "every slot is pinned"), and a
+/// warm plan that feeds a whole prompt in one pass whatever the arena holds.
+#[test]
+fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
+    let m = model().to_str().unwrap();
+    // The tokenizer's cgroup share at the smallest totals is below what the released
+    // vocabulary needs; the hook gives it room (the point here is the expert arena).
+    let hooks = [
+        ("K3_TEST_HOOKS", "1"),
+        ("K3_STAGE_BUDGET_OVERRIDE", "tokenizer=300000000"),
+    ];
+    let long = json!([{"role": "user", "content":
+        "Tell me a long story about the sea, the ships, the sailors and the storms they met."}]);
+    let body = json!({"model": "k3", "messages": long, "max_tokens": 4}).to_string();
+    let answer = |s: &Server| loop {
+        let (st, v, _) = post(s, "/v1/chat/completions", &body);
+        if st != 503 {
+            break (st, v);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let roomy = start_with(&["--mem-gb", "0.1"], &hooks, None);
+    let (st, want) = answer(&roomy);
+    assert_eq!(st, 200, "{want}");
+    drop(roomy);
+    // The smallest total that plans at all, 100 KB at a time: it leaves the arena the
+    // fewest slots.
+    let mut step = 250u32;
+    let (code, _, err) =
+        tools_common::k3(&[m, "--ids", "0", "--incremental", "--mem-gb", "0.0250"]);
+    assert_eq!(code, 2, "25 MB planned: {err}");
+    let tight = loop {
+        step += 1;
+        assert!(step <= 500, "nothing up to 50 MB plans");
+        let gb = format!("{:.4}", step as f64 / 1e4);
+        let out = std::env::temp_dir().join(format!("k3-serve-plan-{}.json", std::process::id()));
+        let (code, _, err) = tools_common::k3(&[
+            m,
+            "--ids",
+            "0",
+            "--gen",
+            "1",
+            "--incremental",
+            "--mem-gb",
+            &gb,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let _ = std::fs::remove_file(&out);
+        if code == 0 {
+            break gb;
+        }
+        assert_eq!(code, 2, "{gb}: {err}");
+    };
+    let log = std::env::temp_dir().join(format!("k3-serve-tight-{}.log", std::process::id()));
+    let s = start_with(&["--mem-gb", &tight], &hooks, Some(&log));
+    let (st, got) = answer(&s);
+    drop(s);
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    assert!(
+        text.contains("prompts are fed in passes"),
+        "--mem-gb {tight}: {text}"
+    );
+    assert_eq!(st, 200, "--mem-gb {tight}: {got}\n{text}");
+    assert_eq!(
+        got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"],
+        "--mem-gb {tight}"
+    );
+    // Every expert of layer 1 fails to load: the request fails, naming why.
+    let all: Vec<String> = (0..8).map(|e| format!("1:{e}")).collect();
+    let inject = all.join(",");
+    let mut env = hooks.to_vec();
+    env.push(("K3_INJECT_EXPERT_FAILURES", &inject));
+    let s = start_with(&["--mem-gb", "0.1"], &env, None);
+    let (st, v) = answer(&s);
+    assert!(st >= 500, "{st}: {v}");
+    assert!(
+        v.to_string().contains("failed to load"),
+        "the error does not say why: {v}"
+    );
 }

@@ -535,6 +535,22 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
     };
     let (mut launch, _, banner) = launch_of(&common)?;
     launch.compute.warm = true;
+    // Each request brings a prompt of any length, and a pass asks for its tokens' experts
+    // at once, each in its own arena slot: feed prompts in passes whose batch always fits
+    // the slots the plan gave the fetcher, unless they hold every expert of a layer.
+    let (per_layer, topk) = (
+        cfg.num_experts as u64,
+        cfg.num_experts_per_token.max(1) as u64,
+    );
+    let slots = plan.min_slots as u64;
+    if slots < per_layer {
+        let chunk = (slots / topk).max(1) as usize;
+        launch.compute.prefill_chunk = Some(chunk);
+        tracing::info!(
+            "k3-orch: prompts are fed in passes of at most {chunk} token(s): the {slots} \
+             expert slots hold one such pass's experts, not a whole prompt's"
+        );
+    }
     for n in plan.notes.iter().chain(&banner) {
         tracing::info!("k3-orch: {n}");
     }

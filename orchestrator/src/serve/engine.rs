@@ -581,6 +581,9 @@ struct JobObserver<'a> {
     text: TextStream,
     ids: Vec<u32>,
     finish: Finish,
+    /// A step whose routed experts did not all load (the step, its failures): the request
+    /// ends there with an error, never with text computed without them.
+    unsound: Option<(u32, u64)>,
 }
 
 impl WarmObserver for JobObserver<'_> {
@@ -595,6 +598,10 @@ impl WarmObserver for JobObserver<'_> {
         self.stats
             .resident_hits
             .fetch_add(st.resident_hits, Ordering::Relaxed);
+        if st.expert_failures > 0 {
+            self.unsound = Some((st.step, st.expert_failures));
+            return true;
+        }
         self.ids.push(st.token);
         if self.stop_ids.contains(&st.token) {
             self.finish = Finish::Stop;
@@ -639,6 +646,7 @@ fn run_warm_job(
         text: TextStream::new(&job.stop),
         ids: Vec::new(),
         finish: Finish::Length,
+        unsound: None,
     };
     let d = w
         .generate(
@@ -653,6 +661,12 @@ fn run_warm_job(
             &mut obs,
         )
         .map_err(|e| e.msg)?;
+    if let Some((step, n)) = obs.unsound {
+        return Err(format!(
+            "{n} routed expert(s) failed to load at generation step {step} (see the server \
+             log): the request ends rather than answer with text computed without them"
+        ));
+    }
     let rest = obs.text.finish();
     if !rest.is_empty() {
         let _ = job.events.send(Event::Text(rest));

@@ -72,6 +72,9 @@ struct Staged<'a> {
     stop: bool,
     /// `Shutdown` arrived during the request: end it, then the stage.
     shutdown: bool,
+    /// Routed experts that failed to load in this request so far (a failure before the
+    /// first step, in a snapshot's prefill, is reported with the first step).
+    failures: u64,
 }
 
 impl Staged<'_> {
@@ -115,6 +118,8 @@ impl StepHooks for Staged<'_> {
 
     fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
         let io = self.weights.take_io();
+        let before = self.failures;
+        self.failures += s.out.stats.expert_failures as u64;
         tracing::debug!(
             step = s.step,
             token = s.token,
@@ -139,7 +144,7 @@ impl StepHooks for Staged<'_> {
             expert_read_bytes: io.expert_read_bytes,
             expert_requests: io.expert_requests,
             resident_hits: io.resident_hits,
-            expert_failures: s.out.stats.expert_failures as u64,
+            expert_failures: self.failures - if s.step == 0 { 0 } else { before },
             io_wait_seconds: io.wait_seconds,
         }))?;
         for m in &s.out.stats.failure_msgs {
@@ -222,6 +227,7 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
                 req: 0,
                 stop: false,
                 shutdown: false,
+                failures: 0,
             },
         )
         .map_err(|e| format!("layer-compute: {e}"))?;
@@ -318,6 +324,7 @@ fn serve_requests(
             cached_tokens: cached as u32,
         })?;
         let mut fed = cached;
+        let mut snapshot_failures = 0u64;
         if let Some(b) = r
             .snapshot_at
             .map(|b| b as usize)
@@ -329,8 +336,15 @@ fn serve_requests(
             if let Some(e) = weights.take_link_error() {
                 return Err(e);
             }
-            res.map_err(|e| format!("layer-compute: forward pass failed: {e}"))?;
-            cache.insert(r.prompt[..b].to_vec(), sess.clone());
+            let out = res.map_err(|e| format!("layer-compute: forward pass failed: {e}"))?;
+            for m in &out.stats.failure_msgs {
+                tracing::warn!("layer-compute: {m}");
+            }
+            // A state computed without some of its experts is never kept.
+            snapshot_failures = out.stats.expert_failures as u64;
+            if snapshot_failures == 0 {
+                cache.insert(r.prompt[..b].to_vec(), sess.clone());
+            }
             fed = b;
         }
         let mut hooks = Staged {
@@ -341,6 +355,7 @@ fn serve_requests(
             req: r.req,
             stop: false,
             shutdown: false,
+            failures: snapshot_failures,
         };
         let generated = decode_session(
             model,
@@ -359,11 +374,14 @@ fn serve_requests(
         )
         .map_err(|e| format!("layer-compute: {e}"))?;
         let shutdown = hooks.shutdown;
-        // The session has consumed the prompt and every generated id but the last.
-        let mut seq = r.prompt.clone();
-        seq.extend_from_slice(&generated);
-        seq.pop();
-        cache.insert(seq, sess);
+        // The session has consumed the prompt and every generated id but the last; it is
+        // kept only when every expert of every step was there.
+        if hooks.failures == 0 {
+            let mut seq = r.prompt.clone();
+            seq.extend_from_slice(&generated);
+            seq.pop();
+            cache.insert(seq, sess);
+        }
         ctx.send_control(&Msg::RequestDone {
             req: r.req,
             generated,
