@@ -462,6 +462,11 @@ fn a_prompt_whose_experts_do_not_fit_is_fed_in_passes() {
                 t.contains(&format!("prompt fed in passes of at most {chunk} token(s)")),
                 "{t}"
             );
+            // Progress counts the prompt's tokens in, not the first pass's layers.
+            assert!(
+                t.contains("tokens in passes:") && !t.contains("tokens: layer"),
+                "{t}"
+            );
             assert_eq!(ids_of(&out), want, "{model} chunk {chunk}");
             assert!(
                 std::fs::read(&logits).unwrap() == one_pass,

@@ -203,6 +203,12 @@ pub(super) fn drive(
         ));
     }
     r.progress.set_prompt_tokens(compute.prompt_ids.len());
+    if compute
+        .prefill_chunk
+        .is_some_and(|c| c < compute.prompt_ids.len())
+    {
+        r.progress.set_prefill_in_passes();
+    }
     start_compute(launch, r, &compute, data)?;
     generate(launch, r, obs, compute.prompt_ids.clone())
 }

@@ -1,7 +1,8 @@
 //! The progress line on stderr during long phases the stages report (`Msg::Progress`): the
-//! trunk load (bytes loaded of the total, from the trunk-loader) and the prefill (the first
+//! trunk load (bytes loaded of the total, from the trunk-loader), the prefill (the first
 //! pass, which takes the whole prompt through one layer at a time: layers done of the
-//! model's, as the trunk-loader sees them), each with an ETA from the rate so far.
+//! model's, as the trunk-loader sees them) and, for a prompt fed in several passes, the
+//! prompt tokens in so far (from compute), each with an ETA from the rate so far.
 //!
 //! On a terminal the line is rewritten in place (`\r`) and cleared when the phase ends. When
 //! stderr is not a terminal (a log, a pipe) only the end of each phase is printed, as one
@@ -21,6 +22,9 @@ pub struct Progress {
     last_draw: Option<Instant>,
     /// Tokens of the prompt (named in the prefill's line).
     prompt_tokens: Option<usize>,
+    /// The prompt is fed in several passes: compute's count of tokens in is the prefill's
+    /// line (the trunk-loader's layers of the first pass are not the prefill).
+    in_passes: bool,
 }
 
 impl Progress {
@@ -31,12 +35,18 @@ impl Progress {
             current: None,
             last_draw: None,
             prompt_tokens: None,
+            in_passes: false,
         }
     }
 
     /// The prompt's length, for the prefill's line.
     pub fn set_prompt_tokens(&mut self, n: usize) {
         self.prompt_tokens = Some(n);
+    }
+
+    /// The prompt is fed in several passes (see the field).
+    pub fn set_prefill_in_passes(&mut self) {
+        self.in_passes = true;
     }
 
     /// Clear a line drawn on the terminal (before other output goes to stderr).
@@ -50,7 +60,7 @@ impl Progress {
 
     /// A stage reported `done` of `total` in `phase`.
     pub fn update(&mut self, stage: Stage, phase: &str, done: u64, total: u64) {
-        if !self.enabled || total == 0 {
+        if !self.enabled || total == 0 || (self.in_passes && phase == "prefill") {
             return;
         }
         let key = format!("{stage} {phase}");
@@ -70,6 +80,8 @@ impl Progress {
                 crate::units::human(done),
                 crate::units::human(total)
             )
+        } else if phase == "prefill-passes" {
+            format!("prefill of {total} tokens in passes: {done} tokens in")
         } else if phase == "prefill" {
             match self.prompt_tokens {
                 Some(n) => format!("prefill of {n} tokens: layer {done} of {total}"),

@@ -45,6 +45,9 @@ pub trait StepHooks {
     fn after_forward(&mut self, _step: usize) -> Result<(), String> {
         Ok(())
     }
+    /// A prompt fed in several passes: `done` of its `total` tokens are in (after each
+    /// pass).
+    fn prefill_pass(&mut self, _done: usize, _total: usize) {}
     /// The step's token is chosen.
     fn on_step(&mut self, s: Step<'_>) -> Result<(), String>;
     /// Asked after each step: true ends generation there (a stop string was decoded, the
@@ -146,7 +149,10 @@ pub fn decode_resumed<W: Weights>(
         let chunk = o.prefill_chunk.unwrap_or(usize::MAX);
         let res: Result<StepOutput, ForwardError> = if o.incremental {
             if step == 0 {
-                model.prefill_chunked(sess, o.prompt, chunk)
+                let total = o.prompt.len();
+                model.prefill_passes(sess, o.prompt, chunk, &mut |done| {
+                    hooks.prefill_pass(done, total)
+                })
             } else {
                 model.step(sess, *seq.last().expect("non-empty sequence"))
             }

@@ -217,6 +217,18 @@ impl<W: Weights> Model<W> {
         ids: &[u32],
         chunk: usize,
     ) -> Result<StepOutput, ForwardError> {
+        self.prefill_passes(sess, ids, chunk, &mut |_| {})
+    }
+
+    /// [`Model::prefill_chunked`], calling `on_pass(tokens fed so far)` after each pass of a
+    /// prompt longer than one pass (progress of a long prefill).
+    pub fn prefill_passes(
+        &self,
+        sess: &mut Session,
+        ids: &[u32],
+        chunk: usize,
+        on_pass: &mut dyn FnMut(usize),
+    ) -> Result<StepOutput, ForwardError> {
         let chunk = chunk.max(1);
         if ids.len() <= chunk {
             return self.prefill(sess, ids);
@@ -224,13 +236,15 @@ impl<W: Weights> Model<W> {
         let last = (ids.len() - 1) % chunk + 1;
         let (body, tail) = ids.split_at(ids.len() - last);
         let mut stats = StepStats::default();
-        for c in body.chunks(chunk) {
+        for (k, c) in body.chunks(chunk).enumerate() {
             let o = self.forward_rows(sess, c, Rows::None, None)?;
+            on_pass(((k + 1) * chunk).min(body.len()));
             stats.expert_requests += o.stats.expert_requests;
             stats.expert_failures += o.stats.expert_failures;
             stats.failure_msgs.extend(o.stats.failure_msgs);
         }
         let mut out = self.forward_rows(sess, tail, Rows::Last, None)?;
+        on_pass(ids.len());
         stats.expert_requests += out.stats.expert_requests;
         stats.expert_failures += out.stats.expert_failures;
         stats.failure_msgs.append(&mut out.stats.failure_msgs);

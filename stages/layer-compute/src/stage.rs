@@ -105,6 +105,14 @@ impl Staged<'_> {
 }
 
 impl StepHooks for Staged<'_> {
+    fn prefill_pass(&mut self, done: usize, total: usize) {
+        // A one-shot run's prompt (a warm stage's requests report no prefill progress).
+        if self.req == 0 {
+            self.ctx
+                .progress("prefill-passes", done as u64, total as u64);
+        }
+    }
+
     fn before_step(&mut self, _step: usize) {
         let _ = self.weights.take_io();
     }
