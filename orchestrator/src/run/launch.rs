@@ -535,6 +535,9 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
     };
     let (mut launch, _, banner) = launch_of(&common)?;
     launch.compute.warm = true;
+    // Between requests nothing streams: the ring may read the next request's first part
+    // while it waits, instead of when that request starts.
+    launch.trunk.hold_wrap = false;
     // Each request brings a prompt of any length, and a pass asks for its tokens' experts
     // at once, each in its own arena slot: feed prompts in passes whose batch always fits
     // the slots the plan gave the fetcher, unless they hold every expert of a layer.
@@ -551,7 +554,13 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
              expert slots hold one such pass's experts, not a whole prompt's"
         );
     }
-    for n in plan.notes.iter().chain(&banner) {
+    // (The plan's note on the ring's hold is a one-shot run's: see above.)
+    for n in plan
+        .notes
+        .iter()
+        .filter(|n| !n.starts_with("trunk ring:"))
+        .chain(&banner)
+    {
         tracing::info!("k3-orch: {n}");
     }
     Ok(launch)
