@@ -228,8 +228,8 @@ enum Kind {
     Gemv,
     /// All matrices of a set in one `gemm_fused` call, one token.
     Fused,
-    /// One matrix, 16 tokens (weights read once).
-    Batch16,
+    /// One matrix over this many tokens (the batched GEMM: weights read once).
+    Batch(usize),
 }
 
 struct Case {
@@ -340,7 +340,7 @@ fn main() {
             name: "batch16 kda q 12288x7168",
             fmt: Fmt::Bf16,
             shapes: vec![(12288, 7168)],
-            kind: Kind::Batch16,
+            kind: Kind::Batch(16),
         },
         Case {
             name: "expert w1/w3 3072x3584",
@@ -364,7 +364,15 @@ fn main() {
             name: "batch16 expert w1 3072x3584",
             fmt: Fmt::Mxfp4,
             shapes: vec![(3072, 3584)],
-            kind: Kind::Batch16,
+            kind: Kind::Batch(16),
+        },
+        // A prompt's routed expert sees about top-k x tokens / experts of them (16 x 16 / 64
+        // on the slice): the prefill's typical batch.
+        Case {
+            name: "batch4 expert w1 3072x3584",
+            fmt: Fmt::Mxfp4,
+            shapes: vec![(3072, 3584)],
+            kind: Kind::Batch(4),
         },
     ];
     let mut paths = vec![];
@@ -409,7 +417,10 @@ fn main() {
             .map(|set| set.iter().map(Owned::mat).collect())
             .collect();
         let cols = c.shapes[0].1;
-        let ntok = if c.kind == Kind::Batch16 { 16 } else { 1 };
+        let ntok = match c.kind {
+            Kind::Batch(n) => n,
+            _ => 1,
+        };
         let x: Vec<f32> = (0..cols * ntok)
             .map(|i| ((i % 97) as f32 - 48.0) / 50.0)
             .collect();
@@ -451,7 +462,7 @@ fn main() {
                         for set in &mats {
                             match c.kind {
                                 Kind::Gemv => gemv(&set[0], &x, &mut ys[0], threads),
-                                Kind::Batch16 => gemm(&set[0], &x, &mut ys[0], ntok, threads),
+                                Kind::Batch(_) => gemm(&set[0], &x, &mut ys[0], ntok, threads),
                                 Kind::Fused => {
                                     let refs: Vec<&Mat<'_>> = set.iter().collect();
                                     let mut outs: Vec<&mut [f32]> =
