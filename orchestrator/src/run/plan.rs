@@ -628,6 +628,97 @@ pub fn run_read_estimate(r: &RunShape, pass: u64, batch: u64, c: &Choice, lm_hea
     prefill + decode
 }
 
+/// Bytes a run reads with passes of `t` tokens under a plan (for [`pass_size`]).
+pub type PassCost<'a> = dyn Fn(u64, &Choice) -> u64 + 'a;
+
+/// What [`pass_size`] chose.
+pub struct PassSize {
+    /// The plan for passes of `tokens` tokens (or why not even one token fits).
+    pub choice: Result<Choice, String>,
+    pub tokens: u64,
+    /// Whether a pass of the whole prompt fits at all.
+    pub whole_fits: bool,
+}
+
+/// Tokens per pass for a prompt (or prefix) of `whole` tokens. `plan(t)` plans passes of
+/// `t` tokens (what a pass holds grows with `t`: its batch of experts, its scratch), and
+/// `batch(t)` is its batch of experts per layer. `forced` (a test hook) fixes the size. The
+/// largest size that fits is kept, or, with `cost` (bytes the run reads with passes of `t`
+/// under a plan), the size that reads least among it and the smaller ones whose batch is
+/// smaller (the only ones that leave more memory to the rest), the larger on a tie. When
+/// not even one token fits, the result is that refusal (the real shortfall).
+pub fn pass_size(
+    whole: u64,
+    forced: Option<u64>,
+    plan: &dyn Fn(u64) -> Result<Choice, String>,
+    batch: &dyn Fn(u64) -> u64,
+    cost: Option<&PassCost<'_>>,
+) -> PassSize {
+    let whole = whole.max(1);
+    let start = forced.map_or(whole, |n| n.clamp(1, whole));
+    let first = plan(start);
+    let whole_fits = if start == whole {
+        first.is_ok()
+    } else {
+        plan(whole).is_ok()
+    };
+    let (fit, tokens) = match first {
+        Ok(c) => (c, start),
+        Err(e) if start == 1 => {
+            return PassSize {
+                choice: Err(e),
+                tokens: 1,
+                whole_fits,
+            }
+        }
+        Err(_) => match plan(1) {
+            Err(e) => {
+                return PassSize {
+                    choice: Err(e),
+                    tokens: 1,
+                    whole_fits,
+                }
+            }
+            Ok(one) => {
+                // Fits at 1, not at `start`: the largest that fits.
+                let (mut lo, mut hi, mut at_lo) = (1u64, start, one);
+                while hi - lo > 1 {
+                    let mid = lo + (hi - lo) / 2;
+                    match plan(mid) {
+                        Ok(c) => (lo, at_lo) = (mid, c),
+                        Err(_) => hi = mid,
+                    }
+                }
+                (at_lo, lo)
+            }
+        },
+    };
+    let Some(cost) = cost else {
+        return PassSize {
+            choice: Ok(fit),
+            tokens,
+            whole_fits,
+        };
+    };
+    let mut best = (cost(tokens, &fit), tokens, fit);
+    for t in (1..tokens).rev() {
+        if batch(t) >= batch(tokens) {
+            continue;
+        }
+        if let Ok(c) = plan(t) {
+            let b = cost(t, &c);
+            if b < best.0 {
+                best = (b, t, c);
+            }
+        }
+    }
+    PassSize {
+        choice: Ok(best.2),
+        tokens: best.1,
+        whole_fits,
+    }
+}
+
 /// Scratch compute allocates beside the plan items: activations (a few dozen hidden-size
 /// rows per token), logits (vocab per row) and the worker threads' stacks (4 MiB).
 pub fn compute_scratch(cfg: &ModelConfig, pass_tokens: u64) -> u64 {
@@ -762,15 +853,11 @@ pub fn plan_run(
             .and_then(|v| v.trim().parse::<u64>().ok())
             .filter(|&n| n > 0)
     };
-    // Tokens per pass: the whole prompt (or prefix) in one pass, unless its experts do not
-    // fit beside the rest: then the prompt is fed in the largest passes that do (the same
-    // ids; each pass reads its own union of experts).
-    // Whether one pass of the whole prompt fits at all (for the plan's note).
+    // Tokens per pass: the whole prompt (or prefix) in one pass when that fits and reads
+    // least; see `pass_size`.
+    let max_pass_tokens = max_pass_tokens.max(1);
+    let mut pass_tokens = max_pass_tokens;
     let mut whole_fits = true;
-    let mut pass_tokens = match hook(PREFILL_CHUNK_ENV) {
-        Some(n) => n.min(max_pass_tokens).max(1),
-        None => max_pass_tokens.max(1),
-    };
     let picked = match res.total {
         Some(total) => {
             let try_pass = |t: u64| {
@@ -790,81 +877,46 @@ pub fn plan_run(
                     res.cache,
                 )
             };
-            let first = try_pass(pass_tokens);
-            whole_fits = first.is_ok();
-            match first {
-                // Not even one token per pass fits: that is the shortfall to report.
-                Err(_) if pass_tokens > 1 && try_pass(1).is_err() => try_pass(1),
-                Err(_) if pass_tokens > 1 => {
-                    // Fits at 1, not at `pass_tokens`: the largest that fits (what a pass
-                    // needs grows with its tokens).
-                    let (mut lo, mut hi) = (1u64, pass_tokens);
-                    while hi - lo > 1 {
-                        let mid = lo + (hi - lo) / 2;
-                        if try_pass(mid).is_ok() {
-                            lo = mid;
-                        } else {
-                            hi = mid;
-                        }
-                    }
-                    pass_tokens = lo;
-                    try_pass(lo)
-                }
-                r => r,
-            }
-            .map(|fit| {
-                if !a.incremental || hook(PREFILL_CHUNK_ENV).is_some() {
-                    return fit;
-                }
-                // Fewer tokens per pass can leave more for the trunk and the lm_head, which
-                // every decode token reads: take the pass size that reads least over the
-                // run (prompt and `gen` tokens), the largest on a tie. Only sizes whose
-                // batch is smaller than the largest one's differ in memory.
-                let moe_layers = cen.n_experts / (cfg.num_experts as u64).max(1);
-                let cost = |t: u64, c: &Choice| {
-                    run_read_estimate(
-                        &RunShape {
-                            prompt: max_pass_tokens,
-                            gen: a.gen as u64,
-                            moe_layers,
-                            top_k: topk as u64,
-                            expert_bytes: expert_slot,
-                        },
-                        t,
-                        batch_of(t),
-                        c,
-                        lm,
-                    )
-                };
-                let mut best = (cost(pass_tokens, &fit), pass_tokens, fit);
-                for t in (1..pass_tokens).rev() {
-                    if batch_of(t) >= batch_of(pass_tokens) {
-                        continue;
-                    }
-                    if let Ok(c) = try_pass(t) {
-                        let b = cost(t, &c);
-                        if b < best.0 {
-                            best = (b, t, c);
-                        }
-                    }
-                }
-                pass_tokens = best.1;
-                best.2
-            })
+            let moe_layers = cen.n_experts / (cfg.num_experts as u64).max(1);
+            let shape = RunShape {
+                prompt: max_pass_tokens,
+                gen: a.gen as u64,
+                moe_layers,
+                top_k: topk as u64,
+                expert_bytes: expert_slot,
+            };
+            let cost = |t: u64, c: &Choice| run_read_estimate(&shape, t, batch_of(t), c, lm);
+            let forced = hook(PREFILL_CHUNK_ENV);
+            let p = pass_size(
+                max_pass_tokens,
+                forced,
+                &try_pass,
+                &batch_of,
+                // Recomputing runs feed the whole prefix every step: only the fit counts.
+                (a.incremental && forced.is_none()).then_some(&cost as _),
+            );
+            pass_tokens = p.tokens;
+            whole_fits = p.whole_fits;
+            p.choice
         }
         // Named budgets without a total: the lm_head is held, as before.
-        None => Ok(Choice {
-            trunk: res
-                .trunk
-                .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_TRUNK_GB)),
-            cache: res
-                .cache
-                .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_CACHE_GB)),
-            head_pinned: true,
-            head_held: 0,
-            sink: 0,
-            read_per_token: 0,
-        }),
+        None => {
+            if let Some(n) = hook(PREFILL_CHUNK_ENV) {
+                pass_tokens = n.clamp(1, max_pass_tokens);
+            }
+            Ok(Choice {
+                trunk: res
+                    .trunk
+                    .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_TRUNK_GB)),
+                cache: res
+                    .cache
+                    .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_CACHE_GB)),
+                head_pinned: true,
+                head_held: 0,
+                sink: 0,
+                read_per_token: 0,
+            })
+        }
     };
     let choice = picked.map_err(|e| {
         RunError::usage(format!(
@@ -1080,6 +1132,76 @@ mod tests {
             ..c
         };
         assert_eq!(run_read_estimate(&r, 5, 10, &pinned, 100), 70 + 3 * 22);
+    }
+
+    // The pass size: the whole prompt when it fits; the largest that fits when it does not
+    // (found by bisection over a plan that fits up to 37 tokens of 100); the refusal of one
+    // token when nothing fits; with a cost, the cheapest among the sizes whose batch is
+    // smaller, the larger on a tie. Catches a bisection that stops one short or one past,
+    // a refusal reported for the whole prompt instead of one token, sizes with the same
+    // batch weighed (they hold the same memory), and a tie that takes more passes.
+    #[test]
+    fn the_pass_size_is_the_largest_that_fits_or_the_cheapest() {
+        let c = |read: u64| Choice {
+            trunk: 0,
+            cache: 0,
+            head_pinned: true,
+            head_held: 0,
+            sink: 0,
+            read_per_token: read,
+        };
+        let upto = |n: u64| {
+            move |t: u64| {
+                if t <= n {
+                    Ok(c(t))
+                } else {
+                    Err(format!("{t} tokens do not fit"))
+                }
+            }
+        };
+        let batch = |t: u64| (t * 4).min(64);
+        let p = pass_size(100, None, &upto(100), &batch, None);
+        assert_eq!(
+            (p.tokens, p.whole_fits, p.choice.unwrap()),
+            (100, true, c(100))
+        );
+        let p = pass_size(100, None, &upto(37), &batch, None);
+        assert_eq!(
+            (p.tokens, p.whole_fits, p.choice.unwrap()),
+            (37, false, c(37))
+        );
+        let p = pass_size(100, None, &upto(0), &batch, None);
+        assert_eq!(p.choice.unwrap_err(), "1 tokens do not fit");
+        // A forced size is kept when it fits, bisected below it when it does not.
+        let p = pass_size(100, Some(5), &upto(100), &batch, None);
+        assert_eq!((p.tokens, p.whole_fits), (5, true));
+        let p = pass_size(100, Some(50), &upto(20), &batch, None);
+        assert_eq!((p.tokens, p.whole_fits), (20, false));
+        // Costs: only sizes with a batch under batch(37) = 64, i.e. 1..=15, are weighed
+        // against 37; the cheapest of them is 6 and 7 (a tie: the larger).
+        let weighed = std::cell::RefCell::new(Vec::new());
+        let cost = |t: u64, _: &Choice| {
+            weighed.borrow_mut().push(t);
+            if t == 6 || t == 7 {
+                10
+            } else {
+                20 + t
+            }
+        };
+        let p = pass_size(100, None, &upto(37), &batch, Some(&cost));
+        assert_eq!((p.tokens, p.choice.unwrap()), (7, c(7)));
+        let mut w = weighed.into_inner();
+        w.sort_unstable();
+        assert_eq!(w, [(1..=15).collect::<Vec<u64>>(), vec![37]].concat());
+        // The largest stays when nothing smaller reads less.
+        let p = pass_size(
+            100,
+            None,
+            &upto(37),
+            &batch,
+            Some(&|t: u64, _: &Choice| 100 - t),
+        );
+        assert_eq!(p.tokens, 37);
     }
 
     #[test]
