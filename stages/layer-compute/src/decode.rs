@@ -146,11 +146,10 @@ pub fn decode_resumed<W: Weights>(
     for step in 0..o.gen {
         hooks.before_step(step);
         let t0 = Instant::now();
-        let chunk = o.prefill_chunk.unwrap_or(usize::MAX);
         let res: Result<StepOutput, ForwardError> = if o.incremental {
             if step == 0 {
                 let total = o.prompt.len();
-                model.prefill_passes(sess, o.prompt, chunk, &mut |done| {
+                model.prefill_passes(sess, o.prompt, o.prefill_chunk, &mut |done| {
                     hooks.prefill_pass(done, total)
                 })
             } else {
@@ -158,7 +157,7 @@ pub fn decode_resumed<W: Weights>(
             }
         } else {
             let mut s = model.new_session();
-            model.prefill_chunked(&mut s, &seq, chunk)
+            model.prefill_chunked(&mut s, &seq, o.prefill_chunk)
         };
         hooks.after_forward(step)?;
         let out = res.map_err(|e| format!("forward pass failed at generation step {step}: {e}"))?;

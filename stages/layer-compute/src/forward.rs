@@ -74,6 +74,15 @@ pub struct StepStats {
     pub failure_msgs: Vec<String>,
 }
 
+impl StepStats {
+    /// Add another call's counters (and its messages) to these.
+    fn absorb(&mut self, o: StepStats) {
+        self.expert_requests += o.expert_requests;
+        self.expert_failures += o.expert_failures;
+        self.failure_msgs.extend(o.failure_msgs);
+    }
+}
+
 /// Which tokens of a pass get logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Rows {
@@ -205,8 +214,8 @@ impl<W: Weights> Model<W> {
         self.forward(sess, ids, false, None)
     }
 
-    /// [`Model::prefill`] in passes of at most `chunk` tokens (the last one takes what is
-    /// left): each pass carries the session on, and only the last computes logits (of its
+    /// [`Model::prefill`] in passes of at most `chunk` tokens (None: one pass; the last one
+    /// takes what is left): each pass carries the session on, and only the last computes logits (of its
     /// last token). The logits are those of one pass over `ids`, bit for bit (every product
     /// is independent of how many tokens share a pass, and the recurrent state and the KV
     /// cache carry across passes exactly); what changes is that a pass's experts (the union
@@ -215,7 +224,7 @@ impl<W: Weights> Model<W> {
         &self,
         sess: &mut Session,
         ids: &[u32],
-        chunk: usize,
+        chunk: Option<usize>,
     ) -> Result<StepOutput, ForwardError> {
         self.prefill_passes(sess, ids, chunk, &mut |_| {})
     }
@@ -226,28 +235,24 @@ impl<W: Weights> Model<W> {
         &self,
         sess: &mut Session,
         ids: &[u32],
-        chunk: usize,
+        chunk: Option<usize>,
         on_pass: &mut dyn FnMut(usize),
     ) -> Result<StepOutput, ForwardError> {
-        let chunk = chunk.max(1);
-        if ids.len() <= chunk {
-            return self.prefill(sess, ids);
-        }
+        let chunk = match chunk {
+            Some(c) if c < ids.len() => c.max(1),
+            _ => return self.prefill(sess, ids),
+        };
         let last = (ids.len() - 1) % chunk + 1;
         let (body, tail) = ids.split_at(ids.len() - last);
         let mut stats = StepStats::default();
         for (k, c) in body.chunks(chunk).enumerate() {
             let o = self.forward_rows(sess, c, Rows::None, None)?;
             on_pass(((k + 1) * chunk).min(body.len()));
-            stats.expert_requests += o.stats.expert_requests;
-            stats.expert_failures += o.stats.expert_failures;
-            stats.failure_msgs.extend(o.stats.failure_msgs);
+            stats.absorb(o.stats);
         }
         let mut out = self.forward_rows(sess, tail, Rows::Last, None)?;
         on_pass(ids.len());
-        stats.expert_requests += out.stats.expert_requests;
-        stats.expert_failures += out.stats.expert_failures;
-        stats.failure_msgs.append(&mut out.stats.failure_msgs);
+        stats.absorb(std::mem::take(&mut out.stats));
         out.stats = stats;
         Ok(out)
     }

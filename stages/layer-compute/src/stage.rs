@@ -126,8 +126,15 @@ impl StepHooks for Staged<'_> {
 
     fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
         let io = self.weights.take_io();
-        let before = self.failures;
-        self.failures += s.out.stats.expert_failures as u64;
+        // The first step also reports what `failures` holds from before it (a snapshot's
+        // prefill).
+        let own = s.out.stats.expert_failures as u64;
+        let reported = if s.step == 0 {
+            self.failures + own
+        } else {
+            own
+        };
+        self.failures += own;
         tracing::debug!(
             step = s.step,
             token = s.token,
@@ -152,7 +159,7 @@ impl StepHooks for Staged<'_> {
             expert_read_bytes: io.expert_read_bytes,
             expert_requests: io.expert_requests,
             resident_hits: io.resident_hits,
-            expert_failures: self.failures - if s.step == 0 { 0 } else { before },
+            expert_failures: reported,
             io_wait_seconds: io.wait_seconds,
         }))?;
         for m in &s.out.stats.failure_msgs {
@@ -339,8 +346,7 @@ fn serve_requests(
             .filter(|&b| b > cached && b < r.prompt.len())
         {
             let _ = weights.take_io();
-            let chunk = prefill_chunk.unwrap_or(usize::MAX);
-            let res = model.prefill_chunked(&mut sess, &r.prompt[cached..b], chunk);
+            let res = model.prefill_chunked(&mut sess, &r.prompt[cached..b], prefill_chunk);
             if let Some(e) = weights.take_link_error() {
                 return Err(e);
             }

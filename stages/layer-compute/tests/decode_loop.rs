@@ -12,6 +12,25 @@ use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
 use k3_layer_compute::sampler::SamplerConfig;
 use support::*;
 
+/// Greedy options over `prompt` (no logits dumped).
+fn greedy<'a>(
+    prompt: &'a [u32],
+    gen: usize,
+    incremental: bool,
+    stop_ids: &'a [u32],
+    prefill_chunk: Option<usize>,
+) -> LoopOptions<'a> {
+    LoopOptions {
+        prompt,
+        gen,
+        incremental,
+        sampler: SamplerConfig::default(),
+        stop_ids,
+        dump_logits: None,
+        prefill_chunk,
+    }
+}
+
 struct Count(usize);
 
 impl StepHooks for Count {
@@ -43,15 +62,7 @@ fn stop_ids_end_generation_after_the_stop_id() {
         let mut hooks = Count(0);
         let got = decode_loop(
             &m,
-            &LoopOptions {
-                prompt: &prompt,
-                gen: want.len(),
-                incremental,
-                sampler: SamplerConfig::default(),
-                stop_ids: &stops,
-                dump_logits: None,
-                prefill_chunk: None,
-            },
+            &greedy(&prompt, want.len(), incremental, &stops, None),
             &mut hooks,
         )
         .unwrap();
@@ -61,15 +72,7 @@ fn stop_ids_end_generation_after_the_stop_id() {
     // Without stop ids the loop runs to the end (the oracle's 20 ids).
     let got = decode_loop(
         &m,
-        &LoopOptions {
-            prompt: &prompt,
-            gen: want.len(),
-            incremental: true,
-            sampler: SamplerConfig::default(),
-            stop_ids: &[],
-            dump_logits: None,
-            prefill_chunk: None,
-        },
+        &greedy(&prompt, want.len(), true, &[], None),
         &mut Count(0),
     )
     .unwrap();
@@ -112,15 +115,7 @@ fn a_prompt_in_passes_gives_the_oracle_ids_and_the_same_logits() {
             let mut hooks = Logits::default();
             let got = decode_loop(
                 &m,
-                &LoopOptions {
-                    prompt: &prompt,
-                    gen: want.len(),
-                    incremental,
-                    sampler: SamplerConfig::default(),
-                    stop_ids: &[],
-                    dump_logits: None,
-                    prefill_chunk: chunk,
-                },
+                &greedy(&prompt, want.len(), incremental, &[], chunk),
                 &mut hooks,
             )
             .unwrap();

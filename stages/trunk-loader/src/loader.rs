@@ -229,6 +229,13 @@ pub struct TrunkLoader {
     thread: Option<JoinHandle<()>>,
 }
 
+impl State {
+    /// Holding the wrap, the next pass's first streamed unit may not be read yet.
+    fn wrap_closed(&self) -> bool {
+        self.hold_wrap && self.opened <= self.wraps
+    }
+}
+
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -329,8 +336,7 @@ impl Shared {
                     }
                     // Pass 1's first streamed unit is read at once; pass n + 1's once the
                     // consumer has opened it.
-                    let held =
-                        next == p.pinned && st.hold_wrap && st.wraps > 0 && st.opened <= st.wraps;
+                    let held = next == p.pinned && st.wraps > 0 && st.wrap_closed();
                     let free = if held {
                         None
                     } else {
@@ -666,7 +672,7 @@ impl TrunkLoader {
             });
         }
         let started = st.ring.iter().any(|s| s.layer == Some(layer));
-        if layer == p.pinned && st.hold_wrap && !started && st.opened <= st.wraps {
+        if layer == p.pinned && !started && st.wrap_closed() {
             // The consumer wants the held unit: its pass has started, opened or not.
             st.opened = st.wraps + 1;
             sh.cv.notify_all();

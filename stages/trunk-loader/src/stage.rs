@@ -144,8 +144,8 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     };
     let mut resident_read = total_read;
     let mut passes = 0u64;
-    if let (Source::Streamed { loader, .. }, true) = (&source, conf.hold_wrap) {
-        loader.hold_wrap(true);
+    if let Source::Streamed { loader, .. } = &source {
+        loader.hold_wrap(conf.hold_wrap);
     }
     loop {
         let msg = recv_from(&mut *link, me, peer, None)?;
