@@ -745,17 +745,21 @@ impl TensorCrcs {
 }
 
 /// When the forward uses a decoder-layer trunk tensor, by its suffix after
-/// `layers.<l>.`: 0 the attention (its AttnRes mix, `input_layernorm`, `self_attn.*`), 1 the
-/// FFN's input side (the pre-MLP mix, `post_attention_layernorm`, a dense FFN's gate and up,
-/// a latent MoE's router, latent down-projection and shared experts), 2 what the FFN uses
-/// last (a dense FFN's down-projection; a latent MoE's `routed_expert_norm` and
-/// `routed_expert_up_proj`, used after the routed experts, so the much larger phase 1 is
-/// given back while they are computed), 3 anything else (never asked for; read and let
-/// go). The forward binds and releases the tensors of one phase
+/// `layers.<l>.`: 0 the attention up to its output projection (its AttnRes mix,
+/// `input_layernorm`, every `self_attn.*` but `o_proj`), 1 the attention's output
+/// projection (`self_attn.o_proj.*`, used last, so the larger phase 0 is given back before
+/// it is read), 2 the FFN's input side (the pre-MLP mix, `post_attention_layernorm`, a dense
+/// FFN's gate and up, a latent MoE's router, latent down-projection and shared experts), 3
+/// what the FFN uses last (a dense FFN's down-projection; a latent MoE's
+/// `routed_expert_norm` and `routed_expert_up_proj`, used after the routed experts, so the
+/// much larger phase 2 is given back while they are computed), 4 anything else (never asked
+/// for; read and let go). The forward binds and releases the tensors of one phase
 /// together, so a trunk streamed in parts ([`TrunkManifest::layer_parts`]) never needs more
 /// than one phase of a layer in memory at once.
 pub fn use_phase(suffix: &str) -> u8 {
-    if suffix.starts_with("self_attn.")
+    if suffix.starts_with("self_attn.o_proj.") {
+        1
+    } else if suffix.starts_with("self_attn.")
         || suffix.starts_with("self_attention_res_")
         || suffix == "input_layernorm.weight"
     {
@@ -764,16 +768,16 @@ pub fn use_phase(suffix: &str) -> u8 {
         || suffix.starts_with("block_sparse_moe.routed_expert_up_proj.")
         || suffix.starts_with("block_sparse_moe.routed_expert_norm.")
     {
-        2
+        3
     } else if suffix.starts_with("mlp_res_")
         || suffix == "post_attention_layernorm.weight"
         || suffix.starts_with("block_sparse_moe.")
         || suffix.starts_with("mlp.gate_proj.")
         || suffix.starts_with("mlp.up_proj.")
     {
-        1
+        2
     } else {
-        3
+        4
     }
 }
 
@@ -810,7 +814,7 @@ impl TrunkPart {
 /// The parts of one layer's run (see [`TrunkManifest::layer_parts`]).
 pub fn layer_parts_of(l: &TrunkLayer) -> Vec<TrunkPart> {
     let mut out = Vec::new();
-    for phase in 0..=3u8 {
+    for phase in 0..=4u8 {
         let mut idx: Vec<usize> = (0..l.tensors.len())
             .filter(|&i| {
                 let n = &l.tensors[i].name;
@@ -1051,18 +1055,28 @@ mod tests {
 
     // Catches: a latent MoE bound as one phase (its router and shared experts then stay
     // held, in a streamed trunk's only ring slot, while the routed experts are computed),
-    // and a tail tensor (used after the routed experts) put in phase 1.
+    // a tail tensor (used after the routed experts) put in the head's phase, and the
+    // attention's output projection bound with its inputs (the ring slot must then hold
+    // the whole attention).
     #[test]
-    fn a_latent_moe_is_two_phases() {
+    fn the_use_phases_split_attention_and_a_latent_moe() {
         for (s, want) in [
-            ("block_sparse_moe.gate.weight", 1),
-            ("block_sparse_moe.gate.e_score_correction_bias", 1),
-            ("block_sparse_moe.routed_expert_down_proj.weight", 1),
-            ("block_sparse_moe.shared_experts.down_proj.weight", 1),
-            ("block_sparse_moe.routed_expert_up_proj.weight", 2),
-            ("block_sparse_moe.routed_expert_norm.weight", 2),
-            ("mlp.down_proj.weight", 2),
+            ("input_layernorm.weight", 0),
+            ("self_attention_res_proj.weight", 0),
             ("self_attn.q_proj.weight", 0),
+            ("self_attn.g_proj.weight", 0),
+            ("self_attn.kv_b_proj.weight", 0),
+            ("self_attn.o_norm.weight", 0),
+            ("self_attn.o_proj.weight", 1),
+            ("block_sparse_moe.gate.weight", 2),
+            ("block_sparse_moe.gate.e_score_correction_bias", 2),
+            ("block_sparse_moe.routed_expert_down_proj.weight", 2),
+            ("block_sparse_moe.shared_experts.down_proj.weight", 2),
+            ("mlp.gate_proj.weight", 2),
+            ("block_sparse_moe.routed_expert_up_proj.weight", 3),
+            ("block_sparse_moe.routed_expert_norm.weight", 3),
+            ("mlp.down_proj.weight", 3),
+            ("something_else.weight", 4),
         ] {
             assert_eq!(use_phase(s), want, "{s}");
         }
@@ -1104,7 +1118,7 @@ mod tests {
             tensors: ts,
         };
         let parts = layer_parts_of(&l);
-        assert_eq!(parts.iter().map(|p| p.phase).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(parts.iter().map(|p| p.phase).collect::<Vec<_>>(), [0, 2]);
         // Phase 0: input_layernorm (5000..5100) and q_proj (14200..34200): two pieces of
         // whole pages, the second up to the run's padded end.
         assert_eq!(
@@ -1120,7 +1134,7 @@ mod tests {
                 }
             ]
         );
-        // Phase 1: the MoE gate (0..5000), mlp_res_proj and the post norm (5000..14200),
+        // Phase 2: the MoE gate (0..5000), mlp_res_proj and the post norm (5000..14200),
         // touching pages merged into one piece.
         assert_eq!(parts[1].pieces, [PartPiece { at: 0, len: 16384 }]);
         for p in &parts {

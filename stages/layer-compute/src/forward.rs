@@ -19,8 +19,8 @@ use k3_model::tensor::{Dtype, TensorRef, WeightError};
 use crate::kernels::gemv::{gemm, gemm_fused, Mat};
 use crate::kernels::norm;
 use crate::modules::attnres::attnres_mix_rows;
-use crate::modules::kda::{kda_forward, KdaState, KdaWeights};
-use crate::modules::mla::{mla_forward, MlaCache, MlaWeights};
+use crate::modules::kda::{kda_attend, KdaState, KdaWeights};
+use crate::modules::mla::{mla_attend, MlaCache, MlaWeights};
 use crate::modules::mlp::glu_down64;
 use crate::modules::moe::{moe_forward_phased, MoeHead, MoeHooks, MoeStats};
 use crate::modules::{mat_from, Eps, Trace};
@@ -301,6 +301,8 @@ impl<W: Weights> Model<W> {
     fn bind_layer_phases(&self, l: usize) -> Result<(), ForwardError> {
         self.bind_attn(l)?;
         self.weights.end_phase(l);
+        self.attn_out(l)?;
+        self.weights.end_phase(l);
         let dense = matches!(self.bind_ffn_in(l)?.ffn, FfnIn::Dense { .. });
         self.weights.end_phase(l);
         if dense {
@@ -361,7 +363,8 @@ impl<W: Weights> Model<W> {
     }
 
     /// The tensors of layer `l`'s use phase 0 (`k3_model::trunk::use_phase`): the
-    /// pre-attention mix, `input_layernorm` and the attention.
+    /// pre-attention mix, `input_layernorm` and the attention up to its output projection
+    /// (phase 1, [`Self::attn_out`]).
     fn bind_attn(&self, l: usize) -> Result<AttnW<'_>, ForwardError> {
         let d = self.cfg.hidden_size;
         let attn = match self.cfg.layer_kind(l) {
@@ -378,9 +381,17 @@ impl<W: Weights> Model<W> {
         })
     }
 
-    /// The tensors of phase 1: the pre-MLP mix, `post_attention_layernorm`, and a dense
+    /// Phase 1: the attention's output projection.
+    fn attn_out(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
+        match self.cfg.layer_kind(l) {
+            LayerKind::Kda => self.kda_out(l),
+            LayerKind::Mla => self.mla_out(l),
+        }
+    }
+
+    /// The tensors of phase 2: the pre-MLP mix, `post_attention_layernorm`, and a dense
     /// FFN's gate and up or the latent MoE's head (its tail, used after the routed experts,
-    /// is phase 2).
+    /// is phase 3).
     fn bind_ffn_in(&self, l: usize) -> Result<FfnW<'_>, ForwardError> {
         let d = self.cfg.hidden_size;
         let ffn = if self.cfg.is_moe(l) {
@@ -402,7 +413,7 @@ impl<W: Weights> Model<W> {
         })
     }
 
-    /// Phase 2: a dense FFN's down-projection.
+    /// Phase 3: a dense FFN's down-projection.
     fn dense_down(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
         let (d, f) = (self.cfg.hidden_size, self.cfg.intermediate_size);
         self.mat(&lname(l, "mlp.down_proj.weight"), d, f)
@@ -644,20 +655,27 @@ impl<W: Weights> Model<W> {
             );
         }
         let attn_span = crate::profile::span(crate::profile::Phase::Attn);
-        let y = match &w.attn {
+        let a = match &w.attn {
             Attn::Kda(kw) => {
                 let dims = self.kda_dims();
                 let st = sess.kda[l].get_or_insert_with(|| KdaState::new(&dims));
-                kda_forward(kw, &dims, &eps, &u, ntok, st, th, trace)
+                kda_attend(kw, &dims, &eps, &u, ntok, st, th, trace)
             }
             Attn::Mla(mw) => {
                 let dims = self.mla_dims();
                 let cache = sess.mla[l].get_or_insert_with(MlaCache::default);
-                mla_forward(mw, &dims, &eps, &u, ntok, cache, th, trace)
+                mla_attend(mw, &dims, &eps, &u, ntok, cache, th, trace)
             }
         };
         attn_span.end();
         drop(w);
+        self.weights.end_phase(l);
+        // The output projection is its own phase, bound once the rest is given back (its
+        // bind may wait for the trunk: its own profile phase).
+        let o = self.attn_out(l)?;
+        let attn_span = crate::profile::span(crate::profile::Phase::Attn);
+        let y = crate::modules::project_out(&o, &a, d, ntok, th);
+        attn_span.end();
         self.weights.end_phase(l);
         trace_put(trace, "attn_out", &y);
         // (6) accumulate.
@@ -752,7 +770,7 @@ enum Attn<'a> {
 }
 
 enum FfnIn<'a> {
-    /// A dense FFN's gate and up (its down-projection is phase 2).
+    /// A dense FFN's gate and up (its down-projection is phase 3).
     Dense {
         gate: Mat<'a>,
         up: Mat<'a>,

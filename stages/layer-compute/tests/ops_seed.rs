@@ -218,7 +218,6 @@ fn kda_module() {
             f_b: st.get("f_b"),
             b: st.get("b_proj"),
             g: st.get("g_proj"),
-            o: st.get("o_proj"),
             a_log: arr(&v, "A_log"),
             dt_bias: arr(&v, "dt_bias"),
             o_norm: arr(&v, "o_norm"),
@@ -233,6 +232,7 @@ fn kda_module() {
         let mut state = KdaState::new(&d);
         let y = kda_forward(
             &w,
+            &st.get("o_proj"),
             &d,
             &SEED_EPS,
             &arr(&v, "in"),
@@ -350,8 +350,8 @@ fn mla_module() {
         kv_a_norm: arr(&v, "kv_a_layernorm_weight"),
         kv_b: st.get("kv_b_proj_weight"),
         g: Some(st.get("g_proj_weight")),
-        o: st.get("o_proj_weight"),
     };
+    let o = st.get("o_proj_weight");
     let d = MlaDims {
         hidden: 128,
         heads: 4,
@@ -367,6 +367,7 @@ fn mla_module() {
     let mut cache = MlaCache::default();
     let mut y = mla_forward(
         &w,
+        &o,
         &d,
         &SEED_EPS,
         &x[..4 * 128],
@@ -378,6 +379,7 @@ fn mla_module() {
     for t in 4..6 {
         y.extend(mla_forward(
             &w,
+            &o,
             &d,
             &SEED_EPS,
             &x[t * 128..(t + 1) * 128],

@@ -1,9 +1,13 @@
 //! Kimi Delta Attention (k3-spec §4.3): the module over a token batch and its weight binding.
+//!
+//! The module is two use phases (`k3_model::trunk::use_phase`): [`kda_attend`] with
+//! [`KdaWeights`] (everything up to the gated, normed per-head output), then the output
+//! projection `o_proj` ([`project_out`]), bound after the first phase is given back.
 
 use k3_model::classify::layer_tensor;
 use k3_model::tensor::WeightError;
 
-use super::trace_put;
+use super::{project_out, trace_put};
 use super::{Eps, Trace};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
@@ -28,7 +32,7 @@ impl KdaDims {
     }
 }
 
-/// Weights of one KDA module.
+/// Weights of one KDA module up to its output projection (use phase 0; `o_proj` is phase 1).
 pub struct KdaWeights<'a> {
     pub q: Mat<'a>,
     pub k: Mat<'a>,
@@ -41,7 +45,6 @@ pub struct KdaWeights<'a> {
     pub f_b: Mat<'a>,
     pub b: Mat<'a>,
     pub g: Mat<'a>,
-    pub o: Mat<'a>,
     /// At least `heads` entries; only the first `heads` are read.
     pub a_log: Vec<f32>,
     pub dt_bias: Vec<f32>,
@@ -71,9 +74,28 @@ impl KdaState {
     }
 }
 
-/// KDA over `ntok` consecutive tokens `u` (`ntok × hidden`, post input_layernorm).
+/// KDA over `ntok` consecutive tokens `u` (`ntok × hidden`, post input_layernorm), the
+/// output projection `o` included: [`kda_attend`] then [`project_out`].
 #[allow(clippy::too_many_arguments)]
 pub fn kda_forward(
+    w: &KdaWeights<'_>,
+    o: &Mat<'_>,
+    d: &KdaDims,
+    eps: &Eps,
+    u: &[f32],
+    ntok: usize,
+    st: &mut KdaState,
+    threads: usize,
+    trace: &mut Option<&mut Trace>,
+) -> Vec<f32> {
+    let a = kda_attend(w, d, eps, u, ntok, st, threads, trace);
+    project_out(o, &a, d.hidden, ntok, threads)
+}
+
+/// KDA over `ntok` tokens up to its output projection: the gated, normed per-head output
+/// (`ntok × width`) that `o_proj` maps back to the hidden size.
+#[allow(clippy::too_many_arguments)]
+pub fn kda_attend(
     w: &KdaWeights<'_>,
     d: &KdaDims,
     eps: &Eps,
@@ -147,9 +169,7 @@ pub fn kda_forward(
         kda::output_norm_gate(&mut o[r.clone()], &gate[r], &w.o_norm, h, eps.rms);
     }
     trace_put(trace, "kda_state", &st.s);
-    let mut y = vec![0f32; ntok * d.hidden];
-    gemm(&w.o, &o, &mut y, ntok, threads);
-    y
+    o
 }
 
 impl<W: Weights> Model<W> {
@@ -179,6 +199,16 @@ impl<W: Weights> Model<W> {
         }
         Ok(to_f32_vec(name, &t)?)
     }
+    /// Layer `l`'s KDA output projection (use phase 1).
+    pub(crate) fn kda_out(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
+        let d = self.kda_dims();
+        self.mat(
+            &layer_tensor(l, "self_attn.o_proj.weight"),
+            d.hidden,
+            d.width(),
+        )
+    }
+    /// Layer `l`'s KDA weights of use phase 0 (up to the output projection).
     pub(crate) fn kda_weights(&self, l: usize) -> Result<KdaWeights<'_>, ForwardError> {
         let d = self.kda_dims();
         let (h, p, dk, hid) = (d.heads, d.width(), d.head_dim, d.hidden);
@@ -212,7 +242,6 @@ impl<W: Weights> Model<W> {
             f_b: self.mat(&n("f_b_proj.weight"), p, frank)?,
             b: self.mat(&n("b_proj.weight"), h, hid)?,
             g: self.mat(&n("g_proj.weight"), p, hid)?,
-            o: self.mat(&n("o_proj.weight"), hid, p)?,
             a_log,
             dt_bias: self.vector(&n("dt_bias"), p)?,
             o_norm: self.vector(&n("o_norm.weight"), dk)?,

@@ -1,8 +1,11 @@
 //! NoPE multi-head latent attention (k3-spec §4.4): the module and its weight binding.
+//!
+//! Two use phases (`k3_model::trunk::use_phase`), as in KDA: [`mla_attend`] with
+//! [`MlaWeights`], then the output projection `o_proj` ([`project_out`]).
 
 use k3_model::classify::layer_tensor;
 
-use super::trace_put;
+use super::{project_out, trace_put};
 use super::{Eps, Trace};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
@@ -22,7 +25,7 @@ pub struct MlaDims {
     pub v: usize,
 }
 
-/// Weights of one MLA module.
+/// Weights of one MLA module up to its output projection (use phase 0; `o_proj` is phase 1).
 pub struct MlaWeights<'a> {
     pub q_a: Mat<'a>,
     pub q_a_norm: Vec<f32>,
@@ -32,7 +35,6 @@ pub struct MlaWeights<'a> {
     pub kv_b: Mat<'a>,
     /// The output gate (`g_proj`); `None` when `mla_use_output_gate` is false.
     pub g: Option<Mat<'a>>,
-    pub o: Mat<'a>,
 }
 
 /// Per-position cache of one MLA layer: the spec's `c̄` (after kv_a_layernorm) and `k_r`,
@@ -58,9 +60,28 @@ impl MlaCache {
     }
 }
 
-/// MLA over `ntok` tokens following the cached ones.
+/// MLA over `ntok` tokens following the cached ones, the output projection `o` included:
+/// [`mla_attend`] then [`project_out`].
 #[allow(clippy::too_many_arguments)]
 pub fn mla_forward(
+    w: &MlaWeights<'_>,
+    o: &Mat<'_>,
+    d: &MlaDims,
+    eps: &Eps,
+    u: &[f32],
+    ntok: usize,
+    cache: &mut MlaCache,
+    threads: usize,
+    trace: &mut Option<&mut Trace>,
+) -> Vec<f32> {
+    let a = mla_attend(w, d, eps, u, ntok, cache, threads, trace);
+    project_out(o, &a, d.hidden, ntok, threads)
+}
+
+/// MLA over `ntok` tokens up to its output projection: the (gated) per-head values
+/// (`ntok × heads·v`) that `o_proj` maps back to the hidden size.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_attend(
     w: &MlaWeights<'_>,
     d: &MlaDims,
     eps: &Eps,
@@ -160,9 +181,7 @@ pub fn mla_forward(
             *x *= sigmoid(*gv);
         }
     }
-    let mut y = vec![0f32; ntok * d.hidden];
-    gemm(&w.o, &o, &mut y, ntok, threads);
-    y
+    o
 }
 
 impl<W: Weights> Model<W> {
@@ -178,6 +197,16 @@ impl<W: Weights> Model<W> {
             v: c.v_head_dim,
         }
     }
+    /// Layer `l`'s MLA output projection (use phase 1).
+    pub(crate) fn mla_out(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
+        let d = self.mla_dims();
+        self.mat(
+            &layer_tensor(l, "self_attn.o_proj.weight"),
+            d.hidden,
+            d.heads * d.v,
+        )
+    }
+    /// Layer `l`'s MLA weights of use phase 0 (up to the output projection).
     pub(crate) fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, ForwardError> {
         let d = self.mla_dims();
         let n = |s: &str| layer_tensor(l, &format!("self_attn.{s}"));
@@ -198,7 +227,6 @@ impl<W: Weights> Model<W> {
             } else {
                 None
             },
-            o: self.mat(&n("o_proj.weight"), d.hidden, d.heads * d.v)?,
         })
     }
 }

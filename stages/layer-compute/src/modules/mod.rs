@@ -59,6 +59,15 @@ impl Eps {
     }
 }
 
+/// An attention module's output projection (`o_proj`, `[hidden, width]`) of `ntok` rows of
+/// `a` (`ntok × width`): its own use phase (`k3_model::trunk::use_phase`), bound after the
+/// module's inputs are given back.
+pub fn project_out(o: &Mat<'_>, a: &[f32], hidden: usize, ntok: usize, threads: usize) -> Vec<f32> {
+    let mut y = vec![0f32; ntok * hidden];
+    crate::kernels::gemv::gemm(o, a, &mut y, ntok, threads);
+    y
+}
+
 /// A weight matrix from a tensor, checked against the expected logical shape.
 pub fn mat_from<'a>(
     name: &str,
