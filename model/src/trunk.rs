@@ -749,13 +749,13 @@ impl TensorCrcs {
 /// `input_layernorm`, every `self_attn.*` but `o_proj`), 1 the attention's output
 /// projection (`self_attn.o_proj.*`, used last, so the larger phase 0 is given back before
 /// it is read), 2 the FFN's input side (the pre-MLP mix, `post_attention_layernorm`, a dense
-/// FFN's gate and up, a latent MoE's router, latent down-projection and shared experts), 3
-/// what the FFN uses last (a dense FFN's down-projection; a latent MoE's
-/// `routed_expert_norm` and `routed_expert_up_proj`, used after the routed experts, so the
-/// much larger phase 2 is given back while they are computed), 4 anything else (never asked
-/// for; read and let go). The forward binds and releases the tensors of one phase
-/// together, so a trunk streamed in parts ([`TrunkManifest::layer_parts`]) never needs more
-/// than one phase of a layer in memory at once.
+/// FFN's gate, a latent MoE's router, latent down-projection and shared experts), 3 a dense
+/// FFN's up-projection, 4 what the FFN uses last (a dense FFN's down-projection; a latent
+/// MoE's `routed_expert_norm` and `routed_expert_up_proj`, used after the routed experts,
+/// so the much larger phase 2 is given back while they are computed), 5 anything else
+/// (never asked for; read and let go). The forward binds and releases the tensors of one
+/// phase together, so a trunk streamed in parts ([`TrunkManifest::layer_parts`]) never
+/// needs more than one phase of a layer in memory at once.
 pub fn use_phase(suffix: &str) -> u8 {
     if suffix.starts_with("self_attn.o_proj.") {
         1
@@ -764,20 +764,21 @@ pub fn use_phase(suffix: &str) -> u8 {
         || suffix == "input_layernorm.weight"
     {
         0
+    } else if suffix.starts_with("mlp.up_proj.") {
+        3
     } else if suffix.starts_with("mlp.down_proj.")
         || suffix.starts_with("block_sparse_moe.routed_expert_up_proj.")
         || suffix.starts_with("block_sparse_moe.routed_expert_norm.")
     {
-        3
+        4
     } else if suffix.starts_with("mlp_res_")
         || suffix == "post_attention_layernorm.weight"
         || suffix.starts_with("block_sparse_moe.")
         || suffix.starts_with("mlp.gate_proj.")
-        || suffix.starts_with("mlp.up_proj.")
     {
         2
     } else {
-        4
+        5
     }
 }
 
@@ -814,7 +815,7 @@ impl TrunkPart {
 /// The parts of one layer's run (see [`TrunkManifest::layer_parts`]).
 pub fn layer_parts_of(l: &TrunkLayer) -> Vec<TrunkPart> {
     let mut out = Vec::new();
-    for phase in 0..=4u8 {
+    for phase in 0..=5u8 {
         let mut idx: Vec<usize> = (0..l.tensors.len())
             .filter(|&i| {
                 let n = &l.tensors[i].name;
@@ -1056,10 +1057,10 @@ mod tests {
     // Catches: a latent MoE bound as one phase (its router and shared experts then stay
     // held, in a streamed trunk's only ring slot, while the routed experts are computed),
     // a tail tensor (used after the routed experts) put in the head's phase, and the
-    // attention's output projection bound with its inputs (the ring slot must then hold
-    // the whole attention).
+    // attention's output projection or a dense FFN's up-projection bound with the
+    // products before them (the ring slot must then hold both).
     #[test]
-    fn the_use_phases_split_attention_and_a_latent_moe() {
+    fn the_use_phases_split_attention_the_ffn_and_a_latent_moe() {
         for (s, want) in [
             ("input_layernorm.weight", 0),
             ("self_attention_res_proj.weight", 0),
@@ -1073,10 +1074,11 @@ mod tests {
             ("block_sparse_moe.routed_expert_down_proj.weight", 2),
             ("block_sparse_moe.shared_experts.down_proj.weight", 2),
             ("mlp.gate_proj.weight", 2),
-            ("block_sparse_moe.routed_expert_up_proj.weight", 3),
-            ("block_sparse_moe.routed_expert_norm.weight", 3),
-            ("mlp.down_proj.weight", 3),
-            ("something_else.weight", 4),
+            ("mlp.up_proj.weight", 3),
+            ("block_sparse_moe.routed_expert_up_proj.weight", 4),
+            ("block_sparse_moe.routed_expert_norm.weight", 4),
+            ("mlp.down_proj.weight", 4),
+            ("something_else.weight", 5),
         ] {
             assert_eq!(use_phase(s), want, "{s}");
         }

@@ -16,7 +16,7 @@
 use k3_model::config::{LayerKind, ModelConfig};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
-use crate::kernels::gemv::{gemm, gemm_fused, Mat};
+use crate::kernels::gemv::{gemm, Mat};
 use crate::kernels::norm;
 use crate::modules::attnres::attnres_mix_rows;
 use crate::modules::kda::{kda_attend, KdaState, KdaWeights};
@@ -306,6 +306,8 @@ impl<W: Weights> Model<W> {
         let dense = matches!(self.bind_ffn_in(l)?.ffn, FfnIn::Dense { .. });
         self.weights.end_phase(l);
         if dense {
+            self.dense_up(l)?;
+            self.weights.end_phase(l);
             self.dense_down(l)?;
         } else {
             self.moe_tail(l)?;
@@ -390,8 +392,8 @@ impl<W: Weights> Model<W> {
     }
 
     /// The tensors of phase 2: the pre-MLP mix, `post_attention_layernorm`, and a dense
-    /// FFN's gate and up or the latent MoE's head (its tail, used after the routed experts,
-    /// is phase 3).
+    /// FFN's gate (its up-projection is phase 3, its down-projection phase 4) or the latent
+    /// MoE's head (its tail, used after the routed experts, is phase 4).
     fn bind_ffn_in(&self, l: usize) -> Result<FfnW<'_>, ForwardError> {
         let d = self.cfg.hidden_size;
         let ffn = if self.cfg.is_moe(l) {
@@ -400,7 +402,6 @@ impl<W: Weights> Model<W> {
             let f = self.cfg.intermediate_size;
             FfnIn::Dense {
                 gate: self.mat(&lname(l, "mlp.gate_proj.weight"), f, d)?,
-                up: self.mat(&lname(l, "mlp.up_proj.weight"), f, d)?,
             }
         };
         Ok(FfnW {
@@ -413,7 +414,13 @@ impl<W: Weights> Model<W> {
         })
     }
 
-    /// Phase 3: a dense FFN's down-projection.
+    /// Phase 3: a dense FFN's up-projection.
+    fn dense_up(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
+        let (d, f) = (self.cfg.hidden_size, self.cfg.intermediate_size);
+        self.mat(&lname(l, "mlp.up_proj.weight"), f, d)
+    }
+
+    /// Phase 4: a dense FFN's down-projection.
     fn dense_down(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
         let (d, f) = (self.cfg.hidden_size, self.cfg.intermediate_size);
         self.mat(&lname(l, "mlp.down_proj.weight"), d, f)
@@ -699,17 +706,23 @@ impl<W: Weights> Model<W> {
         }
         // (9) FFN.
         let z = match &w.ffn {
-            FfnIn::Dense { gate, up } => {
+            FfnIn::Dense { gate } => {
                 let dense = crate::profile::span(crate::profile::Phase::Dense);
-                // glu_mlp's products in its order (gate and up fused, then the down
-                // projection of the SiTU), with gate and up released before down is bound.
+                // glu_mlp's products (gate, up, then the down projection of the SiTU), each
+                // its own phase, given back before the next is bound: each product is
+                // bit-identical to the fused gate/up (`gemm_fused`'s contract).
                 let f = gate.rows;
                 let mut g = vec![0f32; ntok * f];
                 let mut u = vec![0f32; ntok * f];
-                gemm_fused(&[gate, up], &v, &mut [&mut g, &mut u], ntok, th);
-                // `gate` and `up` are not read again from here on.
+                gemm(gate, &v, &mut g, ntok, th);
+                // `gate` (with the mix and the norm) is not read again from here on.
                 self.weights.end_phase(l);
-                // Binding `down` may wait for the trunk (its own profile phase).
+                // Binding `up` or `down` may wait for the trunk (its own profile phase).
+                dense.end();
+                let up = self.dense_up(l)?;
+                let dense = crate::profile::span(crate::profile::Phase::Dense);
+                gemm(&up, &v, &mut u, ntok, th);
+                self.weights.end_phase(l);
                 dense.end();
                 let down = self.dense_down(l)?;
                 let _dense = crate::profile::span(crate::profile::Phase::Dense);
@@ -770,10 +783,9 @@ enum Attn<'a> {
 }
 
 enum FfnIn<'a> {
-    /// A dense FFN's gate and up (its down-projection is phase 3).
+    /// A dense FFN's gate (its up- and down-projections are phases 3 and 4).
     Dense {
         gate: Mat<'a>,
-        up: Mat<'a>,
     },
     Moe(MoeHead<'a>),
 }

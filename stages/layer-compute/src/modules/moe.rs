@@ -29,7 +29,7 @@ pub struct MoeParams {
 }
 
 /// Trunk weights of one latent-MoE block: the part used before the routed experts (use
-/// phase 2) and the part used after them (phase 3, `k3_model::trunk::use_phase`).
+/// phase 2) and the part used after them (phase 4, `k3_model::trunk::use_phase`).
 pub struct MoeWeights<'a> {
     pub head: MoeHead<'a>,
     pub tail: MoeTail<'a>,
@@ -314,7 +314,7 @@ impl<W: Weights> Model<W> {
         })
     }
 
-    /// Layer `l`'s MoE weights of use phase 3 (after the routed experts).
+    /// Layer `l`'s MoE weights of use phase 4 (after the routed experts).
     pub(crate) fn moe_tail(&self, l: usize) -> Result<MoeTail<'_>, ForwardError> {
         let c = &self.cfg;
         let (d, lat) = (c.hidden_size, c.routed_expert_hidden_size);
