@@ -16,7 +16,7 @@
 use k3_model::config::{LayerKind, ModelConfig};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
-use crate::kernels::gemv::{gemm, Mat};
+use crate::kernels::gemv::{gemm, gemm_fused, Mat};
 use crate::kernels::norm;
 use crate::modules::attnres::attnres_mix_rows;
 use crate::modules::kda::{kda_attend, KdaState, KdaWeights};
@@ -708,22 +708,30 @@ impl<W: Weights> Model<W> {
         let z = match &w.ffn {
             FfnIn::Dense { gate } => {
                 let dense = crate::profile::span(crate::profile::Phase::Dense);
-                // glu_mlp's products (gate, up, then the down projection of the SiTU), each
-                // its own phase, given back before the next is bound: each product is
-                // bit-identical to the fused gate/up (`gemm_fused`'s contract).
+                // glu_mlp's products: gate and up, then the down projection of the SiTU.
+                // Gate and up are fused (one pass over `v`) when the layer is bound whole;
+                // a trunk in parts gives each phase back before the next is bound. Either
+                // way each product is bit-identical (`gemm_fused`'s contract).
                 let f = gate.rows;
                 let mut g = vec![0f32; ntok * f];
                 let mut u = vec![0f32; ntok * f];
-                gemm(gate, &v, &mut g, ntok, th);
-                // `gate` (with the mix and the norm) is not read again from here on.
-                self.weights.end_phase(l);
-                // Binding `up` or `down` may wait for the trunk (its own profile phase).
-                dense.end();
-                let up = self.dense_up(l)?;
-                let dense = crate::profile::span(crate::profile::Phase::Dense);
-                gemm(&up, &v, &mut u, ntok, th);
-                self.weights.end_phase(l);
-                dense.end();
+                if self.weights.in_parts(l) {
+                    gemm(gate, &v, &mut g, ntok, th);
+                    // `gate` (with the mix and the norm) is not read again from here on.
+                    self.weights.end_phase(l);
+                    // Binding `up` or `down` may wait for the trunk (its own profile phase).
+                    dense.end();
+                    let up = self.dense_up(l)?;
+                    let _dense = crate::profile::span(crate::profile::Phase::Dense);
+                    gemm(&up, &v, &mut u, ntok, th);
+                    self.weights.end_phase(l);
+                } else {
+                    let up = self.dense_up(l)?;
+                    gemm_fused(&[gate, &up], &v, &mut [&mut g, &mut u], ntok, th);
+                    self.weights.end_phase(l);
+                    self.weights.end_phase(l);
+                    dense.end();
+                }
                 let down = self.dense_down(l)?;
                 let _dense = crate::profile::span(crate::profile::Phase::Dense);
                 glu_down64(&g, &u, &down, self.situ(), ntok, th)

@@ -511,6 +511,10 @@ impl Weights for StagedWeights {
         }
     }
 
+    fn in_parts(&self, _layer: usize) -> bool {
+        self.parts.get().is_some()
+    }
+
     fn end_layer(&self, layer: usize) {
         let pass = self.pass.get();
         if self.parts.get().is_some() {

@@ -61,6 +61,14 @@ pub trait Weights {
     /// (`k3_model::trunk::use_phase`) and calls this between phases.
     fn end_phase(&self, _layer: usize) {}
 
+    /// Whether layer `layer`'s trunk tensors come in use-phase parts (asked between its
+    /// `begin_layer` and `end_layer`): then a phase must be given back before the next is
+    /// bound. False (the default): the whole layer can be bound at once, so the forward may
+    /// fuse products of two phases that read the same input (a dense FFN's gate and up).
+    fn in_parts(&self, _layer: usize) -> bool {
+        false
+    }
+
     /// Rows `rows` of the model-level matrix `name` (the token embedding), read on demand,
     /// as (dtype, the rows' bytes back to back). `None`: no on-demand path; the forward
     /// slices `tensor(name)` instead. An implementation that reads here never needs the
@@ -115,6 +123,9 @@ impl<W: Weights + ?Sized> Weights for &W {
     }
     fn end_phase(&self, layer: usize) {
         (**self).end_phase(layer)
+    }
+    fn in_parts(&self, layer: usize) -> bool {
+        (**self).in_parts(layer)
     }
     fn model_rows(
         &self,
