@@ -11,12 +11,13 @@ mod support;
 
 use k3_layer_compute::kernels::gemv::{gemv, Mat};
 use k3_layer_compute::kernels::{act, attnres, conv, kda, mxfp4, norm, router};
-use k3_layer_compute::modules::kda::{kda_forward, KdaDims, KdaState, KdaWeights};
-use k3_layer_compute::modules::mla::{mla_forward, MlaCache, MlaDims, MlaWeights};
+use k3_layer_compute::modules::kda::{kda_attend, KdaDims, KdaState, KdaWeights};
+use k3_layer_compute::modules::mla::{mla_attend, MlaCache, MlaDims, MlaWeights};
 use k3_layer_compute::modules::mlp::Situ;
 use k3_layer_compute::modules::moe::{
     moe_forward, MoeHead, MoeParams, MoeStats, MoeTail, MoeWeights,
 };
+use k3_layer_compute::modules::project_out;
 use k3_layer_compute::modules::Eps;
 use k3_layer_compute::weights::{ExpertRef, ExpertTensor};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
@@ -230,9 +231,8 @@ fn kda_module() {
             lower_bound: -5.0,
         };
         let mut state = KdaState::new(&d);
-        let y = kda_forward(
+        let a = kda_attend(
             &w,
-            &st.get("o_proj"),
             &d,
             &SEED_EPS,
             &arr(&v, "in"),
@@ -241,6 +241,7 @@ fn kda_module() {
             1,
             &mut None,
         );
+        let y = project_out(&st.get("o_proj"), &a, d.hidden, t_n, 1);
         close(&format!("{name} out"), &y, &arr(&v, "out"));
         close(&format!("{name} state"), &state.s, &arr(&v, "state_out"));
     }
@@ -365,9 +366,8 @@ fn mla_module() {
     let x = arr(&v, "in");
     // Prefill 4 tokens, then decode 2 one by one: the cache must carry the earlier ones.
     let mut cache = MlaCache::default();
-    let mut y = mla_forward(
+    let a = mla_attend(
         &w,
-        &o,
         &d,
         &SEED_EPS,
         &x[..4 * 128],
@@ -376,10 +376,10 @@ fn mla_module() {
         1,
         &mut None,
     );
+    let mut y = project_out(&o, &a, d.hidden, 4, 1);
     for t in 4..6 {
-        y.extend(mla_forward(
+        let a = mla_attend(
             &w,
-            &o,
             &d,
             &SEED_EPS,
             &x[t * 128..(t + 1) * 128],
@@ -387,7 +387,8 @@ fn mla_module() {
             &mut cache,
             1,
             &mut None,
-        ));
+        );
+        y.extend(project_out(&o, &a, d.hidden, 1, 1));
     }
     close("mla out", &y, &arr(&v, "out"));
     close("mla kv_latent", &cache.latent, &arr(&v, "kv_latent"));

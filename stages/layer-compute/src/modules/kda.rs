@@ -2,12 +2,13 @@
 //!
 //! The module is two use phases (`k3_model::trunk::use_phase`): [`kda_attend`] with
 //! [`KdaWeights`] (everything up to the gated, normed per-head output), then the output
-//! projection `o_proj` ([`project_out`]), bound after the first phase is given back.
+//! projection `o_proj` ([`project_out`](super::project_out)), bound after the first phase
+//! is given back.
 
 use k3_model::classify::layer_tensor;
 use k3_model::tensor::WeightError;
 
-use super::{project_out, trace_put};
+use super::trace_put;
 use super::{Eps, Trace};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
@@ -74,26 +75,9 @@ impl KdaState {
     }
 }
 
-/// KDA over `ntok` consecutive tokens `u` (`ntok × hidden`, post input_layernorm), the
-/// output projection `o` included: [`kda_attend`] then [`project_out`].
-#[allow(clippy::too_many_arguments)]
-pub fn kda_forward(
-    w: &KdaWeights<'_>,
-    o: &Mat<'_>,
-    d: &KdaDims,
-    eps: &Eps,
-    u: &[f32],
-    ntok: usize,
-    st: &mut KdaState,
-    threads: usize,
-    trace: &mut Option<&mut Trace>,
-) -> Vec<f32> {
-    let a = kda_attend(w, d, eps, u, ntok, st, threads, trace);
-    project_out(o, &a, d.hidden, ntok, threads)
-}
-
-/// KDA over `ntok` tokens up to its output projection: the gated, normed per-head output
-/// (`ntok × width`) that `o_proj` maps back to the hidden size.
+/// KDA over `ntok` consecutive tokens `u` (`ntok × hidden`, post input_layernorm) up to its
+/// output projection: the gated, normed per-head output (`ntok × width`) that `o_proj`
+/// ([`project_out`](super::project_out)) maps back to the hidden size.
 #[allow(clippy::too_many_arguments)]
 pub fn kda_attend(
     w: &KdaWeights<'_>,

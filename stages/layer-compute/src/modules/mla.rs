@@ -1,11 +1,12 @@
 //! NoPE multi-head latent attention (k3-spec §4.4): the module and its weight binding.
 //!
 //! Two use phases (`k3_model::trunk::use_phase`), as in KDA: [`mla_attend`] with
-//! [`MlaWeights`], then the output projection `o_proj` ([`project_out`]).
+//! [`MlaWeights`], then the output projection `o_proj`
+//! ([`project_out`](super::project_out)).
 
 use k3_model::classify::layer_tensor;
 
-use super::{project_out, trace_put};
+use super::trace_put;
 use super::{Eps, Trace};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
@@ -60,26 +61,9 @@ impl MlaCache {
     }
 }
 
-/// MLA over `ntok` tokens following the cached ones, the output projection `o` included:
-/// [`mla_attend`] then [`project_out`].
-#[allow(clippy::too_many_arguments)]
-pub fn mla_forward(
-    w: &MlaWeights<'_>,
-    o: &Mat<'_>,
-    d: &MlaDims,
-    eps: &Eps,
-    u: &[f32],
-    ntok: usize,
-    cache: &mut MlaCache,
-    threads: usize,
-    trace: &mut Option<&mut Trace>,
-) -> Vec<f32> {
-    let a = mla_attend(w, d, eps, u, ntok, cache, threads, trace);
-    project_out(o, &a, d.hidden, ntok, threads)
-}
-
-/// MLA over `ntok` tokens up to its output projection: the (gated) per-head values
-/// (`ntok × heads·v`) that `o_proj` maps back to the hidden size.
+/// MLA over `ntok` tokens following the cached ones, up to its output projection: the
+/// (gated) per-head values (`ntok × heads·v`) that `o_proj`
+/// ([`project_out`](super::project_out)) maps back to the hidden size.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attend(
     w: &MlaWeights<'_>,
