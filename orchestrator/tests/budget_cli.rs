@@ -234,6 +234,16 @@ fn pack(model: &str, trunk: &Path) {
     assert!(o.status.success(), "{}", text(&o));
 }
 
+/// The ids a run's report says it generated.
+fn generated_ids(out: &Path) -> Vec<u64> {
+    json(out)["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
 /// The first `n` ids the oracle (k3ref, tests/fixtures) generates after the prompt.
 fn oracle_ids(model: &str, n: usize) -> Vec<u64> {
     let v: serde_json::Value = serde_json::from_slice(
@@ -274,12 +284,7 @@ fn smallest_budgets_give_the_oracle_ids() {
         ] {
             let o = gen(model, &trunk, &out, extra);
             assert!(o.status.success(), "{model} {extra:?}: {}", text(&o));
-            let got: Vec<u64> = json(&out)["generated_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap())
-                .collect();
+            let got: Vec<u64> = generated_ids(&out);
             assert_eq!(got, want, "{model} {extra:?}: ids differ from the oracle");
         }
     }
@@ -377,12 +382,7 @@ fn a_slot_smaller_than_a_layer_streams_parts_and_keeps_the_oracle_ids() {
             } else {
                 assert!(t.contains("layer parts pinned"), "{model}: {t}");
             }
-            let got: Vec<u64> = json(&out)["generated_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap())
-                .collect();
+            let got: Vec<u64> = generated_ids(&out);
             assert_eq!(got, want, "{model} {extra:?}: ids differ from the oracle");
         }
         // Below the largest part: refused up front, naming the shortfall.
@@ -440,14 +440,6 @@ fn a_prompt_whose_experts_do_not_fit_is_fed_in_passes() {
         let out = dir.path().join("r.json");
         let logits = dir.path().join("logits.bin");
         let want = oracle_ids(model, 4);
-        let ids_of = |out: &Path| -> Vec<u64> {
-            json(out)["generated_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap())
-                .collect()
-        };
         let dump = ["--dump-logits", logits.to_str().unwrap()];
         let o = gen(model, &trunk, &out, &dump);
         assert!(o.status.success(), "{model}: {}", text(&o));
@@ -472,7 +464,7 @@ fn a_prompt_whose_experts_do_not_fit_is_fed_in_passes() {
                 t.contains("tokens in passes:") && !t.contains("tokens: layer"),
                 "{t}"
             );
-            assert_eq!(ids_of(&out), want, "{model} chunk {chunk}");
+            assert_eq!(generated_ids(&out), want, "{model} chunk {chunk}");
             assert!(
                 std::fs::read(&logits).unwrap() == one_pass,
                 "{model} chunk {chunk}: the first step's logits differ from one pass"
@@ -498,6 +490,6 @@ fn a_prompt_whose_experts_do_not_fit_is_fed_in_passes() {
             first.0,
             first.1
         );
-        assert_eq!(ids_of(&out), want, "{model} --mem-gb {}", first.0);
+        assert_eq!(generated_ids(&out), want, "{model} --mem-gb {}", first.0);
     }
 }

@@ -383,12 +383,18 @@ impl<W: Weights> Model<W> {
         })
     }
 
-    /// Phase 1: the attention's output projection.
+    /// Phase 1: the attention's output projection, `[hidden, width]` (KDA: heads × head
+    /// dim; MLA: heads × v head dim).
     fn attn_out(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
-        match self.cfg.layer_kind(l) {
-            LayerKind::Kda => self.kda_out(l),
-            LayerKind::Mla => self.mla_out(l),
-        }
+        let width = match self.cfg.layer_kind(l) {
+            LayerKind::Kda => self.kda_dims().width(),
+            LayerKind::Mla => self.cfg.num_attention_heads * self.cfg.v_head_dim,
+        };
+        self.mat(
+            &lname(l, "self_attn.o_proj.weight"),
+            self.cfg.hidden_size,
+            width,
+        )
     }
 
     /// The tensors of phase 2: the pre-MLP mix, `post_attention_layernorm`, and a dense
@@ -728,7 +734,6 @@ impl<W: Weights> Model<W> {
                 } else {
                     let up = self.dense_up(l)?;
                     gemm_fused(&[gate, &up], &v, &mut [&mut g, &mut u], ntok, th);
-                    self.weights.end_phase(l);
                     self.weights.end_phase(l);
                     dense.end();
                 }

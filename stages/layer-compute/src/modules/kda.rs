@@ -183,15 +183,6 @@ impl<W: Weights> Model<W> {
         }
         Ok(to_f32_vec(name, &t)?)
     }
-    /// Layer `l`'s KDA output projection (use phase 1).
-    pub(crate) fn kda_out(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
-        let d = self.kda_dims();
-        self.mat(
-            &layer_tensor(l, "self_attn.o_proj.weight"),
-            d.hidden,
-            d.width(),
-        )
-    }
     /// Layer `l`'s KDA weights of use phase 0 (up to the output projection).
     pub(crate) fn kda_weights(&self, l: usize) -> Result<KdaWeights<'_>, ForwardError> {
         let d = self.kda_dims();

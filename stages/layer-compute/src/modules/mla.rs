@@ -181,15 +181,6 @@ impl<W: Weights> Model<W> {
             v: c.v_head_dim,
         }
     }
-    /// Layer `l`'s MLA output projection (use phase 1).
-    pub(crate) fn mla_out(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
-        let d = self.mla_dims();
-        self.mat(
-            &layer_tensor(l, "self_attn.o_proj.weight"),
-            d.hidden,
-            d.heads * d.v,
-        )
-    }
     /// Layer `l`'s MLA weights of use phase 0 (up to the output projection).
     pub(crate) fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, ForwardError> {
         let d = self.mla_dims();
