@@ -222,6 +222,8 @@ pub enum Msg {
     },
     /// Compute is done with these experts of `layer`: the fetcher releases their slots
     /// (until then they are never evicted, so a slot compute reads is never rewritten).
+    /// Compute sends one per expert as soon as its product is done, during the batch: a
+    /// batch larger than the arena's free slots reuses each slot once it comes back.
     ExpertsDone {
         pass: u64,
         layer: u32,

@@ -538,9 +538,11 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
     // Between requests nothing streams: the ring may read the next request's first part
     // while it waits, instead of when that request starts.
     launch.trunk.hold_wrap = false;
-    // Each request brings a prompt of any length, and a pass asks for its tokens' experts
-    // at once, each in its own arena slot: feed prompts in passes whose batch always fits
-    // the slots the plan gave the fetcher, unless they hold every expert of a layer.
+    // Each request brings a prompt of any length, which the plan (made before any request)
+    // did not size compute's scratch for: feed prompts in passes of as many tokens as the
+    // fetcher's slots hold top-k batches (at least one), unless they hold every expert of a
+    // layer. (A larger batch would still stream through the slots, each reused as compute
+    // gives it back; the bound is for the scratch.)
     let (per_layer, topk) = (
         cfg.num_experts as u64,
         cfg.num_experts_per_token.max(1) as u64,
@@ -550,8 +552,8 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
         let chunk = (slots / topk).max(1) as usize;
         launch.compute.prefill_chunk = Some(chunk);
         tracing::info!(
-            "k3-orch: prompts are fed in passes of at most {chunk} token(s): the {slots} \
-             expert slots hold one such pass's experts, not a whole prompt's"
+            "k3-orch: prompts are fed in passes of at most {chunk} token(s) ({slots} expert \
+             slots, top-{topk})"
         );
     }
     // (The plan's note on the ring's hold is a one-shot run's: see above.)

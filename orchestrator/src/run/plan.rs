@@ -143,6 +143,17 @@ impl MemoryPlan {
 
 /// The staged run's worker processes (tokenizer, trunk-loader, expert-fetcher, compute).
 pub const STAGE_PROCESSES: usize = 4;
+
+/// Expert arena slots a run keeps at least (fewer when top-k is smaller): a batch's
+/// experts stream through them, each slot reused as soon as compute is done with its
+/// expert (`ExpertFetcher::fetch_batch_io`), so the reads of the next experts overlap the
+/// products of the last ones. Six keep enough reads in flight: on the slice at `--mem-gb
+/// 5.5` (docs/measurements.md, 2026-12-02) six slots decoded as fast as sixteen while
+/// reading 0.29 GB less per token, and four waited on the expert reads (the trunk's ring
+/// reads then share the disk with fewer expert reads). Every slot beyond them is expert
+/// cache, which pays only past its knee, so a tight budget gives it to the trunk and the
+/// lm_head instead.
+pub const PIPELINE_SLOTS: u64 = 6;
 /// What one stage process holds before any plan item: its heap, stacks, page tables and the
 /// pages of the binary it touches. Measured as a stage cgroup's peak minus its plan items on
 /// the tiny model: 1.0 to 2.5 MB; 4 MiB leaves room. Negligible on a real model, but a run
@@ -296,8 +307,9 @@ pub struct Spend {
 
 /// A total budget spent to read the fewest bytes per token: the fixed part and the lm_head
 /// first (compute holds them), the trunk next (a pinned GB removes a GB of certain reads per
-/// token), the expert cache last (it pays only past its knee), keeping at least one batch
-/// of expert slots (16 when there is room). An explicit `--trunk-gb`/`--cache-gb` fixes its
+/// token), the expert cache last (it pays only past its knee), keeping at least the
+/// slots a batch streams through ([`PIPELINE_SLOTS`]; 16 when the whole trunk is pinned
+/// beside them). An explicit `--trunk-gb`/`--cache-gb` fixes its
 /// part and the other gets what is left. Returns (trunk, cache) or why it cannot fit.
 pub fn spend(
     s: &Spend,
@@ -309,7 +321,8 @@ pub fn spend(
     let left = s.total.checked_sub(held + min_cache).ok_or_else(|| {
         format!(
             "a total of {} cannot hold what every run needs: {} (state, KV, embedding rows, \
-             norms, scratch, stage processes), the lm_head {} and one batch of expert slots {}: \
+             norms, scratch, stage processes), the lm_head {} and the expert slots a batch \
+             streams through {}: \
              a shortfall of {}",
             human(s.total),
             human(s.fixed),
@@ -334,11 +347,12 @@ pub fn spend(
 }
 
 /// What the expert cache keeps of `left` (the total less the fixed part and the lm_head)
-/// when nothing fixes it: a batch, 16 slots when there is room for them beside the whole
-/// trunk or for 32.
+/// when nothing fixes it: the slots a batch streams through, 16 when there is room for
+/// them beside the whole trunk (below that a pinned trunk byte saves a byte per token, and
+/// 16 slots of a cache at its knee save almost nothing: 0% hits at 16 slots on the slice).
 fn cache_keep(s: &Spend, left: u64) -> u64 {
     let min_cache = s.min_slots.max(1) * s.expert_slot;
-    if left >= s.trunk_need + 16 * s.expert_slot || left >= 32 * s.expert_slot {
+    if left >= s.trunk_need + 16 * s.expert_slot {
         (16.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
     } else {
         min_cache
@@ -572,7 +586,7 @@ pub struct RunPlan {
     pub trunk_budget: u64,
     pub cache_budget: u64,
     pub preset: Option<String>,
-    /// Expert arena slots the fetcher must have at least (one request batch).
+    /// Expert arena slots the fetcher must have at least (what a batch streams through).
     pub min_slots: usize,
     /// Experts in the bound layers (more slots would never be used).
     pub max_slots: usize,
@@ -812,6 +826,8 @@ pub fn plan_run(
             .max(topk as u64)
     };
     let max_slots = cen.n_experts.max(topk as u64);
+    // The fewest slots: a batch of any size streams through them (see PIPELINE_SLOTS).
+    let min_slots = (topk as u64).clamp(1, PIPELINE_SLOTS);
     // Every prompt position and every generated one is cached. For a text prompt the token
     // count is not known before the tokenizer runs; `prompt_bound` (one token per byte at
     // most, plus the chat wrapper) is an upper bound, so a request that passes here fits.
@@ -868,7 +884,7 @@ pub fn plan_run(
                         trunk_need,
                         lm_head: lm,
                         expert_slot,
-                        min_slots: batch_of(t),
+                        min_slots,
                         max_slots,
                         lm_head_row,
                     },
@@ -949,13 +965,12 @@ pub fn plan_run(
     let mut notes = Vec::new();
     if pass_tokens < max_pass_tokens {
         notes.push(format!(
-            "prompt fed in passes of at most {pass_tokens} token(s): a pass's experts take {} \
-             slots ({}); the whole {max_pass_tokens}-token {} in one pass would take {} ({}), {}",
-            batch_of(pass_tokens),
-            human(batch_of(pass_tokens) * expert_slot),
+            "prompt fed in passes of at most {pass_tokens} token(s): a pass holds {} of \
+             activations and embedding rows; the whole {max_pass_tokens}-token {} in one pass \
+             would hold {}, {}",
+            human(scratch_of(pass_tokens) + embed_rows_of(pass_tokens)),
             if a.incremental { "prompt" } else { "prefix" },
-            batch_of(max_pass_tokens),
-            human(batch_of(max_pass_tokens) * expert_slot),
+            human(scratch_of(max_pass_tokens) + embed_rows_of(max_pass_tokens)),
             if whole_fits {
                 "which fits but leaves less for the trunk and lm_head that every one of \
                  --gen's tokens reads: more read over the run"
@@ -1023,7 +1038,7 @@ pub fn plan_run(
     // Never more slots than there are experts to hold.
     let slots = (cache_budget / expert_slot)
         .min(cen.n_experts)
-        .max(batch_of(pass_tokens));
+        .max(min_slots);
     mp.add("expert cache", "expert-fetcher", slots * expert_slot);
     match lm_head_chunk_bytes {
         None => mp.add("lm_head (pinned)", "layer-compute", lm),
@@ -1238,15 +1253,17 @@ mod tests {
         }
     }
 
-    // Trunk first, then the cache (16 slots kept when there is room), and never more cache
-    // than the experts fill. Catches a split that starves the trunk for the cache.
+    // Trunk first, then the cache (16 slots kept only beside the whole trunk), and never
+    // more cache than the experts fill. Catches a split that starves the trunk for the
+    // cache (the old rule kept 16 slots whenever 32 fitted).
     #[test]
     fn a_total_feeds_the_trunk_first() {
         // Room for all: the trunk whole, the cache capped at 40 slots.
         assert_eq!(spend(&sp(10_000), None, None).unwrap(), (1_000, 400));
-        // Tight: the trunk gets all but 16 slots.
-        assert_eq!(spend(&sp(150 + 500), None, None).unwrap(), (340, 160));
-        // Tighter: all but one batch.
+        // Room for the trunk and 16 slots: both, the rest to the cache.
+        assert_eq!(spend(&sp(150 + 1_160), None, None).unwrap(), (1_000, 160));
+        // Tight: the trunk gets all but the slots a batch streams through.
+        assert_eq!(spend(&sp(150 + 500), None, None).unwrap(), (480, 20));
         assert_eq!(spend(&sp(150 + 200), None, None).unwrap(), (180, 20));
         // Overrides fix their part; the other gets the rest.
         assert_eq!(spend(&sp(650), None, Some(100)).unwrap(), (400, 100));
@@ -1358,14 +1375,27 @@ mod tests {
     fn what_the_trunk_leaves_holds_lm_head_rows_before_the_cache() {
         let runs = four_layers(0, 100).0;
         let s = |total| four_layers(total, 100).1;
-        // The whole trunk fits beside a streamed lm_head but not beside a pinned one: the
-        // 29 pages beyond the 16 kept slots hold 28 rows, not 29 more slots.
-        let c = choose(&s(95 * P), Some(&runs), None, None).unwrap();
+        // The whole trunk fits beside a streamed lm_head, and a pinned lm_head does not
+        // fit: the 9 pages beyond the one kept slot hold 8 rows (a page for the held
+        // window), not 9 more slots.
+        let c = choose(&s(60 * P), Some(&runs), None, None).unwrap();
         assert!(!c.head_pinned, "{c:?}");
-        assert_eq!((c.trunk, c.head_held, c.cache), (40 * P, 28 * P, 16 * P));
-        assert_eq!(c.read_per_token, 22 * P);
+        assert_eq!((c.trunk, c.head_held, c.cache), (40 * P, 8 * P, P));
+        assert_eq!(c.read_per_token, 42 * P);
         let held = held_rows_bytes(c.head_held / P, P);
-        assert!(10 * P + c.trunk + held + c.cache <= 95 * P, "{c:?}");
+        assert!(10 * P + c.trunk + held + c.cache <= 60 * P, "{c:?}");
+        // With room for the trunk and 16 slots beside a streamed lm_head, 16 are kept and
+        // the 29 pages beyond them hold 28 rows...
+        let c = choose(&s(95 * P), Some(&runs), None, Some(16 * P)).unwrap();
+        assert!(!c.head_pinned, "{c:?}");
+        assert_eq!(
+            (c.head_held, c.cache, c.read_per_token),
+            (28 * P, 16 * P, 22 * P)
+        );
+        // ...but pinning the lm_head with a 5-slot cache reads nothing, so that is chosen.
+        let c = choose(&s(95 * P), Some(&runs), None, None).unwrap();
+        assert!(c.head_pinned, "{c:?}");
+        assert_eq!((c.trunk, c.read_per_token), (40 * P, 0));
         // --cache-gb fixes the cache: only the trunk's leftover holds rows.
         let c = choose(&s(95 * P), Some(&runs), None, Some(40 * P)).unwrap();
         assert_eq!((c.trunk, c.head_held, c.cache), (45 * P, 4 * P, 40 * P));

@@ -432,7 +432,7 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
         lm_head: cen.lm_head_bytes,
         lm_head_row: cen.lm_head_bytes / (cfg.vocab_size as u64).max(1),
         expert_slot,
-        min_slots: topk.max(1),
+        min_slots: topk.clamp(1, crate::run::plan::PIPELINE_SLOTS),
         max_slots: cen.n_experts.max(topk),
     };
     let mut o = String::new();
@@ -466,9 +466,10 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
                 None => (0, "the trunk"),
             };
             o += &format!(
-                "  streaming floor: {} (one ring slot of {} for {what}, one batch of {topk} expert slots)\n",
+                "  streaming floor: {} (one ring slot of {} for {what}, {} expert slots that a layer's top-{topk} streams through)\n",
                 gb(f),
-                gb(slot)
+                gb(slot),
+                base.min_slots
             )
         }
         None => o += "  streaming floor: none (the plan refuses every total)\n",

@@ -31,7 +31,11 @@
 //! `ExpertReady`/`ExpertFailed` per expert as its reads land, in whatever order the disk
 //! finishes them (design.md: compute combines experts in top-k order, so the order is
 //! free); a run of consecutive such messages is therefore compared as a multiset, each
-//! message still byte for byte.
+//! message still byte for byte. Compute gives each expert back (`ExpertsDone`) as soon as
+//! it is done with it, and the fetcher reads those during the batch, so in a fetcher's
+//! recording they interleave with its events as timing fell: replaying the fetcher, a
+//! batch's events and those releases form one group, each release sent once the experts it
+//! names have arrived, each published buffer checked as its message arrives.
 //!
 //! Inbound frames are sent as recorded except for three rewrites that only undo the
 //! original run's environment: a link `Region`'s `peer_pid` becomes 0 (the recorded pid is
@@ -178,6 +182,14 @@ fn masked_bytes(frame: &[u8]) -> Result<(Msg, Vec<u8>), String> {
     Ok((m, b))
 }
 
+/// The experts an inbound `ExpertsDone` releases, as `(layer, ids)`.
+fn releases_of(frame: &[u8]) -> Option<(u32, Vec<u32>)> {
+    match messages::decode(frame) {
+        Ok(Msg::ExpertsDone { layer, ids, .. }) => Some((layer, ids)),
+        _ => None,
+    }
+}
+
 fn is_expert_event(frame: &[u8]) -> bool {
     matches!(
         messages::decode(frame),
@@ -263,6 +275,7 @@ pub fn replay(stage: Stage, rec: &Recording, timeout: Duration) -> Result<usize,
                 // A run of expert events (and the buffer entries between them) is a group
                 // compared as a multiset.
                 let mut end = i + 1;
+                let fetcher = stage == Stage::ExpertFetcher;
                 if channel != CONTROL && is_expert_event(frame) {
                     while let Some(e) = entries.get(end) {
                         match e {
@@ -271,12 +284,28 @@ pub fn replay(stage: Stage, rec: &Recording, timeout: Duration) -> Result<usize,
                                 frame: f,
                             } if c == channel && is_expert_event(f) => {}
                             Entry::BufferRead { .. } => {}
+                            // Compute's per-expert releases, which the fetcher read during
+                            // the batch: part of the group (see `expect_fetcher_group`).
+                            Entry::Inbound {
+                                channel: c,
+                                frame: f,
+                            } if fetcher && c == channel && releases_of(f).is_some() => {}
                             _ => break,
                         }
                         end += 1;
                     }
+                    // A trailing release belongs to whatever follows, as recorded.
+                    while end > i + 1
+                        && matches!(&entries[end - 1], Entry::Inbound { frame: f, .. } if releases_of(f).is_some())
+                    {
+                        end -= 1;
+                    }
                 }
-                compared += r.expect(entries, i, end)?;
+                compared += if fetcher && end > i + 1 {
+                    r.expect_fetcher_group(entries, i, end)?
+                } else {
+                    r.expect(entries, i, end)?
+                };
                 i = end;
             }
             Entry::BufferRead { handle, sha256, .. } => {
@@ -522,6 +551,123 @@ impl Replayer {
             }
         }
         Ok(want.len())
+    }
+
+    /// The expert-fetcher's events for one batch, with compute's releases that it read
+    /// during the batch (`start..end`): the events are compared as a multiset, each
+    /// published buffer is checked against its recorded hash as soon as its message
+    /// arrives (the stage may reuse the slot once it is released), and each release is
+    /// sent once every expert it names has arrived (a release of an expert this group does
+    /// not publish is sent at once). The recorded interleaving of releases and events is
+    /// timing; what must not change is what is published and where, whatever the timing,
+    /// which is what this checks. Returns how many messages were compared.
+    fn expect_fetcher_group(
+        &mut self,
+        entries: &[Entry],
+        start: usize,
+        end: usize,
+    ) -> Result<usize, String> {
+        struct Want {
+            entry: usize,
+            channel: String,
+            msg: Msg,
+            bytes: Vec<u8>,
+            /// The buffer it publishes and the hash recorded for it.
+            buffer: Option<(Handle, [u8; 32])>,
+        }
+        struct Release {
+            entry: usize,
+            channel: String,
+            frame: Vec<u8>,
+            layer: u32,
+            ids: Vec<u32>,
+        }
+        let mut want: Vec<Want> = Vec::new();
+        let mut releases: Vec<Release> = Vec::new();
+        for (k, e) in entries.iter().enumerate().take(end).skip(start) {
+            match e {
+                Entry::Outbound { channel, frame } => {
+                    let (msg, bytes) =
+                        masked_bytes(frame).map_err(|e| format!("entry {k} (recorded): {e}"))?;
+                    want.push(Want {
+                        entry: k,
+                        channel: channel.clone(),
+                        msg,
+                        bytes,
+                        buffer: None,
+                    });
+                }
+                Entry::BufferRead { handle, sha256, .. } => {
+                    if let Some(w) = want.last_mut() {
+                        w.buffer = Some((*handle, *sha256));
+                    }
+                }
+                Entry::Inbound { channel, frame } => {
+                    if let Some((layer, ids)) = releases_of(frame) {
+                        releases.push(Release {
+                            entry: k,
+                            channel: channel.clone(),
+                            frame: frame.clone(),
+                            layer,
+                            ids,
+                        });
+                    }
+                }
+            }
+        }
+        let expert_of = |m: &Msg| match m {
+            Msg::ExpertReady { layer, id, .. } | Msg::ExpertFailed { layer, id, .. } => {
+                Some((*layer, *id))
+            }
+            _ => None,
+        };
+        let pending: std::collections::HashSet<(u32, u32)> =
+            want.iter().filter_map(|w| expert_of(&w.msg)).collect();
+        let mut arrived: std::collections::HashSet<(u32, u32)> = Default::default();
+        let mut compared = 0usize;
+        loop {
+            // Send every release whose experts have all arrived (or are not this group's).
+            let mut k = 0;
+            while k < releases.len() {
+                let r = &releases[k];
+                let ready = r.ids.iter().all(|&id| {
+                    arrived.contains(&(r.layer, id)) || !pending.contains(&(r.layer, id))
+                });
+                if ready {
+                    let r = releases.remove(k);
+                    self.send_inbound(r.entry, &r.channel, &r.frame)?;
+                } else {
+                    k += 1;
+                }
+            }
+            let Some((k0, channel)) = want.first().map(|w| (w.entry, w.channel.clone())) else {
+                break;
+            };
+            let f = self.recv(k0, &channel)?;
+            let (gm, gb) =
+                masked_bytes(&f).map_err(|e| format!("entry {k0} (outbound on {channel}): {e}"))?;
+            let Some(p) = want.iter().position(|w| w.bytes == gb) else {
+                let left: Vec<&Msg> = want.iter().map(|w| &w.msg).collect();
+                return Err(format!(
+                    "entry {k0} (outbound on {channel}, one of a batch of expert events compared in any order): the stage sent {gm:?}, which the recording does not have here\n  recorded (not yet sent): {left:?}"
+                ));
+            };
+            let w = want.remove(p);
+            if let Some((h, sha)) = w.buffer {
+                self.check_published(w.entry, &h, &sha)?;
+            }
+            if let Some(x) = expert_of(&w.msg) {
+                arrived.insert(x);
+            }
+            compared += 1;
+        }
+        if let Some(r) = releases.first() {
+            let entry = r.entry;
+            return Err(format!(
+                "entry {entry}: a release the recording has in this batch names an expert the stage never published"
+            ));
+        }
+        Ok(compared)
     }
 
     /// A loader published `h`: its contents must hash as recorded.

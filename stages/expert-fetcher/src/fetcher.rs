@@ -13,19 +13,24 @@
 //!    they are already there). A read that fails is reported as [`Event::Failed`], counted,
 //!    its slot goes back to EMPTY, and its bytes are never published.
 //!
-//! When a batch asks for more experts than there are slots, it runs in waves: once a wave's
-//! callbacks have returned, its slots may be reused by the rest of the batch. So a one-slot
-//! arena still works (slowly), which is what the smallest budgets need.
+//! When a batch asks for more experts than it can claim slots, the rest wait in disk order
+//! and take the batch's slots in turn (hits' first, then the reads' in issue order), each
+//! as soon as its expert is done with: at once for a plain callback (its use ends when it
+//! returns), or, with [`ExpertFetcher::hold_published`], when the reader releases it, which
+//! [`BatchIo::releases`] reports during the batch. Reads keep landing while a release is
+//! awaited, so reading overlaps the reader's work and a few slots serve a whole batch
+//! (what the smallest budgets need). The slot each expert lands in follows from the
+//! request and the cache alone, never from when a read or a release arrives.
 //!
 //! A slot mirrors the file's page layout: it holds the expert's bytes starting at
 //! `offset % 4096`, so reads are page-aligned (O_DIRECT) whatever the expert's offset and size.
 //! Hence the slot size [`slot_bytes_for`]: the largest span rounded up to 4096, plus a page.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::locate::{ExpertLocation, Extent, Locate};
 use crate::trace::TraceRecorder;
@@ -35,6 +40,36 @@ use k3_io::direct::ReadAt;
 /// Slots a budget of `budget_bytes` holds (at least 0).
 pub fn slots_for_budget(budget_bytes: u64, slot_bytes: u64) -> usize {
     budget_bytes.checked_div(slot_bytes).unwrap_or(0) as usize
+}
+
+/// How often a batch waiting for a read also looks for releases (only while its next
+/// deferred expert waits for a held slot).
+const RELEASE_POLL: Duration = Duration::from_millis(1);
+
+/// Where a batch publishes, and (for a reader that holds what it is given) how it learns
+/// that the reader is done with an expert.
+pub trait BatchIo {
+    /// One expert is ready (or failed).
+    fn event(&mut self, ev: Event<'_>);
+    /// Whether [`releases`](Self::releases) can ever return something.
+    fn takes_releases(&self) -> bool {
+        false
+    }
+    /// Experts the reader released since the last call, as `(layer, ids)`: waiting at most
+    /// `wait` for the first (`None`: until one comes). An error ends the wait for good
+    /// (the reader is gone); the batch then fails what it could not read.
+    fn releases(&mut self, _wait: Option<Duration>) -> Result<Vec<(u32, Vec<u32>)>, String> {
+        Ok(Vec::new())
+    }
+}
+
+/// A plain callback: publishes, never releases.
+struct Callback<F>(F);
+
+impl<F: FnMut(Event<'_>)> BatchIo for Callback<F> {
+    fn event(&mut self, ev: Event<'_>) {
+        (self.0)(ev)
+    }
 }
 
 /// How the fetcher is built.
@@ -198,7 +233,7 @@ struct Slot {
     state: SlotState,
     key: (u32, u32),
     pinned: bool,
-    /// Claimed by the wave in progress (never a victim).
+    /// Claimed by the batch in progress (never an LRU victim).
     in_batch: bool,
     /// Published and not yet released by its reader (never a victim; see
     /// [`ExpertFetcher::hold_published`]).
@@ -358,7 +393,9 @@ pub struct BatchSummary {
     pub hits: usize,
     pub reads: usize,
     pub failed: usize,
-    pub waves: usize,
+    /// Reads that went into a slot this batch had already used (the batch asked for more
+    /// experts than it could claim slots).
+    pub recycled: usize,
 }
 
 /// The expert cache. See the module documentation.
@@ -367,7 +404,7 @@ pub struct ExpertFetcher {
     slot_bytes: u64,
     slots: Vec<Slot>,
     index: HashMap<(u32, u32), usize>,
-    /// Resident, unpinned, not in the wave: (stamp, slot), oldest first.
+    /// Resident, unpinned, unheld, not in the batch: (stamp, slot), oldest first.
     lru: BTreeSet<(u64, usize)>,
     /// EMPTY slots.
     free: Vec<usize>,
@@ -381,6 +418,11 @@ pub struct ExpertFetcher {
     recorder: Option<TraceRecorder>,
     /// Published slots stay held until released (see [`ExpertFetcher::hold_published`]).
     hold: bool,
+    /// The batch in progress (its layer and distinct ids), for releases that arrive before
+    /// their expert is published, which are kept in `early`.
+    batch_layer: Option<u32>,
+    batch_ids: HashSet<u32>,
+    early: HashSet<(u32, u32)>,
 }
 
 /// The fetcher could not be built.
@@ -462,6 +504,9 @@ impl ExpertFetcher {
             total_stats: FetchStats::default(),
             recorder: None,
             hold: false,
+            batch_layer: None,
+            batch_ids: HashSet::new(),
+            early: HashSet::new(),
         })
     }
 
@@ -552,21 +597,9 @@ impl ExpertFetcher {
     /// The reader is done with these experts of `layer`: their slots may be evicted again.
     /// Returns how many were held.
     pub fn release(&mut self, layer: u32, ids: &[u32]) -> usize {
-        let mut n = 0;
-        for &id in ids {
-            let Some(&s) = self.index.get(&(layer, id)) else {
-                continue;
-            };
-            let slot = &mut self.slots[s];
-            if slot.held {
-                slot.held = false;
-                n += 1;
-                if !slot.pinned {
-                    self.lru.insert((slot.stamp, s));
-                }
-            }
-        }
-        n
+        ids.iter()
+            .filter(|&&id| self.release_one(layer, id))
+            .count()
     }
 
     /// Slots published and not yet released.
@@ -626,8 +659,9 @@ impl ExpertFetcher {
     fn arrival(&self, s: usize, hit: bool) -> Arrival<'_> {
         let slot = &self.slots[s];
         let arena_offset = s as u64 * self.slot_bytes + slot.data_off;
-        // SAFETY: the slot is resident and claimed by the wave in progress, so no reader
-        // thread writes it and it is not a victim until the wave ends; `&self` borrows the
+        // SAFETY: the slot is resident and claimed by the batch in progress, so no reader
+        // thread writes it, and the batch reuses it only after the callback that sees this
+        // arrival has returned (and, holding, after its release); `&self` borrows the
         // arena for the lifetime of the slice; the range lies inside the slot.
         let data = unsafe {
             std::slice::from_raw_parts(
@@ -648,22 +682,119 @@ impl ExpertFetcher {
 
     /// Fetch the experts of one router decision; `on_event` sees each distinct expert once,
     /// as it becomes available (hits first), or its failure. Duplicate ids are served once.
+    /// With [`hold_published`](Self::hold_published) on, releases can only come from
+    /// [`release`](Self::release) between batches (use [`fetch_batch_io`](Self::fetch_batch_io)
+    /// to take them during one).
     pub fn fetch_batch<F: FnMut(Event<'_>)>(
         &mut self,
         layer: u32,
         ids: &[u32],
-        mut on_event: F,
+        on_event: F,
+    ) -> BatchSummary {
+        self.fetch_batch_io(layer, ids, &mut Callback(on_event))
+    }
+
+    /// [`fetch_batch`](Self::fetch_batch) publishing through `io`, which with
+    /// [`hold_published`](Self::hold_published) on also says when the reader is done with a
+    /// published expert: a batch larger than the slots it could claim then reuses each slot
+    /// as soon as its expert is released.
+    pub fn fetch_batch_io(
+        &mut self,
+        layer: u32,
+        ids: &[u32],
+        io: &mut dyn BatchIo,
     ) -> BatchSummary {
         if let Some(r) = &mut self.recorder {
             r.record(layer, ids);
         }
-        self.run_batch(layer, ids, true, &mut on_event)
+        self.run_batch(layer, ids, true, io)
     }
 
     /// Read experts ahead of their request (a routing hint); nothing is published and no
     /// request is counted. A later `fetch_batch` of them is a hit "read this step".
     pub fn prefetch(&mut self, layer: u32, ids: &[u32]) -> BatchSummary {
-        self.run_batch(layer, ids, false, &mut |_| {})
+        self.run_batch(layer, ids, false, &mut Callback(|_: Event<'_>| {}))
+    }
+
+    /// A slot of the batch's rotation can take the next deferred expert: no read lands in it,
+    /// no reader holds it, it is not pinned.
+    fn reusable(&self, s: usize) -> bool {
+        let slot = &self.slots[s];
+        slot.state != SlotState::Inflight && !slot.held && !slot.pinned
+    }
+
+    /// The reader released `(layer, id)`: its slot may be reused (by the batch in progress
+    /// when it claimed it, else as an LRU entry). A release of an expert of the batch in
+    /// progress that is not published yet is kept and applied when it is (only a replayed
+    /// recording sends those). Returns whether a held slot was released.
+    fn release_one(&mut self, layer: u32, id: u32) -> bool {
+        if let Some(&s) = self.index.get(&(layer, id)) {
+            let slot = &mut self.slots[s];
+            if slot.held {
+                slot.held = false;
+                if !slot.pinned && !slot.in_batch {
+                    self.lru.insert((slot.stamp, s));
+                }
+                return true;
+            }
+        }
+        if self.batch_layer == Some(layer) && self.batch_ids.contains(&id) {
+            self.early.insert((layer, id));
+        }
+        false
+    }
+
+    /// Mark slot `s` published: held until released when the batch holds (unless its
+    /// release came first).
+    fn mark_published(&mut self, s: usize, hold: bool) {
+        if hold {
+            let key = self.slots[s].key;
+            self.slots[s].held = !self.early.remove(&key);
+        }
+    }
+
+    /// Start the read of `loc` into slot `s` as job `tag`; false when the pool is gone.
+    fn issue(&self, tag: usize, s: usize, loc: &ExpertLocation) -> bool {
+        let Some(tx) = self.pool.tx.as_ref() else {
+            return false;
+        };
+        let job = Job {
+            tag,
+            file: loc.file,
+            // SAFETY: s < slots, and slots * slot_bytes <= arena.len() (checked at setup).
+            slot: SendPtr(unsafe { self.arena.base().add((s as u64 * self.slot_bytes) as usize) }),
+            slot_bytes: self.slot_bytes as usize,
+            base: align_down(loc.start()),
+            extents: loc.extents.clone(),
+            _arena: Arc::clone(&self.arena),
+        };
+        tx.send(job).is_ok()
+    }
+
+    /// Claim slot `s` for `(layer, id)` at `loc`: INFLIGHT, counted as a miss (or a prefetch).
+    fn claim_for_read(
+        &mut self,
+        s: usize,
+        layer: u32,
+        id: u32,
+        loc: &ExpertLocation,
+        publish: bool,
+    ) {
+        let slot = &mut self.slots[s];
+        slot.state = SlotState::Inflight;
+        slot.key = (layer, id);
+        slot.in_batch = true;
+        slot.held = false;
+        slot.data_off = loc.start() % ALIGN as u64;
+        slot.len = loc.span();
+        if publish {
+            self.count(|c| {
+                c.requests += 1;
+                c.misses += 1;
+            });
+        } else {
+            self.count(|c| c.prefetch_reads += 1);
+        }
     }
 
     fn run_batch(
@@ -671,227 +802,305 @@ impl ExpertFetcher {
         layer: u32,
         ids: &[u32],
         publish: bool,
-        on_event: &mut dyn FnMut(Event<'_>),
+        io: &mut dyn BatchIo,
     ) -> BatchSummary {
         let mut summary = BatchSummary::default();
+        let hold = self.hold && publish;
         let mut pending: Vec<u32> = Vec::with_capacity(ids.len());
         for &id in ids {
             if !pending.contains(&id) {
                 pending.push(id);
             }
         }
-        while !pending.is_empty() {
-            summary.waves += 1;
-            let mut claimed: Vec<usize> = Vec::new();
-            let mut hits: Vec<usize> = Vec::new();
-            let mut misses: Vec<(usize, ExpertLocation)> = Vec::new();
-            let mut deferred: Vec<u32> = Vec::new();
-
-            // 1. Reserve serially.
-            for id in pending.drain(..) {
-                let key = (layer, id);
-                if let Some(&s) = self.index.get(&key) {
-                    if !publish {
-                        continue; // prefetch of a resident expert: nothing to do
-                    }
-                    let read_now = self.slots[s].loaded_step == self.step;
-                    self.count(|c| {
-                        c.requests += 1;
-                        c.hits += 1;
-                        c.hits_read_this_step += read_now as u64;
-                    });
-                    let slot = &mut self.slots[s];
-                    if !slot.in_batch {
-                        self.lru.remove(&(slot.stamp, s));
-                        slot.in_batch = true;
-                        claimed.push(s);
-                    }
-                    hits.push(s);
-                    continue;
-                }
-                let fail = |e: FetchError, me: &mut Self, ev: &mut dyn FnMut(Event<'_>)| {
-                    if publish {
-                        me.count(|c| {
-                            c.requests += 1;
-                            c.misses += 1;
-                            c.failed += 1;
-                        });
-                        ev(Event::Failed(e));
-                    } else {
-                        me.count(|c| c.prefetch_failed += 1);
-                    }
-                };
-                let Some(loc) = self.locator.locate(layer, id) else {
-                    fail(FetchError::Unknown { layer, expert: id }, self, on_event);
-                    summary.failed += 1;
-                    continue;
-                };
-                let need = align_up(loc.start() % ALIGN as u64 + loc.span());
-                if need > self.slot_bytes || loc.extents.is_empty() {
-                    let e = FetchError::TooBig {
-                        layer,
-                        expert: id,
-                        need,
-                        slot: self.slot_bytes,
-                    };
-                    fail(e, self, on_event);
-                    summary.failed += 1;
-                    continue;
-                }
-                let Some(s) = self.take_victim() else {
-                    if claimed.is_empty() {
-                        // Nothing of this batch holds a slot, yet none is free: all pinned.
-                        fail(FetchError::NoSlot { layer, expert: id }, self, on_event);
-                        summary.failed += 1;
-                    } else {
-                        deferred.push(id);
-                    }
-                    continue;
-                };
-                let slot = &mut self.slots[s];
-                slot.state = SlotState::Inflight;
-                slot.key = key;
-                slot.in_batch = true;
-                slot.data_off = loc.start() % ALIGN as u64;
-                slot.len = loc.span();
-                claimed.push(s);
-                if publish {
-                    self.count(|c| {
-                        c.requests += 1;
-                        c.misses += 1;
-                    });
-                } else {
-                    self.count(|c| c.prefetch_reads += 1);
-                }
-                misses.push((s, loc));
-            }
-
-            // 2. Issue the reads in disk order.
-            misses.sort_by_key(|(_, l)| (l.file, l.start()));
-            let t0 = Instant::now();
-            let tx = self
-                .pool
-                .tx
-                .as_ref()
-                .expect("pool alive while the fetcher is");
-            let mut sent = 0usize;
-            for (tag, (s, loc)) in misses.iter().enumerate() {
-                let job = Job {
-                    tag,
-                    file: loc.file,
-                    // SAFETY: s < slots, and slots * slot_bytes <= arena.len() (checked at setup).
-                    slot: SendPtr(unsafe {
-                        self.arena
-                            .base()
-                            .add((*s as u64 * self.slot_bytes) as usize)
-                    }),
-                    slot_bytes: self.slot_bytes as usize,
-                    base: align_down(loc.start()),
-                    extents: loc.extents.clone(),
-                    _arena: Arc::clone(&self.arena),
-                };
-                if tx.send(job).is_ok() {
-                    sent += 1;
-                }
-            }
-
-            // 3a. Hits are already there.
+        self.early.clear();
+        self.batch_layer = Some(layer);
+        self.batch_ids = pending.iter().copied().collect();
+        let mut claimed: Vec<usize> = Vec::new();
+        let mut hits: Vec<usize> = Vec::new();
+        let mut misses: Vec<(usize, ExpertLocation)> = Vec::new();
+        let mut deferred: Vec<(u32, ExpertLocation)> = Vec::new();
+        let fail = |e: FetchError, me: &mut Self, io: &mut dyn BatchIo| {
             if publish {
-                for &s in &hits {
-                    summary.hits += 1;
-                    summary.published += 1;
-                    on_event(Event::Ready(self.arrival(s, true)));
-                }
+                me.count(|c| {
+                    c.requests += 1;
+                    c.misses += 1;
+                    c.failed += 1;
+                });
+                io.event(Event::Failed(e));
+            } else {
+                me.count(|c| c.prefetch_failed += 1);
             }
+        };
 
-            // 3b. Misses, in arrival order.
-            let mut results: Vec<Option<Result<(), String>>> = vec![None; misses.len()];
-            let mut last_done = t0;
-            for _ in 0..sent {
-                let Ok(done) = self.pool.done.recv() else {
+        // 1. Reserve serially: hits, then a victim slot per miss while there is one; the
+        //    misses left over wait for a slot of this batch to be done with.
+        for id in pending {
+            let key = (layer, id);
+            if let Some(&s) = self.index.get(&key) {
+                if !publish {
+                    continue; // prefetch of a resident expert: nothing to do
+                }
+                let read_now = self.slots[s].loaded_step == self.step;
+                self.count(|c| {
+                    c.requests += 1;
+                    c.hits += 1;
+                    c.hits_read_this_step += read_now as u64;
+                });
+                let slot = &mut self.slots[s];
+                if !slot.in_batch {
+                    self.lru.remove(&(slot.stamp, s));
+                    slot.in_batch = true;
+                    claimed.push(s);
+                }
+                hits.push(s);
+                continue;
+            }
+            let Some(loc) = self.locator.locate(layer, id) else {
+                fail(FetchError::Unknown { layer, expert: id }, self, io);
+                summary.failed += 1;
+                continue;
+            };
+            let need = align_up(loc.start() % ALIGN as u64 + loc.span());
+            if need > self.slot_bytes || loc.extents.is_empty() {
+                let e = FetchError::TooBig {
+                    layer,
+                    expert: id,
+                    need,
+                    slot: self.slot_bytes,
+                };
+                fail(e, self, io);
+                summary.failed += 1;
+                continue;
+            }
+            match self.take_victim() {
+                Some(s) => {
+                    self.claim_for_read(s, layer, id, &loc, publish);
+                    claimed.push(s);
+                    misses.push((s, loc));
+                }
+                None => deferred.push((id, loc)),
+            }
+        }
+
+        // 2. Issue the reads in disk order. The batch's slots form a rotation in the order
+        //    they are filled (hits first, then the reads as issued): the deferred misses, in
+        //    disk order too, take them in turn, each once its expert is done with. Which
+        //    slot an expert lands in depends only on the request and on what is resident,
+        //    never on when a read or a release arrives.
+        misses.sort_by_key(|(_, l)| (l.file, l.start()));
+        deferred.sort_by_key(|(_, l)| (l.file, l.start()));
+        let mut deferred: std::collections::VecDeque<(u32, ExpertLocation)> = deferred.into();
+        let mut rotation: Vec<usize> = hits
+            .iter()
+            .copied()
+            .filter(|&s| claimed.contains(&s))
+            .collect();
+        rotation.extend(misses.iter().map(|(s, _)| *s));
+        rotation.retain(|&s| !self.slots[s].pinned);
+        let mut next_turn = 0usize;
+        let t0 = Instant::now();
+        let mut last_done = t0;
+        let mut any_read = false;
+        // Reads in flight, by tag: the slot each lands in.
+        let mut inflight: HashMap<usize, usize> = HashMap::new();
+        let mut tag = 0usize;
+        for (s, loc) in &misses {
+            if self.issue(tag, *s, loc) {
+                inflight.insert(tag, *s);
+                any_read = true;
+            } else {
+                self.fail_read(*s, "the reader pool stopped".into(), publish, io);
+                summary.failed += 1;
+            }
+            tag += 1;
+        }
+
+        // 3a. Hits are already there.
+        if publish {
+            for &s in &hits {
+                summary.hits += 1;
+                summary.published += 1;
+                self.mark_published(s, hold);
+                io.event(Event::Ready(self.arrival(s, true)));
+            }
+        }
+
+        // 3b. Misses, in arrival order; each slot done with takes the next deferred miss.
+        loop {
+            while !deferred.is_empty() {
+                let Some(&s) = rotation.get(next_turn % rotation.len().max(1)) else {
                     break;
                 };
-                last_done = last_done.max(done.at);
-                let (s, _) = misses[done.tag];
-                match done.result {
-                    Ok(bytes) => {
-                        let stamp = self.tick();
-                        let step = self.step;
-                        let slot = &mut self.slots[s];
-                        slot.state = SlotState::Resident;
-                        slot.loaded_step = step;
-                        slot.stamp = stamp;
-                        self.index.insert(slot.key, s);
-                        self.count(|c| {
-                            c.reads += 1;
-                            c.bytes_read += bytes;
-                        });
-                        summary.reads += 1;
-                        if publish {
-                            summary.published += 1;
-                            on_event(Event::Ready(self.arrival(s, false)));
-                        }
-                        results[done.tag] = Some(Ok(()));
+                if !self.reusable(s) {
+                    break;
+                }
+                let Some((id, loc)) = deferred.pop_front() else {
+                    break;
+                };
+                next_turn += 1;
+                match self.slots[s].state {
+                    SlotState::Resident => {
+                        let key = self.slots[s].key;
+                        self.index.remove(&key);
+                        self.count(|c| c.evictions += 1);
                     }
-                    Err(why) => {
-                        results[done.tag] = Some(Err(String::new()));
-                        self.fail_read(s, why, publish, &mut claimed, on_event);
+                    // A failed read left it EMPTY (and on the free list).
+                    _ => self.free.retain(|&f| f != s),
+                }
+                self.claim_for_read(s, layer, id, &loc, publish);
+                summary.recycled += 1;
+                if self.issue(tag, s, &loc) {
+                    inflight.insert(tag, s);
+                    any_read = true;
+                } else {
+                    self.fail_read(s, "the reader pool stopped".into(), publish, io);
+                    summary.failed += 1;
+                }
+                tag += 1;
+            }
+            if inflight.is_empty() && deferred.is_empty() {
+                break;
+            }
+            let blocked = !deferred.is_empty()
+                && rotation
+                    .get(next_turn % rotation.len().max(1))
+                    .is_none_or(|&s| !self.reusable(s));
+            // Only a release can unblock the next deferred miss when nothing is in flight.
+            let can_wait_release = hold && io.takes_releases() && !rotation.is_empty();
+            if inflight.is_empty() {
+                if !can_wait_release {
+                    // No slot of this batch can come back: every one is pinned or held by
+                    // a reader that cannot release it during the batch.
+                    for (id, _) in std::mem::take(&mut deferred) {
+                        fail(FetchError::NoSlot { layer, expert: id }, self, io);
                         summary.failed += 1;
                     }
+                    break;
                 }
+                match io.releases(None) {
+                    Ok(r) => self.apply_releases(r),
+                    Err(why) => {
+                        for (id, _) in std::mem::take(&mut deferred) {
+                            let e = FetchError::Read {
+                                layer,
+                                expert: id,
+                                why: why.clone(),
+                            };
+                            fail(e, self, io);
+                            summary.failed += 1;
+                        }
+                    }
+                }
+                continue;
             }
-            if !misses.is_empty() {
-                let secs = last_done.duration_since(t0).as_secs_f64();
-                self.count(|c| c.io_seconds += secs);
-            }
-            for (i, (s, _)) in misses.iter().enumerate() {
-                if results[i].is_none() {
-                    self.fail_read(
-                        *s,
-                        "the reader pool stopped".into(),
-                        publish,
-                        &mut claimed,
-                        on_event,
-                    );
+            let done = if blocked && can_wait_release {
+                // Wait for a read, looking for releases meanwhile.
+                match self.pool.done.recv_timeout(RELEASE_POLL) {
+                    Ok(d) => Some(d),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        match io.releases(Some(Duration::ZERO)) {
+                            Ok(r) => self.apply_releases(r),
+                            Err(why) => {
+                                for (id, _) in std::mem::take(&mut deferred) {
+                                    let e = FetchError::Read {
+                                        layer,
+                                        expert: id,
+                                        why: why.clone(),
+                                    };
+                                    fail(e, self, io);
+                                    summary.failed += 1;
+                                }
+                            }
+                        }
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => None,
+                }
+            } else {
+                self.pool.done.recv().ok()
+            };
+            let Some(done) = done else {
+                let mut lost: Vec<usize> = inflight.drain().map(|(_, s)| s).collect();
+                lost.sort_unstable();
+                for s in lost {
+                    self.fail_read(s, "the reader pool stopped".into(), publish, io);
+                    summary.failed += 1;
+                }
+                continue;
+            };
+            let Some(s) = inflight.remove(&done.tag) else {
+                continue;
+            };
+            last_done = last_done.max(done.at);
+            match done.result {
+                Ok(bytes) => {
+                    let stamp = self.tick();
+                    let step = self.step;
+                    let slot = &mut self.slots[s];
+                    slot.state = SlotState::Resident;
+                    slot.loaded_step = step;
+                    slot.stamp = stamp;
+                    self.index.insert(slot.key, s);
+                    self.count(|c| {
+                        c.reads += 1;
+                        c.bytes_read += bytes;
+                    });
+                    summary.reads += 1;
+                    if publish {
+                        summary.published += 1;
+                        self.mark_published(s, hold);
+                        io.event(Event::Ready(self.arrival(s, false)));
+                    }
+                }
+                Err(why) => {
+                    self.fail_read(s, why, publish, io);
                     summary.failed += 1;
                 }
             }
-
-            // 4. The wave is over: its slots become ordinary LRU entries, except those a
-            //    reader holds until it releases them.
-            for s in claimed {
-                let stamp = self.tick();
-                let hold = self.hold && publish;
-                let slot = &mut self.slots[s];
-                slot.in_batch = false;
-                slot.stamp = stamp;
-                if hold && slot.state == SlotState::Resident {
-                    slot.held = true;
-                } else if !slot.pinned && !slot.held {
-                    self.lru.insert((stamp, s));
-                }
-            }
-            pending = deferred;
         }
+        if any_read {
+            let secs = last_done.duration_since(t0).as_secs_f64();
+            self.count(|c| c.io_seconds += secs);
+        }
+
+        // 4. The batch is over: its slots become ordinary LRU entries, in the order they
+        //    were claimed, except those a reader still holds (or pinned ones, or EMPTY ones
+        //    already on the free list).
+        for s in claimed {
+            let stamp = self.tick();
+            let slot = &mut self.slots[s];
+            slot.in_batch = false;
+            slot.stamp = stamp;
+            if slot.state == SlotState::Resident && !slot.pinned && !slot.held {
+                self.lru.insert((stamp, s));
+            }
+        }
+        self.batch_layer = None;
+        self.batch_ids.clear();
+        self.early.clear();
         summary
     }
 
-    /// A read that did not complete: the slot goes back to EMPTY and the failure is reported.
-    fn fail_read(
-        &mut self,
-        s: usize,
-        why: String,
-        publish: bool,
-        claimed: &mut Vec<usize>,
-        on_event: &mut dyn FnMut(Event<'_>),
-    ) {
+    /// Apply releases the reader sent during a batch.
+    fn apply_releases(&mut self, released: Vec<(u32, Vec<u32>)>) {
+        for (layer, ids) in released {
+            for id in ids {
+                self.release_one(layer, id);
+            }
+        }
+    }
+
+    /// A read that did not complete: the slot goes back to EMPTY (and to the free list) and
+    /// the failure is reported.
+    fn fail_read(&mut self, s: usize, why: String, publish: bool, io: &mut dyn BatchIo) {
         let key = self.slots[s].key;
         self.slots[s] = EMPTY_SLOT;
+        // Still the batch's until it ends (its rotation may reuse it).
+        self.slots[s].in_batch = true;
         self.free.push(s);
-        claimed.retain(|&c| c != s);
         if publish {
             self.count(|c| c.failed += 1);
-            on_event(Event::Failed(FetchError::Read {
+            io.event(Event::Failed(FetchError::Read {
                 layer: key.0,
                 expert: key.1,
                 why,

@@ -18,7 +18,7 @@ pub mod stage;
 pub mod trace;
 
 pub use fetcher::{
-    slots_for_budget, Arrival, BatchSummary, Event, ExpertFetcher, FetchError, FetchStats,
+    slots_for_budget, Arrival, BatchIo, BatchSummary, Event, ExpertFetcher, FetchError, FetchStats,
     FetcherConfig, SetupError, SlotState,
 };
 pub use locate::{ExpertLocation, ExpertTable, Extent, Locate};

@@ -7,8 +7,9 @@
 //! stage creates and first-touches, so its budget is charged to this stage's cgroup.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use crate::fetcher::{slots_for_budget, Event, FetcherConfig};
+use crate::fetcher::{slots_for_budget, BatchIo, Event, FetcherConfig};
 use crate::locate::{ExpertTable, Locate};
 use crate::ExpertFetcher;
 use k3_io::direct::{DirectFiles, FaultyReader, ReadAt};
@@ -18,8 +19,9 @@ use k3_protocol::messages::{Msg, Stage};
 use k3_protocol::shm::Region;
 
 use k3_protocol::conf::{FetcherConf, EXPERT_REGION};
-use k3_protocol::link::{recv_from, send_to, StageCtx};
+use k3_protocol::link::{recv_from, send_to, Rec, StageCtx};
 use k3_protocol::shm::ShmArena;
+use k3_protocol::transport::{Transport, TransportError};
 
 /// Run the expert-fetcher stage until shutdown.
 pub fn run(mut ctx: StageCtx) -> Result<(), String> {
@@ -56,60 +58,15 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     last_pass = pass;
                 }
                 let before = fetcher.step_stats();
-                let rec = ctx.rec.clone();
-                let mut send_err: Option<String> = None;
-                fetcher.fetch_batch(layer, &ids, |ev| {
-                    if send_err.is_some() {
-                        return;
-                    }
-                    let m = match ev {
-                        Event::Ready(a) => match region.handle(0, a.arena_offset, a.len) {
-                            Ok(handle) => Msg::ExpertReady {
-                                pass,
-                                layer: a.layer,
-                                id: a.expert,
-                                handle,
-                            },
-                            Err(e) => Msg::ExpertFailed {
-                                pass,
-                                layer: a.layer,
-                                id: a.expert,
-                                error: e.to_string(),
-                            },
-                        },
-                        Event::Failed(e) => {
-                            let (l, id) = match &e {
-                                crate::FetchError::Unknown { layer, expert }
-                                | crate::FetchError::TooBig { layer, expert, .. }
-                                | crate::FetchError::NoSlot { layer, expert }
-                                | crate::FetchError::Read { layer, expert, .. } => {
-                                    (*layer, *expert)
-                                }
-                            };
-                            Msg::ExpertFailed {
-                                pass,
-                                layer: l,
-                                id,
-                                error: e.to_string(),
-                            }
-                        }
-                    };
-                    if let Err(e) = send_to(&mut *link, me, peer, &m, None) {
-                        send_err = Some(e);
-                        return;
-                    }
-                    if let (true, Msg::ExpertReady { handle, .. }) = (rec.on(), &m) {
-                        // SAFETY: the slot was just filled by this stage and stays held (never
-                        // rewritten) until compute's ExpertsDone for it.
-                        let r = unsafe { region.resolve(handle) }
-                            .map_err(|e| format!("expert-fetcher: {e}"))
-                            .and_then(|b| rec.buffer(handle, b));
-                        if let Err(e) = r {
-                            send_err = Some(e);
-                        }
-                    }
-                });
-                if let Some(e) = send_err {
+                let mut io = LinkIo {
+                    link: &mut *link,
+                    region: &region,
+                    rec: ctx.rec.clone(),
+                    pass,
+                    send_err: None,
+                };
+                fetcher.fetch_batch_io(layer, &ids, &mut io);
+                if let Some(e) = io.send_err {
                     return Err(e);
                 }
                 let after = fetcher.step_stats();
@@ -152,6 +109,100 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         json: summary.to_string(),
     })?;
     ctx.finish_recording()
+}
+
+/// A batch's publications over the link to compute, and compute's `ExpertsDone` for each
+/// expert it has multiplied (sent as soon as it is done with it), read during the batch so
+/// a batch larger than the arena reuses slots as compute lets them go.
+struct LinkIo<'a> {
+    link: &'a mut dyn Transport,
+    region: &'a Region,
+    rec: Rec,
+    pass: u64,
+    /// The first failure to send (the batch goes on unpublished; the stage then fails).
+    send_err: Option<String>,
+}
+
+impl BatchIo for LinkIo<'_> {
+    fn event(&mut self, ev: Event<'_>) {
+        if self.send_err.is_some() {
+            return;
+        }
+        let pass = self.pass;
+        let m = match ev {
+            Event::Ready(a) => match self.region.handle(0, a.arena_offset, a.len) {
+                Ok(handle) => Msg::ExpertReady {
+                    pass,
+                    layer: a.layer,
+                    id: a.expert,
+                    handle,
+                },
+                Err(e) => Msg::ExpertFailed {
+                    pass,
+                    layer: a.layer,
+                    id: a.expert,
+                    error: e.to_string(),
+                },
+            },
+            Event::Failed(e) => {
+                let (l, id) = match &e {
+                    crate::FetchError::Unknown { layer, expert }
+                    | crate::FetchError::TooBig { layer, expert, .. }
+                    | crate::FetchError::NoSlot { layer, expert }
+                    | crate::FetchError::Read { layer, expert, .. } => (*layer, *expert),
+                };
+                Msg::ExpertFailed {
+                    pass,
+                    layer: l,
+                    id,
+                    error: e.to_string(),
+                }
+            }
+        };
+        let (me, peer) = (Stage::ExpertFetcher, Stage::LayerCompute);
+        if let Err(e) = send_to(self.link, me, peer, &m, None) {
+            self.send_err = Some(e);
+            return;
+        }
+        if let (true, Msg::ExpertReady { handle, .. }) = (self.rec.on(), &m) {
+            // SAFETY: the slot was just filled by this stage and stays held (never
+            // rewritten) until compute's ExpertsDone for it.
+            let r = unsafe { self.region.resolve(handle) }
+                .map_err(|e| format!("expert-fetcher: {e}"))
+                .and_then(|b| self.rec.buffer(handle, b));
+            if let Err(e) = r {
+                self.send_err = Some(e);
+            }
+        }
+    }
+
+    fn takes_releases(&self) -> bool {
+        self.send_err.is_none()
+    }
+
+    fn releases(&mut self, wait: Option<Duration>) -> Result<Vec<(u32, Vec<u32>)>, String> {
+        let (me, peer) = (Stage::ExpertFetcher, Stage::LayerCompute);
+        let mut out = Vec::new();
+        let mut wait = wait;
+        loop {
+            match self.link.recv(wait) {
+                Ok(Msg::ExpertsDone { layer, ids, .. }) => out.push((layer, ids)),
+                Ok(other) => {
+                    let e = format!("{me}: expected ExpertsDone during a batch, got {other:?}");
+                    self.send_err.get_or_insert(e.clone());
+                    return Err(e);
+                }
+                Err(TransportError::Timeout) => return Ok(out),
+                Err(e) => {
+                    let e = format!("{me}: link to {peer}: {e}");
+                    self.send_err.get_or_insert(e.clone());
+                    return Err(e);
+                }
+            }
+            // Take whatever else is already there, without waiting.
+            wait = Some(Duration::ZERO);
+        }
+    }
 }
 
 fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), String> {

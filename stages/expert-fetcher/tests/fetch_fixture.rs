@@ -10,8 +10,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use k3_expert_fetcher::{
-    Event, ExpertFetcher, ExpertLocation, ExpertTable, Extent, FetchError, FetcherConfig, Locate,
+    BatchIo, Event, ExpertFetcher, ExpertLocation, ExpertTable, Extent, FetchError, FetcherConfig,
+    Locate,
 };
+use k3_io::arena::ArenaMemory;
 use k3_io::{DirectFiles, FaultyReader, ReadAt};
 
 fn fixture() -> PathBuf {
@@ -111,7 +113,8 @@ fn every_expert_arrives_with_its_own_bytes() {
     assert_eq!(st.reads, 8);
     assert!(st.bytes_read >= 8 * 1632);
 
-    // More experts than slots: waves, and still no slot holds the wrong expert.
+    // More experts than slots: the batch's slots are reused in turn, and still no slot
+    // holds the wrong expert.
     let ids: Vec<u32> = (0..24).collect();
     let (got, failed) = batch(&mut f, &ids);
     assert!(failed.is_empty());
@@ -120,11 +123,10 @@ fn every_expert_arrives_with_its_own_bytes() {
     assert!(got[..8].iter().all(|&(e, hit)| hit && e < 8), "{got:?}");
     assert_eq!(f.resident(), 8);
     // No slot claimed by the batch was a victim while the batch held it: the 8 hits and
-    // the 16 misses needed three waves of 8, with 16 evictions in all. An LRU that ignores
-    // the batch would evict the hits' slots in the first wave (1 wave).
+    // the 16 misses went through the batch's 8 slots, with 16 evictions in all.
     assert_eq!(f.total_stats().evictions, 16);
     let summary = f.fetch_batch(0, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], |_| {});
-    assert_eq!(summary.waves, 2, "{summary:?}");
+    assert_eq!(summary.recycled, 2, "{summary:?}");
     assert_eq!((summary.hits, summary.reads), (0, 10));
     for s in 0..8 {
         let (_, key, _) = f.slot_state(s);
@@ -175,7 +177,7 @@ fn pinned_experts_survive_and_prefetch_counts_as_read_this_step() {
     }
     assert!(f.is_resident(0, 5));
     assert_eq!(f.pinned(), 1);
-    // A batch larger than the unpinned slots runs in waves around the pinned one.
+    // A batch larger than the unpinned slots reuses them around the pinned one.
     let (got, failed) = batch(&mut f, &[20, 21, 22, 23, 5]);
     assert!(failed.is_empty());
     assert_eq!(got.len(), 5);
@@ -455,5 +457,147 @@ fn held_slots_are_never_evicted_until_released() {
     assert_eq!((got, failed.len()), (vec![(2, false)], 0));
     assert!(!f.is_resident(0, 0) && f.is_resident(0, 1) && f.is_resident(0, 2));
     assert_eq!(f.release(0, &[1, 2, 7]), 2);
+    assert_eq!(f.held(), 0);
+}
+
+/// A reader that holds every published expert until it has used it, as compute in another
+/// process does: it checks an expert's bytes in the arena only when it releases it (one
+/// per poll, in arrival order, after a delay), and records where each expert was published.
+struct HoldingReader {
+    arena: Arc<dyn ArenaMemory>,
+    table: Arc<ExpertTable>,
+    held: std::collections::VecDeque<(u32, u64, u64)>,
+    published: Vec<(u32, u64)>,
+    /// Release everything the batch asked for at the first poll, before it is published
+    /// (what a replayed recording does).
+    early: Option<Vec<u32>>,
+}
+
+impl BatchIo for HoldingReader {
+    fn event(&mut self, ev: Event<'_>) {
+        match ev {
+            Event::Ready(a) => {
+                self.held.push_back((a.expert, a.arena_offset, a.len));
+                self.published.push((a.expert, a.arena_offset));
+            }
+            Event::Failed(e) => panic!("{e}"),
+        }
+    }
+
+    fn takes_releases(&self) -> bool {
+        true
+    }
+
+    fn releases(
+        &mut self,
+        wait: Option<std::time::Duration>,
+    ) -> Result<Vec<(u32, Vec<u32>)>, String> {
+        if let Some(ids) = self.early.take() {
+            return Ok(vec![(0, ids)]);
+        }
+        let Some((e, off, len)) = self.held.pop_front() else {
+            assert!(
+                wait.is_some(),
+                "the batch waits for a release while nothing is held"
+            );
+            return Ok(Vec::new());
+        };
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        // SAFETY (test): the slot is held for us until this release; the arena outlives it.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(self.arena.base().add(off as usize), len as usize)
+        };
+        assert_eq!(
+            bytes,
+            &expected(&self.table, e)[..],
+            "expert {e} rewritten while held"
+        );
+        Ok(vec![(0, vec![e])])
+    }
+}
+
+/// Reads after a delay that varies with the offset and a seed, so reads land in a
+/// different order from run to run.
+struct Jittery {
+    inner: Arc<dyn ReadAt>,
+    seed: u64,
+}
+
+impl ReadAt for Jittery {
+    fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
+        let h = (offset ^ self.seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 61;
+        std::thread::sleep(std::time::Duration::from_millis(h));
+        self.inner.read_at(file, offset, dst)
+    }
+}
+
+/// A held batch larger than the arena: each slot is reused only after the reader released
+/// what it held (the reader checks the bytes at release), every expert is published once,
+/// nothing stays held, and the slot each expert lands in does not depend on when reads land
+/// or releases come (two runs with different read delays agree). Wrong implementations
+/// caught: reusing a slot on publication instead of release (the bytes change under the
+/// reader), failing the rest with NoSlot as a batch without releases must, or choosing the
+/// next free slot in arrival order (placements differ between the runs).
+#[test]
+fn a_held_batch_reuses_each_slot_once_released() {
+    let ids: Vec<u32> = vec![17, 3, 9, 21, 0, 12, 5, 23, 8, 14];
+    let mut placements = Vec::new();
+    for seed in [1u64, 0xdead_beef] {
+        let reader: Arc<dyn ReadAt> = Arc::new(Jittery {
+            inner: direct(),
+            seed,
+        });
+        let mut f = fetcher(3, 3, reader);
+        f.hold_published(true);
+        // Two residents first: hits are published first and take their turn too.
+        let mut io = HoldingReader {
+            arena: f.arena().clone(),
+            table: table(),
+            held: Default::default(),
+            published: Vec::new(),
+            early: None,
+        };
+        f.fetch_batch_io(0, &[3, 9], &mut io);
+        io.held.clear();
+        assert_eq!(f.release(0, &[3, 9]), 2);
+        io.published.clear();
+        let summary = f.fetch_batch_io(0, &ids, &mut io);
+        assert_eq!((summary.hits, summary.reads, summary.failed), (2, 8, 0));
+        assert_eq!(summary.recycled, 7, "{summary:?}");
+        let mut seen: Vec<u32> = io.published.iter().map(|p| p.0).collect();
+        seen.sort_unstable();
+        let mut want = ids.clone();
+        want.sort_unstable();
+        assert_eq!(seen, want);
+        // What the batch did not wait for is still held until released.
+        let left: Vec<u32> = io.held.iter().map(|h| h.0).collect();
+        assert_eq!(f.held(), left.len());
+        assert_eq!(f.release(0, &left), left.len());
+        assert_eq!(f.held(), 0);
+        let mut p = io.published.clone();
+        p.sort_unstable();
+        placements.push(p);
+    }
+    assert_eq!(placements[0], placements[1]);
+}
+
+/// Releases that arrive before their expert is published (a replayed recording sends a
+/// batch's releases up front) are kept, not lost: the batch completes and nothing stays
+/// held. Wrong implementation caught: ignoring a release of an unpublished expert (the
+/// batch then waits forever for a slot; here the reader asserts on that wait).
+#[test]
+fn releases_before_publication_are_kept() {
+    let mut f = fetcher(2, 2, direct());
+    f.hold_published(true);
+    let ids: Vec<u32> = (0..7).collect();
+    let mut io = HoldingReader {
+        arena: f.arena().clone(),
+        table: table(),
+        held: Default::default(),
+        published: Vec::new(),
+        early: Some(ids.clone()),
+    };
+    let summary = f.fetch_batch_io(0, &ids, &mut io);
+    assert_eq!((summary.reads, summary.failed, summary.recycled), (7, 0, 5));
     assert_eq!(f.held(), 0);
 }

@@ -9,8 +9,9 @@
 //! [`StagedWeights`] implements [`crate::Weights`] over the links: a pass starts
 //! with `StartPass`; `begin_layer(l)` waits for the trunk-loader's `LayerReady{l}` and maps
 //! its tensors in place (handles into the trunk region, never copied); `end_layer(l)` says
-//! `LayerDone`; `experts(layer, ids)` sends `Experts` and delivers each expert to the
-//! forward as its `ExpertReady` lands, in whatever order the reads finish. The forward keeps
+//! `LayerDone`; `experts(layer, ids)` sends `Experts`, delivers each expert to the
+//! forward as its `ExpertReady` lands, in whatever order the reads finish, and gives its
+//! slot back (`ExpertsDone`) as soon as that delivery returns. The forward keeps
 //! one output per top-k slot and sums them in top-k order, so ids do not depend on arrival
 //! order. Model-level tensors (embeddings, lm_head, final norms) are this stage's own,
 //! mapped from the shards, so its cgroup pays for them together with the KV cache, the
@@ -710,10 +711,30 @@ impl StagedWeights {
                     id,
                     handle,
                 }) if p == pass && l as usize == layer => {
+                    // The fetcher holds the slot until our ExpertsDone for it, sent as soon
+                    // as the expert's product is done (or at once for one we do not use).
+                    let release = |link: &mut dyn k3_protocol::transport::Transport| {
+                        let m = Msg::ExpertsDone {
+                            pass,
+                            layer: layer as u32,
+                            ids: vec![id],
+                        };
+                        if let Err(e) = send_to(
+                            link,
+                            Stage::LayerCompute,
+                            Stage::ExpertFetcher,
+                            &m,
+                            self.timeout,
+                        ) {
+                            self.link_error.borrow_mut().get_or_insert(e);
+                        }
+                    };
                     let Some(slot) = ids.iter().position(|&x| x == id) else {
+                        release(&mut **link);
                         continue;
                     };
                     if delivered[slot] {
+                        release(&mut **link);
                         continue;
                     }
                     delivered[slot] = true;
@@ -730,8 +751,8 @@ impl StagedWeights {
                             WeightError::Missing(format!("layer {layer} expert {id}"))
                         })?;
                         // SAFETY: the fetcher holds this expert's slot (never rewrites it)
-                        // until our ExpertsDone, which we send only after every delivery of
-                        // the batch has returned.
+                        // until our ExpertsDone for it, which we send only after this
+                        // delivery has returned.
                         let bytes =
                             unsafe { self.expert_region.resolve(&handle) }.map_err(|e| {
                                 WeightError::Invalid {
@@ -746,6 +767,9 @@ impl StagedWeights {
                         })
                     })();
                     deliver(slot, r);
+                    // An `ExpertRef` cannot outlive its delivery (its lifetime is the
+                    // callback's): no byte of this expert is read again.
+                    release(&mut **link);
                 }
                 Ok(Msg::ExpertFailed {
                     pass: p,
@@ -794,22 +818,6 @@ impl StagedWeights {
                         &mut delivered,
                         "the fetcher finished the batch without it",
                     );
-                    // Every delivery has returned, and an `ExpertRef` cannot outlive its
-                    // delivery (its lifetime is the callback's), so no byte of this batch is
-                    // read again: release the slots.
-                    if let Err(e) = send_to(
-                        &mut **link,
-                        Stage::LayerCompute,
-                        Stage::ExpertFetcher,
-                        &Msg::ExpertsDone {
-                            pass,
-                            layer: layer as u32,
-                            ids: ids.to_vec(),
-                        },
-                        self.timeout,
-                    ) {
-                        self.link_error.borrow_mut().get_or_insert(e);
-                    }
                     return;
                 }
                 Ok(other) => {
