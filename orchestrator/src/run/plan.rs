@@ -144,16 +144,14 @@ impl MemoryPlan {
 /// The staged run's worker processes (tokenizer, trunk-loader, expert-fetcher, compute).
 pub const STAGE_PROCESSES: usize = 4;
 
-/// Expert arena slots a run keeps at least (fewer when top-k is smaller): a batch's
+/// The fewest expert arena slots a run keeps (fewer when top-k is smaller): a batch's
 /// experts stream through them, each slot reused as soon as compute is done with its
-/// expert (`ExpertFetcher::fetch_batch_io`), so the reads of the next experts overlap the
-/// products of the last ones. Six keep enough reads in flight: on the slice at `--mem-gb
-/// 5.5` (docs/measurements.md, 2026-12-02) six slots decoded as fast as sixteen while
-/// reading 0.29 GB less per token, and four waited on the expert reads (the trunk's ring
-/// reads then share the disk with fewer expert reads). Every slot beyond them is expert
-/// cache, which pays only past its knee, so a tight budget gives it to the trunk and the
-/// lm_head instead.
-pub const PIPELINE_SLOTS: u64 = 6;
+/// expert (`ExpertFetcher::fetch_batch_io`), so a batch of any size fits. Only a total too
+/// small for more gets so few: the cache keeps 16 whenever there is room (see
+/// `cache_keep`), because the slots are also the expert reads in flight, and on the slice
+/// at `--mem-gb 5.5` six slots decoded 10-20% slower than sixteen although they left
+/// 0.29 GB per token more to the trunk (docs/measurements.md, 2026-12-02).
+pub const MIN_EXPERT_SLOTS: u64 = 4;
 /// What one stage process holds before any plan item: its heap, stacks, page tables and the
 /// pages of the binary it touches. Measured as a stage cgroup's peak minus its plan items on
 /// the tiny model: 1.0 to 2.5 MB; 4 MiB leaves room. Negligible on a real model, but a run
@@ -303,13 +301,30 @@ pub struct Spend {
     pub expert_slot: u64,
     pub min_slots: u64,
     pub max_slots: u64,
+    /// The smallest trunk budget a plan runs with (one ring slot for the largest streamed
+    /// part or layer, [`trunk_min`]; 0 for a resident trunk).
+    pub trunk_min: u64,
+}
+
+/// The smallest budget a streamed trunk runs with: one ring slot for its largest part
+/// (or layer, when it has no parts).
+pub fn trunk_min(r: &k3_trunk_loader::Streams) -> u64 {
+    let units = if r.parts.is_empty() {
+        &r.layers
+    } else {
+        &r.parts
+    };
+    units
+        .iter()
+        .map(k3_trunk_loader::LayerRun::footprint)
+        .max()
+        .unwrap_or(0)
 }
 
 /// A total budget spent to read the fewest bytes per token: the fixed part and the lm_head
 /// first (compute holds them), the trunk next (a pinned GB removes a GB of certain reads per
 /// token), the expert cache last (it pays only past its knee), keeping at least the
-/// slots a batch streams through ([`PIPELINE_SLOTS`]; 16 when the whole trunk is pinned
-/// beside them). An explicit `--trunk-gb`/`--cache-gb` fixes its
+/// slots a batch streams through ([`MIN_EXPERT_SLOTS`]; 16 when there is room). An explicit `--trunk-gb`/`--cache-gb` fixes its
 /// part and the other gets what is left. Returns (trunk, cache) or why it cannot fit.
 pub fn spend(
     s: &Spend,
@@ -347,12 +362,13 @@ pub fn spend(
 }
 
 /// What the expert cache keeps of `left` (the total less the fixed part and the lm_head)
-/// when nothing fixes it: the slots a batch streams through, 16 when there is room for
-/// them beside the whole trunk (below that a pinned trunk byte saves a byte per token, and
-/// 16 slots of a cache at its knee save almost nothing: 0% hits at 16 slots on the slice).
+/// when nothing fixes it: the fewest slots, 16 when there is room for them beside the
+/// whole trunk or for 32 (and the trunk can still run beside them).
 fn cache_keep(s: &Spend, left: u64) -> u64 {
     let min_cache = s.min_slots.max(1) * s.expert_slot;
-    if left >= s.trunk_need + 16 * s.expert_slot {
+    let room = left >= s.trunk_need + 16 * s.expert_slot || left >= 32 * s.expert_slot;
+    // Never so many that the trunk cannot run: near the floor the few slots are kept.
+    if room && left >= s.trunk_min + 16 * s.expert_slot {
         (16.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
     } else {
         min_cache
@@ -826,8 +842,8 @@ pub fn plan_run(
             .max(topk as u64)
     };
     let max_slots = cen.n_experts.max(topk as u64);
-    // The fewest slots: a batch of any size streams through them (see PIPELINE_SLOTS).
-    let min_slots = (topk as u64).clamp(1, PIPELINE_SLOTS);
+    // The fewest slots: a batch of any size streams through them (see MIN_EXPERT_SLOTS).
+    let min_slots = (topk as u64).clamp(1, MIN_EXPERT_SLOTS);
     // Every prompt position and every generated one is cached. For a text prompt the token
     // count is not known before the tokenizer runs; `prompt_bound` (one token per byte at
     // most, plus the chat wrapper) is an upper bound, so a request that passes here fits.
@@ -887,6 +903,7 @@ pub fn plan_run(
                         min_slots,
                         max_slots,
                         lm_head_row,
+                        trunk_min: runs.as_ref().map_or(0, trunk_min),
                     },
                     runs.as_ref(),
                     trunk_over,
@@ -1250,20 +1267,19 @@ mod tests {
             expert_slot: 10,
             min_slots: 2,
             max_slots: 40,
+            trunk_min: 0,
         }
     }
 
-    // Trunk first, then the cache (16 slots kept only beside the whole trunk), and never
-    // more cache than the experts fill. Catches a split that starves the trunk for the
-    // cache (the old rule kept 16 slots whenever 32 fitted).
+    // Trunk first, then the cache (16 slots kept when there is room), and never more cache
+    // than the experts fill. Catches a split that starves the trunk for the cache.
     #[test]
     fn a_total_feeds_the_trunk_first() {
         // Room for all: the trunk whole, the cache capped at 40 slots.
         assert_eq!(spend(&sp(10_000), None, None).unwrap(), (1_000, 400));
-        // Room for the trunk and 16 slots: both, the rest to the cache.
-        assert_eq!(spend(&sp(150 + 1_160), None, None).unwrap(), (1_000, 160));
-        // Tight: the trunk gets all but the slots a batch streams through.
-        assert_eq!(spend(&sp(150 + 500), None, None).unwrap(), (480, 20));
+        // Tight: the trunk gets all but 16 slots.
+        assert_eq!(spend(&sp(150 + 500), None, None).unwrap(), (340, 160));
+        // Tighter: all but one batch.
         assert_eq!(spend(&sp(150 + 200), None, None).unwrap(), (180, 20));
         // Overrides fix their part; the other gets the rest.
         assert_eq!(spend(&sp(650), None, Some(100)).unwrap(), (400, 100));
@@ -1342,6 +1358,7 @@ mod tests {
             expert_slot: P,
             min_slots: 1,
             max_slots,
+            trunk_min: 0,
         };
         (runs, s)
     }
@@ -1375,27 +1392,14 @@ mod tests {
     fn what_the_trunk_leaves_holds_lm_head_rows_before_the_cache() {
         let runs = four_layers(0, 100).0;
         let s = |total| four_layers(total, 100).1;
-        // The whole trunk fits beside a streamed lm_head, and a pinned lm_head does not
-        // fit: the 9 pages beyond the one kept slot hold 8 rows (a page for the held
-        // window), not 9 more slots.
-        let c = choose(&s(60 * P), Some(&runs), None, None).unwrap();
-        assert!(!c.head_pinned, "{c:?}");
-        assert_eq!((c.trunk, c.head_held, c.cache), (40 * P, 8 * P, P));
-        assert_eq!(c.read_per_token, 42 * P);
-        let held = held_rows_bytes(c.head_held / P, P);
-        assert!(10 * P + c.trunk + held + c.cache <= 60 * P, "{c:?}");
-        // With room for the trunk and 16 slots beside a streamed lm_head, 16 are kept and
-        // the 29 pages beyond them hold 28 rows...
-        let c = choose(&s(95 * P), Some(&runs), None, Some(16 * P)).unwrap();
-        assert!(!c.head_pinned, "{c:?}");
-        assert_eq!(
-            (c.head_held, c.cache, c.read_per_token),
-            (28 * P, 16 * P, 22 * P)
-        );
-        // ...but pinning the lm_head with a 5-slot cache reads nothing, so that is chosen.
+        // The whole trunk fits beside a streamed lm_head but not beside a pinned one: the
+        // 29 pages beyond the 16 kept slots hold 28 rows, not 29 more slots.
         let c = choose(&s(95 * P), Some(&runs), None, None).unwrap();
-        assert!(c.head_pinned, "{c:?}");
-        assert_eq!((c.trunk, c.read_per_token), (40 * P, 0));
+        assert!(!c.head_pinned, "{c:?}");
+        assert_eq!((c.trunk, c.head_held, c.cache), (40 * P, 28 * P, 16 * P));
+        assert_eq!(c.read_per_token, 22 * P);
+        let held = held_rows_bytes(c.head_held / P, P);
+        assert!(10 * P + c.trunk + held + c.cache <= 95 * P, "{c:?}");
         // --cache-gb fixes the cache: only the trunk's leftover holds rows.
         let c = choose(&s(95 * P), Some(&runs), None, Some(40 * P)).unwrap();
         assert_eq!((c.trunk, c.head_held, c.cache), (45 * P, 4 * P, 40 * P));

@@ -432,8 +432,9 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
         lm_head: cen.lm_head_bytes,
         lm_head_row: cen.lm_head_bytes / (cfg.vocab_size as u64).max(1),
         expert_slot,
-        min_slots: topk.clamp(1, crate::run::plan::PIPELINE_SLOTS),
+        min_slots: topk.clamp(1, crate::run::plan::MIN_EXPERT_SLOTS),
         max_slots: cen.n_experts.max(topk),
+        trunk_min: crate::run::plan::trunk_min(&runs),
     };
     let mut o = String::new();
     o += &format!(
