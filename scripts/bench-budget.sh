@@ -22,10 +22,10 @@
 #   time; 100% means the disk never waited for compute), the exit code and the ids, which must
 #   equal EXPECT (the resident run's ids for IDS/GEN; the default is those of `--ids 1
 #   --gen 8`). A rung whose plan does not fit is refused up front (exit 2, no report). The
-#   slice's floor is 1.11 GB (`inspect SLICE`): the trunk streams in parts (the tensors the
+#   slice's floor is 0.90 GB (`inspect SLICE`): the trunk streams in parts (the tensors the
 #   forward uses together; the largest, a KDA attention up to its output projection, is one
-#   0.71 GB ring slot)
-#   and the lm_head in chunks, so the 1.5 GB rung runs.
+#   0.71 GB ring slot), the lm_head in chunks, and a layer's experts through 4 arena slots
+#   (each reused as compute gives it back), so the 1.5 GB rung runs (and a 0.96 GB one).
 # Needs root (cgroups, drop_caches). Environment: K3 (default target/release/k3-orch),
 # SLICE, TRUNK, GEN (default 8), IDS (default 1), EXPECT.
 set -euo pipefail

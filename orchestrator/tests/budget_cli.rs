@@ -259,9 +259,11 @@ fn oracle_ids(model: &str, n: usize) -> Vec<u64> {
 
 /// At the smallest budgets (a streaming trunk slot, no expert cache: every routed expert is
 /// read, its request sent the moment the router chose it, before the shared experts are
-/// computed) both tiny models give the oracle's ids, in separate processes and in-process.
-/// Catches a reordering of the MoE products that changes a value, an announced batch that
-/// is answered twice or not at all, and ids that depend on the budget.
+/// computed; two arena slots, so the prompt pass's batches of up to 8 experts stream
+/// through them, each slot reused once compute releases it) both tiny models give the
+/// oracle's ids, in separate processes and in-process. Catches a reordering of the MoE
+/// products that changes a value, an announced batch that is answered twice or not at
+/// all, a slot reused before its expert was multiplied, and ids that depend on the budget.
 #[test]
 fn smallest_budgets_give_the_oracle_ids() {
     for model in ["tiny-mxfp4", "tiny-seed"] {

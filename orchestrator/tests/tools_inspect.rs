@@ -121,7 +121,8 @@ fn errors() {
 /// `inspect` plans one total budget over it. The streaming floor no longer carries the
 /// embedding and lm_head (4.70 GB resident in the seed's 7.06/8.24 GB floors) nor a whole
 /// layer (2.34 GB): it is one ring slot for the largest layer part (0.71 GB) plus the
-/// lm_head's chunk buffers, 16 expert slots, the state and a short context, <= 2.0 GB.
+/// lm_head's chunk buffers, 4 expert slots (a layer's top-16 streams through them), the
+/// state and a short context, <= 2.0 GB (1.49 GB today).
 /// Catches a floor that still counts the embedding, the whole lm_head or a whole-layer
 /// slot, and `--shape released` without `--headers-only` (1.45 TB of weights) accepted.
 #[test]
@@ -175,5 +176,7 @@ fn released_headers_only_and_the_budget_table() {
         "floor {gb} GB below the one ring slot for the largest part it needs:\n{out}"
     );
     assert!(line.contains("largest layer part"), "{line}");
+    // A batch streams through a few slots: the floor holds 4, not one per top-k expert.
+    assert!(line.contains("4 expert slots"), "{line}");
     assert!(out.contains("streamed"), "{out}");
 }
