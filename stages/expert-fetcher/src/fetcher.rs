@@ -977,20 +977,7 @@ impl ExpertFetcher {
                     }
                     break;
                 }
-                match io.releases(None) {
-                    Ok(r) => self.apply_releases(r),
-                    Err(why) => {
-                        for (id, _) in std::mem::take(&mut deferred) {
-                            let e = FetchError::Read {
-                                layer,
-                                expert: id,
-                                why: why.clone(),
-                            };
-                            fail(e, self, io);
-                            summary.failed += 1;
-                        }
-                    }
-                }
+                summary.failed += self.take_releases(io, None, layer, &mut deferred);
                 continue;
             }
             let done = if blocked && can_wait_release {
@@ -998,20 +985,8 @@ impl ExpertFetcher {
                 match self.pool.done.recv_timeout(RELEASE_POLL) {
                     Ok(d) => Some(d),
                     Err(mpsc::RecvTimeoutError::Timeout) => {
-                        match io.releases(Some(Duration::ZERO)) {
-                            Ok(r) => self.apply_releases(r),
-                            Err(why) => {
-                                for (id, _) in std::mem::take(&mut deferred) {
-                                    let e = FetchError::Read {
-                                        layer,
-                                        expert: id,
-                                        why: why.clone(),
-                                    };
-                                    fail(e, self, io);
-                                    summary.failed += 1;
-                                }
-                            }
-                        }
+                        let wait = Some(Duration::ZERO);
+                        summary.failed += self.take_releases(io, wait, layer, &mut deferred);
                         continue;
                     }
                     Err(mpsc::RecvTimeoutError::Disconnected) => None,
@@ -1079,6 +1054,40 @@ impl ExpertFetcher {
         self.batch_ids.clear();
         self.early.clear();
         summary
+    }
+
+    /// Take the releases the reader sent during a held batch (waiting at most `wait` for
+    /// the first). When the reader is gone, every deferred miss fails with its reason (a
+    /// held batch always publishes); returns how many failed.
+    fn take_releases(
+        &mut self,
+        io: &mut dyn BatchIo,
+        wait: Option<Duration>,
+        layer: u32,
+        deferred: &mut std::collections::VecDeque<(u32, ExpertLocation)>,
+    ) -> usize {
+        match io.releases(wait) {
+            Ok(r) => {
+                self.apply_releases(r);
+                0
+            }
+            Err(why) => {
+                let n = deferred.len();
+                for (id, _) in std::mem::take(deferred) {
+                    self.count(|c| {
+                        c.requests += 1;
+                        c.misses += 1;
+                        c.failed += 1;
+                    });
+                    io.event(Event::Failed(FetchError::Read {
+                        layer,
+                        expert: id,
+                        why: why.clone(),
+                    }));
+                }
+                n
+            }
+        }
     }
 
     /// Apply releases the reader sent during a batch.

@@ -64,8 +64,12 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     rec: ctx.rec.clone(),
                     pass,
                     send_err: None,
+                    shutdown: false,
                 };
                 fetcher.fetch_batch_io(layer, &ids, &mut io);
+                if io.shutdown {
+                    break;
+                }
                 if let Some(e) = io.send_err {
                     return Err(e);
                 }
@@ -121,11 +125,13 @@ struct LinkIo<'a> {
     pass: u64,
     /// The first failure to send (the batch goes on unpublished; the stage then fails).
     send_err: Option<String>,
+    /// Compute sent Shutdown during the batch.
+    shutdown: bool,
 }
 
 impl BatchIo for LinkIo<'_> {
     fn event(&mut self, ev: Event<'_>) {
-        if self.send_err.is_some() {
+        if self.send_err.is_some() || self.shutdown {
             return;
         }
         let pass = self.pass;
@@ -177,7 +183,7 @@ impl BatchIo for LinkIo<'_> {
     }
 
     fn takes_releases(&self) -> bool {
-        self.send_err.is_none()
+        self.send_err.is_none() && !self.shutdown
     }
 
     fn releases(&mut self, wait: Option<Duration>) -> Result<Vec<(u32, Vec<u32>)>, String> {
@@ -187,6 +193,12 @@ impl BatchIo for LinkIo<'_> {
         loop {
             match self.link.recv(wait) {
                 Ok(Msg::ExpertsDone { layer, ids, .. }) => out.push((layer, ids)),
+                // Compute stopped mid-batch (it gave up on the forward): end the batch and
+                // then the stage, as a Shutdown between batches would.
+                Ok(Msg::Shutdown) => {
+                    self.shutdown = true;
+                    return Err(format!("{me}: shut down during a batch"));
+                }
                 Ok(other) => {
                     let e = format!("{me}: expected ExpertsDone during a batch, got {other:?}");
                     self.send_err.get_or_insert(e.clone());
