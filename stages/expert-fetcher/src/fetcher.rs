@@ -8,7 +8,9 @@
 //!    slot, chosen EMPTY first, then least recently used; a slot claimed by this batch is
 //!    never a victim for another expert of the same batch;
 //! 2. read the misses in parallel, sorted by (file, offset), on a pool of reader threads
-//!    (the queue depth, 16 by default), with O_DIRECT where the file system allows;
+//!    (the queue depth, 16 by default), with O_DIRECT where the file system allows, each
+//!    expert in pieces of 4 MiB taken in issue order, so the depth is the same whatever
+//!    the slot count and experts land in the order they were issued;
 //! 3. publish each expert through the callback as it lands, in arrival order (hits first,
 //!    they are already there). A read that fails is reported as [`Event::Failed`], counted,
 //!    its slot goes back to EMPTY, and its bytes are never published.
@@ -275,9 +277,25 @@ struct Job {
     /// File offset that the slot's first byte mirrors (page-aligned).
     base: u64,
     extents: Vec<Extent>,
+    /// The file bytes `[from, to)` this job reads of the expert (one piece of it).
+    window: (u64, u64),
+    /// The expert's pieces: the last to finish reports the expert `Done`.
+    group: Arc<Group>,
     /// Keeps the arena alive while the job runs.
     _arena: Arc<dyn ArenaMemory>,
 }
+
+/// The pieces of one expert's read.
+struct Group {
+    left: std::sync::atomic::AtomicUsize,
+    bytes: std::sync::atomic::AtomicU64,
+    err: Mutex<Option<String>>,
+}
+
+/// Bytes one reader job reads of an expert: the disk's largest request here (4 MiB), so
+/// the readers' queue depth is in requests whatever the slot count, and pieces are taken
+/// in issue order, so experts land in the order they were issued.
+const PIECE: u64 = 4 << 20;
 
 struct Done {
     tag: usize,
@@ -301,7 +319,13 @@ fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, String> {
         }
     }
     let mut total = 0u64;
+    let (w0, w1) = job.window;
     for (s, end, need) in ranges {
+        let (s, end) = (s.max(w0), end.min(w1));
+        if s >= end {
+            continue;
+        }
+        let need = need.min(end);
         let (a, b) = ((s - job.base) as usize, (end - job.base) as usize);
         if b > job.slot_bytes {
             return Err(format!(
@@ -351,10 +375,30 @@ impl Pool {
                             Err(_) => return,
                         };
                         let Ok(job) = job else { return };
-                        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        let piece = std::panic::catch_unwind(AssertUnwindSafe(|| {
                             run_job(reader.as_ref(), &job)
                         }))
                         .unwrap_or_else(|_| Err("the reader panicked".into()));
+                        use std::sync::atomic::Ordering::AcqRel;
+                        let g = &job.group;
+                        match piece {
+                            Ok(b) => {
+                                g.bytes.fetch_add(b, AcqRel);
+                            }
+                            Err(e) => {
+                                g.err
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .get_or_insert(e);
+                            }
+                        }
+                        if g.left.fetch_sub(1, AcqRel) != 1 {
+                            continue;
+                        }
+                        let result = match g.err.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                            Some(e) => Err(e),
+                            None => Ok(g.bytes.load(std::sync::atomic::Ordering::Acquire)),
+                        };
                         if dtx
                             .send(Done {
                                 tag: job.tag,
@@ -758,17 +802,37 @@ impl ExpertFetcher {
         let Some(tx) = self.pool.tx.as_ref() else {
             return false;
         };
-        let job = Job {
-            tag,
-            file: loc.file,
-            // SAFETY: s < slots, and slots * slot_bytes <= arena.len() (checked at setup).
-            slot: SendPtr(unsafe { self.arena.base().add((s as u64 * self.slot_bytes) as usize) }),
-            slot_bytes: self.slot_bytes as usize,
-            base: align_down(loc.start()),
-            extents: loc.extents.clone(),
-            _arena: Arc::clone(&self.arena),
-        };
-        tx.send(job).is_ok()
+        let base = align_down(loc.start());
+        let end = align_up(loc.start() + loc.span());
+        let windows: Vec<(u64, u64)> = (base..end)
+            .step_by(PIECE as usize)
+            .map(|w| (w, (w + PIECE).min(end)))
+            .collect();
+        let group = Arc::new(Group {
+            left: std::sync::atomic::AtomicUsize::new(windows.len()),
+            bytes: std::sync::atomic::AtomicU64::new(0),
+            err: Mutex::new(None),
+        });
+        for window in windows {
+            let job = Job {
+                tag,
+                file: loc.file,
+                // SAFETY: s < slots, and slots * slot_bytes <= arena.len() (checked at setup).
+                slot: SendPtr(unsafe {
+                    self.arena.base().add((s as u64 * self.slot_bytes) as usize)
+                }),
+                slot_bytes: self.slot_bytes as usize,
+                base,
+                extents: loc.extents.clone(),
+                window,
+                group: Arc::clone(&group),
+                _arena: Arc::clone(&self.arena),
+            };
+            if tx.send(job).is_err() {
+                return false;
+            }
+        }
+        true
     }
 
     /// Claim slot `s` for `(layer, id)` at `loc`: INFLIGHT, counted as a miss (or a prefetch).
