@@ -254,36 +254,50 @@ impl ReadAt for Recording {
     }
 }
 
-/// Misses are read in disk order whatever order the router asked in. Wrong implementation
-/// caught: reading in request order (random seeks on the real device).
-#[test]
-fn misses_are_read_in_disk_order() {
+/// `n` contiguous experts of `size` bytes in layer `layer`, expert `e` at byte
+/// `1000 + e * size` of an in-memory file that records its reads; a fetcher over it.
+fn in_memory(
+    layer: u32,
+    n: u32,
+    size: u64,
+    slots: usize,
+    readers: usize,
+) -> (ExpertFetcher, Arc<Recording>, Vec<u8>) {
     let mut t = ExpertTable::new(vec![PathBuf::from("mem")]);
-    let size = 20_000u64;
-    for e in 0..16u32 {
+    for e in 0..n {
         t.insert(
-            3,
+            layer,
             e,
             ExpertLocation::contiguous(0, 1000 + e as u64 * size, size),
         );
     }
-    let bytes: Vec<u8> = (0..1000 + 16 * size + 8192)
+    let bytes: Vec<u8> = (0..1000 + n as u64 * size + 8192)
         .map(|i| (i % 253) as u8)
         .collect();
     let rec = Arc::new(Recording {
         bytes: bytes.clone(),
         calls: Mutex::new(Vec::new()),
     });
-    let mut f = ExpertFetcher::new(
+    let f = ExpertFetcher::new(
         FetcherConfig {
-            slots: 16,
+            slots,
             slot_bytes: 0,
-            readers: 1, // one reader: the call order is the issue order
+            readers,
         },
         Arc::new(t),
         rec.clone(),
     )
     .unwrap();
+    (f, rec, bytes)
+}
+
+/// Misses are read in disk order whatever order the router asked in. Wrong implementation
+/// caught: reading in request order (random seeks on the real device).
+#[test]
+fn misses_are_read_in_disk_order() {
+    let size = 20_000u64;
+    // One reader: the call order is the issue order.
+    let (mut f, rec, bytes) = in_memory(3, 16, size, 16, 1);
     let ids = [9u32, 2, 15, 0, 7, 3, 11, 1, 14, 4, 8, 13, 5, 10, 6, 12];
     let mut n = 0;
     f.fetch_batch(3, &ids, |ev| {
@@ -609,32 +623,8 @@ fn releases_before_publication_are_kept() {
 /// piece landed (the bytes would be incomplete inside the callback).
 #[test]
 fn a_large_expert_is_read_in_pieces_and_arrives_whole() {
-    let mut t = ExpertTable::new(vec![PathBuf::from("mem")]);
     let size = 9 * (1u64 << 20) + 123;
-    for e in 0..3u32 {
-        t.insert(
-            0,
-            e,
-            ExpertLocation::contiguous(0, 1000 + e as u64 * size, size),
-        );
-    }
-    let bytes: Vec<u8> = (0..1000 + 3 * size + 8192)
-        .map(|i| (i % 251) as u8)
-        .collect();
-    let rec = Arc::new(Recording {
-        bytes: bytes.clone(),
-        calls: Mutex::new(Vec::new()),
-    });
-    let mut f = ExpertFetcher::new(
-        FetcherConfig {
-            slots: 2,
-            slot_bytes: 0,
-            readers: 4,
-        },
-        Arc::new(t),
-        rec.clone(),
-    )
-    .unwrap();
+    let (mut f, rec, bytes) = in_memory(0, 3, size, 2, 4);
     let mut n = 0;
     f.fetch_batch(0, &[2, 0, 1], |ev| {
         let Event::Ready(a) = ev else {
