@@ -144,14 +144,19 @@ impl MemoryPlan {
 /// The staged run's worker processes (tokenizer, trunk-loader, expert-fetcher, compute).
 pub const STAGE_PROCESSES: usize = 4;
 
-/// The fewest expert arena slots a run keeps (fewer when top-k is smaller): a batch's
-/// experts stream through them, each slot reused as soon as compute is done with its
-/// expert (`ExpertFetcher::fetch_batch_io`), so a batch of any size fits. Only a total too
-/// small for more gets so few: the cache keeps 16 whenever there is room (see
-/// `cache_keep`), because the slots are also the expert reads in flight, and on the slice
-/// at `--mem-gb 5.5` six slots decoded 10-20% slower than sixteen although they left
-/// 0.29 GB per token more to the trunk (docs/measurements.md, 2026-12-02).
+/// The fewest expert arena slots a run keeps (fewer when top-k is smaller,
+/// [`min_expert_slots`]): a batch's experts stream through them, each slot reused as soon
+/// as compute is done with its expert (`ExpertFetcher::fetch_batch_io`), so a batch of any
+/// size fits. Only a total too small for more gets so few: the cache keeps 16 whenever
+/// there is room (see `cache_keep`). On the slice at `--mem-gb 5.5` four slots decoded
+/// slower than sixteen; six matched sixteen once expert reads went in pieces
+/// (docs/measurements.md, 2026-12-02), not yet shown to pay, so 16 stay the rule.
 pub const MIN_EXPERT_SLOTS: u64 = 4;
+
+/// The fewest expert slots for a model routing `top_k` experts per token.
+pub fn min_expert_slots(top_k: u64) -> u64 {
+    top_k.clamp(1, MIN_EXPERT_SLOTS)
+}
 /// What one stage process holds before any plan item: its heap, stacks, page tables and the
 /// pages of the binary it touches. Measured as a stage cgroup's peak minus its plan items on
 /// the tiny model: 1.0 to 2.5 MB; 4 MiB leaves room. Negligible on a real model, but a run
@@ -323,9 +328,9 @@ pub fn trunk_min(r: &k3_trunk_loader::Streams) -> u64 {
 
 /// A total budget spent to read the fewest bytes per token: the fixed part and the lm_head
 /// first (compute holds them), the trunk next (a pinned GB removes a GB of certain reads per
-/// token), the expert cache last (it pays only past its knee), keeping at least the
-/// slots a batch streams through ([`MIN_EXPERT_SLOTS`]; 16 when there is room). An explicit `--trunk-gb`/`--cache-gb` fixes its
-/// part and the other gets what is left. Returns (trunk, cache) or why it cannot fit.
+/// token), the expert cache last (it pays only past its knee), keeping at least the slots
+/// a batch streams through ([`MIN_EXPERT_SLOTS`]; 16 when there is room). An explicit
+/// `--trunk-gb`/`--cache-gb` fixes its part and the other gets what is left. Returns (trunk, cache) or why it cannot fit.
 pub fn spend(
     s: &Spend,
     trunk_over: Option<u64>,
@@ -843,7 +848,8 @@ pub fn plan_run(
     };
     let max_slots = cen.n_experts.max(topk as u64);
     // The fewest slots: a batch of any size streams through them (see MIN_EXPERT_SLOTS).
-    let min_slots = (topk as u64).clamp(1, MIN_EXPERT_SLOTS);
+    let min_slots = min_expert_slots(topk as u64);
+    let trunk_min = runs.as_ref().map_or(0, trunk_min);
     // Every prompt position and every generated one is cached. For a text prompt the token
     // count is not known before the tokenizer runs; `prompt_bound` (one token per byte at
     // most, plus the chat wrapper) is an upper bound, so a request that passes here fits.
@@ -903,7 +909,7 @@ pub fn plan_run(
                         min_slots,
                         max_slots,
                         lm_head_row,
-                        trunk_min: runs.as_ref().map_or(0, trunk_min),
+                        trunk_min,
                     },
                     runs.as_ref(),
                     trunk_over,

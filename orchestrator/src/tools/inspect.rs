@@ -432,7 +432,7 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
         lm_head: cen.lm_head_bytes,
         lm_head_row: cen.lm_head_bytes / (cfg.vocab_size as u64).max(1),
         expert_slot,
-        min_slots: topk.clamp(1, crate::run::plan::MIN_EXPERT_SLOTS),
+        min_slots: crate::run::plan::min_expert_slots(topk),
         max_slots: cen.n_experts.max(topk),
         trunk_min: crate::run::plan::trunk_min(&runs),
     };

@@ -276,7 +276,8 @@ struct Job {
     slot_bytes: usize,
     /// File offset that the slot's first byte mirrors (page-aligned).
     base: u64,
-    extents: Vec<Extent>,
+    /// The expert's page ranges ([`page_ranges`]), shared by its pieces.
+    ranges: Arc<[(u64, u64, u64)]>,
     /// The file bytes `[from, to)` this job reads of the expert (one piece of it).
     window: (u64, u64),
     /// The expert's pieces: the last to finish reports the expert `Done`.
@@ -305,10 +306,11 @@ struct Done {
 }
 
 /// Read one expert into its slot; returns the bytes transferred.
-fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, String> {
-    // Coalesce the extents' page ranges: [aligned start, aligned end, bytes that must arrive).
+/// An expert's extents as coalesced page ranges: (aligned start, aligned end, the end of
+/// the bytes that must arrive).
+fn page_ranges(extents: &[Extent]) -> Vec<(u64, u64, u64)> {
     let mut ranges: Vec<(u64, u64, u64)> = Vec::new();
-    for e in &job.extents {
+    for e in extents {
         let (s, end) = (align_down(e.offset), align_up(e.offset + e.len));
         match ranges.last_mut() {
             Some(r) if s <= r.1 => {
@@ -318,9 +320,15 @@ fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, String> {
             _ => ranges.push((s, end, e.offset + e.len)),
         }
     }
+    ranges
+}
+
+/// Read one piece of an expert (its window of the expert's page ranges) into its slot;
+/// returns the bytes transferred.
+fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, String> {
     let mut total = 0u64;
     let (w0, w1) = job.window;
-    for (s, end, need) in ranges {
+    for &(s, end, need) in job.ranges.iter() {
         let (s, end) = (s.max(w0), end.min(w1));
         if s >= end {
             continue;
@@ -808,6 +816,7 @@ impl ExpertFetcher {
             .step_by(PIECE as usize)
             .map(|w| (w, (w + PIECE).min(end)))
             .collect();
+        let ranges: Arc<[(u64, u64, u64)]> = page_ranges(&loc.extents).into();
         let group = Arc::new(Group {
             left: std::sync::atomic::AtomicUsize::new(windows.len()),
             bytes: std::sync::atomic::AtomicU64::new(0),
@@ -823,7 +832,7 @@ impl ExpertFetcher {
                 }),
                 slot_bytes: self.slot_bytes as usize,
                 base,
-                extents: loc.extents.clone(),
+                ranges: Arc::clone(&ranges),
                 window,
                 group: Arc::clone(&group),
                 _arena: Arc::clone(&self.arena),
@@ -883,18 +892,6 @@ impl ExpertFetcher {
         let mut hits: Vec<usize> = Vec::new();
         let mut misses: Vec<(usize, ExpertLocation)> = Vec::new();
         let mut deferred: Vec<(u32, ExpertLocation)> = Vec::new();
-        let fail = |e: FetchError, me: &mut Self, io: &mut dyn BatchIo| {
-            if publish {
-                me.count(|c| {
-                    c.requests += 1;
-                    c.misses += 1;
-                    c.failed += 1;
-                });
-                io.event(Event::Failed(e));
-            } else {
-                me.count(|c| c.prefetch_failed += 1);
-            }
-        };
 
         // 1. Reserve serially: hits, then a victim slot per miss while there is one; the
         //    misses left over wait for a slot of this batch to be done with.
@@ -920,7 +917,7 @@ impl ExpertFetcher {
                 continue;
             }
             let Some(loc) = self.locator.locate(layer, id) else {
-                fail(FetchError::Unknown { layer, expert: id }, self, io);
+                self.fail_request(FetchError::Unknown { layer, expert: id }, publish, io);
                 summary.failed += 1;
                 continue;
             };
@@ -932,7 +929,7 @@ impl ExpertFetcher {
                     need,
                     slot: self.slot_bytes,
                 };
-                fail(e, self, io);
+                self.fail_request(e, publish, io);
                 summary.failed += 1;
                 continue;
             }
@@ -954,11 +951,7 @@ impl ExpertFetcher {
         misses.sort_by_key(|(_, l)| (l.file, l.start()));
         deferred.sort_by_key(|(_, l)| (l.file, l.start()));
         let mut deferred: std::collections::VecDeque<(u32, ExpertLocation)> = deferred.into();
-        let mut rotation: Vec<usize> = hits
-            .iter()
-            .copied()
-            .filter(|&s| claimed.contains(&s))
-            .collect();
+        let mut rotation: Vec<usize> = hits.clone();
         rotation.extend(misses.iter().map(|(s, _)| *s));
         rotation.retain(|&s| !self.slots[s].pinned);
         let mut next_turn = 0usize;
@@ -1036,7 +1029,7 @@ impl ExpertFetcher {
                     // No slot of this batch can come back: every one is pinned or held by
                     // a reader that cannot release it during the batch.
                     for (id, _) in std::mem::take(&mut deferred) {
-                        fail(FetchError::NoSlot { layer, expert: id }, self, io);
+                        self.fail_request(FetchError::NoSlot { layer, expert: id }, publish, io);
                         summary.failed += 1;
                     }
                     break;
@@ -1138,19 +1131,30 @@ impl ExpertFetcher {
             Err(why) => {
                 let n = deferred.len();
                 for (id, _) in std::mem::take(deferred) {
-                    self.count(|c| {
-                        c.requests += 1;
-                        c.misses += 1;
-                        c.failed += 1;
-                    });
-                    io.event(Event::Failed(FetchError::Read {
+                    let e = FetchError::Read {
                         layer,
                         expert: id,
                         why: why.clone(),
-                    }));
+                    };
+                    self.fail_request(e, true, io);
                 }
                 n
             }
+        }
+    }
+
+    /// A request that ends without data: counted (a failed miss, or a failed prefetch) and,
+    /// when the batch publishes, reported.
+    fn fail_request(&mut self, e: FetchError, publish: bool, io: &mut dyn BatchIo) {
+        if publish {
+            self.count(|c| {
+                c.requests += 1;
+                c.misses += 1;
+                c.failed += 1;
+            });
+            io.event(Event::Failed(e));
+        } else {
+            self.count(|c| c.prefetch_failed += 1);
         }
     }
 
