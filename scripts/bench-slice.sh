@@ -23,6 +23,11 @@ BENCH=target/release/examples/gemv_bench
 mkdir -p "$WORK"
 [ -f "$WORK/slice/config.json" ] || "$BIN" synth --shape slice --vocab 163840 --seed 7 "$WORK/slice"
 
+# Resident means in RAM: read every shard once so the page cache holds the whole slice
+# (a build or another run may have evicted part of it; the warm-up run below only touches
+# the experts its own tokens route to, and a later run's first touch of another expert
+# would otherwise read it from disk).
+cat "$WORK"/slice/*.safetensors > /dev/null
 echo "== uptime (start): $(uptime)"
 # The read probe: AVX-512 loads over 1 GiB with 1, 4 and 8 interleaved streams per task
 # on the kernels' rayon pools; the best variant is the floor ("memory read bandwidth").

@@ -17,13 +17,17 @@
 //! - F32: `vpermt2ps` splits 32 floats into even and odd columns.
 //!
 //! Register blocking:
-//! - one token (decode, memory-bound): [`super::gemv::R1`] rows (tunable) streamed side by
-//!   side, block by block;
-//! - several tokens (prefill): panels of [`PANEL`] rows. Per 1024-column block and per
-//!   sub-block of [`SB`] groups, each row pair's groups are decoded once into an L1
-//!   buffer, then multiplied into register tiles of 2 rows × up to 6 tokens (24 zmm
-//!   accumulators), the f32 partials parked in L1 between sub-blocks (an exact store and
-//!   reload). The sub-block's activations stay in L1 while the whole panel uses them.
+//! - one token (decode, memory-bound for BF16, decode-bound for MXFP4): [`R1`] BF16/F32
+//!   rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block, the
+//!   groups of one 64-byte line of every row taken in one run with one prefetch per row;
+//! - several tokens (prefill): panels of rows whose 1024-column block slices fit 64 KiB
+//!   (32 BF16, 128 MXFP4, 16 F32 rows). Per block, per token tile of up to [`TB`] tokens
+//!   (the tile's block slice, 16 KiB, stays in L1), every row pair of the panel decodes
+//!   each group into registers and multiplies it into a 2 rows × [`TB`] tokens register
+//!   tile (16 zmm accumulators, nothing parked or spilled), then promotes the tile's f32
+//!   partials into its f64 lane sums. The first token tile reads the panel's weights from
+//!   memory and prefetches (into L2) each row's next block, or the next panel's first
+//!   one; the other tiles find the panel's block slice in L2.
 //!
 //! Blocking never changes what one (row, token) lane computes (the same FMAs in the same
 //! order, the same promotion at block ends, the same tree), so batched results equal
@@ -34,7 +38,7 @@
 
 use std::arch::x86_64::*;
 
-use super::gemv::{decode_tuning, Mat, MatData};
+use super::gemv::{decode_tuning, Mat, MatData, R1, R1_MXFP4};
 use super::portable::{
     groups, reduce_lanes, stage_partial, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES,
 };
@@ -54,6 +58,15 @@ trait Fmt: Copy {
     unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2];
     /// Software prefetch distance in bytes ahead of the group being decoded.
     const PF: usize;
+    /// Bytes of one row's f32 block (32 groups): the batched path's prefetch distance.
+    const BLOCK: usize;
+    /// Groups per 64-byte line of a row's weights (at least 1): the one-token path
+    /// prefetches once per run of `U` groups.
+    const U: usize;
+    /// Default rows per one-token tile ([`super::gemv::R1`], [`super::gemv::R1_MXFP4`]).
+    const ROWS1: usize;
+    /// Bytes from one row's start to the next row's (of the weights `at` points into).
+    fn row_bytes(&self) -> usize;
 }
 
 #[derive(Clone, Copy)]
@@ -64,6 +77,12 @@ struct Bf16 {
 
 impl Fmt for Bf16 {
     const PF: usize = 1024;
+    const BLOCK: usize = 64 * BLOCK_GROUPS;
+    const U: usize = 1;
+    const ROWS1: usize = R1;
+    fn row_bytes(&self) -> usize {
+        self.stride
+    }
     /// # Safety
     /// As [`Fmt::at`].
     #[inline(always)]
@@ -93,6 +112,12 @@ struct F32 {
 
 impl Fmt for F32 {
     const PF: usize = 1024;
+    const BLOCK: usize = 128 * BLOCK_GROUPS;
+    const U: usize = 1;
+    const ROWS1: usize = R1;
+    fn row_bytes(&self) -> usize {
+        self.stride
+    }
     /// # Safety
     /// As [`Fmt::at`].
     #[inline(always)]
@@ -128,6 +153,12 @@ struct Mx {
 
 impl Fmt for Mx {
     const PF: usize = 512;
+    const BLOCK: usize = 16 * BLOCK_GROUPS;
+    const U: usize = 4;
+    const ROWS1: usize = R1_MXFP4;
+    fn row_bytes(&self) -> usize {
+        self.pstride
+    }
     /// # Safety
     /// As [`Fmt::at`].
     #[inline(always)]
@@ -228,20 +259,41 @@ unsafe fn seg1<F: Fmt, const R: usize>(
     unsafe {
         let mut a = [[_mm512_setzero_ps(); 2]; R];
         let qm = qf.clamp(q0, qe);
-        for q in q0..qm {
+        let mut q = q0;
+        // Full groups in runs of U (one cache line of every row's weights): each row's
+        // line ahead is prefetched once per run.
+        while q + F::U <= qm {
+            if pf != 0 {
+                for j in 0..R {
+                    let (p, _) = f.at(r + j, q);
+                    // A hint: it never faults; wrapping_add keeps the arithmetic defined.
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
+                }
+            }
+            for u in 0..F::U {
+                let xq = xp.add(GROUP_COLS * (q + u));
+                let x0 = _mm512_loadu_ps(xq);
+                let x1 = _mm512_loadu_ps(xq.add(16));
+                for (j, aj) in a.iter_mut().enumerate() {
+                    let (p, s) = f.at(r + j, q + u);
+                    let w = F::dec(p, s);
+                    aj[0] = _mm512_fmadd_ps(w[0], x0, aj[0]);
+                    aj[1] = _mm512_fmadd_ps(w[1], x1, aj[1]);
+                }
+            }
+            q += F::U;
+        }
+        while q < qm {
             let xq = xp.add(GROUP_COLS * q);
             let x0 = _mm512_loadu_ps(xq);
             let x1 = _mm512_loadu_ps(xq.add(16));
             for (j, aj) in a.iter_mut().enumerate() {
                 let (p, s) = f.at(r + j, q);
-                if pf != 0 {
-                    // A hint: it never faults; wrapping_add keeps the arithmetic defined.
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
-                }
                 let w = F::dec(p, s);
                 aj[0] = _mm512_fmadd_ps(w[0], x0, aj[0]);
                 aj[1] = _mm512_fmadd_ps(w[1], x1, aj[1]);
             }
+            q += 1;
         }
         for q in qm..qe {
             let xq = xp.add(GROUP_COLS * q);
@@ -299,200 +351,198 @@ unsafe fn tile1<F: Fmt, const R: usize>(
     }
 }
 
-/// Groups per sub-block of the batched path: the f32 partials of a (row tile, token) pair
-/// are kept in registers for this many groups, then parked in an L1 buffer (an exact f32
-/// store/reload, so the lane's FMA chain is unchanged). Sized so that the sub-block's
-/// slice of 16 tokens (16 × 8 × 128 B = 16 KiB) stays in L1.
-const SB: usize = 8;
 /// Rows per register tile of the batched path.
 const RB: usize = 2;
-/// Tokens per register tile of the batched path (RB × TB × 2 = 24 accumulators, RB × 2
-/// decoded weights and 2 activations: 30 of the 32 zmm registers).
-const TB: usize = 6;
+/// Tokens per register tile of the batched path (RB × TB × 2 = 16 accumulators, RB × 2
+/// decoded weights and 2 activations: 22 of the 32 zmm registers, so nothing spills).
+pub const TB: usize = 4;
 
-/// The batched micro-kernel: rows `0..R` of the decoded sub-block `w` (`n` groups, row `j`
-/// at `w[j*SB + g]`) × tokens `0..T` of `x` (token `t`, group `g` at `x + t*stride + 32g`),
-/// continuing the f32 partials `acc[j*ntok + t]` (from +0 when `first`: the block's first
-/// sub-block), and at the block's last sub-block (`last`) promoting them straight into
-/// the f64 lane sums `acc64[j*ntok + t]` instead of parking them.
+/// One f32 block (groups `q0..qe`) of rows `r..r+R` × tokens `t0..t0+T`: the weights of
+/// each group are decoded once into registers and multiplied into the `R × T` register
+/// tile; the lanes' f32 partials are promoted into `acc[j*ntok + t0 + t]` at the block's
+/// end. With `pf = Some(d)`, each group's weights `d` bytes further on are prefetched (the
+/// first token tile of a block is the one that reads the weights from memory; `d` points
+/// at the row's next block, or at the next panel's first one).
 ///
 /// # Safety
-/// `x` addresses `T` tokens × `n` groups; `acc` and `acc64` have `(R-1)*ntok + T` entries;
-/// AVX-512F enabled in the caller.
+/// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
+/// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc` (row `j` at index `j`); `xp`
+/// holds `ntok` permuted tokens at stride `stride`, `t0 + T <= ntok`,
+/// `acc.len() >= (R-1)*ntok + t0 + T`; AVX-512F enabled in the caller.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn micro<const R: usize, const T: usize>(
-    w: &[[__m512; 2]; RB * SB],
-    n: usize,
-    x: *const f32,
-    (stride, ntok): (usize, usize),
-    (first, last): (bool, bool),
-    acc: &mut [[__m512; 2]],
-    acc64: &mut [[f64; LANES]],
+unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
+    f: F,
+    r: usize,
+    (q0, qe, qf): (usize, usize, usize),
+    (pbuf, psc): (&[[u8; 128]], &[u8]),
+    xp: *const f32,
+    (stride, t0, ntok): (usize, usize, usize),
+    pf: Option<isize>,
+    acc: &mut [[f64; LANES]],
 ) {
-    // SAFETY: indices as documented; loads are unaligned-safe.
+    // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
+    // reads stay inside token t0+t (32 values at 32q < stride); acc indices as documented.
     unsafe {
         let mut a = [[[_mm512_setzero_ps(); 2]; T]; R];
-        if !first {
-            for j in 0..R {
+        let qm = qf.clamp(q0, qe);
+        let x = xp.add(t0 * stride);
+        macro_rules! body {
+            ($w:expr, $q:expr) => {{
+                let w: [[__m512; 2]; R] = $w;
+                let xq = x.add(GROUP_COLS * $q);
                 for t in 0..T {
-                    a[j][t] = acc[j * ntok + t];
+                    let x0 = _mm512_loadu_ps(xq.add(t * stride));
+                    let x1 = _mm512_loadu_ps(xq.add(t * stride + 16));
+                    for j in 0..R {
+                        a[j][t][0] = _mm512_fmadd_ps(w[j][0], x0, a[j][t][0]);
+                        a[j][t][1] = _mm512_fmadd_ps(w[j][1], x1, a[j][t][1]);
+                    }
                 }
-            }
+            }};
         }
-        for g in 0..n {
-            let mut wr = [[_mm512_setzero_ps(); 2]; R];
-            for j in 0..R {
-                wr[j] = w[j * SB + g];
+        for q in q0..qm {
+            let mut w = [[_mm512_setzero_ps(); 2]; R];
+            for (j, wj) in w.iter_mut().enumerate() {
+                let (p, s) = f.at(r + j, q);
+                if let Some(d) = pf {
+                    // A hint: it never faults (wrapping_offset keeps the arithmetic
+                    // defined, wherever d points).
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_offset(d) as *const i8);
+                }
+                *wj = F::dec(p, s);
             }
+            body!(w, q);
+        }
+        for q in qm..qe {
+            let mut w = [[_mm512_setzero_ps(); 2]; R];
+            for (j, wj) in w.iter_mut().enumerate() {
+                *wj = F::dec(pbuf[j].as_ptr(), psc[j]);
+            }
+            body!(w, q);
+        }
+        for j in 0..R {
             for t in 0..T {
-                let xq = x.add(t * stride + GROUP_COLS * g);
-                let x0 = _mm512_loadu_ps(xq);
-                let x1 = _mm512_loadu_ps(xq.add(16));
-                for j in 0..R {
-                    a[j][t][0] = _mm512_fmadd_ps(wr[j][0], x0, a[j][t][0]);
-                    a[j][t][1] = _mm512_fmadd_ps(wr[j][1], x1, a[j][t][1]);
-                }
-            }
-        }
-        if last {
-            for j in 0..R {
-                for t in 0..T {
-                    promote(&a[j][t], &mut acc64[j * ntok + t]);
-                }
-            }
-        } else {
-            for j in 0..R {
-                for t in 0..T {
-                    acc[j * ntok + t] = a[j][t];
-                }
+                promote(&a[j][t], &mut acc[j * ntok + t0 + t]);
             }
         }
     }
 }
 
-/// [`micro`] for a token tile of `t` (1..=TB) tokens.
+/// [`seg`] for a token tile of `t` (1..=TB) tokens.
 ///
 /// # Safety
-/// As [`micro`] with `T = t`.
-#[inline(always)]
+/// As [`seg`] with `T = t`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn micro_t<const R: usize>(
+#[inline(always)]
+unsafe fn seg_t<F: Fmt, const R: usize>(
     t: usize,
-    w: &[[__m512; 2]; RB * SB],
-    n: usize,
-    x: *const f32,
-    sn: (usize, usize),
-    fl: (bool, bool),
-    acc: &mut [[__m512; 2]],
-    acc64: &mut [[f64; LANES]],
+    f: F,
+    r: usize,
+    qs: (usize, usize, usize),
+    stage: (&[[u8; 128]], &[u8]),
+    xp: *const f32,
+    st: (usize, usize, usize),
+    pf: Option<isize>,
+    acc: &mut [[f64; LANES]],
 ) {
     // SAFETY: forwarded.
     unsafe {
         match t {
-            6 => micro::<R, 6>(w, n, x, sn, fl, acc, acc64),
-            5 => micro::<R, 5>(w, n, x, sn, fl, acc, acc64),
-            4 => micro::<R, 4>(w, n, x, sn, fl, acc, acc64),
-            3 => micro::<R, 3>(w, n, x, sn, fl, acc, acc64),
-            2 => micro::<R, 2>(w, n, x, sn, fl, acc, acc64),
-            _ => micro::<R, 1>(w, n, x, sn, fl, acc, acc64),
+            4 => seg::<F, R, 4>(f, r, qs, stage, xp, st, pf, acc),
+            3 => seg::<F, R, 3>(f, r, qs, stage, xp, st, pf, acc),
+            2 => seg::<F, R, 2>(f, r, qs, stage, xp, st, pf, acc),
+            _ => seg::<F, R, 1>(f, r, qs, stage, xp, st, pf, acc),
         }
     }
 }
 
-/// Rows per panel of the batched path: the panel's f32 partials (PANEL × ntok × 128 B,
-/// 8 KiB at 16 tokens) and the sub-block's activations (16 KiB) stay in L1 while every
-/// row pair of the panel runs over the sub-block, so each activation loaded from L2 feeds
-/// PANEL rows.
-pub const PANEL: usize = 4;
+/// Weight bytes of one block (1024 columns) of a batched panel's rows: the panel's block
+/// slice is read from memory by the first token tile and found in L2 by the others.
+const PANEL_BLOCK_BYTES: usize = 64 << 10;
 
-/// Rows `r..r+p` (p ≤ [`PANEL`]) × all `ntok` tokens, batched. Per 1024-column block, per
-/// sub-block of [`SB`] groups, per row pair of the panel: the pair's groups are decoded
-/// once into an L1 buffer, then multiplied into every token tile of up to [`TB`] tokens
-/// (f32 partials start at +0 in the block's first sub-block, are parked in L1 between
-/// sub-blocks and promoted from registers after the block's last one). Each (row, token)
-/// lane still performs exactly the contract's FMA chain (in increasing group order),
-/// promotes at the end of each block and reduces by the shared tree, so results equal
-/// the one-token kernel bit for bit.
+/// Rows `r0..r1` × all `ntok` tokens, batched, in panels of rows whose block slices fit
+/// [`PANEL_BLOCK_BYTES`]. Per panel, block by block (1024 columns): per token tile of up
+/// to [`TB`] tokens (whose block slice, 16 KiB, stays in L1), every row pair of the panel
+/// runs the block in registers ([`seg`]) and promotes into its f64 lane sums; the first
+/// tile reads the weights from memory and prefetches the next block, the others find the
+/// panel's block slice in cache. Each (row, token) lane performs exactly the contract's
+/// FMA chain (in increasing group order), promotes at the end of each block and reduces by
+/// the shared tree, so results equal the one-token kernel bit for bit.
 ///
 /// # Safety
-/// As [`tile`] for rows `r..r+p`; `out` has room for `p * ntok` sums.
+/// `f` describes `m`, `r1 <= m.rows`; `xp` holds `ntok` permuted tokens; `out` has room for
+/// `(r1 - r0) * ntok` sums; AVX-512F enabled in the caller.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn panel_batched<F: Fmt>(
+unsafe fn rows_batched<F: Fmt>(
     f: F,
     m: &Mat<'_>,
-    r: usize,
-    p: usize,
+    (r0, r1): (usize, usize),
     xp: *const f32,
     ntok: usize,
-    acc32: &mut Vec<[__m512; 2]>,
-    acc: &mut Vec<[f64; LANES]>,
     out: &mut [f64],
 ) {
     let ng = groups(m.cols);
     let full = m.cols / GROUP_COLS;
     let stride = x_stride(m.cols);
-    let mut pbuf = [[0u8; 128]; PANEL];
-    let mut psc = [0u8; PANEL];
-    if full < ng {
-        for j in 0..p {
-            psc[j] = stage_partial(m, r + j, full, &mut pbuf[j]);
+    let panel = (PANEL_BLOCK_BYTES / F::BLOCK).max(RB);
+    let mut pbuf = vec![[0u8; 128]; if full < ng { panel } else { 0 }];
+    let mut psc = vec![0u8; pbuf.len()];
+    let mut acc = Vec::new();
+    let mut p0 = r0;
+    while p0 < r1 {
+        let nr = (r1 - p0).min(panel);
+        for j in 0..pbuf.len().min(nr) {
+            psc[j] = stage_partial(m, p0 + j, full, &mut pbuf[j]);
         }
-    }
-    acc.clear();
-    acc.resize(p * ntok, [0f64; LANES]);
-    // SAFETY: the caller's guarantees: full groups are read in place, the partial one
-    // from pbuf; x offsets stay inside the ntok permuted tokens; acc32 indices < p*ntok.
-    unsafe {
-        let zero = [_mm512_setzero_ps(); 2];
-        acc32.clear();
-        acc32.resize(p * ntok, zero);
-        let mut w = [zero; RB * SB];
-        prefetch_heads(f, m, r + p, r + 2 * p, 2 * F::PF);
-        let mut q = 0;
-        while q < ng {
-            let qe = (q + BLOCK_GROUPS).min(ng);
-            let mut s0 = q;
-            while s0 < qe {
-                let se = (s0 + SB).min(qe);
-                let mut j0 = 0;
-                while j0 < p {
-                    let rr = (p - j0).min(RB);
-                    for j in 0..rr {
-                        for g in s0..se {
-                            w[j * SB + g - s0] = if g < full {
-                                let (pw, sc) = f.at(r + j0 + j, g);
-                                _mm_prefetch::<_MM_HINT_T0>(pw.wrapping_add(F::PF) as *const i8);
-                                F::dec(pw, sc)
-                            } else {
-                                F::dec(pbuf[j0 + j].as_ptr(), psc[j0 + j])
-                            };
-                        }
-                    }
-                    let fl = (s0 == q, se == qe);
-                    let mut t0 = 0;
-                    while t0 < ntok {
-                        let t = (ntok - t0).min(TB);
-                        let x = xp.add(t0 * stride + GROUP_COLS * s0);
-                        let a = &mut acc32[j0 * ntok + t0..];
-                        let a64 = &mut acc[j0 * ntok + t0..];
-                        let sn = (stride, ntok);
-                        if rr == RB {
-                            micro_t::<RB>(t, &w, se - s0, x, sn, fl, a, a64);
+        acc.clear();
+        acc.resize(nr * ntok, [0f64; LANES]);
+        // SAFETY: the caller's guarantees; every seg's rows lie in p0..p0+nr <= r1, its
+        // tokens in 0..ntok and its sums in acc (row j of the panel at j*ntok).
+        unsafe {
+            let mut q = 0;
+            while q < ng {
+                let qe = (q + BLOCK_GROUPS).min(ng);
+                let qs = (q, qe, qe.min(full));
+                let mut t0 = 0;
+                while t0 < ntok {
+                    let t = (ntok - t0).min(TB);
+                    let st = (stride, t0, ntok);
+                    // The first tile reads the weights: it prefetches the row's next
+                    // block, or in the last block the next panel's first one.
+                    let pf = (t0 == 0).then(|| {
+                        if qe < ng {
+                            F::BLOCK as isize
                         } else {
-                            micro_t::<1>(t, &w, se - s0, x, sn, fl, a, a64);
+                            (nr * f.row_bytes()) as isize - (q * F::BLOCK / BLOCK_GROUPS) as isize
                         }
-                        t0 += t;
+                    });
+                    let mut j = 0;
+                    while j < nr {
+                        let stage = if pbuf.is_empty() {
+                            (&pbuf[..], &psc[..])
+                        } else {
+                            (&pbuf[j..], &psc[j..])
+                        };
+                        let a = &mut acc[j * ntok..];
+                        if j + RB <= nr {
+                            seg_t::<F, RB>(t, f, p0 + j, qs, stage, xp, st, pf, a);
+                            j += RB;
+                        } else {
+                            seg_t::<F, 1>(t, f, p0 + j, qs, stage, xp, st, pf, a);
+                            j += 1;
+                        }
                     }
-                    j0 += rr;
+                    t0 += t;
                 }
-                s0 = se;
+                q = qe;
             }
-            q = qe;
         }
-    }
-    for (o, a) in out[..p * ntok].iter_mut().zip(acc.iter_mut()) {
-        *o = reduce_lanes(a);
+        let o = &mut out[(p0 - r0) * ntok..(p0 - r0 + nr) * ntok];
+        for (o, a) in o.iter_mut().zip(acc.iter_mut()) {
+            *o = reduce_lanes(a);
+        }
+        p0 += nr;
     }
 }
 
@@ -520,6 +570,7 @@ unsafe fn drive<F: Fmt>(
     unsafe {
         if ntok == 1 {
             let (rows, pf) = decode_tuning();
+            let rows = if rows == 0 { F::ROWS1 } else { rows };
             let pf = if pf == usize::MAX { F::PF } else { pf };
             macro_rules! run_rows {
                 ($n:literal) => {
@@ -543,14 +594,7 @@ unsafe fn drive<F: Fmt>(
                 r += 1;
             }
         } else {
-            let mut acc = Vec::new();
-            let mut acc32 = Vec::new();
-            while r < r1 {
-                let p = (r1 - r).min(PANEL);
-                let o = &mut out[(r - r0) * ntok..];
-                panel_batched::<F>(f, m, r, p, x, ntok, &mut acc32, &mut acc, o);
-                r += p;
-            }
+            rows_batched::<F>(f, m, (r0, r1), x, ntok, out);
         }
     }
 }

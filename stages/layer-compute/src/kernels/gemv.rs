@@ -58,14 +58,14 @@
 //!   experts). One x permutation and one fork/join for all matrices; results are bitwise
 //!   those of separate [`gemm`] calls, so wiring it changes no id or logit.
 //! - **Batched prefill** — [`gemm`] with `ntok > 1` *is* the batched, register-blocked
-//!   GEMM (weights read from DRAM once per chunk; on AVX-512, panels of 4 rows whose
-//!   32-column groups are decoded once per sub-block of 256 columns and multiplied into
-//!   2 rows × 6 tokens per inner loop). Callers should pass the whole chunk in one call
-//!   (as they do today) instead of looping tokens; per-token results equal [`gemv`] bit
-//!   for bit.
+//!   GEMM (weights read from DRAM once per chunk; on AVX-512, panels of rows taken block
+//!   by block, each block's groups decoded in registers and multiplied into 2 rows × 4
+//!   tokens per inner loop, see [`super::avx512`]). Callers should pass the whole chunk in
+//!   one call (as they do today) instead of looping tokens; per-token results equal
+//!   [`gemv`] bit for bit.
 //! - **Decode tuning** — [`set_decode_tuning`] (or `K3_GEMV_ROWS` / `K3_GEMV_PF`) picks
-//!   how many rows the one-token AVX-512 kernel streams side by side and its prefetch
-//!   distance; a speed setting only, never a result.
+//!   how many rows the one-token AVX-512 kernel streams side by side (default per format:
+//!   [`R1`], [`R1_MXFP4`]) and its prefetch distance; a speed setting only, never a result.
 //! - **lm_head** — one [`gemm`] call (rows = vocab) parallelises over 256 KiB row blocks
 //!   on the current pool; nothing else is needed.
 //! - **Pool** — products use `rayon::current_num_threads()`; run the forward inside
@@ -242,36 +242,51 @@ fn rows_f32_on(
     }
 }
 
-/// Decode-path tuning of the AVX-512 kernels: rows streamed side by side (2, 4, 6 or 8)
-/// and the software prefetch distance in bytes along each row (0: none; `usize::MAX`:
-/// the format's default). Neither changes a result (rows are independent), only the memory access
-/// pattern; read once from `K3_GEMV_ROWS` / `K3_GEMV_PF`, overridable by
-/// [`set_decode_tuning`] (benchmarks sweep them).
-static DEC_ROWS: AtomicUsize = AtomicUsize::new(0);
+/// Decode-path tuning of the AVX-512 kernels: rows streamed side by side (2, 4, 6 or 8;
+/// 0: the format's default) and the software prefetch distance in bytes along each row
+/// (0: none; `usize::MAX`: the format's default). Neither changes a result (rows are
+/// independent), only the memory access pattern; read once from `K3_GEMV_ROWS` /
+/// `K3_GEMV_PF`, overridable by [`set_decode_tuning`] (benchmarks sweep them).
+/// `usize::MAX` in `DEC_ROWS`: not read yet.
+static DEC_ROWS: AtomicUsize = AtomicUsize::new(usize::MAX);
 static DEC_PF: AtomicUsize = AtomicUsize::new(usize::MAX);
 
-/// Default rows per one-token tile of the AVX-512 decode path. Chosen from
-/// `gemv_bench --sweep` on a quiet machine (2026-12-01, lm_head, 2 threads): 6 rows with a
-/// 512-byte prefetch read 29.8 GB/s, 4 rows with 1024 bytes 24.2 GB/s (106% vs 86% of the
-/// read probe); 6 rows beat 4 at every prefetch distance tried.
+/// Default rows per one-token tile of the AVX-512 decode path for BF16 and F32 weights.
+/// Chosen from `gemv_bench --sweep` on a quiet machine (2026-12-01, lm_head, 2 threads): 6
+/// rows with a 512-byte prefetch read 29.8 GB/s, 4 rows with 1024 bytes 24.2 GB/s (106% vs
+/// 86% of the read probe); 6 rows beat 4 at every prefetch distance tried.
 pub const R1: usize = 6;
+
+/// Default rows per one-token tile for MXFP4 weights (compute-bound: the decode takes 3
+/// shuffles and a shift per group and row). Measured 2026-12-02 on the expert shape
+/// (3072x3584, `gemv_bench`, prefetch 256-2048 B): 4 rows read 33-35% of the probe on one
+/// thread and 43-51% on two, 6 rows 25-28% and 23-37%; 4 rows keep every row pointer in a
+/// register.
+pub const R1_MXFP4: usize = 4;
 
 /// Default software prefetch distance (bytes) of the decode path, every format (see [`R1`]).
 pub const PF1: usize = 512;
 
-/// Set the decode path's rows per tile (2, 4, 6 or 8; anything else: [`R1`]) and prefetch
-/// distance (bytes; 0 = none, `usize::MAX` = the format's default). Results never change.
+/// Set the decode path's rows per tile (2, 4, 6 or 8; 0 or anything else: the format's
+/// default, [`R1`] or [`R1_MXFP4`]) and prefetch distance (bytes; 0 = none, `usize::MAX` =
+/// the format's default). Results never change.
 pub fn set_decode_tuning(rows: usize, prefetch: usize) {
     // The distance first: a reader that sees the new row count (Acquire) sees it too.
     DEC_PF.store(prefetch, Ordering::Relaxed);
-    DEC_ROWS.store(rows.max(1), Ordering::Release);
+    let rows = if matches!(rows, 2 | 4 | 6 | 8) {
+        rows
+    } else {
+        0
+    };
+    DEC_ROWS.store(rows, Ordering::Release);
 }
 
-/// The decode tuning in effect: (rows per tile, prefetch distance or `usize::MAX`).
+/// The decode tuning in effect: (rows per tile, 0 for the format's default; prefetch
+/// distance, `usize::MAX` for the format's default).
 pub fn decode_tuning() -> (usize, usize) {
-    if DEC_ROWS.load(Ordering::Acquire) == 0 {
+    if DEC_ROWS.load(Ordering::Acquire) == usize::MAX {
         let env = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse().ok());
-        let rows = env("K3_GEMV_ROWS").unwrap_or(R1);
+        let rows = env("K3_GEMV_ROWS").unwrap_or(0);
         let pf = env("K3_GEMV_PF").unwrap_or(PF1);
         // A race here stores the same values twice.
         set_decode_tuning(rows, pf);
@@ -378,8 +393,8 @@ pub fn gemv(m: &Mat<'_>, x: &[f32], y: &mut [f32], threads: usize) {
 
 /// `ys[t] = W xs[t]` for `t < ntok`; `xs` is `ntok × cols`, `ys` is `ntok × rows`.
 ///
-/// A batched, register-blocked GEMM: each weight row is read from memory and decoded
-/// once for all tokens (SIMD: 2 rows × 6 tokens per inner loop on AVX-512), and every
+/// A batched, register-blocked GEMM: each weight row is read from memory once for all
+/// tokens (SIMD: 2 rows × 4 tokens per inner loop on AVX-512), and every
 /// (row, token) result is the dot product [`gemv`] computes, bit for bit.
 pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize) {
     gemm_fused(&[m], xs, &mut [ys], ntok, threads);
