@@ -267,7 +267,7 @@ unsafe fn seg1<F: Fmt, const R: usize>(
                 for j in 0..R {
                     let (p, _) = f.at(r + j, q);
                     // A hint: it never faults; wrapping_add keeps the arithmetic defined.
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(pf) as *const i8);
                 }
             }
             for u in 0..F::U {

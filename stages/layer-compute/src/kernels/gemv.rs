@@ -252,10 +252,11 @@ static DEC_ROWS: AtomicUsize = AtomicUsize::new(usize::MAX);
 static DEC_PF: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Default rows per one-token tile of the AVX-512 decode path for BF16 and F32 weights.
-/// Chosen from `gemv_bench --sweep` on a quiet machine (2026-12-01, lm_head, 2 threads): 6
-/// rows with a 512-byte prefetch read 29.8 GB/s, 4 rows with 1024 bytes 24.2 GB/s (106% vs
-/// 86% of the read probe); 6 rows beat 4 at every prefetch distance tried.
-pub const R1: usize = 6;
+/// `gemv_bench --sweep` (lm_head, 2 threads): 6 rows with a 512-byte prefetch were the
+/// fastest on 2026-12-01 (29.8 GB/s against 24.2 for 4 rows); on 2026-12-02 8 rows were
+/// (32.4-33.5 GB/s against 30.3-31.2 for 6), and four alternating pairs of the slice's
+/// resident decode gave 8 rows 0.322-0.330 s/token against 0.332-0.340 for 6.
+pub const R1: usize = 8;
 
 /// Default rows per one-token tile for MXFP4 weights (compute-bound: the decode takes 3
 /// shuffles and a shift per group and row). Measured 2026-12-02 on the expert shape
@@ -264,7 +265,8 @@ pub const R1: usize = 6;
 /// register.
 pub const R1_MXFP4: usize = 4;
 
-/// Default software prefetch distance (bytes) of the decode path, every format (see [`R1`]).
+/// Default software prefetch distance (bytes) of the decode path, every format (chosen
+/// with [`R1`]).
 pub const PF1: usize = 512;
 
 /// Set the decode path's rows per tile (2, 4, 6 or 8; 0 or anything else: the format's

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# k3 and llama.cpp resident on the same slice, alternating round by round (issue 10): the
+# machine's memory bandwidth drifts by a third within minutes here, so only ratios of runs
+# taken next to each other mean anything.
+#
+#   scripts/bench-pair.sh [ROUNDS]
+#
+# Each round: read the slice's shards into the page cache, run k3 `--single-process`
+# (resident decode of `--gen 16` after one prompt id: median s/token of the decode steps;
+# then a 16-token prompt: its prefill step), then read the GGUF into the page cache and
+# run `llama-bench -p 16 -n 16 -r 3 --repack 1` (llama-bench's default, warm-up included):
+# its pp16 time and tg16 s/token. The two files do not fit the page cache together (27.5 GB
+# against 24 GB here), hence the reads before each engine. Prints one line per round with
+# the ratios, and `uptime` at the start and the end.
+#
+# Environment: SLICE (default /work/bench/slice, made by `k3-orch synth --shape slice
+# --vocab 163840 --seed 7`), GGUF (default /work/bench/slice.gguf), LLAMA_BIN (default
+# /work/llama/src/build/bin; how to build it and convert the slice: scripts/bench-llama.sh),
+# THREADS (2), K3 (default target/release/k3-orch, built here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-3}
+SLICE=${SLICE:-/work/bench/slice}
+GGUF=${GGUF:-/work/bench/slice.gguf}
+LLAMA_BIN=${LLAMA_BIN:-/work/llama/src/build/bin}
+THREADS=${THREADS:-2}
+K3=${K3:-target/release/k3-orch}
+WORK=$(mktemp -d /tmp/k3-bench-pair.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+[ "$K3" = target/release/k3-orch ] && cargo build --release -q -p k3-orch
+for f in "$SLICE/config.json" "$GGUF" "$LLAMA_BIN/llama-bench"; do
+    [ -e "$f" ] || { echo "missing $f (see the header of $0)" >&2; exit 2; }
+done
+echo "== uptime (start): $(uptime)"
+printf '%-5s %10s %10s %10s %10s %9s %9s\n' round k3_s/tok llama_s/tok k3_pp16 llama_pp16 dec_ratio pp_ratio
+for r in $(seq "$ROUNDS"); do
+    cat "$SLICE"/*.safetensors > /dev/null
+    "$K3" "$SLICE" --single-process --incremental --threads "$THREADS" --ids 1 --gen 16 \
+        --out "$WORK/dec.json" --quiet > /dev/null
+    "$K3" "$SLICE" --single-process --incremental --threads "$THREADS" \
+        --ids "$(seq -s, 1 16)" --gen 1 --out "$WORK/pre.json" --quiet > /dev/null
+    cat "$GGUF" > /dev/null
+    "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$THREADS" -p 16 -n 16 -r 3 --repack 1 -o json \
+        > "$WORK/llama.json" 2> "$WORK/llama.log"
+    python3 - "$WORK" "$r" <<'PY'
+import json, statistics, sys
+work, r = sys.argv[1], sys.argv[2]
+dec = json.load(open(f"{work}/dec.json"))
+pre = json.load(open(f"{work}/pre.json"))
+k3_tok = statistics.median(s["seconds"] for s in dec["steps"][1:])
+k3_pp = pre["steps"][0]["seconds"]
+ll = json.load(open(f"{work}/llama.json"))
+ll_pp = next(t["avg_ns"] for t in ll if t["n_prompt"] == 16 and t["n_gen"] == 0) / 1e9
+ll_tok = next(t["avg_ns"] for t in ll if t["n_gen"] == 16 and t["n_prompt"] == 0) / 1e9 / 16
+print(f"{r:<5} {k3_tok:>10.3f} {ll_tok:>10.3f} {k3_pp:>10.3f} {ll_pp:>10.3f} "
+      f"{k3_tok / ll_tok:>9.2f} {k3_pp / ll_pp:>9.2f}")
+PY
+done
+echo "(ratios are k3 / llama.cpp: below 1 means k3 is faster)"
+echo "== uptime (end): $(uptime)"
