@@ -330,7 +330,8 @@ pub fn trunk_min(r: &k3_trunk_loader::Streams) -> u64 {
 /// first (compute holds them), the trunk next (a pinned GB removes a GB of certain reads per
 /// token), the expert cache last (it pays only past its knee), keeping at least the slots
 /// a batch streams through ([`MIN_EXPERT_SLOTS`]; 16 when there is room). An explicit
-/// `--trunk-gb`/`--cache-gb` fixes its part and the other gets what is left. Returns (trunk, cache) or why it cannot fit.
+/// `--trunk-gb`/`--cache-gb` fixes its part and the other gets what is left. Returns
+/// (trunk, cache) or why it cannot fit.
 pub fn spend(
     s: &Spend,
     trunk_over: Option<u64>,

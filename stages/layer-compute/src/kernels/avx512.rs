@@ -259,6 +259,19 @@ unsafe fn seg1<F: Fmt, const R: usize>(
     unsafe {
         let mut a = [[_mm512_setzero_ps(); 2]; R];
         let qm = qf.clamp(q0, qe);
+        // Group `q`: its activations loaded once, row `j`'s weights decoded by `$w`.
+        macro_rules! group {
+            ($q:expr, $j:ident => $w:expr) => {{
+                let xq = xp.add(GROUP_COLS * $q);
+                let x0 = _mm512_loadu_ps(xq);
+                let x1 = _mm512_loadu_ps(xq.add(16));
+                for ($j, aj) in a.iter_mut().enumerate() {
+                    let w: [__m512; 2] = $w;
+                    aj[0] = _mm512_fmadd_ps(w[0], x0, aj[0]);
+                    aj[1] = _mm512_fmadd_ps(w[1], x1, aj[1]);
+                }
+            }};
+        }
         let mut q = q0;
         // Full groups in runs of U (one cache line of every row's weights): each row's
         // line ahead is prefetched once per run.
@@ -271,39 +284,22 @@ unsafe fn seg1<F: Fmt, const R: usize>(
                 }
             }
             for u in 0..F::U {
-                let xq = xp.add(GROUP_COLS * (q + u));
-                let x0 = _mm512_loadu_ps(xq);
-                let x1 = _mm512_loadu_ps(xq.add(16));
-                for (j, aj) in a.iter_mut().enumerate() {
+                group!(q + u, j => {
                     let (p, s) = f.at(r + j, q + u);
-                    let w = F::dec(p, s);
-                    aj[0] = _mm512_fmadd_ps(w[0], x0, aj[0]);
-                    aj[1] = _mm512_fmadd_ps(w[1], x1, aj[1]);
-                }
+                    F::dec(p, s)
+                });
             }
             q += F::U;
         }
         while q < qm {
-            let xq = xp.add(GROUP_COLS * q);
-            let x0 = _mm512_loadu_ps(xq);
-            let x1 = _mm512_loadu_ps(xq.add(16));
-            for (j, aj) in a.iter_mut().enumerate() {
+            group!(q, j => {
                 let (p, s) = f.at(r + j, q);
-                let w = F::dec(p, s);
-                aj[0] = _mm512_fmadd_ps(w[0], x0, aj[0]);
-                aj[1] = _mm512_fmadd_ps(w[1], x1, aj[1]);
-            }
+                F::dec(p, s)
+            });
             q += 1;
         }
         for q in qm..qe {
-            let xq = xp.add(GROUP_COLS * q);
-            let x0 = _mm512_loadu_ps(xq);
-            let x1 = _mm512_loadu_ps(xq.add(16));
-            for (j, aj) in a.iter_mut().enumerate() {
-                let w = F::dec(pbuf[j].as_ptr(), psc[j]);
-                aj[0] = _mm512_fmadd_ps(w[0], x0, aj[0]);
-                aj[1] = _mm512_fmadd_ps(w[1], x1, aj[1]);
-            }
+            group!(q, j => F::dec(pbuf[j].as_ptr(), psc[j]));
         }
         for (aj, accj) in a.iter().zip(acc.iter_mut()) {
             promote(aj, accj);
@@ -519,11 +515,8 @@ unsafe fn rows_batched<F: Fmt>(
                     });
                     let mut j = 0;
                     while j < nr {
-                        let stage = if pbuf.is_empty() {
-                            (&pbuf[..], &psc[..])
-                        } else {
-                            (&pbuf[j..], &psc[j..])
-                        };
+                        // Row j's staged partial group, if the rows have one.
+                        let stage = (pbuf.get(j..).unwrap_or(&[]), psc.get(j..).unwrap_or(&[]));
                         let a = &mut acc[j * ntok..];
                         if j + RB <= nr {
                             seg_t::<F, RB>(t, f, p0 + j, qs, stage, xp, st, pf, a);
