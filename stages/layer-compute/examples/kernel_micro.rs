@@ -8,7 +8,8 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use k3_layer_compute::kernels::gemv::{gemm_on, Mat};
+use k3_layer_compute::kernels::gemv::{gemm_on, rows_permuted_on, Mat};
+use k3_layer_compute::kernels::portable::permute_tokens;
 use k3_layer_compute::kernels::simd::Path;
 
 /// On-CPU seconds of the calling thread (`/proc/thread-self/schedstat`), so a busy
@@ -66,9 +67,18 @@ fn main() {
                     / (rows * cols);
                 let c0 = thread_cpu();
                 let t0 = Instant::now();
+                // `--direct` (with FMT NTOK): the row kernel alone on a permuted input.
+                let direct = args.iter().any(|a| a == "--direct");
+                let xp = permute_tokens(&x, cols, ntok);
+                let mut sums = vec![0f64; rows * ntok];
                 for _ in 0..iters {
-                    gemm_on(p, m, &x, &mut y, ntok);
-                    black_box(&y);
+                    if direct {
+                        rows_permuted_on(p, m, &xp, ntok, &mut sums);
+                        black_box(&sums);
+                    } else {
+                        gemm_on(p, m, &x, &mut y, ntok);
+                        black_box(&y);
+                    }
                 }
                 let dt = t0.elapsed().as_secs_f64();
                 let cpu = thread_cpu() - c0;

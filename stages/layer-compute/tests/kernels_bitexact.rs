@@ -84,8 +84,8 @@ const SHAPES: [(usize, usize); 10] = [
     (6, 1024),
     (11, 1057),
     (13, 2600),
-    // More rows than one batched panel of every format (AVX-512: 16 f32, 32 bf16 and
-    // 128 MXFP4 rows), an odd count (a single-row tile last) and a partial last group.
+    // Many batched row groups (AVX-512: 4 rows, the last one padded: 133 = 33 * 4 + 1),
+    // an odd count (a single-row tile last) and a partial last group.
     (133, 1057),
 ];
 
@@ -109,7 +109,9 @@ fn simd_paths_match_portable_twin_bitwise() {
         for &(rows, cols) in &SHAPES {
             let o = Owned::new(fmt, rows, cols, &mut s);
             let m = o.mat();
-            for ntok in [1usize, 2, 3, 4, 5, 9, 13, 16] {
+            // 37 tokens: three passes of the AVX-512 batched path (16 + 16 + 5 tokens,
+            // the weights staged again for each).
+            for ntok in [1usize, 2, 3, 4, 5, 9, 13, 16, 37] {
                 let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
                 let mut want = vec![0f32; ntok * rows];
                 gemm_on(Path::Portable, &m, &x, &mut want, ntok);

@@ -5,7 +5,8 @@
 //! of a 32-column group; lanes 16..31: the odd ones). Per group each lane performs one f32
 //! `vfmadd` of the decoded weight and the permuted activation, exactly the `mul_add` of the
 //! twin; every 1024 columns the lanes are widened to f64 (`vcvtps2pd`, exact) and added to
-//! 32 f64 lane sums; the final halving tree is the shared scalar one. Weight decode:
+//! 32 f64 lane sums; the final halving tree is the shared one (done in registers, level by
+//! level: [`reduce`]). Weight decode:
 //! - BF16: one 64-byte load gives 16 dwords, each holding an even and an odd column:
 //!   `dword << 16` is the even weight, `dword & 0xFFFF0000` the odd one (exact widening);
 //! - MXFP4: the 16 packed bytes are zero-extended to dwords; `vpermps` (a 16-entry table
@@ -20,14 +21,18 @@
 //! - one token (decode, memory-bound for BF16, decode-bound for MXFP4): [`R1`] BF16/F32
 //!   rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block, the
 //!   groups of one 64-byte line of every row taken in one run with one prefetch per row;
-//! - several tokens (prefill): panels of rows whose 1024-column block slices fit 64 KiB
-//!   (32 BF16, 128 MXFP4, 16 F32 rows). Per block, per token tile of up to [`TB`] tokens
-//!   (the tile's block slice, 16 KiB, stays in L1), every row pair of the panel decodes
-//!   each group into registers and multiplies it into a 2 rows × [`TB`] tokens register
-//!   tile (16 zmm accumulators, nothing parked or spilled), then promotes the tile's f32
-//!   partials into its f64 lane sums. The first token tile reads the panel's weights from
-//!   memory and prefetches (into L2) each row's next block, or the next panel's first
-//!   one; the other tiles find the panel's block slice in L2.
+//! - several tokens (prefill): rows in groups of [`RB`] (4), tokens in passes of up to 16.
+//!   Per group and pass, block by block (1024 columns), the group's block is staged once
+//!   into an aligned L1 buffer, group-major (BF16 copied raw; MXFP4 and F32 decoded into
+//!   lane-ordered f32, so a group is decoded once whatever the token count), then every
+//!   token tile of up to [`TB`] (2) tokens runs the block in a 4 rows × 2 tokens register
+//!   tile (16 zmm accumulators) and promotes it into its f64 lane sums. The next group's
+//!   weights are prefetched into L2 a share per tile pass, a whole group ahead. Why this
+//!   shape (measured on Zen 5, 2026-12-02): a C replica of the 4 × 2 loop runs 1.6-1.75
+//!   FMAs per cycle against 1.45-1.5 for the former 2 × 4; a zmm load that straddles two
+//!   lines (a checkpoint's tensors sit at any 8-byte offset, the old input at 16 bytes
+//!   off a line) halved the loop's speed; and the former panel-wide f64 sums (128 KiB)
+//!   did not stay in L1.
 //!
 //! Blocking never changes what one (row, token) lane computes (the same FMAs in the same
 //! order, the same promotion at block ends, the same tree), so batched results equal
@@ -40,7 +45,7 @@ use std::arch::x86_64::*;
 
 use super::gemv::{decode_tuning, Mat, MatData, R1, R1_MXFP4};
 use super::portable::{
-    groups, reduce_lanes, stage_partial, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES,
+    groups, stage_partial, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES,
 };
 
 /// A weight format's group decoder.
@@ -58,15 +63,14 @@ trait Fmt: Copy {
     unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2];
     /// Software prefetch distance in bytes ahead of the group being decoded.
     const PF: usize;
-    /// Bytes of one row's f32 block (32 groups): the batched path's prefetch distance.
-    const BLOCK: usize;
     /// Groups per 64-byte line of a row's weights (at least 1): the one-token path
     /// prefetches once per run of `U` groups.
     const U: usize;
     /// Default rows per one-token tile ([`super::gemv::R1`], [`super::gemv::R1_MXFP4`]).
     const ROWS1: usize;
-    /// Bytes from one row's start to the next row's (of the weights `at` points into).
-    fn row_bytes(&self) -> usize;
+    /// The bytes of rows `r0..r1` (consecutive in memory): the weights, and the scales
+    /// where the format has them (else an empty span). Addresses only, never read.
+    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2];
 }
 
 #[derive(Clone, Copy)]
@@ -77,11 +81,12 @@ struct Bf16 {
 
 impl Fmt for Bf16 {
     const PF: usize = 1024;
-    const BLOCK: usize = 64 * BLOCK_GROUPS;
     const U: usize = 1;
     const ROWS1: usize = R1;
-    fn row_bytes(&self) -> usize {
-        self.stride
+    #[inline(always)]
+    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
+        let p = self.p.wrapping_add(r0 * self.stride);
+        [(p, (r1 - r0) * self.stride), (p, 0)]
     }
     /// # Safety
     /// As [`Fmt::at`].
@@ -112,11 +117,12 @@ struct F32 {
 
 impl Fmt for F32 {
     const PF: usize = 1024;
-    const BLOCK: usize = 128 * BLOCK_GROUPS;
     const U: usize = 1;
     const ROWS1: usize = R1;
-    fn row_bytes(&self) -> usize {
-        self.stride
+    #[inline(always)]
+    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
+        let p = self.p.wrapping_add(r0 * self.stride);
+        [(p, (r1 - r0) * self.stride), (p, 0)]
     }
     /// # Safety
     /// As [`Fmt::at`].
@@ -153,11 +159,20 @@ struct Mx {
 
 impl Fmt for Mx {
     const PF: usize = 512;
-    const BLOCK: usize = 16 * BLOCK_GROUPS;
     const U: usize = 4;
     const ROWS1: usize = R1_MXFP4;
-    fn row_bytes(&self) -> usize {
-        self.pstride
+    #[inline(always)]
+    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
+        [
+            (
+                self.p.wrapping_add(r0 * self.pstride),
+                (r1 - r0) * self.pstride,
+            ),
+            (
+                self.s.wrapping_add(r0 * self.sstride),
+                (r1 - r0) * self.sstride,
+            ),
+        ]
     }
     /// # Safety
     /// As [`Fmt::at`].
@@ -224,14 +239,7 @@ unsafe fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes:
     for row in r0..r1.min(m.rows) {
         // SAFETY: row < m.rows and group 0 is full (cols >= 32), so `at` addresses the
         // matrix; the prefetched addresses are hints (wrapping_add: no UB, no fault).
-        unsafe {
-            let (p, _) = f.at(row, 0);
-            let mut off = 0;
-            while off < bytes {
-                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off) as *const i8);
-                off += 64;
-            }
-        }
+        unsafe { prefetch_lines(f.at(row, 0).0, bytes) };
     }
 }
 
@@ -342,135 +350,215 @@ unsafe fn tile1<F: Fmt, const R: usize>(
             q = qe;
         }
     }
-    for (o, a) in out.iter_mut().zip(acc.iter_mut()) {
-        *o = reduce_lanes(a);
+    for (o, a) in out.iter_mut().zip(acc.iter()) {
+        // SAFETY: AVX-512F is enabled in the caller.
+        *o = unsafe { reduce(a) };
     }
 }
 
-/// Rows per register tile of the batched path.
-const RB: usize = 2;
+/// The form a staged block is read in by the batched register tile.
+trait Staged {
+    /// Bytes of one staged group of one row.
+    const GB: usize;
+    /// Decode one staged group at `p` into (lanes 0..15, lanes 16..31).
+    ///
+    /// # Safety
+    /// `GB` readable bytes at `p`; AVX-512F enabled in the caller.
+    unsafe fn get(p: *const u8) -> [__m512; 2];
+}
+
+/// Raw bf16 (the row's own 64 bytes, copied to an aligned place): widened in registers.
+struct RawBf16;
+
+impl Staged for RawBf16 {
+    const GB: usize = 64;
+    /// # Safety
+    /// As [`Staged::get`].
+    #[inline(always)]
+    unsafe fn get(p: *const u8) -> [__m512; 2] {
+        // SAFETY: forwarded (64 bytes at p).
+        unsafe { Bf16::dec(p, 127) }
+    }
+}
+
+/// Decoded f32 weights in lane order (MXFP4 and F32): two plain loads.
+struct LaneF32;
+
+impl Staged for LaneF32 {
+    const GB: usize = 128;
+    /// # Safety
+    /// As [`Staged::get`].
+    #[inline(always)]
+    unsafe fn get(p: *const u8) -> [__m512; 2] {
+        // SAFETY: 128 readable bytes at p (caller).
+        unsafe {
+            [
+                _mm512_loadu_ps(p as *const f32),
+                _mm512_loadu_ps(p.add(64) as *const f32),
+            ]
+        }
+    }
+}
+
+/// How a weight format is staged for the batched path.
+trait Stage: Fmt {
+    /// The staged form.
+    type S: Staged;
+    /// Write group `(r, q)` in staged form to `dst`: full groups from the matrix, the
+    /// partial one from its zero-padded copy `part`/`ps` (see [`stage_partial`]).
+    ///
+    /// # Safety
+    /// `(r, q)` is a full group of the matrix when `part` is `None`; `dst` has room for
+    /// `S::GB` bytes; AVX-512F enabled in the caller.
+    unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8);
+}
+
+impl Stage for Bf16 {
+    type S = RawBf16;
+    #[inline(always)]
+    unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
+        // SAFETY: 64 bytes at the source (a full group, or the 128-byte copy) and at dst.
+        unsafe {
+            let p = match part {
+                Some((b, _)) => b.as_ptr(),
+                None => self.at(r, q).0,
+            };
+            _mm512_storeu_si512(dst as *mut _, _mm512_loadu_si512(p as *const _));
+        }
+    }
+}
+
+/// Stage by decoding into lane-ordered f32 (the decode happens once per row and block,
+/// whatever the number of tokens).
+macro_rules! stage_decoded {
+    ($t:ty) => {
+        impl Stage for $t {
+            type S = LaneF32;
+            #[inline(always)]
+            unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
+                // SAFETY: the group's bytes are read in place or from the copy; 128
+                // bytes are written at dst (caller).
+                unsafe {
+                    let [a, b] = match part {
+                        Some((buf, s)) => <$t>::dec(buf.as_ptr(), s),
+                        None => {
+                            let (p, s) = self.at(r, q);
+                            <$t>::dec(p, s)
+                        }
+                    };
+                    _mm512_storeu_ps(dst as *mut f32, a);
+                    _mm512_storeu_ps(dst.add(64) as *mut f32, b);
+                }
+            }
+        }
+    };
+}
+stage_decoded!(Mx);
+stage_decoded!(F32);
+
+/// Rows per register tile of the batched path, and per staged row group.
+const RB: usize = 4;
 /// Tokens per register tile of the batched path (RB × TB × 2 = 16 accumulators, RB × 2
-/// decoded weights and 2 activations: 22 of the 32 zmm registers, so nothing spills).
-pub const TB: usize = 4;
+/// weights and 2 activations: 26 of the 32 zmm registers). On Zen 5 a C replica of the
+/// loop ran 4 × 2 at 1.6-1.75 FMAs per cycle, 2 × 4 at 1.45-1.5.
+pub const TB: usize = 2;
+/// Tokens whose f64 lane sums one pass over a row group keeps (RB × TC × 256 bytes =
+/// 16 KiB, in L1); a larger batch is taken in further passes that stage the weights again.
+const TC: usize = 16;
 
-/// One f32 block (groups `q0..qe`) of rows `r..r+R` × tokens `t0..t0+T`: the weights of
-/// each group are decoded once into registers and multiplied into the `R × T` register
-/// tile; the lanes' f32 partials are promoted into `acc[j*ntok + t0 + t]` at the block's
-/// end. With `pf = Some(d)`, each group's weights `d` bytes further on are prefetched (the
-/// first token tile of a block is the one that reads the weights from memory; `d` points
-/// at the row's next block, or at the next panel's first one).
+/// The f64 lane sums of a row group's pass, on cache lines (a promotion's 64-byte
+/// read-add-write of a line-straddling sum costs two L1 accesses each way).
+#[repr(C, align(64))]
+struct Acc([[f64; LANES]; RB * TC]);
+
+/// [`super::portable::reduce_lanes`] in registers: the same halving tree (16, 8, 4, 2,
+/// 1), each level's adds done lane by lane in one vector add, so the result is bit for bit
+/// the shared one.
 ///
 /// # Safety
-/// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
-/// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc` (row `j` at index `j`); `xp`
-/// holds `ntok` permuted tokens at stride `stride`, `t0 + T <= ntok`,
-/// `acc.len() >= (R-1)*ntok + t0 + T`; AVX-512F enabled in the caller.
-#[allow(clippy::too_many_arguments)]
+/// AVX-512F enabled in the caller.
 #[inline(always)]
-unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
-    f: F,
-    r: usize,
-    (q0, qe, qf): (usize, usize, usize),
-    (pbuf, psc): (&[[u8; 128]], &[u8]),
-    xp: *const f32,
-    (stride, t0, ntok): (usize, usize, usize),
-    pf: Option<isize>,
-    acc: &mut [[f64; LANES]],
-) {
-    // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
-    // reads stay inside token t0+t (32 values at 32q < stride); acc indices as documented.
+unsafe fn reduce(a: &[f64; LANES]) -> f64 {
+    // SAFETY: 32 f64 at a; loads of 8 at offsets 0, 8, 16, 24.
     unsafe {
-        let mut a = [[[_mm512_setzero_ps(); 2]; T]; R];
-        let qm = qf.clamp(q0, qe);
-        let x = xp.add(t0 * stride);
-        macro_rules! body {
-            ($w:expr, $q:expr) => {{
-                let w: [[__m512; 2]; R] = $w;
-                let xq = x.add(GROUP_COLS * $q);
-                for t in 0..T {
-                    let x0 = _mm512_loadu_ps(xq.add(t * stride));
-                    let x1 = _mm512_loadu_ps(xq.add(t * stride + 16));
-                    for j in 0..R {
-                        a[j][t][0] = _mm512_fmadd_ps(w[j][0], x0, a[j][t][0]);
-                        a[j][t][1] = _mm512_fmadd_ps(w[j][1], x1, a[j][t][1]);
-                    }
-                }
-            }};
-        }
-        for q in q0..qm {
-            let mut w = [[_mm512_setzero_ps(); 2]; R];
-            for (j, wj) in w.iter_mut().enumerate() {
-                let (p, s) = f.at(r + j, q);
-                if let Some(d) = pf {
-                    // A hint: it never faults (wrapping_offset keeps the arithmetic
-                    // defined, wherever d points).
-                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_offset(d) as *const i8);
-                }
-                *wj = F::dec(p, s);
+        let p = a.as_ptr();
+        // Level 16: lanes j and j + 16, for j < 16.
+        let l0 = _mm512_add_pd(_mm512_loadu_pd(p), _mm512_loadu_pd(p.add(16)));
+        let l1 = _mm512_add_pd(_mm512_loadu_pd(p.add(8)), _mm512_loadu_pd(p.add(24)));
+        // Level 8: j and j + 8, for j < 8.
+        let m = _mm512_add_pd(l0, l1);
+        // Level 4, 2, 1.
+        let h = _mm256_add_pd(_mm512_castpd512_pd256(m), _mm512_extractf64x4_pd(m, 1));
+        let q = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+        _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)))
+    }
+}
+
+/// One row group's block in staged form, group-major (group `q`, row `j` at
+/// `(q * RB + j) * GB`), so the tile reads it as one sequential stream.
+#[repr(C, align(64))]
+struct StageBuf([u8; RB * BLOCK_GROUPS * 128]);
+
+/// One f32 block (`ng` staged groups at `w`) of the RB rows × tokens `x + t * stride`
+/// (`t < T`, each pointing at the block's first column): the register tile's f32 lane
+/// partials, promoted into `acc[j * tc + t]` at the end.
+///
+/// # Safety
+/// `w` holds `ng` staged groups of RB rows; every token has `32 * ng` readable values at
+/// its pointer; `acc.len() >= (RB - 1) * tc + T`; AVX-512F enabled in the caller.
+#[inline(always)]
+unsafe fn tile_block<S: Staged, const T: usize>(
+    w: *const u8,
+    ng: usize,
+    x: *const f32,
+    stride: usize,
+    acc: &mut [[f64; LANES]],
+    tc: usize,
+) {
+    // SAFETY (whole body): reads stay inside the staged block and the tokens' blocks
+    // (caller); acc indices j * tc + t < (RB - 1) * tc + T.
+    unsafe {
+        let mut a = [[[_mm512_setzero_ps(); 2]; T]; RB];
+        for q in 0..ng {
+            let g = w.add(q * RB * S::GB);
+            let mut wq = [[_mm512_setzero_ps(); 2]; RB];
+            for (j, wj) in wq.iter_mut().enumerate() {
+                *wj = S::get(g.add(j * S::GB));
             }
-            body!(w, q);
-        }
-        for q in qm..qe {
-            let mut w = [[_mm512_setzero_ps(); 2]; R];
-            for (j, wj) in w.iter_mut().enumerate() {
-                *wj = F::dec(pbuf[j].as_ptr(), psc[j]);
-            }
-            body!(w, q);
-        }
-        for j in 0..R {
             for t in 0..T {
-                promote(&a[j][t], &mut acc[j * ntok + t0 + t]);
+                let xq = x.add(t * stride + GROUP_COLS * q);
+                let x0 = _mm512_loadu_ps(xq);
+                let x1 = _mm512_loadu_ps(xq.add(16));
+                for j in 0..RB {
+                    a[j][t][0] = _mm512_fmadd_ps(wq[j][0], x0, a[j][t][0]);
+                    a[j][t][1] = _mm512_fmadd_ps(wq[j][1], x1, a[j][t][1]);
+                }
+            }
+        }
+        for j in 0..RB {
+            for t in 0..T {
+                promote(&a[j][t], &mut acc[j * tc + t]);
             }
         }
     }
 }
 
-/// [`seg`] for a token tile of `t` (1..=TB) tokens.
-///
-/// # Safety
-/// As [`seg`] with `T = t`.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn seg_t<F: Fmt, const R: usize>(
-    t: usize,
-    f: F,
-    r: usize,
-    qs: (usize, usize, usize),
-    stage: (&[[u8; 128]], &[u8]),
-    xp: *const f32,
-    st: (usize, usize, usize),
-    pf: Option<isize>,
-    acc: &mut [[f64; LANES]],
-) {
-    // SAFETY: forwarded.
-    unsafe {
-        match t {
-            4 => seg::<F, R, 4>(f, r, qs, stage, xp, st, pf, acc),
-            3 => seg::<F, R, 3>(f, r, qs, stage, xp, st, pf, acc),
-            2 => seg::<F, R, 2>(f, r, qs, stage, xp, st, pf, acc),
-            _ => seg::<F, R, 1>(f, r, qs, stage, xp, st, pf, acc),
-        }
-    }
-}
-
-/// Weight bytes of one block (1024 columns) of a batched panel's rows: the panel's block
-/// slice is read from memory by the first token tile and found in L2 by the others.
-const PANEL_BLOCK_BYTES: usize = 64 << 10;
-
-/// Rows `r0..r1` × all `ntok` tokens, batched, in panels of rows whose block slices fit
-/// [`PANEL_BLOCK_BYTES`]. Per panel, block by block (1024 columns): per token tile of up
-/// to [`TB`] tokens (whose block slice, 16 KiB, stays in L1), every row pair of the panel
-/// runs the block in registers ([`seg`]) and promotes into its f64 lane sums; the first
-/// tile reads the weights from memory and prefetches the next block, the others find the
-/// panel's block slice in cache. Each (row, token) lane performs exactly the contract's
-/// FMA chain (in increasing group order), promotes at the end of each block and reduces by
-/// the shared tree, so results equal the one-token kernel bit for bit.
+/// Rows `r0..r1` × all `ntok` tokens, batched. Rows go in groups of [`RB`] (a group past
+/// the last row is padded with zero weights, whose sums are dropped), tokens in passes of
+/// up to [`TC`]. Per group and pass, block by block (1024 columns): the group's block is
+/// staged into an aligned L1 buffer ([`Stage::put`]: raw bf16, or MXFP4/F32 decoded once
+/// into lane-ordered f32; the partial group zero-padded), the next block's weights (or the
+/// next group's first) are prefetched into L2, and every token tile of up to [`TB`] tokens
+/// runs the block in registers ([`tile_block`]) and promotes into its f64 lane sums.
+/// Each (row, token) lane performs exactly the contract's FMA chain (in increasing group
+/// order), promotes at the end of each block and reduces by the shared tree, so results
+/// equal the one-token kernel bit for bit.
 ///
 /// # Safety
 /// `f` describes `m`, `r1 <= m.rows`; `xp` holds `ntok` permuted tokens; `out` has room for
 /// `(r1 - r0) * ntok` sums; AVX-512F enabled in the caller.
 #[inline(always)]
-unsafe fn rows_batched<F: Fmt>(
+unsafe fn rows_batched<F: Stage>(
     f: F,
     m: &Mat<'_>,
     (r0, r1): (usize, usize),
@@ -478,64 +566,177 @@ unsafe fn rows_batched<F: Fmt>(
     ntok: usize,
     out: &mut [f64],
 ) {
+    let gb = <F::S as Staged>::GB;
     let ng = groups(m.cols);
     let full = m.cols / GROUP_COLS;
     let stride = x_stride(m.cols);
-    let panel = (PANEL_BLOCK_BYTES / F::BLOCK).max(RB);
-    let mut pbuf = vec![[0u8; 128]; if full < ng { panel } else { 0 }];
-    let mut psc = vec![0u8; pbuf.len()];
-    let mut acc = Vec::new();
-    let mut p0 = r0;
-    while p0 < r1 {
-        let nr = (r1 - p0).min(panel);
-        for j in 0..pbuf.len().min(nr) {
-            psc[j] = stage_partial(m, p0 + j, full, &mut pbuf[j]);
+    let mut buf = StageBuf([0u8; RB * BLOCK_GROUPS * 128]);
+    let mut acc = Acc([[0f64; LANES]; RB * TC]);
+    let acc = &mut acc.0;
+    let mut parts = [([0u8; 128], 0u8); RB];
+    // Register-tile passes over one block of a row group: per pass of tc tokens, tc / TB
+    // tiles of TB tokens and tc % TB of one.
+    let tiles = |tc: usize| tc / TB + tc % TB;
+    let passes = (ntok / TC) * tiles(TC) + tiles(ntok % TC);
+    let mut g0 = r0;
+    while g0 < r1 {
+        let nr = (r1 - g0).min(RB);
+        if full < ng {
+            for (j, p) in parts.iter_mut().enumerate().take(nr) {
+                p.1 = stage_partial(m, g0 + j, full, &mut p.0);
+            }
         }
-        acc.clear();
-        acc.resize(nr * ntok, [0f64; LANES]);
-        // SAFETY: the caller's guarantees; every seg's rows lie in p0..p0+nr <= r1, its
-        // tokens in 0..ntok and its sums in acc (row j of the panel at j*ntok).
-        unsafe {
+        // The next group's weights, over this group's tile passes.
+        let next = (g0 + nr, (g0 + nr + RB).min(r1));
+        let mut ahead = Ahead::new(f.spans(next.0, next.1), ng.div_ceil(BLOCK_GROUPS) * passes);
+        let mut c0 = 0;
+        while c0 < ntok {
+            let tc = (ntok - c0).min(TC);
+            acc[..RB * tc].fill([0f64; LANES]);
             let mut q = 0;
             while q < ng {
                 let qe = (q + BLOCK_GROUPS).min(ng);
-                let qs = (q, qe, qe.min(full));
-                let mut t0 = 0;
-                while t0 < ntok {
-                    let t = (ntok - t0).min(TB);
-                    let st = (stride, t0, ntok);
-                    // The first tile reads the weights: it prefetches the row's next
-                    // block, or in the last block the next panel's first one.
-                    let pf = (t0 == 0).then(|| {
-                        if qe < ng {
-                            F::BLOCK as isize
-                        } else {
-                            (nr * f.row_bytes()) as isize - (q * F::BLOCK / BLOCK_GROUPS) as isize
+                let dst = buf.0.as_mut_ptr();
+                // SAFETY: rows g0..g0+nr < m.rows and groups q..qe < ng (full ones read in
+                // place, the partial one from its copy); the staged block fits the buffer
+                // (qe - q <= BLOCK_GROUPS, RB rows of at most 128 bytes a group).
+                unsafe {
+                    if nr == RB && qe <= full {
+                        // The common case: whole groups of every row, read in place.
+                        for j in 0..RB {
+                            for qq in q..qe {
+                                f.put(g0 + j, qq, None, dst.add(((qq - q) * RB + j) * gb));
+                            }
                         }
-                    });
-                    let mut j = 0;
-                    while j < nr {
-                        // Row j's staged partial group, if the rows have one.
-                        let stage = (pbuf.get(j..).unwrap_or(&[]), psc.get(j..).unwrap_or(&[]));
-                        let a = &mut acc[j * ntok..];
-                        if j + RB <= nr {
-                            seg_t::<F, RB>(t, f, p0 + j, qs, stage, xp, st, pf, a);
-                            j += RB;
+                    } else {
+                        stage_edge(f, (g0, nr, full), (q, qe), &parts, dst);
+                    }
+                }
+                let mut t0 = 0;
+                while t0 < tc {
+                    let x = xp.wrapping_add((c0 + t0) * stride + GROUP_COLS * q);
+                    let a = &mut acc[t0..];
+                    // SAFETY: the staged block holds qe - q groups of RB rows; tokens
+                    // c0+t0.. < ntok have their block's values at x (+ t * stride); acc
+                    // has RB * TC >= (RB - 1) * tc + t0 + T entries.
+                    unsafe {
+                        ahead.step();
+                        if t0 + TB <= tc {
+                            tile_block::<F::S, TB>(buf.0.as_ptr(), qe - q, x, stride, a, tc);
+                            t0 += TB;
                         } else {
-                            seg_t::<F, 1>(t, f, p0 + j, qs, stage, xp, st, pf, a);
-                            j += 1;
+                            tile_block::<F::S, 1>(buf.0.as_ptr(), qe - q, x, stride, a, tc);
+                            t0 += 1;
                         }
                     }
-                    t0 += t;
                 }
                 q = qe;
             }
+            for j in 0..nr {
+                for t in 0..tc {
+                    // SAFETY: AVX-512F is enabled in the caller.
+                    out[(g0 + j - r0) * ntok + c0 + t] = unsafe { reduce(&acc[j * tc + t]) };
+                }
+            }
+            c0 += tc;
         }
-        let o = &mut out[(p0 - r0) * ntok..(p0 - r0 + nr) * ntok];
-        for (o, a) in o.iter_mut().zip(acc.iter_mut()) {
-            *o = reduce_lanes(a);
+        g0 += nr;
+    }
+}
+
+/// Stage groups `q..qe` of a row group that has a partial group (staged from its
+/// zero-padded copy in `parts`) or fewer than [`RB`] rows (the missing ones staged as zero
+/// weights).
+///
+/// # Safety
+/// Rows `g0..g0 + nr` exist in the matrix `f` describes, `full` is its count of full
+/// groups and `parts[j]` row `g0 + j`'s staged partial group when `qe > full`; `dst` has
+/// room for `(qe - q) * RB` staged groups; AVX-512F enabled in the caller.
+#[inline(always)]
+unsafe fn stage_edge<F: Stage>(
+    f: F,
+    (g0, nr, full): (usize, usize, usize),
+    (q, qe): (usize, usize),
+    parts: &[([u8; 128], u8); RB],
+    dst: *mut u8,
+) {
+    let gb = <F::S as Staged>::GB;
+    for qq in q..qe {
+        for (j, part) in parts.iter().enumerate() {
+            // SAFETY: inside the buffer (caller); rows below nr are real, their groups
+            // below full read in place and the partial one from its copy.
+            unsafe {
+                let d = dst.add(((qq - q) * RB + j) * gb);
+                if j >= nr {
+                    std::ptr::write_bytes(d, 0, gb);
+                } else {
+                    let part = (qq >= full).then_some((&part.0, part.1));
+                    f.put(g0 + j, qq, part, d);
+                }
+            }
         }
-        p0 += nr;
+    }
+}
+
+/// Software prefetch (to L2) of the next row group's weights, spread over the current
+/// group's work: [`Ahead::step`] is called once per register-tile pass and prefetches its
+/// share of the lines, so every line is asked for a whole row group ahead of its staging
+/// (a block ahead, asked for in one burst, arrived too late: the staging copy stalled on
+/// memory as long as the tiles computed).
+struct Ahead {
+    spans: [(*const u8, usize); 2],
+    /// Bytes of `spans` already prefetched.
+    done: usize,
+    /// Bytes per step.
+    per: usize,
+}
+
+impl Ahead {
+    /// Prefetch `spans` over `steps` calls of [`Ahead::step`].
+    fn new(spans: [(*const u8, usize); 2], steps: usize) -> Self {
+        let total = spans[0].1 + spans[1].1;
+        let per = total.div_ceil(steps.max(1)).div_ceil(64) * 64;
+        Ahead {
+            spans,
+            done: 0,
+            per,
+        }
+    }
+
+    /// Prefetch the next share.
+    ///
+    /// # Safety
+    /// AVX-512F enabled in the caller (prefetches never fault; addresses are formed with
+    /// wrapping arithmetic).
+    #[inline(always)]
+    unsafe fn step(&mut self) {
+        let [(a, na), (b, nb)] = self.spans;
+        let (lo, hi) = (self.done, (self.done + self.per).min(na + nb));
+        // SAFETY: hints only.
+        unsafe {
+            if lo < na {
+                prefetch_lines(a.wrapping_add(lo), hi.min(na) - lo);
+            }
+            if hi > na {
+                let from = lo.max(na) - na;
+                prefetch_lines(b.wrapping_add(from), hi - na - from);
+            }
+        }
+        self.done = hi;
+    }
+}
+
+/// Software prefetch (to L2) of the lines covering `bytes` bytes from `p`.
+///
+/// # Safety
+/// None beyond AVX-512F being enabled in the caller: prefetches are hints and never fault,
+/// and the addresses are formed with wrapping arithmetic.
+#[inline(always)]
+unsafe fn prefetch_lines(p: *const u8, bytes: usize) {
+    let mut off = 0;
+    while off < bytes {
+        _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off) as *const i8);
+        off += 64;
     }
 }
 
@@ -544,7 +745,7 @@ unsafe fn rows_batched<F: Fmt>(
 /// # Safety
 /// `f` describes `m`; AVX-512F enabled in the caller.
 #[inline(always)]
-unsafe fn drive<F: Fmt>(
+unsafe fn drive<F: Stage>(
     f: F,
     m: &Mat<'_>,
     r0: usize,

@@ -58,11 +58,11 @@
 //!   experts). One x permutation and one fork/join for all matrices; results are bitwise
 //!   those of separate [`gemm`] calls, so wiring it changes no id or logit.
 //! - **Batched prefill** — [`gemm`] with `ntok > 1` *is* the batched, register-blocked
-//!   GEMM (weights read from DRAM once per chunk; on AVX-512, panels of rows taken block
-//!   by block, each block's groups decoded in registers and multiplied into 2 rows × 4
-//!   tokens per inner loop, see [`super::avx512`]). Callers should pass the whole chunk in
-//!   one call (as they do today) instead of looping tokens; per-token results equal
-//!   [`gemv`] bit for bit.
+//!   GEMM (weights read from DRAM once per 16 tokens; on AVX-512, groups of 4 rows taken
+//!   block by block, each block staged once into an aligned buffer and multiplied into
+//!   4 rows × 2 tokens per inner loop, see [`super::avx512`]). Callers should pass the
+//!   whole chunk in one call (as they do today) instead of looping tokens; per-token
+//!   results equal [`gemv`] bit for bit.
 //! - **Decode tuning** — [`set_decode_tuning`] (or `K3_GEMV_ROWS` / `K3_GEMV_PF`) picks
 //!   how many rows the one-token AVX-512 kernel streams side by side (default per format:
 //!   [`R1`], [`R1_MXFP4`]) and its prefetch distance; a speed setting only, never a result.
@@ -310,8 +310,8 @@ pub const TASK_BYTES: usize = 256 << 10;
 pub fn task_rows(m: &Mat<'_>, ntok: usize) -> usize {
     let row_bytes = (m.weight_bytes() / m.rows.max(1)).max(1);
     if ntok > 1 {
-        // Batched: whole panels of rows (the SIMD kernels share each activation slice
-        // across a panel), at least 16 rows per task.
+        // Batched: whole groups of rows (the AVX-512 kernel stages 4 rows a block at a
+        // time and prefetches the next group while it computes), at least 16 per task.
         let per = TASK_BYTES / (row_bytes * ntok.min(8));
         return per.max(16).div_ceil(16) * 16;
     }
@@ -396,7 +396,7 @@ pub fn gemv(m: &Mat<'_>, x: &[f32], y: &mut [f32], threads: usize) {
 /// `ys[t] = W xs[t]` for `t < ntok`; `xs` is `ntok × cols`, `ys` is `ntok × rows`.
 ///
 /// A batched, register-blocked GEMM: each weight row is read from memory once for all
-/// tokens (SIMD: 2 rows × 4 tokens per inner loop on AVX-512), and every
+/// tokens (SIMD: 4 rows × 2 tokens per inner loop on AVX-512), and every
 /// (row, token) result is the dot product [`gemv`] computes, bit for bit.
 pub fn gemm(m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize, threads: usize) {
     gemm_fused(&[m], xs, &mut [ys], ntok, threads);
@@ -466,6 +466,27 @@ pub fn gemm_on(path: Path, m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize)
             ys[t * m.rows + r] = sums[r * ntok + t] as f32;
         }
     }
+}
+
+/// The row kernel alone on an explicit path, single-threaded: `xp` is already permuted
+/// ([`portable::permute_tokens`]) and `out` receives the unrounded sums of every row ×
+/// token (`out[r * ntok + t]`). For benchmarks that time the inner loops without the
+/// permutation and the output conversion.
+pub fn rows_permuted_on(path: Path, m: &Mat<'_>, xp: &[f32], ntok: usize, out: &mut [f64]) {
+    assert!(
+        xp.len() >= ntok * portable::x_stride(m.cols),
+        "permuted input length"
+    );
+    assert!(out.len() >= m.rows * ntok, "output length");
+    rows_f32_on(
+        path.min(simd::best_available()),
+        m,
+        0,
+        m.rows,
+        xp,
+        ntok,
+        out,
+    );
 }
 
 #[cfg(test)]
