@@ -7,6 +7,7 @@
 
 use k3_model::classify::layer_tensor;
 use k3_model::tensor::WeightError;
+use rayon::prelude::*;
 
 use super::trace_put;
 use super::{Eps, Trace};
@@ -115,42 +116,57 @@ pub fn kda_attend(
     let mut z = vec![0f32; ntok * p];
     gemm(&w.f_b, &fa, &mut z, ntok, threads);
 
+    // The recurrence, head by head: every head's state, gate, norms and output depend on
+    // that head's channels only, so heads run on the pool (each in token order, exactly
+    // the sequential operations) and the result does not depend on the thread count.
     let qscale = 1.0 / (dk as f32).sqrt();
-    let mut g = vec![0f32; p];
-    let mut alpha = vec![0f32; p];
-    let mut o = vec![0f32; ntok * p];
-    let mut scratch = vec![0f32; dk];
-    for t in 0..ntok {
-        let r = t * p..(t + 1) * p;
-        let (qt, kt, vt) = (&mut qc[r.clone()], &mut kc[r.clone()], &vc[r.clone()]);
-        kda::decay_gate(
-            &z[r.clone()],
-            &w.a_log,
-            &w.dt_bias,
-            h,
-            dk,
-            d.lower_bound,
-            &mut g,
-            &mut alpha,
-        );
-        for hh in 0..h {
-            let hr = hh * dk..(hh + 1) * dk;
-            norm::l2norm_inplace(&mut qt[hr.clone()], eps.kda_l2);
-            norm::l2norm_inplace(&mut kt[hr.clone()], eps.kda_l2);
-            qt[hr.clone()].iter_mut().for_each(|x| *x *= qscale);
-            let b = sigmoid(beta[t * h + hh]);
-            kda::delta_step(
-                &mut st.s[hh * dk * dk..(hh + 1) * dk * dk],
-                &qt[hr.clone()],
-                &kt[hr.clone()],
-                &vt[hr.clone()],
-                &alpha[hr.clone()],
-                b,
-                &mut o[t * p + hh * dk..t * p + (hh + 1) * dk],
-                &mut scratch,
+    let head = |hh: usize, s: &mut [f32]| -> Vec<f32> {
+        let hr = hh * dk..(hh + 1) * dk;
+        let (mut g, mut alpha) = (vec![0f32; dk], vec![0f32; dk]);
+        let (mut qh, mut kh) = (vec![0f32; dk], vec![0f32; dk]);
+        let mut scratch = vec![0f32; dk];
+        let mut out = vec![0f32; ntok * dk];
+        for t in 0..ntok {
+            // Head hh's channels of token t.
+            let c = t * p + hr.start..t * p + hr.end;
+            kda::decay_gate(
+                &z[c.clone()],
+                &w.a_log[hh..hh + 1],
+                &w.dt_bias[hr.clone()],
+                1,
+                dk,
+                d.lower_bound,
+                &mut g,
+                &mut alpha,
             );
+            qh.copy_from_slice(&qc[c.clone()]);
+            kh.copy_from_slice(&kc[c.clone()]);
+            norm::l2norm_inplace(&mut qh, eps.kda_l2);
+            norm::l2norm_inplace(&mut kh, eps.kda_l2);
+            qh.iter_mut().for_each(|x| *x *= qscale);
+            let b = sigmoid(beta[t * h + hh]);
+            let oh = &mut out[t * dk..(t + 1) * dk];
+            kda::delta_step(s, &qh, &kh, &vc[c.clone()], &alpha, b, oh, &mut scratch);
+            kda::output_norm_gate(oh, &gate[c], &w.o_norm, 1, eps.rms);
         }
-        kda::output_norm_gate(&mut o[r.clone()], &gate[r], &w.o_norm, h, eps.rms);
+        out
+    };
+    let per_head: Vec<Vec<f32>> = if threads > 1 {
+        st.s.par_chunks_mut(dk * dk)
+            .enumerate()
+            .map(|(hh, s)| head(hh, s))
+            .collect()
+    } else {
+        st.s.chunks_mut(dk * dk)
+            .enumerate()
+            .map(|(hh, s)| head(hh, s))
+            .collect()
+    };
+    let mut o = vec![0f32; ntok * p];
+    for (hh, oh) in per_head.iter().enumerate() {
+        for t in 0..ntok {
+            o[t * p + hh * dk..t * p + (hh + 1) * dk].copy_from_slice(&oh[t * dk..(t + 1) * dk]);
+        }
     }
     trace_put(trace, "kda_state", &st.s);
     o

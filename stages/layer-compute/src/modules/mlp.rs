@@ -2,8 +2,13 @@
 //! A dense layer's FFN weights are bound in `forward.rs` by use phase (gate and up, then
 //! down), so a trunk streamed in parts never holds all three.
 
+use rayon::prelude::*;
+
 use crate::kernels::act::situ_glu;
 use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
+
+/// Values per parallel SiTU task (about 0.2 ms of libm work each).
+const SITU_CHUNK: usize = 4096;
 
 /// SiTU caps.
 #[derive(Clone, Copy, Debug)]
@@ -41,7 +46,15 @@ pub fn glu_down64(
     threads: usize,
 ) -> Vec<f64> {
     let mut a = vec![0f32; g.len()];
-    situ_glu(g, u, situ.b1, situ.b2, &mut a);
+    // Elementwise (three libm transcendentals in f64 per value): split over the pool in
+    // fixed chunks when it is worth a fork, which cannot change a value.
+    if threads > 1 && a.len() >= 2 * SITU_CHUNK {
+        a.par_chunks_mut(SITU_CHUNK)
+            .zip(g.par_chunks(SITU_CHUNK).zip(u.par_chunks(SITU_CHUNK)))
+            .for_each(|(a, (g, u))| situ_glu(g, u, situ.b1, situ.b2, a));
+    } else {
+        situ_glu(g, u, situ.b1, situ.b2, &mut a);
+    }
     let mut y = vec![0f64; ntok * down.rows];
     gemm64(down, &a, &mut y, ntok, threads);
     y
