@@ -263,3 +263,36 @@ fn error_within_documented_budget() {
     }
     println!("gemv bf16 {rows}x{cols}: worst |err|/Σ|w·x| = {worst:.2e} (budget 2.0e-6)");
 }
+
+// Catches: a one-token AVX-512 kernel whose row count per tile or compiled prefetch
+// distance changes a result (a tile that skips or repeats a row, a remainder tile that
+// reads the wrong row, a prefetch variant compiled with another lane order). Every tuning
+// must equal the portable twin bit for bit; the tuning is process-wide, but no setting may
+// change any result, so the other tests are unaffected whatever it is meanwhile.
+#[test]
+fn every_decode_tuning_matches_portable_bitwise() {
+    use k3_layer_compute::kernels::gemv::set_decode_tuning;
+    if simd::best_available() < Path::Avx512 {
+        eprintln!("SKIPPED: every_decode_tuning_matches_portable_bitwise: no AVX-512");
+        return;
+    }
+    let mut s = 0x5eed_0f7e_5700_1234_u64;
+    for fmt in ["bf16", "f32", "mxfp4"] {
+        // 29 rows: tiles of 8, 6, 4 and 2 all leave a remainder; 2100 columns: three
+        // blocks, the last with a partial group.
+        let o = Owned::new(fmt, 29, 2100, &mut s);
+        let m = o.mat();
+        let x: Vec<f32> = (0..m.cols).map(|_| randf(&mut s)).collect();
+        let mut want = vec![0f32; m.rows];
+        gemm_on(Path::Portable, &m, &x, &mut want, 1);
+        for rows in [2usize, 4, 6, 8] {
+            for pf in [0usize, 256, 512, 1024, 2048, 4096] {
+                set_decode_tuning(rows, pf);
+                let mut got = vec![0f32; m.rows];
+                gemm_on(Path::Avx512, &m, &x, &mut got, 1);
+                assert!(same(&got, &want), "{fmt} rows {rows} pf {pf}");
+            }
+        }
+    }
+    set_decode_tuning(0, usize::MAX);
+}

@@ -246,20 +246,21 @@ unsafe fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes:
 /// One token, one f32 block (groups `q0..qe`) of rows `r..r+R`: each group's activations
 /// are loaded once, then every row's group is loaded, decoded and multiplied (R weight
 /// streams side by side); the lanes' f32 partials are promoted into `acc[j]` at the end.
-/// `pf` is the software prefetch distance in bytes along each row (0: none).
+/// `PF` is the software prefetch distance in bytes along each row (0: none), a constant so
+/// that the prefetch address is the load's with a displacement (as a run-time value it
+/// cost every row a second pointer, and the row pointers no longer fit the registers).
 ///
 /// # Safety
 /// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
 /// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc`; `xp` holds one permuted
 /// token; `acc.len() >= R`; AVX-512F enabled in the caller.
 #[inline(always)]
-unsafe fn seg1<F: Fmt, const R: usize>(
+unsafe fn seg1<F: Fmt, const R: usize, const PF: usize>(
     f: F,
     r: usize,
     (q0, qe, qf): (usize, usize, usize),
     (pbuf, psc): (&[[u8; 128]; R], &[u8; R]),
     xp: *const f32,
-    pf: usize,
     acc: &mut [[f64; LANES]],
 ) {
     // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
@@ -284,11 +285,11 @@ unsafe fn seg1<F: Fmt, const R: usize>(
         // Full groups in runs of U (one cache line of every row's weights): each row's
         // line ahead is prefetched once per run.
         while q + F::U <= qm {
-            if pf != 0 {
+            if PF != 0 {
                 for j in 0..R {
                     let (p, _) = f.at(r + j, q);
                     // A hint: it never faults; wrapping_add keeps the arithmetic defined.
-                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(pf) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(PF) as *const i8);
                 }
             }
             for u in 0..F::U {
@@ -320,12 +321,11 @@ unsafe fn seg1<F: Fmt, const R: usize>(
 /// # Safety
 /// As [`seg1`]; `out.len() >= R`.
 #[inline(always)]
-unsafe fn tile1<F: Fmt, const R: usize>(
+unsafe fn tile1<F: Fmt, const R: usize, const PF: usize>(
     f: F,
     m: &Mat<'_>,
     r: usize,
     xp: *const f32,
-    pf: usize,
     out: &mut [f64],
 ) {
     let ng = groups(m.cols);
@@ -341,12 +341,12 @@ unsafe fn tile1<F: Fmt, const R: usize>(
     let mut q = 0;
     // SAFETY: the caller's guarantees, passed on to seg1 with q ranges inside 0..ng.
     unsafe {
-        if pf != 0 {
-            prefetch_heads(f, m, r + R, r + 2 * R, pf);
+        if PF != 0 {
+            prefetch_heads(f, m, r + R, r + 2 * R, PF);
         }
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
-            seg1::<F, R>(f, r, (q, qe, full), (&pbuf, &psc), xp, pf, &mut acc);
+            seg1::<F, R, PF>(f, r, (q, qe, full), (&pbuf, &psc), xp, &mut acc);
             q = qe;
         }
     }
@@ -740,6 +740,48 @@ unsafe fn prefetch_lines(p: *const u8, bytes: usize) {
     }
 }
 
+/// Rows `r0..r1` × one token, in tiles of `rows` rows (2, 4, 6 or 8) side by side, the
+/// remainder in tiles of 4, 2 and 1; `PF` bytes of software prefetch along each row.
+///
+/// # Safety
+/// `f` describes `m`, `r1 <= m.rows`; `x` holds one permuted token; `out` has room for
+/// `r1 - r0` sums; AVX-512F enabled in the caller.
+#[inline(always)]
+unsafe fn rows1<F: Fmt, const PF: usize>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    x: *const f32,
+    rows: usize,
+    out: &mut [f64],
+) {
+    let mut r = r0;
+    // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out.
+    unsafe {
+        macro_rules! run_rows {
+            ($n:literal) => {
+                while r + $n <= r1 {
+                    tile1::<F, $n, PF>(f, m, r, x, &mut out[r - r0..]);
+                    r += $n;
+                }
+            };
+        }
+        match rows {
+            8 => run_rows!(8),
+            6 => run_rows!(6),
+            2 => run_rows!(2),
+            _ => {}
+        }
+        // The remainder (and the default) in tiles of 4, then 2, then single rows.
+        run_rows!(4);
+        run_rows!(2);
+        while r < r1 {
+            tile1::<F, 1, PF>(f, m, r, x, &mut out[r - r0..]);
+            r += 1;
+        }
+    }
+}
+
 /// Rows `r0..r1` × all tokens with the f32-block contract.
 ///
 /// # Safety
@@ -759,33 +801,21 @@ unsafe fn drive<F: Stage>(
     assert!(out.len() >= (r1 - r0) * ntok);
     assert!(r1 <= m.rows);
     let x = xp.as_ptr();
-    let mut r = r0;
     // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out (asserted).
     unsafe {
         if ntok == 1 {
             let (rows, pf) = decode_tuning();
             let rows = if rows == 0 { F::ROWS1 } else { rows };
             let pf = if pf == usize::MAX { F::PF } else { pf };
-            macro_rules! run_rows {
-                ($n:literal) => {
-                    while r + $n <= r1 {
-                        tile1::<F, $n>(f, m, r, x, pf, &mut out[r - r0..]);
-                        r += $n;
-                    }
-                };
-            }
-            match rows {
-                8 => run_rows!(8),
-                6 => run_rows!(6),
-                2 => run_rows!(2),
-                _ => {}
-            }
-            // The remainder (and the default) in tiles of 4, then 2, then single rows.
-            run_rows!(4);
-            run_rows!(2);
-            while r < r1 {
-                tile1::<F, 1>(f, m, r, x, pf, &mut out[r - r0..]);
-                r += 1;
+            // The distance is a compile-time constant of the kernel: the nearest of these.
+            let rs = (r0, r1);
+            match pf {
+                0 => rows1::<F, 0>(f, m, rs, x, rows, out),
+                1..=383 => rows1::<F, 256>(f, m, rs, x, rows, out),
+                384..=767 => rows1::<F, 512>(f, m, rs, x, rows, out),
+                768..=1535 => rows1::<F, 1024>(f, m, rs, x, rows, out),
+                1536..=3071 => rows1::<F, 2048>(f, m, rs, x, rows, out),
+                _ => rows1::<F, 4096>(f, m, rs, x, rows, out),
             }
         } else {
             rows_batched::<F>(f, m, (r0, r1), x, ntok, out);

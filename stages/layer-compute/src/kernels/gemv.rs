@@ -252,11 +252,12 @@ static DEC_ROWS: AtomicUsize = AtomicUsize::new(usize::MAX);
 static DEC_PF: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Default rows per one-token tile of the AVX-512 decode path for BF16 and F32 weights.
-/// `gemv_bench --sweep` (lm_head, 2 threads): 6 rows with a 512-byte prefetch were the
-/// fastest on 2026-12-01 (29.8 GB/s against 24.2 for 4 rows); on 2026-12-02 8 rows were
-/// (32.4-33.5 GB/s against 30.3-31.2 for 6), and four alternating pairs of the slice's
-/// resident decode gave 8 rows 0.322-0.330 s/token against 0.332-0.340 for 6.
-pub const R1: usize = 8;
+/// `gemv_bench --sweep` (lm_head, 2 threads) on the Zen 4 machines of 2026-12-01/02 found
+/// 6 and then 8 rows fastest; on Zen 5 (2026-12-02, once the prefetch distance became a
+/// compile-time constant, see [`super::avx512`]) 4 rows with a 1024-byte prefetch read
+/// 39-41 GB/s in alternating runs against 36-39 for 8 rows without prefetch, and in two
+/// sweeps 8 rows never passed 34.4 GB/s while 4 and 6 reached 45.
+pub const R1: usize = 4;
 
 /// Default rows per one-token tile for MXFP4 weights (compute-bound: the decode takes 3
 /// shuffles and a shift per group and row). Measured 2026-12-02 on the expert shape
@@ -265,13 +266,10 @@ pub const R1: usize = 8;
 /// register.
 pub const R1_MXFP4: usize = 4;
 
-/// Default software prefetch distance (bytes) of the decode path, every format (chosen
-/// with [`R1`]).
-pub const PF1: usize = 512;
-
 /// Set the decode path's rows per tile (2, 4, 6 or 8; 0 or anything else: the format's
-/// default, [`R1`] or [`R1_MXFP4`]) and prefetch distance (bytes; 0 = none, `usize::MAX` =
-/// the format's default). Results never change.
+/// default, [`R1`] or [`R1_MXFP4`]) and prefetch distance (bytes, taken to the nearest of
+/// 0 = none, 256, 512, 1024, 2048 and 4096: the kernels are compiled for each; `usize::MAX`
+/// = the format's default). Results never change.
 pub fn set_decode_tuning(rows: usize, prefetch: usize) {
     // The distance first: a reader that sees the new row count (Acquire) sees it too.
     DEC_PF.store(prefetch, Ordering::Relaxed);
@@ -289,7 +287,9 @@ pub fn decode_tuning() -> (usize, usize) {
     if DEC_ROWS.load(Ordering::Acquire) == usize::MAX {
         let env = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse().ok());
         let rows = env("K3_GEMV_ROWS").unwrap_or(0);
-        let pf = env("K3_GEMV_PF").unwrap_or(PF1);
+        // Unset: each format's own distance (BF16/F32 1024 bytes, MXFP4 512; on Zen 5 the
+        // expert shape read 28-30 GB/s at 512 against 17-28 at 1024, alternating runs).
+        let pf = env("K3_GEMV_PF").unwrap_or(usize::MAX);
         // A race here stores the same values twice.
         set_decode_tuning(rows, pf);
     }
