@@ -296,3 +296,17 @@ fn every_decode_tuning_matches_portable_bitwise() {
     }
     set_decode_tuning(0, usize::MAX);
 }
+
+// Catches: an MXFP4 weight that is not exactly a bf16 (the AVX-512 batched path stages
+// MXFP4 groups as bf16 pairs, which is exact only if every E2M1 value times every E8M0
+// scale has 16 zero low bits in f32): a wrong E8M0 table (a subnormal off by one bit) or
+// a code table with a third mantissa bit would fail here before any product differs.
+#[test]
+fn every_mxfp4_weight_is_an_exact_bf16() {
+    use k3_layer_compute::kernels::portable::E2M1_SCALED;
+    for (s, row) in E2M1_SCALED.0.iter().enumerate() {
+        for (c, w) in row.iter().enumerate() {
+            assert_eq!(w.to_bits() & 0xFFFF, 0, "scale {s} code {c}: {w:e}");
+        }
+    }
+}
