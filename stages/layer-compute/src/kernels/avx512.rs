@@ -62,6 +62,24 @@ trait Fmt: Copy {
     /// `p` must point to the group's bytes (64 for bf16, 128 for f32, 16 for MXFP4); the
     /// CPU must support AVX-512F (callers are `#[target_feature]` functions).
     unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2];
+    /// Decode group `(r, q)`: in place, or from its zero-padded copy `part` (the
+    /// partial group, see [`stage_partial`]).
+    ///
+    /// # Safety
+    /// As [`Fmt::at`] when `part` is `None`; AVX-512F enabled in the caller.
+    #[inline(always)]
+    unsafe fn group(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>) -> [__m512; 2] {
+        // SAFETY: forwarded (the copy holds 128 readable bytes).
+        unsafe {
+            match part {
+                Some((buf, s)) => Self::dec(buf.as_ptr(), s),
+                None => {
+                    let (p, s) = self.at(r, q);
+                    Self::dec(p, s)
+                }
+            }
+        }
+    }
     /// Software prefetch distance in bytes ahead of the group being decoded.
     const PF: usize;
     /// Groups per 64-byte line of a row's weights (at least 1): the one-token path
@@ -438,13 +456,7 @@ impl Stage for F32 {
         // SAFETY: the group's bytes are read in place or from the copy; 128 bytes are
         // written at dst (caller).
         unsafe {
-            let [a, b] = match part {
-                Some((buf, s)) => F32::dec(buf.as_ptr(), s),
-                None => {
-                    let (p, s) = self.at(r, q);
-                    F32::dec(p, s)
-                }
-            };
+            let [a, b] = self.group(r, q, part);
             _mm512_storeu_ps(dst as *mut f32, a);
             _mm512_storeu_ps(dst.add(64) as *mut f32, b);
         }
@@ -465,13 +477,7 @@ impl Stage for Mx {
         // SAFETY: the group's bytes are read in place or from the copy; 64 bytes are
         // written at dst (caller).
         unsafe {
-            let [even, odd] = match part {
-                Some((buf, s)) => Mx::dec(buf.as_ptr(), s),
-                None => {
-                    let (p, s) = self.at(r, q);
-                    Mx::dec(p, s)
-                }
-            };
+            let [even, odd] = self.group(r, q, part);
             let pair = _mm512_or_si512(
                 _mm512_srli_epi32(_mm512_castps_si512(even), 16),
                 _mm512_castps_si512(odd),
@@ -595,9 +601,11 @@ unsafe fn rows_batched<F: Stage>(
     let ng = groups(m.cols);
     let full = m.cols / GROUP_COLS;
     let stride = x_stride(m.cols);
-    let mut buf = StageBuf([0u8; RB * BLOCK_GROUPS * 128]);
-    let mut acc = Acc([[0f64; LANES]; RB * TC]);
-    let acc = &mut acc.0;
+    // Neither buffer is read before it is written: the stage block by block, the sums
+    // pass by pass (zeroed at each pass's start). Zero-filling both (32 KiB) for every
+    // task cost a small product (an expert's few tokens) about a tile pass.
+    let mut buf = std::mem::MaybeUninit::<StageBuf>::uninit();
+    let mut sums = std::mem::MaybeUninit::<Acc>::uninit();
     let mut parts = [([0u8; 128], 0u8); RB];
     // Register-tile passes over one block of a row group: per pass of tc tokens, tc / TB
     // tiles of TB tokens and tc % TB of one.
@@ -617,11 +625,17 @@ unsafe fn rows_batched<F: Stage>(
         let mut c0 = 0;
         while c0 < ntok {
             let tc = (ntok - c0).min(TC);
-            acc[..RB * tc].fill([0f64; LANES]);
+            // SAFETY: RB * tc <= RB * TC lane sums fit the buffer; they are zeroed here
+            // before the slice over them is formed.
+            let acc: &mut [[f64; LANES]] = unsafe {
+                let p = sums.as_mut_ptr() as *mut [f64; LANES];
+                std::ptr::write_bytes(p, 0, RB * tc);
+                std::slice::from_raw_parts_mut(p, RB * tc)
+            };
             let mut q = 0;
             while q < ng {
                 let qe = (q + BLOCK_GROUPS).min(ng);
-                let dst = buf.0.as_mut_ptr();
+                let dst = buf.as_mut_ptr() as *mut u8;
                 // SAFETY: rows g0..g0+nr < m.rows and groups q..qe < ng (full ones read in
                 // place, the partial one from its copy); the staged block fits the buffer
                 // (qe - q <= BLOCK_GROUPS, RB rows of at most 128 bytes a group).
@@ -641,16 +655,16 @@ unsafe fn rows_batched<F: Stage>(
                 while t0 < tc {
                     let x = xp.wrapping_add((c0 + t0) * stride + GROUP_COLS * q);
                     let a = &mut acc[t0..];
-                    // SAFETY: the staged block holds qe - q groups of RB rows; tokens
-                    // c0+t0.. < ntok have their block's values at x (+ t * stride); acc
-                    // has RB * TC >= (RB - 1) * tc + t0 + T entries.
+                    // SAFETY: the staged block holds qe - q groups of RB rows (written just
+                    // above); tokens c0+t0.. < ntok have their block's values at x (+ t *
+                    // stride); acc has RB * tc >= (RB - 1) * tc + t0 + T entries.
                     unsafe {
                         ahead.step();
                         if t0 + TB <= tc {
-                            tile_block::<F::S, TB>(buf.0.as_ptr(), qe - q, x, stride, a, tc);
+                            tile_block::<F::S, TB>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
                             t0 += TB;
                         } else {
-                            tile_block::<F::S, 1>(buf.0.as_ptr(), qe - q, x, stride, a, tc);
+                            tile_block::<F::S, 1>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
                             t0 += 1;
                         }
                     }
