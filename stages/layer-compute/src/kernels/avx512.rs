@@ -424,7 +424,7 @@ trait Stage: Fmt {
     /// The staged form.
     type S: Staged;
     /// Write group `(r, q)` in staged form to `dst`: full groups from the matrix, the
-    /// partial one from its zero-padded copy `part`/`ps` (see [`stage_partial`]).
+    /// partial one from `part`, its zero-padded copy and scale byte (see [`stage_partial`]).
     ///
     /// # Safety
     /// `(r, q)` is a full group of the matrix when `part` is `None`; `dst` has room for
