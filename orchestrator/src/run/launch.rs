@@ -578,15 +578,17 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
 fn populate_resident(mw: &MmapWeights, c: &Common<'_>) {
     use k3_model::classify::{classify, layer_of, TensorClass};
     let plan = &c.plan;
+    let bound = |name: &str| layer_of(name).is_none_or(|l| l < c.layers);
+    // The routed experts of the bound layers: those the cache would have to hold.
     let experts: u64 = mw
         .catalog()
         .iter()
-        .filter(|(n, _)| classify(n) == TensorClass::RoutedExpert)
+        .filter(|(n, _)| bound(n) && classify(n) == TensorClass::RoutedExpert)
         .map(|(_, e)| e.len)
         .sum();
     let all_experts = plan.cache_budget >= experts;
     let keep = |name: &str| {
-        if layer_of(name).is_some_and(|l| l >= c.layers) {
+        if !bound(name) {
             return false;
         }
         match classify(name) {

@@ -196,32 +196,32 @@ fn weight_offset() -> usize {
 
 impl Owned {
     fn new(fmt: Fmt, rows: usize, cols: usize, s: &mut u64) -> Self {
-        let (a, b) = match fmt {
+        // The weights start at the chosen offset from a line (the Vec's own start is
+        // wherever the allocator put it) and are generated in place.
+        let a_len = match fmt {
+            Fmt::Bf16 => rows * cols * 2,
+            Fmt::Mxfp4 => rows * cols / 2,
+        };
+        let mut placed = vec![0u8; a_len + 128];
+        let a_off = placed.as_ptr().align_offset(64) + weight_offset();
+        let a = &mut placed[a_off..a_off + a_len];
+        let b = match fmt {
             Fmt::Bf16 => {
-                let mut a = vec![0u8; rows * cols * 2];
                 for ch in a.chunks_exact_mut(2) {
                     let v = ((xorshift(s) >> 40) as f32 / 16777216.0 - 0.5) * 0.1;
                     ch.copy_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
                 }
-                (a, vec![])
+                vec![]
             }
             Fmt::Mxfp4 => {
-                let mut a = vec![0u8; rows * cols / 2];
                 for ch in a.chunks_exact_mut(8) {
                     ch.copy_from_slice(&xorshift(s).to_le_bytes());
                 }
-                let b = (0..rows * cols / 32)
+                (0..rows * cols / 32)
                     .map(|_| 118 + (xorshift(s) % 4) as u8)
-                    .collect();
-                (a, b)
+                    .collect()
             }
         };
-        // Copy to the chosen offset from a line (the Vec's own start is wherever the
-        // allocator put it).
-        let a_len = a.len();
-        let mut placed = vec![0u8; a_len + 128];
-        let a_off = placed.as_ptr().align_offset(64) + weight_offset();
-        placed[a_off..a_off + a_len].copy_from_slice(&a);
         Owned {
             a: placed,
             a_off,
