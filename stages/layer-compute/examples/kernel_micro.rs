@@ -3,7 +3,8 @@
 //! thread (`/proc/thread-self/schedstat`: meaningful on a loaded machine too).
 //! Complements `gemv_bench` (DRAM rates).
 //!
-//! Run: `cargo run --release -p k3-layer-compute --example kernel_micro`.
+//! Run: `cargo run --release -p k3-layer-compute --example kernel_micro [FMT [NTOK]]
+//! [--direct] [--avx512]`.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -56,13 +57,21 @@ fn main() {
         if args.len() > 1 && args[1] != *name {
             continue;
         }
-        for ntok in [1usize, 4, 16] {
-            if args.len() > 2 && args[2] != ntok.to_string() {
-                continue;
-            }
+        // `kernel_micro FMT NTOK` takes any token count (an expert's few tokens: 1-11).
+        let counts: Vec<usize> = match args.get(2).and_then(|v| v.parse().ok()) {
+            Some(n) if n > 0 => vec![n],
+            _ => vec![1, 4, 16],
+        };
+        for &ntok in &counts {
             let x: Vec<f32> = (0..ntok * cols).map(|i| (i % 13) as f32 * 0.1).collect();
             let mut y = vec![0f32; ntok * rows];
-            for p in [Path::Avx512, Path::Avx2] {
+            // `--avx512`: that path alone.
+            let paths: &[Path] = if args.iter().any(|a| a == "--avx512") {
+                &[Path::Avx512]
+            } else {
+                &[Path::Avx512, Path::Avx2]
+            };
+            for &p in paths {
                 let iters = (2000 / ntok * if args.len() > 2 { 5 } else { 1 }) * (128 * 7168)
                     / (rows * cols);
                 let c0 = thread_cpu();

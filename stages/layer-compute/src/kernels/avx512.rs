@@ -21,6 +21,8 @@
 //! - one token (decode, memory-bound for BF16, decode-bound for MXFP4): [`R1`] BF16/F32
 //!   rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block, the
 //!   groups of one 64-byte line of every row taken in one run with one prefetch per row;
+//! - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt): the
+//!   one-token loop with each decoded weight multiplied into every token ([`rows_few`]);
 //! - several tokens (prefill): rows in groups of [`RB`] (4), tokens in passes of up to 16.
 //!   Per group and pass, block by block (1024 columns), the group's block is staged once
 //!   into an aligned L1 buffer, group-major (BF16 copied raw; MXFP4 decoded into exact
@@ -87,6 +89,15 @@ trait Fmt: Copy {
     const U: usize;
     /// Default rows per one-token tile ([`super::gemv::R1`], [`super::gemv::R1_MXFP4`]).
     const ROWS1: usize;
+    /// Whether 2..=[`FEW`] tokens take [`rows_few`] (decode each weight once in registers
+    /// for all of them) rather than [`rows_batched`] (stage, then widen per tile pass):
+    /// MXFP4 only. Measured on Zen 5, alternating: `gemv_bench --only batch4` (2 threads,
+    /// weights from DRAM) 108-110 GMAC/s against 70-85; `kernel_micro mxfp4 N --avx512`
+    /// (in cache) +45%, +40%, +30% at 2, 3, 4 tokens, but only +5% at 5 and 6 (two token
+    /// chunks per row pair) and -6% to 0 at 7 and 8, hence [`FEW`] = 4. BF16 in cache was
+    /// 10% slower this way at 4 tokens (38-43 against 43-46 GMAC/s): its staging is a
+    /// plain copy, and the staged tile's 4 rows share each activation load.
+    const FEW: bool;
     /// The bytes of rows `r0..r1` (consecutive in memory): the weights, and the scales
     /// where the format has them (else an empty span). Addresses only, never read.
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2];
@@ -102,6 +113,7 @@ impl Fmt for Bf16 {
     const PF: usize = 1024;
     const U: usize = 1;
     const ROWS1: usize = R1;
+    const FEW: bool = false;
     #[inline(always)]
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
         let p = self.p.wrapping_add(r0 * self.stride);
@@ -138,6 +150,7 @@ impl Fmt for F32 {
     const PF: usize = 1024;
     const U: usize = 1;
     const ROWS1: usize = R1;
+    const FEW: bool = false;
     #[inline(always)]
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
         let p = self.p.wrapping_add(r0 * self.stride);
@@ -180,6 +193,7 @@ impl Fmt for Mx {
     const PF: usize = 512;
     const U: usize = 4;
     const ROWS1: usize = R1_MXFP4;
+    const FEW: bool = true;
     #[inline(always)]
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
         [
@@ -262,41 +276,47 @@ unsafe fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes:
     }
 }
 
-/// One token, one f32 block (groups `q0..qe`) of rows `r..r+R`: each group's activations
-/// are loaded once, then every row's group is loaded, decoded and multiplied (R weight
-/// streams side by side); the lanes' f32 partials are promoted into `acc[j]` at the end.
-/// `PF` is the software prefetch distance in bytes along each row (0: none), a constant so
-/// that the prefetch address is the load's with a displacement (as a run-time value it
-/// cost every row a second pointer, and the row pointers no longer fit the registers).
+/// `T` tokens (one for decode, a few for an expert's tokens in a prompt), one f32 block
+/// (groups `q0..qe`) of rows `r..r+R`: each group's activations are loaded once, then
+/// every row's group is loaded, decoded and multiplied into every token (R weight streams
+/// side by side, each weight decoded once for the T tokens); the lanes' f32 partials are
+/// promoted into `acc[j * T + t]` at the end. `PF` is the software prefetch distance in
+/// bytes along each row (0: none), a constant so that the prefetch address is the load's
+/// with a displacement (as a run-time value it cost every row a second pointer, and the
+/// row pointers no longer fit the registers).
 ///
 /// # Safety
 /// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
-/// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc`; `xp` holds one permuted
-/// token; `acc.len() >= R`; AVX-512F enabled in the caller.
+/// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc`; `xp + t * xs` (`t < T`)
+/// holds one permuted token each; `acc.len() >= R * T`; AVX-512F enabled in the caller.
 #[inline(always)]
-unsafe fn seg1<F: Fmt, const R: usize, const PF: usize>(
+unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
     f: F,
     r: usize,
     (q0, qe, qf): (usize, usize, usize),
     (pbuf, psc): (&[[u8; 128]; R], &[u8; R]),
-    xp: *const f32,
+    (xp, xs): (*const f32, usize),
     acc: &mut [[f64; LANES]],
 ) {
     // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
-    // reads stay inside the token (32 values at 32q < its length); acc indices < R.
+    // reads stay inside the tokens (32 values at 32q < their length); acc indices < R * T.
     unsafe {
-        let mut a = [[_mm512_setzero_ps(); 2]; R];
+        let mut a = [[[_mm512_setzero_ps(); 2]; T]; R];
         let qm = qf.clamp(q0, qe);
         // Group `q`: its activations loaded once, row `j`'s weights decoded by `$w`.
         macro_rules! group {
             ($q:expr, $j:ident => $w:expr) => {{
-                let xq = xp.add(GROUP_COLS * $q);
-                let x0 = _mm512_loadu_ps(xq);
-                let x1 = _mm512_loadu_ps(xq.add(16));
+                let mut xv = [[_mm512_setzero_ps(); 2]; T];
+                for (t, xt) in xv.iter_mut().enumerate() {
+                    let xq = xp.add(t * xs + GROUP_COLS * $q);
+                    *xt = [_mm512_loadu_ps(xq), _mm512_loadu_ps(xq.add(16))];
+                }
                 for ($j, aj) in a.iter_mut().enumerate() {
                     let w: [__m512; 2] = $w;
-                    aj[0] = _mm512_fmadd_ps(w[0], x0, aj[0]);
-                    aj[1] = _mm512_fmadd_ps(w[1], x1, aj[1]);
+                    for (ajt, xt) in aj.iter_mut().zip(xv.iter()) {
+                        ajt[0] = _mm512_fmadd_ps(w[0], xt[0], ajt[0]);
+                        ajt[1] = _mm512_fmadd_ps(w[1], xt[1], ajt[1]);
+                    }
                 }
             }};
         }
@@ -329,23 +349,27 @@ unsafe fn seg1<F: Fmt, const R: usize, const PF: usize>(
         for q in qm..qe {
             group!(q, j => F::dec(pbuf[j].as_ptr(), psc[j]));
         }
-        for (aj, accj) in a.iter().zip(acc.iter_mut()) {
-            promote(aj, accj);
+        for (j, aj) in a.iter().enumerate() {
+            for (t, ajt) in aj.iter().enumerate() {
+                promote(ajt, &mut acc[j * T + t]);
+            }
         }
     }
 }
 
-/// Rows `r..r+R` × one token, block by block. Sums into `out[j]`.
+/// Rows `r..r+R` × `T` tokens (`xp + t * xs`), block by block. Sums into
+/// `out[j * os + t]`.
 ///
 /// # Safety
-/// As [`seg1`]; `out.len() >= R`.
+/// As [`seg`]; `out.len() > (R - 1) * os + T - 1`.
 #[inline(always)]
-unsafe fn tile1<F: Fmt, const R: usize, const PF: usize>(
+unsafe fn tile<F: Fmt, const R: usize, const T: usize, const PF: usize>(
     f: F,
     m: &Mat<'_>,
     r: usize,
-    xp: *const f32,
+    x: (*const f32, usize),
     out: &mut [f64],
+    os: usize,
 ) {
     let ng = groups(m.cols);
     let full = m.cols / GROUP_COLS;
@@ -356,22 +380,26 @@ unsafe fn tile1<F: Fmt, const R: usize, const PF: usize>(
             psc[j] = stage_partial(m, r + j, full, &mut pbuf[j]);
         }
     }
-    let mut acc = [[0f64; LANES]; R];
+    // Room for the largest tile (R * T <= 8 everywhere this is instantiated).
+    let mut acc = [[0f64; LANES]; 8];
+    debug_assert!(R * T <= acc.len());
     let mut q = 0;
-    // SAFETY: the caller's guarantees, passed on to seg1 with q ranges inside 0..ng.
+    // SAFETY: the caller's guarantees, passed on to seg with q ranges inside 0..ng.
     unsafe {
         if PF != 0 {
             prefetch_heads(f, m, r + R, r + 2 * R, PF);
         }
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
-            seg1::<F, R, PF>(f, r, (q, qe, full), (&pbuf, &psc), xp, &mut acc);
+            seg::<F, R, T, PF>(f, r, (q, qe, full), (&pbuf, &psc), x, &mut acc);
             q = qe;
         }
     }
-    for (o, a) in out.iter_mut().zip(acc.iter()) {
-        // SAFETY: AVX-512F is enabled in the caller.
-        *o = unsafe { reduce(a) };
+    for j in 0..R {
+        for t in 0..T {
+            // SAFETY: AVX-512F is enabled in the caller.
+            out[j * os + t] = unsafe { reduce(&acc[j * T + t]) };
+        }
     }
 }
 
@@ -799,7 +827,7 @@ unsafe fn rows1<F: Fmt, const PF: usize>(
         macro_rules! run_rows {
             ($n:literal) => {
                 while r + $n <= r1 {
-                    tile1::<F, $n, PF>(f, m, r, x, &mut out[r - r0..]);
+                    tile::<F, $n, 1, PF>(f, m, r, (x, 0), &mut out[r - r0..], 1);
                     r += $n;
                 }
             };
@@ -814,7 +842,7 @@ unsafe fn rows1<F: Fmt, const PF: usize>(
         run_rows!(4);
         run_rows!(2);
         while r < r1 {
-            tile1::<F, 1, PF>(f, m, r, x, &mut out[r - r0..]);
+            tile::<F, 1, 1, PF>(f, m, r, (x, 0), &mut out[r - r0..], 1);
             r += 1;
         }
     }
@@ -855,8 +883,63 @@ unsafe fn drive<F: Stage>(
                 1536..=3071 => rows1::<F, 2048>(f, m, rs, x, rows, out),
                 _ => rows1::<F, 4096>(f, m, rs, x, rows, out),
             }
+        } else if F::FEW && ntok <= FEW {
+            if F::PF >= 1024 {
+                rows_few::<F, 1024>(f, m, (r0, r1), x, ntok, out);
+            } else {
+                rows_few::<F, 512>(f, m, (r0, r1), x, ntok, out);
+            }
         } else {
             rows_batched::<F>(f, m, (r0, r1), x, ntok, out);
+        }
+    }
+}
+
+/// Most tokens the few-token path takes ([`rows_few`]); more go to [`rows_batched`].
+const FEW: usize = 4;
+
+/// Rows `r0..r1` × `ntok` (2..=[`FEW`]) tokens without staging: the one-token kernel's
+/// loop with every decoded weight multiplied into all the tokens (tiles of 4 rows × 2
+/// tokens, 2 rows × 3 or 4; 16 accumulators at most). A routed expert of a prompt sees a
+/// few tokens (16 tokens × top-16 over 64 experts: 4 on average), where staging a group
+/// (decode, store, reload, widen) cost more than the FMAs it fed. Same FMAs, same order,
+/// same promotion and tree as every other path: bit for bit the portable result.
+///
+/// # Safety
+/// `f` describes `m`, `r1 <= m.rows`; `x` holds `ntok` permuted tokens; `out` has room for
+/// `(r1 - r0) * ntok` sums; AVX-512F enabled in the caller.
+#[inline(always)]
+unsafe fn rows_few<F: Fmt, const PF: usize>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    x: *const f32,
+    ntok: usize,
+    out: &mut [f64],
+) {
+    let xs = x_stride(m.cols);
+    let mut r = r0;
+    // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs, rows × ntok from
+    // (r - r0) * ntok, in out (caller).
+    unsafe {
+        macro_rules! run {
+            ($r:literal, $t:literal) => {{
+                while r + $r <= r1 {
+                    let o = &mut out[(r - r0) * ntok..];
+                    tile::<F, $r, $t, PF>(f, m, r, (x, xs), o, ntok);
+                    r += $r;
+                }
+                while r < r1 {
+                    let o = &mut out[(r - r0) * ntok..];
+                    tile::<F, 1, $t, PF>(f, m, r, (x, xs), o, ntok);
+                    r += 1;
+                }
+            }};
+        }
+        match ntok {
+            2 => run!(4, 2),
+            3 => run!(2, 3),
+            _ => run!(2, 4),
         }
     }
 }
