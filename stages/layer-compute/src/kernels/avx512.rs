@@ -363,7 +363,7 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
 /// # Safety
 /// As [`seg`]; `out.len() > (R - 1) * os + T - 1`.
 #[inline(always)]
-unsafe fn tile<F: Fmt, const R: usize, const T: usize, const PF: usize>(
+unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF: usize>(
     f: F,
     m: &Mat<'_>,
     r: usize,
@@ -380,9 +380,10 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const PF: usize>(
             psc[j] = stage_partial(m, r + j, full, &mut pbuf[j]);
         }
     }
-    // Room for the largest tile (R * T <= 8 everywhere this is instantiated).
-    let mut acc = [[0f64; LANES]; 8];
-    debug_assert!(R * T <= acc.len());
+    // N = R * T lane sums (a parameter of its own: array lengths cannot be computed from
+    // generic parameters on stable Rust; a fixed 8 cost the one-token decode about 8%).
+    let mut acc = [[0f64; LANES]; N];
+    debug_assert_eq!(N, R * T);
     let mut q = 0;
     // SAFETY: the caller's guarantees, passed on to seg with q ranges inside 0..ng.
     unsafe {
@@ -827,7 +828,7 @@ unsafe fn rows1<F: Fmt, const PF: usize>(
         macro_rules! run_rows {
             ($n:literal) => {
                 while r + $n <= r1 {
-                    tile::<F, $n, 1, PF>(f, m, r, (x, 0), &mut out[r - r0..], 1);
+                    tile::<F, $n, 1, $n, PF>(f, m, r, (x, 0), &mut out[r - r0..], 1);
                     r += $n;
                 }
             };
@@ -842,7 +843,7 @@ unsafe fn rows1<F: Fmt, const PF: usize>(
         run_rows!(4);
         run_rows!(2);
         while r < r1 {
-            tile::<F, 1, 1, PF>(f, m, r, (x, 0), &mut out[r - r0..], 1);
+            tile::<F, 1, 1, 1, PF>(f, m, r, (x, 0), &mut out[r - r0..], 1);
             r += 1;
         }
     }
@@ -923,23 +924,23 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
     // (r - r0) * ntok, in out (caller).
     unsafe {
         macro_rules! run {
-            ($r:literal, $t:literal) => {{
+            ($r:literal, $t:literal, $n:literal) => {{
                 while r + $r <= r1 {
                     let o = &mut out[(r - r0) * ntok..];
-                    tile::<F, $r, $t, PF>(f, m, r, (x, xs), o, ntok);
+                    tile::<F, $r, $t, $n, PF>(f, m, r, (x, xs), o, ntok);
                     r += $r;
                 }
                 while r < r1 {
                     let o = &mut out[(r - r0) * ntok..];
-                    tile::<F, 1, $t, PF>(f, m, r, (x, xs), o, ntok);
+                    tile::<F, 1, $t, $t, PF>(f, m, r, (x, xs), o, ntok);
                     r += 1;
                 }
             }};
         }
         match ntok {
-            2 => run!(4, 2),
-            3 => run!(2, 3),
-            _ => run!(2, 4),
+            2 => run!(4, 2, 8),
+            3 => run!(2, 3, 6),
+            _ => run!(2, 4, 8),
         }
     }
 }
