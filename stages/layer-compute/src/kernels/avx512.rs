@@ -97,7 +97,7 @@ trait Fmt: Copy {
     /// chunks per row pair) and -6% to 0 at 7 and 8, hence [`FEW`] = 4. BF16 in cache was
     /// 10% slower this way at 4 tokens (38-43 against 43-46 GMAC/s): its staging is a
     /// plain copy, and the staged tile's 4 rows share each activation load.
-    const FEW: bool;
+    const FEW_DIRECT: bool;
     /// The bytes of rows `r0..r1` (consecutive in memory): the weights, and the scales
     /// where the format has them (else an empty span). Addresses only, never read.
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2];
@@ -113,7 +113,7 @@ impl Fmt for Bf16 {
     const PF: usize = 1024;
     const U: usize = 1;
     const ROWS1: usize = R1;
-    const FEW: bool = false;
+    const FEW_DIRECT: bool = false;
     #[inline(always)]
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
         let p = self.p.wrapping_add(r0 * self.stride);
@@ -150,7 +150,7 @@ impl Fmt for F32 {
     const PF: usize = 1024;
     const U: usize = 1;
     const ROWS1: usize = R1;
-    const FEW: bool = false;
+    const FEW_DIRECT: bool = false;
     #[inline(always)]
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
         let p = self.p.wrapping_add(r0 * self.stride);
@@ -193,7 +193,7 @@ impl Fmt for Mx {
     const PF: usize = 512;
     const U: usize = 4;
     const ROWS1: usize = R1_MXFP4;
-    const FEW: bool = true;
+    const FEW_DIRECT: bool = true;
     #[inline(always)]
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
         [
@@ -381,7 +381,7 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF:
         }
     }
     // N = R * T lane sums (a parameter of its own: array lengths cannot be computed from
-    // generic parameters on stable Rust; a fixed 8 cost the one-token decode about 8%).
+    // generic parameters on stable Rust), so a one-token tile zeroes only its R sums.
     let mut acc = [[0f64; LANES]; N];
     debug_assert_eq!(N, R * T);
     let mut q = 0;
@@ -822,31 +822,45 @@ unsafe fn rows1<F: Fmt, const PF: usize>(
     rows: usize,
     out: &mut [f64],
 ) {
-    let mut r = r0;
-    // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out.
+    let (mut r, rs, x) = (r0, (r0, r1), (x, 0));
+    // SAFETY: the caller's guarantees (one token: stride 0, one sum per row).
     unsafe {
-        macro_rules! run_rows {
-            ($n:literal) => {
-                while r + $n <= r1 {
-                    tile::<F, $n, 1, $n, PF>(f, m, r, (x, 0), &mut out[r - r0..], 1);
-                    r += $n;
-                }
-            };
-        }
         match rows {
-            8 => run_rows!(8),
-            6 => run_rows!(6),
-            2 => run_rows!(2),
+            8 => r = tiles::<F, 8, 1, 8, PF>(f, m, (r, rs), x, 1, out),
+            6 => r = tiles::<F, 6, 1, 6, PF>(f, m, (r, rs), x, 1, out),
+            2 => r = tiles::<F, 2, 1, 2, PF>(f, m, (r, rs), x, 1, out),
             _ => {}
         }
         // The remainder (and the default) in tiles of 4, then 2, then single rows.
-        run_rows!(4);
-        run_rows!(2);
-        while r < r1 {
-            tile::<F, 1, 1, 1, PF>(f, m, r, (x, 0), &mut out[r - r0..], 1);
-            r += 1;
-        }
+        r = tiles::<F, 4, 1, 4, PF>(f, m, (r, rs), x, 1, out);
+        r = tiles::<F, 2, 1, 2, PF>(f, m, (r, rs), x, 1, out);
+        tiles::<F, 1, 1, 1, PF>(f, m, (r, rs), x, 1, out);
     }
+}
+
+/// Rows from `r` on, in tiles of `R` rows × `T` tokens (`N = R * T`), while a whole tile
+/// fits below `r1`; sums of row `i` into `out[(i - r0) * os + t]`. Returns the first row
+/// not done (`r1` when `R` is 1).
+///
+/// # Safety
+/// As [`tile`] for every tile: rows `r..r1` exist in `m`, `f` describes it, `x.0 + t *
+/// x.1` (`t < T`) holds one permuted token each, `out` has room for `(r1 - r0) * os`
+/// sums; AVX-512F enabled in the caller.
+#[inline(always)]
+unsafe fn tiles<F: Fmt, const R: usize, const T: usize, const N: usize, const PF: usize>(
+    f: F,
+    m: &Mat<'_>,
+    (mut r, (r0, r1)): (usize, (usize, usize)),
+    x: (*const f32, usize),
+    os: usize,
+    out: &mut [f64],
+) -> usize {
+    while r + R <= r1 {
+        // SAFETY: rows r..r+R < r1 (caller) and their sums inside out.
+        unsafe { tile::<F, R, T, N, PF>(f, m, r, x, &mut out[(r - r0) * os..], os) };
+        r += R;
+    }
+    r
 }
 
 /// Rows `r0..r1` × all tokens with the f32-block contract.
@@ -884,7 +898,7 @@ unsafe fn drive<F: Stage>(
                 1536..=3071 => rows1::<F, 2048>(f, m, rs, x, rows, out),
                 _ => rows1::<F, 4096>(f, m, rs, x, rows, out),
             }
-        } else if F::FEW && ntok <= FEW {
+        } else if F::FEW_DIRECT && ntok <= FEW {
             if F::PF >= 1024 {
                 rows_few::<F, 1024>(f, m, (r0, r1), x, ntok, out);
             } else {
@@ -918,29 +932,23 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
     ntok: usize,
     out: &mut [f64],
 ) {
-    let xs = x_stride(m.cols);
-    let mut r = r0;
-    // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs, rows × ntok from
-    // (r - r0) * ntok, in out (caller).
+    let (rs, x) = ((r0, r1), (x, x_stride(m.cols)));
+    // SAFETY: the caller's guarantees; every tile writes rows × ntok sums from
+    // (r - r0) * ntok.
     unsafe {
-        macro_rules! run {
-            ($r:literal, $t:literal, $n:literal) => {{
-                while r + $r <= r1 {
-                    let o = &mut out[(r - r0) * ntok..];
-                    tile::<F, $r, $t, $n, PF>(f, m, r, (x, xs), o, ntok);
-                    r += $r;
-                }
-                while r < r1 {
-                    let o = &mut out[(r - r0) * ntok..];
-                    tile::<F, 1, $t, $t, PF>(f, m, r, (x, xs), o, ntok);
-                    r += 1;
-                }
-            }};
-        }
         match ntok {
-            2 => run!(4, 2, 8),
-            3 => run!(2, 3, 6),
-            _ => run!(2, 4, 8),
+            2 => {
+                let r = tiles::<F, 4, 2, 8, PF>(f, m, (r0, rs), x, ntok, out);
+                tiles::<F, 1, 2, 2, PF>(f, m, (r, rs), x, ntok, out);
+            }
+            3 => {
+                let r = tiles::<F, 2, 3, 6, PF>(f, m, (r0, rs), x, ntok, out);
+                tiles::<F, 1, 3, 3, PF>(f, m, (r, rs), x, ntok, out);
+            }
+            _ => {
+                let r = tiles::<F, 2, 4, 8, PF>(f, m, (r0, rs), x, ntok, out);
+                tiles::<F, 1, 4, 4, PF>(f, m, (r, rs), x, ntok, out);
+            }
         }
     }
 }
