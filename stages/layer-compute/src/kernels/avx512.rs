@@ -29,7 +29,7 @@
 //!   bf16 pairs and F32 into lane-ordered f32, so a group is decoded once whatever the
 //!   token count), then every token tile of up to [`TB`] (2) tokens runs the block in a
 //!   4 rows × 2 tokens register tile (16 zmm accumulators) and promotes it into its f64
-//!   lane sums. The next group's weights are prefetched into L2 a share per tile pass, a
+//!   lane sums. The next group's weights are prefetched (`T0`) a share per tile pass, a
 //!   whole group ahead. Why this
 //!   shape (measured on Zen 5, 2026-12-02): a C replica of the 4 × 2 loop runs 1.6-1.75
 //!   FMAs per cycle against 1.45-1.5 for the former 2 × 4; a zmm load that straddles two
@@ -84,6 +84,15 @@ trait Fmt: Copy {
     }
     /// Software prefetch distance in bytes ahead of the group being decoded.
     const PF: usize;
+    /// The one-token loop's prefetch of the line at `p` (a hint: never faults). BF16 and
+    /// F32 ask for L1 (`T0`), MXFP4 for L2 (`T1`). Measured on Zen 5, 2026-12-03, 4
+    /// alternating rounds of `gemv_bench --th 2`: the fused KDA q/k/v/g product read
+    /// 39.8-40.2 GB/s with T0 against 37.0-38.2 with T1 (NTA 37.5-49.6, unsteady); the
+    /// MXFP4 fused w1+w3 30.5-33.9 with T0 against 31.2-35.1 with T1 (NTA 29-31).
+    ///
+    /// # Safety
+    /// AVX-512F enabled in the caller.
+    unsafe fn prefetch(p: *const u8);
     /// Groups per 64-byte line of a row's weights (at least 1): the one-token path
     /// prefetches once per run of `U` groups.
     const U: usize;
@@ -114,6 +123,11 @@ impl Fmt for Bf16 {
     const U: usize = 1;
     const ROWS1: usize = R1;
     const FEW_DIRECT: bool = false;
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        // SAFETY: a hint; AVX-512F enabled in the caller.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+    }
     #[inline(always)]
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
         let p = self.p.wrapping_add(r0 * self.stride);
@@ -151,6 +165,11 @@ impl Fmt for F32 {
     const U: usize = 1;
     const ROWS1: usize = R1;
     const FEW_DIRECT: bool = false;
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        // SAFETY: a hint; AVX-512F enabled in the caller.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+    }
     #[inline(always)]
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
         let p = self.p.wrapping_add(r0 * self.stride);
@@ -194,6 +213,11 @@ impl Fmt for Mx {
     const U: usize = 4;
     const ROWS1: usize = R1_MXFP4;
     const FEW_DIRECT: bool = true;
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        // SAFETY: a hint; AVX-512F enabled in the caller.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) };
+    }
     #[inline(always)]
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
         [
@@ -259,7 +283,7 @@ unsafe fn promote(a: &[__m512; 2], acc: &mut [f64; LANES]) {
     }
 }
 
-/// Software prefetch (to L2) of the first `bytes` of rows `r0..r1` (clamped to the
+/// Software prefetch of the first `bytes` of rows `r0..r1` (clamped to the
 /// matrix): the heads of the next tile's rows, which the in-row prefetch cannot reach.
 ///
 /// # Safety
@@ -328,7 +352,7 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
                 for j in 0..R {
                     let (p, _) = f.at(r + j, q);
                     // A hint: it never faults; wrapping_add keeps the arithmetic defined.
-                    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(PF) as *const i8);
+                    F::prefetch(p.wrapping_add(PF));
                 }
             }
             for u in 0..F::U {
@@ -745,7 +769,7 @@ unsafe fn stage_block<F: Stage>(
     }
 }
 
-/// Software prefetch (to L2) of the next row group's weights, spread over the current
+/// Software prefetch of the next row group's weights, spread over the current
 /// group's work: [`Ahead::step`] is called once per register-tile pass and prefetches its
 /// share of the lines, so every line is asked for a whole row group ahead of its staging
 /// (a block ahead, asked for in one burst, arrived too late: the staging copy stalled on
@@ -793,7 +817,14 @@ impl Ahead {
     }
 }
 
-/// Software prefetch (to L2) of the lines covering `bytes` bytes from `p`.
+/// Software prefetch of the lines covering `bytes` bytes from `p`, with the `T0` hint.
+/// `T1` (to L2 only) was the hint until 2026-12-03, when a profile of the batched kernel
+/// from DRAM (`kernel_micro bf16 16` over 235 MB, one thread) still put 30% of its samples
+/// on the staging copy of groups that [`Ahead`] had asked for a whole group earlier,
+/// against 8% with the weights in L3: Zen 4 is known to drop `PREFETCHT1/T2` now and
+/// then, and with `T0` that share fell to 22%. `gemv_bench --only batch16 --th 2`, 5
+/// alternating rounds: BF16 103.0-111.6 GMAC/s with T0 against 98.8-109.5 with T1, ahead
+/// in every round (MXFP4, staged as bf16 pairs, unchanged).
 ///
 /// # Safety
 /// None beyond AVX-512F being enabled in the caller: prefetches are hints and never fault,
@@ -802,7 +833,7 @@ impl Ahead {
 unsafe fn prefetch_lines(p: *const u8, bytes: usize) {
     let mut off = 0;
     while off < bytes {
-        _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
         off += 64;
     }
 }
