@@ -326,9 +326,15 @@ pub fn true_peak(
 }
 
 /// Samples the proportional set size (PSS: shared pages split between the processes that
-/// map them, so a sum does not count an arena twice) of this process and its descendants
-/// every second (smaps_rollup walks page tables: not free on a large arena), keeping the
-/// highest sum, until dropped.
+/// map them, so a sum does not count an arena twice) of this process and its descendants,
+/// keeping the highest sum, until dropped.
+///
+/// A sample walks the page tables of every process (`smaps_rollup`): on the resident
+/// slice (11 GB mapped by the compute stage, 5.7 GB by the trunk-loader) one took about a
+/// tenth of a second, and sampling every second took 7% of all CPU samples of a staged
+/// decode run on two cores (`perf record -a`, 2026-12-03), time the compute threads lost.
+/// So the pause after a sample is [`PSS_MIN_PAUSE`] or [`PSS_COST_SHARE`] times what the
+/// sample took, whichever is longer: the sampler's CPU stays under 1/20 of one core.
 pub struct PssSampler {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     handle: Option<std::thread::JoinHandle<Option<u64>>>,
@@ -344,13 +350,14 @@ impl PssSampler {
                 let me = std::process::id();
                 let mut best: Option<u64> = None;
                 loop {
+                    let t = std::time::Instant::now();
                     if let Some(x) = pss_tree(me) {
                         best = Some(best.map_or(x, |b| b.max(x)));
                     }
                     if s2.load(std::sync::atomic::Ordering::Relaxed) {
                         return best;
                     }
-                    std::thread::sleep(std::time::Duration::from_secs(1));
+                    std::thread::sleep(pss_pause(t.elapsed()));
                 }
             })
             .ok();
@@ -368,6 +375,17 @@ impl Drop for PssSampler {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// The shortest pause between two PSS samples.
+pub const PSS_MIN_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The pause after a sample is at least this many times the sample's own time.
+pub const PSS_COST_SHARE: u32 = 19;
+
+/// How long the sampler sleeps after a sample that took `took`.
+pub fn pss_pause(took: std::time::Duration) -> std::time::Duration {
+    PSS_MIN_PAUSE.max(took * PSS_COST_SHARE)
 }
 
 /// PSS of `root` and every descendant, from /proc (None when `root`'s is unreadable).
@@ -451,6 +469,18 @@ mod tests {
     }
 
     // PSS of this process is readable and at most its RSS; a child's PSS is included.
+    // Catches: a sampler that walks 11 GB of page tables every second whatever it costs
+    // (7% of a staged decode's CPU on two cores), or one that never samples again.
+    #[test]
+    fn pss_pause_bounds_the_samplers_cost() {
+        use std::time::Duration;
+        assert_eq!(pss_pause(Duration::from_millis(10)), PSS_MIN_PAUSE);
+        let took = Duration::from_millis(120);
+        let pause = pss_pause(took);
+        assert!(took.as_secs_f64() / (took + pause).as_secs_f64() <= 0.05 + 1e-9);
+        assert!(pause <= Duration::from_secs(3));
+    }
+
     #[test]
     fn pss_tree_counts_this_process() {
         if !std::path::Path::new("/proc/self/smaps_rollup").exists() {
@@ -460,7 +490,8 @@ mod tests {
         let me = pss_tree(std::process::id()).unwrap();
         assert!(me > 0);
         let s = PssSampler::start();
-        let v: Vec<u8> = vec![1; 64 << 20];
+        // black_box: in a release build the untouched allocation is otherwise elided.
+        let v: Vec<u8> = std::hint::black_box(vec![1; 64 << 20]);
         std::thread::sleep(std::time::Duration::from_millis(200));
         let peak = s.finish().unwrap();
         assert!(peak >= 64 << 20, "sampled {peak} with 64 MiB touched");
