@@ -35,6 +35,14 @@ pub fn decay_gate(
 }
 
 /// One delta-rule step for one head. `s` is `dk × dv` row-major, `scratch` has `dv` room.
+///
+/// Per state element the operations are those of the four steps in the module doc, in
+/// that order (`s·α` rounded, `r += k·s` in increasing row order, `s += (β·k)·(v − r)`,
+/// `o += q·s` in increasing row order, each product and sum rounded once, never fused),
+/// so the result is the same bit for bit on every path. The steps run in two sweeps over
+/// the 64 KiB state (decay with the read, then the write with the output) instead of
+/// four, and on x86-64 the same code is compiled for AVX2 or AVX-512 when the CPU has
+/// them (chosen by [`super::simd::path`]): wider vectors, the same operations.
 #[allow(clippy::too_many_arguments)]
 pub fn delta_step(
     s: &mut [f32],
@@ -46,42 +54,108 @@ pub fn delta_step(
     o: &mut [f32],
     scratch: &mut [f32],
 ) {
+    delta_step_on(super::simd::path(), s, q, k, v, alpha, beta, o, scratch)
+}
+
+/// [`delta_step`] on an explicit path (tests compare the paths bit for bit).
+#[allow(clippy::too_many_arguments)]
+pub fn delta_step_on(
+    path: super::simd::Path,
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    alpha: &[f32],
+    beta: f32,
+    o: &mut [f32],
+    scratch: &mut [f32],
+) {
+    let path = path.min(super::simd::best_available());
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::simd::Path;
+        /// # Safety
+        /// The CPU must support AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn wide512(
+            s: &mut [f32],
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            alpha: &[f32],
+            beta: f32,
+            o: &mut [f32],
+            scratch: &mut [f32],
+        ) {
+            delta_body(s, q, k, v, alpha, beta, o, scratch)
+        }
+        /// # Safety
+        /// The CPU must support AVX2.
+        #[target_feature(enable = "avx2")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn wide256(
+            s: &mut [f32],
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            alpha: &[f32],
+            beta: f32,
+            o: &mut [f32],
+            scratch: &mut [f32],
+        ) {
+            delta_body(s, q, k, v, alpha, beta, o, scratch)
+        }
+        match path {
+            // SAFETY: the path is capped at what the CPU supports (best_available).
+            Path::Avx512 => return unsafe { wide512(s, q, k, v, alpha, beta, o, scratch) },
+            // SAFETY: as above (AVX2 detected).
+            Path::Avx2 => return unsafe { wide256(s, q, k, v, alpha, beta, o, scratch) },
+            Path::Portable => {}
+        }
+    }
+    let _ = path;
+    delta_body(s, q, k, v, alpha, beta, o, scratch)
+}
+
+/// The body of [`delta_step`], inlined into each target-feature wrapper.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn delta_body(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    alpha: &[f32],
+    beta: f32,
+    o: &mut [f32],
+    scratch: &mut [f32],
+) {
     let dk = k.len();
     let dv = v.len();
-    debug_assert_eq!(s.len(), dk * dv);
-    // (a) decay row i by alpha[i]
-    for i in 0..dk {
-        let a = alpha[i];
-        s[i * dv..(i + 1) * dv].iter_mut().for_each(|x| *x *= a);
-    }
-    // (b) read r = S^T k
+    assert_eq!(s.len(), dk * dv, "delta_step state shape");
+    assert!(q.len() >= dk && alpha.len() >= dk && o.len() >= dv && scratch.len() >= dv);
     let r = &mut scratch[..dv];
+    let o = &mut o[..dv];
     r.iter_mut().for_each(|x| *x = 0.0);
-    for i in 0..dk {
-        let ki = k[i];
-        let row = &s[i * dv..(i + 1) * dv];
-        for j in 0..dv {
-            r[j] += ki * row[j];
+    // (a) decay row i by alpha[i], then (b) read r = S^T k (row i added after row i-1).
+    for (i, row) in s.chunks_exact_mut(dv).enumerate() {
+        let (a, ki) = (alpha[i], k[i]);
+        for (x, rj) in row.iter_mut().zip(r.iter_mut()) {
+            *x *= a;
+            *rj += ki * *x;
         }
     }
-    // (c) write S += beta k (v - r)^T
-    for j in 0..dv {
-        r[j] = v[j] - r[j];
+    // (c) write S += beta k (v - r)^T, then (d) o = S^T q from the updated rows.
+    for (rj, vj) in r.iter_mut().zip(v) {
+        *rj = vj - *rj;
     }
-    for i in 0..dk {
-        let kb = k[i] * beta;
-        let row = &mut s[i * dv..(i + 1) * dv];
-        for j in 0..dv {
-            row[j] += kb * r[j];
-        }
-    }
-    // (d) output from the updated state
     o.iter_mut().for_each(|x| *x = 0.0);
-    for i in 0..dk {
-        let qi = q[i];
-        let row = &s[i * dv..(i + 1) * dv];
-        for j in 0..dv {
-            o[j] += qi * row[j];
+    for (i, row) in s.chunks_exact_mut(dv).enumerate() {
+        let (kb, qi) = (k[i] * beta, q[i]);
+        for ((x, rj), oj) in row.iter_mut().zip(r.iter()).zip(o.iter_mut()) {
+            *x += kb * rj;
+            *oj += qi * *x;
         }
     }
 }
@@ -96,6 +170,106 @@ pub fn output_norm_gate(o: &mut [f32], gate: &[f32], w: &[f32], heads: usize, ep
         super::norm::rmsnorm_inplace(oh, Some(w), eps);
         for (j, x) in oh.iter_mut().enumerate() {
             *x *= sigmoid(gate[h * dv + j]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::simd::Path;
+
+    /// The recurrence as four separate sweeps, written from the module doc (the form
+    /// before the sweeps were fused).
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        s: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        alpha: &[f32],
+        beta: f32,
+        o: &mut [f32],
+    ) {
+        let (dk, dv) = (k.len(), v.len());
+        for i in 0..dk {
+            for j in 0..dv {
+                s[i * dv + j] *= alpha[i];
+            }
+        }
+        let mut r = vec![0f32; dv];
+        for i in 0..dk {
+            for j in 0..dv {
+                r[j] += k[i] * s[i * dv + j];
+            }
+        }
+        for j in 0..dv {
+            r[j] = v[j] - r[j];
+        }
+        for i in 0..dk {
+            let kb = k[i] * beta;
+            for j in 0..dv {
+                s[i * dv + j] += kb * r[j];
+            }
+        }
+        o.iter_mut().for_each(|x| *x = 0.0);
+        for i in 0..dk {
+            for j in 0..dv {
+                o[j] += q[i] * s[i * dv + j];
+            }
+        }
+    }
+
+    // Catches: a fused or vectorised sweep that changes one operation or its order (the
+    // read taken before the decay, the output from the old state, a product fused into
+    // an FMA on the SIMD paths), on every path the CPU has, over several steps so the
+    // state carries errors forward; odd shapes check the vector tails.
+    #[test]
+    fn delta_step_paths_match_the_four_sweeps_bit_for_bit() {
+        let mut seed = 5u64;
+        let mut rnd = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        for (dk, dv) in [(128usize, 128usize), (7, 13), (16, 33)] {
+            let steps: Vec<_> = (0..4)
+                .map(|_| {
+                    let q: Vec<f32> = (0..dk).map(|_| rnd()).collect();
+                    let k: Vec<f32> = (0..dk).map(|_| rnd()).collect();
+                    let v: Vec<f32> = (0..dv).map(|_| rnd()).collect();
+                    let a: Vec<f32> = (0..dk).map(|_| 0.5 + 0.5 * rnd().abs()).collect();
+                    (q, k, v, a, 0.5 + 0.4 * rnd())
+                })
+                .collect();
+            let mut s0 = vec![0f32; dk * dv];
+            s0.iter_mut().for_each(|x| *x = rnd());
+            let mut want_s = s0.clone();
+            let mut want_o = Vec::new();
+            for (q, k, v, a, b) in &steps {
+                let mut o = vec![0f32; dv];
+                reference(&mut want_s, q, k, v, a, *b, &mut o);
+                want_o.push(o);
+            }
+            for path in [Path::Portable, Path::Avx2, Path::Avx512] {
+                let mut s = s0.clone();
+                let mut scratch = vec![0f32; dv];
+                for (n, (q, k, v, a, b)) in steps.iter().enumerate() {
+                    let mut o = vec![7f32; dv];
+                    delta_step_on(path, &mut s, q, k, v, a, *b, &mut o, &mut scratch);
+                    let same = o
+                        .iter()
+                        .zip(&want_o[n])
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{path:?} {dk}x{dv} step {n}: output differs");
+                }
+                let same = s
+                    .iter()
+                    .zip(&want_s)
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{path:?} {dk}x{dv}: state differs");
+            }
         }
     }
 }
