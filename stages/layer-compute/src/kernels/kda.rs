@@ -74,38 +74,29 @@ pub fn delta_step_on(
     #[cfg(target_arch = "x86_64")]
     {
         use super::simd::Path;
-        /// # Safety
-        /// The CPU must support AVX-512F.
-        #[target_feature(enable = "avx512f")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn wide512(
-            s: &mut [f32],
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
-            alpha: &[f32],
-            beta: f32,
-            o: &mut [f32],
-            scratch: &mut [f32],
-        ) {
-            delta_body(s, q, k, v, alpha, beta, o, scratch)
+        // One wrapper per instruction set, each inlining the same body.
+        macro_rules! wide {
+            ($name:ident, $feature:literal) => {
+                /// # Safety
+                /// The CPU must support the wrapper's target feature.
+                #[target_feature(enable = $feature)]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn $name(
+                    s: &mut [f32],
+                    q: &[f32],
+                    k: &[f32],
+                    v: &[f32],
+                    alpha: &[f32],
+                    beta: f32,
+                    o: &mut [f32],
+                    scratch: &mut [f32],
+                ) {
+                    delta_body(s, q, k, v, alpha, beta, o, scratch)
+                }
+            };
         }
-        /// # Safety
-        /// The CPU must support AVX2.
-        #[target_feature(enable = "avx2")]
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn wide256(
-            s: &mut [f32],
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
-            alpha: &[f32],
-            beta: f32,
-            o: &mut [f32],
-            scratch: &mut [f32],
-        ) {
-            delta_body(s, q, k, v, alpha, beta, o, scratch)
-        }
+        wide!(wide512, "avx512f");
+        wide!(wide256, "avx2");
         match path {
             // SAFETY: the path is capped at what the CPU supports (best_available).
             Path::Avx512 => return unsafe { wide512(s, q, k, v, alpha, beta, o, scratch) },
