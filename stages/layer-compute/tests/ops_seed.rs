@@ -179,13 +179,16 @@ fn kda_recurrence() {
             for hh in 0..h {
                 let r = (t * h + hh) * d..(t * h + hh + 1) * d;
                 let qv: Vec<f32> = q[r.clone()].iter().map(|x| x * qs).collect();
+                let x = kda::DeltaIn {
+                    q: &qv,
+                    k: &k[r.clone()],
+                    v: &val[r.clone()],
+                    alpha: &al[r.clone()],
+                    beta: be[t * h + hh],
+                };
                 kda::delta_step(
                     &mut s[hh * d * d..(hh + 1) * d * d],
-                    &qv,
-                    &k[r.clone()],
-                    &val[r.clone()],
-                    &al[r.clone()],
-                    be[t * h + hh],
+                    x,
                     &mut out[r],
                     &mut scratch,
                 );

@@ -34,6 +34,17 @@ pub fn decay_gate(
     }
 }
 
+/// One token's inputs to a head's delta-rule step: `q`, `k` and `alpha` have `dk` values,
+/// `v` has `dv`; `q` arrives pre-scaled by dk^-1/2.
+#[derive(Clone, Copy)]
+pub struct DeltaIn<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub alpha: &'a [f32],
+    pub beta: f32,
+}
+
 /// One delta-rule step for one head. `s` is `dk × dv` row-major, `scratch` has `dv` room.
 ///
 /// Per state element the operations are those of the four steps in the module doc, in
@@ -43,30 +54,15 @@ pub fn decay_gate(
 /// the 64 KiB state (decay with the read, then the write with the output) instead of
 /// four, and on x86-64 the same code is compiled for AVX2 or AVX-512 when the CPU has
 /// them (chosen by [`super::simd::path`]): wider vectors, the same operations.
-#[allow(clippy::too_many_arguments)]
-pub fn delta_step(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    alpha: &[f32],
-    beta: f32,
-    o: &mut [f32],
-    scratch: &mut [f32],
-) {
-    delta_step_on(super::simd::path(), s, q, k, v, alpha, beta, o, scratch)
+pub fn delta_step(s: &mut [f32], x: DeltaIn<'_>, o: &mut [f32], scratch: &mut [f32]) {
+    delta_step_on(super::simd::path(), s, x, o, scratch)
 }
 
 /// [`delta_step`] on an explicit path (tests compare the paths bit for bit).
-#[allow(clippy::too_many_arguments)]
 pub fn delta_step_on(
     path: super::simd::Path,
     s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    alpha: &[f32],
-    beta: f32,
+    x: DeltaIn<'_>,
     o: &mut [f32],
     scratch: &mut [f32],
 ) {
@@ -74,54 +70,40 @@ pub fn delta_step_on(
     #[cfg(target_arch = "x86_64")]
     {
         use super::simd::Path;
-        // One wrapper per instruction set, each inlining the same body.
-        macro_rules! wide {
-            ($name:ident, $feature:literal) => {
-                /// # Safety
-                /// The CPU must support the wrapper's target feature.
-                #[target_feature(enable = $feature)]
-                #[allow(clippy::too_many_arguments)]
-                unsafe fn $name(
-                    s: &mut [f32],
-                    q: &[f32],
-                    k: &[f32],
-                    v: &[f32],
-                    alpha: &[f32],
-                    beta: f32,
-                    o: &mut [f32],
-                    scratch: &mut [f32],
-                ) {
-                    delta_body(s, q, k, v, alpha, beta, o, scratch)
-                }
-            };
+        /// # Safety
+        /// The CPU must support AVX-512F.
+        #[target_feature(enable = "avx512f")]
+        unsafe fn wide512(s: &mut [f32], x: DeltaIn<'_>, o: &mut [f32], scratch: &mut [f32]) {
+            delta_body(s, x, o, scratch)
         }
-        wide!(wide512, "avx512f");
-        wide!(wide256, "avx2");
+        /// # Safety
+        /// The CPU must support AVX2.
+        #[target_feature(enable = "avx2")]
+        unsafe fn wide256(s: &mut [f32], x: DeltaIn<'_>, o: &mut [f32], scratch: &mut [f32]) {
+            delta_body(s, x, o, scratch)
+        }
         match path {
             // SAFETY: the path is capped at what the CPU supports (best_available).
-            Path::Avx512 => return unsafe { wide512(s, q, k, v, alpha, beta, o, scratch) },
+            Path::Avx512 => return unsafe { wide512(s, x, o, scratch) },
             // SAFETY: as above (AVX2 detected).
-            Path::Avx2 => return unsafe { wide256(s, q, k, v, alpha, beta, o, scratch) },
+            Path::Avx2 => return unsafe { wide256(s, x, o, scratch) },
             Path::Portable => {}
         }
     }
     let _ = path;
-    delta_body(s, q, k, v, alpha, beta, o, scratch)
+    delta_body(s, x, o, scratch)
 }
 
 /// The body of [`delta_step`], inlined into each target-feature wrapper.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn delta_body(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    alpha: &[f32],
-    beta: f32,
-    o: &mut [f32],
-    scratch: &mut [f32],
-) {
+fn delta_body(s: &mut [f32], x: DeltaIn<'_>, o: &mut [f32], scratch: &mut [f32]) {
+    let DeltaIn {
+        q,
+        k,
+        v,
+        alpha,
+        beta,
+    } = x;
     let dk = k.len();
     let dv = v.len();
     assert_eq!(s.len(), dk * dv, "delta_step state shape");
@@ -248,7 +230,14 @@ mod tests {
                 let mut scratch = vec![0f32; dv];
                 for (n, (q, k, v, a, b)) in steps.iter().enumerate() {
                     let mut o = vec![7f32; dv];
-                    delta_step_on(path, &mut s, q, k, v, a, *b, &mut o, &mut scratch);
+                    let x = DeltaIn {
+                        q,
+                        k,
+                        v,
+                        alpha: a,
+                        beta: *b,
+                    };
+                    delta_step_on(path, &mut s, x, &mut o, &mut scratch);
                     let same = o
                         .iter()
                         .zip(&want_o[n])

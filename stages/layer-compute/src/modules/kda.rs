@@ -146,7 +146,14 @@ pub fn kda_attend(
             qh.iter_mut().for_each(|x| *x *= qscale);
             let b = sigmoid(beta[t * h + hh]);
             let oh = &mut out[t * dk..(t + 1) * dk];
-            kda::delta_step(s, &qh, &kh, &vc[c.clone()], &alpha, b, oh, &mut scratch);
+            let x = kda::DeltaIn {
+                q: &qh,
+                k: &kh,
+                v: &vc[c.clone()],
+                alpha: &alpha,
+                beta: b,
+            };
+            kda::delta_step(s, x, oh, &mut scratch);
             kda::output_norm_gate(oh, &gate[c], &w.o_norm, 1, eps.rms);
         }
         out
