@@ -330,8 +330,8 @@ pub fn true_peak(
 /// keeping the highest sum, until dropped.
 ///
 /// A sample walks the page tables of every process (`smaps_rollup`): on the resident
-/// slice (11 GB mapped by the compute stage, 5.7 GB by the trunk-loader) one took about a
-/// tenth of a second, and sampling every second took 7% of all CPU samples of a staged
+/// slice (11 GB mapped by the compute stage, 5.7 GB by the trunk-loader) one took 0.16-0.3
+/// s of CPU, and sampling every second took 7% of all CPU samples of a staged
 /// decode run on two cores (`perf record -a`, 2026-12-03), time the compute threads lost.
 /// So the pause after a sample is [`PSS_MIN_PAUSE`] or [`PSS_COST_SHARE`] times what the
 /// sample took, whichever is longer: the sampler's CPU stays under 1/20 of one core.
@@ -468,7 +468,6 @@ mod tests {
         assert_eq!(true_peak(&[], 40, Some(7)).0, Some(7));
     }
 
-    // PSS of this process is readable and at most its RSS; a child's PSS is included.
     // Catches: a sampler that walks 11 GB of page tables every second whatever it costs
     // (7% of a staged decode's CPU on two cores), or one that never samples again.
     #[test]
@@ -481,6 +480,7 @@ mod tests {
         assert!(pause <= Duration::from_secs(3));
     }
 
+    // PSS of this process is readable and at most its RSS; a child's PSS is included.
     #[test]
     fn pss_tree_counts_this_process() {
         if !std::path::Path::new("/proc/self/smaps_rollup").exists() {

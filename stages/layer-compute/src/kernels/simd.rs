@@ -3,7 +3,9 @@
 //! Every path performs the operations of the reduction contract (see [`super::gemv`]) in
 //! the same order, lane for lane, so all three give bit-identical results; the tests in
 //! `avx2.rs`, `avx512.rs` and `tests/kernels_bitexact.rs` check that on random inputs.
-//! The choice is therefore a speed decision only.
+//! The choice is therefore a speed decision only. The KDA recurrence
+//! ([`super::kda::delta_step`]) follows the same choice: its one body compiled for the
+//! chosen vector width, bit-identical on every path (tested in `kda.rs`).
 //!
 //! The best path the CPU supports is detected once (`is_x86_feature_detected!`; the build's
 //! target features are never changed). `K3_FORCE_PORTABLE=1` in the environment, or
