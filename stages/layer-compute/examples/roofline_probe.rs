@@ -35,8 +35,10 @@ mod probe {
         unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
     }
 
-    const COLS: usize = 7168;
-    const ROW: usize = COLS * 2;
+    /// The hidden size: every matrix here has this many columns.
+    pub const COLS: usize = 7168;
+    /// Bytes of one bf16 row.
+    pub const ROW: usize = COLS * 2;
     /// Rows per rayon task (the kernels' one-token task is 24 rows of this width).
     const TASK_ROWS: usize = 24;
 
@@ -140,8 +142,8 @@ mod probe {
     /// plain add.
     ///
     /// # Safety
-    /// As [`rows`]; `sums` is valid and unaliased; `w` holds 8 KiB; every token has 1024 values at its pointer (or 4 KiB
-    /// of `xb` for the dot form).
+    /// As [`rows`]; `sums` is valid and unaliased; `w` holds 8 KiB; every token has 1024
+    /// values at its pointer (or 4 KiB of `xb` for the dot form).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[allow(clippy::needless_range_loop)] // (row, token) indices, as in the kernel
     pub unsafe fn tile_block(
@@ -251,12 +253,12 @@ fn main() {
     // The lm_head's shape (163840 x 7168 bf16, 2.35 GB), 16 bytes past a line as the
     // slice's tensors sit.
     let rows = 163_840usize;
-    let mut buf = vec![0u8; rows * 14_336 + 128];
+    let mut buf = vec![0u8; rows * ROW + 128];
     let off = buf.as_ptr().align_offset(64) + 16;
     for (i, b) in buf.iter_mut().enumerate() {
         *b = (i.wrapping_mul(2_654_435_761) >> 13) as u8 & 0x3f;
     }
-    let w = &buf[off..off + rows * 14_336];
+    let w = &buf[off..off + rows * ROW];
     println!(
         "\n== decode: 4 rows side by side, T0 prefetch 1024 B, 2 threads, 2.35 GB from DRAM (GB/s)"
     );
@@ -273,7 +275,7 @@ fn main() {
     #[repr(C, align(64))]
     struct Block([u8; 8192]);
     let blk = Box::new(Block([0x3f; 8192]));
-    let xf: Vec<f32> = (0..16 * 7168).map(|i| 1.0 + i as f32 * 1e-7).collect();
+    let xf: Vec<f32> = (0..16 * COLS).map(|i| 1.0 + i as f32 * 1e-7).collect();
     let xb = vec![0x3cu8; 16 * 32 * 128];
     let mut sums = Box::new(Sums([[0.0; 32]; 64]));
     let reps = 40_000usize;
@@ -285,7 +287,7 @@ fn main() {
             (
                 "exact f32 + f64 promotion, 16 tokens of 7168 cols",
                 16,
-                7168,
+                COLS,
                 false,
                 true,
             ),
@@ -296,9 +298,9 @@ fn main() {
                 // Block r % 7 of the 7168-column rows when the tokens are that wide.
                 let x = xf
                     .as_ptr()
-                    .wrapping_add(if xs == 7168 { (r % 7) * 1024 } else { 0 });
+                    .wrapping_add(if xs == COLS { (r % 7) * 1024 } else { 0 });
                 // SAFETY: features checked above; the block is 8 KiB, every token has
-                // 1024 values from x (xs = 7168: 7 blocks per row) and 4 KiB of xb.
+                // 1024 values from x (xs = COLS: 7 blocks per row) and 4 KiB of xb.
                 let v = unsafe {
                     tile_block(
                         blk.0.as_ptr(),
