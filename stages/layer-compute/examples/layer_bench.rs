@@ -227,17 +227,20 @@ impl k3_layer_compute::Weights for BenchWeights {
         &self,
         _layer: usize,
         ids: &[u32],
-        deliver: &mut dyn for<'b> FnMut(
-            usize,
-            Result<k3_layer_compute::ExpertRef<'b>, WeightError>,
-        ),
+        deliver: &mut dyn for<'b> FnMut(k3_layer_compute::Delivery<'b>),
     ) {
-        for (slot, _) in ids.iter().enumerate() {
-            deliver(
-                slot,
-                k3_layer_compute::weights::expert_from_source(&self.inner, 0, (slot % 16) as u32),
-            );
-        }
+        deliver(
+            (0..ids.len())
+                .map(|slot| {
+                    let e = k3_layer_compute::weights::expert_from_source(
+                        &self.inner,
+                        0,
+                        (slot % 16) as u32,
+                    );
+                    (slot, e)
+                })
+                .collect(),
+        );
     }
 }
 

@@ -291,6 +291,7 @@ fn main() {
                 false,
                 true,
             ),
+            ("the same without the promotion", 16, COLS, false, false),
         ] {
             let t = Instant::now();
             let n = reps * 16 / ntok;

@@ -746,11 +746,10 @@ impl<W: Weights> Model<W> {
             }
             FfnIn::Moe(mw) => {
                 let mut ms = MoeStats::default();
-                let mut fetch = |ids: &[u32],
-                                 deliver: &mut dyn for<'b> FnMut(
-                    usize,
-                    Result<crate::weights::ExpertRef<'b>, WeightError>,
-                )| { self.weights.experts(l, ids, deliver) };
+                let mut fetch =
+                    |ids: &[u32], deliver: &mut dyn for<'b> FnMut(crate::weights::Delivery<'b>)| {
+                        self.weights.experts(l, ids, deliver)
+                    };
                 // The expert reads start when the router has chosen (before the shared
                 // experts are computed), so they overlap that compute; the head's part is
                 // given back before the routed experts (a streamed trunk reads its next

@@ -40,4 +40,4 @@ pub mod weights;
 
 pub use decode::{decode_loop, generate, GenStep, Generation, LoopOptions, Step, StepHooks};
 pub use forward::{ForwardError, Model, ModelOptions, Session, StepOutput, StepStats};
-pub use weights::{ExpertRef, ExpertTensor, SourceWeights, Weights};
+pub use weights::{Delivery, ExpertRef, ExpertTensor, SourceWeights, Weights};

@@ -9,9 +9,11 @@
 //! [`StagedWeights`] implements [`crate::Weights`] over the links: a pass starts
 //! with `StartPass`; `begin_layer(l)` waits for the trunk-loader's `LayerReady{l}` and maps
 //! its tensors in place (handles into the trunk region, never copied); `end_layer(l)` says
-//! `LayerDone`; `experts(layer, ids)` sends `Experts`, delivers each expert to the
-//! forward as its `ExpertReady` lands, in whatever order the reads finish, and gives its
-//! slot back (`ExpertsDone`) as soon as that delivery returns. The forward keeps
+//! `LayerDone`; `experts(layer, ids)` sends `Experts`, delivers the experts to the
+//! forward as their `ExpertReady` land, in whatever order the reads finish (each
+//! delivery takes every `ExpertReady` already waiting: a batch's hits come in one burst),
+//! and gives each slot back (`ExpertsDone`, one per expert) as soon as that delivery
+//! returns. The forward keeps
 //! one output per top-k slot and sums them in top-k order, so ids do not depend on arrival
 //! order. Model-level tensors (embeddings, lm_head, final norms) are this stage's own,
 //! mapped from the shards, so its cgroup pays for them together with the KV cache, the
@@ -25,7 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::weights::{ExpertRef, ExpertTensor, Weights};
+use crate::weights::{Delivery, ExpertRef, ExpertTensor, Weights};
 use k3_model::classify::{split_expert, split_layer};
 use k3_model::mmap_weights::MmapWeights;
 use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
@@ -557,12 +559,7 @@ impl Weights for StagedWeights {
         }
     }
 
-    fn experts(
-        &self,
-        layer: usize,
-        ids: &[u32],
-        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
-    ) {
+    fn experts(&self, layer: usize, ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)) {
         self.experts_impl(layer, ids, deliver)
     }
 
@@ -637,7 +634,7 @@ impl StagedWeights {
         &self,
         layer: usize,
         ids: &[u32],
-        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
+        deliver: &mut dyn for<'b> FnMut(Delivery<'b>),
     ) {
         let pass = self.pass.get();
         // Already requested by `announce_experts` (the same batch): only collect it. A
@@ -652,35 +649,41 @@ impl StagedWeights {
                      layer {l} (pass {p}) with other ids"
                 );
                 self.link_error.borrow_mut().get_or_insert(e.clone());
-                for (i, id) in ids.iter().enumerate() {
-                    deliver(
-                        i,
-                        Err(WeightError::Io {
-                            name: format!("layer {layer} expert {id}"),
-                            msg: e.clone(),
-                        }),
-                    );
-                }
+                deliver(
+                    ids.iter()
+                        .enumerate()
+                        .map(|(i, id)| {
+                            let name = format!("layer {layer} expert {id}");
+                            (
+                                i,
+                                Err(WeightError::Io {
+                                    name,
+                                    msg: e.clone(),
+                                }),
+                            )
+                        })
+                        .collect(),
+                );
                 return;
             }
             None => false,
         };
         let mut delivered = vec![false; ids.len()];
         let fail_all =
-            |deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
-             delivered: &mut [bool],
-             msg: &str| {
-                for (i, d) in delivered.iter_mut().enumerate() {
-                    if !*d {
+            |deliver: &mut dyn for<'b> FnMut(Delivery<'b>), delivered: &mut [bool], msg: &str| {
+                let left: Delivery<'_> = delivered
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(_, d)| !**d)
+                    .map(|(i, d)| {
                         *d = true;
-                        deliver(
-                            i,
-                            Err(WeightError::Io {
-                                name: format!("layer {layer} expert {}", ids[i]),
-                                msg: msg.to_string(),
-                            }),
-                        );
-                    }
+                        let name = format!("layer {layer} expert {}", ids[i]);
+                        let msg = msg.to_string();
+                        (i, Err(WeightError::Io { name, msg }))
+                    })
+                    .collect();
+                if !left.is_empty() {
+                    deliver(left);
                 }
             };
         let mut link = self.fetch.borrow_mut();
@@ -694,9 +697,27 @@ impl StagedWeights {
             fail_all(deliver, &mut delivered, &e);
             return;
         }
+        // The fetcher holds a published slot until our ExpertsDone for it, sent as soon as
+        // the delivery holding its expert has returned (or at once for one we do not use).
+        let release = |link: &mut dyn k3_protocol::transport::Transport, id: u32| {
+            let m = Msg::ExpertsDone {
+                pass,
+                layer: layer as u32,
+                ids: vec![id],
+            };
+            if let Err(e) = send_to(
+                link,
+                Stage::LayerCompute,
+                Stage::ExpertFetcher,
+                &m,
+                self.timeout,
+            ) {
+                self.link_error.borrow_mut().get_or_insert(e);
+            }
+        };
         loop {
             let t0 = Instant::now();
-            let m = recv_from(
+            let first = recv_from(
                 &mut **link,
                 Stage::LayerCompute,
                 Stage::ExpertFetcher,
@@ -704,100 +725,106 @@ impl StagedWeights {
             );
             let dt = t0.elapsed().as_secs_f64();
             self.bump(|c| c.wait_seconds += dt);
-            match m {
-                Ok(Msg::ExpertReady {
-                    pass: p,
-                    layer: l,
-                    id,
-                    handle,
-                }) if p == pass && l as usize == layer => {
-                    // The fetcher holds the slot until our ExpertsDone for it, sent as soon
-                    // as the expert's product is done (or at once for one we do not use).
-                    let release = |link: &mut dyn k3_protocol::transport::Transport| {
-                        let m = Msg::ExpertsDone {
-                            pass,
-                            layer: layer as u32,
-                            ids: vec![id],
+            // Whatever else has already arrived joins this delivery.
+            let mut msgs = vec![first];
+            while let Some(Ok(Msg::ExpertReady { .. } | Msg::ExpertFailed { .. })) = msgs.last() {
+                match link.recv(Some(Duration::ZERO)) {
+                    Ok(m) => msgs.push(Ok(m)),
+                    // Nothing waiting, or a failing link: the next blocking receive says why.
+                    Err(_) => break,
+                }
+            }
+            let mut batch: Delivery<'_> = Vec::with_capacity(msgs.len());
+            let mut held: Vec<u32> = Vec::with_capacity(msgs.len());
+            let mut end = None;
+            for m in msgs {
+                match m {
+                    Ok(Msg::ExpertReady {
+                        pass: p,
+                        layer: l,
+                        id,
+                        handle,
+                    }) if p == pass && l as usize == layer => {
+                        let Some(slot) = ids.iter().position(|&x| x == id) else {
+                            release(&mut **link, id);
+                            continue;
                         };
-                        if let Err(e) = send_to(
-                            link,
-                            Stage::LayerCompute,
-                            Stage::ExpertFetcher,
-                            &m,
-                            self.timeout,
-                        ) {
-                            self.link_error.borrow_mut().get_or_insert(e);
+                        if delivered[slot] {
+                            release(&mut **link, id);
+                            continue;
                         }
-                    };
-                    let Some(slot) = ids.iter().position(|&x| x == id) else {
-                        release(&mut **link);
-                        continue;
-                    };
-                    if delivered[slot] {
-                        release(&mut **link);
-                        continue;
+                        delivered[slot] = true;
+                        if self.rec.on() {
+                            // SAFETY: as below.
+                            if let Ok(b) = unsafe { self.expert_region.resolve(&handle) } {
+                                if let Err(e) = self.rec.buffer(&handle, b) {
+                                    self.link_error.borrow_mut().get_or_insert(e);
+                                }
+                            }
+                        }
+                        let r = (|| {
+                            let parts = self.experts.get(&(layer as u32, id)).ok_or_else(|| {
+                                WeightError::Missing(format!("layer {layer} expert {id}"))
+                            })?;
+                            // SAFETY: the fetcher holds this expert's slot (never rewrites
+                            // it) until our ExpertsDone for it, which we send only after the
+                            // delivery holding it has returned.
+                            let bytes =
+                                unsafe { self.expert_region.resolve(&handle) }.map_err(|e| {
+                                    WeightError::Invalid {
+                                        name: format!("layer {layer} expert {id}"),
+                                        msg: e.to_string(),
+                                    }
+                                })?;
+                            Ok(ExpertRef {
+                                w1: self.expert_tensor(bytes, parts, "w1")?,
+                                w2: self.expert_tensor(bytes, parts, "w2")?,
+                                w3: self.expert_tensor(bytes, parts, "w3")?,
+                            })
+                        })();
+                        batch.push((slot, r));
+                        held.push(id);
                     }
-                    delivered[slot] = true;
-                    if self.rec.on() {
-                        // SAFETY: as below.
-                        if let Ok(b) = unsafe { self.expert_region.resolve(&handle) } {
-                            if let Err(e) = self.rec.buffer(&handle, b) {
-                                self.link_error.borrow_mut().get_or_insert(e);
+                    Ok(Msg::ExpertFailed {
+                        pass: p,
+                        layer: l,
+                        id,
+                        error,
+                    }) if p == pass && l as usize == layer => {
+                        if let Some(slot) = ids.iter().position(|&x| x == id) {
+                            if !delivered[slot] {
+                                delivered[slot] = true;
+                                // The fetcher's message already names the expert and says
+                                // "read failed"; keep only its cause.
+                                let msg = error
+                                    .strip_prefix(&format!(
+                                        "layer {layer} expert {id}: read failed: "
+                                    ))
+                                    .map(str::to_string)
+                                    .unwrap_or(error);
+                                let name = format!("layer {layer} expert {id}");
+                                batch.push((slot, Err(WeightError::Io { name, msg })));
                             }
                         }
                     }
-                    let r = (|| {
-                        let parts = self.experts.get(&(layer as u32, id)).ok_or_else(|| {
-                            WeightError::Missing(format!("layer {layer} expert {id}"))
-                        })?;
-                        // SAFETY: the fetcher holds this expert's slot (never rewrites it)
-                        // until our ExpertsDone for it, which we send only after this
-                        // delivery has returned.
-                        let bytes =
-                            unsafe { self.expert_region.resolve(&handle) }.map_err(|e| {
-                                WeightError::Invalid {
-                                    name: format!("layer {layer} expert {id}"),
-                                    msg: e.to_string(),
-                                }
-                            })?;
-                        Ok(ExpertRef {
-                            w1: self.expert_tensor(bytes, parts, "w1")?,
-                            w2: self.expert_tensor(bytes, parts, "w2")?,
-                            w3: self.expert_tensor(bytes, parts, "w3")?,
-                        })
-                    })();
-                    deliver(slot, r);
-                    // An `ExpertRef` cannot outlive its delivery (its lifetime is the
-                    // callback's): no byte of this expert is read again.
-                    release(&mut **link);
-                }
-                Ok(Msg::ExpertFailed {
-                    pass: p,
-                    layer: l,
-                    id,
-                    error,
-                }) if p == pass && l as usize == layer => {
-                    if let Some(slot) = ids.iter().position(|&x| x == id) {
-                        if !delivered[slot] {
-                            delivered[slot] = true;
-                            deliver(
-                                slot,
-                                Err(WeightError::Io {
-                                    name: format!("layer {layer} expert {id}"),
-                                    // The fetcher's message already names the expert and
-                                    // says "read failed"; keep only its cause.
-                                    msg: error
-                                        .strip_prefix(&format!(
-                                            "layer {layer} expert {id}: read failed: "
-                                        ))
-                                        .map(str::to_string)
-                                        .unwrap_or(error),
-                                }),
-                            );
-                        }
+                    // The batch's end, or a failure: handled once this delivery is done.
+                    other => {
+                        end = Some(other);
+                        break;
                     }
                 }
-                Ok(Msg::ExpertBatchDone {
+            }
+            if !batch.is_empty() {
+                deliver(batch);
+            }
+            // An `ExpertRef` cannot outlive its delivery (its lifetime is the callback's):
+            // no byte of these experts is read again.
+            for id in held {
+                release(&mut **link, id);
+            }
+            match end {
+                None => {}
+                Some(Ok(Msg::ExpertBatchDone {
                     pass: p,
                     layer: l,
                     requests,
@@ -805,7 +832,7 @@ impl StagedWeights {
                     failed,
                     read_bytes,
                     io_seconds,
-                }) if p == pass && l as usize == layer => {
+                })) if p == pass && l as usize == layer => {
                     self.bump(|c| {
                         c.expert_requests += requests;
                         c.resident_hits += resident_hits;
@@ -820,13 +847,13 @@ impl StagedWeights {
                     );
                     return;
                 }
-                Ok(other) => {
+                Some(Ok(other)) => {
                     let e = format!("unexpected message from expert-fetcher: {other:?}");
                     self.link_error.borrow_mut().get_or_insert(e.clone());
                     fail_all(deliver, &mut delivered, &e);
                     return;
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     self.link_error.borrow_mut().get_or_insert(e.clone());
                     fail_all(deliver, &mut delivered, &e);
                     return;

@@ -33,6 +33,10 @@ pub enum ExpertTensor<'a> {
     },
 }
 
+/// Routed experts delivered together ([`Weights::experts`]): each with its slot in the
+/// request, or the reason it could not be loaded.
+pub type Delivery<'b> = Vec<(usize, Result<ExpertRef<'b>, WeightError>)>;
+
 /// The three projections of one routed expert: w1 = gate, w3 = up, w2 = down.
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertRef<'a> {
@@ -101,14 +105,13 @@ pub trait Weights {
     fn announce_experts(&self, _layer: usize, _ids: &[u32]) {}
 
     /// Deliver the routed experts `ids` of `layer` (distinct ids, in first-use order: for
-    /// one token its top-k order). Call `deliver(slot, result)` exactly once per slot
-    /// `0..ids.len()`, in any order; the borrowed weights need only live for the call.
-    fn experts(
-        &self,
-        layer: usize,
-        ids: &[u32],
-        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
-    );
+    /// one token its top-k order): call `deliver` with the experts available together,
+    /// as many times as needed, so that every slot `0..ids.len()` is delivered exactly
+    /// once, in any order and any grouping; the borrowed weights need only live for the
+    /// call. Deliver as many as are ready at once: compute multiplies the experts of one
+    /// delivery side by side, one per thread (more of a prompt's few-token products then
+    /// run at once, instead of each split over the pool).
+    fn experts(&self, layer: usize, ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>));
 }
 
 impl<W: Weights + ?Sized> Weights for &W {
@@ -144,12 +147,7 @@ impl<W: Weights + ?Sized> Weights for &W {
     fn announce_experts(&self, layer: usize, ids: &[u32]) {
         (**self).announce_experts(layer, ids)
     }
-    fn experts(
-        &self,
-        layer: usize,
-        ids: &[u32],
-        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
-    ) {
+    fn experts(&self, layer: usize, ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)) {
         (**self).experts(layer, ids, deliver)
     }
 }
@@ -185,7 +183,7 @@ pub fn expert_from_source<S: WeightSource + ?Sized>(
 }
 
 /// [`Weights`] over any [`WeightSource`]: every tensor is always available, experts are
-/// delivered in request order.
+/// delivered in request order, all in one delivery.
 pub struct SourceWeights<S> {
     pub source: S,
 }
@@ -201,15 +199,13 @@ impl<S: WeightSource> Weights for SourceWeights<S> {
         self.source.tensor(name)
     }
 
-    fn experts(
-        &self,
-        layer: usize,
-        ids: &[u32],
-        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
-    ) {
-        for (slot, &id) in ids.iter().enumerate() {
-            deliver(slot, expert_from_source(&self.source, layer, id));
-        }
+    fn experts(&self, layer: usize, ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)) {
+        deliver(
+            ids.iter()
+                .enumerate()
+                .map(|(slot, &id)| (slot, expert_from_source(&self.source, layer, id)))
+                .collect(),
+        );
     }
 }
 

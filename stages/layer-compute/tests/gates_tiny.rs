@@ -153,7 +153,9 @@ fn tiny_seed_sharded_is_bit_identical() {
 }
 
 // Determinism: threads split rows (never a reduction) and the AVX2 kernels repeat the
-// portable ones bit for bit, so ids and logits are identical.
+// portable ones bit for bit, so ids and logits are identical. With 2 threads the prompt's
+// routed experts (one delivery of up to 8 per layer) also run side by side, one per
+// thread, instead of one after another (catches outputs swapped between experts there).
 #[test]
 fn threads_and_simd_do_not_change_logits() {
     let e = read_json(&fixtures().join("tiny-mxfp4/expected-k3ref.json"));

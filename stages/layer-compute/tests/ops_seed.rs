@@ -19,7 +19,7 @@ use k3_layer_compute::modules::moe::{
 };
 use k3_layer_compute::modules::project_out;
 use k3_layer_compute::modules::Eps;
-use k3_layer_compute::weights::{ExpertRef, ExpertTensor};
+use k3_layer_compute::weights::{Delivery, ExpertRef, ExpertTensor};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 use support::*;
 
@@ -460,28 +460,27 @@ fn moe_module() {
         eps: 1e-5,
     };
     let shapes = [[48usize, 64], [64, 48], [48, 64]];
-    // Deliver experts in REVERSE order: the result must not depend on arrival order.
-    let mut fetch =
-        |ids: &[u32],
-         deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>)| {
-            for (slot, &id) in ids.iter().enumerate().rev() {
-                let t = |j: usize| {
-                    ExpertTensor::Dense(TensorRef {
-                        dtype: Dtype::F32,
-                        shape: &shapes[j],
-                        bytes: &experts[id as usize * 3 + j],
-                    })
-                };
-                deliver(
-                    slot,
-                    Ok(ExpertRef {
-                        w1: t(0),
-                        w2: t(1),
-                        w3: t(2),
-                    }),
-                );
-            }
+    let expert = |id: u32| {
+        let t = |j: usize| {
+            ExpertTensor::Dense(TensorRef {
+                dtype: Dtype::F32,
+                shape: &shapes[j],
+                bytes: &experts[id as usize * 3 + j],
+            })
         };
+        ExpertRef {
+            w1: t(0),
+            w2: t(1),
+            w3: t(2),
+        }
+    };
+    // Deliver experts one at a time in REVERSE order: the result must not depend on
+    // arrival order.
+    let mut fetch = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
+        for (slot, &id) in ids.iter().enumerate().rev() {
+            deliver(vec![(slot, Ok(expert(id)))]);
+        }
+    };
     let mut stats = MoeStats::default();
     let y = moe_forward(
         &w,
@@ -495,6 +494,37 @@ fn moe_module() {
     )
     .unwrap();
     assert_eq!(stats.failures, 0);
+    // All in one delivery, on two threads: the same bits. Catches a delivery of several
+    // experts whose outputs are mixed up between experts or tokens. (Too few experts here
+    // for the side-by-side path; `gates_tiny::threads_and_simd_do_not_change_logits`
+    // covers that one.)
+    let mut at_once = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
+        deliver((0..ids.len()).map(|s| (s, Ok(expert(ids[s])))).collect());
+    };
+    let mut stats2 = MoeStats::default();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let y2 = pool
+        .install(|| {
+            moe_forward(
+                &w,
+                &p,
+                &arr(&v, "in"),
+                3,
+                &mut at_once,
+                2,
+                &mut stats2,
+                &mut None,
+            )
+        })
+        .unwrap();
+    assert_eq!(stats2.failures, 0);
+    assert!(
+        y.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "one delivery on two threads changed the MoE output"
+    );
     // The MANIFEST tolerance, elementwise — except that |want| is floored at 1e-3 of the
     // row's largest |value|. Rows here reach |177|, and a few outputs are near-cancellations
     // of such terms (|out| ≈ 0.02): there the fixture itself carries float32 rounding (an
@@ -516,19 +546,15 @@ fn moe_module() {
     }
 
     // A failed expert is counted (exit 4 upstream), not silently dropped.
-    let mut failing =
-        |ids: &[u32],
-         deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>)| {
-            for slot in 0..ids.len() {
-                deliver(
-                    slot,
-                    Err(WeightError::Io {
-                        name: "x".into(),
-                        msg: "injected".into(),
-                    }),
-                );
-            }
-        };
+    let mut failing = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
+        for slot in 0..ids.len() {
+            let e = WeightError::Io {
+                name: "x".into(),
+                msg: "injected".into(),
+            };
+            deliver(vec![(slot, Err(e))]);
+        }
+    };
     let mut stats = MoeStats::default();
     moe_forward(
         &w,
@@ -543,8 +569,7 @@ fn moe_module() {
     .unwrap();
     assert!(stats.failures > 0 && stats.failures == stats.requests);
     // An implementation that never delivers a slot is counted too.
-    let mut silent =
-        |_: &[u32], _: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>)| {};
+    let mut silent = |_: &[u32], _: &mut dyn for<'b> FnMut(Delivery<'b>)| {};
     let mut stats = MoeStats::default();
     moe_forward(
         &w,

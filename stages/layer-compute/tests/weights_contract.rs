@@ -6,7 +6,7 @@ mod support;
 
 use std::cell::RefCell;
 
-use k3_layer_compute::weights::{expert_from_source, ExpertRef, Weights};
+use k3_layer_compute::weights::{expert_from_source, Delivery, ExpertRef, Weights};
 use k3_layer_compute::{ForwardError, Model, ModelOptions, SourceWeights};
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
@@ -55,12 +55,7 @@ impl Weights for Wrapped {
             .borrow_mut()
             .push(format!("announce {layer} {ids:?}"));
     }
-    fn experts(
-        &self,
-        layer: usize,
-        ids: &[u32],
-        deliver: &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>),
-    ) {
+    fn experts(&self, layer: usize, ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)) {
         self.expert_log
             .borrow_mut()
             .push(format!("experts {layer} {ids:?}"));
@@ -68,18 +63,20 @@ impl Weights for Wrapped {
         if self.reverse {
             order.reverse();
         }
-        for slot in order {
+        let one = |slot: usize| -> Result<ExpertRef<'_>, WeightError> {
             if Some(ids[slot]) == self.fail_id {
-                deliver(
-                    slot,
-                    Err(WeightError::Io {
-                        name: format!("expert {}", ids[slot]),
-                        msg: "injected".into(),
-                    }),
-                );
+                Err(WeightError::Io {
+                    name: format!("expert {}", ids[slot]),
+                    msg: "injected".into(),
+                })
             } else {
-                deliver(slot, expert_from_source(&self.src, layer, ids[slot]));
+                expert_from_source(&self.src, layer, ids[slot])
             }
+        };
+        // Reversed: in deliveries of up to 3 (uneven groups); else one at a time.
+        let group = if self.reverse { 3 } else { 1 };
+        for g in order.chunks(group) {
+            deliver(g.iter().map(|&slot| (slot, one(slot))).collect());
         }
     }
 }
@@ -127,8 +124,9 @@ fn experts_are_announced_before_they_are_fetched() {
     assert_eq!(log.len(), 2 * moe_layers, "{log:?}");
 }
 
-// Experts delivered in reverse order: per-slot outputs summed in top-k order, so the logits
-// are bitwise identical (catches summing in arrival order).
+// Experts delivered in reverse order, several per delivery: per-slot outputs summed in
+// top-k order, so the logits are bitwise identical (catches summing in arrival order, or
+// a delivery of several experts that loses or swaps one).
 #[test]
 fn expert_arrival_order_does_not_matter() {
     let full = seed_ids();

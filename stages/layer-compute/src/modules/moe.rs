@@ -1,9 +1,18 @@
 //! The latent MoE (k3-spec §4.6-§4.7): router, routed experts in the latent space, shared
 //! experts, and its weight binding. Expert outputs are combined in top-k order, whatever
 //! order they arrive in.
+//!
+//! The routed experts of one delivery are multiplied side by side, one per thread of the
+//! pool, largest token count first, when there are at least two per thread (a prompt's
+//! experts: 3 to 6 tokens each); fewer run one after another, each product split over
+//! the pool by rows. A product's bits never depend on its thread count (the reduction
+//! contract, `kernels::gemv`), so neither choice changes a result. Measured with
+//! `examples/experts_probe` on the slice's expert shape, 2 threads, alternating: a
+//! 16-token prompt's 188 experts (749 token routes) in 240-253 ms side by side against
+//! 297-327 ms split by rows; a decode token's 48 experts in 28-30 against 32-36 ms
+//! (`docs/measurements.md`).
 
 use k3_model::classify::layer_tensor;
-use k3_model::tensor::WeightError;
 
 use super::mlp::{glu_down64, glu_mlp, Situ};
 use super::{expert_mat, trace_put, Trace};
@@ -11,8 +20,8 @@ use crate::forward::{ForwardError, Model};
 use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
 use crate::kernels::{norm, router};
 use crate::profile::{self, Phase};
-use crate::weights::ExpertRef;
-use crate::weights::Weights;
+use crate::weights::{Delivery, Weights};
+use rayon::prelude::*;
 
 /// Latent-MoE parameters.
 #[derive(Clone, Copy, Debug)]
@@ -67,10 +76,9 @@ pub struct MoeStats {
     pub failure_msgs: Vec<String>,
 }
 
-/// A routed-expert supplier: `fetch(ids, deliver)` calls `deliver(slot, result)` once per
-/// slot, in any order.
-pub type ExpertFetch<'f> =
-    dyn FnMut(&[u32], &mut dyn for<'b> FnMut(usize, Result<ExpertRef<'b>, WeightError>)) + 'f;
+/// A routed-expert supplier: `fetch(ids, deliver)` calls `deliver(experts)` until every
+/// slot has been delivered once, in any order and grouping ([`Weights::experts`]).
+pub type ExpertFetch<'f> = dyn FnMut(&[u32], &mut dyn for<'b> FnMut(Delivery<'b>)) + 'f;
 
 /// The latent MoE over `ntok` rows `v` (post post_attention_layernorm).
 #[allow(clippy::too_many_arguments)]
@@ -191,47 +199,72 @@ pub fn moe_forward_phased<'t>(
     {
         // The fetch's time less the routed products inside it is the wait for weights.
         let mut wait_span = profile::span(Phase::ExpertWait);
-        let mut deliver = |ui: usize, res: Result<ExpertRef<'_>, WeightError>| {
-            if ui >= union.len() || delivered[ui] {
-                stats.failures += 1;
-                stats
-                    .failure_msgs
-                    .push(format!("expert slot {ui} delivered twice or out of range"));
-                return;
-            }
-            delivered[ui] = true;
-            let id = union[ui];
-            let mats = res.and_then(|e| {
-                let n = |x: &str| format!("expert {id} {x}");
-                Ok((
-                    expert_mat(&n("w1"), e.w1, p.inter, lat)?,
-                    expert_mat(&n("w3"), e.w3, p.inter, lat)?,
-                    expert_mat(&n("w2"), e.w2, lat, p.inter)?,
-                ))
-            });
-            match mats {
-                Ok((w1, w3, w2)) => {
-                    let us = &users[ui];
-                    let mut xb = Vec::with_capacity(us.len() * lat);
-                    for &(t, _) in us {
-                        xb.extend_from_slice(&xl[t * lat..(t + 1) * lat]);
-                    }
-                    let t0 = profile::enabled().then(std::time::Instant::now);
-                    let ex_span = profile::span(Phase::Experts);
-                    let y = glu_mlp(&w1, &w3, &w2, p.situ, &xb, us.len(), threads);
-                    ex_span.end();
-                    if let Some(t0) = t0 {
-                        wait_span.exclude(t0.elapsed());
-                    }
-                    for (j, &(t, slot)) in us.iter().enumerate() {
-                        outs[(t * k + slot) * lat..(t * k + slot + 1) * lat]
-                            .copy_from_slice(&y[j * lat..(j + 1) * lat]);
-                        done[t * k + slot] = true;
+        let mut deliver = |batch: Delivery<'_>| {
+            // Check every slot and bind its matrices; failures are counted and left out.
+            let mut jobs: Vec<(usize, [Mat<'_>; 3])> = Vec::with_capacity(batch.len());
+            for (ui, res) in batch {
+                if ui >= union.len() || delivered[ui] {
+                    stats.failures += 1;
+                    stats
+                        .failure_msgs
+                        .push(format!("expert slot {ui} delivered twice or out of range"));
+                    continue;
+                }
+                delivered[ui] = true;
+                let id = union[ui];
+                let mats = res.and_then(|e| {
+                    let n = |x: &str| format!("expert {id} {x}");
+                    Ok([
+                        expert_mat(&n("w1"), e.w1, p.inter, lat)?,
+                        expert_mat(&n("w3"), e.w3, p.inter, lat)?,
+                        expert_mat(&n("w2"), e.w2, lat, p.inter)?,
+                    ])
+                });
+                match mats {
+                    Ok(m) => jobs.push((ui, m)),
+                    Err(e) => {
+                        stats.failures += 1;
+                        stats.failure_msgs.push(format!("expert {id}: {e}"));
                     }
                 }
-                Err(e) => {
-                    stats.failures += 1;
-                    stats.failure_msgs.push(format!("expert {id}: {e}"));
+            }
+            if jobs.is_empty() {
+                return;
+            }
+            let t0 = profile::enabled().then(std::time::Instant::now);
+            let ex_span = profile::span(Phase::Experts);
+            // One expert over its tokens' latent rows, its products on `th` threads.
+            let run = |(ui, [w1, w3, w2]): &(usize, [Mat<'_>; 3]), th: usize| {
+                let us = &users[*ui];
+                let mut xb = Vec::with_capacity(us.len() * lat);
+                for &(t, _) in us {
+                    xb.extend_from_slice(&xl[t * lat..(t + 1) * lat]);
+                }
+                glu_mlp(w1, w3, w2, p.situ, &xb, us.len(), th)
+            };
+            let ys: Vec<Vec<f32>> = if threads > 1 && jobs.len() >= 2 * threads {
+                // Side by side, the most tokens first so the last to finish is short.
+                let mut order: Vec<usize> = (0..jobs.len()).collect();
+                order.sort_by_key(|&j| std::cmp::Reverse(users[jobs[j].0].len()));
+                let mut ready: Vec<(usize, Vec<f32>)> = order
+                    .par_iter()
+                    .with_max_len(1)
+                    .map(|&j| (j, run(&jobs[j], 1)))
+                    .collect();
+                ready.sort_unstable_by_key(|r| r.0);
+                ready.into_iter().map(|r| r.1).collect()
+            } else {
+                jobs.iter().map(|j| run(j, threads)).collect()
+            };
+            ex_span.end();
+            if let Some(t0) = t0 {
+                wait_span.exclude(t0.elapsed());
+            }
+            for ((ui, _), y) in jobs.iter().zip(&ys) {
+                for (j, &(t, slot)) in users[*ui].iter().enumerate() {
+                    outs[(t * k + slot) * lat..(t * k + slot + 1) * lat]
+                        .copy_from_slice(&y[j * lat..(j + 1) * lat]);
+                    done[t * k + slot] = true;
                 }
             }
         };

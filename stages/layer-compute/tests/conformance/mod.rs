@@ -107,19 +107,21 @@ pub fn check_pass<W: Weights>(w: &W, src: &MmapWeights, cfg: &ModelConfig, layer
             let mut ids: Vec<u32> = (0..k as u32).rev().collect();
             ids.push(cfg.num_experts as u32 + 3);
             let mut seen = vec![0usize; ids.len()];
-            w.experts(l, &ids, &mut |i, r| {
-                seen[i] += 1;
-                let id = ids[i];
-                if id as usize >= cfg.num_experts {
-                    assert!(
-                        r.is_err(),
-                        "layer {l} expert {id} (outside the layer) delivered"
-                    );
-                    return;
+            w.experts(l, &ids, &mut |batch| {
+                for (i, r) in batch {
+                    seen[i] += 1;
+                    let id = ids[i];
+                    if id as usize >= cfg.num_experts {
+                        assert!(
+                            r.is_err(),
+                            "layer {l} expert {id} (outside the layer) delivered"
+                        );
+                        continue;
+                    }
+                    let got = r.unwrap_or_else(|e| panic!("layer {l} expert {id}: {e}"));
+                    let want = expert_from_source(src, l, id).unwrap();
+                    same_expert(&format!("layer {l} expert {id}"), &got, &want);
                 }
-                let got = r.unwrap_or_else(|e| panic!("layer {l} expert {id}: {e}"));
-                let want = expert_from_source(src, l, id).unwrap();
-                same_expert(&format!("layer {l} expert {id}"), &got, &want);
             });
             assert!(
                 seen.iter().all(|&n| n == 1),
