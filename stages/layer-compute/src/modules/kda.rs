@@ -64,11 +64,22 @@ pub struct KdaState {
 }
 
 impl KdaState {
+    /// A zero state. Its pages are written here, one value per 4 KiB page, on the calling
+    /// thread: the head-parallel recurrence then finds them in place. Left to the first
+    /// token (zeroed allocations are mapped lazily), the pool's threads took those page
+    /// faults side by side inside the recurrence, and on this VM the slice's 16-token prompt
+    /// spent 21-28 ms per KDA layer in it against 6-7 ms with the state touched here (for
+    /// about 3-4 ms of faults, 6 MiB a layer; `docs/measurements.md`).
     pub fn new(d: &KdaDims) -> Self {
         let p = d.width();
         let hist = d.conv.saturating_sub(1);
+        let mut s = vec![0f32; d.heads * d.head_dim * d.head_dim];
+        for x in s.iter_mut().step_by(1024) {
+            // An opaque zero: the compiler cannot drop the store as redundant.
+            *x = std::hint::black_box(0.0);
+        }
         KdaState {
-            s: vec![0.0; d.heads * d.head_dim * d.head_dim],
+            s,
             conv_q: vec![0.0; p * hist],
             conv_k: vec![0.0; p * hist],
             conv_v: vec![0.0; p * hist],
