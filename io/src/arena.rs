@@ -113,15 +113,34 @@ impl OwnedArena {
     }
 }
 
-/// Touch every page of an arena once (write a zero into each), so its memory is faulted in
+/// Touch every page of an arena once (write into each), so its memory is faulted in
 /// now, by the calling process: the stage that owns a region pays for it in its cgroup, and
 /// the first token does not pay the page faults.
 pub fn prefault(arena: &dyn ArenaMemory) {
-    let base = arena.base();
-    for off in (0..arena.len()).step_by(ALIGN) {
-        // SAFETY: `off < len`, inside the arena; a volatile write keeps the touch from being
-        // optimised away. Callers prefault before any slot is in use.
-        unsafe { std::ptr::write_volatile(base.add(off), 0) };
+    // SAFETY: base() is valid for len() bytes (the trait's contract); callers prefault
+    // before any slot is in use, so nothing else reads or writes it meanwhile.
+    unsafe { touch_raw(arena.base(), arena.len()) };
+}
+
+/// Write one byte of every [`ALIGN`]-byte stretch of `s` back to itself, so its pages are
+/// faulted in now, on the calling thread (a zeroed allocation is mapped lazily); no value
+/// changes. The same touch as [`prefault`], for compute state that a pool's threads would
+/// otherwise fault in side by side on its first use.
+pub fn touch_f32_pages(s: &mut [f32]) {
+    // SAFETY: the slice is valid and exclusively borrowed for its whole byte length, every
+    // byte of an f32 is initialised, and rewriting a byte with its own value changes none.
+    unsafe { touch_raw(s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)) };
+}
+
+/// # Safety
+/// `base` must be valid for reads and writes of `len` bytes, with no other access meanwhile.
+unsafe fn touch_raw(base: *mut u8, len: usize) {
+    for off in (0..len).step_by(ALIGN) {
+        // SAFETY: `off < len` (caller's range); volatile, so the touch is not optimised away.
+        unsafe {
+            let p = base.add(off);
+            std::ptr::write_volatile(p, std::ptr::read_volatile(p));
+        }
     }
 }
 

@@ -314,7 +314,7 @@ pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, Str
         ));
     }
     let kd = model.kda_dims();
-    let proto = KdaState::new(&kd);
+    let (state_len, tail_len) = KdaState::lens(&kd);
     let md = model.mla_dims();
     let mut kda = vec![None; layers];
     let mut mla = vec![None; layers];
@@ -324,10 +324,10 @@ pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, Str
             (0, _) if pos == 0 => {}
             (1, LayerKind::Kda) => {
                 kda[l] = Some(KdaState {
-                    s: r.f32s(proto.s.len(), "a KDA state")?,
-                    conv_q: r.f32s(proto.conv_q.len(), "a KDA conv tail")?,
-                    conv_k: r.f32s(proto.conv_k.len(), "a KDA conv tail")?,
-                    conv_v: r.f32s(proto.conv_v.len(), "a KDA conv tail")?,
+                    s: r.f32s(state_len, "a KDA state")?,
+                    conv_q: r.f32s(tail_len, "a KDA conv tail")?,
+                    conv_k: r.f32s(tail_len, "a KDA conv tail")?,
+                    conv_v: r.f32s(tail_len, "a KDA conv tail")?,
                 })
             }
             (2, LayerKind::Mla) => {

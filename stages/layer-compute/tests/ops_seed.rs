@@ -476,50 +476,22 @@ fn moe_module() {
     };
     // Deliver experts one at a time in REVERSE order: the result must not depend on
     // arrival order.
-    let mut fetch = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
+    let fetch = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
         for (slot, &id) in ids.iter().enumerate().rev() {
             deliver(vec![(slot, Ok(expert(id)))]);
         }
     };
-    let mut stats = MoeStats::default();
-    let y = moe_forward(
-        &w,
-        &p,
-        &arr(&v, "in"),
-        3,
-        &mut fetch,
-        1,
-        &mut stats,
-        &mut None,
-    )
-    .unwrap();
+    let input = arr(&v, "in");
+    let (y, stats) = run_moe(&w, &p, &input, fetch, 1);
     assert_eq!(stats.failures, 0);
     // All in one delivery, on two threads: the same bits. Catches a delivery of several
     // experts whose outputs are mixed up between experts or tokens. (Too few experts here
     // for the side-by-side path; `gates_tiny::threads_and_simd_do_not_change_logits`
     // covers that one.)
-    let mut at_once = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
+    let at_once = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
         deliver((0..ids.len()).map(|s| (s, Ok(expert(ids[s])))).collect());
     };
-    let mut stats2 = MoeStats::default();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(2)
-        .build()
-        .unwrap();
-    let y2 = pool
-        .install(|| {
-            moe_forward(
-                &w,
-                &p,
-                &arr(&v, "in"),
-                3,
-                &mut at_once,
-                2,
-                &mut stats2,
-                &mut None,
-            )
-        })
-        .unwrap();
+    let (y2, stats2) = run_moe(&w, &p, &input, at_once, 2);
     assert_eq!(stats2.failures, 0);
     assert!(
         y.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -546,7 +518,7 @@ fn moe_module() {
     }
 
     // A failed expert is counted (exit 4 upstream), not silently dropped.
-    let mut failing = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
+    let failing = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
         for slot in 0..ids.len() {
             let e = WeightError::Io {
                 name: "x".into(),
@@ -555,34 +527,35 @@ fn moe_module() {
             deliver(vec![(slot, Err(e))]);
         }
     };
-    let mut stats = MoeStats::default();
-    moe_forward(
-        &w,
-        &p,
-        &arr(&v, "in"),
-        3,
-        &mut failing,
-        1,
-        &mut stats,
-        &mut None,
-    )
-    .unwrap();
+    let (_, stats) = run_moe(&w, &p, &input, failing, 1);
     assert!(stats.failures > 0 && stats.failures == stats.requests);
     // An implementation that never delivers a slot is counted too.
-    let mut silent = |_: &[u32], _: &mut dyn for<'b> FnMut(Delivery<'b>)| {};
-    let mut stats = MoeStats::default();
-    moe_forward(
-        &w,
-        &p,
-        &arr(&v, "in"),
-        3,
-        &mut silent,
-        1,
-        &mut stats,
-        &mut None,
-    )
-    .unwrap();
+    let silent = |_: &[u32], _: &mut dyn for<'b> FnMut(Delivery<'b>)| {};
+    let (_, stats) = run_moe(&w, &p, &input, silent, 1);
     assert_eq!(stats.failures, stats.requests);
+}
+
+/// `moe_forward` over the fixture's 3 tokens with the supplier `fetch` and `threads`
+/// (on a 2-thread pool): its output and counters.
+fn run_moe<F>(
+    w: &MoeWeights<'_>,
+    p: &MoeParams,
+    input: &[f32],
+    mut fetch: F,
+    threads: usize,
+) -> (Vec<f32>, MoeStats)
+where
+    F: FnMut(&[u32], &mut dyn for<'b> FnMut(Delivery<'b>)) + Send,
+{
+    let mut stats = MoeStats::default();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let y = pool
+        .install(|| moe_forward(w, p, input, 3, &mut fetch, threads, &mut stats, &mut None))
+        .unwrap();
+    (y, stats)
 }
 
 /// Released tensor name of a layer-fixture key.

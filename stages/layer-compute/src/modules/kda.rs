@@ -71,19 +71,23 @@ impl KdaState {
     /// spent 21-28 ms per KDA layer in it against 6-7 ms with the state touched here (for
     /// about 3-4 ms of faults, 6 MiB a layer; `docs/measurements.md`).
     pub fn new(d: &KdaDims) -> Self {
-        let p = d.width();
-        let hist = d.conv.saturating_sub(1);
-        let mut s = vec![0f32; d.heads * d.head_dim * d.head_dim];
-        for x in s.iter_mut().step_by(1024) {
-            // An opaque zero: the compiler cannot drop the store as redundant.
-            *x = std::hint::black_box(0.0);
-        }
+        let (state, tail) = Self::lens(d);
+        let mut s = vec![0f32; state];
+        k3_io::arena::touch_f32_pages(&mut s);
         KdaState {
             s,
-            conv_q: vec![0.0; p * hist],
-            conv_k: vec![0.0; p * hist],
-            conv_v: vec![0.0; p * hist],
+            conv_q: vec![0.0; tail],
+            conv_k: vec![0.0; tail],
+            conv_v: vec![0.0; tail],
         }
+    }
+
+    /// Values in the per-head state (`s`) and in each conv tail, for `d`.
+    pub fn lens(d: &KdaDims) -> (usize, usize) {
+        (
+            d.heads * d.head_dim * d.head_dim,
+            d.width() * d.conv.saturating_sub(1),
+        )
     }
 }
 
