@@ -6,7 +6,9 @@
 //! 1 has no history and no state (the guard is on the history length).
 
 /// Run `ntok` tokens (`x` is `ntok × channels`, token-major) through the conv, writing
-/// `y` (same shape) and updating `state` (`channels × (width−1)`).
+/// `y` (same shape) and updating `state` (`channels × (width−1)`). Token by token: the
+/// taps' f64 sums of every channel, then one SiLU pass over them
+/// ([`super::act::silu_into`], at the CPU's vector width).
 pub fn shortconv_silu(
     x: &[f32],
     w: &[f32],
@@ -22,11 +24,13 @@ pub fn shortconv_silu(
     assert_eq!(y.len(), x.len());
     assert_eq!(w.len(), channels * width);
     assert_eq!(state.len(), channels * hist);
-    for c in 0..channels {
-        let wc = &w[c * width..(c + 1) * width];
-        let st = &mut state[c * hist..(c + 1) * hist];
-        for t in 0..ntok {
-            let cur = x[t * channels + c];
+    // One token at a time: every channel's f64 tap sum, then the token's SiLU pass.
+    let mut z = vec![0f64; channels];
+    for t in 0..ntok {
+        let xt = &x[t * channels..(t + 1) * channels];
+        for (c, (zc, &cur)) in z.iter_mut().zip(xt).enumerate() {
+            let wc = &w[c * width..(c + 1) * width];
+            let st = &mut state[c * hist..(c + 1) * hist];
             // Taps oldest to newest, then the current token.
             let mut acc = 0f64;
             for j in 0..hist {
@@ -37,7 +41,8 @@ pub fn shortconv_silu(
                 st.copy_within(1.., 0);
                 st[hist - 1] = cur;
             }
-            y[t * channels + c] = super::act::silu(acc);
+            *zc = acc;
         }
+        super::act::silu_into(&z, &mut y[t * channels..(t + 1) * channels]);
     }
 }

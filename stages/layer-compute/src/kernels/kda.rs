@@ -8,7 +8,7 @@
 //!   (q arrives pre-scaled by dk^-1/2). All f32, loops in index order.
 //! - Output: per head RMSNorm (eps), times the o_norm weight, THEN times sigmoid(gate).
 
-use super::act::{sigmoid, sigmoid64};
+use super::act::sigmoid64;
 
 /// Decay gate for one token: `z`, `dt_bias` are `heads × dk`; writes `g` and `alpha`.
 pub fn decay_gate(
@@ -22,16 +22,33 @@ pub fn decay_gate(
     alpha: &mut [f32],
 ) {
     assert!(a_log.len() >= heads);
+    assert!(z.len() >= heads * dk && dt_bias.len() >= heads * dk);
+    assert!(g.len() >= heads * dk && alpha.len() >= heads * dk);
     for h in 0..heads {
         let a = (a_log[h] as f64).exp();
-        for c in 0..dk {
-            let i = h * dk + c;
-            let u = a * (z[i] as f64 + dt_bias[i] as f64);
-            let gi = (lower_bound as f64 * sigmoid64(u)) as f32;
-            g[i] = gi;
-            alpha[i] = gi.exp();
+        let r = h * dk..(h + 1) * dk;
+        bounded_gate(
+            a,
+            &z[r.clone()],
+            &dt_bias[r.clone()],
+            lower_bound,
+            &mut g[r.clone()],
+        );
+        for (al, gi) in alpha[r.clone()].iter_mut().zip(&g[r]) {
+            *al = gi.exp();
         }
     }
+}
+
+/// `g[c] = lb · sigmoid(a · (z[c] + dt_bias[c]))`, rounded once, at the CPU's vector width
+/// (the sigmoid is [`super::act`]'s own, the same bits on every path).
+fn bounded_gate(a: f64, z: &[f32], dt_bias: &[f32], lower_bound: f32, g: &mut [f32]) {
+    super::act::on_path!(super::simd::path(), fn(a: f64, z: &[f32], dt_bias: &[f32], lower_bound: f32, g: &mut [f32]) {
+        for ((gi, &zc), &bc) in g.iter_mut().zip(z).zip(dt_bias) {
+            let u = a * (zc as f64 + bc as f64);
+            *gi = (lower_bound as f64 * sigmoid64(u)) as f32;
+        }
+    })
 }
 
 /// One token's inputs to a head's delta-rule step: `q`, `k` and `alpha` have `dk` values,
@@ -141,9 +158,7 @@ pub fn output_norm_gate(o: &mut [f32], gate: &[f32], w: &[f32], heads: usize, ep
     for h in 0..heads {
         let oh = &mut o[h * dv..(h + 1) * dv];
         super::norm::rmsnorm_inplace(oh, Some(w), eps);
-        for (j, x) in oh.iter_mut().enumerate() {
-            *x *= sigmoid(gate[h * dv + j]);
-        }
+        super::act::mul_sigmoid(oh, &gate[h * dv..(h + 1) * dv]);
     }
 }
 

@@ -9,7 +9,7 @@ use k3_model::classify::layer_tensor;
 use super::trace_put;
 use super::{Eps, Trace};
 use crate::forward::{ForwardError, Model};
-use crate::kernels::act::sigmoid;
+use crate::kernels::act::mul_sigmoid;
 use crate::kernels::gemv::{gemm, gemm_fused, Mat};
 use crate::kernels::{mla, norm};
 use crate::weights::Weights;
@@ -161,9 +161,7 @@ pub fn mla_attend(
         );
     }
     if w.g.is_some() {
-        for (x, gv) in o.iter_mut().zip(&gate) {
-            *x *= sigmoid(*gv);
-        }
+        mul_sigmoid(&mut o, &gate);
     }
     o
 }
