@@ -13,8 +13,8 @@
 //!   therefore the same on every platform and libm (glibc, musl and macOS disagree on the
 //!   last bit of `tanh` now and then), and the same whether the loop below runs scalar or
 //!   is compiled for AVX2 or AVX-512 ([`situ_glu`], [`silu_into`], [`mul_sigmoid`] and the
-//!   KDA decay gate pick the width through [`super::simd::path`]; a wider vector performs the same
-//!   operations lane by lane, tested bit for bit in this module).
+//!   KDA decay gate pick the width through [`super::simd::path`]; a wider vector performs
+//!   the same operations lane by lane, tested bit for bit in this module).
 //! - **Method.** `x = k·ln2 + r` with `k` rounded to nearest by the 1.5·2^52 shifter,
 //!   `r = (x − k·LN2_HI) − k·LN2_LO` (Cody-Waite: `LN2_HI` has 32 significant bits, so
 //!   `k·LN2_HI` and the first subtraction are exact for |k| < 2^21), |r| ≤ 0.347;
@@ -151,15 +151,17 @@ fn situ(g: f32, u: f32, b1: f64, b2: f64) -> f32 {
     canonical((a * b) as f32)
 }
 
-/// Run `$body` (an expression over the enclosing function's arguments, which must be
-/// `Copy` or references) compiled for the widest vector `$path` allows: one body, three
-/// compilations, the same operations (see the module doc).
+/// Run `$body`, the body of a function of the listed arguments, compiled for the widest
+/// vector `$path` allows (capped at what the CPU has): one body, three compilations
+/// (AVX-512F, AVX2, the x86-64 baseline), the same operations (see the module doc). The
+/// arguments are passed on by value, so they must be `Copy` or references. Expands to a
+/// `return` from the enclosing function on the vector paths.
 macro_rules! on_path {
     ($path:expr, fn($($arg:ident: $ty:ty),*) $body:block) => {{
-        let path = $path.min(super::simd::best_available());
+        let path = $path.min($crate::kernels::simd::best_available());
         #[cfg(target_arch = "x86_64")]
         {
-            use super::simd::Path;
+            use $crate::kernels::simd::Path;
             /// # Safety
             /// The CPU must support AVX-512F.
             #[target_feature(enable = "avx512f")]

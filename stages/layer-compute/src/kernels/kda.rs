@@ -43,12 +43,15 @@ pub fn decay_gate(
 /// `g[c] = lb · sigmoid(a · (z[c] + dt_bias[c]))`, rounded once, at the CPU's vector width
 /// (the sigmoid is [`super::act`]'s own, the same bits on every path).
 fn bounded_gate(a: f64, z: &[f32], dt_bias: &[f32], lower_bound: f32, g: &mut [f32]) {
-    super::act::on_path!(super::simd::path(), fn(a: f64, z: &[f32], dt_bias: &[f32], lower_bound: f32, g: &mut [f32]) {
-        for ((gi, &zc), &bc) in g.iter_mut().zip(z).zip(dt_bias) {
-            let u = a * (zc as f64 + bc as f64);
-            *gi = (lower_bound as f64 * sigmoid64(u)) as f32;
+    super::act::on_path!(
+        super::simd::path(),
+        fn(a: f64, z: &[f32], dt_bias: &[f32], lower_bound: f32, g: &mut [f32]) {
+            for ((gi, &zc), &bc) in g.iter_mut().zip(z).zip(dt_bias) {
+                let u = a * (zc as f64 + bc as f64);
+                *gi = (lower_bound as f64 * sigmoid64(u)) as f32;
+            }
         }
-    })
+    )
 }
 
 /// One token's inputs to a head's delta-rule step: `q`, `k` and `alpha` have `dk` values,
