@@ -18,8 +18,10 @@
 //!   starts at +0, where ±0 are absorbed;
 //! - F32: `vshufps` + `vpermpd` split 32 floats into even and odd columns.
 //!
-//! Register blocking: one token uses 2 rows per pass; several tokens use 1 row × 2
-//! tokens, block by block. Blocking never changes what one (row, token) lane computes.
+//! Register blocking: one token uses 2 rows per pass; several tokens take panels of 4 rows
+//! block by block, tokens in passes of 4 (so a pass's activations stay in L1 for the
+//! panel's rows), each row in 1 row × 2 token tiles ([`panel`]). Blocking never changes
+//! what one (row, token) lane computes.
 
 use std::arch::x86_64::*;
 
@@ -43,6 +45,14 @@ trait Fmt: Copy {
     unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4];
     /// Software prefetch distance in bytes ahead of the group being decoded.
     const PF: usize;
+    /// Whether [`panel`] decodes a block once into lane order ([`Lanes`]) for
+    /// [`STAGE_TOKENS`] tokens or more, instead of once per token tile: MXFP4 only. Its
+    /// decode (two `vpshufb`, four widenings and multiplies per group) is dearer than the
+    /// staged loads; BF16's is two ALU operations per register, and staging it was 3-10%
+    /// slower (`gemv_bench --only batch --path avx2 --th 1`, 3 alternating rounds,
+    /// 2026-12-03: BF16 batch16 25.2-26.9 GMAC/s staged against 26.8-28.0; MXFP4 batch16
+    /// 27.8-28.6 against 23.1-23.8).
+    const STAGE: bool = false;
 }
 
 #[derive(Clone, Copy)]
@@ -125,6 +135,7 @@ struct Mx {
 
 impl Fmt for Mx {
     const PF: usize = 512;
+    const STAGE: bool = true;
     /// # Safety
     /// As [`Fmt::at`].
     #[inline(always)]
@@ -156,6 +167,40 @@ impl Fmt for Mx {
                 widen_i8(_mm_srli_si128(lo, 8), hs),
                 widen_i8(hi, hs),
                 widen_i8(_mm_srli_si128(hi, 8), hs),
+            ]
+        }
+    }
+}
+
+/// A block of one row already decoded into lane order ([`panel`] stages it once for all
+/// the panel's token tiles): group `q` is 4 aligned ymm (lanes 0..7, 8..15, 16..23,
+/// 24..31) at `base + 128 q`.
+#[derive(Clone, Copy)]
+struct Lanes {
+    base: *const u8,
+}
+
+impl Fmt for Lanes {
+    /// Staged in L1: nothing to prefetch.
+    const PF: usize = 0;
+    /// # Safety
+    /// `q` is a group of the staged block (`base` is set so that its address is inside).
+    #[inline(always)]
+    unsafe fn at(&self, _r: usize, q: usize) -> (*const u8, u8) {
+        (self.base.wrapping_add(128 * q), 0)
+    }
+    /// # Safety
+    /// `p` points to a staged group (128 bytes, 32-byte aligned); AVX2 enabled.
+    #[inline(always)]
+    unsafe fn dec(p: *const u8, _s: u8) -> [__m256; 4] {
+        // SAFETY: the caller's guarantees.
+        unsafe {
+            let p = p as *const f32;
+            [
+                _mm256_load_ps(p),
+                _mm256_load_ps(p.add(8)),
+                _mm256_load_ps(p.add(16)),
+                _mm256_load_ps(p.add(24)),
             ]
         }
     }
@@ -231,7 +276,9 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
                     let (p, s) = f.at(r + j, q);
                     // Software prefetch PF bytes ahead in the row's stream (a hint: it
                     // never faults; wrapping_add keeps the pointer arithmetic defined).
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
+                    if F::PF != 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
+                    }
                     *wj = F::dec(p, s);
                 }
             } else {
@@ -311,6 +358,123 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize>(
     }
 }
 
+/// Rows per panel of the several-token path ([`panel`]).
+const PANEL_ROWS: usize = 4;
+/// Tokens per pass of the several-token path: one pass's slice of one block of the
+/// activations (`4 × 1024` f32, 16 KiB) stays in L1 while every row of the panel reads it.
+/// Up to this many tokens the rows go one at a time over all blocks instead ([`tile`]):
+/// their activations fit L1 already, and the panel's order was 5-15% slower there
+/// (MXFP4 batch4 20.6-22.1 GMAC/s against 22.9-24.2, one thread).
+const PASS_TOKENS: usize = 4;
+/// Tokens from which [`panel`] stages a block for formats with [`Fmt::STAGE`] (at 4
+/// tokens staging MXFP4 was slower: 18.9-20.3 GMAC/s against 20.6-22.1).
+const STAGE_TOKENS: usize = 8;
+
+/// Rows `r..r+rows` (`rows <= PANEL_ROWS`) × all `ntok` tokens (more than
+/// [`PASS_TOKENS`]), block-major: per block, for formats with [`Fmt::STAGE`] and at least
+/// [`STAGE_TOKENS`] tokens the panel's rows are first decoded once into lane order
+/// (`stage`, 16 KiB); then tokens go in passes of [`PASS_TOKENS`], and inside a pass every
+/// row of the panel in turn, in 1 row × 2 token register tiles (then one by one). Each
+/// (row, token) lane still sees its blocks in increasing order and its groups in
+/// increasing order inside a block, so the order of passes and rows changes no bit. Why
+/// not one row at a time over all tokens (the former loop): its activations for one block
+/// (16 tokens, 64 KiB) did not fit L1, and every row streamed them again from L2. One
+/// thread, `gemv_bench --only batch --path avx2 --th 1`, 3 alternating rounds
+/// (2026-12-03): BF16 batch16 26.8-28.0 GMAC/s against 21.4-22.3.
+///
+/// # Safety
+/// As [`seg`]; `out` has room for `rows * ntok` sums.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel<F: Fmt>(
+    f: F,
+    m: &Mat<'_>,
+    r: usize,
+    rows: usize,
+    xp: *const f32,
+    ntok: usize,
+    (acc, stage): (&mut Vec<[f64; LANES]>, &mut Vec<[__m256; 4]>),
+    out: &mut [f64],
+) {
+    let ng = groups(m.cols);
+    let full = m.cols / GROUP_COLS;
+    let stride = x_stride(m.cols);
+    let mut pbuf = [[[0u8; 128]; 1]; PANEL_ROWS];
+    let mut psc = [[0u8; 1]; PANEL_ROWS];
+    if full < ng {
+        for j in 0..rows {
+            psc[j][0] = stage_partial(m, r + j, full, &mut pbuf[j][0]);
+        }
+    }
+    acc.clear();
+    acc.resize(rows * ntok, [0f64; LANES]);
+    let staged = F::STAGE && ntok >= STAGE_TOKENS;
+    if staged {
+        stage.resize(PANEL_ROWS * BLOCK_GROUPS, [_mm256_setzero_ps(); 4]);
+    }
+    let mut q = 0;
+    // SAFETY: the caller's guarantees: groups below `full` are read in place, the partial
+    // one from pbuf; rows r + j < r + rows are inside the matrix; the staged groups q..qe
+    // of row j sit at stage[j * BLOCK_GROUPS + (g - q)], which `Lanes` addresses (seg is
+    // called with qf = qe, so it reads only those); each row's sums have their own slice.
+    unsafe {
+        while q < ng {
+            let qe = (q + BLOCK_GROUPS).min(ng);
+            if staged {
+                // The panel's block, decoded once into lane order.
+                for j in 0..rows {
+                    for g in q..qe {
+                        let (p, s) = if g < full {
+                            let (p, s) = f.at(r + j, g);
+                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
+                            (p, s)
+                        } else {
+                            (pbuf[j][0].as_ptr(), psc[j][0])
+                        };
+                        stage[j * BLOCK_GROUPS + g - q] = F::dec(p, s);
+                    }
+                }
+            }
+            let mut p0 = 0;
+            while p0 < ntok {
+                let p1 = (p0 + PASS_TOKENS).min(ntok);
+                for j in 0..rows {
+                    let aj = &mut acc[j * ntok..(j + 1) * ntok];
+                    let mut t0 = p0;
+                    if staged {
+                        let lanes = Lanes {
+                            base: (stage.as_ptr().add(j * BLOCK_GROUPS) as *const u8)
+                                .wrapping_sub(128 * q),
+                        };
+                        let (qs, none) = ((q, qe, qe), (&[[0u8; 128]; 1], &[0u8; 1]));
+                        while t0 + 2 <= p1 {
+                            seg::<Lanes, 1, 2>(lanes, 0, qs, none, xp, stride, (t0, ntok), aj);
+                            t0 += 2;
+                        }
+                        if t0 < p1 {
+                            seg::<Lanes, 1, 1>(lanes, 0, qs, none, xp, stride, (t0, ntok), aj);
+                        }
+                    } else {
+                        let (qs, part) = ((q, qe, qe.min(full)), (&pbuf[j], &psc[j]));
+                        while t0 + 2 <= p1 {
+                            seg::<F, 1, 2>(f, r + j, qs, part, xp, stride, (t0, ntok), aj);
+                            t0 += 2;
+                        }
+                        if t0 < p1 {
+                            seg::<F, 1, 1>(f, r + j, qs, part, xp, stride, (t0, ntok), aj);
+                        }
+                    }
+                }
+                p0 = p1;
+            }
+            q = qe;
+        }
+    }
+    for (o, a) in out[..rows * ntok].iter_mut().zip(acc.iter_mut()) {
+        *o = reduce_lanes(a);
+    }
+}
+
 /// Rows `r0..r1` × all tokens with the f32-block contract.
 ///
 /// # Safety
@@ -331,6 +495,7 @@ unsafe fn drive<F: Fmt>(
     assert!(r1 <= m.rows);
     let x = xp.as_ptr();
     let mut acc = Vec::new();
+    let mut stage = Vec::new();
     let mut r = r0;
     // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out (asserted).
     unsafe {
@@ -339,10 +504,21 @@ unsafe fn drive<F: Fmt>(
                 tile::<F, 2, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
                 r += 2;
             }
-        }
-        while r < r1 {
-            tile::<F, 1, 2>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
-            r += 1;
+            if r < r1 {
+                tile::<F, 1, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
+            }
+        } else if ntok <= PASS_TOKENS {
+            while r < r1 {
+                tile::<F, 1, 2>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
+                r += 1;
+            }
+        } else {
+            while r < r1 {
+                let rows = PANEL_ROWS.min(r1 - r);
+                let bufs = (&mut acc, &mut stage);
+                panel(f, m, r, rows, x, ntok, bufs, &mut out[(r - r0) * ntok..]);
+                r += rows;
+            }
         }
     }
 }
