@@ -62,7 +62,11 @@ struct Bf16 {
 }
 
 impl Fmt for Bf16 {
-    const PF: usize = 1024;
+    /// Two KiB ahead: one-token rows read faster than at 1 KiB (`gemv_bench --path avx2`,
+    /// 3 alternating rounds, 2026-12-03: lm_head on 2 threads 29.8-37.0 GB/s against
+    /// 25.7-30.4; kda q on one thread 19.2-21.1 against 13.3-17.7; 512 B was slower and
+    /// 4-8 KiB no better).
+    const PF: usize = 2048;
     /// # Safety
     /// As [`Fmt::at`].
     #[inline(always)]
