@@ -9,9 +9,10 @@
 # (resident decode of `--gen 16` after one prompt id: median s/token of the decode steps;
 # then a 16-token prompt: one untimed run, then the median prefill step of three runs),
 # then read the GGUF into the page cache and run `llama-bench -p 16 -n 16 -r 3 --repack 1`
-# (llama-bench's default, warm-up included): its pp16 time and tg16 s/token. The two files do not fit the page cache together (27.5 GB
-# against 24 GB here), hence the reads before each engine. Prints one line per round with
-# the ratios, and `uptime` at the start and the end.
+# (llama-bench's default, warm-up included): its pp16 time and tg16 s/token. The two files
+# do not fit the page cache together (27.5 GB against 24 GB here), hence the reads before
+# each engine. Prints one line per round with the ratios, and `uptime` at the start and
+# the end.
 #
 # Environment: SLICE (default /work/bench/slice, made by `k3-orch synth --shape slice
 # --vocab 163840 --seed 7`), GGUF (default /work/bench/slice.gguf), LLAMA_BIN (default

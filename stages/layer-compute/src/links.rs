@@ -637,37 +637,6 @@ impl StagedWeights {
         deliver: &mut dyn for<'b> FnMut(Delivery<'b>),
     ) {
         let pass = self.pass.get();
-        // Already requested by `announce_experts` (the same batch): only collect it. A
-        // different batch than announced cannot happen with the forward in this crate; if
-        // it did, the announced one would be answered first and this one fail as
-        // unexpected, so it is refused plainly instead.
-        let sent = match self.announced.borrow_mut().take() {
-            Some((p, l, a)) if p == pass && l == layer && a == ids => true,
-            Some((p, l, _)) => {
-                let e = format!(
-                    "internal: experts of layer {layer} asked for, but the batch announced was \
-                     layer {l} (pass {p}) with other ids"
-                );
-                self.link_error.borrow_mut().get_or_insert(e.clone());
-                deliver(
-                    ids.iter()
-                        .enumerate()
-                        .map(|(i, id)| {
-                            let name = format!("layer {layer} expert {id}");
-                            (
-                                i,
-                                Err(WeightError::Io {
-                                    name,
-                                    msg: e.clone(),
-                                }),
-                            )
-                        })
-                        .collect(),
-                );
-                return;
-            }
-            None => false,
-        };
         let mut delivered = vec![false; ids.len()];
         let fail_all =
             |deliver: &mut dyn for<'b> FnMut(Delivery<'b>), delivered: &mut [bool], msg: &str| {
@@ -686,6 +655,23 @@ impl StagedWeights {
                     deliver(left);
                 }
             };
+        // Already requested by `announce_experts` (the same batch): only collect it. A
+        // different batch than announced cannot happen with the forward in this crate; if
+        // it did, the announced one would be answered first and this one fail as
+        // unexpected, so it is refused plainly instead.
+        let sent = match self.announced.borrow_mut().take() {
+            Some((p, l, a)) if p == pass && l == layer && a == ids => true,
+            Some((p, l, _)) => {
+                let e = format!(
+                    "internal: experts of layer {layer} asked for, but the batch announced was \
+                     layer {l} (pass {p}) with other ids"
+                );
+                self.link_error.borrow_mut().get_or_insert(e.clone());
+                fail_all(deliver, &mut delivered, &e);
+                return;
+            }
+            None => false,
+        };
         let mut link = self.fetch.borrow_mut();
         let r = if sent {
             Ok(())

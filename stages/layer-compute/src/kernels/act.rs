@@ -102,7 +102,7 @@ fn exp_in_range(x: f64) -> f64 {
 
 /// `tanh(y)` (see the module doc).
 #[inline(always)]
-pub fn tanh(y: f64) -> f64 {
+fn tanh(y: f64) -> f64 {
     let (t, e) = split(clamp_nan(y, -20.0, 20.0) * 2.0);
     let em1 = t * e + (t - 1.0);
     em1 / (em1 + 2.0)

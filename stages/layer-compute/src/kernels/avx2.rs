@@ -444,29 +444,17 @@ unsafe fn panel<F: Fmt>(
                 let p1 = (p0 + PASS_TOKENS).min(ntok);
                 for j in 0..rows {
                     let aj = &mut acc[j * ntok..(j + 1) * ntok];
-                    let mut t0 = p0;
+                    let x = (xp, stride, p0, p1, ntok);
                     if staged {
                         let lanes = Lanes {
                             base: (stage.as_ptr().add(j * BLOCK_GROUPS) as *const u8)
                                 .wrapping_sub(128 * q),
                         };
-                        let (qs, none) = ((q, qe, qe), (&[[0u8; 128]; 1], &[0u8; 1]));
-                        while t0 + 2 <= p1 {
-                            seg::<Lanes, 1, 2>(lanes, 0, qs, none, xp, stride, (t0, ntok), aj);
-                            t0 += 2;
-                        }
-                        if t0 < p1 {
-                            seg::<Lanes, 1, 1>(lanes, 0, qs, none, xp, stride, (t0, ntok), aj);
-                        }
+                        let none = (&[[0u8; 128]; 1], &[0u8; 1]);
+                        row_pass(lanes, 0, (q, qe, qe), none, x, aj);
                     } else {
-                        let (qs, part) = ((q, qe, qe.min(full)), (&pbuf[j], &psc[j]));
-                        while t0 + 2 <= p1 {
-                            seg::<F, 1, 2>(f, r + j, qs, part, xp, stride, (t0, ntok), aj);
-                            t0 += 2;
-                        }
-                        if t0 < p1 {
-                            seg::<F, 1, 1>(f, r + j, qs, part, xp, stride, (t0, ntok), aj);
-                        }
+                        let part = (&pbuf[j], &psc[j]);
+                        row_pass(f, r + j, (q, qe, qe.min(full)), part, x, aj);
                     }
                 }
                 p0 = p1;
@@ -476,6 +464,34 @@ unsafe fn panel<F: Fmt>(
     }
     for (o, a) in out[..rows * ntok].iter_mut().zip(acc.iter_mut()) {
         *o = reduce_lanes(a);
+    }
+}
+
+/// One row's block for tokens `t0..t1` of a pass, in 1 row × 2 token tiles (then one):
+/// [`panel`]'s inner step, on the row in place or staged.
+///
+/// # Safety
+/// As [`seg`] with `R = 1`; `x` is (`xp`, its stride, `t0`, `t1`, `ntok`) with
+/// `t1 <= ntok`, and `acc` the row's `ntok` sums.
+#[inline(always)]
+unsafe fn row_pass<F: Fmt>(
+    f: F,
+    r: usize,
+    qs: (usize, usize, usize),
+    part: (&[[u8; 128]; 1], &[u8; 1]),
+    (xp, stride, t0, t1, ntok): (*const f32, usize, usize, usize, usize),
+    acc: &mut [[f64; LANES]],
+) {
+    let mut t = t0;
+    // SAFETY: the caller's guarantees, passed on for tokens t..t+T <= t1 <= ntok.
+    unsafe {
+        while t + 2 <= t1 {
+            seg::<F, 1, 2>(f, r, qs, part, xp, stride, (t, ntok), acc);
+            t += 2;
+        }
+        if t < t1 {
+            seg::<F, 1, 1>(f, r, qs, part, xp, stride, (t, ntok), acc);
+        }
     }
 }
 
