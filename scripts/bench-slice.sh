@@ -2,6 +2,11 @@
 # Resident compute on the synthetic slice (released per-layer dims and the released
 # vocabulary, so the lm_head is the real 2.35 GB): decode s/token and prompt (prefill) time
 # beside the memory read bandwidth measured in the same run, then the kernel table.
+# The decode's floor is paired: with K3_FLOOR=1 the run reads the very weight bytes a
+# decode token multiplies (the same mappings) right before each step, and the ratio is
+# the median of step time over the floor read just before it (this host's read bandwidth
+# moves by a third within a minute, so one probe per run is not a step's floor). The
+# 1 GiB probe before and after the runs is printed for reference.
 # Rows: resident decode `--single-process` (the kernels alone), resident decode in the
 # staged default mode (stage processes, `--mem-gb 20` so every weight stays resident;
 # its first steps while the expert cache fills, and its steps after 16),
@@ -43,6 +48,10 @@ run() { # name, ids, gen: timed without the profile (K3_PROFILE costs decode abo
   "$BIN" "$WORK/slice" --single-process --incremental --threads "$THREADS" \
     --ids "$2" --gen "$3" --out "$WORK/$1.json" --quiet
 }
+floor() { # name, ids, gen: timed, each decode step after its paired floor (NAME.floor)
+  K3_FLOOR=1 "$BIN" "$WORK/slice" --single-process --incremental --threads "$THREADS" \
+    --ids "$2" --gen "$3" --out "$WORK/$1.json" --quiet 2> "$WORK/$1.floor"
+}
 profile() { # name, ids, gen: the per-phase profile (K3_PROFILE, observation only) to NAME.prof
   K3_PROFILE=1 "$BIN" "$WORK/slice" --single-process --incremental --threads "$THREADS" \
     --ids "$2" --gen "$3" --out "$WORK/$1-prof.json" --quiet 2> "$WORK/$1.prof"
@@ -52,7 +61,7 @@ staged() { # name, ids, gen: the product's default (staged) mode, everything res
     --ids "$2" --gen "$3" --out "$WORK/$1.json" --quiet
 }
 run warmup "$IDS1" 4
-run decode "$IDS1" 12
+floor decode "$IDS1" 24
 # The prompt routes to nearly every expert (one decode token touches 48 of 192): one
 # untimed prompt first, as llama-bench warms up, so the timed one reads experts from
 # RAM. Without it the first prompt after the decode runs took 3.1 s against 1.1-1.35 s
@@ -97,20 +106,35 @@ per_token = trunk + lm_head + moe_layers * topk * expert
 def s_per_token(rep, lo=1, hi=None):
     return statistics.median([s["seconds"] for s in rep["steps"][lo:hi]])
 bw = [float(x) for x in re.findall(r"([0-9.]+) GB/s", bw0 + " " + bw1)]
-bw2 = max(bw[1], bw[3]) if len(bw) >= 4 else max(bw)
-floor = per_token / 1e9 / bw2
+# The paired floors: `k3 floor: step S read B bytes in T ms` before each decode step.
+pairs = {}
+for m in re.finditer(r"k3 floor: step (\d+) read (\d+) bytes in ([0-9.]+) ms",
+                     open(f"{work}/decode.floor").read()):
+    pairs[int(m.group(1))] = (int(m.group(2)), float(m.group(3)) / 1e3)
+secs = {s["step"]: s["seconds"] for s in dec["steps"]}
+if not pairs or any(b != per_token for b, _ in pairs.values()):
+    sys.exit(f"the floor probe read {sorted({b for b, _ in pairs.values()})} bytes per step, "
+             f"not the {per_token} a decode token multiplies")
+ratios = [secs[k] / f for k, (_, f) in pairs.items() if k in secs]
+floor = statistics.median(f for _, f in pairs.values())
 print()
-print(f"slice: {layers} layers, vocab {vocab}, top-{topk}, {threads} threads, resident; "
-      f"read floor {bw2:.1f} GB/s (best probe, 2 threads, max of before/after)")
+print(f"slice: {layers} layers, vocab {vocab}, top-{topk}, {threads} threads, resident")
+print(f"floor: the token's own {per_token/1e9:.2f} GB read before each decode step, median "
+      f"{floor:.3f} s ({per_token/1e9/floor:.1f} GB/s); 1 GiB probe before / after: "
+      f"{bw[1]:.1f} / {bw[3]:.1f} GB/s" if len(bw) >= 4 else "")
 print(f"{'mode':<28} {'weight GB/token':>16} {'s/token':>8} {'GB/s':>6} {'floor s':>8} {'ratio':>6}")
+st = s_per_token(dec)
+print(f"{'decode --single-process':<28} {per_token/1e9:16.2f} {st:8.3f} {per_token/1e9/st:6.1f} "
+      f"{floor:8.3f} {statistics.median(ratios):6.2f}  (median of {len(ratios)} paired "
+      f"steps, {min(ratios):.2f}-{max(ratios):.2f})")
 rows = (
-    ("decode --single-process", dec, 1, None),
     ("staged, steps 2-12 (warming)", stg, 1, 12),
     ("staged --mem-gb 20, 17-28", stg, 16, None),
 )
 for name, rep, lo, hi in rows:
     st = s_per_token(rep, lo, hi)
-    print(f"{name:<28} {per_token/1e9:16.2f} {st:8.3f} {per_token/1e9/st:6.1f} {floor:8.3f} {st/floor:6.2f}")
+    print(f"{name:<28} {per_token/1e9:16.2f} {st:8.3f} {per_token/1e9/st:6.1f} {floor:8.3f} "
+          f"{st/floor:6.2f}  (against the decode run's median floor)")
 print(f"{'16-token prompt (prefill)':<28} {pre_s[1]:>34.3f} s (goal <= 0.8 s; median of 3, "
       f"{pre_s[0]:.3f}-{pre_s[2]:.3f})")
 if len({tuple(p["generated_ids"]) for p in pres}) != 1:

@@ -139,3 +139,64 @@ fn the_phase_profile_prints_one_line_per_forward_call_and_changes_nothing() {
         assert_eq!(String::from_utf8(o.stdout).unwrap(), text0, "{mode:?}");
     }
 }
+
+// Catches: a read floor (`K3_FLOOR=1`) that reads other bytes than one decode token
+// multiplies (the token embedding too, every routed expert, or none), probes the prompt's
+// step, or changes a result. The byte count is summed here from the checkpoint's headers:
+// every tensor but the routed experts and the embedding, the lm_head, and top-k experts'
+// worth of every MoE layer (expert 0's size: experts are all one size).
+#[test]
+fn the_read_floor_reads_one_decode_tokens_weights_and_changes_nothing() {
+    use k3_model::catalog::Catalog;
+    use k3_model::classify::{classify, split_expert, TensorClass};
+    let (text0, _, rep0) = gen(&["--single-process"]);
+    let m = model();
+    let cfg: Value =
+        serde_json::from_slice(&std::fs::read(m.join("config.json")).unwrap()).unwrap();
+    let tc = cfg.get("text_config").unwrap_or(&cfg);
+    let top_k = tc["num_experts_per_token"].as_u64().unwrap();
+    let cat = Catalog::open(m).unwrap();
+    let (mut fixed, mut expert0) = (0u64, std::collections::BTreeMap::new());
+    for (name, e) in cat.iter() {
+        match classify(&name) {
+            TensorClass::RoutedExpert => {
+                let (l, x, _) = split_expert(&name).unwrap();
+                if x == 0 {
+                    *expert0.entry(l).or_insert(0u64) += e.len;
+                }
+            }
+            TensorClass::Embedding if !name.contains("lm_head") => {}
+            TensorClass::Vision => {}
+            _ => fixed += e.len,
+        }
+    }
+    assert!(!expert0.is_empty(), "the tiny model has routed experts");
+    let want = fixed + top_k * expert0.values().sum::<u64>();
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let ms = m.to_str().unwrap();
+    let o = k3_cmd()
+        .env("K3_FLOOR", "1")
+        .args([ms, "--tok", ms, "--prompt", "Hello there", "--gen", "8"])
+        .args(["--incremental", "--threads", "1", "--single-process"])
+        .args(["--out", out.path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let se = String::from_utf8_lossy(&o.stderr);
+    let lines: Vec<&str> = se.lines().filter(|l| l.contains("k3 floor:")).collect();
+    let rep: Value = serde_json::from_slice(&std::fs::read(out.path()).unwrap()).unwrap();
+    let steps = rep["steps"].as_array().unwrap().len();
+    assert_eq!(
+        lines.len(),
+        steps - 1,
+        "one line per decode step after the first\n{se}"
+    );
+    for (i, l) in lines.iter().enumerate() {
+        assert!(
+            l.contains(&format!("step {} read {want} bytes in ", i + 1)),
+            "{l} (want {want} bytes)"
+        );
+    }
+    assert_eq!(rep["generated_ids"], rep0["generated_ids"]);
+    assert_eq!(String::from_utf8(o.stdout).unwrap(), text0);
+}

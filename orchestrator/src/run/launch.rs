@@ -172,7 +172,9 @@ impl Observer for StepPrinter {
 }
 
 /// `--single-process`: the decode loop's hooks.
-struct Direct {
+struct Direct<'a> {
+    /// `K3_FLOOR=1`: the read floor probed before each decode step.
+    floor: Option<super::floor::Floor<'a>>,
     printer: StepPrinter,
     tok: Option<std::sync::Arc<k3_tokenizer::Tokenizer>>,
     steps: Vec<StepStats>,
@@ -180,7 +182,13 @@ struct Direct {
     stop: bool,
 }
 
-impl StepHooks for Direct {
+impl StepHooks for Direct<'_> {
+    fn before_step(&mut self, step: usize) {
+        // Step 0 is the prompt's forward; the floor is a decode token's.
+        if let Some(f) = self.floor.as_ref().filter(|_| step > 0) {
+            f.probe(step);
+        }
+    }
     fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
         self.failures += s.out.stats.expert_failures as u64;
         let st = StepStats {
@@ -267,7 +275,13 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
     let stream = tok
         .as_ref()
         .map(|_| super::stream::TextStream::new(&a.sampling.stop));
+    let floor = super::floor::Floor::from_env(
+        &model.weights().source,
+        c.layers,
+        c.cfg.num_experts_per_token,
+    );
     let mut hooks = Direct {
+        floor,
         printer: StepPrinter::new(a.quiet, stream, a.gen).watch_disks(&disk_paths(a)),
         tok,
         steps: Vec::new(),

@@ -8,11 +8,14 @@
 //!    layer-compute's one decode loop;
 //! 4. [`report`]: the step table, the summary and the JSON report (`--out`).
 //!
+//! [`floor`] is the opt-in read floor of `--single-process` decode steps (`K3_FLOOR=1`).
+//!
 //! The flags themselves are [`args`].
 
 pub mod args;
 pub mod census;
 pub mod disk;
+pub mod floor;
 pub mod launch;
 pub mod plan;
 pub mod report;

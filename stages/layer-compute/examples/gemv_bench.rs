@@ -25,6 +25,7 @@ use k3_layer_compute::kernels::gemv::{
     decode_tuning, gemm, gemm_fused, gemv, set_decode_tuning, Mat,
 };
 use k3_layer_compute::kernels::simd::{self, Path};
+use k3_layer_compute::membw;
 
 fn xorshift(s: &mut u64) -> u64 {
     *s ^= *s << 13;
@@ -40,82 +41,13 @@ fn uptime() -> String {
         .unwrap_or_else(|_| "uptime unavailable".into())
 }
 
-/// Bytes per row of the read probe's interleaved streams: one bf16 row of the released
-/// hidden size (7168 columns), the stream length a GEMV row tile reads.
-const PROBE_ROW: usize = 14336;
-/// Bytes per rayon task of the read probe (the kernels' `TASK_BYTES` scale).
-const PROBE_TASK: usize = 57344 * 4;
-
-/// Sum `k` interleaved streams over `chunk` (rows of [`PROBE_ROW`] bytes, `k` rows side by
-/// side, 64 bytes from each row in turn, like a `k`-row GEMV tile), with AVX-512 loads.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn sum_streams_512(chunk: &[u8], k: usize) -> u64 {
-    use std::arch::x86_64::*;
-    let mut s = [_mm512_setzero_si512(); 8];
-    let tile = k * PROBE_ROW;
-    let p = chunk.as_ptr();
-    let mut r = 0;
-    while r + tile <= chunk.len() {
-        let mut c = 0;
-        while c < PROBE_ROW {
-            for (i, si) in s.iter_mut().enumerate().take(k) {
-                // SAFETY: r + i*ROW + c + 64 <= r + tile <= chunk.len().
-                let v = unsafe { _mm512_loadu_si512(p.add(r + i * PROBE_ROW + c) as *const _) };
-                *si = _mm512_add_epi64(*si, v);
-            }
-            c += 64;
-        }
-        r += tile;
-    }
-    let mut t = s[0];
-    for v in &s[1..] {
-        t = _mm512_add_epi64(t, *v);
-    }
-    _mm512_reduce_add_epi64(t) as u64
-}
-
-/// Portable twin of [`sum_streams_512`] (16 u64 lanes per 128 bytes, auto-vectorised).
-fn sum_streams(chunk: &[u8], k: usize) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    if simd::avx512_available() {
-        // SAFETY: AVX-512F detected at run time.
-        return unsafe { sum_streams_512(chunk, k) };
-    }
-    let mut acc = [0u64; 16];
-    for blk in chunk.chunks_exact(128) {
-        for (i, a) in acc.iter_mut().enumerate() {
-            let v = u64::from_le_bytes(blk[8 * i..8 * i + 8].try_into().unwrap());
-            *a = a.wrapping_add(v);
-        }
-    }
-    let _ = k;
-    acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
-}
-
-/// Read bandwidth (GB/s) over `buf` on `pool` with `k` interleaved streams per task,
-/// best of `reps`.
+/// Read bandwidth (GB/s) over `buf` on `pool` with `k` interleaved streams per task
+/// ([`membw::read_seconds`]), best of `reps`.
 fn read_bw(pool: &rayon::ThreadPool, buf: &[u8], k: usize, reps: usize) -> f64 {
-    use rayon::prelude::*;
-    let task = PROBE_TASK / (k * PROBE_ROW) * (k * PROBE_ROW);
-    let task = task.max(k * PROBE_ROW);
-    let used = buf.len() / task * task;
-    let mut best = f64::MAX;
-    for _ in 0..reps {
-        let t0 = Instant::now();
-        let total: u64 = pool.install(|| {
-            buf[..used]
-                .par_chunks(task)
-                .map(|c| sum_streams(c, k))
-                .reduce(|| 0, u64::wrapping_add)
-        });
-        black_box(total);
-        best = best.min(t0.elapsed().as_secs_f64());
-    }
-    used as f64 / best / 1e9
+    let best = (0..reps)
+        .map(|_| pool.install(|| membw::read_seconds(&[buf], k)))
+        .fold(f64::MAX, f64::min);
+    buf.len() as f64 / best / 1e9
 }
 
 /// The memory read limit on each pool: 1, 4 and 8 interleaved streams per task over a

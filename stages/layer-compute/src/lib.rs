@@ -10,6 +10,7 @@
 //! - [`decode`]: the ONE decode loop every mode runs, and greedy [`decode::generate`].
 //! - [`sampler`]: greedy argmax and seeded sampling from a logits row.
 //! - [`links`]: [`links::StagedWeights`], the [`Weights`] over the loaders' links.
+//! - [`membw`]: the memory read probe (the floor kernels are measured against).
 //! - [`model_stream`]: the embedding one row per token on demand, the lm_head in chunks.
 //! - [`pool`]: the compute worker pool (rayon), sized by `--threads`.
 //! - [`profile`]: the opt-in per-phase wall-time profile (`K3_PROFILE=1`).
@@ -29,6 +30,7 @@ pub mod decode;
 pub mod forward;
 pub mod kernels;
 pub mod links;
+pub mod membw;
 pub mod model_stream;
 pub mod modules;
 pub mod pool;
