@@ -10,7 +10,10 @@
 //! The read probe sums a 1 GiB buffer (10× the L3 here) with AVX-512 loads on the same
 //! rayon pools as the kernels, with 1, 4 and 8 interleaved streams per task (rows of
 //! 14336 bytes read 64 bytes at a time in turn, like a GEMV row tile), and prints every
-//! variant; "% read" is relative to the best one. `--sweep` times the one-token cases
+//! variant (the machine's read limit, printed for reference). "% read" is paired: each
+//! timed rep of a case first reads the case's own weight bytes with the same probe on
+//! the same pool ([`membw::read_seconds`], 4 streams per task), and the column is the
+//! median over reps of that read's time over the kernel's. `--sweep` times the one-token cases
 //! for every decode tuning (rows side by side × software prefetch distance, see
 //! `gemv::set_decode_tuning`); the "GMAC/cpu-s" column divides by the CPU time the
 //! process spent (all threads), which tells a loaded machine from a slow kernel.
@@ -237,8 +240,9 @@ fn main() {
                 .unwrap()
         })
         .collect();
-    // `--no-probe`: skip the read probe (A/B runs of one case; "% read" is then blank).
-    let bw = if args.iter().any(|a| a == "--no-probe") {
+    // `--no-probe`: skip the read probes (A/B runs of one case; "% read" is then NaN).
+    let no_probe = args.iter().any(|a| a == "--no-probe");
+    let bw = if no_probe {
         vec![f64::NAN; pools.len()]
     } else {
         read_limit(&pools, reps + 2)
@@ -372,6 +376,12 @@ fn main() {
             })
             .collect();
         debug_assert_eq!(sets[0].iter().map(Owned::bytes).sum::<usize>(), set_bytes);
+        // The bytes the kernel reads (every copy), for the paired probe.
+        let spans: Vec<&[u8]> = sets
+            .iter()
+            .flatten()
+            .flat_map(|o| [&o.a[o.a_off..o.a_off + o.a_len], &o.b[..]])
+            .collect();
         let mats: Vec<Vec<Mat<'_>>> = sets
             .iter()
             .map(|set| set.iter().map(Owned::mat).collect())
@@ -415,7 +425,17 @@ fn main() {
                 }
                 let mut best = f64::MAX;
                 let mut best_cpu = f64::MAX;
+                // Each rep first reads the same weight bytes with the probe on the same
+                // pool: "% read" is the median over reps of probe time / kernel time,
+                // paired within the second (this host's bandwidth drifts by a third
+                // within a minute; against one probe at start the column was noise).
+                let mut paired = Vec::with_capacity(reps);
                 for _ in 0..reps {
+                    let tp = if no_probe {
+                        f64::NAN
+                    } else {
+                        pool.install(|| membw::read_seconds(&spans, 4))
+                    };
                     let c0 = cpu_seconds();
                     let t0 = Instant::now();
                     pool.install(|| {
@@ -433,9 +453,13 @@ fn main() {
                             black_box(&ys);
                         }
                     });
-                    best = best.min(t0.elapsed().as_secs_f64());
+                    let tk = t0.elapsed().as_secs_f64();
+                    best = best.min(tk);
                     best_cpu = best_cpu.min(cpu_seconds() - c0);
+                    paired.push(tp / tk);
                 }
+                paired.sort_by(f64::total_cmp);
+                let pct = 100.0 * paired[paired.len() / 2];
                 let gbs = (set_bytes * copies) as f64 / best / 1e9;
                 let label = if sweep {
                     let pf = if tpf == usize::MAX {
@@ -455,7 +479,7 @@ fn main() {
                     threads,
                     p.name(),
                     gbs,
-                    100.0 * gbs / bw[ti],
+                    pct,
                     (macs * copies) as f64 / best / 1e9,
                     (macs * copies) as f64 / best_cpu / 1e9,
                     w = if sweep { 48 } else { 34 },
