@@ -13,8 +13,8 @@
 //! variant (the machine's read limit, printed for reference). "% read" is paired: each
 //! timed rep of a case first reads the case's own weight bytes with the same probe on
 //! the same pool ([`membw::read_seconds`], 4 streams per task), and the column is the
-//! median over reps of that read's time over the kernel's. `--sweep` times the one-token cases
-//! for every decode tuning (rows side by side × software prefetch distance, see
+//! median over reps of that read's time over the kernel's. `--sweep` times the one-token
+//! cases for every decode tuning (rows side by side × software prefetch distance, see
 //! `gemv::set_decode_tuning`); the "GMAC/cpu-s" column divides by the CPU time the
 //! process spent (all threads), which tells a loaded machine from a slow kernel.
 //! Weight buffers are replicated until each case streams at least 512 MiB per round
