@@ -150,7 +150,7 @@ echo "decode, last 3 steps:"; grep 'k3 profile' "$WORK/decode.prof" | tail -3
 echo "16-token prompt:"; grep 'k3 profile' "$WORK/prefill.prof" | head -1
 
 echo
-echo "== kernel table (GB/s of weight bytes; % of the best read probe of the same pool)"
+echo "== kernel table (GB/s of weight bytes; % read: the case's own bytes read by the probe just before, median of reps)"
 "$BENCH"
 echo
 echo "== decode tuning sweep (lm_head GEMV, 2 threads; rows side by side x prefetch bytes)"
