@@ -67,6 +67,30 @@ fn sum_portable(chunk: &[u8]) -> u64 {
     acc.iter().fold(tail, |a, b| a.wrapping_add(*b))
 }
 
+/// The walk both vector loops share: whole tiles of `k` rows of [`ROW`] bytes, 64 bytes
+/// from each row in turn, row `i`'s lines folded into `s[i]` by `add(s[i], line)`.
+/// Returns where the whole tiles end (a multiple of 128 bytes: a tile is 112 such blocks).
+/// `add` is only ever given the start of 64 readable bytes of `chunk`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn walk<V: Copy>(chunk: &[u8], k: usize, s: &mut [V; 8], add: impl Fn(V, *const u8) -> V) -> usize {
+    let tile = k * ROW;
+    let p = chunk.as_ptr();
+    let mut r = 0;
+    while r + tile <= chunk.len() {
+        let mut c = 0;
+        while c < ROW {
+            for (i, si) in s.iter_mut().enumerate().take(k) {
+                // r + i*ROW + c + 64 <= r + tile <= chunk.len().
+                *si = add(*si, p.wrapping_add(r + i * ROW + c));
+            }
+            c += 64;
+        }
+        r += tile;
+    }
+    r
+}
+
 /// [`sum_streams`] with 64-byte zmm loads.
 ///
 /// # Safety
@@ -76,21 +100,10 @@ fn sum_portable(chunk: &[u8]) -> u64 {
 unsafe fn sum_streams_512(chunk: &[u8], k: usize) -> u64 {
     use std::arch::x86_64::*;
     let mut s = [_mm512_setzero_si512(); 8];
-    let tile = k * ROW;
-    let p = chunk.as_ptr();
-    let mut r = 0;
-    while r + tile <= chunk.len() {
-        let mut c = 0;
-        while c < ROW {
-            for (i, si) in s.iter_mut().enumerate().take(k) {
-                // SAFETY: r + i*ROW + c + 64 <= r + tile <= chunk.len().
-                let v = unsafe { _mm512_loadu_si512(p.add(r + i * ROW + c) as *const _) };
-                *si = _mm512_add_epi64(*si, v);
-            }
-            c += 64;
-        }
-        r += tile;
-    }
+    // SAFETY: `walk` passes the start of 64 readable bytes; AVX-512F is enabled here.
+    let r = walk(chunk, k, &mut s, |v, q| unsafe {
+        _mm512_add_epi64(v, _mm512_loadu_si512(q as *const _))
+    });
     let mut t = s[0];
     for v in &s[1..] {
         t = _mm512_add_epi64(t, *v);
@@ -107,27 +120,12 @@ unsafe fn sum_streams_512(chunk: &[u8], k: usize) -> u64 {
 unsafe fn sum_streams_256(chunk: &[u8], k: usize) -> u64 {
     use std::arch::x86_64::*;
     let mut s = [_mm256_setzero_si256(); 8];
-    let tile = k * ROW;
-    let p = chunk.as_ptr();
-    let mut r = 0;
-    while r + tile <= chunk.len() {
-        let mut c = 0;
-        while c < ROW {
-            for (i, si) in s.iter_mut().enumerate().take(k) {
-                // SAFETY: r + i*ROW + c + 64 <= r + tile <= chunk.len().
-                let (a, b) = unsafe {
-                    let q = p.add(r + i * ROW + c);
-                    (
-                        _mm256_loadu_si256(q as *const __m256i),
-                        _mm256_loadu_si256(q.add(32) as *const __m256i),
-                    )
-                };
-                *si = _mm256_add_epi64(*si, _mm256_add_epi64(a, b));
-            }
-            c += 64;
-        }
-        r += tile;
-    }
+    // SAFETY: `walk` passes the start of 64 readable bytes; AVX2 is enabled here.
+    let r = walk(chunk, k, &mut s, |v, q| unsafe {
+        let a = _mm256_loadu_si256(q as *const __m256i);
+        let b = _mm256_loadu_si256(q.add(32) as *const __m256i);
+        _mm256_add_epi64(v, _mm256_add_epi64(a, b))
+    });
     let mut lanes = [0u64; 4];
     for v in &s {
         let mut w = [0u64; 4];
