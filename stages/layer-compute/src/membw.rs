@@ -5,7 +5,7 @@
 //! - A `--single-process` run with `K3_FLOOR=1` in its environment reads, right before
 //!   each decode step, the very weight bytes one decode token multiplies (the bound
 //!   trunk, the lm_head, and top-k routed experts of every MoE layer; see the
-//!   orchestrator's `run::launch`), and prints one `k3 floor:` line per step on stderr.
+//!   orchestrator's `run::floor`), and prints one `k3 floor:` line per step on stderr.
 //!   The step's time over its own floor is then taken over the same mappings (the same
 //!   page size and placement) and within the same second. On a shared host whose read
 //!   bandwidth moves by a third within a minute, a floor probed once per run is not a
@@ -158,7 +158,8 @@ mod tests {
     use super::*;
 
     // Catches: a vector path that skips the bytes after the last whole tile, or reads a
-    // row twice (the sum of every byte, an oracle any loop gets right, is compared).
+    // row twice or not at all (each path is compared with the sum's definition, computed
+    // here by a plain loop over the words).
     #[test]
     fn every_byte_is_read_once() {
         let buf: Vec<u8> = (0..3 * ROW * 4 + 777).map(|i| (i * 7 + 3) as u8).collect();
