@@ -297,6 +297,42 @@ fn every_decode_tuning_matches_portable_bitwise() {
     set_decode_tuning(0, usize::MAX);
 }
 
+// Catches: a batched staging form that changes a result: a widened (f32) stage that
+// splits a group into the wrong lanes, pads a partial group or a padded row with anything
+// but zero, or a bf16-pair stage that rounds an MXFP4 weight. Both forms must equal the
+// portable twin bit for bit, through partial groups and blocks, a padded last row group
+// and a second token pass; the form is process-wide, but neither may change any result.
+#[test]
+fn both_batch_stagings_match_portable_bitwise() {
+    use k3_layer_compute::kernels::gemv::{default_batch_staging, set_batch_staging, BatchStaging};
+    if simd::best_available() < Path::Avx512 {
+        eprintln!("SKIPPED: both_batch_stagings_match_portable_bitwise: no AVX-512");
+        return;
+    }
+    let mut s = 0x57a6_e0f3_2b1d_9c44_u64;
+    for fmt in ["bf16", "f32", "mxfp4"] {
+        for (rows, cols) in [(133usize, 1057usize), (29, 2100)] {
+            let o = Owned::new(fmt, rows, cols, &mut s);
+            let m = o.mat();
+            for ntok in [5usize, 16, 37] {
+                let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
+                let mut want = vec![0f32; ntok * rows];
+                gemm_on(Path::Portable, &m, &x, &mut want, ntok);
+                for form in [BatchStaging::Bf16, BatchStaging::F32] {
+                    set_batch_staging(form);
+                    let mut got = vec![0f32; ntok * rows];
+                    gemm_on(Path::Avx512, &m, &x, &mut got, ntok);
+                    assert!(
+                        same(&got, &want),
+                        "{fmt} {rows}x{cols} ntok={ntok} {form:?}"
+                    );
+                }
+            }
+        }
+    }
+    set_batch_staging(default_batch_staging());
+}
+
 // Catches: an MXFP4 weight that is not exactly a bf16 (the AVX-512 batched path stages
 // MXFP4 groups as bf16 pairs, which is exact only if every E2M1 value times every E8M0
 // scale has 16 zero low bits in f32): a wrong E8M0 table (a subnormal off by one bit) or

@@ -27,7 +27,9 @@
 //!   Per group and pass, block by block (1024 columns), the group's block is staged once
 //!   into an aligned L1 buffer, group-major (BF16 copied raw; MXFP4 decoded into exact
 //!   bf16 pairs and F32 into lane-ordered f32, so a group is decoded once whatever the
-//!   token count), then every token tile of up to [`TB`] (2) tokens runs the block in a
+//!   token count; with [`BatchStaging::F32`], the default on Intel, every format is
+//!   widened into lane-ordered f32 instead: [`Wide`]), then every token tile of up to
+//!   [`TB`] (2) tokens runs the block in a
 //!   4 rows × 2 tokens register tile (16 zmm accumulators) and promotes it into its f64
 //!   lane sums. The next group's weights are prefetched (`T0`) a share per tile pass, a
 //!   whole group ahead. Why this
@@ -46,7 +48,7 @@
 
 use std::arch::x86_64::*;
 
-use super::gemv::{decode_tuning, Mat, MatData, R1, R1_MXFP4};
+use super::gemv::{batch_staging, decode_tuning, BatchStaging, Mat, MatData, R1, R1_MXFP4};
 use super::portable::{
     groups, stage_partial, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES,
 };
@@ -540,6 +542,61 @@ impl Stage for Mx {
     }
 }
 
+/// A format staged widened: every group decoded once per block into lane-ordered f32
+/// ([`LaneF32`]), so the tile passes take two plain loads per row and group and no
+/// integer operation. Which form is faster depends on the core (see [`BatchStaging`]);
+/// both hold the same exact f32 weights, so the FMAs, and the results, are the same bit
+/// for bit. On the Intel Xeon (AVX-512, AMX) of 2026-12-03, `gemv_bench --only batch --th
+/// 2`, 3 alternating rounds: batch16 MXFP4 75.2-75.7 GMAC/s against 71.4-71.6 staged as
+/// bf16 pairs, BF16 63.4-68.6 against 62.5-65.5; in cache (`kernel_micro`) +2% BF16, +6%
+/// MXFP4. There the shift and `and` of the bf16 form issue on the FMA ports.
+#[derive(Clone, Copy)]
+struct Wide<F>(F);
+
+impl<F: Fmt> Fmt for Wide<F> {
+    const PF: usize = F::PF;
+    const U: usize = F::U;
+    const ROWS1: usize = F::ROWS1;
+    const FEW_DIRECT: bool = F::FEW_DIRECT;
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        // SAFETY: forwarded.
+        unsafe { F::prefetch(p) }
+    }
+    #[inline(always)]
+    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
+        self.0.spans(r0, r1)
+    }
+    /// # Safety
+    /// As [`Fmt::at`].
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
+        // SAFETY: forwarded.
+        unsafe { self.0.at(r, q) }
+    }
+    /// # Safety
+    /// As [`Fmt::dec`].
+    #[inline(always)]
+    unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2] {
+        // SAFETY: forwarded.
+        unsafe { F::dec(p, s) }
+    }
+}
+
+impl<F: Fmt> Stage for Wide<F> {
+    type S = LaneF32;
+    #[inline(always)]
+    unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
+        // SAFETY: the group's bytes are read in place or from the copy; 128 bytes are
+        // written at dst (caller).
+        unsafe {
+            let [a, b] = self.group(r, q, part);
+            _mm512_storeu_ps(dst as *mut f32, a);
+            _mm512_storeu_ps(dst.add(64) as *mut f32, b);
+        }
+    }
+}
+
 /// Rows per register tile of the batched path, and per staged row group.
 const RB: usize = 4;
 /// Tokens per register tile of the batched path (RB × TB × 2 = 16 accumulators, RB × 2
@@ -935,6 +992,8 @@ unsafe fn drive<F: Stage>(
             } else {
                 rows_few::<F, 512>(f, m, (r0, r1), x, ntok, out);
             }
+        } else if batch_staging() == BatchStaging::F32 {
+            rows_batched::<Wide<F>>(Wide(f), m, (r0, r1), x, ntok, out);
         } else {
             rows_batched::<F>(f, m, (r0, r1), x, ntok, out);
         }

@@ -297,6 +297,64 @@ pub fn decode_tuning() -> (usize, usize) {
     (rows, DEC_PF.load(Ordering::Relaxed))
 }
 
+/// How the AVX-512 batched kernel stages a row group's block before its register tiles
+/// run over it (a speed setting only: both forms hold the same exact f32 weights).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchStaging {
+    /// BF16 copied raw and MXFP4 decoded into bf16 pairs, widened by a shift and an `and`
+    /// in every tile pass: half the tile's weight loads. Best where those integer
+    /// operations issue beside the FMAs (Zen 5).
+    Bf16,
+    /// Every format widened once into lane-ordered f32: two loads per row and group and no
+    /// integer operation in the tile. Best where 512-bit integer operations share the FMA
+    /// ports (Intel cores).
+    F32,
+}
+
+/// 0: not chosen yet; 1: [`BatchStaging::Bf16`]; 2: [`BatchStaging::F32`].
+static STAGING: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Set the batched kernel's staging form (benchmarks compare them; results never change).
+pub fn set_batch_staging(s: BatchStaging) {
+    STAGING.store(s as u8 + 1, Ordering::Relaxed);
+}
+
+/// The staging form in effect: `K3_STAGE=bf16|f32` when set, else by CPU vendor
+/// ([`default_batch_staging`]).
+pub fn batch_staging() -> BatchStaging {
+    match STAGING.load(Ordering::Relaxed) {
+        1 => BatchStaging::Bf16,
+        2 => BatchStaging::F32,
+        _ => {
+            let s = match std::env::var("K3_STAGE").as_deref().map(str::trim) {
+                Ok("bf16") => BatchStaging::Bf16,
+                Ok("f32") => BatchStaging::F32,
+                _ => default_batch_staging(),
+            };
+            set_batch_staging(s);
+            s
+        }
+    }
+}
+
+/// The staging form for this CPU: [`BatchStaging::F32`] on Intel, [`BatchStaging::Bf16`]
+/// elsewhere.
+pub fn default_batch_staging() -> BatchStaging {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // Leaf 0: the vendor string in EBX, EDX, ECX.
+        let id = std::arch::x86_64::__cpuid(0);
+        let mut v = [0u8; 12];
+        v[..4].copy_from_slice(&id.ebx.to_le_bytes());
+        v[4..8].copy_from_slice(&id.edx.to_le_bytes());
+        v[8..].copy_from_slice(&id.ecx.to_le_bytes());
+        if &v == b"GenuineIntel" {
+            return BatchStaging::F32;
+        }
+    }
+    BatchStaging::Bf16
+}
+
 /// Below this many multiply-adds (rows × cols × tokens, summed over fused matrices) a
 /// product runs on the calling thread only.
 pub const PAR_MIN_WEIGHTS: usize = 1 << 18;
