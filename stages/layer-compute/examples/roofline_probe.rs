@@ -15,7 +15,9 @@
 //!    kernel's 4 rows x 2 tokens register tile, `exact f32` (widen once per pair of tokens,
 //!    16 FMAs) against `bf16 dot, x hi+lo` (16 `vdpbf16ps`), then the exact tile with the
 //!    contract's f64 promotion at each block end over 16 tokens of 7168-column inputs
-//!    (the kernel without its staging copy and without DRAM).
+//!    (the kernel without its staging copy and without DRAM); then the exact tile staged
+//!    as f32 (two plain loads per row and group, no widening) and the core's FMA ceiling
+//!    (16 independent FMA chains in registers, no load).
 //!
 //! The bf16-dot rows need AVX512-BF16 (skipped without it) and do not follow the
 //! reduction contract: they measure what that instruction would buy, nothing more.
@@ -224,6 +226,68 @@ mod probe {
         }
     }
 
+    /// The f32-staged form of the exact tile (the kernels' [`BatchStaging::F32`]): one
+    /// block of 4 rows x 32 groups of lane-ordered f32 (group-major, 128 bytes a row), two
+    /// plain loads per row and group, no integer operation; 2-token tiles, plain adds at
+    /// the end.
+    ///
+    /// # Safety
+    /// AVX-512F present; `w` holds 16 KiB; every token has 1024 values at `x + t * xs`.
+    ///
+    /// [`BatchStaging::F32`]: k3_layer_compute::kernels::gemv::BatchStaging::F32
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile_block_f32(w: *const f32, x: *const f32, xs: usize, ntok: usize) -> __m512 {
+        // SAFETY (whole body): reads inside the block and the tokens' blocks (caller).
+        unsafe {
+            let mut tot = _mm512_setzero_ps();
+            let mut t0 = 0;
+            while t0 + 2 <= ntok {
+                let mut a = [[[_mm512_setzero_ps(); 2]; 2]; 4];
+                for q in 0..32 {
+                    let g = w.add(q * 128);
+                    for t in 0..2 {
+                        let xq = x.add((t0 + t) * xs + 32 * q);
+                        let (x0, x1) = (_mm512_loadu_ps(xq), _mm512_loadu_ps(xq.add(16)));
+                        for (j, aj) in a.iter_mut().enumerate() {
+                            let wj = g.add(32 * j);
+                            aj[t][0] = _mm512_fmadd_ps(_mm512_load_ps(wj), x0, aj[t][0]);
+                            aj[t][1] = _mm512_fmadd_ps(_mm512_load_ps(wj.add(16)), x1, aj[t][1]);
+                        }
+                    }
+                }
+                for aj in &a {
+                    for ajt in aj {
+                        tot = _mm512_add_ps(tot, _mm512_add_ps(ajt[0], ajt[1]));
+                    }
+                }
+                t0 += 2;
+            }
+            tot
+        }
+    }
+
+    /// The core's FMA ceiling: `n` rounds of 16 independent zmm FMA chains, registers
+    /// only (no load at all); returns multiply-adds per second.
+    ///
+    /// # Safety
+    /// AVX-512F present.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma_peak(n: usize) -> f64 {
+        let x = _mm512_set1_ps(black_box(0.999_999_9));
+        let y = _mm512_set1_ps(black_box(1e-7));
+        // Distinct starting values, so that no two chains can be merged.
+        let mut a: [__m512; 16] = std::array::from_fn(|i| _mm512_set1_ps(black_box(i as f32)));
+        let t = Instant::now();
+        for _ in 0..n {
+            for v in a.iter_mut() {
+                *v = _mm512_fmadd_ps(*v, x, y);
+            }
+        }
+        let dt = t.elapsed().as_secs_f64();
+        black_box(&a);
+        (n * 16 * 16) as f64 / dt
+    }
+
     pub fn has_features() -> bool {
         is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
@@ -256,7 +320,10 @@ fn main() {
     let mut buf = vec![0u8; rows * ROW + 128];
     let off = buf.as_ptr().align_offset(64) + 16;
     for (i, b) in buf.iter_mut().enumerate() {
-        *b = (i.wrapping_mul(2_654_435_761) >> 13) as u8 & 0x3f;
+        // Bytes 1..=0x3f: no bf16 with a zero exponent. A subnormal weight (the former
+        // `& 0x3f` made 1 in 64) costs Intel cores a microcode assist per FMA: the exact
+        // row read 5.8 GB/s on the Xeon of 2026-12-03 (AMD runs them at full speed).
+        *b = ((i.wrapping_mul(2_654_435_761) >> 13) as u8 & 0x3f).max(1);
     }
     let w = &buf[off..off + rows * ROW];
     println!(
@@ -275,6 +342,11 @@ fn main() {
     #[repr(C, align(64))]
     struct Block([u8; 8192]);
     let blk = Box::new(Block([0x3f; 8192]));
+    #[repr(C, align(64))]
+    struct Block32([f32; 4096]);
+    let blk32 = Box::new(Block32(std::array::from_fn(|i| {
+        0.5 + (i % 7) as f32 * 0.01
+    })));
     let xf: Vec<f32> = (0..16 * COLS).map(|i| 1.0 + i as f32 * 1e-7).collect();
     let xb = vec![0x3cu8; 16 * 32 * 128];
     let mut sums = Box::new(Sums([[0.0; 32]; 64]));
@@ -319,6 +391,21 @@ fn main() {
                 macs / t.elapsed().as_secs_f64() / 1e9
             ));
         }
+        // The f32-staged tile (2 tokens, 16 KiB block) and the FMA ceiling.
+        let t = Instant::now();
+        let n = reps * 8;
+        for _ in 0..n {
+            // SAFETY: features checked above; the block is 16 KiB and the two tokens have
+            // 1024 values each.
+            std::hint::black_box(unsafe { tile_block_f32(blk32.0.as_ptr(), xf.as_ptr(), 1024, 2) });
+        }
+        out.push(format!(
+            "exact f32, f32 staged, 2 tokens {:.1}",
+            (n * 4 * 2 * 1024) as f64 / t.elapsed().as_secs_f64() / 1e9
+        ));
+        // SAFETY: features checked above.
+        let peak = unsafe { fma_peak(50_000_000) };
+        out.push(format!("FMA ceiling (registers only) {:.1}", peak / 1e9));
         println!("round {round}: {}", out.join(" | "));
     }
     std::hint::black_box(&sums);
