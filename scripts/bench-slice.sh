@@ -37,6 +37,8 @@ mkdir -p "$WORK"
 # would otherwise read it from disk).
 cat "$WORK"/slice/*.safetensors > /dev/null
 echo "== uptime (start): $(uptime)"
+# Machines differ between sessions (Zen 5, an Intel Xeon): say which one this table is.
+echo "== cpu: $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1), $(nproc) CPUs"
 # The read probe: AVX-512 loads over 1 GiB with 1, 4 and 8 interleaved streams per task
 # on the kernels' rayon pools; the best variant is the floor ("memory read bandwidth").
 membw() { "$BENCH" --membw | grep -E 'memory read bandwidth|read probe' | tee /dev/stderr | grep 'memory read bandwidth'; }

@@ -256,10 +256,11 @@ fn main() {
         return;
     }
     println!(
-        "best path: {} (AVX2+FMA {}, AVX-512F {})",
+        "best path: {} (AVX2+FMA {}, AVX-512F {}); AVX-512 batched staging: {:?} (K3_STAGE)",
         simd::best_available().name(),
         simd::avx2_available(),
-        simd::avx512_available()
+        simd::avx512_available(),
+        k3_layer_compute::kernels::gemv::batch_staging()
     );
     println!();
     println!(
