@@ -66,6 +66,9 @@
 //! - **Decode tuning** — [`set_decode_tuning`] (or `K3_GEMV_ROWS` / `K3_GEMV_PF`) picks
 //!   how many rows the one-token AVX-512 kernel streams side by side (default per format:
 //!   [`R1`], [`R1_MXFP4`]) and its prefetch distance; a speed setting only, never a result.
+//! - **Batched staging** — [`set_batch_staging`] (or `K3_STAGE`) picks the form the AVX-512
+//!   batched kernel stages its weights in ([`BatchStaging`]: raw bf16 or widened f32, by
+//!   CPU vendor unless set); a speed setting only, never a result.
 //! - **lm_head** — one [`gemm`] call (rows = vocab) parallelises over 256 KiB row blocks
 //!   on the current pool; nothing else is needed.
 //! - **Pool** — products use `rayon::current_num_threads()`; run the forward inside
