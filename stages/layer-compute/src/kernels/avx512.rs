@@ -503,18 +503,13 @@ impl Stage for Bf16 {
 }
 
 /// F32 weights need all 32 bits: staged decoded into lane-ordered f32 (split once per
-/// row and block, whatever the number of tokens).
+/// row and block, whatever the number of tokens), i.e. always in [`Wide`]'s form.
 impl Stage for F32 {
     type S = LaneF32;
     #[inline(always)]
     unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
-        // SAFETY: the group's bytes are read in place or from the copy; 128 bytes are
-        // written at dst (caller).
-        unsafe {
-            let [a, b] = self.group(r, q, part);
-            _mm512_storeu_ps(dst as *mut f32, a);
-            _mm512_storeu_ps(dst.add(64) as *mut f32, b);
-        }
+        // SAFETY: forwarded.
+        unsafe { Wide(*self).put(r, q, part, dst) }
     }
 }
 
