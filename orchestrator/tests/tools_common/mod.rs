@@ -21,11 +21,16 @@ pub fn k3_cmd() -> Command {
 }
 
 /// One `k3-orch synth --shape tiny-chat` model (weights and tokenizer) for every test in
-/// this test binary, made on first use in a temporary directory named after the process.
+/// this test binary, made on first use under Cargo's per-target scratch directory
+/// (`CARGO_TARGET_TMPDIR`), named after the test binary: the next run of the binary
+/// replaces it and `cargo clean` removes it. (It was `/tmp/k3-tiny-chat-<pid>`, 85 MB
+/// left behind per binary and run.)
 pub fn tiny_chat_model() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let d = std::env::temp_dir().join(format!("k3-tiny-chat-{}", std::process::id()));
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let name = exe.file_stem().and_then(|s| s.to_str()).unwrap_or("tests");
+        let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("k3-tiny-chat-{name}"));
         let _ = std::fs::remove_dir_all(&d);
         let o = k3_cmd()
             .args(["synth", "--shape", "tiny-chat", d.to_str().unwrap()])
