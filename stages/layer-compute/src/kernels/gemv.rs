@@ -332,7 +332,12 @@ pub fn batch_staging() -> BatchStaging {
             let s = match std::env::var("K3_STAGE").as_deref().map(str::trim) {
                 Ok("bf16") => BatchStaging::Bf16,
                 Ok("f32") => BatchStaging::F32,
-                _ => default_batch_staging(),
+                Ok(other) => {
+                    let d = default_batch_staging();
+                    tracing::warn!("K3_STAGE={other:?} is neither bf16 nor f32: using {d:?}");
+                    d
+                }
+                Err(_) => default_batch_staging(),
             };
             set_batch_staging(s);
             s

@@ -52,7 +52,13 @@ fn env_cap() -> Path {
         match std::env::var("K3_SIMD").as_deref() {
             Ok("portable") => Path::Portable,
             Ok("avx2") => Path::Avx2,
-            _ => Path::Avx512,
+            Ok("avx512") | Err(_) => Path::Avx512,
+            Ok(other) => {
+                tracing::warn!(
+                    "K3_SIMD={other:?} is none of portable, avx2, avx512: no cap (the best path)"
+                );
+                Path::Avx512
+            }
         }
     })
 }
