@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use crate::forward::{ForwardError, Model, Session, StepOutput};
+use crate::forward::{ForwardError, ForwardOutput, Model, Session};
 use crate::sampler::{self, SamplerConfig};
 use crate::weights::Weights;
 
@@ -31,7 +31,7 @@ pub struct LoopOptions<'a> {
 pub struct Step<'a> {
     pub step: usize,
     pub token: u32,
-    pub out: &'a StepOutput,
+    pub out: &'a ForwardOutput,
     /// Wall time of the step: forward plus sampling.
     pub seconds: f64,
 }
@@ -146,7 +146,7 @@ pub fn decode_resumed<W: Weights>(
     for step in 0..o.gen {
         hooks.before_step(step);
         let t0 = Instant::now();
-        let res: Result<StepOutput, ForwardError> = if o.incremental {
+        let res: Result<ForwardOutput, ForwardError> = if o.incremental {
             if step == 0 {
                 let total = o.prompt.len();
                 model.prefill_passes(sess, o.prompt, o.prefill_chunk, &mut |done| {

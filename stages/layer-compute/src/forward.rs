@@ -65,7 +65,7 @@ impl Default for ModelOptions {
 
 /// Counters of one forward call.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StepStats {
+pub struct ForwardStats {
     /// Distinct routed experts requested, summed over layers.
     pub expert_requests: usize,
     /// Routed experts that failed to load (left out of their sums; the run is unsound).
@@ -74,9 +74,9 @@ pub struct StepStats {
     pub failure_msgs: Vec<String>,
 }
 
-impl StepStats {
+impl ForwardStats {
     /// Add another call's counters (and its messages) to these.
-    fn absorb(&mut self, o: StepStats) {
+    fn absorb(&mut self, o: ForwardStats) {
         self.expert_requests += o.expert_requests;
         self.expert_failures += o.expert_failures;
         self.failure_msgs.extend(o.failure_msgs);
@@ -94,11 +94,11 @@ enum Rows {
 
 /// Output of one forward call.
 #[derive(Clone, Debug)]
-pub struct StepOutput {
+pub struct ForwardOutput {
     /// `rows × vocab` logits: every new token's row, or only the last one.
     pub logits: Vec<f32>,
     pub rows: usize,
-    pub stats: StepStats,
+    pub stats: ForwardStats,
 }
 
 /// Carried state of one sequence: its length and the per-layer recurrent state / cache.
@@ -210,7 +210,7 @@ impl<W: Weights> Model<W> {
     }
 
     /// Feed `ids` after the session's tokens; return the logits of the last token.
-    pub fn prefill(&self, sess: &mut Session, ids: &[u32]) -> Result<StepOutput, ForwardError> {
+    pub fn prefill(&self, sess: &mut Session, ids: &[u32]) -> Result<ForwardOutput, ForwardError> {
         self.forward(sess, ids, false, None)
     }
 
@@ -225,7 +225,7 @@ impl<W: Weights> Model<W> {
         sess: &mut Session,
         ids: &[u32],
         chunk: Option<usize>,
-    ) -> Result<StepOutput, ForwardError> {
+    ) -> Result<ForwardOutput, ForwardError> {
         self.prefill_passes(sess, ids, chunk, &mut |_| {})
     }
 
@@ -237,14 +237,14 @@ impl<W: Weights> Model<W> {
         ids: &[u32],
         chunk: Option<usize>,
         on_pass: &mut dyn FnMut(usize),
-    ) -> Result<StepOutput, ForwardError> {
+    ) -> Result<ForwardOutput, ForwardError> {
         let chunk = match chunk {
             Some(c) if c < ids.len() => c.max(1),
             _ => return self.prefill(sess, ids),
         };
         let last = (ids.len() - 1) % chunk + 1;
         let (body, tail) = ids.split_at(ids.len() - last);
-        let mut stats = StepStats::default();
+        let mut stats = ForwardStats::default();
         for (k, c) in body.chunks(chunk).enumerate() {
             let o = self.forward_rows(sess, c, Rows::None, None)?;
             on_pass(((k + 1) * chunk).min(body.len()));
@@ -258,13 +258,13 @@ impl<W: Weights> Model<W> {
     }
 
     /// Feed one token; return its logits.
-    pub fn step(&self, sess: &mut Session, id: u32) -> Result<StepOutput, ForwardError> {
+    pub fn step(&self, sess: &mut Session, id: u32) -> Result<ForwardOutput, ForwardError> {
         self.forward(sess, &[id], false, None)
     }
 
     /// Full recompute over `ids` in a fresh session; logits of every position
     /// (`ids.len() × vocab`, teacher forcing).
-    pub fn forward_all(&self, ids: &[u32]) -> Result<StepOutput, ForwardError> {
+    pub fn forward_all(&self, ids: &[u32]) -> Result<ForwardOutput, ForwardError> {
         let mut s = self.new_session();
         self.forward(&mut s, ids, true, None)
     }
@@ -274,7 +274,7 @@ impl<W: Weights> Model<W> {
         &self,
         ids: &[u32],
         trace: &mut Trace,
-    ) -> Result<StepOutput, ForwardError> {
+    ) -> Result<ForwardOutput, ForwardError> {
         let mut s = self.new_session();
         self.forward(&mut s, ids, true, Some(trace))
     }
@@ -387,7 +387,7 @@ impl<W: Weights> Model<W> {
     /// dim; MLA: heads × v head dim).
     fn attn_out(&self, l: usize) -> Result<Mat<'_>, ForwardError> {
         let width = match self.cfg.layer_kind(l) {
-            LayerKind::Kda => self.kda_dims().width(),
+            LayerKind::Kda => self.kda_geometry().width(),
             LayerKind::Mla => self.cfg.num_attention_heads * self.cfg.v_head_dim,
         };
         self.mat(
@@ -440,7 +440,7 @@ impl<W: Weights> Model<W> {
         ids: &[u32],
         all_rows: bool,
         trace: Option<&mut Trace>,
-    ) -> Result<StepOutput, ForwardError> {
+    ) -> Result<ForwardOutput, ForwardError> {
         let rows = if all_rows { Rows::All } else { Rows::Last };
         self.forward_rows(sess, ids, rows, trace)
     }
@@ -451,7 +451,7 @@ impl<W: Weights> Model<W> {
         ids: &[u32],
         want: Rows,
         mut trace: Option<&mut Trace>,
-    ) -> Result<StepOutput, ForwardError> {
+    ) -> Result<ForwardOutput, ForwardError> {
         let ntok = ids.len();
         if ntok == 0 {
             return Err(ForwardError::Input("no tokens to run".into()));
@@ -466,7 +466,7 @@ impl<W: Weights> Model<W> {
             *sess = self.new_session();
         }
         let th = self.threads;
-        let mut stats = StepStats::default();
+        let mut stats = ForwardStats::default();
         let prof = crate::profile::begin_call();
 
         // Embed: one row per token, read on demand where the weights can (staged compute
@@ -523,7 +523,7 @@ impl<W: Weights> Model<W> {
             // A pass that only carries the session on: no head, no logits.
             crate::profile::end_call(prof, ntok);
             sess.pos += ntok;
-            return Ok(StepOutput {
+            return Ok(ForwardOutput {
                 logits: Vec::new(),
                 rows: 0,
                 stats,
@@ -585,7 +585,7 @@ impl<W: Weights> Model<W> {
         crate::modules::trace_put(&mut trace, "logits", &logits);
         crate::profile::end_call(prof, ntok);
         sess.pos += ntok;
-        Ok(StepOutput {
+        Ok(ForwardOutput {
             logits,
             rows,
             stats,
@@ -603,7 +603,7 @@ impl<W: Weights> Model<W> {
         h: &mut Vec<f32>,
         bank: &mut Vec<Vec<f32>>,
         ntok: usize,
-    ) -> Result<StepStats, ForwardError> {
+    ) -> Result<ForwardStats, ForwardError> {
         if l >= self.n_layers {
             return Err(ForwardError::Input(format!(
                 "layer {l} is not bound (0..{})",
@@ -618,7 +618,7 @@ impl<W: Weights> Model<W> {
         if sess.kda.len() != self.n_layers {
             *sess = self.new_session();
         }
-        let mut stats = StepStats::default();
+        let mut stats = ForwardStats::default();
         self.weights.begin_layer(l)?;
         let r = self.run_layer(l, sess, h, bank, ntok, &mut stats, &mut None);
         self.weights.end_layer(l);
@@ -633,7 +633,7 @@ impl<W: Weights> Model<W> {
         h: &mut Vec<f32>,
         bank: &mut Vec<Vec<f32>>,
         ntok: usize,
-        stats: &mut StepStats,
+        stats: &mut ForwardStats,
         trace: &mut Option<&mut Trace>,
     ) -> Result<(), ForwardError> {
         use crate::modules::trace_put;
@@ -670,12 +670,12 @@ impl<W: Weights> Model<W> {
         let attn_span = crate::profile::span(crate::profile::Phase::Attn);
         let a = match &w.attn {
             Attn::Kda(kw) => {
-                let dims = self.kda_dims();
+                let dims = self.kda_geometry();
                 let st = sess.kda[l].get_or_insert_with(|| KdaState::new(&dims));
                 kda_attend(kw, &dims, &eps, &u, ntok, st, th, trace)
             }
             Attn::Mla(mw) => {
-                let dims = self.mla_dims();
+                let dims = self.mla_geometry();
                 let cache = sess.mla[l].get_or_insert_with(MlaCache::default);
                 mla_attend(mw, &dims, &eps, &u, ntok, cache, th, trace)
             }

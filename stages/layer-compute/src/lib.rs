@@ -41,5 +41,5 @@ pub mod state;
 pub mod weights;
 
 pub use decode::{decode_loop, generate, GenStep, Generation, LoopOptions, Step, StepHooks};
-pub use forward::{ForwardError, Model, ModelOptions, Session, StepOutput, StepStats};
-pub use weights::{Delivery, ExpertRef, ExpertTensor, SourceWeights, Weights};
+pub use forward::{ForwardError, ForwardOutput, ForwardStats, Model, ModelOptions, Session};
+pub use weights::{Delivery, ExpertProj, ExpertRef, SourceWeights, Weights};

@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::weights::{Delivery, ExpertRef, ExpertTensor, Weights};
+use crate::weights::{Delivery, ExpertProj, ExpertRef, Weights};
 use k3_model::classify::{split_expert, split_layer};
 use k3_model::mmap_weights::MmapWeights;
 use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
@@ -38,7 +38,7 @@ use k3_protocol::link::{recv_from, send_to, Link, Rec};
 
 /// One tensor of one routed expert, relative to the expert's first byte.
 #[derive(Clone, Debug)]
-struct ExpertPart {
+struct RelPart {
     suffix: String,
     dtype: Dtype,
     shape: Vec<usize>,
@@ -73,7 +73,7 @@ pub struct StagedWeights {
     rec: Rec,
     /// dtype and shape of every layer trunk tensor, from the checkpoint headers.
     meta: HashMap<String, (Dtype, Vec<usize>)>,
-    experts: HashMap<(u32, u32), Vec<ExpertPart>>,
+    experts: HashMap<(u32, u32), Vec<RelPart>>,
     current: RefCell<HashMap<String, Handle>>,
     n_layers: usize,
     pass: Cell<u64>,
@@ -130,7 +130,7 @@ impl StagedWeights {
                 let start = v.iter().map(|p| p.3).min().unwrap_or(0);
                 let list = v
                     .into_iter()
-                    .map(|(suffix, dtype, shape, off, len)| ExpertPart {
+                    .map(|(suffix, dtype, shape, off, len)| RelPart {
                         suffix,
                         dtype,
                         shape,
@@ -337,9 +337,9 @@ impl StagedWeights {
     fn expert_tensor<'a>(
         &'a self,
         bytes: &'a [u8],
-        parts: &'a [ExpertPart],
+        parts: &'a [RelPart],
         w: &str,
-    ) -> Result<ExpertTensor<'a>, WeightError> {
+    ) -> Result<ExpertProj<'a>, WeightError> {
         let find = |suffix: &str| -> Option<TensorRef<'a>> {
             let p = parts.iter().find(|p| p.suffix == suffix)?;
             let b = bytes.get(p.offset as usize..(p.offset + p.len) as usize)?;
@@ -353,10 +353,10 @@ impl StagedWeights {
             find(&format!("{w}.weight_packed")),
             find(&format!("{w}.weight_scale")),
         ) {
-            return Ok(ExpertTensor::Mxfp4 { packed, scale });
+            return Ok(ExpertProj::Mxfp4 { packed, scale });
         }
         find(&format!("{w}.weight"))
-            .map(ExpertTensor::Dense)
+            .map(ExpertProj::Dense)
             .ok_or_else(|| WeightError::Missing(format!("expert {w}")))
     }
 }

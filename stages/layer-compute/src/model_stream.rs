@@ -34,7 +34,7 @@ struct Matrix {
 /// Bytes and seconds of lm_head chunks read since the last [`ModelStream::take_read`]
 /// (embedding rows are not counted: see [`ModelStream::rows`]).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Read {
+pub struct HeadReads {
     pub bytes: u64,
     pub seconds: f64,
 }
@@ -56,7 +56,7 @@ pub struct ModelStream {
     scratch: RefCell<Option<OwnedArena>>,
     /// Two chunk buffers, allocated on first use.
     bufs: RefCell<Option<[OwnedArena; 2]>>,
-    read: Cell<Read>,
+    read: Cell<HeadReads>,
 }
 
 fn matrix(cat: &Catalog, name: &str) -> Option<Matrix> {
@@ -106,13 +106,13 @@ impl ModelStream {
             held: RefCell::new(None),
             scratch: RefCell::new(None),
             bufs: RefCell::new(None),
-            read: Cell::new(Read::default()),
+            read: Cell::new(HeadReads::default()),
         })
     }
 
     /// What was read since the last call (and reset it).
-    pub fn take_read(&self) -> Read {
-        self.read.replace(Read::default())
+    pub fn take_read(&self) -> HeadReads {
+        self.read.replace(HeadReads::default())
     }
 
     fn count(&self, bytes: u64, seconds: f64) {

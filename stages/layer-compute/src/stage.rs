@@ -42,7 +42,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         threads = pool.current_num_threads(),
         "layer-compute: pool ready"
     );
-    match pool.install(|| generate(&mut ctx, &conf)) {
+    match pool.install(|| run_configured(&mut ctx, &conf)) {
         Ok(()) => Ok(()),
         Err(e) => Err(ctx.fail(e)),
     }
@@ -173,7 +173,9 @@ impl StepHooks for Staged<'_> {
     }
 }
 
-fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
+/// Bind the links and the model, then run the one-shot generation, or (a warm stage) the
+/// requests until `Shutdown`; then say `Finished`.
+fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
     let cfg = ModelConfig::load(&conf.config_path).map_err(|e| format!("layer-compute: {e}"))?;
     let n_layers = conf
         .layers

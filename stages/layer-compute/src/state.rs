@@ -313,9 +313,9 @@ pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, Str
             "the state has {layers} layers, the model binds {want_layers}"
         ));
     }
-    let kd = model.kda_dims();
+    let kd = model.kda_geometry();
     let (state_len, tail_len) = KdaState::lens(&kd);
-    let md = model.mla_dims();
+    let md = model.mla_geometry();
     let mut kda = vec![None; layers];
     let mut mla = vec![None; layers];
     for l in 0..layers {

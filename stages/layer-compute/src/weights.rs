@@ -22,7 +22,7 @@ pub use k3_model::classify::{LM_HEAD, MODEL_PREFIX};
 
 /// One routed-expert projection as stored.
 #[derive(Clone, Copy, Debug)]
-pub enum ExpertTensor<'a> {
+pub enum ExpertProj<'a> {
     /// A plain `weight` tensor (BF16 or F32), `[rows, cols]`.
     Dense(TensorRef<'a>),
     /// compressed-tensors MXFP4: `weight_packed` U8 `[rows, cols/2]` and `weight_scale` U8
@@ -40,9 +40,9 @@ pub type Delivery<'b> = Vec<(usize, Result<ExpertRef<'b>, WeightError>)>;
 /// The three projections of one routed expert: w1 = gate, w3 = up, w2 = down.
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertRef<'a> {
-    pub w1: ExpertTensor<'a>,
-    pub w2: ExpertTensor<'a>,
-    pub w3: ExpertTensor<'a>,
+    pub w1: ExpertProj<'a>,
+    pub w2: ExpertProj<'a>,
+    pub w3: ExpertProj<'a>,
 }
 
 /// Where the forward pass gets its weights.
@@ -159,16 +159,16 @@ pub fn expert_from_source<S: WeightSource + ?Sized>(
     layer: usize,
     id: u32,
 ) -> Result<ExpertRef<'_>, WeightError> {
-    let one = |w: &str| -> Result<ExpertTensor<'_>, WeightError> {
+    let one = |w: &str| -> Result<ExpertProj<'_>, WeightError> {
         let packed = expert_tensor(layer, id as usize, &format!("{w}.weight_packed"));
         if src.contains(&packed) {
             let scale = expert_tensor(layer, id as usize, &format!("{w}.weight_scale"));
-            Ok(ExpertTensor::Mxfp4 {
+            Ok(ExpertProj::Mxfp4 {
                 packed: src.tensor(&packed)?,
                 scale: src.tensor(&scale)?,
             })
         } else {
-            Ok(ExpertTensor::Dense(src.tensor(&expert_tensor(
+            Ok(ExpertProj::Dense(src.tensor(&expert_tensor(
                 layer,
                 id as usize,
                 &format!("{w}.weight"),

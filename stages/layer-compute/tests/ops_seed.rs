@@ -11,15 +11,15 @@ mod support;
 
 use k3_layer_compute::kernels::gemv::{gemv, Mat};
 use k3_layer_compute::kernels::{act, attnres, conv, kda, mxfp4, norm, router};
-use k3_layer_compute::modules::kda::{kda_attend, KdaDims, KdaState, KdaWeights};
-use k3_layer_compute::modules::mla::{mla_attend, MlaCache, MlaDims, MlaWeights};
+use k3_layer_compute::modules::kda::{kda_attend, KdaGeometry, KdaState, KdaWeights};
+use k3_layer_compute::modules::mla::{mla_attend, MlaCache, MlaGeometry, MlaWeights};
 use k3_layer_compute::modules::mlp::Situ;
 use k3_layer_compute::modules::moe::{
     moe_forward, MoeHead, MoeParams, MoeStats, MoeTail, MoeWeights,
 };
 use k3_layer_compute::modules::project_out;
 use k3_layer_compute::modules::Eps;
-use k3_layer_compute::weights::{Delivery, ExpertRef, ExpertTensor};
+use k3_layer_compute::weights::{Delivery, ExpertProj, ExpertRef};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 use support::*;
 
@@ -226,7 +226,7 @@ fn kda_module() {
             dt_bias: arr(&v, "dt_bias"),
             o_norm: arr(&v, "o_norm"),
         };
-        let d = KdaDims {
+        let d = KdaGeometry {
             hidden: 128,
             heads: 4,
             head_dim: 16,
@@ -356,7 +356,7 @@ fn mla_module() {
         g: Some(st.get("g_proj_weight")),
     };
     let o = st.get("o_proj_weight");
-    let d = MlaDims {
+    let d = MlaGeometry {
         hidden: 128,
         heads: 4,
         q_lora: 64,
@@ -462,7 +462,7 @@ fn moe_module() {
     let shapes = [[48usize, 64], [64, 48], [48, 64]];
     let expert = |id: u32| {
         let t = |j: usize| {
-            ExpertTensor::Dense(TensorRef {
+            ExpertProj::Dense(TensorRef {
                 dtype: Dtype::F32,
                 shape: &shapes[j],
                 bytes: &experts[id as usize * 3 + j],

@@ -242,5 +242,5 @@ fn source_adapter_finds_mxfp4_experts() {
     let w = MmapWeights::open(fixtures().join("tiny-mxfp4/sharded")).unwrap();
     assert!(w.contains("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"));
     let e = expert_from_source(&w, 1, 0).unwrap();
-    assert!(matches!(e.w1, k3_layer_compute::ExpertTensor::Mxfp4 { .. }));
+    assert!(matches!(e.w1, k3_layer_compute::ExpertProj::Mxfp4 { .. }));
 }

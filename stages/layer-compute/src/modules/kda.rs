@@ -20,7 +20,7 @@ use crate::weights::Weights;
 
 /// KDA geometry.
 #[derive(Clone, Copy, Debug)]
-pub struct KdaDims {
+pub struct KdaGeometry {
     pub hidden: usize,
     pub heads: usize,
     pub head_dim: usize,
@@ -28,7 +28,7 @@ pub struct KdaDims {
     pub lower_bound: f32,
 }
 
-impl KdaDims {
+impl KdaGeometry {
     pub fn width(&self) -> usize {
         self.heads * self.head_dim
     }
@@ -70,7 +70,7 @@ impl KdaState {
     /// faults side by side inside the recurrence, and on this VM the slice's 16-token prompt
     /// spent 21-28 ms per KDA layer in it against 6-7 ms with the state touched here (for
     /// about 3-4 ms of faults, 6 MiB a layer; `docs/measurements.md`).
-    pub fn new(d: &KdaDims) -> Self {
+    pub fn new(d: &KdaGeometry) -> Self {
         let (state, tail) = Self::lens(d);
         let mut s = vec![0f32; state];
         k3_io::arena::touch_f32_pages(&mut s);
@@ -83,7 +83,7 @@ impl KdaState {
     }
 
     /// Values in the per-head state (`s`) and in each conv tail, for `d`.
-    pub fn lens(d: &KdaDims) -> (usize, usize) {
+    pub fn lens(d: &KdaGeometry) -> (usize, usize) {
         (
             d.heads * d.head_dim * d.head_dim,
             d.width() * d.conv.saturating_sub(1),
@@ -97,7 +97,7 @@ impl KdaState {
 #[allow(clippy::too_many_arguments)]
 pub fn kda_attend(
     w: &KdaWeights<'_>,
-    d: &KdaDims,
+    d: &KdaGeometry,
     eps: &Eps,
     u: &[f32],
     ntok: usize,
@@ -195,9 +195,9 @@ pub fn kda_attend(
 }
 
 impl<W: Weights> Model<W> {
-    pub(crate) fn kda_dims(&self) -> KdaDims {
+    pub(crate) fn kda_geometry(&self) -> KdaGeometry {
         let la = &self.cfg.linear_attn;
-        KdaDims {
+        KdaGeometry {
             hidden: self.cfg.hidden_size,
             heads: la.num_heads,
             head_dim: la.head_dim,
@@ -223,7 +223,7 @@ impl<W: Weights> Model<W> {
     }
     /// Layer `l`'s KDA weights of use phase 0 (up to the output projection).
     pub(crate) fn kda_weights(&self, l: usize) -> Result<KdaWeights<'_>, ForwardError> {
-        let d = self.kda_dims();
+        let d = self.kda_geometry();
         let (h, p, dk, hid) = (d.heads, d.width(), d.head_dim, d.hidden);
         let n = |s: &str| layer_tensor(l, &format!("self_attn.{s}"));
         let a_log_name = n("A_log");

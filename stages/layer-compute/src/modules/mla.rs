@@ -16,7 +16,7 @@ use crate::weights::Weights;
 
 /// MLA geometry.
 #[derive(Clone, Copy, Debug)]
-pub struct MlaDims {
+pub struct MlaGeometry {
     pub hidden: usize,
     pub heads: usize,
     pub q_lora: usize,
@@ -67,7 +67,7 @@ impl MlaCache {
 #[allow(clippy::too_many_arguments)]
 pub fn mla_attend(
     w: &MlaWeights<'_>,
-    d: &MlaDims,
+    d: &MlaGeometry,
     eps: &Eps,
     u: &[f32],
     ntok: usize,
@@ -167,9 +167,9 @@ pub fn mla_attend(
 }
 
 impl<W: Weights> Model<W> {
-    pub(crate) fn mla_dims(&self) -> MlaDims {
+    pub(crate) fn mla_geometry(&self) -> MlaGeometry {
         let c = &self.cfg;
-        MlaDims {
+        MlaGeometry {
             hidden: c.hidden_size,
             heads: c.num_attention_heads,
             q_lora: c.q_lora_rank,
@@ -181,7 +181,7 @@ impl<W: Weights> Model<W> {
     }
     /// Layer `l`'s MLA weights of use phase 0 (up to the output projection).
     pub(crate) fn mla_weights(&self, l: usize) -> Result<MlaWeights<'_>, ForwardError> {
-        let d = self.mla_dims();
+        let d = self.mla_geometry();
         let n = |s: &str| layer_tensor(l, &format!("self_attn.{s}"));
         let qh = d.nope + d.rope;
         Ok(MlaWeights {

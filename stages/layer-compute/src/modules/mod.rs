@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
 use crate::kernels::gemv::Mat;
-use crate::weights::ExpertTensor;
+use crate::weights::ExpertProj;
 
 pub mod attnres;
 pub mod kda;
@@ -124,12 +124,12 @@ pub fn mxfp4_from<'a>(
 
 pub(crate) fn expert_mat<'a>(
     what: &str,
-    t: ExpertTensor<'a>,
+    t: ExpertProj<'a>,
     rows: usize,
     cols: usize,
 ) -> Result<Mat<'a>, WeightError> {
     match t {
-        ExpertTensor::Dense(t) => mat_from(what, t, rows, cols),
-        ExpertTensor::Mxfp4 { packed, scale } => mxfp4_from(what, packed, scale, rows, cols),
+        ExpertProj::Dense(t) => mat_from(what, t, rows, cols),
+        ExpertProj::Mxfp4 { packed, scale } => mxfp4_from(what, packed, scale, rows, cols),
     }
 }

@@ -20,7 +20,7 @@
 
 #![allow(dead_code)]
 
-use k3_layer_compute::weights::{expert_from_source, ExpertRef, ExpertTensor, Weights};
+use k3_layer_compute::weights::{expert_from_source, ExpertProj, ExpertRef, Weights};
 use k3_layer_compute::{generate, Model, ModelOptions};
 use k3_model::classify::{layer_of, split_expert, LM_HEAD, MODEL_PREFIX};
 use k3_model::config::ModelConfig;
@@ -34,12 +34,12 @@ fn same(what: &str, got: &TensorRef<'_>, want: &TensorRef<'_>) {
     assert!(got.bytes == want.bytes, "{what}: bytes differ");
 }
 
-fn same_expert_tensor(what: &str, got: &ExpertTensor<'_>, want: &ExpertTensor<'_>) {
+fn same_expert_proj(what: &str, got: &ExpertProj<'_>, want: &ExpertProj<'_>) {
     match (got, want) {
-        (ExpertTensor::Dense(g), ExpertTensor::Dense(w)) => same(what, g, w),
+        (ExpertProj::Dense(g), ExpertProj::Dense(w)) => same(what, g, w),
         (
-            ExpertTensor::Mxfp4 { packed, scale },
-            ExpertTensor::Mxfp4 {
+            ExpertProj::Mxfp4 { packed, scale },
+            ExpertProj::Mxfp4 {
                 packed: wp,
                 scale: ws,
             },
@@ -52,9 +52,9 @@ fn same_expert_tensor(what: &str, got: &ExpertTensor<'_>, want: &ExpertTensor<'_
 }
 
 fn same_expert(what: &str, got: &ExpertRef<'_>, want: &ExpertRef<'_>) {
-    same_expert_tensor(&format!("{what} w1"), &got.w1, &want.w1);
-    same_expert_tensor(&format!("{what} w2"), &got.w2, &want.w2);
-    same_expert_tensor(&format!("{what} w3"), &got.w3, &want.w3);
+    same_expert_proj(&format!("{what} w1"), &got.w1, &want.w1);
+    same_expert_proj(&format!("{what} w2"), &got.w2, &want.w2);
+    same_expert_proj(&format!("{what} w3"), &got.w3, &want.w3);
 }
 
 /// Trunk tensor names of layer `l` in the checkpoint (not routed experts).
