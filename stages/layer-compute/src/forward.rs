@@ -1,11 +1,11 @@
-//! The Kimi K3 forward pass over a [`Weights`] implementation: [`Model`], [`Session`]
-//! (incremental state) and greedy [`generate`].
+//! The Kimi K3 forward pass over a [`Weights`] implementation: [`Model`] and [`Session`]
+//! (incremental state). The decode loop over it is [`crate::decode`].
 //!
 //! Per call the forward embeds the new tokens, runs every bound layer over all of them
-//! (k3-spec §4.2 AttnRes body: bank snapshots of the RAW layer input at block boundaries,
-//! the guarded pre-attention mix, the unguarded pre-MLP mix; KDA or MLA from the config's
-//! layer map only; dense FFN or latent MoE), then the model-level mix, the final norm and
-//! the head. State that must survive between calls (KDA state and conv tails, the MLA
+//! (k3-spec §4.2 AttnRes body, one [`LayerCtx`] for the call: bank snapshots of the RAW
+//! layer input at block boundaries, the guarded pre-attention mix, the unguarded pre-MLP
+//! mix; KDA or MLA from the config's layer map only; dense FFN or latent MoE), then the
+//! model-level mix, the final norm and the head. State that must survive between calls (KDA state and conv tails, the MLA
 //! cache) lives in the [`Session`]; the AttnRes bank is per token and never carried.
 //!
 //! Full recompute and incremental decode run the same kernels in the same order on the
@@ -19,12 +19,12 @@ use k3_model::tensor::{Dtype, TensorRef, WeightError};
 use crate::kernels::gemv::{gemm, gemm_fused, Mat};
 use crate::kernels::norm;
 use crate::modules::attnres::attnres_mix_rows;
-use crate::modules::kda::{kda_attend, KdaState, KdaWeights};
-use crate::modules::mla::{mla_attend, MlaCache, MlaWeights};
+use crate::modules::kda::{KdaState, KdaWeights};
+use crate::modules::mla::{MlaCache, MlaWeights};
 use crate::modules::mlp::glu_down64;
-use crate::modules::moe::{moe_forward_phased, MoeHead, MoeHooks, MoeStats};
-use crate::modules::{mat_from, Eps, Trace};
-use crate::weights::{to_f32_vec, Weights, LM_HEAD};
+use crate::modules::moe::{MoeHead, MoeHooks};
+use crate::modules::{mat_from, project_out, Eps, LayerCtx, Trace};
+use crate::weights::{to_f32_vec, Delivery, Weights, LM_HEAD};
 use k3_model::classify::{layer_tensor, model_tensor};
 
 /// Why a forward pass could not run.
@@ -63,7 +63,9 @@ impl Default for ModelOptions {
     }
 }
 
-/// Counters of one forward call.
+/// Counters of one forward call (of a prefill in passes: summed over them). Not the
+/// protocol's per-step `StepStats`, which the stage fills from these and the links'
+/// counters.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ForwardStats {
     /// Distinct routed experts requested, summed over layers.
@@ -450,7 +452,7 @@ impl<W: Weights> Model<W> {
         sess: &mut Session,
         ids: &[u32],
         want: Rows,
-        mut trace: Option<&mut Trace>,
+        trace: Option<&mut Trace>,
     ) -> Result<ForwardOutput, ForwardError> {
         let ntok = ids.len();
         if ntok == 0 {
@@ -465,12 +467,55 @@ impl<W: Weights> Model<W> {
         if sess.kda.len() != self.n_layers {
             *sess = self.new_session();
         }
-        let th = self.threads;
+        let mut ctx = LayerCtx::new(self.threads, self.eps).with_trace(trace);
         let mut stats = ForwardStats::default();
         let prof = crate::profile::begin_call();
+        let mut h = self.embed(ids)?;
+        let mut bank: Vec<Vec<f32>> = Vec::new();
+        for l in 0..self.n_layers {
+            ctx.trace_prefix(|| format!("L{l:02}."));
+            self.weights.begin_layer(l)?;
+            let r = self.run_layer(&mut ctx, l, sess, &mut h, &mut bank, ntok);
+            self.weights.end_layer(l);
+            stats.absorb(r?);
+            if let Some(i) = h.iter().position(|x| !x.is_finite()) {
+                return Err(ForwardError::NonFinite(format!(
+                    "layer {l} output is not finite: hidden state of token {} dim {} is {}",
+                    sess.pos + i / d,
+                    i % d,
+                    h[i]
+                )));
+            }
+        }
+        if want == Rows::None {
+            // A pass that only carries the session on: no head, no logits.
+            crate::profile::end_call(prof, ntok);
+            sess.pos += ntok;
+            return Ok(ForwardOutput {
+                logits: Vec::new(),
+                rows: 0,
+                stats,
+            });
+        }
+        ctx.trace_prefix(|| "final.".into());
+        let head_span = crate::profile::span(crate::profile::Phase::Head);
+        let (logits, rows) = self.head_logits(&mut ctx, &bank, &h, ntok, want)?;
+        head_span.end();
+        ctx.trace("logits", &logits);
+        crate::profile::end_call(prof, ntok);
+        sess.pos += ntok;
+        Ok(ForwardOutput {
+            logits,
+            rows,
+            stats,
+        })
+    }
 
-        // Embed: one row per token, read on demand where the weights can (staged compute
-        // never holds the embedding), else sliced from the tensor.
+    /// The embedding rows of `ids` (`ntok × hidden`): read one row per token on demand
+    /// where the weights can (staged compute never holds the embedding), else sliced from
+    /// the tensor.
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>, ForwardError> {
+        let (ntok, d) = (ids.len(), self.cfg.hidden_size);
         let emb = self.embed_tensor()?;
         let mut h = Vec::with_capacity(ntok * d);
         let es = emb.dtype.size();
@@ -500,61 +545,39 @@ impl<W: Weights> Model<W> {
             };
             h.extend(to_f32_vec("embed_tokens.weight", &row)?);
         }
+        Ok(h)
+    }
 
-        let mut bank: Vec<Vec<f32>> = Vec::new();
-        for l in 0..self.n_layers {
-            if let Some(t) = trace.as_deref_mut() {
-                t.prefix = format!("L{l:02}.");
-            }
-            self.weights.begin_layer(l)?;
-            let r = self.run_layer(l, sess, &mut h, &mut bank, ntok, &mut stats, &mut trace);
-            self.weights.end_layer(l);
-            r?;
-            if let Some(i) = h.iter().position(|x| !x.is_finite()) {
-                return Err(ForwardError::NonFinite(format!(
-                    "layer {l} output is not finite: hidden state of token {} dim {} is {}",
-                    sess.pos + i / d,
-                    i % d,
-                    h[i]
-                )));
-            }
-        }
-        if want == Rows::None {
-            // A pass that only carries the session on: no head, no logits.
-            crate::profile::end_call(prof, ntok);
-            sess.pos += ntok;
-            return Ok(ForwardOutput {
-                logits: Vec::new(),
-                rows: 0,
-                stats,
-            });
-        }
-        if let Some(t) = trace.as_deref_mut() {
-            t.prefix = "final.".into();
-        }
-        let head_span = crate::profile::span(crate::profile::Phase::Head);
+    /// The model-level AttnRes mix of `bank` and the last layer's output `h`, the final
+    /// norm and the lm_head, for the rows `want` names: (`rows × vocab` logits, rows).
+    fn head_logits(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        bank: &[Vec<f32>],
+        h: &[f32],
+        ntok: usize,
+        want: Rows,
+    ) -> Result<(Vec<f32>, usize), ForwardError> {
+        let d = self.cfg.hidden_size;
         let fold = self.final_fold()?;
-        let mixed = attnres_mix_rows(&bank, &h, &fold, self.eps.rms, ntok);
-        crate::modules::trace_put(&mut trace, "mix", &mixed);
+        let mixed = attnres_mix_rows(bank, h, &fold, ctx.eps.rms, ntok);
+        ctx.trace("mix", &mixed);
         let nw = self.vector(&model_tensor("norm.weight"), d)?;
-        let mut normed = vec![0f32; ntok * d];
-        for t in 0..ntok {
-            norm::rmsnorm(
-                &mixed[t * d..(t + 1) * d],
-                Some(&nw),
-                self.eps.rms,
-                &mut normed[t * d..(t + 1) * d],
-            );
-        }
-        crate::modules::trace_put(&mut trace, "norm", &normed);
+        let normed = rmsnorm_rows(&mixed, &nw, ctx.eps.rms, d);
+        ctx.trace("norm", &normed);
         let (rows, src) = if want == Rows::All {
             (ntok, &normed[..])
         } else {
             (1, &normed[(ntok - 1) * d..])
         };
+        Ok((self.lm_head(src, rows, ctx.threads)?, rows))
+    }
+
+    /// The lm_head over `rows` normed rows `src`: whole, or streamed in row chunks (every
+    /// logit is one dot product, the same bits either way).
+    fn lm_head(&self, src: &[f32], rows: usize, threads: usize) -> Result<Vec<f32>, ForwardError> {
+        let (d, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
         let mut logits = vec![0f32; rows * vocab];
-        // The lm_head whole, or streamed in row chunks (every logit is one dot product,
-        // the same bits either way).
         let mut chunk_out = Vec::new();
         let chunked = self.weights.matrix_chunks(LM_HEAD, &mut |r0, t| {
             let n = t.shape.first().copied().unwrap_or(0);
@@ -567,7 +590,7 @@ impl<W: Weights> Model<W> {
             let m = mat_from(LM_HEAD, t, n, d)?;
             chunk_out.clear();
             chunk_out.resize(rows * n, 0f32);
-            gemm(&m, src, &mut chunk_out, rows, th);
+            gemm(&m, src, &mut chunk_out, rows, threads);
             for r in 0..rows {
                 logits[r * vocab + r0..r * vocab + r0 + n]
                     .copy_from_slice(&chunk_out[r * n..(r + 1) * n]);
@@ -578,18 +601,10 @@ impl<W: Weights> Model<W> {
             Some(r) => r?,
             None => {
                 let head = self.head()?;
-                gemm(&head, src, &mut logits, rows, th);
+                gemm(&head, src, &mut logits, rows, threads);
             }
         }
-        head_span.end();
-        crate::modules::trace_put(&mut trace, "logits", &logits);
-        crate::profile::end_call(prof, ntok);
-        sess.pos += ntok;
-        Ok(ForwardOutput {
-            logits,
-            rows,
-            stats,
-        })
+        Ok(logits)
     }
 
     /// Run decoder layer `l` alone over `ntok` tokens: `h` (`ntok × hidden`) is the layer
@@ -618,39 +633,60 @@ impl<W: Weights> Model<W> {
         if sess.kda.len() != self.n_layers {
             *sess = self.new_session();
         }
-        let mut stats = ForwardStats::default();
+        let mut ctx = LayerCtx::new(self.threads, self.eps);
         self.weights.begin_layer(l)?;
-        let r = self.run_layer(l, sess, h, bank, ntok, &mut stats, &mut None);
+        let r = self.run_layer(&mut ctx, l, sess, h, bank, ntok);
         self.weights.end_layer(l);
-        r.map(|_| stats)
+        r
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Decoder layer `l` over `ntok` tokens (k3-spec §4.2; the numbers are its steps): `h`
+    /// is the layer input and becomes its output, `bank` the AttnRes snapshots. Each use
+    /// phase's tensors are bound when it starts and released when it ends
+    /// (`Weights::end_phase`), so a trunk streamed in parts holds one phase at a time.
+    /// Returns the layer's expert counters.
     fn run_layer(
         &self,
+        ctx: &mut LayerCtx<'_>,
         l: usize,
         sess: &mut Session,
         h: &mut Vec<f32>,
         bank: &mut Vec<Vec<f32>>,
         ntok: usize,
-        stats: &mut ForwardStats,
-        trace: &mut Option<&mut Trace>,
-    ) -> Result<(), ForwardError> {
-        use crate::modules::trace_put;
-        let d = self.cfg.hidden_size;
-        let eps = self.eps;
-        let th = self.threads;
-        // Each use phase's tensors are bound when it starts and released when it ends
-        // (`Weights::end_phase`), so a trunk streamed in parts holds one phase at a time.
+    ) -> Result<ForwardStats, ForwardError> {
+        ctx.trace("in", h);
+        let mut p = self.attention_block(ctx, l, sess, h, bank, ntok)?;
+        let (z, stats) = self.ffn_block(ctx, l, bank, &p, ntok)?;
+        ctx.trace("ffn_out", &z);
+        // (10)
+        p.iter_mut().zip(&z).for_each(|(a, b)| *a += b);
+        ctx.trace("out", &p);
+        *h = p;
+        Ok(stats)
+    }
+
+    /// Steps (2)-(6) of layer `l`: the pre-attention mix, the block boundary (`h`, the RAW
+    /// layer input, is banked there and the prefix restarts), `input_layernorm`, the
+    /// attention and its output projection, accumulated into the prefix. `h` is taken;
+    /// returns the prefix.
+    fn attention_block(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        l: usize,
+        sess: &mut Session,
+        h: &mut Vec<f32>,
+        bank: &mut Vec<Vec<f32>>,
+        ntok: usize,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let (d, eps) = (self.cfg.hidden_size, ctx.eps);
         let w = self.bind_attn(l)?;
-        trace_put(trace, "in", h);
         // (2) pre-attention mix, guarded on an empty bank.
         let a = if bank.is_empty() {
             h.clone()
         } else {
             attnres_mix_rows(bank, h, &w.attn_fold, eps.rms, ntok)
         };
-        trace_put(trace, "attn_mix", &a);
+        ctx.trace("attn_mix", &a);
         // (3) block boundary: bank the RAW layer input, restart the prefix.
         let boundary = self.cfg.is_attn_res_boundary(l);
         let mut p = std::mem::take(h);
@@ -658,26 +694,18 @@ impl<W: Weights> Model<W> {
             bank.push(std::mem::take(&mut p));
         }
         // (4-5) attention.
-        let mut u = vec![0f32; ntok * d];
-        for t in 0..ntok {
-            norm::rmsnorm(
-                &a[t * d..(t + 1) * d],
-                Some(&w.in_norm),
-                eps.rms,
-                &mut u[t * d..(t + 1) * d],
-            );
-        }
+        let u = rmsnorm_rows(&a, &w.in_norm, eps.rms, d);
         let attn_span = crate::profile::span(crate::profile::Phase::Attn);
         let a = match &w.attn {
             Attn::Kda(kw) => {
-                let dims = self.kda_geometry();
-                let st = sess.kda[l].get_or_insert_with(|| KdaState::new(&dims));
-                kda_attend(kw, &dims, &eps, &u, ntok, st, th, trace)
+                let g = self.kda_geometry();
+                let st = sess.kda[l].get_or_insert_with(|| KdaState::new(&g));
+                kw.attend(ctx, &g, &u, ntok, st)
             }
             Attn::Mla(mw) => {
-                let dims = self.mla_geometry();
+                let g = self.mla_geometry();
                 let cache = sess.mla[l].get_or_insert_with(MlaCache::default);
-                mla_attend(mw, &dims, &eps, &u, ntok, cache, th, trace)
+                mw.attend(ctx, &g, &u, ntok, cache)
             }
         };
         attn_span.end();
@@ -687,113 +715,144 @@ impl<W: Weights> Model<W> {
         // bind may wait for the trunk: its own profile phase).
         let o = self.attn_out(l)?;
         let attn_span = crate::profile::span(crate::profile::Phase::Attn);
-        let y = crate::modules::project_out(&o, &a, d, ntok, th);
+        let y = project_out(&o, &a, d, ntok, ctx.threads);
         attn_span.end();
         self.weights.end_phase(l);
-        trace_put(trace, "attn_out", &y);
+        ctx.trace("attn_out", &y);
         // (6) accumulate.
         if p.is_empty() {
             p = y;
         } else {
             p.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
         }
+        Ok(p)
+    }
+
+    /// Steps (7)-(9) of layer `l`: the pre-MLP mix of `bank` and the prefix `p`
+    /// (unguarded), `post_attention_layernorm` and the FFN (dense or latent MoE). Returns
+    /// the FFN's output and the layer's expert counters.
+    fn ffn_block(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        l: usize,
+        bank: &[Vec<f32>],
+        p: &[f32],
+        ntok: usize,
+    ) -> Result<(Vec<f32>, ForwardStats), ForwardError> {
+        let (d, eps) = (self.cfg.hidden_size, ctx.eps);
         // (7-8) pre-MLP mix, unguarded.
         let w = self.bind_ffn_in(l)?;
-        let m = attnres_mix_rows(bank, &p, &w.mlp_fold, eps.rms, ntok);
-        trace_put(trace, "mlp_mix", &m);
-        let mut v = vec![0f32; ntok * d];
-        for t in 0..ntok {
-            norm::rmsnorm(
-                &m[t * d..(t + 1) * d],
-                Some(&w.post_norm),
-                eps.rms,
-                &mut v[t * d..(t + 1) * d],
-            );
-        }
+        let m = attnres_mix_rows(bank, p, &w.mlp_fold, eps.rms, ntok);
+        ctx.trace("mlp_mix", &m);
+        let v = rmsnorm_rows(&m, &w.post_norm, eps.rms, d);
         // (9) FFN.
-        let z = match &w.ffn {
-            FfnIn::Dense { gate } => {
-                let dense = crate::profile::span(crate::profile::Phase::Dense);
-                // glu_mlp's products: gate and up, then the down projection of the SiTU.
-                // Gate and up are fused (one pass over `v`) when the layer is bound whole;
-                // a trunk in parts gives each phase back before the next is bound. Either
-                // way each product is bit-identical (`gemm_fused`'s contract).
-                let f = gate.rows;
-                let mut g = vec![0f32; ntok * f];
-                let mut u = vec![0f32; ntok * f];
-                if self.weights.in_parts(l) {
-                    gemm(gate, &v, &mut g, ntok, th);
-                    // `gate` (with the mix and the norm) is not read again from here on.
-                    self.weights.end_phase(l);
-                    // Binding `up` or `down` may wait for the trunk (its own profile phase).
-                    dense.end();
-                    let up = self.dense_up(l)?;
-                    let _dense = crate::profile::span(crate::profile::Phase::Dense);
-                    gemm(&up, &v, &mut u, ntok, th);
-                    self.weights.end_phase(l);
-                } else {
-                    let up = self.dense_up(l)?;
-                    gemm_fused(&[gate, &up], &v, &mut [&mut g, &mut u], ntok, th);
-                    self.weights.end_phase(l);
-                    dense.end();
-                }
-                let down = self.dense_down(l)?;
-                let _dense = crate::profile::span(crate::profile::Phase::Dense);
-                glu_down64(&g, &u, &down, self.situ(), ntok, th)
-                    .into_iter()
-                    .map(|x| x as f32)
-                    .collect()
-            }
-            FfnIn::Moe(mw) => {
-                let mut ms = MoeStats::default();
-                let mut fetch =
-                    |ids: &[u32], deliver: &mut dyn for<'b> FnMut(crate::weights::Delivery<'b>)| {
-                        self.weights.experts(l, ids, deliver)
-                    };
-                // The expert reads start when the router has chosen (before the shared
-                // experts are computed), so they overlap that compute; the head's part is
-                // given back before the routed experts (a streamed trunk reads its next
-                // part meanwhile) and the tail bound after them.
-                let mut hooks = MoeHooks {
-                    announce: &mut |ids: &[u32]| self.weights.announce_experts(l, ids),
-                    release_head: &mut || self.weights.end_phase(l),
-                    tail: &mut || self.moe_tail(l),
-                };
-                let z = moe_forward_phased(
-                    mw,
-                    &self.moe_params(),
-                    &v,
-                    ntok,
-                    &mut hooks,
-                    &mut fetch,
-                    th,
-                    &mut ms,
-                    trace,
-                )?;
-                stats.expert_requests += ms.requests;
-                stats.expert_failures += ms.failures;
-                stats.failure_msgs.extend(
-                    ms.failure_msgs
-                        .into_iter()
-                        .map(|m| format!("layer {l}: {m}")),
-                );
-                z
-            }
+        match &w.ffn {
+            FfnIn::Dense { gate } => Ok((
+                self.dense_ffn(ctx, l, gate, &v, ntok)?,
+                ForwardStats::default(),
+            )),
+            FfnIn::Moe(mw) => self.moe_ffn(ctx, l, mw, &v, ntok),
+        }
+    }
+
+    /// A dense FFN over `v` (post-norm rows), given its bound `gate`: glu_mlp's products,
+    /// gate and up, then the down projection of the SiTU. Gate and up are fused (one pass
+    /// over `v`) when the layer is bound whole; a trunk in parts gives each phase back
+    /// before the next is bound. Either way each product is bit-identical (`gemm_fused`'s
+    /// contract).
+    fn dense_ffn(
+        &self,
+        ctx: &LayerCtx<'_>,
+        l: usize,
+        gate: &Mat<'_>,
+        v: &[f32],
+        ntok: usize,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let th = ctx.threads;
+        let dense = crate::profile::span(crate::profile::Phase::Dense);
+        let f = gate.rows;
+        let mut g = vec![0f32; ntok * f];
+        let mut u = vec![0f32; ntok * f];
+        if self.weights.in_parts(l) {
+            gemm(gate, v, &mut g, ntok, th);
+            // `gate` (with the mix and the norm) is not read again from here on.
+            self.weights.end_phase(l);
+            // Binding `up` or `down` may wait for the trunk (its own profile phase).
+            dense.end();
+            let up = self.dense_up(l)?;
+            let _dense = crate::profile::span(crate::profile::Phase::Dense);
+            gemm(&up, v, &mut u, ntok, th);
+            self.weights.end_phase(l);
+        } else {
+            let up = self.dense_up(l)?;
+            gemm_fused(&[gate, &up], v, &mut [&mut g, &mut u], ntok, th);
+            self.weights.end_phase(l);
+            dense.end();
+        }
+        let down = self.dense_down(l)?;
+        let _dense = crate::profile::span(crate::profile::Phase::Dense);
+        Ok(glu_down64(&g, &u, &down, self.situ(), ntok, th)
+            .into_iter()
+            .map(|x| x as f32)
+            .collect())
+    }
+
+    /// The latent MoE of layer `l` over `v` (post-norm rows), given its bound head: its
+    /// output and the layer's expert counters (failures named with the layer).
+    fn moe_ffn(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        l: usize,
+        head: &MoeHead<'_>,
+        v: &[f32],
+        ntok: usize,
+    ) -> Result<(Vec<f32>, ForwardStats), ForwardError> {
+        let mut fetch = |ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)| {
+            self.weights.experts(l, ids, deliver)
         };
-        trace_put(trace, "ffn_out", &z);
-        // (10)
-        p.iter_mut().zip(&z).for_each(|(a, b)| *a += b);
-        trace_put(trace, "out", &p);
-        *h = p;
-        Ok(())
+        // The expert reads start when the router has chosen (before the shared experts are
+        // computed), so they overlap that compute; the head's part is given back before the
+        // routed experts (a streamed trunk reads its next part meanwhile) and the tail bound
+        // after them.
+        let mut hooks = MoeHooks {
+            announce: &mut |ids: &[u32]| self.weights.announce_experts(l, ids),
+            fetch: &mut fetch,
+            release_head: &mut || self.weights.end_phase(l),
+            tail: &mut || self.moe_tail(l),
+        };
+        let (z, ms) = head.forward_phased(ctx, &self.moe_params(), v, ntok, &mut hooks)?;
+        let stats = ForwardStats {
+            expert_requests: ms.requests,
+            expert_failures: ms.failures,
+            failure_msgs: ms
+                .failure_msgs
+                .into_iter()
+                .map(|m| format!("layer {l}: {m}"))
+                .collect(),
+        };
+        Ok((z, stats))
     }
 }
 
+/// RMSNorm of each `d`-wide row of `x` with the weight `w`.
+fn rmsnorm_rows(x: &[f32], w: &[f32], eps: f32, d: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for (x, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        norm::rmsnorm(x, Some(w), eps, o);
+    }
+    out
+}
+
+// One of each per layer, bound in place and dropped at the end of its phase (never moved
+// in a loop): boxing the larger variant would only add an allocation per layer.
+#[allow(clippy::large_enum_variant)]
 enum Attn<'a> {
     Kda(KdaWeights<'a>),
     Mla(MlaWeights<'a>),
 }
 
+// As `Attn`: one per layer, bound in place.
+#[allow(clippy::large_enum_variant)]
 enum FfnIn<'a> {
     /// A dense FFN's gate (its up- and down-projections are phases 3 and 4).
     Dense {

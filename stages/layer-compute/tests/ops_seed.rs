@@ -11,14 +11,11 @@ mod support;
 
 use k3_layer_compute::kernels::gemv::{gemv, Mat};
 use k3_layer_compute::kernels::{act, attnres, conv, kda, mxfp4, norm, router};
-use k3_layer_compute::modules::kda::{kda_attend, KdaGeometry, KdaState, KdaWeights};
-use k3_layer_compute::modules::mla::{mla_attend, MlaCache, MlaGeometry, MlaWeights};
+use k3_layer_compute::modules::kda::{KdaGeometry, KdaState, KdaWeights};
+use k3_layer_compute::modules::mla::{MlaCache, MlaGeometry, MlaWeights};
 use k3_layer_compute::modules::mlp::Situ;
-use k3_layer_compute::modules::moe::{
-    moe_forward, MoeHead, MoeParams, MoeStats, MoeTail, MoeWeights,
-};
-use k3_layer_compute::modules::project_out;
-use k3_layer_compute::modules::Eps;
+use k3_layer_compute::modules::moe::{MoeHead, MoeParams, MoeStats, MoeTail, MoeWeights};
+use k3_layer_compute::modules::{project_out, Eps, LayerCtx};
 use k3_layer_compute::weights::{Delivery, ExpertProj, ExpertRef};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 use support::*;
@@ -234,16 +231,8 @@ fn kda_module() {
             lower_bound: -5.0,
         };
         let mut state = KdaState::new(&d);
-        let a = kda_attend(
-            &w,
-            &d,
-            &SEED_EPS,
-            &arr(&v, "in"),
-            t_n,
-            &mut state,
-            1,
-            &mut None,
-        );
+        let mut ctx = LayerCtx::new(1, SEED_EPS);
+        let a = w.attend(&mut ctx, &d, &arr(&v, "in"), t_n, &mut state);
         let y = project_out(&st.get("o_proj"), &a, d.hidden, t_n, 1);
         close(&format!("{name} out"), &y, &arr(&v, "out"));
         close(&format!("{name} state"), &state.s, &arr(&v, "state_out"));
@@ -369,28 +358,11 @@ fn mla_module() {
     let x = arr(&v, "in");
     // Prefill 4 tokens, then decode 2 one by one: the cache must carry the earlier ones.
     let mut cache = MlaCache::default();
-    let a = mla_attend(
-        &w,
-        &d,
-        &SEED_EPS,
-        &x[..4 * 128],
-        4,
-        &mut cache,
-        1,
-        &mut None,
-    );
+    let mut ctx = LayerCtx::new(1, SEED_EPS);
+    let a = w.attend(&mut ctx, &d, &x[..4 * 128], 4, &mut cache);
     let mut y = project_out(&o, &a, d.hidden, 4, 1);
     for t in 4..6 {
-        let a = mla_attend(
-            &w,
-            &d,
-            &SEED_EPS,
-            &x[t * 128..(t + 1) * 128],
-            1,
-            &mut cache,
-            1,
-            &mut None,
-        );
+        let a = w.attend(&mut ctx, &d, &x[t * 128..(t + 1) * 128], 1, &mut cache);
         y.extend(project_out(&o, &a, d.hidden, 1, 1));
     }
     close("mla out", &y, &arr(&v, "out"));
@@ -457,7 +429,6 @@ fn moe_module() {
         renormalize: true,
         routed_scale: 1.0,
         situ: Situ { b1: 4.0, b2: 25.0 },
-        eps: 1e-5,
     };
     let shapes = [[48usize, 64], [64, 48], [48, 64]];
     let expert = |id: u32| {
@@ -535,7 +506,7 @@ fn moe_module() {
     assert_eq!(stats.failures, stats.requests);
 }
 
-/// `moe_forward` over the fixture's 3 tokens with the supplier `fetch` and `threads`
+/// `MoeWeights::forward` over the fixture's 3 tokens with the supplier `fetch` and `threads`
 /// (on a 2-thread pool): its output and counters.
 fn run_moe<F>(
     w: &MoeWeights<'_>,
@@ -547,15 +518,14 @@ fn run_moe<F>(
 where
     F: FnMut(&[u32], &mut dyn for<'b> FnMut(Delivery<'b>)) + Send,
 {
-    let mut stats = MoeStats::default();
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
         .unwrap();
-    let y = pool
-        .install(|| moe_forward(w, p, input, 3, &mut fetch, threads, &mut stats, &mut None))
-        .unwrap();
-    (y, stats)
+    // The latent norm's epsilon is the model's rms_norm_eps (1e-5 here, as the seed's).
+    let mut ctx = LayerCtx::new(threads, SEED_EPS);
+    pool.install(|| w.forward(&mut ctx, p, input, 3, &mut fetch))
+        .unwrap()
 }
 
 /// Released tensor name of a layer-fixture key.

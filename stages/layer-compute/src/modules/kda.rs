@@ -1,16 +1,15 @@
 //! Kimi Delta Attention (k3-spec §4.3): the module over a token batch and its weight binding.
 //!
-//! The module is two use phases (`k3_model::trunk::use_phase`): [`kda_attend`] with
-//! [`KdaWeights`] (everything up to the gated, normed per-head output), then the output
-//! projection `o_proj` ([`project_out`](super::project_out)), bound after the first phase
-//! is given back.
+//! The module is two use phases (`k3_model::trunk::use_phase`): [`KdaWeights::attend`]
+//! (everything up to the gated, normed per-head output), then the output projection
+//! `o_proj` ([`project_out`](super::project_out)), bound after the first phase is given
+//! back.
 
 use k3_model::classify::layer_tensor;
 use k3_model::tensor::WeightError;
 use rayon::prelude::*;
 
-use super::trace_put;
-use super::{Eps, Trace};
+use super::LayerCtx;
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
 use crate::kernels::gemv::{gemm, gemm_fused, Mat};
@@ -91,107 +90,109 @@ impl KdaState {
     }
 }
 
-/// KDA over `ntok` consecutive tokens `u` (`ntok × hidden`, post input_layernorm) up to its
-/// output projection: the gated, normed per-head output (`ntok × width`) that `o_proj`
-/// ([`project_out`](super::project_out)) maps back to the hidden size.
-#[allow(clippy::too_many_arguments)]
-pub fn kda_attend(
-    w: &KdaWeights<'_>,
-    d: &KdaGeometry,
-    eps: &Eps,
-    u: &[f32],
-    ntok: usize,
-    st: &mut KdaState,
-    threads: usize,
-    trace: &mut Option<&mut Trace>,
-) -> Vec<f32> {
-    let p = d.width();
-    let (h, dk) = (d.heads, d.head_dim);
-    let mut q = vec![0f32; ntok * p];
-    let mut k = vec![0f32; ntok * p];
-    let mut v = vec![0f32; ntok * p];
-    let mut beta = vec![0f32; ntok * h];
-    let mut fa = vec![0f32; ntok * w.f_a.rows];
-    let mut gate = vec![0f32; ntok * p];
-    // Every projection of the layer input in one pass over `u` (each result bit-identical
-    // to its own product).
-    gemm_fused(
-        &[&w.q, &w.k, &w.v, &w.b, &w.f_a, &w.g],
-        u,
-        &mut [&mut q, &mut k, &mut v, &mut beta, &mut fa, &mut gate],
-        ntok,
-        threads,
-    );
-    let mut qc = vec![0f32; ntok * p];
-    let mut kc = vec![0f32; ntok * p];
-    let mut vc = vec![0f32; ntok * p];
-    conv::shortconv_silu(&q, &w.q_conv, d.conv, p, &mut st.conv_q, &mut qc);
-    conv::shortconv_silu(&k, &w.k_conv, d.conv, p, &mut st.conv_k, &mut kc);
-    conv::shortconv_silu(&v, &w.v_conv, d.conv, p, &mut st.conv_v, &mut vc);
-    let mut z = vec![0f32; ntok * p];
-    gemm(&w.f_b, &fa, &mut z, ntok, threads);
+impl KdaWeights<'_> {
+    /// KDA over `ntok` consecutive tokens `u` (`ntok × hidden`, post input_layernorm) up to
+    /// its output projection, advancing `st`: the gated, normed per-head output
+    /// (`ntok × width`) that `o_proj` ([`project_out`](super::project_out)) maps back to the
+    /// hidden size.
+    pub fn attend(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        d: &KdaGeometry,
+        u: &[f32],
+        ntok: usize,
+        st: &mut KdaState,
+    ) -> Vec<f32> {
+        let (w, eps, threads) = (self, ctx.eps, ctx.threads);
+        let p = d.width();
+        let (h, dk) = (d.heads, d.head_dim);
+        let mut q = vec![0f32; ntok * p];
+        let mut k = vec![0f32; ntok * p];
+        let mut v = vec![0f32; ntok * p];
+        let mut beta = vec![0f32; ntok * h];
+        let mut fa = vec![0f32; ntok * w.f_a.rows];
+        let mut gate = vec![0f32; ntok * p];
+        // Every projection of the layer input in one pass over `u` (each result bit-identical
+        // to its own product).
+        gemm_fused(
+            &[&w.q, &w.k, &w.v, &w.b, &w.f_a, &w.g],
+            u,
+            &mut [&mut q, &mut k, &mut v, &mut beta, &mut fa, &mut gate],
+            ntok,
+            threads,
+        );
+        let mut qc = vec![0f32; ntok * p];
+        let mut kc = vec![0f32; ntok * p];
+        let mut vc = vec![0f32; ntok * p];
+        conv::shortconv_silu(&q, &w.q_conv, d.conv, p, &mut st.conv_q, &mut qc);
+        conv::shortconv_silu(&k, &w.k_conv, d.conv, p, &mut st.conv_k, &mut kc);
+        conv::shortconv_silu(&v, &w.v_conv, d.conv, p, &mut st.conv_v, &mut vc);
+        let mut z = vec![0f32; ntok * p];
+        gemm(&w.f_b, &fa, &mut z, ntok, threads);
 
-    // The recurrence, head by head: every head's state, gate, norms and output depend on
-    // that head's channels only, so heads run on the pool (each in token order, exactly
-    // the sequential operations) and the result does not depend on the thread count.
-    let qscale = 1.0 / (dk as f32).sqrt();
-    let head = |hh: usize, s: &mut [f32]| -> Vec<f32> {
-        let hr = hh * dk..(hh + 1) * dk;
-        let (mut g, mut alpha) = (vec![0f32; dk], vec![0f32; dk]);
-        let (mut qh, mut kh) = (vec![0f32; dk], vec![0f32; dk]);
-        let mut scratch = vec![0f32; dk];
-        let mut out = vec![0f32; ntok * dk];
-        for t in 0..ntok {
-            // Head hh's channels of token t.
-            let c = t * p + hr.start..t * p + hr.end;
-            kda::decay_gate(
-                &z[c.clone()],
-                &w.a_log[hh..hh + 1],
-                &w.dt_bias[hr.clone()],
-                1,
-                dk,
-                d.lower_bound,
-                &mut g,
-                &mut alpha,
-            );
-            qh.copy_from_slice(&qc[c.clone()]);
-            kh.copy_from_slice(&kc[c.clone()]);
-            norm::l2norm_inplace(&mut qh, eps.kda_l2);
-            norm::l2norm_inplace(&mut kh, eps.kda_l2);
-            qh.iter_mut().for_each(|x| *x *= qscale);
-            let b = sigmoid(beta[t * h + hh]);
-            let oh = &mut out[t * dk..(t + 1) * dk];
-            let x = kda::DeltaIn {
-                q: &qh,
-                k: &kh,
-                v: &vc[c.clone()],
-                alpha: &alpha,
-                beta: b,
-            };
-            kda::delta_step(s, x, oh, &mut scratch);
-            kda::output_norm_gate(oh, &gate[c], &w.o_norm, 1, eps.rms);
+        // The recurrence, head by head: every head's state, gate, norms and output depend on
+        // that head's channels only, so heads run on the pool (each in token order, exactly
+        // the sequential operations) and the result does not depend on the thread count.
+        let qscale = 1.0 / (dk as f32).sqrt();
+        let head = |hh: usize, s: &mut [f32]| -> Vec<f32> {
+            let hr = hh * dk..(hh + 1) * dk;
+            let (mut g, mut alpha) = (vec![0f32; dk], vec![0f32; dk]);
+            let (mut qh, mut kh) = (vec![0f32; dk], vec![0f32; dk]);
+            let mut scratch = vec![0f32; dk];
+            let mut out = vec![0f32; ntok * dk];
+            for t in 0..ntok {
+                // Head hh's channels of token t.
+                let c = t * p + hr.start..t * p + hr.end;
+                kda::decay_gate(
+                    &z[c.clone()],
+                    &w.a_log[hh..hh + 1],
+                    &w.dt_bias[hr.clone()],
+                    1,
+                    dk,
+                    d.lower_bound,
+                    &mut g,
+                    &mut alpha,
+                );
+                qh.copy_from_slice(&qc[c.clone()]);
+                kh.copy_from_slice(&kc[c.clone()]);
+                norm::l2norm_inplace(&mut qh, eps.kda_l2);
+                norm::l2norm_inplace(&mut kh, eps.kda_l2);
+                qh.iter_mut().for_each(|x| *x *= qscale);
+                let b = sigmoid(beta[t * h + hh]);
+                let oh = &mut out[t * dk..(t + 1) * dk];
+                let x = kda::DeltaIn {
+                    q: &qh,
+                    k: &kh,
+                    v: &vc[c.clone()],
+                    alpha: &alpha,
+                    beta: b,
+                };
+                kda::delta_step(s, x, oh, &mut scratch);
+                kda::output_norm_gate(oh, &gate[c], &w.o_norm, 1, eps.rms);
+            }
+            out
+        };
+        let per_head: Vec<Vec<f32>> = if threads > 1 {
+            st.s.par_chunks_mut(dk * dk)
+                .enumerate()
+                .map(|(hh, s)| head(hh, s))
+                .collect()
+        } else {
+            st.s.chunks_mut(dk * dk)
+                .enumerate()
+                .map(|(hh, s)| head(hh, s))
+                .collect()
+        };
+        let mut o = vec![0f32; ntok * p];
+        for (hh, oh) in per_head.iter().enumerate() {
+            for t in 0..ntok {
+                o[t * p + hh * dk..t * p + (hh + 1) * dk]
+                    .copy_from_slice(&oh[t * dk..(t + 1) * dk]);
+            }
         }
-        out
-    };
-    let per_head: Vec<Vec<f32>> = if threads > 1 {
-        st.s.par_chunks_mut(dk * dk)
-            .enumerate()
-            .map(|(hh, s)| head(hh, s))
-            .collect()
-    } else {
-        st.s.chunks_mut(dk * dk)
-            .enumerate()
-            .map(|(hh, s)| head(hh, s))
-            .collect()
-    };
-    let mut o = vec![0f32; ntok * p];
-    for (hh, oh) in per_head.iter().enumerate() {
-        for t in 0..ntok {
-            o[t * p + hh * dk..t * p + (hh + 1) * dk].copy_from_slice(&oh[t * dk..(t + 1) * dk]);
-        }
+        ctx.trace("kda_state", &st.s);
+        o
     }
-    trace_put(trace, "kda_state", &st.s);
-    o
 }
 
 impl<W: Weights> Model<W> {

@@ -1,13 +1,11 @@
 //! NoPE multi-head latent attention (k3-spec §4.4): the module and its weight binding.
 //!
-//! Two use phases (`k3_model::trunk::use_phase`), as in KDA: [`mla_attend`] with
-//! [`MlaWeights`], then the output projection `o_proj`
-//! ([`project_out`](super::project_out)).
+//! Two use phases (`k3_model::trunk::use_phase`), as in KDA: [`MlaWeights::attend`], then
+//! the output projection `o_proj` ([`project_out`](super::project_out)).
 
 use k3_model::classify::layer_tensor;
 
-use super::trace_put;
-use super::{Eps, Trace};
+use super::LayerCtx;
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::mul_sigmoid;
 use crate::kernels::gemv::{gemm, gemm_fused, Mat};
@@ -61,109 +59,110 @@ impl MlaCache {
     }
 }
 
-/// MLA over `ntok` tokens following the cached ones, up to its output projection: the
-/// (gated) per-head values (`ntok × heads·v`) that `o_proj`
-/// ([`project_out`](super::project_out)) maps back to the hidden size.
-#[allow(clippy::too_many_arguments)]
-pub fn mla_attend(
-    w: &MlaWeights<'_>,
-    d: &MlaGeometry,
-    eps: &Eps,
-    u: &[f32],
-    ntok: usize,
-    cache: &mut MlaCache,
-    threads: usize,
-    trace: &mut Option<&mut Trace>,
-) -> Vec<f32> {
-    let qh = d.nope + d.rope;
-    let mut cq = vec![0f32; ntok * d.q_lora];
-    let kvw = d.kv_lora + d.rope;
-    let mut kv = vec![0f32; ntok * kvw];
-    let ow = d.heads * d.v;
-    let mut gate = vec![0f32; if w.g.is_some() { ntok * ow } else { 0 }];
-    // q_a, kv_a and the output gate all read the layer input: one pass over `u`.
-    match &w.g {
-        Some(g) => gemm_fused(
-            &[&w.q_a, &w.kv_a, g],
-            u,
-            &mut [&mut cq, &mut kv, &mut gate],
-            ntok,
-            threads,
-        ),
-        None => gemm_fused(
-            &[&w.q_a, &w.kv_a],
-            u,
-            &mut [&mut cq, &mut kv],
-            ntok,
-            threads,
-        ),
-    }
-    for t in 0..ntok {
-        norm::rmsnorm_inplace(
-            &mut cq[t * d.q_lora..(t + 1) * d.q_lora],
-            Some(&w.q_a_norm),
-            eps.mla_lora,
-        );
-    }
-    let mut q = vec![0f32; ntok * d.heads * qh];
-    gemm(&w.q_b, &cq, &mut q, ntok, threads);
-    let mut lat = vec![0f32; ntok * d.kv_lora];
-    for t in 0..ntok {
-        norm::rmsnorm(
-            &kv[t * kvw..t * kvw + d.kv_lora],
-            Some(&w.kv_a_norm),
-            eps.mla_lora,
-            &mut lat[t * d.kv_lora..(t + 1) * d.kv_lora],
-        );
-        cache
-            .k_rope
-            .extend_from_slice(&kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
-    }
-    cache.latent.extend_from_slice(&lat);
-    trace_put(trace, "mla_latent", &lat);
-    for t in 0..ntok {
-        trace_put(trace, "mla_k_rope", &kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
-    }
-    let per = d.nope + d.v;
-    let mut kvb = vec![0f32; ntok * d.heads * per];
-    gemm(&w.kv_b, &lat, &mut kvb, ntok, threads);
-    for t in 0..ntok {
-        for h in 0..d.heads {
-            let base = (t * d.heads + h) * per;
-            cache.k_nope.extend_from_slice(&kvb[base..base + d.nope]);
+impl MlaWeights<'_> {
+    /// MLA over `ntok` tokens `u` (`ntok × hidden`, post input_layernorm) following the
+    /// cached ones, up to its output projection, appending them to `cache`: the (gated)
+    /// per-head values (`ntok × heads·v`) that `o_proj` ([`project_out`](super::project_out))
+    /// maps back to the hidden size.
+    pub fn attend(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        d: &MlaGeometry,
+        u: &[f32],
+        ntok: usize,
+        cache: &mut MlaCache,
+    ) -> Vec<f32> {
+        let (w, eps, threads) = (self, ctx.eps, ctx.threads);
+        let qh = d.nope + d.rope;
+        let mut cq = vec![0f32; ntok * d.q_lora];
+        let kvw = d.kv_lora + d.rope;
+        let mut kv = vec![0f32; ntok * kvw];
+        let ow = d.heads * d.v;
+        let mut gate = vec![0f32; if w.g.is_some() { ntok * ow } else { 0 }];
+        // q_a, kv_a and the output gate all read the layer input: one pass over `u`.
+        match &w.g {
+            Some(g) => gemm_fused(
+                &[&w.q_a, &w.kv_a, g],
+                u,
+                &mut [&mut cq, &mut kv, &mut gate],
+                ntok,
+                threads,
+            ),
+            None => gemm_fused(
+                &[&w.q_a, &w.kv_a],
+                u,
+                &mut [&mut cq, &mut kv],
+                ntok,
+                threads,
+            ),
         }
-        for h in 0..d.heads {
-            let base = (t * d.heads + h) * per;
-            cache.v.extend_from_slice(&kvb[base + d.nope..base + per]);
+        for t in 0..ntok {
+            norm::rmsnorm_inplace(
+                &mut cq[t * d.q_lora..(t + 1) * d.q_lora],
+                Some(&w.q_a_norm),
+                eps.mla_lora,
+            );
         }
+        let mut q = vec![0f32; ntok * d.heads * qh];
+        gemm(&w.q_b, &cq, &mut q, ntok, threads);
+        let mut lat = vec![0f32; ntok * d.kv_lora];
+        for t in 0..ntok {
+            norm::rmsnorm(
+                &kv[t * kvw..t * kvw + d.kv_lora],
+                Some(&w.kv_a_norm),
+                eps.mla_lora,
+                &mut lat[t * d.kv_lora..(t + 1) * d.kv_lora],
+            );
+            cache
+                .k_rope
+                .extend_from_slice(&kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
+        }
+        cache.latent.extend_from_slice(&lat);
+        ctx.trace("mla_latent", &lat);
+        for t in 0..ntok {
+            ctx.trace("mla_k_rope", &kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
+        }
+        let per = d.nope + d.v;
+        let mut kvb = vec![0f32; ntok * d.heads * per];
+        gemm(&w.kv_b, &lat, &mut kvb, ntok, threads);
+        for t in 0..ntok {
+            for h in 0..d.heads {
+                let base = (t * d.heads + h) * per;
+                cache.k_nope.extend_from_slice(&kvb[base..base + d.nope]);
+            }
+            for h in 0..d.heads {
+                let base = (t * d.heads + h) * per;
+                cache.v.extend_from_slice(&kvb[base + d.nope..base + per]);
+            }
+        }
+        let first = cache.len;
+        cache.len += ntok;
+        let dims = mla::MlaDims {
+            heads: d.heads,
+            nope: d.nope,
+            rope: d.rope,
+            v: d.v,
+        };
+        let view = mla::MlaCacheView {
+            k_nope: &cache.k_nope,
+            v: &cache.v,
+            k_rope: &cache.k_rope,
+        };
+        let mut o = vec![0f32; ntok * ow];
+        for t in 0..ntok {
+            mla::attend(
+                dims,
+                &q[t * d.heads * qh..(t + 1) * d.heads * qh],
+                &view,
+                first + t,
+                &mut o[t * ow..(t + 1) * ow],
+            );
+        }
+        if w.g.is_some() {
+            mul_sigmoid(&mut o, &gate);
+        }
+        o
     }
-    let first = cache.len;
-    cache.len += ntok;
-    let dims = mla::MlaDims {
-        heads: d.heads,
-        nope: d.nope,
-        rope: d.rope,
-        v: d.v,
-    };
-    let view = mla::MlaCacheView {
-        k_nope: &cache.k_nope,
-        v: &cache.v,
-        k_rope: &cache.k_rope,
-    };
-    let mut o = vec![0f32; ntok * ow];
-    for t in 0..ntok {
-        mla::attend(
-            dims,
-            &q[t * d.heads * qh..(t + 1) * d.heads * qh],
-            &view,
-            first + t,
-            &mut o[t * ow..(t + 1) * ow],
-        );
-    }
-    if w.g.is_some() {
-        mul_sigmoid(&mut o, &gate);
-    }
-    o
 }
 
 impl<W: Weights> Model<W> {

@@ -1,14 +1,16 @@
 //! The Kimi K3 modules over a batch of consecutive tokens, one file each, every module's
 //! weight binding beside its forward (k3-spec §4.2-§4.8): [`kda`], [`mla`] (NoPE MLA),
 //! [`moe`] (the latent MoE), [`mlp`] (the dense SiTU-GLU FFN) and [`attnres`] (the AttnRes
-//! mix that wires a decoder layer). This file holds what they share: the trace, the
-//! epsilons and turning tensors into matrices.
+//! mix that wires a decoder layer). This file holds what they share: the [`LayerCtx`]
+//! (threads, epsilons, trace), the output projection and turning tensors into matrices.
 //!
-//! Each module takes its weights as a plain struct (borrowed matrices, small f32 vectors),
-//! so the forward pass and the single-op fixture tests drive the same code. Activations
-//! are f32 rows, token-major (`ntok × width`). Sequential state (KDA recurrence and conv
-//! tails, the MLA cache) lives in the caller's session and is advanced in token order, so
-//! a batch of T tokens gives bit-identical results to T single-token calls.
+//! Each module's weights are a plain struct (borrowed matrices, small f32 vectors) whose
+//! method is the module's forward ([`kda::KdaWeights::attend`], [`mla::MlaWeights::attend`],
+//! [`moe::MoeWeights::forward`]), so the forward pass and the single-op fixture tests drive
+//! the same code. Activations are f32 rows, token-major (`ntok × width`). Sequential state
+//! (KDA recurrence and conv tails, the MLA cache) lives in the caller's session and is
+//! advanced in token order, so a batch of T tokens gives bit-identical results to T
+//! single-token calls.
 
 use std::collections::BTreeMap;
 
@@ -32,10 +34,55 @@ pub struct Trace {
     pub arrays: BTreeMap<String, Vec<f32>>,
 }
 
-pub(crate) fn trace_put(tr: &mut Option<&mut Trace>, name: &str, data: &[f32]) {
-    if let Some(t) = tr.as_deref_mut() {
-        let key = format!("{}{}", t.prefix, name);
-        t.arrays.entry(key).or_default().extend_from_slice(data);
+impl Trace {
+    /// Append `data` under `<prefix><name>`.
+    fn put(&mut self, name: &str, data: &[f32]) {
+        let key = format!("{}{}", self.prefix, name);
+        self.arrays.entry(key).or_default().extend_from_slice(data);
+    }
+}
+
+/// What every layer module takes besides its weights, its geometry, its input and its
+/// carried state: the thread count of its products, the epsilons and the trace. Built once
+/// per forward call; a module's forward is a method on its bound weights taking `&mut` this
+/// (as candle's `Module::forward`), e.g. [`KdaWeights::attend`](kda::KdaWeights::attend).
+#[derive(Debug)]
+pub struct LayerCtx<'t> {
+    /// Worker threads for the matrix products (1 = the calling thread only); a product's
+    /// bits never depend on it.
+    pub threads: usize,
+    pub eps: Eps,
+    /// Where intermediate values are recorded (None: nothing is recorded).
+    pub trace: Option<&'t mut Trace>,
+}
+
+impl<'t> LayerCtx<'t> {
+    /// A context without a trace.
+    pub fn new(threads: usize, eps: Eps) -> Self {
+        LayerCtx {
+            threads: threads.max(1),
+            eps,
+            trace: None,
+        }
+    }
+
+    /// The same context recording into `trace`.
+    pub fn with_trace(self, trace: Option<&'t mut Trace>) -> Self {
+        LayerCtx { trace, ..self }
+    }
+
+    /// Record `data` under `name` (after the trace's prefix), when tracing.
+    pub(crate) fn trace(&mut self, name: &str, data: &[f32]) {
+        if let Some(t) = self.trace.as_deref_mut() {
+            t.put(name, data);
+        }
+    }
+
+    /// Set the prefix of the names recorded from here on (`Lnn.`, `final.`), when tracing.
+    pub(crate) fn trace_prefix(&mut self, prefix: impl FnOnce() -> String) {
+        if let Some(t) = self.trace.as_deref_mut() {
+            t.prefix = prefix();
+        }
     }
 }
 

@@ -15,10 +15,11 @@
 use k3_model::classify::layer_tensor;
 
 use super::mlp::{glu_down64, glu_mlp, Situ};
-use super::{expert_mat, trace_put, Trace};
+use super::{expert_mat, LayerCtx};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
-use crate::kernels::{norm, router};
+use crate::kernels::norm;
+use crate::kernels::router::{self, Routing};
 use crate::profile::{self, Phase};
 use crate::weights::{Delivery, Weights};
 use rayon::prelude::*;
@@ -34,7 +35,6 @@ pub struct MoeParams {
     pub renormalize: bool,
     pub routed_scale: f32,
     pub situ: Situ,
-    pub eps: f32,
 }
 
 /// Trunk weights of one latent-MoE block: the part used before the routed experts (use
@@ -80,229 +80,339 @@ pub struct MoeStats {
 /// slot has been delivered once, in any order and grouping ([`Weights::experts`]).
 pub type ExpertFetch<'f> = dyn FnMut(&[u32], &mut dyn for<'b> FnMut(Delivery<'b>)) + 'f;
 
-/// The latent MoE over `ntok` rows `v` (post post_attention_layernorm).
-#[allow(clippy::too_many_arguments)]
-pub fn moe_forward(
-    w: &MoeWeights<'_>,
-    p: &MoeParams,
-    v: &[f32],
-    ntok: usize,
-    fetch: &mut ExpertFetch<'_>,
-    threads: usize,
-    stats: &mut MoeStats,
-    trace: &mut Option<&mut Trace>,
-) -> Result<Vec<f32>, ForwardError> {
-    let mut hooks = MoeHooks {
-        announce: &mut |_| {},
-        release_head: &mut || {},
-        tail: &mut || Ok(w.tail.clone()),
-    };
-    moe_forward_phased(
-        &w.head, p, v, ntok, &mut hooks, fetch, threads, stats, trace,
-    )
+impl MoeWeights<'_> {
+    /// The latent MoE over `ntok` rows `v` (post post_attention_layernorm), its routed
+    /// experts from `fetch`: the output rows and the call's counters.
+    pub fn forward(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        p: &MoeParams,
+        v: &[f32],
+        ntok: usize,
+        fetch: &mut ExpertFetch<'_>,
+    ) -> Result<(Vec<f32>, MoeStats), ForwardError> {
+        let mut hooks = MoeHooks {
+            announce: &mut |_| {},
+            fetch,
+            release_head: &mut || {},
+            tail: &mut || Ok(self.tail.clone()),
+        };
+        self.head.forward_phased(ctx, p, v, ntok, &mut hooks)
+    }
 }
 
-/// What a streaming supplier is told during [`moe_forward_phased`], in this order:
+/// The supplier's side of [`MoeHead::forward_phased`], called in this order:
 /// `announce(ids)` the moment the router has chosen (the distinct ids, in the order `fetch`
 /// will ask for them), before the shared experts and the latent down-projection are
 /// computed, so the expert reads overlap that compute; `release_head()` once the head's
 /// weights are read for the last time (before the routed experts: a trunk streamed in
-/// parts can then read its next part while they are computed); `tail()` for the tail's
-/// weights, after the routed experts.
+/// parts can then read its next part while they are computed); `fetch(ids, deliver)` for
+/// the routed experts ([`ExpertFetch`]); `tail()` for the tail's weights, after the routed
+/// experts.
 pub struct MoeHooks<'h, 't> {
     pub announce: &'h mut dyn FnMut(&[u32]),
+    pub fetch: &'h mut ExpertFetch<'h>,
     pub release_head: &'h mut dyn FnMut(),
     pub tail: &'h mut dyn FnMut() -> Result<MoeTail<'t>, ForwardError>,
 }
 
-/// [`moe_forward`] in two use phases with the supplier's hooks ([`MoeHooks`]).
-///
-/// The order of the products changes, not their values: the router's product alone, then
-/// the latent down-projection and the shared experts' gate/up fused, then the shared
-/// experts' down-projection, then the routed experts; every product is bit-identical to
-/// the same matrix multiplied alone (`gemm_fused`'s contract), and the sums are the same.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_forward_phased<'t>(
-    w: &MoeHead<'_>,
-    p: &MoeParams,
-    v: &[f32],
-    ntok: usize,
-    hooks: &mut MoeHooks<'_, 't>,
-    fetch: &mut ExpertFetch<'_>,
-    threads: usize,
-    stats: &mut MoeStats,
-    trace: &mut Option<&mut Trace>,
-) -> Result<Vec<f32>, ForwardError> {
-    let (lat, k) = (p.latent, p.top_k);
-    let router_span = profile::span(Phase::Router);
-    let mut logits = vec![0f32; ntok * p.n_experts];
-    // The router first, alone: its choice starts the expert reads.
-    gemm_fused(&[&w.gate], v, &mut [&mut logits], ntok, threads);
-    let routes: Vec<router::Routing> = (0..ntok)
-        .map(|t| {
-            router::route(
-                &logits[t * p.n_experts..(t + 1) * p.n_experts],
-                w.bias.as_deref(),
-                k,
-                p.renormalize,
-                p.routed_scale,
-            )
-        })
-        .collect();
-    // Distinct ids in first-use order, and who uses each: (token, slot in its top-k).
-    let mut union: Vec<u32> = Vec::new();
-    let mut users: Vec<Vec<(usize, usize)>> = Vec::new();
-    for (t, r) in routes.iter().enumerate() {
-        for (slot, &id) in r.ids.iter().enumerate() {
-            match union.iter().position(|&u| u == id) {
-                Some(ui) => users[ui].push((t, slot)),
-                None => {
-                    union.push(id);
-                    users.push(vec![(t, slot)]);
+impl MoeHead<'_> {
+    /// [`MoeWeights::forward`] in two use phases, with the supplier's hooks ([`MoeHooks`]).
+    ///
+    /// The order of the products changes, not their values: the router's product alone,
+    /// then the latent down-projection and the shared experts' gate/up fused, then the
+    /// shared experts' down-projection, then the routed experts; every product is
+    /// bit-identical to the same matrix multiplied alone (`gemm_fused`'s contract), and the
+    /// sums are the same.
+    pub fn forward_phased(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        p: &MoeParams,
+        v: &[f32],
+        ntok: usize,
+        hooks: &mut MoeHooks<'_, '_>,
+    ) -> Result<(Vec<f32>, MoeStats), ForwardError> {
+        let router_span = profile::span(Phase::Router);
+        // The router first, alone: its choice starts the expert reads.
+        let routed = Routed::new(self.route(p, v, ntok, ctx.threads));
+        (hooks.announce)(&routed.union);
+        router_span.end();
+        let shared_span = profile::span(Phase::Shared);
+        // While the experts load: the latent down-projection and the shared experts.
+        let (xl, sh) = self.latent_and_shared(p, v, ntok, ctx.threads);
+        shared_span.end();
+        // The head's weights are not read again from here on.
+        (hooks.release_head)();
+        for r in &routed.routes {
+            ctx.trace("moe_scores", &r.scores);
+            ctx.trace(
+                "moe_topk_ids",
+                &r.ids.iter().map(|&i| i as f32).collect::<Vec<_>>(),
+            );
+            ctx.trace("moe_topk_weights", &r.weights);
+        }
+        let mut stats = MoeStats {
+            requests: routed.union.len(),
+            ..MoeStats::default()
+        };
+        let slots = routed_experts(p, &routed, &xl, ctx.threads, hooks.fetch, &mut stats);
+        let tail = (hooks.tail)()?;
+        let _combine = profile::span(Phase::Combine);
+        let z = tail.combine(ctx, p, &routed, &slots, &sh);
+        Ok((z, stats))
+    }
+
+    /// The router's product (alone) and each token's top-k.
+    fn route(&self, p: &MoeParams, v: &[f32], ntok: usize, threads: usize) -> Vec<Routing> {
+        let mut logits = vec![0f32; ntok * p.n_experts];
+        gemm_fused(&[&self.gate], v, &mut [&mut logits], ntok, threads);
+        (0..ntok)
+            .map(|t| {
+                router::route(
+                    &logits[t * p.n_experts..(t + 1) * p.n_experts],
+                    self.bias.as_deref(),
+                    p.top_k,
+                    p.renormalize,
+                    p.routed_scale,
+                )
+            })
+            .collect()
+    }
+
+    /// The latent down-projection of `v` (`ntok × latent`) and the shared experts' output
+    /// (`ntok × hidden`, unrounded f64 sums).
+    fn latent_and_shared(
+        &self,
+        p: &MoeParams,
+        v: &[f32],
+        ntok: usize,
+        threads: usize,
+    ) -> (Vec<f32>, Vec<f64>) {
+        let mut xl = vec![0f32; ntok * p.latent];
+        let sw = self.sh_gate.rows;
+        let mut sh_g = vec![0f32; ntok * sw];
+        let mut sh_u = vec![0f32; ntok * sw];
+        gemm_fused(
+            &[&self.down, &self.sh_gate, &self.sh_up],
+            v,
+            &mut [&mut xl, &mut sh_g, &mut sh_u],
+            ntok,
+            threads,
+        );
+        let sh = glu_down64(&sh_g, &sh_u, &self.sh_down, p.situ, ntok, threads);
+        (xl, sh)
+    }
+}
+
+/// The router's choice for a batch of tokens.
+struct Routed {
+    /// Each token's top-k.
+    routes: Vec<Routing>,
+    /// The distinct ids, in first-use order (the order the supplier is asked for them).
+    union: Vec<u32>,
+    /// For each id of `union`, who uses it: (token, slot in its top-k), in token order.
+    users: Vec<Vec<(usize, usize)>>,
+}
+
+impl Routed {
+    fn new(routes: Vec<Routing>) -> Self {
+        let mut union: Vec<u32> = Vec::new();
+        let mut users: Vec<Vec<(usize, usize)>> = Vec::new();
+        for (t, r) in routes.iter().enumerate() {
+            for (slot, &id) in r.ids.iter().enumerate() {
+                match union.iter().position(|&u| u == id) {
+                    Some(ui) => users[ui].push((t, slot)),
+                    None => {
+                        union.push(id);
+                        users.push(vec![(t, slot)]);
+                    }
                 }
             }
         }
+        Routed {
+            routes,
+            union,
+            users,
+        }
     }
-    (hooks.announce)(&union);
-    router_span.end();
-    let shared_span = profile::span(Phase::Shared);
-    // While the experts load: the latent down-projection and the shared experts.
-    let mut xl = vec![0f32; ntok * lat];
-    let sw = w.sh_gate.rows;
-    let mut sh_g = vec![0f32; ntok * sw];
-    let mut sh_u = vec![0f32; ntok * sw];
-    gemm_fused(
-        &[&w.down, &w.sh_gate, &w.sh_up],
-        v,
-        &mut [&mut xl, &mut sh_g, &mut sh_u],
-        ntok,
-        threads,
-    );
-    let sh = glu_down64(&sh_g, &sh_u, &w.sh_down, p.situ, ntok, threads);
-    shared_span.end();
-    // The head's weights are not read again from here on.
-    (hooks.release_head)();
-    for r in &routes {
-        trace_put(trace, "moe_scores", &r.scores);
-        trace_put(
-            trace,
-            "moe_topk_ids",
-            &r.ids.iter().map(|&i| i as f32).collect::<Vec<_>>(),
-        );
-        trace_put(trace, "moe_topk_weights", &r.weights);
-    }
+}
 
-    stats.requests += union.len();
-    let mut outs = vec![0f32; ntok * k * lat];
-    let mut done = vec![false; ntok * k];
-    let mut delivered = vec![false; union.len()];
+/// The routed experts' outputs in the latent space, one row per (token, top-k slot)
+/// (`ntok·top_k × latent`), and which slots have one (a failed expert's have none).
+struct SlotOutputs {
+    outs: Vec<f32>,
+    done: Vec<bool>,
+}
+
+/// One routed expert bound from a delivery: its index in [`Routed::union`] and its
+/// matrices `[w1, w3, w2]` (gate, up, down).
+type ExpertJob<'b> = (usize, [Mat<'b>; 3]);
+
+/// Fetch and run the routed experts of `r`, each over its tokens' latent rows `xl`; every
+/// expert that fails to load (or is never delivered) is counted in `stats` and left out.
+fn routed_experts(
+    p: &MoeParams,
+    r: &Routed,
+    xl: &[f32],
+    threads: usize,
+    fetch: &mut ExpertFetch<'_>,
+    stats: &mut MoeStats,
+) -> SlotOutputs {
+    let (lat, k) = (p.latent, p.top_k);
+    let ntok = r.routes.len();
+    let mut slots = SlotOutputs {
+        outs: vec![0f32; ntok * k * lat],
+        done: vec![false; ntok * k],
+    };
+    let mut delivered = vec![false; r.union.len()];
     {
         // The fetch's time less the routed products inside it is the wait for weights.
         let mut wait_span = profile::span(Phase::ExpertWait);
         let mut deliver = |batch: Delivery<'_>| {
-            // Check every slot and bind its matrices; failures are counted and left out.
-            let mut jobs: Vec<(usize, [Mat<'_>; 3])> = Vec::with_capacity(batch.len());
-            for (ui, res) in batch {
-                if ui >= union.len() || delivered[ui] {
-                    stats.failures += 1;
-                    stats
-                        .failure_msgs
-                        .push(format!("expert slot {ui} delivered twice or out of range"));
-                    continue;
-                }
-                delivered[ui] = true;
-                let id = union[ui];
-                let mats = res.and_then(|e| {
-                    let n = |x: &str| format!("expert {id} {x}");
-                    Ok([
-                        expert_mat(&n("w1"), e.w1, p.inter, lat)?,
-                        expert_mat(&n("w3"), e.w3, p.inter, lat)?,
-                        expert_mat(&n("w2"), e.w2, lat, p.inter)?,
-                    ])
-                });
-                match mats {
-                    Ok(m) => jobs.push((ui, m)),
-                    Err(e) => {
-                        stats.failures += 1;
-                        stats.failure_msgs.push(format!("expert {id}: {e}"));
-                    }
-                }
-            }
+            let jobs = bind_delivery(batch, p, &r.union, &mut delivered, stats);
             if jobs.is_empty() {
                 return;
             }
             let t0 = profile::enabled().then(std::time::Instant::now);
             let ex_span = profile::span(Phase::Experts);
-            // One expert over its tokens' latent rows, its products on `th` threads.
-            let run = |(ui, [w1, w3, w2]): &(usize, [Mat<'_>; 3]), th: usize| {
-                let us = &users[*ui];
-                let mut xb = Vec::with_capacity(us.len() * lat);
-                for &(t, _) in us {
-                    xb.extend_from_slice(&xl[t * lat..(t + 1) * lat]);
-                }
-                glu_mlp(w1, w3, w2, p.situ, &xb, us.len(), th)
-            };
-            let ys: Vec<Vec<f32>> = if threads > 1 && jobs.len() >= 2 * threads {
-                // Side by side, the most tokens first so the last to finish is short.
-                let mut order: Vec<usize> = (0..jobs.len()).collect();
-                order.sort_by_key(|&j| std::cmp::Reverse(users[jobs[j].0].len()));
-                let mut ready: Vec<(usize, Vec<f32>)> = order
-                    .par_iter()
-                    .with_max_len(1)
-                    .map(|&j| (j, run(&jobs[j], 1)))
-                    .collect();
-                ready.sort_unstable_by_key(|r| r.0);
-                ready.into_iter().map(|r| r.1).collect()
-            } else {
-                jobs.iter().map(|j| run(j, threads)).collect()
-            };
+            let ys = run_experts(&jobs, p, r, xl, threads);
             ex_span.end();
             if let Some(t0) = t0 {
                 wait_span.exclude(t0.elapsed());
             }
             for ((ui, _), y) in jobs.iter().zip(&ys) {
-                for (j, &(t, slot)) in users[*ui].iter().enumerate() {
-                    outs[(t * k + slot) * lat..(t * k + slot + 1) * lat]
+                for (j, &(t, slot)) in r.users[*ui].iter().enumerate() {
+                    slots.outs[(t * k + slot) * lat..(t * k + slot + 1) * lat]
                         .copy_from_slice(&y[j * lat..(j + 1) * lat]);
-                    done[t * k + slot] = true;
+                    slots.done[t * k + slot] = true;
                 }
             }
         };
-        fetch(&union, &mut deliver);
+        fetch(&r.union, &mut deliver);
     }
     for (ui, d) in delivered.iter().enumerate() {
         if !d {
             stats.failures += 1;
             stats
                 .failure_msgs
-                .push(format!("expert {} was never delivered", union[ui]));
+                .push(format!("expert {} was never delivered", r.union[ui]));
         }
     }
-    let tail = (hooks.tail)()?;
-    let _combine = profile::span(Phase::Combine);
-    // Weighted sum in top-k order, then the latent norm on the aggregate.
-    let mut agg = vec![0f32; ntok * lat];
-    for t in 0..ntok {
-        let a = &mut agg[t * lat..(t + 1) * lat];
-        for slot in 0..k.min(routes[t].ids.len()) {
-            if !done[t * k + slot] {
-                continue;
-            }
-            let wt = routes[t].weights[slot];
-            let y = &outs[(t * k + slot) * lat..(t * k + slot + 1) * lat];
-            for j in 0..lat {
-                a[j] += wt * y[j];
-            }
+    slots
+}
+
+/// Check every slot of a delivery and bind its matrices; failures (a slot delivered twice
+/// or out of range, an expert that did not load or does not fit) are counted and left out.
+fn bind_delivery<'b>(
+    batch: Delivery<'b>,
+    p: &MoeParams,
+    union: &[u32],
+    delivered: &mut [bool],
+    stats: &mut MoeStats,
+) -> Vec<ExpertJob<'b>> {
+    let lat = p.latent;
+    let mut jobs: Vec<ExpertJob<'b>> = Vec::with_capacity(batch.len());
+    for (ui, res) in batch {
+        if ui >= union.len() || delivered[ui] {
+            stats.failures += 1;
+            stats
+                .failure_msgs
+                .push(format!("expert slot {ui} delivered twice or out of range"));
+            continue;
         }
-        if let Some(nw) = &tail.norm {
-            norm::rmsnorm_inplace(a, Some(nw), p.eps);
+        delivered[ui] = true;
+        let id = union[ui];
+        let mats = res.and_then(|e| {
+            let n = |x: &str| format!("expert {id} {x}");
+            Ok([
+                expert_mat(&n("w1"), e.w1, p.inter, lat)?,
+                expert_mat(&n("w3"), e.w3, p.inter, lat)?,
+                expert_mat(&n("w2"), e.w2, lat, p.inter)?,
+            ])
+        });
+        match mats {
+            Ok(m) => jobs.push((ui, m)),
+            Err(e) => {
+                stats.failures += 1;
+                stats.failure_msgs.push(format!("expert {id}: {e}"));
+            }
         }
     }
-    // z = r + sh, added in f64 from the unrounded products and rounded once (the two
-    // halves are often large and nearly cancelling).
-    let mut r = vec![0f64; ntok * p.hidden];
-    gemm64(&tail.up, &agg, &mut r, ntok, threads);
-    Ok(r.iter().zip(&sh).map(|(a, b)| (a + b) as f32).collect())
+    jobs
+}
+
+/// Each job's expert over its tokens' latent rows (`users × latent`, in the job order): side
+/// by side, one expert per thread, when there are at least two per thread, else one after
+/// another with each product split over the pool (the module doc).
+fn run_experts(
+    jobs: &[ExpertJob<'_>],
+    p: &MoeParams,
+    r: &Routed,
+    xl: &[f32],
+    threads: usize,
+) -> Vec<Vec<f32>> {
+    let lat = p.latent;
+    // One expert over its tokens' latent rows, its products on `th` threads.
+    let run = |(ui, [w1, w3, w2]): &ExpertJob<'_>, th: usize| {
+        let us = &r.users[*ui];
+        let mut xb = Vec::with_capacity(us.len() * lat);
+        for &(t, _) in us {
+            xb.extend_from_slice(&xl[t * lat..(t + 1) * lat]);
+        }
+        glu_mlp(w1, w3, w2, p.situ, &xb, us.len(), th)
+    };
+    if threads > 1 && jobs.len() >= 2 * threads {
+        // Side by side, the most tokens first so the last to finish is short.
+        let mut order: Vec<usize> = (0..jobs.len()).collect();
+        order.sort_by_key(|&j| std::cmp::Reverse(r.users[jobs[j].0].len()));
+        let mut ready: Vec<(usize, Vec<f32>)> = order
+            .par_iter()
+            .with_max_len(1)
+            .map(|&j| (j, run(&jobs[j], 1)))
+            .collect();
+        ready.sort_unstable_by_key(|r| r.0);
+        ready.into_iter().map(|r| r.1).collect()
+    } else {
+        jobs.iter().map(|j| run(j, threads)).collect()
+    }
+}
+
+impl MoeTail<'_> {
+    /// The routed experts' weighted sum in top-k order, the latent norm on the aggregate,
+    /// the latent up-projection, and the shared experts' `sh` added: the MoE's output.
+    fn combine(
+        &self,
+        ctx: &LayerCtx<'_>,
+        p: &MoeParams,
+        r: &Routed,
+        slots: &SlotOutputs,
+        sh: &[f64],
+    ) -> Vec<f32> {
+        let (lat, k) = (p.latent, p.top_k);
+        let ntok = r.routes.len();
+        let mut agg = vec![0f32; ntok * lat];
+        for (t, route) in r.routes.iter().enumerate() {
+            let a = &mut agg[t * lat..(t + 1) * lat];
+            for slot in 0..k.min(route.ids.len()) {
+                if !slots.done[t * k + slot] {
+                    continue;
+                }
+                let wt = route.weights[slot];
+                let y = &slots.outs[(t * k + slot) * lat..(t * k + slot + 1) * lat];
+                for (a, &y) in a.iter_mut().zip(y) {
+                    *a += wt * y;
+                }
+            }
+            if let Some(nw) = &self.norm {
+                norm::rmsnorm_inplace(a, Some(nw), ctx.eps.rms);
+            }
+        }
+        // z = r + sh, added in f64 from the unrounded products and rounded once (the two
+        // halves are often large and nearly cancelling).
+        let mut z = vec![0f64; ntok * p.hidden];
+        gemm64(&self.up, &agg, &mut z, ntok, ctx.threads);
+        z.iter().zip(sh).map(|(a, b)| (a + b) as f32).collect()
+    }
 }
 
 impl<W: Weights> Model<W> {
@@ -317,7 +427,6 @@ impl<W: Weights> Model<W> {
             renormalize: c.moe_renormalize,
             routed_scale: c.routed_scaling_factor,
             situ: self.situ(),
-            eps: self.eps.rms,
         }
     }
     pub(crate) fn situ(&self) -> Situ {
