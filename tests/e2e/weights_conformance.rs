@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use k3_layer_compute::links::StagedWeights;
+use k3_layer_compute::links::{LoaderLinks, StagedWeights};
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
 use k3_protocol::conf::{FetcherConf, TrunkConf};
@@ -179,12 +179,15 @@ fn staged(model: &Path, trunk_dir: Option<PathBuf>, layers: usize) -> (StagedWei
     }
     let region = |name: &str| cctx.regions.get(cctx.data[name]).unwrap().clone();
     let (tr, er) = (region("trunk"), region("experts"));
+    let links = LoaderLinks {
+        trunk: cctx.take_link(Stage::TrunkLoader).unwrap(),
+        trunk_region: tr,
+        fetch: cctx.take_link(Stage::ExpertFetcher).unwrap(),
+        expert_region: er,
+    };
     let w = StagedWeights::new(
         MmapWeights::open(model).unwrap(),
-        tr,
-        er,
-        cctx.take_link(Stage::TrunkLoader).unwrap(),
-        cctx.take_link(Stage::ExpertFetcher).unwrap(),
+        links,
         layers,
         Some(T),
         Rec::default(),

@@ -1,26 +1,27 @@
 //! `Weights` over links: the forward pass over weights other stages own.
 //!
+//! [`StagedWeights`] implements [`crate::Weights`] over the loaders' links
+//! ([`LoaderLinks`]): a pass starts with `StartPass`; `begin_layer(l)` waits for the
+//! trunk-loader's `LayerReady{l}` and maps its tensors in place (handles into the trunk
+//! region, never copied); `end_layer(l)` says `LayerDone`; `experts(layer, ids)` sends
+//! `Experts` (unless `announce_experts` already has), delivers the experts to the forward
+//! as their `ExpertReady` land, in whatever order the reads finish (each delivery takes
+//! every `ExpertReady` already waiting: a batch's hits come in one burst), and gives each
+//! slot back (`ExpertsDone`, one per expert) as soon as that delivery returns. The forward
+//! keeps one output per top-k slot and sums them in top-k order, so ids do not depend on
+//! arrival order.
+//!
 //! When the budget cannot hold a whole layer the trunk-loader sends a layer's parts instead
 //! (`PartReady`, one per use phase, in use order): `begin_layer` maps the first, `tensor`
 //! waits for the part that holds a name, `end_phase` gives every part held back
 //! (`PartDone`), and `end_layer` gives back the rest, so compute never holds more than one
 //! phase of a layer.
 //!
-//! [`StagedWeights`] implements [`crate::Weights`] over the links: a pass starts
-//! with `StartPass`; `begin_layer(l)` waits for the trunk-loader's `LayerReady{l}` and maps
-//! its tensors in place (handles into the trunk region, never copied); `end_layer(l)` says
-//! `LayerDone`; `experts(layer, ids)` sends `Experts`, delivers the experts to the
-//! forward as their `ExpertReady` land, in whatever order the reads finish (each
-//! delivery takes every `ExpertReady` already waiting: a batch's hits come in one burst),
-//! and gives each slot back (`ExpertsDone`, one per expert) as soon as that delivery
-//! returns. The forward keeps
-//! one output per top-k slot and sums them in top-k order, so ids do not depend on arrival
-//! order. Model-level tensors (embeddings, lm_head, final norms) are this stage's own,
-//! mapped from the shards, so its cgroup pays for them together with the KV cache, the
-//! recurrent state and the scratch.
-
-// Tuples of catalog fields are clearer here than one-off structs.
-#![allow(clippy::type_complexity)]
+//! Model-level tensors are this stage's own, so its cgroup pays for them together with the
+//! KV cache, the recurrent state and the scratch: the final norms mapped from the shards,
+//! the embedding read a row per token and the lm_head held or read in chunks
+//! ([`StagedWeights::with_model_stream`], [`crate::model_stream`]; without it, both
+//! mapped).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -35,6 +36,7 @@ use k3_protocol::messages::{Msg, Stage};
 use k3_protocol::shm::{Handle, Region};
 
 use k3_protocol::link::{recv_from, send_to, Link, Rec};
+use k3_protocol::transport::Transport;
 
 /// One tensor of one routed expert, relative to the expert's first byte.
 #[derive(Clone, Debug)]
@@ -93,54 +95,66 @@ pub struct StagedWeights {
     announced: RefCell<Option<(u64, usize, Vec<u32>)>>,
 }
 
+/// The two loaders' links and the shared-memory regions they publish into, as the stage is
+/// handed them.
+pub struct LoaderLinks {
+    /// The trunk-loader's link, and its region (layers or their parts).
+    pub trunk: Link,
+    pub trunk_region: Arc<Region>,
+    /// The expert-fetcher's link, and its region (expert slots).
+    pub fetch: Link,
+    pub expert_region: Arc<Region>,
+}
+
 impl StagedWeights {
-    #[allow(clippy::too_many_arguments)]
+    /// `Weights` over `links` for the first `n_layers` layers of `model` (whose catalog
+    /// gives every trunk tensor's dtype and shape and every expert's layout); `timeout`
+    /// bounds each wait on a link; `rec` records what is read (`--record`).
     pub fn new(
         model: MmapWeights,
-        trunk_region: Arc<Region>,
-        expert_region: Arc<Region>,
-        trunk: Link,
-        fetch: Link,
+        links: LoaderLinks,
         n_layers: usize,
         timeout: Option<Duration>,
         rec: Rec,
     ) -> Self {
         let mut meta = HashMap::new();
-        let mut parts: HashMap<(u32, u32), Vec<(String, Dtype, Vec<usize>, u64, u64)>> =
-            HashMap::new();
+        // Each expert's parts with their absolute offsets, rebased below.
+        let mut parts: HashMap<(u32, u32), Vec<RelPart>> = HashMap::new();
         for (name, e) in model.catalog().iter() {
             if split_layer(name.as_str()).is_none() {
                 continue;
             }
             if let Some((l, e_id, suffix)) = split_expert(name.as_str()) {
-                parts.entry((l as u32, e_id as u32)).or_default().push((
-                    suffix.to_string(),
-                    e.dtype,
-                    e.shape.to_vec(),
-                    e.offset,
-                    e.len,
-                ));
+                parts
+                    .entry((l as u32, e_id as u32))
+                    .or_default()
+                    .push(RelPart {
+                        suffix: suffix.to_string(),
+                        dtype: e.dtype,
+                        shape: e.shape.to_vec(),
+                        offset: e.offset,
+                        len: e.len,
+                    });
             } else {
                 meta.insert(name.clone(), (e.dtype, e.shape.to_vec()));
             }
         }
         let experts = parts
             .into_iter()
-            .map(|(k, v)| {
-                let start = v.iter().map(|p| p.3).min().unwrap_or(0);
-                let list = v
-                    .into_iter()
-                    .map(|(suffix, dtype, shape, off, len)| RelPart {
-                        suffix,
-                        dtype,
-                        shape,
-                        offset: off - start,
-                        len,
-                    })
-                    .collect();
-                (k, list)
+            .map(|(k, mut v)| {
+                let start = v.iter().map(|p| p.offset).min().unwrap_or(0);
+                for p in &mut v {
+                    p.offset -= start;
+                }
+                (k, v)
             })
             .collect();
+        let LoaderLinks {
+            trunk,
+            trunk_region,
+            fetch,
+            expert_region,
+        } = links;
         StagedWeights {
             model,
             trunk_region,
@@ -600,7 +614,7 @@ impl StagedWeights {
     /// Ask the fetcher for a layer's batch of experts in this pass.
     fn send_experts(
         &self,
-        link: &mut dyn k3_protocol::transport::Transport,
+        link: &mut dyn Transport,
         layer: usize,
         ids: &[u32],
     ) -> Result<(), String> {
@@ -636,215 +650,290 @@ impl StagedWeights {
         ids: &[u32],
         deliver: &mut dyn for<'b> FnMut(Delivery<'b>),
     ) {
-        let pass = self.pass.get();
-        let mut delivered = vec![false; ids.len()];
-        let fail_all =
-            |deliver: &mut dyn for<'b> FnMut(Delivery<'b>), delivered: &mut [bool], msg: &str| {
-                let left: Delivery<'_> = delivered
-                    .iter_mut()
-                    .enumerate()
-                    .filter(|(_, d)| !**d)
-                    .map(|(i, d)| {
-                        *d = true;
-                        let name = format!("layer {layer} expert {}", ids[i]);
-                        let msg = msg.to_string();
-                        (i, Err(WeightError::Io { name, msg }))
-                    })
-                    .collect();
-                if !left.is_empty() {
-                    deliver(left);
-                }
-            };
+        let mut req = Pending {
+            pass: self.pass.get(),
+            layer,
+            ids,
+            delivered: vec![false; ids.len()],
+        };
         // Already requested by `announce_experts` (the same batch): only collect it. A
         // different batch than announced cannot happen with the forward in this crate; if
         // it did, the announced one would be answered first and this one fail as
         // unexpected, so it is refused plainly instead.
         let sent = match self.announced.borrow_mut().take() {
-            Some((p, l, a)) if p == pass && l == layer && a == ids => true,
+            Some((p, l, a)) if p == req.pass && l == layer && a == ids => true,
             Some((p, l, _)) => {
                 let e = format!(
                     "internal: experts of layer {layer} asked for, but the batch announced was \
                      layer {l} (pass {p}) with other ids"
                 );
-                self.link_error.borrow_mut().get_or_insert(e.clone());
-                fail_all(deliver, &mut delivered, &e);
+                self.fail_request(&mut req, deliver, e);
                 return;
             }
             None => false,
         };
         let mut link = self.fetch.borrow_mut();
-        let r = if sent {
-            Ok(())
-        } else {
-            self.send_experts(&mut **link, layer, ids)
-        };
-        if let Err(e) = r {
-            self.link_error.borrow_mut().get_or_insert(e.clone());
-            fail_all(deliver, &mut delivered, &e);
-            return;
+        if !sent {
+            if let Err(e) = self.send_experts(&mut **link, layer, ids) {
+                self.fail_request(&mut req, deliver, e);
+                return;
+            }
         }
-        // The fetcher holds a published slot until our ExpertsDone for it, sent as soon as
-        // the delivery holding its expert has returned (or at once for one we do not use).
-        let release = |link: &mut dyn k3_protocol::transport::Transport, id: u32| {
-            let m = Msg::ExpertsDone {
-                pass,
-                layer: layer as u32,
-                ids: vec![id],
-            };
-            if let Err(e) = send_to(
-                link,
-                Stage::LayerCompute,
-                Stage::ExpertFetcher,
-                &m,
-                self.timeout,
-            ) {
-                self.link_error.borrow_mut().get_or_insert(e);
-            }
-        };
         loop {
-            let t0 = Instant::now();
-            let first = recv_from(
-                &mut **link,
-                Stage::LayerCompute,
-                Stage::ExpertFetcher,
-                self.timeout,
-            );
-            let dt = t0.elapsed().as_secs_f64();
-            self.bump(|c| c.wait_seconds += dt);
-            // Whatever else has already arrived joins this delivery.
-            let mut msgs = vec![first];
-            while let Some(Ok(Msg::ExpertReady { .. } | Msg::ExpertFailed { .. })) = msgs.last() {
-                match link.recv(Some(Duration::ZERO)) {
-                    Ok(m) => msgs.push(Ok(m)),
-                    // Nothing waiting, or a failing link: the next blocking receive says why.
-                    Err(_) => break,
-                }
-            }
-            let mut batch: Delivery<'_> = Vec::with_capacity(msgs.len());
-            let mut held: Vec<u32> = Vec::with_capacity(msgs.len());
-            let mut end = None;
-            for m in msgs {
-                match m {
-                    Ok(Msg::ExpertReady {
-                        pass: p,
-                        layer: l,
-                        id,
-                        handle,
-                    }) if p == pass && l as usize == layer => {
-                        let Some(slot) = ids.iter().position(|&x| x == id) else {
-                            release(&mut **link, id);
-                            continue;
-                        };
-                        if delivered[slot] {
-                            release(&mut **link, id);
-                            continue;
-                        }
-                        delivered[slot] = true;
-                        if self.rec.on() {
-                            // SAFETY: as below.
-                            if let Ok(b) = unsafe { self.expert_region.resolve(&handle) } {
-                                if let Err(e) = self.rec.buffer(&handle, b) {
-                                    self.link_error.borrow_mut().get_or_insert(e);
-                                }
-                            }
-                        }
-                        let r = (|| {
-                            let parts = self.experts.get(&(layer as u32, id)).ok_or_else(|| {
-                                WeightError::Missing(format!("layer {layer} expert {id}"))
-                            })?;
-                            // SAFETY: the fetcher holds this expert's slot (never rewrites
-                            // it) until our ExpertsDone for it, which we send only after the
-                            // delivery holding it has returned.
-                            let bytes =
-                                unsafe { self.expert_region.resolve(&handle) }.map_err(|e| {
-                                    WeightError::Invalid {
-                                        name: format!("layer {layer} expert {id}"),
-                                        msg: e.to_string(),
-                                    }
-                                })?;
-                            Ok(ExpertRef {
-                                w1: self.expert_tensor(bytes, parts, "w1")?,
-                                w2: self.expert_tensor(bytes, parts, "w2")?,
-                                w3: self.expert_tensor(bytes, parts, "w3")?,
-                            })
-                        })();
-                        batch.push((slot, r));
-                        held.push(id);
-                    }
-                    Ok(Msg::ExpertFailed {
-                        pass: p,
-                        layer: l,
-                        id,
-                        error,
-                    }) if p == pass && l as usize == layer => {
-                        if let Some(slot) = ids.iter().position(|&x| x == id) {
-                            if !delivered[slot] {
-                                delivered[slot] = true;
-                                // The fetcher's message already names the expert and says
-                                // "read failed"; keep only its cause.
-                                let msg = error
-                                    .strip_prefix(&format!(
-                                        "layer {layer} expert {id}: read failed: "
-                                    ))
-                                    .map(str::to_string)
-                                    .unwrap_or(error);
-                                let name = format!("layer {layer} expert {id}");
-                                batch.push((slot, Err(WeightError::Io { name, msg })));
-                            }
-                        }
-                    }
-                    // The batch's end, or a failure: handled once this delivery is done.
-                    other => {
-                        end = Some(other);
-                        break;
-                    }
-                }
-            }
-            if !batch.is_empty() {
-                deliver(batch);
+            let msgs = self.recv_burst(&mut **link);
+            let burst = self.take_burst(&mut req, msgs, &mut **link);
+            if !burst.delivery.is_empty() {
+                deliver(burst.delivery);
             }
             // An `ExpertRef` cannot outlive its delivery (its lifetime is the callback's):
             // no byte of these experts is read again.
-            for id in held {
-                release(&mut **link, id);
+            for id in burst.held {
+                self.release_expert(&mut **link, &req, id);
             }
-            match end {
-                None => {}
-                Some(Ok(Msg::ExpertBatchDone {
-                    pass: p,
-                    layer: l,
-                    requests,
-                    resident_hits,
-                    failed,
-                    read_bytes,
-                    io_seconds,
-                })) if p == pass && l as usize == layer => {
-                    self.bump(|c| {
-                        c.expert_requests += requests;
-                        c.resident_hits += resident_hits;
-                        c.expert_failed += failed;
-                        c.expert_read_bytes += read_bytes;
-                        c.expert_io_seconds += io_seconds;
-                    });
-                    fail_all(
-                        deliver,
-                        &mut delivered,
-                        "the fetcher finished the batch without it",
-                    );
-                    return;
-                }
-                Some(Ok(other)) => {
-                    let e = format!("unexpected message from expert-fetcher: {other:?}");
-                    self.link_error.borrow_mut().get_or_insert(e.clone());
-                    fail_all(deliver, &mut delivered, &e);
-                    return;
-                }
-                Some(Err(e)) => {
-                    self.link_error.borrow_mut().get_or_insert(e.clone());
-                    fail_all(deliver, &mut delivered, &e);
-                    return;
-                }
+            if let Some(end) = burst.end {
+                self.finish_request(&mut req, deliver, end);
+                return;
             }
         }
     }
+
+    /// Record a link failure and fail every slot of `req` not yet delivered with it.
+    fn fail_request(
+        &self,
+        req: &mut Pending<'_>,
+        deliver: &mut dyn for<'b> FnMut(Delivery<'b>),
+        e: String,
+    ) {
+        self.link_error.borrow_mut().get_or_insert(e.clone());
+        req.fail_rest(deliver, &e);
+    }
+
+    /// The next message from the fetcher (waiting for it), and every `ExpertReady` or
+    /// `ExpertFailed` that has already arrived behind it: one delivery's worth.
+    fn recv_burst(&self, link: &mut dyn Transport) -> Vec<Result<Msg, String>> {
+        let t0 = Instant::now();
+        let first = recv_from(
+            link,
+            Stage::LayerCompute,
+            Stage::ExpertFetcher,
+            self.timeout,
+        );
+        let dt = t0.elapsed().as_secs_f64();
+        self.bump(|c| c.wait_seconds += dt);
+        let mut msgs = vec![first];
+        while let Some(Ok(Msg::ExpertReady { .. } | Msg::ExpertFailed { .. })) = msgs.last() {
+            match link.recv(Some(Duration::ZERO)) {
+                Ok(m) => msgs.push(Ok(m)),
+                // Nothing waiting, or a failing link: the next blocking receive says why.
+                Err(_) => break,
+            }
+        }
+        msgs
+    }
+
+    /// Turn a burst of the fetcher's messages for `req` into one delivery: each expert
+    /// ready for a slot still open is bound (its slot held until the delivery returns),
+    /// each failed one becomes its slot's error, and an expert not (or no longer) asked for
+    /// is given back at once. The first other message ends the burst (and the request).
+    fn take_burst<'a>(
+        &'a self,
+        req: &mut Pending<'_>,
+        msgs: Vec<Result<Msg, String>>,
+        link: &mut dyn Transport,
+    ) -> Burst<'a> {
+        let (pass, layer) = (req.pass, req.layer);
+        let mut burst = Burst {
+            delivery: Vec::with_capacity(msgs.len()),
+            held: Vec::with_capacity(msgs.len()),
+            end: None,
+        };
+        for m in msgs {
+            match m {
+                Ok(Msg::ExpertReady {
+                    pass: p,
+                    layer: l,
+                    id,
+                    handle,
+                }) if p == pass && l as usize == layer => {
+                    let Some(slot) = req.claim(id) else {
+                        self.release_expert(link, req, id);
+                        continue;
+                    };
+                    self.record_expert(&handle);
+                    burst
+                        .delivery
+                        .push((slot, self.bind_expert(layer, id, &handle)));
+                    burst.held.push(id);
+                }
+                Ok(Msg::ExpertFailed {
+                    pass: p,
+                    layer: l,
+                    id,
+                    error,
+                }) if p == pass && l as usize == layer => {
+                    if let Some(slot) = req.claim(id) {
+                        // The fetcher's message already names the expert and says "read
+                        // failed"; keep only its cause.
+                        let msg = error
+                            .strip_prefix(&format!("layer {layer} expert {id}: read failed: "))
+                            .map(str::to_string)
+                            .unwrap_or(error);
+                        let name = format!("layer {layer} expert {id}");
+                        burst
+                            .delivery
+                            .push((slot, Err(WeightError::Io { name, msg })));
+                    }
+                }
+                // The batch's end, or a failure: handled once this delivery is done.
+                other => {
+                    burst.end = Some(other);
+                    break;
+                }
+            }
+        }
+        burst
+    }
+
+    /// Log a published expert's bytes to the recorder (`--record`), when recording.
+    fn record_expert(&self, handle: &Handle) {
+        if !self.rec.on() {
+            return;
+        }
+        // SAFETY: as in `bind_expert`: the fetcher holds the slot until our ExpertsDone.
+        if let Ok(b) = unsafe { self.expert_region.resolve(handle) } {
+            if let Err(e) = self.rec.buffer(handle, b) {
+                self.link_error.borrow_mut().get_or_insert(e);
+            }
+        }
+    }
+
+    /// Map the published expert `id` of `layer` and bind its three projections.
+    fn bind_expert(
+        &self,
+        layer: usize,
+        id: u32,
+        handle: &Handle,
+    ) -> Result<ExpertRef<'_>, WeightError> {
+        let parts = self
+            .experts
+            .get(&(layer as u32, id))
+            .ok_or_else(|| WeightError::Missing(format!("layer {layer} expert {id}")))?;
+        // SAFETY: the fetcher holds this expert's slot (never rewrites it) until our
+        // ExpertsDone for it, which we send only after the delivery holding it has returned.
+        let bytes =
+            unsafe { self.expert_region.resolve(handle) }.map_err(|e| WeightError::Invalid {
+                name: format!("layer {layer} expert {id}"),
+                msg: e.to_string(),
+            })?;
+        Ok(ExpertRef {
+            w1: self.expert_tensor(bytes, parts, "w1")?,
+            w2: self.expert_tensor(bytes, parts, "w2")?,
+            w3: self.expert_tensor(bytes, parts, "w3")?,
+        })
+    }
+
+    /// Give expert `id`'s slot back to the fetcher (`ExpertsDone`): it holds a published
+    /// slot until then, which is sent as soon as the delivery holding the expert has
+    /// returned (or at once for one we do not use).
+    fn release_expert(&self, link: &mut dyn Transport, req: &Pending<'_>, id: u32) {
+        let m = Msg::ExpertsDone {
+            pass: req.pass,
+            layer: req.layer as u32,
+            ids: vec![id],
+        };
+        if let Err(e) = send_to(
+            link,
+            Stage::LayerCompute,
+            Stage::ExpertFetcher,
+            &m,
+            self.timeout,
+        ) {
+            self.link_error.borrow_mut().get_or_insert(e);
+        }
+    }
+
+    /// The message that ended `req`: on its `ExpertBatchDone`, add the fetcher's counters
+    /// and fail every slot it never sent; on anything else, fail the request with it.
+    fn finish_request(
+        &self,
+        req: &mut Pending<'_>,
+        deliver: &mut dyn for<'b> FnMut(Delivery<'b>),
+        end: Result<Msg, String>,
+    ) {
+        match end {
+            Ok(Msg::ExpertBatchDone {
+                pass: p,
+                layer: l,
+                requests,
+                resident_hits,
+                failed,
+                read_bytes,
+                io_seconds,
+            }) if p == req.pass && l as usize == req.layer => {
+                self.bump(|c| {
+                    c.expert_requests += requests;
+                    c.resident_hits += resident_hits;
+                    c.expert_failed += failed;
+                    c.expert_read_bytes += read_bytes;
+                    c.expert_io_seconds += io_seconds;
+                });
+                req.fail_rest(deliver, "the fetcher finished the batch without it");
+            }
+            Ok(other) => {
+                let e = format!("unexpected message from expert-fetcher: {other:?}");
+                self.fail_request(req, deliver, e);
+            }
+            Err(e) => self.fail_request(req, deliver, e),
+        }
+    }
+}
+
+/// One `Experts` request being answered: which of its slots have been delivered.
+struct Pending<'i> {
+    pass: u64,
+    layer: usize,
+    ids: &'i [u32],
+    delivered: Vec<bool>,
+}
+
+impl Pending<'_> {
+    /// The slot of expert `id` when it is asked for and not delivered yet (it is from now).
+    fn claim(&mut self, id: u32) -> Option<usize> {
+        let slot = self.ids.iter().position(|&x| x == id)?;
+        if self.delivered[slot] {
+            return None;
+        }
+        self.delivered[slot] = true;
+        Some(slot)
+    }
+
+    /// Deliver every slot not delivered yet as failed with `msg`.
+    fn fail_rest(&mut self, deliver: &mut dyn for<'b> FnMut(Delivery<'b>), msg: &str) {
+        let (layer, ids) = (self.layer, self.ids);
+        let left: Delivery<'_> = self
+            .delivered
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, d)| !**d)
+            .map(|(i, d)| {
+                *d = true;
+                let name = format!("layer {layer} expert {}", ids[i]);
+                let msg = msg.to_string();
+                (i, Err(WeightError::Io { name, msg }))
+            })
+            .collect();
+        if !left.is_empty() {
+            deliver(left);
+        }
+    }
+}
+
+/// What one burst of the fetcher's messages gives ([`StagedWeights::take_burst`]).
+struct Burst<'a> {
+    /// The experts to deliver together (or their slots' errors).
+    delivery: Delivery<'a>,
+    /// The ids whose slots the delivery holds, given back once it returns.
+    held: Vec<u32>,
+    /// The message that ended the burst and the request (the batch's end, or a failure).
+    end: Option<Result<Msg, String>>,
 }

@@ -1,5 +1,5 @@
 //! The layer-compute stage's process loop: configure, then run the one decode loop
-//! ([`crate::decode::decode_loop`]) over [`StagedWeights`], streaming each id to the
+//! ([`crate::decode::decode_resumed`]) over [`StagedWeights`], streaming each id to the
 //! tokenizer and each step's statistics to the orchestrator. A warm stage (`serve`, `chat`:
 //! `ComputeConf::warm`) runs request after request (`Generate` ... `RequestDone` on the
 //! control socket) on the same model, keeping session states for prefix reuse, until
@@ -7,11 +7,13 @@
 //! `/save` and `/load` (`SaveState` / `LoadState`, answered by `StateDone`). Between steps
 //! it reads `StopRequest` (a stop string, a client gone).
 //!
-//! Model-level tensors (embeddings, lm_head, final norms) are this stage's own, mapped from
-//! the shards, so its cgroup pays for them together with the KV cache, the recurrent state
-//! and the scratch. The matrix products run on a rayon pool of `threads` workers built here,
+//! Model-level tensors (embeddings, lm_head, final norms) are this stage's own (the
+//! embedding read a row per token, the lm_head held or read in chunks: `crate::links`), so
+//! its cgroup pays for them together with the KV cache, the recurrent state and the
+//! scratch. The matrix products run on a rayon pool of `threads` workers built here,
 //! inside this process (whose CPU affinity k3-orch has already set).
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,14 +21,14 @@ use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
 use k3_protocol::conf::ComputeConf;
 use k3_protocol::link::{send_to, Link, StageCtx};
-use k3_protocol::messages::{Msg, Stage, StepStats};
+use k3_protocol::messages::{GenRequest, Msg, Stage, StepStats};
 use k3_protocol::shm::Region;
 
 use crate::decode::{
     decode_resumed, decode_session, LoopOptions, PrefixCache, Resume, Step, StepHooks,
 };
-use crate::forward::{Model, ModelOptions};
-use crate::links::StagedWeights;
+use crate::forward::{Model, ModelOptions, Session};
+use crate::links::{LoaderLinks, StagedWeights};
 use crate::state::Start;
 
 /// Run the layer-compute stage until generation is finished.
@@ -182,24 +184,17 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> 
         .unwrap_or(cfg.num_hidden_layers)
         .min(cfg.num_hidden_layers);
     let model_w = MmapWeights::open(&conf.model_dir).map_err(|e| format!("layer-compute: {e}"))?;
-    let trunk_region = region(ctx, "trunk")?;
-    let expert_region = region(ctx, "experts")?;
-    let trunk = ctx.take_link(Stage::TrunkLoader)?;
-    let fetch = ctx.take_link(Stage::ExpertFetcher)?;
+    let links = LoaderLinks {
+        trunk_region: region(ctx, "trunk")?,
+        expert_region: region(ctx, "experts")?,
+        trunk: ctx.take_link(Stage::TrunkLoader)?,
+        fetch: ctx.take_link(Stage::ExpertFetcher)?,
+    };
     let mut tok = ctx.take_link(Stage::Tokenizer)?;
     let timeout = Some(Duration::from_secs_f64(conf.io_timeout_s));
-    let weights = StagedWeights::new(
-        model_w,
-        trunk_region,
-        expert_region,
-        trunk,
-        fetch,
-        n_layers,
-        timeout,
-        ctx.rec.clone(),
-    )
-    .with_model_stream(conf.lm_head_chunk_bytes, conf.lm_head_held_bytes)
-    .map_err(|e| format!("layer-compute: {e}"))?;
+    let weights = StagedWeights::new(model_w, links, n_layers, timeout, ctx.rec.clone())
+        .with_model_stream(conf.lm_head_chunk_bytes, conf.lm_head_held_bytes)
+        .map_err(|e| format!("layer-compute: {e}"))?;
     let model = Model::new(
         cfg,
         &weights,
@@ -280,29 +275,34 @@ fn serve_requests(
     timeout: Option<Duration>,
     prefill_chunk: Option<usize>,
 ) -> Result<(), String> {
-    let mut cache = PrefixCache::new(0);
+    let mut warm = Warm {
+        ctx,
+        model,
+        weights,
+        tok,
+        timeout,
+        prefill_chunk,
+        cache: PrefixCache::new(0),
+    };
     loop {
         let (m, _) = ctx
             .control
             .recv(None)
             .map_err(|e| format!("layer-compute: control: {e}"))?;
-        let r = match m {
-            Msg::Generate(r) => r,
+        match m {
+            Msg::Generate(r) => {
+                if warm.request(r)? {
+                    return Ok(());
+                }
+            }
             Msg::SaveState {
                 req,
                 path,
                 fingerprint,
                 tokens,
             } => {
-                let res = crate::state::encode_prefix(&mut cache, &tokens, &fingerprint).and_then(
-                    |(bytes, n)| {
-                        k3_io::output::write_atomic(&path, &bytes)
-                            .map(|()| n)
-                            .map_err(|e| format!("{}: {e}", path.display()))
-                    },
-                );
+                let res = warm.save(&path, &fingerprint, &tokens);
                 ctx.send_control(&state_done(req, res))?;
-                continue;
             }
             Msg::LoadState {
                 req,
@@ -311,63 +311,53 @@ fn serve_requests(
                 tokens,
                 cache_entries,
             } => {
-                let res = crate::state::read(&path)
-                    .map_err(|e| e.trim_start_matches("--load-state ").to_string())
-                    .and_then(|b| crate::state::decode_prefix(&b, &fingerprint, model, &tokens))
-                    .map(|(key, sess)| {
-                        let n = key.len();
-                        cache.cap = cache_entries as usize;
-                        cache.insert(key, sess);
-                        n
-                    });
+                let res = warm.load(&path, &fingerprint, &tokens, cache_entries);
                 ctx.send_control(&state_done(req, res))?;
-                continue;
             }
             Msg::Shutdown => return Ok(()),
             // A stop that arrived after its request had ended.
-            Msg::StopRequest { .. } | Msg::Ping { .. } => continue,
+            Msg::StopRequest { .. } | Msg::Ping { .. } => {}
             other => {
                 return Err(format!(
                     "layer-compute: unexpected {other:?} between requests"
                 ))
             }
-        };
-        cache.cap = r.cache_entries as usize;
-        let (cached, mut sess) = cache
+        }
+    }
+}
+
+/// A warm stage between requests: the model and links it runs on, and the session states
+/// kept for prefix reuse.
+struct Warm<'a> {
+    ctx: &'a StageCtx,
+    model: &'a Model<&'a StagedWeights>,
+    weights: &'a StagedWeights,
+    tok: &'a mut Link,
+    timeout: Option<Duration>,
+    prefill_chunk: Option<usize>,
+    cache: PrefixCache,
+}
+
+impl Warm<'_> {
+    /// Run one request (`Generate`) from `RequestStarted` to `RequestDone`. True when a
+    /// `Shutdown` came during it (the stage ends after it).
+    fn request(&mut self, r: GenRequest) -> Result<bool, String> {
+        let (ctx, model) = (self.ctx, self.model);
+        self.cache.cap = r.cache_entries as usize;
+        let (cached, mut sess) = self
+            .cache
             .lookup(&r.prompt)
             .unwrap_or_else(|| (0, model.new_session()));
         ctx.send_control(&Msg::RequestStarted {
             req: r.req,
             cached_tokens: cached as u32,
         })?;
-        let mut fed = cached;
-        let mut snapshot_failures = 0u64;
-        if let Some(b) = r
-            .snapshot_at
-            .map(|b| b as usize)
-            .filter(|&b| b > cached && b < r.prompt.len())
-        {
-            let _ = weights.take_io();
-            let res = model.prefill_chunked(&mut sess, &r.prompt[cached..b], prefill_chunk);
-            if let Some(e) = weights.take_link_error() {
-                return Err(e);
-            }
-            let out = res.map_err(|e| format!("layer-compute: forward pass failed: {e}"))?;
-            for m in &out.stats.failure_msgs {
-                tracing::warn!("layer-compute: {m}");
-            }
-            // A state computed without some of its experts is never kept.
-            snapshot_failures = out.stats.expert_failures as u64;
-            if snapshot_failures == 0 {
-                cache.insert(r.prompt[..b].to_vec(), sess.clone());
-            }
-            fed = b;
-        }
+        let (fed, snapshot_failures) = self.snapshot(&r, &mut sess, cached)?;
         let mut hooks = Staged {
             ctx,
-            weights,
-            tok,
-            timeout,
+            weights: self.weights,
+            tok: &mut *self.tok,
+            timeout: self.timeout,
             req: r.req,
             stop: false,
             shutdown: false,
@@ -384,27 +374,91 @@ fn serve_requests(
                 sampler: r.sampler,
                 stop_ids: &r.stop_ids,
                 dump_logits: None,
-                prefill_chunk,
+                prefill_chunk: self.prefill_chunk,
             },
             &mut hooks,
         )
         .map_err(|e| format!("layer-compute: {e}"))?;
-        let shutdown = hooks.shutdown;
+        let (shutdown, failures) = (hooks.shutdown, hooks.failures);
         // The session has consumed the prompt and every generated id but the last; it is
         // kept only when every expert of every step was there.
-        if hooks.failures == 0 {
+        if failures == 0 {
             let mut seq = r.prompt.clone();
             seq.extend_from_slice(&generated);
             seq.pop();
-            cache.insert(seq, sess);
+            self.cache.insert(seq, sess);
         }
         ctx.send_control(&Msg::RequestDone {
             req: r.req,
             generated,
         })?;
-        if shutdown {
-            return Ok(());
+        Ok(shutdown)
+    }
+
+    /// Prefill `sess` (which has consumed the first `cached` prompt tokens) up to the
+    /// request's `snapshot_at` when that lies inside the prompt, and keep the state there
+    /// (unless an expert failed to load). Returns the prompt tokens fed so far and the
+    /// routed experts that failed in this prefill.
+    fn snapshot(
+        &mut self,
+        r: &GenRequest,
+        sess: &mut Session,
+        cached: usize,
+    ) -> Result<(usize, u64), String> {
+        let Some(b) = r
+            .snapshot_at
+            .map(|b| b as usize)
+            .filter(|&b| b > cached && b < r.prompt.len())
+        else {
+            return Ok((cached, 0));
+        };
+        let _ = self.weights.take_io();
+        let res = self
+            .model
+            .prefill_chunked(sess, &r.prompt[cached..b], self.prefill_chunk);
+        if let Some(e) = self.weights.take_link_error() {
+            return Err(e);
         }
+        let out = res.map_err(|e| format!("layer-compute: forward pass failed: {e}"))?;
+        for m in &out.stats.failure_msgs {
+            tracing::warn!("layer-compute: {m}");
+        }
+        // A state computed without some of its experts is never kept.
+        let failures = out.stats.expert_failures as u64;
+        if failures == 0 {
+            self.cache.insert(r.prompt[..b].to_vec(), sess.clone());
+        }
+        Ok((b, failures))
+    }
+
+    /// `SaveState`: write the kept state that `tokens` start with to `path`; the tokens it
+    /// holds.
+    fn save(&mut self, path: &Path, fingerprint: &str, tokens: &[u32]) -> Result<usize, String> {
+        crate::state::encode_prefix(&mut self.cache, tokens, fingerprint).and_then(|(bytes, n)| {
+            k3_io::output::write_atomic(path, &bytes)
+                .map(|()| n)
+                .map_err(|e| format!("{}: {e}", path.display()))
+        })
+    }
+
+    /// `LoadState`: read the state file `path`, check it against the model and `tokens`,
+    /// and keep it (the cache then holds `cache_entries`); the tokens it holds.
+    fn load(
+        &mut self,
+        path: &Path,
+        fingerprint: &str,
+        tokens: &[u32],
+        cache_entries: u32,
+    ) -> Result<usize, String> {
+        crate::state::read(path)
+            .map_err(|e| e.trim_start_matches("--load-state ").to_string())
+            .and_then(|b| crate::state::decode_prefix(&b, fingerprint, self.model, tokens))
+            .map(|(key, sess)| {
+                let n = key.len();
+                self.cache.cap = cache_entries as usize;
+                self.cache.insert(key, sess);
+                n
+            })
     }
 }
 
