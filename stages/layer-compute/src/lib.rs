@@ -1,6 +1,7 @@
 //! `k3-layer-compute`: every Kimi K3 kernel and the whole forward pass.
 //!
-//! - [`kernels`]: portable reference kernels (and bit-identical AVX2 GEMVs).
+//! - [`kernels`]: the kernels: a portable reference beside AVX2 and AVX-512 paths, all
+//!   bit-identical (the path is chosen at run time from the CPU's features).
 //! - [`modules`]: one file per module (KDA, MLA, latent MoE, dense MLP, AttnRes), each with
 //!   its forward over a token batch and its weight binding.
 //! - [`weights`]: the [`weights::Weights`] trait through which the forward receives its
@@ -17,17 +18,12 @@
 //! - [`stage`]: the layer-compute stage's process loop.
 //! - [`state`]: saved session states (`--save-state` / `--load-state`).
 
-// Kernels spell out their loops by index on purpose: the index order IS the documented
-// reduction order. Layer modules take many plain arguments rather than ad-hoc structs, and
-// per-layer weight bundles are short-lived enums of different sizes.
-#![allow(
-    clippy::needless_range_loop,
-    clippy::too_many_arguments,
-    clippy::large_enum_variant
-)]
-
 pub mod decode;
 pub mod forward;
+// Kernels spell out their loops by index on purpose (the index order IS the documented
+// reduction order), and a kernel entry point takes its operands and strides as plain
+// arguments.
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 pub mod kernels;
 pub mod links;
 pub mod membw;

@@ -148,8 +148,8 @@ pub fn encode(
         p.extend_from_slice(&t.to_le_bytes());
     }
     p.extend_from_slice(&(kda.len() as u32).to_le_bytes());
-    for l in 0..kda.len() {
-        match (&kda[l], mla.get(l).and_then(Option::as_ref)) {
+    for (l, k) in kda.iter().enumerate() {
+        match (k, mla.get(l).and_then(Option::as_ref)) {
             (Some(s), _) => {
                 p.push(1);
                 for v in [&s.s, &s.conv_q, &s.conv_k, &s.conv_v] {
