@@ -2,7 +2,8 @@
 //! or a prompt's time goes (`K3_PROFILE=1` in the environment of the process that runs
 //! the forward: the layer-compute stage, or k3-orch with `--single-process`).
 //!
-//! When enabled, every [`crate::Model::forward`] call prints one line to stderr:
+//! When enabled, every forward pass (a [`crate::Model::forward`] call, or each pass of
+//! [`crate::Model::prefill_chunked`]) prints one line to stderr:
 //! `k3 profile: ntok N total T ms | attn .. | router .. | ...`, the wall time spent in each
 //! phase of that call, summed over layers, and `other` (the call's total minus the named
 //! phases: norms, AttnRes mixes, residual adds, the embedding). Phases never overlap

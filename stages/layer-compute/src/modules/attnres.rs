@@ -1,4 +1,4 @@
-//! Attention residuals (k3-spec §4.2): the per-token mix of the bank snapshots and the
+//! Attention residuals (k3-spec §4.3, wired by §4.2): the per-token mix of the bank snapshots and the
 //! current prefix, and the binding of its folded norm·projection vectors.
 
 use k3_model::classify::model_tensor;

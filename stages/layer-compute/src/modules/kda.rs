@@ -1,4 +1,4 @@
-//! Kimi Delta Attention (k3-spec §4.3): the module over a token batch and its weight binding.
+//! Kimi Delta Attention (k3-spec §4.5): the module over a token batch and its weight binding.
 //!
 //! The module is two use phases (`k3_model::trunk::use_phase`): [`KdaWeights::attend`]
 //! (everything up to the gated, normed per-head output), then the output projection

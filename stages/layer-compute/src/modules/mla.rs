@@ -1,4 +1,4 @@
-//! NoPE multi-head latent attention (k3-spec §4.4): the module and its weight binding.
+//! NoPE multi-head latent attention (k3-spec §4.6): the module and its weight binding.
 //!
 //! Two use phases (`k3_model::trunk::use_phase`), as in KDA: [`MlaWeights::attend`], then
 //! the output projection `o_proj` ([`project_out`](super::project_out)).

@@ -1,13 +1,15 @@
-//! The dense SiTU-GLU FFN (layer 0, and the shared experts inside the MoE; k3-spec §4.5).
-//! A dense layer's FFN weights are bound in `forward.rs` by use phase (gate and up, then
-//! down), so a trunk streamed in parts never holds all three.
+//! The SiTU-GLU FFN (k3-spec §4.4 SiTU, §4.8 the dense FFN of layer 0), also the shape of
+//! the MoE's shared and routed experts. A dense layer's FFN weights are bound in
+//! `forward.rs` by use phase (gate, up, down: phases 2, 3 and 4), so a trunk streamed in
+//! parts never holds all three.
 
 use rayon::prelude::*;
 
 use crate::kernels::act::situ_glu;
 use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
 
-/// Values per parallel SiTU task (about 0.2 ms of libm work each).
+/// Values per parallel SiTU task (each value costs three f64 transcendentals,
+/// `kernels::act`).
 const SITU_CHUNK: usize = 4096;
 
 /// SiTU caps.
@@ -46,7 +48,7 @@ pub fn glu_down64(
     threads: usize,
 ) -> Vec<f64> {
     let mut a = vec![0f32; g.len()];
-    // Elementwise (three libm transcendentals in f64 per value): split over the pool in
+    // Elementwise (three f64 transcendentals per value): split over the pool in
     // fixed chunks when it is worth a fork, which cannot change a value.
     if threads > 1 && a.len() >= 2 * SITU_CHUNK {
         a.par_chunks_mut(SITU_CHUNK)
@@ -74,11 +76,4 @@ pub fn glu_mlp(
         .into_iter()
         .map(|v| v as f32)
         .collect()
-}
-
-/// The dense FFN's three projections.
-pub struct DenseWeights<'a> {
-    pub gate: Mat<'a>,
-    pub up: Mat<'a>,
-    pub down: Mat<'a>,
 }

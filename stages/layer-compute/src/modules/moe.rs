@@ -1,4 +1,4 @@
-//! The latent MoE (k3-spec §4.6-§4.7): router, routed experts in the latent space, shared
+//! The latent MoE (k3-spec §4.7): router, routed experts in the latent space, shared
 //! experts, and its weight binding. Expert outputs are combined in top-k order, whatever
 //! order they arrive in.
 //!
