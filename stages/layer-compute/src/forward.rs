@@ -501,7 +501,7 @@ impl<W: Weights> Model<W> {
         let head_span = crate::profile::span(crate::profile::Phase::Head);
         let (logits, rows) = self.head_logits(&mut ctx, &bank, &h, ntok, want)?;
         head_span.end();
-        ctx.trace("logits", &logits);
+        ctx.record("logits", &logits);
         crate::profile::end_call(prof, ntok);
         sess.pos += ntok;
         Ok(ForwardOutput {
@@ -561,10 +561,10 @@ impl<W: Weights> Model<W> {
         let d = self.cfg.hidden_size;
         let fold = self.final_fold()?;
         let mixed = attnres_mix_rows(bank, h, &fold, ctx.eps.rms, ntok);
-        ctx.trace("mix", &mixed);
+        ctx.record("mix", &mixed);
         let nw = self.vector(&model_tensor("norm.weight"), d)?;
         let normed = rmsnorm_rows(&mixed, &nw, ctx.eps.rms, d);
-        ctx.trace("norm", &normed);
+        ctx.record("norm", &normed);
         let (rows, src) = if want == Rows::All {
             (ntok, &normed[..])
         } else {
@@ -654,13 +654,13 @@ impl<W: Weights> Model<W> {
         bank: &mut Vec<Vec<f32>>,
         ntok: usize,
     ) -> Result<ForwardStats, ForwardError> {
-        ctx.trace("in", h);
+        ctx.record("in", h);
         let mut p = self.attention_block(ctx, l, sess, h, bank, ntok)?;
         let (z, stats) = self.ffn_block(ctx, l, bank, &p, ntok)?;
-        ctx.trace("ffn_out", &z);
+        ctx.record("ffn_out", &z);
         // (10)
         p.iter_mut().zip(&z).for_each(|(a, b)| *a += b);
-        ctx.trace("out", &p);
+        ctx.record("out", &p);
         *h = p;
         Ok(stats)
     }
@@ -686,7 +686,7 @@ impl<W: Weights> Model<W> {
         } else {
             attnres_mix_rows(bank, h, &w.attn_fold, eps.rms, ntok)
         };
-        ctx.trace("attn_mix", &a);
+        ctx.record("attn_mix", &a);
         // (3) block boundary: bank the RAW layer input, restart the prefix.
         let boundary = self.cfg.is_attn_res_boundary(l);
         let mut p = std::mem::take(h);
@@ -718,7 +718,7 @@ impl<W: Weights> Model<W> {
         let y = project_out(&o, &a, d, ntok, ctx.threads);
         attn_span.end();
         self.weights.end_phase(l);
-        ctx.trace("attn_out", &y);
+        ctx.record("attn_out", &y);
         // (6) accumulate.
         if p.is_empty() {
             p = y;
@@ -743,7 +743,7 @@ impl<W: Weights> Model<W> {
         // (7-8) pre-MLP mix, unguarded.
         let w = self.bind_ffn_in(l)?;
         let m = attnres_mix_rows(bank, p, &w.mlp_fold, eps.rms, ntok);
-        ctx.trace("mlp_mix", &m);
+        ctx.record("mlp_mix", &m);
         let v = rmsnorm_rows(&m, &w.post_norm, eps.rms, d);
         // (9) FFN.
         match &w.ffn {

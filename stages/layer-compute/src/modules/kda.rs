@@ -190,7 +190,7 @@ impl KdaWeights<'_> {
                     .copy_from_slice(&oh[t * dk..(t + 1) * dk]);
             }
         }
-        ctx.trace("kda_state", &st.s);
+        ctx.record("kda_state", &st.s);
         o
     }
 }

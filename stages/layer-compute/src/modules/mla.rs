@@ -118,9 +118,9 @@ impl MlaWeights<'_> {
                 .extend_from_slice(&kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
         }
         cache.latent.extend_from_slice(&lat);
-        ctx.trace("mla_latent", &lat);
+        ctx.record("mla_latent", &lat);
         for t in 0..ntok {
-            ctx.trace("mla_k_rope", &kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
+            ctx.record("mla_k_rope", &kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
         }
         let per = d.nope + d.v;
         let mut kvb = vec![0f32; ntok * d.heads * per];

@@ -72,7 +72,7 @@ impl<'t> LayerCtx<'t> {
     }
 
     /// Record `data` under `name` (after the trace's prefix), when tracing.
-    pub(crate) fn trace(&mut self, name: &str, data: &[f32]) {
+    pub(crate) fn record(&mut self, name: &str, data: &[f32]) {
         if let Some(t) = self.trace.as_deref_mut() {
             t.put(name, data);
         }

@@ -144,12 +144,12 @@ impl MoeHead<'_> {
         // The head's weights are not read again from here on.
         (hooks.release_head)();
         for r in &routed.routes {
-            ctx.trace("moe_scores", &r.scores);
-            ctx.trace(
+            ctx.record("moe_scores", &r.scores);
+            ctx.record(
                 "moe_topk_ids",
                 &r.ids.iter().map(|&i| i as f32).collect::<Vec<_>>(),
             );
-            ctx.trace("moe_topk_weights", &r.weights);
+            ctx.record("moe_topk_weights", &r.weights);
         }
         let mut stats = MoeStats {
             requests: routed.union.len(),
