@@ -25,59 +25,54 @@
 
 use std::arch::x86_64::*;
 
-use super::gemv::{Mat, MatData};
-use super::portable::{
-    groups, reduce_lanes, stage_partial, x_stride, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES,
-};
+use super::format::stage_partial;
+use super::format::{self, Driver, Format};
+use super::gemv::Mat;
+use super::ops::{prefetch_l1, Ops};
+use super::portable::{groups, reduce_lanes, x_stride, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES};
 
-/// A weight format's group decoder.
-trait Fmt: Copy {
-    /// Start of group `q` of row `r` and its scale byte.
-    ///
-    /// # Safety
-    /// `r` and `q` must address a full group inside the matrix.
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8);
-    /// Decode one full group at `p` into lanes 0..7, 8..15, 16..23, 24..31.
-    ///
-    /// # Safety
-    /// `p` must point to the group's bytes (64 for bf16, 128 for f32, 16 for MXFP4); the
-    /// CPU must support AVX2 and FMA (callers are `#[target_feature]` functions).
-    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4];
-    /// Software prefetch distance in bytes ahead of the group being decoded.
-    const PF: usize;
-    /// Whether [`panel`] decodes a block once into lane order ([`Lanes`]) for
-    /// [`STAGE_TOKENS`] tokens or more, instead of once per token tile: MXFP4 only. Its
-    /// decode (two `vpshufb`, four widenings and multiplies per group) is dearer than the
-    /// staged loads; BF16's is two ALU operations per register, and staging it was 3-10%
-    /// slower (`gemv_bench --only batch --path avx2 --th 1`, 3 alternating rounds,
-    /// 2026-12-03: BF16 batch16 25.2-26.9 GMAC/s staged against 26.8-28.0; MXFP4 batch16
-    /// 27.8-28.6 against 23.1-23.8).
-    const STAGE: bool = false;
-}
-
+/// The AVX2+FMA operations: a group is four ymm (lanes 0..7, 8..15, 16..23, 24..31).
 #[derive(Clone, Copy)]
-struct Bf16 {
-    p: *const u8,
-    stride: usize,
-}
+pub(crate) struct Avx2;
 
-impl Fmt for Bf16 {
-    /// Two KiB ahead: one-token rows read faster than at 1 KiB (`gemv_bench --path avx2`,
-    /// 3 alternating rounds, 2026-12-03: lm_head on 2 threads 29.8-37.0 GB/s against
-    /// 25.7-30.4; kda q on one thread 19.2-21.1 against 13.3-17.7; 512 B was slower and
-    /// 4-8 KiB no better).
-    const PF: usize = 2048;
-    /// # Safety
-    /// As [`Fmt::at`].
+impl Ops for Avx2 {
+    type Lanes = [__m256; 4];
+
     #[inline(always)]
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
-        (unsafe { self.p.add(r * self.stride + 64 * q) }, 127)
+    unsafe fn zero() -> [__m256; 4] {
+        // SAFETY: register-only AVX operation (the caller enables AVX2).
+        unsafe { [_mm256_setzero_ps(); 4] }
     }
-    /// # Safety
-    /// As [`Fmt::dec`].
+
     #[inline(always)]
-    unsafe fn dec(p: *const u8, _s: u8) -> [__m256; 4] {
+    unsafe fn load(p: *const f32) -> [__m256; 4] {
+        // SAFETY: 128 readable bytes at p (caller); AVX enabled in the caller.
+        unsafe {
+            [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn fma(w: [__m256; 4], x: [__m256; 4], acc: [__m256; 4]) -> [__m256; 4] {
+        // SAFETY: register-only FMA operations (the caller enables FMA).
+        unsafe {
+            [
+                _mm256_fmadd_ps(w[0], x[0], acc[0]),
+                _mm256_fmadd_ps(w[1], x[1], acc[1]),
+                _mm256_fmadd_ps(w[2], x[2], acc[2]),
+                _mm256_fmadd_ps(w[3], x[3], acc[3]),
+            ]
+        }
+    }
+
+    /// A 32-byte load gives 8 dwords, each an even and an odd column.
+    #[inline(always)]
+    unsafe fn bf16(p: *const u8) -> [__m256; 4] {
         // SAFETY: 64 readable bytes at p (caller); AVX2 enabled in the caller.
         unsafe {
             let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
@@ -91,27 +86,10 @@ impl Fmt for Bf16 {
             ]
         }
     }
-}
 
-#[derive(Clone, Copy)]
-struct F32 {
-    p: *const u8,
-    stride: usize,
-}
-
-impl Fmt for F32 {
-    const PF: usize = 1024;
-    /// # Safety
-    /// As [`Fmt::at`].
+    /// `vshufps` + `vpermpd` split 32 floats into even and odd columns.
     #[inline(always)]
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
-        (unsafe { self.p.add(r * self.stride + 128 * q) }, 127)
-    }
-    /// # Safety
-    /// As [`Fmt::dec`].
-    #[inline(always)]
-    unsafe fn dec(p: *const u8, _s: u8) -> [__m256; 4] {
+    unsafe fn f32(p: *const u8) -> [__m256; 4] {
         // SAFETY: 128 readable bytes at p (caller); AVX2 enabled in the caller.
         unsafe {
             let f = p as *const f32;
@@ -127,36 +105,12 @@ impl Fmt for F32 {
             ]
         }
     }
-}
 
-#[derive(Clone, Copy)]
-struct Mx {
-    p: *const u8,
-    pstride: usize,
-    s: *const u8,
-    sstride: usize,
-}
-
-impl Fmt for Mx {
-    const PF: usize = 512;
-    const STAGE: bool = true;
-    /// # Safety
-    /// As [`Fmt::at`].
+    /// `vpshufb` maps each nibble through a 16-entry table to `2·E2M1[code]` (−12..12),
+    /// widened to an exact f32 and multiplied once by `2^(s−128)`: the same real number
+    /// as the twin's `E2M1[code] · 2^(s−127)`, rounded once (exact but for overflow).
     #[inline(always)]
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: the caller guarantees (r, q) is a full group: 16 packed bytes and a
-        // scale byte exist there.
-        unsafe {
-            (
-                self.p.add(r * self.pstride + 16 * q),
-                *self.s.add(r * self.sstride + q),
-            )
-        }
-    }
-    /// # Safety
-    /// As [`Fmt::dec`].
-    #[inline(always)]
-    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4] {
+    unsafe fn mxfp4(p: *const u8, s: u8) -> [__m256; 4] {
         // SAFETY: 16 readable bytes at p (caller); AVX2 enabled in the caller.
         unsafe {
             let tbl = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
@@ -173,6 +127,90 @@ impl Fmt for Mx {
                 widen_i8(_mm_srli_si128(hi, 8), hs),
             ]
         }
+    }
+
+    #[inline(always)]
+    unsafe fn promote(a: &[__m256; 4], acc: &mut [f64; LANES]) {
+        // SAFETY: acc has 32 f64; each load/store covers 4 of them at 8k and 8k+4 (k < 4).
+        unsafe {
+            for (k, v) in a.iter().enumerate() {
+                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*v));
+                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps(*v, 1));
+                let p = acc.as_mut_ptr().add(8 * k);
+                _mm256_storeu_pd(p, _mm256_add_pd(_mm256_loadu_pd(p), lo));
+                _mm256_storeu_pd(p.add(4), _mm256_add_pd(_mm256_loadu_pd(p.add(4)), hi));
+            }
+        }
+    }
+
+    /// The shared scalar tree.
+    #[inline(always)]
+    unsafe fn reduce(acc: &mut [f64; LANES]) -> f64 {
+        reduce_lanes(acc)
+    }
+}
+
+/// Where a driver reads a row's groups, with this driver's settings for the format.
+trait Fmt: Copy {
+    /// Start of group `q` of row `r` and its scale byte.
+    ///
+    /// # Safety
+    /// `r` and `q` must address a full group inside the matrix.
+    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8);
+    /// Decode one full group at `p` into lanes 0..7, 8..15, 16..23, 24..31.
+    ///
+    /// # Safety
+    /// `p` must point to the group's bytes; the CPU must support AVX2 and FMA (callers
+    /// are inlined into the `#[target_feature]` entry point).
+    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4];
+    /// Software prefetch distance in bytes ahead of the group being decoded.
+    const PF: usize;
+    /// Whether [`panel`] decodes a block once into lane order ([`Lanes`]) for
+    /// [`STAGE_TOKENS`] tokens or more, instead of once per token tile.
+    const STAGE: bool = false;
+}
+
+/// This driver's per-format settings (its column of the format table).
+struct Tune {
+    /// [`Fmt::PF`].
+    pf: usize,
+    /// [`Fmt::STAGE`].
+    stage: bool,
+}
+
+/// [`Tune`] by [`format::FormatKind`]. Prefetch: BF16 rows two KiB ahead (one-token rows
+/// read faster than at 1 KiB; 512 B was slower and 4-8 KiB no better), F32 1 KiB, MXFP4
+/// 512 B. Staging: MXFP4 only; its decode (two `vpshufb`, four widenings and multiplies
+/// per group) is dearer than the staged loads, while BF16's is two ALU operations per
+/// register and staging it was slower. Measurements: docs/measurements.md, "Kernel
+/// notes moved out of the code".
+const TUNE: [Tune; 3] = [
+    Tune {
+        pf: 2048,
+        stage: false,
+    },
+    Tune {
+        pf: 1024,
+        stage: false,
+    },
+    Tune {
+        pf: 512,
+        stage: true,
+    },
+];
+
+impl<F: Format> Fmt for F {
+    const PF: usize = TUNE[F::KIND as usize].pf;
+    const STAGE: bool = TUNE[F::KIND as usize].stage;
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
+        // SAFETY: forwarded.
+        unsafe { Format::at(self, r, q) }
+    }
+    #[inline(always)]
+    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4] {
+        // SAFETY: forwarded.
+        unsafe { F::decode::<Avx2>(p, s) }
     }
 }
 
@@ -230,24 +268,6 @@ unsafe fn widen_i8(v: __m128i, hs: __m256) -> __m256 {
     unsafe { _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), hs) }
 }
 
-/// Add the 32 f32 lanes `a` (widened exactly) into the f64 lane sums.
-///
-/// # Safety
-/// AVX2 must be enabled in the caller.
-#[inline(always)]
-unsafe fn promote(a: &[__m256; 4], acc: &mut [f64; LANES]) {
-    // SAFETY: acc has 32 f64; each load/store covers 4 of them at 8k and 8k+4 (k < 4).
-    unsafe {
-        for (k, v) in a.iter().enumerate() {
-            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*v));
-            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps(*v, 1));
-            let p = acc.as_mut_ptr().add(8 * k);
-            _mm256_storeu_pd(p, _mm256_add_pd(_mm256_loadu_pd(p), lo));
-            _mm256_storeu_pd(p.add(4), _mm256_add_pd(_mm256_loadu_pd(p.add(4)), hi));
-        }
-    }
-}
-
 /// One f32 block (groups `q0..qe`) of rows `r..r+R` × tokens `t0..t0+T`: the lanes'
 /// f32 partials, promoted into `acc[j*ntok + t0 + t]` at the end.
 ///
@@ -271,17 +291,17 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
     // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
     // reads stay inside token t0+t (32 values at 32q < stride); acc indices < R*ntok.
     unsafe {
-        let mut a = [[[_mm256_setzero_ps(); 4]; T]; R];
+        let mut a = [[Avx2::zero(); T]; R];
         let mut q = q0;
         while q < qe {
-            let mut w = [[_mm256_setzero_ps(); 4]; R];
+            let mut w = [Avx2::zero(); R];
             if q < qf {
                 for (j, wj) in w.iter_mut().enumerate() {
                     let (p, s) = f.at(r + j, q);
                     // Software prefetch PF bytes ahead in the row's stream (a hint: it
                     // never faults; wrapping_add keeps the pointer arithmetic defined).
                     if F::PF != 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
+                        prefetch_l1(p.wrapping_add(F::PF));
                     }
                     *wj = F::dec(p, s);
                 }
@@ -291,19 +311,16 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
                 }
             }
             for t in 0..T {
-                let xq = xp.add((t0 + t) * stride + GROUP_COLS * q);
-                for k in 0..4 {
-                    let xv = _mm256_loadu_ps(xq.add(8 * k));
-                    for j in 0..R {
-                        a[j][t][k] = _mm256_fmadd_ps(w[j][k], xv, a[j][t][k]);
-                    }
+                let x = Avx2::load(xp.add((t0 + t) * stride + GROUP_COLS * q));
+                for j in 0..R {
+                    a[j][t] = Avx2::fma(w[j], x, a[j][t]);
                 }
             }
             q += 1;
         }
         for j in 0..R {
             for t in 0..T {
-                promote(&a[j][t], &mut acc[j * ntok + t0 + t]);
+                Avx2::promote(&a[j][t], &mut acc[j * ntok + t0 + t]);
             }
         }
     }
@@ -357,7 +374,8 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize>(
     }
     for j in 0..R {
         for t in 0..ntok {
-            out[j * ntok + t] = reduce_lanes(&mut acc[j * ntok + t]);
+            // SAFETY: AVX2 is enabled in the caller.
+            out[j * ntok + t] = unsafe { Avx2::reduce(&mut acc[j * ntok + t]) };
         }
     }
 }
@@ -414,7 +432,8 @@ unsafe fn panel<F: Fmt>(
     acc.resize(rows * ntok, [0f64; LANES]);
     let staged = F::STAGE && ntok >= STAGE_TOKENS;
     if staged {
-        stage.resize(PANEL_ROWS * BLOCK_GROUPS, [_mm256_setzero_ps(); 4]);
+        // SAFETY: AVX2 is enabled in the caller.
+        stage.resize(PANEL_ROWS * BLOCK_GROUPS, unsafe { Avx2::zero() });
     }
     let mut q = 0;
     // SAFETY: the caller's guarantees: groups below `full` are read in place, the partial
@@ -430,7 +449,7 @@ unsafe fn panel<F: Fmt>(
                     for g in q..qe {
                         let (p, s) = if g < full {
                             let (p, s) = f.at(r + j, g);
-                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
+                            prefetch_l1(p.wrapping_add(F::PF));
                             (p, s)
                         } else {
                             (pbuf[j][0].as_ptr(), psc[j][0])
@@ -463,7 +482,8 @@ unsafe fn panel<F: Fmt>(
         }
     }
     for (o, a) in out[..rows * ntok].iter_mut().zip(acc.iter_mut()) {
-        *o = reduce_lanes(a);
+        // SAFETY: AVX2 is enabled in the caller.
+        *o = unsafe { Avx2::reduce(a) };
     }
 }
 
@@ -495,49 +515,49 @@ unsafe fn row_pass<F: Fmt>(
     }
 }
 
-/// Rows `r0..r1` × all tokens with the f32-block contract.
-///
-/// # Safety
-/// As [`tile`], for every row tile; AVX2 and FMA enabled in the caller.
-#[inline(always)]
-unsafe fn drive<F: Fmt>(
-    f: F,
-    m: &Mat<'_>,
-    r0: usize,
-    r1: usize,
-    xp: &[f32],
-    ntok: usize,
-    out: &mut [f64],
-) {
-    let stride = x_stride(m.cols);
-    assert!(xp.len() >= ntok * stride);
-    assert!(out.len() >= (r1 - r0) * ntok);
-    assert!(r1 <= m.rows);
-    let x = xp.as_ptr();
-    let mut acc = Vec::new();
-    let mut stage = Vec::new();
-    let mut r = r0;
-    // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out (asserted).
-    unsafe {
-        if ntok == 1 {
-            while r + 2 <= r1 {
-                tile::<F, 2, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
-                r += 2;
-            }
-            if r < r1 {
-                tile::<F, 1, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
-            }
-        } else if ntok <= PASS_TOKENS {
-            while r < r1 {
-                tile::<F, 1, 2>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
-                r += 1;
-            }
-        } else {
-            while r < r1 {
-                let rows = PANEL_ROWS.min(r1 - r);
-                let bufs = (&mut acc, &mut stage);
-                panel(f, m, r, rows, x, ntok, bufs, &mut out[(r - r0) * ntok..]);
-                r += rows;
+impl Driver for Avx2 {
+    /// Rows `r0..r1` × all tokens with the f32-block contract: one token in tiles of 2
+    /// rows, up to [`PASS_TOKENS`] tokens row by row in 1 × 2 tiles, more in panels.
+    #[inline(always)]
+    unsafe fn drive<F: Format>(
+        f: F,
+        m: &Mat<'_>,
+        (r0, r1): (usize, usize),
+        xp: &[f32],
+        ntok: usize,
+        out: &mut [f64],
+    ) {
+        let stride = x_stride(m.cols);
+        assert!(xp.len() >= ntok * stride);
+        assert!(out.len() >= (r1 - r0) * ntok);
+        assert!(r1 <= m.rows);
+        let x = xp.as_ptr();
+        let mut acc = Vec::new();
+        let mut stage = Vec::new();
+        let mut r = r0;
+        // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out
+        // (asserted); AVX2 and FMA are enabled in the caller.
+        unsafe {
+            if ntok == 1 {
+                while r + 2 <= r1 {
+                    tile::<F, 2, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
+                    r += 2;
+                }
+                if r < r1 {
+                    tile::<F, 1, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
+                }
+            } else if ntok <= PASS_TOKENS {
+                while r < r1 {
+                    tile::<F, 1, 2>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
+                    r += 1;
+                }
+            } else {
+                while r < r1 {
+                    let rows = PANEL_ROWS.min(r1 - r);
+                    let bufs = (&mut acc, &mut stage);
+                    panel(f, m, r, rows, x, ntok, bufs, &mut out[(r - r0) * ntok..]);
+                    r += rows;
+                }
             }
         }
     }
@@ -557,49 +577,6 @@ pub unsafe fn rows_f32(
     ntok: usize,
     out: &mut [f64],
 ) {
-    let c = m.cols;
-    // SAFETY: the Fmt values describe m's own buffers (strides from its shape); features
-    // are enabled on this function.
-    unsafe {
-        match m.data {
-            MatData::Bf16(b) => drive(
-                Bf16 {
-                    p: b.as_ptr(),
-                    stride: 2 * c,
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-            MatData::F32(b) => drive(
-                F32 {
-                    p: b.as_ptr(),
-                    stride: 4 * c,
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-            MatData::Mxfp4 { packed, scales } => drive(
-                Mx {
-                    p: packed.as_ptr(),
-                    pstride: c.div_ceil(2),
-                    s: scales.as_ptr(),
-                    sstride: groups(c),
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-        }
-    }
+    // SAFETY: the features are enabled on this function (the caller checked the CPU).
+    unsafe { format::rows::<Avx2>(m, (r0, r1), xp, ntok, out) }
 }

@@ -212,18 +212,6 @@ impl<'a> Mat<'a> {
     }
 }
 
-/// Widen one bf16 (little-endian bytes) to f32 exactly.
-#[inline(always)]
-pub fn bf16_at(b: &[u8], i: usize) -> f32 {
-    f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
-}
-
-/// Read one little-endian f32.
-#[inline(always)]
-pub fn f32_at(b: &[u8], i: usize) -> f32 {
-    f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
-}
-
 /// Row-block kernel of the f32-block contract on `path`.
 fn rows_f32_on(
     path: Path,

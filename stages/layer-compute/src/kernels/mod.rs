@@ -11,11 +11,13 @@ pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 pub mod conv;
+pub mod format;
 pub mod gemv;
 pub mod kda;
 pub mod mla;
 pub mod mxfp4;
 pub mod norm;
+pub mod ops;
 pub mod portable;
 pub mod router;
 pub mod simd;
