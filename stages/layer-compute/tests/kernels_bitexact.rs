@@ -5,7 +5,8 @@
 //! after register blocking.
 
 use k3_layer_compute::kernels::gemv::{gemm, gemm64, gemm_fused, gemm_on, gemv, Mat};
-use k3_layer_compute::kernels::{mxfp4, simd, simd::Path};
+use k3_layer_compute::kernels::tuning::{self, KernelTuning, WeightStaging};
+use k3_layer_compute::kernels::{mxfp4, simd, simd::Isa, simd::Kernel};
 
 fn rng(s: &mut u64) -> u64 {
     *s ^= *s << 13;
@@ -95,7 +96,7 @@ const SHAPES: [(usize, usize); 10] = [
 #[test]
 fn simd_paths_match_portable_twin_bitwise() {
     let mut s = 0x1234_5678_9abc_def1u64;
-    let paths = [Path::Avx2, Path::Avx512];
+    let paths = [Isa::Avx2, Isa::Avx512];
     // `gemm_on` runs a path the CPU lacks on the best one it has: say so, never silently.
     for p in paths {
         if simd::best_available() < p {
@@ -114,17 +115,17 @@ fn simd_paths_match_portable_twin_bitwise() {
             for ntok in [1usize, 2, 3, 4, 5, 9, 13, 16, 37] {
                 let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
                 let mut want = vec![0f32; ntok * rows];
-                gemm_on(Path::Portable, &m, &x, &mut want, ntok);
+                gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, ntok);
                 for &p in &paths {
                     let mut got = vec![0f32; ntok * rows];
-                    gemm_on(p, &m, &x, &mut got, ntok);
+                    gemm_on(&Kernel::on(p), &m, &x, &mut got, ntok);
                     assert!(same(&got, &want), "{fmt} {rows}x{cols} ntok={ntok} {p:?}");
                 }
                 // Batched == one token at a time (on the portable path as well).
                 for t in 0..ntok {
                     let mut one = vec![0f32; rows];
                     gemm_on(
-                        Path::Portable,
+                        &Kernel::on(Isa::Portable),
                         &m,
                         &x[t * cols..(t + 1) * cols],
                         &mut one,
@@ -156,10 +157,10 @@ fn mxfp4_equals_dequantised_f32_bitwise() {
         let mf = Mat::f32(&deq, rows, cols).unwrap();
         let ntok = 3;
         let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
-        for p in [Path::Portable, Path::Avx2, Path::Avx512] {
+        for p in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
             let (mut a, mut b) = (vec![0f32; ntok * rows], vec![0f32; ntok * rows]);
-            gemm_on(p, &m, &x, &mut a, ntok);
-            gemm_on(p, &mf, &x, &mut b, ntok);
+            gemm_on(&Kernel::on(p), &m, &x, &mut a, ntok);
+            gemm_on(&Kernel::on(p), &mf, &x, &mut b, ntok);
             assert!(same(&a, &b), "{rows}x{cols} {p:?}");
         }
     }
@@ -221,12 +222,15 @@ fn fused_threads_and_f64_outputs_agree() {
         }
     }
     // The process-wide switch still forces the portable path (and changes nothing).
-    simd::set_force_portable(true);
-    assert_eq!(simd::path(), Path::Portable);
+    tuning::install(KernelTuning {
+        max_isa: Some(Isa::Portable),
+        ..KernelTuning::default()
+    });
+    assert_eq!(simd::isa(), Isa::Portable);
     let x: Vec<f32> = (0..cols).map(|_| randf(&mut s)).collect();
     let mut a = vec![0f32; ms[0].rows];
     gemv(&ms[0], &x, &mut a, 1);
-    simd::set_force_portable(false);
+    tuning::install(KernelTuning::default());
     let mut b = vec![0f32; ms[0].rows];
     gemv(&ms[0], &x, &mut b, 1);
     assert!(same(&a, &b));
@@ -271,8 +275,7 @@ fn error_within_documented_budget() {
 // change any result, so the other tests are unaffected whatever it is meanwhile.
 #[test]
 fn every_decode_tuning_matches_portable_bitwise() {
-    use k3_layer_compute::kernels::gemv::set_decode_tuning;
-    if simd::best_available() < Path::Avx512 {
+    if simd::best_available() < Isa::Avx512 {
         eprintln!("SKIPPED: every_decode_tuning_matches_portable_bitwise: no AVX-512");
         return;
     }
@@ -284,17 +287,20 @@ fn every_decode_tuning_matches_portable_bitwise() {
         let m = o.mat();
         let x: Vec<f32> = (0..m.cols).map(|_| randf(&mut s)).collect();
         let mut want = vec![0f32; m.rows];
-        gemm_on(Path::Portable, &m, &x, &mut want, 1);
-        for rows in [2usize, 4, 6, 8] {
-            for pf in [0usize, 256, 512, 1024, 2048, 4096] {
-                set_decode_tuning(rows, pf);
+        gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, 1);
+        for rows in [2u8, 4, 6, 8] {
+            for pf in [0u32, 256, 512, 1024, 2048, 4096] {
+                let t = KernelTuning {
+                    decode_rows: Some(rows),
+                    decode_prefetch: Some(pf),
+                    ..KernelTuning::default()
+                };
                 let mut got = vec![0f32; m.rows];
-                gemm_on(Path::Avx512, &m, &x, &mut got, 1);
+                gemm_on(&Kernel::with(Isa::Avx512, &t), &m, &x, &mut got, 1);
                 assert!(same(&got, &want), "{fmt} rows {rows} pf {pf}");
             }
         }
     }
-    set_decode_tuning(0, usize::MAX);
 }
 
 // Catches: a batched staging form that changes a result: a widened (f32) stage that
@@ -304,8 +310,7 @@ fn every_decode_tuning_matches_portable_bitwise() {
 // and a second token pass; the form is process-wide, but neither may change any result.
 #[test]
 fn both_batch_stagings_match_portable_bitwise() {
-    use k3_layer_compute::kernels::gemv::{default_batch_staging, set_batch_staging, BatchStaging};
-    if simd::best_available() < Path::Avx512 {
+    if simd::best_available() < Isa::Avx512 {
         eprintln!("SKIPPED: both_batch_stagings_match_portable_bitwise: no AVX-512");
         return;
     }
@@ -317,11 +322,14 @@ fn both_batch_stagings_match_portable_bitwise() {
             for ntok in [5usize, 16, 37] {
                 let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
                 let mut want = vec![0f32; ntok * rows];
-                gemm_on(Path::Portable, &m, &x, &mut want, ntok);
-                for form in [BatchStaging::Bf16, BatchStaging::F32] {
-                    set_batch_staging(form);
+                gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, ntok);
+                for form in [WeightStaging::Bf16, WeightStaging::F32] {
+                    let t = KernelTuning {
+                        weight_staging: Some(form),
+                        ..KernelTuning::default()
+                    };
                     let mut got = vec![0f32; ntok * rows];
-                    gemm_on(Path::Avx512, &m, &x, &mut got, ntok);
+                    gemm_on(&Kernel::with(Isa::Avx512, &t), &m, &x, &mut got, ntok);
                     assert!(
                         same(&got, &want),
                         "{fmt} {rows}x{cols} ntok={ntok} {form:?}"
@@ -330,7 +338,6 @@ fn both_batch_stagings_match_portable_bitwise() {
             }
         }
     }
-    set_batch_staging(default_batch_staging());
 }
 
 // Catches: an MXFP4 weight that is not exactly a bf16 (the AVX-512 batched path stages

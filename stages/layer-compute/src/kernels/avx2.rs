@@ -30,6 +30,7 @@ use super::format::{self, Driver, Format};
 use super::gemv::Mat;
 use super::ops::{prefetch_l1, Ops};
 use super::portable::{groups, reduce_lanes, x_stride, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES};
+use super::tuning::{DriverTuning, WeightStaging};
 
 /// The AVX2+FMA operations: a group is four ymm (lanes 0..7, 8..15, 16..23, 24..31).
 #[derive(Clone, Copy)]
@@ -526,6 +527,7 @@ impl Driver for Avx2 {
         xp: &[f32],
         ntok: usize,
         out: &mut [f64],
+        _tuning: &DriverTuning,
     ) {
         let stride = x_stride(m.cols);
         assert!(xp.len() >= ntok * stride);
@@ -563,6 +565,13 @@ impl Driver for Avx2 {
     }
 }
 
+/// The AVX2 drivers have no run-time tuning.
+const NO_TUNING: DriverTuning = DriverTuning {
+    decode_rows: None,
+    decode_prefetch: None,
+    staging: WeightStaging::Bf16,
+};
+
 /// Sums of rows `r0..r1` × `ntok` permuted f32 tokens (f32-block contract) into
 /// `out[(r-r0)*ntok + t]`.
 ///
@@ -578,5 +587,5 @@ pub unsafe fn rows_f32(
     out: &mut [f64],
 ) {
     // SAFETY: the features are enabled on this function (the caller checked the CPU).
-    unsafe { format::rows::<Avx2>(m, (r0, r1), xp, ntok, out) }
+    unsafe { format::rows::<Avx2>(m, (r0, r1), xp, ntok, out, &NO_TUNING) }
 }

@@ -27,7 +27,7 @@
 //!   Per group and pass, block by block (1024 columns), the group's block is staged once
 //!   into an aligned L1 buffer, group-major (BF16 copied raw; MXFP4 decoded into exact
 //!   bf16 pairs and F32 into lane-ordered f32, so a group is decoded once whatever the
-//!   token count; with [`BatchStaging::F32`], the default on Intel, every format is
+//!   token count; with [`WeightStaging::F32`], the default on Intel, every format is
 //!   widened into lane-ordered f32 instead: [`LaneF32`]), then every token tile of up to
 //!   [`TB`] (2) tokens runs the block in a
 //!   4 rows × 2 tokens register tile (16 zmm accumulators) and promotes it into its f64
@@ -50,9 +50,10 @@ use std::arch::x86_64::*;
 
 use super::format::stage_partial;
 use super::format::{self, Driver, Format, FormatKind};
-use super::gemv::{batch_staging, decode_tuning, BatchStaging, Mat, R1, R1_MXFP4};
+use super::gemv::Mat;
 use super::ops::{prefetch_l1, prefetch_l2, prefetch_lines, Ops};
 use super::portable::{groups, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES};
+use super::tuning::{DriverTuning, WeightStaging, R1, R1_MXFP4};
 
 /// The AVX-512F operations: a group is two zmm (lanes 0..15, the even columns; lanes
 /// 16..31, the odd ones).
@@ -443,7 +444,7 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF:
 /// A form the batched path stages a row group's block in: how a group is written into the
 /// staging buffer, and how the register tile reads it back. Both forms hold the same exact
 /// f32 weights, so the FMAs, and the results, are the same bit for bit; which is faster
-/// depends on the core ([`BatchStaging`]).
+/// depends on the core ([`WeightStaging`]).
 trait Staging {
     /// Bytes of one staged group of one row.
     const GB: usize;
@@ -839,6 +840,7 @@ impl Driver for Avx512 {
         xp: &[f32],
         ntok: usize,
         out: &mut [f64],
+        tuning: &DriverTuning,
     ) {
         let stride = x_stride(m.cols);
         assert!(xp.len() >= ntok * stride);
@@ -849,9 +851,8 @@ impl Driver for Avx512 {
         // (asserted); AVX-512F is enabled in the caller.
         unsafe {
             if ntok == 1 {
-                let (rows, pf) = decode_tuning();
-                let rows = if rows == 0 { <F as Fmt>::ROWS1 } else { rows };
-                let pf = if pf == usize::MAX { <F as Fmt>::PF } else { pf };
+                let rows = tuning.decode_rows.unwrap_or(<F as Fmt>::ROWS1);
+                let pf = tuning.decode_prefetch.unwrap_or(<F as Fmt>::PF);
                 // The distance is a compile-time constant of the kernel: the nearest of
                 // these.
                 let rs = (r0, r1);
@@ -869,7 +870,7 @@ impl Driver for Avx512 {
                 } else {
                     rows_few::<F, 512>(f, m, (r0, r1), x, ntok, out);
                 }
-            } else if <F as Format>::KIND.info().bf16_exact && batch_staging() == BatchStaging::Bf16
+            } else if <F as Format>::KIND.info().bf16_exact && tuning.staging == WeightStaging::Bf16
             {
                 rows_batched::<F, Bf16Pairs>(f, m, (r0, r1), x, ntok, out);
             } else {
@@ -935,7 +936,8 @@ pub unsafe fn rows_f32(
     xp: &[f32],
     ntok: usize,
     out: &mut [f64],
+    tuning: &DriverTuning,
 ) {
     // SAFETY: the features are enabled on this function (the caller checked the CPU).
-    unsafe { format::rows::<Avx512>(m, (r0, r1), xp, ntok, out) }
+    unsafe { format::rows::<Avx512>(m, (r0, r1), xp, ntok, out, tuning) }
 }

@@ -14,6 +14,7 @@ use super::gemv::{Mat, MatData};
 use super::mxfp4;
 use super::ops::Ops;
 use super::portable::{groups, lane_col, E8M0, GROUP_COLS, LANES};
+use super::tuning::DriverTuning;
 
 /// A weight encoding of [`Mat`]; indexes [`FORMATS`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -390,6 +391,7 @@ pub(crate) trait Driver {
         xp: &[f32],
         ntok: usize,
         out: &mut [f64],
+        tuning: &DriverTuning,
     );
 }
 
@@ -405,12 +407,14 @@ pub(crate) unsafe fn rows<D: Driver>(
     xp: &[f32],
     ntok: usize,
     out: &mut [f64],
+    tuning: &DriverTuning,
 ) {
     struct Rows<'x, D> {
         rows: (usize, usize),
         xp: &'x [f32],
         ntok: usize,
         out: &'x mut [f64],
+        tuning: &'x DriverTuning,
         driver: std::marker::PhantomData<D>,
     }
     impl<D: Driver> FormatFn for Rows<'_, D> {
@@ -419,7 +423,7 @@ pub(crate) unsafe fn rows<D: Driver>(
         fn call<F: Format>(self, f: F, m: &Mat<'_>) {
             // SAFETY: `f` is m's view (with_format); the instruction set's guarantees are
             // the caller's (`rows` is unsafe with the same contract).
-            unsafe { D::drive(f, m, self.rows, self.xp, self.ntok, self.out) }
+            unsafe { D::drive(f, m, self.rows, self.xp, self.ntok, self.out, self.tuning) }
         }
     }
     let v = Rows::<D> {
@@ -427,6 +431,7 @@ pub(crate) unsafe fn rows<D: Driver>(
         xp,
         ntok,
         out,
+        tuning,
         driver: std::marker::PhantomData,
     };
     with_format(m, v)

@@ -21,3 +21,4 @@ pub mod ops;
 pub mod portable;
 pub mod router;
 pub mod simd;
+pub mod tuning;
