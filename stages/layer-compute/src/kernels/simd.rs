@@ -74,11 +74,16 @@ pub fn isa() -> Isa {
 /// `isa`, which the caller asked for explicitly: panics when the CPU lacks it (a test
 /// or benchmark that asks for an instruction set must never run another one instead).
 pub fn checked(isa: Isa) -> Isa {
+    checked_against(isa, best_available())
+}
+
+/// [`checked`] on a CPU whose best instruction set is `best`.
+fn checked_against(isa: Isa, best: Isa) -> Isa {
     assert!(
-        available(isa),
+        isa <= best,
         "the {} kernels were asked for, but this CPU's best is {}",
         isa.name(),
-        best_available().name()
+        best.name()
     );
     isa
 }
@@ -136,9 +141,14 @@ impl Kernel {
     /// not used), whatever is installed: tests and benchmarks that compare tunings. Panics
     /// when the CPU lacks `isa` ([`checked`]).
     pub fn with(isa: Isa, t: &KernelTuning) -> Kernel {
+        Kernel::with_best(isa, t, best_available())
+    }
+
+    /// [`Kernel::with`] on a CPU whose best instruction set is `best`.
+    fn with_best(isa: Isa, t: &KernelTuning, best: Isa) -> Kernel {
         Kernel {
             product: ProductPath::Exact,
-            isa: checked(isa),
+            isa: checked_against(isa, best),
             tuning: DriverTuning::of(t),
         }
     }
@@ -170,20 +180,32 @@ impl Kernel {
 /// instruction set names) names it. A name there that is no instruction set panics too,
 /// so a typo cannot turn the requirement off.
 pub fn runnable(test: &str, isa: Isa) -> bool {
-    let required = required_isas();
-    if available(isa) {
-        return true;
+    match verdict(isa, best_available(), &required_isas()) {
+        None => true,
+        Some(Err(why)) => panic!("{test}: {why}"),
+        Some(Ok(why)) => {
+            let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: {why}");
+            false
+        }
+    }
+}
+
+/// [`runnable`]'s decision for `isa` on a CPU whose best is `best`: None to run it, else
+/// why not, as `Ok` (skip) or `Err` (fail: `required` names it).
+fn verdict(isa: Isa, best: Isa, required: &[Isa]) -> Option<Result<String, String>> {
+    if isa <= best {
+        return None;
     }
     let why = format!(
         "this CPU lacks {} (its best is {})",
         isa.name(),
-        best_available().name()
+        best.name()
     );
-    if required.contains(&isa) {
-        panic!("{test}: {why}, and K3_REQUIRE_SIMD requires it");
-    }
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: {why}");
-    false
+    Some(if required.contains(&isa) {
+        Err(format!("{why}, and K3_REQUIRE_SIMD requires it"))
+    } else {
+        Ok(why)
+    })
 }
 
 /// The instruction sets `K3_REQUIRE_SIMD` names (a test hook: see [`runnable`]).
@@ -218,19 +240,44 @@ mod tests {
         assert!(typo.is_err(), "an unknown name must panic");
     }
 
-    // Catches: `runnable` or `Kernel::on` accepting an instruction set the CPU lacks (the
-    // quiet downgrade they exist to prevent), and a cap that is not applied.
+    // Catches: an instruction set the CPU lacks that is run anyway, or quietly replaced by
+    // another (issue 36: `gemm_on` once clamped it, and two tests compared AVX2 with AVX2
+    // on a CPU without AVX-512), and a lacking one that K3_REQUIRE_SIMD names but that is
+    // only skipped.
     #[test]
-    fn runnable_and_kernels_follow_the_cpu() {
-        for isa in Isa::ALL {
-            assert_eq!(
-                std::panic::catch_unwind(|| Kernel::on(isa)).is_ok(),
-                available(isa)
-            );
-            if available(isa) {
-                assert!(runnable("runnable_and_kernels_follow_the_cpu", isa));
+    fn a_missing_instruction_set_is_skipped_or_fails_never_replaced() {
+        let t = KernelTuning::default();
+        for best in Isa::ALL {
+            for isa in Isa::ALL {
+                let k = std::panic::catch_unwind(|| Kernel::with_best(isa, &t, best));
+                assert_eq!(k.is_ok(), isa <= best, "{isa:?} on {best:?}");
+                if let Ok(k) = k {
+                    assert_eq!(k.isa(), isa, "never another instruction set");
+                }
+                match verdict(isa, best, &[]) {
+                    None => assert!(isa <= best),
+                    Some(Ok(why)) => assert!(isa > best && why.contains(isa.name()), "{why}"),
+                    Some(Err(why)) => panic!("not required, yet it fails: {why}"),
+                }
+                let required = verdict(isa, best, &[isa]);
+                assert_eq!(matches!(required, Some(Err(_))), isa > best);
             }
         }
+        for isa in Isa::ALL {
+            let on = std::panic::catch_unwind(|| Kernel::on(isa));
+            assert_eq!(on.is_ok(), available(isa));
+            if available(isa) {
+                assert!(runnable(
+                    "a_missing_instruction_set_is_skipped_or_fails",
+                    isa
+                ));
+            }
+        }
+    }
+
+    // Catches: a cap in the installed tuning that the kernels do not apply.
+    #[test]
+    fn the_installed_cap_is_applied() {
         let t = KernelTuning {
             max_isa: Some(Isa::Portable),
             ..KernelTuning::default()
