@@ -1,27 +1,26 @@
 //! AVX2+FMA product kernels (ymm), bit-identical to the portable twin in
 //! [`super::portable`]. This is the x86-64 baseline path.
 //!
-//! The 32 lanes of a dot product live in four ymm registers (lanes 0..7, 8..15: the even
-//! columns of a 32-column group; 16..23, 24..31: the odd ones). Per group each lane
-//! performs one f32 `vfmadd` of the decoded weight and the permuted activation, exactly
-//! the `mul_add` of the twin; every 1024 columns the lanes are widened to f64 (exact) and
-//! added to 32 f64 lane sums; the final halving tree is the shared scalar one.
-//! Weight decode:
-//! - BF16: a 32-byte load gives 8 dwords, each holding an even and an odd column:
-//!   `dword << 16` is the even weight, `dword & 0xFFFF0000` the odd one (exact widening);
-//! - MXFP4: `vpshufb` maps each nibble through a 16-entry table to the small integer
-//!   `2·E2M1[code]` (−12..12); `vpmovsxbd` + `vcvtdq2ps` make it an exact f32, and one
-//!   multiply by `2^(scale−128)` gives exactly the f32 `E2M1[code] · 2^(scale−127)` of the
-//!   twin (the same real number, rounded once; it is exact except for overflow). The only
-//!   difference is the sign of a zero weight (code 8, or a NaN scale), which cannot change
-//!   any sum: a lane's f32 partial only reaches the result through an f64 lane sum that
-//!   starts at +0, where ±0 are absorbed;
-//! - F32: `vshufps` + `vpermpd` split 32 floats into even and odd columns.
+//! Two parts:
+//! - **[`Avx2`]**, this instruction set's [`Ops`]: a group's 32 lanes in four ymm registers
+//!   (lanes 0..7, 8..15: the even columns; 16..23, 24..31: the odd ones). Per group each
+//!   lane performs one f32 `vfmadd` of the decoded weight and the permuted activation,
+//!   exactly the `mul_add` of the twin; every 1024 columns the lanes are widened to f64
+//!   (exact) and added to 32 f64 lane sums; the final halving tree is the shared scalar
+//!   one. The decoders (BF16 by shift and mask, F32 by `vshufps` + `vpermpd`, MXFP4 by a
+//!   `vpshufb` table lookup and one exact multiply) are documented on the methods.
+//! - **The drivers** (register-tile shapes), reached through [`super::format::rows`] with
+//!   the weight format's view: one token in tiles of 2 rows; up to [`PASS_TOKENS`] tokens
+//!   row by row in 1 row × 2 token tiles ([`tile`]); more in panels of 4 rows taken block
+//!   by block, tokens in passes of 4 so that a pass's activations stay in L1 for the
+//!   panel's rows, MXFP4 staged once per block in lane order ([`panel`]). Per-format
+//!   settings are the [`TUNE`] table. Blocking never changes what one (row, token) lane
+//!   computes.
 //!
-//! Register blocking: one token uses 2 rows per pass; several tokens take panels of 4 rows
-//! block by block, tokens in passes of 4 (so a pass's activations stay in L1 for the
-//! panel's rows), each row in 1 row × 2 token tiles ([`panel`]). Blocking never changes
-//! what one (row, token) lane computes.
+//! Why these drivers are not AVX-512's: with 16 ymm registers a group takes 4 of them,
+//! so the AVX-512 tile of 4 rows × 2 tokens (16 group accumulators) cannot be held, and
+//! the shapes here were measured on their own (docs/measurements.md, "Kernel notes moved
+//! out of the code"). They use only [`Avx2`]'s operations and the format views.
 
 use std::arch::x86_64::*;
 
@@ -386,11 +385,10 @@ const PANEL_ROWS: usize = 4;
 /// Tokens per pass of the several-token path: one pass's slice of one block of the
 /// activations (`4 × 1024` f32, 16 KiB) stays in L1 while every row of the panel reads it.
 /// Up to this many tokens the rows go one at a time over all blocks instead ([`tile`]):
-/// their activations fit L1 already, and the panel's order was 5-15% slower there
-/// (MXFP4 batch4 20.6-22.1 GMAC/s against 22.9-24.2, one thread).
+/// their activations fit L1 already, and the panel's order was slower there.
 const PASS_TOKENS: usize = 4;
 /// Tokens from which [`panel`] stages a block for formats with [`Fmt::STAGE`] (at 4
-/// tokens staging MXFP4 was slower: 18.9-20.3 GMAC/s against 20.6-22.1).
+/// tokens staging MXFP4 was slower).
 const STAGE_TOKENS: usize = 8;
 
 /// Rows `r..r+rows` (`rows <= PANEL_ROWS`) × all `ntok` tokens (more than
@@ -401,9 +399,7 @@ const STAGE_TOKENS: usize = 8;
 /// (row, token) lane still sees its blocks in increasing order and its groups in
 /// increasing order inside a block, so the order of passes and rows changes no bit. Why
 /// not one row at a time over all tokens (the former loop): its activations for one block
-/// (16 tokens, 64 KiB) did not fit L1, and every row streamed them again from L2. One
-/// thread, `gemv_bench --only batch --path avx2 --th 1`, 3 alternating rounds
-/// (2026-12-03): BF16 batch16 26.8-28.0 GMAC/s against 21.4-22.3.
+/// (16 tokens, 64 KiB) did not fit L1, and every row streamed them again from L2.
 ///
 /// # Safety
 /// As [`seg`]; `out` has room for `rows * ntok` sums.

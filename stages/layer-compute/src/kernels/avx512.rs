@@ -1,55 +1,50 @@
 //! AVX-512F product kernels (zmm), bit-identical to the portable twin in
 //! [`super::portable`].
 //!
-//! The 32 lanes of a dot product live in two zmm registers (lanes 0..15: the even columns
-//! of a 32-column group; lanes 16..31: the odd ones). Per group each lane performs one f32
-//! `vfmadd` of the decoded weight and the permuted activation, exactly the `mul_add` of the
-//! twin; every 1024 columns the lanes are widened to f64 (`vcvtps2pd`, exact) and added to
-//! 32 f64 lane sums; the final halving tree is the shared one (done in registers, level by
-//! level: [`Avx512::reduce`]). Weight decode:
-//! - BF16: one 64-byte load gives 16 dwords, each holding an even and an odd column:
-//!   `dword << 16` is the even weight, `dword & 0xFFFF0000` the odd one (exact widening);
-//! - MXFP4: the 16 packed bytes are zero-extended to dwords; `vpermps` (a 16-entry table
-//!   lookup on the low 4 bits) of `dword` and of `dword >> 4` gives the low and high
-//!   nibbles' values from the row of [`E2M1_SCALED`] for the group's scale byte, i.e.
-//!   `E2M1[code] × 2^(scale−127)`, exact (the same f32 multiply the twin performs, done at
-//!   compile time). Per group and row: 1 zero-extension, 1 shift, 2 table lookups and the
-//!   FMAs, nothing else;
-//! - F32: `vpermt2ps` splits 32 floats into even and odd columns.
-//!
-//! Register blocking:
-//! - one token (decode, memory-bound for BF16, decode-bound for MXFP4): [`R1`] BF16/F32
-//!   rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block, the
-//!   groups of one 64-byte line of every row taken in one run with one prefetch per row;
-//! - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt): the
-//!   one-token loop with each decoded weight multiplied into every token ([`rows_few`]);
-//! - several tokens (prefill): rows in groups of [`RB`] (4), tokens in passes of up to 16.
-//!   Per group and pass, block by block (1024 columns), the group's block is staged once
-//!   into an aligned L1 buffer, group-major (BF16 copied raw; MXFP4 decoded into exact
-//!   bf16 pairs and F32 into lane-ordered f32, so a group is decoded once whatever the
-//!   token count; with [`WeightStaging::F32`], the default on Intel, every format is
-//!   widened into lane-ordered f32 instead: [`LaneF32`]), then every token tile of up to
-//!   [`TB`] (2) tokens runs the block in a
-//!   4 rows × 2 tokens register tile (16 zmm accumulators) and promotes it into its f64
-//!   lane sums. The next group's weights are prefetched (`T0`) a share per tile pass, a
-//!   whole group ahead. Why this
-//!   shape (measured on Zen 5, 2026-12-02): a C replica of the 4 × 2 loop runs 1.6-1.75
-//!   FMAs per cycle against 1.45-1.5 for the former 2 × 4; a zmm load that straddles two
-//!   lines (a checkpoint's tensors sit at any 8-byte offset, the old input at 16 bytes
-//!   off a line) halved the loop's speed; and the former panel-wide f64 sums (128 KiB)
-//!   did not stay in L1.
+//! Two parts:
+//! - **[`Avx512`]**, this instruction set's [`Ops`]: a group's 32 lanes in two zmm
+//!   registers (lanes 0..15: the even columns of a 32-column group; lanes 16..31: the odd
+//!   ones). Per group each lane performs one f32 `vfmadd` of the decoded weight and the
+//!   permuted activation, exactly the `mul_add` of the twin; every 1024 columns the lanes
+//!   are widened to f64 (`vcvtps2pd`, exact) and added to 32 f64 lane sums; the final
+//!   halving tree is the shared one, done in registers level by level
+//!   ([`Avx512::reduce`]). Decode: BF16 by shift and mask; MXFP4 by two `vpermps` lookups
+//!   in the scale byte's row of [`E2M1_SCALED`] (1 zero-extension, 1 shift, 2 lookups per
+//!   group and row, nothing else); F32 by `vpermt2ps`.
+//! - **The drivers** (register-tile shapes), reached through [`super::format::rows`] with
+//!   the weight format's view; per-format settings are the [`TUNE`] table:
+//!   - one token (decode, memory-bound for BF16, decode-bound for MXFP4): [`R1`] BF16/F32
+//!     rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block,
+//!     the groups of one 64-byte line of every row taken in one run with one prefetch per
+//!     row ([`rows1`]);
+//!   - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt): the
+//!     one-token loop with each decoded weight multiplied into every token
+//!     ([`rows_few`]);
+//!   - several tokens (prefill): rows in groups of [`RB`] (4), tokens in passes of up to
+//!     16. Per group and pass, block by block (1024 columns), the group's block is staged
+//!     once into an aligned L1 buffer, group-major, in one of two forms ([`Staging`]:
+//!     [`Bf16Pairs`], BF16 copied and MXFP4 decoded into exact bf16 pairs; or
+//!     [`LaneF32`], widened into lane-ordered f32: always for F32, for every format with
+//!     [`WeightStaging::F32`], the default on Intel), so a group is decoded once whatever
+//!     the token count; then every token tile of up to [`TB`] (2) tokens runs the block
+//!     in a 4 rows × 2 tokens register tile (16 zmm accumulators) and promotes it into
+//!     its f64 lane sums ([`rows_batched`]). The next group's weights are prefetched
+//!     (`T0`) a share per tile pass, a whole group ahead. This shape ran more FMAs per
+//!     cycle than 2 × 4; zmm loads are kept from straddling two lines (which halved the
+//!     loop's speed), and the f64 sums of a pass stay in L1 (docs/measurements.md,
+//!     "Kernel notes moved out of the code").
 //!
 //! Blocking never changes what one (row, token) lane computes (the same FMAs in the same
 //! order, the same promotion at block ends, the same tree), so batched results equal
-//! one-token results bit for bit.
+//! one-token results bit for bit. These drivers are AVX-512's own, not AVX2's: the 4 × 2
+//! tile needs 26 of the 32 zmm registers, and each shape was measured on its own.
 //!
 //! Only AVX-512F instructions are used (plus AVX2/FMA from the baseline), so the path needs
 //! `avx512f` at run time; nothing else is assumed.
 
 use std::arch::x86_64::*;
 
-use super::format::stage_partial;
-use super::format::{self, Driver, Format, FormatKind};
+use super::format::{self, stage_partial, Driver, Format, FormatKind};
 use super::gemv::Mat;
 use super::ops::{prefetch_l1, prefetch_l2, prefetch_lines, Ops};
 use super::portable::{groups, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES};
@@ -211,7 +206,7 @@ trait Fmt: Copy {
     /// Groups per 64-byte line of a row's weights (at least 1): the one-token path
     /// prefetches once per run of `U` groups.
     const U: usize;
-    /// Default rows per one-token tile ([`super::gemv::R1`], [`super::gemv::R1_MXFP4`]).
+    /// Default rows per one-token tile ([`R1`], [`R1_MXFP4`]).
     const ROWS1: usize;
     /// Whether 2..=[`FEW`] tokens take [`rows_few`] (decode each weight once in registers
     /// for all of them) rather than [`rows_batched`] (stage, then widen per tile pass).
@@ -300,17 +295,15 @@ fn prefetch_row<F: Fmt>(p: *const u8) {
 
 /// Software prefetch of the first `bytes` of rows `r0..r1` (clamped to the
 /// matrix): the heads of the next tile's rows, which the in-row prefetch cannot reach.
-///
-/// # Safety
-/// `f` describes `m`; AVX-512F enabled in the caller. Prefetches never fault.
+/// `f` describes `m`; prefetches never fault.
 #[inline(always)]
-unsafe fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize) {
+fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize) {
     if m.cols < GROUP_COLS {
         return;
     }
     for row in r0..r1.min(m.rows) {
-        // SAFETY: hints only: the row's start address (from `spans`, no read of the
-        // weights or, for MXFP4, of its scale byte), lines formed with wrapping_add.
+        // Hints only: the row's start address (from `spans`, no read of the weights or,
+        // for MXFP4, of its scale byte), lines formed with wrapping_add.
         prefetch_lines(f.spans(row, row + 1)[0].0, bytes);
     }
 }
@@ -529,8 +522,8 @@ impl Staging for LaneF32 {
 /// Rows per register tile of the batched path, and per staged row group.
 const RB: usize = 4;
 /// Tokens per register tile of the batched path (RB × TB × 2 = 16 accumulators, RB × 2
-/// weights and 2 activations: 26 of the 32 zmm registers). On Zen 5 a C replica of the
-/// loop ran 4 × 2 at 1.6-1.75 FMAs per cycle, 2 × 4 at 1.45-1.5.
+/// weights and 2 activations: 26 of the 32 zmm registers; 4 × 2 ran more FMAs per cycle
+/// than 2 × 4).
 pub const TB: usize = 2;
 /// Tokens whose f64 lane sums one pass over a row group keeps (RB × TC × 256 bytes =
 /// 16 KiB, in L1); a larger batch is taken in further passes that stage the weights again.
@@ -688,8 +681,7 @@ unsafe fn rows_batched<F: Fmt, S: Staging>(
 /// Stage groups `q..qe` of the row group at `g0` (`nr` real rows): full groups read in
 /// place, the partial one from its zero-padded copy in `parts`, rows past `nr` as zero
 /// weights. A block of whole groups of every row (nearly all of them) is copied row by row
-/// without the per-group checks: 5-10% of a few-token MXFP4 product (`kernel_micro
-/// --direct`, alternating).
+/// without the per-group checks (a measurable share of a few-token MXFP4 product).
 ///
 /// # Safety
 /// Rows `g0..g0 + nr` exist in the matrix `f` describes, `full` is its count of full

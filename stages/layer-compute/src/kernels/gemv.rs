@@ -28,6 +28,12 @@
 //!    Hence results are bitwise independent of thread count, of batched vs one token at a
 //!    time, of fusion ([`gemm_fused`]) and of the SIMD path.
 //!
+//! Special values follow IEEE arithmetic in these operations: subnormal weights and
+//! activations are kept (never flushed to zero) and infinities propagate, the same bits
+//! on every path. A NaN result is NaN on every path, but which NaN (payload, sign) is not
+//! part of the contract: x86 passes on the first NaN operand, and the operand order of a
+//! fused multiply-add differs between the paths.
+//!
 //! Error budgets (u32 = 2^-24, u64 = 2^-53; n = cols; A = Σ|w·x|):
 //! - **E_block** (f32 FMA chain in a lane within one block, ≤ 32 terms): each FMA rounds
 //!   once, so |err| ≤ 32·u32·A_block (worst case 1.9e-6·A; a random walk gives about
@@ -46,8 +52,16 @@
 //!
 //! SIMD vs portable: the AVX2 and AVX-512 kernels ([`super::avx2`], [`super::avx512`]) are
 //! bit-identical to the portable twin ([`super::portable`], `mul_add`), tested on random
-//! inputs including partial groups and blocks, so the path choice ([`super::simd`]) never
-//! changes a result.
+//! and special inputs including partial groups and blocks (`tests/kernels_bitexact.rs`),
+//! so the instruction set ([`super::simd`]) never changes a result.
+//!
+//! # Dispatch
+//!
+//! A product reads the installed [`Kernel`] once ([`Kernel::current`]: product path,
+//! instruction set, drivers' tuning), then `rows_on` matches it once (the only match on
+//! the product path and instruction set), and each instruction set's entry point matches
+//! the weight format once ([`super::format::rows`]); the drivers below are monomorphised
+//! per format.
 //!
 //! # Wiring (for the callers in the layer modules)
 //!
@@ -63,12 +77,11 @@
 //!   4 rows × 2 tokens per inner loop, see [`super::avx512`]). Callers should pass the
 //!   whole chunk in one call (as they do today) instead of looping tokens; per-token
 //!   results equal [`gemv`] bit for bit.
-//! - **Decode tuning** — [`set_decode_tuning`] (or `K3_GEMV_ROWS` / `K3_GEMV_PF`) picks
-//!   how many rows the one-token AVX-512 kernel streams side by side (default per format:
-//!   [`R1`], [`R1_MXFP4`]) and its prefetch distance; a speed setting only, never a result.
-//! - **Batched staging** — [`set_batch_staging`] (or `K3_STAGE`) picks the form the AVX-512
-//!   batched kernel stages its weights in ([`BatchStaging`]: raw bf16 or widened f32, by
-//!   CPU vendor unless set); a speed setting only, never a result.
+//! - **Tuning** — the instruction-set cap, the one-token AVX-512 kernel's rows side by
+//!   side and prefetch distance and the batched kernel's staging form are one
+//!   [`super::tuning::KernelTuning`], installed once per process (the stage from its
+//!   configuration; `K3_*` variables are parsed by k3-orch); speed settings only, never a
+//!   result.
 //! - **lm_head** — one [`gemm`] call (rows = vocab) parallelises over 256 KiB row blocks
 //!   on the current pool; nothing else is needed.
 //! - **Pool** — products use `rayon::current_num_threads()`; run the forward inside
