@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use k3_layer_compute::kernels::gemv::Mat;
+use k3_layer_compute::kernels::matmul::Mat;
 use k3_layer_compute::modules::mlp::{glu_mlp, Situ};
 use k3_model::mmap_weights::MmapWeights;
 use rayon::prelude::*;

@@ -24,7 +24,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use k3_layer_compute::kernels::gemv::{gemm, gemm_fused, gemv, Mat};
+use k3_layer_compute::kernels::matmul::{gemm, gemm_fused, gemv, Mat};
 use k3_layer_compute::kernels::simd::{self, Isa};
 use k3_layer_compute::kernels::tuning::{self, DriverTuning, KernelTuning};
 use k3_layer_compute::membw;

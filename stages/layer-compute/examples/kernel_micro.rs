@@ -9,7 +9,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use k3_layer_compute::kernels::gemv::{gemm_on, rows_permuted_on, Mat};
+use k3_layer_compute::kernels::matmul::{gemm_on, rows_permuted_on, Mat};
 use k3_layer_compute::kernels::portable::permute_tokens;
 use k3_layer_compute::kernels::simd::{Isa, Kernel};
 

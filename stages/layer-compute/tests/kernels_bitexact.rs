@@ -10,7 +10,7 @@
 //! An instruction set the CPU lacks is reported (`SKIPPED:`, [`simd::runnable`]), never
 //! replaced by another; under `K3_REQUIRE_SIMD` (CI) the test fails instead.
 
-use k3_layer_compute::kernels::gemv::{gemm, gemm64, gemm_fused, gemm_on, gemv, Mat};
+use k3_layer_compute::kernels::matmul::{gemm, gemm64, gemm_fused, gemm_on, gemv, Mat};
 use k3_layer_compute::kernels::tuning::{self, KernelTuning, WeightStaging};
 use k3_layer_compute::kernels::{mxfp4, simd, simd::Isa, simd::Kernel};
 
@@ -349,7 +349,7 @@ fn fused_threads_and_f64_outputs_agree() {
     assert_same("forced portable", &a, &b);
 }
 
-// Catches: a contract change that breaks the documented error budget (gemv.rs module doc:
+// Catches: a contract change that breaks the documented error budget (matmul.rs module doc:
 // |y − exact| ≤ 33·u32·Σ|w·x| + u32·|y|), e.g. f32 blocks much longer than 1024 columns or
 // an f32 tree. Reports the worst observed error relative to Σ|w·x|.
 #[test]

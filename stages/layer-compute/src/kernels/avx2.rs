@@ -26,7 +26,7 @@ use std::arch::x86_64::*;
 
 use super::format::stage_partial;
 use super::format::{self, Driver, Format};
-use super::gemv::Mat;
+use super::matmul::Mat;
 use super::ops::{prefetch_l1, Ops};
 use super::portable::{groups, reduce_lanes, x_stride, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES};
 use super::tuning::{DriverTuning, WeightStaging};

@@ -45,7 +45,7 @@
 use std::arch::x86_64::*;
 
 use super::format::{self, stage_partial, Driver, Format, FormatKind};
-use super::gemv::Mat;
+use super::matmul::Mat;
 use super::ops::{prefetch_l1, prefetch_l2, prefetch_lines, Ops};
 use super::portable::{groups, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES};
 use super::tuning::{DriverTuning, WeightStaging, R1, R1_MXFP4};

@@ -10,7 +10,7 @@
 //! product kernels, so each driver is written once and monomorphised per format;
 //! [`rows`] is the row-block entry every instruction set's `rows_f32` shares.
 
-use super::gemv::{Mat, MatData};
+use super::matmul::{Mat, MatData};
 use super::mxfp4;
 use super::ops::Ops;
 use super::portable::{groups, lane_col, E8M0, GROUP_COLS, LANES};

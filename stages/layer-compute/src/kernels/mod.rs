@@ -6,7 +6,7 @@
 //!
 //! # Layout of the products
 //!
-//! - [`gemv`]: the products' API (`gemm`, `gemm_fused`, ...), the reduction contract and
+//! - [`matmul`]: the products' API (`gemm`, `gemm_fused`, ...), the reduction contract and
 //!   the one dispatch on the product path and instruction set;
 //! - [`simd`]: which kernels run ([`simd::Kernel`]: product path, instruction set) and the
 //!   CPU detection; [`tuning`]: their speed settings, installed once per process;
@@ -25,7 +25,7 @@
 //!
 //! | Operation | Contract | Error budget / tolerance | Held by |
 //! |---|---|---|---|
-//! | Matrix products (all weights, lm_head) | [`gemv`] "Reduction contract": f32 FMA in fixed 1024-column blocks, f64 promotion, fixed halving tree; NaN payloads excepted, same bits | E_block + E_promote + E_tree + E_round: \|y − exact\| ≤ 33·u32·Σ\|w·x\| + u32·\|y\| (≈ 2e-6 relative to Σ\|w·x\|) | `kernels_bitexact` (every path, tuning and staging form; `error_within_documented_budget`), `gemv` unit tests |
+//! | Matrix products (all weights, lm_head) | [`matmul`] "Reduction contract": f32 FMA in fixed 1024-column blocks, f64 promotion, fixed halving tree; NaN payloads excepted, same bits | E_block + E_promote + E_tree + E_round: \|y − exact\| ≤ 33·u32·Σ\|w·x\| + u32·\|y\| (≈ 2e-6 relative to Σ\|w·x\|) | `kernels_bitexact` (every path, tuning and staging form; `error_within_documented_budget`), `matmul` unit tests |
 //! | MXFP4 decode | [`mxfp4`]: `E2M1[code] · 2^(s−127)`, scale 255 → 0, exact in f32 and in bf16 | exact (an MXFP4 product is bit for bit the F32 product of its dequantised matrix) | `mxfp4_equals_dequantised_f32_bitwise`, `every_mxfp4_weight_is_an_exact_bf16`, `ops_seed::mxfp4_real_bytes` |
 //! | RMSNorm, KDA L2 norm | [`norm`]: f64 sum of squares in index order, scale rounded once to f32, `(x · inv) · w` in f32 | seed ops: atol 1e-5 + rtol 1e-4 | `ops_seed::rmsnorm`, `ops_seed::kda_module` |
 //! | exp, expm1, tanh, sigmoid; SiLU, SiTU-GLU, sigmoid gates | [`act`]: the engine's own f64 exponential (no libm, no fusing), rounded once; same bits on every instruction set | E_exp ≤ 2 (exp, expm1) and 3 (tanh, sigmoid) units of 2^-52 relative to libm; SiTU within one f32 ulp of the libm formula | `act` unit tests (`exponential_family_is_accurate`, `situ_within_one_f32_ulp_of_libm`, `paths_match_bit_for_bit`), `ops_seed::situ_glu` |
@@ -44,8 +44,8 @@ pub mod avx2;
 pub mod avx512;
 pub mod conv;
 pub mod format;
-pub mod gemv;
 pub mod kda;
+pub mod matmul;
 pub mod mla;
 pub mod mxfp4;
 pub mod norm;

@@ -1,5 +1,5 @@
 //! The portable twin of every SIMD product kernel: plain Rust that performs, lane by lane,
-//! the operations of the reduction contract (see [`super::gemv`]) in the contract's order,
+//! the operations of the reduction contract (see [`super::matmul`]) in the contract's order,
 //! with `f32::mul_add` / `f64::mul_add` where the SIMD kernels use a fused multiply-add.
 //!
 //! The AVX2 and AVX-512 kernels are tested bit for bit against these functions
@@ -8,7 +8,7 @@
 //! formats' decode and partial-group padding are in [`super::format`].
 
 use super::format::{stage_partial, with_format, Format, FormatFn};
-use super::gemv::Mat;
+use super::matmul::Mat;
 use super::mxfp4;
 
 /// Accumulator lanes of every dot product (one per column of a 32-column group).

@@ -1,7 +1,7 @@
 //! Run-time choice of the kernels: the product path and the instruction set ([`Kernel`]).
 //!
 //! - **Instruction set** ([`Isa`]: portable, AVX2+FMA, AVX-512F). Every one performs the
-//!   operations of the reduction contract (see [`super::gemv`]) in the same order, lane
+//!   operations of the reduction contract (see [`super::matmul`]) in the same order, lane
 //!   for lane, so all give bit-identical results (`tests/kernels_bitexact.rs` checks that
 //!   on random and special inputs): the choice is a speed decision only. The best one the
 //!   CPU supports is detected once (`is_x86_feature_detected!`; the build's target
@@ -12,7 +12,7 @@
 //!   (tested in `act.rs` and `kda.rs`).
 //! - **Product path** ([`ProductPath`]): which numerics contract the matrix products
 //!   follow (design.md, "Product paths"). Today only `exact`; a second path (bf16x3) adds a
-//!   variant, its row kernels and one arm in [`super::gemv`]'s dispatch, beside the
+//!   variant, its row kernels and one arm in [`super::matmul`]'s dispatch, beside the
 //!   instruction set, without another copy of the format dispatch.
 //!
 //! Tests that compare instruction sets ask [`runnable`] first: a set the host lacks is
@@ -92,7 +92,7 @@ fn checked_against(isa: Isa, best: Isa) -> Isa {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ProductPath {
     /// f32 FMA inside fixed 1024-column blocks, promoted to f64 between blocks, fixed
-    /// tree: the reduction contract of [`super::gemv`], bit-identical on every
+    /// tree: the reduction contract of [`super::matmul`], bit-identical on every
     /// instruction set.
     Exact,
 }
@@ -108,7 +108,7 @@ impl ProductPath {
 
 /// The matrix products' kernels: a product path, an instruction set the CPU has, and the
 /// drivers' tuning. Chosen once per product from the installed tuning ([`Kernel::current`]),
-/// or explicitly by tests and benchmarks ([`Kernel::on`]); [`super::gemv`] dispatches on
+/// or explicitly by tests and benchmarks ([`Kernel::on`]); [`super::matmul`] dispatches on
 /// it in one place.
 /// Its fields are private so that the instruction set is always one this CPU has (the
 /// dispatch relies on it).

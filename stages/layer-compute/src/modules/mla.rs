@@ -10,7 +10,7 @@ use super::trace_put;
 use super::{Eps, Trace};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::mul_sigmoid;
-use crate::kernels::gemv::{gemm, gemm_fused, Mat};
+use crate::kernels::matmul::{gemm, gemm_fused, Mat};
 use crate::kernels::{mla, norm};
 use crate::weights::Weights;
 

@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use crate::kernels::act::situ_glu;
-use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
+use crate::kernels::matmul::{gemm64, gemm_fused, Mat};
 
 /// Values per parallel SiTU task (about 0.2 ms of libm work each).
 const SITU_CHUNK: usize = 4096;
