@@ -157,7 +157,7 @@ echo "== kernel table (GB/s of weight bytes; % read: the case's own bytes read b
 echo
 echo "== decode tuning sweep (lm_head GEMV, 2 threads; rows side by side x prefetch bytes)"
 # Results never depend on the tuning; the fastest row may become the default
-# (gemv::R1 and the formats' PF) or be set per run with K3_GEMV_ROWS / K3_GEMV_PF.
+# (kernels::tuning::R1 and the formats' PF) or be set per run with K3_GEMV_ROWS / K3_GEMV_PF.
 "$BENCH" --sweep --only lm_head --th 2 --path avx512 | grep -E 'lm_head|read bandwidth' \
   | awk '/lm_head/ {print; if ($(NF-3)+0 > best) {best=$(NF-3)+0; line=$0}} END {print "fastest: " line}'
 echo "== uptime (end): $(uptime)"

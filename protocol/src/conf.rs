@@ -139,4 +139,73 @@ pub struct ComputeConf {
     /// holds one such pass's experts, not the whole prompt's); None: one pass.
     #[serde(default)]
     pub prefill_chunk: Option<usize>,
+    /// The product kernels' settings, parsed from the `K3_*` kernel variables once by
+    /// k3-orch (`k3_layer_compute::kernels::tuning::from_env`) and installed by the stage
+    /// at its start. Absent (an older `Configure`): every setting automatic.
+    #[serde(default)]
+    pub tuning: KernelTuning,
+}
+
+/// Settings of layer-compute's product kernels (`k3_layer_compute::kernels::tuning`). No
+/// setting changes a result: every instruction set gives the same bits, and the others
+/// choose loop shapes and prefetch distances. Every field is optional; None (and a field
+/// absent from the JSON) means automatic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KernelTuning {
+    /// The widest instruction set the kernels may use (`K3_SIMD`; `K3_FORCE_PORTABLE=1`
+    /// is `portable`); None: the best the CPU has.
+    pub max_isa: Option<Isa>,
+    /// Rows the one-token AVX-512 product streams side by side: 2, 4, 6 or 8
+    /// (`K3_GEMV_ROWS`); None or another value: the weight format's default.
+    pub decode_rows: Option<u8>,
+    /// Software prefetch distance of the one-token AVX-512 product, in bytes (the nearest
+    /// compiled distance is used; `K3_GEMV_PF`); None: the weight format's default.
+    pub decode_prefetch: Option<u32>,
+    /// The form the AVX-512 batched product stages its weights in
+    /// (`K3_WEIGHT_STAGING`); None: by CPU vendor.
+    pub weight_staging: Option<WeightStaging>,
+}
+
+/// An instruction set of layer-compute's kernels, narrowest first (every one gives the
+/// same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Isa {
+    /// Scalar Rust (`mul_add`), the reference twin.
+    Portable = 1,
+    /// AVX2 + FMA (the x86-64 baseline of this engine).
+    Avx2 = 2,
+    /// AVX-512F.
+    Avx512 = 3,
+}
+
+impl Isa {
+    /// Every instruction set, narrowest first.
+    pub const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+
+    /// Name for reports and the `K3_SIMD` value that selects it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// The instruction set named `s` ([`Isa::name`]).
+    pub fn from_name(s: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|i| i.name() == s)
+    }
+}
+
+/// How the AVX-512 batched product stages a row group's weights before its register
+/// tiles run over them (both forms hold the same exact f32 weights).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightStaging {
+    /// Bf16 pairs (BF16 copied, MXFP4 decoded once), widened in every tile pass.
+    Bf16,
+    /// Widened once into lane-ordered f32.
+    F32,
 }

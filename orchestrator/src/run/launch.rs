@@ -259,6 +259,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
     };
     let fp = state_fingerprint(c)?;
     let failed = |e: String| RunError::failed(format!("k3-orch: {e}"));
+    k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
     let pool = k3_layer_compute::pool::build(c.threads).map_err(failed)?;
     let mw = MmapWeights::open(&a.model_dir).map_err(|e| failed(e.to_string()))?;
     populate_resident(&mw, c);
@@ -686,6 +687,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
             save_state: a.save_state.clone(),
             state_fingerprint: state_fingerprint(c)?,
             prefill_chunk: c.plan.prefill_chunk,
+            tuning: k3_layer_compute::kernels::tuning::from_env(),
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),

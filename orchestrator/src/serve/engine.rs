@@ -321,6 +321,7 @@ fn worker(
             *g = Some(e);
         }
     };
+    k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
     let pool = match k3_layer_compute::pool::build(o.threads) {
         Ok(p) => p,
         Err(e) => return fail(e),

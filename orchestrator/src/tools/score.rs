@@ -103,6 +103,7 @@ fn run(a: &Args) -> Result<i32, (i32, String)> {
             ));
         }
     }
+    k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
     let weights = MmapWeights::open(&a.model_dir).map_err(|e| (1, e.to_string()))?;
     let model = Model::new(
         cfg,

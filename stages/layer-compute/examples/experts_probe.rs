@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use k3_layer_compute::kernels::gemv::Mat;
+use k3_layer_compute::kernels::matmul::Mat;
 use k3_layer_compute::modules::mlp::{glu_mlp, Situ};
 use k3_model::mmap_weights::MmapWeights;
 use rayon::prelude::*;
@@ -26,6 +26,8 @@ fn uptime() -> String {
 }
 
 fn main() {
+    // The kernel settings in the environment (`K3_SIMD`, ...), as k3-orch reads them.
+    k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
     let args: Vec<String> = std::env::args().collect();
     let Some(dir) = args.get(1).filter(|a| !a.starts_with("--")) else {
         eprintln!("usage: experts_probe SLICE_DIR [--decode]");

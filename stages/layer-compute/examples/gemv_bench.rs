@@ -15,7 +15,7 @@
 //! the same pool ([`membw::read_seconds`], 4 streams per task), and the column is the
 //! median over reps of that read's time over the kernel's. `--sweep` times the one-token
 //! cases for every decode tuning (rows side by side × software prefetch distance, see
-//! `gemv::set_decode_tuning`); the "GMAC/cpu-s" column divides by the CPU time the
+//! `tuning::KernelTuning`); the "GMAC/cpu-s" column divides by the CPU time the
 //! process spent (all threads), which tells a loaded machine from a slow kernel.
 //! Weight buffers are replicated until each case streams at least 512 MiB per round
 //! (the lm_head is one 2.35 GB copy), so the numbers are DRAM numbers, not cache numbers.
@@ -24,10 +24,9 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use k3_layer_compute::kernels::gemv::{
-    decode_tuning, gemm, gemm_fused, gemv, set_decode_tuning, Mat,
-};
-use k3_layer_compute::kernels::simd::{self, Path};
+use k3_layer_compute::kernels::matmul::{gemm, gemm_fused, gemv, Mat};
+use k3_layer_compute::kernels::simd::{self, Isa};
+use k3_layer_compute::kernels::tuning::{self, DriverTuning, KernelTuning};
 use k3_layer_compute::membw;
 
 fn xorshift(s: &mut u64) -> u64 {
@@ -199,6 +198,11 @@ struct Case {
 }
 
 fn main() {
+    // The kernel settings in the environment (`K3_GEMV_ROWS`, ...), as k3-orch reads them;
+    // each case installs its instruction set (and, with `--sweep`, its decode tuning) over
+    // them.
+    let base = tuning::from_env();
+    tuning::install(base);
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     // `--only SUBSTR`: run only the cases whose name contains SUBSTR (profiling).
@@ -217,13 +221,13 @@ fn main() {
     // `--sweep`: one-token cases only, AVX-512 only, every decode tuning (rows side by
     // side × prefetch distance); results never change, only the access pattern.
     let sweep = args.iter().any(|a| a == "--sweep");
-    let tunings: Vec<(usize, usize)> = if sweep {
-        [2usize, 4, 6, 8]
+    let tunings: Vec<(Option<u8>, Option<u32>)> = if sweep {
+        [2u8, 4, 6, 8]
             .iter()
-            .flat_map(|&r| [0usize, 512, 1024, 2048, 4096].map(|p| (r, p)))
+            .flat_map(|&r| [0u32, 512, 1024, 2048, 4096].map(|p| (Some(r), Some(p))))
             .collect()
     } else {
-        vec![decode_tuning()]
+        vec![(base.decode_rows, base.decode_prefetch)]
     };
     let reps = if quick { 2 } else { 4 };
     let min_bytes: usize = if quick { 256 << 20 } else { 512 << 20 };
@@ -256,11 +260,12 @@ fn main() {
         return;
     }
     println!(
-        "best path: {} (AVX2+FMA {}, AVX-512F {}); AVX-512 batched staging: {:?} (K3_STAGE)",
+        "best path: {} (AVX2+FMA {}, AVX-512F {}); AVX-512 batched staging: {:?} \
+         (K3_WEIGHT_STAGING)",
         simd::best_available().name(),
         simd::avx2_available(),
         simd::avx512_available(),
-        k3_layer_compute::kernels::gemv::batch_staging()
+        DriverTuning::of(&base).staging
     );
     println!();
     println!(
@@ -342,12 +347,12 @@ fn main() {
     ];
     let mut paths = vec![];
     if simd::avx512_available() {
-        paths.push(Path::Avx512);
+        paths.push(Isa::Avx512);
     }
     if simd::avx2_available() {
-        paths.push(Path::Avx2);
+        paths.push(Isa::Avx2);
     }
-    paths.push(Path::Portable);
+    paths.push(Isa::Portable);
 
     for c in &cases {
         if quick && c.shapes[0].0 == 163840 {
@@ -405,18 +410,22 @@ fn main() {
             .iter()
             .flat_map(|p| tunings.iter().map(move |t| (p, t)))
         {
-            if sweep && p != Path::Avx512 {
+            if sweep && p != Isa::Avx512 {
                 continue;
             }
-            set_decode_tuning(trows, tpf);
-            simd::set_max_path(p);
+            tuning::install(KernelTuning {
+                max_isa: Some(p),
+                decode_rows: trows,
+                decode_prefetch: tpf,
+                ..base
+            });
             for (ti, pool) in pools.iter().enumerate() {
                 let threads = ti + 1;
                 // The portable twin is a reference, not a fast path: one thread, GEMV only.
-                if p == Path::Portable && (threads == 2 || c.kind != Kind::Gemv || quick) {
+                if p == Isa::Portable && (threads == 2 || c.kind != Kind::Gemv || quick) {
                     continue;
                 }
-                if p == Path::Portable && c.shapes[0].0 == 163840 {
+                if p == Isa::Portable && c.shapes[0].0 == 163840 {
                     continue;
                 }
                 if only_path.as_ref().is_some_and(|o| o != p.name())
@@ -463,12 +472,9 @@ fn main() {
                 let pct = 100.0 * paired[paired.len() / 2];
                 let gbs = (set_bytes * copies) as f64 / best / 1e9;
                 let label = if sweep {
-                    let pf = if tpf == usize::MAX {
-                        "default".to_string()
-                    } else {
-                        tpf.to_string()
-                    };
-                    format!("{} [rows {trows}, pf {pf}]", c.name)
+                    let show = |v: Option<u32>| v.map_or("default".to_string(), |v| v.to_string());
+                    let (rows, pf) = (show(trows.map(u32::from)), show(tpf));
+                    format!("{} [rows {rows}, pf {pf}]", c.name)
                 } else {
                     c.name.to_string()
                 };
@@ -487,7 +493,7 @@ fn main() {
                 );
             }
         }
-        simd::set_max_path(Path::Avx512);
+        tuning::install(base);
     }
     println!();
     println!("uptime at end:   {}", uptime());

@@ -9,9 +9,9 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use k3_layer_compute::kernels::gemv::{gemm_on, rows_permuted_on, Mat};
+use k3_layer_compute::kernels::matmul::{gemm_on, rows_permuted_on, Mat};
 use k3_layer_compute::kernels::portable::permute_tokens;
-use k3_layer_compute::kernels::simd::Path;
+use k3_layer_compute::kernels::simd::{Isa, Kernel};
 
 /// On-CPU seconds of the calling thread (`/proc/thread-self/schedstat`), so a busy
 /// machine's share can be told apart from the kernel's rate; NaN where unavailable.
@@ -23,6 +23,8 @@ fn thread_cpu() -> f64 {
 }
 
 fn main() {
+    // The kernel settings in the environment (`K3_WEIGHT_STAGING`, ...), as k3-orch reads them.
+    k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
     let rows: usize = std::env::var("MICRO_ROWS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -66,10 +68,10 @@ fn main() {
             let x: Vec<f32> = (0..ntok * cols).map(|i| (i % 13) as f32 * 0.1).collect();
             let mut y = vec![0f32; ntok * rows];
             // `--avx512`: that path alone.
-            let paths: &[Path] = if args.iter().any(|a| a == "--avx512") {
-                &[Path::Avx512]
+            let paths: &[Isa] = if args.iter().any(|a| a == "--avx512") {
+                &[Isa::Avx512]
             } else {
-                &[Path::Avx512, Path::Avx2]
+                &[Isa::Avx512, Isa::Avx2]
             };
             for &p in paths {
                 let iters = (2000 / ntok * if args.len() > 2 { 5 } else { 1 }) * (128 * 7168)
@@ -82,10 +84,10 @@ fn main() {
                 let mut sums = vec![0f64; rows * ntok];
                 for _ in 0..iters {
                     if direct {
-                        rows_permuted_on(p, m, &xp, ntok, &mut sums);
+                        rows_permuted_on(&Kernel::on(p), m, &xp, ntok, &mut sums);
                         black_box(&sums);
                     } else {
-                        gemm_on(p, m, &x, &mut y, ntok);
+                        gemm_on(&Kernel::on(p), m, &x, &mut y, ntok);
                         black_box(&y);
                     }
                 }

@@ -245,6 +245,8 @@ impl k3_layer_compute::Weights for BenchWeights {
 }
 
 fn main() {
+    // The kernel settings in the environment (`K3_SIMD`, ...), as k3-orch reads them.
+    k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
     let threads: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
@@ -276,7 +278,7 @@ fn main() {
         "random weights: {:.2} GB built in {:.1} s; threads {threads}; kernels {}",
         total as f64 / 1e9,
         t0.elapsed().as_secs_f64(),
-        k3_layer_compute::kernels::simd::path_name()
+        k3_layer_compute::kernels::simd::Kernel::current().name()
     );
     let model = Model::new(
         cfg.clone(),

@@ -226,7 +226,7 @@ mod probe {
         }
     }
 
-    /// The f32-staged form of the exact tile (the kernels' [`BatchStaging::F32`]): one
+    /// The f32-staged form of the exact tile (the kernels' [`WeightStaging::F32`]): one
     /// block of 4 rows x 32 groups of lane-ordered f32 (group-major, 128 bytes a row), two
     /// plain loads per row and group, no integer operation; 2-token tiles, plain adds at
     /// the end.
@@ -234,7 +234,7 @@ mod probe {
     /// # Safety
     /// AVX-512F present; `w` holds 16 KiB; every token has 1024 values at `x + t * xs`.
     ///
-    /// [`BatchStaging::F32`]: k3_layer_compute::kernels::gemv::BatchStaging::F32
+    /// [`WeightStaging::F32`]: k3_layer_compute::kernels::tuning::WeightStaging::F32
     #[target_feature(enable = "avx512f")]
     pub unsafe fn tile_block_f32(w: *const f32, x: *const f32, xs: usize, ntok: usize) -> __m512 {
         // SAFETY (whole body): reads inside the block and the tokens' blocks (caller).

@@ -16,7 +16,7 @@
 use k3_model::config::{LayerKind, ModelConfig};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
-use crate::kernels::gemv::{gemm, gemm_fused, Mat};
+use crate::kernels::matmul::{gemm, gemm_fused, Mat};
 use crate::kernels::norm;
 use crate::modules::attnres::attnres_mix_rows;
 use crate::modules::kda::{KdaState, KdaWeights};

@@ -36,6 +36,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     ctx.wait_configure()?;
     let conf: ComputeConf = serde_json::from_str(&ctx.conf_json)
         .map_err(|e| ctx.fail(format!("layer-compute: bad Configure: {e}")))?;
+    crate::kernels::tuning::install(conf.tuning);
     let pool =
         crate::pool::build(conf.threads).map_err(|e| ctx.fail(format!("layer-compute: {e}")))?;
     ctx.ready()?;

@@ -163,9 +163,13 @@ fn threads_and_simd_do_not_change_logits() {
     let one = load("tiny-mxfp4", 1).forward_all(&full).unwrap();
     let two = load("tiny-mxfp4", 2).forward_all(&full).unwrap();
     assert_bits_eq("1 vs 2 threads", &one.logits, &two.logits);
-    k3_layer_compute::kernels::simd::set_force_portable(true);
+    use k3_layer_compute::kernels::tuning::{self, Isa, KernelTuning};
+    tuning::install(KernelTuning {
+        max_isa: Some(Isa::Portable),
+        ..KernelTuning::default()
+    });
     let port = load("tiny-mxfp4", 2).forward_all(&full);
-    k3_layer_compute::kernels::simd::set_force_portable(false);
+    tuning::install(KernelTuning::default());
     let port = port.unwrap();
     assert_bits_eq("SIMD vs portable", &one.logits, &port.logits);
 }

@@ -2,10 +2,17 @@
 //! twin, batched == one token at a time, fused == separate, any thread count, MXFP4 ==
 //! F32 of its dequantised matrix. Shapes cover partial groups (cols % 32 != 0), odd
 //! MXFP4 column counts, several 1024-column blocks and row counts that leave remainders
-//! after register blocking.
+//! after register blocking. Inputs include subnormal and −0 weights and activations, a
+//! NaN and an infinite activation (in tokens of their own) and NaN and infinite weights
+//! (in rows of their own), which must come out with the same bits on every path (a NaN
+//! result as a NaN: its payload is not part of the contract).
+//!
+//! An instruction set the CPU lacks is reported (`SKIPPED:`, [`simd::runnable`]), never
+//! replaced by another; under `K3_REQUIRE_SIMD` (CI) the test fails instead.
 
-use k3_layer_compute::kernels::gemv::{gemm, gemm64, gemm_fused, gemm_on, gemv, Mat};
-use k3_layer_compute::kernels::{mxfp4, simd, simd::Path};
+use k3_layer_compute::kernels::matmul::{gemm, gemm64, gemm_fused, gemm_on, gemv, Mat};
+use k3_layer_compute::kernels::tuning::{self, KernelTuning, WeightStaging};
+use k3_layer_compute::kernels::{mxfp4, simd, simd::Isa, simd::Kernel};
 
 fn rng(s: &mut u64) -> u64 {
     *s ^= *s << 13;
@@ -16,6 +23,41 @@ fn rng(s: &mut u64) -> u64 {
 
 fn randf(s: &mut u64) -> f32 {
     ((rng(s) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 3.0
+}
+
+/// A subnormal f32 of either sign.
+fn subnormal(s: &mut u64) -> f32 {
+    let r = rng(s) as u32;
+    f32::from_bits((r & 0x007F_FFFF).max(1) | (r & 0x8000_0000))
+}
+
+/// `ntok` tokens of `cols` activations: random, with one value in 16 subnormal and one in
+/// 16 a −0; token 1 holds a NaN and token 2 a −∞ (the other tokens stay finite, so they
+/// still see every reordering).
+fn activations(ntok: usize, cols: usize, s: &mut u64) -> Vec<f32> {
+    let mut x: Vec<f32> = (0..ntok * cols)
+        .map(|_| match rng(s) % 16 {
+            0 => subnormal(s),
+            1 => -0.0,
+            _ => randf(s),
+        })
+        .collect();
+    if ntok > 1 {
+        x[cols + cols / 2] = f32::from_bits(0x7FC0_1234);
+    }
+    if ntok > 2 {
+        x[2 * cols + cols / 3] = f32::NEG_INFINITY;
+    }
+    x
+}
+
+/// The instruction sets `test` compares with the portable twin: those the CPU has (the
+/// others reported as skipped, or failing under `K3_REQUIRE_SIMD`).
+fn simd_isas(test: &str) -> Vec<Isa> {
+    [Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|&i| simd::runnable(test, i))
+        .collect()
 }
 
 struct Owned {
@@ -61,6 +103,39 @@ impl Owned {
             b,
         }
     }
+    /// [`Owned::new`] with special weights: one in 16 subnormal and one in 16 a −0
+    /// (BF16, F32; MXFP4 has scale bytes 0 and 255 already), and, with 3 rows or more, a
+    /// +∞ in row 1 and a NaN in row 2.
+    fn special(fmt: &'static str, rows: usize, cols: usize, s: &mut u64) -> Self {
+        let mut o = Owned::new(fmt, rows, cols, s);
+        let put = |a: &mut Vec<u8>, i: usize, v: f32| match fmt {
+            "bf16" => {
+                a[2 * i..2 * i + 2].copy_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes())
+            }
+            _ => a[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
+        };
+        if fmt == "mxfp4" {
+            return o;
+        }
+        for i in 0..rows * cols {
+            match rng(s) % 16 {
+                // A bf16 subnormal: the top half of an f32 whose exponent bits are 0.
+                0 => put(
+                    &mut o.a,
+                    i,
+                    f32::from_bits(subnormal(s).to_bits() | 0x0001_0000),
+                ),
+                1 => put(&mut o.a, i, -0.0),
+                _ => {}
+            }
+        }
+        if rows >= 3 {
+            put(&mut o.a, cols, f32::INFINITY);
+            put(&mut o.a, 2 * cols + cols / 2, f32::from_bits(0xFFC5_0000));
+        }
+        o
+    }
+
     fn mat(&self) -> Mat<'_> {
         match self.fmt {
             "bf16" => Mat::bf16(&self.a, self.rows, self.cols).unwrap(),
@@ -70,8 +145,24 @@ impl Owned {
     }
 }
 
-fn same(a: &[f32], b: &[f32]) -> bool {
-    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+/// `got` and `want` have the same length (not zero) and the same bits everywhere, except
+/// that a NaN matches any NaN: which NaN an operation passes on (payload, sign) depends on
+/// its operands' order, which differs between the paths' fused multiply-adds, so the
+/// contract only says a NaN result is NaN on every path (see the reduction contract).
+fn assert_same(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    assert!(!got.is_empty(), "{what}: nothing to compare");
+    let differ =
+        |i: usize| got[i].to_bits() != want[i].to_bits() && !(got[i].is_nan() && want[i].is_nan());
+    if let Some(i) = (0..got.len()).find(|&i| differ(i)) {
+        panic!(
+            "{what}: differs at [{i}]: {} vs {} (bits {:#010x} vs {:#010x})",
+            got[i],
+            want[i],
+            got[i].to_bits(),
+            want[i].to_bits()
+        );
+    }
 }
 
 const SHAPES: [(usize, usize); 10] = [
@@ -95,49 +186,70 @@ const SHAPES: [(usize, usize); 10] = [
 #[test]
 fn simd_paths_match_portable_twin_bitwise() {
     let mut s = 0x1234_5678_9abc_def1u64;
-    let paths = [Path::Avx2, Path::Avx512];
-    // `gemm_on` runs a path the CPU lacks on the best one it has: say so, never silently.
-    for p in paths {
-        if simd::best_available() < p {
-            eprintln!(
-                "SKIPPED: simd_paths_match_portable_twin_bitwise[{}]: this CPU lacks it",
-                p.name()
-            );
-        }
-    }
+    let paths = simd_isas("simd_paths_match_portable_twin_bitwise");
+    // Results that are NaN, infinite, subnormal: the special inputs must reach them.
+    let mut seen = [0usize; 3];
     for fmt in ["bf16", "f32", "mxfp4"] {
         for &(rows, cols) in &SHAPES {
-            let o = Owned::new(fmt, rows, cols, &mut s);
+            let o = Owned::special(fmt, rows, cols, &mut s);
             let m = o.mat();
             // 37 tokens: three passes of the AVX-512 batched path (16 + 16 + 5 tokens,
             // the weights staged again for each).
             for ntok in [1usize, 2, 3, 4, 5, 9, 13, 16, 37] {
-                let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
+                let x = activations(ntok, cols, &mut s);
                 let mut want = vec![0f32; ntok * rows];
-                gemm_on(Path::Portable, &m, &x, &mut want, ntok);
+                gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, ntok);
+                seen[0] += want.iter().filter(|v| v.is_nan()).count();
+                seen[1] += want.iter().filter(|v| v.is_infinite()).count();
+                seen[2] += want.iter().filter(|v| v.is_subnormal()).count();
                 for &p in &paths {
                     let mut got = vec![0f32; ntok * rows];
-                    gemm_on(p, &m, &x, &mut got, ntok);
-                    assert!(same(&got, &want), "{fmt} {rows}x{cols} ntok={ntok} {p:?}");
+                    gemm_on(&Kernel::on(p), &m, &x, &mut got, ntok);
+                    assert_same(
+                        &format!("{fmt} {rows}x{cols} ntok={ntok} {p:?}"),
+                        &got,
+                        &want,
+                    );
                 }
                 // Batched == one token at a time (on the portable path as well).
                 for t in 0..ntok {
                     let mut one = vec![0f32; rows];
                     gemm_on(
-                        Path::Portable,
+                        &Kernel::on(Isa::Portable),
                         &m,
                         &x[t * cols..(t + 1) * cols],
                         &mut one,
                         1,
                     );
-                    assert!(
-                        same(&one, &want[t * rows..(t + 1) * rows]),
-                        "{fmt} batch t={t}"
-                    );
+                    let what = format!("{fmt} {rows}x{cols} batch t={t}");
+                    assert_same(&what, &one, &want[t * rows..(t + 1) * rows]);
                 }
             }
         }
     }
+    let [nan, inf, sub] = seen;
+    assert!(
+        nan > 0 && inf > 0 && sub > 0,
+        "NaN {nan}, ±∞ {inf}, subnormal {sub} results"
+    );
+}
+
+// Catches: a comparison that passes when one side is empty or shorter (`zip(..).all(..)`,
+// the helper this file had), that takes −0 for +0, or that tells NaNs apart by payload.
+#[test]
+fn assert_same_checks_length_bits_and_nans() {
+    let fails = |a: &'static [f32], b: &'static [f32]| {
+        std::panic::catch_unwind(|| assert_same("x", a, b)).is_err()
+    };
+    assert!(fails(&[], &[1.0]), "length");
+    assert!(fails(&[1.0], &[1.0, 2.0]), "length");
+    assert!(fails(&[], &[]), "empty");
+    assert!(fails(&[1.0, -0.0], &[1.0, 0.0]), "sign of zero");
+    assert!(fails(&[f32::NAN], &[1.0]), "NaN against a number");
+    assert!(
+        !fails(&[1.0, f32::NAN], &[1.0, -f32::NAN]),
+        "NaN against NaN"
+    );
 }
 
 // Catches: an MXFP4 kernel whose weights are not exactly E2M1·2^(s−127) (or that treats
@@ -146,6 +258,8 @@ fn simd_paths_match_portable_twin_bitwise() {
 #[test]
 fn mxfp4_equals_dequantised_f32_bitwise() {
     let mut s = 0xfeed_f00d_1234_5679u64;
+    let mut paths = vec![Isa::Portable];
+    paths.extend(simd_isas("mxfp4_equals_dequantised_f32_bitwise"));
     for &(rows, cols) in &SHAPES {
         let o = Owned::new("mxfp4", rows, cols, &mut s);
         let m = o.mat();
@@ -155,12 +269,12 @@ fn mxfp4_equals_dequantised_f32_bitwise() {
             .collect();
         let mf = Mat::f32(&deq, rows, cols).unwrap();
         let ntok = 3;
-        let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
-        for p in [Path::Portable, Path::Avx2, Path::Avx512] {
+        let x = activations(ntok, cols, &mut s);
+        for &p in &paths {
             let (mut a, mut b) = (vec![0f32; ntok * rows], vec![0f32; ntok * rows]);
-            gemm_on(p, &m, &x, &mut a, ntok);
-            gemm_on(p, &mf, &x, &mut b, ntok);
-            assert!(same(&a, &b), "{rows}x{cols} {p:?}");
+            gemm_on(&Kernel::on(p), &m, &x, &mut a, ntok);
+            gemm_on(&Kernel::on(p), &mf, &x, &mut b, ntok);
+            assert_same(&format!("{rows}x{cols} {p:?}"), &a, &b);
         }
     }
 }
@@ -197,10 +311,10 @@ fn fused_threads_and_f64_outputs_agree() {
             pool.install(|| gemm_fused(&refs, &x, &mut outs, ntok, 3));
         }
         for (i, m) in ms.iter().enumerate() {
-            assert!(same(&fused[i], &singles[i]), "fused {i} ntok={ntok}");
+            assert_same(&format!("fused {i} ntok={ntok}"), &fused[i], &singles[i]);
             let mut y2 = vec![0f32; ntok * m.rows];
             pool.install(|| gemm(m, &x, &mut y2, ntok, 2));
-            assert!(same(&y2, &singles[i]), "threads {i}");
+            assert_same(&format!("threads {i}"), &y2, &singles[i]);
             let mut y64 = vec![0f64; ntok * m.rows];
             gemm64(m, &x, &mut y64, ntok, 2);
             assert!(
@@ -212,7 +326,7 @@ fn fused_threads_and_f64_outputs_agree() {
             if ntok == 1 {
                 let mut g = vec![0f32; m.rows];
                 gemv(m, &x, &mut g, 2);
-                assert!(same(&g, &singles[i]));
+                assert_same(&format!("gemv {i}"), &g, &singles[i]);
                 for r in [0, m.rows / 2, m.rows - 1] {
                     assert_eq!(m.row_dot(r, &x).to_bits(), singles[i][r].to_bits());
                     assert_eq!(m.row_dot_portable(r, &x).to_bits(), singles[i][r].to_bits());
@@ -221,18 +335,21 @@ fn fused_threads_and_f64_outputs_agree() {
         }
     }
     // The process-wide switch still forces the portable path (and changes nothing).
-    simd::set_force_portable(true);
-    assert_eq!(simd::path(), Path::Portable);
+    tuning::install(KernelTuning {
+        max_isa: Some(Isa::Portable),
+        ..KernelTuning::default()
+    });
+    assert_eq!(simd::isa(), Isa::Portable);
     let x: Vec<f32> = (0..cols).map(|_| randf(&mut s)).collect();
     let mut a = vec![0f32; ms[0].rows];
     gemv(&ms[0], &x, &mut a, 1);
-    simd::set_force_portable(false);
+    tuning::install(KernelTuning::default());
     let mut b = vec![0f32; ms[0].rows];
     gemv(&ms[0], &x, &mut b, 1);
-    assert!(same(&a, &b));
+    assert_same("forced portable", &a, &b);
 }
 
-// Catches: a contract change that breaks the documented error budget (gemv.rs module doc:
+// Catches: a contract change that breaks the documented error budget (matmul.rs module doc:
 // |y − exact| ≤ 33·u32·Σ|w·x| + u32·|y|), e.g. f32 blocks much longer than 1024 columns or
 // an f32 tree. Reports the worst observed error relative to Σ|w·x|.
 #[test]
@@ -267,70 +384,68 @@ fn error_within_documented_budget() {
 // Catches: a one-token AVX-512 kernel whose row count per tile or compiled prefetch
 // distance changes a result (a tile that skips or repeats a row, a remainder tile that
 // reads the wrong row, a prefetch variant compiled with another lane order). Every tuning
-// must equal the portable twin bit for bit; the tuning is process-wide, but no setting may
-// change any result, so the other tests are unaffected whatever it is meanwhile.
+// must equal the portable twin bit for bit (each passed explicitly: `Kernel::with`).
 #[test]
 fn every_decode_tuning_matches_portable_bitwise() {
-    use k3_layer_compute::kernels::gemv::set_decode_tuning;
-    if simd::best_available() < Path::Avx512 {
-        eprintln!("SKIPPED: every_decode_tuning_matches_portable_bitwise: no AVX-512");
+    if !simd::runnable("every_decode_tuning_matches_portable_bitwise", Isa::Avx512) {
         return;
     }
     let mut s = 0x5eed_0f7e_5700_1234_u64;
     for fmt in ["bf16", "f32", "mxfp4"] {
         // 29 rows: tiles of 8, 6, 4 and 2 all leave a remainder; 2100 columns: three
         // blocks, the last with a partial group.
-        let o = Owned::new(fmt, 29, 2100, &mut s);
+        let o = Owned::special(fmt, 29, 2100, &mut s);
         let m = o.mat();
-        let x: Vec<f32> = (0..m.cols).map(|_| randf(&mut s)).collect();
+        let x = activations(1, m.cols, &mut s);
         let mut want = vec![0f32; m.rows];
-        gemm_on(Path::Portable, &m, &x, &mut want, 1);
-        for rows in [2usize, 4, 6, 8] {
-            for pf in [0usize, 256, 512, 1024, 2048, 4096] {
-                set_decode_tuning(rows, pf);
+        gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, 1);
+        for rows in [2u8, 4, 6, 8] {
+            for pf in [0u32, 256, 512, 1024, 2048, 4096] {
+                let t = KernelTuning {
+                    decode_rows: Some(rows),
+                    decode_prefetch: Some(pf),
+                    ..KernelTuning::default()
+                };
                 let mut got = vec![0f32; m.rows];
-                gemm_on(Path::Avx512, &m, &x, &mut got, 1);
-                assert!(same(&got, &want), "{fmt} rows {rows} pf {pf}");
+                gemm_on(&Kernel::with(Isa::Avx512, &t), &m, &x, &mut got, 1);
+                assert_same(&format!("{fmt} rows {rows} pf {pf}"), &got, &want);
             }
         }
     }
-    set_decode_tuning(0, usize::MAX);
 }
 
 // Catches: a batched staging form that changes a result: a widened (f32) stage that
 // splits a group into the wrong lanes, pads a partial group or a padded row with anything
 // but zero, or a bf16-pair stage that rounds an MXFP4 weight. Both forms must equal the
 // portable twin bit for bit, through partial groups and blocks, a padded last row group
-// and a second token pass; the form is process-wide, but neither may change any result.
+// and a second token pass (each form passed explicitly: `Kernel::with`).
 #[test]
 fn both_batch_stagings_match_portable_bitwise() {
-    use k3_layer_compute::kernels::gemv::{default_batch_staging, set_batch_staging, BatchStaging};
-    if simd::best_available() < Path::Avx512 {
-        eprintln!("SKIPPED: both_batch_stagings_match_portable_bitwise: no AVX-512");
+    if !simd::runnable("both_batch_stagings_match_portable_bitwise", Isa::Avx512) {
         return;
     }
     let mut s = 0x57a6_e0f3_2b1d_9c44_u64;
     for fmt in ["bf16", "f32", "mxfp4"] {
         for (rows, cols) in [(133usize, 1057usize), (29, 2100)] {
-            let o = Owned::new(fmt, rows, cols, &mut s);
+            let o = Owned::special(fmt, rows, cols, &mut s);
             let m = o.mat();
             for ntok in [5usize, 16, 37] {
-                let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
+                let x = activations(ntok, cols, &mut s);
                 let mut want = vec![0f32; ntok * rows];
-                gemm_on(Path::Portable, &m, &x, &mut want, ntok);
-                for form in [BatchStaging::Bf16, BatchStaging::F32] {
-                    set_batch_staging(form);
+                gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, ntok);
+                for form in [WeightStaging::Bf16, WeightStaging::F32] {
+                    let t = KernelTuning {
+                        weight_staging: Some(form),
+                        ..KernelTuning::default()
+                    };
                     let mut got = vec![0f32; ntok * rows];
-                    gemm_on(Path::Avx512, &m, &x, &mut got, ntok);
-                    assert!(
-                        same(&got, &want),
-                        "{fmt} {rows}x{cols} ntok={ntok} {form:?}"
-                    );
+                    gemm_on(&Kernel::with(Isa::Avx512, &t), &m, &x, &mut got, ntok);
+                    let what = format!("{fmt} {rows}x{cols} ntok={ntok} {form:?}");
+                    assert_same(&what, &got, &want);
                 }
             }
         }
     }
-    set_batch_staging(default_batch_staging());
 }
 
 // Catches: an MXFP4 weight that is not exactly a bf16 (the AVX-512 batched path stages

@@ -9,7 +9,7 @@
 
 mod support;
 
-use k3_layer_compute::kernels::gemv::{gemv, Mat};
+use k3_layer_compute::kernels::matmul::{gemv, Mat};
 use k3_layer_compute::kernels::{act, attnres, conv, kda, mxfp4, norm, router};
 use k3_layer_compute::modules::kda::{KdaGeometry, KdaState, KdaWeights};
 use k3_layer_compute::modules::mla::{MlaCache, MlaGeometry, MlaWeights};

@@ -1,83 +1,78 @@
 //! AVX2+FMA product kernels (ymm), bit-identical to the portable twin in
 //! [`super::portable`]. This is the x86-64 baseline path.
 //!
-//! The 32 lanes of a dot product live in four ymm registers (lanes 0..7, 8..15: the even
-//! columns of a 32-column group; 16..23, 24..31: the odd ones). Per group each lane
-//! performs one f32 `vfmadd` of the decoded weight and the permuted activation, exactly
-//! the `mul_add` of the twin; every 1024 columns the lanes are widened to f64 (exact) and
-//! added to 32 f64 lane sums; the final halving tree is the shared scalar one.
-//! Weight decode:
-//! - BF16: a 32-byte load gives 8 dwords, each holding an even and an odd column:
-//!   `dword << 16` is the even weight, `dword & 0xFFFF0000` the odd one (exact widening);
-//! - MXFP4: `vpshufb` maps each nibble through a 16-entry table to the small integer
-//!   `2·E2M1[code]` (−12..12); `vpmovsxbd` + `vcvtdq2ps` make it an exact f32, and one
-//!   multiply by `2^(scale−128)` gives exactly the f32 `E2M1[code] · 2^(scale−127)` of the
-//!   twin (the same real number, rounded once; it is exact except for overflow). The only
-//!   difference is the sign of a zero weight (code 8, or a NaN scale), which cannot change
-//!   any sum: a lane's f32 partial only reaches the result through an f64 lane sum that
-//!   starts at +0, where ±0 are absorbed;
-//! - F32: `vshufps` + `vpermpd` split 32 floats into even and odd columns.
+//! Two parts:
+//! - **[`Avx2`]**, this instruction set's [`Ops`]: a group's 32 lanes in four ymm registers
+//!   (lanes 0..7, 8..15: the even columns; 16..23, 24..31: the odd ones). Per group each
+//!   lane performs one f32 `vfmadd` of the decoded weight and the permuted activation,
+//!   exactly the `mul_add` of the twin; every 1024 columns the lanes are widened to f64
+//!   (exact) and added to 32 f64 lane sums; the final halving tree is the shared scalar
+//!   one. The decoders (BF16 by shift and mask, F32 by `vshufps` + `vpermpd`, MXFP4 by a
+//!   `vpshufb` table lookup and one exact multiply) are documented on the methods.
+//! - **The drivers** (register-tile shapes), reached through [`super::format::rows`] with
+//!   the weight format's view: one token in tiles of 2 rows; up to [`PASS_TOKENS`] tokens
+//!   row by row in 1 row × 2 token tiles ([`tile`]); more in panels of 4 rows taken block
+//!   by block, tokens in passes of 4 so that a pass's activations stay in L1 for the
+//!   panel's rows, MXFP4 staged once per block in lane order ([`panel`]). Per-format
+//!   settings are the [`TUNE`] table. Blocking never changes what one (row, token) lane
+//!   computes.
 //!
-//! Register blocking: one token uses 2 rows per pass; several tokens take panels of 4 rows
-//! block by block, tokens in passes of 4 (so a pass's activations stay in L1 for the
-//! panel's rows), each row in 1 row × 2 token tiles ([`panel`]). Blocking never changes
-//! what one (row, token) lane computes.
+//! Why these drivers are not AVX-512's: with 16 ymm registers a group takes 4 of them,
+//! so the AVX-512 tile of 4 rows × 2 tokens (16 group accumulators) cannot be held, and
+//! the shapes here were measured on their own (docs/measurements.md, "Kernel notes moved
+//! out of the code"). They use only [`Avx2`]'s operations and the format views.
 
 use std::arch::x86_64::*;
 
-use super::gemv::{Mat, MatData};
-use super::portable::{
-    groups, reduce_lanes, stage_partial, x_stride, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES,
-};
+use super::format::stage_partial;
+use super::format::{self, Driver, Format};
+use super::matmul::Mat;
+use super::ops::{prefetch_l1, Ops};
+use super::portable::{groups, reduce_lanes, x_stride, BLOCK_GROUPS, E8M0, GROUP_COLS, LANES};
+use super::tuning::{DriverTuning, WeightStaging};
 
-/// A weight format's group decoder.
-trait Fmt: Copy {
-    /// Start of group `q` of row `r` and its scale byte.
-    ///
-    /// # Safety
-    /// `r` and `q` must address a full group inside the matrix.
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8);
-    /// Decode one full group at `p` into lanes 0..7, 8..15, 16..23, 24..31.
-    ///
-    /// # Safety
-    /// `p` must point to the group's bytes (64 for bf16, 128 for f32, 16 for MXFP4); the
-    /// CPU must support AVX2 and FMA (callers are `#[target_feature]` functions).
-    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4];
-    /// Software prefetch distance in bytes ahead of the group being decoded.
-    const PF: usize;
-    /// Whether [`panel`] decodes a block once into lane order ([`Lanes`]) for
-    /// [`STAGE_TOKENS`] tokens or more, instead of once per token tile: MXFP4 only. Its
-    /// decode (two `vpshufb`, four widenings and multiplies per group) is dearer than the
-    /// staged loads; BF16's is two ALU operations per register, and staging it was 3-10%
-    /// slower (`gemv_bench --only batch --path avx2 --th 1`, 3 alternating rounds,
-    /// 2026-12-03: BF16 batch16 25.2-26.9 GMAC/s staged against 26.8-28.0; MXFP4 batch16
-    /// 27.8-28.6 against 23.1-23.8).
-    const STAGE: bool = false;
-}
-
+/// The AVX2+FMA operations: a group is four ymm (lanes 0..7, 8..15, 16..23, 24..31).
 #[derive(Clone, Copy)]
-struct Bf16 {
-    p: *const u8,
-    stride: usize,
-}
+pub(crate) struct Avx2;
 
-impl Fmt for Bf16 {
-    /// Two KiB ahead: one-token rows read faster than at 1 KiB (`gemv_bench --path avx2`,
-    /// 3 alternating rounds, 2026-12-03: lm_head on 2 threads 29.8-37.0 GB/s against
-    /// 25.7-30.4; kda q on one thread 19.2-21.1 against 13.3-17.7; 512 B was slower and
-    /// 4-8 KiB no better).
-    const PF: usize = 2048;
-    /// # Safety
-    /// As [`Fmt::at`].
+impl Ops for Avx2 {
+    type Lanes = [__m256; 4];
+
     #[inline(always)]
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
-        (unsafe { self.p.add(r * self.stride + 64 * q) }, 127)
+    unsafe fn zero() -> [__m256; 4] {
+        // SAFETY: register-only AVX operation (the caller enables AVX2).
+        unsafe { [_mm256_setzero_ps(); 4] }
     }
-    /// # Safety
-    /// As [`Fmt::dec`].
+
     #[inline(always)]
-    unsafe fn dec(p: *const u8, _s: u8) -> [__m256; 4] {
+    unsafe fn load(p: *const f32) -> [__m256; 4] {
+        // SAFETY: 128 readable bytes at p (caller); AVX enabled in the caller.
+        unsafe {
+            [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn fma(w: [__m256; 4], x: [__m256; 4], acc: [__m256; 4]) -> [__m256; 4] {
+        // SAFETY: register-only FMA operations (the caller enables FMA).
+        unsafe {
+            [
+                _mm256_fmadd_ps(w[0], x[0], acc[0]),
+                _mm256_fmadd_ps(w[1], x[1], acc[1]),
+                _mm256_fmadd_ps(w[2], x[2], acc[2]),
+                _mm256_fmadd_ps(w[3], x[3], acc[3]),
+            ]
+        }
+    }
+
+    /// A 32-byte load gives 8 dwords, each an even and an odd column.
+    #[inline(always)]
+    unsafe fn bf16(p: *const u8) -> [__m256; 4] {
         // SAFETY: 64 readable bytes at p (caller); AVX2 enabled in the caller.
         unsafe {
             let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
@@ -91,27 +86,10 @@ impl Fmt for Bf16 {
             ]
         }
     }
-}
 
-#[derive(Clone, Copy)]
-struct F32 {
-    p: *const u8,
-    stride: usize,
-}
-
-impl Fmt for F32 {
-    const PF: usize = 1024;
-    /// # Safety
-    /// As [`Fmt::at`].
+    /// `vshufps` + `vpermpd` split 32 floats into even and odd columns.
     #[inline(always)]
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
-        (unsafe { self.p.add(r * self.stride + 128 * q) }, 127)
-    }
-    /// # Safety
-    /// As [`Fmt::dec`].
-    #[inline(always)]
-    unsafe fn dec(p: *const u8, _s: u8) -> [__m256; 4] {
+    unsafe fn f32(p: *const u8) -> [__m256; 4] {
         // SAFETY: 128 readable bytes at p (caller); AVX2 enabled in the caller.
         unsafe {
             let f = p as *const f32;
@@ -127,36 +105,12 @@ impl Fmt for F32 {
             ]
         }
     }
-}
 
-#[derive(Clone, Copy)]
-struct Mx {
-    p: *const u8,
-    pstride: usize,
-    s: *const u8,
-    sstride: usize,
-}
-
-impl Fmt for Mx {
-    const PF: usize = 512;
-    const STAGE: bool = true;
-    /// # Safety
-    /// As [`Fmt::at`].
+    /// `vpshufb` maps each nibble through a 16-entry table to `2·E2M1[code]` (−12..12),
+    /// widened to an exact f32 and multiplied once by `2^(s−128)`: the same real number
+    /// as the twin's `E2M1[code] · 2^(s−127)`, rounded once (exact but for overflow).
     #[inline(always)]
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: the caller guarantees (r, q) is a full group: 16 packed bytes and a
-        // scale byte exist there.
-        unsafe {
-            (
-                self.p.add(r * self.pstride + 16 * q),
-                *self.s.add(r * self.sstride + q),
-            )
-        }
-    }
-    /// # Safety
-    /// As [`Fmt::dec`].
-    #[inline(always)]
-    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4] {
+    unsafe fn mxfp4(p: *const u8, s: u8) -> [__m256; 4] {
         // SAFETY: 16 readable bytes at p (caller); AVX2 enabled in the caller.
         unsafe {
             let tbl = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
@@ -173,6 +127,90 @@ impl Fmt for Mx {
                 widen_i8(_mm_srli_si128(hi, 8), hs),
             ]
         }
+    }
+
+    #[inline(always)]
+    unsafe fn promote(a: &[__m256; 4], acc: &mut [f64; LANES]) {
+        // SAFETY: acc has 32 f64; each load/store covers 4 of them at 8k and 8k+4 (k < 4).
+        unsafe {
+            for (k, v) in a.iter().enumerate() {
+                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*v));
+                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps(*v, 1));
+                let p = acc.as_mut_ptr().add(8 * k);
+                _mm256_storeu_pd(p, _mm256_add_pd(_mm256_loadu_pd(p), lo));
+                _mm256_storeu_pd(p.add(4), _mm256_add_pd(_mm256_loadu_pd(p.add(4)), hi));
+            }
+        }
+    }
+
+    /// The shared scalar tree.
+    #[inline(always)]
+    unsafe fn reduce(acc: &mut [f64; LANES]) -> f64 {
+        reduce_lanes(acc)
+    }
+}
+
+/// Where a driver reads a row's groups, with this driver's settings for the format.
+trait Fmt: Copy {
+    /// Start of group `q` of row `r` and its scale byte.
+    ///
+    /// # Safety
+    /// `r` and `q` must address a full group inside the matrix.
+    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8);
+    /// Decode one full group at `p` into lanes 0..7, 8..15, 16..23, 24..31.
+    ///
+    /// # Safety
+    /// `p` must point to the group's bytes; the CPU must support AVX2 and FMA (callers
+    /// are inlined into the `#[target_feature]` entry point).
+    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4];
+    /// Software prefetch distance in bytes ahead of the group being decoded.
+    const PF: usize;
+    /// Whether [`panel`] decodes a block once into lane order ([`Lanes`]) for
+    /// [`STAGE_TOKENS`] tokens or more, instead of once per token tile.
+    const STAGE: bool = false;
+}
+
+/// This driver's per-format settings (its column of the format table).
+struct Tune {
+    /// [`Fmt::PF`].
+    pf: usize,
+    /// [`Fmt::STAGE`].
+    stage: bool,
+}
+
+/// [`Tune`] by [`format::FormatKind`]. Prefetch: BF16 rows two KiB ahead (one-token rows
+/// read faster than at 1 KiB; 512 B was slower and 4-8 KiB no better), F32 1 KiB, MXFP4
+/// 512 B. Staging: MXFP4 only; its decode (two `vpshufb`, four widenings and multiplies
+/// per group) is dearer than the staged loads, while BF16's is two ALU operations per
+/// register and staging it was slower. Measurements: docs/measurements.md, "Kernel
+/// notes moved out of the code".
+const TUNE: [Tune; 3] = [
+    Tune {
+        pf: 2048,
+        stage: false,
+    },
+    Tune {
+        pf: 1024,
+        stage: false,
+    },
+    Tune {
+        pf: 512,
+        stage: true,
+    },
+];
+
+impl<F: Format> Fmt for F {
+    const PF: usize = TUNE[F::KIND as usize].pf;
+    const STAGE: bool = TUNE[F::KIND as usize].stage;
+    #[inline(always)]
+    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
+        // SAFETY: forwarded.
+        unsafe { Format::at(self, r, q) }
+    }
+    #[inline(always)]
+    unsafe fn dec(p: *const u8, s: u8) -> [__m256; 4] {
+        // SAFETY: forwarded.
+        unsafe { F::decode::<Avx2>(p, s) }
     }
 }
 
@@ -230,24 +268,6 @@ unsafe fn widen_i8(v: __m128i, hs: __m256) -> __m256 {
     unsafe { _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), hs) }
 }
 
-/// Add the 32 f32 lanes `a` (widened exactly) into the f64 lane sums.
-///
-/// # Safety
-/// AVX2 must be enabled in the caller.
-#[inline(always)]
-unsafe fn promote(a: &[__m256; 4], acc: &mut [f64; LANES]) {
-    // SAFETY: acc has 32 f64; each load/store covers 4 of them at 8k and 8k+4 (k < 4).
-    unsafe {
-        for (k, v) in a.iter().enumerate() {
-            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(*v));
-            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps(*v, 1));
-            let p = acc.as_mut_ptr().add(8 * k);
-            _mm256_storeu_pd(p, _mm256_add_pd(_mm256_loadu_pd(p), lo));
-            _mm256_storeu_pd(p.add(4), _mm256_add_pd(_mm256_loadu_pd(p.add(4)), hi));
-        }
-    }
-}
-
 /// One f32 block (groups `q0..qe`) of rows `r..r+R` × tokens `t0..t0+T`: the lanes'
 /// f32 partials, promoted into `acc[j*ntok + t0 + t]` at the end.
 ///
@@ -271,17 +291,17 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
     // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
     // reads stay inside token t0+t (32 values at 32q < stride); acc indices < R*ntok.
     unsafe {
-        let mut a = [[[_mm256_setzero_ps(); 4]; T]; R];
+        let mut a = [[Avx2::zero(); T]; R];
         let mut q = q0;
         while q < qe {
-            let mut w = [[_mm256_setzero_ps(); 4]; R];
+            let mut w = [Avx2::zero(); R];
             if q < qf {
                 for (j, wj) in w.iter_mut().enumerate() {
                     let (p, s) = f.at(r + j, q);
                     // Software prefetch PF bytes ahead in the row's stream (a hint: it
                     // never faults; wrapping_add keeps the pointer arithmetic defined).
                     if F::PF != 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
+                        prefetch_l1(p.wrapping_add(F::PF));
                     }
                     *wj = F::dec(p, s);
                 }
@@ -291,19 +311,16 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize>(
                 }
             }
             for t in 0..T {
-                let xq = xp.add((t0 + t) * stride + GROUP_COLS * q);
-                for k in 0..4 {
-                    let xv = _mm256_loadu_ps(xq.add(8 * k));
-                    for j in 0..R {
-                        a[j][t][k] = _mm256_fmadd_ps(w[j][k], xv, a[j][t][k]);
-                    }
+                let x = Avx2::load(xp.add((t0 + t) * stride + GROUP_COLS * q));
+                for j in 0..R {
+                    a[j][t] = Avx2::fma(w[j], x, a[j][t]);
                 }
             }
             q += 1;
         }
         for j in 0..R {
             for t in 0..T {
-                promote(&a[j][t], &mut acc[j * ntok + t0 + t]);
+                Avx2::promote(&a[j][t], &mut acc[j * ntok + t0 + t]);
             }
         }
     }
@@ -357,7 +374,8 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize>(
     }
     for j in 0..R {
         for t in 0..ntok {
-            out[j * ntok + t] = reduce_lanes(&mut acc[j * ntok + t]);
+            // SAFETY: AVX2 is enabled in the caller.
+            out[j * ntok + t] = unsafe { Avx2::reduce(&mut acc[j * ntok + t]) };
         }
     }
 }
@@ -367,11 +385,10 @@ const PANEL_ROWS: usize = 4;
 /// Tokens per pass of the several-token path: one pass's slice of one block of the
 /// activations (`4 × 1024` f32, 16 KiB) stays in L1 while every row of the panel reads it.
 /// Up to this many tokens the rows go one at a time over all blocks instead ([`tile`]):
-/// their activations fit L1 already, and the panel's order was 5-15% slower there
-/// (MXFP4 batch4 20.6-22.1 GMAC/s against 22.9-24.2, one thread).
+/// their activations fit L1 already, and the panel's order was slower there.
 const PASS_TOKENS: usize = 4;
 /// Tokens from which [`panel`] stages a block for formats with [`Fmt::STAGE`] (at 4
-/// tokens staging MXFP4 was slower: 18.9-20.3 GMAC/s against 20.6-22.1).
+/// tokens staging MXFP4 was slower).
 const STAGE_TOKENS: usize = 8;
 
 /// Rows `r..r+rows` (`rows <= PANEL_ROWS`) × all `ntok` tokens (more than
@@ -382,9 +399,7 @@ const STAGE_TOKENS: usize = 8;
 /// (row, token) lane still sees its blocks in increasing order and its groups in
 /// increasing order inside a block, so the order of passes and rows changes no bit. Why
 /// not one row at a time over all tokens (the former loop): its activations for one block
-/// (16 tokens, 64 KiB) did not fit L1, and every row streamed them again from L2. One
-/// thread, `gemv_bench --only batch --path avx2 --th 1`, 3 alternating rounds
-/// (2026-12-03): BF16 batch16 26.8-28.0 GMAC/s against 21.4-22.3.
+/// (16 tokens, 64 KiB) did not fit L1, and every row streamed them again from L2.
 ///
 /// # Safety
 /// As [`seg`]; `out` has room for `rows * ntok` sums.
@@ -414,7 +429,8 @@ unsafe fn panel<F: Fmt>(
     acc.resize(rows * ntok, [0f64; LANES]);
     let staged = F::STAGE && ntok >= STAGE_TOKENS;
     if staged {
-        stage.resize(PANEL_ROWS * BLOCK_GROUPS, [_mm256_setzero_ps(); 4]);
+        // SAFETY: AVX2 is enabled in the caller.
+        stage.resize(PANEL_ROWS * BLOCK_GROUPS, unsafe { Avx2::zero() });
     }
     let mut q = 0;
     // SAFETY: the caller's guarantees: groups below `full` are read in place, the partial
@@ -430,7 +446,7 @@ unsafe fn panel<F: Fmt>(
                     for g in q..qe {
                         let (p, s) = if g < full {
                             let (p, s) = f.at(r + j, g);
-                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(F::PF) as *const i8);
+                            prefetch_l1(p.wrapping_add(F::PF));
                             (p, s)
                         } else {
                             (pbuf[j][0].as_ptr(), psc[j][0])
@@ -463,7 +479,8 @@ unsafe fn panel<F: Fmt>(
         }
     }
     for (o, a) in out[..rows * ntok].iter_mut().zip(acc.iter_mut()) {
-        *o = reduce_lanes(a);
+        // SAFETY: AVX2 is enabled in the caller.
+        *o = unsafe { Avx2::reduce(a) };
     }
 }
 
@@ -495,53 +512,61 @@ unsafe fn row_pass<F: Fmt>(
     }
 }
 
-/// Rows `r0..r1` × all tokens with the f32-block contract.
-///
-/// # Safety
-/// As [`tile`], for every row tile; AVX2 and FMA enabled in the caller.
-#[inline(always)]
-unsafe fn drive<F: Fmt>(
-    f: F,
-    m: &Mat<'_>,
-    r0: usize,
-    r1: usize,
-    xp: &[f32],
-    ntok: usize,
-    out: &mut [f64],
-) {
-    let stride = x_stride(m.cols);
-    assert!(xp.len() >= ntok * stride);
-    assert!(out.len() >= (r1 - r0) * ntok);
-    assert!(r1 <= m.rows);
-    let x = xp.as_ptr();
-    let mut acc = Vec::new();
-    let mut stage = Vec::new();
-    let mut r = r0;
-    // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out (asserted).
-    unsafe {
-        if ntok == 1 {
-            while r + 2 <= r1 {
-                tile::<F, 2, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
-                r += 2;
-            }
-            if r < r1 {
-                tile::<F, 1, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
-            }
-        } else if ntok <= PASS_TOKENS {
-            while r < r1 {
-                tile::<F, 1, 2>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
-                r += 1;
-            }
-        } else {
-            while r < r1 {
-                let rows = PANEL_ROWS.min(r1 - r);
-                let bufs = (&mut acc, &mut stage);
-                panel(f, m, r, rows, x, ntok, bufs, &mut out[(r - r0) * ntok..]);
-                r += rows;
+impl Driver for Avx2 {
+    /// Rows `r0..r1` × all tokens with the f32-block contract: one token in tiles of 2
+    /// rows, up to [`PASS_TOKENS`] tokens row by row in 1 × 2 tiles, more in panels.
+    #[inline(always)]
+    unsafe fn drive<F: Format>(
+        f: F,
+        m: &Mat<'_>,
+        (r0, r1): (usize, usize),
+        xp: &[f32],
+        ntok: usize,
+        out: &mut [f64],
+        _tuning: &DriverTuning,
+    ) {
+        let stride = x_stride(m.cols);
+        assert!(xp.len() >= ntok * stride);
+        assert!(out.len() >= (r1 - r0) * ntok);
+        assert!(r1 <= m.rows);
+        let x = xp.as_ptr();
+        let mut acc = Vec::new();
+        let mut stage = Vec::new();
+        let mut r = r0;
+        // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out
+        // (asserted); AVX2 and FMA are enabled in the caller.
+        unsafe {
+            if ntok == 1 {
+                while r + 2 <= r1 {
+                    tile::<F, 2, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
+                    r += 2;
+                }
+                if r < r1 {
+                    tile::<F, 1, 1>(f, m, r, x, 1, &mut acc, &mut out[r - r0..]);
+                }
+            } else if ntok <= PASS_TOKENS {
+                while r < r1 {
+                    tile::<F, 1, 2>(f, m, r, x, ntok, &mut acc, &mut out[(r - r0) * ntok..]);
+                    r += 1;
+                }
+            } else {
+                while r < r1 {
+                    let rows = PANEL_ROWS.min(r1 - r);
+                    let bufs = (&mut acc, &mut stage);
+                    panel(f, m, r, rows, x, ntok, bufs, &mut out[(r - r0) * ntok..]);
+                    r += rows;
+                }
             }
         }
     }
 }
+
+/// The AVX2 drivers have no run-time tuning.
+const NO_TUNING: DriverTuning = DriverTuning {
+    decode_rows: None,
+    decode_prefetch: None,
+    staging: WeightStaging::Bf16,
+};
 
 /// Sums of rows `r0..r1` × `ntok` permuted f32 tokens (f32-block contract) into
 /// `out[(r-r0)*ntok + t]`.
@@ -557,49 +582,6 @@ pub unsafe fn rows_f32(
     ntok: usize,
     out: &mut [f64],
 ) {
-    let c = m.cols;
-    // SAFETY: the Fmt values describe m's own buffers (strides from its shape); features
-    // are enabled on this function.
-    unsafe {
-        match m.data {
-            MatData::Bf16(b) => drive(
-                Bf16 {
-                    p: b.as_ptr(),
-                    stride: 2 * c,
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-            MatData::F32(b) => drive(
-                F32 {
-                    p: b.as_ptr(),
-                    stride: 4 * c,
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-            MatData::Mxfp4 { packed, scales } => drive(
-                Mx {
-                    p: packed.as_ptr(),
-                    pstride: c.div_ceil(2),
-                    s: scales.as_ptr(),
-                    sstride: groups(c),
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-        }
-    }
+    // SAFETY: the features are enabled on this function (the caller checked the CPU).
+    unsafe { format::rows::<Avx2>(m, (r0, r1), xp, ntok, out, &NO_TUNING) }
 }

@@ -1,60 +1,173 @@
 //! AVX-512F product kernels (zmm), bit-identical to the portable twin in
 //! [`super::portable`].
 //!
-//! The 32 lanes of a dot product live in two zmm registers (lanes 0..15: the even columns
-//! of a 32-column group; lanes 16..31: the odd ones). Per group each lane performs one f32
-//! `vfmadd` of the decoded weight and the permuted activation, exactly the `mul_add` of the
-//! twin; every 1024 columns the lanes are widened to f64 (`vcvtps2pd`, exact) and added to
-//! 32 f64 lane sums; the final halving tree is the shared one (done in registers, level by
-//! level: [`reduce`]). Weight decode:
-//! - BF16: one 64-byte load gives 16 dwords, each holding an even and an odd column:
-//!   `dword << 16` is the even weight, `dword & 0xFFFF0000` the odd one (exact widening);
-//! - MXFP4: the 16 packed bytes are zero-extended to dwords; `vpermps` (a 16-entry table
-//!   lookup on the low 4 bits) of `dword` and of `dword >> 4` gives the low and high
-//!   nibbles' values from the row of [`E2M1_SCALED`] for the group's scale byte, i.e.
-//!   `E2M1[code] × 2^(scale−127)`, exact (the same f32 multiply the twin performs, done at
-//!   compile time). Per group and row: 1 zero-extension, 1 shift, 2 table lookups and the
-//!   FMAs, nothing else;
-//! - F32: `vpermt2ps` splits 32 floats into even and odd columns.
-//!
-//! Register blocking:
-//! - one token (decode, memory-bound for BF16, decode-bound for MXFP4): [`R1`] BF16/F32
-//!   rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block, the
-//!   groups of one 64-byte line of every row taken in one run with one prefetch per row;
-//! - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt): the
-//!   one-token loop with each decoded weight multiplied into every token ([`rows_few`]);
-//! - several tokens (prefill): rows in groups of [`RB`] (4), tokens in passes of up to 16.
-//!   Per group and pass, block by block (1024 columns), the group's block is staged once
-//!   into an aligned L1 buffer, group-major (BF16 copied raw; MXFP4 decoded into exact
-//!   bf16 pairs and F32 into lane-ordered f32, so a group is decoded once whatever the
-//!   token count; with [`BatchStaging::F32`], the default on Intel, every format is
-//!   widened into lane-ordered f32 instead: [`Wide`]), then every token tile of up to
-//!   [`TB`] (2) tokens runs the block in a
-//!   4 rows × 2 tokens register tile (16 zmm accumulators) and promotes it into its f64
-//!   lane sums. The next group's weights are prefetched (`T0`) a share per tile pass, a
-//!   whole group ahead. Why this
-//!   shape (measured on Zen 5, 2026-12-02): a C replica of the 4 × 2 loop runs 1.6-1.75
-//!   FMAs per cycle against 1.45-1.5 for the former 2 × 4; a zmm load that straddles two
-//!   lines (a checkpoint's tensors sit at any 8-byte offset, the old input at 16 bytes
-//!   off a line) halved the loop's speed; and the former panel-wide f64 sums (128 KiB)
-//!   did not stay in L1.
+//! Two parts:
+//! - **[`Avx512`]**, this instruction set's [`Ops`]: a group's 32 lanes in two zmm
+//!   registers (lanes 0..15: the even columns of a 32-column group; lanes 16..31: the odd
+//!   ones). Per group each lane performs one f32 `vfmadd` of the decoded weight and the
+//!   permuted activation, exactly the `mul_add` of the twin; every 1024 columns the lanes
+//!   are widened to f64 (`vcvtps2pd`, exact) and added to 32 f64 lane sums; the final
+//!   halving tree is the shared one, done in registers level by level
+//!   ([`Avx512::reduce`]). Decode: BF16 by shift and mask; MXFP4 by two `vpermps` lookups
+//!   in the scale byte's row of [`E2M1_SCALED`] (1 zero-extension, 1 shift, 2 lookups per
+//!   group and row, nothing else); F32 by `vpermt2ps`.
+//! - **The drivers** (register-tile shapes), reached through [`super::format::rows`] with
+//!   the weight format's view; per-format settings are the [`TUNE`] table:
+//!   - one token (decode, memory-bound for BF16, decode-bound for MXFP4): [`R1`] BF16/F32
+//!     rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block,
+//!     the groups of one 64-byte line of every row taken in one run with one prefetch per
+//!     row ([`rows1`]);
+//!   - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt): the
+//!     one-token loop with each decoded weight multiplied into every token
+//!     ([`rows_few`]);
+//!   - several tokens (prefill): rows in groups of [`RB`] (4), tokens in passes of up to
+//!     16. Per group and pass, block by block (1024 columns), the group's block is staged
+//!     once into an aligned L1 buffer, group-major, in one of two forms ([`Staging`]:
+//!     [`Bf16Pairs`], BF16 copied and MXFP4 decoded into exact bf16 pairs; or
+//!     [`LaneF32`], widened into lane-ordered f32: always for F32, for every format with
+//!     [`WeightStaging::F32`], the default on Intel), so a group is decoded once whatever
+//!     the token count; then every token tile of up to [`TB`] (2) tokens runs the block
+//!     in a 4 rows × 2 tokens register tile (16 zmm accumulators) and promotes it into
+//!     its f64 lane sums ([`rows_batched`]). The next group's weights are prefetched
+//!     (`T0`) a share per tile pass, a whole group ahead. This shape ran more FMAs per
+//!     cycle than 2 × 4; zmm loads are kept from straddling two lines (which halved the
+//!     loop's speed), and the f64 sums of a pass stay in L1 (docs/measurements.md,
+//!     "Kernel notes moved out of the code").
 //!
 //! Blocking never changes what one (row, token) lane computes (the same FMAs in the same
 //! order, the same promotion at block ends, the same tree), so batched results equal
-//! one-token results bit for bit.
+//! one-token results bit for bit. These drivers are AVX-512's own, not AVX2's: the 4 × 2
+//! tile needs 26 of the 32 zmm registers, and each shape was measured on its own.
 //!
 //! Only AVX-512F instructions are used (plus AVX2/FMA from the baseline), so the path needs
 //! `avx512f` at run time; nothing else is assumed.
 
 use std::arch::x86_64::*;
 
-use super::gemv::{batch_staging, decode_tuning, BatchStaging, Mat, MatData, R1, R1_MXFP4};
-use super::portable::{
-    groups, stage_partial, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES,
-};
+use super::format::{self, stage_partial, Driver, Format, FormatKind};
+use super::matmul::Mat;
+use super::ops::{prefetch_l1, prefetch_l2, prefetch_lines, Ops};
+use super::portable::{groups, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES};
+use super::tuning::{DriverTuning, WeightStaging, R1, R1_MXFP4};
 
-/// A weight format's group decoder.
+/// The AVX-512F operations: a group is two zmm (lanes 0..15, the even columns; lanes
+/// 16..31, the odd ones).
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512;
+
+impl Ops for Avx512 {
+    type Lanes = [__m512; 2];
+
+    #[inline(always)]
+    unsafe fn zero() -> [__m512; 2] {
+        // SAFETY: register-only AVX-512F operation (the caller enables it).
+        unsafe { [_mm512_setzero_ps(); 2] }
+    }
+
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> [__m512; 2] {
+        // SAFETY: 128 readable bytes at p (caller); AVX-512F enabled in the caller.
+        unsafe { [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))] }
+    }
+
+    #[inline(always)]
+    unsafe fn fma(w: [__m512; 2], x: [__m512; 2], acc: [__m512; 2]) -> [__m512; 2] {
+        // SAFETY: register-only AVX-512F operations (the caller enables them).
+        unsafe {
+            [
+                _mm512_fmadd_ps(w[0], x[0], acc[0]),
+                _mm512_fmadd_ps(w[1], x[1], acc[1]),
+            ]
+        }
+    }
+
+    /// One 64-byte load gives 16 dwords, each an even and an odd column.
+    #[inline(always)]
+    unsafe fn bf16(p: *const u8) -> [__m512; 2] {
+        // SAFETY: 64 readable bytes at p (caller); AVX-512F enabled in the caller.
+        unsafe {
+            let v = _mm512_loadu_si512(p as *const _);
+            let even = _mm512_slli_epi32(v, 16);
+            let odd = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
+            [_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd)]
+        }
+    }
+
+    /// `vpermt2ps` splits 32 floats into even and odd columns.
+    #[inline(always)]
+    unsafe fn f32(p: *const u8) -> [__m512; 2] {
+        // SAFETY: 128 readable bytes at p (caller); AVX-512F enabled in the caller.
+        unsafe {
+            let a = _mm512_loadu_ps(p as *const f32);
+            let b = _mm512_loadu_ps(p.add(64) as *const f32);
+            let ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            let io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            [
+                _mm512_permutex2var_ps(a, ie, b),
+                _mm512_permutex2var_ps(a, io, b),
+            ]
+        }
+    }
+
+    /// The 16 packed bytes zero-extended to dwords; `vpermps` (a 16-entry lookup on the
+    /// low 4 bits) of `dword` and `dword >> 4` in the scale byte's row of
+    /// [`E2M1_SCALED`]: 1 zero-extension, 1 shift and 2 lookups per group.
+    #[inline(always)]
+    unsafe fn mxfp4(p: *const u8, s: u8) -> [__m512; 2] {
+        // SAFETY: 16 readable bytes at p (caller); AVX-512F enabled in the caller.
+        unsafe {
+            // The group's 16 weights E2M1[code]·2^(s−127), precomputed (exact f32).
+            let tbl = _mm512_load_ps(E2M1_SCALED.0[s as usize].as_ptr());
+            let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+            // vpermps reads the low 4 bits of each index: the low nibble, then the high.
+            [
+                _mm512_permutexvar_ps(codes, tbl),
+                _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), tbl),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn promote(a: &[__m512; 2], acc: &mut [f64; LANES]) {
+        // SAFETY: acc has 32 f64; each store/load covers 8 of them at 8h (h < 4).
+        unsafe {
+            for (k, v) in a.iter().enumerate() {
+                let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(*v));
+                let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                    _mm512_castps_pd(*v),
+                    1,
+                )));
+                let p = acc.as_mut_ptr().add(16 * k);
+                _mm512_storeu_pd(p, _mm512_add_pd(_mm512_loadu_pd(p), lo));
+                _mm512_storeu_pd(p.add(8), _mm512_add_pd(_mm512_loadu_pd(p.add(8)), hi));
+            }
+        }
+    }
+
+    /// The shared halving tree in registers, each level's adds done lane by lane in one
+    /// vector add, so the result is bit for bit the shared one.
+    #[inline(always)]
+    unsafe fn reduce(a: &mut [f64; LANES]) -> f64 {
+        // SAFETY: 32 f64 at a; loads of 8 at offsets 0, 8, 16, 24.
+        unsafe {
+            let p = a.as_ptr();
+            // Level 16: lanes j and j + 16, for j < 16.
+            let l0 = _mm512_add_pd(_mm512_loadu_pd(p), _mm512_loadu_pd(p.add(16)));
+            let l1 = _mm512_add_pd(_mm512_loadu_pd(p.add(8)), _mm512_loadu_pd(p.add(24)));
+            // Level 8: j and j + 8, for j < 8.
+            let m = _mm512_add_pd(l0, l1);
+            // Level 4, 2, 1.
+            let h = _mm256_add_pd(_mm512_castpd512_pd256(m), _mm512_extractf64x4_pd(m, 1));
+            let q = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
+            _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)))
+        }
+    }
+}
+
+/// Where a driver reads a row's groups, with this driver's settings for the format.
 trait Fmt: Copy {
+    /// The format.
+    const KIND: FormatKind;
     /// Start of group `q` of row `r` and its scale byte.
     ///
     /// # Safety
@@ -63,8 +176,8 @@ trait Fmt: Copy {
     /// Decode one full group at `p` into (lanes 0..15, lanes 16..31).
     ///
     /// # Safety
-    /// `p` must point to the group's bytes (64 for bf16, 128 for f32, 16 for MXFP4); the
-    /// CPU must support AVX-512F (callers are `#[target_feature]` functions).
+    /// `p` must point to the group's bytes; the CPU must support AVX-512F (callers are
+    /// inlined into the `#[target_feature]` entry point).
     unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2];
     /// Decode group `(r, q)`: in place, or from its zero-padded copy `part` (the
     /// partial group, see [`stage_partial`]).
@@ -84,221 +197,114 @@ trait Fmt: Copy {
             }
         }
     }
+    /// The bytes of rows `r0..r1` (see [`Format::spans`]).
+    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2];
     /// Software prefetch distance in bytes ahead of the group being decoded.
     const PF: usize;
-    /// The one-token loop's prefetch of the line at `p` (a hint: never faults). BF16 and
-    /// F32 ask for L1 (`T0`), MXFP4 for L2 (`T1`). Measured on Zen 5, 2026-12-03, 4
-    /// alternating rounds of `gemv_bench --th 2`: the fused KDA q/k/v/g product read
-    /// 39.8-40.2 GB/s with T0 against 37.0-38.2 with T1 (NTA 37.5-49.6, unsteady); the
-    /// MXFP4 fused w1+w3 30.5-33.9 with T0 against 31.2-35.1 with T1 (NTA 29-31).
-    ///
-    /// # Safety
-    /// AVX-512F enabled in the caller.
-    unsafe fn prefetch(p: *const u8);
+    /// Whether the one-token loop's prefetch asks for L1 (`T0`) rather than L2 (`T1`).
+    const PF_L1: bool;
     /// Groups per 64-byte line of a row's weights (at least 1): the one-token path
     /// prefetches once per run of `U` groups.
     const U: usize;
-    /// Default rows per one-token tile ([`super::gemv::R1`], [`super::gemv::R1_MXFP4`]).
+    /// Default rows per one-token tile ([`R1`], [`R1_MXFP4`]).
     const ROWS1: usize;
     /// Whether 2..=[`FEW`] tokens take [`rows_few`] (decode each weight once in registers
-    /// for all of them) rather than [`rows_batched`] (stage, then widen per tile pass):
-    /// MXFP4 only. Measured on Zen 5, alternating: `gemv_bench --only batch4` (2 threads,
-    /// weights from DRAM) 108-110 GMAC/s against 70-85; `kernel_micro mxfp4 N --avx512`
-    /// (in cache) +45%, +40%, +30% at 2, 3, 4 tokens, but only +5% at 5 and 6 (two token
-    /// chunks per row pair) and -6% to 0 at 7 and 8, hence [`FEW`] = 4. BF16 in cache was
-    /// 10% slower this way at 4 tokens (38-43 against 43-46 GMAC/s): its staging is a
-    /// plain copy, and the staged tile's 4 rows share each activation load.
+    /// for all of them) rather than [`rows_batched`] (stage, then widen per tile pass).
     const FEW_DIRECT: bool;
-    /// The bytes of rows `r0..r1` (consecutive in memory): the weights, and the scales
-    /// where the format has them (else an empty span). Addresses only, never read.
-    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2];
 }
 
-#[derive(Clone, Copy)]
-struct Bf16 {
-    p: *const u8,
-    stride: usize,
+/// This driver's per-format settings (its column of the format table).
+struct Tune {
+    /// [`Fmt::PF`].
+    pf: usize,
+    /// [`Fmt::PF_L1`].
+    pf_l1: bool,
+    /// [`Fmt::ROWS1`].
+    rows1: usize,
+    /// [`Fmt::FEW_DIRECT`].
+    few_direct: bool,
 }
 
-impl Fmt for Bf16 {
-    const PF: usize = 1024;
-    const U: usize = 1;
-    const ROWS1: usize = R1;
-    const FEW_DIRECT: bool = false;
-    #[inline(always)]
-    unsafe fn prefetch(p: *const u8) {
-        // SAFETY: a hint; AVX-512F enabled in the caller.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
-    }
-    #[inline(always)]
-    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
-        let p = self.p.wrapping_add(r0 * self.stride);
-        [(p, (r1 - r0) * self.stride), (p, 0)]
-    }
-    /// # Safety
-    /// As [`Fmt::at`].
+/// [`Tune`] by [`format::FormatKind`]. One-token prefetch: BF16 and F32 1 KiB ahead into
+/// L1, MXFP4 512 B ahead into L2 (its decode, not memory, bounds it). The few-token
+/// direct loop ([`rows_few`]): MXFP4 only, where a group's decode is dear; BF16's staging
+/// is a plain copy and the staged tile's 4 rows share each activation load, so BF16 was
+/// slower this way. Measurements: docs/measurements.md, "Kernel notes moved out of the
+/// code".
+const TUNE: [Tune; 3] = [
+    Tune {
+        pf: 1024,
+        pf_l1: true,
+        rows1: R1,
+        few_direct: false,
+    },
+    Tune {
+        pf: 1024,
+        pf_l1: true,
+        rows1: R1,
+        few_direct: false,
+    },
+    Tune {
+        pf: 512,
+        pf_l1: false,
+        rows1: R1_MXFP4,
+        few_direct: true,
+    },
+];
+
+impl<F: Format> Fmt for F {
+    const KIND: FormatKind = <F as Format>::KIND;
+    const PF: usize = TUNE[F::KIND as usize].pf;
+    const PF_L1: bool = TUNE[F::KIND as usize].pf_l1;
+    /// One 64-byte line holds 64 / (group bytes) groups (MXFP4: 4), at least one.
+    const U: usize = {
+        let g = F::KIND.info().group_bytes;
+        if g >= 64 {
+            1
+        } else {
+            64 / g
+        }
+    };
+    const ROWS1: usize = TUNE[F::KIND as usize].rows1;
+    const FEW_DIRECT: bool = TUNE[F::KIND as usize].few_direct;
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
-        (unsafe { self.p.add(r * self.stride + 64 * q) }, 127)
+        // SAFETY: forwarded.
+        unsafe { Format::at(self, r, q) }
     }
-    /// # Safety
-    /// As [`Fmt::dec`].
-    #[inline(always)]
-    unsafe fn dec(p: *const u8, _s: u8) -> [__m512; 2] {
-        // SAFETY: 64 readable bytes at p (caller); AVX-512F enabled in the caller.
-        unsafe {
-            let v = _mm512_loadu_si512(p as *const _);
-            let even = _mm512_slli_epi32(v, 16);
-            let odd = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
-            [_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd)]
-        }
-    }
-}
-
-#[derive(Clone, Copy)]
-struct F32 {
-    p: *const u8,
-    stride: usize,
-}
-
-impl Fmt for F32 {
-    const PF: usize = 1024;
-    const U: usize = 1;
-    const ROWS1: usize = R1;
-    const FEW_DIRECT: bool = false;
-    #[inline(always)]
-    unsafe fn prefetch(p: *const u8) {
-        // SAFETY: a hint; AVX-512F enabled in the caller.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
-    }
-    #[inline(always)]
-    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
-        let p = self.p.wrapping_add(r0 * self.stride);
-        [(p, (r1 - r0) * self.stride), (p, 0)]
-    }
-    /// # Safety
-    /// As [`Fmt::at`].
-    #[inline(always)]
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: the caller guarantees (r, q) is a full group of this matrix.
-        (unsafe { self.p.add(r * self.stride + 128 * q) }, 127)
-    }
-    /// # Safety
-    /// As [`Fmt::dec`].
-    #[inline(always)]
-    unsafe fn dec(p: *const u8, _s: u8) -> [__m512; 2] {
-        // SAFETY: 128 readable bytes at p (caller); AVX-512F enabled in the caller.
-        unsafe {
-            let a = _mm512_loadu_ps(p as *const f32);
-            let b = _mm512_loadu_ps(p.add(64) as *const f32);
-            let ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-            let io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-            [
-                _mm512_permutex2var_ps(a, ie, b),
-                _mm512_permutex2var_ps(a, io, b),
-            ]
-        }
-    }
-}
-
-#[derive(Clone, Copy)]
-struct Mx {
-    p: *const u8,
-    pstride: usize,
-    s: *const u8,
-    sstride: usize,
-}
-
-impl Fmt for Mx {
-    const PF: usize = 512;
-    const U: usize = 4;
-    const ROWS1: usize = R1_MXFP4;
-    const FEW_DIRECT: bool = true;
-    #[inline(always)]
-    unsafe fn prefetch(p: *const u8) {
-        // SAFETY: a hint; AVX-512F enabled in the caller.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) };
-    }
-    #[inline(always)]
-    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
-        [
-            (
-                self.p.wrapping_add(r0 * self.pstride),
-                (r1 - r0) * self.pstride,
-            ),
-            (
-                self.s.wrapping_add(r0 * self.sstride),
-                (r1 - r0) * self.sstride,
-            ),
-        ]
-    }
-    /// # Safety
-    /// As [`Fmt::at`].
-    #[inline(always)]
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: the caller guarantees (r, q) is a full group: 16 packed bytes and a
-        // scale byte exist there.
-        unsafe {
-            (
-                self.p.add(r * self.pstride + 16 * q),
-                *self.s.add(r * self.sstride + q),
-            )
-        }
-    }
-    /// # Safety
-    /// As [`Fmt::dec`].
     #[inline(always)]
     unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2] {
-        // SAFETY: 16 readable bytes at p (caller); AVX-512F enabled in the caller.
-        unsafe {
-            // The group's 16 weights E2M1[code]·2^(s−127), precomputed (exact f32).
-            let tbl = _mm512_load_ps(E2M1_SCALED.0[s as usize].as_ptr());
-            let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
-            // vpermps reads the low 4 bits of each index: the low nibble, then the high.
-            [
-                _mm512_permutexvar_ps(codes, tbl),
-                _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), tbl),
-            ]
-        }
+        // SAFETY: forwarded.
+        unsafe { F::decode::<Avx512>(p, s) }
+    }
+    #[inline(always)]
+    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
+        Format::spans(self, r0, r1)
     }
 }
 
-/// Add the 32 f32 lanes `a` (widened exactly) into the f64 lane sums.
-///
-/// # Safety
-/// AVX-512F must be enabled in the caller.
+/// The one-token loop's prefetch of the line at `p`, with the format's hint.
 #[inline(always)]
-unsafe fn promote(a: &[__m512; 2], acc: &mut [f64; LANES]) {
-    // SAFETY: acc has 32 f64; each store/load covers 8 of them at 8h (h < 4).
-    unsafe {
-        for (k, v) in a.iter().enumerate() {
-            let lo = _mm512_cvtps_pd(_mm512_castps512_ps256(*v));
-            let hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
-                _mm512_castps_pd(*v),
-                1,
-            )));
-            let p = acc.as_mut_ptr().add(16 * k);
-            _mm512_storeu_pd(p, _mm512_add_pd(_mm512_loadu_pd(p), lo));
-            _mm512_storeu_pd(p.add(8), _mm512_add_pd(_mm512_loadu_pd(p.add(8)), hi));
-        }
+fn prefetch_row<F: Fmt>(p: *const u8) {
+    if F::PF_L1 {
+        prefetch_l1(p);
+    } else {
+        prefetch_l2(p);
     }
 }
 
 /// Software prefetch of the first `bytes` of rows `r0..r1` (clamped to the
 /// matrix): the heads of the next tile's rows, which the in-row prefetch cannot reach.
-///
-/// # Safety
-/// `f` describes `m`; AVX-512F enabled in the caller. Prefetches never fault.
+/// `f` describes `m`; prefetches never fault.
 #[inline(always)]
-unsafe fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize) {
+fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize) {
     if m.cols < GROUP_COLS {
         return;
     }
     for row in r0..r1.min(m.rows) {
-        // SAFETY: hints only: the row's start address (from `spans`, no read of the
-        // weights or, for MXFP4, of its scale byte), lines formed with wrapping_add.
-        unsafe { prefetch_lines(f.spans(row, row + 1)[0].0, bytes) };
+        // Hints only: the row's start address (from `spans`, no read of the weights or,
+        // for MXFP4, of its scale byte), lines formed with wrapping_add.
+        prefetch_lines(f.spans(row, row + 1)[0].0, bytes);
     }
 }
 
@@ -327,21 +333,19 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
     // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
     // reads stay inside the tokens (32 values at 32q < their length); acc indices < R * T.
     unsafe {
-        let mut a = [[[_mm512_setzero_ps(); 2]; T]; R];
+        let mut a = [[Avx512::zero(); T]; R];
         let qm = qf.clamp(q0, qe);
         // Group `q`: its activations loaded once, row `j`'s weights decoded by `$w`.
         macro_rules! group {
             ($q:expr, $j:ident => $w:expr) => {{
-                let mut xv = [[_mm512_setzero_ps(); 2]; T];
+                let mut xv = [Avx512::zero(); T];
                 for (t, xt) in xv.iter_mut().enumerate() {
-                    let xq = xp.add(t * xs + GROUP_COLS * $q);
-                    *xt = [_mm512_loadu_ps(xq), _mm512_loadu_ps(xq.add(16))];
+                    *xt = Avx512::load(xp.add(t * xs + GROUP_COLS * $q));
                 }
                 for ($j, aj) in a.iter_mut().enumerate() {
                     let w: [__m512; 2] = $w;
                     for (ajt, xt) in aj.iter_mut().zip(xv.iter()) {
-                        ajt[0] = _mm512_fmadd_ps(w[0], xt[0], ajt[0]);
-                        ajt[1] = _mm512_fmadd_ps(w[1], xt[1], ajt[1]);
+                        *ajt = Avx512::fma(w, *xt, *ajt);
                     }
                 }
             }};
@@ -354,7 +358,7 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
                 for j in 0..R {
                     let (p, _) = f.at(r + j, q);
                     // A hint: it never faults; wrapping_add keeps the arithmetic defined.
-                    F::prefetch(p.wrapping_add(PF));
+                    prefetch_row::<F>(p.wrapping_add(PF));
                 }
             }
             for u in 0..F::U {
@@ -377,7 +381,7 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
         }
         for (j, aj) in a.iter().enumerate() {
             for (t, ajt) in aj.iter().enumerate() {
-                promote(ajt, &mut acc[j * T + t]);
+                Avx512::promote(ajt, &mut acc[j * T + t]);
             }
         }
     }
@@ -425,178 +429,101 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF:
     for j in 0..R {
         for t in 0..T {
             // SAFETY: AVX-512F is enabled in the caller.
-            out[j * os + t] = unsafe { reduce(&acc[j * T + t]) };
+            out[j * os + t] = unsafe { Avx512::reduce(&mut acc[j * T + t]) };
         }
     }
 }
 
-/// The form a staged block is read in by the batched register tile.
-trait Staged {
+/// A form the batched path stages a row group's block in: how a group is written into the
+/// staging buffer, and how the register tile reads it back. Both forms hold the same exact
+/// f32 weights, so the FMAs, and the results, are the same bit for bit; which is faster
+/// depends on the core ([`WeightStaging`]).
+trait Staging {
     /// Bytes of one staged group of one row.
     const GB: usize;
-    /// Decode one staged group at `p` into (lanes 0..15, lanes 16..31).
+    /// Write group `(r, q)` of `f` in this form to `dst`: full groups from the matrix,
+    /// the partial one from `part`, its zero-padded copy and scale byte (see
+    /// [`stage_partial`]).
+    ///
+    /// # Safety
+    /// `(r, q)` is a full group of the matrix when `part` is `None`; `dst` has room for
+    /// `GB` bytes; AVX-512F enabled in the caller.
+    unsafe fn put<F: Fmt>(f: F, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8);
+    /// Read one staged group at `p` into (lanes 0..15, lanes 16..31).
     ///
     /// # Safety
     /// `GB` readable bytes at `p`; AVX-512F enabled in the caller.
     unsafe fn get(p: *const u8) -> [__m512; 2];
 }
 
-/// Raw bf16 (the row's own 64 bytes, copied to an aligned place): widened in registers.
-struct RawBf16;
+/// Bf16 pairs, for formats whose weights are exact bf16
+/// ([`format::FormatInfo::bf16_exact`]): dword `l` of a staged group is `(even weight >>
+/// 16) | odd weight`, widened back into the same two f32 lanes by a shift and an `and` in
+/// every tile pass (the BF16 decode). BF16 groups are copied as they are; MXFP4 groups are
+/// decoded once and packed, so the tile reads one 64-byte line per row and group instead
+/// of two.
+struct Bf16Pairs;
 
-impl Staged for RawBf16 {
+impl Staging for Bf16Pairs {
     const GB: usize = 64;
-    /// # Safety
-    /// As [`Staged::get`].
+    #[inline(always)]
+    unsafe fn put<F: Fmt>(f: F, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
+        debug_assert!(F::KIND.info().bf16_exact);
+        // SAFETY: the group's bytes are read in place or from the copy (64 bytes of a
+        // BF16 group, the 16 of an MXFP4 one); 64 bytes are written at dst (caller).
+        unsafe {
+            if F::KIND == FormatKind::Bf16 {
+                let p = match part {
+                    Some((b, _)) => b.as_ptr(),
+                    None => f.at(r, q).0,
+                };
+                _mm512_storeu_si512(dst as *mut _, _mm512_loadu_si512(p as *const _));
+            } else {
+                let [even, odd] = f.group(r, q, part);
+                let pair = _mm512_or_si512(
+                    _mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                    _mm512_castps_si512(odd),
+                );
+                _mm512_storeu_si512(dst as *mut _, pair);
+            }
+        }
+    }
     #[inline(always)]
     unsafe fn get(p: *const u8) -> [__m512; 2] {
         // SAFETY: forwarded (64 bytes at p).
-        unsafe { Bf16::dec(p, 127) }
+        unsafe { Avx512::bf16(p) }
     }
 }
 
-/// Decoded f32 weights in lane order (F32): two plain loads.
+/// Lane-ordered f32, for every format: each group decoded once per block, so the tile
+/// passes take two plain loads per row and group and no integer operation. The only form
+/// for F32 weights (they need all 32 bits).
 struct LaneF32;
 
-impl Staged for LaneF32 {
+impl Staging for LaneF32 {
     const GB: usize = 128;
-    /// # Safety
-    /// As [`Staged::get`].
     #[inline(always)]
-    unsafe fn get(p: *const u8) -> [__m512; 2] {
-        // SAFETY: 128 readable bytes at p (caller).
-        unsafe {
-            [
-                _mm512_loadu_ps(p as *const f32),
-                _mm512_loadu_ps(p.add(64) as *const f32),
-            ]
-        }
-    }
-}
-
-/// How a weight format is staged for the batched path.
-trait Stage: Fmt {
-    /// The staged form.
-    type S: Staged;
-    /// Write group `(r, q)` in staged form to `dst`: full groups from the matrix, the
-    /// partial one from `part`, its zero-padded copy and scale byte (see [`stage_partial`]).
-    ///
-    /// # Safety
-    /// `(r, q)` is a full group of the matrix when `part` is `None`; `dst` has room for
-    /// `S::GB` bytes; AVX-512F enabled in the caller.
-    unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8);
-}
-
-impl Stage for Bf16 {
-    type S = RawBf16;
-    #[inline(always)]
-    unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
-        // SAFETY: 64 bytes at the source (a full group, or the 128-byte copy) and at dst.
-        unsafe {
-            let p = match part {
-                Some((b, _)) => b.as_ptr(),
-                None => self.at(r, q).0,
-            };
-            _mm512_storeu_si512(dst as *mut _, _mm512_loadu_si512(p as *const _));
-        }
-    }
-}
-
-/// F32 weights need all 32 bits: staged decoded into lane-ordered f32 (split once per
-/// row and block, whatever the number of tokens), i.e. always in [`Wide`]'s form.
-impl Stage for F32 {
-    type S = LaneF32;
-    #[inline(always)]
-    unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
-        // SAFETY: forwarded.
-        unsafe { Wide(*self).put(r, q, part, dst) }
-    }
-}
-
-/// MXFP4 is staged as bf16 pairs: every MXFP4 weight `E2M1[code] · 2^(s−127)` has at
-/// most two mantissa bits and is at least 2^-128 in magnitude (or zero), so its f32 bits
-/// end in 16 zero bits and it is exactly the bf16 of its top half. Dword `l` of a staged
-/// group is then `(even weight >> 16) | odd weight`, which [`RawBf16`] widens back into
-/// the same two f32 lanes: the tile reads one 64-byte line per row and group instead of
-/// two (the f32 form's 12 loads per 16 FMAs were the loop's limit: 68 against 97 GMAC/s
-/// per core for the bf16 form in a C replica on Zen 5).
-impl Stage for Mx {
-    type S = RawBf16;
-    #[inline(always)]
-    unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
-        // SAFETY: the group's bytes are read in place or from the copy; 64 bytes are
-        // written at dst (caller).
-        unsafe {
-            let [even, odd] = self.group(r, q, part);
-            let pair = _mm512_or_si512(
-                _mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                _mm512_castps_si512(odd),
-            );
-            _mm512_storeu_si512(dst as *mut _, pair);
-        }
-    }
-}
-
-/// A format staged widened: every group decoded once per block into lane-ordered f32
-/// ([`LaneF32`]), so the tile passes take two plain loads per row and group and no
-/// integer operation. Which form is faster depends on the core (see [`BatchStaging`]);
-/// both hold the same exact f32 weights, so the FMAs, and the results, are the same bit
-/// for bit. On the Intel Xeon (AVX-512, AMX) of 2026-12-03, `gemv_bench --only batch --th
-/// 2`, 3 alternating rounds: batch16 MXFP4 75.2-75.7 GMAC/s against 71.4-71.6 staged as
-/// bf16 pairs, BF16 63.4-68.6 against 62.5-65.5; in cache (`kernel_micro`) +2% BF16, +6%
-/// MXFP4. There the shift and `and` of the bf16 form issue on the FMA ports.
-#[derive(Clone, Copy)]
-struct Wide<F>(F);
-
-impl<F: Fmt> Fmt for Wide<F> {
-    const PF: usize = F::PF;
-    const U: usize = F::U;
-    const ROWS1: usize = F::ROWS1;
-    const FEW_DIRECT: bool = F::FEW_DIRECT;
-    #[inline(always)]
-    unsafe fn prefetch(p: *const u8) {
-        // SAFETY: forwarded.
-        unsafe { F::prefetch(p) }
-    }
-    #[inline(always)]
-    fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2] {
-        self.0.spans(r0, r1)
-    }
-    /// # Safety
-    /// As [`Fmt::at`].
-    #[inline(always)]
-    unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
-        // SAFETY: forwarded.
-        unsafe { self.0.at(r, q) }
-    }
-    /// # Safety
-    /// As [`Fmt::dec`].
-    #[inline(always)]
-    unsafe fn dec(p: *const u8, s: u8) -> [__m512; 2] {
-        // SAFETY: forwarded.
-        unsafe { F::dec(p, s) }
-    }
-}
-
-impl<F: Fmt> Stage for Wide<F> {
-    type S = LaneF32;
-    #[inline(always)]
-    unsafe fn put(&self, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
+    unsafe fn put<F: Fmt>(f: F, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
         // SAFETY: the group's bytes are read in place or from the copy; 128 bytes are
         // written at dst (caller).
         unsafe {
-            let [a, b] = self.group(r, q, part);
+            let [a, b] = f.group(r, q, part);
             _mm512_storeu_ps(dst as *mut f32, a);
             _mm512_storeu_ps(dst.add(64) as *mut f32, b);
         }
+    }
+    #[inline(always)]
+    unsafe fn get(p: *const u8) -> [__m512; 2] {
+        // SAFETY: 128 readable bytes at p (caller).
+        unsafe { Avx512::load(p as *const f32) }
     }
 }
 
 /// Rows per register tile of the batched path, and per staged row group.
 const RB: usize = 4;
 /// Tokens per register tile of the batched path (RB × TB × 2 = 16 accumulators, RB × 2
-/// weights and 2 activations: 26 of the 32 zmm registers). On Zen 5 a C replica of the
-/// loop ran 4 × 2 at 1.6-1.75 FMAs per cycle, 2 × 4 at 1.45-1.5.
+/// weights and 2 activations: 26 of the 32 zmm registers; 4 × 2 ran more FMAs per cycle
+/// than 2 × 4).
 pub const TB: usize = 2;
 /// Tokens whose f64 lane sums one pass over a row group keeps (RB × TC × 256 bytes =
 /// 16 KiB, in L1); a larger batch is taken in further passes that stage the weights again.
@@ -606,29 +533,6 @@ const TC: usize = 16;
 /// read-add-write of a line-straddling sum costs two L1 accesses each way).
 #[repr(C, align(64))]
 struct Acc([[f64; LANES]; RB * TC]);
-
-/// [`super::portable::reduce_lanes`] in registers: the same halving tree (16, 8, 4, 2,
-/// 1), each level's adds done lane by lane in one vector add, so the result is bit for bit
-/// the shared one.
-///
-/// # Safety
-/// AVX-512F enabled in the caller.
-#[inline(always)]
-unsafe fn reduce(a: &[f64; LANES]) -> f64 {
-    // SAFETY: 32 f64 at a; loads of 8 at offsets 0, 8, 16, 24.
-    unsafe {
-        let p = a.as_ptr();
-        // Level 16: lanes j and j + 16, for j < 16.
-        let l0 = _mm512_add_pd(_mm512_loadu_pd(p), _mm512_loadu_pd(p.add(16)));
-        let l1 = _mm512_add_pd(_mm512_loadu_pd(p.add(8)), _mm512_loadu_pd(p.add(24)));
-        // Level 8: j and j + 8, for j < 8.
-        let m = _mm512_add_pd(l0, l1);
-        // Level 4, 2, 1.
-        let h = _mm256_add_pd(_mm512_castpd512_pd256(m), _mm512_extractf64x4_pd(m, 1));
-        let q = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
-        _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)))
-    }
-}
 
 /// One row group's block in staged form, group-major (group `q`, row `j` at
 /// `(q * RB + j) * GB`), so the tile reads it as one sequential stream.
@@ -643,7 +547,7 @@ struct StageBuf([u8; RB * BLOCK_GROUPS * 128]);
 /// `w` holds `ng` staged groups of RB rows; every token has `32 * ng` readable values at
 /// its pointer; `acc.len() >= (RB - 1) * tc + T`; AVX-512F enabled in the caller.
 #[inline(always)]
-unsafe fn tile_block<S: Staged, const T: usize>(
+unsafe fn tile_block<S: Staging, const T: usize>(
     w: *const u8,
     ng: usize,
     x: *const f32,
@@ -654,26 +558,23 @@ unsafe fn tile_block<S: Staged, const T: usize>(
     // SAFETY (whole body): reads stay inside the staged block and the tokens' blocks
     // (caller); acc indices j * tc + t < (RB - 1) * tc + T.
     unsafe {
-        let mut a = [[[_mm512_setzero_ps(); 2]; T]; RB];
+        let mut a = [[Avx512::zero(); T]; RB];
         for q in 0..ng {
             let g = w.add(q * RB * S::GB);
-            let mut wq = [[_mm512_setzero_ps(); 2]; RB];
+            let mut wq = [Avx512::zero(); RB];
             for (j, wj) in wq.iter_mut().enumerate() {
                 *wj = S::get(g.add(j * S::GB));
             }
             for t in 0..T {
-                let xq = x.add(t * stride + GROUP_COLS * q);
-                let x0 = _mm512_loadu_ps(xq);
-                let x1 = _mm512_loadu_ps(xq.add(16));
+                let xq = Avx512::load(x.add(t * stride + GROUP_COLS * q));
                 for j in 0..RB {
-                    a[j][t][0] = _mm512_fmadd_ps(wq[j][0], x0, a[j][t][0]);
-                    a[j][t][1] = _mm512_fmadd_ps(wq[j][1], x1, a[j][t][1]);
+                    a[j][t] = Avx512::fma(wq[j], xq, a[j][t]);
                 }
             }
         }
         for j in 0..RB {
             for t in 0..T {
-                promote(&a[j][t], &mut acc[j * tc + t]);
+                Avx512::promote(&a[j][t], &mut acc[j * tc + t]);
             }
         }
     }
@@ -682,7 +583,7 @@ unsafe fn tile_block<S: Staged, const T: usize>(
 /// Rows `r0..r1` × all `ntok` tokens, batched. Rows go in groups of [`RB`] (a group past
 /// the last row is padded with zero weights, whose sums are dropped), tokens in passes of
 /// up to [`TC`]. Per group and pass, block by block (1024 columns): the group's block is
-/// staged into an aligned L1 buffer ([`Stage::put`]: raw bf16, MXFP4 decoded once into
+/// staged into an aligned L1 buffer ([`Staging::put`]: raw bf16, MXFP4 decoded once into
 /// exact bf16 pairs, F32 into lane-ordered f32; the partial group zero-padded), and every
 /// token tile of up to [`TB`] tokens runs the block in registers ([`tile_block`]) and
 /// promotes into its f64 lane sums; meanwhile [`Ahead`] prefetches the next group.
@@ -694,7 +595,7 @@ unsafe fn tile_block<S: Staged, const T: usize>(
 /// `f` describes `m`, `r1 <= m.rows`; `xp` holds `ntok` permuted tokens; `out` has room for
 /// `(r1 - r0) * ntok` sums; AVX-512F enabled in the caller.
 #[inline(always)]
-unsafe fn rows_batched<F: Stage>(
+unsafe fn rows_batched<F: Fmt, S: Staging>(
     f: F,
     m: &Mat<'_>,
     (r0, r1): (usize, usize),
@@ -743,7 +644,7 @@ unsafe fn rows_batched<F: Stage>(
                 // SAFETY: rows g0..g0+nr < m.rows and groups q..qe < ng (full ones read in
                 // place, the partial one from its copy); the staged block fits the buffer
                 // (qe - q <= BLOCK_GROUPS, RB rows of at most 128 bytes a group).
-                unsafe { stage_block(f, (g0, nr, full), (q, qe), &parts, dst) };
+                unsafe { stage_block::<F, S>(f, (g0, nr, full), (q, qe), &parts, dst) };
                 let mut t0 = 0;
                 while t0 < tc {
                     let x = xp.wrapping_add((c0 + t0) * stride + GROUP_COLS * q);
@@ -754,10 +655,10 @@ unsafe fn rows_batched<F: Stage>(
                     unsafe {
                         ahead.step();
                         if t0 + TB <= tc {
-                            tile_block::<F::S, TB>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
+                            tile_block::<S, TB>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
                             t0 += TB;
                         } else {
-                            tile_block::<F::S, 1>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
+                            tile_block::<S, 1>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
                             t0 += 1;
                         }
                     }
@@ -767,7 +668,8 @@ unsafe fn rows_batched<F: Stage>(
             for j in 0..nr {
                 for t in 0..tc {
                     // SAFETY: AVX-512F is enabled in the caller.
-                    out[(g0 + j - r0) * ntok + c0 + t] = unsafe { reduce(&acc[j * tc + t]) };
+                    out[(g0 + j - r0) * ntok + c0 + t] =
+                        unsafe { Avx512::reduce(&mut acc[j * tc + t]) };
                 }
             }
             c0 += tc;
@@ -779,27 +681,26 @@ unsafe fn rows_batched<F: Stage>(
 /// Stage groups `q..qe` of the row group at `g0` (`nr` real rows): full groups read in
 /// place, the partial one from its zero-padded copy in `parts`, rows past `nr` as zero
 /// weights. A block of whole groups of every row (nearly all of them) is copied row by row
-/// without the per-group checks: 5-10% of a few-token MXFP4 product (`kernel_micro
-/// --direct`, alternating).
+/// without the per-group checks (a measurable share of a few-token MXFP4 product).
 ///
 /// # Safety
 /// Rows `g0..g0 + nr` exist in the matrix `f` describes, `full` is its count of full
 /// groups and `parts[j]` row `g0 + j`'s staged partial group when `qe > full`; `dst` has
 /// room for `(qe - q) * RB` staged groups; AVX-512F enabled in the caller.
 #[inline(always)]
-unsafe fn stage_block<F: Stage>(
+unsafe fn stage_block<F: Fmt, S: Staging>(
     f: F,
     (g0, nr, full): (usize, usize, usize),
     (q, qe): (usize, usize),
     parts: &[([u8; 128], u8); RB],
     dst: *mut u8,
 ) {
-    let gb = <F::S as Staged>::GB;
+    let gb = S::GB;
     if nr == RB && qe <= full {
         for j in 0..RB {
             for qq in q..qe {
                 // SAFETY: row g0 + j and group qq are real and full; inside the buffer.
-                unsafe { f.put(g0 + j, qq, None, dst.add(((qq - q) * RB + j) * gb)) };
+                unsafe { S::put(f, g0 + j, qq, None, dst.add(((qq - q) * RB + j) * gb)) };
             }
         }
         return;
@@ -814,7 +715,7 @@ unsafe fn stage_block<F: Stage>(
                     std::ptr::write_bytes(d, 0, gb);
                 } else {
                     let part = (qq >= full).then_some((&part.0, part.1));
-                    f.put(g0 + j, qq, part, d);
+                    S::put(f, g0 + j, qq, part, d);
                 }
             }
         }
@@ -846,47 +747,20 @@ impl Ahead {
         }
     }
 
-    /// Prefetch the next share.
-    ///
-    /// # Safety
-    /// AVX-512F enabled in the caller (prefetches never fault; addresses are formed with
-    /// wrapping arithmetic).
+    /// Prefetch the next share (hints only: prefetches never fault, and the addresses are
+    /// formed with wrapping arithmetic).
     #[inline(always)]
-    unsafe fn step(&mut self) {
+    fn step(&mut self) {
         let [(a, na), (b, nb)] = self.spans;
         let (lo, hi) = (self.done, (self.done + self.per).min(na + nb));
-        // SAFETY: hints only.
-        unsafe {
-            if lo < na {
-                prefetch_lines(a.wrapping_add(lo), hi.min(na) - lo);
-            }
-            if hi > na {
-                let from = lo.max(na) - na;
-                prefetch_lines(b.wrapping_add(from), hi - na - from);
-            }
+        if lo < na {
+            prefetch_lines(a.wrapping_add(lo), hi.min(na) - lo);
+        }
+        if hi > na {
+            let from = lo.max(na) - na;
+            prefetch_lines(b.wrapping_add(from), hi - na - from);
         }
         self.done = hi;
-    }
-}
-
-/// Software prefetch of the lines covering `bytes` bytes from `p`, with the `T0` hint.
-/// `T1` (to L2 only) was the hint until 2026-12-03, when a profile of the batched kernel
-/// from DRAM (`kernel_micro bf16 16` over 235 MB, one thread) still put 30% of its samples
-/// on the staging copy of groups that [`Ahead`] had asked for a whole group earlier,
-/// against 8% with the weights in L3: Zen 4 is known to drop `PREFETCHT1/T2` now and
-/// then, and with `T0` that share fell to 22%. `gemv_bench --only batch16 --th 2`, 5
-/// alternating rounds: BF16 103.0-111.6 GMAC/s with T0 against 98.8-109.5 with T1, ahead
-/// in every round (MXFP4, staged as bf16 pairs, unchanged).
-///
-/// # Safety
-/// None beyond AVX-512F being enabled in the caller: prefetches are hints and never fault,
-/// and the addresses are formed with wrapping arithmetic.
-#[inline(always)]
-unsafe fn prefetch_lines(p: *const u8, bytes: usize) {
-    let mut off = 0;
-    while off < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
-        off += 64;
     }
 }
 
@@ -946,51 +820,54 @@ unsafe fn tiles<F: Fmt, const R: usize, const T: usize, const N: usize, const PF
     r
 }
 
-/// Rows `r0..r1` × all tokens with the f32-block contract.
-///
-/// # Safety
-/// `f` describes `m`; AVX-512F enabled in the caller.
-#[inline(always)]
-unsafe fn drive<F: Stage>(
-    f: F,
-    m: &Mat<'_>,
-    r0: usize,
-    r1: usize,
-    xp: &[f32],
-    ntok: usize,
-    out: &mut [f64],
-) {
-    let stride = x_stride(m.cols);
-    assert!(xp.len() >= ntok * stride);
-    assert!(out.len() >= (r1 - r0) * ntok);
-    assert!(r1 <= m.rows);
-    let x = xp.as_ptr();
-    // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out (asserted).
-    unsafe {
-        if ntok == 1 {
-            let (rows, pf) = decode_tuning();
-            let rows = if rows == 0 { F::ROWS1 } else { rows };
-            let pf = if pf == usize::MAX { F::PF } else { pf };
-            // The distance is a compile-time constant of the kernel: the nearest of these.
-            let rs = (r0, r1);
-            match pf {
-                0 => rows1::<F, 0>(f, m, rs, x, rows, out),
-                1..=383 => rows1::<F, 256>(f, m, rs, x, rows, out),
-                384..=767 => rows1::<F, 512>(f, m, rs, x, rows, out),
-                768..=1535 => rows1::<F, 1024>(f, m, rs, x, rows, out),
-                1536..=3071 => rows1::<F, 2048>(f, m, rs, x, rows, out),
-                _ => rows1::<F, 4096>(f, m, rs, x, rows, out),
-            }
-        } else if F::FEW_DIRECT && ntok <= FEW {
-            if F::PF >= 1024 {
-                rows_few::<F, 1024>(f, m, (r0, r1), x, ntok, out);
+impl Driver for Avx512 {
+    /// Rows `r0..r1` × all tokens with the f32-block contract: one token in [`rows1`],
+    /// 2..=[`FEW`] tokens of a format with [`Fmt::FEW_DIRECT`] in [`rows_few`], more in
+    /// [`rows_batched`] (staged as [`Bf16Pairs`] or [`LaneF32`]).
+    #[inline(always)]
+    unsafe fn drive<F: Format>(
+        f: F,
+        m: &Mat<'_>,
+        (r0, r1): (usize, usize),
+        xp: &[f32],
+        ntok: usize,
+        out: &mut [f64],
+        tuning: &DriverTuning,
+    ) {
+        let stride = x_stride(m.cols);
+        assert!(xp.len() >= ntok * stride);
+        assert!(out.len() >= (r1 - r0) * ntok);
+        assert!(r1 <= m.rows);
+        let x = xp.as_ptr();
+        // SAFETY: every tile's rows lie in r0..r1 <= m.rows and its outputs in out
+        // (asserted); AVX-512F is enabled in the caller.
+        unsafe {
+            if ntok == 1 {
+                let rows = tuning.decode_rows.unwrap_or(<F as Fmt>::ROWS1);
+                let pf = tuning.decode_prefetch.unwrap_or(<F as Fmt>::PF);
+                // The distance is a compile-time constant of the kernel: the nearest of
+                // these.
+                let rs = (r0, r1);
+                match pf {
+                    0 => rows1::<F, 0>(f, m, rs, x, rows, out),
+                    1..=383 => rows1::<F, 256>(f, m, rs, x, rows, out),
+                    384..=767 => rows1::<F, 512>(f, m, rs, x, rows, out),
+                    768..=1535 => rows1::<F, 1024>(f, m, rs, x, rows, out),
+                    1536..=3071 => rows1::<F, 2048>(f, m, rs, x, rows, out),
+                    _ => rows1::<F, 4096>(f, m, rs, x, rows, out),
+                }
+            } else if <F as Fmt>::FEW_DIRECT && ntok <= FEW {
+                if <F as Fmt>::PF >= 1024 {
+                    rows_few::<F, 1024>(f, m, (r0, r1), x, ntok, out);
+                } else {
+                    rows_few::<F, 512>(f, m, (r0, r1), x, ntok, out);
+                }
+            } else if <F as Format>::KIND.info().bf16_exact && tuning.staging == WeightStaging::Bf16
+            {
+                rows_batched::<F, Bf16Pairs>(f, m, (r0, r1), x, ntok, out);
             } else {
-                rows_few::<F, 512>(f, m, (r0, r1), x, ntok, out);
+                rows_batched::<F, LaneF32>(f, m, (r0, r1), x, ntok, out);
             }
-        } else if batch_staging() == BatchStaging::F32 {
-            rows_batched::<Wide<F>>(Wide(f), m, (r0, r1), x, ntok, out);
-        } else {
-            rows_batched::<F>(f, m, (r0, r1), x, ntok, out);
         }
     }
 }
@@ -1051,50 +928,8 @@ pub unsafe fn rows_f32(
     xp: &[f32],
     ntok: usize,
     out: &mut [f64],
+    tuning: &DriverTuning,
 ) {
-    let c = m.cols;
-    // SAFETY: the Fmt values describe m's own buffers (strides from its shape); features
-    // are enabled on this function.
-    unsafe {
-        match m.data {
-            MatData::Bf16(b) => drive(
-                Bf16 {
-                    p: b.as_ptr(),
-                    stride: 2 * c,
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-            MatData::F32(b) => drive(
-                F32 {
-                    p: b.as_ptr(),
-                    stride: 4 * c,
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-            MatData::Mxfp4 { packed, scales } => drive(
-                Mx {
-                    p: packed.as_ptr(),
-                    pstride: c.div_ceil(2),
-                    s: scales.as_ptr(),
-                    sstride: groups(c),
-                },
-                m,
-                r0,
-                r1,
-                xp,
-                ntok,
-                out,
-            ),
-        }
-    }
+    // SAFETY: the features are enabled on this function (the caller checked the CPU).
+    unsafe { format::rows::<Avx512>(m, (r0, r1), xp, ntok, out, tuning) }
 }

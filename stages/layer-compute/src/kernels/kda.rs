@@ -44,7 +44,7 @@ pub fn decay_gate(
 /// (the sigmoid is [`super::act`]'s own, the same bits on every path).
 fn bounded_gate(a: f64, z: &[f32], dt_bias: &[f32], lower_bound: f32, g: &mut [f32]) {
     super::act::on_path!(
-        super::simd::path(),
+        super::simd::isa(),
         fn(a: f64, z: &[f32], dt_bias: &[f32], lower_bound: f32, g: &mut [f32]) {
             for ((gi, &zc), &bc) in g.iter_mut().zip(z).zip(dt_bias) {
                 let u = a * (zc as f64 + bc as f64);
@@ -73,23 +73,24 @@ pub struct DeltaIn<'a> {
 /// so the result is the same bit for bit on every path. The steps run in two sweeps over
 /// the 64 KiB state (decay with the read, then the write with the output) instead of
 /// four, and on x86-64 the same code is compiled for AVX2 or AVX-512 when the CPU has
-/// them (chosen by [`super::simd::path`]): wider vectors, the same operations.
+/// them (chosen by [`super::simd::isa`]): wider vectors, the same operations.
 pub fn delta_step(s: &mut [f32], x: DeltaIn<'_>, o: &mut [f32], scratch: &mut [f32]) {
-    delta_step_on(super::simd::path(), s, x, o, scratch)
+    delta_step_on(super::simd::isa(), s, x, o, scratch)
 }
 
-/// [`delta_step`] on an explicit path (tests compare the paths bit for bit).
+/// [`delta_step`] on an explicit instruction set (tests compare them bit for bit); panics
+/// when the CPU lacks it ([`super::simd::checked`]).
 pub fn delta_step_on(
-    path: super::simd::Path,
+    path: super::simd::Isa,
     s: &mut [f32],
     x: DeltaIn<'_>,
     o: &mut [f32],
     scratch: &mut [f32],
 ) {
-    let path = path.min(super::simd::best_available());
+    let path = super::simd::checked(path);
     #[cfg(target_arch = "x86_64")]
     {
-        use super::simd::Path;
+        use super::simd::Isa;
         /// # Safety
         /// The CPU must support AVX-512F.
         #[target_feature(enable = "avx512f")]
@@ -103,11 +104,11 @@ pub fn delta_step_on(
             delta_body(s, x, o, scratch)
         }
         match path {
-            // SAFETY: the path is capped at what the CPU supports (best_available).
-            Path::Avx512 => return unsafe { wide512(s, x, o, scratch) },
+            // SAFETY: the path is one the CPU supports (checked above).
+            Isa::Avx512 => return unsafe { wide512(s, x, o, scratch) },
             // SAFETY: as above (AVX2 detected).
-            Path::Avx2 => return unsafe { wide256(s, x, o, scratch) },
-            Path::Portable => {}
+            Isa::Avx2 => return unsafe { wide256(s, x, o, scratch) },
+            Isa::Portable => {}
         }
     }
     let _ = path;
@@ -168,7 +169,7 @@ pub fn output_norm_gate(o: &mut [f32], gate: &[f32], w: &[f32], heads: usize, ep
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::simd::Path;
+    use crate::kernels::simd::Isa;
 
     /// The recurrence as four separate sweeps, written from the module doc (the form
     /// before the sweeps were fused).
@@ -243,7 +244,13 @@ mod tests {
                 reference(&mut want_s, q, k, v, a, *b, &mut o);
                 want_o.push(o);
             }
-            for path in [Path::Portable, Path::Avx2, Path::Avx512] {
+            let test = "kda::delta_step_paths_match_the_four_sweeps_bit_for_bit";
+            let paths = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+            // A vector path the CPU lacks: SKIPPED, or a failure under K3_REQUIRE_SIMD.
+            for path in paths
+                .into_iter()
+                .filter(|&p| crate::kernels::simd::runnable(test, p))
+            {
                 let mut s = s0.clone();
                 let mut scratch = vec![0f32; dv];
                 for (n, (q, k, v, a, b)) in steps.iter().enumerate() {

@@ -3,7 +3,7 @@
 //! A weight is `E2M1[code] * 2^(scale_byte - 127)`: `code` is a 4-bit nibble (low nibble of
 //! byte `j` = column `2j`, high nibble = column `2j+1`), one E8M0 scale byte per row per
 //! group of 32 consecutive columns. Scale byte 255 (NaN per the OCP MX spec) zeroes its
-//! group. Every decoded value is an exact f32. The GEMV in [`super::gemv`] multiplies
+//! group. Every decoded value is an exact f32. The GEMV in [`super::matmul`] multiplies
 //! straight from the packed bytes; [`dequantize`] exists for tests only.
 
 /// Columns sharing one E8M0 scale byte.

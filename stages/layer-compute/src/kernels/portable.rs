@@ -1,12 +1,14 @@
 //! The portable twin of every SIMD product kernel: plain Rust that performs, lane by lane,
-//! the operations of the reduction contract (see [`super::gemv`]) in the contract's order,
+//! the operations of the reduction contract (see [`super::matmul`]) in the contract's order,
 //! with `f32::mul_add` / `f64::mul_add` where the SIMD kernels use a fused multiply-add.
 //!
-//! The AVX2 and AVX-512 kernels are tested bit for bit against these functions.
-//! The helpers here (lane map, x permutation, group staging, E8M0 table, lane tree) are
-//! shared by every path, so the contract is written down once.
+//! The AVX2 and AVX-512 kernels are tested bit for bit against these functions
+//! (`tests/kernels_bitexact.rs`). The helpers here (lane map, x permutation, E8M0 tables,
+//! lane tree) are shared by every path, so the contract is written down once; the
+//! formats' decode and partial-group padding are in [`super::format`].
 
-use super::gemv::{Mat, MatData};
+use super::format::{stage_partial, with_format, Format, FormatFn};
+use super::matmul::Mat;
 use super::mxfp4;
 
 /// Accumulator lanes of every dot product (one per column of a 32-column group).
@@ -176,86 +178,23 @@ pub fn reduce_lanes(acc: &mut [f64; LANES]) -> f64 {
     acc[0]
 }
 
-/// Where group `q` of row `r` lives: `(bytes of the whole group or of its valid prefix,
-/// scale byte)`. The scale byte is 127 (×1) for non-MXFP4 formats.
-#[inline(always)]
-pub fn group_bytes<'a>(m: &Mat<'a>, r: usize, q: usize) -> (&'a [u8], u8) {
-    let c = m.cols;
-    let c0 = q * GROUP_COLS;
-    let c1 = (c0 + GROUP_COLS).min(c);
-    match m.data {
-        MatData::Bf16(b) => (&b[2 * (r * c + c0)..2 * (r * c + c1)], 127),
-        MatData::F32(b) => (&b[4 * (r * c + c0)..4 * (r * c + c1)], 127),
-        MatData::Mxfp4 { packed, scales } => {
-            let pb = c.div_ceil(2);
-            let base = r * pb;
-            let p = &packed[base + c0 / 2..base + c1.div_ceil(2)];
-            (p, scales[r * groups(c) + q])
-        }
-    }
-}
-
-/// Copy a partial group (fewer than 32 columns) into a zeroed 128-byte buffer, as if the
-/// row were padded with zero weights; for MXFP4 with an odd column count the unused high
-/// nibble of the last byte is cleared. Every path decodes the padded group the same way.
+/// Decode group `q` of row `r` of `f` (a view of `m`) into its 32 weights in lane order
+/// (a partial group zero-padded, as every path pads it: [`stage_partial`]).
 #[inline]
-pub fn stage_partial(m: &Mat<'_>, r: usize, q: usize, buf: &mut [u8; 128]) -> u8 {
-    let (bytes, s) = group_bytes(m, r, q);
-    *buf = [0u8; 128];
-    buf[..bytes.len()].copy_from_slice(bytes);
-    if let MatData::Mxfp4 { .. } = m.data {
-        let valid = m.cols - q * GROUP_COLS;
-        if valid % 2 == 1 {
-            buf[valid / 2] &= 0x0F;
-        }
-    }
-    s
-}
-
-/// Decode group `q` of row `r` into its 32 weights in lane order (zero-padded).
-#[inline]
-pub fn decode_group(m: &Mat<'_>, r: usize, q: usize, w: &mut [f32; LANES]) {
-    let mut buf = [0u8; 128];
-    let full = (q + 1) * GROUP_COLS <= m.cols;
-    let (bytes, s) = if full {
-        group_bytes(m, r, q)
+fn decode_group<F: Format>(f: F, m: &Mat<'_>, r: usize, q: usize, w: &mut [f32; LANES]) {
+    if (q + 1) * GROUP_COLS <= m.cols {
+        let (bytes, s) = f.group_bytes(r, q);
+        F::decode_portable(bytes, s, w);
     } else {
+        let mut buf = [0u8; 128];
         let s = stage_partial(m, r, q, &mut buf);
-        (&buf[..], s)
-    };
-    match m.data {
-        MatData::Bf16(_) => {
-            for (l, o) in w.iter_mut().enumerate() {
-                let c = lane_col(l);
-                *o = f32::from_bits(
-                    (u16::from_le_bytes([bytes[2 * c], bytes[2 * c + 1]]) as u32) << 16,
-                );
-            }
-        }
-        MatData::F32(_) => {
-            for (l, o) in w.iter_mut().enumerate() {
-                let c = lane_col(l);
-                *o = f32::from_le_bytes([
-                    bytes[4 * c],
-                    bytes[4 * c + 1],
-                    bytes[4 * c + 2],
-                    bytes[4 * c + 3],
-                ]);
-            }
-        }
-        MatData::Mxfp4 { .. } => {
-            let sc = E8M0[s as usize];
-            for i in 0..16 {
-                w[i] = mxfp4::E2M1[(bytes[i] & 0x0F) as usize] * sc;
-                w[16 + i] = mxfp4::E2M1[(bytes[i] >> 4) as usize] * sc;
-            }
-        }
+        F::decode_portable(&buf, s, w);
     }
 }
 
-/// Row `r` · one permuted f32 token `xp` under the f32-block contract; the unrounded f64
-/// result of the lane tree.
-pub fn dot_f32_lanes(m: &Mat<'_>, r: usize, xp: &[f32]) -> f64 {
+/// Row `r` of `f` (a view of `m`) · one permuted f32 token `xp` under the f32-block
+/// contract; the unrounded f64 result of the lane tree.
+fn dot_f32_lanes<F: Format>(f: F, m: &Mat<'_>, r: usize, xp: &[f32]) -> f64 {
     let ng = groups(m.cols);
     assert!(xp.len() >= ng * GROUP_COLS);
     let mut acc64 = [0f64; LANES];
@@ -265,7 +204,7 @@ pub fn dot_f32_lanes(m: &Mat<'_>, r: usize, xp: &[f32]) -> f64 {
         let qe = (q + BLOCK_GROUPS).min(ng);
         let mut acc = [0f32; LANES];
         while q < qe {
-            decode_group(m, r, q, &mut w);
+            decode_group(f, m, r, q, &mut w);
             let xq = &xp[q * GROUP_COLS..(q + 1) * GROUP_COLS];
             for l in 0..LANES {
                 acc[l] = w[l].mul_add(xq[l], acc[l]);
@@ -281,10 +220,33 @@ pub fn dot_f32_lanes(m: &Mat<'_>, r: usize, xp: &[f32]) -> f64 {
 
 /// Portable row-block kernel: sums for rows `r0..r1` × `ntok` tokens into `out[(r-r0)*ntok+t]`.
 pub fn rows_f32(m: &Mat<'_>, r0: usize, r1: usize, xp: &[f32], ntok: usize, out: &mut [f64]) {
-    let stride = x_stride(m.cols);
-    for r in r0..r1 {
-        for t in 0..ntok {
-            out[(r - r0) * ntok + t] = dot_f32_lanes(m, r, &xp[t * stride..(t + 1) * stride]);
+    struct Rows<'x> {
+        r0: usize,
+        r1: usize,
+        xp: &'x [f32],
+        ntok: usize,
+        out: &'x mut [f64],
+    }
+    impl FormatFn for Rows<'_> {
+        type Out = ();
+        fn call<F: Format>(self, f: F, m: &Mat<'_>) {
+            let stride = x_stride(m.cols);
+            for r in self.r0..self.r1 {
+                for t in 0..self.ntok {
+                    let x = &self.xp[t * stride..(t + 1) * stride];
+                    self.out[(r - self.r0) * self.ntok + t] = dot_f32_lanes(f, m, r, x);
+                }
+            }
         }
     }
+    with_format(
+        m,
+        Rows {
+            r0,
+            r1,
+            xp,
+            ntok,
+            out,
+        },
+    );
 }

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use super::LayerCtx;
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
-use crate::kernels::gemv::{gemm, gemm_fused, Mat};
+use crate::kernels::matmul::{gemm, gemm_fused, Mat};
 use crate::kernels::{conv, kda, norm};
 use crate::weights::to_f32_vec;
 use crate::weights::Weights;

@@ -8,7 +8,7 @@ use k3_model::classify::layer_tensor;
 use super::LayerCtx;
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::mul_sigmoid;
-use crate::kernels::gemv::{gemm, gemm_fused, Mat};
+use crate::kernels::matmul::{gemm, gemm_fused, Mat};
 use crate::kernels::{mla, norm};
 use crate::weights::Weights;
 

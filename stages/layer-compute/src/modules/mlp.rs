@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use crate::kernels::act::situ_glu;
-use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
+use crate::kernels::matmul::{gemm64, gemm_fused, Mat};
 
 /// Values per parallel SiTU task (each value costs three f64 transcendentals,
 /// `kernels::act`).

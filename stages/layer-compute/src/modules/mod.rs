@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
-use crate::kernels::gemv::Mat;
+use crate::kernels::matmul::Mat;
 use crate::weights::ExpertProj;
 
 pub mod attnres;
@@ -111,7 +111,7 @@ impl Eps {
 /// module's inputs are given back.
 pub fn project_out(o: &Mat<'_>, a: &[f32], hidden: usize, ntok: usize, threads: usize) -> Vec<f32> {
     let mut y = vec![0f32; ntok * hidden];
-    crate::kernels::gemv::gemm(o, a, &mut y, ntok, threads);
+    crate::kernels::matmul::gemm(o, a, &mut y, ntok, threads);
     y
 }
 

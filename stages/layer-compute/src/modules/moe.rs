@@ -6,7 +6,7 @@
 //! pool, largest token count first, when there are at least two per thread (a prompt's
 //! experts: 3 to 6 tokens each); fewer run one after another, each product split over
 //! the pool by rows. A product's bits never depend on its thread count (the reduction
-//! contract, `kernels::gemv`), so neither choice changes a result. Measured with
+//! contract, `kernels::matmul`), so neither choice changes a result. Measured with
 //! `examples/experts_probe` on the slice's expert shape, 2 threads, alternating: a
 //! 16-token prompt's 188 experts (749 token routes) in 240-253 ms side by side against
 //! 297-327 ms split by rows; a decode token's 48 experts in 28-30 against 32-36 ms
@@ -17,7 +17,7 @@ use k3_model::classify::layer_tensor;
 use super::mlp::{glu_down64, glu_mlp, Situ};
 use super::{expert_mat, LayerCtx};
 use crate::forward::{ForwardError, Model};
-use crate::kernels::gemv::{gemm64, gemm_fused, Mat};
+use crate::kernels::matmul::{gemm64, gemm_fused, Mat};
 use crate::kernels::norm;
 use crate::kernels::router::{self, Routing};
 use crate::profile::{self, Phase};

@@ -28,6 +28,12 @@
 //!    Hence results are bitwise independent of thread count, of batched vs one token at a
 //!    time, of fusion ([`gemm_fused`]) and of the SIMD path.
 //!
+//! Special values follow IEEE arithmetic in these operations: subnormal weights and
+//! activations are kept (never flushed to zero) and infinities propagate, the same bits
+//! on every path. A NaN result is NaN on every path, but which NaN (payload, sign) is not
+//! part of the contract: x86 passes on the first NaN operand, and the operand order of a
+//! fused multiply-add differs between the paths.
+//!
 //! Error budgets (u32 = 2^-24, u64 = 2^-53; n = cols; A = Σ|w·x|):
 //! - **E_block** (f32 FMA chain in a lane within one block, ≤ 32 terms): each FMA rounds
 //!   once, so |err| ≤ 32·u32·A_block (worst case 1.9e-6·A; a random walk gives about
@@ -46,8 +52,16 @@
 //!
 //! SIMD vs portable: the AVX2 and AVX-512 kernels ([`super::avx2`], [`super::avx512`]) are
 //! bit-identical to the portable twin ([`super::portable`], `mul_add`), tested on random
-//! inputs including partial groups and blocks, so the path choice ([`super::simd`]) never
-//! changes a result.
+//! and special inputs including partial groups and blocks (`tests/kernels_bitexact.rs`),
+//! so the instruction set ([`super::simd`]) never changes a result.
+//!
+//! # Dispatch
+//!
+//! A product reads the installed [`Kernel`] once ([`Kernel::current`]: product path,
+//! instruction set, drivers' tuning), then `rows_on` matches it once (the only match on
+//! the product path and instruction set), and each instruction set's entry point matches
+//! the weight format once ([`super::format::rows`]); the drivers below are monomorphised
+//! per format.
 //!
 //! # Wiring (for the callers in the layer modules)
 //!
@@ -63,12 +77,11 @@
 //!   4 rows × 2 tokens per inner loop, see [`super::avx512`]). Callers should pass the
 //!   whole chunk in one call (as they do today) instead of looping tokens; per-token
 //!   results equal [`gemv`] bit for bit.
-//! - **Decode tuning** — [`set_decode_tuning`] (or `K3_GEMV_ROWS` / `K3_GEMV_PF`) picks
-//!   how many rows the one-token AVX-512 kernel streams side by side (default per format:
-//!   [`R1`], [`R1_MXFP4`]) and its prefetch distance; a speed setting only, never a result.
-//! - **Batched staging** — [`set_batch_staging`] (or `K3_STAGE`) picks the form the AVX-512
-//!   batched kernel stages its weights in ([`BatchStaging`]: raw bf16 or widened f32, by
-//!   CPU vendor unless set); a speed setting only, never a result.
+//! - **Tuning** — the instruction-set cap, the one-token AVX-512 kernel's rows side by
+//!   side and prefetch distance and the batched kernel's staging form are one
+//!   [`super::tuning::KernelTuning`], installed once per process (the stage from its
+//!   configuration; `K3_*` variables are parsed by k3-orch); speed settings only, never a
+//!   result.
 //! - **lm_head** — one [`gemm`] call (rows = vocab) parallelises over 256 KiB row blocks
 //!   on the current pool; nothing else is needed.
 //! - **Pool** — products use `rayon::current_num_threads()`; run the forward inside
@@ -85,13 +98,11 @@
 //! `threads` argument is a hint: `threads <= 1` runs on the calling thread, anything else
 //! uses the current pool.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use rayon::prelude::*;
 
 use super::mxfp4;
 use super::portable;
-use super::simd::{self, Path};
+use super::simd::{Isa, Kernel, ProductPath};
 
 pub use super::portable::{reduce_lanes, LANES};
 
@@ -192,175 +203,52 @@ impl<'a> Mat<'a> {
         }
     }
 
-    /// Dot product of row `r` with `x` (len `cols`), on the selected path.
+    /// Dot product of row `r` with `x` (len `cols`), on the installed kernels.
     pub fn row_dot(&self, r: usize, x: &[f32]) -> f32 {
-        self.row_dot_on(r, x, simd::path())
+        self.row_dot_on(r, x, &Kernel::current())
     }
 
-    /// Row dot on the portable path regardless of the CPU (for tests and benchmarks).
+    /// Row dot on the portable kernels regardless of the CPU (for tests and benchmarks).
     pub fn row_dot_portable(&self, r: usize, x: &[f32]) -> f32 {
-        self.row_dot_on(r, x, Path::Portable)
+        self.row_dot_on(r, x, &Kernel::on(Isa::Portable))
     }
 
-    fn row_dot_on(&self, r: usize, x: &[f32], path: Path) -> f32 {
+    fn row_dot_on(&self, r: usize, x: &[f32], k: &Kernel) -> f32 {
         assert_eq!(x.len(), self.cols, "row_dot input length");
         assert!(r < self.rows, "row_dot row");
         let xp = portable::permute_tokens(x, self.cols, 1);
         let mut out = [0f64; 1];
-        rows_f32_on(path, self, r, r + 1, &xp, 1, &mut out);
+        rows_on(k, self, (r, r + 1), &xp, 1, &mut out);
         out[0] as f32
     }
 }
 
-/// Widen one bf16 (little-endian bytes) to f32 exactly.
-#[inline(always)]
-pub fn bf16_at(b: &[u8], i: usize) -> f32 {
-    f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16)
-}
-
-/// Read one little-endian f32.
-#[inline(always)]
-pub fn f32_at(b: &[u8], i: usize) -> f32 {
-    f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
-}
-
-/// Row-block kernel of the f32-block contract on `path`.
-fn rows_f32_on(
-    path: Path,
+/// The products' one dispatch: sums of rows `r0..r1` × `ntok` permuted tokens `xp`
+/// (`out[(r - r0) * ntok + t]`) on kernel `k`, by product path and instruction set. A new
+/// product path or instruction set adds its arm here; the format dispatch below it is
+/// shared ([`super::format::rows`]).
+fn rows_on(
+    k: &Kernel,
     m: &Mat<'_>,
-    r0: usize,
-    r1: usize,
+    (r0, r1): (usize, usize),
     xp: &[f32],
     ntok: usize,
     out: &mut [f64],
 ) {
-    match path {
+    match (k.product(), k.isa()) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: simd::path() only returns Avx512 when avx512f+avx2+fma were detected.
-        Path::Avx512 => unsafe { super::avx512::rows_f32(m, r0, r1, xp, ntok, out) },
+        // SAFETY: a Kernel's instruction set is one the CPU has (Kernel::current caps it
+        // at the detected best, Kernel::on checks it): avx512f, avx2 and fma here.
+        (ProductPath::Exact, Isa::Avx512) => unsafe {
+            super::avx512::rows_f32(m, r0, r1, xp, ntok, out, k.tuning())
+        },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: simd::path() only returns Avx2 when avx2+fma were detected.
-        Path::Avx2 => unsafe { super::avx2::rows_f32(m, r0, r1, xp, ntok, out) },
-        _ => portable::rows_f32(m, r0, r1, xp, ntok, out),
+        // SAFETY: as above: avx2 and fma were detected.
+        (ProductPath::Exact, Isa::Avx2) => unsafe {
+            super::avx2::rows_f32(m, r0, r1, xp, ntok, out)
+        },
+        (ProductPath::Exact, _) => portable::rows_f32(m, r0, r1, xp, ntok, out),
     }
-}
-
-/// Decode-path tuning of the AVX-512 kernels: rows streamed side by side (2, 4, 6 or 8;
-/// 0: the format's default) and the software prefetch distance in bytes along each row
-/// (0: none; `usize::MAX`: the format's default). Neither changes a result (rows are
-/// independent), only the memory access pattern; read once from `K3_GEMV_ROWS` /
-/// `K3_GEMV_PF`, overridable by [`set_decode_tuning`] (benchmarks sweep them).
-/// `usize::MAX` in `DEC_ROWS`: not read yet.
-static DEC_ROWS: AtomicUsize = AtomicUsize::new(usize::MAX);
-static DEC_PF: AtomicUsize = AtomicUsize::new(usize::MAX);
-
-/// Default rows per one-token tile of the AVX-512 decode path for BF16 and F32 weights.
-/// `gemv_bench --sweep` (lm_head, 2 threads) on the Zen 4 machines of 2026-12-01/02 found
-/// 6 and then 8 rows fastest; on Zen 5 (2026-12-02, once the prefetch distance became a
-/// compile-time constant, see [`super::avx512`]) 4 rows with a 1024-byte prefetch read
-/// 39-41 GB/s in alternating runs against 36-39 for 8 rows without prefetch, and in two
-/// sweeps 8 rows never passed 34.4 GB/s while 4 and 6 reached 45.
-pub const R1: usize = 4;
-
-/// Default rows per one-token tile for MXFP4 weights (compute-bound: the decode takes 3
-/// shuffles and a shift per group and row). Measured 2026-12-02 on the expert shape
-/// (3072x3584, `gemv_bench`, prefetch 256-2048 B): 4 rows read 33-35% of the probe on one
-/// thread and 43-51% on two, 6 rows 25-28% and 23-37%; 4 rows keep every row pointer in a
-/// register.
-pub const R1_MXFP4: usize = 4;
-
-/// Set the decode path's rows per tile (2, 4, 6 or 8; 0 or anything else: the format's
-/// default, [`R1`] or [`R1_MXFP4`]) and prefetch distance (bytes, taken to the nearest of
-/// 0 = none, 256, 512, 1024, 2048 and 4096: the kernels are compiled for each; `usize::MAX`
-/// = the format's default). Results never change.
-pub fn set_decode_tuning(rows: usize, prefetch: usize) {
-    // The distance first: a reader that sees the new row count (Acquire) sees it too.
-    DEC_PF.store(prefetch, Ordering::Relaxed);
-    let rows = if matches!(rows, 2 | 4 | 6 | 8) {
-        rows
-    } else {
-        0
-    };
-    DEC_ROWS.store(rows, Ordering::Release);
-}
-
-/// The decode tuning in effect: (rows per tile, 0 for the format's default; prefetch
-/// distance, `usize::MAX` for the format's default).
-pub fn decode_tuning() -> (usize, usize) {
-    if DEC_ROWS.load(Ordering::Acquire) == usize::MAX {
-        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse().ok());
-        let rows = env("K3_GEMV_ROWS").unwrap_or(0);
-        // Unset: each format's own distance (BF16/F32 1024 bytes, MXFP4 512; on Zen 5 the
-        // expert shape read 28-30 GB/s at 512 against 17-28 at 1024, alternating runs).
-        let pf = env("K3_GEMV_PF").unwrap_or(usize::MAX);
-        // A race here stores the same values twice.
-        set_decode_tuning(rows, pf);
-    }
-    let rows = DEC_ROWS.load(Ordering::Acquire);
-    (rows, DEC_PF.load(Ordering::Relaxed))
-}
-
-/// How the AVX-512 batched kernel stages a row group's block before its register tiles
-/// run over it (a speed setting only: both forms hold the same exact f32 weights).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BatchStaging {
-    /// BF16 copied raw and MXFP4 decoded into bf16 pairs, widened by a shift and an `and`
-    /// in every tile pass: half the tile's weight loads. Best where those integer
-    /// operations issue beside the FMAs (Zen 5).
-    Bf16,
-    /// Every format widened once into lane-ordered f32: two loads per row and group and no
-    /// integer operation in the tile. Best where 512-bit integer operations share the FMA
-    /// ports (Intel cores).
-    F32,
-}
-
-/// 0: not chosen yet; 1: [`BatchStaging::Bf16`]; 2: [`BatchStaging::F32`].
-static STAGING: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-
-/// Set the batched kernel's staging form (benchmarks compare them; results never change).
-pub fn set_batch_staging(s: BatchStaging) {
-    STAGING.store(s as u8 + 1, Ordering::Relaxed);
-}
-
-/// The staging form in effect: `K3_STAGE=bf16|f32` when set, else by CPU vendor
-/// ([`default_batch_staging`]).
-pub fn batch_staging() -> BatchStaging {
-    match STAGING.load(Ordering::Relaxed) {
-        1 => BatchStaging::Bf16,
-        2 => BatchStaging::F32,
-        _ => {
-            let s = match std::env::var("K3_STAGE").as_deref().map(str::trim) {
-                Ok("bf16") => BatchStaging::Bf16,
-                Ok("f32") => BatchStaging::F32,
-                Ok(other) => {
-                    let d = default_batch_staging();
-                    tracing::warn!("K3_STAGE={other:?} is neither bf16 nor f32: using {d:?}");
-                    d
-                }
-                Err(_) => default_batch_staging(),
-            };
-            set_batch_staging(s);
-            s
-        }
-    }
-}
-
-/// The staging form for this CPU: [`BatchStaging::F32`] on Intel, [`BatchStaging::Bf16`]
-/// elsewhere.
-pub fn default_batch_staging() -> BatchStaging {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // Leaf 0: the vendor string in EBX, EDX, ECX.
-        let id = std::arch::x86_64::__cpuid(0);
-        let mut v = [0u8; 12];
-        v[..4].copy_from_slice(&id.ebx.to_le_bytes());
-        v[4..8].copy_from_slice(&id.edx.to_le_bytes());
-        v[8..].copy_from_slice(&id.ecx.to_le_bytes());
-        if &v == b"GenuineIntel" {
-            return BatchStaging::F32;
-        }
-    }
-    BatchStaging::Bf16
 }
 
 /// Below this many multiply-adds (rows × cols × tokens, summed over fused matrices) a
@@ -412,7 +300,7 @@ fn run<O: Copy + Send>(
     if ntok == 0 {
         return;
     }
-    let path = simd::path();
+    let kernel = Kernel::current();
     let ptrs: Vec<OutPtr<O>> = outs
         .iter_mut()
         .map(|o| OutPtr(o.as_mut_ptr(), o.len()))
@@ -420,7 +308,7 @@ fn run<O: Copy + Send>(
     let task = |i: usize, r0: usize, r1: usize| {
         let m = mats[i];
         let mut sums = vec![0f64; (r1 - r0) * ntok];
-        rows_f32_on(path, m, r0, r1, xp, ntok, &mut sums);
+        rows_on(&kernel, m, (r0, r1), xp, ntok, &mut sums);
         let OutPtr(p, len) = ptrs[i];
         for r in r0..r1 {
             for t in 0..ntok {
@@ -519,14 +407,14 @@ pub fn gemv_portable(m: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// [`gemm`] on an explicit path, single-threaded (tests and benchmarks).
-pub fn gemm_on(path: Path, m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize) {
+/// [`gemm`] on explicit kernels, single-threaded (tests and benchmarks: `Kernel::on`
+/// panics when the CPU lacks the instruction set, it never runs another one instead).
+pub fn gemm_on(kernel: &Kernel, m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize) {
     assert_eq!(xs.len(), ntok * m.cols, "gemm input length");
     assert_eq!(ys.len(), ntok * m.rows, "gemm output length");
-    let path = path.min(simd::best_available());
     let xp = portable::permute_tokens(xs, m.cols, ntok);
     let mut sums = vec![0f64; m.rows * ntok];
-    rows_f32_on(path, m, 0, m.rows, &xp, ntok, &mut sums);
+    rows_on(kernel, m, (0, m.rows), &xp, ntok, &mut sums);
     for r in 0..m.rows {
         for t in 0..ntok {
             ys[t * m.rows + r] = sums[r * ntok + t] as f32;
@@ -534,25 +422,17 @@ pub fn gemm_on(path: Path, m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize)
     }
 }
 
-/// The row kernel alone on an explicit path, single-threaded: `xp` is already permuted
+/// The row kernel alone on explicit kernels, single-threaded: `xp` is already permuted
 /// ([`portable::permute_tokens`]) and `out` receives the unrounded sums of every row ×
 /// token (`out[r * ntok + t]`). For benchmarks that time the inner loops without the
 /// permutation and the output conversion.
-pub fn rows_permuted_on(path: Path, m: &Mat<'_>, xp: &[f32], ntok: usize, out: &mut [f64]) {
+pub fn rows_permuted_on(kernel: &Kernel, m: &Mat<'_>, xp: &[f32], ntok: usize, out: &mut [f64]) {
     assert!(
         xp.len() >= ntok * portable::x_stride(m.cols),
         "permuted input length"
     );
     assert!(out.len() >= m.rows * ntok, "output length");
-    rows_f32_on(
-        path.min(simd::best_available()),
-        m,
-        0,
-        m.rows,
-        xp,
-        ntok,
-        out,
-    );
+    rows_on(kernel, m, (0, m.rows), xp, ntok, out);
 }
 
 #[cfg(test)]

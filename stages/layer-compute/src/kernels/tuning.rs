@@ -1,0 +1,316 @@
+//! The product kernels' settings: one [`KernelTuning`] per process, parsed from the
+//! environment once at the top and installed, never read from the environment inside a
+//! kernel.
+//!
+//! - **Where it comes from.** k3-orch calls [`from_env`] once: for a staged run it puts the
+//!   result in the compute stage's `ComputeConf::tuning`, which the stage [`install`]s at
+//!   its start; in-process runs (`--single-process`, `serve --single-process`, `score`)
+//!   install it directly. Tests and benchmarks install what they compare. Nothing
+//!   installed: every setting automatic ([`KernelTuning::default`]).
+//! - **What it holds.** The instruction-set cap (`K3_SIMD`, `K3_FORCE_PORTABLE`), the
+//!   one-token AVX-512 product's rows side by side and prefetch distance (`K3_GEMV_ROWS`,
+//!   `K3_GEMV_PF`) and the AVX-512 batched product's staging form (`K3_WEIGHT_STAGING`).
+//!   None of them changes a result (every instruction set and every loop shape gives the
+//!   same bits), so installing another tuning while products run is safe.
+//! - **How the kernels read it.** Each product reads the installed tuning once (one
+//!   atomic load: [`current`]) and passes it down with the chosen kernel
+//!   ([`super::simd::Kernel`]); defaults that depend on the CPU (the staging form by
+//!   vendor) are detected once.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+pub use k3_protocol::conf::{Isa, KernelTuning, WeightStaging};
+
+/// Default rows per one-token tile of the AVX-512 decode path for BF16 and F32 weights
+/// (memory-bound: 4 rows with a 1 KiB prefetch read fastest on Zen 5; see
+/// docs/measurements.md, "Kernel notes moved out of the code").
+pub const R1: usize = 4;
+
+/// Default rows per one-token tile for MXFP4 weights (bound by the decode, 3 shuffles and
+/// a shift per group and row; 4 rows keep every row pointer in a register and read
+/// fastest).
+pub const R1_MXFP4: usize = 4;
+
+/// The variables [`from_env`] reads.
+pub const ENV_VARS: [&str; 5] = [
+    "K3_FORCE_PORTABLE",
+    "K3_SIMD",
+    "K3_GEMV_ROWS",
+    "K3_GEMV_PF",
+    "K3_WEIGHT_STAGING",
+];
+
+/// The kernel settings in the environment ([`ENV_VARS`]). A value that is none of the
+/// documented ones is reported (a warning naming the variable) and ignored; so is
+/// `K3_STAGE`, the former name of `K3_WEIGHT_STAGING`. Call once, at the top of a process
+/// that runs or configures the forward.
+pub fn from_env() -> KernelTuning {
+    let (t, problems) = parse(|k| std::env::var(k).ok());
+    for p in problems {
+        tracing::warn!("{p}");
+    }
+    t
+}
+
+/// [`from_env`] over any lookup: the tuning and one line per value ignored.
+pub fn parse(get: impl Fn(&str) -> Option<String>) -> (KernelTuning, Vec<String>) {
+    let mut t = KernelTuning::default();
+    let mut problems = Vec::new();
+    let forced = get("K3_FORCE_PORTABLE").is_some_and(|v| !v.is_empty() && v != "0");
+    if let Some(v) = get("K3_SIMD") {
+        match Isa::from_name(v.trim()) {
+            // `avx512` is the widest: no cap.
+            Some(Isa::Avx512) => {}
+            Some(isa) => t.max_isa = Some(isa),
+            None => problems.push(format!(
+                "K3_SIMD={v:?} is none of portable, avx2, avx512: no cap (the best path)"
+            )),
+        }
+    }
+    if forced {
+        t.max_isa = Some(Isa::Portable);
+    }
+    if let Some(v) = get("K3_GEMV_ROWS") {
+        match v.trim().parse::<u8>() {
+            Ok(n @ (2 | 4 | 6 | 8)) => t.decode_rows = Some(n),
+            _ => problems.push(format!(
+                "K3_GEMV_ROWS={v:?} is none of 2, 4, 6, 8: the format's default"
+            )),
+        }
+    }
+    if let Some(v) = get("K3_GEMV_PF") {
+        match v.trim().parse::<u32>() {
+            Ok(n) => t.decode_prefetch = Some(n),
+            Err(_) => problems.push(format!(
+                "K3_GEMV_PF={v:?} is not a byte count: the format's default"
+            )),
+        }
+    }
+    if let Some(v) = get("K3_WEIGHT_STAGING") {
+        match v.trim() {
+            "bf16" => t.weight_staging = Some(WeightStaging::Bf16),
+            "f32" => t.weight_staging = Some(WeightStaging::F32),
+            _ => problems.push(format!(
+                "K3_WEIGHT_STAGING={v:?} is neither bf16 nor f32: by CPU vendor ({:?})",
+                default_weight_staging()
+            )),
+        }
+    }
+    if let Some(v) = get("K3_STAGE") {
+        problems.push(format!(
+            "K3_STAGE={v:?} is ignored: the variable is now K3_WEIGHT_STAGING"
+        ));
+    }
+    (t, problems)
+}
+
+/// The installed tuning, packed ([`pack`]); 0 is [`KernelTuning::default`].
+static INSTALLED: AtomicU64 = AtomicU64::new(0);
+
+/// Install `t` for the whole process (the stage at its start, k3-orch for in-process
+/// runs, tests and benchmarks). Products that start afterwards use it; results never
+/// change.
+pub fn install(t: KernelTuning) {
+    INSTALLED.store(pack(&t), Ordering::Relaxed);
+}
+
+/// The installed tuning ([`KernelTuning::default`] when none was).
+#[inline]
+pub fn current() -> KernelTuning {
+    unpack(INSTALLED.load(Ordering::Relaxed))
+}
+
+/// `t` in 46 bits, so that one atomic holds it: the cap (bits 0-1: 0 none, else the
+/// [`Isa`] discriminant), the staging form (2-3: 0 none, 1 bf16, 2 f32), the decode rows
+/// (4-11, present if bit 12) and the prefetch distance (13-44, present if bit 45).
+fn pack(t: &KernelTuning) -> u64 {
+    let isa = t.max_isa.map_or(0, |i| i as u64);
+    let staging = match t.weight_staging {
+        None => 0,
+        Some(WeightStaging::Bf16) => 1,
+        Some(WeightStaging::F32) => 2,
+    };
+    let rows = t.decode_rows.map_or(0, |r| (r as u64) << 4 | 1 << 12);
+    let pf = t.decode_prefetch.map_or(0, |p| (p as u64) << 13 | 1 << 45);
+    isa | staging << 2 | rows | pf
+}
+
+/// The inverse of [`pack`].
+fn unpack(v: u64) -> KernelTuning {
+    KernelTuning {
+        max_isa: match v & 3 {
+            1 => Some(Isa::Portable),
+            2 => Some(Isa::Avx2),
+            3 => Some(Isa::Avx512),
+            _ => None,
+        },
+        weight_staging: match (v >> 2) & 3 {
+            1 => Some(WeightStaging::Bf16),
+            2 => Some(WeightStaging::F32),
+            _ => None,
+        },
+        decode_rows: (v & 1 << 12 != 0).then_some((v >> 4) as u8),
+        decode_prefetch: (v & 1 << 45 != 0).then_some((v >> 13) as u32),
+    }
+}
+
+/// The staging form for this CPU (detected once): [`WeightStaging::F32`] on Intel, where
+/// 512-bit integer operations share the FMA ports, [`WeightStaging::Bf16`] elsewhere
+/// (Zen 5 issues them beside the FMAs).
+pub fn default_weight_staging() -> WeightStaging {
+    static VENDOR: OnceLock<WeightStaging> = OnceLock::new();
+    *VENDOR.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // Leaf 0: the vendor string in EBX, EDX, ECX.
+            let id = std::arch::x86_64::__cpuid(0);
+            let mut v = [0u8; 12];
+            v[..4].copy_from_slice(&id.ebx.to_le_bytes());
+            v[4..8].copy_from_slice(&id.edx.to_le_bytes());
+            v[8..].copy_from_slice(&id.ecx.to_le_bytes());
+            if &v == b"GenuineIntel" {
+                return WeightStaging::F32;
+            }
+        }
+        WeightStaging::Bf16
+    })
+}
+
+/// What the product drivers read: the installed tuning with the CPU's defaults filled in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriverTuning {
+    /// One-token AVX-512 rows side by side: 2, 4, 6 or 8 (None, also for any other
+    /// installed value: the format's default, [`R1`] or [`R1_MXFP4`]).
+    pub decode_rows: Option<usize>,
+    /// One-token AVX-512 prefetch distance in bytes (None: the format's default).
+    pub decode_prefetch: Option<usize>,
+    /// The AVX-512 batched staging form.
+    pub staging: WeightStaging,
+}
+
+impl DriverTuning {
+    /// `t` resolved for this CPU.
+    pub fn of(t: &KernelTuning) -> Self {
+        DriverTuning {
+            decode_rows: t
+                .decode_rows
+                .filter(|r| matches!(r, 2 | 4 | 6 | 8))
+                .map(usize::from),
+            decode_prefetch: t.decode_prefetch.map(|p| p as usize),
+            staging: t.weight_staging.unwrap_or_else(default_weight_staging),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    // Catches: a packing that drops or mixes up a field (the atomic is the only copy).
+    #[test]
+    fn pack_round_trips_every_field() {
+        let mut cases = vec![KernelTuning::default()];
+        for isa in [
+            None,
+            Some(Isa::Portable),
+            Some(Isa::Avx2),
+            Some(Isa::Avx512),
+        ] {
+            for st in [None, Some(WeightStaging::Bf16), Some(WeightStaging::F32)] {
+                for rows in [None, Some(0u8), Some(6), Some(255)] {
+                    for pf in [None, Some(0u32), Some(512), Some(u32::MAX)] {
+                        cases.push(KernelTuning {
+                            max_isa: isa,
+                            decode_rows: rows,
+                            decode_prefetch: pf,
+                            weight_staging: st,
+                        });
+                    }
+                }
+            }
+        }
+        for t in cases {
+            assert_eq!(unpack(pack(&t)), t);
+        }
+        assert_eq!(pack(&KernelTuning::default()), 0);
+    }
+
+    // Catches: a variable read under another name, a cap that `K3_FORCE_PORTABLE` does not
+    // override, an unknown value taken silently (it must be reported), and the old
+    // `K3_STAGE` honoured or ignored without a word.
+    #[test]
+    fn parse_reads_every_variable_and_reports_unknown_values() {
+        let (t, p) = parse(env(&[]));
+        assert_eq!((t, p.len()), (KernelTuning::default(), 0));
+        let (t, p) = parse(env(&[
+            ("K3_SIMD", "avx2"),
+            ("K3_GEMV_ROWS", "6"),
+            ("K3_GEMV_PF", " 2048 "),
+            ("K3_WEIGHT_STAGING", "f32"),
+        ]));
+        assert!(p.is_empty(), "{p:?}");
+        let want = KernelTuning {
+            max_isa: Some(Isa::Avx2),
+            decode_rows: Some(6),
+            decode_prefetch: Some(2048),
+            weight_staging: Some(WeightStaging::F32),
+        };
+        assert_eq!(t, want);
+        let (t, _) = parse(env(&[("K3_SIMD", "avx512"), ("K3_FORCE_PORTABLE", "1")]));
+        assert_eq!(t.max_isa, Some(Isa::Portable));
+        let (t, _) = parse(env(&[("K3_SIMD", "avx512"), ("K3_FORCE_PORTABLE", "0")]));
+        assert_eq!(t.max_isa, None);
+        let (t, p) = parse(env(&[
+            ("K3_SIMD", "sse"),
+            ("K3_GEMV_ROWS", "3"),
+            ("K3_GEMV_PF", "far"),
+            ("K3_WEIGHT_STAGING", "fp8"),
+            ("K3_STAGE", "bf16"),
+        ]));
+        assert_eq!(t, KernelTuning::default());
+        assert_eq!(p.len(), 5, "{p:?}");
+        for (v, line) in [
+            "K3_SIMD",
+            "K3_GEMV_ROWS",
+            "K3_GEMV_PF",
+            "K3_WEIGHT_STAGING",
+            "K3_STAGE",
+        ]
+        .iter()
+        .zip(&p)
+        {
+            assert!(line.starts_with(v), "{line}");
+        }
+    }
+
+    // Catches: a Configure recorded before `tuning` existed that no longer parses (the
+    // field must default), and a tuning that does not survive the JSON hop to the stage.
+    #[test]
+    fn compute_conf_carries_the_tuning_and_old_ones_parse() {
+        let old = r#"{"model_dir":"m","config_path":"c","layers":null,"prompt_ids":[1],
+            "gen":1,"incremental":false,"sampler":{"temperature":null,"top_p":null,
+            "top_k":null,"seed":0},"threads":1,"dump_logits":null,"io_timeout_s":1.0,
+            "stop_ids":[],"record_dir":null}"#;
+        let c: k3_protocol::conf::ComputeConf = serde_json::from_str(old).unwrap();
+        assert_eq!(c.tuning, KernelTuning::default());
+        let mut c = c;
+        c.tuning = KernelTuning {
+            max_isa: Some(Isa::Portable),
+            decode_rows: Some(8),
+            decode_prefetch: Some(0),
+            weight_staging: Some(WeightStaging::Bf16),
+        };
+        let back: k3_protocol::conf::ComputeConf =
+            serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back.tuning, c.tuning);
+    }
+}
