@@ -16,6 +16,9 @@
 use serde::Serialize;
 
 use k3_model::config::ModelConfig;
+// What this run may still take: MemAvailable capped by the room left in the memory cgroup
+// k3 itself runs in (one copy, in k3-io: the presets and `doctor` read it too).
+use k3_io::sysmem::mem_available;
 
 use super::args::{GenArgs, MemFlag, Prompt, MAX_PROMPT};
 use super::census::Census;
@@ -186,102 +189,6 @@ pub fn check_kv(positions: usize, per_pos: u64, available: Option<u64>) -> Resul
         ));
     }
     Ok(())
-}
-
-/// Memory this run may still take: MemAvailable from /proc/meminfo, capped by the room left
-/// in the memory cgroup k3 itself runs in (see [`cgroup_room`]). Without the cap a run
-/// inside a small container or cgroup was planned against the host's memory and then
-/// OOM-killed instead of refused up front.
-pub fn mem_available() -> Option<u64> {
-    let host = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| k3_trunk_loader::presets::parse_meminfo(&s, "MemAvailable:"));
-    match (host, cgroup_room()) {
-        (Some(h), Some(c)) => Some(h.min(c)),
-        (h, c) => h.or(c),
-    }
-}
-
-/// Room left under the memory limits of this process's cgroup and of every ancestor visible
-/// in the mount (v2 `memory.max`, v1 `memory.limit_in_bytes` and `hierarchical_memory_limit`):
-/// the smallest `limit − (usage − inactive file cache)`. None when no limit applies.
-pub fn cgroup_room() -> Option<u64> {
-    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    // (mount root, mount point, v2?) of the hierarchy holding the memory controller.
-    let mount = mounts.lines().find_map(|l| {
-        let (pre, post) = l.split_once(" - ")?;
-        let pre: Vec<&str> = pre.split(' ').collect();
-        let post: Vec<&str> = post.split(' ').collect();
-        let (root, point) = (*pre.get(3)?, *pre.get(4)?);
-        match *post.first()? {
-            "cgroup2" => {
-                let c = std::fs::read_to_string(format!("{point}/cgroup.controllers")).ok()?;
-                c.split_whitespace()
-                    .any(|x| x == "memory")
-                    .then_some((root, point, true))
-            }
-            "cgroup" if post.get(2)?.split(',').any(|o| o == "memory") => {
-                Some((root, point, false))
-            }
-            _ => None,
-        }
-    })?;
-    let (root, point, v2) = mount;
-    let path = own.lines().find_map(|l| {
-        let mut f = l.splitn(3, ':');
-        let (id, ctrls, path) = (f.next()?, f.next()?, f.next()?);
-        let hit = if v2 {
-            id == "0" && ctrls.is_empty()
-        } else {
-            ctrls.split(',').any(|c| c == "memory")
-        };
-        hit.then_some(path)
-    })?;
-    let rel = if root == "/" {
-        path
-    } else {
-        path.strip_prefix(root).unwrap_or("/")
-    };
-    let top = std::path::PathBuf::from(point);
-    let mut dir = top.join(rel.trim_start_matches('/'));
-    let num = |d: &std::path::Path, f: &str| -> Option<u64> {
-        std::fs::read_to_string(d.join(f)).ok()?.trim().parse().ok()
-    };
-    let stat = |d: &std::path::Path, key: &str| -> Option<u64> {
-        let s = std::fs::read_to_string(d.join("memory.stat")).ok()?;
-        s.lines()
-            .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
-    };
-    // v1 reports "no limit" as a huge page-aligned number; anything past 2^62 is unlimited.
-    let limited = |x: u64| (x < 1 << 62).then_some(x);
-    let mut room: Option<u64> = None;
-    loop {
-        let (limit, usage, cache) = if v2 {
-            (
-                num(&dir, "memory.max"),
-                num(&dir, "memory.current"),
-                stat(&dir, "inactive_file"),
-            )
-        } else {
-            let l = num(&dir, "memory.limit_in_bytes").and_then(limited);
-            let h = stat(&dir, "hierarchical_memory_limit").and_then(limited);
-            (
-                l.into_iter().chain(h).min(),
-                num(&dir, "memory.usage_in_bytes"),
-                stat(&dir, "total_inactive_file"),
-            )
-        };
-        if let Some(limit) = limit {
-            let used = usage.unwrap_or(0).saturating_sub(cache.unwrap_or(0));
-            let r = limit.saturating_sub(used);
-            room = Some(room.map_or(r, |x| x.min(r)));
-        }
-        if dir == top || !dir.pop() || !dir.starts_with(&top) {
-            break;
-        }
-    }
-    room
 }
 
 /// The reserve a total leaves unplanned: 5% of what is available (default, `auto`) or of

@@ -2,18 +2,21 @@
 //! to type next.
 //!
 //! Checks: CPU features (run-time detection; the engine has AVX2+FMA and AVX-512 paths and a
-//! portable fallback), MemAvailable (not MemTotal) mapped to a preset by the seed's
-//! thresholds (>= 192 GB server, >= 96 workstation, >= 32 desktop, >= 10 laptop), a short
-//! devbw on the model's disk, whether memory cgroups (v2 or v1) are there to enforce
-//! per-stage budgets, and the NUMA node count. Exits 1 when the machine cannot run the model
-//! at all (below every preset and the checkpoint does not simply fit), 2 on usage errors.
+//! portable fallback), what is available (MemAvailable capped by the memory cgroup k3 runs
+//! in, read by `k3_io::sysmem` as the run's plan reads it; not MemTotal) mapped to a preset
+//! by the seed's thresholds (>= 192 GB server, >= 96 workstation, >= 32 desktop, >= 10
+//! laptop), a short devbw on the model's disk, whether memory cgroups (v2 or v1) are there
+//! to enforce per-stage budgets, and the NUMA node count. Exits 1 when the machine cannot
+//! run the model at all (below every preset and the checkpoint does not simply fit), 2 on
+//! usage errors.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use k3_io::devbw::measure;
-use k3_trunk_loader::presets::{mem_available, parse_meminfo, Presets, GB};
+use k3_io::sysmem::{mem_available, parse_meminfo};
+use k3_trunk_loader::presets::{Presets, GB};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -191,7 +194,8 @@ pub fn main(args: Vec<OsString>) -> i32 {
         return 1;
     };
     println!(
-        "memory     : MemTotal {:.1} GB, MemAvailable {:.1} GB (presets key on MemAvailable)",
+        "memory     : MemTotal {:.1} GB, available {:.1} GB (MemAvailable capped by the cgroup \
+         k3 runs in; presets key on it)",
         total.unwrap_or(0) as f64 / GB,
         avail as f64 / GB
     );
