@@ -531,8 +531,8 @@ fn injected_failures() -> Result<Vec<(u32, u32)>, RunError> {
 pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
     let (cfg, cat, layers) = super::open_model(a)?;
     let config_path = super::config_path(a);
-    let cen = super::census::census(&cfg, &cat, layers);
-    let plan = super::plan::plan_run(a, &cfg, &cen, layers)?;
+    let sizes = super::sizes::model_sizes(&cfg, &cat, layers);
+    let plan = super::plan::plan_run(a, &cfg, &sizes, layers)?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

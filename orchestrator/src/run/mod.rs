@@ -1,6 +1,6 @@
 //! One generation, `k3-orch <MODEL_DIR> ...`, top to bottom:
 //!
-//! 1. [`census`]: read the config and the checkpoint headers;
+//! 1. [`sizes`]: read the config and the checkpoint headers;
 //! 2. [`plan`]: resolve the memory flags and add up the memory plan, refusing up front what
 //!    cannot fit (exit 2);
 //! 3. [`launch`]: generate through the staged pipeline (default), the same stages as threads
@@ -13,12 +13,12 @@
 //! The flags themselves are [`args`].
 
 pub mod args;
-pub mod census;
 pub mod disk;
 pub mod floor;
 pub mod launch;
 pub mod plan;
 pub mod report;
+pub mod sizes;
 pub mod stream;
 
 use std::collections::BTreeMap;
@@ -78,8 +78,8 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let (cfg, cat, layers) = open_model(a)?;
     let config_path = config_path(a);
     preflight(a, &cfg)?;
-    let cen = census::census(&cfg, &cat, layers);
-    let plan = plan::plan_run(a, &cfg, &cen, layers)?;
+    let sizes = sizes::model_sizes(&cfg, &cat, layers);
+    let plan = plan::plan_run(a, &cfg, &sizes, layers)?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

@@ -21,7 +21,7 @@ use k3_model::config::ModelConfig;
 use k3_io::sysmem::mem_available;
 
 use super::args::{GenArgs, MemFlag, Prompt, MAX_PROMPT};
-use super::census::Census;
+use super::sizes::ModelSizes;
 use crate::error::RunError;
 
 pub use crate::units::{human, GB};
@@ -709,23 +709,23 @@ fn packed_runs(dir: &std::path::Path, layers: usize) -> Result<k3_trunk_loader::
 pub fn plan_run(
     a: &GenArgs,
     cfg: &ModelConfig,
-    cen: &Census,
+    sizes: &ModelSizes,
     layers: usize,
 ) -> Result<RunPlan, RunError> {
     let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
-    let expert_slot = k3_io::slot_bytes_for(cen.max_expert_span.max(1));
+    let expert_slot = k3_io::slot_bytes_for(sizes.max_expert_span.max(1));
     let topk = cfg.num_experts_per_token;
     let runs = match &a.trunk {
         Some(dir) => Some(packed_runs(dir, layers).map_err(usage)?),
         None => None,
     };
     // What pinning the whole trunk takes: the packed, page-rounded runs the trunk-loader
-    // allocates (not the census sum of tensor bytes, which is smaller: `--preset auto` sized
+    // allocates (not the sum of tensor bytes, which is smaller: `--preset auto` sized
     // from it pinned 11 of 13 layers of a tiny model with gigabytes free), or the resident
     // region's layout.
     let trunk_need: u64 = match &runs {
         Some(r) => r.pinned_bytes(),
-        None => cen.layer_resident_bytes.iter().sum(),
+        None => sizes.layer_resident_bytes.iter().sum(),
     };
     let res = resolve(&a.mem, default_total).map_err(usage)?;
     // One request batch (the union of a layer's experts over the tokens of a pass) must fit
@@ -754,7 +754,7 @@ pub fn plan_run(
             .min(cfg.num_experts as u64)
             .max(topk as u64)
     };
-    let max_slots = cen.n_experts.max(topk as u64);
+    let max_slots = sizes.n_experts.max(topk as u64);
     // The fewest slots: a batch of any size streams through them (see MIN_EXPERT_SLOTS).
     let min_slots = min_expert_slots(topk as u64);
     let trunk_min = runs.as_ref().map_or(0, trunk_min);
@@ -763,7 +763,7 @@ pub fn plan_run(
     // most, plus the chat wrapper) is an upper bound, so a request that passes here fits.
     let positions = kv_positions(prompt_bound, a.gen);
     let kv = if a.incremental {
-        cen.kv_per_pos * positions as u64
+        sizes.kv_per_pos * positions as u64
     } else {
         0
     };
@@ -773,19 +773,19 @@ pub fn plan_run(
     } else {
         0
     };
-    let norms = cen
+    let norms = sizes
         .model_bytes
-        .saturating_sub(cen.embed_bytes + cen.lm_head_bytes);
+        .saturating_sub(sizes.embed_bytes + sizes.lm_head_bytes);
     let scratch_of = |t: u64| compute_scratch(cfg, t);
     // The embedding is never resident: compute reads the rows a pass needs on demand.
-    let embed_rows_of = |t: u64| (t.max(1) * cen.embed_row_bytes).div_ceil(4096) * 4096;
+    let embed_rows_of = |t: u64| (t.max(1) * sizes.embed_row_bytes).div_ceil(4096) * 4096;
     let fixed_of =
-        |t: u64| embed_rows_of(t) + norms + cen.kda_state_bytes + kv + processes + scratch_of(t);
+        |t: u64| embed_rows_of(t) + norms + sizes.kda_state_bytes + kv + processes + scratch_of(t);
     // The KV cache alone not fitting is said as such, before the whole plan is weighed.
     if a.incremental {
-        check_kv(positions, cen.kv_per_pos, mem_available()).map_err(RunError::usage)?;
+        check_kv(positions, sizes.kv_per_pos, mem_available()).map_err(RunError::usage)?;
     }
-    let lm = cen.lm_head_bytes;
+    let lm = sizes.lm_head_bytes;
     let lm_head_row = lm / (cfg.vocab_size as u64).max(1);
     let trunk_over = if runs.is_none() {
         Some(trunk_need)
@@ -824,7 +824,7 @@ pub fn plan_run(
                     res.cache,
                 )
             };
-            let moe_layers = cen.n_experts / (cfg.num_experts as u64).max(1);
+            let moe_layers = sizes.n_experts / (cfg.num_experts as u64).max(1);
             let shape = RunShape {
                 prompt: max_pass_tokens,
                 gen: a.gen as u64,
@@ -968,7 +968,7 @@ pub fn plan_run(
     }
     // Never more slots than there are experts to hold.
     let slots = (cache_budget / expert_slot)
-        .min(cen.n_experts)
+        .min(sizes.n_experts)
         .max(min_slots);
     mp.add("expert cache", "expert-fetcher", slots * expert_slot);
     match lm_head_chunk_bytes {
@@ -1008,7 +1008,7 @@ pub fn plan_run(
         embed_rows_of(pass_tokens),
     );
     mp.add("norms", "layer-compute", norms);
-    mp.add("recurrent state", "layer-compute", cen.kda_state_bytes);
+    mp.add("recurrent state", "layer-compute", sizes.kda_state_bytes);
     mp.add("scratch", "layer-compute", scratch_of(pass_tokens));
     if staged {
         mp.add("stage processes", "processes", processes);

@@ -412,28 +412,28 @@ pub fn floor_of(s: &crate::run::plan::Spend, runs: &Streams) -> Option<u64> {
 pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
     use crate::run::plan::{choose, compute_scratch, lm_head_stream_bytes, Spend};
     let layers = cfg.num_hidden_layers;
-    let cen = crate::run::census::census(cfg, cat, layers);
+    let sizes = crate::run::sizes::model_sizes(cfg, cat, layers);
     let runs = packed_streams(cat, Some(layers));
     let topk = cfg.num_experts_per_token as u64;
-    let expert_slot = slot_bytes_for(cen.max_expert_span.max(1));
-    let norms = cen
+    let expert_slot = slot_bytes_for(sizes.max_expert_span.max(1));
+    let norms = sizes
         .model_bytes
-        .saturating_sub(cen.embed_bytes + cen.lm_head_bytes);
-    let fixed = cen.embed_row_bytes.div_ceil(4096) * 4096
+        .saturating_sub(sizes.embed_bytes + sizes.lm_head_bytes);
+    let fixed = sizes.embed_row_bytes.div_ceil(4096) * 4096
         + norms
-        + cen.kda_state_bytes
-        + cen.kv_per_pos * TABLE_CONTEXT as u64
+        + sizes.kda_state_bytes
+        + sizes.kv_per_pos * TABLE_CONTEXT as u64
         + crate::run::plan::STAGE_PROCESSES as u64 * crate::run::plan::STAGE_PROCESS_BYTES
         + compute_scratch(cfg, 1);
     let base = Spend {
         total: 0,
         fixed,
         trunk_need: runs.pinned_bytes(),
-        lm_head: cen.lm_head_bytes,
-        lm_head_row: cen.lm_head_bytes / (cfg.vocab_size as u64).max(1),
+        lm_head: sizes.lm_head_bytes,
+        lm_head_row: sizes.lm_head_bytes / (cfg.vocab_size as u64).max(1),
         expert_slot,
         min_slots: crate::run::plan::min_expert_slots(topk),
-        max_slots: cen.n_experts.max(topk),
+        max_slots: sizes.n_experts.max(topk),
         trunk_min: crate::run::plan::trunk_min(&runs),
     };
     let mut o = String::new();
@@ -444,8 +444,8 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
         "  held whatever the budget: {} (embedding row, norms, recurrent state, KV, scratch, processes); \
          the embedding is never resident, the lm_head ({}) is pinned or streamed ({} of chunk buffers)\n",
         gb(fixed),
-        gb(cen.lm_head_bytes),
-        gb(lm_head_stream_bytes(cen.lm_head_bytes))
+        gb(sizes.lm_head_bytes),
+        gb(lm_head_stream_bytes(sizes.lm_head_bytes))
     );
     let floor = floor_of(&base, &runs);
     match floor {
