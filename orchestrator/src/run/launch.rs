@@ -418,7 +418,7 @@ fn prompt_message(a: &GenArgs) -> Result<Option<Msg>, RunError> {
 }
 
 /// Per-stage cgroup budgets: the plan's bytes for the stage plus headroom.
-/// Environment variable of the budget test hook (see [`budget_override`]).
+/// Environment variable of the budget test hook (see `budget_override`).
 pub const BUDGET_OVERRIDE_ENV: &str = "K3_STAGE_BUDGET_OVERRIDE";
 /// Environment variable that arms the test hooks; without `=1` a hook is refused.
 pub const TEST_HOOKS_ENV: &str = "K3_TEST_HOOKS";
