@@ -216,12 +216,17 @@ pub(super) fn drive(
 /// Steps 1-3 of the wiring: every `Hello`, the links, `Configure` to the three servers;
 /// returns the data regions they shared.
 pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, RunError> {
-    let timeout = launch.stage_timeout;
+    let hello = await_hello(launch, r)?;
+    send_links(launch, r, &hello)?;
+    configure_servers(launch, r)
+}
+
+/// Step 1: `Hello` from every worker, in the protocol's version; their pids.
+fn await_hello(launch: &Launch, r: &mut Running) -> Result<HashMap<Stage, u32>, RunError> {
     let all = Stage::WORKERS;
-    // 1. Hello from everyone.
     let mut hello: HashMap<Stage, u32> = HashMap::new();
     while hello.len() < all.len() {
-        let ev = next_event(r, timeout, &all)?;
+        let ev = next_event(r, launch.stage_timeout, &all)?;
         if let Some((s, m, _)) = handle_common(r, ev, "during start-up")? {
             match m {
                 Msg::Hello {
@@ -246,6 +251,15 @@ pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, 
             }
         }
     }
+    Ok(hello)
+}
+
+/// Step 2: the links, compute side A of each (a peer's pid only between processes).
+fn send_links(
+    launch: &Launch,
+    r: &mut Running,
+    hello: &HashMap<Stage, u32>,
+) -> Result<(), RunError> {
     let peer_pid = |s: Stage| -> u32 {
         if launch.mode == Mode::Processes {
             hello[&s]
@@ -253,7 +267,6 @@ pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, 
             0
         }
     };
-    // 2. Links: compute is side A of each.
     for (link_id, peer) in
         (1u32..).zip([Stage::TrunkLoader, Stage::ExpertFetcher, Stage::Tokenizer])
     {
@@ -283,33 +296,24 @@ pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, 
             &[region.fd()],
         )?;
     }
-    // 3. Configure the servers; collect their data regions.
-    let json = |v: &dyn erased::Json| v.json();
-    r.send(
-        Stage::Tokenizer,
-        &Msg::Configure {
-            json: json(&launch.tokenizer),
-        },
-        &[],
-    )?;
-    r.send(
-        Stage::TrunkLoader,
-        &Msg::Configure {
-            json: json(&launch.trunk),
-        },
-        &[],
-    )?;
-    r.send(
-        Stage::ExpertFetcher,
-        &Msg::Configure {
-            json: json(&launch.fetcher),
-        },
-        &[],
-    )?;
+    Ok(())
+}
+
+/// Step 3: `Configure` to the three servers; their data regions, until each is `Ready`.
+fn configure_servers(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, RunError> {
+    let servers: [(Stage, &dyn erased::Json); 3] = [
+        (Stage::Tokenizer, &launch.tokenizer),
+        (Stage::TrunkLoader, &launch.trunk),
+        (Stage::ExpertFetcher, &launch.fetcher),
+    ];
+    for (stage, conf) in servers {
+        r.send(stage, &Msg::Configure { json: conf.json() }, &[])?;
+    }
+    let all = Stage::WORKERS;
     let mut ready: Vec<Stage> = Vec::new();
-    let mut data: Vec<(u32, String, OwnedFd)> = Vec::new();
+    let mut data: Vec<DataRegion> = Vec::new();
     while ready.len() < 3 {
-        let ev = next_event(r, timeout, &all)?;
+        let ev = next_event(r, launch.stage_timeout, &all)?;
         if let Some((s, m, mut fds)) = handle_common(r, ev, "during set-up")? {
             match m {
                 Msg::Ready { stage } if stage == s => ready.push(s),
