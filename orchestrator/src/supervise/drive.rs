@@ -11,7 +11,7 @@ use k3_protocol::messages::{Msg, RegionRole, Stage};
 use k3_protocol::shm::Region;
 use k3_protocol::transport::{ShmTransport, Side};
 
-use super::spawn::{Event, ExitCause, Exited, Running};
+use super::spawn::{ExitCause, Exited, Running, StageEvent};
 use super::{erased, Launch, Mode, Observer, Outcome};
 use crate::error::RunError;
 
@@ -20,7 +20,7 @@ pub(super) fn next_event(
     r: &mut Running,
     timeout: Duration,
     expect_alive: &[Stage],
-) -> Result<Event, RunError> {
+) -> Result<StageEvent, RunError> {
     loop {
         if super::spawn::INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
             let code = super::spawn::interrupted_exit_code();
@@ -34,7 +34,7 @@ pub(super) fn next_event(
         }
         match r.events.recv_timeout(Duration::from_millis(100)) {
             Ok(ev) => {
-                if let Event::Control(s, Ok(_)) = &ev {
+                if let StageEvent::Control(s, Ok(_)) = &ev {
                     r.last_seen.insert(*s, Instant::now());
                 }
                 return Ok(ev);
@@ -88,15 +88,15 @@ pub(super) fn exit_failure(r: &Running, e: &Exited) -> RunError {
 
 pub(super) fn handle_common(
     r: &mut Running,
-    ev: Event,
+    ev: StageEvent,
     phase: &str,
 ) -> Result<Option<(Stage, Msg, Vec<OwnedFd>)>, RunError> {
     match ev {
-        Event::Control(s, Ok((Msg::Pong { .. }, _))) => {
+        StageEvent::Control(s, Ok((Msg::Pong { .. }, _))) => {
             let _ = s;
             Ok(None)
         }
-        Event::Control(
+        StageEvent::Control(
             _,
             Ok((
                 Msg::Progress {
@@ -111,20 +111,20 @@ pub(super) fn handle_common(
             r.progress.update(stage, &phase, done, total);
             Ok(None)
         }
-        Event::Control(s, Ok((Msg::Error { stage, msg }, _))) => {
+        StageEvent::Control(s, Ok((Msg::Error { stage, msg }, _))) => {
             let _ = s;
             Err(RunError::new(
                 1,
                 format!("k3-orch: stage {stage} failed: {msg}"),
             ))
         }
-        Event::Control(s, Ok((m, fds))) => Ok(Some((s, m, fds))),
-        Event::Control(s, Err(e)) => {
+        StageEvent::Control(s, Ok((m, fds))) => Ok(Some((s, m, fds))),
+        StageEvent::Control(s, Err(e)) => {
             // The control socket closed: the exit event (process mode) says why; give it a
             // moment to arrive.
             let deadline = Instant::now() + Duration::from_millis(500);
             while Instant::now() < deadline {
-                if let Ok(Event::Exit(x)) = r.events.recv_timeout(Duration::from_millis(50)) {
+                if let Ok(StageEvent::Exit(x)) = r.events.recv_timeout(Duration::from_millis(50)) {
                     let f = exit_failure(r, &x);
                     r.exited.insert(s, x);
                     return Err(f);
@@ -135,7 +135,7 @@ pub(super) fn handle_common(
                 format!("k3-orch: stage {s} closed its control socket {phase}: {e}"),
             ))
         }
-        Event::Exit(x) => {
+        StageEvent::Exit(x) => {
             let f = exit_failure(r, &x);
             if let Some(s) = Stage::parse(&x.stage) {
                 r.exited.insert(s, x);
@@ -429,7 +429,7 @@ fn generate(
             .collect();
         let ev = next_event(r, timeout, &alive)?;
         // After Finished, compute exits on its own; a clean exit is expected then.
-        if let Event::Exit(x) = &ev {
+        if let StageEvent::Exit(x) = &ev {
             if let Some(s) = Stage::parse(&x.stage) {
                 let done = (s == Stage::LayerCompute && finished)
                     || (s != Stage::LayerCompute && !summaries_left.contains(&s));
@@ -439,7 +439,7 @@ fn generate(
                 }
             }
         }
-        if let Event::Control(s, Err(_)) = &ev {
+        if let StageEvent::Control(s, Err(_)) = &ev {
             let done = (*s == Stage::LayerCompute && finished)
                 || (*s != Stage::LayerCompute && !summaries_left.contains(s));
             if done {
