@@ -20,8 +20,7 @@
 //! - a crate (`k3-io`) is a workspace member's package;
 //! - anything else (a flag, a command line, an expression) is not checked.
 
-mod scan;
-
+use crate::scan;
 use std::collections::HashSet;
 use std::path::Path;
 

@@ -12,8 +12,7 @@
 //! kernels, the tests, the examples and `#[cfg(test)]` items (issue 31), but for the ones
 //! [`LONG_FN_ALLOWLIST`] names.
 
-mod scan;
-
+use crate::scan;
 use std::path::{Path, PathBuf};
 
 fn root() -> PathBuf {
