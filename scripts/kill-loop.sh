@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Kill loop (issue 5, item 6): N random SIGKILLs of a stage during a run (default 50; CI
-# runs 20 inside `cargo test --test e2e_faults`), then a tally: which stage, exit code and
+# runs 20 inside `cargo test --test e2e`), then a tally: which stage, exit code and
 # seconds from the kill to k3-orch's exit. Each kill also checks for orphans and leaks.
 # Usage: scripts/kill-loop.sh [N]   (K3_KILL_SEED=... repeats a sequence)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N="${1:-50}"
 log="$(mktemp)"
-K3_KILLS="$N" cargo test -p k3-orch --test e2e_faults random_sigkill_loop -- --nocapture \
+K3_KILLS="$N" cargo test -p k3-orch --test e2e faults::random_sigkill_loop -- --nocapture \
     2>&1 | tee "$log" | grep -E '^kill' || true
 status="${PIPESTATUS[0]}"
 echo "---- tally ----"

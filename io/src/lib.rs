@@ -8,12 +8,15 @@
 //! - [`devbw`]: random-read bandwidth at a queue depth (`k3-orch devbw`, `doctor`).
 //! - [`input`]: reading user-named input files with a stated size cap, regular files only.
 //! - [`output`]: writing user-named output files without leaving half a file.
+//! - [`sysmem`]: the memory this process may still take (MemAvailable capped by its memory
+//!   cgroup), the one `mem_available` of the workspace.
 
 pub mod arena;
 pub mod devbw;
 pub mod direct;
 pub mod input;
 pub mod output;
+pub mod sysmem;
 
 pub use arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
 pub use direct::{window, DirectFiles, FaultyReader, ReadAt};

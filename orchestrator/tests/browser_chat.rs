@@ -8,16 +8,14 @@
 //! `K3_REQUIRE_BROWSER_TESTS=1` (set by `.ci/run` after installing them), which makes a
 //! missing browser a failure.
 
-mod tools_common;
-
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::tools_common::{bin, tiny_chat_model};
 use serde_json::{json, Value};
-use tools_common::{bin, tiny_chat_model};
 
 /// A child process killed when dropped.
 struct Kill(Child);

@@ -3,12 +3,10 @@
 //! same ids at every budget, refuse up front (exit 2) what does not fit, and the report
 //! carries the run's true peak beside the plan.
 
-mod tools_common;
-
 use std::path::Path;
 use std::process::Output;
 
-use tools_common::{fixture, k3_cmd as k3, output_text as text, read_json as json};
+use crate::tools_common::{fixture, k3_cmd as k3, output_text as text, read_json as json};
 
 fn prompt(model: &str) -> String {
     let v: serde_json::Value = serde_json::from_slice(

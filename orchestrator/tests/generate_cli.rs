@@ -2,10 +2,8 @@
 //! streamed to stdout and nothing else there, sampling recorded and deterministic across
 //! process modes, a random seed printed and recorded, stop strings.
 
-mod tools_common;
-
+use crate::tools_common::{k3_cmd, tiny_chat_model as model};
 use serde_json::Value;
-use tools_common::{k3_cmd, tiny_chat_model as model};
 
 /// Run a generation; (stdout, stderr, report).
 fn gen(extra: &[&str]) -> (String, String, Value) {

@@ -2,12 +2,10 @@
 //! the code before the fix it names: the run used to exit 0 with wrong ids, or refused only
 //! after the generation.
 
-mod tools_common;
-
 use std::path::{Path, PathBuf};
 
+use crate::tools_common::{fixtures, header, k3_ok, k3_text as run};
 use k3_model::trunk::TrunkManifest;
-use tools_common::{fixtures, header, k3_ok, k3_text as run};
 
 const IDS: &str = "77,198,74";
 

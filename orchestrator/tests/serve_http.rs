@@ -1,15 +1,13 @@
 //! `k3-orch serve` and `k3-orch chat` end to end: the real binary on 127.0.0.1 with a
 //! `synth --shape tiny-chat` model, driven over real HTTP by a Rust client (ureq).
 
-mod tools_common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::tools_common::{self, bin, skip, tiny_chat_model as model};
 use serde_json::{json, Value};
-use tools_common::{bin, skip, tiny_chat_model as model};
 
 struct Server {
     child: Child,

@@ -3,12 +3,10 @@
 //! the oracle's ids and refuse a foreign or damaged state (tiny fixtures); the progress
 //! line during the trunk load and the prefill.
 
-mod tools_common;
-
 use std::process::Command;
 
+use crate::tools_common::{bin, fixture, tiny_chat_model as model};
 use serde_json::Value;
-use tools_common::{bin, fixture, tiny_chat_model as model};
 
 /// Run a generation; (exit code, stdout, stderr, report if written).
 fn gen(extra: &[&str]) -> (i32, String, String, Option<Value>) {

@@ -2,11 +2,9 @@
 //! published table from the seed's recorded trace (the oracle is that table, transcribed),
 //! `devbw` and `doctor` run and report, and usage errors exit 2.
 
-mod tools_common;
-
 use std::io::Write;
 
-use tools_common::{fixture, k3_cmd as k3};
+use crate::tools_common::{fixture, k3_cmd as k3};
 
 /// Rows of the seed's section 13 table: size, slots, LRU, BELADY, PIN+LRU, GB/tok, s/tok.
 /// A simulator with GB as GiB, a wrong Belady, or PIN+LRU hits on first touch fails here.

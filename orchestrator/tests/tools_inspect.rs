@@ -2,9 +2,7 @@
 //! (82,432 experts x 17,547,264 bytes = 1.447 TB; trunk 108.81 GB; embed + lm_head
 //! 4.70 GB); on the tiny fixture, the counts its header holds.
 
-mod tools_common;
-
-use tools_common::{fixtures, k3, k3_ok};
+use crate::tools_common::{fixtures, k3, k3_ok};
 
 /// The census row of `class`: (tensors, bytes), parsed from the table.
 fn row(out: &str, class: &str) -> (u64, u64) {

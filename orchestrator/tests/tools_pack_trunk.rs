@@ -1,12 +1,10 @@
 //! `k3-orch pack-trunk`: one aligned run per layer, byte-identical to the source, atomic,
 //! resumable, verifiable, and refusing layouts it cannot pack as runs.
 
-mod tools_common;
-
 use std::path::Path;
 
+use crate::tools_common::{fixtures, header, k3, k3_ok, tensor_bytes, write_safetensors};
 use k3_model::trunk::TrunkManifest;
-use tools_common::{fixtures, header, k3, k3_ok, tensor_bytes, write_safetensors};
 
 /// The non-routed-expert tensors of layer `l` in a fixture shard, read with the test's own
 /// header parser: (name, data-relative begin, end), sorted by offset.

@@ -2,12 +2,10 @@
 //! fixture (written by another generator), be deterministic, have sane magnitudes, and be
 //! written atomically.
 
-mod tools_common;
-
 use std::path::Path;
 
+use crate::tools_common::{fixtures, header, k3, k3_ok, shard_names, tensor_bytes};
 use k3_model::config::ModelConfig;
-use tools_common::{fixtures, header, k3, k3_ok, shard_names, tensor_bytes};
 
 /// Every shard's header (names, dtypes, shapes, data offsets, header length), the file
 /// sizes, the index and the config must equal the fixture's, which another tool wrote in

@@ -2,11 +2,9 @@
 //! that disagrees with the headers and same-size corruption (with SHA256SUMS) are each
 //! named and exit 1.
 
-mod tools_common;
-
 use std::path::Path;
 
-use tools_common::{fixtures, k3, k3_ok};
+use crate::tools_common::{fixtures, k3, k3_ok};
 
 fn copy_fixture(to: &Path) {
     std::fs::create_dir_all(to).unwrap();

@@ -12,15 +12,13 @@
 //! process checks cover.) The time limits below are the ("exits within 5 s"),
 //! checked generously against hangs, not speed.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 
-use common::{memory_cgroup_dir, skip};
+use crate::common::{self, memory_cgroup_dir, skip};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_k3-orch")

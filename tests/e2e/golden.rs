@@ -4,14 +4,12 @@
 //!
 //! Needs the real weights (1.56 TB), so it is `#[ignore]`d: run it with
 //! `K3_MODEL_DIR=/path/to/Kimi-K3 [K3_TRUNK_DIR=/path/to/trunk] cargo test -p k3-orch
-//! --test e2e_golden -- --ignored`. Without K3_MODEL_DIR it fails (asked for explicitly, it
+//! --test e2e golden -- --ignored`. Without K3_MODEL_DIR it fails (asked for explicitly, it
 //! must not pass having checked nothing). Catches any departure of the full-size graph
 //! from the reference that the tiny models cannot show (93 layers, 896 experts, the real
 //! vocabulary, the lexicographic expert order inside a shard).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 #[test]
 #[ignore = "needs the real checkpoint: set K3_MODEL_DIR (and optionally K3_TRUNK_DIR)"]

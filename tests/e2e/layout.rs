@@ -7,7 +7,12 @@
 //!
 //! A stage that reached into another (the trunk-loader once imported the expert-fetcher's
 //! arena and reader) or a `supervise` module calling back into `run` fails here.
+//!
+//! And no function of the workspace's sources is longer than [`MAX_FN_LINES`] outside the
+//! kernels, the tests, the examples and `#[cfg(test)]` items (issue 31), but for the ones
+//! [`LONG_FN_ALLOWLIST`] names.
 
+use crate::scan;
 use std::path::{Path, PathBuf};
 
 fn root() -> PathBuf {
@@ -119,4 +124,78 @@ fn orchestrator_modules_import_only_downward() {
             );
         }
     }
+}
+
+/// The longest a function may be, from its `fn` line to its closing brace.
+const MAX_FN_LINES: usize = 120;
+
+/// Functions over [`MAX_FN_LINES`] that are being split on other branches of issue 31
+/// (layer-compute, the expert-fetcher, the lower crates), as `(file, function)`. The list
+/// only shrinks: an entry whose function is no longer over the limit fails the test too,
+/// so that it is removed when its split lands.
+const LONG_FN_ALLOWLIST: &[(&str, &str)] = &[
+    ("model/src/catalog.rs", "index_with"),
+    ("model/src/config.rs", "read_text_config"),
+    ("model/src/trunk.rs", "problems"),
+    ("protocol/src/record.rs", "read_recording"),
+    ("stages/expert-fetcher/src/fetcher.rs", "run_batch"),
+    ("stages/layer-compute/src/forward.rs", "forward_rows"),
+    ("stages/layer-compute/src/forward.rs", "run_layer"),
+    ("stages/layer-compute/src/links.rs", "experts_impl"),
+    (
+        "stages/layer-compute/src/modules/moe.rs",
+        "moe_forward_phased",
+    ),
+    ("stages/layer-compute/src/stage.rs", "serve_requests"),
+    ("stages/tokenizer/src/chat.rs", "build_chat_segments"),
+    ("stages/trunk-loader/src/stage.rs", "run"),
+];
+
+/// Whether a source file is held to the limit: under a member's `src/`, not a kernel.
+fn held_to_the_limit(rel: &str) -> bool {
+    !rel.split('/')
+        .any(|d| matches!(d, "kernels" | "tests" | "examples" | "benches"))
+}
+
+#[test]
+fn no_function_is_longer_than_the_limit() {
+    let mut long = Vec::new();
+    let mut seen = 0;
+    for member in scan::members() {
+        for file in scan::rust_files(&root().join(&member).join("src")) {
+            let rel = scan::rel(&file);
+            if !held_to_the_limit(&rel) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap();
+            for f in scan::non_test_functions(&text) {
+                seen += 1;
+                if f.lines > MAX_FN_LINES {
+                    long.push((rel.clone(), f.name, f.line, f.lines));
+                }
+            }
+        }
+    }
+    // The scan itself must see the workspace (an empty walk would pass everything).
+    assert!(seen > 1000, "only {seen} functions seen");
+    let over: Vec<String> = long
+        .iter()
+        .filter(|(file, name, ..)| !LONG_FN_ALLOWLIST.contains(&(file.as_str(), name.as_str())))
+        .map(|(file, name, line, n)| format!("{file}:{line} {name}: {n} lines"))
+        .collect();
+    assert!(
+        over.is_empty(),
+        "functions over {MAX_FN_LINES} lines (split them where the code divides):\n{}",
+        over.join("\n")
+    );
+    let stale: Vec<String> = LONG_FN_ALLOWLIST
+        .iter()
+        .filter(|(file, name)| !long.iter().any(|(f, n, ..)| f == file && n == name))
+        .map(|(file, name)| format!("{file} {name}"))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "LONG_FN_ALLOWLIST names functions no longer over {MAX_FN_LINES} lines; remove them:\n{}",
+        stale.join("\n")
+    );
 }

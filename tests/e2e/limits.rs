@@ -7,9 +7,7 @@
 //! The cgroup tests make a memory cgroup (root, or a delegated cgroup); where that is not
 //! possible they print `SKIPPED:` (and fail under K3_REQUIRE_PRIVILEGED_TESTS=1).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 const MODEL: &str = "tiny-mxfp4/sharded";
 const ORACLE: &str = "tiny-mxfp4/expected-k3ref.json";

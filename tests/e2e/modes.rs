@@ -4,9 +4,7 @@
 //! the k3ref oracle's row within the FIXTURES.md tolerance; and seeded sampling gives the
 //! same ids in every mode and at every memory budget, as docs/cli.md promises.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 /// One run; returns (generated ids, the dumped first-step logits).
 fn run_dump(model: &str, prompt: &[u32], gen: usize, extra: &[&str]) -> (Vec<u32>, Vec<f32>) {

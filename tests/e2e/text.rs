@@ -8,10 +8,8 @@
 //! the tokenizer's stop ids follow its 3,261 ranks. The stop rule is tested on the decode
 //! loop in stages/layer-compute/tests/decode_loop.rs, against the oracle's ids.)
 
-mod common;
-
+use crate::common::*;
 use base64::Engine as _;
-use common::*;
 
 const MODEL: &str = "tiny-mxfp4/sharded";
 

@@ -1,9 +1,9 @@
 //! The command line: argv to a command and its exit code.
 //!
-//! `k3-orch <MODEL_DIR> [flags]` generates ([`generate`], flags in [`args`]); `k3-orch
-//! <subcommand> ...` runs a tool from `tools/` (see `docs/cli.md`), which parses its own
-//! arguments; `k3-orch stage NAME` is a stage process ([`stage`]). Every command returns the
-//! process exit code (0 ok, 1 failure, 2 usage or refused request, 4 unsound ids).
+//! `k3-orch <MODEL_DIR> [flags]` generates ([`generate`], flags in [`crate::run::args`]);
+//! `k3-orch <subcommand> ...` runs a tool from `tools/` (see `docs/cli.md`), which parses its
+//! own arguments; `k3-orch stage NAME` is a stage process ([`stage`]). Every command returns
+//! the process exit code (0 ok, 1 failure, 2 usage or refused request, 4 unsound ids).
 //!
 //! Diagnostics go through `tracing` to stderr ([`init_logging`]): `-v` (debug) or `-vv`
 //! (trace) anywhere on the command line, or `K3_LOG` (an env-filter, e.g.

@@ -3,6 +3,11 @@
 //! Parsed by hand rather than with clap because the memory flags apply strictly left to
 //! right (`--preset server --cache-gb 40` keeps the server trunk budget and overrides the
 //! cache), which is the seed engine's contract and what its users' scripts rely on.
+//!
+//! Two layers, as ripgrep's flags (`crates/core/flags`): `LowArgs` is filled in order
+//! from the command line, each value parsed and range-checked on its own; then
+//! `GenArgs::from_low` fills in the defaults and checks the flags together (one prompt,
+//! `--tok` where text is involved, one mode).
 
 use std::path::PathBuf;
 
@@ -242,63 +247,122 @@ fn gb(s: &str, flag: &str) -> Result<f64, String> {
     Ok(x)
 }
 
-/// Parse `args` (without the program name). Errors are usage errors (exit 2).
-pub fn parse(args: &[String]) -> Result<Parsed, String> {
-    let mut model_dir: Option<PathBuf> = None;
-    let mut prompts: Vec<Prompt> = Vec::new();
-    let mut a = GenArgs {
-        model_dir: PathBuf::new(),
-        prompt: Prompt::Ids(Vec::new()),
-        chat: false,
-        chat_flags: ChatFlags::default(),
-        tok: None,
-        mem: Vec::new(),
-        trunk: None,
-        gen: 8,
-        incremental: false,
-        sampling: Sampling::default(),
-        config: None,
-        layers: None,
-        out: PathBuf::from("k3_run.json"),
-        dump_logits: None,
-        dump_cache_trace: None,
-        record: None,
-        threads: None,
-        numa: None,
-        inproc: false,
-        single_process: false,
-        require_cgroups: false,
-        stage_timeout_s: 60.0,
-        quiet: false,
-        save_state: None,
-        load_state: None,
-    };
-    let mut i = 0;
-    while i < args.len() {
-        let arg = args[i].as_str();
-        // Accept --flag=value as well as --flag value.
-        let (flag, inline): (&str, Option<String>) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg, None),
-        };
-        let val = |i: &mut usize| -> Result<String, String> {
-            match &inline {
-                Some(v) => Ok(v.clone()),
-                None => value(args, i, flag).map(str::to_string),
+/// The first of the parser's two layers (ripgrep's `LowArgs`): every flag as the command
+/// line gave it, filled in order, each value parsed and range-checked on its own. Nothing
+/// here looks at two flags together; [`GenArgs::from_low`] does.
+#[derive(Debug, Default)]
+struct LowArgs {
+    model_dir: Option<PathBuf>,
+    /// Every prompt flag given (exactly one is wanted).
+    prompts: Vec<Prompt>,
+    chat: bool,
+    chat_flags: ChatFlags,
+    tok: Option<PathBuf>,
+    mem: Vec<MemFlag>,
+    trunk: Option<PathBuf>,
+    gen: Option<usize>,
+    incremental: bool,
+    sampling: Sampling,
+    config: Option<PathBuf>,
+    layers: Option<usize>,
+    out: Option<PathBuf>,
+    dump_logits: Option<PathBuf>,
+    dump_cache_trace: Option<PathBuf>,
+    record: Option<PathBuf>,
+    threads: Option<usize>,
+    numa: Option<String>,
+    inproc: bool,
+    single_process: bool,
+    require_cgroups: bool,
+    stage_timeout_s: Option<f64>,
+    quiet: bool,
+    save_state: Option<PathBuf>,
+    load_state: Option<PathBuf>,
+}
+
+/// A flag's value, read when the flag wants one (`--flag=value` or the next argument).
+type Val<'v> = dyn FnMut() -> Result<String, String> + 'v;
+
+/// `flag: value` parsed as a number of `T` no smaller than `min` (and at most `max`).
+fn count(v: &str, flag: &str, min: usize, max: usize) -> Result<usize, String> {
+    let n: usize = num(v, flag)?;
+    if n < min || n > max {
+        return Err(if max == usize::MAX {
+            format!("{flag}: must be at least {min}")
+        } else {
+            format!("{flag}: {n} is out of range ({min}..={max})")
+        });
+    }
+    Ok(n)
+}
+
+impl LowArgs {
+    /// Fill from `args` (without the program name), left to right. `--help` and
+    /// `--list-presets` end the parse where they stand (Some).
+    fn fill(&mut self, args: &[String]) -> Result<Option<Parsed>, String> {
+        let mut i = 0;
+        while i < args.len() {
+            let arg = args[i].as_str();
+            // Accept --flag=value as well as --flag value.
+            let (flag, inline): (&str, Option<String>) = match arg.split_once('=') {
+                Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+                _ => (arg, None),
+            };
+            match flag {
+                "--help" | "-h" => return Ok(Some(Parsed::Help)),
+                "--list-presets" => return Ok(Some(Parsed::ListPresets)),
+                _ => {}
             }
-        };
+            let mut val = || match &inline {
+                Some(v) => Ok(v.clone()),
+                None => value(args, &mut i, flag).map(str::to_string),
+            };
+            let known = self.switch(flag)
+                || self.prompt_flag(flag, &mut val)?
+                || self.memory_flag(flag, &mut val)?
+                || self.sampling_flag(flag, &mut val)?
+                || self.run_flag(flag, &mut val)?;
+            if !known {
+                self.positional(flag, arg)?;
+            }
+            i += 1;
+        }
+        Ok(None)
+    }
+
+    /// A flag without a value; false for any other argument.
+    fn switch(&mut self, flag: &str) -> bool {
         match flag {
-            "--help" | "-h" => return Ok(Parsed::Help),
-            "--list-presets" => return Ok(Parsed::ListPresets),
-            "--prompt" | "-p" => prompts.push(Prompt::Text(val(&mut i)?)),
-            "--prompt-file" | "-f" => prompts.push(Prompt::File(PathBuf::from(val(&mut i)?))),
-            "--ids" => prompts.push(Prompt::Ids(parse_ids(&val(&mut i)?)?)),
-            "--chat" => a.chat = true,
-            "--no-thinking" => a.chat_flags.thinking = false,
-            "--effort" => a.chat_flags.effort = parse_effort(&val(&mut i)?)?,
-            "--tok" => a.tok = Some(PathBuf::from(val(&mut i)?)),
+            "--chat" => self.chat = true,
+            "--no-thinking" => self.chat_flags.thinking = false,
+            "--incremental" => self.incremental = true,
+            "--inproc" => self.inproc = true,
+            "--single-process" => self.single_process = true,
+            "--require-cgroups" => self.require_cgroups = true,
+            "--quiet" | "-q" => self.quiet = true,
+            _ => return false,
+        }
+        true
+    }
+
+    /// The prompt, the tokenizer and the chat wrapper's effort.
+    fn prompt_flag(&mut self, flag: &str, val: &mut Val) -> Result<bool, String> {
+        match flag {
+            "--prompt" | "-p" => self.prompts.push(Prompt::Text(val()?)),
+            "--prompt-file" | "-f" => self.prompts.push(Prompt::File(PathBuf::from(val()?))),
+            "--ids" => self.prompts.push(Prompt::Ids(parse_ids(&val()?)?)),
+            "--effort" => self.chat_flags.effort = parse_effort(&val()?)?,
+            "--tok" => self.tok = Some(PathBuf::from(val()?)),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The memory flags (kept in order: they apply left to right) and the packed trunk.
+    fn memory_flag(&mut self, flag: &str, val: &mut Val) -> Result<bool, String> {
+        match flag {
             "--preset" => {
-                let p = val(&mut i)?;
+                let p = val()?;
                 match p.as_str() {
                     "laptop" | "desktop" | "workstation" | "server" | "max" | "auto" => {}
                     _ => {
@@ -307,153 +371,200 @@ pub fn parse(args: &[String]) -> Result<Parsed, String> {
                         ))
                     }
                 }
-                a.mem.push(MemFlag::Preset(p));
+                self.mem.push(MemFlag::Preset(p));
             }
-            "--trunk" => a.trunk = Some(PathBuf::from(val(&mut i)?)),
-            "--trunk-gb" => a.mem.push(MemFlag::TrunkGb(gb(&val(&mut i)?, flag)?)),
-            "--cache-gb" => a.mem.push(MemFlag::CacheGb(gb(&val(&mut i)?, flag)?)),
-            "--mem-gb" => a.mem.push(MemFlag::MemGb(gb(&val(&mut i)?, flag)?)),
-            "--gen" | "-n" | "--n-predict" => {
-                let n: usize = num(&val(&mut i)?, flag)?;
-                if n == 0 || n > MAX_GEN {
-                    return Err(format!("{flag}: {n} is out of range (1..={MAX_GEN})"));
-                }
-                a.gen = n;
-            }
-            "--incremental" => a.incremental = true,
+            "--trunk" => self.trunk = Some(PathBuf::from(val()?)),
+            "--trunk-gb" => self.mem.push(MemFlag::TrunkGb(gb(&val()?, flag)?)),
+            "--cache-gb" => self.mem.push(MemFlag::CacheGb(gb(&val()?, flag)?)),
+            "--mem-gb" => self.mem.push(MemFlag::MemGb(gb(&val()?, flag)?)),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// How many tokens and how they are drawn.
+    fn sampling_flag(&mut self, flag: &str, val: &mut Val) -> Result<bool, String> {
+        let s = &mut self.sampling;
+        match flag {
+            "--gen" | "-n" | "--n-predict" => self.gen = Some(count(&val()?, flag, 1, MAX_GEN)?),
             "--temperature" | "--temp" => {
-                let t: f32 = num(&val(&mut i)?, flag)?;
+                let t: f32 = num(&val()?, flag)?;
                 if !t.is_finite() || t < 0.0 {
                     return Err(format!("{flag}: {t} must be >= 0"));
                 }
-                a.sampling.temperature = Some(t);
+                s.temperature = Some(t);
             }
             "--top-p" => {
-                let p: f32 = num(&val(&mut i)?, flag)?;
+                let p: f32 = num(&val()?, flag)?;
                 if !(p > 0.0 && p <= 1.0) {
                     return Err(format!("--top-p: {p} must be in (0, 1]"));
                 }
-                a.sampling.top_p = Some(p);
+                s.top_p = Some(p);
             }
-            "--top-k" => {
-                let k: usize = num(&val(&mut i)?, flag)?;
-                if k == 0 {
-                    return Err("--top-k: must be at least 1".into());
-                }
-                a.sampling.top_k = Some(k);
-            }
+            "--top-k" => s.top_k = Some(count(&val()?, flag, 1, usize::MAX)?),
             "--min-p" => {
-                let p: f32 = num(&val(&mut i)?, flag)?;
+                let p: f32 = num(&val()?, flag)?;
                 if !(0.0..=1.0).contains(&p) {
                     return Err(format!("--min-p: {p} must be in [0, 1]"));
                 }
-                a.sampling.min_p = Some(p);
+                s.min_p = Some(p);
             }
             "--repeat-penalty" | "--repetition-penalty" => {
-                let r: f32 = num(&val(&mut i)?, flag)?;
+                let r: f32 = num(&val()?, flag)?;
                 if !(r.is_finite() && r > 0.0) {
                     return Err(format!("{flag}: {r} must be a positive number (1 = off)"));
                 }
-                a.sampling.repetition_penalty = Some(r);
+                s.repetition_penalty = Some(r);
             }
             "--stop" => {
-                let t = val(&mut i)?;
+                let t = val()?;
                 if t.is_empty() {
                     return Err("--stop: the stop text must not be empty".into());
                 }
-                a.sampling.stop.push(t);
+                s.stop.push(t);
             }
-            "--seed" | "-s" => a.sampling.seed = Some(num(&val(&mut i)?, flag)?),
-            "--config" => a.config = Some(PathBuf::from(val(&mut i)?)),
-            "--layers" => {
-                let n: usize = num(&val(&mut i)?, flag)?;
-                if n == 0 {
-                    return Err("--layers: must be at least 1".into());
-                }
-                a.layers = Some(n);
-            }
-            "--out" => a.out = PathBuf::from(val(&mut i)?),
-            "--dump-logits" => a.dump_logits = Some(PathBuf::from(val(&mut i)?)),
-            "--dump-cache-trace" => a.dump_cache_trace = Some(PathBuf::from(val(&mut i)?)),
-            "--record" => a.record = Some(PathBuf::from(val(&mut i)?)),
+            "--seed" | "-s" => s.seed = Some(num(&val()?, flag)?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Where the run reads and writes, how it runs, the session state.
+    fn run_flag(&mut self, flag: &str, val: &mut Val) -> Result<bool, String> {
+        let path = |v: String| Some(PathBuf::from(v));
+        match flag {
+            "--config" => self.config = path(val()?),
+            "--layers" => self.layers = Some(count(&val()?, flag, 1, usize::MAX)?),
+            "--out" => self.out = path(val()?),
+            "--dump-logits" => self.dump_logits = path(val()?),
+            "--dump-cache-trace" => self.dump_cache_trace = path(val()?),
+            "--record" => self.record = path(val()?),
             "--threads" | "-t" => {
-                let n: usize = num(&val(&mut i)?, flag)?;
+                let n: usize = num(&val()?, flag)?;
                 if n == 0 || n > 1024 {
                     return Err(format!("--threads: {n} is out of range (1..=1024)"));
                 }
-                a.threads = Some(n);
+                self.threads = Some(n);
             }
-            "--numa" => a.numa = Some(val(&mut i)?),
-            "--inproc" => a.inproc = true,
-            "--single-process" => a.single_process = true,
-            "--require-cgroups" => a.require_cgroups = true,
+            "--numa" => self.numa = Some(val()?),
             "--stage-timeout" => {
-                let s: f64 = num(&val(&mut i)?, flag)?;
+                let s: f64 = num(&val()?, flag)?;
                 if !(s > 0.0 && s.is_finite()) {
                     return Err("--stage-timeout: must be a positive number of seconds".into());
                 }
-                a.stage_timeout_s = s;
+                self.stage_timeout_s = Some(s);
             }
-            "--quiet" | "-q" => a.quiet = true,
-            "--save-state" => a.save_state = Some(PathBuf::from(val(&mut i)?)),
-            "--load-state" => a.load_state = Some(PathBuf::from(val(&mut i)?)),
-            _ if flag.starts_with('-') => {
-                return Err(match nearest(flag, FLAGS) {
-                    Some(n) => format!("unknown flag '{flag}' (did you mean {n}?)"),
-                    None => format!("unknown flag '{flag}'"),
-                })
-            }
-            _ => {
-                if model_dir.is_some() {
-                    return Err(format!(
-                        "unexpected argument '{arg}' (the model directory was already given)"
-                    ));
-                }
-                model_dir = Some(PathBuf::from(arg));
-            }
+            "--save-state" => self.save_state = path(val()?),
+            "--load-state" => self.load_state = path(val()?),
+            _ => return Ok(false),
         }
-        i += 1;
+        Ok(true)
     }
-    a.model_dir = model_dir.ok_or("missing <MODEL_DIR>")?;
-    if a.save_state.is_some() || a.load_state.is_some() {
-        // A state is the incremental session; full recompute gives the same ids.
-        a.incremental = true;
-    }
-    match prompts.len() {
-        // After --load-state the saved tokens are the prompt; one given is appended.
-        0 if a.load_state.is_some() => {}
-        0 => return Err("no prompt: give exactly one of --prompt, --prompt-file, --ids".into()),
-        1 => a.prompt = prompts.pop().expect("one prompt"),
-        n => {
-            return Err(format!(
-                "{n} prompts given: give exactly one of --prompt, --prompt-file, --ids"
-            ))
+
+    /// An argument no flag took: an unknown flag, or the model directory (once).
+    fn positional(&mut self, flag: &str, arg: &str) -> Result<(), String> {
+        if flag.starts_with('-') {
+            return Err(match nearest(flag, FLAGS) {
+                Some(n) => format!("unknown flag '{flag}' (did you mean {n}?)"),
+                None => format!("unknown flag '{flag}'"),
+            });
         }
-    }
-    let needs_tok = !matches!(a.prompt, Prompt::Ids(_)) || a.chat;
-    if needs_tok && a.tok.is_none() {
-        return Err("--prompt, --prompt-file and --chat need --tok DIR (tiktoken.model + tokenizer_config.json); \
-             to skip the tokenizer pass --ids"
-            .into());
-    }
-    if let Prompt::Ids(ids) = &a.prompt {
-        if ids.len() > MAX_PROMPT {
+        if self.model_dir.is_some() {
             return Err(format!(
-                "prompt of {} ids exceeds the {MAX_PROMPT}-token limit",
-                ids.len()
+                "unexpected argument '{arg}' (the model directory was already given)"
             ));
         }
+        self.model_dir = Some(PathBuf::from(arg));
+        Ok(())
     }
-    if a.chat_flags != ChatFlags::default() && !a.chat {
-        return Err("--no-thinking and --effort shape the chat prompt; they need --chat".into());
+}
+
+impl GenArgs {
+    /// The second layer (ripgrep's `HiArgs`): the run the flags describe, with the
+    /// defaults filled in and the flags checked together.
+    fn from_low(low: LowArgs) -> Result<GenArgs, String> {
+        let model_dir = low.model_dir.ok_or("missing <MODEL_DIR>")?;
+        // A state is the incremental session; full recompute gives the same ids.
+        let stateful = low.save_state.is_some() || low.load_state.is_some();
+        let mut prompts = low.prompts;
+        let prompt = match prompts.len() {
+            // After --load-state the saved tokens are the prompt; one given is appended.
+            0 if low.load_state.is_some() => Prompt::Ids(Vec::new()),
+            0 => {
+                return Err("no prompt: give exactly one of --prompt, --prompt-file, --ids".into())
+            }
+            1 => prompts.pop().expect("one prompt"),
+            n => {
+                return Err(format!(
+                    "{n} prompts given: give exactly one of --prompt, --prompt-file, --ids"
+                ))
+            }
+        };
+        let needs_tok = !matches!(prompt, Prompt::Ids(_)) || low.chat;
+        if needs_tok && low.tok.is_none() {
+            return Err("--prompt, --prompt-file and --chat need --tok DIR (tiktoken.model + tokenizer_config.json); \
+                 to skip the tokenizer pass --ids"
+                .into());
+        }
+        if let Prompt::Ids(ids) = &prompt {
+            if ids.len() > MAX_PROMPT {
+                return Err(format!(
+                    "prompt of {} ids exceeds the {MAX_PROMPT}-token limit",
+                    ids.len()
+                ));
+            }
+        }
+        if low.chat_flags != ChatFlags::default() && !low.chat {
+            return Err(
+                "--no-thinking and --effort shape the chat prompt; they need --chat".into(),
+            );
+        }
+        if !low.sampling.stop.is_empty() && low.tok.is_none() {
+            return Err("--stop matches decoded text, which needs --tok DIR".into());
+        }
+        if low.inproc && low.single_process {
+            return Err(
+                "--inproc and --single-process are different modes; give at most one".into(),
+            );
+        }
+        Ok(GenArgs {
+            model_dir,
+            prompt,
+            chat: low.chat,
+            chat_flags: low.chat_flags,
+            tok: low.tok,
+            mem: low.mem,
+            trunk: low.trunk,
+            gen: low.gen.unwrap_or(8),
+            incremental: low.incremental || stateful,
+            sampling: low.sampling,
+            config: low.config,
+            layers: low.layers,
+            out: low.out.unwrap_or_else(|| PathBuf::from("k3_run.json")),
+            dump_logits: low.dump_logits,
+            dump_cache_trace: low.dump_cache_trace,
+            record: low.record,
+            threads: low.threads,
+            numa: low.numa,
+            inproc: low.inproc,
+            single_process: low.single_process,
+            require_cgroups: low.require_cgroups,
+            stage_timeout_s: low.stage_timeout_s.unwrap_or(60.0),
+            quiet: low.quiet,
+            save_state: low.save_state,
+            load_state: low.load_state,
+        })
     }
-    if !a.sampling.stop.is_empty() && a.tok.is_none() {
-        return Err("--stop matches decoded text, which needs --tok DIR".into());
+}
+
+/// Parse `args` (without the program name) in two layers: `LowArgs` filled in order,
+/// then `GenArgs::from_low`. Errors are usage errors (exit 2).
+pub fn parse(args: &[String]) -> Result<Parsed, String> {
+    let mut low = LowArgs::default();
+    if let Some(special) = low.fill(args)? {
+        return Ok(special);
     }
-    if a.inproc && a.single_process {
-        return Err("--inproc and --single-process are different modes; give at most one".into());
-    }
-    Ok(Parsed::Run(Box::new(a)))
+    Ok(Parsed::Run(Box::new(GenArgs::from_low(low)?)))
 }
 
 /// Every long flag the generation command knows (for "did you mean").

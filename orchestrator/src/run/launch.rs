@@ -419,7 +419,7 @@ fn prompt_message(a: &GenArgs) -> Result<Option<Msg>, RunError> {
 }
 
 /// Per-stage cgroup budgets: the plan's bytes for the stage plus headroom.
-/// Environment variable of the budget test hook (see [`budget_override`]).
+/// Environment variable of the budget test hook (see `budget_override`).
 pub const BUDGET_OVERRIDE_ENV: &str = "K3_STAGE_BUDGET_OVERRIDE";
 /// Environment variable that arms the test hooks; without `=1` a hook is refused.
 pub const TEST_HOOKS_ENV: &str = "K3_TEST_HOOKS";
@@ -532,8 +532,8 @@ fn injected_failures() -> Result<Vec<(u32, u32)>, RunError> {
 pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
     let (cfg, cat, layers) = super::open_model(a)?;
     let config_path = super::config_path(a);
-    let cen = super::census::census(&cfg, &cat, layers);
-    let plan = super::plan::plan_run(a, &cfg, &cen, layers)?;
+    let sizes = super::sizes::model_sizes(&cfg, &cat, layers);
+    let plan = super::plan::plan_run(a, &cfg, &sizes, layers)?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

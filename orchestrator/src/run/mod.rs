@@ -1,6 +1,6 @@
 //! One generation, `k3-orch <MODEL_DIR> ...`, top to bottom:
 //!
-//! 1. [`census`]: read the config and the checkpoint headers;
+//! 1. [`sizes`]: read the config and the checkpoint headers;
 //! 2. [`plan`]: resolve the memory flags and add up the memory plan, refusing up front what
 //!    cannot fit (exit 2);
 //! 3. [`launch`]: generate through the staged pipeline (default), the same stages as threads
@@ -13,15 +13,16 @@
 //! The flags themselves are [`args`].
 
 pub mod args;
-pub mod census;
 pub mod disk;
 pub mod floor;
 pub mod launch;
 pub mod plan;
 pub mod report;
+pub mod sizes;
 pub mod stream;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use k3_model::catalog::Catalog;
@@ -78,58 +79,18 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let (cfg, cat, layers) = open_model(a)?;
     let config_path = config_path(a);
     preflight(a, &cfg)?;
-    let cen = census::census(&cfg, &cat, layers);
-    let plan = plan::plan_run(a, &cfg, &cen, layers)?;
+    let sizes = sizes::model_sizes(&cfg, &cat, layers);
+    let plan = plan::plan_run(a, &cfg, &sizes, layers)?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let sampler: SamplerConfig = a.sampling.resolve(args::random_seed);
-    if !sampler.is_greedy() {
-        // Printed even with --quiet: without it a sampled run could not be repeated.
-        tracing::warn!(
-            "k3-orch: sampling with seed {}{} (repeat with --seed {})",
-            sampler.seed,
-            if a.sampling.seed.is_none() {
-                " (random)"
-            } else {
-                ""
-            },
-            sampler.seed
-        );
-    }
+    let sampler = sampler_of(a);
     // Stop ids come from the tokenizer (its special slots follow its ranks); a run without
     // one (ids in, ids out, the tiny models) never stops early.
-    // Loaded once here: the stop ids, and single-process mode's encoding and text.
-    let tok = match &a.tok {
-        Some(dir) => Some(std::sync::Arc::new(
-            k3_tokenizer::Tokenizer::from_dir(dir)
-                .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?,
-        )),
-        None => None,
-    };
+    let tok = load_tokenizer(a)?;
     let stop_ids: Vec<u32> = tok.as_ref().map_or_else(Vec::new, |t| t.stop_ids());
     if !a.quiet {
-        tracing::info!(
-            "k3-orch {}: {}",
-            env!("CARGO_PKG_VERSION"),
-            a.model_dir.display()
-        );
-        tracing::info!(
-            "  model  : {} layers bound of {}, hidden {}, vocab {}, {} experts top-{}",
-            layers,
-            cfg.num_hidden_layers,
-            cfg.hidden_size,
-            cfg.vocab_size,
-            cfg.num_experts,
-            cfg.num_experts_per_token
-        );
-        if let Some(p) = &plan.preset {
-            tracing::info!("  preset : {p}");
-        }
-        tracing::info!("{}", plan.memory.render().trim_end());
-        for n in &plan.notes {
-            tracing::info!("  {n}");
-        }
+        log_header(a, &cfg, layers, &plan);
     }
     let common = Common {
         args: a,
@@ -158,26 +119,7 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let pss = pss_sampler.and_then(report::PssSampler::finish);
     let failures = g.expert_failures;
     let rep = build_report(a, mode, g, plan, seconds, &sampler, pss);
-    // The text was streamed to stdout as it decoded; without a tokenizer the ids are the
-    // output. The rest is diagnostics (stderr, dropped by --quiet).
-    let ids_line = rep
-        .generated_ids
-        .iter()
-        .map(|i| i.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
-    if rep.text.is_none() {
-        println!("ids: {ids_line}");
-    }
-    if !a.quiet {
-        for n in &rep.notes {
-            tracing::info!("{n}");
-        }
-        tracing::info!("{}", report::summary(&rep).trim_end());
-        if rep.text.is_some() {
-            tracing::info!("ids: {ids_line}");
-        }
-    }
+    print_outcome(a, &rep);
     rep.write(&a.out).map_err(|e| {
         RunError::failed(format!(
             "k3-orch: writing the report {}: {e}",
@@ -191,6 +133,84 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
         return Ok(EXIT_UNSOUND);
     }
     Ok(EXIT_OK)
+}
+
+/// The run's sampler; a sampled run's seed is logged even with `--quiet` (without it the
+/// run could not be repeated).
+fn sampler_of(a: &GenArgs) -> SamplerConfig {
+    let sampler: SamplerConfig = a.sampling.resolve(args::random_seed);
+    if !sampler.is_greedy() {
+        tracing::warn!(
+            "k3-orch: sampling with seed {}{} (repeat with --seed {})",
+            sampler.seed,
+            if a.sampling.seed.is_none() {
+                " (random)"
+            } else {
+                ""
+            },
+            sampler.seed
+        );
+    }
+    sampler
+}
+
+/// The `--tok` tokenizer, loaded once here: the stop ids, and single-process mode's
+/// encoding and text.
+fn load_tokenizer(a: &GenArgs) -> Result<Option<Arc<k3_tokenizer::Tokenizer>>, RunError> {
+    let Some(dir) = &a.tok else {
+        return Ok(None);
+    };
+    let t = k3_tokenizer::Tokenizer::from_dir(dir)
+        .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?;
+    Ok(Some(Arc::new(t)))
+}
+
+/// The lines before the run: the model bound, the preset, the memory plan and its notes.
+fn log_header(a: &GenArgs, cfg: &ModelConfig, layers: usize, plan: &plan::RunPlan) {
+    tracing::info!(
+        "k3-orch {}: {}",
+        env!("CARGO_PKG_VERSION"),
+        a.model_dir.display()
+    );
+    tracing::info!(
+        "  model  : {} layers bound of {}, hidden {}, vocab {}, {} experts top-{}",
+        layers,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        cfg.num_experts,
+        cfg.num_experts_per_token
+    );
+    if let Some(p) = &plan.preset {
+        tracing::info!("  preset : {p}");
+    }
+    tracing::info!("{}", plan.memory.render().trim_end());
+    for n in &plan.notes {
+        tracing::info!("  {n}");
+    }
+}
+
+/// The run's output: the text was streamed to stdout as it decoded; without a tokenizer
+/// the ids are the output. The rest is diagnostics (stderr, dropped by --quiet).
+fn print_outcome(a: &GenArgs, rep: &Report) {
+    let ids_line = rep
+        .generated_ids
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    if rep.text.is_none() {
+        println!("ids: {ids_line}");
+    }
+    if !a.quiet {
+        for n in &rep.notes {
+            tracing::info!("{n}");
+        }
+        tracing::info!("{}", report::summary(rep).trim_end());
+        if rep.text.is_some() {
+            tracing::info!("ids: {ids_line}");
+        }
+    }
 }
 
 /// What can be refused before any stage starts (exit 2): a packed trunk of another

@@ -16,9 +16,12 @@
 use serde::Serialize;
 
 use k3_model::config::ModelConfig;
+// What this run may still take: MemAvailable capped by the room left in the memory cgroup
+// k3 itself runs in (one copy, in k3-io: the presets and `doctor` read it too).
+use k3_io::sysmem::mem_available;
 
 use super::args::{GenArgs, MemFlag, Prompt, MAX_PROMPT};
-use super::census::Census;
+use super::sizes::ModelSizes;
 use crate::error::RunError;
 
 pub use crate::units::{human, GB};
@@ -186,102 +189,6 @@ pub fn check_kv(positions: usize, per_pos: u64, available: Option<u64>) -> Resul
         ));
     }
     Ok(())
-}
-
-/// Memory this run may still take: MemAvailable from /proc/meminfo, capped by the room left
-/// in the memory cgroup k3 itself runs in (see [`cgroup_room`]). Without the cap a run
-/// inside a small container or cgroup was planned against the host's memory and then
-/// OOM-killed instead of refused up front.
-pub fn mem_available() -> Option<u64> {
-    let host = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| k3_trunk_loader::presets::parse_meminfo(&s, "MemAvailable:"));
-    match (host, cgroup_room()) {
-        (Some(h), Some(c)) => Some(h.min(c)),
-        (h, c) => h.or(c),
-    }
-}
-
-/// Room left under the memory limits of this process's cgroup and of every ancestor visible
-/// in the mount (v2 `memory.max`, v1 `memory.limit_in_bytes` and `hierarchical_memory_limit`):
-/// the smallest `limit − (usage − inactive file cache)`. None when no limit applies.
-pub fn cgroup_room() -> Option<u64> {
-    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    // (mount root, mount point, v2?) of the hierarchy holding the memory controller.
-    let mount = mounts.lines().find_map(|l| {
-        let (pre, post) = l.split_once(" - ")?;
-        let pre: Vec<&str> = pre.split(' ').collect();
-        let post: Vec<&str> = post.split(' ').collect();
-        let (root, point) = (*pre.get(3)?, *pre.get(4)?);
-        match *post.first()? {
-            "cgroup2" => {
-                let c = std::fs::read_to_string(format!("{point}/cgroup.controllers")).ok()?;
-                c.split_whitespace()
-                    .any(|x| x == "memory")
-                    .then_some((root, point, true))
-            }
-            "cgroup" if post.get(2)?.split(',').any(|o| o == "memory") => {
-                Some((root, point, false))
-            }
-            _ => None,
-        }
-    })?;
-    let (root, point, v2) = mount;
-    let path = own.lines().find_map(|l| {
-        let mut f = l.splitn(3, ':');
-        let (id, ctrls, path) = (f.next()?, f.next()?, f.next()?);
-        let hit = if v2 {
-            id == "0" && ctrls.is_empty()
-        } else {
-            ctrls.split(',').any(|c| c == "memory")
-        };
-        hit.then_some(path)
-    })?;
-    let rel = if root == "/" {
-        path
-    } else {
-        path.strip_prefix(root).unwrap_or("/")
-    };
-    let top = std::path::PathBuf::from(point);
-    let mut dir = top.join(rel.trim_start_matches('/'));
-    let num = |d: &std::path::Path, f: &str| -> Option<u64> {
-        std::fs::read_to_string(d.join(f)).ok()?.trim().parse().ok()
-    };
-    let stat = |d: &std::path::Path, key: &str| -> Option<u64> {
-        let s = std::fs::read_to_string(d.join("memory.stat")).ok()?;
-        s.lines()
-            .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
-    };
-    // v1 reports "no limit" as a huge page-aligned number; anything past 2^62 is unlimited.
-    let limited = |x: u64| (x < 1 << 62).then_some(x);
-    let mut room: Option<u64> = None;
-    loop {
-        let (limit, usage, cache) = if v2 {
-            (
-                num(&dir, "memory.max"),
-                num(&dir, "memory.current"),
-                stat(&dir, "inactive_file"),
-            )
-        } else {
-            let l = num(&dir, "memory.limit_in_bytes").and_then(limited);
-            let h = stat(&dir, "hierarchical_memory_limit").and_then(limited);
-            (
-                l.into_iter().chain(h).min(),
-                num(&dir, "memory.usage_in_bytes"),
-                stat(&dir, "total_inactive_file"),
-            )
-        };
-        if let Some(limit) = limit {
-            let used = usage.unwrap_or(0).saturating_sub(cache.unwrap_or(0));
-            let r = limit.saturating_sub(used);
-            room = Some(room.map_or(r, |x| x.min(r)));
-        }
-        if dir == top || !dir.pop() || !dir.starts_with(&top) {
-            break;
-        }
-    }
-    room
 }
 
 /// The reserve a total leaves unplanned: 5% of what is available (default, `auto`) or of
@@ -798,167 +705,265 @@ fn packed_runs(dir: &std::path::Path, layers: usize) -> Result<k3_trunk_loader::
     Ok(k3_trunk_loader::Streams::of_layers(&m.layers[..layers]))
 }
 
-/// Add up everything the run will hold and refuse up front what cannot fit.
-pub fn plan_run(
-    a: &GenArgs,
-    cfg: &ModelConfig,
-    cen: &Census,
-    layers: usize,
-) -> Result<RunPlan, RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
-    let expert_slot = k3_io::slot_bytes_for(cen.max_expert_span.max(1));
-    let topk = cfg.num_experts_per_token;
-    let runs = match &a.trunk {
-        Some(dir) => Some(packed_runs(dir, layers).map_err(usage)?),
-        None => None,
-    };
-    // What pinning the whole trunk takes: the packed, page-rounded runs the trunk-loader
-    // allocates (not the census sum of tensor bytes, which is smaller: `--preset auto` sized
-    // from it pinned 11 of 13 layers of a tiny model with gigabytes free), or the resident
-    // region's layout.
-    let trunk_need: u64 = match &runs {
-        Some(r) => r.pinned_bytes(),
-        None => cen.layer_resident_bytes.iter().sum(),
-    };
-    let res = resolve(&a.mem, default_total).map_err(usage)?;
-    // One request batch (the union of a layer's experts over the tokens of a pass) must fit
-    // in the arena at once: the fetcher publishes a batch's experts into distinct slots and
-    // compute reads them in place, so a smaller arena would recycle a slot still being read.
-    // A text prompt has at most one token per byte (plus the chat wrapper's few hundred).
-    let prompt_bound = match &a.prompt {
+/// A test hook's value: `name=N` (N > 0) with `K3_TEST_HOOKS=1`, else None.
+fn test_hook(name: &str) -> Option<u64> {
+    std::env::var(name)
+        .ok()
+        .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&n| n > 0)
+}
+
+/// What the request and the model fix before any budget is spent (the first step of
+/// [`plan_run`]): the trunk's streams, the largest pass, the expert slots, the lm_head.
+struct Bounds {
+    /// The packed trunk (None: resident).
+    runs: Option<k3_trunk_loader::Streams>,
+    /// What pinning the whole trunk takes.
+    trunk_need: u64,
+    /// The smallest trunk budget a plan runs with ([`trunk_min`]).
+    trunk_min: u64,
+    /// One expert arena slot; routed experts per token; the fewest and most slots.
+    expert_slot: u64,
+    top_k: u64,
+    min_slots: u64,
+    max_slots: u64,
+    /// Routed experts of the model per MoE layer; MoE layers bound.
+    experts_per_layer: u64,
+    moe_layers: u64,
+    /// Tokens of the largest pass (the prompt; the whole prefix when recomputing), >= 1.
+    max_pass_tokens: u64,
+    /// Positions an incremental run caches.
+    positions: usize,
+    /// The lm_head's bytes, and one row's.
+    lm_head: u64,
+    lm_head_row: u64,
+}
+
+impl Bounds {
+    /// A pass of `t` tokens asks for the union of their routes at once.
+    fn batch_of(&self, t: u64) -> u64 {
+        (t * self.top_k).min(self.experts_per_layer).max(self.top_k)
+    }
+}
+
+/// An upper bound of the prompt's tokens. For a text prompt the token count is not known
+/// before the tokenizer runs: it has at most one token per byte (plus the chat wrapper's few
+/// hundred), so a request that passes the plan fits.
+fn prompt_bound(a: &GenArgs) -> usize {
+    let chat = if a.chat { 512 } else { 0 };
+    match &a.prompt {
         Prompt::Ids(ids) => ids.len(),
-        Prompt::Text(t) => t.len() + if a.chat { 512 } else { 0 },
+        Prompt::Text(t) => t.len() + chat,
         Prompt::File(p) => {
             std::fs::metadata(p)
                 .map(|m| m.len() as usize)
                 .unwrap_or(MAX_PROMPT)
-                + if a.chat { 512 } else { 0 }
+                + chat
         }
     }
-    .min(MAX_PROMPT);
+    .min(MAX_PROMPT)
+}
+
+/// [`Bounds`] of a request on the model's first `layers` layers.
+fn bound(
+    a: &GenArgs,
+    cfg: &ModelConfig,
+    sizes: &ModelSizes,
+    layers: usize,
+) -> Result<Bounds, String> {
+    let runs = match &a.trunk {
+        Some(dir) => Some(packed_runs(dir, layers)?),
+        None => None,
+    };
+    // What pinning the whole trunk takes: the packed, page-rounded runs the trunk-loader
+    // allocates (not the sum of tensor bytes, which is smaller: `--preset auto` sized from
+    // it pinned 11 of 13 layers of a tiny model with gigabytes free), or the resident
+    // region's layout.
+    let trunk_need: u64 = match &runs {
+        Some(r) => r.pinned_bytes(),
+        None => sizes.layer_resident_bytes.iter().sum(),
+    };
+    let top_k = cfg.num_experts_per_token as u64;
+    // One request batch (the union of a layer's experts over the tokens of a pass) must fit
+    // in the arena at once: the fetcher publishes a batch's experts into distinct slots and
+    // compute reads them in place, so a smaller arena would recycle a slot still being read.
+    let prompt_bound = prompt_bound(a);
     let max_pass_tokens = if a.incremental {
         prompt_bound
     } else {
         prompt_bound + a.gen
     } as u64;
-    // A pass of `t` tokens asks for the union of their routes at once.
-    let batch_of = |t: u64| {
-        (t * topk as u64)
-            .min(cfg.num_experts as u64)
-            .max(topk as u64)
-    };
-    let max_slots = cen.n_experts.max(topk as u64);
-    // The fewest slots: a batch of any size streams through them (see MIN_EXPERT_SLOTS).
-    let min_slots = min_expert_slots(topk as u64);
-    let trunk_min = runs.as_ref().map_or(0, trunk_min);
-    // Every prompt position and every generated one is cached. For a text prompt the token
-    // count is not known before the tokenizer runs; `prompt_bound` (one token per byte at
-    // most, plus the chat wrapper) is an upper bound, so a request that passes here fits.
-    let positions = kv_positions(prompt_bound, a.gen);
+    let lm_head = sizes.lm_head_bytes;
+    Ok(Bounds {
+        trunk_min: runs.as_ref().map_or(0, trunk_min),
+        runs,
+        trunk_need,
+        expert_slot: k3_io::slot_bytes_for(sizes.max_expert_span.max(1)),
+        top_k,
+        // The fewest slots: a batch of any size streams through them (see MIN_EXPERT_SLOTS).
+        min_slots: min_expert_slots(top_k),
+        max_slots: sizes.n_experts.max(top_k),
+        experts_per_layer: cfg.num_experts as u64,
+        moe_layers: sizes.n_experts / (cfg.num_experts as u64).max(1),
+        max_pass_tokens: max_pass_tokens.max(1),
+        // Every prompt position and every generated one is cached.
+        positions: kv_positions(prompt_bound, a.gen),
+        lm_head,
+        lm_head_row: lm_head / (cfg.vocab_size as u64).max(1),
+    })
+}
+
+/// What every run holds whatever the budget (the second step of [`plan_run`]), part of it
+/// by the tokens of a pass: state, KV, embedding rows, norms, scratch, the stage processes.
+struct FixedCosts<'a> {
+    cfg: &'a ModelConfig,
+    embed_row: u64,
+    norms: u64,
+    kda_state: u64,
+    kv: u64,
+    /// The staged run's worker processes (0 in one process).
+    processes: u64,
+}
+
+impl FixedCosts<'_> {
+    /// The embedding is never resident: compute reads the rows a pass needs on demand.
+    fn embed_rows(&self, t: u64) -> u64 {
+        (t.max(1) * self.embed_row).div_ceil(4096) * 4096
+    }
+
+    fn scratch(&self, t: u64) -> u64 {
+        compute_scratch(self.cfg, t)
+    }
+
+    /// Everything fixed for passes of `t` tokens.
+    fn fixed(&self, t: u64) -> u64 {
+        self.embed_rows(t)
+            + self.norms
+            + self.kda_state
+            + self.kv
+            + self.processes
+            + self.scratch(t)
+    }
+}
+
+/// The [`FixedCosts`] of a request.
+fn fixed_costs<'a>(
+    a: &GenArgs,
+    cfg: &'a ModelConfig,
+    sizes: &ModelSizes,
+    b: &Bounds,
+) -> FixedCosts<'a> {
     let kv = if a.incremental {
-        cen.kv_per_pos * positions as u64
+        sizes.kv_per_pos * b.positions as u64
     } else {
         0
     };
-    let staged = !a.inproc && !a.single_process;
-    let processes = if staged {
+    let processes = if staged(a) {
         STAGE_PROCESSES as u64 * STAGE_PROCESS_BYTES
     } else {
         0
     };
-    let norms = cen
-        .model_bytes
-        .saturating_sub(cen.embed_bytes + cen.lm_head_bytes);
-    let scratch_of = |t: u64| compute_scratch(cfg, t);
-    // The embedding is never resident: compute reads the rows a pass needs on demand.
-    let embed_rows_of = |t: u64| (t.max(1) * cen.embed_row_bytes).div_ceil(4096) * 4096;
-    let fixed_of =
-        |t: u64| embed_rows_of(t) + norms + cen.kda_state_bytes + kv + processes + scratch_of(t);
-    // The KV cache alone not fitting is said as such, before the whole plan is weighed.
-    if a.incremental {
-        check_kv(positions, cen.kv_per_pos, mem_available()).map_err(RunError::usage)?;
+    FixedCosts {
+        cfg,
+        embed_row: sizes.embed_row_bytes,
+        norms: sizes
+            .model_bytes
+            .saturating_sub(sizes.embed_bytes + sizes.lm_head_bytes),
+        kda_state: sizes.kda_state_bytes,
+        kv,
+        processes,
     }
-    let lm = cen.lm_head_bytes;
-    let lm_head_row = lm / (cfg.vocab_size as u64).max(1);
-    let trunk_over = if runs.is_none() {
-        Some(trunk_need)
+}
+
+/// Whether the run is a staged one (worker processes).
+fn staged(a: &GenArgs) -> bool {
+    !a.inproc && !a.single_process
+}
+
+/// A total spent on passes of the size that fits and reads least ([`pass_size`]).
+fn spend_total(a: &GenArgs, res: &Resolved, b: &Bounds, f: &FixedCosts, total: u64) -> PassSize {
+    let trunk_over = if b.runs.is_none() {
+        Some(b.trunk_need)
     } else {
         res.trunk
     };
-    let hook = |name: &str| {
-        std::env::var(name)
-            .ok()
-            .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .filter(|&n| n > 0)
+    let try_pass = |t: u64| {
+        choose(
+            &Spend {
+                total,
+                fixed: f.fixed(t),
+                trunk_need: b.trunk_need,
+                lm_head: b.lm_head,
+                expert_slot: b.expert_slot,
+                min_slots: b.min_slots,
+                max_slots: b.max_slots,
+                lm_head_row: b.lm_head_row,
+                trunk_min: b.trunk_min,
+            },
+            b.runs.as_ref(),
+            trunk_over,
+            res.cache,
+        )
     };
-    // Tokens per pass: the whole prompt (or prefix) in one pass when that fits and reads
-    // least; see `pass_size`.
-    let max_pass_tokens = max_pass_tokens.max(1);
-    let mut pass_tokens = max_pass_tokens;
-    let mut whole_fits = true;
-    let picked = match res.total {
-        Some(total) => {
-            let try_pass = |t: u64| {
-                choose(
-                    &Spend {
-                        total,
-                        fixed: fixed_of(t),
-                        trunk_need,
-                        lm_head: lm,
-                        expert_slot,
-                        min_slots,
-                        max_slots,
-                        lm_head_row,
-                        trunk_min,
-                    },
-                    runs.as_ref(),
-                    trunk_over,
-                    res.cache,
-                )
-            };
-            let moe_layers = cen.n_experts / (cfg.num_experts as u64).max(1);
-            let shape = RunShape {
-                prompt: max_pass_tokens,
-                gen: a.gen as u64,
-                moe_layers,
-                top_k: topk as u64,
-                expert_bytes: expert_slot,
-            };
-            let cost = |t: u64, c: &Choice| run_read_estimate(&shape, t, batch_of(t), c, lm);
-            let forced = hook(PREFILL_CHUNK_ENV);
-            let p = pass_size(
-                max_pass_tokens,
-                forced,
-                &try_pass,
-                &batch_of,
-                // Recomputing runs feed the whole prefix every step: only the fit counts.
-                (a.incremental && forced.is_none()).then_some(&cost as _),
-            );
-            pass_tokens = p.tokens;
-            whole_fits = p.whole_fits;
-            p.choice
-        }
-        // Named budgets without a total: the lm_head is held, as before.
-        None => {
-            if let Some(n) = hook(PREFILL_CHUNK_ENV) {
-                pass_tokens = n.clamp(1, max_pass_tokens);
-            }
-            Ok(Choice {
-                trunk: res
-                    .trunk
-                    .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_TRUNK_GB)),
-                cache: res
-                    .cache
-                    .unwrap_or(k3_trunk_loader::presets::gb_to_bytes(DEFAULT_CACHE_GB)),
-                head_pinned: true,
-                head_held: 0,
-                sink: 0,
-                read_per_token: 0,
-            })
-        }
+    let shape = RunShape {
+        prompt: b.max_pass_tokens,
+        gen: a.gen as u64,
+        moe_layers: b.moe_layers,
+        top_k: b.top_k,
+        expert_bytes: b.expert_slot,
     };
-    let choice = picked.map_err(|e| {
+    let cost = |t: u64, c: &Choice| run_read_estimate(&shape, t, b.batch_of(t), c, b.lm_head);
+    let forced = test_hook(PREFILL_CHUNK_ENV);
+    pass_size(
+        b.max_pass_tokens,
+        forced,
+        &try_pass,
+        &|t| b.batch_of(t),
+        // Recomputing runs feed the whole prefix every step: only the fit counts.
+        (a.incremental && forced.is_none()).then_some(&cost as _),
+    )
+}
+
+/// Named budgets without a total: the parts as given (the seed's defaults for a part not
+/// given), the lm_head held, as before.
+fn named_parts(res: &Resolved, b: &Bounds) -> PassSize {
+    let gb = k3_trunk_loader::presets::gb_to_bytes;
+    PassSize {
+        choice: Ok(Choice {
+            trunk: res.trunk.unwrap_or(gb(DEFAULT_TRUNK_GB)),
+            cache: res.cache.unwrap_or(gb(DEFAULT_CACHE_GB)),
+            head_pinned: true,
+            head_held: 0,
+            sink: 0,
+            read_per_token: 0,
+        }),
+        tokens: test_hook(PREFILL_CHUNK_ENV)
+            .map_or(b.max_pass_tokens, |n| n.clamp(1, b.max_pass_tokens)),
+        whole_fits: true,
+    }
+}
+
+/// The split a budget picked, and the pass size it was picked for.
+struct Picked {
+    choice: Choice,
+    /// Tokens per pass, and whether a pass of the whole prompt (or prefix) fits at all.
+    pass_tokens: u64,
+    whole_fits: bool,
+}
+
+/// The split the budget is spent on (the third step of [`plan_run`]), or the refusal.
+fn choose_parts(
+    a: &GenArgs,
+    res: &Resolved,
+    b: &Bounds,
+    f: &FixedCosts,
+) -> Result<Picked, RunError> {
+    let p = match res.total {
+        Some(total) => spend_total(a, res, b, f, total),
+        None => named_parts(res, b),
+    };
+    let choice = p.choice.map_err(|e| {
         RunError::usage(format!(
             "REFUSING TO START ({}): {e}.\nOptions: a larger --mem-gb, fewer --layers, \
              --trunk DIR to stream the trunk, or a machine with more memory.",
@@ -969,6 +974,144 @@ pub fn plan_run(
             },
         ))
     })?;
+    Ok(Picked {
+        choice,
+        pass_tokens: p.tokens,
+        whole_fits: p.whole_fits,
+    })
+}
+
+/// The note on a prompt fed in passes (None: one pass).
+fn pass_note(a: &GenArgs, b: &Bounds, f: &FixedCosts, p: &Picked) -> Option<String> {
+    let (t, whole) = (p.pass_tokens, b.max_pass_tokens);
+    (t < whole).then(|| {
+        format!(
+            "prompt fed in passes of at most {t} token(s): a pass holds {} of \
+             activations and embedding rows; the whole {whole}-token {} in one pass \
+             would hold {}, {}",
+            human(f.scratch(t) + f.embed_rows(t)),
+            if a.incremental { "prompt" } else { "prefix" },
+            human(f.scratch(whole) + f.embed_rows(whole)),
+            if p.whole_fits {
+                "which fits but leaves less for the trunk and lm_head that every one of \
+                 --gen's tokens reads: more read over the run"
+            } else {
+                "which does not fit"
+            }
+        )
+    })
+}
+
+/// The trunk's line of the plan and its notes; whether the ring holds its wrap read.
+fn add_trunk(
+    mp: &mut MemoryPlan,
+    notes: &mut Vec<String>,
+    a: &GenArgs,
+    b: &Bounds,
+    sink: u64,
+    head_streams: bool,
+) -> Result<bool, String> {
+    let Some(runs) = &b.runs else {
+        mp.add("trunk (resident)", "trunk-loader", b.trunk_need);
+        if a.mem.iter().any(|f| !matches!(f, MemFlag::MemGb(_))) {
+            notes.push(
+                "--trunk was not given: the trunk is loaded whole, whatever --trunk-gb says".into(),
+            );
+        }
+        return Ok(false);
+    };
+    // The trunk-loader plans the same budget beside the same sink (what the plan leaves of
+    // its share went to the lm_head's rows and the cache in `choose`).
+    let sp = k3_trunk_loader::plan_streams_with(
+        mp.trunk_budget_bytes,
+        runs,
+        k3_trunk_loader::RingPolicy::default(),
+        sink,
+    )
+    .map_err(|e| e.to_string())?;
+    let tp = sp.plan;
+    let unit = if sp.parts { "layer parts" } else { "layers" };
+    mp.add(
+        &format!("trunk ({}/{} pinned)", tp.pinned, tp.layers),
+        "trunk-loader",
+        tp.bytes(),
+    );
+    let streamed = sp.read_per_token;
+    mp.streamed_bytes_per_token = streamed;
+    notes.push(format!(
+        "trunk streamed: {}/{} {unit} pinned, ring {} x {}; deterministic hit rate {:.1}%; {} read per token",
+        tp.pinned,
+        tp.layers,
+        tp.ring_slots,
+        human(tp.slot_bytes),
+        100.0 * tp.hit_rate(),
+        human(streamed)
+    ));
+    // The lm_head streams from the same disk between tokens: a ring that read the next
+    // token's first part then would share the disk with it, while the token starts with
+    // pinned parts whose compute that read can overlap instead.
+    let hold_wrap = head_streams && tp.ring_slots > 0 && sp.starts_pinned();
+    if hold_wrap {
+        notes.push(
+            "trunk ring: each token's first streamed part is read when the token \
+             starts (its pinned parts come first), not while the lm_head streams"
+                .into(),
+        );
+    }
+    Ok(hold_wrap)
+}
+
+/// The lm_head's lines of the plan and its note: pinned, or streamed in chunks of `chunk`
+/// with `held` bytes of its leading rows held.
+fn add_lm_head(
+    mp: &mut MemoryPlan,
+    notes: &mut Vec<String>,
+    b: &Bounds,
+    chunk: Option<u64>,
+    held: u64,
+) {
+    let (lm, row) = (b.lm_head, b.lm_head_row);
+    let Some(c) = chunk else {
+        mp.add("lm_head (pinned)", "layer-compute", lm);
+        return;
+    };
+    mp.add(
+        "lm_head (streamed)",
+        "layer-compute",
+        2 * k3_io::slot_bytes_for(c),
+    );
+    let head_read = lm - held;
+    mp.streamed_bytes_per_token += head_read;
+    if held > 0 {
+        mp.add(
+            "lm_head rows held",
+            "layer-compute",
+            held_rows_bytes(held / row.max(1), row),
+        );
+        notes.push(format!(
+            "lm_head: {} of its leading rows held, the rest streamed in chunks of {} ({} read per token)",
+            human(held),
+            human(c),
+            human(head_read)
+        ));
+    } else {
+        notes.push(format!(
+            "lm_head streamed in chunks of {} ({} read per token)",
+            human(c),
+            human(lm)
+        ));
+    }
+}
+
+/// The plan of a chosen split (the last step of [`plan_run`]): its lines and notes, the
+/// test hooks applied, refused when it does not fit.
+fn assemble(
+    a: &GenArgs,
+    res: Resolved,
+    b: &Bounds,
+    f: &FixedCosts,
+    p: Picked,
+) -> Result<RunPlan, RunError> {
     let Choice {
         trunk: trunk_budget,
         cache: cache_budget,
@@ -976,137 +1119,40 @@ pub fn plan_run(
         head_held,
         sink: trunk_sink,
         ..
-    } = choice;
-    let head_held = match hook(LM_HEAD_HELD_ENV) {
-        Some(n) => (n.min(lm) / lm_head_row.max(1)) * lm_head_row,
+    } = p.choice;
+    let (lm, row) = (b.lm_head, b.lm_head_row);
+    let head_held = match test_hook(LM_HEAD_HELD_ENV) {
+        Some(n) => (n.min(lm) / row.max(1)) * row,
         None => head_held,
     };
-    let lm_head_chunk_bytes = match hook(LM_HEAD_CHUNK_ENV) {
+    let lm_head_chunk_bytes = match test_hook(LM_HEAD_CHUNK_ENV) {
         Some(n) => Some(n),
         None if head_pinned => None,
         None => Some(lm_head_chunk(lm)),
     };
-    let mut notes = Vec::new();
-    if pass_tokens < max_pass_tokens {
-        notes.push(format!(
-            "prompt fed in passes of at most {pass_tokens} token(s): a pass holds {} of \
-             activations and embedding rows; the whole {max_pass_tokens}-token {} in one pass \
-             would hold {}, {}",
-            human(scratch_of(pass_tokens) + embed_rows_of(pass_tokens)),
-            if a.incremental { "prompt" } else { "prefix" },
-            human(scratch_of(max_pass_tokens) + embed_rows_of(max_pass_tokens)),
-            if whole_fits {
-                "which fits but leaves less for the trunk and lm_head that every one of \
-                 --gen's tokens reads: more read over the run"
-            } else {
-                "which does not fit"
-            }
-        ));
-    }
+    let mut notes: Vec<String> = pass_note(a, b, f, &p).into_iter().collect();
     if !res.source.is_empty() {
         notes.push(format!("budget from {}", res.source));
     }
     let mut mp = MemoryPlan::new(trunk_budget, cache_budget, a.trunk.is_some());
-    let mut trunk_hold_wrap = false;
-    match &runs {
-        Some(runs) => {
-            // The trunk-loader plans the same budget beside the same sink (what the plan
-            // leaves of its share went to the lm_head's rows and the cache in `choose`).
-            let sp = k3_trunk_loader::plan_streams_with(
-                trunk_budget,
-                runs,
-                k3_trunk_loader::RingPolicy::default(),
-                trunk_sink,
-            )
-            .map_err(|e| usage(e.to_string()))?;
-            let tp = sp.plan;
-            let unit = if sp.parts { "layer parts" } else { "layers" };
-            mp.add(
-                &format!("trunk ({}/{} pinned)", tp.pinned, tp.layers),
-                "trunk-loader",
-                tp.bytes(),
-            );
-            let streamed = sp.read_per_token;
-            mp.streamed_bytes_per_token = streamed;
-            notes.push(format!(
-                "trunk streamed: {}/{} {unit} pinned, ring {} x {}; deterministic hit rate {:.1}%; {} read per token",
-                tp.pinned,
-                tp.layers,
-                tp.ring_slots,
-                human(tp.slot_bytes),
-                100.0 * tp.hit_rate(),
-                human(streamed)
-            ));
-            // The lm_head streams from the same disk between tokens: a ring that read the
-            // next token's first part then would share the disk with it, while the token
-            // starts with pinned parts whose compute that read can overlap instead.
-            if lm_head_chunk_bytes.is_some() && tp.ring_slots > 0 && sp.starts_pinned() {
-                trunk_hold_wrap = true;
-                notes.push(
-                    "trunk ring: each token's first streamed part is read when the token \
-                     starts (its pinned parts come first), not while the lm_head streams"
-                        .into(),
-                );
-            }
-        }
-        None => {
-            mp.add("trunk (resident)", "trunk-loader", trunk_need);
-            if a.mem.iter().any(|f| !matches!(f, MemFlag::MemGb(_))) {
-                notes.push(
-                    "--trunk was not given: the trunk is loaded whole, whatever --trunk-gb says"
-                        .into(),
-                );
-            }
-        }
-    }
+    let streams = lm_head_chunk_bytes.is_some();
+    let trunk_hold_wrap = add_trunk(&mut mp, &mut notes, a, b, trunk_sink, streams)
+        .map_err(|e| RunError::usage(format!("k3-orch: {e}")))?;
     // Never more slots than there are experts to hold.
-    let slots = (cache_budget / expert_slot)
-        .min(cen.n_experts)
-        .max(min_slots);
-    mp.add("expert cache", "expert-fetcher", slots * expert_slot);
-    match lm_head_chunk_bytes {
-        None => mp.add("lm_head (pinned)", "layer-compute", lm),
-        Some(c) => {
-            mp.add(
-                "lm_head (streamed)",
-                "layer-compute",
-                2 * k3_io::slot_bytes_for(c),
-            );
-            let head_read = lm - head_held;
-            mp.streamed_bytes_per_token += head_read;
-            if head_held > 0 {
-                mp.add(
-                    "lm_head rows held",
-                    "layer-compute",
-                    held_rows_bytes(head_held / lm_head_row.max(1), lm_head_row),
-                );
-                notes.push(format!(
-                    "lm_head: {} of its leading rows held, the rest streamed in chunks of {} ({} read per token)",
-                    human(head_held),
-                    human(c),
-                    human(head_read)
-                ));
-            } else {
-                notes.push(format!(
-                    "lm_head streamed in chunks of {} ({} read per token)",
-                    human(c),
-                    human(lm)
-                ));
-            }
-        }
+    let slots = (cache_budget / b.expert_slot)
+        .min(b.max_slots)
+        .max(b.min_slots);
+    mp.add("expert cache", "expert-fetcher", slots * b.expert_slot);
+    add_lm_head(&mut mp, &mut notes, b, lm_head_chunk_bytes, head_held);
+    let t = p.pass_tokens;
+    mp.add("embedding rows", "layer-compute", f.embed_rows(t));
+    mp.add("norms", "layer-compute", f.norms);
+    mp.add("recurrent state", "layer-compute", f.kda_state);
+    mp.add("scratch", "layer-compute", f.scratch(t));
+    if staged(a) {
+        mp.add("stage processes", "processes", f.processes);
     }
-    mp.add(
-        "embedding rows",
-        "layer-compute",
-        embed_rows_of(pass_tokens),
-    );
-    mp.add("norms", "layer-compute", norms);
-    mp.add("recurrent state", "layer-compute", cen.kda_state_bytes);
-    mp.add("scratch", "layer-compute", scratch_of(pass_tokens));
-    if staged {
-        mp.add("stage processes", "processes", processes);
-    }
-    mp.add("KV cache", "layer-compute", kv);
+    mp.add("KV cache", "layer-compute", f.kv);
     mp.available_bytes = mem_available();
     mp.total_budget_bytes = res.total;
     mp.check().map_err(RunError::usage)?;
@@ -1116,20 +1162,36 @@ pub fn plan_run(
         cache_budget,
         preset: res.preset,
         min_slots: slots as usize,
-        max_slots: max_slots as usize,
+        max_slots: b.max_slots as usize,
         total_budget: res.total,
         limit: res.limit,
         lm_head_chunk_bytes,
-        lm_head_held_bytes: if lm_head_chunk_bytes.is_some() {
-            head_held
-        } else {
-            0
-        },
+        lm_head_held_bytes: if streams { head_held } else { 0 },
         trunk_sink,
         trunk_hold_wrap,
-        prefill_chunk: (pass_tokens < max_pass_tokens).then_some(pass_tokens as usize),
+        prefill_chunk: (t < b.max_pass_tokens).then_some(t as usize),
         notes,
     })
+}
+
+/// Add up everything the run will hold and refuse up front what cannot fit: bound the
+/// request, add up what every run holds, choose the split of the budget, assemble the plan.
+pub fn plan_run(
+    a: &GenArgs,
+    cfg: &ModelConfig,
+    sizes: &ModelSizes,
+    layers: usize,
+) -> Result<RunPlan, RunError> {
+    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+    let b = bound(a, cfg, sizes, layers).map_err(usage)?;
+    let res = resolve(&a.mem, default_total).map_err(usage)?;
+    let f = fixed_costs(a, cfg, sizes, &b);
+    // The KV cache alone not fitting is said as such, before the whole plan is weighed.
+    if a.incremental {
+        check_kv(b.positions, sizes.kv_per_pos, mem_available()).map_err(RunError::usage)?;
+    }
+    let p = choose_parts(a, &res, &b, &f)?;
+    assemble(a, res, &b, &f, p)
 }
 
 #[cfg(test)]

@@ -430,7 +430,7 @@ pub fn pss_tree(root: u32) -> Option<u64> {
 /// `Pss:` of /proc/PID/smaps_rollup, in bytes.
 fn pss_of(pid: u32) -> Option<u64> {
     let t = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    k3_trunk_loader::presets::parse_meminfo(&t, "Pss:")
+    k3_io::sysmem::parse_meminfo(&t, "Pss:")
 }
 
 #[cfg(test)]

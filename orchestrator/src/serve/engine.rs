@@ -456,8 +456,8 @@ fn warm_worker(
     stats: Arc<Stats>,
 ) {
     let stop_ids = tok.stop_ids();
-    let mut warm = match start_warm(&launch, &stats) {
-        Ok(w) => Some(w),
+    let warm = match start_warm(&launch, &stats) {
+        Ok(w) => w,
         Err(e) => {
             tracing::error!("k3-orch serve: starting the stages: {e}");
             if let Ok(mut g) = stats.load_error.lock() {
@@ -468,109 +468,133 @@ fn warm_worker(
     };
     stats.ready.store(true, Ordering::SeqCst);
     tracing::info!("k3-orch serve: model loaded");
-    let restart = |old: Option<Warm>, why: &str| -> Option<Warm> {
-        if let Some(w) = old {
-            w.kill();
-        }
-        if stats.closing.load(Ordering::SeqCst) {
-            return None;
-        }
-        stats.restarts.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!("k3-orch serve: {why}; starting the stages again");
-        match start_warm(&launch, &stats) {
-            Ok(w) => {
-                stats.ready.store(true, Ordering::SeqCst);
-                Some(w)
-            }
-            Err(e) => {
-                tracing::error!("k3-orch serve: restarting the stages: {e}");
-                stats.ready.store(false, Ordering::SeqCst);
-                None
-            }
-        }
+    let mut b = Backend {
+        o,
+        launch: &launch,
+        stats: &stats,
+        warm: Some(warm),
     };
     loop {
         match rx.recv_timeout(std::time::Duration::from_millis(500)) {
             Ok(Work::State(op, answer)) => {
-                if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
-                    let why = e.msg.trim_start_matches("k3-orch: ").to_string();
-                    warm = restart(warm.take(), &why);
-                }
-                if warm.is_none() {
-                    warm = restart(None, "the stages are down");
-                }
-                let res = match (warm.as_mut(), state_fingerprint(o)) {
-                    (None, _) => Err("the stages could not be started again".to_string()),
-                    (Some(_), Err(e)) => Err(e),
-                    (Some(w), Ok(fp)) => {
-                        let r = match &op {
-                            StateOp::Save { path, conversation } => {
-                                w.save_state(path, &fp, conversation)
-                            }
-                            StateOp::Load { path, conversation } => {
-                                w.load_state(path, &fp, conversation, o.cache_entries)
-                            }
-                        };
-                        r.unwrap_or_else(|e| {
-                            let why = e.msg.trim_start_matches("k3-orch: ").to_string();
-                            warm = restart(warm.take(), &why);
-                            Err(format!("{why}; the stages were restarted"))
-                        })
-                    }
-                };
-                let _ = answer.send(res);
+                let _ = answer.send(b.state(&op));
             }
             Ok(Work::Job(job)) if stats.closing.load(Ordering::SeqCst) => {
                 finish_job(&job, Err("the server is shutting down".into()), &stats);
             }
-            Ok(Work::Job(job)) => {
-                // A stage that died while idle is noticed before the job starts on it.
-                if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
-                    let why = e.msg.trim_start_matches("k3-orch: ").to_string();
-                    warm = restart(warm.take(), &why);
-                }
-                if warm.is_none() {
-                    warm = restart(None, "the stages are down");
-                }
-                let Some(w) = warm.as_mut() else {
-                    finish_job(
-                        &job,
-                        Err("the stages could not be started again".into()),
-                        &stats,
-                    );
-                    continue;
-                };
-                match run_warm_job(w, &stop_ids, &job, &stats, o.cache_entries) {
-                    Ok(d) => finish_job(&job, Ok(d), &stats),
-                    Err(e) => {
-                        let why = e.trim_start_matches("k3-orch: ").to_string();
-                        let next = if stats.closing.load(Ordering::SeqCst) {
-                            "the server is shutting down"
-                        } else {
-                            "the stages are being restarted"
-                        };
-                        finish_job(&job, Err(format!("{why}; {next}")), &stats);
-                        warm = restart(warm.take(), &why);
-                    }
-                }
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Some(Err(e)) = warm.as_mut().map(Warm::poll) {
-                    let why = e.msg.trim_start_matches("k3-orch: ").to_string();
-                    warm = restart(warm.take(), &why);
-                }
-            }
+            Ok(Work::Job(job)) => b.job(&job, &stop_ids),
+            Err(mpsc::RecvTimeoutError::Timeout) => b.check(),
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
-        if let (Some(w), Ok(mut g)) = (warm.as_ref(), stats.stages.lock()) {
+        if let (Some(w), Ok(mut g)) = (b.warm.as_ref(), stats.stages.lock()) {
             *g = w.memory();
         }
     }
-    if let Some(w) = warm {
+    if let Some(w) = b.warm {
         w.shutdown(std::time::Duration::from_millis(1500));
     }
     if let Ok(mut g) = stats.stages.lock() {
         g.clear();
+    }
+}
+
+/// The warm pipeline of [`warm_worker`], started again after a fault.
+struct Backend<'a> {
+    o: &'a EngineOptions,
+    launch: &'a Launch,
+    stats: &'a Stats,
+    /// None while the stages are down (they could not be started again, or the server is
+    /// closing).
+    warm: Option<Warm>,
+}
+
+impl Backend<'_> {
+    /// Stop the stages (when up) and start them again, unless the server is closing.
+    fn restart(&mut self, why: &str) {
+        if let Some(w) = self.warm.take() {
+            w.kill();
+        }
+        if self.stats.closing.load(Ordering::SeqCst) {
+            return;
+        }
+        self.stats.restarts.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!("k3-orch serve: {why}; starting the stages again");
+        match start_warm(self.launch, self.stats) {
+            Ok(w) => {
+                self.stats.ready.store(true, Ordering::SeqCst);
+                self.warm = Some(w);
+            }
+            Err(e) => {
+                tracing::error!("k3-orch serve: restarting the stages: {e}");
+                self.stats.ready.store(false, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// A stage that died (while idle too) is noticed here, and the stages started again.
+    fn check(&mut self) {
+        if let Some(Err(e)) = self.warm.as_mut().map(Warm::poll) {
+            let why = e.msg.trim_start_matches("k3-orch: ").to_string();
+            self.restart(&why);
+        }
+    }
+
+    /// The stages, checked and started again when down; None when they cannot be.
+    fn up(&mut self) -> Option<&mut Warm> {
+        self.check();
+        if self.warm.is_none() {
+            self.restart("the stages are down");
+        }
+        self.warm.as_mut()
+    }
+
+    /// Save or load a session state on the stages; a failure restarts them.
+    fn state(&mut self, op: &StateOp) -> Result<usize, String> {
+        let cache_entries = self.o.cache_entries;
+        let fp = state_fingerprint(self.o);
+        let r = match (self.up(), fp) {
+            (None, _) => return Err("the stages could not be started again".to_string()),
+            (Some(_), Err(e)) => return Err(e),
+            (Some(w), Ok(fp)) => match op {
+                StateOp::Save { path, conversation } => w.save_state(path, &fp, conversation),
+                StateOp::Load { path, conversation } => {
+                    w.load_state(path, &fp, conversation, cache_entries)
+                }
+            },
+        };
+        // The outer error is the stages failing (restart them); the inner one the state
+        // refused (the stages are fine).
+        r.unwrap_or_else(|e| {
+            let why = e.msg.trim_start_matches("k3-orch: ").to_string();
+            self.restart(&why);
+            Err(format!("{why}; the stages were restarted"))
+        })
+    }
+
+    /// Run one job on the stages; a failure ends it with the reason and restarts them.
+    fn job(&mut self, job: &Job, stop_ids: &[u32]) {
+        let (stats, cache_entries) = (self.stats, self.o.cache_entries);
+        let Some(w) = self.up() else {
+            finish_job(
+                job,
+                Err("the stages could not be started again".into()),
+                stats,
+            );
+            return;
+        };
+        match run_warm_job(w, stop_ids, job, stats, cache_entries) {
+            Ok(d) => finish_job(job, Ok(d), stats),
+            Err(e) => {
+                let why = e.trim_start_matches("k3-orch: ").to_string();
+                let next = if stats.closing.load(Ordering::SeqCst) {
+                    "the server is shutting down"
+                } else {
+                    "the stages are being restarted"
+                };
+                finish_job(job, Err(format!("{why}; {next}")), stats);
+                self.restart(&why);
+            }
+        }
     }
 }
 

@@ -19,7 +19,8 @@ use std::sync::Arc;
 use clap::Parser;
 use serde_json::{json, Value};
 
-use super::engine::{Event, Job};
+use super::api::Limits;
+use super::engine::{Engine, Event, Job};
 use super::ModelFlags;
 use crate::error::{EXIT_FAILED, EXIT_OK, EXIT_USAGE};
 
@@ -75,16 +76,14 @@ pub fn chat_main(argv: Vec<OsString>) -> i32 {
         tracing::error!("k3-orch chat: {e}");
         return EXIT_FAILED;
     }
-    let lim = a.model.limits();
     let tty = std::io::stdin().is_terminal();
-    let mut messages: Vec<Value> = Vec::new();
-    let reset = |m: &mut Vec<Value>| {
-        m.clear();
-        if let Some(s) = &a.system {
-            m.push(json!({"role": "system", "content": s}));
-        }
+    let mut s = Session {
+        a: &a,
+        engine: &engine,
+        lim: a.model.limits(),
+        messages: Vec::new(),
     };
-    reset(&mut messages);
+    s.reset();
     if tty {
         eprintln!("k3-orch chat: type a message; /reset /save FILE /load FILE /exit");
     }
@@ -108,44 +107,83 @@ pub fn chat_main(argv: Vec<OsString>) -> i32 {
             continue;
         }
         if let Some(cmd) = line.strip_prefix('/') {
-            let (name, arg) = cmd.split_once(' ').unwrap_or((cmd, ""));
-            match (name, arg.trim()) {
-                ("exit" | "quit", _) => break,
-                ("reset", _) => {
-                    reset(&mut messages);
-                    eprintln!("(conversation reset)");
-                }
-                ("save", f) if !f.is_empty() => {
-                    let body = json!({"k3_chat": 1, "messages": messages});
-                    let bytes = serde_json::to_vec_pretty(&body).unwrap_or_default();
-                    match k3_io::output::write_atomic(std::path::Path::new(f), &bytes) {
-                        Ok(()) => eprintln!(
-                            "(saved {} messages to {f}; {})",
-                            messages.len(),
-                            save_state(&engine, &a, &messages, f)
-                        ),
-                        Err(e) => eprintln!("(cannot save {f}: {e})"),
-                    }
-                }
-                ("load", f) if !f.is_empty() => match load(f) {
-                    Ok(m) => {
-                        eprintln!(
-                            "(loaded {} messages from {f}; {})",
-                            m.len(),
-                            load_state(&engine, &a, &m, f)
-                        );
-                        messages = m;
-                    }
-                    Err(e) => eprintln!("(cannot load {f}: {e})"),
-                },
-                _ => eprintln!("(commands: /reset, /save FILE, /load FILE, /exit)"),
+            if s.command(cmd) {
+                break;
             }
             continue;
         }
-        messages.push(json!({"role": "user", "content": line}));
-        let mut body = chat_body(&a, &messages);
+        if let Err(code) = s.turn(line) {
+            return code;
+        }
+    }
+    engine.shutdown();
+    EXIT_OK
+}
+
+/// One chat session: the conversation so far, on the warm engine.
+struct Session<'a> {
+    a: &'a ChatArgs,
+    engine: &'a Engine,
+    lim: Limits,
+    messages: Vec<Value>,
+}
+
+impl Session<'_> {
+    /// Back to the start: the system message alone, when there is one.
+    fn reset(&mut self) {
+        self.messages.clear();
+        if let Some(s) = &self.a.system {
+            self.messages.push(json!({"role": "system", "content": s}));
+        }
+    }
+
+    /// A `/command` line (without its slash); true for `/exit`.
+    fn command(&mut self, cmd: &str) -> bool {
+        let (name, arg) = cmd.split_once(' ').unwrap_or((cmd, ""));
+        let (engine, a) = (self.engine, self.a);
+        match (name, arg.trim()) {
+            ("exit" | "quit", _) => return true,
+            ("reset", _) => {
+                self.reset();
+                eprintln!("(conversation reset)");
+            }
+            ("save", f) if !f.is_empty() => {
+                let body = json!({"k3_chat": 1, "messages": self.messages});
+                let bytes = serde_json::to_vec_pretty(&body).unwrap_or_default();
+                match k3_io::output::write_atomic(std::path::Path::new(f), &bytes) {
+                    Ok(()) => eprintln!(
+                        "(saved {} messages to {f}; {})",
+                        self.messages.len(),
+                        save_state(engine, a, &self.messages, f)
+                    ),
+                    Err(e) => eprintln!("(cannot save {f}: {e})"),
+                }
+            }
+            ("load", f) if !f.is_empty() => match load(f) {
+                Ok(m) => {
+                    eprintln!(
+                        "(loaded {} messages from {f}; {})",
+                        m.len(),
+                        load_state(engine, a, &m, f)
+                    );
+                    self.messages = m;
+                }
+                Err(e) => eprintln!("(cannot load {f}: {e})"),
+            },
+            _ => eprintln!("(commands: /reset, /save FILE, /load FILE, /exit)"),
+        }
+        false
+    }
+
+    /// One user turn: the reply streams to stdout and joins the conversation. A refused
+    /// or failed turn leaves the conversation as it was; Err: the exit code when the
+    /// engine is gone.
+    fn turn(&mut self, line: &str) -> Result<(), i32> {
+        let a = self.a;
+        self.messages.push(json!({"role": "user", "content": line}));
+        let mut body = chat_body(a, &self.messages);
         for (k, v) in [
-            ("max_tokens", json!(a.gen.min(lim.max_tokens))),
+            ("max_tokens", json!(a.gen.min(self.lim.max_tokens))),
             ("temperature", json!(a.temperature)),
             ("top_k", json!(a.top_k)),
             ("top_p", json!(a.top_p)),
@@ -155,20 +193,20 @@ pub fn chat_main(argv: Vec<OsString>) -> i32 {
         ] {
             body[k] = v;
         }
-        let p = match super::api::chat(&engine.tok, &body, &lim) {
+        let p = match super::api::chat(&self.engine.tok, &body, &self.lim) {
             Ok(p) => p,
             Err(e) => {
                 eprintln!("(refused: {})", e.message);
-                messages.pop();
-                continue;
+                self.messages.pop();
+                return Ok(());
             }
         };
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        engine
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.engine
             .stats
             .queue
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if let Err(e) = engine.submit(Job {
+        if let Err(e) = self.engine.submit(Job {
             prompt: p.prompt,
             snapshot_at: p.snapshot_at,
             max_tokens: p.max_tokens,
@@ -178,51 +216,62 @@ pub fn chat_main(argv: Vec<OsString>) -> i32 {
             events: tx,
         }) {
             tracing::error!("k3-orch chat: {e}");
-            return EXIT_FAILED;
+            return Err(EXIT_FAILED);
         }
-        let mut reply = String::new();
-        let mut out = std::io::stdout().lock();
-        loop {
-            match rx.blocking_recv() {
-                Some(Event::Started { .. }) => {}
-                Some(Event::Text(t)) => {
-                    reply.push_str(&t);
-                    let _ = out.write_all(t.as_bytes());
-                    let _ = out.flush();
+        let (reply, done) = stream_reply(rx, a.stats)?;
+        if !done {
+            self.messages.pop();
+        }
+        if self.messages.last().and_then(|m| m.get("role")) == Some(&json!("user")) {
+            self.messages
+                .push(json!({"role": "assistant", "content": reply}));
+        }
+        Ok(())
+    }
+}
+
+/// Print a job's text to stdout as it arrives: the reply so far and whether the job finished
+/// (a failure is said on stderr), or Err(exit code) when the engine stopped.
+fn stream_reply(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    stats: bool,
+) -> Result<(String, bool), i32> {
+    let mut reply = String::new();
+    let mut out = std::io::stdout().lock();
+    loop {
+        match rx.blocking_recv() {
+            Some(Event::Started { .. }) => {}
+            Some(Event::Text(t)) => {
+                reply.push_str(&t);
+                let _ = out.write_all(t.as_bytes());
+                let _ = out.flush();
+            }
+            Some(Event::Done(d)) => {
+                let _ = writeln!(out);
+                let _ = out.flush();
+                if stats {
+                    eprintln!(
+                        "({} prompt tokens, {} reused; {} generated in {:.2} s; {})",
+                        d.prompt_tokens,
+                        d.cached_tokens,
+                        d.completion_tokens,
+                        d.seconds,
+                        d.finish.as_str()
+                    );
                 }
-                Some(Event::Done(d)) => {
-                    let _ = writeln!(out);
-                    let _ = out.flush();
-                    if a.stats {
-                        eprintln!(
-                            "({} prompt tokens, {} reused; {} generated in {:.2} s; {})",
-                            d.prompt_tokens,
-                            d.cached_tokens,
-                            d.completion_tokens,
-                            d.seconds,
-                            d.finish.as_str()
-                        );
-                    }
-                    break;
-                }
-                Some(Event::Error(e)) => {
-                    let _ = writeln!(out);
-                    tracing::error!("k3-orch chat: {e}");
-                    messages.pop();
-                    break;
-                }
-                None => {
-                    tracing::error!("k3-orch chat: the engine stopped");
-                    return EXIT_FAILED;
-                }
+                return Ok((reply, true));
+            }
+            Some(Event::Error(e)) => {
+                let _ = writeln!(out);
+                tracing::error!("k3-orch chat: {e}");
+                return Ok((reply, false));
+            }
+            None => {
+                tracing::error!("k3-orch chat: the engine stopped");
+                return Err(EXIT_FAILED);
             }
         }
-        if messages.last().and_then(|m| m.get("role")) == Some(&json!("user")) {
-            messages.push(json!({"role": "assistant", "content": reply}));
-        }
     }
-    engine.shutdown();
-    EXIT_OK
 }
 
 /// A chat body with the conversation and the thinking flags (the template options).
@@ -241,7 +290,7 @@ fn state_path(f: &str) -> std::path::PathBuf {
 
 /// `/save`'s second half: the kept state for the conversation to FILE.state. What happened,
 /// for the message (a state that cannot be saved leaves no stale FILE.state behind).
-fn save_state(engine: &super::engine::Engine, a: &ChatArgs, messages: &[Value], f: &str) -> String {
+fn save_state(engine: &Engine, a: &ChatArgs, messages: &[Value], f: &str) -> String {
     let p = state_path(f);
     let res = super::api::conversation_tokens(&engine.tok, &chat_body(a, messages))
         .map_err(|e| e.message)
@@ -256,7 +305,7 @@ fn save_state(engine: &super::engine::Engine, a: &ChatArgs, messages: &[Value], 
 }
 
 /// `/load`'s second half: FILE.state back into the prefix cache, when it fits.
-fn load_state(engine: &super::engine::Engine, a: &ChatArgs, messages: &[Value], f: &str) -> String {
+fn load_state(engine: &Engine, a: &ChatArgs, messages: &[Value], f: &str) -> String {
     let p = state_path(f);
     let res = super::api::conversation_tokens(&engine.tok, &chat_body(a, messages))
         .map_err(|e| e.message)

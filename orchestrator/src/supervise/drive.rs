@@ -11,7 +11,7 @@ use k3_protocol::messages::{Msg, RegionRole, Stage};
 use k3_protocol::shm::Region;
 use k3_protocol::transport::{ShmTransport, Side};
 
-use super::spawn::{Event, ExitCause, Exited, Running};
+use super::spawn::{ExitCause, Exited, Running, StageEvent};
 use super::{erased, Launch, Mode, Observer, Outcome};
 use crate::error::RunError;
 
@@ -20,7 +20,7 @@ pub(super) fn next_event(
     r: &mut Running,
     timeout: Duration,
     expect_alive: &[Stage],
-) -> Result<Event, RunError> {
+) -> Result<StageEvent, RunError> {
     loop {
         if super::spawn::INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
             let code = super::spawn::interrupted_exit_code();
@@ -34,7 +34,7 @@ pub(super) fn next_event(
         }
         match r.events.recv_timeout(Duration::from_millis(100)) {
             Ok(ev) => {
-                if let Event::Control(s, Ok(_)) = &ev {
+                if let StageEvent::Control(s, Ok(_)) = &ev {
                     r.last_seen.insert(*s, Instant::now());
                 }
                 return Ok(ev);
@@ -88,15 +88,15 @@ pub(super) fn exit_failure(r: &Running, e: &Exited) -> RunError {
 
 pub(super) fn handle_common(
     r: &mut Running,
-    ev: Event,
+    ev: StageEvent,
     phase: &str,
 ) -> Result<Option<(Stage, Msg, Vec<OwnedFd>)>, RunError> {
     match ev {
-        Event::Control(s, Ok((Msg::Pong { .. }, _))) => {
+        StageEvent::Control(s, Ok((Msg::Pong { .. }, _))) => {
             let _ = s;
             Ok(None)
         }
-        Event::Control(
+        StageEvent::Control(
             _,
             Ok((
                 Msg::Progress {
@@ -111,20 +111,20 @@ pub(super) fn handle_common(
             r.progress.update(stage, &phase, done, total);
             Ok(None)
         }
-        Event::Control(s, Ok((Msg::Error { stage, msg }, _))) => {
+        StageEvent::Control(s, Ok((Msg::Error { stage, msg }, _))) => {
             let _ = s;
             Err(RunError::new(
                 1,
                 format!("k3-orch: stage {stage} failed: {msg}"),
             ))
         }
-        Event::Control(s, Ok((m, fds))) => Ok(Some((s, m, fds))),
-        Event::Control(s, Err(e)) => {
+        StageEvent::Control(s, Ok((m, fds))) => Ok(Some((s, m, fds))),
+        StageEvent::Control(s, Err(e)) => {
             // The control socket closed: the exit event (process mode) says why; give it a
             // moment to arrive.
             let deadline = Instant::now() + Duration::from_millis(500);
             while Instant::now() < deadline {
-                if let Ok(Event::Exit(x)) = r.events.recv_timeout(Duration::from_millis(50)) {
+                if let Ok(StageEvent::Exit(x)) = r.events.recv_timeout(Duration::from_millis(50)) {
                     let f = exit_failure(r, &x);
                     r.exited.insert(s, x);
                     return Err(f);
@@ -135,7 +135,7 @@ pub(super) fn handle_common(
                 format!("k3-orch: stage {s} closed its control socket {phase}: {e}"),
             ))
         }
-        Event::Exit(x) => {
+        StageEvent::Exit(x) => {
             let f = exit_failure(r, &x);
             if let Some(s) = Stage::parse(&x.stage) {
                 r.exited.insert(s, x);
@@ -216,12 +216,17 @@ pub(super) fn drive(
 /// Steps 1-3 of the wiring: every `Hello`, the links, `Configure` to the three servers;
 /// returns the data regions they shared.
 pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, RunError> {
-    let timeout = launch.stage_timeout;
+    let hello = await_hello(launch, r)?;
+    send_links(launch, r, &hello)?;
+    configure_servers(launch, r)
+}
+
+/// Step 1: `Hello` from every worker, in the protocol's version; their pids.
+fn await_hello(launch: &Launch, r: &mut Running) -> Result<HashMap<Stage, u32>, RunError> {
     let all = Stage::WORKERS;
-    // 1. Hello from everyone.
     let mut hello: HashMap<Stage, u32> = HashMap::new();
     while hello.len() < all.len() {
-        let ev = next_event(r, timeout, &all)?;
+        let ev = next_event(r, launch.stage_timeout, &all)?;
         if let Some((s, m, _)) = handle_common(r, ev, "during start-up")? {
             match m {
                 Msg::Hello {
@@ -246,6 +251,15 @@ pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, 
             }
         }
     }
+    Ok(hello)
+}
+
+/// Step 2: the links, compute side A of each (a peer's pid only between processes).
+fn send_links(
+    launch: &Launch,
+    r: &mut Running,
+    hello: &HashMap<Stage, u32>,
+) -> Result<(), RunError> {
     let peer_pid = |s: Stage| -> u32 {
         if launch.mode == Mode::Processes {
             hello[&s]
@@ -253,7 +267,6 @@ pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, 
             0
         }
     };
-    // 2. Links: compute is side A of each.
     for (link_id, peer) in
         (1u32..).zip([Stage::TrunkLoader, Stage::ExpertFetcher, Stage::Tokenizer])
     {
@@ -283,33 +296,24 @@ pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, 
             &[region.fd()],
         )?;
     }
-    // 3. Configure the servers; collect their data regions.
-    let json = |v: &dyn erased::Json| v.json();
-    r.send(
-        Stage::Tokenizer,
-        &Msg::Configure {
-            json: json(&launch.tokenizer),
-        },
-        &[],
-    )?;
-    r.send(
-        Stage::TrunkLoader,
-        &Msg::Configure {
-            json: json(&launch.trunk),
-        },
-        &[],
-    )?;
-    r.send(
-        Stage::ExpertFetcher,
-        &Msg::Configure {
-            json: json(&launch.fetcher),
-        },
-        &[],
-    )?;
+    Ok(())
+}
+
+/// Step 3: `Configure` to the three servers; their data regions, until each is `Ready`.
+fn configure_servers(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, RunError> {
+    let servers: [(Stage, &dyn erased::Json); 3] = [
+        (Stage::Tokenizer, &launch.tokenizer),
+        (Stage::TrunkLoader, &launch.trunk),
+        (Stage::ExpertFetcher, &launch.fetcher),
+    ];
+    for (stage, conf) in servers {
+        r.send(stage, &Msg::Configure { json: conf.json() }, &[])?;
+    }
+    let all = Stage::WORKERS;
     let mut ready: Vec<Stage> = Vec::new();
-    let mut data: Vec<(u32, String, OwnedFd)> = Vec::new();
+    let mut data: Vec<DataRegion> = Vec::new();
     while ready.len() < 3 {
-        let ev = next_event(r, timeout, &all)?;
+        let ev = next_event(r, launch.stage_timeout, &all)?;
         if let Some((s, m, mut fds)) = handle_common(r, ev, "during set-up")? {
             match m {
                 Msg::Ready { stage } if stage == s => ready.push(s),
@@ -425,7 +429,7 @@ fn generate(
             .collect();
         let ev = next_event(r, timeout, &alive)?;
         // After Finished, compute exits on its own; a clean exit is expected then.
-        if let Event::Exit(x) = &ev {
+        if let StageEvent::Exit(x) = &ev {
             if let Some(s) = Stage::parse(&x.stage) {
                 let done = (s == Stage::LayerCompute && finished)
                     || (s != Stage::LayerCompute && !summaries_left.contains(&s));
@@ -435,7 +439,7 @@ fn generate(
                 }
             }
         }
-        if let Event::Control(s, Err(_)) = &ev {
+        if let StageEvent::Control(s, Err(_)) = &ev {
             let done = (*s == Stage::LayerCompute && finished)
                 || (*s != Stage::LayerCompute && !summaries_left.contains(s));
             if done {

@@ -46,7 +46,7 @@ use k3_protocol::messages::{Msg, Stage, StepStats};
 
 use crate::error::RunError;
 use drive::drive;
-use spawn::{spawn_all, Event, ExitCause};
+use spawn::{spawn_all, ExitCause, StageEvent};
 
 /// How the stages run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,7 +136,9 @@ pub fn run(launch: &Launch, obs: &mut dyn Observer) -> Result<Outcome, RunError>
             if r.watcher.is_some() {
                 let deadline = Instant::now() + Duration::from_secs(10);
                 while r.exited.len() < Stage::WORKERS.len() && Instant::now() < deadline {
-                    if let Ok(Event::Exit(x)) = r.events.recv_timeout(Duration::from_millis(50)) {
+                    if let Ok(StageEvent::Exit(x)) =
+                        r.events.recv_timeout(Duration::from_millis(50))
+                    {
                         if let Some(s) = Stage::parse(&x.stage) {
                             r.exited.insert(s, x);
                         }

@@ -334,15 +334,17 @@ pub fn install_interrupt_handler() {
     }
 }
 
-/// Events the orchestrator's loop waits on.
-pub(super) enum Event {
+/// What the orchestrator's loop waits on from the stages: a control message (or a broken
+/// control socket), or a stage process that exited. (`serve::engine::Event` is what a serve
+/// job reports.)
+pub(super) enum StageEvent {
     Control(Stage, Result<(Msg, Vec<OwnedFd>), String>),
     Exit(Exited),
 }
 
-impl From<Exited> for Event {
-    fn from(e: Exited) -> Event {
-        Event::Exit(e)
+impl From<Exited> for StageEvent {
+    fn from(e: Exited) -> StageEvent {
+        StageEvent::Exit(e)
     }
 }
 
@@ -350,7 +352,7 @@ pub(super) struct Running {
     pub(super) controls: HashMap<Stage, Arc<ControlSocket>>,
     pub(super) watcher: Option<Watcher>,
     pub(super) threads: Vec<(Stage, std::thread::JoinHandle<Result<(), String>>)>,
-    pub(super) events: Receiver<Event>,
+    pub(super) events: Receiver<StageEvent>,
     pub(super) pids: HashMap<Stage, u32>,
     pub(super) last_seen: HashMap<Stage, Instant>,
     pub(super) exited: HashMap<Stage, Exited>,
@@ -381,7 +383,7 @@ impl Running {
 }
 
 pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
-    let (tx, rx) = channel::<Event>();
+    let (tx, rx) = channel::<StageEvent>();
     let mut controls = HashMap::new();
     let mut children = Vec::new();
     let mut threads = Vec::new();
@@ -450,7 +452,7 @@ pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
             .spawn(move || loop {
                 let r = c2.recv(None).map_err(|e| e.to_string());
                 let stop = r.is_err();
-                if tx2.send(Event::Control(stage, r)).is_err() || stop {
+                if tx2.send(StageEvent::Control(stage, r)).is_err() || stop {
                     break;
                 }
             })

@@ -19,7 +19,7 @@ use k3_protocol::conf::SamplerConfig;
 use k3_protocol::messages::{GenRequest, Msg, Stage, StepStats};
 
 use super::drive::{handle_common, next_event, start_compute, wire};
-use super::spawn::{spawn_all, Event, Running};
+use super::spawn::{spawn_all, Running, StageEvent};
 use super::{Launch, Mode};
 use crate::error::RunError;
 
@@ -172,7 +172,7 @@ impl Warm {
     pub fn poll(&mut self) -> Result<(), RunError> {
         let timeout = self.launch.stage_timeout;
         while let Ok(ev) = self.r.events.try_recv() {
-            if let Event::Control(s, Ok(_)) = &ev {
+            if let StageEvent::Control(s, Ok(_)) = &ev {
                 self.r.last_seen.insert(*s, Instant::now());
             }
             if let Some((s, m, _)) = handle_common(&mut self.r, ev, "between requests")? {
@@ -357,7 +357,7 @@ impl Warm {
         let deadline = Instant::now() + grace;
         let mut exited = 0usize;
         while exited < Stage::WORKERS.len() && Instant::now() < deadline {
-            if let Ok(Event::Exit(_)) = self.r.events.recv_timeout(Duration::from_millis(20)) {
+            if let Ok(StageEvent::Exit(_)) = self.r.events.recv_timeout(Duration::from_millis(20)) {
                 exited += 1;
             }
         }

@@ -165,8 +165,9 @@ pub fn oracle_ids(json: &str) -> Result<(Vec<u32>, Vec<u32>), String> {
     Ok((ids("prompt_ids")?, ids("full_ids")?))
 }
 
-/// `k3-orch demo`.
-pub fn main(argv: Vec<OsString>) -> i32 {
+/// demo's own arguments: the generation flags to pass on and `--keep DIR`; Err: the exit
+/// code (`--help` is 0).
+fn demo_args(argv: Vec<OsString>) -> Result<(Vec<String>, Option<PathBuf>), i32> {
     let mut extra: Vec<String> = Vec::new();
     for a in argv.into_iter().skip(1) {
         match a.into_string() {
@@ -174,12 +175,12 @@ pub fn main(argv: Vec<OsString>) -> i32 {
                 println!("usage: k3-orch demo [--inproc|--single-process] [--keep DIR] [generation flags]");
                 println!("runs the bundled tiny model (tiny-mxfp4) through the staged pipeline and checks");
                 println!("its greedy ids against the k3ref and llama.cpp oracles; the last line is a VERDICT.");
-                return 0;
+                return Err(0);
             }
             Ok(s) => extra.push(s),
             Err(_) => {
                 tracing::error!("k3-orch demo: arguments must be UTF-8");
-                return 2;
+                return Err(2);
             }
         }
     }
@@ -187,27 +188,72 @@ pub fn main(argv: Vec<OsString>) -> i32 {
     if let Some(i) = extra.iter().position(|x| x == "--keep") {
         if i + 1 >= extra.len() {
             tracing::error!("k3-orch demo: --keep needs a directory");
-            return 2;
+            return Err(2);
         }
         keep = Some(PathBuf::from(extra.remove(i + 1)));
         extra.remove(i);
     }
-    // A fresh private directory (mkdtemp: random name, mode 0700), removed on every way
-    // out, refusals included; never a predictable /tmp/k3-demo-<pid> that may already exist.
-    let private = match keep {
-        Some(_) => None,
-        None => match tempfile::Builder::new().prefix("k3-demo-").tempdir() {
-            Ok(d) => Some(d),
-            Err(e) => {
-                tracing::error!("k3-orch demo: creating a temporary directory: {e}");
-                return 1;
-            }
-        },
+    Ok((extra, keep))
+}
+
+/// Where the model is written: `--keep DIR`, or a fresh private directory (mkdtemp: random
+/// name, mode 0700) removed when the returned guard drops, on every way out, refusals
+/// included; never a predictable /tmp/k3-demo-<pid> that may already exist.
+fn work_dir(keep: Option<PathBuf>) -> Result<(PathBuf, Option<tempfile::TempDir>), i32> {
+    if let Some(d) = keep {
+        return Ok((d, None));
+    }
+    match tempfile::Builder::new().prefix("k3-demo-").tempdir() {
+        Ok(d) => Ok((d.path().to_path_buf(), Some(d))),
+        Err(e) => {
+            tracing::error!("k3-orch demo: creating a temporary directory: {e}");
+            Err(1)
+        }
+    }
+}
+
+/// The generated ids a run's JSON report holds (empty when it cannot be read).
+fn generated_ids(report: &Path) -> Vec<u32> {
+    std::fs::read(report)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| {
+            v.get("generated_ids")?
+                .as_array()?
+                .iter()
+                .map(|x| x.as_u64().map(|n| n as u32))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The VERDICT line for the ids `got` against both oracles' continuations; the exit code.
+fn verdict(got: &[u32], want: &[u32], want_llama: &[u32]) -> i32 {
+    let same = got.iter().zip(want).filter(|(a, b)| a == b).count();
+    if got == want && got == want_llama {
+        println!(
+            "VERDICT: PASS - {same}/{} generated ids identical to k3ref (float64 numpy reference) and to llama.cpp's kimi-k3 graph",
+            want.len()
+        );
+        0
+    } else {
+        println!(
+            "VERDICT: MISMATCH - {same}/{} generated ids match k3ref\n  got  {got:?}\n  want {want:?}",
+            want.len()
+        );
+        1
+    }
+}
+
+/// `k3-orch demo`.
+pub fn main(argv: Vec<OsString>) -> i32 {
+    let (extra, keep) = match demo_args(argv) {
+        Ok(x) => x,
+        Err(code) => return code,
     };
-    let tmp = match (&keep, &private) {
-        (Some(d), _) => d.clone(),
-        (None, Some(p)) => p.path().to_path_buf(),
-        (None, None) => unreachable!("a private directory exists when --keep is not given"),
+    let (tmp, private) = match work_dir(keep) {
+        Ok(x) => x,
+        Err(code) => return code,
     };
     let dir = match extract_bundled(&tmp) {
         Ok(d) => d,
@@ -258,32 +304,11 @@ pub fn main(argv: Vec<OsString>) -> i32 {
         println!("VERDICT: FAILED (the run exited {code})");
         return code;
     }
-    let got: Vec<u32> = std::fs::read(&out)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .and_then(|v| {
-            v.get("generated_ids")?
-                .as_array()?
-                .iter()
-                .map(|x| x.as_u64().map(|n| n as u32))
-                .collect()
-        })
-        .unwrap_or_default();
+    let got = generated_ids(&out);
     drop(private);
-    let want = &k3ref_full[prompt.len()..];
-    let want_llama = &llama_full[prompt.len()..];
-    let same = got.iter().zip(want).filter(|(a, b)| a == b).count();
-    if got == want && got == want_llama {
-        println!(
-            "VERDICT: PASS - {same}/{} generated ids identical to k3ref (float64 numpy reference) and to llama.cpp's kimi-k3 graph",
-            want.len()
-        );
-        0
-    } else {
-        println!(
-            "VERDICT: MISMATCH - {same}/{} generated ids match k3ref\n  got  {got:?}\n  want {want:?}",
-            want.len()
-        );
-        1
-    }
+    verdict(
+        &got,
+        &k3ref_full[prompt.len()..],
+        &llama_full[prompt.len()..],
+    )
 }

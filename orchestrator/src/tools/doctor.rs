@@ -2,18 +2,21 @@
 //! to type next.
 //!
 //! Checks: CPU features (run-time detection; the engine has AVX2+FMA and AVX-512 paths and a
-//! portable fallback), MemAvailable (not MemTotal) mapped to a preset by the seed's
-//! thresholds (>= 192 GB server, >= 96 workstation, >= 32 desktop, >= 10 laptop), a short
-//! devbw on the model's disk, whether memory cgroups (v2 or v1) are there to enforce
-//! per-stage budgets, and the NUMA node count. Exits 1 when the machine cannot run the model
-//! at all (below every preset and the checkpoint does not simply fit), 2 on usage errors.
+//! portable fallback), what is available (MemAvailable capped by the memory cgroup k3 runs
+//! in, read by `k3_io::sysmem` as the run's plan reads it; not MemTotal) mapped to a preset
+//! by the seed's thresholds (>= 192 GB server, >= 96 workstation, >= 32 desktop, >= 10
+//! laptop), a short devbw on the model's disk, whether memory cgroups (v2 or v1) are there
+//! to enforce per-stage budgets, and the NUMA node count. Exits 1 when the machine cannot
+//! run the model at all (below every preset and the checkpoint does not simply fit), 2 on
+//! usage errors.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use k3_io::devbw::measure;
-use k3_trunk_loader::presets::{mem_available, parse_meminfo, Presets, GB};
+use k3_io::sysmem::{mem_available, parse_meminfo};
+use k3_trunk_loader::presets::{Preset, Presets, GB};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -156,8 +159,19 @@ pub fn main(args: Vec<OsString>) -> i32 {
         }
     }
     let presets = Presets::builtin();
+    print_cpu();
+    let Some(mem) = print_memory(&presets, a.model_dir.as_deref()) else {
+        tracing::error!("k3-orch doctor: cannot read MemAvailable from /proc/meminfo");
+        return 1;
+    };
+    print_disk(a.model_dir.as_deref(), a.seconds);
+    print_cgroups();
+    print_numa();
+    print_next(a.model_dir.as_deref(), &mem)
+}
 
-    // CPU.
+/// The CPU line: architecture, threads, the features the kernels care about, the path.
+fn print_cpu() {
     let feats = cpu_features();
     let has = |n: &str| feats.iter().any(|(f, y)| *f == n && *y);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -182,25 +196,32 @@ pub fn main(args: Vec<OsString>) -> i32 {
         "portable kernels only (no AVX2+FMA): correct, but several times slower"
     };
     println!("             {path}");
+}
 
-    // Memory -> preset.
+/// What the memory check found: the preset for what is available, and whether the
+/// checkpoint fits in memory whole.
+struct Memory<'p> {
+    preset: Option<&'p Preset>,
+    fits_whole: bool,
+}
+
+/// The memory and preset lines; None when MemAvailable cannot be read.
+fn print_memory<'p>(presets: &'p Presets, model_dir: Option<&Path>) -> Option<Memory<'p>> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let total = parse_meminfo(&meminfo, "MemTotal:");
-    let Some(avail) = mem_available() else {
-        tracing::error!("k3-orch doctor: cannot read MemAvailable from /proc/meminfo");
-        return 1;
-    };
+    let avail = mem_available()?;
     println!(
-        "memory     : MemTotal {:.1} GB, MemAvailable {:.1} GB (presets key on MemAvailable)",
+        "memory     : MemTotal {:.1} GB, available {:.1} GB (MemAvailable capped by the cgroup \
+         k3 runs in; presets key on it)",
         total.unwrap_or(0) as f64 / GB,
         avail as f64 / GB
     );
     let preset = presets.for_available(avail);
-    let (_, shard_total) = a.model_dir.as_deref().map(model_files).unwrap_or((None, 0));
+    let (_, shard_total) = model_dir.map(model_files).unwrap_or((None, 0));
     let fits_whole = shard_total > 0 && (shard_total as f64) < avail as f64 * 0.8;
     match preset {
         Some(p) => println!(
-            "preset     : {} ({:.1} / {:.1} GB trunk / cache; MemAvailable >= {} GB; the seed measured {} on the released checkpoint)",
+            "preset     : {} ({:.1} / {:.1} GB trunk / cache; available >= {} GB; the seed measured {} on the released checkpoint)",
             p.name,
             p.trunk_gb,
             p.cache_gb,
@@ -222,42 +243,50 @@ pub fn main(args: Vec<OsString>) -> i32 {
             shard_total as f64 / GB
         );
     }
+    Some(Memory { preset, fits_whole })
+}
 
-    // Disk.
-    if let Some(dir) = &a.model_dir {
-        match model_files(dir).0 {
-            Some((file, size)) => {
-                let rb = 17_547_264u64.min(size / 4096 * 4096);
-                if rb == 0 {
-                    println!("disk       : {} is too small to measure", file.display());
-                } else {
-                    let q1 = measure(&file, rb, 1, a.seconds);
-                    let q16 = measure(&file, rb, 16, a.seconds);
-                    match (q1, q16) {
-                        (Ok(x), Ok(y)) => println!(
-                            "disk       : {}: {rb}-byte random reads, QD1 {:.0} MB/s, QD16 {:.0} MB/s ({})",
-                            file.display(),
-                            x.mb_per_s(),
-                            y.mb_per_s(),
-                            if x.direct { "O_DIRECT" } else { "buffered: O_DIRECT refused, page cache may inflate this" }
-                        ),
-                        (Err(e), _) | (_, Err(e)) => println!("disk       : cannot measure: {e}"),
-                    }
-                    if size < 4 * rb {
-                        println!("             (a small file: random reads overlap; run devbw on a large shard)");
-                    }
-                }
-            }
-            None => println!(
-                "disk       : no *.safetensors in {}; run `k3-orch devbw FILE` on the model's disk",
-                dir.display()
-            ),
-        }
-    } else {
+/// The disk line: random-read bandwidth at QD1 and QD16 on the model's largest file.
+fn print_disk(model_dir: Option<&Path>, seconds: f64) {
+    let Some(dir) = model_dir else {
         println!("disk       : not measured (give MODEL_DIR, or run `k3-orch devbw FILE`)");
+        return;
+    };
+    let Some((file, size)) = model_files(dir).0 else {
+        println!(
+            "disk       : no *.safetensors in {}; run `k3-orch devbw FILE` on the model's disk",
+            dir.display()
+        );
+        return;
+    };
+    let rb = 17_547_264u64.min(size / 4096 * 4096);
+    if rb == 0 {
+        println!("disk       : {} is too small to measure", file.display());
+        return;
     }
+    let q1 = measure(&file, rb, 1, seconds);
+    let q16 = measure(&file, rb, 16, seconds);
+    match (q1, q16) {
+        (Ok(x), Ok(y)) => println!(
+            "disk       : {}: {rb}-byte random reads, QD1 {:.0} MB/s, QD16 {:.0} MB/s ({})",
+            file.display(),
+            x.mb_per_s(),
+            y.mb_per_s(),
+            if x.direct {
+                "O_DIRECT"
+            } else {
+                "buffered: O_DIRECT refused, page cache may inflate this"
+            }
+        ),
+        (Err(e), _) | (_, Err(e)) => println!("disk       : cannot measure: {e}"),
+    }
+    if size < 4 * rb {
+        println!("             (a small file: random reads overlap; run devbw on a large shard)");
+    }
+}
 
-    // cgroups and NUMA.
+/// The cgroups line and the cgroups dead runs left behind.
+fn print_cgroups() {
     let (cg, enforce) = cgroup_status();
     println!(
         "cgroups    : {cg}{}",
@@ -281,6 +310,10 @@ pub fn main(args: Vec<OsString>) -> i32 {
             }
         }
     }
+}
+
+/// The NUMA line.
+fn print_numa() {
     let nodes = numa_nodes();
     println!(
         "numa       : {nodes} node{}{}",
@@ -291,15 +324,15 @@ pub fn main(args: Vec<OsString>) -> i32 {
             "; --numa auto places I/O stages near the disk"
         }
     );
+}
 
-    // Next command.
-    let model = a
-        .model_dir
-        .as_ref()
-        .map_or("MODEL_DIR".to_string(), |p| p.display().to_string());
+/// The next command to type, and doctor's exit code: 2 for a directory that is not a
+/// checkpoint, 1 when the machine cannot run the model, else 0.
+fn print_next(model_dir: Option<&Path>, mem: &Memory) -> i32 {
+    let model = model_dir.map_or("MODEL_DIR".to_string(), |p| p.display().to_string());
     let ids = "--ids 1008,10484,318,15383,387 --gen 8 --incremental";
     // A directory that is not a checkpoint gets no run or pack-trunk advice that would fail.
-    if let Some(dir) = &a.model_dir {
+    if let Some(dir) = model_dir {
         let problem = match k3_model::config::ModelConfig::load_dir(dir) {
             Err(e) => Some(e.to_string()),
             Ok(_) => k3_model::catalog::Catalog::open(dir)
@@ -314,14 +347,13 @@ pub fn main(args: Vec<OsString>) -> i32 {
             return 2;
         }
     }
-    match (preset, fits_whole) {
+    match (mem.preset, mem.fits_whole) {
         (_, true) => {
             println!("next       : k3-orch {model} --ids 1,2,3 --gen 8 --incremental");
             0
         }
         (Some(p), false) => {
-            let trunk = a.model_dir.as_deref().and_then(find_trunk);
-            match trunk {
+            match model_dir.and_then(find_trunk) {
                 Some(t) => println!(
                     "next       : k3-orch {model} --trunk {} --preset {} {ids}",
                     t.display(),

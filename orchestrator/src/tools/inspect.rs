@@ -175,51 +175,66 @@ pub fn census(cat: &Catalog) -> Census {
 
 /// The whole report as text.
 fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
-    let mut o = String::new();
+    let c = census(cat);
+    let runs = packed_streams(cat, None);
+    let mut o = model_lines(cat, cfg);
+    o += &class_table(&c);
+    o += "\n";
+    o += &expert_line(&c);
+    o += &trunk_lines(&c, &runs);
+    o += &preset_lines(&c, &runs);
+    o
+}
+
+/// The model line and the config summary.
+fn model_lines(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
     let disk: u64 = cat.shards().iter().map(|s| s.file_size).sum();
-    o += &format!(
+    let mut o = format!(
         "model          : {} ({} shards, {} tensors, {} bytes on disk)\n",
         cat.source().display(),
         cat.shards().len(),
         commas(cat.len() as u64),
         commas(disk)
     );
-    match cfg {
-        Ok(c) => {
-            let kda = c
-                .layer_kinds()
-                .iter()
-                .filter(|k| **k == LayerKind::Kda)
-                .count();
-            let moe = c.moe_layer_indices();
-            o += &format!(
-                "config         : hidden {}, {} layers ({} KDA + {} MLA; {} dense, {} MoE), vocab {}\n",
-                c.hidden_size,
-                c.num_hidden_layers,
-                kda,
-                c.num_hidden_layers - kda,
-                c.num_hidden_layers - moe.len(),
-                moe.len(),
-                c.vocab_size
-            );
-            o += &format!(
-                "                 {} routed experts, top-{}, latent {}, expert FFN {}, shared width {}; experts {}\n",
-                c.num_experts,
-                c.num_experts_per_token,
-                c.routed_expert_hidden_size,
-                c.moe_intermediate_size,
-                c.shared_expert_width(),
-                match c.expert_format() {
-                    ExpertFormat::Mxfp4 { group_size } =>
-                        format!("MXFP4 (compressed-tensors, group {group_size})"),
-                    ExpertFormat::Unquantized => "unquantized".to_string(),
-                }
-            );
+    let c = match cfg {
+        Ok(c) => c,
+        Err(e) => return o + &format!("config         : not read ({e})\n"),
+    };
+    let kda = c
+        .layer_kinds()
+        .iter()
+        .filter(|k| **k == LayerKind::Kda)
+        .count();
+    let moe = c.moe_layer_indices();
+    o += &format!(
+        "config         : hidden {}, {} layers ({} KDA + {} MLA; {} dense, {} MoE), vocab {}\n",
+        c.hidden_size,
+        c.num_hidden_layers,
+        kda,
+        c.num_hidden_layers - kda,
+        c.num_hidden_layers - moe.len(),
+        moe.len(),
+        c.vocab_size
+    );
+    o += &format!(
+        "                 {} routed experts, top-{}, latent {}, expert FFN {}, shared width {}; experts {}\n",
+        c.num_experts,
+        c.num_experts_per_token,
+        c.routed_expert_hidden_size,
+        c.moe_intermediate_size,
+        c.shared_expert_width(),
+        match c.expert_format() {
+            ExpertFormat::Mxfp4 { group_size } =>
+                format!("MXFP4 (compressed-tensors, group {group_size})"),
+            ExpertFormat::Unquantized => "unquantized".to_string(),
         }
-        Err(e) => o += &format!("config         : not read ({e})\n"),
-    }
-    let c = census(cat);
-    o += "\ncensus by class:\n";
+    );
+    o
+}
+
+/// The census by class: tensors and bytes per class, and the total.
+fn class_table(c: &Census) -> String {
+    let mut o = String::from("\ncensus by class:\n");
     o += &format!(
         "  {:<20} {:>10} {:>22} {:>12}\n",
         "class", "tensors", "bytes", "GB"
@@ -245,52 +260,61 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
         commas(nb),
         nb as f64 / 1e9
     );
+    o
+}
 
-    // Routed experts.
+impl Census {
+    /// The arena slot of the largest routed expert's file span (what one expert occupies).
+    fn expert_slot(&self) -> u64 {
+        let max_span = self
+            .experts
+            .values()
+            .map(|x| x.2.saturating_sub(x.1))
+            .max()
+            .unwrap_or(0);
+        slot_bytes_for(max_span)
+    }
+}
+
+/// The routed experts' line: how many, in how many layers, their sizes.
+fn expert_line(c: &Census) -> String {
     let n_exp = c.experts.len() as u64;
+    if n_exp == 0 {
+        return "routed experts : none\n".into();
+    }
     let exp_bytes: u64 = c.experts.values().map(|x| x.0).sum();
     let min = c.experts.values().map(|x| x.0).min().unwrap_or(0);
     let max = c.experts.values().map(|x| x.0).max().unwrap_or(0);
-    let max_span = c
-        .experts
-        .values()
-        .map(|x| x.2.saturating_sub(x.1))
-        .max()
-        .unwrap_or(0);
     let layers_with_experts = c
         .experts
         .keys()
         .map(|k| k.0)
         .collect::<std::collections::BTreeSet<_>>()
         .len();
-    o += "\n";
-    if n_exp > 0 {
-        let per = if min == max {
-            format!("{} bytes", commas(min))
-        } else {
-            format!("{}..{} bytes", commas(min), commas(max))
-        };
-        o += &format!(
-            "routed experts : {} ({} MoE layers) x {} = {} bytes ({:.4} TB; streamed, never resident)\n",
-            commas(n_exp),
-            layers_with_experts,
-            per,
-            commas(exp_bytes),
-            exp_bytes as f64 / 1e12
-        );
+    let per = if min == max {
+        format!("{} bytes", commas(min))
     } else {
-        o += "routed experts : none\n";
-    }
+        format!("{}..{} bytes", commas(min), commas(max))
+    };
+    format!(
+        "routed experts : {} ({} MoE layers) x {} = {} bytes ({:.4} TB; streamed, never resident)\n",
+        commas(n_exp),
+        layers_with_experts,
+        per,
+        commas(exp_bytes),
+        exp_bytes as f64 / 1e12
+    )
+}
 
-    // Trunk, as pack-trunk would lay it out.
+/// The trunk as pack-trunk would lay it out, the model-level tensors, the resident floor.
+fn trunk_lines(c: &Census, runs: &Streams) -> String {
     let trunk: u64 = c.layer_trunk.values().sum();
     let (largest_layer, largest) =
         c.layer_trunk.iter().fold(
             (0usize, 0u64),
             |m, (&l, &b)| if b > m.1 { (l, b) } else { m },
         );
-    let runs = packed_streams(cat, None);
-    o += &format!(
+    let mut o = format!(
         "trunk          : {} ({} bytes, {} layers, non-routed-expert tensors; largest run {:.3} GB at layer {})\n",
         gb(trunk),
         commas(trunk),
@@ -311,13 +335,13 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
         );
     }
     let resident = trunk + c.model_level;
-    let exp_slot = slot_bytes_for(max_span);
+    let exp_slot = c.expert_slot();
     o += &format!(
         "resident floor : {} with the trunk resident (trunk + embed/lm_head + model-level)\n",
         gb(resident)
     );
     let first_slot = runs.parts.iter().map(|r| r.footprint()).max().unwrap_or(0);
-    if n_exp > 0 {
+    if !c.experts.is_empty() {
         o += &format!(
             "                 {} streaming the trunk in parts with embed/lm_head held (embed/lm_head + model-level + one ring slot {} for the largest layer part + one expert slot {}; the budget table below streams the lm_head too)\n",
             gb(c.model_level + first_slot + exp_slot),
@@ -325,13 +349,20 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
             gb(exp_slot)
         );
     }
+    o
+}
 
-    // Presets.
+/// What each preset pins, streams and caches over this checkpoint's packed runs.
+fn preset_lines(c: &Census, runs: &Streams) -> String {
+    let n_exp = c.experts.len() as u64;
+    let exp_slot = c.expert_slot();
     let presets = Presets::builtin();
-    o += "\npresets (budgets trunk / expert cache GB; plan over this checkpoint's packed runs):\n";
+    let mut o = String::from(
+        "\npresets (budgets trunk / expert cache GB; plan over this checkpoint's packed runs):\n",
+    );
     for p in &presets.presets {
         let b = p.budgets();
-        let line = match plan_streams(b.trunk_bytes, &runs, RingPolicy::default()) {
+        let line = match plan_streams(b.trunk_bytes, runs, RingPolicy::default()) {
             Ok(sp) => {
                 let tp = sp.plan;
                 // The arena never needs more slots than there are experts.
@@ -412,28 +443,28 @@ pub fn floor_of(s: &crate::run::plan::Spend, runs: &Streams) -> Option<u64> {
 pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
     use crate::run::plan::{choose, compute_scratch, lm_head_stream_bytes, Spend};
     let layers = cfg.num_hidden_layers;
-    let cen = crate::run::census::census(cfg, cat, layers);
+    let sizes = crate::run::sizes::model_sizes(cfg, cat, layers);
     let runs = packed_streams(cat, Some(layers));
     let topk = cfg.num_experts_per_token as u64;
-    let expert_slot = slot_bytes_for(cen.max_expert_span.max(1));
-    let norms = cen
+    let expert_slot = slot_bytes_for(sizes.max_expert_span.max(1));
+    let norms = sizes
         .model_bytes
-        .saturating_sub(cen.embed_bytes + cen.lm_head_bytes);
-    let fixed = cen.embed_row_bytes.div_ceil(4096) * 4096
+        .saturating_sub(sizes.embed_bytes + sizes.lm_head_bytes);
+    let fixed = sizes.embed_row_bytes.div_ceil(4096) * 4096
         + norms
-        + cen.kda_state_bytes
-        + cen.kv_per_pos * TABLE_CONTEXT as u64
+        + sizes.kda_state_bytes
+        + sizes.kv_per_pos * TABLE_CONTEXT as u64
         + crate::run::plan::STAGE_PROCESSES as u64 * crate::run::plan::STAGE_PROCESS_BYTES
         + compute_scratch(cfg, 1);
     let base = Spend {
         total: 0,
         fixed,
         trunk_need: runs.pinned_bytes(),
-        lm_head: cen.lm_head_bytes,
-        lm_head_row: cen.lm_head_bytes / (cfg.vocab_size as u64).max(1),
+        lm_head: sizes.lm_head_bytes,
+        lm_head_row: sizes.lm_head_bytes / (cfg.vocab_size as u64).max(1),
         expert_slot,
         min_slots: crate::run::plan::min_expert_slots(topk),
-        max_slots: cen.n_experts.max(topk),
+        max_slots: sizes.n_experts.max(topk),
         trunk_min: crate::run::plan::trunk_min(&runs),
     };
     let mut o = String::new();
@@ -444,8 +475,8 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
         "  held whatever the budget: {} (embedding row, norms, recurrent state, KV, scratch, processes); \
          the embedding is never resident, the lm_head ({}) is pinned or streamed ({} of chunk buffers)\n",
         gb(fixed),
-        gb(cen.lm_head_bytes),
-        gb(lm_head_stream_bytes(cen.lm_head_bytes))
+        gb(sizes.lm_head_bytes),
+        gb(lm_head_stream_bytes(sizes.lm_head_bytes))
     );
     let floor = floor_of(&base, &runs);
     match floor {

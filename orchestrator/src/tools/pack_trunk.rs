@@ -464,40 +464,10 @@ fn pack(
     digest: &str,
 ) -> Result<(), Fail> {
     let dir = &a.trunk_dir;
-    let mut done = resume_point(dir, digest, plan);
-    if done.is_empty() {
-        remove_if_exists(&dir.join(JOURNAL))?;
-        remove_if_exists(&dir.join(PARTIAL_BIN))?;
-    } else {
-        tracing::info!(
-            "resuming: {} of {} layers already packed ({})",
-            done.len(),
-            plan.len(),
-            gb(done.iter().map(|d| d.length).sum())
-        );
-    }
+    let mut done = start_or_resume(dir, digest, plan)?;
     let bin_path = dir.join(PARTIAL_BIN);
-    let out = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&bin_path)
-        .with_context(|| format!("opening {}", bin_path.display()))?;
-    let keep = done.last().map(|d| d.offset + d.padded_length).unwrap_or(0);
-    out.set_len(keep)
-        .with_context(|| format!("truncating {}", bin_path.display()))?;
-
-    let total: u64 = plan.iter().map(|p| p.length).sum();
-    let already: u64 = done.iter().map(|d| d.length).sum();
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "pack-trunk {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar.set_position(already);
+    let out = open_partial(&bin_path, &done)?;
+    let bar = progress_bar(plan, &done);
     let start = Instant::now();
     let mut copied = 0u64;
     let every = if plan.len() > 20 { 10 } else { 1 };
@@ -511,32 +481,8 @@ fn pack(
             )));
         }
         bar.set_message(format!("layer {}", p.layer));
-        let shard_path = &cat.shards()[p.shard_index].path;
-        if let std::collections::btree_map::Entry::Vacant(v) = shard_files.entry(p.shard_index) {
-            let f = File::open(shard_path)
-                .with_context(|| format!("opening {}", shard_path.display()))?;
-            v.insert(f);
-        }
-        let input = &shard_files[&p.shard_index];
-        let (sha, crc32, tensor_crcs) = copy_run(input, shard_path, &out, &bin_path, p, &bar)?;
-        let mut tensors = p.tensors.clone();
-        for (t, c) in tensors.iter_mut().zip(tensor_crcs) {
-            t.crc32 = c;
-        }
-        out.sync_data()
-            .with_context(|| format!("fsync {}", bin_path.display()))?;
+        done.push(copy_layer(cat, p, &mut shard_files, &out, &bin_path, &bar)?);
         copied += p.length;
-        done.push(TrunkLayer {
-            layer: p.layer,
-            offset: p.offset,
-            length: p.length,
-            padded_length: align_up(p.length, TRUNK_ALIGN),
-            shard: p.shard.clone(),
-            source_offset: p.source_offset,
-            sha256: sha,
-            crc32,
-            tensors,
-        });
         let j = Journal {
             plan_sha256: digest.to_string(),
             done: done.clone(),
@@ -566,6 +512,121 @@ fn pack(
     bar.finish_and_clear();
     out.sync_all()
         .with_context(|| format!("fsync {}", bin_path.display()))?;
+    let manifest = finish(dir, &bin_path, src, done)?;
+    let s = start.elapsed().as_secs_f64();
+    println!(
+        "wrote {}: {} across {} layers ({} copied in {:.1} s, {:.0} MB/s)",
+        dir.join(TRUNK_BIN).display(),
+        gb(manifest.total_bytes),
+        manifest.layers.len(),
+        gb(copied),
+        s,
+        copied as f64 / 1e6 / s.max(1e-9)
+    );
+    println!(
+        "largest layer run: {:.3} GB (layer {})  <- the streaming slot size",
+        manifest.max_run as f64 / 1e9,
+        manifest.max_run_layer
+    );
+    Ok(())
+}
+
+/// The layers already packed (from the journal, when it matches this plan), or none, with
+/// the stale journal and partial file removed.
+fn start_or_resume(
+    dir: &Path,
+    digest: &str,
+    plan: &[PlannedLayer],
+) -> Result<Vec<TrunkLayer>, Fail> {
+    let done = resume_point(dir, digest, plan);
+    if done.is_empty() {
+        remove_if_exists(&dir.join(JOURNAL))?;
+        remove_if_exists(&dir.join(PARTIAL_BIN))?;
+    } else {
+        tracing::info!(
+            "resuming: {} of {} layers already packed ({})",
+            done.len(),
+            plan.len(),
+            gb(done.iter().map(|d| d.length).sum())
+        );
+    }
+    Ok(done)
+}
+
+/// The partial trunk file, cut back to the end of the layers already packed.
+fn open_partial(bin_path: &Path, done: &[TrunkLayer]) -> Result<File, Fail> {
+    let out = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(bin_path)
+        .with_context(|| format!("opening {}", bin_path.display()))?;
+    let keep = done.last().map(|d| d.offset + d.padded_length).unwrap_or(0);
+    out.set_len(keep)
+        .with_context(|| format!("truncating {}", bin_path.display()))?;
+    Ok(out)
+}
+
+/// A progress bar over the plan's bytes, at what is already packed.
+fn progress_bar(plan: &[PlannedLayer], done: &[TrunkLayer]) -> indicatif::ProgressBar {
+    let total: u64 = plan.iter().map(|p| p.length).sum();
+    let already: u64 = done.iter().map(|d| d.length).sum();
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "pack-trunk {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(already);
+    bar
+}
+
+/// Copy one planned layer into the partial file (synced) and describe it for the manifest.
+fn copy_layer(
+    cat: &Catalog,
+    p: &PlannedLayer,
+    shard_files: &mut BTreeMap<usize, File>,
+    out: &File,
+    bin_path: &Path,
+    bar: &indicatif::ProgressBar,
+) -> Result<TrunkLayer, Fail> {
+    let shard_path = &cat.shards()[p.shard_index].path;
+    if let std::collections::btree_map::Entry::Vacant(v) = shard_files.entry(p.shard_index) {
+        let f =
+            File::open(shard_path).with_context(|| format!("opening {}", shard_path.display()))?;
+        v.insert(f);
+    }
+    let input = &shard_files[&p.shard_index];
+    let (sha, crc32, tensor_crcs) = copy_run(input, shard_path, out, bin_path, p, bar)?;
+    let mut tensors = p.tensors.clone();
+    for (t, c) in tensors.iter_mut().zip(tensor_crcs) {
+        t.crc32 = c;
+    }
+    out.sync_data()
+        .with_context(|| format!("fsync {}", bin_path.display()))?;
+    Ok(TrunkLayer {
+        layer: p.layer,
+        offset: p.offset,
+        length: p.length,
+        padded_length: align_up(p.length, TRUNK_ALIGN),
+        shard: p.shard.clone(),
+        source_offset: p.source_offset,
+        sha256: sha,
+        crc32,
+        tensors,
+    })
+}
+
+/// The manifest of the packed layers, checked; the partial file renamed into place, the
+/// manifest written and the journal removed.
+fn finish(
+    dir: &Path,
+    bin_path: &Path,
+    src: &SourceIdentity,
+    done: Vec<TrunkLayer>,
+) -> Result<TrunkManifest, Fail> {
     let file_size = done.last().map(|d| d.offset + d.padded_length).unwrap_or(0);
     let (max_run, max_run_layer) = done
         .iter()
@@ -589,29 +650,14 @@ fn pack(
             problems.join("; ")
         )));
     }
-    fs::rename(&bin_path, dir.join(TRUNK_BIN))
+    fs::rename(bin_path, dir.join(TRUNK_BIN))
         .with_context(|| format!("renaming {PARTIAL_BIN} to {TRUNK_BIN}"))?;
     sync_dir(dir);
     let json = serde_json::to_vec_pretty(&manifest).map_err(anyhow::Error::from)?;
     write_atomic(&dir.join(TRUNK_JSON), &json)?;
     remove_if_exists(&dir.join(JOURNAL))?;
     sync_dir(dir);
-    let s = start.elapsed().as_secs_f64();
-    println!(
-        "wrote {}: {} across {} layers ({} copied in {:.1} s, {:.0} MB/s)",
-        dir.join(TRUNK_BIN).display(),
-        gb(manifest.total_bytes),
-        manifest.layers.len(),
-        gb(copied),
-        s,
-        copied as f64 / 1e6 / s.max(1e-9)
-    );
-    println!(
-        "largest layer run: {:.3} GB (layer {})  <- the streaming slot size",
-        manifest.max_run as f64 / 1e9,
-        manifest.max_run_layer
-    );
-    Ok(())
+    Ok(manifest)
 }
 
 /// Copy one run (reader thread → hash + write here), then its zero padding; returns the

@@ -369,58 +369,12 @@ fn write_model(opts: &SynthOptions, dir: &Path) -> Result<SynthSummary> {
         .flat_map(|s| s.tensors.iter())
         .map(TensorSpec::bytes)
         .sum();
-    let bar = if opts.progress {
-        let b = indicatif::ProgressBar::new(payload);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "synth {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-
+    let bar = progress_bar(opts.progress, payload);
     let (tx, rx) = sync_channel::<Msg>(4);
     let (ret_tx, ret_rx) = sync_channel::<Vec<u8>>(8);
     let want_sums = opts.sums;
     let writer = std::thread::spawn(move || writer_thread(rx, ret_tx, want_sums));
-
-    let gen = (|| -> Result<()> {
-        for shard in &shards {
-            bar.set_message(shard.file.clone());
-            let header = safetensors_header(&shard.tensors);
-            let path = dir.join(&shard.file);
-            send(&tx, Msg::Open(path))?;
-            send(&tx, Msg::Data(header))?;
-            let mut buf = take_buf(&ret_rx);
-            for t in &shard.tensors {
-                let mut rng = tensor_rng(opts.seed, &t.name);
-                let n = t.shape.iter().product::<usize>();
-                let esz = t.dtype.size();
-                let per_chunk = (CHUNK / esz / 1024).max(1) * 1024;
-                let mut done = 0usize;
-                while done < n {
-                    let k = per_chunk.min(n - done);
-                    if buf.len() + k * esz > CHUNK && !buf.is_empty() {
-                        send(&tx, Msg::Data(std::mem::take(&mut buf)))?;
-                        buf = take_buf(&ret_rx);
-                    }
-                    let at = buf.len();
-                    buf.resize(at + k * esz, 0);
-                    fill(t, &mut rng, done, &mut buf[at..]);
-                    done += k;
-                    bar.inc((k * esz) as u64);
-                }
-            }
-            if !buf.is_empty() {
-                send(&tx, Msg::Data(buf))?;
-            }
-            send(&tx, Msg::Close)?;
-        }
-        Ok(())
-    })();
+    let gen = generate(opts, dir, &shards, &tx, &ret_rx, &bar);
     drop(tx);
     let written = writer
         .join()
@@ -431,8 +385,92 @@ fn write_model(opts: &SynthOptions, dir: &Path) -> Result<SynthSummary> {
         (Err(e), _) => return Err(e),
         (Ok(()), Ok(s)) => s,
     };
+    write_index_and_config(opts, dir, &shards, payload, &mut sums)?;
+    if opts.sums {
+        sums.sort();
+        let text: String = sums.iter().map(|(f, h)| format!("{h}  {f}\n")).collect();
+        write_synced(&dir.join("SHA256SUMS"), text.as_bytes())?;
+    }
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(SynthSummary {
+        out_dir: dir.to_path_buf(),
+        shards: shards.len(),
+        tensors: shards.iter().map(|s| s.tensors.len()).sum(),
+        bytes: payload,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
 
-    // Index and config.
+/// A progress bar over `payload` bytes (hidden without `--progress`).
+fn progress_bar(shown: bool, payload: u64) -> indicatif::ProgressBar {
+    if !shown {
+        return indicatif::ProgressBar::hidden();
+    }
+    let b = indicatif::ProgressBar::new(payload);
+    b.set_style(
+        indicatif::ProgressStyle::with_template(
+            "synth {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    b
+}
+
+/// Generate every shard's header and tensor bytes, in chunks of at most [`CHUNK`], and hand
+/// them to the writer thread (`tx`; emptied buffers come back on `ret_rx`).
+fn generate(
+    opts: &SynthOptions,
+    dir: &Path,
+    shards: &[geometry::ShardSpec],
+    tx: &SyncSender<Msg>,
+    ret_rx: &Receiver<Vec<u8>>,
+    bar: &indicatif::ProgressBar,
+) -> Result<()> {
+    for shard in shards {
+        bar.set_message(shard.file.clone());
+        let header = safetensors_header(&shard.tensors);
+        let path = dir.join(&shard.file);
+        send(tx, Msg::Open(path))?;
+        send(tx, Msg::Data(header))?;
+        let mut buf = take_buf(ret_rx);
+        for t in &shard.tensors {
+            let mut rng = tensor_rng(opts.seed, &t.name);
+            let n = t.shape.iter().product::<usize>();
+            let esz = t.dtype.size();
+            let per_chunk = (CHUNK / esz / 1024).max(1) * 1024;
+            let mut done = 0usize;
+            while done < n {
+                let k = per_chunk.min(n - done);
+                if buf.len() + k * esz > CHUNK && !buf.is_empty() {
+                    send(tx, Msg::Data(std::mem::take(&mut buf)))?;
+                    buf = take_buf(ret_rx);
+                }
+                let at = buf.len();
+                buf.resize(at + k * esz, 0);
+                fill(t, &mut rng, done, &mut buf[at..]);
+                done += k;
+                bar.inc((k * esz) as u64);
+            }
+        }
+        if !buf.is_empty() {
+            send(tx, Msg::Data(buf))?;
+        }
+        send(tx, Msg::Close)?;
+    }
+    Ok(())
+}
+
+/// The safetensors index (weight_map sorted by name, the payload's total_size) and
+/// config.json, written and (with `--sums`) hashed into `sums`.
+fn write_index_and_config(
+    opts: &SynthOptions,
+    dir: &Path,
+    shards: &[geometry::ShardSpec],
+    payload: u64,
+    sums: &mut Vec<(String, String)>,
+) -> Result<()> {
     let mut weight_map = serde_json::Map::new();
     let mut names: Vec<(&str, &str)> = shards
         .iter()
@@ -457,7 +495,7 @@ fn write_model(opts: &SynthOptions, dir: &Path) -> Result<SynthSummary> {
         ),
         (
             "config.json",
-            serde_json::to_vec_pretty(&g.config_json(&opts.shape_label, opts.seed))?,
+            serde_json::to_vec_pretty(&opts.geometry.config_json(&opts.shape_label, opts.seed))?,
         ),
     ];
     for (name, bytes) in &small {
@@ -466,21 +504,7 @@ fn write_model(opts: &SynthOptions, dir: &Path) -> Result<SynthSummary> {
             sums.push((name.to_string(), hex(&Sha256::digest(bytes))));
         }
     }
-    if opts.sums {
-        sums.sort();
-        let text: String = sums.iter().map(|(f, h)| format!("{h}  {f}\n")).collect();
-        write_synced(&dir.join("SHA256SUMS"), text.as_bytes())?;
-    }
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(SynthSummary {
-        out_dir: dir.to_path_buf(),
-        shards: shards.len(),
-        tensors: shards.iter().map(|s| s.tensors.len()).sum(),
-        bytes: payload,
-        seconds: start.elapsed().as_secs_f64(),
-    })
+    Ok(())
 }
 
 fn send(tx: &SyncSender<Msg>, m: Msg) -> Result<()> {

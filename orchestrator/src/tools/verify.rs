@@ -167,9 +167,33 @@ pub fn verify_dir(dir: &Path, hashes: bool) -> VerifyReport {
         check_release(dir, None, &mut r);
         return r;
     };
+    let shards = shard_list(dir, index.as_ref(), &mut r);
+    let mut per_shard_index: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    if let Some(i) = &index {
+        for (t, f) in &i.weight_map {
+            per_shard_index
+                .entry(f.as_str())
+                .or_default()
+                .insert(t.as_str());
+        }
+    }
+    let mut sum = ShardSum::default();
+    for s in &shards {
+        let in_index = per_shard_index.get(s.as_str());
+        check_shard(dir, s, index.as_ref(), in_index, &mut sum, &mut r);
+    }
+    sum_lines(dir, &shards, index.as_ref(), &sum, &mut r);
+    check_release(dir, index.as_ref().and_then(|i| i.total_size), &mut r);
+    check_config(dir, &mut r);
+    check_sums(dir, hashes, &shards, &mut r);
+    r
+}
 
-    // The shard list: what the index names, plus what its -of-N numbering implies.
-    let mut shards: BTreeSet<String> = match &index {
+/// The shard list: what the index names (or the single file), plus what its -of-N
+/// numbering implies and is on disk; a shard the numbering implies that the index does not
+/// name is a problem.
+fn shard_list(dir: &Path, index: Option<&Index>, r: &mut VerifyReport) -> BTreeSet<String> {
+    let mut shards: BTreeSet<String> = match index {
         Some(i) => i.weight_map.values().cloned().collect(),
         None => [SINGLE.to_string()].into_iter().collect(),
     };
@@ -204,131 +228,164 @@ pub fn verify_dir(dir: &Path, hashes: bool) -> VerifyReport {
             .into_iter()
             .filter(|s| dir.join(s).is_file()),
     );
+    shards
+}
 
-    let mut per_shard_index: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
-    if let Some(i) = &index {
-        for (t, f) in &i.weight_map {
-            per_shard_index
-                .entry(f.as_str())
-                .or_default()
-                .insert(t.as_str());
-        }
-    }
-    let mut payload = 0u64;
-    let mut bytes_on_disk = 0u64;
-    let mut tensors = 0usize;
-    let mut all_parsed = true;
-    let mut present = 0usize;
-    for s in &shards {
-        let path = dir.join(s);
-        let in_index = per_shard_index.get(s.as_str());
-        let meta = match std::fs::metadata(&path) {
-            Ok(m) => m,
-            Err(_) => {
-                r.problems.push(format!(
-                    "missing shard: {s} (the index maps {} tensors to it)",
-                    in_index.map_or(0, |x| x.len())
-                ));
-                all_parsed = false;
-                continue;
-            }
-        };
-        present += 1;
-        bytes_on_disk += meta.len();
-        let cat = match Catalog::from_files(std::slice::from_ref(&path)) {
-            Ok(c) => c,
-            Err(e) => {
-                r.problems
-                    .push(diagnose(&path, s, meta.len(), &e.to_string()));
-                all_parsed = false;
-                continue;
-            }
-        };
-        let info = &cat.shards()[0];
-        if info.file_size != info.data_end {
+/// What the shards add up to.
+#[derive(Default)]
+struct ShardSum {
+    present: usize,
+    bytes_on_disk: u64,
+    payload: u64,
+    tensors: usize,
+    /// A shard was missing or its header did not parse.
+    some_failed: bool,
+}
+
+/// One shard: present, its header parses, its size adds up, and it holds what the index
+/// says it holds (`in_index`: the tensors the index maps to it).
+fn check_shard(
+    dir: &Path,
+    s: &str,
+    index: Option<&Index>,
+    in_index: Option<&BTreeSet<&str>>,
+    sum: &mut ShardSum,
+    r: &mut VerifyReport,
+) {
+    let path = dir.join(s);
+    let meta = match std::fs::metadata(&path) {
+        Ok(m) => m,
+        Err(_) => {
             r.problems.push(format!(
-                "{s}: {} bytes but 8 + header {} + data {} = {} ({} extra bytes after the last \
-                 tensor)",
-                info.file_size,
-                info.header_len,
-                info.data_end - info.data_start,
-                info.data_end,
-                info.file_size.saturating_sub(info.data_end)
+                "missing shard: {s} (the index maps {} tensors to it)",
+                in_index.map_or(0, |x| x.len())
+            ));
+            sum.some_failed = true;
+            return;
+        }
+    };
+    sum.present += 1;
+    sum.bytes_on_disk += meta.len();
+    let cat = match Catalog::from_files(std::slice::from_ref(&path)) {
+        Ok(c) => c,
+        Err(e) => {
+            r.problems
+                .push(diagnose(&path, s, meta.len(), &e.to_string()));
+            sum.some_failed = true;
+            return;
+        }
+    };
+    let info = &cat.shards()[0];
+    if info.file_size != info.data_end {
+        r.problems.push(format!(
+            "{s}: {} bytes but 8 + header {} + data {} = {} ({} extra bytes after the last \
+             tensor)",
+            info.file_size,
+            info.header_len,
+            info.data_end - info.data_start,
+            info.data_end,
+            info.file_size.saturating_sub(info.data_end)
+        ));
+    }
+    sum.payload += cat.payload_bytes();
+    sum.tensors += cat.len();
+    if let Some(i) = index {
+        check_names(s, &cat, i, in_index, r);
+    }
+}
+
+/// A shard's header against the index: every tensor mapped here, every tensor mapped
+/// here present.
+fn check_names(
+    s: &str,
+    cat: &Catalog,
+    i: &Index,
+    in_index: Option<&BTreeSet<&str>>,
+    r: &mut VerifyReport,
+) {
+    let mut not_in_index = Vec::new();
+    let mut header_names = BTreeSet::new();
+    for (name, _) in cat.iter() {
+        match i.weight_map.get(&name) {
+            Some(f) if f == s => {}
+            Some(f) => r.problems.push(format!(
+                "{s}: tensor {name} is here but the index maps it to {f}"
+            )),
+            None => not_in_index.push(name.clone()),
+        }
+        header_names.insert(name);
+    }
+    if !not_in_index.is_empty() {
+        r.problems.push(format!(
+            "{s}: {} tensor(s) missing from the index's weight_map: {}",
+            not_in_index.len(),
+            first_few(&not_in_index)
+        ));
+    }
+    if let Some(want) = in_index {
+        let absent: Vec<String> = want
+            .iter()
+            .filter(|n| !header_names.contains(**n))
+            .map(|n| n.to_string())
+            .collect();
+        if !absent.is_empty() {
+            r.problems.push(format!(
+                "{s}: the index maps {} tensor(s) here that its header lacks: {}",
+                absent.len(),
+                first_few(&absent)
             ));
         }
-        payload += cat.payload_bytes();
-        tensors += cat.len();
-        if let Some(i) = &index {
-            let mut not_in_index = Vec::new();
-            let mut header_names = BTreeSet::new();
-            for (name, _) in cat.iter() {
-                match i.weight_map.get(&name) {
-                    Some(f) if f == s => {}
-                    Some(f) => r.problems.push(format!(
-                        "{s}: tensor {name} is here but the index maps it to {f}"
-                    )),
-                    None => not_in_index.push(name.clone()),
-                }
-                header_names.insert(name);
-            }
-            if !not_in_index.is_empty() {
-                r.problems.push(format!(
-                    "{s}: {} tensor(s) missing from the index's weight_map: {}",
-                    not_in_index.len(),
-                    first_few(&not_in_index)
-                ));
-            }
-            if let Some(want) = in_index {
-                let absent: Vec<String> = want
-                    .iter()
-                    .filter(|n| !header_names.contains(**n))
-                    .map(|n| n.to_string())
-                    .collect();
-                if !absent.is_empty() {
-                    r.problems.push(format!(
-                        "{s}: the index maps {} tensor(s) here that its header lacks: {}",
-                        absent.len(),
-                        first_few(&absent)
-                    ));
-                }
-            }
-        }
     }
+}
+
+/// The shards, sizes and index lines; the index's total against the payload, and the
+/// cross-shard checks when nothing else failed.
+fn sum_lines(
+    dir: &Path,
+    shards: &BTreeSet<String>,
+    index: Option<&Index>,
+    sum: &ShardSum,
+    r: &mut VerifyReport,
+) {
     r.lines.push(format!(
-        "shards : {present} of {} present, {:.3} GB on disk",
+        "shards : {} of {} present, {:.3} GB on disk",
+        sum.present,
         shards.len(),
-        bytes_on_disk as f64 / 1e9
+        sum.bytes_on_disk as f64 / 1e9
     ));
-    if all_parsed {
-        r.lines.push(format!(
-            "sizes  : headers valid; {tensors} tensors, {payload} payload bytes"
-        ));
-        match &index {
-            Some(i) => {
-                match i.total_size {
-                    Some(t) if t == payload => r.lines.push(format!(
-                        "index  : weight_map covers {} tensors; total_size {t} matches",
-                        i.weight_map.len()
-                    )),
-                    Some(t) => r.problems.push(format!(
-                        "{INDEX}: metadata.total_size is {t} but the shards hold {payload} \
-                         payload bytes"
-                    )),
-                    None => r.problems.push(format!("{INDEX}: no metadata.total_size")),
-                }
-                // Cross-shard checks (duplicate names) on the whole set.
-                if r.problems.is_empty() {
-                    if let Err(e) = Catalog::open(dir) {
-                        r.problems.push(e.to_string());
-                    }
-                }
-            }
-            None => r
-                .lines
-                .push(format!("index  : single file {SINGLE}, no index")),
+    if sum.some_failed {
+        return;
+    }
+    let (tensors, payload) = (sum.tensors, sum.payload);
+    r.lines.push(format!(
+        "sizes  : headers valid; {tensors} tensors, {payload} payload bytes"
+    ));
+    let Some(i) = index else {
+        r.lines
+            .push(format!("index  : single file {SINGLE}, no index"));
+        return;
+    };
+    match i.total_size {
+        Some(t) if t == payload => r.lines.push(format!(
+            "index  : weight_map covers {} tensors; total_size {t} matches",
+            i.weight_map.len()
+        )),
+        Some(t) => r.problems.push(format!(
+            "{INDEX}: metadata.total_size is {t} but the shards hold {payload} \
+             payload bytes"
+        )),
+        None => r.problems.push(format!("{INDEX}: no metadata.total_size")),
+    }
+    // Cross-shard checks (duplicate names) on the whole set.
+    if r.problems.is_empty() {
+        if let Err(e) = Catalog::open(dir) {
+            r.problems.push(e.to_string());
         }
     }
-    check_release(dir, index.as_ref().and_then(|i| i.total_size), &mut r);
+}
+
+/// config.json reads (or is said to be unchecked when absent).
+fn check_config(dir: &Path, r: &mut VerifyReport) {
     let cfg = dir.join("config.json");
     if cfg.exists() {
         match k3_model::config::ModelConfig::load(&cfg) {
@@ -339,8 +396,6 @@ pub fn verify_dir(dir: &Path, hashes: bool) -> VerifyReport {
         r.lines
             .push("config : NOT CHECKED: no config.json in the directory".to_string());
     }
-    check_sums(dir, hashes, &shards, &mut r);
-    r
 }
 
 fn first_few(v: &[String]) -> String {

@@ -184,27 +184,12 @@ pub fn auto(spendable: u64, trunk_total: u64, expert_size: u64) -> Budgets {
     }
 }
 
-/// `MemAvailable` from `/proc/meminfo`, in bytes.
-pub fn mem_available() -> Option<u64> {
-    parse_meminfo(
-        &std::fs::read_to_string("/proc/meminfo").ok()?,
-        "MemAvailable:",
-    )
-}
+// MemAvailable capped by the memory cgroup, and the meminfo parser: one copy, in k3-io.
+pub use k3_io::sysmem::{mem_available, parse_meminfo};
 
-/// A `Key:   123 kB` line of a meminfo text, in bytes.
-pub fn parse_meminfo(text: &str, key: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.starts_with(key))?;
-    let mut it = line[key.len()..].split_whitespace();
-    let n: u64 = it.next()?.parse().ok()?;
-    Some(match it.next() {
-        Some("kB") => n * 1024,
-        _ => n,
-    })
-}
-
-/// `auto` from this machine: 95% of MemAvailable (the memory plan refuses above that),
-/// minus `other_bytes` (the rest of the plan), split by [`auto`].
+/// `auto` from this machine: 95% of what is available ([`mem_available`]: MemAvailable
+/// capped by the memory cgroup; the memory plan refuses above that), minus `other_bytes`
+/// (the rest of the plan), split by [`auto`].
 pub fn auto_from_meminfo(other_bytes: u64, trunk_total: u64, expert_size: u64) -> Option<Budgets> {
     let avail = mem_available()?;
     let spendable = (avail as f64 * 0.95) as u64;
@@ -281,12 +266,5 @@ mod tests {
         // Tiny: one slot of cache.
         let b = auto(10 * slot, trunk, e);
         assert_eq!(b.cache_bytes, slot);
-    }
-
-    #[test]
-    fn meminfo() {
-        let t = "MemTotal:       24000000 kB\nMemAvailable:   22000000 kB\n";
-        assert_eq!(parse_meminfo(t, "MemAvailable:"), Some(22_000_000 * 1024));
-        assert_eq!(parse_meminfo(t, "SwapTotal:"), None);
     }
 }

@@ -1,4 +1,4 @@
-//! Shared by the e2e test binaries: the built binary, fixture paths, oracle readers, a run
+//! Shared by the e2e test modules (one binary, `main.rs`): the built binary, fixture paths, oracle readers, a run
 //! helper, visible skips, and running k3-orch inside a memory cgroup of its own.
 #![allow(dead_code)]
 

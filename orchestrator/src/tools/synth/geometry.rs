@@ -312,7 +312,35 @@ impl Geometry {
             "pad_token_id": self.pad,
             "use_cache": true,
         });
-        let more = json!({
+        let more = self.text_config_rest(&kda, &full);
+        if let (Some(a), Value::Object(b)) = (tc.as_object_mut(), more) {
+            a.extend(b);
+        }
+        if self.experts_mxfp4() {
+            tc["quantization_config"] = mxfp4_quantization_config();
+        }
+        json!({
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "model_type": "kimi_k3",
+            "bos_token_id": self.bos,
+            "eos_token_id": self.eos,
+            "pad_token_id": self.pad,
+            "dtype": "bfloat16",
+            "tie_word_embeddings": false,
+            "text_config": tc,
+            "k3_synth": {
+                "tool": "k3-orch synth",
+                "shape": shape,
+                "seed": seed,
+                "random_weights": true,
+                "note": self.note,
+            }
+        })
+    }
+
+    /// The text config's MLA, MoE and linear-attention fields (after the common ones).
+    fn text_config_rest(&self, kda: &[usize], full: &[usize]) -> Value {
+        json!({
             "q_lora_rank": self.q_lora,
             "kv_lora_rank": self.kv_lora,
             "qk_nope_head_dim": self.nope,
@@ -346,65 +374,6 @@ impl Geometry {
                 "kda_layers": kda,
                 "full_attn_layers": full,
             },
-        });
-        if let (Some(a), Value::Object(b)) = (tc.as_object_mut(), more) {
-            a.extend(b);
-        }
-        if self.experts_mxfp4() {
-            tc["quantization_config"] = json!({
-                "quant_method": "compressed-tensors",
-                "format": "mxfp4-pack-quantized",
-                "quantization_status": "compressed",
-                "global_compression_ratio": null,
-                "kv_cache_scheme": null,
-                "config_groups": {
-                    "group_0": {
-                        "format": "mxfp4-pack-quantized",
-                        "targets": ["Linear"],
-                        "input_activations": null,
-                        "output_activations": null,
-                        "weights": {
-                            "num_bits": 4,
-                            "type": "float",
-                            "strategy": "group",
-                            "group_size": 32,
-                            "symmetric": true,
-                            "dynamic": false,
-                            "scale_dtype": "torch.uint8",
-                            "observer": "minmax",
-                            "observer_kwargs": {},
-                            "actorder": null,
-                            "block_structure": null,
-                            "zp_dtype": null
-                        }
-                    }
-                },
-                "ignore": [
-                    "re:.*self_attn.*",
-                    "re:.*shared_experts.*",
-                    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-                    "re:.*lm_head.*",
-                    "re:.*vision_tower.*",
-                    "re:.*mm_projector.*"
-                ]
-            });
-        }
-        json!({
-            "architectures": ["KimiK3ForConditionalGeneration"],
-            "model_type": "kimi_k3",
-            "bos_token_id": self.bos,
-            "eos_token_id": self.eos,
-            "pad_token_id": self.pad,
-            "dtype": "bfloat16",
-            "tie_word_embeddings": false,
-            "text_config": tc,
-            "k3_synth": {
-                "tool": "k3-orch synth",
-                "shape": shape,
-                "seed": seed,
-                "random_weights": true,
-                "note": self.note,
-            }
         })
     }
 }
@@ -671,6 +640,48 @@ pub fn shards(g: &Geometry) -> Vec<ShardSpec> {
         trunk_count: n,
     });
     out
+}
+
+/// The released checkpoint's `quantization_config` for MXFP4 routed experts
+/// (compressed-tensors, group 32).
+fn mxfp4_quantization_config() -> Value {
+    json!({
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "global_compression_ratio": null,
+        "kv_cache_scheme": null,
+        "config_groups": {
+            "group_0": {
+                "format": "mxfp4-pack-quantized",
+                "targets": ["Linear"],
+                "input_activations": null,
+                "output_activations": null,
+                "weights": {
+                    "num_bits": 4,
+                    "type": "float",
+                    "strategy": "group",
+                    "group_size": 32,
+                    "symmetric": true,
+                    "dynamic": false,
+                    "scale_dtype": "torch.uint8",
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                    "actorder": null,
+                    "block_structure": null,
+                    "zp_dtype": null
+                }
+            }
+        },
+        "ignore": [
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+            "re:.*lm_head.*",
+            "re:.*vision_tower.*",
+            "re:.*mm_projector.*"
+        ]
+    })
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
-//! The census: the sizes a run's memory plan needs, read from the config and the checkpoint
-//! headers (no tensor data is read).
+//! The model's sizes a run's memory plan needs ([`ModelSizes`]), read from the config and
+//! the checkpoint headers (no tensor data is read). `k3-orch inspect`'s tensor census by
+//! class is another thing (`tools::inspect::Census`).
 
 use std::collections::HashMap;
 
@@ -8,7 +9,7 @@ use k3_model::classify::{classify, model_tensor, split_expert, split_layer, Tens
 use k3_model::config::{LayerKind, ModelConfig};
 
 /// Sizes of the bound layers.
-pub struct Census {
+pub struct ModelSizes {
     /// Per bound layer, bytes of its trunk tensors.
     pub layer_bytes: Vec<u64>,
     /// Per bound layer, what the trunk-loader's resident region gives it: each tensor
@@ -30,8 +31,8 @@ pub struct Census {
     pub kv_per_pos: u64,
 }
 
-/// Count the first `layers` layers of `cat`.
-pub fn census(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> Census {
+/// The sizes of the first `layers` layers of `cat`.
+pub fn model_sizes(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> ModelSizes {
     let mut layer_bytes = vec![0u64; layers];
     let mut layer_resident_bytes = vec![0u64; layers];
     let mut model_bytes = 0u64;
@@ -84,7 +85,7 @@ pub fn census(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> Census {
     for b in &mut layer_resident_bytes {
         *b = b.div_ceil(4096) * 4096;
     }
-    Census {
+    ModelSizes {
         layer_bytes,
         layer_resident_bytes,
         model_bytes,

@@ -1,0 +1,19 @@
+//! The orchestrator's integration tests: one test binary (each one links the whole
+//! workspace; issue 31), one module per file. They run the built `k3-orch`: its tools, the
+//! generation CLI and its budgets, `serve` and `chat`, and the hardening of its inputs.
+//!
+//! [`tools_common`] holds the helpers (the tiny chat model is made once for all of them).
+
+mod tools_common;
+
+mod browser_chat;
+mod budget_cli;
+mod generate_cli;
+mod hardening;
+mod serve_http;
+mod staged_stop_state;
+mod streaming_cli;
+mod tools_inspect;
+mod tools_pack_trunk;
+mod tools_synth;
+mod tools_verify;
