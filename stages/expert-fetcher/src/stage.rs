@@ -112,7 +112,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         stage: me,
         json: summary.to_string(),
     })?;
-    ctx.finish_recording()
+    Ok(ctx.finish_recording()?)
 }
 
 /// A batch's publications over the link to compute, and compute's `ExpertsDone` for each
@@ -167,7 +167,7 @@ impl BatchIo for LinkIo<'_> {
         };
         let (me, peer) = (Stage::ExpertFetcher, Stage::LayerCompute);
         if let Err(e) = send_to(self.link, me, peer, &m, None) {
-            self.send_err = Some(e);
+            self.send_err = Some(e.to_string());
             return;
         }
         if let (true, Msg::ExpertReady { handle, .. }) = (self.rec.on(), &m) {
@@ -175,7 +175,7 @@ impl BatchIo for LinkIo<'_> {
             // rewritten) until compute's ExpertsDone for it.
             let r = unsafe { self.region.resolve(handle) }
                 .map_err(|e| format!("expert-fetcher: {e}"))
-                .and_then(|b| self.rec.buffer(handle, b));
+                .and_then(|b| self.rec.buffer(handle, b).map_err(|e| e.to_string()));
             if let Err(e) = r {
                 self.send_err = Some(e);
             }

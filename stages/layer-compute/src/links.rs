@@ -232,7 +232,7 @@ impl StagedWeights {
         self.bump(|c| c.wait_seconds += dt);
         r.map_err(|msg| WeightError::Io {
             name: "trunk".into(),
-            msg,
+            msg: msg.to_string(),
         })
     }
 
@@ -268,7 +268,7 @@ impl StagedWeights {
                     .buffer(&t.handle, bytes)
                     .map_err(|msg| WeightError::Io {
                         name: t.name.clone(),
-                        msg,
+                        msg: msg.to_string(),
                     })?;
             }
             cur.insert(t.name, t.handle);
@@ -329,7 +329,7 @@ impl StagedWeights {
                 self.timeout,
             );
             if let Err(e) = r {
-                self.link_error.borrow_mut().get_or_insert(e);
+                self.link_error.borrow_mut().get_or_insert(e.to_string());
             }
         }
     }
@@ -435,7 +435,7 @@ impl Weights for StagedWeights {
             )
             .map_err(|msg| WeightError::Io {
                 name: "trunk".into(),
-                msg,
+                msg: msg.to_string(),
             })?;
         }
         let pass = self.pass.get();
@@ -479,7 +479,7 @@ impl Weights for StagedWeights {
                         .buffer(&handle, bytes)
                         .map_err(|msg| WeightError::Io {
                             name: format!("layer {layer}"),
-                            msg,
+                            msg: msg.to_string(),
                         })?;
                 }
                 // The layer's blob was recorded above; its spans are not recorded again.
@@ -551,7 +551,7 @@ impl Weights for StagedWeights {
             self.timeout,
         );
         if let Err(e) = r {
-            self.link_error.borrow_mut().get_or_insert(e);
+            self.link_error.borrow_mut().get_or_insert(e.to_string());
             return;
         }
         if layer + 1 == self.n_layers {
@@ -615,6 +615,7 @@ impl StagedWeights {
             },
             self.timeout,
         )
+        .map_err(String::from)
     }
 
     fn announce_impl(&self, layer: usize, ids: &[u32]) {
@@ -698,7 +699,7 @@ impl StagedWeights {
                 &m,
                 self.timeout,
             ) {
-                self.link_error.borrow_mut().get_or_insert(e);
+                self.link_error.borrow_mut().get_or_insert(e.to_string());
             }
         };
         loop {
@@ -744,7 +745,7 @@ impl StagedWeights {
                             // SAFETY: as below.
                             if let Ok(b) = unsafe { self.expert_region.resolve(&handle) } {
                                 if let Err(e) = self.rec.buffer(&handle, b) {
-                                    self.link_error.borrow_mut().get_or_insert(e);
+                                    self.link_error.borrow_mut().get_or_insert(e.to_string());
                                 }
                             }
                         }
@@ -840,8 +841,8 @@ impl StagedWeights {
                     return;
                 }
                 Some(Err(e)) => {
-                    self.link_error.borrow_mut().get_or_insert(e.clone());
-                    fail_all(deliver, &mut delivered, &e);
+                    self.link_error.borrow_mut().get_or_insert(e.to_string());
+                    fail_all(deliver, &mut delivered, &e.to_string());
                     return;
                 }
             }

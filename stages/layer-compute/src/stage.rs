@@ -263,7 +263,7 @@ fn generate(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
         timeout,
     )?;
     ctx.send_control(&Msg::Finished { generated })?;
-    ctx.finish_recording()
+    Ok(ctx.finish_recording()?)
 }
 
 /// A warm stage (`serve`, `chat`): run requests (`Generate` on the control socket) one after

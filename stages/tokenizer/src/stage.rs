@@ -133,5 +133,5 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         stage: Stage::Tokenizer,
         json: serde_json::json!({ "decoded": decoded }).to_string(),
     })?;
-    ctx.finish_recording()
+    Ok(ctx.finish_recording()?)
 }

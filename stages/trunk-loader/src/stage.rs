@@ -182,14 +182,18 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 // LayerDone for it; reading it here races with nobody.
                 let bytes = unsafe { region.resolve(handle) }
                     .map_err(|e| ctx.fail(format!("trunk-loader: layer {l}: {e}")))?;
-                ctx.rec.buffer(handle, bytes).map_err(|e| ctx.fail(e))?;
+                ctx.rec
+                    .buffer(handle, bytes)
+                    .map_err(|e| ctx.fail(e.to_string()))?;
             }
             if let (true, Msg::PartReady { tensors, .. }) = (ctx.rec.on(), &ready) {
                 for t in tensors {
                     // SAFETY: as above: the part stays until compute's PartDone for it.
                     let bytes = unsafe { region.resolve(&t.handle) }
                         .map_err(|e| ctx.fail(format!("trunk-loader: {}: {e}", t.name)))?;
-                    ctx.rec.buffer(&t.handle, bytes).map_err(|e| ctx.fail(e))?;
+                    ctx.rec
+                        .buffer(&t.handle, bytes)
+                        .map_err(|e| ctx.fail(e.to_string()))?;
                 }
             }
             if li >= pinned {
@@ -238,7 +242,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         stage: me,
         json: summary.to_string(),
     })?;
-    ctx.finish_recording()
+    Ok(ctx.finish_recording()?)
 }
 
 /// Wait for compute to finish one unit of this pass, free its ring slot and forget it.
