@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::control::{ControlError, ControlSocket};
+use crate::failure::{FailureKind, StageFailure};
 use crate::messages::{self, CodecError, Msg, RegionRole, Stage, PROTOCOL_VERSION};
 use crate::record::{sha256, RecordError, Recorder};
 use crate::ring::{PeerWatch, RingConfig};
@@ -141,6 +142,51 @@ impl ProtocolError {
 
     fn control(stage: Stage) -> impl FnOnce(ControlError) -> ProtocolError {
         move |source| ProtocolError::Control { stage, source }
+    }
+}
+
+impl ProtocolError {
+    /// The failure kind this error reports to the orchestrator: a control socket the
+    /// orchestrator closed is its death, a recording that could not be written is I/O,
+    /// anything else broke the protocol.
+    pub fn kind(&self) -> FailureKind {
+        match self {
+            ProtocolError::Control {
+                source: ControlError::Closed,
+                ..
+            } => FailureKind::PeerDied,
+            ProtocolError::Record { .. } | ProtocolError::Heartbeat { .. } => FailureKind::Io,
+            _ => FailureKind::Protocol,
+        }
+    }
+}
+
+impl From<ProtocolError> for StageFailure {
+    fn from(e: ProtocolError) -> StageFailure {
+        let f = StageFailure::new(e.kind(), e.to_string());
+        match e.kind() {
+            FailureKind::PeerDied => f.with_peer(Stage::Orchestrator),
+            _ => f,
+        }
+    }
+}
+
+impl LinkError {
+    /// The failure kind this error reports: the peer's death (or its closing its end, which
+    /// mid-run means it failed), its silence, an I/O error, or a broken protocol.
+    pub fn kind(&self) -> FailureKind {
+        match self.source {
+            TransportError::PeerDied(_) | TransportError::Closed => FailureKind::PeerDied,
+            TransportError::Timeout => FailureKind::Timeout,
+            TransportError::Io(_) => FailureKind::Io,
+            _ => FailureKind::Protocol,
+        }
+    }
+}
+
+impl From<LinkError> for StageFailure {
+    fn from(e: LinkError) -> StageFailure {
+        StageFailure::new(e.kind(), e.to_string()).with_peer(e.peer)
     }
 }
 
@@ -687,16 +733,17 @@ impl StageCtx {
         })
     }
 
-    /// Report a fatal error to the orchestrator (best effort) and return it.
-    pub fn fail(&self, msg: String) -> String {
+    /// Report a fatal failure to the orchestrator (best effort) and return it.
+    pub fn fail(&self, failure: impl Into<StageFailure>) -> StageFailure {
+        let failure = failure.into();
         let _ = self.send_frame(
             &Msg::Error {
                 stage: self.stage,
-                msg: msg.clone(),
+                failure: failure.clone(),
             },
             &[],
         );
-        msg
+        failure
     }
 }
 
@@ -802,6 +849,11 @@ mod tests {
             ..e
         };
         assert!(dead.peer_gone());
+        let f = StageFailure::from(dead.clone());
+        assert_eq!(
+            (f.kind, f.peer),
+            (FailureKind::PeerDied, Some(Stage::LayerCompute))
+        );
         assert_eq!(
             dead.to_string(),
             "tokenizer: sending to layer-compute: the peer died: killed"

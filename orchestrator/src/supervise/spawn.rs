@@ -349,7 +349,10 @@ impl From<Exited> for Event {
 pub(super) struct Running {
     pub(super) controls: HashMap<Stage, Arc<ControlSocket>>,
     pub(super) watcher: Option<Watcher>,
-    pub(super) threads: Vec<(Stage, std::thread::JoinHandle<Result<(), String>>)>,
+    pub(super) threads: Vec<(
+        Stage,
+        std::thread::JoinHandle<Result<(), k3_protocol::failure::StageFailure>>,
+    )>,
     pub(super) events: Receiver<Event>,
     pub(super) pids: HashMap<Stage, u32>,
     pub(super) last_seen: HashMap<Stage, Instant>,

@@ -15,6 +15,7 @@ use crate::ExpertFetcher;
 use k3_io::direct::{DirectFiles, FaultyReader, ReadAt};
 use k3_io::slot_bytes_for;
 use k3_model::catalog::Catalog;
+use k3_protocol::failure::{FailureKind, StageFailure};
 use k3_protocol::messages::{Msg, Stage};
 use k3_protocol::shm::Region;
 
@@ -24,11 +25,11 @@ use k3_protocol::shm::ShmArena;
 use k3_protocol::transport::{Transport, TransportError};
 
 /// Run the expert-fetcher stage until shutdown.
-pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+pub fn run(mut ctx: StageCtx) -> Result<(), StageFailure> {
     ctx.wait_configure()?;
     let conf: FetcherConf = serde_json::from_str(&ctx.conf_json)
-        .map_err(|e| ctx.fail(format!("expert-fetcher: bad Configure: {e}")))?;
-    let (region, mut fetcher) = setup(&conf).map_err(|e| ctx.fail(e))?;
+        .map_err(|e| ctx.fail(failed(format!("expert-fetcher: bad Configure: {e}"))))?;
+    let (region, mut fetcher) = setup(&conf).map_err(|e| ctx.fail(failed(e)))?;
     tracing::debug!(
         slots = fetcher.slot_count(),
         slot_bytes = fetcher.slot_bytes(),
@@ -71,7 +72,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     break;
                 }
                 if let Some(e) = io.send_err {
-                    return Err(e);
+                    return Err(failed(e));
                 }
                 let after = fetcher.step_stats();
                 send_to(
@@ -90,12 +91,12 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     None,
                 )?;
             }
-            other => return Err(ctx.fail(format!("expert-fetcher: unexpected {other:?}"))),
+            other => return Err(ctx.fail(failed(format!("expert-fetcher: unexpected {other:?}")))),
         }
     }
     if let (Some(dir), Some(tr)) = (&conf.trace_dir, fetcher.trace()) {
         tr.write(dir)
-            .map_err(|e| ctx.fail(format!("expert-fetcher: --dump-cache-trace: {e}")))?;
+            .map_err(|e| ctx.fail(failed(format!("expert-fetcher: --dump-cache-trace: {e}"))))?;
     }
     let total = fetcher.total_stats();
     let summary = serde_json::json!({
@@ -259,4 +260,9 @@ fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), String> {
     )
     .map_err(|e| format!("expert-fetcher: {e}"))?;
     Ok((region, fetcher))
+}
+
+/// Interim: a failure from a message (typed errors come next).
+fn failed(msg: String) -> StageFailure {
+    StageFailure::new(FailureKind::Config, msg)
 }

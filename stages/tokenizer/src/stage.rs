@@ -8,6 +8,7 @@
 //! were built with.
 
 use k3_protocol::conf::TokenizerConf;
+use k3_protocol::failure::{FailureKind, StageFailure};
 use k3_protocol::link::{recv_from, StageCtx};
 use k3_protocol::messages::{Msg, Stage};
 
@@ -69,11 +70,11 @@ impl Vocab {
 }
 
 /// Run the tokenizer stage until shutdown.
-pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+pub fn run(mut ctx: StageCtx) -> Result<(), StageFailure> {
     ctx.wait_configure()?;
     let conf: TokenizerConf = serde_json::from_str(&ctx.conf_json)
-        .map_err(|e| ctx.fail(format!("tokenizer: bad Configure: {e}")))?;
-    let vocab = Vocab::load(&conf).map_err(|e| ctx.fail(e))?;
+        .map_err(|e| ctx.fail(failed(format!("tokenizer: bad Configure: {e}"))))?;
+    let vocab = Vocab::load(&conf).map_err(|e| ctx.fail(failed(e)))?;
     tracing::debug!(
         kimi = matches!(vocab, Vocab::Kimi(_)),
         "tokenizer: vocabulary loaded"
@@ -104,13 +105,15 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 Vocab::Kimi(t) => Msg::Ids {
                     req,
                     ids: crate::chat::encode_chat_json(t, &chat_json)
-                        .map_err(|e| format!("tokenizer: chat: {e}"))?,
+                        .map_err(|e| failed(format!("tokenizer: chat: {e}")))?,
                 },
                 Vocab::Bytes => {
-                    return Err(ctx.fail("tokenizer: --chat needs a Kimi tokenizer (--tok)".into()))
+                    return Err(ctx.fail(failed(
+                        "tokenizer: --chat needs a Kimi tokenizer (--tok)".into(),
+                    )))
                 }
             },
-            other => return Err(ctx.fail(format!("tokenizer: unexpected {other:?}"))),
+            other => return Err(ctx.fail(failed(format!("tokenizer: unexpected {other:?}")))),
         };
         ctx.send_control(&reply)?;
         Ok(false)
@@ -126,7 +129,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 })?;
             }
             Msg::Shutdown => break,
-            other => return Err(ctx.fail(format!("tokenizer: unexpected {other:?}"))),
+            other => return Err(ctx.fail(failed(format!("tokenizer: unexpected {other:?}")))),
         }
     }
     ctx.send_control(&Msg::Summary {
@@ -134,4 +137,9 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         json: serde_json::json!({ "decoded": decoded }).to_string(),
     })?;
     Ok(ctx.finish_recording()?)
+}
+
+/// Interim: a failure from a message (typed errors come next).
+fn failed(msg: String) -> StageFailure {
+    StageFailure::new(FailureKind::Config, msg)
 }

@@ -32,6 +32,7 @@ use k3_model::catalog::Catalog;
 use k3_model::classify::{split_expert, split_layer};
 use k3_model::tensor::Dtype;
 use k3_model::trunk::TrunkManifest;
+use k3_protocol::failure::{FailureKind, StageFailure};
 use k3_protocol::messages::{Msg, Stage, TensorSpan};
 use k3_protocol::shm::Region;
 
@@ -94,10 +95,10 @@ enum Source {
 }
 
 /// Run the trunk-loader stage until shutdown.
-pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+pub fn run(mut ctx: StageCtx) -> Result<(), StageFailure> {
     ctx.wait_configure()?;
     let conf: TrunkConf = serde_json::from_str(&ctx.conf_json)
-        .map_err(|e| ctx.fail(format!("trunk-loader: bad Configure: {e}")))?;
+        .map_err(|e| ctx.fail(failed(format!("trunk-loader: bad Configure: {e}"))))?;
     let me = Stage::TrunkLoader;
     // Progress of the up-front read, at most every 100 ms (and at the end).
     let mut last = Instant::now();
@@ -109,7 +110,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     };
     let (region, source, total_read) = match setup(&conf, &mut progress) {
         Ok(x) => x,
-        Err(e) => return Err(ctx.fail(e)),
+        Err(e) => return Err(ctx.fail(failed(e))),
     };
     tracing::debug!(
         arena_bytes = region.data_len(),
@@ -157,7 +158,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 pass
             }
             Msg::Shutdown => break,
-            other => return Err(ctx.fail(format!("trunk-loader: unexpected {other:?}"))),
+            other => return Err(ctx.fail(failed(format!("trunk-loader: unexpected {other:?}")))),
         };
         passes += 1;
         let before = stats_of(&source);
@@ -175,25 +176,25 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     prefill_progress(&ctx, passes == 1, done, n);
                 }
             }
-            let ready = publish(&region, &source, li, pass).map_err(|e| ctx.fail(e))?;
+            let ready = publish(&region, &source, li, pass).map_err(|e| ctx.fail(failed(e)))?;
             send_to(&mut *link, me, peer, &ready, None)?;
             if let (true, Msg::LayerReady { handle, .. }) = (ctx.rec.on(), &ready) {
                 // SAFETY: this stage wrote the layer and rewrites it only after compute's
                 // LayerDone for it; reading it here races with nobody.
                 let bytes = unsafe { region.resolve(handle) }
-                    .map_err(|e| ctx.fail(format!("trunk-loader: layer {l}: {e}")))?;
+                    .map_err(|e| ctx.fail(failed(format!("trunk-loader: layer {l}: {e}"))))?;
                 ctx.rec
                     .buffer(handle, bytes)
-                    .map_err(|e| ctx.fail(e.to_string()))?;
+                    .map_err(|e| ctx.fail(failed(e.to_string())))?;
             }
             if let (true, Msg::PartReady { tensors, .. }) = (ctx.rec.on(), &ready) {
                 for t in tensors {
                     // SAFETY: as above: the part stays until compute's PartDone for it.
                     let bytes = unsafe { region.resolve(&t.handle) }
-                        .map_err(|e| ctx.fail(format!("trunk-loader: {}: {e}", t.name)))?;
+                        .map_err(|e| ctx.fail(failed(format!("trunk-loader: {}: {e}", t.name))))?;
                     ctx.rec
                         .buffer(&t.handle, bytes)
-                        .map_err(|e| ctx.fail(e.to_string()))?;
+                        .map_err(|e| ctx.fail(failed(e.to_string())))?;
                 }
             }
             if li >= pinned {
@@ -252,9 +253,9 @@ fn retire_one(
     pass: u64,
     source: &Source,
     outstanding: &mut VecDeque<usize>,
-) -> Result<(), String> {
-    let d = wait_done(link, pass, source)?;
-    release(source, d).map_err(|e| ctx.fail(e))?;
+) -> Result<(), StageFailure> {
+    let d = wait_done(link, pass, source).map_err(failed)?;
+    release(source, d).map_err(|e| ctx.fail(failed(e)))?;
     if let Some(pos) = outstanding.iter().position(|&x| x == d) {
         outstanding.remove(pos);
     }
@@ -639,3 +640,8 @@ fn setup_resident(
 
 /// How long compute may keep a layer before the loader gives up on it.
 pub const LAYER_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Interim: a failure from a message (typed errors come next).
+fn failed(msg: String) -> StageFailure {
+    StageFailure::new(FailureKind::Config, msg)
+}
