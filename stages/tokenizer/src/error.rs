@@ -31,6 +31,13 @@ pub enum TokError {
     /// A chat request that cannot be rendered (bad role, bad effort, bad arguments, ...).
     #[error("chat: {0}")]
     Chat(String),
+    /// A chat request (JSON) that does not parse, or not into a request.
+    #[error("chat request is not {what}: {source}")]
+    ChatRequest {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 /// Result alias of this crate.
