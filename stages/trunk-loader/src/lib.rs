@@ -18,10 +18,11 @@ pub mod presets;
 pub mod stage;
 
 pub use loader::{
-    runs_from_manifest, LayerGuard, LayerHandle, LoadError, Piece, TrunkLoader, TrunkStats, Unit,
+    runs_from_manifest, LayerGuard, LayerHandle, LoadError, LoaderError, Piece, TrunkLoader,
+    TrunkStats, Unit, UnitReadError,
 };
 pub use plan::{
     plan, plan_streams, plan_streams_with, LayerRun, PlanError, RingPolicy, StreamPlan, Streams,
     TrunkPlan,
 };
-pub use presets::{auto, mem_available, Budgets, Preset, Presets};
+pub use presets::{auto, mem_available, Budgets, Preset, Presets, PresetsError};
