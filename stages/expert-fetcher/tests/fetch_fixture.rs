@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use k3_expert_fetcher::{
-    BatchIo, Event, ExpertFetcher, ExpertLocation, ExpertTable, Extent, FetchError, FetcherConfig,
-    Locate,
+    BatchIo, Event, ExpertCacheConfig, ExpertExtents, ExpertFetcher, ExpertTable, Extent,
+    FetchError, Locate, ReadFailure,
 };
 use k3_io::arena::ArenaMemory;
 use k3_io::{DirectFiles, FaultyReader, ReadAt};
@@ -35,7 +35,7 @@ fn expected(t: &ExpertTable, expert: u32) -> Vec<u8> {
 fn fetcher(slots: usize, readers: usize, reader: Arc<dyn ReadAt>) -> ExpertFetcher {
     let t = table();
     ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots,
             slot_bytes: 0,
             readers,
@@ -208,7 +208,8 @@ fn injected_read_errors_are_reported_counted_and_not_published() {
     let (got, failed) = batch(&mut f, &[1, 5, 12]);
     assert_eq!(failed.len(), 1, "{failed:?}");
     assert!(
-        matches!(&failed[0], FetchError::Read { layer: 0, expert: 5, why } if why.contains("injected"))
+        matches!(&failed[0], FetchError::Read { layer: 0, expert: 5, why: why @ ReadFailure::Io(_) }
+            if why.to_string().contains("injected"))
     );
     let mut ids: Vec<u32> = got.iter().map(|g| g.0).collect();
     ids.sort_unstable();
@@ -268,7 +269,7 @@ fn in_memory(
         t.insert(
             layer,
             e,
-            ExpertLocation::contiguous(0, 1000 + e as u64 * size, size),
+            ExpertExtents::contiguous(0, 1000 + e as u64 * size, size),
         );
     }
     let bytes: Vec<u8> = (0..1000 + n as u64 * size + 8192)
@@ -279,7 +280,7 @@ fn in_memory(
         calls: Mutex::new(Vec::new()),
     });
     let f = ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots,
             slot_bytes: 0,
             readers,
@@ -325,7 +326,7 @@ fn non_contiguous_experts_keep_their_layout() {
     t.insert(
         0,
         30,
-        ExpertLocation {
+        ExpertExtents {
             file: 0,
             extents: vec![
                 Extent {
@@ -341,7 +342,7 @@ fn non_contiguous_experts_keep_their_layout() {
     );
     let all = std::fs::read(fixture()).unwrap();
     let mut f = ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots: 2,
             slot_bytes: 0,
             readers: 2,
@@ -376,7 +377,7 @@ fn non_contiguous_experts_keep_their_layout() {
 fn setup_refuses_nonsense() {
     let t = table();
     let r = ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots: 0,
             slot_bytes: 0,
             readers: 1,
@@ -386,7 +387,7 @@ fn setup_refuses_nonsense() {
     );
     assert!(r.is_err());
     let r = ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots: 2,
             slot_bytes: 1632,
             readers: 1,
@@ -505,7 +506,7 @@ impl BatchIo for HoldingReader {
     fn releases(
         &mut self,
         wait: Option<std::time::Duration>,
-    ) -> Result<Vec<(u32, Vec<u32>)>, String> {
+    ) -> Result<Vec<(u32, Vec<u32>)>, k3_expert_fetcher::ReaderGone> {
         if let Some(ids) = self.early.take() {
             return Ok(vec![(0, ids)]);
         }
