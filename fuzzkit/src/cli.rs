@@ -13,11 +13,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use crate::runner::{Report, Target};
+use crate::runner::{FuzzReport, Target};
 
 /// Runs `execs` cases of a target from a seed, calling the progress callback about every
 /// `every` cases: the harness's `run`.
-pub type RunFn<'a, T> = dyn Fn(T, u64, u64, u64, &mut dyn FnMut(&Report)) -> Report + 'a;
+pub type RunFn<'a, T> = dyn Fn(T, u64, u64, u64, &mut dyn FnMut(&FuzzReport)) -> FuzzReport + 'a;
 
 /// What the command line asked for.
 struct Args<T> {
@@ -100,7 +100,7 @@ pub fn main<T: Target>(prog: &str, about: &str, run: &RunFn<'_, T>) -> ExitCode 
     let mut total_findings = 0;
     for t in a.targets {
         let mut last = Instant::now();
-        let mut progress = |r: &Report| {
+        let mut progress = |r: &FuzzReport| {
             if last.elapsed().as_secs() >= 10 {
                 last = Instant::now();
                 eprintln!("  {}", r.line());

@@ -8,7 +8,7 @@
 //!   it, and the JSON-aware text edits built on them.
 //! - [`runner`]: a harness ([`Harness`]: build a case, judge it, keep accepted mutants),
 //!   its verdicts ([`Verdict`], [`Violation`]), and the run loop that catches panics and
-//!   keeps findings ([`run`], [`Report`], [`Finding`]).
+//!   keeps findings ([`run`], [`FuzzReport`], [`Finding`]).
 //! - [`cli`]: the command line of a long run (`--target`, `--execs`, `--seed`,
 //!   `--findings`), its output and exit codes.
 //!
@@ -21,4 +21,4 @@ pub mod rng;
 pub mod runner;
 
 pub use rng::{n_edits, Rng};
-pub use runner::{run, Finding, Harness, Report, Target, Verdict, Violation};
+pub use runner::{run, Finding, FuzzReport, Harness, Target, Verdict, Violation};

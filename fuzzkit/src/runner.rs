@@ -81,7 +81,7 @@ pub struct Finding {
 
 /// What one run did.
 #[derive(Clone, Debug)]
-pub struct Report {
+pub struct FuzzReport {
     /// The target's name.
     pub target: &'static str,
     pub seed: u64,
@@ -93,7 +93,7 @@ pub struct Report {
     pub secs: f64,
 }
 
-impl Report {
+impl FuzzReport {
     /// Cases per second.
     pub fn rate(&self) -> f64 {
         self.execs as f64 / self.secs.max(1e-9)
@@ -147,9 +147,9 @@ pub fn run<H: Harness>(
     seed: u64,
     execs: u64,
     every: u64,
-    mut progress: impl FnMut(&Report),
-) -> Report {
-    let mut rep = Report {
+    mut progress: impl FnMut(&FuzzReport),
+) -> FuzzReport {
+    let mut rep = FuzzReport {
         target,
         seed,
         execs: 0,
@@ -204,11 +204,11 @@ pub fn panic_msg(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 fn report_progress(
-    rep: &mut Report,
+    rep: &mut FuzzReport,
     case: u64,
     every: u64,
     t0: &Instant,
-    progress: &mut impl FnMut(&Report),
+    progress: &mut impl FnMut(&FuzzReport),
 ) {
     if every > 0 && (case + 1).is_multiple_of(every) {
         rep.secs = t0.elapsed().as_secs_f64();

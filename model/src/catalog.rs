@@ -92,7 +92,7 @@ pub struct ShardInfo {
 
 /// Where one tensor lives. `offset` is an absolute file offset in shard `shard`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Entry<'a> {
+pub struct TensorEntry<'a> {
     /// Index into [`Catalog::shards`].
     pub shard: usize,
     /// Absolute byte offset in the shard file.
@@ -104,7 +104,7 @@ pub struct Entry<'a> {
     pub shape: &'a [usize],
 }
 
-impl Entry<'_> {
+impl TensorEntry<'_> {
     /// One past the last byte (absolute).
     pub fn end(&self) -> u64 {
         self.offset + self.len
@@ -1264,12 +1264,12 @@ impl Catalog {
         self.keys.binary_search(&k).ok()
     }
 
-    fn entry_at(&self, p: usize) -> Entry<'_> {
+    fn entry_at(&self, p: usize) -> TensorEntry<'_> {
         let r = self.recs[p];
         let dtype = DTYPES[r.dtype as usize];
         let shape: &[usize] = &self.shapes[r.shape as usize];
         let numel: u64 = shape.iter().map(|&d| d as u64).product();
-        Entry {
+        TensorEntry {
             shard: r.shard as usize,
             offset: r.offset,
             len: numel * dtype.size() as u64,
@@ -1279,7 +1279,7 @@ impl Catalog {
     }
 
     /// The tensor called `name`, if present.
-    pub fn get(&self, name: &str) -> Option<Entry<'_>> {
+    pub fn get(&self, name: &str) -> Option<TensorEntry<'_>> {
         self.position(name).map(|p| self.entry_at(p))
     }
 
@@ -1319,7 +1319,7 @@ impl Catalog {
     }
 
     /// Every tensor, in file order (shard index, then offset), with its name.
-    pub fn iter(&self) -> impl Iterator<Item = (String, Entry<'_>)> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = (String, TensorEntry<'_>)> + '_ {
         self.order.iter().map(move |&p| {
             (
                 self.names.name_of(self.keys[p as usize]),
@@ -1329,7 +1329,10 @@ impl Catalog {
     }
 
     /// The tensors of shard `shard`, in offset order, with their names.
-    pub fn shard_entries(&self, shard: usize) -> impl Iterator<Item = (String, Entry<'_>)> + '_ {
+    pub fn shard_entries(
+        &self,
+        shard: usize,
+    ) -> impl Iterator<Item = (String, TensorEntry<'_>)> + '_ {
         let lo = self
             .order
             .partition_point(|&p| (self.recs[p as usize].shard as usize) < shard);

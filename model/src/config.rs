@@ -562,7 +562,7 @@ impl ModelConfig {
     /// the three `w{1,2,3}.weight` tensors take `unquantized` as their dtype.
     ///
     /// w1 (gate) and w3 (up) map latent → moe_intermediate; w2 (down) maps back.
-    pub fn expert_tensors(&self, unquantized: Dtype) -> Vec<ExpertTensor> {
+    pub fn expert_tensors(&self, unquantized: Dtype) -> Vec<ExpertTensorSpec> {
         let f = self.moe_intermediate_size;
         let lat = self.routed_expert_hidden_size;
         let mats: [(&'static str, usize, usize); 3] =
@@ -571,12 +571,12 @@ impl ModelConfig {
         match self.expert_format() {
             ExpertFormat::Mxfp4 { group_size } => {
                 for (w, rows, cols) in mats {
-                    out.push(ExpertTensor {
+                    out.push(ExpertTensorSpec {
                         suffix: packed_suffix(w),
                         dtype: Dtype::U8,
                         shape: [rows, cols / 2],
                     });
-                    out.push(ExpertTensor {
+                    out.push(ExpertTensorSpec {
                         suffix: scale_suffix(w),
                         dtype: Dtype::U8,
                         shape: [rows, cols / group_size],
@@ -585,7 +585,7 @@ impl ModelConfig {
             }
             ExpertFormat::Unquantized => {
                 for (w, rows, cols) in mats {
-                    out.push(ExpertTensor {
+                    out.push(ExpertTensorSpec {
                         suffix: plain_suffix(w),
                         dtype: unquantized,
                         shape: [rows, cols],
@@ -608,14 +608,14 @@ impl ModelConfig {
 
 /// One tensor of a routed expert (see [`ModelConfig::expert_tensors`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExpertTensor {
+pub struct ExpertTensorSpec {
     /// Name after `...experts.<e>.`, e.g. `w1.weight_packed`.
     pub suffix: &'static str,
     pub dtype: Dtype,
     pub shape: [usize; 2],
 }
 
-impl ExpertTensor {
+impl ExpertTensorSpec {
     /// Byte length.
     pub fn bytes(&self) -> u64 {
         (self.shape[0] as u64) * (self.shape[1] as u64) * self.dtype.size() as u64

@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 use fuzzkit::json::{find_from, JsonEdits};
 use fuzzkit::runner::violation;
-pub use fuzzkit::{n_edits, Harness, Report, Rng, Verdict, Violation};
+pub use fuzzkit::{n_edits, FuzzReport, Harness, Rng, Verdict, Violation};
 
 /// Largest input one case may build (bytes).
 pub const MAX_INPUT: usize = 1 << 20;
@@ -1329,8 +1329,8 @@ pub fn run(
     seed: u64,
     execs: u64,
     every: u64,
-    progress: impl FnMut(&Report),
-) -> Report {
+    progress: impl FnMut(&FuzzReport),
+) -> FuzzReport {
     let mut fz = Fuzzer::new(target, seed);
     fuzzkit::run(&mut fz, target.name(), seed, execs, every, progress)
 }

@@ -10,7 +10,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
-use k3_expert_fetcher::{Event, ExpertCacheConfig, ExpertExtents, ExpertFetcher, ExpertTable};
+use k3_expert_fetcher::{BatchEvent, ExpertCacheConfig, ExpertExtents, ExpertFetcher, ExpertTable};
 use k3_io::devbw;
 use k3_io::DirectFiles;
 
@@ -96,7 +96,7 @@ fn main() {
             }
             let mut failed = 0;
             f.fetch_batch(0, &ids, |ev| {
-                if let Event::Failed(e) = ev {
+                if let BatchEvent::Failed(e) = ev {
                     eprintln!("{e}");
                     failed += 1;
                 }

@@ -12,7 +12,7 @@
 //!    expert in pieces of 4 MiB taken in issue order, so the depth is the same whatever
 //!    the slot count and experts land in the order they were issued;
 //! 3. publish each expert through the callback as it lands, in arrival order (hits first,
-//!    they are already there). A read that fails is reported as [`Event::Failed`], counted,
+//!    they are already there). A read that fails is reported as [`BatchEvent::Failed`], counted,
 //!    its slot goes back to EMPTY, and its bytes are never published.
 //!
 //! When a batch asks for more experts than it can claim slots, the rest wait in disk order
@@ -52,7 +52,7 @@ const RELEASE_POLL: Duration = Duration::from_millis(1);
 /// that the reader is done with an expert.
 pub trait BatchIo {
     /// One expert is ready (or failed).
-    fn event(&mut self, ev: Event<'_>);
+    fn event(&mut self, ev: BatchEvent<'_>);
     /// Whether [`releases`](Self::releases) can ever return something.
     fn takes_releases(&self) -> bool {
         false
@@ -68,8 +68,8 @@ pub trait BatchIo {
 /// A plain callback: publishes, never releases.
 struct Callback<F>(F);
 
-impl<F: FnMut(Event<'_>)> BatchIo for Callback<F> {
-    fn event(&mut self, ev: Event<'_>) {
+impl<F: FnMut(BatchEvent<'_>)> BatchIo for Callback<F> {
+    fn event(&mut self, ev: BatchEvent<'_>) {
         (self.0)(ev)
     }
 }
@@ -186,7 +186,7 @@ pub struct Arrival<'a> {
 
 /// What the batch callback receives, once per distinct requested expert.
 #[derive(Debug)]
-pub enum Event<'a> {
+pub enum BatchEvent<'a> {
     Ready(Arrival<'a>),
     Failed(FetchError),
 }
@@ -837,7 +837,7 @@ impl ExpertFetcher {
     /// With [`hold_published`](Self::hold_published) on, releases can only come from
     /// [`release`](Self::release) between batches (use [`fetch_batch_io`](Self::fetch_batch_io)
     /// to take them during one).
-    pub fn fetch_batch<F: FnMut(Event<'_>)>(
+    pub fn fetch_batch<F: FnMut(BatchEvent<'_>)>(
         &mut self,
         layer: u32,
         ids: &[u32],
@@ -865,7 +865,7 @@ impl ExpertFetcher {
     /// Read experts ahead of their request (a routing hint); nothing is published and no
     /// request is counted. A later `fetch_batch` of them is a hit "read this step".
     pub fn prefetch(&mut self, layer: u32, ids: &[u32]) -> BatchSummary {
-        self.run_batch(layer, ids, false, &mut Callback(|_: Event<'_>| {}))
+        self.run_batch(layer, ids, false, &mut Callback(|_: BatchEvent<'_>| {}))
     }
 
     /// A slot of the batch's rotation can take the next deferred expert: no read lands in it,
@@ -1093,7 +1093,7 @@ impl ExpertFetcher {
             b.summary.hits += 1;
             b.summary.published += 1;
             self.mark_published(s, b.hold);
-            io.event(Event::Ready(self.arrival(s, true)));
+            io.event(BatchEvent::Ready(self.arrival(s, true)));
         }
     }
 
@@ -1208,7 +1208,7 @@ impl ExpertFetcher {
                 if b.publish {
                     b.summary.published += 1;
                     self.mark_published(s, b.hold);
-                    io.event(Event::Ready(self.arrival(s, false)));
+                    io.event(BatchEvent::Ready(self.arrival(s, false)));
                 }
             }
             Err(why) => {
@@ -1276,7 +1276,7 @@ impl ExpertFetcher {
                 c.misses += 1;
                 c.failed += 1;
             });
-            io.event(Event::Failed(e));
+            io.event(BatchEvent::Failed(e));
         } else {
             self.count(|c| c.prefetch_failed += 1);
         }
@@ -1301,7 +1301,7 @@ impl ExpertFetcher {
         self.free.push(s);
         if publish {
             self.count(|c| c.failed += 1);
-            io.event(Event::Failed(FetchError::Read {
+            io.event(BatchEvent::Failed(FetchError::Read {
                 layer: key.0,
                 expert: key.1,
                 why,

@@ -19,7 +19,7 @@ pub mod stage;
 pub mod trace;
 
 pub use fetcher::{
-    slots_for_budget, Arrival, BatchIo, BatchSummary, Event, ExpertCacheConfig, ExpertFetcher,
+    slots_for_budget, Arrival, BatchEvent, BatchIo, BatchSummary, ExpertCacheConfig, ExpertFetcher,
     FetchError, FetchStats, ReadFailure, ReaderGone, SetupError, SlotState,
 };
 pub use locate::{ExpertExtents, ExpertTable, Extent, Locate, TableError};

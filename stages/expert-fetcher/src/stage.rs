@@ -9,7 +9,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::fetcher::{slots_for_budget, BatchIo, Event, ExpertCacheConfig, ReaderGone, SetupError};
+use crate::fetcher::{
+    slots_for_budget, BatchEvent, BatchIo, ExpertCacheConfig, ReaderGone, SetupError,
+};
 use crate::locate::{ExpertTable, Locate, TableError};
 use crate::trace::TraceWriteError;
 use crate::ExpertFetcher;
@@ -189,13 +191,13 @@ struct LinkIo<'a> {
 }
 
 impl BatchIo for LinkIo<'_> {
-    fn event(&mut self, ev: Event<'_>) {
+    fn event(&mut self, ev: BatchEvent<'_>) {
         if self.send_err.is_some() || self.shutdown {
             return;
         }
         let pass = self.pass;
         let m = match ev {
-            Event::Ready(a) => match self.region.handle(0, a.arena_offset, a.len) {
+            BatchEvent::Ready(a) => match self.region.handle(0, a.arena_offset, a.len) {
                 Ok(handle) => Msg::ExpertReady {
                     pass,
                     layer: a.layer,
@@ -209,7 +211,7 @@ impl BatchIo for LinkIo<'_> {
                     error: e.to_string(),
                 },
             },
-            Event::Failed(e) => {
+            BatchEvent::Failed(e) => {
                 let (l, id) = e.key();
                 Msg::ExpertFailed {
                     pass,

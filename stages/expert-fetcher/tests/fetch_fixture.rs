@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use k3_expert_fetcher::{
-    BatchIo, Event, ExpertCacheConfig, ExpertExtents, ExpertFetcher, ExpertTable, Extent,
+    BatchEvent, BatchIo, ExpertCacheConfig, ExpertExtents, ExpertFetcher, ExpertTable, Extent,
     FetchError, Locate, ReadFailure,
 };
 use k3_io::arena::ArenaMemory;
@@ -57,7 +57,7 @@ fn batch(f: &mut ExpertFetcher, ids: &[u32]) -> (Vec<(u32, bool)>, Vec<FetchErro
     let mut got = Vec::new();
     let mut failed = Vec::new();
     f.fetch_batch(0, ids, |ev| match ev {
-        Event::Ready(a) => {
+        BatchEvent::Ready(a) => {
             assert_eq!(a.layer, 0);
             assert_eq!(
                 a.data,
@@ -68,7 +68,7 @@ fn batch(f: &mut ExpertFetcher, ids: &[u32]) -> (Vec<(u32, bool)>, Vec<FetchErro
             assert_eq!(a.len as usize, a.data.len());
             got.push((a.expert, a.hit));
         }
-        Event::Failed(e) => failed.push(e),
+        BatchEvent::Failed(e) => failed.push(e),
     });
     (got, failed)
 }
@@ -302,7 +302,7 @@ fn misses_are_read_in_disk_order() {
     let ids = [9u32, 2, 15, 0, 7, 3, 11, 1, 14, 4, 8, 13, 5, 10, 6, 12];
     let mut n = 0;
     f.fetch_batch(3, &ids, |ev| {
-        let Event::Ready(a) = ev else {
+        let BatchEvent::Ready(a) = ev else {
             panic!("{ev:?}")
         };
         let s = 1000 + a.expert as usize * size as usize;
@@ -353,7 +353,7 @@ fn non_contiguous_experts_keep_their_layout() {
     .unwrap();
     let mut seen = HashMap::new();
     f.fetch_batch(0, &[30], |ev| {
-        let Event::Ready(a2) = ev else {
+        let BatchEvent::Ready(a2) = ev else {
             panic!("{ev:?}")
         };
         seen.insert(
@@ -489,13 +489,13 @@ struct HoldingReader {
 }
 
 impl BatchIo for HoldingReader {
-    fn event(&mut self, ev: Event<'_>) {
+    fn event(&mut self, ev: BatchEvent<'_>) {
         match ev {
-            Event::Ready(a) => {
+            BatchEvent::Ready(a) => {
                 self.held.push_back((a.expert, a.arena_offset, a.len));
                 self.published.push((a.expert, a.arena_offset));
             }
-            Event::Failed(e) => panic!("{e}"),
+            BatchEvent::Failed(e) => panic!("{e}"),
         }
     }
 
@@ -628,7 +628,7 @@ fn a_large_expert_is_read_in_pieces_and_arrives_whole() {
     let (mut f, rec, bytes) = in_memory(0, 3, size, 2, 4);
     let mut n = 0;
     f.fetch_batch(0, &[2, 0, 1], |ev| {
-        let Event::Ready(a) = ev else {
+        let BatchEvent::Ready(a) = ev else {
             panic!("{ev:?}")
         };
         let s = 1000 + a.expert as usize * size as usize;

@@ -66,7 +66,7 @@ use std::path::{Path, PathBuf};
 
 use fuzzkit::json::JsonEdits;
 use fuzzkit::runner::violation;
-pub use fuzzkit::{n_edits, Harness, Report, Rng, Verdict, Violation};
+pub use fuzzkit::{n_edits, FuzzReport, Harness, Rng, Verdict, Violation};
 
 /// Largest input one case may build (bytes).
 pub const MAX_INPUT: usize = 1 << 20;
@@ -1756,8 +1756,8 @@ pub fn run(
     seed: u64,
     execs: u64,
     every: u64,
-    progress: impl FnMut(&Report),
-) -> Report {
+    progress: impl FnMut(&FuzzReport),
+) -> FuzzReport {
     let mut fz = Fuzzer::new(target, seed);
     fuzzkit::run(&mut fz, target.name(), seed, execs, every, progress)
 }
