@@ -5,6 +5,10 @@
 //! they land, issued in disk order at queue depth `readers`), or `ExpertFailed`, then
 //! `ExpertBatchDone` with the batch's counters. The arena is a shared-memory region this
 //! stage creates and first-touches, so its budget is charged to this stage's cgroup.
+//!
+//! A failure ([`FetcherStageError`]) is reported to the orchestrator once, as a
+//! `StageFailure` of its kind (`k3_protocol::failure`); an expert that fails to load is not
+//! one: it is an `ExpertFailed` and the batch goes on.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,4 +1,5 @@
-//! Errors of the tokenizer crate: every variant names the file, line or field at fault.
+//! Errors of the tokenizer crate: each names what is at fault (the file, line or field, the
+//! id, or the chat request). The stage's own errors are `stage::TokenizerStageError`.
 
 use std::path::PathBuf;
 

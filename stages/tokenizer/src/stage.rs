@@ -6,6 +6,9 @@
 //! the id's bytes to the orchestrator (`Text`), which prints them as they come. Without a
 //! tokenizer directory the vocabulary is bytes (id = byte), which is what the tiny models
 //! were built with.
+//!
+//! A failure ([`TokenizerStageError`]) is reported to the orchestrator once, as a
+//! `StageFailure` of its kind (`k3_protocol::failure`).
 
 use k3_protocol::conf::TokenizerConf;
 use k3_protocol::failure::{FailureKind, StageFailure};

@@ -1,6 +1,6 @@
 //! `k3-trunk-loader`: the dense trunk as a dial.
 //!
-//! - [`plan`]: the fixed-point sizing of a pinned prefix plus a ring of slots for a budget,
+//! - [`plan`](mod@plan): the fixed-point sizing of a pinned prefix plus a ring of slots for a budget,
 //!   over whole layers or, below one slot for the largest layer, over the layers' parts
 //!   (the tensors the forward uses together; [`plan_streams`]).
 //! - [`loader`]: the reader thread that loads the pinned prefix once and streams the other

@@ -15,6 +15,9 @@
 //! tensors}` for layers 0..n in order, as fast as memory allows, and frees a ring slot only
 //! when compute's `LayerDone` for it arrives. After the last `LayerDone` it sends
 //! `TrunkPassDone` with what the pass cost.
+//!
+//! A failure ([`TrunkStageError`]) is reported to the orchestrator once, as a
+//! `StageFailure` of its kind (`k3_protocol::failure`).
 
 // Tuples of catalog fields are clearer here than one-off structs.
 #![allow(clippy::type_complexity)]
