@@ -8,12 +8,44 @@
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::arena::{align_down, align_up, ArenaMemory, OwnedArena, ALIGN};
+
+/// Why a measurement failed; each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum DevbwError {
+    #[error("{}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {size} bytes is smaller than one {read_bytes}-byte read", path.display())]
+    TooSmall {
+        path: PathBuf,
+        size: u64,
+        read_bytes: u64,
+    },
+    #[error("{}: read at {offset}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        offset: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    Arena {
+        path: PathBuf,
+        #[source]
+        source: crate::arena::ArenaError,
+    },
+    #[error("{}: a reader thread panicked", path.display())]
+    Panicked { path: PathBuf },
+}
 
 /// One measurement.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
@@ -59,21 +91,28 @@ pub fn measure(
     read_bytes: u64,
     queue_depth: usize,
     seconds: f64,
-) -> Result<DevbwResult, String> {
-    let size = std::fs::metadata(path)
-        .map_err(|e| format!("{}: {e}", path.display()))?
-        .len();
+) -> Result<DevbwResult, DevbwError> {
+    let opened = |source| DevbwError::Open {
+        path: path.to_path_buf(),
+        source,
+    };
+    let arena = |source| DevbwError::Arena {
+        path: path.to_path_buf(),
+        source,
+    };
+    let size = std::fs::metadata(path).map_err(opened)?.len();
     let rb = align_up(read_bytes.max(1));
     if size < rb {
-        return Err(format!(
-            "{}: {size} bytes is smaller than one {rb}-byte read",
-            path.display()
-        ));
+        return Err(DevbwError::TooSmall {
+            path: path.to_path_buf(),
+            size,
+            read_bytes: rb,
+        });
     }
-    let (probe, mut direct) = open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (probe, mut direct) = open(path).map_err(opened)?;
     // Probe once: some file systems accept O_DIRECT at open and refuse it at read time.
     if direct {
-        let buf = OwnedArena::new(ALIGN).map_err(|e| e.to_string())?;
+        let buf = OwnedArena::new(ALIGN).map_err(arena)?;
         // SAFETY: the arena owns ALIGN bytes; nothing else touches them.
         let dst = unsafe { std::slice::from_raw_parts_mut(buf.base(), ALIGN) };
         if probe.read_at(dst, 0).is_err() {
@@ -83,7 +122,7 @@ pub fn measure(
     let file = Arc::new(if direct {
         probe
     } else {
-        File::open(path).map_err(|e| format!("{}: {e}", path.display()))?
+        File::open(path).map_err(opened)?
     });
     let span = align_down(size - rb) / ALIGN as u64 + 1; // possible page-aligned offsets
     let qd = queue_depth.max(1);
@@ -93,8 +132,12 @@ pub fn measure(
         .map(|t| {
             let file = Arc::clone(&file);
             let stop = Arc::clone(&stop);
-            std::thread::spawn(move || -> Result<(u64, u64), String> {
-                let buf = OwnedArena::new(rb as usize).map_err(|e| e.to_string())?;
+            let path = path.to_path_buf();
+            std::thread::spawn(move || -> Result<(u64, u64), DevbwError> {
+                let buf = OwnedArena::new(rb as usize).map_err(|source| DevbwError::Arena {
+                    path: path.clone(),
+                    source,
+                })?;
                 // SAFETY: this thread owns the arena; rb bytes are allocated.
                 let dst = unsafe { std::slice::from_raw_parts_mut(buf.base(), rb as usize) };
                 let mut x =
@@ -111,7 +154,13 @@ pub fn measure(
                             Ok(0) => break,
                             Ok(n) => got += n,
                             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                            Err(e) => return Err(format!("read at {off}: {e}")),
+                            Err(source) => {
+                                return Err(DevbwError::Read {
+                                    path,
+                                    offset: off,
+                                    source,
+                                })
+                            }
                         }
                     }
                     reads += 1;
@@ -134,12 +183,16 @@ pub fn measure(
                 bytes += b;
             }
             Ok(Err(e)) => err = Some(e),
-            Err(_) => err = Some("a reader thread panicked".into()),
+            Err(_) => {
+                err = Some(DevbwError::Panicked {
+                    path: path.to_path_buf(),
+                })
+            }
         }
     }
     let secs = t0.elapsed().as_secs_f64();
     if let Some(e) = err {
-        return Err(format!("{}: {e}", path.display()));
+        return Err(e);
     }
     Ok(DevbwResult {
         read_bytes: rb,

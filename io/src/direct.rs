@@ -249,26 +249,39 @@ pub const READ_CHUNK: usize = 8 << 20;
 pub const READ_QD: usize = 8;
 
 /// A piece that landed: `(at, bytes)`, `at` its offset in the destination. Returning an
-/// error fails the whole read (a checksum, say).
-pub type OnPiece<'a> = dyn Fn(usize, &[u8]) -> Result<(), String> + Sync + 'a;
+/// error fails the whole read (a checksum, say) with [`ParallelReadError::Rejected`].
+pub type OnPiece<'a, E> = dyn Fn(usize, &[u8]) -> Result<(), E> + Sync + 'a;
+
+/// Why a [`read_parallel`] failed: a read, or the caller's check of a piece (`E`, the
+/// error [`OnPiece`] returns).
+#[derive(Debug, thiserror::Error)]
+pub enum ParallelReadError<E> {
+    #[error("{0}")]
+    Io(#[source] io::Error),
+    #[error("{0}")]
+    Rejected(E),
+    /// A piece no reader thread got to (a reader thread died).
+    #[error("piece {0} was not read")]
+    NotRead(usize),
+}
 
 /// Fill `dst` from `offset` of `file` in [`READ_CHUNK`] pieces, [`READ_QD`] in flight, each
 /// piece at an offset of `dst` that is a multiple of [`READ_CHUNK`] (an aligned `offset`
 /// and buffer keep every piece O_DIRECT). `on_piece` sees each piece as it lands. Returns
 /// the bytes read: `dst.len()`, or fewer only when the file ends inside the last piece.
-pub fn read_parallel(
+pub fn read_parallel<E: Send>(
     reader: &dyn ReadAt,
     file: u32,
     offset: u64,
     dst: &mut [u8],
-    on_piece: &OnPiece<'_>,
-) -> Result<usize, String> {
+    on_piece: &OnPiece<'_, E>,
+) -> Result<usize, ParallelReadError<E>> {
     use std::sync::Mutex;
     if dst.len() <= READ_CHUNK {
         let got = reader
             .read_at(file, offset, dst)
-            .map_err(|e| e.to_string())?;
-        on_piece(0, &dst[..got])?;
+            .map_err(ParallelReadError::Io)?;
+        on_piece(0, &dst[..got]).map_err(ParallelReadError::Rejected)?;
         return Ok(got);
     }
     let pieces: Vec<(usize, &mut [u8])> = dst
@@ -279,9 +292,9 @@ pub fn read_parallel(
     let n = pieces.len();
     let next = AtomicU64::new(0);
     type Piece<'a> = Mutex<Option<(usize, &'a mut [u8])>>;
-    type Outcome = Mutex<Option<Result<(usize, usize, usize), String>>>;
+    type Outcome<E> = Mutex<Option<Result<(usize, usize, usize), ParallelReadError<E>>>>;
     let slots: Vec<Piece<'_>> = pieces.into_iter().map(|p| Mutex::new(Some(p))).collect();
-    let results: Vec<Outcome> = (0..n).map(|_| Mutex::new(None)).collect();
+    let results: Vec<Outcome<E>> = (0..n).map(|_| Mutex::new(None)).collect();
     std::thread::scope(|s| {
         for _ in 0..READ_QD.min(n) {
             s.spawn(|| loop {
@@ -295,9 +308,9 @@ pub fn read_parallel(
                 };
                 let r = reader
                     .read_at(file, offset + at as u64, buf)
-                    .map_err(|e| e.to_string())
+                    .map_err(ParallelReadError::Io)
                     .and_then(|got| {
-                        on_piece(at, &buf[..got])?;
+                        on_piece(at, &buf[..got]).map_err(ParallelReadError::Rejected)?;
                         Ok((at, got, buf.len()))
                     });
                 *results[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
@@ -309,7 +322,7 @@ pub fn read_parallel(
         let r = r
             .into_inner()
             .unwrap_or_else(|p| p.into_inner())
-            .unwrap_or_else(|| Err(format!("piece {i} was not read")))?;
+            .unwrap_or(Err(ParallelReadError::NotRead(i)))?;
         let (at, got, len) = r;
         total = at + got;
         // A short piece is the end of the file: nothing after it can hold data.

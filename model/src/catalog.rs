@@ -92,7 +92,7 @@ pub struct ShardInfo {
 
 /// Where one tensor lives. `offset` is an absolute file offset in shard `shard`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Entry<'a> {
+pub struct TensorEntry<'a> {
     /// Index into [`Catalog::shards`].
     pub shard: usize,
     /// Absolute byte offset in the shard file.
@@ -104,7 +104,7 @@ pub struct Entry<'a> {
     pub shape: &'a [usize],
 }
 
-impl Entry<'_> {
+impl TensorEntry<'_> {
     /// One past the last byte (absolute).
     pub fn end(&self) -> u64 {
         self.offset + self.len
@@ -277,6 +277,73 @@ impl NameTable {
     }
 }
 
+/// Entries of the index's `weight_map` checked per parallel chunk.
+const INDEX_CHUNK: usize = 8192;
+
+/// The distinct shard file names of a `weight_map`, sorted; each must be a plain file name
+/// in the model directory, and at most 65536 of them.
+fn index_shards<'a>(
+    index: &Path,
+    weight_map: &'a [(Cow<'_, str>, Cow<'_, str>)],
+) -> Result<Vec<&'a str>, CatalogError> {
+    // Distinct shard names (the weight_map is usually grouped, so skip repeats cheaply).
+    let mut files: Vec<&str> = Vec::new();
+    let mut last: Option<&str> = None;
+    for (_, f) in weight_map {
+        if last != Some(&**f) {
+            files.push(f);
+            last = Some(f);
+        }
+    }
+    files.sort_unstable();
+    files.dedup();
+    for f in &files {
+        if f.is_empty() || f.contains('/') || f.contains('\\') || *f == "." || *f == ".." {
+            let t = weight_map.iter().find(|(_, x)| x == f).map(|(n, _)| &**n);
+            return Err(CatalogError::new(
+                index,
+                t,
+                format!("weight_map shard {f:?} is not a plain file name in the model directory"),
+            ));
+        }
+    }
+    if files.len() > u16::MAX as usize + 1 {
+        return Err(CatalogError::new(
+            index,
+            None,
+            format!("{} shards is more than 65536", files.len()),
+        ));
+    }
+    Ok(files)
+}
+
+/// Per shard (`files`, sorted), the digest of the tensor names `wm` assigns to it.
+fn index_digests(wm: &[(Cow<'_, str>, Cow<'_, str>)], files: &[&str]) -> Vec<NameDigest> {
+    let n_chunks = wm.len().div_ceil(INDEX_CHUNK);
+    let per_chunk = par_map(n_chunks, |c| {
+        let mut d = vec![NameDigest::default(); files.len()];
+        let mut last: Option<(&str, usize)> = None;
+        for (name, f) in &wm[c * INDEX_CHUNK..((c + 1) * INDEX_CHUNK).min(wm.len())] {
+            let s = match last {
+                Some((lf, s)) if lf == &**f => Some(s),
+                _ => files.binary_search(&&**f).ok(),
+            };
+            if let Some(s) = s {
+                last = Some((f, s));
+                d[s].add(name);
+            }
+        }
+        d
+    });
+    let mut index_digests = vec![NameDigest::default(); files.len()];
+    for d in &per_chunk {
+        for (acc, x) in index_digests.iter_mut().zip(d) {
+            acc.merge(x);
+        }
+    }
+    index_digests
+}
+
 /// Builds a [`NameTable`] while the catalog is read.
 #[derive(Default)]
 struct NameBuilder {
@@ -287,8 +354,18 @@ struct NameBuilder {
     buf: String,
 }
 
+/// More distinct tensor names than a `u32` id numbers.
+#[derive(Debug)]
+struct TooManyNames;
+
+impl fmt::Display for TooManyNames {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("too many distinct tensor names")
+    }
+}
+
 impl NameBuilder {
-    fn key(&mut self, name: &str) -> Result<Key, String> {
+    fn key(&mut self, name: &str) -> Result<Key, TooManyNames> {
         let mut buf = std::mem::take(&mut self.buf);
         let r = match templatize(name, &mut buf) {
             Some((a, b)) => self.intern(&buf, false).map(|id| Key { id, a, b }),
@@ -299,7 +376,7 @@ impl NameBuilder {
     }
 
     /// Id of template (or, with `literal`, whole name) `s`, adding it if new.
-    fn intern(&mut self, s: &str, literal: bool) -> Result<u32, String> {
+    fn intern(&mut self, s: &str, literal: bool) -> Result<u32, TooManyNames> {
         let map = if literal {
             &mut self.literals
         } else {
@@ -308,8 +385,7 @@ impl NameBuilder {
         if let Some(&id) = map.get(s) {
             return Ok(id);
         }
-        let id = u32::try_from(self.strings.len())
-            .map_err(|_| "too many distinct tensor names".to_string())?;
+        let id = u32::try_from(self.strings.len()).map_err(|_| TooManyNames)?;
         self.strings.push(s.into());
         self.literal.push(literal);
         map.insert(s.into(), id);
@@ -755,7 +831,7 @@ fn parse_shard_json(
         data_end = data_end.max(data_start + t.end);
         spans.push((t.begin, t.end, i));
         digest.add(&t.name);
-        let key = names.key(&t.name).map_err(err)?;
+        let key = names.key(&t.name).map_err(|e| err(e.to_string()))?;
         let shape = shapes.id(&dims);
         items.push((
             key,
@@ -872,7 +948,7 @@ fn build(
             name_map.push(
                 names
                     .intern(st, part.names.literal[id])
-                    .map_err(|e| CatalogError::new(path, None, e))?,
+                    .map_err(|e| CatalogError::new(path, None, e.to_string()))?,
             );
         }
         let shape_map: Vec<u32> = part.shapes.shapes.iter().map(|s| shapes.id(s)).collect();
@@ -1099,91 +1175,49 @@ impl Catalog {
     ) -> Result<Catalog, CatalogError> {
         let dir = index.parent().unwrap_or(Path::new("."));
         let idx = parse_index(index, json)?;
-        // Distinct shard names (the weight_map is usually grouped, so skip repeats cheaply).
-        let mut files: Vec<&str> = Vec::new();
-        let mut last: Option<&str> = None;
-        for (_, f) in &idx.weight_map {
-            if last != Some(&**f) {
-                files.push(f);
-                last = Some(f);
-            }
-        }
-        files.sort_unstable();
-        files.dedup();
-        for f in &files {
-            if f.is_empty() || f.contains('/') || f.contains('\\') || *f == "." || *f == ".." {
-                let t = idx
-                    .weight_map
-                    .iter()
-                    .find(|(_, x)| x == f)
-                    .map(|(n, _)| &**n);
-                return Err(CatalogError::new(
-                    index,
-                    t,
-                    format!(
-                        "weight_map shard {f:?} is not a plain file name in the model directory"
-                    ),
-                ));
-            }
-        }
-        if files.len() > u16::MAX as usize + 1 {
-            return Err(CatalogError::new(
-                index,
-                None,
-                format!("{} shards is more than 65536", files.len()),
-            ));
-        }
+        let files = index_shards(index, &idx.weight_map)?;
         let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
         let (cat, digests) = build(&paths, dir.to_path_buf(), idx.total_size, parse)?;
         // Every weight_map entry must be in the shard it names, once, and the weight_map
         // must cover every tensor. Fast path: per shard, the digest of the names the index
         // assigns to it equals the digest of the names its header holds.
-        const CHUNK: usize = 8192;
-        let wm = &idx.weight_map;
-        let n_chunks = wm.len().div_ceil(CHUNK);
-        let per_chunk = par_map(n_chunks, |c| {
-            let mut d = vec![NameDigest::default(); files.len()];
-            let mut last: Option<(&str, usize)> = None;
-            for (name, f) in &wm[c * CHUNK..((c + 1) * CHUNK).min(wm.len())] {
-                let s = match last {
-                    Some((lf, s)) if lf == &**f => Some(s),
-                    _ => files.binary_search(&&**f).ok(),
-                };
-                if let Some(s) = s {
-                    last = Some((f, s));
-                    d[s].add(name);
-                }
-            }
-            d
-        });
-        let mut index_digests = vec![NameDigest::default(); files.len()];
-        for d in &per_chunk {
-            for (acc, x) in index_digests.iter_mut().zip(d) {
-                acc.merge(x);
-            }
-        }
-        if index_digests == digests {
+        if index_digests(&idx.weight_map, &files) == digests {
             return Ok(cat);
         }
         // Exact check, to name the first offending tensor (index order).
+        cat.check_weight_map(index, &idx.weight_map, &files)?;
+        // Unreachable unless two different name sets collide in the digest; the exact
+        // check passed, so the catalog is consistent.
+        Ok(cat)
+    }
+
+    /// Check every `weight_map` entry exactly: in the shard it names, listed once, and
+    /// every tensor listed; the error names the first offending tensor in index order.
+    fn check_weight_map(
+        &self,
+        index: &Path,
+        wm: &[(Cow<'_, str>, Cow<'_, str>)],
+        files: &[&str],
+    ) -> Result<(), CatalogError> {
+        let n_chunks = wm.len().div_ceil(INDEX_CHUNK);
         let chunks = par_map(n_chunks, |c| -> Result<Vec<u32>, CatalogError> {
             let mut buf = String::new();
-            let mut out = Vec::with_capacity(CHUNK);
-            for (name, f) in &wm[c * CHUNK..((c + 1) * CHUNK).min(wm.len())] {
+            let mut out = Vec::with_capacity(INDEX_CHUNK);
+            for (name, f) in &wm[c * INDEX_CHUNK..((c + 1) * INDEX_CHUNK).min(wm.len())] {
                 let shard = files.binary_search(&&**f).unwrap_or(usize::MAX);
-                let pos = cat
+                let pos = self
                     .names
                     .key_of_with(name, &mut buf)
-                    .and_then(|k| cat.keys.binary_search(&k).ok());
+                    .and_then(|k| self.keys.binary_search(&k).ok());
                 match pos {
-                    Some(p) if cat.recs[p].shard as usize == shard => out.push(p as u32),
+                    Some(p) if self.recs[p].shard as usize == shard => out.push(p as u32),
                     Some(p) => {
                         return Err(CatalogError::new(
                             index,
                             Some(name),
                             format!(
                                 "weight_map names shard {f} but the tensor is in {}",
-                                cat.shards[cat.recs[p].shard as usize].path.display()
+                                self.shards[self.recs[p].shard as usize].path.display()
                             ),
                         ));
                     }
@@ -1198,11 +1232,11 @@ impl Catalog {
             }
             Ok(out)
         });
-        let mut seen = vec![false; cat.keys.len()];
+        let mut seen = vec![false; self.keys.len()];
         for chunk in chunks {
             for p in chunk? {
                 if std::mem::replace(&mut seen[p as usize], true) {
-                    let name = cat.names.name_of(cat.keys[p as usize]);
+                    let name = self.names.name_of(self.keys[p as usize]);
                     return Err(CatalogError::new(
                         index,
                         Some(&name),
@@ -1212,19 +1246,17 @@ impl Catalog {
             }
         }
         if let Some(p) = seen.iter().position(|s| !s) {
-            let name = cat.names.name_of(cat.keys[p]);
+            let name = self.names.name_of(self.keys[p]);
             return Err(CatalogError::new(
                 index,
                 Some(&name),
                 format!(
                     "tensor in {} is missing from the weight_map",
-                    cat.shards[cat.recs[p].shard as usize].path.display()
+                    self.shards[self.recs[p].shard as usize].path.display()
                 ),
             ));
         }
-        // Unreachable unless two different name sets collide in the digest; the exact
-        // check passed, so the catalog is consistent.
-        Ok(cat)
+        Ok(())
     }
 
     fn position(&self, name: &str) -> Option<usize> {
@@ -1232,12 +1264,12 @@ impl Catalog {
         self.keys.binary_search(&k).ok()
     }
 
-    fn entry_at(&self, p: usize) -> Entry<'_> {
+    fn entry_at(&self, p: usize) -> TensorEntry<'_> {
         let r = self.recs[p];
         let dtype = DTYPES[r.dtype as usize];
         let shape: &[usize] = &self.shapes[r.shape as usize];
         let numel: u64 = shape.iter().map(|&d| d as u64).product();
-        Entry {
+        TensorEntry {
             shard: r.shard as usize,
             offset: r.offset,
             len: numel * dtype.size() as u64,
@@ -1247,7 +1279,7 @@ impl Catalog {
     }
 
     /// The tensor called `name`, if present.
-    pub fn get(&self, name: &str) -> Option<Entry<'_>> {
+    pub fn get(&self, name: &str) -> Option<TensorEntry<'_>> {
         self.position(name).map(|p| self.entry_at(p))
     }
 
@@ -1287,7 +1319,7 @@ impl Catalog {
     }
 
     /// Every tensor, in file order (shard index, then offset), with its name.
-    pub fn iter(&self) -> impl Iterator<Item = (String, Entry<'_>)> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = (String, TensorEntry<'_>)> + '_ {
         self.order.iter().map(move |&p| {
             (
                 self.names.name_of(self.keys[p as usize]),
@@ -1297,7 +1329,10 @@ impl Catalog {
     }
 
     /// The tensors of shard `shard`, in offset order, with their names.
-    pub fn shard_entries(&self, shard: usize) -> impl Iterator<Item = (String, Entry<'_>)> + '_ {
+    pub fn shard_entries(
+        &self,
+        shard: usize,
+    ) -> impl Iterator<Item = (String, TensorEntry<'_>)> + '_ {
         let lo = self
             .order
             .partition_point(|&p| (self.recs[p as usize].shard as usize) < shard);

@@ -562,7 +562,7 @@ impl ModelConfig {
     /// the three `w{1,2,3}.weight` tensors take `unquantized` as their dtype.
     ///
     /// w1 (gate) and w3 (up) map latent → moe_intermediate; w2 (down) maps back.
-    pub fn expert_tensors(&self, unquantized: Dtype) -> Vec<ExpertTensor> {
+    pub fn expert_tensors(&self, unquantized: Dtype) -> Vec<ExpertTensorSpec> {
         let f = self.moe_intermediate_size;
         let lat = self.routed_expert_hidden_size;
         let mats: [(&'static str, usize, usize); 3] =
@@ -571,12 +571,12 @@ impl ModelConfig {
         match self.expert_format() {
             ExpertFormat::Mxfp4 { group_size } => {
                 for (w, rows, cols) in mats {
-                    out.push(ExpertTensor {
+                    out.push(ExpertTensorSpec {
                         suffix: packed_suffix(w),
                         dtype: Dtype::U8,
                         shape: [rows, cols / 2],
                     });
-                    out.push(ExpertTensor {
+                    out.push(ExpertTensorSpec {
                         suffix: scale_suffix(w),
                         dtype: Dtype::U8,
                         shape: [rows, cols / group_size],
@@ -585,7 +585,7 @@ impl ModelConfig {
             }
             ExpertFormat::Unquantized => {
                 for (w, rows, cols) in mats {
-                    out.push(ExpertTensor {
+                    out.push(ExpertTensorSpec {
                         suffix: plain_suffix(w),
                         dtype: unquantized,
                         shape: [rows, cols],
@@ -608,14 +608,14 @@ impl ModelConfig {
 
 /// One tensor of a routed expert (see [`ModelConfig::expert_tensors`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExpertTensor {
+pub struct ExpertTensorSpec {
     /// Name after `...experts.<e>.`, e.g. `w1.weight_packed`.
     pub suffix: &'static str,
     pub dtype: Dtype,
     pub shape: [usize; 2],
 }
 
-impl ExpertTensor {
+impl ExpertTensorSpec {
     /// Byte length.
     pub fn bytes(&self) -> u64 {
         (self.shape[0] as u64) * (self.shape[1] as u64) * self.dtype.size() as u64
@@ -655,6 +655,136 @@ fn read_text_config(
     root: &Map<String, Value>,
     tc: &Map<String, Value>,
 ) -> Option<ModelConfig> {
+    let f = read_text_fields(r, tc);
+    let linear_attn = read_linear_attn(r, tc);
+    let quantization = read_quantization(r, root, tc);
+    check_text_fields(r, &f, &quantization);
+    let layer_kinds = check_linear_attn(r, &linear_attn, f.num_hidden_layers);
+    let TextFields {
+        hidden_size,
+        vocab_size,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads,
+        intermediate_size,
+        hidden_act,
+        activation_situ_beta,
+        activation_situ_linear_beta,
+        rms_norm_eps,
+        q_lora_rank,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        mla_use_nope,
+        mla_use_output_gate,
+        num_experts,
+        num_experts_per_token,
+        num_shared_experts,
+        moe_intermediate_size,
+        routed_expert_hidden_size,
+        latent_moe_use_norm,
+        moe_router_activation_func,
+        moe_renormalize,
+        routed_scaling_factor,
+        topk_method,
+        num_expert_group,
+        topk_group,
+        first_k_dense_replace,
+        moe_layer_freq,
+        attn_res_block_size,
+        bos,
+        eos,
+        pad,
+        tie_word_embeddings,
+    } = f;
+    Some(ModelConfig {
+        hidden_size: hidden_size?,
+        vocab_size: vocab_size?,
+        num_hidden_layers: num_hidden_layers?,
+        num_attention_heads: num_attention_heads?,
+        num_key_value_heads: num_key_value_heads?,
+        intermediate_size: intermediate_size?,
+        hidden_act: hidden_act?,
+        activation_situ_beta: activation_situ_beta?,
+        activation_situ_linear_beta: activation_situ_linear_beta?,
+        rms_norm_eps: rms_norm_eps?,
+        q_lora_rank: q_lora_rank?,
+        kv_lora_rank: kv_lora_rank?,
+        qk_nope_head_dim: qk_nope_head_dim?,
+        qk_rope_head_dim: qk_rope_head_dim?,
+        v_head_dim: v_head_dim?,
+        mla_use_nope: mla_use_nope?,
+        mla_use_output_gate: mla_use_output_gate?,
+        num_experts: num_experts?,
+        num_experts_per_token: num_experts_per_token?,
+        num_shared_experts: num_shared_experts?,
+        moe_intermediate_size: moe_intermediate_size?,
+        routed_expert_hidden_size: routed_expert_hidden_size?,
+        latent_moe_use_norm: latent_moe_use_norm?,
+        moe_router_activation_func: moe_router_activation_func?,
+        moe_renormalize: moe_renormalize?,
+        routed_scaling_factor: routed_scaling_factor?,
+        topk_method: topk_method?,
+        num_expert_group: num_expert_group?,
+        topk_group: topk_group?,
+        first_k_dense_replace: first_k_dense_replace?,
+        moe_layer_freq: moe_layer_freq?,
+        attn_res_block_size: attn_res_block_size?,
+        bos_token_id: bos? as u32,
+        eos_token_id: eos? as u32,
+        pad_token_id: pad?.map(|p| p as u32),
+        tie_word_embeddings: tie_word_embeddings?,
+        linear_attn: linear_attn?,
+        quantization: quantization?,
+        defaulted: std::mem::take(&mut r.defaulted),
+        layer_kinds: layer_kinds?,
+    })
+}
+
+/// The scalar fields of `text_config` as read: `None` when missing or malformed (the
+/// problem is recorded).
+struct TextFields {
+    hidden_size: Option<usize>,
+    vocab_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    intermediate_size: Option<usize>,
+    hidden_act: Option<String>,
+    activation_situ_beta: Option<f32>,
+    activation_situ_linear_beta: Option<f32>,
+    rms_norm_eps: Option<f32>,
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+    mla_use_nope: Option<bool>,
+    mla_use_output_gate: Option<bool>,
+    num_experts: Option<usize>,
+    num_experts_per_token: Option<usize>,
+    num_shared_experts: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    routed_expert_hidden_size: Option<usize>,
+    latent_moe_use_norm: Option<bool>,
+    moe_router_activation_func: Option<String>,
+    moe_renormalize: Option<bool>,
+    routed_scaling_factor: Option<f32>,
+    topk_method: Option<String>,
+    num_expert_group: Option<usize>,
+    topk_group: Option<usize>,
+    first_k_dense_replace: Option<usize>,
+    moe_layer_freq: Option<usize>,
+    attn_res_block_size: Option<usize>,
+    bos: Option<usize>,
+    eos: Option<usize>,
+    pad: Option<Option<usize>>,
+    tie_word_embeddings: Option<bool>,
+}
+
+/// Read `text_config`'s scalar fields, in the order problems are reported.
+fn read_text_fields(r: &mut Reader, tc: &Map<String, Value>) -> TextFields {
     let hidden_size = r.usize(tc, TC, "hidden_size");
     let vocab_size = r.usize(tc, TC, "vocab_size");
     let num_hidden_layers = r.usize(tc, TC, "num_hidden_layers");
@@ -725,10 +855,50 @@ fn read_text_config(
         Some(v) => r.as_usize(v, &format!("{TC}.pad_token_id")).map(Some),
     };
     let tie_word_embeddings = r.bool(tc, TC, "tie_word_embeddings");
+    TextFields {
+        hidden_size,
+        vocab_size,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads,
+        intermediate_size,
+        hidden_act,
+        activation_situ_beta,
+        activation_situ_linear_beta,
+        rms_norm_eps,
+        q_lora_rank,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        qk_rope_head_dim,
+        v_head_dim,
+        mla_use_nope,
+        mla_use_output_gate,
+        num_experts,
+        num_experts_per_token,
+        num_shared_experts,
+        moe_intermediate_size,
+        routed_expert_hidden_size,
+        latent_moe_use_norm,
+        moe_router_activation_func,
+        moe_renormalize,
+        routed_scaling_factor,
+        topk_method,
+        num_expert_group,
+        topk_group,
+        first_k_dense_replace,
+        moe_layer_freq,
+        attn_res_block_size,
+        bos,
+        eos,
+        pad,
+        tie_word_embeddings,
+    }
+}
 
-    // linear_attn_config
+/// Read `text_config.linear_attn_config`.
+fn read_linear_attn(r: &mut Reader, tc: &Map<String, Value>) -> Option<LinearAttnConfig> {
     let la = r.object(tc, TC, "linear_attn_config");
-    let linear_attn = la.and_then(|la| {
+    la.and_then(|la| {
         let num_heads = r.usize(la, LA, "num_heads");
         let head_dim = r.usize(la, LA, "head_dim");
         let short_conv_kernel_size = r.usize(la, LA, "short_conv_kernel_size");
@@ -751,8 +921,15 @@ fn read_text_config(
             kda_layers: kda_layers?,
             full_attn_layers: full_attn_layers?,
         })
-    });
+    })
+}
 
+/// Read the quantization config: `None` when it is malformed, `Some(None)` when absent.
+fn read_quantization(
+    r: &mut Reader,
+    root: &Map<String, Value>,
+    tc: &Map<String, Value>,
+) -> Option<Option<QuantConfig>> {
     // quantization_config: inside text_config (released); a loaded-and-resaved HF config may
     // carry it at the top level instead.
     let qc_val = match (
@@ -763,12 +940,35 @@ fn read_text_config(
         (None, Some(v)) => Some((v, "config.quantization_config")),
         (None, None) => None,
     };
-    let quantization = match qc_val {
+    match qc_val {
         None | Some((Value::Null, _)) => Some(None),
         Some((v, path)) => read_quant(r, v, path).map(Some),
-    };
+    }
+}
 
-    // Validation of values present (each check only when its inputs were read).
+/// Check the values present against each other and the supported range (each check
+/// only when its inputs were read).
+fn check_text_fields(r: &mut Reader, f: &TextFields, quantization: &Option<Option<QuantConfig>>) {
+    let TextFields {
+        hidden_size,
+        vocab_size,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads,
+        intermediate_size,
+        q_lora_rank,
+        kv_lora_rank,
+        qk_nope_head_dim,
+        v_head_dim,
+        num_experts,
+        num_experts_per_token,
+        moe_intermediate_size,
+        routed_expert_hidden_size,
+        first_k_dense_replace,
+        moe_layer_freq,
+        attn_res_block_size,
+        ..
+    } = *f;
     let why_pos = |r: &mut Reader, v: Option<usize>, key: &str| {
         if v == Some(0) {
             r.problem(format!("{TC}.{key} = 0 must be at least 1"));
@@ -824,6 +1024,28 @@ fn read_text_config(
             ));
         }
     }
+    check_text_values(r, f, quantization);
+}
+
+/// Check the supported activations and switches, positive scalars, token ids inside the
+/// vocabulary, and MXFP4 expert sizes in whole groups.
+fn check_text_values(r: &mut Reader, f: &TextFields, quantization: &Option<Option<QuantConfig>>) {
+    let TextFields {
+        vocab_size,
+        ref hidden_act,
+        activation_situ_beta,
+        activation_situ_linear_beta,
+        rms_norm_eps,
+        mla_use_nope,
+        moe_intermediate_size,
+        routed_expert_hidden_size,
+        ref moe_router_activation_func,
+        routed_scaling_factor,
+        bos,
+        eos,
+        pad,
+        ..
+    } = *f;
     if let Some(a) = &hidden_act {
         if a != "situ" {
             r.problem(format!(
@@ -889,8 +1111,14 @@ fn read_text_config(
             }
         }
     }
+}
 
-    // Layer map.
+/// Check the linear-attention values and build the layer map (`None` on a problem).
+fn check_linear_attn(
+    r: &mut Reader,
+    linear_attn: &Option<LinearAttnConfig>,
+    num_hidden_layers: Option<usize>,
+) -> Option<Vec<LayerKind>> {
     let mut layer_kinds = None;
     if let (Some(la), Some(n)) = (&linear_attn, num_hidden_layers) {
         if la.gate_lower_bound >= 0.0 {
@@ -912,49 +1140,7 @@ fn read_text_config(
             layer_kinds = check_layer_map(r, la, n);
         }
     }
-
-    Some(ModelConfig {
-        hidden_size: hidden_size?,
-        vocab_size: vocab_size?,
-        num_hidden_layers: num_hidden_layers?,
-        num_attention_heads: num_attention_heads?,
-        num_key_value_heads: num_key_value_heads?,
-        intermediate_size: intermediate_size?,
-        hidden_act: hidden_act?,
-        activation_situ_beta: activation_situ_beta?,
-        activation_situ_linear_beta: activation_situ_linear_beta?,
-        rms_norm_eps: rms_norm_eps?,
-        q_lora_rank: q_lora_rank?,
-        kv_lora_rank: kv_lora_rank?,
-        qk_nope_head_dim: qk_nope_head_dim?,
-        qk_rope_head_dim: qk_rope_head_dim?,
-        v_head_dim: v_head_dim?,
-        mla_use_nope: mla_use_nope?,
-        mla_use_output_gate: mla_use_output_gate?,
-        num_experts: num_experts?,
-        num_experts_per_token: num_experts_per_token?,
-        num_shared_experts: num_shared_experts?,
-        moe_intermediate_size: moe_intermediate_size?,
-        routed_expert_hidden_size: routed_expert_hidden_size?,
-        latent_moe_use_norm: latent_moe_use_norm?,
-        moe_router_activation_func: moe_router_activation_func?,
-        moe_renormalize: moe_renormalize?,
-        routed_scaling_factor: routed_scaling_factor?,
-        topk_method: topk_method?,
-        num_expert_group: num_expert_group?,
-        topk_group: topk_group?,
-        first_k_dense_replace: first_k_dense_replace?,
-        moe_layer_freq: moe_layer_freq?,
-        attn_res_block_size: attn_res_block_size?,
-        bos_token_id: bos? as u32,
-        eos_token_id: eos? as u32,
-        pad_token_id: pad?.map(|p| p as u32),
-        tie_word_embeddings: tie_word_embeddings?,
-        linear_attn: linear_attn?,
-        quantization: quantization?,
-        defaulted: std::mem::take(&mut r.defaulted),
-        layer_kinds: layer_kinds?,
-    })
+    layer_kinds
 }
 
 /// Check the ONE-based lists: entries in 1..=n, no duplicates, disjoint, union = all layers.

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use memmap2::Mmap;
 
-use crate::catalog::{Catalog, CatalogError, Entry};
+use crate::catalog::{Catalog, CatalogError, TensorEntry};
 use crate::tensor::{TensorRef, WeightError, WeightSource};
 
 /// A [`Catalog`] plus a read-only mapping of each of its shards.
@@ -65,7 +65,7 @@ impl MmapWeights {
     }
 
     /// The bytes of a catalog entry (which must come from this reader's catalog).
-    pub fn bytes(&self, e: &Entry<'_>) -> &[u8] {
+    pub fn bytes(&self, e: &TensorEntry<'_>) -> &[u8] {
         &self.maps[e.shard][e.offset as usize..e.end() as usize]
     }
 

@@ -96,7 +96,7 @@ pub const SAMPLE_BYTES: u64 = 4096;
 impl SourceIdentity {
     /// The identity of the checkpoint `cat` was opened from: reads every shard's header
     /// bytes (`data_start` bytes per shard; kilobytes to a few megabytes in all).
-    pub fn of(cat: &crate::catalog::Catalog) -> Result<SourceIdentity, String> {
+    pub fn of(cat: &crate::catalog::Catalog) -> Result<SourceIdentity, SourceError> {
         use sha2::{Digest, Sha256};
         use std::io::Read;
         let mut shards = Vec::with_capacity(cat.shards().len());
@@ -107,19 +107,22 @@ impl SourceIdentity {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let mut head = Vec::new();
+            let io = |what: &'static str| {
+                let path = s.path.clone();
+                move |source| SourceError::Io { path, what, source }
+            };
             std::fs::File::open(&s.path)
                 .and_then(|f| f.take(s.data_start).read_to_end(&mut head))
-                .map_err(|e| format!("{}: reading its header: {e}", s.path.display()))?;
+                .map_err(io("reading its header"))?;
             if head.len() as u64 != s.data_start {
-                return Err(format!(
-                    "{}: header is {} bytes, read {}",
-                    s.path.display(),
-                    s.data_start,
-                    head.len()
-                ));
+                return Err(SourceError::ShortHeader {
+                    path: s.path.clone(),
+                    header: s.data_start,
+                    read: head.len(),
+                });
             }
             let sample_sha256 = sample_digest(&s.path, s.data_start, s.file_size)
-                .map_err(|e| format!("{}: reading a data sample: {e}", s.path.display()))?;
+                .map_err(io("reading a data sample"))?;
             shards.push(ShardIdentity {
                 file,
                 size: s.file_size,
@@ -196,14 +199,13 @@ pub struct RunCheck {
 impl RunCheck {
     /// Check `payload` (the run's bytes, at least `length` of them) against the CRCs; the
     /// error names the layer and the `trunk.bin` offset of the first chunk that differs.
-    pub fn check(&self, payload: &[u8]) -> Result<(), String> {
+    pub fn check(&self, payload: &[u8]) -> Result<(), CheckError> {
         if (payload.len() as u64) < self.length {
-            return Err(format!(
-                "trunk layer {}: {} bytes read, the run has {}",
-                self.layer,
-                payload.len(),
-                self.length
-            ));
+            return Err(CheckError::Short {
+                layer: self.layer,
+                read: payload.len(),
+                length: self.length,
+            });
         }
         self.check_range(0, payload)
     }
@@ -211,9 +213,9 @@ impl RunCheck {
     /// Check the bytes of the run from byte `at` on (`at` a multiple of [`CHECK_CHUNK`];
     /// bytes past the run's `length` are ignored), so a reader can check a run piece by
     /// piece as the pieces land. A piece must end on a chunk boundary or at the run's end.
-    pub fn check_range(&self, at: u64, bytes: &[u8]) -> Result<(), String> {
+    pub fn check_range(&self, at: u64, bytes: &[u8]) -> Result<(), CheckError> {
         if !at.is_multiple_of(CHECK_CHUNK) {
-            return Err(format!("internal: check at {at}, not a chunk boundary"));
+            return Err(CheckError::Unaligned { at });
         }
         let n = (bytes.len() as u64).min(self.length.saturating_sub(at)) as usize;
         let first = (at / CHECK_CHUNK) as usize;
@@ -222,22 +224,80 @@ impl RunCheck {
             let at = k as u64 * CHECK_CHUNK;
             let whole = (CHECK_CHUNK).min(self.length - at) as usize;
             if c.len() != whole || self.crc32.get(k) != Some(&crc32c::crc32c(c)) {
-                let of = match &self.tensor {
-                    Some(t) => format!("tensor {t}"),
-                    None => "its run".to_string(),
-                };
-                return Err(format!(
-                    "checksum mismatch at offset {} of {TRUNK_BIN} (layer {}, the {} bytes \
-                     from byte {at} of {of}): the file changed since it was packed; \
-                     re-run k3-orch pack-trunk --force",
-                    self.offset + at,
-                    self.layer,
-                    c.len(),
-                ));
+                return Err(CheckError::Mismatch {
+                    offset: self.offset + at,
+                    layer: self.layer,
+                    bytes: c.len(),
+                    at,
+                    tensor: self.tensor.clone(),
+                });
             }
         }
         Ok(())
     }
+}
+
+/// Bytes read from `trunk.bin` that are not what was packed ([`RunCheck`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CheckError {
+    #[error("trunk layer {layer}: {read} bytes read, the run has {length}")]
+    Short {
+        layer: usize,
+        read: usize,
+        length: u64,
+    },
+    /// A caller checked from a byte that is not a chunk boundary (a bug, not the file).
+    #[error("internal: check at {at}, not a chunk boundary")]
+    Unaligned { at: u64 },
+    #[error(
+        "checksum mismatch at offset {offset} of {TRUNK_BIN} (layer {layer}, the {bytes} bytes \
+         from byte {at} of {}): the file changed since it was packed; \
+         re-run k3-orch pack-trunk --force",
+        match tensor { Some(t) => format!("tensor {t}"), None => "its run".to_string() }
+    )]
+    Mismatch {
+        /// Offset in `trunk.bin` of the first chunk that differs.
+        offset: u64,
+        layer: usize,
+        /// Bytes of that chunk.
+        bytes: usize,
+        /// Its offset from the start of the run (or tensor).
+        at: u64,
+        /// The tensor checked, when the check is one tensor's.
+        tensor: Option<String>,
+    },
+}
+
+/// A packed trunk that does not belong to the checkpoint, or a checkpoint whose identity
+/// could not be read ([`SourceIdentity::of`], [`TrunkManifest::check_source`],
+/// [`TrunkManifest::check_against`]). The differences are listed, at most a few.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("{}: {what}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: header is {header} bytes, read {read}", path.display())]
+    ShortHeader {
+        path: PathBuf,
+        header: u64,
+        read: usize,
+    },
+    #[error(
+        "the trunk was packed from another checkpoint (or this one changed since): {}; \
+         re-run k3-orch pack-trunk --force",
+        diffs.join("; ")
+    )]
+    OtherCheckpoint { diffs: Vec<String> },
+    #[error(
+        "the trunk's tensor table does not match the checkpoint's headers ({count} \
+         difference(s)): {}; re-run k3-orch pack-trunk --force",
+        diffs.join("; ")
+    )]
+    TableDiffers { count: usize, diffs: Vec<String> },
 }
 
 /// One layer's run.
@@ -287,6 +347,55 @@ pub struct TrunkTensor {
 pub struct TrunkError {
     pub path: PathBuf,
     pub problems: Vec<String>,
+}
+
+/// What is wrong with the tensor table of layer run `l` (`who` names the layer): lengths,
+/// overlaps, CRC counts, and whether the tensors cover the run exactly.
+fn tensor_problems(l: &TrunkLayer, who: &str, p: &mut Vec<String>) {
+    let mut t_end = 0u64;
+    let mut covered = 0u64;
+    for t in &l.tensors {
+        let numel = t
+            .shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d as u64));
+        let want = numel.and_then(|n| n.checked_mul(t.dtype.size() as u64));
+        if want != Some(t.len) {
+            p.push(format!(
+                "{who}: tensor {}: len {} is not {} × {:?}",
+                t.name, t.len, t.dtype, t.shape
+            ));
+        }
+        if t.offset < t_end {
+            p.push(format!(
+                "{who}: tensor {} overlaps the tensor before it",
+                t.name
+            ));
+        }
+        if t.crc32.len() as u64 != t.len.div_ceil(CHECK_CHUNK) {
+            p.push(format!(
+                "{who}: tensor {}: {} crc32 entries, its {} bytes need {}",
+                t.name,
+                t.crc32.len(),
+                t.len,
+                t.len.div_ceil(CHECK_CHUNK)
+            ));
+        }
+        t_end = t.offset.saturating_add(t.len);
+        covered = covered.saturating_add(t.len);
+        if t_end > l.length {
+            p.push(format!(
+                "{who}: tensor {} ends at {t_end}, past the run length {}",
+                t.name, l.length
+            ));
+        }
+    }
+    if covered != l.length {
+        p.push(format!(
+            "{who}: tensors cover {covered} of the run's {} bytes",
+            l.length
+        ));
+    }
 }
 
 /// Round `x` up to a multiple of `a` (a power of two).
@@ -429,50 +538,7 @@ impl TrunkManifest {
             if l.length > max.0 {
                 max = (l.length, l.layer);
             }
-            let mut t_end = 0u64;
-            let mut covered = 0u64;
-            for t in &l.tensors {
-                let numel = t
-                    .shape
-                    .iter()
-                    .try_fold(1u64, |a, &d| a.checked_mul(d as u64));
-                let want = numel.and_then(|n| n.checked_mul(t.dtype.size() as u64));
-                if want != Some(t.len) {
-                    p.push(format!(
-                        "{who}: tensor {}: len {} is not {} × {:?}",
-                        t.name, t.len, t.dtype, t.shape
-                    ));
-                }
-                if t.offset < t_end {
-                    p.push(format!(
-                        "{who}: tensor {} overlaps the tensor before it",
-                        t.name
-                    ));
-                }
-                if t.crc32.len() as u64 != t.len.div_ceil(CHECK_CHUNK) {
-                    p.push(format!(
-                        "{who}: tensor {}: {} crc32 entries, its {} bytes need {}",
-                        t.name,
-                        t.crc32.len(),
-                        t.len,
-                        t.len.div_ceil(CHECK_CHUNK)
-                    ));
-                }
-                t_end = t.offset.saturating_add(t.len);
-                covered = covered.saturating_add(t.len);
-                if t_end > l.length {
-                    p.push(format!(
-                        "{who}: tensor {} ends at {t_end}, past the run length {}",
-                        t.name, l.length
-                    ));
-                }
-            }
-            if covered != l.length {
-                p.push(format!(
-                    "{who}: tensors cover {covered} of the run's {} bytes",
-                    l.length
-                ));
-            }
+            tensor_problems(l, &who, &mut p);
         }
         if end != self.file_size && !self.layers.is_empty() {
             p.push(format!(
@@ -502,7 +568,7 @@ impl TrunkManifest {
 
     /// Refuse a trunk packed from another checkpoint: `current` is the identity of the
     /// checkpoint about to be used (see [`SourceIdentity::of`]). The error names what differs.
-    pub fn check_source(&self, current: &SourceIdentity) -> Result<(), String> {
+    pub fn check_source(&self, current: &SourceIdentity) -> Result<(), SourceError> {
         let mut diffs = Vec::new();
         if self.source.total_size != current.total_size {
             diffs.push(format!(
@@ -550,11 +616,7 @@ impl TrunkManifest {
             diffs.truncate(3);
             diffs.push(format!("{} more", n - 3));
         }
-        Err(format!(
-            "the trunk was packed from another checkpoint (or this one changed since): {}; \
-             re-run k3-orch pack-trunk --force",
-            diffs.join("; ")
-        ))
+        Err(SourceError::OtherCheckpoint { diffs })
     }
 
     /// Check the trunk against the checkpoint in `cat` before using it: the source identity
@@ -562,7 +624,7 @@ impl TrunkManifest {
     /// checkpoint's headers (same names, dtypes, shapes, shard and offsets, and no trunk
     /// tensor of the checkpoint missing), so a manifest whose tensor names were swapped is
     /// refused too. Reads the shards' headers only.
-    pub fn check_against(&self, cat: &crate::catalog::Catalog) -> Result<(), String> {
+    pub fn check_against(&self, cat: &crate::catalog::Catalog) -> Result<(), SourceError> {
         self.check_source(&SourceIdentity::of(cat)?)?;
         let mut diffs = Vec::new();
         let shard_of = |i: usize| {
@@ -626,13 +688,9 @@ impl TrunkManifest {
         if diffs.is_empty() {
             return Ok(());
         }
-        let n = diffs.len();
+        let count = diffs.len();
         diffs.truncate(5);
-        Err(format!(
-            "the trunk's tensor table does not match the checkpoint's headers ({n} \
-             difference(s)): {}; re-run k3-orch pack-trunk --force",
-            diffs.join("; ")
-        ))
+        Err(SourceError::TableDiffers { count, diffs })
     }
 
     /// The per-read checks of every layer.
@@ -978,7 +1036,7 @@ mod tests {
         assert!(m.check_source(&m.source.clone()).is_ok());
         let mut other = m.source.clone();
         other.shards[0].size = 11;
-        let e = m.check_source(&other).unwrap_err();
+        let e = m.check_source(&other).unwrap_err().to_string();
         assert!(e.contains("a is 11 bytes, was 10"), "{e}");
     }
 
@@ -989,11 +1047,11 @@ mod tests {
         let m = sample();
         let mut other = m.source.clone();
         other.shards[0].header_sha256 = "cd".repeat(32);
-        let e = m.check_source(&other).unwrap_err();
+        let e = m.check_source(&other).unwrap_err().to_string();
         assert!(e.contains("a: its header differs"), "{e}");
         let mut other = m.source.clone();
         other.shards[0].sample_sha256 = "cd".repeat(32);
-        let e = m.check_source(&other).unwrap_err();
+        let e = m.check_source(&other).unwrap_err().to_string();
         assert!(e.contains("a: same header, other data"), "{e}");
     }
 
@@ -1179,11 +1237,19 @@ mod tests {
         let mut bad = payload.clone();
         bad[CHECK_CHUNK as usize + 5] ^= 1;
         let e = c.check(&bad).unwrap_err();
+        assert!(
+            matches!(e, CheckError::Mismatch { offset, layer: 2, .. } if offset == 8192 + CHECK_CHUNK),
+            "{e:?}"
+        );
+        let e = e.to_string();
         assert!(e.contains("(layer 2,"), "{e}");
         assert!(
             e.contains(&format!("at offset {} ", 8192 + CHECK_CHUNK)),
             "{e}"
         );
-        assert!(c.check(&payload[..10]).is_err());
+        assert!(matches!(
+            c.check(&payload[..10]),
+            Err(CheckError::Short { read: 10, .. })
+        ));
     }
 }

@@ -5,6 +5,8 @@
 //! - [`transport`]: a duplex link of two rings ([`transport::ShmTransport`]) or channels.
 //! - [`messages`]: every message a stage sends or receives.
 //! - [`control`]: the control socket between k3-orch and a stage (frames + fd passing).
+//! - [`failure`]: a stage's failure as the orchestrator sees it ([`failure::StageFailure`],
+//!   matched by [`failure::FailureKind`], never by its text).
 //! - [`record`]: recordings for `--record` and `k3-orch replay`.
 //! - [`conf`]: typed stage configuration (each stage's `Configure` payload, region ids).
 //! - [`link`]: the stage context ([`link::StageCtx`]): hello, heartbeat, links to peers,
@@ -15,6 +17,7 @@
 
 pub mod conf;
 pub mod control;
+pub mod failure;
 pub mod link;
 pub mod messages;
 pub mod record;

@@ -21,6 +21,10 @@
 //!   of every buffer they publish, right after the message. A buffer whose handle was logged
 //!   with the same contents, with no overlapping buffer logged since, is not logged again
 //!   (the replay's copy of the region still holds those bytes).
+//!
+//! Errors are typed: [`ProtocolError`] for the context (control socket, regions,
+//! recording), [`LinkError`] for [`send_to`] / [`recv_from`] on a link, which keeps the
+//! [`TransportError`] (`PeerDied`, `Timeout`, ...) matchable and names both ends.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -29,12 +33,232 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::control::ControlSocket;
-use crate::messages::{self, Msg, RegionRole, Stage, PROTOCOL_VERSION};
-use crate::record::{sha256, Recorder};
+use crate::control::{ControlError, ControlSocket};
+use crate::failure::{FailureKind, StageFailure};
+use crate::messages::{self, CodecError, Msg, RegionRole, Stage, PROTOCOL_VERSION};
+use crate::record::{sha256, RecordError, Recorder};
 use crate::ring::{PeerWatch, RingConfig};
-use crate::shm::{Access, Handle, Region, RegionTable};
+use crate::shm::{Access, Handle, Region, RegionTable, ShmError};
 use crate::transport::{ShmTransport, Transport, TransportError};
+
+/// What went wrong in a stage's side of the control protocol ([`StageCtx`]). Every variant
+/// names the stage; the message is complete.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("{stage}: hello: {source}")]
+    Hello {
+        stage: Stage,
+        #[source]
+        source: ControlError,
+    },
+    #[error("{stage}: heartbeat thread: {source}")]
+    Heartbeat {
+        stage: Stage,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The control socket failed (closed, I/O) or sending on it did.
+    #[error("{stage}: control: {source}")]
+    Control {
+        stage: Stage,
+        #[source]
+        source: ControlError,
+    },
+    /// A control frame did not decode.
+    #[error("{stage}: control: {source}")]
+    Decode {
+        stage: Stage,
+        #[source]
+        source: CodecError,
+    },
+    #[error("{stage}: {source}")]
+    Record {
+        stage: Stage,
+        #[source]
+        source: RecError,
+    },
+    #[error("{stage}: region {id} arrived without its fd")]
+    MissingFd { stage: Stage, id: u32 },
+    #[error("{stage}: shut down before start")]
+    ShutDown { stage: Stage },
+    /// A message the protocol does not allow at this point (`message` is its debug form).
+    #[error("{stage}: unexpected {message} before {phase}")]
+    Unexpected {
+        stage: Stage,
+        message: String,
+        phase: &'static str,
+    },
+    #[error("{stage}: link to {peer}: {source}")]
+    LinkRegion {
+        stage: Stage,
+        peer: Stage,
+        #[source]
+        source: ShmError,
+    },
+    #[error("{stage}: link to {peer}: {source}")]
+    LinkAttach {
+        stage: Stage,
+        peer: Stage,
+        #[source]
+        source: TransportError,
+    },
+    #[error("{stage}: watching {peer} (pid {pid}): {source}")]
+    Watch {
+        stage: Stage,
+        peer: Stage,
+        pid: u32,
+        #[source]
+        source: TransportError,
+    },
+    #[error("{stage}: data region {name}: {source}")]
+    DataRegion {
+        stage: Stage,
+        name: String,
+        #[source]
+        source: ShmError,
+    },
+    #[error("{stage}: data region {name} announced as {id} but its header says {header}")]
+    RegionId {
+        stage: Stage,
+        name: String,
+        id: u32,
+        header: u32,
+    },
+    #[error("{stage}: sharing region {name}: {source}")]
+    Share {
+        stage: Stage,
+        name: String,
+        #[source]
+        source: ControlError,
+    },
+    #[error("{stage}: no link to {peer} was configured")]
+    NoLink { stage: Stage, peer: Stage },
+}
+
+impl ProtocolError {
+    fn record(stage: Stage) -> impl FnOnce(RecError) -> ProtocolError {
+        move |source| ProtocolError::Record { stage, source }
+    }
+
+    fn control(stage: Stage) -> impl FnOnce(ControlError) -> ProtocolError {
+        move |source| ProtocolError::Control { stage, source }
+    }
+}
+
+impl ProtocolError {
+    /// The failure kind this error reports to the orchestrator: a control socket the
+    /// orchestrator closed is its death, a recording that could not be written is I/O,
+    /// anything else broke the protocol.
+    pub fn kind(&self) -> FailureKind {
+        match self {
+            ProtocolError::Control {
+                source: ControlError::Closed,
+                ..
+            } => FailureKind::PeerDied,
+            ProtocolError::Record { .. } | ProtocolError::Heartbeat { .. } => FailureKind::Io,
+            _ => FailureKind::Protocol,
+        }
+    }
+}
+
+impl From<ProtocolError> for StageFailure {
+    fn from(e: ProtocolError) -> StageFailure {
+        let f = StageFailure::new(e.kind(), e.to_string());
+        match e.kind() {
+            FailureKind::PeerDied => f.with_peer(Stage::Orchestrator),
+            _ => f,
+        }
+    }
+}
+
+impl LinkError {
+    /// The failure kind this error reports: the peer's death (or its closing its end, which
+    /// mid-run means it failed), its silence, an I/O error, or a broken protocol.
+    pub fn kind(&self) -> FailureKind {
+        match self.source {
+            TransportError::PeerDied(_) | TransportError::Closed => FailureKind::PeerDied,
+            TransportError::Timeout => FailureKind::Timeout,
+            TransportError::Io(_) => FailureKind::Io,
+            _ => FailureKind::Protocol,
+        }
+    }
+}
+
+impl From<LinkError> for StageFailure {
+    fn from(e: LinkError) -> StageFailure {
+        StageFailure::new(e.kind(), e.to_string()).with_peer(e.peer)
+    }
+}
+
+/// Transitional, for stage code whose own errors are still text (layer-compute, until its
+/// errors are typed): `?` turns the error into its message. Remove once nothing uses it.
+impl From<ProtocolError> for String {
+    fn from(e: ProtocolError) -> String {
+        e.to_string()
+    }
+}
+
+/// Transitional, as `From<ProtocolError> for String`.
+impl From<LinkError> for String {
+    fn from(e: LinkError) -> String {
+        e.to_string()
+    }
+}
+
+/// A recording (`--record`) could not be written.
+#[derive(Debug, thiserror::Error)]
+#[error("--record: {0}")]
+pub struct RecError(#[from] pub RecordError);
+
+/// Which way a link operation went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkOp {
+    Send,
+    Recv,
+}
+
+/// A link operation failed: who sent or received, to or from whom, and the transport's
+/// error, which stays matchable (`PeerDied`, `Closed`, `Timeout`, ...).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinkError {
+    pub me: Stage,
+    pub peer: Stage,
+    pub op: LinkOp,
+    /// The receive timeout that passed (named in a `Timeout`'s message).
+    pub timeout: Option<Duration>,
+    pub source: TransportError,
+}
+
+impl LinkError {
+    /// The peer died or closed its end (its own report names the cause).
+    pub fn peer_gone(&self) -> bool {
+        matches!(
+            self.source,
+            TransportError::PeerDied(_) | TransportError::Closed
+        )
+    }
+}
+
+impl std::fmt::Display for LinkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (me, peer) = (self.me, self.peer);
+        match (self.op, &self.source) {
+            (LinkOp::Recv, TransportError::Timeout) => write!(
+                f,
+                "{me}: {peer} stopped answering (nothing for {:.0} s)",
+                self.timeout.map(|t| t.as_secs_f64()).unwrap_or(0.0)
+            ),
+            (LinkOp::Recv, e) => write!(f, "{me}: link to {peer}: {e}"),
+            (LinkOp::Send, e) => write!(f, "{me}: sending to {peer}: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for LinkError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
 
 /// A link as the stage roles use it: the shared-memory transport, wrapped for recording
 /// when `--record` is on (and a replay transport in tests).
@@ -59,9 +283,8 @@ struct RecState {
 }
 
 impl Rec {
-    fn start(dir: &std::path::Path, stage: Stage, keep_bytes: bool) -> Result<Rec, String> {
-        let r = Recorder::create(dir, stage.name(), keep_bytes)
-            .map_err(|e| format!("{stage}: --record: {e}"))?;
+    fn start(dir: &std::path::Path, stage: Stage, keep_bytes: bool) -> Result<Rec, RecError> {
+        let r = Recorder::create(dir, stage.name(), keep_bytes)?;
         Ok(Rec(Some(Arc::new(RecState {
             rec: Mutex::new(Some(r)),
             last: Mutex::new(HashMap::new()),
@@ -75,18 +298,18 @@ impl Rec {
 
     fn with(
         &self,
-        f: impl FnOnce(&mut Recorder) -> Result<(), crate::record::RecordError>,
-    ) -> Result<(), String> {
+        f: impl FnOnce(&mut Recorder) -> Result<(), RecordError>,
+    ) -> Result<(), RecError> {
         let Some(st) = &self.0 else { return Ok(()) };
         let mut g = st.rec.lock().unwrap_or_else(|p| p.into_inner());
         match g.as_mut() {
-            Some(r) => f(r).map_err(|e| format!("--record: {e}")),
+            Some(r) => Ok(f(r)?),
             None => Ok(()),
         }
     }
 
     /// Log a frame.
-    pub fn frame(&self, inbound: bool, channel: &str, frame: &[u8]) -> Result<(), String> {
+    pub fn frame(&self, inbound: bool, channel: &str, frame: &[u8]) -> Result<(), RecError> {
         self.with(|r| {
             if inbound {
                 r.inbound(channel, frame)
@@ -97,7 +320,7 @@ impl Rec {
     }
 
     /// Log a shared buffer the stage read (or published): handle, hash, maybe bytes.
-    pub fn buffer(&self, h: &Handle, bytes: &[u8]) -> Result<(), String> {
+    pub fn buffer(&self, h: &Handle, bytes: &[u8]) -> Result<(), RecError> {
         let Some(st) = &self.0 else { return Ok(()) };
         let sha = sha256(bytes);
         {
@@ -115,11 +338,11 @@ impl Rec {
     }
 
     /// Write the end marker (the stage finished normally).
-    pub fn finish(&self) -> Result<(), String> {
+    pub fn finish(&self) -> Result<(), RecError> {
         let Some(st) = &self.0 else { return Ok(()) };
         let r = st.rec.lock().unwrap_or_else(|p| p.into_inner()).take();
         match r {
-            Some(r) => r.finish().map(|_| ()).map_err(|e| format!("--record: {e}")),
+            Some(r) => Ok(r.finish().map(|_| ())?),
             None => Ok(()),
         }
     }
@@ -141,13 +364,13 @@ impl Transport for RecordedLink {
         self.inner.send_bytes(frame, timeout)?;
         self.rec
             .frame(false, &self.channel, frame)
-            .map_err(TransportError::Io)
+            .map_err(|e| TransportError::Io(e.to_string()))
     }
     fn recv_bytes(&mut self, timeout: Option<Duration>) -> Result<Vec<u8>, TransportError> {
         let f = self.inner.recv_bytes(timeout)?;
         self.rec
             .frame(true, &self.channel, &f)
-            .map_err(TransportError::Io)?;
+            .map_err(|e| TransportError::Io(e.to_string()))?;
         Ok(f)
     }
     fn max_message(&self) -> usize {
@@ -193,17 +416,20 @@ impl Drop for StageCtx {
 
 impl StageCtx {
     /// Say hello and start the heartbeat.
-    pub fn connect(stage: Stage, control: ControlSocket) -> Result<StageCtx, String> {
+    pub fn connect(stage: Stage, control: ControlSocket) -> Result<StageCtx, ProtocolError> {
         let control = Arc::new(control);
         let hello = messages::encode(&Msg::Hello {
             stage,
             pid: std::process::id(),
             version: PROTOCOL_VERSION,
         })
-        .map_err(|e| format!("{stage}: hello: {e}"))?;
+        .map_err(|e| ProtocolError::Hello {
+            stage,
+            source: e.into(),
+        })?;
         control
             .send_frame(&hello, &[])
-            .map_err(|e| format!("{stage}: hello: {e}"))?;
+            .map_err(|source| ProtocolError::Hello { stage, source })?;
         let stop = Arc::new(AtomicBool::new(false));
         let (c2, s2) = (control.clone(), stop.clone());
         std::thread::Builder::new()
@@ -218,7 +444,7 @@ impl StageCtx {
                     std::thread::sleep(HEARTBEAT);
                 }
             })
-            .map_err(|e| format!("{stage}: heartbeat thread: {e}"))?;
+            .map_err(|source| ProtocolError::Heartbeat { stage, source })?;
         Ok(StageCtx {
             stage,
             control,
@@ -232,7 +458,7 @@ impl StageCtx {
         })
     }
 
-    fn log(&mut self, inbound: bool, channel: &str, frame: &[u8]) -> Result<(), String> {
+    fn log(&mut self, inbound: bool, channel: &str, frame: &[u8]) -> Result<(), ProtocolError> {
         match &mut self.pending {
             Some(p) => {
                 p.push((inbound, channel.to_string(), frame.to_vec()));
@@ -241,14 +467,14 @@ impl StageCtx {
             None => self
                 .rec
                 .frame(inbound, channel, frame)
-                .map_err(|e| format!("{}: {e}", self.stage)),
+                .map_err(ProtocolError::record(self.stage)),
         }
     }
 
     /// `Configure` arrived: start recording if it names a `record_dir`, and write what was
     /// held. Buffer bytes are kept when the mapped data regions are small (see the module
     /// doc); `K3_RECORD_BYTES=1` or `0` forces either way.
-    fn start_recording(&mut self, json: &str) -> Result<(), String> {
+    fn start_recording(&mut self, json: &str) -> Result<(), ProtocolError> {
         let pending = self.pending.take().unwrap_or_default();
         let dir: Option<PathBuf> = serde_json::from_str::<serde_json::Value>(json)
             .ok()
@@ -269,11 +495,11 @@ impl StageCtx {
             Some("0") => false,
             _ => self.stage == Stage::LayerCompute && data_bytes <= KEEP_BYTES_LIMIT,
         };
-        self.rec = Rec::start(&dir, self.stage, keep)?;
+        self.rec = Rec::start(&dir, self.stage, keep).map_err(ProtocolError::record(self.stage))?;
         for (inbound, ch, f) in pending {
             self.rec
                 .frame(inbound, &ch, &f)
-                .map_err(|e| format!("{}: {e}", self.stage))?;
+                .map_err(ProtocolError::record(self.stage))?;
         }
         Ok(())
     }
@@ -286,11 +512,8 @@ impl StageCtx {
     /// watcher and of its last message (`Finished`, `Summary`) from a control reader thread;
     /// a stage that exits right after sending could be reaped before its last message was
     /// read, and be reported as "exited with status 0 before the run was finished".
-    pub fn finish_recording(&self) -> Result<(), String> {
-        let r = self
-            .rec
-            .finish()
-            .map_err(|e| format!("{}: {e}", self.stage));
+    pub fn finish_recording(&self) -> Result<(), ProtocolError> {
+        let r = self.rec.finish().map_err(ProtocolError::record(self.stage));
         self.heartbeat_stop.store(true, Ordering::Relaxed);
         let deadline = std::time::Instant::now() + Duration::from_secs(2);
         while std::time::Instant::now() < deadline && unread_control_bytes(&self.control) > 0 {
@@ -300,30 +523,30 @@ impl StageCtx {
     }
 
     /// Receive control messages until `until` says stop (it sees every message that is not a
-    /// link or data region, which are handled here).
-    pub fn serve_control(
+    /// link or data region, which are handled here). `until`'s error type is the caller's
+    /// (a stage's own error, which a [`ProtocolError`] converts into).
+    pub fn serve_control<E: From<ProtocolError>>(
         &mut self,
-        mut until: impl FnMut(&mut Self, Msg) -> Result<bool, String>,
-    ) -> Result<(), String> {
+        mut until: impl FnMut(&mut Self, Msg) -> Result<bool, E>,
+    ) -> Result<(), E> {
+        let stage = self.stage;
         loop {
             let (frame, mut fds) = self
                 .control
                 .recv_frame(None)
-                .map_err(|e| format!("{}: control: {e}", self.stage))?;
-            let msg =
-                messages::decode(&frame).map_err(|e| format!("{}: control: {e}", self.stage))?;
+                .map_err(ProtocolError::control(stage))?;
+            let msg = messages::decode(&frame)
+                .map_err(|source| ProtocolError::Decode { stage, source })?;
             self.log(true, CONTROL, &frame)?;
             if let Msg::Configure { json } = &msg {
                 self.start_recording(json)?;
             }
             match msg {
                 Msg::Region { id, role } => {
-                    let fd: OwnedFd = fds.pop().ok_or_else(|| {
-                        format!("{}: region {id} arrived without its fd", self.stage)
-                    })?;
+                    let fd: OwnedFd = fds.pop().ok_or(ProtocolError::MissingFd { stage, id })?;
                     self.add_region(id, role, fd)?;
                 }
-                Msg::Shutdown => return Err(format!("{}: shut down before start", self.stage)),
+                Msg::Shutdown => return Err(ProtocolError::ShutDown { stage }.into()),
                 other => {
                     if until(self, other)? {
                         return Ok(());
@@ -333,29 +556,51 @@ impl StageCtx {
         }
     }
 
-    fn add_region(&mut self, id: u32, role: RegionRole, fd: OwnedFd) -> Result<(), String> {
+    fn add_region(&mut self, id: u32, role: RegionRole, fd: OwnedFd) -> Result<(), ProtocolError> {
+        let stage = self.stage;
         match role {
             RegionRole::Link {
                 peer,
                 side,
                 peer_pid,
             } => {
-                let region = Region::open(fd, Access::ReadWrite)
-                    .map_err(|e| format!("{}: link to {peer}: {e}", self.stage))?;
+                let region = Region::open(fd, Access::ReadWrite).map_err(|source| {
+                    ProtocolError::LinkRegion {
+                        stage,
+                        peer,
+                        source,
+                    }
+                })?;
                 let watch = if peer_pid > 0 {
-                    PeerWatch::pid(peer_pid as i32).map_err(|e| {
-                        format!("{}: watching {peer} (pid {peer_pid}): {e}", self.stage)
+                    PeerWatch::pid(peer_pid as i32).map_err(|source| ProtocolError::Watch {
+                        stage,
+                        peer,
+                        pid: peer_pid,
+                        source,
                     })?
                 } else {
                     PeerWatch::None
                 };
-                let t = ShmTransport::attach(Arc::new(region), side, watch, link_ring())
-                    .map_err(|e| format!("{}: link to {peer}: {e}", self.stage))?;
+                let t = ShmTransport::attach(Arc::new(region), side, watch, link_ring()).map_err(
+                    |source| ProtocolError::LinkAttach {
+                        stage,
+                        peer,
+                        source,
+                    },
+                )?;
                 self.links.insert(peer, t);
             }
             RegionRole::Data { name } => {
-                let region = Region::open(fd, Access::ReadOnly)
-                    .map_err(|e| format!("{}: data region {name}: {e}", self.stage))?;
+                let region = match Region::open(fd, Access::ReadOnly) {
+                    Ok(r) => r,
+                    Err(source) => {
+                        return Err(ProtocolError::DataRegion {
+                            stage,
+                            name,
+                            source,
+                        })
+                    }
+                };
                 let meta = serde_json::json!({
                     "id": id,
                     "name": name,
@@ -366,14 +611,20 @@ impl StageCtx {
                 self.log(true, REGION_META, meta.as_bytes())?;
                 let rid = region.id();
                 if rid != id {
-                    return Err(format!(
-                        "{}: data region {name} announced as {id} but its header says {rid}",
-                        self.stage
-                    ));
+                    return Err(ProtocolError::RegionId {
+                        stage,
+                        name,
+                        id,
+                        header: rid,
+                    });
                 }
-                self.regions
-                    .insert(Arc::new(region))
-                    .map_err(|e| format!("{}: data region {name}: {e}", self.stage))?;
+                if let Err(source) = self.regions.insert(Arc::new(region)) {
+                    return Err(ProtocolError::DataRegion {
+                        stage,
+                        name,
+                        source,
+                    });
+                }
                 self.data.insert(name, id);
             }
         }
@@ -381,47 +632,56 @@ impl StageCtx {
     }
 
     /// Phase 1: links and `Configure`.
-    pub fn wait_configure(&mut self) -> Result<(), String> {
+    pub fn wait_configure(&mut self) -> Result<(), ProtocolError> {
         self.serve_control(|ctx, m| match m {
             Msg::Configure { json } => {
                 ctx.conf_json = json;
                 Ok(true)
             }
-            other => Err(format!(
-                "{}: unexpected {other:?} before Configure",
-                ctx.stage
-            )),
+            other => Err(ProtocolError::Unexpected {
+                stage: ctx.stage,
+                message: format!("{other:?}"),
+                phase: "Configure",
+            }),
         })
     }
 
     /// Phase 2 (after the stage set itself up and said `Ready`): data regions, then go.
-    pub fn wait_go(&mut self) -> Result<(), String> {
+    pub fn wait_go(&mut self) -> Result<(), ProtocolError> {
         self.serve_control(|ctx, m| match m {
             Msg::Ready {
                 stage: Stage::Orchestrator,
             } => Ok(true),
-            other => Err(format!("{}: unexpected {other:?} before start", ctx.stage)),
+            other => Err(ProtocolError::Unexpected {
+                stage: ctx.stage,
+                message: format!("{other:?}"),
+                phase: "start",
+            }),
         })
     }
 
     /// Tell the orchestrator this stage is set up.
-    pub fn ready(&self) -> Result<(), String> {
+    pub fn ready(&self) -> Result<(), ProtocolError> {
         self.send_control(&Msg::Ready { stage: self.stage })
     }
 
     /// Send a message to the orchestrator.
-    pub fn send_control(&self, m: &Msg) -> Result<(), String> {
+    pub fn send_control(&self, m: &Msg) -> Result<(), ProtocolError> {
         self.send_frame(m, &[])
-            .map_err(|e| format!("{}: control: {e}", self.stage))
+            .map_err(ProtocolError::control(self.stage))?
+            .map_err(ProtocolError::record(self.stage))
     }
 
-    fn send_frame(&self, m: &Msg, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<(), String> {
-        let frame = messages::encode(m).map_err(|e| e.to_string())?;
-        self.control
-            .send_frame(&frame, fds)
-            .map_err(|e| e.to_string())?;
+    /// Send `m` with `fds`; the inner result is the recording's (the frame went out).
+    fn send_frame(
+        &self,
+        m: &Msg,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<Result<(), RecError>, ControlError> {
+        let frame = messages::encode(m)?;
+        self.control.send_frame(&frame, fds)?;
         // After Configure (the only time roles send on their own) pending is None.
-        self.rec.frame(false, CONTROL, &frame)
+        Ok(self.rec.frame(false, CONTROL, &frame))
     }
 
     /// Report progress through a long phase to the orchestrator (best effort). Like the
@@ -439,7 +699,7 @@ impl StageCtx {
     }
 
     /// Hand a region this stage owns to the orchestrator (which passes it on).
-    pub fn share_region(&self, region: &Region, name: &str) -> Result<(), String> {
+    pub fn share_region(&self, region: &Region, name: &str) -> Result<(), ProtocolError> {
         self.send_frame(
             &Msg::Region {
                 id: region.id(),
@@ -447,16 +707,21 @@ impl StageCtx {
             },
             &[region.fd()],
         )
-        .map_err(|e| format!("{}: sharing region {name}: {e}", self.stage))
+        .map_err(|source| ProtocolError::Share {
+            stage: self.stage,
+            name: name.into(),
+            source,
+        })?
+        .map_err(ProtocolError::record(self.stage))
     }
 
     /// Take the link to `peer` out of the context (logged on channel `<peer>` when
     /// recording).
-    pub fn take_link(&mut self, peer: Stage) -> Result<Link, String> {
-        let t = self
-            .links
-            .remove(&peer)
-            .ok_or_else(|| format!("{}: no link to {peer} was configured", self.stage))?;
+    pub fn take_link(&mut self, peer: Stage) -> Result<Link, ProtocolError> {
+        let t = self.links.remove(&peer).ok_or(ProtocolError::NoLink {
+            stage: self.stage,
+            peer,
+        })?;
         Ok(if self.rec.on() {
             Box::new(RecordedLink {
                 inner: t,
@@ -468,16 +733,17 @@ impl StageCtx {
         })
     }
 
-    /// Report a fatal error to the orchestrator (best effort) and return it.
-    pub fn fail(&self, msg: String) -> String {
+    /// Report a fatal failure to the orchestrator (best effort) and return it.
+    pub fn fail(&self, failure: impl Into<StageFailure>) -> StageFailure {
+        let failure = failure.into();
         let _ = self.send_frame(
             &Msg::Error {
                 stage: self.stage,
-                msg: msg.clone(),
+                failure: failure.clone(),
             },
             &[],
         );
-        msg
+        failure
     }
 }
 
@@ -513,30 +779,106 @@ fn peer_death_grace(e: TransportError) -> TransportError {
     e
 }
 
-/// Receive on a link, turning a timeout into a message that names the silent peer.
+/// Receive on a link; the error names both ends (a timeout's message names the silent
+/// peer).
 pub fn recv_from(
     link: &mut dyn Transport,
     me: Stage,
     peer: Stage,
     timeout: Option<Duration>,
-) -> Result<Msg, String> {
-    link.recv(timeout).map_err(|e| match peer_death_grace(e) {
-        crate::transport::TransportError::Timeout => format!(
-            "{me}: {peer} stopped answering (nothing for {:.0} s)",
-            timeout.map(|t| t.as_secs_f64()).unwrap_or(0.0)
-        ),
-        other => format!("{me}: link to {peer}: {other}"),
+) -> Result<Msg, LinkError> {
+    link.recv(timeout).map_err(|e| LinkError {
+        me,
+        peer,
+        op: LinkOp::Recv,
+        timeout,
+        source: peer_death_grace(e),
     })
 }
 
-/// Send on a link with an error that names the peer.
+/// Send on a link; the error names both ends.
 pub fn send_to(
     link: &mut dyn Transport,
     me: Stage,
     peer: Stage,
     m: &Msg,
     timeout: Option<Duration>,
-) -> Result<(), String> {
-    link.send(m, timeout)
-        .map_err(|e| format!("{me}: sending to {peer}: {}", peer_death_grace(e)))
+) -> Result<(), LinkError> {
+    link.send(m, timeout).map_err(|e| LinkError {
+        me,
+        peer,
+        op: LinkOp::Send,
+        timeout,
+        source: peer_death_grace(e),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::InProcTransport;
+
+    /// The orchestrator and the stages match the transport error through a `LinkError`;
+    /// the message keeps the wording the link had when it was text.
+    #[test]
+    fn link_errors_keep_the_transport_error_and_name_both_ends() {
+        let (mut a, _b) = InProcTransport::pair(link_ring()).unwrap();
+        let t = Some(Duration::from_millis(5));
+        let e = recv_from(&mut a, Stage::TrunkLoader, Stage::LayerCompute, t).unwrap_err();
+        assert_eq!(e.source, TransportError::Timeout);
+        assert_eq!(
+            (e.me, e.peer, e.op),
+            (Stage::TrunkLoader, Stage::LayerCompute, LinkOp::Recv)
+        );
+        assert!(!e.peer_gone());
+        assert_eq!(
+            e.to_string(),
+            "trunk-loader: layer-compute stopped answering (nothing for 0 s)"
+        );
+        let big = Msg::Text {
+            bytes: vec![7; a.max_message() + 1],
+        };
+        let e = send_to(&mut a, Stage::Tokenizer, Stage::LayerCompute, &big, t).unwrap_err();
+        assert!(matches!(e.source, TransportError::TooLarge { .. }));
+        assert_eq!(e.op, LinkOp::Send);
+        assert!(e
+            .to_string()
+            .starts_with("tokenizer: sending to layer-compute: message of "));
+        let dead = LinkError {
+            source: TransportError::PeerDied("killed".into()),
+            ..e
+        };
+        assert!(dead.peer_gone());
+        let f = StageFailure::from(dead.clone());
+        assert_eq!(
+            (f.kind, f.peer),
+            (FailureKind::PeerDied, Some(Stage::LayerCompute))
+        );
+        assert_eq!(
+            dead.to_string(),
+            "tokenizer: sending to layer-compute: the peer died: killed"
+        );
+    }
+
+    #[test]
+    fn a_missing_link_is_a_typed_protocol_error() {
+        let (mine, theirs) = crate::control::pair().unwrap();
+        let mut ctx = StageCtx::connect(Stage::Tokenizer, mine).unwrap();
+        let e = match ctx.take_link(Stage::LayerCompute) {
+            Err(e) => e,
+            Ok(_) => panic!("no link was configured"),
+        };
+        assert!(matches!(
+            e,
+            ProtocolError::NoLink {
+                stage: Stage::Tokenizer,
+                peer: Stage::LayerCompute
+            }
+        ));
+        assert_eq!(
+            e.to_string(),
+            "tokenizer: no link to layer-compute was configured"
+        );
+        drop(theirs);
+    }
 }

@@ -146,10 +146,11 @@ pub enum Msg {
     },
     /// Stop cleanly.
     Shutdown,
-    /// A stage reports a failure it cannot recover from.
+    /// A stage reports a failure it cannot recover from (its kind, for the orchestrator to
+    /// match, and its message).
     Error {
         stage: Stage,
-        msg: String,
+        failure: crate::failure::StageFailure,
     },
 
     // --- tokenizer
@@ -470,6 +471,14 @@ mod tests {
                 ..Default::default()
             }),
             Msg::Shutdown,
+            Msg::Error {
+                stage: Stage::TrunkLoader,
+                failure: crate::failure::StageFailure::new(
+                    crate::failure::FailureKind::PeerDied,
+                    "trunk-loader: sending to layer-compute: the peer died: killed",
+                )
+                .with_peer(Stage::LayerCompute),
+            },
             Msg::Generate(GenRequest {
                 req: 3,
                 prompt: vec![1, 2, 163_839],

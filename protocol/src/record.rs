@@ -265,23 +265,7 @@ pub fn read_recording(path: &Path, verify: bool) -> Result<Recording, RecordErro
         source,
     })?;
     let p = || path.to_path_buf();
-    if data.len() < 11 || &data[..8] != MAGIC {
-        return Err(RecordError::BadMagic { path: p() });
-    }
-    let name_len = u16::from_le_bytes([data[8], data[9]]) as usize;
-    if data.len() < 11 + name_len {
-        return Err(RecordError::Invalid {
-            path: p(),
-            why: "header cut short".into(),
-        });
-    }
-    let stage =
-        String::from_utf8(data[10..10 + name_len].to_vec()).map_err(|_| RecordError::Invalid {
-            path: p(),
-            why: "stage name is not UTF-8".into(),
-        })?;
-    let bytes_kept = data[10 + name_len] & 1 == 1;
-    let mut pos = 11 + name_len;
+    let (stage, bytes_kept, mut pos) = read_header(&data, path)?;
     let mut chain = sha256(&data[..pos]);
     let mut entries = Vec::new();
     let mut complete = false;
@@ -322,69 +306,9 @@ pub fn read_recording(path: &Path, verify: bool) -> Result<Recording, RecordErro
             chain = stored;
         }
         pos += 5 + len + 32;
-        match kind {
-            KIND_IN | KIND_OUT => {
-                let cl = *payload
-                    .first()
-                    .ok_or_else(|| malformed("empty frame entry".into()))?
-                    as usize;
-                if payload.len() < 1 + cl {
-                    return Err(malformed("channel name cut short".into()));
-                }
-                let channel = String::from_utf8(payload[1..1 + cl].to_vec())
-                    .map_err(|_| malformed("channel name is not UTF-8".into()))?;
-                let frame = payload[1 + cl..].to_vec();
-                entries.push(if kind == KIND_IN {
-                    Entry::Inbound { channel, frame }
-                } else {
-                    Entry::Outbound { channel, frame }
-                });
-            }
-            KIND_BUF => {
-                if payload.len() < 61 {
-                    return Err(malformed(format!(
-                        "buffer entry of {} bytes",
-                        payload.len()
-                    )));
-                }
-                let u64_at = |o: usize| u64::from_le_bytes(payload[o..o + 8].try_into().unwrap());
-                let handle = Handle {
-                    region: u32::from_le_bytes(payload[0..4].try_into().unwrap()),
-                    offset: u64_at(4),
-                    len: u64_at(12),
-                    generation: u64_at(20),
-                };
-                let sha: [u8; 32] = payload[28..60].try_into().unwrap();
-                let bytes = match payload[60] {
-                    0 if payload.len() == 61 => None,
-                    1 => {
-                        let b = &payload[61..];
-                        if b.len() as u64 != handle.len || sha256(b) != sha {
-                            return Err(malformed(
-                                "kept bytes do not match the handle length and hash".into(),
-                            ));
-                        }
-                        Some(b.to_vec())
-                    }
-                    _ => return Err(malformed("bad bytes-kept flag".into())),
-                };
-                entries.push(Entry::BufferRead {
-                    handle,
-                    sha256: sha,
-                    bytes,
-                });
-            }
-            KIND_END => {
-                if payload.len() != 8
-                    || u64::from_le_bytes(payload.try_into().unwrap()) != entries.len() as u64
-                {
-                    return Err(malformed(
-                        "end marker does not match the entry count".into(),
-                    ));
-                }
-                complete = true;
-            }
-            k => return Err(malformed(format!("unknown entry kind {k}"))),
+        match decode_entry(kind, payload, entries.len(), &malformed)? {
+            Some(e) => entries.push(e),
+            None => complete = true,
         }
         idx += 1;
     }
@@ -394,6 +318,101 @@ pub fn read_recording(path: &Path, verify: bool) -> Result<Recording, RecordErro
         entries,
         complete,
     })
+}
+
+/// The header of a recording: the stage name, whether bytes are kept, and where the first
+/// entry starts.
+fn read_header(data: &[u8], path: &Path) -> Result<(String, bool, usize), RecordError> {
+    let p = || path.to_path_buf();
+    if data.len() < 11 || &data[..8] != MAGIC {
+        return Err(RecordError::BadMagic { path: p() });
+    }
+    let name_len = u16::from_le_bytes([data[8], data[9]]) as usize;
+    if data.len() < 11 + name_len {
+        return Err(RecordError::Invalid {
+            path: p(),
+            why: "header cut short".into(),
+        });
+    }
+    let stage =
+        String::from_utf8(data[10..10 + name_len].to_vec()).map_err(|_| RecordError::Invalid {
+            path: p(),
+            why: "stage name is not UTF-8".into(),
+        })?;
+    let bytes_kept = data[10 + name_len] & 1 == 1;
+    Ok((stage, bytes_kept, 11 + name_len))
+}
+
+/// Decode one entry's payload: `Some(entry)`, or `None` for the end marker (which must
+/// count the `entries` before it). `malformed` makes the error, naming the entry.
+fn decode_entry(
+    kind: u8,
+    payload: &[u8],
+    entries: usize,
+    malformed: &dyn Fn(String) -> RecordError,
+) -> Result<Option<Entry>, RecordError> {
+    let bad = |why: &str| Err(malformed(why.into()));
+    match kind {
+        KIND_IN | KIND_OUT => {
+            let Some(&cl) = payload.first() else {
+                return bad("empty frame entry");
+            };
+            let cl = cl as usize;
+            if payload.len() < 1 + cl {
+                return bad("channel name cut short");
+            }
+            let Ok(channel) = String::from_utf8(payload[1..1 + cl].to_vec()) else {
+                return bad("channel name is not UTF-8");
+            };
+            let frame = payload[1 + cl..].to_vec();
+            Ok(Some(if kind == KIND_IN {
+                Entry::Inbound { channel, frame }
+            } else {
+                Entry::Outbound { channel, frame }
+            }))
+        }
+        KIND_BUF => {
+            if payload.len() < 61 {
+                return Err(malformed(format!(
+                    "buffer entry of {} bytes",
+                    payload.len()
+                )));
+            }
+            let u64_at = |o: usize| u64::from_le_bytes(payload[o..o + 8].try_into().unwrap());
+            let handle = Handle {
+                region: u32::from_le_bytes(payload[0..4].try_into().unwrap()),
+                offset: u64_at(4),
+                len: u64_at(12),
+                generation: u64_at(20),
+            };
+            let sha: [u8; 32] = payload[28..60].try_into().unwrap();
+            let bytes = match payload[60] {
+                0 if payload.len() == 61 => None,
+                1 => {
+                    let b = &payload[61..];
+                    if b.len() as u64 != handle.len || sha256(b) != sha {
+                        return bad("kept bytes do not match the handle length and hash");
+                    }
+                    Some(b.to_vec())
+                }
+                _ => return bad("bad bytes-kept flag"),
+            };
+            Ok(Some(Entry::BufferRead {
+                handle,
+                sha256: sha,
+                bytes,
+            }))
+        }
+        KIND_END => {
+            if payload.len() != 8
+                || u64::from_le_bytes(payload.try_into().unwrap()) != entries as u64
+            {
+                return bad("end marker does not match the entry count");
+            }
+            Ok(None)
+        }
+        k => Err(malformed(format!("unknown entry kind {k}"))),
+    }
 }
 
 /// A recorder shared by the transports of one stage.

@@ -32,7 +32,7 @@ fn recv(c: &ControlSocket) -> (Msg, Vec<OwnedFd>) {
     loop {
         match c.recv(Some(T)).expect("stage control message") {
             (Msg::Pong { .. } | Msg::Progress { .. }, _) => continue,
-            (Msg::Error { stage, msg }, _) => panic!("{stage} failed: {msg}"),
+            (Msg::Error { stage, failure }, _) => panic!("{stage} failed: {failure}"),
             m => return m,
         }
     }
@@ -40,7 +40,7 @@ fn recv(c: &ControlSocket) -> (Msg, Vec<OwnedFd>) {
 
 struct Stages {
     controls: Vec<ControlSocket>,
-    threads: Vec<JoinHandle<Result<(), String>>>,
+    threads: Vec<JoinHandle<Result<(), k3_protocol::failure::StageFailure>>>,
 }
 
 impl Stages {

@@ -14,8 +14,10 @@
 //! panic, or an accepted input that breaks an invariant checked by an independent oracle
 //! (serde_json's own tree of the same bytes), is a finding.
 //!
-//! Shared by the `fuzz_parsers` example (long runs, docs/fuzzing.md) and
-//! `tests/fuzz_harness.rs` (a CI-sized run, so the harness cannot rot).
+//! The machinery (PRNG, JSON text edits, the run loop and its report) is `fuzzkit`'s; this
+//! file holds the readers' corpus, mutations and oracles. Shared by the `fuzz_parsers`
+//! example (long runs, docs/fuzzing.md) and `tests/fuzz_harness.rs` (a CI-sized run, so
+//! the harness cannot rot).
 
 use k3_model::catalog::{check_safetensors_bytes, Catalog, ShardInfo};
 use k3_model::config::{LayerKind, ModelConfig};
@@ -23,17 +25,17 @@ use k3_model::tensor::Dtype;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+
+use fuzzkit::json::{find_from, JsonEdits};
+use fuzzkit::runner::violation;
+pub use fuzzkit::{n_edits, FuzzReport, Harness, Rng, Verdict, Violation};
 
 /// Largest input one case may build (bytes).
 pub const MAX_INPUT: usize = 1 << 20;
-/// Most findings kept (with their inputs) per run; later ones are only counted.
-const KEEP_FINDINGS: usize = 16;
 /// Most accepted mutants kept as extra corpus entries.
 const MAX_GROWN: usize = 256;
 
@@ -55,85 +57,20 @@ impl Target {
             Target::Config => "config",
         }
     }
+}
 
-    pub fn parse(s: &str) -> Option<Target> {
-        Target::ALL.into_iter().find(|t| t.name() == s)
+impl fuzzkit::Target for Target {
+    fn all() -> &'static [Target] {
+        &Target::ALL
+    }
+    fn name(self) -> &'static str {
+        Target::name(self)
     }
 }
 
-/// One finding: the case number, what went wrong, and the input that did it.
-#[derive(Clone, Debug)]
-pub struct Finding {
-    pub case: u64,
-    pub what: String,
-    pub input: Vec<u8>,
-}
-
-/// What one run did.
-#[derive(Clone, Debug)]
-pub struct Report {
-    pub target: Target,
-    pub seed: u64,
-    pub execs: u64,
-    pub accepted: u64,
-    pub n_findings: u64,
-    pub findings: Vec<Finding>,
-    pub secs: f64,
-}
-
-impl Report {
-    pub fn rate(&self) -> f64 {
-        self.execs as f64 / self.secs.max(1e-9)
-    }
-
-    pub fn line(&self) -> String {
-        format!(
-            "{}: {} execs, {} accepted, {} findings, seed {}, {:.1} s, {:.0} execs/s",
-            self.target.name(),
-            self.execs,
-            self.accepted,
-            self.n_findings,
-            self.seed,
-            self.secs,
-            self.rate()
-        )
-    }
-}
-
-/// splitmix64: small, fast, and the same sequence on every machine.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x6b33_5f66_757a_7a21)
-    }
-
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`0` when `n == 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            (self.next() % n as u64) as usize
-        }
-    }
-
-    /// True with probability 1/n.
-    pub fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-}
+/// The stream of this harness's [`Rng`]s (so its cases differ from another harness's with
+/// the same seed).
+const STREAM: u64 = 0x6b33_5f66_757a_7a21;
 
 /// The fixtures directory of this repository.
 pub fn fixtures() -> PathBuf {
@@ -255,8 +192,8 @@ fn random_value(rng: &mut Rng) -> Value {
             serde_json::from_str(s).unwrap_or(Value::from(-1))
         }
         4 => Value::from(*rng.pick(U64S)),
-        5 => Value::from(rng.next() as i64),
-        6 => serde_json::Number::from_f64(f64::from_bits(rng.next()))
+        5 => Value::from(rng.next_u64() as i64),
+        6 => serde_json::Number::from_f64(f64::from_bits(rng.next_u64()))
             .map_or(Value::Null, Value::Number),
         7 => Value::String(
             serde_json::from_str::<String>(&format!("\"{}\"", rng.pick(STR_SUBS)))
@@ -344,177 +281,15 @@ fn mutate_value(v: &mut Value, rng: &mut Rng, depth: usize) {
 // ---------------------------------------------------------------------------------------
 // Byte- and token-level mutations.
 
-/// End (exclusive) of the JSON string starting at `b[i] == '"'`.
-fn string_end(b: &[u8], i: usize) -> Option<usize> {
-    let mut j = i + 1;
-    while j < b.len() {
-        match b[j] {
-            b'\\' => j += 2,
-            b'"' => return Some(j + 1),
-            _ => j += 1,
-        }
-    }
-    None
-}
+/// The JSON text edits of this harness: its interesting numbers and strings.
+const JSON_EDITS: JsonEdits<'static> = JsonEdits {
+    ints: INT_STRS,
+    strs: STR_SUBS,
+    numeric_keys: false,
+};
 
-/// End (exclusive) of the JSON value starting at `b[i]` (no validation).
-fn value_end(b: &[u8], i: usize) -> Option<usize> {
-    match *b.get(i)? {
-        b'"' => string_end(b, i),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut j = i;
-            while j < b.len() {
-                match b[j] {
-                    b'"' => {
-                        j = string_end(b, j)?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return Some(j + 1);
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-            None
-        }
-        _ => {
-            let mut j = i;
-            while j < b.len() && !b",}] \n\t\r:".contains(&b[j]) {
-                j += 1;
-            }
-            (j > i).then_some(j)
-        }
-    }
-}
-
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
-    while i < b.len() && b" \n\t\r".contains(&b[i]) {
-        i += 1;
-    }
-    i
-}
-
-/// Positions in `b` where a byte in `set` occurs, searched from a random start.
-fn find_from(b: &[u8], rng: &mut Rng, pred: impl Fn(&[u8], usize) -> bool) -> Option<usize> {
-    if b.is_empty() {
-        return None;
-    }
-    let start = rng.below(b.len());
-    (start..b.len()).chain(0..start).find(|&i| pred(b, i))
-}
-
-/// The span of an object member `"key": value` starting at a random member.
-fn random_member(b: &[u8], rng: &mut Rng) -> Option<(usize, usize)> {
-    let at = find_from(b, rng, |b, i| {
-        (b[i] == b'{' || b[i] == b',') && b.get(skip_ws(b, i + 1)) == Some(&b'"')
-    })?;
-    let s = skip_ws(b, at + 1);
-    let k_end = string_end(b, s)?;
-    let colon = skip_ws(b, k_end);
-    if b.get(colon) != Some(&b':') {
-        return None;
-    }
-    let v = skip_ws(b, colon + 1);
-    Some((s, value_end(b, v)?))
-}
-
-/// A JSON-aware edit of text `b`; false when none applied.
 fn mutate_json_text(b: &mut Vec<u8>, rng: &mut Rng, corpus_text: &[u8]) -> bool {
-    match rng.below(9) {
-        // A number → an interesting number.
-        0 | 1 => {
-            let Some(i) = find_from(b, rng, |b, i| {
-                (b[i].is_ascii_digit() || b[i] == b'-')
-                    && (i == 0 || !b[i - 1].is_ascii_alphanumeric() && b[i - 1] != b'"')
-            }) else {
-                return false;
-            };
-            let Some(e) = value_end(b, i) else {
-                return false;
-            };
-            b.splice(i..e, rng.pick(INT_STRS).bytes());
-        }
-        // A string's contents → an interesting, long or escaped string.
-        2 | 3 => {
-            let Some(i) = find_from(b, rng, |b, i| b[i] == b'"') else {
-                return false;
-            };
-            let Some(e) = string_end(b, i) else {
-                return false;
-            };
-            let new: Vec<u8> = match rng.below(4) {
-                0 => "y".repeat(rng.below(5000)).into_bytes(),
-                1 => {
-                    // Keep the string, append an escape.
-                    let mut s = b[i + 1..e - 1].to_vec();
-                    s.extend_from_slice(rng.pick(STR_SUBS).as_bytes());
-                    s
-                }
-                _ => rng.pick(STR_SUBS).as_bytes().to_vec(),
-            };
-            let mut q = vec![b'"'];
-            q.extend_from_slice(&new);
-            q.push(b'"');
-            b.splice(i..e, q);
-        }
-        // Duplicate an object member (a duplicate key).
-        4 | 5 => {
-            let Some((s, e)) = random_member(b, rng) else {
-                return false;
-            };
-            let mut m = b[s..e].to_vec();
-            m.push(b',');
-            b.splice(s..s, m);
-        }
-        // Delete an object member.
-        6 => {
-            let Some((s, e)) = random_member(b, rng) else {
-                return false;
-            };
-            let e = if b.get(skip_ws(b, e)) == Some(&b',') {
-                skip_ws(b, e) + 1
-            } else {
-                e
-            };
-            b.drain(s..e);
-        }
-        // Wrap a value in deep nesting.
-        7 => {
-            let Some(i) = find_from(b, rng, |b, i| b[i] == b':') else {
-                return false;
-            };
-            let v = skip_ws(b, i + 1);
-            let Some(e) = value_end(b, v) else {
-                return false;
-            };
-            let deep = rng.one_in(4);
-            let d = 1 + rng.below(if deep { 200 } else { 8 });
-            let (open, close) = if rng.one_in(2) {
-                ("[", "]".to_string())
-            } else {
-                ("{\"k\":", "}".to_string())
-            };
-            b.splice(e..e, close.repeat(d).into_bytes());
-            b.splice(v..v, open.repeat(d).into_bytes());
-        }
-        // Replace a value by a member from another corpus entry's text.
-        _ => {
-            let Some((s, e)) = random_member(b, rng) else {
-                return false;
-            };
-            let Some((s2, e2)) = random_member(corpus_text, rng) else {
-                return false;
-            };
-            b.splice(s..e, corpus_text[s2..e2].iter().copied());
-        }
-    }
-    true
+    fuzzkit::json::mutate_json_text(b, rng, corpus_text, &JSON_EDITS)
 }
 
 /// A position in `b`, biased towards `0..hot` (the part where parsing happens).
@@ -541,13 +316,13 @@ fn mutate_bytes(b: &mut Vec<u8>, hot: usize, rng: &mut Rng, other: &[u8]) {
         1 => {
             if !b.is_empty() {
                 let i = pos(b, hot, rng);
-                b[i] = rng.next() as u8;
+                b[i] = rng.next_u64() as u8;
             }
         }
         2 => {
             let i = pos(b, hot, rng).min(b.len());
             let n = 1 + rng.below(16);
-            let ins: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+            let ins: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
             b.splice(i..i, ins);
         }
         3 => {
@@ -616,11 +391,6 @@ fn mutate_bytes(b: &mut Vec<u8>, hot: usize, rng: &mut Rng, other: &[u8]) {
             }
         }
     }
-}
-
-/// 1 to 8 stacked edits, mostly few.
-fn n_edits(rng: &mut Rng) -> usize {
-    1 + (rng.next().trailing_ones() as usize).min(7)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -799,7 +569,7 @@ impl<'de> Deserialize<'de> for OracleIndex {
 }
 
 /// An accepted shard must satisfy the safetensors rules as serde_json reads them.
-pub fn check_header_invariants(file: &[u8], info: &ShardInfo) -> Result<(), String> {
+pub fn check_header_invariants(file: &[u8], info: &ShardInfo) -> Result<(), Violation> {
     let n = u64::from_le_bytes(
         file.get(..8)
             .ok_or("accepted a file under 8 bytes")?
@@ -808,7 +578,7 @@ pub fn check_header_invariants(file: &[u8], info: &ShardInfo) -> Result<(), Stri
     );
     let size = file.len() as u64;
     if n > size - 8 {
-        return Err(format!("accepted header length {n} past the file end"));
+        return violation(format!("accepted header length {n} past the file end"));
     }
     let text = std::str::from_utf8(&file[8..8 + n as usize])
         .map_err(|e| format!("accepted a header that is not UTF-8: {e}"))?;
@@ -818,7 +588,7 @@ pub fn check_header_invariants(file: &[u8], info: &ShardInfo) -> Result<(), Stri
     let mut names = BTreeSet::new();
     for (k, _) in &entries {
         if k != "__metadata__" && !names.insert(k.as_str()) {
-            return Err(format!("accepted the tensor {k:?} twice"));
+            return violation(format!("accepted the tensor {k:?} twice"));
         }
     }
     let data_start = 8 + n;
@@ -842,20 +612,20 @@ pub fn check_header_invariants(file: &[u8], info: &ShardInfo) -> Result<(), Stri
         for &d in &t.shape {
             numel *= d as u128;
             if numel > u64::MAX as u128 {
-                return Err(format!("{name}: accepted a shape over 2^64 elements"));
+                return violation(format!("{name}: accepted a shape over 2^64 elements"));
             }
         }
         let (b, e) = match t.data_offsets.as_slice() {
             [b, e] => (*b, *e),
-            offs => return Err(format!("{name}: accepted offsets {offs:?}")),
+            offs => return violation(format!("{name}: accepted offsets {offs:?}")),
         };
         if e < b || (e - b) as u128 != numel * esize as u128 {
-            return Err(format!(
+            return violation(format!(
                 "{name}: accepted offsets [{b}, {e}] for {numel} x {esize}"
             ));
         }
         if e > data_len {
-            return Err(format!(
+            return violation(format!(
                 "{name}: accepted offsets [{b}, {e}] past data {data_len}"
             ));
         }
@@ -867,7 +637,7 @@ pub fn check_header_invariants(file: &[u8], info: &ShardInfo) -> Result<(), Stri
     spans.sort_unstable();
     for w in spans.windows(2) {
         if w[1].0 < w[0].1 {
-            return Err(format!("accepted overlapping spans {w:?}"));
+            return violation(format!("accepted overlapping spans {w:?}"));
         }
     }
     let want = (size, n, data_start, data_end, count);
@@ -879,7 +649,7 @@ pub fn check_header_invariants(file: &[u8], info: &ShardInfo) -> Result<(), Stri
         info.n_tensors,
     );
     if want != got {
-        return Err(format!(
+        return violation(format!(
             "geometry (size, header, start, end, tensors) {got:?}, oracle {want:?}"
         ));
     }
@@ -888,22 +658,22 @@ pub fn check_header_invariants(file: &[u8], info: &ShardInfo) -> Result<(), Stri
 
 /// An accepted catalog: every tensor inside its shard's data section, len = numel × dtype
 /// size, no overlaps, lookups round-trip.
-fn check_catalog(c: &Catalog) -> Result<(), String> {
+fn check_catalog(c: &Catalog) -> Result<(), Violation> {
     let mut spans: Vec<(usize, u64, u64)> = Vec::new();
     for (name, e) in c.iter() {
         let s = c.shards().get(e.shard).ok_or("shard index out of range")?;
         if e.offset < s.data_start || e.end() > s.file_size || e.end() > s.data_end {
-            return Err(format!(
+            return violation(format!(
                 "{name}: [{}, {}) outside its shard",
                 e.offset,
                 e.end()
             ));
         }
         if e.len != e.numel() * e.dtype.size() as u64 {
-            return Err(format!("{name}: len {} != numel x size", e.len));
+            return violation(format!("{name}: len {} != numel x size", e.len));
         }
         if c.get(&name) != Some(e) {
-            return Err(format!("{name:?}: lookup does not round-trip"));
+            return violation(format!("{name:?}: lookup does not round-trip"));
         }
         if e.len > 0 {
             spans.push((e.shard, e.offset, e.end()));
@@ -912,7 +682,7 @@ fn check_catalog(c: &Catalog) -> Result<(), String> {
     spans.sort_unstable();
     for w in spans.windows(2) {
         if w[0].0 == w[1].0 && w[1].1 < w[0].2 {
-            return Err(format!("overlap {w:?}"));
+            return violation(format!("overlap {w:?}"));
         }
     }
     Ok(())
@@ -920,7 +690,7 @@ fn check_catalog(c: &Catalog) -> Result<(), String> {
 
 /// An accepted index: the catalog holds exactly the weight_map's names, each in the shard
 /// the map names; the shards are the map's distinct files; total_size as written.
-fn check_index_invariants(json: &[u8], c: &Catalog) -> Result<(), String> {
+fn check_index_invariants(json: &[u8], c: &Catalog) -> Result<(), Violation> {
     check_catalog(c)?;
     let text = std::str::from_utf8(json)
         .map_err(|e| format!("accepted an index that is not UTF-8: {e}"))?;
@@ -930,7 +700,7 @@ fn check_index_invariants(json: &[u8], c: &Catalog) -> Result<(), String> {
         .weight_map
         .ok_or("accepted an index with no weight_map object")?;
     if wm.len() != c.len() {
-        return Err(format!(
+        return violation(format!(
             "weight_map has {} names, catalog {}",
             wm.len(),
             c.len()
@@ -940,7 +710,7 @@ fn check_index_invariants(json: &[u8], c: &Catalog) -> Result<(), String> {
     let mut seen = BTreeSet::new();
     for (name, f) in &wm {
         if !seen.insert(name.as_str()) {
-            return Err(format!("accepted {name:?} listed twice"));
+            return violation(format!("accepted {name:?} listed twice"));
         }
         let f = f.as_str();
         files.insert(f);
@@ -949,7 +719,7 @@ fn check_index_invariants(json: &[u8], c: &Catalog) -> Result<(), String> {
             .ok_or(format!("{name:?} mapped but not catalogued"))?;
         let path = &c.shards()[e.shard].path;
         if path.file_name().and_then(|x| x.to_str()) != Some(f) {
-            return Err(format!("{name:?}: in {} but mapped to {f}", path.display()));
+            return violation(format!("{name:?}: in {} but mapped to {f}", path.display()));
         }
     }
     let shard_files: Vec<&str> = c
@@ -958,21 +728,21 @@ fn check_index_invariants(json: &[u8], c: &Catalog) -> Result<(), String> {
         .filter_map(|s| s.path.file_name().and_then(|x| x.to_str()))
         .collect();
     if shard_files != files.iter().copied().collect::<Vec<_>>() {
-        return Err(format!("shards {shard_files:?}, map files {files:?}"));
+        return violation(format!("shards {shard_files:?}, map files {files:?}"));
     }
     if c.index_total_size() != idx.total_size {
-        return Err(format!("total_size {:?}", c.index_total_size()));
+        return violation(format!("total_size {:?}", c.index_total_size()));
     }
     Ok(())
 }
 
 /// An accepted config: the reader's documented invariants, and every accessor runs.
-fn check_config_invariants(c: &ModelConfig) -> Result<(), String> {
+fn check_config_invariants(c: &ModelConfig) -> Result<(), Violation> {
     if c.layer_kinds().len() != c.n_layers() {
-        return Err("layer_kinds length".into());
+        return violation("layer_kinds length".into());
     }
     if !(c.num_experts_per_token <= c.num_experts && c.num_experts_per_token > 0) {
-        return Err(format!(
+        return violation(format!(
             "top-k {} of {} experts",
             c.num_experts_per_token, c.num_experts
         ));
@@ -983,13 +753,13 @@ fn check_config_invariants(c: &ModelConfig) -> Result<(), String> {
         .filter(|&&k| k == LayerKind::Kda)
         .count();
     if kda != c.linear_attn.kda_layers.len() {
-        return Err("kda layer count".into());
+        return violation("kda layer count".into());
     }
     if !(c.rms_norm_eps > 0.0 && c.rms_norm_eps.is_finite()) {
-        return Err(format!("rms_norm_eps {}", c.rms_norm_eps));
+        return violation(format!("rms_norm_eps {}", c.rms_norm_eps));
     }
     if c.kda_layer_indices().len() + c.mla_layer_indices().len() != c.n_layers() {
-        return Err("kda + mla != layers".into());
+        return violation("kda + mla != layers".into());
     }
     for l in 0..c.n_layers() {
         let _ = (c.is_moe(l), c.is_attn_res_boundary(l), c.layer_kind(l));
@@ -1005,7 +775,7 @@ fn check_config_invariants(c: &ModelConfig) -> Result<(), String> {
         let ts = c.expert_tensors(d);
         let sum: u64 = ts.iter().map(|t| t.bytes()).sum();
         if sum != c.expert_bytes(d) {
-            return Err(format!("expert_bytes {} != sum {sum}", c.expert_bytes(d)));
+            return violation(format!("expert_bytes {} != sum {sum}", c.expert_bytes(d)));
         }
     }
     Ok(())
@@ -1094,13 +864,6 @@ fn checkpoint_from_files(rng: &mut Rng, files: &[PathBuf]) -> Option<Checkpoint>
     })
 }
 
-/// What a case builder returns: the bytes to report and the verdict.
-enum Verdict {
-    Rejected,
-    Accepted,
-    Broken(String),
-}
-
 struct Fuzzer {
     target: Target,
     rng: Rng,
@@ -1118,11 +881,11 @@ struct Fuzzer {
 
 impl Fuzzer {
     fn new(target: Target, seed: u64) -> Fuzzer {
-        let mut rng = Rng::new(seed);
+        let mut rng = Rng::new(seed, STREAM);
         let fx = fixtures();
         let mut f = Fuzzer {
             target,
-            rng: Rng::new(seed.wrapping_add(1)),
+            rng: Rng::new(seed.wrapping_add(1), STREAM),
             files: Vec::new(),
             checkpoints: Vec::new(),
             big: None,
@@ -1496,7 +1259,7 @@ fn judge(case: &Case) -> Verdict {
                     Err(e) => Verdict::Broken(e),
                 },
                 Err(e) if e.msg.is_empty() || e.file != path => {
-                    Verdict::Broken(format!("error without a message or file: {e:?}"))
+                    Verdict::broken(format!("error without a message or file: {e:?}"))
                 }
                 Err(_) => Verdict::Rejected,
             }
@@ -1516,7 +1279,7 @@ fn judge(case: &Case) -> Verdict {
                     Err(e) => Verdict::Broken(e),
                 },
                 Err(e) if e.msg.is_empty() => {
-                    Verdict::Broken(format!("error without a message: {e:?}"))
+                    Verdict::broken(format!("error without a message: {e:?}"))
                 }
                 Err(_) => Verdict::Rejected,
             }
@@ -1530,7 +1293,7 @@ fn judge(case: &Case) -> Verdict {
                     Err(e) => Verdict::Broken(e),
                 },
                 Err(e) if e.problems.is_empty() || e.problems.iter().any(|p| p.is_empty()) => {
-                    Verdict::Broken("error without problems".into())
+                    Verdict::broken("error without problems".into())
                 }
                 Err(_) => Verdict::Rejected,
             },
@@ -1538,80 +1301,36 @@ fn judge(case: &Case) -> Verdict {
     }
 }
 
-/// The message of a caught panic.
-fn panic_msg(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "panic with a non-string payload".into())
-}
+impl Harness for Fuzzer {
+    type Case = Case;
 
-fn continue_progress(
-    rep: &mut Report,
-    case: u64,
-    every: u64,
-    t0: &Instant,
-    progress: &mut impl FnMut(&Report),
-) {
-    if every > 0 && (case + 1).is_multiple_of(every) {
-        rep.secs = t0.elapsed().as_secs_f64();
-        progress(rep);
+    fn case(&mut self) -> Case {
+        Fuzzer::case(self)
+    }
+
+    fn judge(case: &Case) -> Verdict {
+        judge(case)
+    }
+
+    fn input(case: &Case) -> &[u8] {
+        case.input()
+    }
+
+    fn keep(&mut self, case: Case) {
+        Fuzzer::keep(self, case)
     }
 }
 
-/// Run `execs` cases of `target` from `seed`. `progress(execs, accepted, findings)` is
-/// called about every `every` cases. Panics inside a case are caught and counted (the
-/// panic hook is silenced for the run and restored after).
+/// Run `execs` cases of `target` from `seed`. `progress` is called about every `every`
+/// cases. Panics inside a case are caught and counted (the panic hook is silenced for the
+/// run and restored after).
 pub fn run(
     target: Target,
     seed: u64,
     execs: u64,
     every: u64,
-    mut progress: impl FnMut(&Report),
-) -> Report {
+    progress: impl FnMut(&FuzzReport),
+) -> FuzzReport {
     let mut fz = Fuzzer::new(target, seed);
-    let mut rep = Report {
-        target,
-        seed,
-        execs: 0,
-        accepted: 0,
-        n_findings: 0,
-        findings: Vec::new(),
-        secs: 0.0,
-    };
-    let prev = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let t0 = Instant::now();
-    let mut seen: BTreeMap<String, u64> = BTreeMap::new();
-    for case in 0..execs {
-        let c = fz.case();
-        rep.execs += 1;
-        let what = match catch_unwind(AssertUnwindSafe(|| judge(&c))) {
-            Ok(Verdict::Rejected) => None,
-            Ok(Verdict::Accepted) => {
-                rep.accepted += 1;
-                fz.keep(c);
-                continue_progress(&mut rep, case, every, &t0, &mut progress);
-                continue;
-            }
-            Ok(Verdict::Broken(e)) => Some(format!("invariant: {e}")),
-            Err(p) => Some(format!("panic: {}", panic_msg(&*p))),
-        };
-        if let Some(what) = what {
-            rep.n_findings += 1;
-            let n = seen.entry(what.clone()).or_insert(0);
-            *n += 1;
-            if *n == 1 && rep.findings.len() < KEEP_FINDINGS {
-                rep.findings.push(Finding {
-                    case,
-                    what,
-                    input: c.input().to_vec(),
-                });
-            }
-        }
-        continue_progress(&mut rep, case, every, &t0, &mut progress);
-    }
-    rep.secs = t0.elapsed().as_secs_f64();
-    std::panic::set_hook(prev);
-    rep
+    fuzzkit::run(&mut fz, target.name(), seed, execs, every, progress)
 }

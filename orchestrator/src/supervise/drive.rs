@@ -111,11 +111,11 @@ pub(super) fn handle_common(
             r.progress.update(stage, &phase, done, total);
             Ok(None)
         }
-        StageEvent::Control(s, Ok((Msg::Error { stage, msg }, _))) => {
+        StageEvent::Control(s, Ok((Msg::Error { stage, failure }, _))) => {
             let _ = s;
             Err(RunError::new(
                 1,
-                format!("k3-orch: stage {stage} failed: {msg}"),
+                format!("k3-orch: stage {stage} failed: {failure}"),
             ))
         }
         StageEvent::Control(s, Ok((m, fds))) => Ok(Some((s, m, fds))),

@@ -113,14 +113,20 @@ impl Observer for Silent {}
 
 /// Run one stage role on a control socket (the body of `k3-orch stage <name>` and of each
 /// `--inproc` thread).
-pub fn stage_main(stage: Stage, control: ControlSocket) -> Result<(), String> {
+pub fn stage_main(
+    stage: Stage,
+    control: ControlSocket,
+) -> Result<(), k3_protocol::failure::StageFailure> {
     let ctx = StageCtx::connect(stage, control)?;
     match stage {
         Stage::Tokenizer => k3_tokenizer::stage::run(ctx),
         Stage::TrunkLoader => k3_trunk_loader::stage::run(ctx),
         Stage::ExpertFetcher => k3_expert_fetcher::stage::run(ctx),
         Stage::LayerCompute => k3_layer_compute::stage::run(ctx),
-        Stage::Orchestrator => Err("the orchestrator is not a stage role".into()),
+        Stage::Orchestrator => Err(k3_protocol::failure::StageFailure::new(
+            k3_protocol::failure::FailureKind::Config,
+            "the orchestrator is not a stage role",
+        )),
     }
 }
 

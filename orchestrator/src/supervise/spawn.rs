@@ -351,7 +351,10 @@ impl From<Exited> for StageEvent {
 pub(super) struct Running {
     pub(super) controls: HashMap<Stage, Arc<ControlSocket>>,
     pub(super) watcher: Option<Watcher>,
-    pub(super) threads: Vec<(Stage, std::thread::JoinHandle<Result<(), String>>)>,
+    pub(super) threads: Vec<(
+        Stage,
+        std::thread::JoinHandle<Result<(), k3_protocol::failure::StageFailure>>,
+    )>,
     pub(super) events: Receiver<StageEvent>,
     pub(super) pids: HashMap<Stage, u32>,
     pub(super) last_seen: HashMap<Stage, Instant>,

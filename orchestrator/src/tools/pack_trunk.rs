@@ -261,7 +261,7 @@ fn run(a: &Args) -> Result<(), Fail> {
             "cannot catalog the checkpoint: {e} (run k3-orch verify)"
         ))
     })?;
-    let src = SourceIdentity::of(&cat).map_err(Fail::Refused)?;
+    let src = SourceIdentity::of(&cat).map_err(|e| Fail::Refused(e.to_string()))?;
     let plan = plan(&cat)?;
     let digest = plan_digest(&plan, &src);
     let dir = &a.trunk_dir;
@@ -282,6 +282,7 @@ fn run(a: &Args) -> Result<(), Fail> {
                 let why = m
                     .check_against(&cat)
                     .err()
+                    .map(|e| e.to_string())
                     .unwrap_or_else(|| "its source identity differs".into());
                 return Err(Fail::Refused(format!("{}: {why}", dir.display())));
             }
@@ -360,7 +361,7 @@ fn crc_scan(dir: &Path, m: &TrunkManifest) -> Result<(), String> {
         buf.resize(c.length as usize, 0);
         f.read_exact_at(&mut buf, c.offset)
             .map_err(|e| format!("{}: reading layer {}: {e}", bin.display(), c.layer))?;
-        c.check(&buf)?;
+        c.check(&buf).map_err(|e| e.to_string())?;
     }
     Ok(())
 }
@@ -833,7 +834,7 @@ fn verify(dir: &Path, cat: &Catalog, plan: &[PlannedLayer]) -> Result<(), Fail> 
             bar.inc(payload as u64);
         }
         if let Err(e) = m.run_checks()[l.layer].check(&run) {
-            bad.push(e);
+            bad.push(e.to_string());
         }
         if hex(&h.finalize()) != l.sha256 {
             bad.push(format!(

@@ -207,7 +207,7 @@ struct Replayer {
     data: HashMap<u32, Arc<Region>>,
     /// Geometry of the data regions, from the `@region` entries.
     geometry: HashMap<u32, (u64, u32)>,
-    thread: Option<std::thread::JoinHandle<Result<(), String>>>,
+    thread: Option<std::thread::JoinHandle<Result<(), k3_protocol::failure::StageFailure>>>,
     timeout: Duration,
 }
 

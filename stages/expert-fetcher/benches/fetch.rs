@@ -10,7 +10,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
-use k3_expert_fetcher::{Event, ExpertFetcher, ExpertLocation, ExpertTable, FetcherConfig};
+use k3_expert_fetcher::{BatchEvent, ExpertCacheConfig, ExpertExtents, ExpertFetcher, ExpertTable};
 use k3_io::devbw;
 use k3_io::DirectFiles;
 
@@ -58,7 +58,7 @@ fn main() {
         table.insert(
             0,
             e,
-            ExpertLocation::contiguous(0, HEADER + e as u64 * EXPERT, EXPERT),
+            ExpertExtents::contiguous(0, HEADER + e as u64 * EXPERT, EXPERT),
         );
     }
     let table = Arc::new(table);
@@ -72,7 +72,7 @@ fn main() {
     for qd in [1usize, 16] {
         let files = Arc::new(DirectFiles::open(std::slice::from_ref(&path)).expect("open"));
         let mut f = ExpertFetcher::new(
-            FetcherConfig {
+            ExpertCacheConfig {
                 slots: 16,
                 slot_bytes: 0,
                 readers: qd,
@@ -96,7 +96,7 @@ fn main() {
             }
             let mut failed = 0;
             f.fetch_batch(0, &ids, |ev| {
-                if let Event::Failed(e) = ev {
+                if let BatchEvent::Failed(e) = ev {
                     eprintln!("{e}");
                     failed += 1;
                 }

@@ -12,7 +12,7 @@
 //!    expert in pieces of 4 MiB taken in issue order, so the depth is the same whatever
 //!    the slot count and experts land in the order they were issued;
 //! 3. publish each expert through the callback as it lands, in arrival order (hits first,
-//!    they are already there). A read that fails is reported as [`Event::Failed`], counted,
+//!    they are already there). A read that fails is reported as [`BatchEvent::Failed`], counted,
 //!    its slot goes back to EMPTY, and its bytes are never published.
 //!
 //! When a batch asks for more experts than it can claim slots, the rest wait in disk order
@@ -28,13 +28,13 @@
 //! `offset % 4096`, so reads are page-aligned (O_DIRECT) whatever the expert's offset and size.
 //! Hence the slot size [`slot_bytes_for`]: the largest span rounded up to 4096, plus a page.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::locate::{ExpertLocation, Extent, Locate};
+use crate::locate::{ExpertExtents, Extent, Locate};
 use crate::trace::TraceRecorder;
 use k3_io::arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
 use k3_io::direct::ReadAt;
@@ -52,7 +52,7 @@ const RELEASE_POLL: Duration = Duration::from_millis(1);
 /// that the reader is done with an expert.
 pub trait BatchIo {
     /// One expert is ready (or failed).
-    fn event(&mut self, ev: Event<'_>);
+    fn event(&mut self, ev: BatchEvent<'_>);
     /// Whether [`releases`](Self::releases) can ever return something.
     fn takes_releases(&self) -> bool {
         false
@@ -60,7 +60,7 @@ pub trait BatchIo {
     /// Experts the reader released since the last call, as `(layer, ids)`: waiting at most
     /// `wait` for the first (`None`: until one comes). An error ends the wait for good
     /// (the reader is gone); the batch then fails what it could not read.
-    fn releases(&mut self, _wait: Option<Duration>) -> Result<Vec<(u32, Vec<u32>)>, String> {
+    fn releases(&mut self, _wait: Option<Duration>) -> Result<Vec<(u32, Vec<u32>)>, ReaderGone> {
         Ok(Vec::new())
     }
 }
@@ -68,15 +68,15 @@ pub trait BatchIo {
 /// A plain callback: publishes, never releases.
 struct Callback<F>(F);
 
-impl<F: FnMut(Event<'_>)> BatchIo for Callback<F> {
-    fn event(&mut self, ev: Event<'_>) {
+impl<F: FnMut(BatchEvent<'_>)> BatchIo for Callback<F> {
+    fn event(&mut self, ev: BatchEvent<'_>) {
         (self.0)(ev)
     }
 }
 
 /// How the fetcher is built.
 #[derive(Clone, Copy, Debug)]
-pub struct FetcherConfig {
+pub struct ExpertCacheConfig {
     /// Number of slots (at least 1).
     pub slots: usize,
     /// Bytes per slot; 0 means [`slot_bytes_for`] the locator's largest span.
@@ -85,9 +85,9 @@ pub struct FetcherConfig {
     pub readers: usize,
 }
 
-impl Default for FetcherConfig {
+impl Default for ExpertCacheConfig {
     fn default() -> Self {
-        FetcherConfig {
+        ExpertCacheConfig {
             slots: 64,
             slot_bytes: 0,
             readers: 16,
@@ -101,6 +101,32 @@ pub enum SlotState {
     Empty,
     Inflight,
     Resident,
+}
+
+/// The reader of a held batch can no longer release experts (it stopped, or its link
+/// failed); the message says why, in the reader's words.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ReaderGone(pub String);
+
+/// Why a read of an expert did not complete.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReadFailure {
+    #[error("pages {start}..{end} overrun the {slot}-byte slot")]
+    Overrun { start: u64, end: u64, slot: usize },
+    /// The read failed: the I/O error's message (an `io::Error` cannot be cloned, and a
+    /// failure is both reported and counted).
+    #[error("{0}")]
+    Io(String),
+    #[error("short read at offset {offset}: got {got} bytes, needed {need}")]
+    Short { offset: u64, got: usize, need: u64 },
+    #[error("the reader panicked")]
+    Panicked,
+    #[error("the reader pool stopped")]
+    PoolStopped,
+    /// A held batch's reader went away before the expert could get a slot.
+    #[error(transparent)]
+    ReaderGone(#[from] ReaderGone),
 }
 
 /// Why an expert was not published.
@@ -123,8 +149,20 @@ pub enum FetchError {
     Read {
         layer: u32,
         expert: u32,
-        why: String,
+        why: ReadFailure,
     },
+}
+
+impl FetchError {
+    /// The expert it is about: `(layer, expert)`.
+    pub fn key(&self) -> (u32, u32) {
+        match self {
+            FetchError::Unknown { layer, expert }
+            | FetchError::TooBig { layer, expert, .. }
+            | FetchError::NoSlot { layer, expert }
+            | FetchError::Read { layer, expert, .. } => (*layer, *expert),
+        }
+    }
 }
 
 /// An expert that is in the arena, handed to the batch callback.
@@ -148,7 +186,7 @@ pub struct Arrival<'a> {
 
 /// What the batch callback receives, once per distinct requested expert.
 #[derive(Debug)]
-pub enum Event<'a> {
+pub enum BatchEvent<'a> {
     Ready(Arrival<'a>),
     Failed(FetchError),
 }
@@ -290,7 +328,7 @@ struct Job {
 struct Group {
     left: std::sync::atomic::AtomicUsize,
     bytes: std::sync::atomic::AtomicU64,
-    err: Mutex<Option<String>>,
+    err: Mutex<Option<ReadFailure>>,
 }
 
 /// Bytes one reader job reads of an expert: the disk's largest request here (4 MiB), so
@@ -300,7 +338,7 @@ const PIECE: u64 = 4 << 20;
 
 struct Done {
     tag: usize,
-    result: Result<u64, String>,
+    result: Result<u64, ReadFailure>,
     /// When the read finished (so callback time does not count as I/O time).
     at: Instant,
 }
@@ -325,7 +363,7 @@ fn page_ranges(extents: &[Extent]) -> Vec<(u64, u64, u64)> {
 
 /// Read one piece of an expert (its window of the expert's page ranges) into its slot;
 /// returns the bytes transferred.
-fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, String> {
+fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, ReadFailure> {
     let mut total = 0u64;
     let (w0, w1) = job.window;
     for &(s, end, need) in job.ranges.iter() {
@@ -336,10 +374,11 @@ fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, String> {
         let need = need.min(end);
         let (a, b) = ((s - job.base) as usize, (end - job.base) as usize);
         if b > job.slot_bytes {
-            return Err(format!(
-                "pages {s}..{end} overrun the {}-byte slot",
-                job.slot_bytes
-            ));
+            return Err(ReadFailure::Overrun {
+                start: s,
+                end,
+                slot: job.slot_bytes,
+            });
         }
         // SAFETY: [a, b) lies inside this job's slot (checked above); the slot is INFLIGHT, so
         // nothing else reads or writes it until this job reports `Done`, and `_arena` keeps
@@ -347,12 +386,13 @@ fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, String> {
         let dst = unsafe { std::slice::from_raw_parts_mut(job.slot.0.add(a), b - a) };
         let got = reader
             .read_at(job.file, s, dst)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ReadFailure::Io(e.to_string()))?;
         if s + (got as u64) < need {
-            return Err(format!(
-                "short read at offset {s}: got {got} bytes, needed {}",
-                need - s
-            ));
+            return Err(ReadFailure::Short {
+                offset: s,
+                got,
+                need: need - s,
+            });
         }
         total += got as u64;
     }
@@ -386,7 +426,7 @@ impl Pool {
                         let piece = std::panic::catch_unwind(AssertUnwindSafe(|| {
                             run_job(reader.as_ref(), &job)
                         }))
-                        .unwrap_or_else(|_| Err("the reader panicked".into()));
+                        .unwrap_or(Err(ReadFailure::Panicked));
                         use std::sync::atomic::Ordering::AcqRel;
                         let g = &job.group;
                         match piece {
@@ -435,6 +475,63 @@ impl Drop for Pool {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+/// The state of the batch in progress ([`ExpertFetcher::run_batch`]'s steps share it).
+struct Batch {
+    layer: u32,
+    /// A request (published), not a prefetch.
+    publish: bool,
+    /// Published experts stay held until released.
+    hold: bool,
+    /// Slots this batch claimed, in claim order.
+    claimed: Vec<usize>,
+    /// Hits, in request order.
+    hits: Vec<usize>,
+    /// Misses with a slot, until their reads are issued.
+    misses: Vec<(usize, ExpertExtents)>,
+    /// Misses waiting for a slot of this batch, in disk order.
+    deferred: VecDeque<(u32, ExpertExtents)>,
+    /// The batch's slots in the order the deferred misses take them.
+    rotation: Vec<usize>,
+    next_turn: usize,
+    /// Reads in flight, by tag: the slot each lands in.
+    inflight: HashMap<usize, usize>,
+    tag: usize,
+    t0: Instant,
+    last_done: Instant,
+    any_read: bool,
+    summary: BatchSummary,
+}
+
+impl Batch {
+    fn new(layer: u32, publish: bool, hold: bool) -> Batch {
+        let now = Instant::now();
+        Batch {
+            layer,
+            publish,
+            hold,
+            claimed: Vec::new(),
+            hits: Vec::new(),
+            misses: Vec::new(),
+            deferred: VecDeque::new(),
+            rotation: Vec::new(),
+            next_turn: 0,
+            inflight: HashMap::new(),
+            tag: 0,
+            t0: now,
+            last_done: now,
+            any_read: false,
+            summary: BatchSummary::default(),
+        }
+    }
+
+    /// The rotation's slot whose turn is next.
+    fn next_slot(&self) -> Option<usize> {
+        self.rotation
+            .get(self.next_turn % self.rotation.len().max(1))
+            .copied()
     }
 }
 
@@ -497,7 +594,7 @@ pub enum SetupError {
 impl ExpertFetcher {
     /// Build a fetcher over a fresh [`OwnedArena`].
     pub fn new(
-        config: FetcherConfig,
+        config: ExpertCacheConfig,
         locator: Arc<dyn Locate>,
         reader: Arc<dyn ReadAt>,
     ) -> Result<ExpertFetcher, SetupError> {
@@ -509,7 +606,10 @@ impl ExpertFetcher {
         Self::with_arena(config, locator, reader, arena)
     }
 
-    fn resolve_slot_bytes(config: &FetcherConfig, locator: &dyn Locate) -> Result<u64, SetupError> {
+    fn resolve_slot_bytes(
+        config: &ExpertCacheConfig,
+        locator: &dyn Locate,
+    ) -> Result<u64, SetupError> {
         if config.slots == 0 {
             return Err(SetupError::NoSlots);
         }
@@ -527,7 +627,7 @@ impl ExpertFetcher {
 
     /// Build a fetcher over memory the caller provides (e.g. a shared-memory region).
     pub fn with_arena(
-        config: FetcherConfig,
+        config: ExpertCacheConfig,
         locator: Arc<dyn Locate>,
         reader: Arc<dyn ReadAt>,
         arena: Arc<dyn ArenaMemory>,
@@ -737,7 +837,7 @@ impl ExpertFetcher {
     /// With [`hold_published`](Self::hold_published) on, releases can only come from
     /// [`release`](Self::release) between batches (use [`fetch_batch_io`](Self::fetch_batch_io)
     /// to take them during one).
-    pub fn fetch_batch<F: FnMut(Event<'_>)>(
+    pub fn fetch_batch<F: FnMut(BatchEvent<'_>)>(
         &mut self,
         layer: u32,
         ids: &[u32],
@@ -765,7 +865,7 @@ impl ExpertFetcher {
     /// Read experts ahead of their request (a routing hint); nothing is published and no
     /// request is counted. A later `fetch_batch` of them is a hit "read this step".
     pub fn prefetch(&mut self, layer: u32, ids: &[u32]) -> BatchSummary {
-        self.run_batch(layer, ids, false, &mut Callback(|_: Event<'_>| {}))
+        self.run_batch(layer, ids, false, &mut Callback(|_: BatchEvent<'_>| {}))
     }
 
     /// A slot of the batch's rotation can take the next deferred expert: no read lands in it,
@@ -806,7 +906,7 @@ impl ExpertFetcher {
     }
 
     /// Start the read of `loc` into slot `s` as job `tag`; false when the pool is gone.
-    fn issue(&self, tag: usize, s: usize, loc: &ExpertLocation) -> bool {
+    fn issue(&self, tag: usize, s: usize, loc: &ExpertExtents) -> bool {
         let Some(tx) = self.pool.tx.as_ref() else {
             return false;
         };
@@ -850,7 +950,7 @@ impl ExpertFetcher {
         s: usize,
         layer: u32,
         id: u32,
-        loc: &ExpertLocation,
+        loc: &ExpertExtents,
         publish: bool,
     ) {
         let slot = &mut self.slots[s];
@@ -870,6 +970,10 @@ impl ExpertFetcher {
         }
     }
 
+    /// One batch (see the module documentation): its numbered steps are
+    /// [`reserve`](Self::reserve), [`issue_reads`](Self::issue_reads),
+    /// [`publish_hits`](Self::publish_hits), [`land_reads`](Self::land_reads) and
+    /// [`end_batch`](Self::end_batch).
     fn run_batch(
         &mut self,
         layer: u32,
@@ -877,8 +981,6 @@ impl ExpertFetcher {
         publish: bool,
         io: &mut dyn BatchIo,
     ) -> BatchSummary {
-        let mut summary = BatchSummary::default();
-        let hold = self.hold && publish;
         let mut pending: Vec<u32> = Vec::with_capacity(ids.len());
         for &id in ids {
             if !pending.contains(&id) {
@@ -888,13 +990,19 @@ impl ExpertFetcher {
         self.early.clear();
         self.batch_layer = Some(layer);
         self.batch_ids = pending.iter().copied().collect();
-        let mut claimed: Vec<usize> = Vec::new();
-        let mut hits: Vec<usize> = Vec::new();
-        let mut misses: Vec<(usize, ExpertLocation)> = Vec::new();
-        let mut deferred: Vec<(u32, ExpertLocation)> = Vec::new();
+        let mut b = Batch::new(layer, publish, self.hold && publish);
+        self.reserve(&mut b, pending, io);
+        self.issue_reads(&mut b, io);
+        self.publish_hits(&mut b, io);
+        self.land_reads(&mut b, io);
+        self.end_batch(b)
+    }
 
-        // 1. Reserve serially: hits, then a victim slot per miss while there is one; the
-        //    misses left over wait for a slot of this batch to be done with.
+    /// 1. Reserve serially: hits, then a victim slot per miss while there is one; the
+    ///    misses left over wait for a slot of this batch to be done with.
+    fn reserve(&mut self, b: &mut Batch, pending: Vec<u32>, io: &mut dyn BatchIo) {
+        let (layer, publish) = (b.layer, b.publish);
+        let mut deferred: Vec<(u32, ExpertExtents)> = Vec::new();
         for id in pending {
             let key = (layer, id);
             if let Some(&s) = self.index.get(&key) {
@@ -911,14 +1019,14 @@ impl ExpertFetcher {
                 if !slot.in_batch {
                     self.lru.remove(&(slot.stamp, s));
                     slot.in_batch = true;
-                    claimed.push(s);
+                    b.claimed.push(s);
                 }
-                hits.push(s);
+                b.hits.push(s);
                 continue;
             }
             let Some(loc) = self.locator.locate(layer, id) else {
                 self.fail_request(FetchError::Unknown { layer, expert: id }, publish, io);
-                summary.failed += 1;
+                b.summary.failed += 1;
                 continue;
             };
             let need = align_up(loc.start() % ALIGN as u64 + loc.span());
@@ -930,111 +1038,91 @@ impl ExpertFetcher {
                     slot: self.slot_bytes,
                 };
                 self.fail_request(e, publish, io);
-                summary.failed += 1;
+                b.summary.failed += 1;
                 continue;
             }
             match self.take_victim() {
                 Some(s) => {
                     self.claim_for_read(s, layer, id, &loc, publish);
-                    claimed.push(s);
-                    misses.push((s, loc));
+                    b.claimed.push(s);
+                    b.misses.push((s, loc));
                 }
                 None => deferred.push((id, loc)),
             }
         }
-
-        // 2. Issue the reads in disk order. The batch's slots form a rotation in the order
-        //    they are filled (hits first, then the reads as issued): the deferred misses, in
-        //    disk order too, take them in turn, each once its expert is done with. Which
-        //    slot an expert lands in depends only on the request and on what is resident,
-        //    never on when a read or a release arrives.
-        misses.sort_by_key(|(_, l)| (l.file, l.start()));
         deferred.sort_by_key(|(_, l)| (l.file, l.start()));
-        let mut deferred: std::collections::VecDeque<(u32, ExpertLocation)> = deferred.into();
-        let mut rotation: Vec<usize> = hits.clone();
-        rotation.extend(misses.iter().map(|(s, _)| *s));
-        rotation.retain(|&s| !self.slots[s].pinned);
-        let mut next_turn = 0usize;
-        let t0 = Instant::now();
-        let mut last_done = t0;
-        let mut any_read = false;
-        // Reads in flight, by tag: the slot each lands in.
-        let mut inflight: HashMap<usize, usize> = HashMap::new();
-        let mut tag = 0usize;
-        for (s, loc) in &misses {
-            if self.issue(tag, *s, loc) {
-                inflight.insert(tag, *s);
-                any_read = true;
-            } else {
-                self.fail_read(*s, "the reader pool stopped".into(), publish, io);
-                summary.failed += 1;
-            }
-            tag += 1;
-        }
+        b.deferred = deferred.into();
+    }
 
-        // 3a. Hits are already there.
-        if publish {
-            for &s in &hits {
-                summary.hits += 1;
-                summary.published += 1;
-                self.mark_published(s, hold);
-                io.event(Event::Ready(self.arrival(s, true)));
-            }
+    /// 2. Issue the reads in disk order. The batch's slots form a rotation in the order
+    ///    they are filled (hits first, then the reads as issued): the deferred misses, in
+    ///    disk order too, take them in turn, each once its expert is done with. Which slot
+    ///    an expert lands in depends only on the request and on what is resident, never on
+    ///    when a read or a release arrives.
+    fn issue_reads(&mut self, b: &mut Batch, io: &mut dyn BatchIo) {
+        b.misses.sort_by_key(|(_, l)| (l.file, l.start()));
+        b.rotation = b.hits.clone();
+        b.rotation.extend(b.misses.iter().map(|(s, _)| *s));
+        b.rotation.retain(|&s| !self.slots[s].pinned);
+        b.t0 = Instant::now();
+        b.last_done = b.t0;
+        for (s, loc) in std::mem::take(&mut b.misses) {
+            self.start_read(b, s, &loc, io);
         }
+    }
 
-        // 3b. Misses, in arrival order; each slot done with takes the next deferred miss.
+    /// Start the read of `loc` into slot `s` (already claimed) as the batch's next tag; a
+    /// pool that stopped fails it.
+    fn start_read(&mut self, b: &mut Batch, s: usize, loc: &ExpertExtents, io: &mut dyn BatchIo) {
+        if self.issue(b.tag, s, loc) {
+            b.inflight.insert(b.tag, s);
+            b.any_read = true;
+        } else {
+            self.fail_read(s, ReadFailure::PoolStopped, b.publish, io);
+            b.summary.failed += 1;
+        }
+        b.tag += 1;
+    }
+
+    /// 3a. Hits are already there.
+    fn publish_hits(&mut self, b: &mut Batch, io: &mut dyn BatchIo) {
+        if !b.publish {
+            return;
+        }
+        for &s in &b.hits {
+            b.summary.hits += 1;
+            b.summary.published += 1;
+            self.mark_published(s, b.hold);
+            io.event(BatchEvent::Ready(self.arrival(s, true)));
+        }
+    }
+
+    /// 3b. Misses, in arrival order; each slot done with takes the next deferred miss.
+    fn land_reads(&mut self, b: &mut Batch, io: &mut dyn BatchIo) {
         loop {
-            while !deferred.is_empty() {
-                let Some(&s) = rotation.get(next_turn % rotation.len().max(1)) else {
-                    break;
-                };
-                if !self.reusable(s) {
-                    break;
-                }
-                let Some((id, loc)) = deferred.pop_front() else {
-                    break;
-                };
-                next_turn += 1;
-                match self.slots[s].state {
-                    SlotState::Resident => {
-                        let key = self.slots[s].key;
-                        self.index.remove(&key);
-                        self.count(|c| c.evictions += 1);
-                    }
-                    // A failed read left it EMPTY (and on the free list).
-                    _ => self.free.retain(|&f| f != s),
-                }
-                self.claim_for_read(s, layer, id, &loc, publish);
-                summary.recycled += 1;
-                if self.issue(tag, s, &loc) {
-                    inflight.insert(tag, s);
-                    any_read = true;
-                } else {
-                    self.fail_read(s, "the reader pool stopped".into(), publish, io);
-                    summary.failed += 1;
-                }
-                tag += 1;
-            }
-            if inflight.is_empty() && deferred.is_empty() {
+            self.reuse_slots(b, io);
+            if b.inflight.is_empty() && b.deferred.is_empty() {
                 break;
             }
-            let blocked = !deferred.is_empty()
-                && rotation
-                    .get(next_turn % rotation.len().max(1))
-                    .is_none_or(|&s| !self.reusable(s));
+            let blocked =
+                !b.deferred.is_empty() && !b.next_slot().is_some_and(|s| self.reusable(s));
             // Only a release can unblock the next deferred miss when nothing is in flight.
-            let can_wait_release = hold && io.takes_releases() && !rotation.is_empty();
-            if inflight.is_empty() {
+            let can_wait_release = b.hold && io.takes_releases() && !b.rotation.is_empty();
+            if b.inflight.is_empty() {
                 if !can_wait_release {
                     // No slot of this batch can come back: every one is pinned or held by
                     // a reader that cannot release it during the batch.
-                    for (id, _) in std::mem::take(&mut deferred) {
-                        self.fail_request(FetchError::NoSlot { layer, expert: id }, publish, io);
-                        summary.failed += 1;
+                    for (id, _) in std::mem::take(&mut b.deferred) {
+                        let e = FetchError::NoSlot {
+                            layer: b.layer,
+                            expert: id,
+                        };
+                        self.fail_request(e, b.publish, io);
+                        b.summary.failed += 1;
                     }
                     break;
                 }
-                summary.failed += self.take_releases(io, None, layer, &mut deferred);
+                b.summary.failed += self.take_releases(io, None, b.layer, &mut b.deferred);
                 continue;
             }
             let done = if blocked && can_wait_release {
@@ -1043,7 +1131,7 @@ impl ExpertFetcher {
                     Ok(d) => Some(d),
                     Err(mpsc::RecvTimeoutError::Timeout) => {
                         let wait = Some(Duration::ZERO);
-                        summary.failed += self.take_releases(io, wait, layer, &mut deferred);
+                        b.summary.failed += self.take_releases(io, wait, b.layer, &mut b.deferred);
                         continue;
                     }
                     Err(mpsc::RecvTimeoutError::Disconnected) => None,
@@ -1051,54 +1139,90 @@ impl ExpertFetcher {
             } else {
                 self.pool.done.recv().ok()
             };
-            let Some(done) = done else {
-                let mut lost: Vec<usize> = inflight.drain().map(|(_, s)| s).collect();
-                lost.sort_unstable();
-                for s in lost {
-                    self.fail_read(s, "the reader pool stopped".into(), publish, io);
-                    summary.failed += 1;
-                }
-                continue;
-            };
-            let Some(s) = inflight.remove(&done.tag) else {
-                continue;
-            };
-            last_done = last_done.max(done.at);
-            match done.result {
-                Ok(bytes) => {
-                    let stamp = self.tick();
-                    let step = self.step;
-                    let slot = &mut self.slots[s];
-                    slot.state = SlotState::Resident;
-                    slot.loaded_step = step;
-                    slot.stamp = stamp;
-                    self.index.insert(slot.key, s);
-                    self.count(|c| {
-                        c.reads += 1;
-                        c.bytes_read += bytes;
-                    });
-                    summary.reads += 1;
-                    if publish {
-                        summary.published += 1;
-                        self.mark_published(s, hold);
-                        io.event(Event::Ready(self.arrival(s, false)));
+            match done {
+                Some(done) => self.landed(b, done, io),
+                None => {
+                    let mut lost: Vec<usize> = b.inflight.drain().map(|(_, s)| s).collect();
+                    lost.sort_unstable();
+                    for s in lost {
+                        self.fail_read(s, ReadFailure::PoolStopped, b.publish, io);
+                        b.summary.failed += 1;
                     }
-                }
-                Err(why) => {
-                    self.fail_read(s, why, publish, io);
-                    summary.failed += 1;
                 }
             }
         }
-        if any_read {
-            let secs = last_done.duration_since(t0).as_secs_f64();
+        if b.any_read {
+            let secs = b.last_done.duration_since(b.t0).as_secs_f64();
             self.count(|c| c.io_seconds += secs);
         }
+    }
 
-        // 4. The batch is over: its slots become ordinary LRU entries, in the order they
-        //    were claimed, except those a reader still holds (or pinned ones, or EMPTY ones
-        //    already on the free list).
-        for s in claimed {
+    /// While the rotation's next slot is done with, give it to the next deferred miss.
+    fn reuse_slots(&mut self, b: &mut Batch, io: &mut dyn BatchIo) {
+        while !b.deferred.is_empty() {
+            let Some(s) = b.next_slot() else {
+                break;
+            };
+            if !self.reusable(s) {
+                break;
+            }
+            let Some((id, loc)) = b.deferred.pop_front() else {
+                break;
+            };
+            b.next_turn += 1;
+            match self.slots[s].state {
+                SlotState::Resident => {
+                    let key = self.slots[s].key;
+                    self.index.remove(&key);
+                    self.count(|c| c.evictions += 1);
+                }
+                // A failed read left it EMPTY (and on the free list).
+                _ => self.free.retain(|&f| f != s),
+            }
+            self.claim_for_read(s, b.layer, id, &loc, b.publish);
+            b.summary.recycled += 1;
+            self.start_read(b, s, &loc, io);
+        }
+    }
+
+    /// A read of the batch finished: its expert is resident (and published), or failed.
+    fn landed(&mut self, b: &mut Batch, done: Done, io: &mut dyn BatchIo) {
+        let Some(s) = b.inflight.remove(&done.tag) else {
+            return;
+        };
+        b.last_done = b.last_done.max(done.at);
+        match done.result {
+            Ok(bytes) => {
+                let stamp = self.tick();
+                let step = self.step;
+                let slot = &mut self.slots[s];
+                slot.state = SlotState::Resident;
+                slot.loaded_step = step;
+                slot.stamp = stamp;
+                self.index.insert(slot.key, s);
+                self.count(|c| {
+                    c.reads += 1;
+                    c.bytes_read += bytes;
+                });
+                b.summary.reads += 1;
+                if b.publish {
+                    b.summary.published += 1;
+                    self.mark_published(s, b.hold);
+                    io.event(BatchEvent::Ready(self.arrival(s, false)));
+                }
+            }
+            Err(why) => {
+                self.fail_read(s, why, b.publish, io);
+                b.summary.failed += 1;
+            }
+        }
+    }
+
+    /// 4. The batch is over: its slots become ordinary LRU entries, in the order they
+    ///    were claimed, except those a reader still holds (or pinned ones, or EMPTY ones
+    ///    already on the free list).
+    fn end_batch(&mut self, b: Batch) -> BatchSummary {
+        for s in b.claimed {
             let stamp = self.tick();
             let slot = &mut self.slots[s];
             slot.in_batch = false;
@@ -1110,7 +1234,7 @@ impl ExpertFetcher {
         self.batch_layer = None;
         self.batch_ids.clear();
         self.early.clear();
-        summary
+        b.summary
     }
 
     /// Take the releases the reader sent during a held batch (waiting at most `wait` for
@@ -1121,20 +1245,20 @@ impl ExpertFetcher {
         io: &mut dyn BatchIo,
         wait: Option<Duration>,
         layer: u32,
-        deferred: &mut std::collections::VecDeque<(u32, ExpertLocation)>,
+        deferred: &mut VecDeque<(u32, ExpertExtents)>,
     ) -> usize {
         match io.releases(wait) {
             Ok(r) => {
                 self.apply_releases(r);
                 0
             }
-            Err(why) => {
+            Err(gone) => {
                 let n = deferred.len();
                 for (id, _) in std::mem::take(deferred) {
                     let e = FetchError::Read {
                         layer,
                         expert: id,
-                        why: why.clone(),
+                        why: gone.clone().into(),
                     };
                     self.fail_request(e, true, io);
                 }
@@ -1152,7 +1276,7 @@ impl ExpertFetcher {
                 c.misses += 1;
                 c.failed += 1;
             });
-            io.event(Event::Failed(e));
+            io.event(BatchEvent::Failed(e));
         } else {
             self.count(|c| c.prefetch_failed += 1);
         }
@@ -1169,7 +1293,7 @@ impl ExpertFetcher {
 
     /// A read that did not complete: the slot goes back to EMPTY (and to the free list) and
     /// the failure is reported.
-    fn fail_read(&mut self, s: usize, why: String, publish: bool, io: &mut dyn BatchIo) {
+    fn fail_read(&mut self, s: usize, why: ReadFailure, publish: bool, io: &mut dyn BatchIo) {
         let key = self.slots[s].key;
         self.slots[s] = EMPTY_SLOT;
         // Still the batch's until it ends (its rotation may reuse it).
@@ -1177,7 +1301,7 @@ impl ExpertFetcher {
         self.free.push(s);
         if publish {
             self.count(|c| c.failed += 1);
-            io.event(Event::Failed(FetchError::Read {
+            io.event(BatchEvent::Failed(FetchError::Read {
                 layer: key.0,
                 expert: key.1,
                 why,

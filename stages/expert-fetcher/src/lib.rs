@@ -2,8 +2,9 @@
 //!
 //! - [`fetcher`]: the LRU expert cache and its batch fetch (reserve serially, read in disk
 //!   order at queue depth >= 16, publish each expert as it lands, report failures).
-//! - [`locate`]: where each expert's bytes are (an interim table built from safetensors
-//!   headers until `k3_model::locator` is used).
+//! - [`locate`]: where each expert's bytes are ([`ExpertTable`]): read from the shards'
+//!   safetensors headers (what the stage does), or through `k3_model::locator` (the same
+//!   table, checked to agree with it by the tests).
 //! - [`sim`]: offline cache-policy simulator for `k3-orch sim-cache`.
 //! - [`trace`]: `--dump-cache-trace` writer.
 //! - [`stage`]: the expert-fetcher stage's process loop (arena in shared memory, `Experts`
@@ -18,7 +19,9 @@ pub mod stage;
 pub mod trace;
 
 pub use fetcher::{
-    slots_for_budget, Arrival, BatchIo, BatchSummary, Event, ExpertFetcher, FetchError, FetchStats,
-    FetcherConfig, SetupError, SlotState,
+    slots_for_budget, Arrival, BatchEvent, BatchIo, BatchSummary, ExpertCacheConfig, ExpertFetcher,
+    FetchError, FetchStats, ReadFailure, ReaderGone, SetupError, SlotState,
 };
-pub use locate::{ExpertLocation, ExpertTable, Extent, Locate};
+pub use locate::{ExpertExtents, ExpertTable, Extent, Locate, TableError};
+pub use stage::FetcherStageError;
+pub use trace::TraceWriteError;

@@ -1,13 +1,61 @@
 //! Where each routed expert's bytes live: a file number and one or more byte extents.
 //!
-//! This is the fetcher's input type. [`ExpertTable::from_catalog`] fills it from
-//! `k3_model::locator` (the checkpoint's verified contiguous run per expert, else one read
-//! per tensor); [`ExpertTable::from_safetensors`] reads shard headers directly (every
-//! `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`), for tests and tools.
+//! This is the fetcher's input type. The stage fills it with
+//! [`ExpertTable::from_safetensors`], which reads the shard headers directly (every
+//! `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`, in any shard layout).
+//! [`ExpertTable::from_catalog`] builds the same table from `k3_model::locator` (the
+//! checkpoint's verified contiguous run per expert, else one read per tensor) for given
+//! layers and expert counts; the tests check the two agree.
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+
+/// An expert table that could not be built: the file or the expert at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum TableError {
+    #[error(transparent)]
+    Locate(#[from] k3_model::locator::LocateError),
+    #[error("layer {layer} expert {expert}: its tensors are in two shards")]
+    SplitExpert { layer: usize, expert: usize },
+    #[error("{}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading the header (`what`: its length, or the header itself).
+    #[error("{}: {what}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: header length {len} does not fit the file ({size} bytes)", path.display())]
+    HeaderLength { path: PathBuf, len: u64, size: u64 },
+    #[error("{}: header JSON: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{}: header is not a JSON object", path.display())]
+    NotAnObject { path: PathBuf },
+    #[error("{}: tensor {name}: bad data_offsets", path.display())]
+    BadOffsets { path: PathBuf, name: String },
+    #[error(
+        "layer {layer} expert {expert} spans two shards ({} and {})",
+        first.display(),
+        second.display()
+    )]
+    TwoShards {
+        layer: u32,
+        expert: u32,
+        first: PathBuf,
+        second: PathBuf,
+    },
+}
 
 /// A byte range of a file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,15 +67,15 @@ pub struct Extent {
 /// One expert: the file it is in and its extents, ascending and non-overlapping. One extent
 /// when the expert's tensors are contiguous (the released checkpoint), several otherwise.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExpertLocation {
+pub struct ExpertExtents {
     pub file: u32,
     pub extents: Vec<Extent>,
 }
 
-impl ExpertLocation {
+impl ExpertExtents {
     /// A contiguous expert.
     pub fn contiguous(file: u32, offset: u64, len: u64) -> Self {
-        ExpertLocation {
+        ExpertExtents {
             file,
             extents: vec![Extent { offset, len }],
         }
@@ -57,7 +105,7 @@ impl ExpertLocation {
 /// Maps `(layer, expert)` to its location.
 pub trait Locate: Send + Sync {
     /// The location, or `None` for an expert the model does not have.
-    fn locate(&self, layer: u32, expert: u32) -> Option<ExpertLocation>;
+    fn locate(&self, layer: u32, expert: u32) -> Option<ExpertExtents>;
     /// The files locations refer to, by number.
     fn files(&self) -> &[PathBuf];
     /// The largest span of any expert (sizes the slots).
@@ -71,7 +119,7 @@ pub type TensorList = Vec<(String, u64, u64)>;
 #[derive(Clone, Debug, Default)]
 pub struct ExpertTable {
     files: Vec<PathBuf>,
-    map: HashMap<(u32, u32), ExpertLocation>,
+    map: HashMap<(u32, u32), ExpertExtents>,
     /// Per expert, its tensors: name suffix (e.g. `w1.weight_packed`) -> (offset from the
     /// expert's first byte, length). Filled by `from_safetensors`.
     tensors: HashMap<(u32, u32), TensorList>,
@@ -87,7 +135,7 @@ impl ExpertTable {
     }
 
     /// Add or replace one expert; extents are sorted and adjacent ones merged.
-    pub fn insert(&mut self, layer: u32, expert: u32, mut loc: ExpertLocation) {
+    pub fn insert(&mut self, layer: u32, expert: u32, mut loc: ExpertExtents) {
         loc.extents.sort_by_key(|e| e.offset);
         let mut merged: Vec<Extent> = Vec::with_capacity(loc.extents.len());
         for e in loc.extents {
@@ -133,19 +181,16 @@ impl ExpertTable {
         catalog: &k3_model::catalog::Catalog,
         layers: std::ops::Range<usize>,
         n_experts: usize,
-    ) -> Result<ExpertTable, String> {
+    ) -> Result<ExpertTable, TableError> {
         let files: Vec<PathBuf> = catalog.shards().iter().map(|s| s.path.clone()).collect();
         let mut t = ExpertTable::new(files);
         for layer in layers {
             for expert in 0..n_experts {
-                let loc = k3_model::locator::locate_expert(catalog, layer, expert)
-                    .map_err(|e| e.to_string())?;
+                let loc = k3_model::locator::locate_expert(catalog, layer, expert)?;
                 let reads = loc.reads();
                 let shard = reads[0].shard;
                 if reads.iter().any(|r| r.shard != shard) {
-                    return Err(format!(
-                        "layer {layer} expert {expert}: its tensors are in two shards"
-                    ));
+                    return Err(TableError::SplitExpert { layer, expert });
                 }
                 let start = reads.iter().map(|r| r.offset).min().unwrap_or(0);
                 let mut parts: TensorList = loc
@@ -159,7 +204,7 @@ impl ExpertTable {
                 t.insert(
                     l,
                     e,
-                    ExpertLocation {
+                    ExpertExtents {
                         file: shard as u32,
                         extents: reads
                             .iter()
@@ -178,7 +223,7 @@ impl ExpertTable {
     /// Read the headers of safetensors shards and collect every routed expert tensor
     /// (`...layers.<L>....experts.<E>.<rest>`; `shared_experts` are not routed and skipped).
     /// An expert whose tensors sit in two shards is an error naming it.
-    pub fn from_safetensors(paths: &[PathBuf]) -> Result<ExpertTable, String> {
+    pub fn from_safetensors(paths: &[PathBuf]) -> Result<ExpertTable, TableError> {
         let mut t = ExpertTable::new(paths.to_vec());
         type Parts = (u32, Vec<(String, Extent)>);
         let mut parts: HashMap<(u32, u32), Parts> = HashMap::new();
@@ -186,7 +231,7 @@ impl ExpertTable {
             let (data_start, header) = read_header(p)?;
             let obj = header
                 .as_object()
-                .ok_or_else(|| format!("{}: header is not a JSON object", p.display()))?;
+                .ok_or_else(|| TableError::NotAnObject { path: p.clone() })?;
             for (name, v) in obj {
                 if name == "__metadata__" {
                     continue;
@@ -200,16 +245,20 @@ impl ExpertTable {
                     .filter(|a| a.len() == 2)
                     .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
                     .filter(|(a, b)| a <= b)
-                    .ok_or_else(|| format!("{}: tensor {name}: bad data_offsets", p.display()))?;
+                    .ok_or_else(|| TableError::BadOffsets {
+                        path: p.clone(),
+                        name: name.clone(),
+                    })?;
                 let entry = parts
                     .entry((layer, expert))
                     .or_insert_with(|| (fi as u32, Vec::new()));
                 if entry.0 != fi as u32 {
-                    return Err(format!(
-                        "layer {layer} expert {expert} spans two shards ({} and {})",
-                        paths[entry.0 as usize].display(),
-                        p.display()
-                    ));
+                    return Err(TableError::TwoShards {
+                        layer,
+                        expert,
+                        first: paths[entry.0 as usize].clone(),
+                        second: p.clone(),
+                    });
                 }
                 entry.1.push((
                     rest,
@@ -232,7 +281,7 @@ impl ExpertTable {
             t.insert(
                 l,
                 e,
-                ExpertLocation {
+                ExpertExtents {
                     file: fi,
                     extents: ts.into_iter().map(|(_, x)| x).collect(),
                 },
@@ -243,7 +292,7 @@ impl ExpertTable {
 }
 
 impl Locate for ExpertTable {
-    fn locate(&self, layer: u32, expert: u32) -> Option<ExpertLocation> {
+    fn locate(&self, layer: u32, expert: u32) -> Option<ExpertExtents> {
         self.map.get(&(layer, expert)).cloned()
     }
     fn files(&self) -> &[PathBuf] {
@@ -261,23 +310,36 @@ fn parse_expert_name(name: &str) -> Option<(u32, u32, String)> {
 }
 
 /// `(absolute offset of the data section, header JSON)` of a safetensors file.
-fn read_header(p: &Path) -> Result<(u64, serde_json::Value), String> {
-    let mut f = std::fs::File::open(p).map_err(|e| format!("{}: {e}", p.display()))?;
+fn read_header(p: &Path) -> Result<(u64, serde_json::Value), TableError> {
+    let path = || p.to_path_buf();
+    let read = |what| {
+        move |source| TableError::Read {
+            path: path(),
+            what,
+            source,
+        }
+    };
+    let mut f = std::fs::File::open(p).map_err(|source| TableError::Open {
+        path: path(),
+        source,
+    })?;
     let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|e| format!("{}: header length: {e}", p.display()))?;
+    f.read_exact(&mut n).map_err(read("header length"))?;
     let n = u64::from_le_bytes(n);
     let size = f.metadata().map(|m| m.len()).unwrap_or(0);
     if n > 100 << 20 || 8 + n > size {
-        return Err(format!(
-            "{}: header length {n} does not fit the file ({size} bytes)",
-            p.display()
-        ));
+        return Err(TableError::HeaderLength {
+            path: path(),
+            len: n,
+            size,
+        });
     }
     let mut h = vec![0u8; n as usize];
-    f.read_exact(&mut h)
-        .map_err(|e| format!("{}: header: {e}", p.display()))?;
-    let v = serde_json::from_slice(&h).map_err(|e| format!("{}: header JSON: {e}", p.display()))?;
+    f.read_exact(&mut h).map_err(read("header"))?;
+    let v = serde_json::from_slice(&h).map_err(|source| TableError::Json {
+        path: path(),
+        source,
+    })?;
     Ok((8 + n, v))
 }
 
@@ -309,7 +371,7 @@ mod tests {
         t.insert(
             0,
             0,
-            ExpertLocation {
+            ExpertExtents {
                 file: 0,
                 extents: vec![
                     Extent { offset: 10, len: 5 },

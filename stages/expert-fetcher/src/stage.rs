@@ -5,30 +5,96 @@
 //! they land, issued in disk order at queue depth `readers`), or `ExpertFailed`, then
 //! `ExpertBatchDone` with the batch's counters. The arena is a shared-memory region this
 //! stage creates and first-touches, so its budget is charged to this stage's cgroup.
+//!
+//! A failure ([`FetcherStageError`]) is reported to the orchestrator once, as a
+//! `StageFailure` of its kind (`k3_protocol::failure`); an expert that fails to load is not
+//! one: it is an `ExpertFailed` and the batch goes on.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::fetcher::{slots_for_budget, BatchIo, Event, FetcherConfig};
-use crate::locate::{ExpertTable, Locate};
+use crate::fetcher::{
+    slots_for_budget, BatchEvent, BatchIo, ExpertCacheConfig, ReaderGone, SetupError,
+};
+use crate::locate::{ExpertTable, Locate, TableError};
+use crate::trace::TraceWriteError;
 use crate::ExpertFetcher;
 use k3_io::direct::{DirectFiles, FaultyReader, ReadAt};
 use k3_io::slot_bytes_for;
-use k3_model::catalog::Catalog;
-use k3_protocol::messages::{Msg, Stage};
-use k3_protocol::shm::Region;
-
+use k3_model::catalog::{Catalog, CatalogError};
 use k3_protocol::conf::{FetcherConf, EXPERT_REGION};
-use k3_protocol::link::{recv_from, send_to, Rec, StageCtx};
-use k3_protocol::shm::ShmArena;
+use k3_protocol::failure::{FailureKind, StageFailure};
+use k3_protocol::link::{
+    recv_from, send_to, LinkError, LinkOp, ProtocolError, Rec, RecError, StageCtx,
+};
+use k3_protocol::messages::{Msg, Stage};
+use k3_protocol::shm::{HandleError, Region, ShmArena, ShmError};
 use k3_protocol::transport::{Transport, TransportError};
 
-/// Run the expert-fetcher stage until shutdown.
-pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+/// Why the expert-fetcher stage stopped. Every message starts with `expert-fetcher:`.
+#[derive(Debug, thiserror::Error)]
+pub enum FetcherStageError {
+    #[error("expert-fetcher: bad Configure: {0}")]
+    Configure(#[source] serde_json::Error),
+    #[error("expert-fetcher: {0}")]
+    Catalog(#[source] CatalogError),
+    #[error("expert-fetcher: {0}")]
+    Table(#[source] TableError),
+    /// The arena's shared-memory region (`what`: its creation, its first touch).
+    #[error("expert-fetcher: {what}: {source}")]
+    Arena {
+        what: String,
+        #[source]
+        source: ShmError,
+    },
+    #[error("expert-fetcher: {0}")]
+    Open(#[source] std::io::Error),
+    #[error("expert-fetcher: {0}")]
+    Setup(#[source] SetupError),
+    #[error("expert-fetcher: --dump-cache-trace: {0}")]
+    Trace(#[source] TraceWriteError),
+    /// A published expert's bytes could not be read back for the recording.
+    #[error("expert-fetcher: {0}")]
+    Resolve(#[source] HandleError),
+    #[error("expert-fetcher: unexpected {0}")]
+    Unexpected(String),
+    /// Compute sent something else than an `ExpertsDone` during a batch (its debug form).
+    #[error("expert-fetcher: expected ExpertsDone during a batch, got {0}")]
+    ExpectedDone(String),
+    #[error(transparent)]
+    Record(#[from] RecError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error(transparent)]
+    Link(#[from] LinkError),
+}
+
+impl From<FetcherStageError> for StageFailure {
+    fn from(e: FetcherStageError) -> StageFailure {
+        use FetcherStageError as E;
+        let kind = match e {
+            E::Protocol(p) => return p.into(),
+            E::Link(l) => return l.into(),
+            E::Configure(_) | E::Catalog(_) | E::Table(_) => FailureKind::Config,
+            E::Arena { .. } | E::Open(_) | E::Setup(_) => FailureKind::ExpertLoad,
+            E::Trace(_) | E::Record(_) => FailureKind::Io,
+            E::Resolve(_) | E::Unexpected(_) | E::ExpectedDone(_) => FailureKind::Protocol,
+        };
+        StageFailure::new(kind, e.to_string())
+    }
+}
+
+/// Run the expert-fetcher stage until shutdown; a failure is also reported to the
+/// orchestrator.
+pub fn run(mut ctx: StageCtx) -> Result<(), StageFailure> {
+    serve(&mut ctx).map_err(|e| ctx.fail(e))
+}
+
+fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
     ctx.wait_configure()?;
-    let conf: FetcherConf = serde_json::from_str(&ctx.conf_json)
-        .map_err(|e| ctx.fail(format!("expert-fetcher: bad Configure: {e}")))?;
-    let (region, mut fetcher) = setup(&conf).map_err(|e| ctx.fail(e))?;
+    let conf: FetcherConf =
+        serde_json::from_str(&ctx.conf_json).map_err(FetcherStageError::Configure)?;
+    let (region, mut fetcher) = setup(&conf)?;
     tracing::debug!(
         slots = fetcher.slot_count(),
         slot_bytes = fetcher.slot_bytes(),
@@ -90,12 +156,11 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                     None,
                 )?;
             }
-            other => return Err(ctx.fail(format!("expert-fetcher: unexpected {other:?}"))),
+            other => return Err(FetcherStageError::Unexpected(format!("{other:?}"))),
         }
     }
     if let (Some(dir), Some(tr)) = (&conf.trace_dir, fetcher.trace()) {
-        tr.write(dir)
-            .map_err(|e| ctx.fail(format!("expert-fetcher: --dump-cache-trace: {e}")))?;
+        tr.write(dir).map_err(FetcherStageError::Trace)?;
     }
     let total = fetcher.total_stats();
     let summary = serde_json::json!({
@@ -112,7 +177,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         stage: me,
         json: summary.to_string(),
     })?;
-    ctx.finish_recording()
+    Ok(ctx.finish_recording()?)
 }
 
 /// A batch's publications over the link to compute, and compute's `ExpertsDone` for each
@@ -124,19 +189,19 @@ struct LinkIo<'a> {
     rec: Rec,
     pass: u64,
     /// The first failure to send (the batch goes on unpublished; the stage then fails).
-    send_err: Option<String>,
+    send_err: Option<FetcherStageError>,
     /// Compute sent Shutdown during the batch.
     shutdown: bool,
 }
 
 impl BatchIo for LinkIo<'_> {
-    fn event(&mut self, ev: Event<'_>) {
+    fn event(&mut self, ev: BatchEvent<'_>) {
         if self.send_err.is_some() || self.shutdown {
             return;
         }
         let pass = self.pass;
         let m = match ev {
-            Event::Ready(a) => match self.region.handle(0, a.arena_offset, a.len) {
+            BatchEvent::Ready(a) => match self.region.handle(0, a.arena_offset, a.len) {
                 Ok(handle) => Msg::ExpertReady {
                     pass,
                     layer: a.layer,
@@ -150,13 +215,8 @@ impl BatchIo for LinkIo<'_> {
                     error: e.to_string(),
                 },
             },
-            Event::Failed(e) => {
-                let (l, id) = match &e {
-                    crate::FetchError::Unknown { layer, expert }
-                    | crate::FetchError::TooBig { layer, expert, .. }
-                    | crate::FetchError::NoSlot { layer, expert }
-                    | crate::FetchError::Read { layer, expert, .. } => (*layer, *expert),
-                };
+            BatchEvent::Failed(e) => {
+                let (l, id) = e.key();
                 Msg::ExpertFailed {
                     pass,
                     layer: l,
@@ -167,15 +227,15 @@ impl BatchIo for LinkIo<'_> {
         };
         let (me, peer) = (Stage::ExpertFetcher, Stage::LayerCompute);
         if let Err(e) = send_to(self.link, me, peer, &m, None) {
-            self.send_err = Some(e);
+            self.send_err = Some(e.into());
             return;
         }
         if let (true, Msg::ExpertReady { handle, .. }) = (self.rec.on(), &m) {
             // SAFETY: the slot was just filled by this stage and stays held (never
             // rewritten) until compute's ExpertsDone for it.
             let r = unsafe { self.region.resolve(handle) }
-                .map_err(|e| format!("expert-fetcher: {e}"))
-                .and_then(|b| self.rec.buffer(handle, b));
+                .map_err(FetcherStageError::Resolve)
+                .and_then(|b| Ok(self.rec.buffer(handle, b)?));
             if let Err(e) = r {
                 self.send_err = Some(e);
             }
@@ -186,54 +246,58 @@ impl BatchIo for LinkIo<'_> {
         self.send_err.is_none() && !self.shutdown
     }
 
-    fn releases(&mut self, wait: Option<Duration>) -> Result<Vec<(u32, Vec<u32>)>, String> {
+    fn releases(&mut self, wait: Option<Duration>) -> Result<Vec<(u32, Vec<u32>)>, ReaderGone> {
         let (me, peer) = (Stage::ExpertFetcher, Stage::LayerCompute);
         let mut out = Vec::new();
         let mut wait = wait;
         loop {
-            match self.link.recv(wait) {
-                Ok(Msg::ExpertsDone { layer, ids, .. }) => out.push((layer, ids)),
+            let e = match self.link.recv(wait) {
+                Ok(Msg::ExpertsDone { layer, ids, .. }) => {
+                    out.push((layer, ids));
+                    // Take whatever else is already there, without waiting.
+                    wait = Some(Duration::ZERO);
+                    continue;
+                }
                 // Compute stopped mid-batch (it gave up on the forward): end the batch and
                 // then the stage, as a Shutdown between batches would.
                 Ok(Msg::Shutdown) => {
                     self.shutdown = true;
-                    return Err(format!("{me}: shut down during a batch"));
+                    return Err(ReaderGone(format!("{me}: shut down during a batch")));
                 }
-                Ok(other) => {
-                    let e = format!("{me}: expected ExpertsDone during a batch, got {other:?}");
-                    self.send_err.get_or_insert(e.clone());
-                    return Err(e);
-                }
+                Ok(other) => FetcherStageError::ExpectedDone(format!("{other:?}")),
                 Err(TransportError::Timeout) => return Ok(out),
-                Err(e) => {
-                    let e = format!("{me}: link to {peer}: {e}");
-                    self.send_err.get_or_insert(e.clone());
-                    return Err(e);
-                }
-            }
-            // Take whatever else is already there, without waiting.
-            wait = Some(Duration::ZERO);
+                Err(source) => FetcherStageError::Link(LinkError {
+                    me,
+                    peer,
+                    op: LinkOp::Recv,
+                    timeout: wait,
+                    source,
+                }),
+            };
+            let gone = ReaderGone(e.to_string());
+            self.send_err.get_or_insert(e);
+            return Err(gone);
         }
     }
 }
 
-fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), String> {
-    let cat = Catalog::open(&conf.model_dir).map_err(|e| format!("expert-fetcher: {e}"))?;
+fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), FetcherStageError> {
+    let cat = Catalog::open(&conf.model_dir).map_err(FetcherStageError::Catalog)?;
     let paths: Vec<_> = cat.shards().iter().map(|s| s.path.clone()).collect();
-    let table =
-        ExpertTable::from_safetensors(&paths).map_err(|e| format!("expert-fetcher: {e}"))?;
+    let table = ExpertTable::from_safetensors(&paths).map_err(FetcherStageError::Table)?;
     let slot_bytes = slot_bytes_for(table.max_span().max(1));
     let slots = slots_for_budget(conf.cache_bytes, slot_bytes)
         .min(conf.max_slots)
         .max(conf.min_slots.max(1));
     let bytes = slots as u64 * slot_bytes;
+    let arena = |what: String| move |source| FetcherStageError::Arena { what, source };
     let region = Region::create(EXPERT_REGION, "experts", bytes, 1)
-        .map_err(|e| format!("expert-fetcher: arena of {bytes} bytes: {e}"))?;
+        .map_err(arena(format!("arena of {bytes} bytes")))?;
     region
         .prefault()
-        .map_err(|e| format!("expert-fetcher: first touch of the arena: {e}"))?;
+        .map_err(arena("first touch of the arena".into()))?;
     let region = Arc::new(region);
-    let direct = DirectFiles::open(&paths).map_err(|e| format!("expert-fetcher: {e}"))?;
+    let direct = DirectFiles::open(&paths).map_err(FetcherStageError::Open)?;
     let reader: Arc<dyn ReadAt> = if conf.inject_failures.is_empty() {
         Arc::new(direct)
     } else {
@@ -248,7 +312,7 @@ fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), String> {
         Arc::new(FaultyReader::new(direct, ranges))
     };
     let fetcher = ExpertFetcher::with_arena(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots,
             slot_bytes,
             readers: conf.readers.max(1),
@@ -257,6 +321,6 @@ fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), String> {
         reader,
         Arc::new(ShmArena(region.clone())),
     )
-    .map_err(|e| format!("expert-fetcher: {e}"))?;
+    .map_err(FetcherStageError::Setup)?;
     Ok((region, fetcher))
 }

@@ -11,6 +11,30 @@ use std::path::{Path, PathBuf};
 
 use crate::sim::Key;
 
+/// A trace that could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceWriteError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("layer {0} does not fit an int32")]
+    Layer(u32),
+    #[error("expert {0} does not fit an int32")]
+    Expert(u32),
+    #[error("{0}")]
+    Json(#[source] serde_json::Error),
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> TraceWriteError + '_ {
+    move |source| TraceWriteError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
 /// Collects requests in order. Cheap enough to leave on for a whole run (8 bytes a request).
 #[derive(Clone, Debug, Default)]
 pub struct TraceRecorder {
@@ -34,13 +58,13 @@ impl TraceRecorder {
     }
 
     /// Write `expert_trace.bin` and `expert_hist.json` into `dir` (created if missing).
-    pub fn write(&self, dir: &Path) -> Result<(PathBuf, PathBuf), String> {
+    pub fn write(&self, dir: &Path) -> Result<(PathBuf, PathBuf), TraceWriteError> {
         write_cache_trace(dir, &self.requests)
     }
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    k3_io::output::write_atomic(path, bytes).map_err(|e| format!("{}: {e}", path.display()))
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), TraceWriteError> {
+    k3_io::output::write_atomic(path, bytes).map_err(io_at(path))
 }
 
 /// The `expert_hist.json` document for a trace: requests, distinct experts, and per layer the
@@ -70,19 +94,22 @@ pub fn hist_json(requests: &[Key]) -> serde_json::Value {
 }
 
 /// Write `DIR/expert_trace.bin` and `DIR/expert_hist.json`; returns their paths.
-pub fn write_cache_trace(dir: &Path, requests: &[Key]) -> Result<(PathBuf, PathBuf), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+pub fn write_cache_trace(
+    dir: &Path,
+    requests: &[Key],
+) -> Result<(PathBuf, PathBuf), TraceWriteError> {
+    std::fs::create_dir_all(dir).map_err(io_at(dir))?;
     let mut bin = Vec::with_capacity(requests.len() * 8);
     for &(l, e) in requests {
-        let l = i32::try_from(l).map_err(|_| format!("layer {l} does not fit an int32"))?;
-        let e = i32::try_from(e).map_err(|_| format!("expert {e} does not fit an int32"))?;
+        let l = i32::try_from(l).map_err(|_| TraceWriteError::Layer(l))?;
+        let e = i32::try_from(e).map_err(|_| TraceWriteError::Expert(e))?;
         bin.extend_from_slice(&l.to_le_bytes());
         bin.extend_from_slice(&e.to_le_bytes());
     }
     let trace = dir.join("expert_trace.bin");
     let hist = dir.join("expert_hist.json");
     write_atomically(&trace, &bin)?;
-    let text = serde_json::to_string_pretty(&hist_json(requests)).map_err(|e| e.to_string())?;
+    let text = serde_json::to_string_pretty(&hist_json(requests)).map_err(TraceWriteError::Json)?;
     write_atomically(&hist, text.as_bytes())?;
     Ok((trace, hist))
 }

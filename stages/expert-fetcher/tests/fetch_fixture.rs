@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use k3_expert_fetcher::{
-    BatchIo, Event, ExpertFetcher, ExpertLocation, ExpertTable, Extent, FetchError, FetcherConfig,
-    Locate,
+    BatchEvent, BatchIo, ExpertCacheConfig, ExpertExtents, ExpertFetcher, ExpertTable, Extent,
+    FetchError, Locate, ReadFailure,
 };
 use k3_io::arena::ArenaMemory;
 use k3_io::{DirectFiles, FaultyReader, ReadAt};
@@ -35,7 +35,7 @@ fn expected(t: &ExpertTable, expert: u32) -> Vec<u8> {
 fn fetcher(slots: usize, readers: usize, reader: Arc<dyn ReadAt>) -> ExpertFetcher {
     let t = table();
     ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots,
             slot_bytes: 0,
             readers,
@@ -57,7 +57,7 @@ fn batch(f: &mut ExpertFetcher, ids: &[u32]) -> (Vec<(u32, bool)>, Vec<FetchErro
     let mut got = Vec::new();
     let mut failed = Vec::new();
     f.fetch_batch(0, ids, |ev| match ev {
-        Event::Ready(a) => {
+        BatchEvent::Ready(a) => {
             assert_eq!(a.layer, 0);
             assert_eq!(
                 a.data,
@@ -68,7 +68,7 @@ fn batch(f: &mut ExpertFetcher, ids: &[u32]) -> (Vec<(u32, bool)>, Vec<FetchErro
             assert_eq!(a.len as usize, a.data.len());
             got.push((a.expert, a.hit));
         }
-        Event::Failed(e) => failed.push(e),
+        BatchEvent::Failed(e) => failed.push(e),
     });
     (got, failed)
 }
@@ -208,7 +208,8 @@ fn injected_read_errors_are_reported_counted_and_not_published() {
     let (got, failed) = batch(&mut f, &[1, 5, 12]);
     assert_eq!(failed.len(), 1, "{failed:?}");
     assert!(
-        matches!(&failed[0], FetchError::Read { layer: 0, expert: 5, why } if why.contains("injected"))
+        matches!(&failed[0], FetchError::Read { layer: 0, expert: 5, why: why @ ReadFailure::Io(_) }
+            if why.to_string().contains("injected"))
     );
     let mut ids: Vec<u32> = got.iter().map(|g| g.0).collect();
     ids.sort_unstable();
@@ -268,7 +269,7 @@ fn in_memory(
         t.insert(
             layer,
             e,
-            ExpertLocation::contiguous(0, 1000 + e as u64 * size, size),
+            ExpertExtents::contiguous(0, 1000 + e as u64 * size, size),
         );
     }
     let bytes: Vec<u8> = (0..1000 + n as u64 * size + 8192)
@@ -279,7 +280,7 @@ fn in_memory(
         calls: Mutex::new(Vec::new()),
     });
     let f = ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots,
             slot_bytes: 0,
             readers,
@@ -301,7 +302,7 @@ fn misses_are_read_in_disk_order() {
     let ids = [9u32, 2, 15, 0, 7, 3, 11, 1, 14, 4, 8, 13, 5, 10, 6, 12];
     let mut n = 0;
     f.fetch_batch(3, &ids, |ev| {
-        let Event::Ready(a) = ev else {
+        let BatchEvent::Ready(a) = ev else {
             panic!("{ev:?}")
         };
         let s = 1000 + a.expert as usize * size as usize;
@@ -325,7 +326,7 @@ fn non_contiguous_experts_keep_their_layout() {
     t.insert(
         0,
         30,
-        ExpertLocation {
+        ExpertExtents {
             file: 0,
             extents: vec![
                 Extent {
@@ -341,7 +342,7 @@ fn non_contiguous_experts_keep_their_layout() {
     );
     let all = std::fs::read(fixture()).unwrap();
     let mut f = ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots: 2,
             slot_bytes: 0,
             readers: 2,
@@ -352,7 +353,7 @@ fn non_contiguous_experts_keep_their_layout() {
     .unwrap();
     let mut seen = HashMap::new();
     f.fetch_batch(0, &[30], |ev| {
-        let Event::Ready(a2) = ev else {
+        let BatchEvent::Ready(a2) = ev else {
             panic!("{ev:?}")
         };
         seen.insert(
@@ -376,7 +377,7 @@ fn non_contiguous_experts_keep_their_layout() {
 fn setup_refuses_nonsense() {
     let t = table();
     let r = ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots: 0,
             slot_bytes: 0,
             readers: 1,
@@ -386,7 +387,7 @@ fn setup_refuses_nonsense() {
     );
     assert!(r.is_err());
     let r = ExpertFetcher::new(
-        FetcherConfig {
+        ExpertCacheConfig {
             slots: 2,
             slot_bytes: 1632,
             readers: 1,
@@ -488,13 +489,13 @@ struct HoldingReader {
 }
 
 impl BatchIo for HoldingReader {
-    fn event(&mut self, ev: Event<'_>) {
+    fn event(&mut self, ev: BatchEvent<'_>) {
         match ev {
-            Event::Ready(a) => {
+            BatchEvent::Ready(a) => {
                 self.held.push_back((a.expert, a.arena_offset, a.len));
                 self.published.push((a.expert, a.arena_offset));
             }
-            Event::Failed(e) => panic!("{e}"),
+            BatchEvent::Failed(e) => panic!("{e}"),
         }
     }
 
@@ -505,7 +506,7 @@ impl BatchIo for HoldingReader {
     fn releases(
         &mut self,
         wait: Option<std::time::Duration>,
-    ) -> Result<Vec<(u32, Vec<u32>)>, String> {
+    ) -> Result<Vec<(u32, Vec<u32>)>, k3_expert_fetcher::ReaderGone> {
         if let Some(ids) = self.early.take() {
             return Ok(vec![(0, ids)]);
         }
@@ -627,7 +628,7 @@ fn a_large_expert_is_read_in_pieces_and_arrives_whole() {
     let (mut f, rec, bytes) = in_memory(0, 3, size, 2, 4);
     let mut n = 0;
     f.fetch_batch(0, &[2, 0, 1], |ev| {
-        let Event::Ready(a) = ev else {
+        let BatchEvent::Ready(a) = ev else {
             panic!("{ev:?}")
         };
         let s = 1000 + a.expert as usize * size as usize;

@@ -246,7 +246,7 @@ impl StagedWeights {
         self.bump(|c| c.wait_seconds += dt);
         r.map_err(|msg| WeightError::Io {
             name: "trunk".into(),
-            msg,
+            msg: msg.to_string(),
         })
     }
 
@@ -282,7 +282,7 @@ impl StagedWeights {
                     .buffer(&t.handle, bytes)
                     .map_err(|msg| WeightError::Io {
                         name: t.name.clone(),
-                        msg,
+                        msg: msg.to_string(),
                     })?;
             }
             cur.insert(t.name, t.handle);
@@ -343,7 +343,7 @@ impl StagedWeights {
                 self.timeout,
             );
             if let Err(e) = r {
-                self.link_error.borrow_mut().get_or_insert(e);
+                self.link_error.borrow_mut().get_or_insert(e.to_string());
             }
         }
     }
@@ -449,7 +449,7 @@ impl Weights for StagedWeights {
             )
             .map_err(|msg| WeightError::Io {
                 name: "trunk".into(),
-                msg,
+                msg: msg.to_string(),
             })?;
         }
         let pass = self.pass.get();
@@ -493,7 +493,7 @@ impl Weights for StagedWeights {
                         .buffer(&handle, bytes)
                         .map_err(|msg| WeightError::Io {
                             name: format!("layer {layer}"),
-                            msg,
+                            msg: msg.to_string(),
                         })?;
                 }
                 // The layer's blob was recorded above; its spans are not recorded again.
@@ -565,7 +565,7 @@ impl Weights for StagedWeights {
             self.timeout,
         );
         if let Err(e) = r {
-            self.link_error.borrow_mut().get_or_insert(e);
+            self.link_error.borrow_mut().get_or_insert(e.to_string());
             return;
         }
         if layer + 1 == self.n_layers {
@@ -629,6 +629,7 @@ impl StagedWeights {
             },
             self.timeout,
         )
+        .map_err(String::from)
     }
 
     fn announce_impl(&self, layer: usize, ids: &[u32]) {
@@ -639,7 +640,7 @@ impl StagedWeights {
             Ok(()) => *self.announced.borrow_mut() = Some((pass, layer, ids.to_vec())),
             // `experts` sends it again and fails every slot with the link's error.
             Err(e) => {
-                self.link_error.borrow_mut().get_or_insert(e);
+                self.link_error.borrow_mut().get_or_insert(e.to_string());
             }
         }
     }
@@ -717,7 +718,8 @@ impl StagedWeights {
             Stage::LayerCompute,
             Stage::ExpertFetcher,
             self.timeout,
-        );
+        )
+        .map_err(|e| e.to_string());
         let dt = t0.elapsed().as_secs_f64();
         self.bump(|c| c.wait_seconds += dt);
         let mut msgs = vec![first];
@@ -802,7 +804,7 @@ impl StagedWeights {
         // SAFETY: as in `bind_expert`: the fetcher holds the slot until our ExpertsDone.
         if let Ok(b) = unsafe { self.expert_region.resolve(handle) } {
             if let Err(e) = self.rec.buffer(handle, b) {
-                self.link_error.borrow_mut().get_or_insert(e);
+                self.link_error.borrow_mut().get_or_insert(e.to_string());
             }
         }
     }
@@ -848,7 +850,7 @@ impl StagedWeights {
             &m,
             self.timeout,
         ) {
-            self.link_error.borrow_mut().get_or_insert(e);
+            self.link_error.borrow_mut().get_or_insert(e.to_string());
         }
     }
 

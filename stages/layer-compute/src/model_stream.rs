@@ -173,8 +173,10 @@ impl ModelStream {
         let dst = &mut buf.as_mut_slice()[..wlen as usize];
         // In pieces, several in flight: one 32 MiB request at a time left the disk's queue
         // mostly empty.
-        let got = k3_io::direct::read_parallel(files, m.shard, start, dst, &|_, _| Ok(()))
-            .map_err(std::io::Error::other)?;
+        let got = k3_io::direct::read_parallel(files, m.shard, start, dst, &|_, _| {
+            Ok::<_, std::convert::Infallible>(())
+        })
+        .map_err(std::io::Error::other)?;
         let skip = (off - start) as usize;
         if got < skip + len as usize {
             return Err(std::io::Error::new(

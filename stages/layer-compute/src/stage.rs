@@ -20,6 +20,7 @@ use std::time::Duration;
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
 use k3_protocol::conf::ComputeConf;
+use k3_protocol::failure::{FailureKind, StageFailure};
 use k3_protocol::link::{send_to, Link, StageCtx};
 use k3_protocol::messages::{GenRequest, Msg, Stage, StepStats};
 use k3_protocol::shm::Region;
@@ -32,13 +33,13 @@ use crate::links::{LoaderLinks, StagedWeights};
 use crate::state::Start;
 
 /// Run the layer-compute stage until generation is finished.
-pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+pub fn run(mut ctx: StageCtx) -> Result<(), StageFailure> {
     ctx.wait_configure()?;
     let conf: ComputeConf = serde_json::from_str(&ctx.conf_json)
-        .map_err(|e| ctx.fail(format!("layer-compute: bad Configure: {e}")))?;
+        .map_err(|e| ctx.fail(config(format!("layer-compute: bad Configure: {e}"))))?;
     crate::kernels::tuning::install(conf.tuning);
-    let pool =
-        crate::pool::build(conf.threads).map_err(|e| ctx.fail(format!("layer-compute: {e}")))?;
+    let pool = crate::pool::build(conf.threads)
+        .map_err(|e| ctx.fail(config(format!("layer-compute: {e}"))))?;
     ctx.ready()?;
     ctx.wait_go()?;
     tracing::debug!(
@@ -47,8 +48,12 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     );
     match pool.install(|| run_configured(&mut ctx, &conf)) {
         Ok(()) => Ok(()),
-        Err(e) => Err(ctx.fail(e)),
+        Err(e) => Err(ctx.fail(StageFailure::new(FailureKind::Forward, e))),
     }
+}
+
+fn config(msg: String) -> StageFailure {
+    StageFailure::new(FailureKind::Config, msg)
 }
 
 fn region(ctx: &StageCtx, name: &str) -> Result<Arc<Region>, String> {
@@ -261,7 +266,7 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> 
         timeout,
     )?;
     ctx.send_control(&Msg::Finished { generated })?;
-    ctx.finish_recording()
+    Ok(ctx.finish_recording()?)
 }
 
 /// A warm stage (`serve`, `chat`): run requests (`Generate` on the control socket) one after

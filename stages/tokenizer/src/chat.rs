@@ -480,6 +480,21 @@ pub fn build_chat_segments(
             tool_declare(&mut out, &deep_sort(t), false);
         }
     }
+    render_effort(&mut out, opts)?;
+    render_messages(&mut out, &messages, opts.thinking)?;
+    render_tool_choice(&mut out, opts);
+    if let Some(rf) = &opts.response_format {
+        render_response_format(&mut out, rf);
+    }
+    if opts.add_generation_prompt {
+        out.open("message", &[("role", "assistant".into())]);
+        out.open(if opts.thinking { "think" } else { "response" }, &[]);
+    }
+    Ok(out.segs)
+}
+
+/// The thinking-effort system message (thinking on and an effort given).
+fn render_effort(out: &mut Out, opts: &ChatOptions) -> Result<()> {
     let effort = opts.thinking_effort.as_deref();
     if opts.thinking {
         if let Some(e) = effort {
@@ -498,6 +513,11 @@ pub fn build_chat_segments(
             );
         }
     }
+    Ok(())
+}
+
+/// Every message of the conversation, in order (tool results already next to their call).
+fn render_messages(out: &mut Out, messages: &[Value], thinking: bool) -> Result<()> {
     let mut prior_calls: Option<Vec<Value>> = None;
     let mut tool_index = 0usize;
     for (mi, m) in messages.iter().enumerate() {
@@ -510,7 +530,7 @@ pub fn build_chat_segments(
         };
         match role {
             "system" if truthy(m.get("tools")) => {
-                tool_declare(&mut out, &deep_sort(&m["tools"]), true);
+                tool_declare(out, &deep_sort(&m["tools"]), true);
             }
             "user" | "system" => {
                 let mut attrs = vec![("role", role.to_string())];
@@ -529,7 +549,7 @@ pub fn build_chat_segments(
                 };
                 tool_index = 0;
                 out.open("message", &[("role", "assistant".into())]);
-                render_assistant(&mut out, m, opts.thinking)?;
+                render_assistant(out, m, thinking)?;
                 out.close("message");
                 out.control(END_OF_MSG);
             }
@@ -566,6 +586,11 @@ pub fn build_chat_segments(
             other => return chat_err(format!("message {mi} has unknown role {other:?}")),
         }
     }
+    Ok(())
+}
+
+/// The tool-choice system message (`required` or `none`).
+fn render_tool_choice(out: &mut Out, opts: &ChatOptions) {
     if let Some(tc @ ("required" | "none")) = opts.tool_choice.as_deref() {
         let req = if tc == "required" {
             "call tools"
@@ -577,45 +602,42 @@ pub fn build_chat_segments(
             &format!("The system is invoked with `tool_choice={tc}`.\nYou MUST {req} in the next message."),
         );
     }
-    if let Some(rf) = &opts.response_format {
-        let ty = match rf {
-            Value::Object(o) => o.get("type").and_then(Value::as_str),
-            Value::String(s) => Some(s.as_str()),
-            _ => None,
-        };
-        let base = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting.";
-        match ty {
-            Some("json_object") => out.system(
+}
+
+/// The response-format system message (`json_object` or `json_schema`).
+fn render_response_format(out: &mut Out, rf: &Value) {
+    let ty = match rf {
+        Value::Object(o) => o.get("type").and_then(Value::as_str),
+        Value::String(s) => Some(s.as_str()),
+        _ => None,
+    };
+    let base = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting.";
+    match ty {
+        Some("json_object") => out.system(
+            "response-format",
+            &format!("The system is invoked with `response_format=json_object`.\n{base}"),
+        ),
+        Some("json_schema") => {
+            let js = rf.get("json_schema");
+            let schema = match js {
+                None | Some(Value::Null) => Value::Null,
+                Some(j) => j
+                    .get("schema")
+                    .or_else(|| j.get("json_schema"))
+                    .cloned()
+                    .unwrap_or_else(|| j.clone()),
+            };
+            out.system(
                 "response-format",
-                &format!("The system is invoked with `response_format=json_object`.\n{base}"),
-            ),
-            Some("json_schema") => {
-                let js = rf.get("json_schema");
-                let schema = match js {
-                    None | Some(Value::Null) => Value::Null,
-                    Some(j) => j
-                        .get("schema")
-                        .or_else(|| j.get("json_schema"))
-                        .cloned()
-                        .unwrap_or_else(|| j.clone()),
-                };
-                out.system(
-                    "response-format",
-                    &format!(
-                        "The system is invoked with `response_format=json_schema`.\n{base}\n\
-                         The JSON data must match the following schema:\n```json\n{}\n```",
-                        py_json(&deep_sort(&schema), true)
-                    ),
-                );
-            }
-            _ => {}
+                &format!(
+                    "The system is invoked with `response_format=json_schema`.\n{base}\n\
+                     The JSON data must match the following schema:\n```json\n{}\n```",
+                    py_json(&deep_sort(&schema), true)
+                ),
+            );
         }
+        _ => {}
     }
-    if opts.add_generation_prompt {
-        out.open("message", &[("role", "assistant".into())]);
-        out.open(if opts.thinking { "think" } else { "response" }, &[]);
-    }
-    Ok(out.segs)
 }
 
 impl crate::tokenizer::Tokenizer {
@@ -805,22 +827,18 @@ pub fn parse_output(text: &str, started_in_think: bool) -> ParsedOutput {
 /// [`ChatRequest`] object (`{"messages": [...], "tools": ..., "thinking": ..., ...}`) or a
 /// bare JSON list of messages (rendered with [`ChatOptions::default`]: thinking on,
 /// effort "max", generation prompt).
-pub fn encode_chat_json(
-    tok: &crate::tokenizer::Tokenizer,
-    request_json: &str,
-) -> std::result::Result<Vec<u32>, String> {
-    let v: serde_json::Value = serde_json::from_str(request_json)
-        .map_err(|e| format!("chat request is not valid JSON: {e}"))?;
+pub fn encode_chat_json(tok: &crate::tokenizer::Tokenizer, request_json: &str) -> Result<Vec<u32>> {
+    let bad = |what: &'static str| move |source| TokError::ChatRequest { what, source };
+    let v: serde_json::Value = serde_json::from_str(request_json).map_err(bad("valid JSON"))?;
     let req: ChatRequest = match v {
         serde_json::Value::Array(messages) => ChatRequest {
             messages,
             tools: None,
             options: ChatOptions::default(),
         },
-        v => serde_json::from_value(v).map_err(|e| format!("chat request is not valid: {e}"))?,
+        v => serde_json::from_value(v).map_err(bad("valid"))?,
     };
-    let segs = build_chat_segments(&req.messages, req.tools.as_ref(), &req.options)
-        .map_err(|e| e.to_string())?;
+    let segs = build_chat_segments(&req.messages, req.tools.as_ref(), &req.options)?;
     Ok(tok.encode_segments(&segs))
 }
 

@@ -1,4 +1,5 @@
-//! Errors of the tokenizer crate: every variant names the file, line or field at fault.
+//! Errors of the tokenizer crate: each names what is at fault (the file, line or field, the
+//! id, or the chat request). The stage's own errors are `stage::TokenizerStageError`.
 
 use std::path::PathBuf;
 
@@ -31,6 +32,13 @@ pub enum TokError {
     /// A chat request that cannot be rendered (bad role, bad effort, bad arguments, ...).
     #[error("chat: {0}")]
     Chat(String),
+    /// A chat request (JSON) that does not parse, or not into a request.
+    #[error("chat request is not {what}: {source}")]
+    ChatRequest {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 /// Result alias of this crate.

@@ -6,50 +6,88 @@
 //! the id's bytes to the orchestrator (`Text`), which prints them as they come. Without a
 //! tokenizer directory the vocabulary is bytes (id = byte), which is what the tiny models
 //! were built with.
+//!
+//! A failure ([`TokenizerStageError`]) is reported to the orchestrator once, as a
+//! `StageFailure` of its kind (`k3_protocol::failure`).
 
 use k3_protocol::conf::TokenizerConf;
-use k3_protocol::link::{recv_from, StageCtx};
+use k3_protocol::failure::{FailureKind, StageFailure};
+use k3_protocol::link::{recv_from, LinkError, ProtocolError, StageCtx};
 use k3_protocol::messages::{Msg, Stage};
 
-use crate::Tokenizer;
+use crate::{TokError, Tokenizer};
 
-/// Either a real Kimi tokenizer or the tiny models' byte vocabulary.
-pub enum Vocab {
+/// Why the tokenizer stage stopped. Every message starts with `tokenizer:`.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerStageError {
+    #[error("tokenizer: bad Configure: {0}")]
+    Configure(#[source] serde_json::Error),
+    /// The tokenizer files could not be loaded.
+    #[error("tokenizer: {0}")]
+    Load(#[source] TokError),
+    /// A chat request could not be rendered.
+    #[error("tokenizer: chat: {0}")]
+    Chat(#[source] TokError),
+    #[error("tokenizer: --chat needs a Kimi tokenizer (--tok)")]
+    ChatNeedsKimi,
+    /// A message the stage does not serve (its debug form).
+    #[error("tokenizer: unexpected {0}")]
+    Unexpected(String),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error(transparent)]
+    Link(#[from] LinkError),
+}
+
+impl From<TokenizerStageError> for StageFailure {
+    fn from(e: TokenizerStageError) -> StageFailure {
+        use TokenizerStageError as E;
+        let kind = match e {
+            E::Protocol(p) => return p.into(),
+            E::Link(l) => return l.into(),
+            E::Configure(_) | E::Load(_) | E::Chat(_) | E::ChatNeedsKimi => FailureKind::Config,
+            E::Unexpected(_) => FailureKind::Protocol,
+        };
+        StageFailure::new(kind, e.to_string())
+    }
+}
+
+/// How this stage turns text into ids and ids into bytes: a real Kimi tokenizer, or the
+/// tiny models' byte vocabulary (id = byte).
+pub enum TextCodec {
     Kimi(Box<Tokenizer>),
     Bytes,
 }
 
-impl Vocab {
-    pub fn load(conf: &TokenizerConf) -> Result<Vocab, String> {
+impl TextCodec {
+    pub fn load(conf: &TokenizerConf) -> Result<TextCodec, TokError> {
         match &conf.tok_dir {
-            Some(d) => Tokenizer::from_dir(d)
-                .map(|t| Vocab::Kimi(Box::new(t)))
-                .map_err(|e| format!("tokenizer: {e}")),
-            None => Ok(Vocab::Bytes),
+            Some(d) => Tokenizer::from_dir(d).map(|t| TextCodec::Kimi(Box::new(t))),
+            None => Ok(TextCodec::Bytes),
         }
     }
 
     fn encode_text(&self, text: &str, allow_specials: bool) -> Vec<u32> {
         match self {
-            Vocab::Kimi(t) => t.encode(text, allow_specials),
-            Vocab::Bytes => text.bytes().map(u32::from).collect(),
+            TextCodec::Kimi(t) => t.encode(text, allow_specials),
+            TextCodec::Bytes => text.bytes().map(u32::from).collect(),
         }
     }
 
     fn encode_bytes(&self, b: &[u8], allow_specials: bool) -> Vec<u32> {
         match self {
-            Vocab::Kimi(t) => t.encode_bytes(b, allow_specials),
-            Vocab::Bytes => b.iter().map(|&x| u32::from(x)).collect(),
+            TextCodec::Kimi(t) => t.encode_bytes(b, allow_specials),
+            TextCodec::Bytes => b.iter().map(|&x| u32::from(x)).collect(),
         }
     }
 
     fn id_bytes(&self, id: u32) -> Vec<u8> {
         match self {
-            Vocab::Kimi(t) => t
+            TextCodec::Kimi(t) => t
                 .token_bytes(id)
                 .map(|b| b.to_vec())
                 .unwrap_or_else(|_| format!("<|bad_id_{id}|>").into_bytes()),
-            Vocab::Bytes => {
+            TextCodec::Bytes => {
                 if id < 256 {
                     vec![id as u8]
                 } else {
@@ -62,20 +100,24 @@ impl Vocab {
     /// Ids that end generation (the Kimi stop ids; none for a byte vocabulary).
     pub fn stop_ids(&self) -> Vec<u32> {
         match self {
-            Vocab::Kimi(t) => t.stop_ids(),
-            Vocab::Bytes => Vec::new(),
+            TextCodec::Kimi(t) => t.stop_ids(),
+            TextCodec::Bytes => Vec::new(),
         }
     }
 }
 
-/// Run the tokenizer stage until shutdown.
-pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+/// Run the tokenizer stage until shutdown; a failure is also reported to the orchestrator.
+pub fn run(mut ctx: StageCtx) -> Result<(), StageFailure> {
+    serve(&mut ctx).map_err(|e| ctx.fail(e))
+}
+
+fn serve(ctx: &mut StageCtx) -> Result<(), TokenizerStageError> {
+    use TokenizerStageError as E;
     ctx.wait_configure()?;
-    let conf: TokenizerConf = serde_json::from_str(&ctx.conf_json)
-        .map_err(|e| ctx.fail(format!("tokenizer: bad Configure: {e}")))?;
-    let vocab = Vocab::load(&conf).map_err(|e| ctx.fail(e))?;
+    let conf: TokenizerConf = serde_json::from_str(&ctx.conf_json).map_err(E::Configure)?;
+    let codec = TextCodec::load(&conf).map_err(E::Load)?;
     tracing::debug!(
-        kimi = matches!(vocab, Vocab::Kimi(_)),
+        kimi = matches!(codec, TextCodec::Kimi(_)),
         "tokenizer: vocabulary loaded"
     );
     ctx.ready()?;
@@ -90,7 +132,7 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 allow_specials,
             } => Msg::Ids {
                 req,
-                ids: vocab.encode_text(&text, allow_specials),
+                ids: codec.encode_text(&text, allow_specials),
             },
             Msg::EncodeBytes {
                 req,
@@ -98,19 +140,16 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 allow_specials,
             } => Msg::Ids {
                 req,
-                ids: vocab.encode_bytes(&bytes, allow_specials),
+                ids: codec.encode_bytes(&bytes, allow_specials),
             },
-            Msg::EncodeChat { req, chat_json } => match &vocab {
-                Vocab::Kimi(t) => Msg::Ids {
+            Msg::EncodeChat { req, chat_json } => match &codec {
+                TextCodec::Kimi(t) => Msg::Ids {
                     req,
-                    ids: crate::chat::encode_chat_json(t, &chat_json)
-                        .map_err(|e| format!("tokenizer: chat: {e}"))?,
+                    ids: crate::chat::encode_chat_json(t, &chat_json).map_err(E::Chat)?,
                 },
-                Vocab::Bytes => {
-                    return Err(ctx.fail("tokenizer: --chat needs a Kimi tokenizer (--tok)".into()))
-                }
+                TextCodec::Bytes => return Err(E::ChatNeedsKimi),
             },
-            other => return Err(ctx.fail(format!("tokenizer: unexpected {other:?}"))),
+            other => return Err(E::Unexpected(format!("{other:?}"))),
         };
         ctx.send_control(&reply)?;
         Ok(false)
@@ -122,16 +161,50 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
             Msg::DecodeId { id } => {
                 decoded += 1;
                 ctx.send_control(&Msg::Text {
-                    bytes: vocab.id_bytes(id),
+                    bytes: codec.id_bytes(id),
                 })?;
             }
             Msg::Shutdown => break,
-            other => return Err(ctx.fail(format!("tokenizer: unexpected {other:?}"))),
+            other => return Err(E::Unexpected(format!("{other:?}"))),
         }
     }
     ctx.send_control(&Msg::Summary {
         stage: Stage::Tokenizer,
         json: serde_json::json!({ "decoded": decoded }).to_string(),
     })?;
-    ctx.finish_recording()
+    Ok(ctx.finish_recording()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k3_protocol::link::LinkOp;
+    use k3_protocol::transport::TransportError;
+
+    /// The orchestrator reads the kind, never the text: each failure maps to its kind, and
+    /// a link failure keeps the peer it is about.
+    #[test]
+    fn failures_carry_their_kind() {
+        let f = StageFailure::from(TokenizerStageError::ChatNeedsKimi);
+        assert_eq!(f.kind, FailureKind::Config);
+        assert_eq!(f.detail, "tokenizer: --chat needs a Kimi tokenizer (--tok)");
+        let f = StageFailure::from(TokenizerStageError::Unexpected("Shutdown".into()));
+        assert_eq!(f.kind, FailureKind::Protocol);
+        let link = LinkError {
+            me: Stage::Tokenizer,
+            peer: Stage::LayerCompute,
+            op: LinkOp::Recv,
+            timeout: None,
+            source: TransportError::PeerDied("killed".into()),
+        };
+        let f = StageFailure::from(TokenizerStageError::from(link));
+        assert_eq!(
+            (f.kind, f.peer),
+            (FailureKind::PeerDied, Some(Stage::LayerCompute))
+        );
+        assert_eq!(
+            f.detail,
+            "tokenizer: link to layer-compute: the peer died: killed"
+        );
+    }
 }

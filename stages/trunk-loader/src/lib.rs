@@ -1,6 +1,6 @@
 //! `k3-trunk-loader`: the dense trunk as a dial.
 //!
-//! - [`plan`]: the fixed-point sizing of a pinned prefix plus a ring of slots for a budget,
+//! - [`plan`](mod@plan): the fixed-point sizing of a pinned prefix plus a ring of slots for a budget,
 //!   over whole layers or, below one slot for the largest layer, over the layers' parts
 //!   (the tensors the forward uses together; [`plan_streams`]).
 //! - [`loader`]: the reader thread that loads the pinned prefix once and streams the other
@@ -18,10 +18,11 @@ pub mod presets;
 pub mod stage;
 
 pub use loader::{
-    runs_from_manifest, LayerGuard, LayerHandle, LoadError, Piece, TrunkLoader, TrunkStats, Unit,
+    runs_from_manifest, LayerGuard, LayerHandle, LoadError, LoaderError, Piece, TrunkLoader,
+    TrunkStats, Unit, UnitReadError,
 };
 pub use plan::{
     plan, plan_streams, plan_streams_with, LayerRun, PlanError, RingPolicy, StreamPlan, Streams,
     TrunkPlan,
 };
-pub use presets::{auto, mem_available, Budgets, Preset, Presets};
+pub use presets::{auto, mem_available, Budgets, Preset, Presets, PresetsError};

@@ -17,8 +17,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use k3_io::arena::{align_down, ArenaMemory, OwnedArena, ALIGN};
-use k3_io::direct::ReadAt;
+use k3_io::arena::{align_down, ArenaError, ArenaMemory, OwnedArena, ALIGN};
+use k3_io::direct::{ParallelReadError, ReadAt};
+use k3_model::trunk::{CheckError, TrunkError};
 
 use crate::plan::{LayerRun, TrunkPlan};
 
@@ -26,7 +27,7 @@ use crate::plan::{LayerRun, TrunkPlan};
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum LoadError {
     #[error("trunk layer {layer}: read failed: {why}")]
-    Read { layer: usize, why: String },
+    Read { layer: usize, why: UnitReadError },
     #[error("trunk layer {layer} does not exist (the trunk has {layers} layers)")]
     NoSuchLayer { layer: usize, layers: usize },
     #[error("trunk layer {layer} acquired out of order: the stream is at layer {expected}")]
@@ -35,6 +36,69 @@ pub enum LoadError {
     NotAcquired { layer: usize },
     #[error("the trunk reader has stopped")]
     Stopped,
+}
+
+/// Why reading one unit failed. Kept by the loader and handed to every acquire of the unit
+/// (hence `Clone`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum UnitReadError {
+    #[error("needs {need} bytes, the region holds {cap}")]
+    TooBig { need: u64, cap: u64 },
+    /// The read failed: the I/O error's message (an `io::Error` cannot be cloned).
+    #[error("{0}")]
+    Io(String),
+    #[error("short read: {got} bytes at offset {start}, needed {need}")]
+    Short { got: usize, start: u64, need: u64 },
+    /// The bytes are not what was packed.
+    #[error(transparent)]
+    Check(#[from] CheckError),
+    #[error("internal: no check {0}")]
+    NoCheck(usize),
+    #[error("piece {0} was not read")]
+    NotRead(usize),
+}
+
+impl From<ParallelReadError<CheckError>> for UnitReadError {
+    fn from(e: ParallelReadError<CheckError>) -> UnitReadError {
+        match e {
+            ParallelReadError::Io(e) => UnitReadError::Io(e.to_string()),
+            ParallelReadError::Rejected(c) => UnitReadError::Check(c),
+            ParallelReadError::NotRead(i) => UnitReadError::NotRead(i),
+        }
+    }
+}
+
+/// A loader that could not be built: the packed trunk, the plan, the arena or the reader.
+#[derive(Debug, thiserror::Error)]
+pub enum LoaderError {
+    #[error(transparent)]
+    Manifest(#[from] TrunkError),
+    #[error("{}: --layers {layers} but the packed trunk has {have} layers", dir.display())]
+    TooFewLayers {
+        dir: std::path::PathBuf,
+        layers: usize,
+        have: usize,
+    },
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
+    #[error("{}: {source}", path.display())]
+    Open {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("trunk arena: {0}")]
+    Arena(#[source] ArenaError),
+    #[error("the plan is for {plan} layers, the trunk has {have}")]
+    PlanLayers { plan: usize, have: usize },
+    #[error("the trunk arena has {have} bytes, the plan needs {need}")]
+    ArenaTooSmall { have: usize, need: u64 },
+    #[error("a plan that streams layers needs at least one ring slot")]
+    NoRingSlot,
+    #[error("layer {layer} needs {need} bytes, more than the {slot}-byte ring slot")]
+    UnitTooBig { layer: usize, need: u64, slot: u64 },
+    #[error("cannot start the trunk reader: {0}")]
+    Thread(#[source] std::io::Error),
 }
 
 /// Where an acquired layer's bytes are: `arena_offset..arena_offset + len` of the arena.
@@ -142,7 +206,7 @@ impl TrunkStats {
 enum Loaded {
     No,
     Yes,
-    Failed(String),
+    Failed(UnitReadError),
 }
 
 #[derive(Clone, Debug)]
@@ -202,7 +266,7 @@ pub fn read_parallel(
     offset: u64,
     dst: &mut [u8],
     check: Option<&k3_model::trunk::RunCheck>,
-) -> Result<usize, String> {
+) -> Result<usize, ParallelReadError<CheckError>> {
     read_parallel_at(reader, file, offset, dst, check.map(|c| (c, 0)))
 }
 
@@ -214,7 +278,7 @@ pub fn read_parallel_at(
     offset: u64,
     dst: &mut [u8],
     check: Option<(&k3_model::trunk::RunCheck, u64)>,
-) -> Result<usize, String> {
+) -> Result<usize, ParallelReadError<CheckError>> {
     const _: () = assert!((READ_CHUNK as u64).is_multiple_of(k3_model::trunk::CHECK_CHUNK));
     let on_piece = |at: usize, got: &[u8]| match check {
         Some((c, base)) => c.check_range(base + at as u64, got),
@@ -243,11 +307,11 @@ impl Shared {
 
     /// Read unit `unit` into the arena region at `at` (each piece page-mirrored, back to
     /// back); returns the bytes read.
-    fn read_layer(&self, unit: usize, at: u64, cap: u64) -> Result<u64, String> {
+    fn read_layer(&self, unit: usize, at: u64, cap: u64) -> Result<u64, UnitReadError> {
         let u = &self.units[unit];
         let need = u.footprint();
         if need > cap {
-            return Err(format!("needs {need} bytes, the region holds {cap}"));
+            return Err(UnitReadError::TooBig { need, cap });
         }
         let mut total = 0u64;
         let mut pos = at;
@@ -269,20 +333,18 @@ impl Shared {
             let aligned = check.filter(|_| start == r.offset);
             let got = read_parallel_at(&*self.reader, self.file, start, dst, aligned)?;
             if start + (got as u64) < r.offset + r.len {
-                return Err(format!(
-                    "short read: {got} bytes at offset {start}, needed {}",
-                    r.offset + r.len - start
-                ));
+                return Err(UnitReadError::Short {
+                    got,
+                    start,
+                    need: r.offset + r.len - start,
+                });
             }
             let head = (r.offset - start) as usize;
             if let (Some((c, a)), false) = (check, start == r.offset) {
                 c.check_range(a, &dst[head..head + r.len as usize])?;
             }
             for &(i, off) in &r.tensor_checks {
-                let c = self
-                    .checks
-                    .get(i)
-                    .ok_or_else(|| format!("internal: no check {i}"))?;
+                let c = self.checks.get(i).ok_or(UnitReadError::NoCheck(i))?;
                 let from = head + off as usize;
                 c.check(dst.get(from..).unwrap_or_default())?;
             }
@@ -400,26 +462,26 @@ impl TrunkLoader {
         budget: u64,
         ring: crate::plan::RingPolicy,
         layers: Option<usize>,
-    ) -> Result<(k3_model::trunk::TrunkManifest, TrunkLoader), String> {
-        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| e.to_string())?;
+    ) -> Result<(k3_model::trunk::TrunkManifest, TrunkLoader), LoaderError> {
+        let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
         let mut runs = runs_from_manifest(&m);
         if let Some(n) = layers {
             if n > runs.len() {
-                return Err(format!(
-                    "{}: --layers {n} but the packed trunk has {} layers",
-                    dir.display(),
-                    runs.len()
-                ));
+                return Err(LoaderError::TooFewLayers {
+                    dir: dir.to_path_buf(),
+                    layers: n,
+                    have: runs.len(),
+                });
             }
             runs.truncate(n);
         }
-        let plan = crate::plan::plan(budget, &runs, ring).map_err(|e| e.to_string())?;
+        let plan = crate::plan::plan(budget, &runs, ring)?;
         let bin = dir.join(&m.file);
         let reader = k3_io::DirectFiles::open(std::slice::from_ref(&bin))
-            .map_err(|e| format!("{}: {e}", bin.display()))?;
+            .map_err(|source| LoaderError::Open { path: bin, source })?;
         let bytes = plan.bytes().max(ALIGN as u64);
         let arena: Arc<dyn ArenaMemory> =
-            Arc::new(OwnedArena::new(bytes as usize).map_err(|e| format!("trunk arena: {e}"))?);
+            Arc::new(OwnedArena::new(bytes as usize).map_err(LoaderError::Arena)?);
         let checks = m.run_checks();
         let loader =
             TrunkLoader::with_arena_checked(runs, plan, Arc::new(reader), 0, arena, checks)?;
@@ -434,10 +496,10 @@ impl TrunkLoader {
         plan: TrunkPlan,
         reader: Arc<dyn ReadAt>,
         file: u32,
-    ) -> Result<TrunkLoader, String> {
+    ) -> Result<TrunkLoader, LoaderError> {
         let bytes = plan.bytes().max(ALIGN as u64);
         let arena: Arc<dyn ArenaMemory> =
-            Arc::new(OwnedArena::new(bytes as usize).map_err(|e| format!("trunk arena: {e}"))?);
+            Arc::new(OwnedArena::new(bytes as usize).map_err(LoaderError::Arena)?);
         Self::with_arena(runs, plan, reader, file, arena)
     }
 
@@ -449,7 +511,7 @@ impl TrunkLoader {
         reader: Arc<dyn ReadAt>,
         file: u32,
         arena: Arc<dyn ArenaMemory>,
-    ) -> Result<TrunkLoader, String> {
+    ) -> Result<TrunkLoader, LoaderError> {
         Self::with_arena_checked(runs, plan, reader, file, arena, Vec::new())
     }
 
@@ -465,7 +527,7 @@ impl TrunkLoader {
         file: u32,
         arena: Arc<dyn ArenaMemory>,
         checks: Vec<k3_model::trunk::RunCheck>,
-    ) -> Result<TrunkLoader, String> {
+    ) -> Result<TrunkLoader, LoaderError> {
         let units = runs
             .iter()
             .enumerate()
@@ -492,32 +554,30 @@ impl TrunkLoader {
         file: u32,
         arena: Arc<dyn ArenaMemory>,
         checks: Vec<k3_model::trunk::RunCheck>,
-    ) -> Result<TrunkLoader, String> {
+    ) -> Result<TrunkLoader, LoaderError> {
         let runs = &units;
         if runs.len() != plan.layers {
-            return Err(format!(
-                "the plan is for {} layers, the trunk has {}",
-                plan.layers,
-                runs.len()
-            ));
+            return Err(LoaderError::PlanLayers {
+                plan: plan.layers,
+                have: runs.len(),
+            });
         }
         if (arena.len() as u64) < plan.bytes() {
-            return Err(format!(
-                "the trunk arena has {} bytes, the plan needs {}",
-                arena.len(),
-                plan.bytes()
-            ));
+            return Err(LoaderError::ArenaTooSmall {
+                have: arena.len(),
+                need: plan.bytes(),
+            });
         }
         if plan.pinned < plan.layers && plan.ring_slots == 0 {
-            return Err("a plan that streams layers needs at least one ring slot".into());
+            return Err(LoaderError::NoRingSlot);
         }
         if let Some(l) = (plan.pinned..plan.layers).find(|&l| runs[l].footprint() > plan.slot_bytes)
         {
-            return Err(format!(
-                "layer {l} needs {} bytes, more than the {}-byte ring slot",
-                runs[l].footprint(),
-                plan.slot_bytes
-            ));
+            return Err(LoaderError::UnitTooBig {
+                layer: l,
+                need: runs[l].footprint(),
+                slot: plan.slot_bytes,
+            });
         }
         let mut pinned_at = Vec::with_capacity(plan.pinned);
         let mut at = 0u64;
@@ -568,7 +628,7 @@ impl TrunkLoader {
         let thread = std::thread::Builder::new()
             .name("k3-trunk-read".into())
             .spawn(move || s2.run())
-            .map_err(|e| format!("cannot start the trunk reader: {e}"))?;
+            .map_err(LoaderError::Thread)?;
         Ok(TrunkLoader {
             shared,
             thread: Some(thread),

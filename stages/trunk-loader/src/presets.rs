@@ -77,6 +77,18 @@ pub struct Presets {
     pub presets: Vec<Preset>,
 }
 
+/// A preset table that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PresetsError {
+    #[error("presets.json: {0}")]
+    Json(#[source] serde_json::Error),
+    #[error("presets.json: format {0:?}, expected \"k3-presets/1\"")]
+    Format(String),
+    /// Every problem found (duplicates, budgets, a listed `auto`).
+    #[error("presets.json: {}", .0.join("; "))]
+    Problems(Vec<String>),
+}
+
 impl Presets {
     /// The compiled-in table.
     pub fn builtin() -> Presets {
@@ -84,13 +96,10 @@ impl Presets {
     }
 
     /// Parse a table, checking names are unique and budgets positive.
-    pub fn from_json(text: &str) -> Result<Presets, String> {
-        let p: Presets = serde_json::from_str(text).map_err(|e| format!("presets.json: {e}"))?;
+    pub fn from_json(text: &str) -> Result<Presets, PresetsError> {
+        let p: Presets = serde_json::from_str(text).map_err(PresetsError::Json)?;
         if p.format != "k3-presets/1" {
-            return Err(format!(
-                "presets.json: format {:?}, expected \"k3-presets/1\"",
-                p.format
-            ));
+            return Err(PresetsError::Format(p.format));
         }
         let mut problems = Vec::new();
         for (i, a) in p.presets.iter().enumerate() {
@@ -107,7 +116,7 @@ impl Presets {
         if problems.is_empty() {
             Ok(p)
         } else {
-            Err(format!("presets.json: {}", problems.join("; ")))
+            Err(PresetsError::Problems(problems))
         }
     }
 
@@ -247,7 +256,9 @@ mod tests {
     fn rejects_bad_tables() {
         assert!(Presets::from_json("{}").is_err());
         let dup = PRESETS_JSON.replace("\"desktop\"", "\"laptop\"");
-        assert!(Presets::from_json(&dup).unwrap_err().contains("twice"));
+        let e = Presets::from_json(&dup).unwrap_err();
+        assert!(matches!(e, PresetsError::Problems(_)));
+        assert!(e.to_string().contains("twice"), "{e}");
     }
 
     #[test]

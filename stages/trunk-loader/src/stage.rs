@@ -15,6 +15,9 @@
 //! tensors}` for layers 0..n in order, as fast as memory allows, and frees a ring slot only
 //! when compute's `LayerDone` for it arrives. After the last `LayerDone` it sends
 //! `TrunkPassDone` with what the pass cost.
+//!
+//! A failure ([`TrunkStageError`]) is reported to the orchestrator once, as a
+//! `StageFailure` of its kind (`k3_protocol::failure`).
 
 // Tuples of catalog fields are clearer here than one-off structs.
 #![allow(clippy::type_complexity)]
@@ -24,20 +27,20 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::loader::{Piece, Unit};
-use crate::{LayerRun, RingPolicy, TrunkLoader};
+use crate::loader::{LoaderError, Piece, Unit, UnitReadError};
+use crate::{LayerRun, LoadError, RingPolicy, TrunkLoader};
 use k3_io::arena::ALIGN;
 use k3_io::direct::DirectFiles;
-use k3_model::catalog::Catalog;
+use k3_model::catalog::{Catalog, CatalogError};
 use k3_model::classify::{split_expert, split_layer};
 use k3_model::tensor::Dtype;
-use k3_model::trunk::TrunkManifest;
-use k3_protocol::messages::{Msg, Stage, TensorSpan};
-use k3_protocol::shm::Region;
-
+use k3_model::trunk::{TrunkError, TrunkManifest};
 use k3_protocol::conf::{TrunkConf, TRUNK_REGION};
-use k3_protocol::link::{recv_from, send_to, StageCtx};
-use k3_protocol::shm::ShmArena;
+use k3_protocol::failure::{FailureKind, StageFailure};
+use k3_protocol::link::{recv_from, send_to, LinkError, ProtocolError, RecError, StageCtx};
+use k3_protocol::messages::{Msg, Stage, TensorSpan};
+use k3_protocol::shm::{HandleError, Region, ShmArena, ShmError};
+use k3_protocol::transport::Transport;
 
 /// One tensor of a layer, relative to the layer's bytes.
 #[derive(Clone, Debug)]
@@ -93,23 +96,149 @@ enum Source {
     },
 }
 
-/// Run the trunk-loader stage until shutdown.
-pub fn run(mut ctx: StageCtx) -> Result<(), String> {
+/// Why the trunk-loader stage stopped. The messages name the stage (`trunk-loader:`), or the
+/// trunk layer that could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum TrunkStageError {
+    #[error("trunk-loader: bad Configure: {0}")]
+    Configure(#[source] serde_json::Error),
+    #[error("trunk-loader: {0}")]
+    Manifest(#[source] TrunkError),
+    #[error("trunk-loader: {} holds {have} layers, the run binds {binds}", dir.display())]
+    TooFewLayers {
+        dir: PathBuf,
+        have: usize,
+        binds: usize,
+    },
+    #[error("trunk-loader: {0}")]
+    Plan(#[source] crate::PlanError),
+    #[error("trunk-loader: {0}")]
+    Catalog(#[source] CatalogError),
+    #[error("trunk-loader: layer {layer} has no trunk tensors in {}", dir.display())]
+    NoTrunkTensors { layer: usize, dir: PathBuf },
+    /// The shared-memory region for the trunk (`what`: the arena, the resident trunk).
+    #[error("trunk-loader: {what}: {source}")]
+    Region {
+        what: String,
+        #[source]
+        source: ShmError,
+    },
+    /// Opening the trunk's files (`path` names the file when the message should).
+    #[error("trunk-loader: {}{source}", path.as_ref().map(|p| format!("{}: ", p.display())).unwrap_or_default())]
+    Open {
+        path: Option<PathBuf>,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("trunk-loader: reading {name}: {source}")]
+    ReadTensor {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("trunk-loader: {0}")]
+    Loader(#[source] LoaderError),
+    /// A layer (or part) could not be served.
+    #[error("{0}")]
+    Load(#[source] LoadError),
+    #[error("trunk layer {layer} part {part}: read failed: {why}")]
+    PartRead {
+        layer: usize,
+        part: usize,
+        why: UnitReadError,
+    },
+    #[error("trunk layer {layer} part {part}: {source}")]
+    Part {
+        layer: usize,
+        part: usize,
+        #[source]
+        source: LoadError,
+    },
+    /// A handle into the trunk region (`what`: the layer or tensor).
+    #[error("trunk-loader: {what}: {source}")]
+    Handle {
+        what: String,
+        #[source]
+        source: ShmError,
+    },
+    #[error("trunk-loader: {what}: {source}")]
+    Resolve {
+        what: String,
+        #[source]
+        source: HandleError,
+    },
+    #[error("trunk-loader: PartDone of layer {layer} part {part}: no such part")]
+    NoSuchPart { layer: u32, part: u32 },
+    #[error(
+        "trunk-loader: PartDone of layer {layer} part {part}, but the trunk is served whole layers"
+    )]
+    NotInParts { layer: u32, part: u32 },
+    /// Compute sent something else than the `LayerDone` awaited (its debug form).
+    #[error("trunk-loader: expected LayerDone of pass {pass}, got {got}")]
+    ExpectedDone { pass: u64, got: String },
+    #[error("trunk-loader: unexpected {0}")]
+    Unexpected(String),
+    #[error(transparent)]
+    Record(#[from] RecError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error(transparent)]
+    Link(#[from] LinkError),
+}
+
+impl From<TrunkStageError> for StageFailure {
+    fn from(e: TrunkStageError) -> StageFailure {
+        use TrunkStageError as E;
+        let kind = match e {
+            E::Protocol(p) => return p.into(),
+            E::Link(l) => return l.into(),
+            E::Configure(_)
+            | E::Manifest(_)
+            | E::TooFewLayers { .. }
+            | E::Plan(_)
+            | E::Catalog(_)
+            | E::NoTrunkTensors { .. } => FailureKind::Config,
+            E::Region { .. }
+            | E::Open { .. }
+            | E::ReadTensor { .. }
+            | E::Loader(_)
+            | E::Load(_)
+            | E::PartRead { .. }
+            | E::Part { .. }
+            | E::Record(_) => FailureKind::Io,
+            E::Handle { .. }
+            | E::Resolve { .. }
+            | E::NoSuchPart { .. }
+            | E::NotInParts { .. }
+            | E::ExpectedDone { .. }
+            | E::Unexpected(_) => FailureKind::Protocol,
+        };
+        StageFailure::new(kind, e.to_string())
+    }
+}
+
+/// Run the trunk-loader stage until shutdown; a failure is also reported to the
+/// orchestrator.
+pub fn run(mut ctx: StageCtx) -> Result<(), StageFailure> {
+    serve(&mut ctx).map_err(|e| ctx.fail(e))
+}
+
+fn serve(ctx: &mut StageCtx) -> Result<(), TrunkStageError> {
     ctx.wait_configure()?;
-    let conf: TrunkConf = serde_json::from_str(&ctx.conf_json)
-        .map_err(|e| ctx.fail(format!("trunk-loader: bad Configure: {e}")))?;
+    let conf: TrunkConf =
+        serde_json::from_str(&ctx.conf_json).map_err(TrunkStageError::Configure)?;
     let me = Stage::TrunkLoader;
-    // Progress of the up-front read, at most every 100 ms (and at the end).
-    let mut last = Instant::now();
-    let mut progress = |done: u64, total: u64| {
-        if done == total || last.elapsed() >= Duration::from_millis(100) {
-            last = Instant::now();
-            ctx.progress("load", done, total);
-        }
-    };
-    let (region, source, total_read) = match setup(&conf, &mut progress) {
-        Ok(x) => x,
-        Err(e) => return Err(ctx.fail(e)),
+    let (region, source, total_read) = {
+        // Progress of the up-front read, at most every 100 ms (and at the end).
+        let mut last = Instant::now();
+        let ctx = &*ctx;
+        let mut progress = |done: u64, total: u64| {
+            if done == total || last.elapsed() >= Duration::from_millis(100) {
+                last = Instant::now();
+                ctx.progress("load", done, total);
+            }
+        };
+        setup(&conf, &mut progress)?
     };
     tracing::debug!(
         arena_bytes = region.data_len(),
@@ -121,35 +250,14 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
     ctx.ready()?;
     ctx.wait_go()?;
     let mut link = ctx.take_link(Stage::LayerCompute)?;
-    let peer = Stage::LayerCompute;
-    let pinned = match &source {
-        Source::Streamed { loader, .. } => loader.plan().pinned,
-        Source::Resident { layers } => layers.len(),
-    };
-    let ring_slots = match &source {
-        Source::Streamed { loader, .. } => loader.plan().ring_slots.max(1),
-        Source::Resident { .. } => usize::MAX,
-    };
-    // The loader's unit for each stream unit, in the order the forward uses them (parts
-    // are the loader's in the plan's order, pinned first).
-    let fwd: Vec<usize> = match &source {
-        Source::Streamed {
-            parts: Some(parts), ..
-        } => {
-            let mut v: Vec<usize> = (0..parts.len()).collect();
-            v.sort_by_key(|&i| (parts[i].layer, parts[i].part));
-            v
-        }
-        _ => (0..conf.layers).collect(),
-    };
-    let mut resident_read = total_read;
-    let mut passes = 0u64;
     if let Source::Streamed { loader, .. } = &source {
         loader.hold_wrap(conf.hold_wrap);
     }
+    let mut server = PassServer::new(ctx, &mut *link, &region, &source, conf.layers);
+    let mut resident_read = total_read;
+    let mut passes = 0u64;
     loop {
-        let msg = recv_from(&mut *link, me, peer, None)?;
-        let pass = match msg {
+        let pass = match recv_from(&mut *server.link, me, Stage::LayerCompute, None)? {
             Msg::StartPass { pass, .. } => {
                 if let Source::Streamed { loader, .. } = &source {
                     loader.open_pass();
@@ -157,57 +265,17 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
                 pass
             }
             Msg::Shutdown => break,
-            other => return Err(ctx.fail(format!("trunk-loader: unexpected {other:?}"))),
+            other => return Err(TrunkStageError::Unexpected(format!("{other:?}"))),
         };
         passes += 1;
         let before = stats_of(&source);
-        let t0 = Instant::now();
-        let mut outstanding: VecDeque<usize> = VecDeque::new();
-        let mut done = 0usize;
-        // Units served per pass: layers, or the layers' parts.
-        let n = fwd.len();
-        for (l, &li) in fwd.iter().enumerate() {
-            // A streamed layer needs a free ring slot: wait for compute to finish one.
-            if li >= pinned {
-                while outstanding.len() >= ring_slots {
-                    retire_one(&ctx, &mut *link, pass, &source, &mut outstanding)?;
-                    done += 1;
-                    prefill_progress(&ctx, passes == 1, done, n);
-                }
-            }
-            let ready = publish(&region, &source, li, pass).map_err(|e| ctx.fail(e))?;
-            send_to(&mut *link, me, peer, &ready, None)?;
-            if let (true, Msg::LayerReady { handle, .. }) = (ctx.rec.on(), &ready) {
-                // SAFETY: this stage wrote the layer and rewrites it only after compute's
-                // LayerDone for it; reading it here races with nobody.
-                let bytes = unsafe { region.resolve(handle) }
-                    .map_err(|e| ctx.fail(format!("trunk-loader: layer {l}: {e}")))?;
-                ctx.rec.buffer(handle, bytes).map_err(|e| ctx.fail(e))?;
-            }
-            if let (true, Msg::PartReady { tensors, .. }) = (ctx.rec.on(), &ready) {
-                for t in tensors {
-                    // SAFETY: as above: the part stays until compute's PartDone for it.
-                    let bytes = unsafe { region.resolve(&t.handle) }
-                        .map_err(|e| ctx.fail(format!("trunk-loader: {}: {e}", t.name)))?;
-                    ctx.rec.buffer(&t.handle, bytes).map_err(|e| ctx.fail(e))?;
-                }
-            }
-            if li >= pinned {
-                outstanding.push_back(li);
-            }
-        }
-        while done < n {
-            retire_one(&ctx, &mut *link, pass, &source, &mut outstanding)?;
-            done += 1;
-            prefill_progress(&ctx, passes == 1, done, n);
-        }
+        server.serve_pass(pass, passes == 1)?;
         let after = stats_of(&source);
         let first_resident = std::mem::take(&mut resident_read);
-        let _ = t0;
         send_to(
-            &mut *link,
+            &mut *server.link,
             me,
-            peer,
+            Stage::LayerCompute,
             &Msg::TrunkPassDone {
                 pass,
                 binds: after.0 - before.0,
@@ -238,30 +306,146 @@ pub fn run(mut ctx: StageCtx) -> Result<(), String> {
         stage: me,
         json: summary.to_string(),
     })?;
-    ctx.finish_recording()
+    Ok(ctx.finish_recording()?)
 }
 
-/// Wait for compute to finish one unit of this pass, free its ring slot and forget it.
-fn retire_one(
-    ctx: &StageCtx,
-    link: &mut dyn k3_protocol::transport::Transport,
-    pass: u64,
-    source: &Source,
-    outstanding: &mut VecDeque<usize>,
-) -> Result<(), String> {
-    let d = wait_done(link, pass, source)?;
-    release(source, d).map_err(|e| ctx.fail(e))?;
-    if let Some(pos) = outstanding.iter().position(|&x| x == d) {
-        outstanding.remove(pos);
+/// Serves one pass after another: publishes the units in forward order as far as the ring
+/// allows, and frees each streamed unit's slot when compute says it is done with it.
+struct PassServer<'a> {
+    ctx: &'a StageCtx,
+    link: &'a mut dyn Transport,
+    region: &'a Region,
+    source: &'a Source,
+    /// The loader's unit for each stream unit, in the order the forward uses them (parts
+    /// are the loader's in the plan's order, pinned first).
+    fwd: Vec<usize>,
+    /// Units below this are pinned (never wait for a ring slot).
+    pinned: usize,
+    ring_slots: usize,
+}
+
+impl<'a> PassServer<'a> {
+    fn new(
+        ctx: &'a StageCtx,
+        link: &'a mut dyn Transport,
+        region: &'a Region,
+        source: &'a Source,
+        layers: usize,
+    ) -> PassServer<'a> {
+        let (pinned, ring_slots) = match source {
+            Source::Streamed { loader, .. } => {
+                (loader.plan().pinned, loader.plan().ring_slots.max(1))
+            }
+            Source::Resident { layers } => (layers.len(), usize::MAX),
+        };
+        let fwd: Vec<usize> = match source {
+            Source::Streamed {
+                parts: Some(parts), ..
+            } => {
+                let mut v: Vec<usize> = (0..parts.len()).collect();
+                v.sort_by_key(|&i| (parts[i].layer, parts[i].part));
+                v
+            }
+            _ => (0..layers).collect(),
+        };
+        PassServer {
+            ctx,
+            link,
+            region,
+            source,
+            fwd,
+            pinned,
+            ring_slots,
+        }
     }
-    Ok(())
-}
 
-/// The first pass is the prefill (the whole prompt through one layer at a time): say how
-/// many layers it has done.
-fn prefill_progress(ctx: &StageCtx, first: bool, done: usize, n: usize) {
-    if first {
-        ctx.progress("prefill", done as u64, n as u64);
+    /// Serve every unit of pass `pass` (the first pass is the prefill, whose progress is
+    /// reported) and wait until compute is done with each.
+    fn serve_pass(&mut self, pass: u64, first: bool) -> Result<(), TrunkStageError> {
+        let mut outstanding: VecDeque<usize> = VecDeque::new();
+        let mut done = 0usize;
+        // Units served per pass: layers, or the layers' parts.
+        let n = self.fwd.len();
+        for (l, li) in self.fwd.clone().into_iter().enumerate() {
+            // A streamed layer needs a free ring slot: wait for compute to finish one.
+            if li >= self.pinned {
+                while outstanding.len() >= self.ring_slots {
+                    self.retire_one(pass, &mut outstanding)?;
+                    done += 1;
+                    self.prefill_progress(first, done, n);
+                }
+            }
+            let ready = publish(self.region, self.source, li, pass)?;
+            send_to(
+                &mut *self.link,
+                Stage::TrunkLoader,
+                Stage::LayerCompute,
+                &ready,
+                None,
+            )?;
+            self.record(&ready, l)?;
+            if li >= self.pinned {
+                outstanding.push_back(li);
+            }
+        }
+        while done < n {
+            self.retire_one(pass, &mut outstanding)?;
+            done += 1;
+            self.prefill_progress(first, done, n);
+        }
+        Ok(())
+    }
+
+    /// When recording, log the bytes of what `ready` (the message for forward unit `l`)
+    /// published.
+    fn record(&self, ready: &Msg, l: usize) -> Result<(), TrunkStageError> {
+        let rec = &self.ctx.rec;
+        if let (true, Msg::LayerReady { handle, .. }) = (rec.on(), ready) {
+            // SAFETY: this stage wrote the layer and rewrites it only after compute's
+            // LayerDone for it; reading it here races with nobody.
+            let bytes = unsafe { self.region.resolve(handle) }.map_err(|source| {
+                TrunkStageError::Resolve {
+                    what: format!("layer {l}"),
+                    source,
+                }
+            })?;
+            rec.buffer(handle, bytes)?;
+        }
+        if let (true, Msg::PartReady { tensors, .. }) = (rec.on(), ready) {
+            for t in tensors {
+                // SAFETY: as above: the part stays until compute's PartDone for it.
+                let bytes = unsafe { self.region.resolve(&t.handle) }.map_err(|source| {
+                    TrunkStageError::Resolve {
+                        what: t.name.clone(),
+                        source,
+                    }
+                })?;
+                rec.buffer(&t.handle, bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait for compute to finish one unit of this pass, free its ring slot and forget it.
+    fn retire_one(
+        &mut self,
+        pass: u64,
+        outstanding: &mut VecDeque<usize>,
+    ) -> Result<(), TrunkStageError> {
+        let d = wait_done(&mut *self.link, pass, self.source)?;
+        release(self.source, d)?;
+        if let Some(pos) = outstanding.iter().position(|&x| x == d) {
+            outstanding.remove(pos);
+        }
+        Ok(())
+    }
+
+    /// The first pass is the prefill (the whole prompt through one layer at a time): say
+    /// how many layers it has done.
+    fn prefill_progress(&self, first: bool, done: usize, n: usize) {
+        if first {
+            self.ctx.progress("prefill", done as u64, n as u64);
+        }
     }
 }
 
@@ -277,10 +461,10 @@ fn stats_of(s: &Source) -> (u64, u64, u64, f64) {
 }
 
 fn wait_done(
-    link: &mut dyn k3_protocol::transport::Transport,
+    link: &mut dyn Transport,
     pass: u64,
     source: &Source,
-) -> Result<usize, String> {
+) -> Result<usize, TrunkStageError> {
     match recv_from(link, Stage::TrunkLoader, Stage::LayerCompute, None)? {
         Msg::LayerDone { pass: p, layer } if p == pass => Ok(layer as usize),
         Msg::PartDone {
@@ -293,25 +477,32 @@ fn wait_done(
             } => parts
                 .iter()
                 .position(|u| u.layer == layer as usize && u.part == part as usize)
-                .ok_or_else(|| format!("trunk-loader: PartDone of layer {layer} part {part}: no such part")),
-            _ => Err(format!(
-                "trunk-loader: PartDone of layer {layer} part {part}, but the trunk is served whole layers"
-            )),
+                .ok_or(TrunkStageError::NoSuchPart { layer, part }),
+            _ => Err(TrunkStageError::NotInParts { layer, part }),
         },
-        other => Err(format!(
-            "trunk-loader: expected LayerDone of pass {pass}, got {other:?}"
-        )),
+        other => Err(TrunkStageError::ExpectedDone {
+            pass,
+            got: format!("{other:?}"),
+        }),
     }
 }
 
-fn release(s: &Source, layer: usize) -> Result<(), String> {
+fn release(s: &Source, layer: usize) -> Result<(), TrunkStageError> {
     match s {
-        Source::Streamed { loader, .. } => loader.release(layer).map_err(|e| e.to_string()),
+        Source::Streamed { loader, .. } => loader.release(layer).map_err(TrunkStageError::Load),
         Source::Resident { .. } => Ok(()),
     }
 }
 
-fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, String> {
+fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, TrunkStageError> {
+    let handle_of = |what: &str, off: u64, len: u64| {
+        region
+            .handle(0, off, len)
+            .map_err(|source| TrunkStageError::Handle {
+                what: what.to_string(),
+                source,
+            })
+    };
     let (base, len, tensors): (u64, u64, Vec<LayerTensor>) = match s {
         Source::Streamed {
             loader,
@@ -320,20 +511,21 @@ fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, Stri
         } => {
             let u = &parts[l];
             let h = loader.acquire(l).map_err(|e| match e {
-                crate::LoadError::Read { why, .. } => {
-                    format!(
-                        "trunk layer {} part {}: read failed: {why}",
-                        u.layer, u.part
-                    )
-                }
-                other => format!("trunk layer {} part {}: {other}", u.layer, u.part),
+                LoadError::Read { why, .. } => TrunkStageError::PartRead {
+                    layer: u.layer,
+                    part: u.part,
+                    why,
+                },
+                source => TrunkStageError::Part {
+                    layer: u.layer,
+                    part: u.part,
+                    source,
+                },
             })?;
             let mut spans = Vec::with_capacity(u.tensors.len());
             for t in &u.tensors {
                 spans.push(TensorSpan {
-                    handle: region
-                        .handle(0, h.arena_offset + t.offset, t.len)
-                        .map_err(|e| format!("trunk-loader: {}: {e}", t.name))?,
+                    handle: handle_of(&t.name, h.arena_offset + t.offset, t.len)?,
                     name: t.name.clone(),
                     dtype: t.dtype,
                     shape: t.shape.clone(),
@@ -353,7 +545,7 @@ fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, Stri
             head,
             parts: None,
         } => {
-            let h = loader.acquire(l).map_err(|e| e.to_string())?;
+            let h = loader.acquire(l).map_err(TrunkStageError::Load)?;
             let ml = &manifest.layers[l];
             let ts = ml
                 .tensors
@@ -373,15 +565,11 @@ fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, Stri
             (*off, *len, ts.clone())
         }
     };
-    let handle = region
-        .handle(0, base, len)
-        .map_err(|e| format!("trunk-loader: layer {l}: {e}"))?;
+    let handle = handle_of(&format!("layer {l}"), base, len)?;
     let mut spans = Vec::with_capacity(tensors.len());
     for t in tensors {
         spans.push(TensorSpan {
-            handle: region
-                .handle(0, base + t.offset, t.len)
-                .map_err(|e| format!("trunk-loader: {}: {e}", t.name))?,
+            handle: handle_of(&t.name, base + t.offset, t.len)?,
             name: t.name,
             dtype: t.dtype,
             shape: t.shape,
@@ -399,7 +587,7 @@ fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, Stri
 fn setup(
     conf: &TrunkConf,
     progress: &mut dyn FnMut(u64, u64),
-) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
+) -> Result<(Arc<Region>, Source, (u64, f64)), TrunkStageError> {
     match &conf.trunk_dir {
         Some(dir) => setup_streamed(conf, dir),
         None => setup_resident(conf, progress),
@@ -409,15 +597,14 @@ fn setup(
 fn setup_streamed(
     conf: &TrunkConf,
     dir: &std::path::Path,
-) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
-    let manifest = TrunkManifest::load_dir(dir).map_err(|e| format!("trunk-loader: {e}"))?;
+) -> Result<(Arc<Region>, Source, (u64, f64)), TrunkStageError> {
+    let manifest = TrunkManifest::load_dir(dir).map_err(TrunkStageError::Manifest)?;
     if manifest.layers.len() < conf.layers {
-        return Err(format!(
-            "trunk-loader: {} holds {} layers, the run binds {}",
-            dir.display(),
-            manifest.layers.len(),
-            conf.layers
-        ));
+        return Err(TrunkStageError::TooFewLayers {
+            dir: dir.to_path_buf(),
+            have: manifest.layers.len(),
+            binds: conf.layers,
+        });
     }
     let layers = &manifest.layers[..conf.layers];
     let runs: Vec<LayerRun> = layers
@@ -439,7 +626,7 @@ fn setup_streamed(
         RingPolicy::default(),
         conf.sink_bytes,
     )
-    .map_err(|e| format!("trunk-loader: {e}"))?;
+    .map_err(TrunkStageError::Plan)?;
     let p = sp.plan;
     let (units, parts) = if sp.parts {
         let (units, parts) = part_units(&manifest, conf.layers, &mut checks);
@@ -468,15 +655,13 @@ fn setup_streamed(
         (units, None)
     };
     let bytes = p.bytes().max(ALIGN as u64);
-    let region = Region::create(TRUNK_REGION, "trunk", bytes, 1)
-        .map_err(|e| format!("trunk-loader: arena of {bytes} bytes: {e}"))?;
-    region
-        .prefault()
-        .map_err(|e| format!("trunk-loader: first touch of the arena: {e}"))?;
-    let region = Arc::new(region);
+    let region = trunk_region(bytes, format!("arena of {bytes} bytes"), "arena")?;
     let bin: PathBuf = dir.join(&manifest.file);
-    let reader = DirectFiles::open(std::slice::from_ref(&bin))
-        .map_err(|e| format!("trunk-loader: {}: {e}", bin.display()))?;
+    let reader =
+        DirectFiles::open(std::slice::from_ref(&bin)).map_err(|source| TrunkStageError::Open {
+            path: Some(bin.clone()),
+            source,
+        })?;
     let loader = TrunkLoader::with_units(
         units,
         p,
@@ -485,7 +670,7 @@ fn setup_streamed(
         Arc::new(ShmArena(region.clone())),
         checks,
     )
-    .map_err(|e| format!("trunk-loader: {e}"))?;
+    .map_err(TrunkStageError::Loader)?;
     let mut manifest = manifest;
     manifest.layers.truncate(conf.layers);
     Ok((
@@ -560,17 +745,17 @@ fn part_units(
 fn setup_resident(
     conf: &TrunkConf,
     progress: &mut dyn FnMut(u64, u64),
-) -> Result<(Arc<Region>, Source, (u64, f64)), String> {
-    let cat = Catalog::open(&conf.model_dir).map_err(|e| format!("trunk-loader: {e}"))?;
+) -> Result<(Arc<Region>, Source, (u64, f64)), TrunkStageError> {
+    let cat = Catalog::open(&conf.model_dir).map_err(TrunkStageError::Catalog)?;
     let per_layer = layer_tensors(&cat, conf.layers);
     let mut layout = Vec::with_capacity(per_layer.len());
     let mut at = 0u64;
     for (l, ts) in per_layer.iter().enumerate() {
         if ts.is_empty() {
-            return Err(format!(
-                "trunk-loader: layer {l} has no trunk tensors in {}",
-                conf.model_dir.display()
-            ));
+            return Err(TrunkStageError::NoTrunkTensors {
+                layer: l,
+                dir: conf.model_dir.clone(),
+            });
         }
         let start = at;
         let mut tensors = Vec::with_capacity(ts.len());
@@ -588,13 +773,14 @@ fn setup_resident(
         at = at.div_ceil(ALIGN as u64) * ALIGN as u64;
     }
     let bytes = at.max(ALIGN as u64);
-    let region = Region::create(TRUNK_REGION, "trunk", bytes, 1)
-        .map_err(|e| format!("trunk-loader: {bytes} bytes for the resident trunk: {e}"))?;
-    region
-        .prefault()
-        .map_err(|e| format!("trunk-loader: first touch of the trunk: {e}"))?;
+    let region = trunk_region(
+        bytes,
+        format!("{bytes} bytes for the resident trunk"),
+        "trunk",
+    )?;
     let paths: Vec<PathBuf> = cat.shards().iter().map(|s| s.path.clone()).collect();
-    let reader = DirectFiles::open(&paths).map_err(|e| format!("trunk-loader: {e}"))?;
+    let reader =
+        DirectFiles::open(&paths).map_err(|source| TrunkStageError::Open { path: None, source })?;
     let mut scratch = None;
     let t0 = Instant::now();
     let mut read = 0u64;
@@ -611,11 +797,19 @@ fn setup_resident(
                 let n = (*len - done).min(CHUNK);
                 // SAFETY: the region is not shared yet (it is handed to compute only after
                 // setup returns), so nothing else reads or writes this range.
-                let dst = unsafe { region.bytes_mut(start + t.offset + done, n) }
-                    .map_err(|e| format!("trunk-loader: {name}: {e}"))?;
+                let dst =
+                    unsafe { region.bytes_mut(start + t.offset + done, n) }.map_err(|source| {
+                        TrunkStageError::Handle {
+                            what: name.clone(),
+                            source,
+                        }
+                    })?;
                 reader
                     .read_exact_unaligned(*shard as u32, *off + done, dst, &mut scratch)
-                    .map_err(|e| format!("trunk-loader: reading {name}: {e}"))?;
+                    .map_err(|source| TrunkStageError::ReadTensor {
+                        name: name.clone(),
+                        source,
+                    })?;
                 done += n;
                 progress(read + done, total);
             }
@@ -626,12 +820,53 @@ fn setup_resident(
         progress(0, 0);
     }
     let secs = t0.elapsed().as_secs_f64();
-    Ok((
-        Arc::new(region),
-        Source::Resident { layers: layout },
-        (read, secs),
-    ))
+    Ok((region, Source::Resident { layers: layout }, (read, secs)))
+}
+
+/// The trunk region of `bytes`, created and first-touched (so this stage's cgroup pays);
+/// `what` and `touched` name it in the errors.
+fn trunk_region(bytes: u64, what: String, touched: &str) -> Result<Arc<Region>, TrunkStageError> {
+    let region = Region::create(TRUNK_REGION, "trunk", bytes, 1)
+        .map_err(|source| TrunkStageError::Region { what, source })?;
+    region
+        .prefault()
+        .map_err(|source| TrunkStageError::Region {
+            what: format!("first touch of the {touched}"),
+            source,
+        })?;
+    Ok(Arc::new(region))
 }
 
 /// How long compute may keep a layer before the loader gives up on it.
 pub const LAYER_TIMEOUT: Duration = Duration::from_secs(600);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The orchestrator decides by kind: a trunk that does not fit the run is
+    /// configuration, a read that failed is I/O, a message out of turn is the protocol.
+    #[test]
+    fn failures_carry_their_kind() {
+        let kind = |e: TrunkStageError| StageFailure::from(e).kind;
+        assert_eq!(
+            kind(TrunkStageError::TooFewLayers {
+                dir: "t".into(),
+                have: 2,
+                binds: 3
+            }),
+            FailureKind::Config
+        );
+        let read = LoadError::Read {
+            layer: 4,
+            why: UnitReadError::Io("injected".into()),
+        };
+        let f = StageFailure::from(TrunkStageError::Load(read));
+        assert_eq!(f.kind, FailureKind::Io);
+        assert_eq!(f.detail, "trunk layer 4: read failed: injected");
+        assert_eq!(
+            kind(TrunkStageError::NoSuchPart { layer: 1, part: 9 }),
+            FailureKind::Protocol
+        );
+    }
+}

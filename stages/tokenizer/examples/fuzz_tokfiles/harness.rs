@@ -48,8 +48,10 @@
 //!   name every slot as the oracle does, both ways (`name`, `id`), nothing outside the
 //!   window, and its matcher must find each given name.
 //!
-//! Shared by the `fuzz_tokfiles` example (long runs, docs/fuzzing.md) and
-//! `tests/fuzz_harness.rs` (a CI-sized run, so the harness cannot rot).
+//! The machinery (PRNG, JSON text edits, the run loop and its report) is `fuzzkit`'s; this
+//! file holds the readers' corpus, mutations and oracles. Shared by the `fuzz_tokfiles`
+//! example (long runs, docs/fuzzing.md) and `tests/fuzz_harness.rs` (a CI-sized run, so
+//! the harness cannot rot).
 
 use base64::Engine as _;
 use k3_tokenizer::specials::{Specials, K3_NAMED, NUM_SPECIAL};
@@ -58,16 +60,16 @@ use k3_tokenizer::TokError;
 use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+
+use fuzzkit::json::JsonEdits;
+use fuzzkit::runner::violation;
+pub use fuzzkit::{n_edits, FuzzReport, Harness, Rng, Verdict, Violation};
 
 /// Largest input one case may build (bytes).
 pub const MAX_INPUT: usize = 1 << 20;
-/// Most findings kept (with their inputs) per run; later ones are only counted.
-const KEEP_FINDINGS: usize = 16;
 /// Most accepted mutants kept as extra corpus entries.
 const MAX_GROWN: usize = 256;
 
@@ -87,91 +89,20 @@ impl Target {
             Target::Tokconfig => "tokconfig",
         }
     }
+}
 
-    pub fn parse(s: &str) -> Option<Target> {
-        Target::ALL.into_iter().find(|t| t.name() == s)
+impl fuzzkit::Target for Target {
+    fn all() -> &'static [Target] {
+        &Target::ALL
+    }
+    fn name(self) -> &'static str {
+        Target::name(self)
     }
 }
 
-/// One finding: the case number, what went wrong, and the input that did it.
-#[derive(Clone, Debug)]
-pub struct Finding {
-    pub case: u64,
-    pub what: String,
-    pub input: Vec<u8>,
-}
-
-/// What one run did.
-#[derive(Clone, Debug)]
-pub struct Report {
-    pub target: Target,
-    pub seed: u64,
-    pub execs: u64,
-    pub accepted: u64,
-    pub n_findings: u64,
-    pub findings: Vec<Finding>,
-    pub secs: f64,
-}
-
-impl Report {
-    pub fn rate(&self) -> f64 {
-        self.execs as f64 / self.secs.max(1e-9)
-    }
-
-    pub fn line(&self) -> String {
-        format!(
-            "{}: {} execs, {} accepted, {} findings, seed {}, {:.1} s, {:.0} execs/s",
-            self.target.name(),
-            self.execs,
-            self.accepted,
-            self.n_findings,
-            self.seed,
-            self.secs,
-            self.rate()
-        )
-    }
-}
-
-/// splitmix64: small, fast, and the same sequence on every machine.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed ^ 0x6b33_5f74_6f6b_656e)
-    }
-
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`0` when `n == 0`).
-    pub fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            (self.next() % n as u64) as usize
-        }
-    }
-
-    /// True with probability 1/n.
-    pub fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-
-    fn shuffle<T>(&mut self, xs: &mut [T]) {
-        for i in (1..xs.len()).rev() {
-            xs.swap(i, self.below(i + 1));
-        }
-    }
-}
+/// The stream of this harness's [`Rng`]s (so its cases differ from another harness's with
+/// the same seed).
+const STREAM: u64 = 0x6b33_5f74_6f6b_656e;
 
 /// The fixtures directory of this repository.
 pub fn fixtures() -> PathBuf {
@@ -288,9 +219,9 @@ fn random_value(rng: &mut Rng) -> Value {
             let s = *rng.pick(INT_STRS);
             serde_json::from_str(s).unwrap_or(Value::from(-1))
         }
-        4 => Value::from(rng.next() >> rng.below(64)),
-        5 => Value::from(rng.next() as i64),
-        6 => serde_json::Number::from_f64(f64::from_bits(rng.next()))
+        4 => Value::from(rng.next_u64() >> rng.below(64)),
+        5 => Value::from(rng.next_u64() as i64),
+        6 => serde_json::Number::from_f64(f64::from_bits(rng.next_u64()))
             .map_or(Value::Null, Value::Number),
         7 => Value::String(
             serde_json::from_str::<String>(&format!("\"{}\"", rng.pick(STR_SUBS)))
@@ -353,177 +284,16 @@ fn mutate_value(v: &mut Value, rng: &mut Rng, depth: usize) {
 // ---------------------------------------------------------------------------------------
 // Byte- and JSON-text-level mutations (as in the model readers' fuzzer).
 
-/// End (exclusive) of the JSON string starting at `b[i] == '"'`.
-fn string_end(b: &[u8], i: usize) -> Option<usize> {
-    let mut j = i + 1;
-    while j < b.len() {
-        match b[j] {
-            b'\\' => j += 2,
-            b'"' => return Some(j + 1),
-            _ => j += 1,
-        }
-    }
-    None
-}
+/// The JSON text edits of this harness: its interesting numbers and strings; numbers are
+/// also the ids that key `added_tokens_decoder`.
+const JSON_EDITS: JsonEdits<'static> = JsonEdits {
+    ints: INT_STRS,
+    strs: STR_SUBS,
+    numeric_keys: true,
+};
 
-/// End (exclusive) of the JSON value starting at `b[i]` (no validation).
-fn value_end(b: &[u8], i: usize) -> Option<usize> {
-    match *b.get(i)? {
-        b'"' => string_end(b, i),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut j = i;
-            while j < b.len() {
-                match b[j] {
-                    b'"' => {
-                        j = string_end(b, j)?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
-                        if depth == 0 {
-                            return Some(j + 1);
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-            None
-        }
-        _ => {
-            let mut j = i;
-            while j < b.len() && !b",}] \n\t\r:".contains(&b[j]) {
-                j += 1;
-            }
-            (j > i).then_some(j)
-        }
-    }
-}
-
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
-    while i < b.len() && b" \n\t\r".contains(&b[i]) {
-        i += 1;
-    }
-    i
-}
-
-/// A position in `b` where `pred` holds, searched from a random start.
-fn find_from(b: &[u8], rng: &mut Rng, pred: impl Fn(&[u8], usize) -> bool) -> Option<usize> {
-    if b.is_empty() {
-        return None;
-    }
-    let start = rng.below(b.len());
-    (start..b.len()).chain(0..start).find(|&i| pred(b, i))
-}
-
-/// The span of an object member `"key": value` starting at a random member.
-fn random_member(b: &[u8], rng: &mut Rng) -> Option<(usize, usize)> {
-    let at = find_from(b, rng, |b, i| {
-        (b[i] == b'{' || b[i] == b',') && b.get(skip_ws(b, i + 1)) == Some(&b'"')
-    })?;
-    let s = skip_ws(b, at + 1);
-    let k_end = string_end(b, s)?;
-    let colon = skip_ws(b, k_end);
-    if b.get(colon) != Some(&b':') {
-        return None;
-    }
-    let v = skip_ws(b, colon + 1);
-    Some((s, value_end(b, v)?))
-}
-
-/// A JSON-aware edit of text `b`; false when none applied.
 fn mutate_json_text(b: &mut Vec<u8>, rng: &mut Rng, corpus_text: &[u8]) -> bool {
-    match rng.below(9) {
-        // A number (or a key's digits) → an interesting number.
-        0 | 1 => {
-            let Some(i) = find_from(b, rng, |b, i| {
-                (b[i].is_ascii_digit() || b[i] == b'-')
-                    && (i == 0 || !b[i - 1].is_ascii_alphanumeric())
-            }) else {
-                return false;
-            };
-            let mut e = i + 1;
-            while e < b.len() && (b[e].is_ascii_digit() || b".eE+-".contains(&b[e])) {
-                e += 1;
-            }
-            b.splice(i..e, rng.pick(INT_STRS).bytes());
-        }
-        // A string's contents → an interesting, long or escaped string.
-        2 | 3 => {
-            let Some(i) = find_from(b, rng, |b, i| b[i] == b'"') else {
-                return false;
-            };
-            let Some(e) = string_end(b, i) else {
-                return false;
-            };
-            let new: Vec<u8> = match rng.below(4) {
-                0 => "y".repeat(rng.below(5000)).into_bytes(),
-                1 => {
-                    let mut s = b[i + 1..e - 1].to_vec();
-                    s.extend_from_slice(rng.pick(STR_SUBS).as_bytes());
-                    s
-                }
-                _ => rng.pick(STR_SUBS).as_bytes().to_vec(),
-            };
-            let mut q = vec![b'"'];
-            q.extend_from_slice(&new);
-            q.push(b'"');
-            b.splice(i..e, q);
-        }
-        // Duplicate an object member (a duplicate key).
-        4 | 5 => {
-            let Some((s, e)) = random_member(b, rng) else {
-                return false;
-            };
-            let mut m = b[s..e].to_vec();
-            m.push(b',');
-            b.splice(s..s, m);
-        }
-        // Delete an object member.
-        6 => {
-            let Some((s, e)) = random_member(b, rng) else {
-                return false;
-            };
-            let e = if b.get(skip_ws(b, e)) == Some(&b',') {
-                skip_ws(b, e) + 1
-            } else {
-                e
-            };
-            b.drain(s..e);
-        }
-        // Wrap a value in nesting, sometimes deeper than serde_json's limit.
-        7 => {
-            let Some(i) = find_from(b, rng, |b, i| b[i] == b':') else {
-                return false;
-            };
-            let v = skip_ws(b, i + 1);
-            let Some(e) = value_end(b, v) else {
-                return false;
-            };
-            let deep = rng.one_in(4);
-            let d = 1 + rng.below(if deep { 200 } else { 8 });
-            let (open, close) = if rng.one_in(2) {
-                ("[", "]")
-            } else {
-                ("{\"k\":", "}")
-            };
-            b.splice(e..e, close.repeat(d).into_bytes());
-            b.splice(v..v, open.repeat(d).into_bytes());
-        }
-        // Replace a member by a member from another corpus entry's text.
-        _ => {
-            let Some((s, e)) = random_member(b, rng) else {
-                return false;
-            };
-            let Some((s2, e2)) = random_member(corpus_text, rng) else {
-                return false;
-            };
-            b.splice(s..e, corpus_text[s2..e2].iter().copied());
-        }
-    }
-    true
+    fuzzkit::json::mutate_json_text(b, rng, corpus_text, &JSON_EDITS)
 }
 
 /// A generic byte-level edit of `b`.
@@ -539,13 +309,13 @@ fn mutate_bytes(b: &mut Vec<u8>, rng: &mut Rng, other: &[u8]) {
         1 => {
             if !b.is_empty() {
                 let i = pos(b, rng);
-                b[i] = rng.next() as u8;
+                b[i] = rng.next_u64() as u8;
             }
         }
         2 => {
             let i = pos(b, rng);
             let n = 1 + rng.below(8);
-            let ins: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+            let ins: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
             b.splice(i..i, ins);
         }
         3 => {
@@ -606,11 +376,6 @@ fn mutate_bytes(b: &mut Vec<u8>, rng: &mut Rng, other: &[u8]) {
     }
 }
 
-/// 1 to 8 stacked edits, mostly few.
-fn n_edits(rng: &mut Rng) -> usize {
-    1 + (rng.next().trailing_ones() as usize).min(7)
-}
-
 // ---------------------------------------------------------------------------------------
 // Rank files: synthesis, line-level mutations, and the oracle.
 
@@ -630,7 +395,7 @@ fn synth_rank_file(rng: &mut Rng, merges: usize) -> Vec<u8> {
         let t: Vec<u8> = if rng.one_in(2) {
             (0..len).map(|_| b"etaoin shrdlu"[rng.below(13)]).collect()
         } else {
-            (0..len).map(|_| rng.next() as u8).collect()
+            (0..len).map(|_| rng.next_u64() as u8).collect()
         };
         if seen.insert(t.clone()) {
             tokens.push(t);
@@ -887,37 +652,37 @@ pub fn oracle_rank_file(text: &[u8]) -> RankOracle {
 }
 
 /// An accepted vocabulary must hold exactly the oracle's entries.
-pub fn check_vocab(v: &Vocab, bytes: &[u8], entries: &[OracleEntry]) -> Result<(), String> {
+pub fn check_vocab(v: &Vocab, bytes: &[u8], entries: &[OracleEntry]) -> Result<(), Violation> {
     if v.len() != entries.len() || v.is_empty() {
-        return Err(format!("len {} for {} lines", v.len(), entries.len()));
+        return violation(format!("len {} for {} lines", v.len(), entries.len()));
     }
     for e in entries {
         let b = &bytes[e.start..e.end];
         let (r, rank, line) = (e.rank as u32, e.rank, e.line);
         if v.get(b) != Some(r) {
-            return Err(format!(
+            return violation(format!(
                 "line {line}: get({b:02x?}) = {:?}, want {rank}",
                 v.get(b)
             ));
         }
         if v.bytes(r) != Some(b) {
-            return Err(format!("bytes({rank}) = {:02x?}", v.bytes(r)));
+            return violation(format!("bytes({rank}) = {:02x?}", v.bytes(r)));
         }
         match b {
-            [x] if v.byte(*x) != r => return Err(format!("byte({x}) = {}", v.byte(*x))),
+            [x] if v.byte(*x) != r => return violation(format!("byte({x}) = {}", v.byte(*x))),
             [x, y] if v.pair(*x, *y) != r => {
-                return Err(format!("pair({x}, {y}) = {}", v.pair(*x, *y)))
+                return violation(format!("pair({x}, {y}) = {}", v.pair(*x, *y)))
             }
             _ => {}
         }
     }
     if v.bytes(entries.len() as u32).is_some() || v.bytes(u32::MAX).is_some() {
-        return Err("bytes() past the last rank".into());
+        return violation("bytes() past the last rank".into());
     }
     // Byte strings that are mostly not tokens (a token with a byte appended, the empty
     // string): a rank returned must be a rank of exactly those bytes.
     if v.get(b"").is_some() {
-        return Err("get(empty) is a rank".into());
+        return violation("get(empty) is a rank".into());
     }
     let mut k = Vec::new();
     for e in entries.iter().step_by(7) {
@@ -926,7 +691,7 @@ pub fn check_vocab(v: &Vocab, bytes: &[u8], entries: &[OracleEntry]) -> Result<(
         k.push(0xa7);
         if let Some(r) = v.get(&k) {
             if v.bytes(r) != Some(k.as_slice()) {
-                return Err(format!("get({k:02x?}) = {r}, whose bytes differ"));
+                return violation(format!("get({k:02x?}) = {r}, whose bytes differ"));
             }
         }
     }
@@ -996,11 +761,21 @@ fn insert_line(t: &mut Vec<u8>, rng: &mut Rng, mut l: Vec<u8>) {
 /// One line- or token-level edit of a rank file's text.
 fn mutate_rank_lines(t: &mut Vec<u8>, rng: &mut Rng, other: &[u8]) {
     let (s, e) = line_at(t, rng);
+    match rng.below(26) {
+        k @ 0..=12 => edit_lines_and_ranks(t, rng, k, (s, e)),
+        k @ 13..=18 => edit_tokens(t, rng, k, (s, e)),
+        k => edit_file(t, rng, other, k, (s, e)),
+    }
+}
+
+/// Edits `0..=12` of [`mutate_rank_lines`] on the line at `s..e`: lines dropped,
+/// duplicated or swapped, ranks swapped or made bad, CRs, blank lines and whitespace.
+fn edit_lines_and_ranks(t: &mut Vec<u8>, rng: &mut Rng, k: usize, (s, e): (usize, usize)) {
     let line = t[s..e].to_vec();
     let set = |t: &mut Vec<u8>, new: Vec<u8>| {
         t.splice(s..e, new);
     };
-    match rng.below(26) {
+    match k {
         // Drop a line.
         0 => {
             t.drain(s..(e + 1).min(t.len()));
@@ -1057,7 +832,7 @@ fn mutate_rank_lines(t: &mut Vec<u8>, rng: &mut Rng, other: &[u8]) {
             insert_line(t, rng, b);
         }
         // Whitespace at the start, the end or the separator.
-        11 | 12 => {
+        _ => {
             let w = rng.pick(SPACES).as_bytes();
             match (rng.below(4), halves(&line)) {
                 (0, _) => set(t, [w, &line].concat()),
@@ -1067,6 +842,17 @@ fn mutate_rank_lines(t: &mut Vec<u8>, rng: &mut Rng, other: &[u8]) {
                 _ => {}
             }
         }
+    }
+}
+
+/// Edits `13..=18` of [`mutate_rank_lines`] on the line at `s..e`: bad base64, padding
+/// and trailing bits, empty, repeated or fresh tokens.
+fn edit_tokens(t: &mut Vec<u8>, rng: &mut Rng, k: usize, (s, e): (usize, usize)) {
+    let line = t[s..e].to_vec();
+    let set = |t: &mut Vec<u8>, new: Vec<u8>| {
+        t.splice(s..e, new);
+    };
+    match k {
         // An invalid base64 character in the token.
         13 => {
             if let Some((tok, r)) = halves(&line) {
@@ -1128,11 +914,22 @@ fn mutate_rank_lines(t: &mut Vec<u8>, rng: &mut Rng, other: &[u8]) {
             }
         }
         // Fresh token bytes (mostly a new token, so still valid).
-        18 => {
+        _ => {
             let len = 1 + rng.below(12);
-            let tok: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+            let tok: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
             set(t, with_token(&line, b64(&tok).as_bytes()));
         }
+    }
+}
+
+/// Edits `19..` of [`mutate_rank_lines`] on the line at `s..e`: new merges, a rank removed,
+/// a line from `other`, bytes that are not ASCII, signed ranks, a truncated file.
+fn edit_file(t: &mut Vec<u8>, rng: &mut Rng, other: &[u8], k: usize, (s, e): (usize, usize)) {
+    let line = t[s..e].to_vec();
+    let set = |t: &mut Vec<u8>, new: Vec<u8>| {
+        t.splice(s..e, new);
+    };
+    match k {
         // A new merge at the next rank (still valid unless its bytes exist).
         19 | 20 => {
             let count = t
@@ -1140,7 +937,7 @@ fn mutate_rank_lines(t: &mut Vec<u8>, rng: &mut Rng, other: &[u8]) {
                 .filter(|l| !l.iter().all(|&b| is_ws(b)))
                 .count();
             let len = 2 + rng.below(10);
-            let tok: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+            let tok: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
             let l = format!("{} {count}", b64(&tok)).into_bytes();
             insert_line(t, rng, l);
         }
@@ -1417,7 +1214,7 @@ fn mutate_cfg(c: &mut Cfg, rng: &mut Rng) {
         // A new valid name at a free slot (still valid).
         12..=14 => {
             let k = base + rng.below(NUM_SPECIAL as usize) as u32;
-            let name = format!("<|new_{}|>", rng.next() % 100_000);
+            let name = format!("<|new_{}|>", rng.next_u64() % 100_000);
             let e = entry(Value::from(name), rng);
             c.dec.push((k.to_string(), e));
         }
@@ -1540,13 +1337,13 @@ fn reserved(id: u128) -> String {
 
 /// The documented config rules (module docs), from scratch: the names given per slot (the
 /// others are reserved names), or why the config is refused.
-pub fn oracle_config(text: &[u8], base: u32) -> Result<Vec<Option<String>>, String> {
+pub fn oracle_config(text: &[u8], base: u32) -> Result<Vec<Option<String>>, Violation> {
     // JSON validity is serde_json's (as the reader's); every member is read.
     let top: OracleTop =
         serde_json::from_slice(text).map_err(|e| format!("not a JSON object: {e}"))?;
     let members = match top.0 {
-        None => return Err("no added_tokens_decoder".into()),
-        Some(Members::Other) => return Err("added_tokens_decoder is not an object".into()),
+        None => return violation("no added_tokens_decoder".into()),
+        Some(Members::Other) => return violation("added_tokens_decoder is not an object".into()),
         Some(Members::Object(m)) => m,
     };
     // Python dict semantics: a repeated key keeps its first position, takes the last value.
@@ -1563,7 +1360,7 @@ pub fn oracle_config(text: &[u8], base: u32) -> Result<Vec<Option<String>>, Stri
     for (k, v) in &dict {
         let digits = k.strip_prefix('+').unwrap_or(k);
         if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(format!("key {k:?} is not an id"));
+            return violation(format!("key {k:?} is not an id"));
         }
         let id: u128 = if digits.len() > 30 {
             u128::MAX
@@ -1571,16 +1368,16 @@ pub fn oracle_config(text: &[u8], base: u32) -> Result<Vec<Option<String>>, Stri
             digits.parse().unwrap_or(u128::MAX)
         };
         let Some(content) = v.as_object().and_then(|o| o.get("content")) else {
-            return Err(format!("{k}: no content"));
+            return violation(format!("{k}: no content"));
         };
         let Some(content) = content.as_str() else {
-            return Err(format!("{k}: content is not a string"));
+            return violation(format!("{k}: content is not a string"));
         };
         if !(lo..hi).contains(&id) {
-            return Err(format!("id {id} outside {lo}..{hi}"));
+            return violation(format!("id {id} outside {lo}..{hi}"));
         }
         if content.is_empty() {
-            return Err(format!("{k}: empty content"));
+            return violation(format!("{k}: empty content"));
         }
         names[(id - lo) as usize] = Some(content.to_string());
     }
@@ -1590,13 +1387,13 @@ pub fn oracle_config(text: &[u8], base: u32) -> Result<Vec<Option<String>>, Stri
     for (k, n) in names.iter().enumerate() {
         let Some(n) = n else { continue };
         if let Some(j) = seen.insert(n.as_str(), k) {
-            return Err(format!("name {n:?} at slots {j} and {k}"));
+            return violation(format!("name {n:?} at slots {j} and {k}"));
         }
         if n.starts_with("<|reserved_token_") {
             if let Some(j) =
                 (0..names.len()).find(|&j| names[j].is_none() && *n == reserved(lo + j as u128))
             {
-                return Err(format!(
+                return violation(format!(
                     "name {n:?} at slot {k} is slot {j}'s reserved name"
                 ));
             }
@@ -1620,56 +1417,49 @@ fn is_reserved_name(name: &str, id: u32) -> bool {
 }
 
 /// An accepted config must name the slots as the oracle does.
-pub fn check_specials(s: &Specials, base: u32, names: &[Option<String>]) -> Result<(), String> {
+pub fn check_specials(s: &Specials, base: u32, names: &[Option<String>]) -> Result<(), Violation> {
     if s.base() != base {
-        return Err(format!("base {} for {base}", s.base()));
+        return violation(format!("base {} for {base}", s.base()));
     }
     for (k, want) in names.iter().enumerate() {
         let id = base + k as u32;
         let got = s.name(id);
         let Some(got) = got else {
-            return Err(format!("name({id}) is None"));
+            return violation(format!("name({id}) is None"));
         };
         match want {
             Some(want) if got != want => {
-                return Err(format!("name({id}) = {got:?}, want {want:?}"));
+                return violation(format!("name({id}) = {got:?}, want {want:?}"));
             }
             None if !is_reserved_name(got, id) => {
-                return Err(format!("name({id}) = {got:?}, want the reserved name"));
+                return violation(format!("name({id}) = {got:?}, want the reserved name"));
             }
             _ => {}
         }
         if s.id(got) != Some(id) {
-            return Err(format!("id({got:?}) = {:?}, want {id}", s.id(got)));
+            return violation(format!("id({got:?}) = {:?}, want {id}", s.id(got)));
         }
         // The matcher finds a given name where the text is that name (leftmost-longest:
         // any other name starting at 0 is shorter).
         if want.is_some() || k == 0 {
             let m = s.find_iter(got).next();
             if m != Some((0, got.len(), id)) {
-                return Err(format!("find_iter({got:?}) = {m:?}, want (0, _, {id})"));
+                return violation(format!("find_iter({got:?}) = {m:?}, want (0, _, {id})"));
             }
         }
     }
     let end = base + NUM_SPECIAL;
     if s.name(end).is_some() || (base > 0 && s.name(base - 1).is_some()) {
-        return Err("a name outside the window".into());
+        return violation("a name outside the window".into());
     }
     if s.id("<|not_a_special|>").is_some() {
-        return Err("id() of a name that is not one".into());
+        return violation("id() of a name that is not one".into());
     }
     Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
 // The fuzzer.
-
-/// How a case went.
-enum Verdict {
-    Rejected,
-    Accepted,
-    Broken(String),
-}
 
 struct Fuzzer {
     target: Target,
@@ -1686,11 +1476,11 @@ struct Fuzzer {
 
 impl Fuzzer {
     fn new(target: Target, seed: u64) -> Fuzzer {
-        let mut rng = Rng::new(seed);
+        let mut rng = Rng::new(seed, STREAM);
         let dir = fixtures().join("tokenizer");
         let mut f = Fuzzer {
             target,
-            rng: Rng::new(seed.wrapping_add(1)),
+            rng: Rng::new(seed.wrapping_add(1), STREAM),
             files: Vec::new(),
             fixture: Vec::new(),
             cfgs: Vec::new(),
@@ -1857,33 +1647,33 @@ fn judge_rank_error(e: &TokError, path: &Path, oracle: &RankOracle) -> Verdict {
         ..
     } = oracle
     else {
-        return Verdict::Broken(format!("a valid file refused: {e}"));
+        return Verdict::broken(format!("a valid file refused: {e}"));
     };
     match e {
         TokError::RankLine { path: p, line, msg } => {
             if msg.is_empty() || p != path {
-                return Verdict::Broken(format!("error without a message or file: {e:?}"));
+                return Verdict::broken(format!("error without a message or file: {e:?}"));
             }
             if first_malformed.is_some_and(|m| *line > m) {
-                return Verdict::Broken(format!(
+                return Verdict::broken(format!(
                     "error names line {line}, after the first malformed line {first_malformed:?}: {e}"
                 ));
             }
             if !faulty.contains(line) {
-                return Verdict::Broken(format!("error names line {line}, a good one: {e}"));
+                return Verdict::broken(format!("error names line {line}, a good one: {e}"));
             }
             Verdict::Rejected
         }
         TokError::RankFile { path: p, msg } => {
             if msg.is_empty() || p != path {
-                return Verdict::Broken(format!("error without a message or file: {e:?}"));
+                return Verdict::broken(format!("error without a message or file: {e:?}"));
             }
             if let Some(m) = first_malformed {
-                return Verdict::Broken(format!("line {m} is malformed, error names none: {e}"));
+                return Verdict::broken(format!("line {m} is malformed, error names none: {e}"));
             }
             Verdict::Rejected
         }
-        _ => Verdict::Broken(format!("an error of another kind: {e:?}")),
+        _ => Verdict::broken(format!("an error of another kind: {e:?}")),
     }
 }
 
@@ -1902,7 +1692,7 @@ fn judge(case: &Case) -> Verdict {
                     Err(e) => Verdict::Broken(e),
                 },
                 (Ok(_), RankOracle::Invalid { why, .. }) => {
-                    Verdict::Broken(format!("accepted, the oracle refuses: {why}"))
+                    Verdict::broken(format!("accepted, the oracle refuses: {why}"))
                 }
                 (Err(e), _) => judge_rank_error(&e, path, &oracle),
             }
@@ -1917,40 +1707,44 @@ fn judge(case: &Case) -> Verdict {
                     Err(e) => Verdict::Broken(e),
                 },
                 (Ok(_), Err(why)) => {
-                    Verdict::Broken(format!("accepted, the oracle refuses: {why}"))
+                    Verdict::broken(format!("accepted, the oracle refuses: {why}"))
                 }
-                (Err(e), Ok(_)) => Verdict::Broken(format!("a valid config refused: {e}")),
+                (Err(e), Ok(_)) => Verdict::broken(format!("a valid config refused: {e}")),
                 (Err(TokError::Config { path: p, msg }), Err(_)) => {
                     if msg.is_empty() || p != path {
-                        Verdict::Broken(format!("error without a message or file: {msg:?}"))
+                        Verdict::broken(format!("error without a message or file: {msg:?}"))
                     } else {
                         Verdict::Rejected
                     }
                 }
-                (Err(e), Err(_)) => Verdict::Broken(format!("an error of another kind: {e:?}")),
+                (Err(e), Err(_)) => Verdict::broken(format!("an error of another kind: {e:?}")),
             }
         }
     }
 }
 
-/// The message of a caught panic.
-fn panic_msg(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "panic with a non-string payload".into())
-}
+impl Harness for Fuzzer {
+    type Case = Case;
 
-fn continue_progress(
-    rep: &mut Report,
-    case: u64,
-    every: u64,
-    t0: &Instant,
-    progress: &mut impl FnMut(&Report),
-) {
-    if every > 0 && (case + 1).is_multiple_of(every) {
-        rep.secs = t0.elapsed().as_secs_f64();
-        progress(rep);
+    fn case(&mut self) -> Case {
+        Fuzzer::case(self)
+    }
+
+    fn judge(case: &Case) -> Verdict {
+        judge(case)
+    }
+
+    fn input(case: &Case) -> &[u8] {
+        case.input()
+    }
+
+    fn keep(&mut self, case: Case) {
+        Fuzzer::keep(self, case)
+    }
+
+    /// Findings are grouped by their text up to the first digit (line numbers differ).
+    fn finding_key(what: &str) -> String {
+        what.chars().take_while(|c| !c.is_ascii_digit()).collect()
     }
 }
 
@@ -1962,53 +1756,8 @@ pub fn run(
     seed: u64,
     execs: u64,
     every: u64,
-    mut progress: impl FnMut(&Report),
-) -> Report {
+    progress: impl FnMut(&FuzzReport),
+) -> FuzzReport {
     let mut fz = Fuzzer::new(target, seed);
-    let mut rep = Report {
-        target,
-        seed,
-        execs: 0,
-        accepted: 0,
-        n_findings: 0,
-        findings: Vec::new(),
-        secs: 0.0,
-    };
-    let prev = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let t0 = Instant::now();
-    let mut seen: BTreeMap<String, u64> = BTreeMap::new();
-    for case in 0..execs {
-        let c = fz.case();
-        rep.execs += 1;
-        let what = match catch_unwind(AssertUnwindSafe(|| judge(&c))) {
-            Ok(Verdict::Rejected) => None,
-            Ok(Verdict::Accepted) => {
-                rep.accepted += 1;
-                fz.keep(c);
-                continue_progress(&mut rep, case, every, &t0, &mut progress);
-                continue;
-            }
-            Ok(Verdict::Broken(e)) => Some(format!("invariant: {e}")),
-            Err(p) => Some(format!("panic: {}", panic_msg(&*p))),
-        };
-        if let Some(what) = what {
-            rep.n_findings += 1;
-            // Group findings by their text up to the first digit (line numbers differ).
-            let key: String = what.chars().take_while(|c| !c.is_ascii_digit()).collect();
-            let n = seen.entry(key).or_insert(0);
-            *n += 1;
-            if *n == 1 && rep.findings.len() < KEEP_FINDINGS {
-                rep.findings.push(Finding {
-                    case,
-                    what,
-                    input: c.input().to_vec(),
-                });
-            }
-        }
-        continue_progress(&mut rep, case, every, &t0, &mut progress);
-    }
-    rep.secs = t0.elapsed().as_secs_f64();
-    std::panic::set_hook(prev);
-    rep
+    fuzzkit::run(&mut fz, target.name(), seed, execs, every, progress)
 }
