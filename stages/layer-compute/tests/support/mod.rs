@@ -183,6 +183,11 @@ pub type TinyModel = Model<SourceWeights<MmapWeights>>;
 
 /// Load a tiny model directory (`tiny-seed`, `tiny-mxfp4`, or their `sharded/`).
 pub fn load(rel: &str, threads: usize) -> TinyModel {
+    load_layers(rel, threads, None)
+}
+
+/// [`load`] binding only the first `layers` layers (None: all).
+pub fn load_layers(rel: &str, threads: usize, layers: Option<usize>) -> TinyModel {
     let dir = fixtures().join(rel);
     let cfg = ModelConfig::load_dir(&dir).unwrap_or_else(|e| panic!("{e}"));
     let w = MmapWeights::open(&dir).unwrap_or_else(|e| panic!("{e}"));
@@ -191,6 +196,7 @@ pub fn load(rel: &str, threads: usize) -> TinyModel {
         SourceWeights::new(w),
         ModelOptions {
             threads,
+            layers,
             ..Default::default()
         },
     )
