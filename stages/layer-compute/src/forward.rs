@@ -8,6 +8,15 @@
 //! model-level mix, the final norm and the head. State that must survive between calls (KDA state and conv tails, the MLA
 //! cache) lives in the [`Session`]; the AttnRes bank is per token and never carried.
 //!
+//! One pass may carry several sessions ([`Model::forward_batch`]: groups of a session, its
+//! new ids and the logits rows it wants): the rows of every group go through each product
+//! together (the trunk, the lm_head and the routed experts are read once per pass), the
+//! attention runs per group on its own session, and each group's results are bit for bit
+//! those of a pass over it alone. The single-session calls ([`Model::prefill`],
+//! [`Model::step`], [`Model::forward`], ...) are its one-group case. In a pass where some
+//! rows' logits are not wanted, the last layer computes for them only what the caches keep
+//! (issue 32, [`ForwardStats::rows_skipped`]).
+//!
 //! Full recompute and incremental decode run the same kernels in the same order on the
 //! same values, so a decode step's logits are bitwise equal to the teacher-forced row.
 //! The forward does no I/O of its own: weights, layer lifecycle and expert delivery all go
@@ -23,7 +32,7 @@ use crate::modules::kda::{KdaState, KdaWeights};
 use crate::modules::mla::{MlaCache, MlaWeights};
 use crate::modules::mlp::glu_down64;
 use crate::modules::moe::{MoeHead, MoeHooks};
-use crate::modules::{mat_from, project_out, Eps, LayerCtx, Trace};
+use crate::modules::{gather_rows, mat_from, project_out, Eps, LayerCtx, Seg, Trace};
 use crate::weights::{to_f32_vec, Delivery, Weights, LM_HEAD};
 use k3_model::classify::{layer_tensor, model_tensor};
 
@@ -68,30 +77,69 @@ impl Default for ModelOptions {
 /// counters.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ForwardStats {
-    /// Distinct routed experts requested, summed over layers.
+    /// Distinct routed experts requested, summed over layers (a pass over several sessions
+    /// asks for the union of all its rows' routes once).
     pub expert_requests: usize,
     /// Routed experts that failed to load (left out of their sums; the run is unsound).
     pub expert_failures: usize,
     /// One message per failure.
     pub failure_msgs: Vec<String>,
+    /// Rows whose last layer stopped at what the caches and states keep, because nobody
+    /// reads their output (issue 32): their attention output, `o_proj`, the post-attention
+    /// mix and norm, the FFN or MoE and the final norm and head were skipped.
+    pub rows_skipped: usize,
+    /// Of those, routed-expert products not computed: `top_k` per skipped row when the last
+    /// layer is an MoE (the experts only they would have chosen are never read).
+    pub routes_skipped: usize,
 }
 
 impl ForwardStats {
     /// Add another call's counters (and its messages) to these.
-    fn absorb(&mut self, o: ForwardStats) {
+    pub fn absorb(&mut self, o: ForwardStats) {
         self.expert_requests += o.expert_requests;
         self.expert_failures += o.expert_failures;
         self.failure_msgs.extend(o.failure_msgs);
+        self.rows_skipped += o.rows_skipped;
+        self.routes_skipped += o.routes_skipped;
     }
 }
 
-/// Which tokens of a pass get logits.
+/// Which of a group's tokens get logits in a pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Rows {
+pub enum Want {
+    /// Every token's row (teacher forcing, scoring, traces): nothing is skipped.
     All,
+    /// The last token's row (a decode row, a prompt's last pass).
     Last,
     /// None: the pass only carries the session on (a prefill pass before the last).
     None,
+}
+
+/// One session's tokens in a pass over several ([`Model::forward_batch`]): `ids` follow
+/// the tokens `session` has consumed (a decode row is one id, a prompt chunk several).
+pub struct Group<'s> {
+    pub session: &'s mut Session,
+    pub ids: &'s [u32],
+    pub want: Want,
+}
+
+/// One group's part of a [`BatchOutput`].
+#[derive(Clone, Debug)]
+pub struct GroupOutput {
+    /// `rows × vocab` logits: every token's row, the last one, or none (its [`Want`]).
+    pub logits: Vec<f32>,
+    pub rows: usize,
+}
+
+/// Output of one pass over several sessions.
+#[derive(Debug)]
+pub struct BatchOutput {
+    /// One per group, in the groups' order: its logits, or why they cannot be trusted (a
+    /// hidden state of its rows that is not finite: that group's session is spoiled and
+    /// must be dropped; the other groups' rows never depend on it).
+    pub groups: Vec<Result<GroupOutput, ForwardError>>,
+    /// The pass's counters (one set of products and expert reads serves every group).
+    pub stats: ForwardStats,
 }
 
 /// Output of one forward call.
@@ -248,11 +296,11 @@ impl<W: Weights> Model<W> {
         let (body, tail) = ids.split_at(ids.len() - last);
         let mut stats = ForwardStats::default();
         for (k, c) in body.chunks(chunk).enumerate() {
-            let o = self.forward_rows(sess, c, Rows::None, None)?;
+            let o = self.forward_rows(sess, c, Want::None, None)?;
             on_pass(((k + 1) * chunk).min(body.len()));
             stats.absorb(o.stats);
         }
-        let mut out = self.forward_rows(sess, tail, Rows::Last, None)?;
+        let mut out = self.forward_rows(sess, tail, Want::Last, None)?;
         on_pass(ids.len());
         stats.absorb(std::mem::take(&mut out.stats));
         out.stats = stats;
@@ -443,72 +491,195 @@ impl<W: Weights> Model<W> {
         all_rows: bool,
         trace: Option<&mut Trace>,
     ) -> Result<ForwardOutput, ForwardError> {
-        let rows = if all_rows { Rows::All } else { Rows::Last };
-        self.forward_rows(sess, ids, rows, trace)
+        let want = if all_rows { Want::All } else { Want::Last };
+        self.forward_rows(sess, ids, want, trace)
     }
 
+    /// One session's pass: the one-group case of [`Model::forward_batch`].
     fn forward_rows(
         &self,
         sess: &mut Session,
         ids: &[u32],
-        want: Rows,
+        want: Want,
         trace: Option<&mut Trace>,
     ) -> Result<ForwardOutput, ForwardError> {
-        let ntok = ids.len();
-        if ntok == 0 {
-            return Err(ForwardError::Input("no tokens to run".into()));
+        let mut group = [Group {
+            session: sess,
+            ids,
+            want,
+        }];
+        let out = self.forward_batch(&mut group, trace)?;
+        let g = out
+            .groups
+            .into_iter()
+            .next()
+            .expect("one group in, one out")?;
+        Ok(ForwardOutput {
+            logits: g.logits,
+            rows: g.rows,
+            stats: out.stats,
+        })
+    }
+
+    /// One forward pass over several sessions at once: each group's `ids` follow its own
+    /// session's tokens, and the rows of all groups (back to back, in the groups' order) go
+    /// through every product together, so the trunk, the lm_head and each routed expert
+    /// (the union of every row's routes, announced once per layer) are read once for the
+    /// pass, and the [`Weights`] layer and phase hooks are called once per pass. The
+    /// attention (the KDA recurrence and conv tails, the MLA cache) runs per group on its
+    /// own session; everything else is per row.
+    ///
+    /// Batch invariance: every product computes each row by the same operations whatever
+    /// the other rows (`kernels::matmul`'s contract), and nothing mixes rows, so each group's
+    /// logits and its session afterwards are bit for bit those of a pass over that group
+    /// alone, whatever shares the pass (design.md §3).
+    ///
+    /// Dead rows (issue 32): when some rows' logits are not wanted (a prompt pass that wants
+    /// only its last row) and there is no `trace`, the LAST layer computes for those rows only
+    /// what the caches and states keep (MLA: latent, `k_rope` and the expanded keys and
+    /// values; KDA: its state and conv tails), and skips their attention output and
+    /// everything after it ([`ForwardStats::rows_skipped`]). Each row is computed on its
+    /// own (AttnRes mixes across depth, never across positions; k3-spec §4.1-§4.3), so the
+    /// wanted rows are bit-identical either way. When every row is wanted nothing is
+    /// skipped.
+    ///
+    /// An error (a token outside the vocabulary, a group without tokens, a tensor that does
+    /// not bind) is the whole pass's; a hidden state that is not finite is its group's
+    /// ([`BatchOutput::groups`]).
+    pub fn forward_batch(
+        &self,
+        groups: &mut [Group<'_>],
+        trace: Option<&mut Trace>,
+    ) -> Result<BatchOutput, ForwardError> {
+        if groups.is_empty() {
+            return Err(ForwardError::Input("no sessions to run".into()));
         }
         let (d, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(ForwardError::Input(format!(
-                "token id {bad} is outside the vocabulary 0..{vocab}"
-            )));
+        for g in groups.iter() {
+            if g.ids.is_empty() {
+                return Err(ForwardError::Input("no tokens to run".into()));
+            }
+            if let Some(&bad) = g.ids.iter().find(|&&i| i as usize >= vocab) {
+                return Err(ForwardError::Input(format!(
+                    "token id {bad} is outside the vocabulary 0..{vocab}"
+                )));
+            }
         }
-        if sess.kda.len() != self.n_layers {
-            *sess = self.new_session();
+        let rows: Vec<usize> = groups.iter().map(|g| g.ids.len()).collect();
+        let wants: Vec<Want> = groups.iter().map(|g| g.want).collect();
+        let starts: Vec<usize> = rows
+            .iter()
+            .scan(0, |acc, &n| {
+                let s = *acc;
+                *acc += n;
+                Some(s)
+            })
+            .collect();
+        let ntok: usize = rows.iter().sum();
+        // The rows whose logits are wanted, ascending.
+        let wanted: Vec<usize> = groups
+            .iter()
+            .zip(&starts)
+            .flat_map(|(g, &s)| match g.want {
+                Want::All => s..s + g.ids.len(),
+                Want::Last => s + g.ids.len() - 1..s + g.ids.len(),
+                Want::None => s..s,
+            })
+            .collect();
+        // A trace records every row's intermediates: nothing is skipped then.
+        let skip = trace.is_none() && wanted.len() < ntok;
+        let ids: Vec<u32> = groups.iter().flat_map(|g| g.ids.iter().copied()).collect();
+        let mut sessions: Vec<&mut Session> = groups.iter_mut().map(|g| &mut *g.session).collect();
+        for s in sessions.iter_mut() {
+            if s.kda.len() != self.n_layers {
+                **s = self.new_session();
+            }
         }
         let mut ctx = LayerCtx::new(self.threads, self.eps).with_trace(trace);
         let mut stats = ForwardStats::default();
         let prof = crate::profile::begin_call();
-        let mut h = self.embed(ids)?;
+        let mut h = self.embed(&ids)?;
         let mut bank: Vec<Vec<f32>> = Vec::new();
+        // Each group's first non-finite hidden state, as its error.
+        let mut spoiled: Vec<Option<ForwardError>> = (0..rows.len()).map(|_| None).collect();
+        let group_of = |row: usize| starts.partition_point(|&s| s <= row) - 1;
         for l in 0..self.n_layers {
             ctx.trace_prefix(|| format!("L{l:02}."));
+            let last = l + 1 == self.n_layers;
+            let live = (skip && last).then_some(&wanted[..]);
             self.weights.begin_layer(l)?;
-            let r = self.run_layer(&mut ctx, l, sess, &mut h, &mut bank, ntok);
+            let r = self.run_layer(&mut ctx, l, &mut sessions, &rows, &mut h, &mut bank, live);
             self.weights.end_layer(l);
             stats.absorb(r?);
-            if let Some(i) = h.iter().position(|x| !x.is_finite()) {
-                return Err(ForwardError::NonFinite(format!(
-                    "layer {l} output is not finite: hidden state of token {} dim {} is {}",
-                    sess.pos + i / d,
-                    i % d,
-                    h[i]
-                )));
+            // `h` holds the live rows of the last layer, every row before.
+            for (k, row) in h.chunks_exact(d).enumerate() {
+                let Some(dim) = row.iter().position(|x| !x.is_finite()) else {
+                    continue;
+                };
+                let r = live.map_or(k, |w| w[k]);
+                let gi = group_of(r);
+                if spoiled[gi].is_none() {
+                    spoiled[gi] = Some(ForwardError::NonFinite(format!(
+                        "layer {l} output is not finite: hidden state of token {} dim {dim} is {}",
+                        sessions[gi].pos + (r - starts[gi]),
+                        row[dim]
+                    )));
+                }
+            }
+            if spoiled.iter().all(Option::is_some) {
+                // Nothing left to compute for.
+                crate::profile::end_call(prof, ntok);
+                return Ok(BatchOutput {
+                    groups: spoiled
+                        .into_iter()
+                        .map(|e| Err(e.expect("spoiled")))
+                        .collect(),
+                    stats,
+                });
             }
         }
-        if want == Rows::None {
-            // A pass that only carries the session on: no head, no logits.
-            crate::profile::end_call(prof, ntok);
-            sess.pos += ntok;
-            return Ok(ForwardOutput {
-                logits: Vec::new(),
-                rows: 0,
-                stats,
+        if skip {
+            stats.rows_skipped = ntok - wanted.len();
+            if self.cfg.is_moe(self.n_layers - 1) {
+                stats.routes_skipped = stats.rows_skipped * self.cfg.num_experts_per_token;
+            }
+        }
+        let logits = if wanted.is_empty() {
+            // Passes that only carry their sessions on: no head, no logits.
+            Vec::new()
+        } else {
+            ctx.trace_prefix(|| "final.".into());
+            let head_span = crate::profile::span(crate::profile::Phase::Head);
+            // Skipping, `h` holds exactly the wanted rows.
+            let select = (!skip && wanted.len() < ntok).then_some(&wanted[..]);
+            let logits = self.head_logits(&mut ctx, &bank, &h, select)?;
+            head_span.end();
+            ctx.record("logits", &logits);
+            logits
+        };
+        crate::profile::end_call(prof, ntok);
+        let mut next = 0;
+        let mut out = Vec::with_capacity(rows.len());
+        for (((s, &len), want), err) in sessions.into_iter().zip(&rows).zip(wants).zip(spoiled) {
+            let n = match want {
+                Want::All => len,
+                Want::Last => 1,
+                Want::None => 0,
+            };
+            let part = logits[next * vocab..(next + n) * vocab].to_vec();
+            next += n;
+            out.push(match err {
+                Some(e) => Err(e),
+                None => {
+                    s.pos += len;
+                    Ok(GroupOutput {
+                        logits: part,
+                        rows: n,
+                    })
+                }
             });
         }
-        ctx.trace_prefix(|| "final.".into());
-        let head_span = crate::profile::span(crate::profile::Phase::Head);
-        let (logits, rows) = self.head_logits(&mut ctx, &bank, &h, ntok, want)?;
-        head_span.end();
-        ctx.record("logits", &logits);
-        crate::profile::end_call(prof, ntok);
-        sess.pos += ntok;
-        Ok(ForwardOutput {
-            logits,
-            rows,
-            stats,
-        })
+        Ok(BatchOutput { groups: out, stats })
     }
 
     /// The embedding rows of `ids` (`ntok × hidden`): read one row per token on demand
@@ -548,29 +719,31 @@ impl<W: Weights> Model<W> {
         Ok(h)
     }
 
-    /// The model-level AttnRes mix of `bank` and the last layer's output `h`, the final
-    /// norm and the lm_head, for the rows `want` names: (`rows × vocab` logits, rows).
+    /// The model-level AttnRes mix of `bank` and the last layer's output `h` (rows of
+    /// `hidden`), the final norm and the lm_head: the logits of the rows `select` (indices
+    /// into `h`'s rows; None: every row), `rows × vocab`.
     fn head_logits(
         &self,
         ctx: &mut LayerCtx<'_>,
         bank: &[Vec<f32>],
         h: &[f32],
-        ntok: usize,
-        want: Rows,
-    ) -> Result<(Vec<f32>, usize), ForwardError> {
+        select: Option<&[usize]>,
+    ) -> Result<Vec<f32>, ForwardError> {
         let d = self.cfg.hidden_size;
+        let ntok = h.len() / d;
         let fold = self.final_fold()?;
         let mixed = attnres_mix_rows(bank, h, &fold, ctx.eps.rms, ntok);
         ctx.record("mix", &mixed);
         let nw = self.vector(&model_tensor("norm.weight"), d)?;
         let normed = rmsnorm_rows(&mixed, &nw, ctx.eps.rms, d);
         ctx.record("norm", &normed);
-        let (rows, src) = if want == Rows::All {
-            (ntok, &normed[..])
-        } else {
-            (1, &normed[(ntok - 1) * d..])
-        };
-        Ok((self.lm_head(src, rows, ctx.threads)?, rows))
+        match select {
+            None => self.lm_head(&normed, ntok, ctx.threads),
+            Some(rows) => {
+                let src = gather_rows(&normed, rows, d);
+                self.lm_head(&src, rows.len(), ctx.threads)
+            }
+        }
     }
 
     /// The lm_head over `rows` normed rows `src`: whole, or streamed in row chunks (every
@@ -635,28 +808,39 @@ impl<W: Weights> Model<W> {
         }
         let mut ctx = LayerCtx::new(self.threads, self.eps);
         self.weights.begin_layer(l)?;
-        let r = self.run_layer(&mut ctx, l, sess, h, bank, ntok);
+        let r = self.run_layer(&mut ctx, l, &mut [sess], &[ntok], h, bank, None);
         self.weights.end_layer(l);
         r
     }
 
-    /// Decoder layer `l` over `ntok` tokens (k3-spec §4.2; the numbers are its steps): `h`
-    /// is the layer input and becomes its output, `bank` the AttnRes snapshots. Each use
-    /// phase's tensors are bound when it starts and released when it ends
-    /// (`Weights::end_phase`), so a trunk streamed in parts holds one phase at a time.
-    /// Returns the layer's expert counters.
+    /// Decoder layer `l` over the rows of a pass (k3-spec §4.2; the numbers are its
+    /// steps): `rows[i]` consecutive tokens of `sessions[i]`, back to back. `h` is the layer
+    /// input and becomes its output, `bank` the AttnRes snapshots. `live` (ascending row
+    /// indices; None: every row) names the rows whose output is read afterwards: the others
+    /// only carry their sessions on (their attention output and everything after it are
+    /// skipped), and `h` and `bank` come back holding the live rows only. Each use phase's
+    /// tensors are bound when it starts and released when it ends (`Weights::end_phase`),
+    /// so a trunk streamed in parts holds one phase at a time. Returns the layer's expert
+    /// counters.
+    #[allow(clippy::too_many_arguments)]
     fn run_layer(
         &self,
         ctx: &mut LayerCtx<'_>,
         l: usize,
-        sess: &mut Session,
+        sessions: &mut [&mut Session],
+        rows: &[usize],
         h: &mut Vec<f32>,
         bank: &mut Vec<Vec<f32>>,
-        ntok: usize,
+        live: Option<&[usize]>,
     ) -> Result<ForwardStats, ForwardError> {
         ctx.record("in", h);
-        let mut p = self.attention_block(ctx, l, sess, h, bank, ntok)?;
-        let (z, stats) = self.ffn_block(ctx, l, bank, &p, ntok)?;
+        let mut p = self.attention_block(ctx, l, sessions, rows, h, bank, live)?;
+        let nout = p.len() / self.cfg.hidden_size;
+        let (z, stats) = if nout > 0 {
+            self.ffn_block(ctx, l, bank, &p, nout)?
+        } else {
+            (Vec::new(), ForwardStats::default())
+        };
         ctx.record("ffn_out", &z);
         // (10)
         p.iter_mut().zip(&z).for_each(|(a, b)| *a += b);
@@ -667,18 +851,22 @@ impl<W: Weights> Model<W> {
 
     /// Steps (2)-(6) of layer `l`: the pre-attention mix, the block boundary (`h`, the RAW
     /// layer input, is banked there and the prefix restarts), `input_layernorm`, the
-    /// attention and its output projection, accumulated into the prefix. `h` is taken;
-    /// returns the prefix.
+    /// attention (each group on its own session) and its output projection, accumulated
+    /// into the prefix. `h` is taken; returns the prefix of the `live` rows (every row when
+    /// None), and leaves only their rows in `bank`.
+    #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
         ctx: &mut LayerCtx<'_>,
         l: usize,
-        sess: &mut Session,
+        sessions: &mut [&mut Session],
+        rows: &[usize],
         h: &mut Vec<f32>,
         bank: &mut Vec<Vec<f32>>,
-        ntok: usize,
+        live: Option<&[usize]>,
     ) -> Result<Vec<f32>, ForwardError> {
         let (d, eps) = (self.cfg.hidden_size, ctx.eps);
+        let ntok: usize = rows.iter().sum();
         let w = self.bind_attn(l)?;
         // (2) pre-attention mix, guarded on an empty bank.
         let a = if bank.is_empty() {
@@ -699,23 +887,51 @@ impl<W: Weights> Model<W> {
         let a = match &w.attn {
             Attn::Kda(kw) => {
                 let g = self.kda_geometry();
-                let st = sess.kda[l].get_or_insert_with(|| KdaState::new(&g));
-                kw.attend(ctx, &g, &u, ntok, st)
+                let mut segs: Vec<Seg<'_, KdaState>> = sessions
+                    .iter_mut()
+                    .zip(rows)
+                    .map(|(s, &n)| Seg {
+                        rows: n,
+                        state: s.kda[l].get_or_insert_with(|| KdaState::new(&g)),
+                    })
+                    .collect();
+                kw.attend_groups(ctx, &g, &u, &mut segs, live)
             }
             Attn::Mla(mw) => {
                 let g = self.mla_geometry();
-                let cache = sess.mla[l].get_or_insert_with(MlaCache::default);
-                mw.attend(ctx, &g, &u, ntok, cache)
+                let mut segs: Vec<Seg<'_, MlaCache>> = sessions
+                    .iter_mut()
+                    .zip(rows)
+                    .map(|(s, &n)| Seg {
+                        rows: n,
+                        state: s.mla[l].get_or_insert_with(MlaCache::default),
+                    })
+                    .collect();
+                mw.attend_groups(ctx, &g, &u, &mut segs, live)
             }
         };
         attn_span.end();
         drop(w);
         self.weights.end_phase(l);
+        let nout = live.map_or(ntok, |r| r.len());
+        // Only the live rows go on: the prefix and the bank keep theirs.
+        if let Some(keep) = live {
+            if !p.is_empty() {
+                p = gather_rows(&p, keep, d);
+            }
+            for b in bank.iter_mut() {
+                *b = gather_rows(b, keep, d);
+            }
+        }
+        if nout == 0 {
+            // Nothing is read from this layer's output: no output projection.
+            return Ok(p);
+        }
         // The output projection is its own phase, bound once the rest is given back (its
         // bind may wait for the trunk: its own profile phase).
         let o = self.attn_out(l)?;
         let attn_span = crate::profile::span(crate::profile::Phase::Attn);
-        let y = project_out(&o, &a, d, ntok, ctx.threads);
+        let y = project_out(&o, &a, d, nout, ctx.threads);
         attn_span.end();
         self.weights.end_phase(l);
         ctx.record("attn_out", &y);
@@ -829,6 +1045,7 @@ impl<W: Weights> Model<W> {
                 .into_iter()
                 .map(|m| format!("layer {l}: {m}"))
                 .collect(),
+            ..ForwardStats::default()
         };
         Ok((z, stats))
     }

@@ -7,7 +7,9 @@
 //! - [`weights`]: the [`weights::Weights`] trait through which the forward receives its
 //!   weights (single-process mmap or the staged pipeline's shared-memory handles).
 //! - [`forward`]: [`forward::Model`] and [`forward::Session`] (full recompute, incremental
-//!   decode with KV cache and KDA state).
+//!   decode with KV cache and KDA state, one pass over several sessions).
+//! - [`batch`]: [`batch::Scheduler`], several requests decoding together (slots, a bounded
+//!   queue, chunked prefill interleaved with decode, one pass per step).
 //! - [`decode`]: the ONE decode loop every mode runs, and greedy [`decode::generate`].
 //! - [`sampler`]: greedy argmax and seeded sampling from a logits row.
 //! - [`links`]: [`links::StagedWeights`], the [`Weights`] over the loaders' links.
@@ -18,6 +20,7 @@
 //! - [`stage`]: the layer-compute stage's process loop.
 //! - [`state`]: saved session states (`--save-state` / `--load-state`).
 
+pub mod batch;
 pub mod decode;
 pub mod forward;
 // Kernels spell out their loops by index on purpose (the index order IS the documented
@@ -37,5 +40,8 @@ pub mod state;
 pub mod weights;
 
 pub use decode::{decode_loop, generate, GenStep, Generation, LoopOptions, Step, StepHooks};
-pub use forward::{ForwardError, ForwardOutput, ForwardStats, Model, ModelOptions, Session};
+pub use forward::{
+    BatchOutput, ForwardError, ForwardOutput, ForwardStats, Group, GroupOutput, Model,
+    ModelOptions, Session, Want,
+};
 pub use weights::{Delivery, ExpertProj, ExpertRef, SourceWeights, Weights};

@@ -9,7 +9,7 @@ use k3_model::classify::layer_tensor;
 use k3_model::tensor::WeightError;
 use rayon::prelude::*;
 
-use super::LayerCtx;
+use super::{gather_rows, out_slots, LayerCtx, Seg};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
 use crate::kernels::matmul::{gemm, gemm_fused, Mat};
@@ -94,7 +94,7 @@ impl KdaWeights<'_> {
     /// KDA over `ntok` consecutive tokens `u` (`ntok × hidden`, post input_layernorm) up to
     /// its output projection, advancing `st`: the gated, normed per-head output
     /// (`ntok × width`) that `o_proj` ([`project_out`](super::project_out)) maps back to the
-    /// hidden size.
+    /// hidden size. The one-group case of [`KdaWeights::attend_groups`].
     pub fn attend(
         &self,
         ctx: &mut LayerCtx<'_>,
@@ -103,7 +103,38 @@ impl KdaWeights<'_> {
         ntok: usize,
         st: &mut KdaState,
     ) -> Vec<f32> {
+        self.attend_groups(
+            ctx,
+            d,
+            u,
+            &mut [Seg {
+                rows: ntok,
+                state: st,
+            }],
+            None,
+        )
+    }
+
+    /// KDA over the rows `u` of a pass (`ntok × hidden`, post input_layernorm), the groups'
+    /// rows back to back, each group advancing its own state: the gated, normed per-head
+    /// output of the rows in `live` (ascending row indices; None: every row), `live.len() ×
+    /// width`. A row outside `live` still carries its group's state on (its projections,
+    /// conv tails and recurrence step), but its output gate, norm and gating are skipped.
+    ///
+    /// The projections run over every row at once (the output gate's over the live rows
+    /// only); the conv tails and the recurrence run per group, head by head on the pool.
+    pub fn attend_groups(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        d: &KdaGeometry,
+        u: &[f32],
+        groups: &mut [Seg<'_, KdaState>],
+        live: Option<&[usize]>,
+    ) -> Vec<f32> {
         let (w, eps, threads) = (self, ctx.eps, ctx.threads);
+        let ntok: usize = groups.iter().map(|g| g.rows).sum();
+        let slots = out_slots(ntok, live);
+        let nout = live.map_or(ntok, |l| l.len());
         let p = d.width();
         let (h, dk) = (d.heads, d.head_dim);
         let mut q = vec![0f32; ntok * p];
@@ -111,38 +142,83 @@ impl KdaWeights<'_> {
         let mut v = vec![0f32; ntok * p];
         let mut beta = vec![0f32; ntok * h];
         let mut fa = vec![0f32; ntok * w.f_a.rows];
-        let mut gate = vec![0f32; ntok * p];
+        let mut gate = vec![0f32; nout * p];
         // Every projection of the layer input in one pass over `u` (each result bit-identical
-        // to its own product).
-        gemm_fused(
-            &[&w.q, &w.k, &w.v, &w.b, &w.f_a, &w.g],
-            u,
-            &mut [&mut q, &mut k, &mut v, &mut beta, &mut fa, &mut gate],
-            ntok,
-            threads,
-        );
+        // to its own product); the output gate only where an output is wanted.
+        match live {
+            None => gemm_fused(
+                &[&w.q, &w.k, &w.v, &w.b, &w.f_a, &w.g],
+                u,
+                &mut [&mut q, &mut k, &mut v, &mut beta, &mut fa, &mut gate],
+                ntok,
+                threads,
+            ),
+            Some(rows) => {
+                gemm_fused(
+                    &[&w.q, &w.k, &w.v, &w.b, &w.f_a],
+                    u,
+                    &mut [&mut q, &mut k, &mut v, &mut beta, &mut fa],
+                    ntok,
+                    threads,
+                );
+                if nout > 0 {
+                    let ul = gather_rows(u, rows, d.hidden);
+                    gemm(&w.g, &ul, &mut gate, nout, threads);
+                }
+            }
+        }
         let mut qc = vec![0f32; ntok * p];
         let mut kc = vec![0f32; ntok * p];
         let mut vc = vec![0f32; ntok * p];
-        conv::shortconv_silu(&q, &w.q_conv, d.conv, p, &mut st.conv_q, &mut qc);
-        conv::shortconv_silu(&k, &w.k_conv, d.conv, p, &mut st.conv_k, &mut kc);
-        conv::shortconv_silu(&v, &w.v_conv, d.conv, p, &mut st.conv_v, &mut vc);
+        let mut r0 = 0;
+        for g in groups.iter_mut() {
+            let r = r0 * p..(r0 + g.rows) * p;
+            let st = &mut *g.state;
+            conv::shortconv_silu(
+                &q[r.clone()],
+                &w.q_conv,
+                d.conv,
+                p,
+                &mut st.conv_q,
+                &mut qc[r.clone()],
+            );
+            conv::shortconv_silu(
+                &k[r.clone()],
+                &w.k_conv,
+                d.conv,
+                p,
+                &mut st.conv_k,
+                &mut kc[r.clone()],
+            );
+            conv::shortconv_silu(
+                &v[r.clone()],
+                &w.v_conv,
+                d.conv,
+                p,
+                &mut st.conv_v,
+                &mut vc[r],
+            );
+            r0 += g.rows;
+        }
         let mut z = vec![0f32; ntok * p];
         gemm(&w.f_b, &fa, &mut z, ntok, threads);
 
-        // The recurrence, head by head: every head's state, gate, norms and output depend on
-        // that head's channels only, so heads run on the pool (each in token order, exactly
-        // the sequential operations) and the result does not depend on the thread count.
+        // The recurrence, group by group and head by head: every head's state, gate, norms
+        // and output depend on that head's channels of its own group only, so the (group,
+        // head) pairs run on the pool (each in token order, exactly the sequential
+        // operations) and the result does not depend on the thread count or on the other
+        // groups.
         let qscale = 1.0 / (dk as f32).sqrt();
-        let head = |hh: usize, s: &mut [f32]| -> Vec<f32> {
+        // (first row of the group, its rows, head, the head's state)
+        let head = |(r0, rows, hh, s): (usize, usize, usize, &mut [f32])| -> Vec<f32> {
             let hr = hh * dk..(hh + 1) * dk;
             let (mut g, mut alpha) = (vec![0f32; dk], vec![0f32; dk]);
             let (mut qh, mut kh) = (vec![0f32; dk], vec![0f32; dk]);
             let mut scratch = vec![0f32; dk];
-            let mut out = vec![0f32; ntok * dk];
-            for t in 0..ntok {
-                // Head hh's channels of token t.
-                let c = t * p + hr.start..t * p + hr.end;
+            let mut out = vec![0f32; rows * dk];
+            for t in 0..rows {
+                // Head hh's channels of row r0 + t.
+                let c = (r0 + t) * p + hr.start..(r0 + t) * p + hr.end;
                 kda::decay_gate(
                     &z[c.clone()],
                     &w.a_log[hh..hh + 1],
@@ -158,39 +234,52 @@ impl KdaWeights<'_> {
                 norm::l2norm_inplace(&mut qh, eps.kda_l2);
                 norm::l2norm_inplace(&mut kh, eps.kda_l2);
                 qh.iter_mut().for_each(|x| *x *= qscale);
-                let b = sigmoid(beta[t * h + hh]);
+                let b = sigmoid(beta[(r0 + t) * h + hh]);
                 let oh = &mut out[t * dk..(t + 1) * dk];
                 let x = kda::DeltaIn {
                     q: &qh,
                     k: &kh,
-                    v: &vc[c.clone()],
+                    v: &vc[c],
                     alpha: &alpha,
                     beta: b,
                 };
                 kda::delta_step(s, x, oh, &mut scratch);
-                kda::output_norm_gate(oh, &gate[c], &w.o_norm, 1, eps.rms);
+                if let Some(j) = slots[r0 + t] {
+                    let gc = j * p + hr.start..j * p + hr.end;
+                    kda::output_norm_gate(oh, &gate[gc], &w.o_norm, 1, eps.rms);
+                }
             }
             out
         };
-        let per_head: Vec<Vec<f32>> = if threads > 1 {
-            st.s.par_chunks_mut(dk * dk)
-                .enumerate()
-                .map(|(hh, s)| head(hh, s))
-                .collect()
+        let mut jobs = Vec::with_capacity(groups.len() * h);
+        let mut r0 = 0;
+        for g in groups.iter_mut() {
+            for (hh, s) in g.state.s.chunks_mut(dk * dk).enumerate() {
+                jobs.push((r0, g.rows, hh, s));
+            }
+            r0 += g.rows;
+        }
+        let placed: Vec<(usize, usize, usize)> = jobs
+            .iter()
+            .map(|&(r0, rows, hh, _)| (r0, rows, hh))
+            .collect();
+        let per_job: Vec<Vec<f32>> = if threads > 1 {
+            jobs.into_par_iter().map(head).collect()
         } else {
-            st.s.chunks_mut(dk * dk)
-                .enumerate()
-                .map(|(hh, s)| head(hh, s))
-                .collect()
+            jobs.into_iter().map(head).collect()
         };
-        let mut o = vec![0f32; ntok * p];
-        for (hh, oh) in per_head.iter().enumerate() {
-            for t in 0..ntok {
-                o[t * p + hh * dk..t * p + (hh + 1) * dk]
-                    .copy_from_slice(&oh[t * dk..(t + 1) * dk]);
+        let mut o = vec![0f32; nout * p];
+        for (&(r0, rows, hh), oh) in placed.iter().zip(&per_job) {
+            for t in 0..rows {
+                if let Some(j) = slots[r0 + t] {
+                    o[j * p + hh * dk..j * p + (hh + 1) * dk]
+                        .copy_from_slice(&oh[t * dk..(t + 1) * dk]);
+                }
             }
         }
-        ctx.record("kda_state", &st.s);
+        for g in groups.iter() {
+            ctx.record("kda_state", &g.state.s);
+        }
         o
     }
 }

@@ -5,7 +5,7 @@
 
 use k3_model::classify::layer_tensor;
 
-use super::LayerCtx;
+use super::{gather_rows, out_slots, LayerCtx, Seg};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::act::mul_sigmoid;
 use crate::kernels::matmul::{gemm, gemm_fused, Mat};
@@ -63,7 +63,7 @@ impl MlaWeights<'_> {
     /// MLA over `ntok` tokens `u` (`ntok × hidden`, post input_layernorm) following the
     /// cached ones, up to its output projection, appending them to `cache`: the (gated)
     /// per-head values (`ntok × heads·v`) that `o_proj` ([`project_out`](super::project_out))
-    /// maps back to the hidden size.
+    /// maps back to the hidden size. The one-group case of [`MlaWeights::attend_groups`].
     pub fn attend(
         &self,
         ctx: &mut LayerCtx<'_>,
@@ -72,39 +72,85 @@ impl MlaWeights<'_> {
         ntok: usize,
         cache: &mut MlaCache,
     ) -> Vec<f32> {
+        self.attend_groups(
+            ctx,
+            d,
+            u,
+            &mut [Seg {
+                rows: ntok,
+                state: cache,
+            }],
+            None,
+        )
+    }
+
+    /// MLA over the rows `u` of a pass (`ntok × hidden`, post input_layernorm), the groups'
+    /// rows back to back, each group following its own cached tokens and appended to its
+    /// own cache: the (gated) per-head values of the rows in `live` (ascending row indices;
+    /// None: every row), `live.len() × heads·v`. A row outside `live` is only cached (its
+    /// latent, `k_rope`, and the keys and values expanded from the latent); its query, output
+    /// gate and attention are skipped.
+    pub fn attend_groups(
+        &self,
+        ctx: &mut LayerCtx<'_>,
+        d: &MlaGeometry,
+        u: &[f32],
+        groups: &mut [Seg<'_, MlaCache>],
+        live: Option<&[usize]>,
+    ) -> Vec<f32> {
         let (w, eps, threads) = (self, ctx.eps, ctx.threads);
+        let ntok: usize = groups.iter().map(|g| g.rows).sum();
+        let slots = out_slots(ntok, live);
+        let nout = live.map_or(ntok, |l| l.len());
         let qh = d.nope + d.rope;
-        let mut cq = vec![0f32; ntok * d.q_lora];
+        let mut cq = vec![0f32; nout * d.q_lora];
         let kvw = d.kv_lora + d.rope;
         let mut kv = vec![0f32; ntok * kvw];
         let ow = d.heads * d.v;
-        let mut gate = vec![0f32; if w.g.is_some() { ntok * ow } else { 0 }];
-        // q_a, kv_a and the output gate all read the layer input: one pass over `u`.
-        match &w.g {
-            Some(g) => gemm_fused(
-                &[&w.q_a, &w.kv_a, g],
-                u,
-                &mut [&mut cq, &mut kv, &mut gate],
-                ntok,
-                threads,
-            ),
-            None => gemm_fused(
-                &[&w.q_a, &w.kv_a],
-                u,
-                &mut [&mut cq, &mut kv],
-                ntok,
-                threads,
-            ),
+        let mut gate = vec![0f32; if w.g.is_some() { nout * ow } else { 0 }];
+        match live {
+            // q_a, kv_a and the output gate all read the layer input: one pass over `u`.
+            None => match &w.g {
+                Some(g) => gemm_fused(
+                    &[&w.q_a, &w.kv_a, g],
+                    u,
+                    &mut [&mut cq, &mut kv, &mut gate],
+                    ntok,
+                    threads,
+                ),
+                None => gemm_fused(
+                    &[&w.q_a, &w.kv_a],
+                    u,
+                    &mut [&mut cq, &mut kv],
+                    ntok,
+                    threads,
+                ),
+            },
+            // Every row is cached; only the live rows ask a query (and an output gate).
+            Some(rows) => {
+                gemm(&w.kv_a, u, &mut kv, ntok, threads);
+                if nout > 0 {
+                    let ul = gather_rows(u, rows, d.hidden);
+                    match &w.g {
+                        Some(g) => {
+                            gemm_fused(&[&w.q_a, g], &ul, &mut [&mut cq, &mut gate], nout, threads)
+                        }
+                        None => gemm(&w.q_a, &ul, &mut cq, nout, threads),
+                    }
+                }
+            }
         }
-        for t in 0..ntok {
+        for t in 0..nout {
             norm::rmsnorm_inplace(
                 &mut cq[t * d.q_lora..(t + 1) * d.q_lora],
                 Some(&w.q_a_norm),
                 eps.mla_lora,
             );
         }
-        let mut q = vec![0f32; ntok * d.heads * qh];
-        gemm(&w.q_b, &cq, &mut q, ntok, threads);
+        let mut q = vec![0f32; nout * d.heads * qh];
+        if nout > 0 {
+            gemm(&w.q_b, &cq, &mut q, nout, threads);
+        }
         let mut lat = vec![0f32; ntok * d.kv_lora];
         for t in 0..ntok {
             norm::rmsnorm(
@@ -113,11 +159,7 @@ impl MlaWeights<'_> {
                 eps.mla_lora,
                 &mut lat[t * d.kv_lora..(t + 1) * d.kv_lora],
             );
-            cache
-                .k_rope
-                .extend_from_slice(&kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
         }
-        cache.latent.extend_from_slice(&lat);
         ctx.record("mla_latent", &lat);
         for t in 0..ntok {
             ctx.record("mla_k_rope", &kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
@@ -125,38 +167,54 @@ impl MlaWeights<'_> {
         let per = d.nope + d.v;
         let mut kvb = vec![0f32; ntok * d.heads * per];
         gemm(&w.kv_b, &lat, &mut kvb, ntok, threads);
-        for t in 0..ntok {
-            for h in 0..d.heads {
-                let base = (t * d.heads + h) * per;
-                cache.k_nope.extend_from_slice(&kvb[base..base + d.nope]);
-            }
-            for h in 0..d.heads {
-                let base = (t * d.heads + h) * per;
-                cache.v.extend_from_slice(&kvb[base + d.nope..base + per]);
-            }
-        }
-        let first = cache.len;
-        cache.len += ntok;
         let dims = mla::MlaDims {
             heads: d.heads,
             nope: d.nope,
             rope: d.rope,
             v: d.v,
         };
-        let view = mla::MlaCacheView {
-            k_nope: &cache.k_nope,
-            v: &cache.v,
-            k_rope: &cache.k_rope,
-        };
-        let mut o = vec![0f32; ntok * ow];
-        for t in 0..ntok {
-            mla::attend(
-                dims,
-                &q[t * d.heads * qh..(t + 1) * d.heads * qh],
-                &view,
-                first + t,
-                &mut o[t * ow..(t + 1) * ow],
-            );
+        let mut o = vec![0f32; nout * ow];
+        let mut r0 = 0;
+        for g in groups.iter_mut() {
+            let cache = &mut *g.state;
+            let rows = r0..r0 + g.rows;
+            for t in rows.clone() {
+                cache
+                    .k_rope
+                    .extend_from_slice(&kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
+            }
+            cache
+                .latent
+                .extend_from_slice(&lat[r0 * d.kv_lora..rows.end * d.kv_lora]);
+            for t in rows.clone() {
+                for h in 0..d.heads {
+                    let base = (t * d.heads + h) * per;
+                    cache.k_nope.extend_from_slice(&kvb[base..base + d.nope]);
+                }
+                for h in 0..d.heads {
+                    let base = (t * d.heads + h) * per;
+                    cache.v.extend_from_slice(&kvb[base + d.nope..base + per]);
+                }
+            }
+            let first = cache.len;
+            cache.len += g.rows;
+            let view = mla::MlaCacheView {
+                k_nope: &cache.k_nope,
+                v: &cache.v,
+                k_rope: &cache.k_rope,
+            };
+            for t in rows {
+                if let Some(j) = slots[t] {
+                    mla::attend(
+                        dims,
+                        &q[j * d.heads * qh..(j + 1) * d.heads * qh],
+                        &view,
+                        first + (t - r0),
+                        &mut o[j * ow..(j + 1) * ow],
+                    );
+                }
+            }
+            r0 += g.rows;
         }
         if w.g.is_some() {
             mul_sigmoid(&mut o, &gate);

@@ -11,6 +11,13 @@
 //! (KDA recurrence and conv tails, the MLA cache) lives in the caller's session and is
 //! advanced in token order, so a batch of T tokens gives bit-identical results to T
 //! single-token calls.
+//!
+//! A pass may carry several sessions at once: its rows are the [`Seg`]s of its groups back
+//! to back (each group a session's consecutive tokens with that session's state). Every
+//! product runs over all rows together; what is sequential (the conv tails, the
+//! recurrence, the cache) runs per group on the group's own state. Every row's result is
+//! a function of its own row and its own session only (the products' contract,
+//! `kernels::matmul`), so it is the same whatever else shares the pass.
 
 use std::collections::BTreeMap;
 
@@ -104,6 +111,38 @@ impl Eps {
             mla_lora: 1e-6,
         }
     }
+}
+
+/// One group of a pass over several sessions: `rows` consecutive tokens of one session and
+/// that session's carried state for the layer ([`kda::KdaState`], [`mla::MlaCache`]).
+pub struct Seg<'s, S> {
+    pub rows: usize,
+    pub state: &'s mut S,
+}
+
+/// For each of `ntok` rows, its index among the rows whose output is wanted (`live`,
+/// ascending row indices; None: every row, in order), or None for a row whose output is
+/// not wanted.
+pub(crate) fn out_slots(ntok: usize, live: Option<&[usize]>) -> Vec<Option<usize>> {
+    match live {
+        None => (0..ntok).map(Some).collect(),
+        Some(rows) => {
+            let mut slots = vec![None; ntok];
+            for (j, &r) in rows.iter().enumerate() {
+                slots[r] = Some(j);
+            }
+            slots
+        }
+    }
+}
+
+/// The `width`-wide rows `rows` of `x`, back to back.
+pub(crate) fn gather_rows(x: &[f32], rows: &[usize], width: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows.len() * width);
+    for &r in rows {
+        out.extend_from_slice(&x[r * width..(r + 1) * width]);
+    }
+    out
 }
 
 /// An attention module's output projection (`o_proj`, `[hidden, width]`) of `ntok` rows of

@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::PathBuf;
 
+use k3_layer_compute::kernels::simd;
+use k3_layer_compute::kernels::tuning::{self, Isa, KernelTuning};
 use k3_layer_compute::{Model, ModelOptions, SourceWeights};
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
@@ -183,6 +185,11 @@ pub type TinyModel = Model<SourceWeights<MmapWeights>>;
 
 /// Load a tiny model directory (`tiny-seed`, `tiny-mxfp4`, or their `sharded/`).
 pub fn load(rel: &str, threads: usize) -> TinyModel {
+    load_layers(rel, threads, None)
+}
+
+/// [`load`] binding only the first `layers` layers (None: all).
+pub fn load_layers(rel: &str, threads: usize, layers: Option<usize>) -> TinyModel {
     let dir = fixtures().join(rel);
     let cfg = ModelConfig::load_dir(&dir).unwrap_or_else(|e| panic!("{e}"));
     let w = MmapWeights::open(&dir).unwrap_or_else(|e| panic!("{e}"));
@@ -191,6 +198,7 @@ pub fn load(rel: &str, threads: usize) -> TinyModel {
         SourceWeights::new(w),
         ModelOptions {
             threads,
+            layers,
             ..Default::default()
         },
     )
@@ -251,4 +259,22 @@ fn assert_bits_eq_checks_lengths() {
 fn assert_bits_eq_checks_bits() {
     // -0.0 == 0.0 as floats; bitwise it differs.
     assert_bits_eq("x", &[1.0, -0.0], &[1.0, 0.0]);
+}
+
+/// The ISAs this host runs, best first, portable last. One the CPU lacks is reported
+/// (`SKIPPED:`), or fails the test when `K3_REQUIRE_SIMD` names it (`simd::runnable`).
+pub fn host_paths(test: &str) -> Vec<Isa> {
+    [Isa::Avx512, Isa::Avx2]
+        .into_iter()
+        .filter(|&i| simd::runnable(test, i))
+        .chain([Isa::Portable])
+        .collect()
+}
+
+/// Cap the products at `isa` for this process (the test's kernel choice).
+pub fn cap_isa(isa: Isa) {
+    tuning::install(KernelTuning {
+        max_isa: Some(isa),
+        ..KernelTuning::default()
+    });
 }
