@@ -29,12 +29,13 @@
 //! - **Four tokens or more** (prefill): rows in groups of [`RB`] (4), tokens in passes of
 //!   up to [`TC`] (16). Per group and pass, block by block (512 columns), the group's
 //!   weights are staged once into an aligned L1 buffer as bf16 parts (BF16 copied, MXFP4
-//!   decoded, F32 split), then every tile of 3 tokens (the rest in tiles of 2 and 1) runs
-//!   the block: 4 rows × 3 tokens is 24 accumulators, 4 weight and 3 activation
-//!   registers (31 of 32 zmm), 13 loads against 36 `vdpbf16ps` per group, compute-bound
-//!   (two loads and two `vdpbf16ps` issue per cycle on Zen 5), and the `s` chain (two
-//!   dependent `vdpbf16ps` per group) is covered by 36 independent ones. F32 weights run
-//!   2 rows × 3 tokens (6 weight registers).
+//!   decoded, F32 split), then every tile of 2 tokens (an odd one alone) runs the block:
+//!   4 rows × 2 tokens is 16 accumulators, 4 weight and 3 activation registers (23 of 32
+//!   zmm), 10 loads against 24 `vdpbf16ps` per group, compute-bound (two loads and two
+//!   `vdpbf16ps` issue per cycle on Zen 5), and the `s` chain (two dependent
+//!   `vdpbf16ps` per group) is covered by the 24 independent ones. (4 × 3, 31 registers,
+//!   compiled with accumulators spilled to the stack and moved around every group.) F32
+//!   weights run 2 rows × 3 tokens (6 weight registers).
 //!
 //! Tiling never changes what a (row, token) lane computes: the same steps in the same
 //! order, so one token, a batch, any tile and any thread split give the same bits.
@@ -512,8 +513,7 @@ unsafe fn rows_staged<F: Format, const NP: usize>(
                     unsafe {
                         let a = &mut acc[t0..];
                         match (NP, left) {
-                            (1, 3..) => block::<_, NP, RB, 3>(&src, 0, (q, qe), xt, a, tc),
-                            (1, 2) => block::<_, NP, RB, 2>(&src, 0, (q, qe), xt, a, tc),
+                            (1, 2..) => block::<_, NP, RB, 2>(&src, 0, (q, qe), xt, a, tc),
                             (1, _) => block::<_, NP, RB, 1>(&src, 0, (q, qe), xt, a, tc),
                             (_, 3..) => {
                                 block::<_, NP, 2, 3>(&src, 0, (q, qe), xt, a, tc);
@@ -532,7 +532,7 @@ unsafe fn rows_staged<F: Format, const NP: usize>(
                             }
                         }
                     }
-                    t0 += left.min(3);
+                    t0 += left.min(if NP == 1 { 2 } else { 3 });
                 }
                 q = qe;
             }
