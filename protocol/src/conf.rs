@@ -146,8 +146,9 @@ pub struct ComputeConf {
     pub tuning: KernelTuning,
 }
 
-/// Settings of layer-compute's product kernels (`k3_layer_compute::kernels::tuning`). No
-/// setting changes a result: every instruction set gives the same bits, and the others
+/// Settings of layer-compute's product kernels (`k3_layer_compute::kernels::tuning`). Only
+/// `product` changes results (it chooses the numerics contract, design.md "Product
+/// paths"): every instruction set of a path gives the same bits, and the other settings
 /// choose loop shapes and prefetch distances. Every field is optional; None (and a field
 /// absent from the JSON) means automatic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -165,6 +166,39 @@ pub struct KernelTuning {
     /// The form the AVX-512 batched product stages its weights in
     /// (`K3_WEIGHT_STAGING`); None: by CPU vendor.
     pub weight_staging: Option<WeightStaging>,
+    /// The product path every matrix product of the run follows (`K3_SIMD=exact` or
+    /// `K3_SIMD=bf16x3`); None: chosen from the CPU's features.
+    pub product: Option<ProductPath>,
+}
+
+/// The numerics contract of the matrix products (design.md, "Product paths"): one per run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProductPath {
+    /// f32 FMA inside fixed 1024-column blocks, promoted to f64 between blocks, fixed
+    /// tree: the same bits on every instruction set and every machine.
+    Exact,
+    /// Activations split into three exact bf16 parts, multiplied on the CPU's bf16
+    /// dot-product hardware with f32 accumulation in the hardware's order.
+    Bf16x3,
+}
+
+impl ProductPath {
+    /// Every product path.
+    pub const ALL: [ProductPath; 2] = [ProductPath::Exact, ProductPath::Bf16x3];
+
+    /// Name for reports and the `K3_SIMD` value that selects it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProductPath::Exact => "exact",
+            ProductPath::Bf16x3 => "bf16x3",
+        }
+    }
+
+    /// The product path named `s` ([`ProductPath::name`]).
+    pub fn from_name(s: &str) -> Option<ProductPath> {
+        ProductPath::ALL.into_iter().find(|p| p.name() == s)
+    }
 }
 
 /// An instruction set of layer-compute's kernels, narrowest first (every one gives the

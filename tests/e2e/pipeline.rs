@@ -68,16 +68,31 @@ fn generate(model: &Path, prompt: &[u32], n: usize, extra: &[&str]) -> Vec<u32> 
         .collect()
 }
 
+/// The demo's verdict on each product path this host has: `K3_SIMD=exact`, and `bf16x3`
+/// where the CPU has its AVX512-BF16 kernel (else `SKIPPED:`, or a failure under
+/// `K3_REQUIRE_SIMD=bf16x3`).
 #[test]
 fn demo_passes_its_verdict() {
-    let o = Command::new(bin()).arg("demo").output().unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(stdout.contains("VERDICT: PASS - 20/20"), "{stdout}");
+    use k3_layer_compute::kernels::simd::{runnable_path, ProductPath};
+    for path in ProductPath::ALL {
+        if !runnable_path("demo_passes_its_verdict", path) {
+            continue;
+        }
+        let o = Command::new(bin())
+            .arg("demo")
+            .env("K3_SIMD", path.name())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success(),
+            "K3_SIMD={}: {stdout}\n{}",
+            path.name(),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let pass = stdout.contains("VERDICT: PASS - 20/20");
+        assert!(pass, "K3_SIMD={}: {stdout}", path.name());
+    }
 }
 
 /// Both tiny models, all three modes, incremental and full recompute: the oracle's ids.

@@ -1,11 +1,15 @@
 //! Kernel table at Kimi K3's real shapes: bf16 and MXFP4 weights, 1 and 2 threads (rayon
-//! pools), AVX-512 / AVX2 / portable, plain GEMV, fused products sharing one input and a
-//! batched 16-token GEMM, in GB/s of weight bytes read (MXFP4: packed + scale bytes),
-//! beside the memory read bandwidth measured in the same run by a vectorised read, and
-//! the load average (`uptime`) at the start and the end.
+//! pools), every kernel this CPU has (product path and instruction set: `exact/avx512`,
+//! `exact/avx2`, `exact/portable`, `bf16x3/avx512bf16`, `bf16x3/portable`), plain GEMV,
+//! fused products sharing one input and batched GEMMs (4, 16 and 64 tokens), in GB/s of
+//! weight bytes read (MXFP4: packed + scale bytes) and GMAC/s, beside the memory read
+//! bandwidth measured in the same run by a vectorised read, and the load average
+//! (`uptime`) at the start and the end.
 //!
 //! Run: `cargo run --release -p k3-layer-compute --example gemv_bench [-- --quick | --membw]
-//! [--only NAME] [--path avx512|avx2|portable] [--th 1|2] [--sweep]`.
+//! [--only NAME] [--path KERNEL] [--th 1|2] [--sweep]`. `--path` takes a kernel's name
+//! (`bf16x3/avx512bf16`), a product path (`bf16x3`: its kernels) or an instruction set
+//! (`avx512`: the exact path's).
 //!
 //! The read probe sums a 1 GiB buffer (10× the L3 here) with AVX-512 loads on the same
 //! rayon pools as the kernels, with 1, 4 and 8 interleaved streams per task (rows of
@@ -25,7 +29,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use k3_layer_compute::kernels::matmul::{gemm, gemm_fused, gemv, Mat};
-use k3_layer_compute::kernels::simd::{self, Isa};
+use k3_layer_compute::kernels::simd::{self, Isa, Kernel, ProductPath};
 use k3_layer_compute::kernels::tuning::{self, DriverTuning, KernelTuning};
 use k3_layer_compute::membw;
 
@@ -260,16 +264,18 @@ fn main() {
         return;
     }
     println!(
-        "best path: {} (AVX2+FMA {}, AVX-512F {}); AVX-512 batched staging: {:?} \
-         (K3_WEIGHT_STAGING)",
+        "best path: {} (AVX2+FMA {}, AVX-512F {}, AVX512-BF16 dot product {}); automatic \
+         product path: {}; AVX-512 batched staging: {:?} (K3_WEIGHT_STAGING)",
         simd::best_available().name(),
         simd::avx2_available(),
         simd::avx512_available(),
+        simd::bf16_dot_available(),
+        simd::auto_product().name(),
         DriverTuning::of(&base).staging
     );
     println!();
     println!(
-        "{:<8} {:<34} {:>8} {:>3} {:>8} {:>8} {:>7} {:>9} {:>9}",
+        "{:<8} {:<34} {:>8} {:>3} {:>17} {:>8} {:>7} {:>9} {:>9}",
         "format",
         "case (out x in)",
         "MB/set",
@@ -312,6 +318,13 @@ fn main() {
             shapes: vec![(12288, 7168)],
             kind: Kind::Batch(16),
         },
+        // A prompt chunk's dense products: compute-bound, where bf16x3 and exact differ.
+        Case {
+            name: "batch64 latent down 3584x7168",
+            fmt: Fmt::Bf16,
+            shapes: vec![(3584, 7168)],
+            kind: Kind::Batch(64),
+        },
         Case {
             name: "expert w1/w3 3072x3584",
             fmt: Fmt::Mxfp4,
@@ -336,6 +349,12 @@ fn main() {
             shapes: vec![(3072, 3584)],
             kind: Kind::Batch(16),
         },
+        Case {
+            name: "batch64 expert w1 3072x3584",
+            fmt: Fmt::Mxfp4,
+            shapes: vec![(3072, 3584)],
+            kind: Kind::Batch(64),
+        },
         // A prompt's routed expert sees about top-k x tokens / experts of them (16 x 16 / 64
         // on the slice): the prefill's typical batch.
         Case {
@@ -345,14 +364,27 @@ fn main() {
             kind: Kind::Batch(4),
         },
     ];
-    let mut paths = vec![];
-    if simd::avx512_available() {
-        paths.push(Isa::Avx512);
-    }
-    if simd::avx2_available() {
-        paths.push(Isa::Avx2);
-    }
-    paths.push(Isa::Portable);
+    // Every kernel this CPU has, fastest first within a path.
+    let paths: Vec<(ProductPath, Isa)> = [
+        (ProductPath::Exact, Isa::Avx512),
+        (ProductPath::Exact, Isa::Avx2),
+        (ProductPath::Exact, Isa::Portable),
+        (ProductPath::Bf16x3, Isa::Avx512),
+        (ProductPath::Bf16x3, Isa::Portable),
+    ]
+    .into_iter()
+    .filter(|&(pp, i)| simd::path_available(pp, i))
+    .collect();
+    let kernel_name = |pp: ProductPath, i: Isa| Kernel::with_path(pp, i, &base).name();
+    // `--path`: a kernel's name, a product path's (all its kernels) or an instruction
+    // set's (the exact path's kernel on it, as before product paths existed).
+    let wanted = |pp: ProductPath, i: Isa| {
+        only_path.as_ref().is_none_or(|o| {
+            *o == kernel_name(pp, i)
+                || *o == pp.name()
+                || (pp == ProductPath::Exact && *o == i.name())
+        })
+    };
 
     for c in &cases {
         if quick && c.shapes[0].0 == 163840 {
@@ -406,7 +438,7 @@ fn main() {
             .iter()
             .map(|&(r, _)| vec![0f32; r * ntok])
             .collect();
-        for (&p, &(trows, tpf)) in paths
+        for (&(pp, p), &(trows, tpf)) in paths
             .iter()
             .flat_map(|p| tunings.iter().map(move |t| (p, t)))
         {
@@ -415,10 +447,17 @@ fn main() {
             }
             tuning::install(KernelTuning {
                 max_isa: Some(p),
+                product: Some(pp),
                 decode_rows: trows,
                 decode_prefetch: tpf,
                 ..base
             });
+            let kernel = Kernel::current();
+            assert_eq!(
+                (kernel.product(), kernel.isa()),
+                (pp, p),
+                "the kernel asked for"
+            );
             for (ti, pool) in pools.iter().enumerate() {
                 let threads = ti + 1;
                 // The portable twin is a reference, not a fast path: one thread, GEMV only.
@@ -428,9 +467,7 @@ fn main() {
                 if p == Isa::Portable && c.shapes[0].0 == 163840 {
                     continue;
                 }
-                if only_path.as_ref().is_some_and(|o| o != p.name())
-                    || only_th.is_some_and(|n| n != threads)
-                {
+                if !wanted(pp, p) || only_th.is_some_and(|n| n != threads) {
                     continue;
                 }
                 let mut best = f64::MAX;
@@ -479,12 +516,12 @@ fn main() {
                     c.name.to_string()
                 };
                 println!(
-                    "{:<8} {:<w$} {:>8.1} {:>3} {:>8} {:>8.2} {:>6.0}% {:>9.1} {:>9.1}",
+                    "{:<8} {:<w$} {:>8.1} {:>3} {:>17} {:>8.2} {:>6.0}% {:>9.1} {:>9.1}",
                     if c.fmt == Fmt::Bf16 { "bf16" } else { "mxfp4" },
                     label,
                     set_bytes as f64 / 1e6,
                     threads,
-                    p.name(),
+                    kernel.name(),
                     gbs,
                     pct,
                     (macs * copies) as f64 / best / 1e9,

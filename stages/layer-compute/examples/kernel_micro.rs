@@ -1,17 +1,18 @@
 //! Kernel arithmetic rate with the weights in cache (no DRAM): GMAC/s of one thread for
-//! bf16 and MXFP4 at 1 and 16 tokens, per path, in wall time and per CPU-second of the
-//! thread (`/proc/thread-self/schedstat`: meaningful on a loaded machine too).
-//! Complements `gemv_bench` (DRAM rates).
+//! bf16 and MXFP4 at 1, 4 and 16 tokens, per kernel (product path and instruction set:
+//! `exact/avx512`, `exact/avx2`, `bf16x3/avx512bf16` where the CPU has them), in wall time
+//! and per CPU-second of the thread (`/proc/thread-self/schedstat`: meaningful on a loaded
+//! machine too). Complements `gemv_bench` (DRAM rates).
 //!
 //! Run: `cargo run --release -p k3-layer-compute --example kernel_micro [FMT [NTOK]]
-//! [--direct] [--avx512]`.
+//! [--direct] [--avx512 | --bf16x3]` (`--avx512`: the exact AVX-512 kernel alone;
+//! `--bf16x3`: the bf16x3 kernel alone).
 
 use std::hint::black_box;
 use std::time::Instant;
 
-use k3_layer_compute::kernels::matmul::{gemm_on, rows_permuted_on, Mat};
-use k3_layer_compute::kernels::portable::permute_tokens;
-use k3_layer_compute::kernels::simd::{Isa, Kernel};
+use k3_layer_compute::kernels::matmul::{gemm_on, rows_prepared_on, Mat, Prepared};
+use k3_layer_compute::kernels::simd::{self, Isa, Kernel, ProductPath};
 
 /// On-CPU seconds of the calling thread (`/proc/thread-self/schedstat`), so a busy
 /// machine's share can be told apart from the kernel's rate; NaN where unavailable.
@@ -67,27 +68,39 @@ fn main() {
         for &ntok in &counts {
             let x: Vec<f32> = (0..ntok * cols).map(|i| (i % 13) as f32 * 0.1).collect();
             let mut y = vec![0f32; ntok * rows];
-            // `--avx512`: that path alone.
-            let paths: &[Isa] = if args.iter().any(|a| a == "--avx512") {
-                &[Isa::Avx512]
-            } else {
-                &[Isa::Avx512, Isa::Avx2]
-            };
-            for &p in paths {
+            // `--avx512` / `--bf16x3`: that kernel alone.
+            let all = [
+                (ProductPath::Exact, Isa::Avx512),
+                (ProductPath::Exact, Isa::Avx2),
+                (ProductPath::Bf16x3, Isa::Avx512),
+            ];
+            let kernels: Vec<Kernel> = all
+                .into_iter()
+                .filter(|&(pp, i)| simd::path_available(pp, i))
+                .filter(|&(pp, i)| {
+                    !args.iter().any(|a| a == "--avx512")
+                        || (pp, i) == (ProductPath::Exact, Isa::Avx512)
+                })
+                .filter(|&(pp, _)| {
+                    !args.iter().any(|a| a == "--bf16x3") || pp == ProductPath::Bf16x3
+                })
+                .map(|(pp, i)| Kernel::on_path(pp, i))
+                .collect();
+            for k in &kernels {
                 let iters = (2000 / ntok * if args.len() > 2 { 5 } else { 1 }) * (128 * 7168)
                     / (rows * cols);
                 let c0 = thread_cpu();
                 let t0 = Instant::now();
-                // `--direct` (with FMT NTOK): the row kernel alone on a permuted input.
+                // `--direct` (with FMT NTOK): the row kernel alone on a prepared input.
                 let direct = args.iter().any(|a| a == "--direct");
-                let xp = permute_tokens(&x, cols, ntok);
+                let xp = Prepared::new(k, &x, cols, ntok);
                 let mut sums = vec![0f64; rows * ntok];
                 for _ in 0..iters {
                     if direct {
-                        rows_permuted_on(&Kernel::on(p), m, &xp, ntok, &mut sums);
+                        rows_prepared_on(k, m, &xp, ntok, &mut sums);
                         black_box(&sums);
                     } else {
-                        gemm_on(&Kernel::on(p), m, &x, &mut y, ntok);
+                        gemm_on(k, m, &x, &mut y, ntok);
                         black_box(&y);
                     }
                 }
@@ -97,9 +110,9 @@ fn main() {
                 let gbs = (iters * m.weight_bytes()) as f64 / dt / 1e9;
                 let per_cpu = (iters * rows * cols * ntok) as f64 / cpu / 1e9;
                 println!(
-                    "{name:<6} ntok {ntok:>2} {:<7} {gmac:>7.1} GMAC/s  {gbs:>7.1} GB/s of weights \
-                     (cached)  {per_cpu:>7.1} GMAC/cpu-s",
-                    p.name()
+                    "{name:<6} ntok {ntok:>2} {:<17} {gmac:>7.1} GMAC/s  {gbs:>7.1} GB/s of \
+                     weights (cached)  {per_cpu:>7.1} GMAC/cpu-s",
+                    k.name()
                 );
             }
         }

@@ -1,5 +1,7 @@
 //! Gates on the committed tiny models against the independent oracles (FIXTURES.md):
-//! the seed's PyTorch reference, k3ref (float64, spec epsilons) and llama.cpp.
+//! the seed's PyTorch reference, k3ref (float64, spec epsilons) and llama.cpp. Each gate
+//! runs once per product path this host has (`exact`, and `bf16x3` on AVX512-BF16:
+//! `support::on_each_path`), with the same tolerances.
 
 mod support;
 
@@ -18,6 +20,12 @@ fn rows_argmax(logits: &[f32], vocab: usize) -> Vec<u32> {
 // latent norm skipped / per expert, MLA scale and rope dims, AttnRes variants.
 #[test]
 fn tiny_seed_teacher_forced_matches_oracles() {
+    on_each_path("tiny_seed_teacher_forced_matches_oracles", |_| {
+        tiny_seed_teacher_forced()
+    });
+}
+
+fn tiny_seed_teacher_forced() {
     let m = load("tiny-seed", 1);
     let dir = fixtures().join("tiny-seed");
     let seed = read_json(&dir.join("expected-seed-ref.json"));
@@ -63,6 +71,12 @@ fn tiny_seed_teacher_forced_matches_oracles() {
 
 #[test]
 fn tiny_mxfp4_teacher_forced_matches_oracles() {
+    on_each_path("tiny_mxfp4_teacher_forced_matches_oracles", |_| {
+        tiny_mxfp4_teacher_forced()
+    });
+}
+
+fn tiny_mxfp4_teacher_forced() {
     let dir = fixtures().join("tiny-mxfp4");
     let single = load("tiny-mxfp4", 1);
     let sharded = load("tiny-mxfp4/sharded", 1);
@@ -135,44 +149,56 @@ fn check_generation(rel: &str, expected: &str) {
 
 #[test]
 fn tiny_seed_greedy_and_incremental() {
-    check_generation("tiny-seed", "tiny-seed/expected-seed-ref.json");
+    on_each_path("tiny_seed_greedy_and_incremental", |_| {
+        check_generation("tiny-seed", "tiny-seed/expected-seed-ref.json")
+    });
 }
 
 #[test]
 fn tiny_mxfp4_greedy_and_incremental() {
-    check_generation("tiny-mxfp4", "tiny-mxfp4/expected-llamacpp.json");
+    on_each_path("tiny_mxfp4_greedy_and_incremental", |_| {
+        check_generation("tiny-mxfp4", "tiny-mxfp4/expected-llamacpp.json")
+    });
 }
 
 // Same tensors in the released multi-shard layout: bit-identical logits.
 #[test]
 fn tiny_seed_sharded_is_bit_identical() {
-    let e = read_json(&fixtures().join("tiny-seed/expected-seed-ref.json"));
-    let full = ids(&e, "full_ids");
-    let a = load("tiny-seed", 1).forward_all(&full).unwrap();
-    let b = load("tiny-seed/sharded", 1).forward_all(&full).unwrap();
-    assert_bits_eq("tiny-seed single vs sharded", &a.logits, &b.logits);
+    on_each_path("tiny_seed_sharded_is_bit_identical", |_| {
+        let e = read_json(&fixtures().join("tiny-seed/expected-seed-ref.json"));
+        let full = ids(&e, "full_ids");
+        let a = load("tiny-seed", 1).forward_all(&full).unwrap();
+        let b = load("tiny-seed/sharded", 1).forward_all(&full).unwrap();
+        assert_bits_eq("tiny-seed single vs sharded", &a.logits, &b.logits);
+    });
 }
 
 // Determinism: threads split rows (never a reduction) and the SIMD kernels repeat the
-// portable ones bit for bit, so ids and logits are identical. With 2 threads the prompt's
+// portable ones bit for bit, so ids and logits are identical, on each product path (on
+// bf16x3: the AVX512-BF16 kernel against its portable twin). With 2 threads the prompt's
 // routed experts (one delivery of up to 8 per layer) also run side by side, one per
 // thread, instead of one after another (catches outputs swapped between experts there).
 // Every SIMD path this host has is compared with the portable one; a path it lacks is
 // reported (`SKIPPED:`), or fails the test when `K3_REQUIRE_SIMD` names it.
 #[test]
 fn threads_and_simd_do_not_change_logits() {
-    let e = read_json(&fixtures().join("tiny-mxfp4/expected-k3ref.json"));
-    let full = ids(&e, "full_ids");
-    let port = {
-        let _cap = cap_isa(Isa::Portable);
-        load("tiny-mxfp4", 1).forward_all(&full).unwrap()
-    };
-    for path in host_paths("threads_and_simd_do_not_change_logits") {
-        let _cap = cap_isa(path);
-        for threads in [1, 2] {
-            let out = load("tiny-mxfp4", threads).forward_all(&full).unwrap();
-            let what = format!("{} with {threads} threads vs portable with 1", path.name());
-            assert_bits_eq(&what, &port.logits, &out.logits);
+    on_each_path("threads_and_simd_do_not_change_logits", |path| {
+        let e = read_json(&fixtures().join("tiny-mxfp4/expected-k3ref.json"));
+        let full = ids(&e, "full_ids");
+        install_path(path, Some(Isa::Portable));
+        let port = load("tiny-mxfp4", 1).forward_all(&full).unwrap();
+        for isa in host_paths("threads_and_simd_do_not_change_logits") {
+            install_path(path, Some(isa));
+            for threads in [1, 2] {
+                let out = load("tiny-mxfp4", threads).forward_all(&full).unwrap();
+                let what = format!(
+                    "{} {} with {threads} threads vs portable with 1",
+                    path.name(),
+                    isa.name()
+                );
+                assert_bits_eq(&what, &port.logits, &out.logits);
+            }
         }
-    }
+        install_path(path, None);
+    });
 }

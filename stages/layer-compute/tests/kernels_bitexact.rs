@@ -7,12 +7,28 @@
 //! (in rows of their own), which must come out with the same bits on every path (a NaN
 //! result as a NaN: its payload is not part of the contract).
 //!
+//! The `bf16x3` path the same way: its AVX512-BF16 kernel against its portable twin on
+//! the same inputs plus adversarial ones (parts below 2^-126, huge exponents, exact
+//! cancellation, every MXFP4 scale byte), one token against batched, threads and fusion,
+//! and its error budget.
+//!
 //! An instruction set the CPU lacks is reported (`SKIPPED:`, [`simd::runnable`]), never
-//! replaced by another; under `K3_REQUIRE_SIMD` (CI) the test fails instead.
+//! replaced by another; under `K3_REQUIRE_SIMD` (CI) the test fails instead. Tests that
+//! run products on the installed kernels hold [`installed`] (one of them installs the
+//! `bf16x3` path, which changes results).
+
+use std::sync::{Mutex, MutexGuard};
 
 use k3_layer_compute::kernels::matmul::{gemm, gemm64, gemm_fused, gemm_on, gemv, Mat};
 use k3_layer_compute::kernels::tuning::{self, KernelTuning, WeightStaging};
-use k3_layer_compute::kernels::{mxfp4, simd, simd::Isa, simd::Kernel};
+use k3_layer_compute::kernels::{mxfp4, simd, simd::Isa, simd::Kernel, simd::ProductPath};
+
+/// The installed tuning for the tests that use it: a test that installs another product
+/// path would change the others' results meanwhile.
+fn installed() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn rng(s: &mut u64) -> u64 {
     *s ^= *s << 13;
@@ -283,6 +299,7 @@ fn mxfp4_equals_dequantised_f32_bitwise() {
 // from the plain single-threaded product.
 #[test]
 fn fused_threads_and_f64_outputs_agree() {
+    let _installed = installed();
     let mut s = 0x0bad_cafe_dead_beefu64;
     let cols = 1500;
     let mats: Vec<Owned> = [("bf16", 700), ("mxfp4", 333), ("bf16", 64), ("f32", 129)]
@@ -350,8 +367,9 @@ fn fused_threads_and_f64_outputs_agree() {
 }
 
 // Catches: a contract change that breaks the documented error budget (matmul.rs module doc:
-// |y − exact| ≤ 33·u32·Σ|w·x| + u32·|y|), e.g. f32 blocks much longer than 1024 columns or
-// an f32 tree. Reports the worst observed error relative to Σ|w·x|.
+// |y − exact| ≤ 33·u32·Σ|w·x| + u32·|y|, the same for bf16x3: bf16x3.rs), e.g. f32 blocks
+// much longer than 1024 columns (512 on bf16x3), an f32 tree, or a bf16x3 split that is not
+// exact. Reports the worst observed error relative to Σ|w·x| on each path.
 #[test]
 fn error_within_documented_budget() {
     let mut s = 0x5eed_0000_1111_2222u64;
@@ -359,26 +377,37 @@ fn error_within_documented_budget() {
     let o = Owned::new("bf16", rows, cols, &mut s);
     let m = o.mat();
     let x: Vec<f32> = (0..cols).map(|_| randf(&mut s)).collect();
-    let mut y = vec![0f32; rows];
-    gemv(&m, &x, &mut y, 1);
-    let u32_ = 2f64.powi(-24);
-    let mut worst = 0f64;
-    for (r, &yr) in y.iter().enumerate() {
-        let (mut exact, mut a) = (0f64, 0f64);
-        for (c, &xc) in x.iter().enumerate() {
-            let b = &o.a[2 * (r * cols + c)..];
-            let w = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64;
-            exact += w * xc as f64;
-            a += (w * xc as f64).abs();
+    let hw = simd::runnable_path("error_within_documented_budget", ProductPath::Bf16x3);
+    let bf16x3 = if hw { Isa::Avx512 } else { Isa::Portable };
+    for k in [
+        Kernel::on(simd::best_available()),
+        Kernel::on_path(ProductPath::Bf16x3, bf16x3),
+    ] {
+        let mut y = vec![0f32; rows];
+        gemm_on(&k, &m, &x, &mut y, 1);
+        let u32_ = 2f64.powi(-24);
+        let mut worst = 0f64;
+        for (r, &yr) in y.iter().enumerate() {
+            let (mut exact, mut a) = (0f64, 0f64);
+            for (c, &xc) in x.iter().enumerate() {
+                let b = &o.a[2 * (r * cols + c)..];
+                let w = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64;
+                exact += w * xc as f64;
+                a += (w * xc as f64).abs();
+            }
+            let err = (yr as f64 - exact).abs();
+            assert!(
+                err <= 33.0 * u32_ * a + u32_ * (yr as f64).abs(),
+                "{} row {r}: {err} vs A {a}",
+                k.name()
+            );
+            worst = worst.max(err / a);
         }
-        let err = (yr as f64 - exact).abs();
-        assert!(
-            err <= 33.0 * u32_ * a + u32_ * (yr as f64).abs(),
-            "row {r}: {err} vs A {a}"
+        println!(
+            "{} bf16 {rows}x{cols}: worst |err|/Σ|w·x| = {worst:.2e} (budget 2.0e-6)",
+            k.name()
         );
-        worst = worst.max(err / a);
     }
-    println!("gemv bf16 {rows}x{cols}: worst |err|/Σ|w·x| = {worst:.2e} (budget 2.0e-6)");
 }
 
 // Catches: a one-token AVX-512 kernel whose row count per tile or compiled prefetch
@@ -458,6 +487,237 @@ fn every_mxfp4_weight_is_an_exact_bf16() {
     for (s, row) in E2M1_SCALED.0.iter().enumerate() {
         for (c, w) in row.iter().enumerate() {
             assert_eq!(w.to_bits() & 0xFFFF, 0, "scale {s} code {c}: {w:e}");
+        }
+    }
+}
+
+/// The bf16x3 kernels this host compares: the portable twin (the reference) and, where the
+/// CPU has it, the AVX512-BF16 kernel (else `SKIPPED:`, or a failure under
+/// `K3_REQUIRE_SIMD=bf16x3`).
+fn bf16x3_kernels(test: &str) -> (Kernel, Option<Kernel>) {
+    let twin = Kernel::on_path(ProductPath::Bf16x3, Isa::Portable);
+    let hw = simd::runnable_path(test, ProductPath::Bf16x3)
+        .then(|| Kernel::on_path(ProductPath::Bf16x3, Isa::Avx512));
+    (twin, hw)
+}
+
+/// Activations that try the split: [`activations`] plus, in token 3 on, values whose mid
+/// and lo parts (or all three) fall below 2^-126, huge values (about 2^120, whose products
+/// with the huge weights overflow), and exact cancellations (a value next to its negation).
+fn adversarial(ntok: usize, cols: usize, s: &mut u64) -> Vec<f32> {
+    let mut x = activations(ntok, cols, s);
+    for t in 3..ntok {
+        for c in 0..cols {
+            let prev = if c > 0 { x[t * cols + c - 1] } else { 1.0 };
+            let v = &mut x[t * cols + c];
+            *v = match rng(s) % 8 {
+                // Below about 2^-101: mid and lo (or more) below 2^-126.
+                0 => f32::from_bits((rng(s) as u32 & 0x80FF_FFFF) | 0x0080_0000),
+                // About 2^-4 .. 2^124 (exponent 0x7B << 1 | bit): huge against huge weights.
+                1 => f32::from_bits((rng(s) as u32 & 0x807F_FFFF) | (0xFB << 23)),
+                2 => -prev,
+                _ => *v,
+            };
+        }
+    }
+    x
+}
+
+/// [`Owned::special`] plus, for BF16 and F32, a row of huge weights (about 2^120) and a
+/// row of weights paired for cancellation (w, -w on consecutive columns).
+fn adversarial_weights(fmt: &'static str, rows: usize, cols: usize, s: &mut u64) -> Owned {
+    let mut o = Owned::special(fmt, rows, cols, s);
+    if fmt == "mxfp4" || rows < 5 {
+        return o;
+    }
+    let put = |a: &mut Vec<u8>, i: usize, v: f32| match fmt {
+        "bf16" => a[2 * i..2 * i + 2].copy_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes()),
+        _ => a[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes()),
+    };
+    for c in 0..cols {
+        let huge = f32::from_bits((rng(s) as u32 & 0x807F_0000) | (0xF7 << 23));
+        put(&mut o.a, 3 * cols + c, huge);
+        let w = randf(s);
+        put(&mut o.a, 4 * cols + c, if c % 2 == 1 { -w } else { w });
+    }
+    o
+}
+
+const BF16X3_SHAPES: [(usize, usize); 11] = [
+    (1, 1),
+    (3, 7),
+    (5, 31),
+    (4, 32),
+    (7, 33),
+    (6, 511),
+    (9, 512),
+    (6, 513),
+    (11, 1057),
+    // 5 blocks, the last partial; 4-row groups and 2- and 1-row tiles left over.
+    (13, 2600),
+    (133, 1057),
+];
+
+// Catches: an AVX512-BF16 kernel that is not its twin bit for bit: a pair taken in the
+// wrong order, a part dropped or multiplied twice, the hi and small accumulators mixed, a
+// promotion at the wrong block edge (512 columns), a tile that reads another row or token,
+// an MXFP4 nibble or an F32 split decoded differently, a partial group padded with
+// anything but zeros. And a batch that differs from one token at a time on either.
+#[test]
+fn bf16x3_kernel_matches_portable_twin_bitwise() {
+    let mut s = 0xbf16_0003_7a11_c0deu64;
+    let (twin, hw) = bf16x3_kernels("bf16x3_kernel_matches_portable_twin_bitwise");
+    let mut seen = [0usize; 3];
+    for fmt in ["bf16", "f32", "mxfp4"] {
+        for &(rows, cols) in &BF16X3_SHAPES {
+            let o = adversarial_weights(fmt, rows, cols, &mut s);
+            let m = o.mat();
+            // 1, 2, 3 tokens read in place; 4 on staged; 37: three passes (16 + 16 + 5).
+            for ntok in [1usize, 2, 3, 4, 5, 7, 16, 37] {
+                let x = adversarial(ntok, cols, &mut s);
+                let mut want = vec![0f32; ntok * rows];
+                gemm_on(&twin, &m, &x, &mut want, ntok);
+                seen[0] += want.iter().filter(|v| v.is_nan()).count();
+                seen[1] += want.iter().filter(|v| v.is_infinite()).count();
+                seen[2] += want.iter().filter(|v| **v == 0.0).count();
+                if let Some(hw) = &hw {
+                    let mut got = vec![0f32; ntok * rows];
+                    gemm_on(hw, &m, &x, &mut got, ntok);
+                    assert_same(&format!("{fmt} {rows}x{cols} ntok={ntok}"), &got, &want);
+                }
+                for t in 0..ntok {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    for k in [Some(&twin), hw.as_ref()].into_iter().flatten() {
+                        let mut one = vec![0f32; rows];
+                        gemm_on(k, &m, xt, &mut one, 1);
+                        let what = format!("{fmt} {rows}x{cols} {} batch t={t}", k.name());
+                        assert_same(&what, &one, &want[t * rows..(t + 1) * rows]);
+                    }
+                }
+            }
+        }
+    }
+    let [nan, inf, zero] = seen;
+    assert!(
+        nan > 0 && inf > 0 && zero > 0,
+        "NaN {nan}, ±∞ {inf}, zero {zero} results"
+    );
+}
+
+// Catches: an MXFP4 decode that differs from the twin's for some scale byte (the bf16
+// table, a `vpermw` index whose fifth bit picks another entry, the subnormal weights of
+// scale bytes 0 and 1 that the hardware reads as zero, the overflowing ones of 253 and 254,
+// the zeroed groups of 255) or some code; and an MXFP4 product on bf16x3 that is not the
+// F32 product of its dequantised matrix's weights taken as one exact bf16 part (so the
+// MXFP4 and F32 paths agree where the F32 weights are exact bf16).
+#[test]
+fn bf16x3_every_mxfp4_scale_byte_and_code() {
+    let (twin, hw) = bf16x3_kernels("bf16x3_every_mxfp4_scale_byte_and_code");
+    let mut s = 0x5ca1_eb7e_0000_00ffu64;
+    // 256 rows × 64 columns: row r has scale byte r in both groups, every code in each.
+    let (rows, cols) = (256usize, 64usize);
+    let mut packed = vec![0u8; rows * cols / 2];
+    let scales: Vec<u8> = (0..rows).flat_map(|r| [r as u8, r as u8]).collect();
+    for (i, b) in packed.iter_mut().enumerate() {
+        let c = (i % 8) as u8 * 2;
+        *b = c | (c + 1) << 4;
+        if i % 32 >= 16 {
+            *b = rng(&mut s) as u8;
+        }
+    }
+    let m = Mat::mxfp4(&packed, &scales, rows, cols).unwrap();
+    for ntok in [1usize, 3, 6] {
+        let x = adversarial(ntok, cols, &mut s);
+        let mut want = vec![0f32; ntok * rows];
+        gemm_on(&twin, &m, &x, &mut want, ntok);
+        if let Some(hw) = &hw {
+            let mut got = vec![0f32; ntok * rows];
+            gemm_on(hw, &m, &x, &mut got, ntok);
+            assert_same(&format!("mxfp4 every scale ntok={ntok}"), &got, &want);
+        }
+        // Scale bytes 2..=252: every weight a normal bf16 or zero, so the product equals
+        // the BF16 product of the dequantised matrix (one part, the same steps).
+        let deq = mxfp4::dequantize(&packed, &scales, rows, cols);
+        let bf: Vec<u8> = deq
+            .iter()
+            .flat_map(|w| ((w.to_bits() >> 16) as u16).to_le_bytes())
+            .collect();
+        let mb = Mat::bf16(&bf, rows, cols).unwrap();
+        let mut via_bf16 = vec![0f32; ntok * rows];
+        gemm_on(&twin, &mb, &x, &mut via_bf16, ntok);
+        for t in 0..ntok {
+            let r = 2..253;
+            let what = format!("mxfp4 vs bf16 t={t}");
+            let at = |v: &[f32]| v[t * rows + r.start..t * rows + r.end].to_vec();
+            assert_same(&what, &at(&want), &at(&via_bf16));
+        }
+    }
+}
+
+// Catches: a bf16x3 product whose result depends on the thread count, on fusion, on the
+// f64-output variant or on batching, through the installed kernels (gemm, gemm_fused,
+// gemv); and an installed product path that the products do not follow.
+#[test]
+fn bf16x3_threads_fusion_and_batching_do_not_change_bits() {
+    let _installed = installed();
+    let (twin, hw) = bf16x3_kernels("bf16x3_threads_fusion_and_batching_do_not_change_bits");
+    let mut s = 0x7b4e_adf0_0000_3333u64;
+    let cols = 1500;
+    let mats: Vec<Owned> = [("bf16", 700), ("mxfp4", 333), ("f32", 129)]
+        .iter()
+        .map(|&(f, r)| Owned::new(f, r, cols, &mut s))
+        .collect();
+    let ms: Vec<Mat<'_>> = mats.iter().map(|o| o.mat()).collect();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    let kernel = hw.unwrap_or(twin);
+    /// Puts the default tuning back, also when an assertion fails.
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            tuning::install(KernelTuning::default());
+        }
+    }
+    let _restore = Restore;
+    tuning::install(KernelTuning {
+        product: Some(ProductPath::Bf16x3),
+        max_isa: (kernel.isa() == Isa::Portable).then_some(Isa::Portable),
+        ..KernelTuning::default()
+    });
+    let current = Kernel::current();
+    {
+        assert_eq!(
+            (current.product(), current.isa()),
+            (kernel.product(), kernel.isa())
+        );
+        for ntok in [1usize, 6] {
+            let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
+            let mut fused: Vec<Vec<f32>> = ms.iter().map(|m| vec![0f32; ntok * m.rows]).collect();
+            {
+                let refs: Vec<&Mat<'_>> = ms.iter().collect();
+                let mut outs: Vec<&mut [f32]> = fused.iter_mut().map(|v| &mut v[..]).collect();
+                pool.install(|| gemm_fused(&refs, &x, &mut outs, ntok, 3));
+            }
+            for (i, m) in ms.iter().enumerate() {
+                let mut want = vec![0f32; ntok * m.rows];
+                gemm_on(&kernel, m, &x, &mut want, ntok);
+                assert_same(&format!("fused {i} ntok={ntok}"), &fused[i], &want);
+                let mut y2 = vec![0f32; ntok * m.rows];
+                pool.install(|| gemm(m, &x, &mut y2, ntok, 2));
+                assert_same(&format!("threads {i} ntok={ntok}"), &y2, &want);
+                let mut y64 = vec![0f64; ntok * m.rows];
+                gemm64(m, &x, &mut y64, ntok, 2);
+                let y64: Vec<f32> = y64.iter().map(|v| *v as f32).collect();
+                assert_same(&format!("gemm64 {i} ntok={ntok}"), &y64, &want);
+                for t in 0..ntok {
+                    let mut g = vec![0f32; m.rows];
+                    pool.install(|| gemv(m, &x[t * cols..(t + 1) * cols], &mut g, 2));
+                    let what = format!("gemv {i} t={t}");
+                    assert_same(&what, &g, &want[t * m.rows..(t + 1) * m.rows]);
+                }
+            }
         }
     }
 }

@@ -1,6 +1,8 @@
 //! Single-op gates against the seed's op fixtures (`tests/fixtures/seed/ops/*.json`), each
 //! within the MANIFEST tolerance `|got − want| ≤ 1e-5 + 1e-4·|want|`, and the MXFP4
-//! decoder against real checkpoint bytes (`seed/mxfp4.json`), exactly.
+//! decoder against real checkpoint bytes (`seed/mxfp4.json`), exactly. The gates that run
+//! matrix products run once per product path this host has (`exact`, and `bf16x3` on
+//! AVX512-BF16: `support::on_each_path`), with the same tolerances.
 //!
 //! Every fixture was built to fail a plausible wrong implementation; each test names it.
 //! The seed's fixtures use its own epsilons (MLA LoRA norms at rms_norm_eps = 1e-5).
@@ -9,7 +11,8 @@
 
 mod support;
 
-use k3_layer_compute::kernels::matmul::{gemv, Mat};
+use k3_layer_compute::kernels::matmul::{gemm_on, gemv, Mat};
+use k3_layer_compute::kernels::simd::{Isa, Kernel, ProductPath};
 use k3_layer_compute::kernels::{act, attnres, conv, kda, mxfp4, norm, router};
 use k3_layer_compute::modules::kda::{KdaGeometry, KdaState, KdaWeights};
 use k3_layer_compute::modules::mla::{MlaCache, MlaGeometry, MlaWeights};
@@ -199,6 +202,10 @@ fn kda_recurrence() {
 // The whole KDA module (projections, conv, L2 norm, gate, recurrence, gated norm, o_proj).
 #[test]
 fn kda_module() {
+    on_each_path("kda_module", kda_module_on);
+}
+
+fn kda_module_on(_path: ProductPath) {
     for name in ["kda_layer1", "kda_layer8"] {
         let v = op(name);
         let t_n = v["T"].as_u64().unwrap() as usize;
@@ -244,6 +251,13 @@ fn kda_module() {
 // ignored routed_scaling_factor (invisible through the tiny models' logits).
 #[test]
 fn router_topk_renormalised_and_scaled() {
+    on_each_path(
+        "router_topk_renormalised_and_scaled",
+        router_topk_renormalised_and_scaled_on,
+    );
+}
+
+fn router_topk_renormalised_and_scaled_on(_path: ProductPath) {
     let v = op("router");
     let gate = le_bytes(&arr(&v, "gate_weight"));
     let gm = Mat::f32(&gate, 8, 128).unwrap();
@@ -323,6 +337,10 @@ fn attnres_mix() {
 // Catches: a 1/√nope scale, dropped rope dims, a missing output gate, wrong cache content.
 #[test]
 fn mla_module() {
+    on_each_path("mla_module", mla_module_on);
+}
+
+fn mla_module_on(_path: ProductPath) {
     let v = op("mla");
     let st = Store::new(
         &v,
@@ -400,6 +418,10 @@ fn moe_from(
 // latent, routing on the latent.
 #[test]
 fn moe_module() {
+    on_each_path("moe_module", moe_module_on);
+}
+
+fn moe_module_on(_path: ProductPath) {
     let v = op("moe");
     let (mats, experts) = moe_from(&v, "", "shared");
     let get = |k: &str| {
@@ -567,6 +589,10 @@ fn released(l: usize, key: &str) -> String {
 // of the raw layer input), a boundary on the wrong layer, a prefix that is not restarted.
 #[test]
 fn decoder_layers() {
+    on_each_path("decoder_layers", decoder_layers_on);
+}
+
+fn decoder_layers_on(_path: ProductPath) {
     let cfg_text = std::fs::read_to_string(fixtures().join("tiny-seed/config.json")).unwrap();
     let cfg = k3_model::config::ModelConfig::from_json_str(&cfg_text).unwrap();
     for name in ["layer_kda", "layer_mla"] {
@@ -625,6 +651,10 @@ fn decoder_layers() {
 // GEMV straight from packed bytes equals the F32 GEMV of the dequantised matrix bit for bit.
 #[test]
 fn mxfp4_real_bytes() {
+    on_each_path("mxfp4_real_bytes", mxfp4_real_bytes_on);
+}
+
+fn mxfp4_real_bytes_on(path: ProductPath) {
     let v = read_json(&fixtures().join("seed/mxfp4.json"));
     let (rows, cols) = (64, 3584);
     let packed: Vec<u8> = v["packed"]["data"]
@@ -683,7 +713,8 @@ fn mxfp4_real_bytes() {
     gemv(&m, &x, &mut y1, 1);
     gemv(&mf, &x, &mut y2, 1);
     assert_bits_eq("bf16 vs f32 gemv", &y1, &y2);
-    for r in 0..rows {
-        assert_eq!(m.row_dot_portable(r, &x).to_bits(), y1[r].to_bits());
-    }
+    // The path's portable twin gives the same bits.
+    let mut y3 = vec![0f32; rows];
+    gemm_on(&Kernel::on_path(path, Isa::Portable), &m, &x, &mut y3, 1);
+    assert_bits_eq("simd vs portable gemv", &y1, &y3);
 }

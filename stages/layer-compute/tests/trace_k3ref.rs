@@ -49,12 +49,13 @@ fn check(rel: &str) {
     assert!(checked > 100);
 }
 
+// Each on every product path of this host (`exact`, and `bf16x3` on AVX512-BF16).
 #[test]
 fn tiny_seed_trace_free_running() {
-    check("tiny-seed");
+    on_each_path("tiny_seed_trace_free_running", |_| check("tiny-seed"));
 }
 
 #[test]
 fn tiny_mxfp4_trace_free_running() {
-    check("tiny-mxfp4");
+    on_each_path("tiny_mxfp4_trace_free_running", |_| check("tiny-mxfp4"));
 }

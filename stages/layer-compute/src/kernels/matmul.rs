@@ -55,13 +55,21 @@
 //! and special inputs including partial groups and blocks (`tests/kernels_bitexact.rs`),
 //! so the instruction set ([`super::simd`]) never changes a result.
 //!
+//! # Product paths
+//!
+//! This reduction contract is the `exact` path's. The `bf16x3` path (design.md "Product
+//! paths"; [`super::bf16x3`], its own contract and error budget, the same size as
+//! E_block + E_round here) runs through the same API, threads and row blocks: only the
+//! prepared input ([`Prepared`]: activations split into bf16 parts instead of permuted)
+//! and the row kernels differ. One path per run, for every product.
+//!
 //! # Dispatch
 //!
 //! A product reads the installed [`Kernel`] once ([`Kernel::current`]: product path,
-//! instruction set, drivers' tuning), then `rows_on` matches it once (the only match on
-//! the product path and instruction set), and each instruction set's entry point matches
-//! the weight format once ([`super::format::rows`]); the drivers below are monomorphised
-//! per format.
+//! instruction set, drivers' tuning), prepares its input for that path once
+//! ([`Prepared::new`]), then `rows_on` matches the kernel once (the only match on the
+//! product path and instruction set), and each kernel's entry point matches the weight
+//! format once ([`super::format::with_format`]); the drivers are monomorphised per format.
 //!
 //! # Wiring (for the callers in the layer modules)
 //!
@@ -100,8 +108,9 @@
 
 use rayon::prelude::*;
 
+use super::bf16x3;
 use super::mxfp4;
-use super::portable;
+use super::portable::{self, AlignedBuf};
 use super::simd::{Isa, Kernel, ProductPath};
 
 pub use super::portable::{reduce_lanes, LANES};
@@ -216,38 +225,81 @@ impl<'a> Mat<'a> {
     fn row_dot_on(&self, r: usize, x: &[f32], k: &Kernel) -> f32 {
         assert_eq!(x.len(), self.cols, "row_dot input length");
         assert!(r < self.rows, "row_dot row");
-        let xp = portable::permute_tokens(x, self.cols, 1);
+        let xp = Prepared::new(k, x, self.cols, 1);
         let mut out = [0f64; 1];
         rows_on(k, self, (r, r + 1), &xp, 1, &mut out);
         out[0] as f32
     }
 }
 
-/// The products' one dispatch: sums of rows `r0..r1` × `ntok` permuted tokens `xp`
+/// A product's input, prepared once for its kernel's product path: permuted into lane
+/// order for `exact` ([`portable::permute_tokens`]), split into bf16 parts for `bf16x3`
+/// ([`bf16x3::split_tokens`]).
+pub struct Prepared {
+    data: PreparedData,
+    cols: usize,
+    ntok: usize,
+}
+
+enum PreparedData {
+    Lanes(AlignedBuf<f32>),
+    Parts(AlignedBuf<u16>),
+}
+
+impl Prepared {
+    /// `ntok` tokens of `cols` activations (`xs`, token-major) prepared for `kernel`.
+    pub fn new(kernel: &Kernel, xs: &[f32], cols: usize, ntok: usize) -> Prepared {
+        assert!(xs.len() >= ntok * cols, "input length");
+        let data = match kernel.product() {
+            ProductPath::Exact => PreparedData::Lanes(portable::permute_tokens(xs, cols, ntok)),
+            ProductPath::Bf16x3 => PreparedData::Parts(bf16x3::split_tokens(xs, cols, ntok)),
+        };
+        Prepared { data, cols, ntok }
+    }
+}
+
+/// The products' one dispatch: sums of rows `r0..r1` × `ntok` prepared tokens `x`
 /// (`out[(r - r0) * ntok + t]`) on kernel `k`, by product path and instruction set. A new
 /// product path or instruction set adds its arm here; the format dispatch below it is
-/// shared ([`super::format::rows`]).
+/// shared ([`super::format::with_format`]).
 fn rows_on(
     k: &Kernel,
     m: &Mat<'_>,
     (r0, r1): (usize, usize),
-    xp: &[f32],
+    x: &Prepared,
     ntok: usize,
     out: &mut [f64],
 ) {
-    match (k.product(), k.isa()) {
+    assert!(
+        x.cols == m.cols && ntok <= x.ntok,
+        "input prepared for another shape"
+    );
+    match (k.product(), k.isa(), &x.data) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a Kernel's instruction set is one the CPU has (Kernel::current caps it
         // at the detected best, Kernel::on checks it): avx512f, avx2 and fma here.
-        (ProductPath::Exact, Isa::Avx512) => unsafe {
+        (ProductPath::Exact, Isa::Avx512, PreparedData::Lanes(xp)) => unsafe {
             super::avx512::rows_f32(m, r0, r1, xp, ntok, out, k.tuning())
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above: avx2 and fma were detected.
-        (ProductPath::Exact, Isa::Avx2) => unsafe {
+        (ProductPath::Exact, Isa::Avx2, PreparedData::Lanes(xp)) => unsafe {
             super::avx2::rows_f32(m, r0, r1, xp, ntok, out)
         },
-        (ProductPath::Exact, _) => portable::rows_f32(m, r0, r1, xp, ntok, out),
+        (ProductPath::Exact, _, PreparedData::Lanes(xp)) => {
+            portable::rows_f32(m, r0, r1, xp, ntok, out)
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a bf16x3 Kernel is on AVX-512 only where the CPU has the bf16 dot
+        // product (Kernel::current and Kernel::with_path check bf16_dot_available):
+        // avx512f, avx512bw, avx512bf16, avx2 and fma.
+        (ProductPath::Bf16x3, Isa::Avx512, PreparedData::Parts(xs)) => unsafe {
+            super::avx512bf16::rows(m, r0, r1, xs, ntok, out, k.tuning())
+        },
+        (ProductPath::Bf16x3, _, PreparedData::Parts(xs)) => {
+            bf16x3::rows_portable(m, r0, r1, xs, ntok, out)
+        }
+        (p, _, _) => panic!("an input prepared for another product path than {p:?}"),
     }
 }
 
@@ -282,11 +334,13 @@ unsafe impl<O: Send> Send for OutPtr<O> {}
 // SAFETY: as above; no element is read or written by two tasks.
 unsafe impl<O: Send> Sync for OutPtr<O> {}
 
-/// Run the products of `mats` (same `cols`) on one permuted input; `outs[i]` is
-/// `ntok × mats[i].rows`, token-major.
+/// Run the products of `mats` (same `cols`) on one prepared input on `kernel`; `outs[i]`
+/// is `ntok × mats[i].rows`, token-major.
+#[allow(clippy::too_many_arguments)]
 fn run<O: Copy + Send>(
+    kernel: &Kernel,
     mats: &[&Mat<'_>],
-    xp: &[f32],
+    xp: &Prepared,
     outs: &mut [&mut [O]],
     ntok: usize,
     threads: usize,
@@ -300,7 +354,6 @@ fn run<O: Copy + Send>(
     if ntok == 0 {
         return;
     }
-    let kernel = Kernel::current();
     let ptrs: Vec<OutPtr<O>> = outs
         .iter_mut()
         .map(|o| OutPtr(o.as_mut_ptr(), o.len()))
@@ -308,7 +361,7 @@ fn run<O: Copy + Send>(
     let task = |i: usize, r0: usize, r1: usize| {
         let m = mats[i];
         let mut sums = vec![0f64; (r1 - r0) * ntok];
-        rows_on(&kernel, m, (r0, r1), xp, ntok, &mut sums);
+        rows_on(kernel, m, (r0, r1), xp, ntok, &mut sums);
         let OutPtr(p, len) = ptrs[i];
         for r in r0..r1 {
             for t in 0..ntok {
@@ -372,8 +425,9 @@ pub fn gemm_fused(
 ) {
     let Some(first) = mats.first() else { return };
     assert_eq!(xs.len(), ntok * first.cols, "gemm input length");
-    let xp = portable::permute_tokens(xs, first.cols, ntok);
-    run(mats, &xp, outs, ntok, threads, |v| v as f32);
+    let kernel = Kernel::current();
+    let xp = Prepared::new(&kernel, xs, first.cols, ntok);
+    run(&kernel, mats, &xp, outs, ntok, threads, |v| v as f32);
 }
 
 /// [`gemm_fused`] returning the unrounded f64 sums.
@@ -386,8 +440,9 @@ pub fn gemm_fused64(
 ) {
     let Some(first) = mats.first() else { return };
     assert_eq!(xs.len(), ntok * first.cols, "gemm input length");
-    let xp = portable::permute_tokens(xs, first.cols, ntok);
-    run(mats, &xp, outs, ntok, threads, |v| v);
+    let kernel = Kernel::current();
+    let xp = Prepared::new(&kernel, xs, first.cols, ntok);
+    run(&kernel, mats, &xp, outs, ntok, threads, |v| v);
 }
 
 /// [`gemm`] returning the unrounded f64 sums (for a caller that adds two products and
@@ -396,7 +451,8 @@ pub fn gemm64(m: &Mat<'_>, xs: &[f32], ys: &mut [f64], ntok: usize, threads: usi
     gemm_fused64(&[m], xs, &mut [ys], ntok, threads);
 }
 
-/// `y = W x` on the portable path, single-threaded (the reference the SIMD tests use).
+/// `y = W x` on the `exact` path's portable twin, single-threaded (the reference the SIMD
+/// tests use).
 pub fn gemv_portable(m: &Mat<'_>, x: &[f32], y: &mut [f32]) {
     assert_eq!(y.len(), m.rows, "gemv output length");
     let xp = portable::permute_tokens(x, m.cols, 1);
@@ -412,7 +468,7 @@ pub fn gemv_portable(m: &Mat<'_>, x: &[f32], y: &mut [f32]) {
 pub fn gemm_on(kernel: &Kernel, m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: usize) {
     assert_eq!(xs.len(), ntok * m.cols, "gemm input length");
     assert_eq!(ys.len(), ntok * m.rows, "gemm output length");
-    let xp = portable::permute_tokens(xs, m.cols, ntok);
+    let xp = Prepared::new(kernel, xs, m.cols, ntok);
     let mut sums = vec![0f64; m.rows * ntok];
     rows_on(kernel, m, (0, m.rows), &xp, ntok, &mut sums);
     for r in 0..m.rows {
@@ -422,15 +478,11 @@ pub fn gemm_on(kernel: &Kernel, m: &Mat<'_>, xs: &[f32], ys: &mut [f32], ntok: u
     }
 }
 
-/// The row kernel alone on explicit kernels, single-threaded: `xp` is already permuted
-/// ([`portable::permute_tokens`]) and `out` receives the unrounded sums of every row ×
+/// The row kernel alone on explicit kernels, single-threaded: `xp` is already prepared
+/// for `kernel` ([`Prepared::new`]) and `out` receives the unrounded sums of every row ×
 /// token (`out[r * ntok + t]`). For benchmarks that time the inner loops without the
-/// permutation and the output conversion.
-pub fn rows_permuted_on(kernel: &Kernel, m: &Mat<'_>, xp: &[f32], ntok: usize, out: &mut [f64]) {
-    assert!(
-        xp.len() >= ntok * portable::x_stride(m.cols),
-        "permuted input length"
-    );
+/// input's preparation and the output conversion.
+pub fn rows_prepared_on(kernel: &Kernel, m: &Mat<'_>, xp: &Prepared, ntok: usize, out: &mut [f64]) {
     assert!(out.len() >= m.rows * ntok, "output length");
     rows_on(kernel, m, (0, m.rows), xp, ntok, out);
 }

@@ -1,13 +1,16 @@
 //! Every numeric kernel of the Kimi K3 forward, one module per family.
 //!
 //! Portable kernels are the reference; the AVX2 and AVX-512 product kernels ([`avx2`],
-//! [`avx512`]) reproduce the portable twin ([`portable`]) bit for bit. Activations are f32
-//! throughout.
+//! [`avx512`]) reproduce the portable twin ([`portable`]) bit for bit, and the `bf16x3`
+//! path's AVX512-BF16 kernel ([`avx512bf16`]) its own twin ([`bf16x3`]). Activations are
+//! f32 throughout.
 //!
 //! # Layout of the products
 //!
-//! - [`matmul`]: the products' API (`gemm`, `gemm_fused`, ...), the reduction contract and
-//!   the one dispatch on the product path and instruction set;
+//! - [`matmul`]: the products' API (`gemm`, `gemm_fused`, ...), the `exact` path's
+//!   reduction contract and the one dispatch on the product path and instruction set;
+//! - [`bf16x3`]: the `bf16x3` path's contract (the split, the hardware step, the order,
+//!   the error budget) and its portable twin; [`avx512bf16`]: its AVX512-BF16 kernel;
 //! - [`simd`]: which kernels run ([`simd::Kernel`]: product path, instruction set) and the
 //!   CPU detection; [`tuning`]: their speed settings, installed once per process;
 //! - [`format`]: the weight formats, described once (the format table and the per-format
@@ -26,6 +29,7 @@
 //! | Operation | Contract | Error budget / tolerance | Held by |
 //! |---|---|---|---|
 //! | Matrix products (all weights, lm_head) | [`matmul`] "Reduction contract": f32 FMA in fixed 1024-column blocks, f64 promotion, fixed halving tree; NaN payloads excepted, same bits | E_block + E_promote + E_tree + E_round: \|y − exact\| ≤ 33·u32·Σ\|w·x\| + u32·\|y\| (≈ 2e-6 relative to Σ\|w·x\|) | `kernels_bitexact` (every path, tuning and staging form; `error_within_documented_budget`), `matmul` unit tests |
+//! | Matrix products on `bf16x3` (`K3_SIMD=bf16x3`) | [`bf16x3`] "Reduction contract": activations split exactly into three bf16 parts, `vdpbf16ps` steps (DAZ, FTZ after rounding, odd element first) into a hi and a small accumulator per 16-lane column pair, 512-column f32 blocks, f64 promotion, fixed tree; the AVX512-BF16 kernel and the twin give the same bits | E_block + E_small + E_round + E_tiny: \|y − exact\| ≤ 33·u32·A + u32·\|y\| + 2^-126 terms (37·u32·A with F32 weights) | `kernels_bitexact` (`bf16x3_*`, `error_within_documented_budget`), `bf16x3::tests::dp_step_is_the_instruction`; the gates on this path (`gates_tiny`, `ops_seed`, `trace_k3ref`, the demo) |
 //! | MXFP4 decode | [`mxfp4`]: `E2M1[code] · 2^(s−127)`, scale 255 → 0, exact in f32 and in bf16 | exact (an MXFP4 product is bit for bit the F32 product of its dequantised matrix) | `mxfp4_equals_dequantised_f32_bitwise`, `every_mxfp4_weight_is_an_exact_bf16`, `ops_seed::mxfp4_real_bytes` |
 //! | RMSNorm, KDA L2 norm | [`norm`]: f64 sum of squares in index order, scale rounded once to f32, `(x · inv) · w` in f32 | seed ops: atol 1e-5 + rtol 1e-4 | `ops_seed::rmsnorm`, `ops_seed::kda_module` |
 //! | exp, expm1, tanh, sigmoid; SiLU, SiTU-GLU, sigmoid gates | [`act`]: the engine's own f64 exponential (no libm, no fusing), rounded once; same bits on every instruction set | E_exp ≤ 2 (exp, expm1) and 3 (tanh, sigmoid) units of 2^-52 relative to libm; SiTU within one f32 ulp of the libm formula | `act` unit tests (`exponential_family_is_accurate`, `situ_within_one_f32_ulp_of_libm`, `paths_match_bit_for_bit`), `ops_seed::situ_glu` |
@@ -42,6 +46,9 @@ pub mod attnres;
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512bf16;
+pub mod bf16x3;
 pub mod conv;
 pub mod format;
 pub mod kda;

@@ -1,28 +1,38 @@
 //! Run-time choice of the kernels: the product path and the instruction set ([`Kernel`]).
 //!
 //! - **Instruction set** ([`Isa`]: portable, AVX2+FMA, AVX-512F). Every one performs the
-//!   operations of the reduction contract (see [`super::matmul`]) in the same order, lane
-//!   for lane, so all give bit-identical results (`tests/kernels_bitexact.rs` checks that
-//!   on random and special inputs): the choice is a speed decision only. The best one the
-//!   CPU supports is detected once (`is_x86_feature_detected!`; the build's target
-//!   features are never changed) and capped by the installed tuning
-//!   ([`super::tuning`]: `K3_SIMD`, `K3_FORCE_PORTABLE`). The activations
-//!   ([`super::act`]) and the KDA recurrence ([`super::kda::delta_step`]) follow the same
-//!   choice: one body compiled for the chosen vector width, bit-identical on every path
-//!   (tested in `act.rs` and `kda.rs`).
+//!   operations of its product path's contract in the same order, lane for lane, so all
+//!   give bit-identical results (`tests/kernels_bitexact.rs` checks that on random and
+//!   special inputs): the choice is a speed decision only. The best one the CPU supports
+//!   is detected once (`is_x86_feature_detected!`; the build's target features are never
+//!   changed) and capped by the installed tuning ([`super::tuning`]: `K3_SIMD`,
+//!   `K3_FORCE_PORTABLE`). The activations ([`super::act`]), the KDA recurrence
+//!   ([`super::kda::delta_step`]) and the MLA attention core ([`super::mla`]) follow the
+//!   same choice: one body compiled for the chosen vector width, bit-identical on every
+//!   path (tested in `act.rs`, `kda.rs` and `mla.rs`).
 //! - **Product path** ([`ProductPath`]): which numerics contract the matrix products
-//!   follow (design.md, "Product paths"). Today only `exact`; a second path (bf16x3) adds a
-//!   variant, its row kernels and one arm in [`super::matmul`]'s dispatch, beside the
-//!   instruction set, without another copy of the format dispatch.
+//!   follow (design.md, "Product paths"); one per run, for every product.
+//!   - `exact` ([`super::matmul`]): every instruction set above.
+//!   - `bf16x3` ([`super::bf16x3`]): the AVX512-BF16 kernel ([`super::avx512bf16`],
+//!     `vdpbf16ps`; needs AVX-512F, AVX-512BW and AVX512_BF16: [`bf16_dot_available`]) and
+//!     its bit-exact portable twin. No AVX2 kernel exists for it (AVX2 has no bf16 dot
+//!     product), and no AMX kernel yet: on a CPU without AVX512_BF16 the path runs on the
+//!     portable twin (the same bits, slowly), named `bf16x3/portable` in reports.
 //!
-//! Tests that compare instruction sets ask [`runnable`] first: a set the host lacks is
-//! reported as `SKIPPED:` (never silently replaced by another), and fails the test when
-//! `K3_REQUIRE_SIMD` names it (CI sets it from the host's CPU flags).
+//!   Chosen by `K3_SIMD=exact|bf16x3` (installed tuning), else automatically
+//!   ([`auto_product`]): `exact` unless [`super::tuning::AUTO_BF16X3`] says the bf16x3
+//!   kernel is faster on a CPU that has it (today it says no: on AVX512-BF16 without
+//!   AMX three `vdpbf16ps` passes cost 1.5 FMAs' time per multiply-add).
+//!
+//! Tests that compare instruction sets ask [`runnable`] first (product paths:
+//! [`runnable_path`]): a set the host lacks is reported as `SKIPPED:` (never silently
+//! replaced by another), and fails the test when `K3_REQUIRE_SIMD` names it (CI sets it
+//! from the host's CPU flags: `avx2`, `avx512`, `bf16x3`).
 
 use std::io::Write;
 use std::sync::OnceLock;
 
-pub use k3_protocol::conf::Isa;
+pub use k3_protocol::conf::{Isa, ProductPath};
 
 use super::tuning::{self, DriverTuning, KernelTuning};
 
@@ -61,6 +71,49 @@ pub fn avx512_available() -> bool {
     available(Isa::Avx512)
 }
 
+/// Whether this CPU has the bf16 dot-product instructions the `bf16x3` kernel uses:
+/// AVX-512F, AVX-512BW (`vpermw`, `vpermt2w`) and AVX512_BF16 (`vdpbf16ps`), beside AVX2
+/// and FMA (detected once).
+pub fn bf16_dot_available() -> bool {
+    static HAVE: OnceLock<bool> = OnceLock::new();
+    *HAVE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            avx512_available()
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// Whether this CPU has a kernel for `product` on `isa`: `exact` on every instruction set
+/// it has; `bf16x3` on the portable twin everywhere and on AVX-512 where
+/// [`bf16_dot_available`].
+pub fn path_available(product: ProductPath, isa: Isa) -> bool {
+    match product {
+        ProductPath::Exact => available(isa),
+        ProductPath::Bf16x3 => match isa {
+            Isa::Portable => true,
+            Isa::Avx2 => false,
+            Isa::Avx512 => bf16_dot_available(),
+        },
+    }
+}
+
+/// The product path "automatic" means on this CPU: `bf16x3` where its hardware kernel
+/// runs and [`tuning::AUTO_BF16X3`] prefers it, else `exact`.
+pub fn auto_product() -> ProductPath {
+    if tuning::AUTO_BF16X3 && bf16_dot_available() {
+        ProductPath::Bf16x3
+    } else {
+        ProductPath::Exact
+    }
+}
+
 /// The instruction set the kernels run on now: the best available, capped by the
 /// installed tuning.
 #[inline]
@@ -88,24 +141,6 @@ fn checked_against(isa: Isa, best: Isa) -> Isa {
     isa
 }
 
-/// The numerics contract of the matrix products (design.md, "Product paths").
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ProductPath {
-    /// f32 FMA inside fixed 1024-column blocks, promoted to f64 between blocks, fixed
-    /// tree: the reduction contract of [`super::matmul`], bit-identical on every
-    /// instruction set.
-    Exact,
-}
-
-impl ProductPath {
-    /// Name for reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            ProductPath::Exact => "exact",
-        }
-    }
-}
-
 /// The matrix products' kernels: a product path, an instruction set the CPU has, and the
 /// drivers' tuning. Chosen once per product from the installed tuning ([`Kernel::current`]),
 /// or explicitly by tests and benchmarks ([`Kernel::on`]); [`super::matmul`] dispatches on
@@ -119,29 +154,70 @@ pub struct Kernel {
     tuning: DriverTuning,
 }
 
+/// The product path and instruction set tuning `t` selects on a CPU whose best
+/// instruction set is `best` and that has the bf16 dot product or not (`bf16`); `auto` is
+/// what "automatic" means there.
+fn select(t: &KernelTuning, best: Isa, bf16: bool, auto: ProductPath) -> (ProductPath, Isa) {
+    let product = t.product.unwrap_or(auto);
+    let cap = t.max_isa.unwrap_or(Isa::Avx512).min(best);
+    let isa = match product {
+        ProductPath::Exact => cap,
+        ProductPath::Bf16x3 if cap == Isa::Avx512 && bf16 => Isa::Avx512,
+        ProductPath::Bf16x3 => Isa::Portable,
+    };
+    (product, isa)
+}
+
 impl Kernel {
-    /// The kernels the installed tuning selects on this CPU.
+    /// The kernels the installed tuning selects on this CPU: its product path (else
+    /// [`auto_product`]) on the widest instruction set that path has here within the cap.
     #[inline]
     pub fn current() -> Kernel {
         let t = tuning::current();
+        let (product, isa) = select(&t, best_available(), bf16_dot_available(), auto_product());
         Kernel {
-            product: ProductPath::Exact,
-            isa: t.max_isa.unwrap_or(Isa::Avx512).min(best_available()),
+            product,
+            isa,
             tuning: DriverTuning::of(&t),
         }
     }
 
-    /// The installed kernels with the instruction set `isa`; panics when the CPU lacks it
-    /// ([`checked`]).
+    /// The installed kernels of the `exact` path with the instruction set `isa`; panics
+    /// when the CPU lacks it ([`checked`]).
     pub fn on(isa: Isa) -> Kernel {
         Kernel::with(isa, &tuning::current())
     }
 
-    /// The kernels of instruction set `isa` with the drivers' tuning of `t` (its cap is
-    /// not used), whatever is installed: tests and benchmarks that compare tunings. Panics
-    /// when the CPU lacks `isa` ([`checked`]).
+    /// The installed kernels of `product` on `isa`; panics when this CPU has no such kernel
+    /// ([`path_available`]): a test or benchmark that asks for one never runs another.
+    pub fn on_path(product: ProductPath, isa: Isa) -> Kernel {
+        Kernel::with_path(product, isa, &tuning::current())
+    }
+
+    /// The `exact` kernels of instruction set `isa` with the drivers' tuning of `t` (its
+    /// cap and product path are not used), whatever is installed: tests and benchmarks
+    /// that compare tunings. Panics when the CPU lacks `isa` ([`checked`]).
     pub fn with(isa: Isa, t: &KernelTuning) -> Kernel {
         Kernel::with_best(isa, t, best_available())
+    }
+
+    /// [`Kernel::with`] for the product path `product`; panics when this CPU has no such
+    /// kernel ([`path_available`]).
+    pub fn with_path(product: ProductPath, isa: Isa, t: &KernelTuning) -> Kernel {
+        assert!(
+            path_available(product, isa),
+            "the {} kernels on {} were asked for, but this CPU has none (best instruction \
+             set {}, bf16 dot product: {})",
+            product.name(),
+            isa.name(),
+            best_available().name(),
+            bf16_dot_available()
+        );
+        Kernel {
+            product,
+            isa,
+            tuning: DriverTuning::of(t),
+        }
     }
 
     /// [`Kernel::with`] on a CPU whose best instruction set is `best`.
@@ -158,7 +234,7 @@ impl Kernel {
         self.product
     }
 
-    /// The instruction set (one this CPU has).
+    /// The instruction set (one this CPU has for the product path).
     pub fn isa(&self) -> Isa {
         self.isa
     }
@@ -168,19 +244,40 @@ impl Kernel {
         &self.tuning
     }
 
-    /// Name for reports: `exact/avx512`.
+    /// Name for reports: `exact/avx512`, `bf16x3/avx512bf16`, `bf16x3/portable`.
     pub fn name(&self) -> String {
-        format!("{}/{}", self.product.name(), self.isa.name())
+        let isa = match (self.product, self.isa) {
+            (ProductPath::Bf16x3, Isa::Avx512) => "avx512bf16",
+            (_, isa) => isa.name(),
+        };
+        format!("{}/{}", self.product.name(), isa)
     }
 }
 
 /// Whether a test may run `isa` here. If the CPU lacks it, prints `SKIPPED: <test>:
 /// <why>` to the real stderr (where `.ci/run` collects it; the harness captures the print
 /// macros) and returns false, or panics when `K3_REQUIRE_SIMD` (a comma-separated list of
-/// instruction set names) names it. A name there that is no instruction set panics too,
-/// so a typo cannot turn the requirement off.
+/// instruction set and product path names) names it. A name there that is neither panics
+/// too, so a typo cannot turn the requirement off.
 pub fn runnable(test: &str, isa: Isa) -> bool {
-    match verdict(isa, best_available(), &required_isas()) {
+    let required = required();
+    decide(test, verdict(isa, best_available(), &required.0))
+}
+
+/// Whether a test may run `product`'s hardware kernel here (`exact`: always; `bf16x3`:
+/// where [`bf16_dot_available`]); as [`runnable`], `K3_REQUIRE_SIMD=bf16x3` turns a skip
+/// into a failure. (The portable twin of every path runs everywhere.)
+pub fn runnable_path(test: &str, product: ProductPath) -> bool {
+    let have = match product {
+        ProductPath::Exact => true,
+        ProductPath::Bf16x3 => bf16_dot_available(),
+    };
+    decide(test, path_verdict(product, have, &required().1))
+}
+
+/// Act on a verdict: run (true), skip with a `SKIPPED:` line (false) or fail.
+fn decide(test: &str, v: Option<Result<String, String>>) -> bool {
+    match v {
         None => true,
         Some(Err(why)) => panic!("{test}: {why}"),
         Some(Ok(why)) => {
@@ -208,22 +305,46 @@ fn verdict(isa: Isa, best: Isa, required: &[Isa]) -> Option<Result<String, Strin
     })
 }
 
-/// The instruction sets `K3_REQUIRE_SIMD` names (a test hook: see [`runnable`]).
-fn required_isas() -> Vec<Isa> {
+/// [`runnable_path`]'s decision for `product`, whose hardware kernel this CPU has or not.
+fn path_verdict(
+    product: ProductPath,
+    have: bool,
+    required: &[ProductPath],
+) -> Option<Result<String, String>> {
+    if have {
+        return None;
+    }
+    let why = format!(
+        "this CPU has no {} kernel (it lacks AVX512_BF16 with AVX-512BW)",
+        product.name()
+    );
+    Some(if required.contains(&product) {
+        Err(format!("{why}, and K3_REQUIRE_SIMD requires it"))
+    } else {
+        Ok(why)
+    })
+}
+
+/// The instruction sets and product paths `K3_REQUIRE_SIMD` names (a test hook: see
+/// [`runnable`]).
+fn required() -> (Vec<Isa>, Vec<ProductPath>) {
     parse_required(&std::env::var("K3_REQUIRE_SIMD").unwrap_or_default())
 }
 
-/// The instruction sets a `K3_REQUIRE_SIMD` value names; panics on a name that is none.
-fn parse_required(v: &str) -> Vec<Isa> {
-    v.split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            Isa::from_name(s).unwrap_or_else(|| {
-                panic!("K3_REQUIRE_SIMD={v:?}: {s:?} is none of portable, avx2, avx512")
-            })
-        })
-        .collect()
+/// The instruction sets and product paths a `K3_REQUIRE_SIMD` value names; panics on a
+/// name that is neither.
+fn parse_required(v: &str) -> (Vec<Isa>, Vec<ProductPath>) {
+    let (mut isas, mut paths) = (Vec::new(), Vec::new());
+    for s in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        if let Some(i) = Isa::from_name(s) {
+            isas.push(i);
+        } else if let Some(p) = ProductPath::from_name(s) {
+            paths.push(p);
+        } else {
+            panic!("K3_REQUIRE_SIMD={v:?}: {s:?} is none of portable, avx2, avx512, exact, bf16x3");
+        }
+    }
+    (isas, paths)
 }
 
 #[cfg(test)]
@@ -234,10 +355,22 @@ mod tests {
     // spaces or an empty value not tolerated).
     #[test]
     fn require_list_parses_strictly() {
-        assert_eq!(parse_required(""), vec![]);
-        assert_eq!(parse_required("avx2, avx512"), vec![Isa::Avx2, Isa::Avx512]);
-        let typo = std::panic::catch_unwind(|| parse_required("avx2,avx-512"));
-        assert!(typo.is_err(), "an unknown name must panic");
+        assert_eq!(parse_required(""), (vec![], vec![]));
+        assert_eq!(
+            parse_required("avx2, avx512"),
+            (vec![Isa::Avx2, Isa::Avx512], vec![])
+        );
+        assert_eq!(
+            parse_required("avx2,bf16x3 ,exact"),
+            (
+                vec![Isa::Avx2],
+                vec![ProductPath::Bf16x3, ProductPath::Exact]
+            )
+        );
+        for typo in ["avx2,avx-512", "bf16", "bf16x3,amx"] {
+            let r = std::panic::catch_unwind(|| parse_required(typo));
+            assert!(r.is_err(), "{typo:?}: an unknown name must panic");
+        }
     }
 
     // Catches: an instruction set the CPU lacks that is run anyway, or quietly replaced by
@@ -292,5 +425,67 @@ mod tests {
         );
         tuning::install(KernelTuning::default());
         assert_eq!(isa(), best_available());
+    }
+
+    // Catches: a forced product path that is not applied, bf16x3 run on an instruction set
+    // that has no kernel for it (AVX2, or AVX-512 without the bf16 dot product), a cap
+    // (`K3_FORCE_PORTABLE`) that bf16x3 ignores, and "automatic" not meaning `auto`.
+    #[test]
+    fn the_product_path_is_selected_and_kept_on_a_kernel_it_has() {
+        let t = |product, max_isa| KernelTuning {
+            product,
+            max_isa,
+            ..KernelTuning::default()
+        };
+        let (ex, bf) = (ProductPath::Exact, ProductPath::Bf16x3);
+        for best in Isa::ALL {
+            for bf16 in [false, true] {
+                let bf16 = bf16 && best == Isa::Avx512;
+                for auto in ProductPath::ALL {
+                    assert_eq!(select(&t(None, None), best, bf16, auto).0, auto);
+                }
+                assert_eq!(select(&t(Some(ex), None), best, bf16, bf), (ex, best));
+                let want = if bf16 { Isa::Avx512 } else { Isa::Portable };
+                assert_eq!(select(&t(Some(bf), None), best, bf16, ex), (bf, want));
+                let capped = t(Some(bf), Some(Isa::Portable));
+                assert_eq!(select(&capped, best, bf16, ex), (bf, Isa::Portable));
+                let avx2 = t(Some(bf), Some(Isa::Avx2));
+                assert_eq!(select(&avx2, best, bf16, ex), (bf, Isa::Portable));
+            }
+        }
+        assert_eq!(
+            auto_product(),
+            ProductPath::Exact,
+            "AUTO_BF16X3 is off today"
+        );
+    }
+
+    // Catches: a bf16x3 kernel asked for on a CPU without one that runs anyway, or is
+    // replaced by another, and a missing bf16x3 that K3_REQUIRE_SIMD names but only skips.
+    #[test]
+    fn a_missing_product_path_is_skipped_or_fails_never_replaced() {
+        let t = KernelTuning::default();
+        for product in ProductPath::ALL {
+            for isa in Isa::ALL {
+                let k = std::panic::catch_unwind(|| Kernel::with_path(product, isa, &t));
+                assert_eq!(
+                    k.is_ok(),
+                    path_available(product, isa),
+                    "{product:?} {isa:?}"
+                );
+                if let Ok(k) = k {
+                    assert_eq!((k.product(), k.isa()), (product, isa));
+                }
+            }
+        }
+        assert!(!path_available(ProductPath::Bf16x3, Isa::Avx2));
+        assert!(path_available(ProductPath::Bf16x3, Isa::Portable));
+        let bf = ProductPath::Bf16x3;
+        assert_eq!(path_verdict(bf, true, &[bf]), None);
+        assert!(matches!(path_verdict(bf, false, &[]), Some(Ok(_))));
+        assert!(matches!(path_verdict(bf, false, &[bf]), Some(Err(_))));
+        assert!(runnable_path("exact always runs", ProductPath::Exact));
+        let name = Kernel::with_path(bf, Isa::Portable, &t).name();
+        assert_eq!(name, "bf16x3/portable");
     }
 }

@@ -7,11 +7,14 @@
 //!   its start; in-process runs (`--single-process`, `serve --single-process`, `score`)
 //!   install it directly. Tests and benchmarks install what they compare. Nothing
 //!   installed: every setting automatic ([`KernelTuning::default`]).
-//! - **What it holds.** The instruction-set cap (`K3_SIMD`, `K3_FORCE_PORTABLE`), the
-//!   one-token AVX-512 product's rows side by side and prefetch distance (`K3_GEMV_ROWS`,
-//!   `K3_GEMV_PF`) and the AVX-512 batched product's staging form (`K3_WEIGHT_STAGING`).
-//!   None of them changes a result (every instruction set and every loop shape gives the
-//!   same bits), so installing another tuning while products run is safe.
+//! - **What it holds.** The product path (`K3_SIMD=exact|bf16x3`; automatic:
+//!   [`super::simd::auto_product`], which reads [`AUTO_BF16X3`]), the instruction-set cap
+//!   (`K3_SIMD=portable|avx2|avx512`, `K3_FORCE_PORTABLE`), the one-token AVX-512
+//!   product's rows side by side and prefetch distance (`K3_GEMV_ROWS`, `K3_GEMV_PF`) and
+//!   the AVX-512 batched product's staging form (`K3_WEIGHT_STAGING`). Only the product
+//!   path changes results (every instruction set of a path and every loop shape gives the
+//!   same bits): install a tuning with another product path only where no product runs
+//!   meanwhile (a run installs one at its start; tests that compare paths serialise).
 //! - **How the kernels read it.** Each product reads the installed tuning once (one
 //!   atomic load: [`current`]) and passes it down with the chosen kernel
 //!   ([`super::simd::Kernel`]); defaults that depend on the CPU (the staging form by
@@ -20,7 +23,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-pub use k3_protocol::conf::{Isa, KernelTuning, WeightStaging};
+pub use k3_protocol::conf::{Isa, KernelTuning, ProductPath, WeightStaging};
 
 /// Default rows per one-token tile of the AVX-512 decode path for BF16 and F32 weights
 /// (memory-bound: 4 rows with a 1 KiB prefetch read fastest on Zen 5; see
@@ -31,6 +34,14 @@ pub const R1: usize = 4;
 /// a shift per group and row; 4 rows keep every row pointer in a register and read
 /// fastest).
 pub const R1_MXFP4: usize = 4;
+
+/// Whether "automatic" prefers the `bf16x3` product path on a CPU with the AVX512-BF16
+/// kernel (AVX-512F, AVX-512BW, AVX512_BF16). Off: there, without AMX, `vdpbf16ps` does
+/// twice an FMA's multiply-adds, so three passes cost 1.5 FMAs' time per multiply-add and
+/// the `exact` path is expected to stay faster (issue 32); turn it on only after
+/// `gemv_bench` measures bf16x3 faster on such a host. `K3_SIMD=bf16x3` selects the path
+/// whatever this says.
+pub const AUTO_BF16X3: bool = false;
 
 /// The variables [`from_env`] reads.
 pub const ENV_VARS: [&str; 5] = [
@@ -43,12 +54,19 @@ pub const ENV_VARS: [&str; 5] = [
 
 /// The kernel settings in the environment ([`ENV_VARS`]). A value that is none of the
 /// documented ones is reported (a warning naming the variable) and ignored; so is
-/// `K3_STAGE`, the former name of `K3_WEIGHT_STAGING`. Call once, at the top of a process
-/// that runs or configures the forward.
+/// `K3_STAGE`, the former name of `K3_WEIGHT_STAGING`. `K3_SIMD=bf16x3` on a CPU without
+/// the AVX512-BF16 kernel is warned about: the portable twin runs it (the same bits,
+/// slowly). Call once, at the top of a process that runs or configures the forward.
 pub fn from_env() -> KernelTuning {
     let (t, problems) = parse(|k| std::env::var(k).ok());
     for p in problems {
         tracing::warn!("{p}");
+    }
+    if t.product == Some(ProductPath::Bf16x3) && !super::simd::bf16_dot_available() {
+        tracing::warn!(
+            "K3_SIMD=bf16x3: this CPU lacks AVX512_BF16 (with AVX-512BW); the bf16x3 path \
+             runs on its portable twin (the same bits, far slower)"
+        );
     }
     t
 }
@@ -59,13 +77,18 @@ pub fn parse(get: impl Fn(&str) -> Option<String>) -> (KernelTuning, Vec<String>
     let mut problems = Vec::new();
     let forced = get("K3_FORCE_PORTABLE").is_some_and(|v| !v.is_empty() && v != "0");
     if let Some(v) = get("K3_SIMD") {
-        match Isa::from_name(v.trim()) {
-            // `avx512` is the widest: no cap.
-            Some(Isa::Avx512) => {}
-            Some(isa) => t.max_isa = Some(isa),
-            None => problems.push(format!(
-                "K3_SIMD={v:?} is none of portable, avx2, avx512: no cap (the best path)"
-            )),
+        // A comma-separated list: an instruction set (the cap) and/or a product path.
+        for s in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            match (Isa::from_name(s), ProductPath::from_name(s)) {
+                // `avx512` is the widest: no cap.
+                (Some(Isa::Avx512), _) => t.max_isa = None,
+                (Some(isa), _) => t.max_isa = Some(isa),
+                (None, Some(p)) => t.product = Some(p),
+                (None, None) => problems.push(format!(
+                    "K3_SIMD={v:?}: {s:?} is none of portable, avx2, avx512, exact, bf16x3: \
+                     ignored"
+                )),
+            }
         }
     }
     if forced {
@@ -121,9 +144,10 @@ pub fn current() -> KernelTuning {
     unpack(INSTALLED.load(Ordering::Relaxed))
 }
 
-/// `t` in 46 bits, so that one atomic holds it: the cap (bits 0-1: 0 none, else the
+/// `t` in 48 bits, so that one atomic holds it: the cap (bits 0-1: 0 none, else the
 /// [`Isa`] discriminant), the staging form (2-3: 0 none, 1 bf16, 2 f32), the decode rows
-/// (4-11, present if bit 12) and the prefetch distance (13-44, present if bit 45).
+/// (4-11, present if bit 12), the prefetch distance (13-44, present if bit 45) and the
+/// product path (46-47: 0 automatic, 1 exact, 2 bf16x3).
 fn pack(t: &KernelTuning) -> u64 {
     let isa = t.max_isa.map_or(0, |i| i as u64);
     let staging = match t.weight_staging {
@@ -133,7 +157,12 @@ fn pack(t: &KernelTuning) -> u64 {
     };
     let rows = t.decode_rows.map_or(0, |r| (r as u64) << 4 | 1 << 12);
     let pf = t.decode_prefetch.map_or(0, |p| (p as u64) << 13 | 1 << 45);
-    isa | staging << 2 | rows | pf
+    let product: u64 = match t.product {
+        None => 0,
+        Some(ProductPath::Exact) => 1,
+        Some(ProductPath::Bf16x3) => 2,
+    };
+    isa | staging << 2 | rows | pf | product << 46
 }
 
 /// The inverse of [`pack`].
@@ -152,6 +181,11 @@ fn unpack(v: u64) -> KernelTuning {
         },
         decode_rows: (v & 1 << 12 != 0).then_some((v >> 4) as u8),
         decode_prefetch: (v & 1 << 45 != 0).then_some((v >> 13) as u32),
+        product: match (v >> 46) & 3 {
+            1 => Some(ProductPath::Exact),
+            2 => Some(ProductPath::Bf16x3),
+            _ => None,
+        },
     }
 }
 
@@ -228,12 +262,15 @@ mod tests {
             for st in [None, Some(WeightStaging::Bf16), Some(WeightStaging::F32)] {
                 for rows in [None, Some(0u8), Some(6), Some(255)] {
                     for pf in [None, Some(0u32), Some(512), Some(u32::MAX)] {
-                        cases.push(KernelTuning {
-                            max_isa: isa,
-                            decode_rows: rows,
-                            decode_prefetch: pf,
-                            weight_staging: st,
-                        });
+                        for product in [None, Some(ProductPath::Exact), Some(ProductPath::Bf16x3)] {
+                            cases.push(KernelTuning {
+                                max_isa: isa,
+                                decode_rows: rows,
+                                decode_prefetch: pf,
+                                weight_staging: st,
+                                product,
+                            });
+                        }
                     }
                 }
             }
@@ -263,8 +300,23 @@ mod tests {
             decode_rows: Some(6),
             decode_prefetch: Some(2048),
             weight_staging: Some(WeightStaging::F32),
+            product: None,
         };
         assert_eq!(t, want);
+        let (t, p) = parse(env(&[("K3_SIMD", "bf16x3")]));
+        assert!(p.is_empty(), "{p:?}");
+        assert_eq!((t.product, t.max_isa), (Some(ProductPath::Bf16x3), None));
+        let (t, p) = parse(env(&[("K3_SIMD", " exact, avx2 ")]));
+        assert!(p.is_empty(), "{p:?}");
+        assert_eq!(
+            (t.product, t.max_isa),
+            (Some(ProductPath::Exact), Some(Isa::Avx2))
+        );
+        let (t, _) = parse(env(&[("K3_SIMD", "bf16x3"), ("K3_FORCE_PORTABLE", "1")]));
+        assert_eq!(
+            (t.product, t.max_isa),
+            (Some(ProductPath::Bf16x3), Some(Isa::Portable))
+        );
         let (t, _) = parse(env(&[("K3_SIMD", "avx512"), ("K3_FORCE_PORTABLE", "1")]));
         assert_eq!(t.max_isa, Some(Isa::Portable));
         let (t, _) = parse(env(&[("K3_SIMD", "avx512"), ("K3_FORCE_PORTABLE", "0")]));
@@ -308,6 +360,7 @@ mod tests {
             decode_rows: Some(8),
             decode_prefetch: Some(0),
             weight_staging: Some(WeightStaging::Bf16),
+            product: Some(ProductPath::Bf16x3),
         };
         let back: k3_protocol::conf::ComputeConf =
             serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();

@@ -151,17 +151,11 @@ impl MlaWeights<'_> {
                 v: &cache.v,
                 k_rope: &cache.k_rope,
             };
-            for t in rows {
-                if let Some(j) = slots[t] {
-                    mla::attend(
-                        dims,
-                        &q[j * d.heads * qh..(j + 1) * d.heads * qh],
-                        &view,
-                        first + (t - r0),
-                        &mut o[j * ow..(j + 1) * ow],
-                    );
-                }
-            }
+            // The group's live rows attend together (their keys transposed once).
+            let picks: Vec<(usize, usize)> = rows
+                .filter_map(|t| slots[t].map(|j| (j, first + (t - r0))))
+                .collect();
+            mla::attend_rows(dims, &q, &picks, &view, &mut o, threads);
             r0 += g.rows;
         }
         if w.g.is_some() {

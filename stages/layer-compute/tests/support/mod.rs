@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
 
-use k3_layer_compute::kernels::simd;
+use k3_layer_compute::kernels::simd::{self, ProductPath};
 use k3_layer_compute::kernels::tuning::{self, Isa, KernelTuning};
 use k3_layer_compute::{Model, ModelOptions, SourceWeights};
 use k3_model::config::ModelConfig;
@@ -271,11 +272,6 @@ pub fn host_paths(test: &str) -> Vec<Isa> {
         .collect()
 }
 
-/// Tests that cap the products' ISA take turns: the cap is process-wide, and a test that
-/// meant to run a SIMD path would otherwise run another test's cap (portable) and compare
-/// portable with portable.
-static ISA_CAP: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// The products capped at one ISA for this process until dropped (then the default again).
 #[must_use = "the cap holds only while the guard lives"]
 pub struct IsaCap {
@@ -292,10 +288,58 @@ impl Drop for IsaCap {
 /// lives; other capping tests wait for it.
 pub fn cap_isa(isa: Isa) -> IsaCap {
     // A test that panicked holding the cap poisons the lock; its guard still reset the cap.
-    let turn = ISA_CAP.lock().unwrap_or_else(|e| e.into_inner());
+    let turn = kernels_lock();
     tuning::install(KernelTuning {
         max_isa: Some(isa),
         ..KernelTuning::default()
     });
     IsaCap { _turn: turn }
+}
+
+/// The product paths this host runs its gates on, `exact` first: `bf16x3` where the CPU
+/// has its AVX512-BF16 kernel (else `SKIPPED:`, or a failure under
+/// `K3_REQUIRE_SIMD=bf16x3`: `simd::runnable_path`).
+pub fn product_paths(test: &str) -> Vec<ProductPath> {
+    let mut paths = vec![ProductPath::Exact];
+    if simd::runnable_path(test, ProductPath::Bf16x3) {
+        paths.push(ProductPath::Bf16x3);
+    }
+    paths
+}
+
+/// Held by every test of a binary that runs products on the installed kernels, because
+/// [`on_each_path`] installs product paths (which change results) for the whole process.
+pub fn kernels_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Install `path` (every other setting automatic), keeping the instruction-set cap `isa`.
+pub fn install_path(path: ProductPath, isa: Option<Isa>) {
+    tuning::install(KernelTuning {
+        product: Some(path),
+        max_isa: isa,
+        ..KernelTuning::default()
+    });
+}
+
+/// Run `body` once per product path of this host ([`product_paths`]) with that path
+/// installed, holding [`kernels_lock`]; the default tuning is installed again afterwards,
+/// also when `body` fails. The path is named on stderr before each run, so a failure
+/// says which path it was on.
+pub fn on_each_path(test: &str, mut body: impl FnMut(ProductPath)) {
+    /// Installs the default tuning when dropped.
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            tuning::install(KernelTuning::default());
+        }
+    }
+    let _lock = kernels_lock();
+    let _restore = Restore;
+    for path in product_paths(test) {
+        install_path(path, None);
+        eprintln!("{test}: on the {} product path", path.name());
+        body(path);
+    }
 }
