@@ -8,6 +8,7 @@ mod tools_common;
 
 mod browser_chat;
 mod budget_cli;
+mod defaults_cli;
 mod generate_cli;
 mod hardening;
 mod serve_http;
