@@ -16,5 +16,6 @@ mod staged_stop_state;
 mod streaming_cli;
 mod tools_inspect;
 mod tools_pack_trunk;
+mod tools_project;
 mod tools_synth;
 mod tools_verify;
