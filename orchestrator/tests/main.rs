@@ -9,6 +9,7 @@ mod tools_common;
 mod browser_chat;
 mod budget_cli;
 mod defaults_cli;
+mod download_script;
 mod generate_cli;
 mod hardening;
 mod serve_http;
