@@ -10,7 +10,9 @@
 //!
 //! [`floor`] is the opt-in read floor of `--single-process` decode steps (`K3_FLOOR=1`).
 //!
-//! The flags themselves are [`args`].
+//! The flags themselves are [`args`]; what a run takes when they do not say (thinking, the
+//! tokenizer directory, the sampling of `generation_config.json`) is [`defaults`], shared
+//! with `chat` and `serve`.
 
 pub mod args;
 pub mod defaults;
