@@ -231,8 +231,9 @@ pub enum Parsed {
 pub const HELP: &str = "\
 usage: k3-orch <MODEL_DIR> [prompt] [memory] [generation] [diagnostics]
        k3-orch -m MODEL_DIR -p TEXT [flags]             (llama.cpp's spelling)
-       k3-orch chat <MODEL_DIR> [--tok DIR]             (interactive chat; chat --help)
-       k3-orch serve <MODEL_DIR> [--tok DIR] [--port N] (OpenAI-compatible server; serve --help)
+       k3-orch chat <MODEL_DIR> --tok DIR               (interactive chat; chat --help)
+       k3-orch serve <MODEL_DIR> --tok DIR [--port N]   (OpenAI-compatible server; serve --help)
+       k3-orch project | doctor [MODEL_DIR]             (projected s/token; this machine's check)
 
 model:
   MODEL_DIR, -m DIR, --model DIR
