@@ -8,9 +8,9 @@
 //! - [`serve`]: `k3-orch serve` (the OpenAI-compatible server) and `k3-orch chat` (the
 //!   REPL), one warm pipeline for every request;
 //! - [`tools`]: one module per subcommand (demo, score, inspect, verify, pack-trunk, synth,
-//!   ladder, sim-cache, devbw, doctor, replay, tokenize);
-//! - [`run`]: one generation: model sizes, memory plan, launch (staged or single-process),
-//!   report;
+//!   ladder, sim-cache, devbw, project, doctor, replay, tokenize);
+//! - [`run`]: one generation: its flags and the defaults run, chat and serve share, model
+//!   sizes, memory plan, launch (staged or single-process), report;
 //! - [`supervise`]: the stage processes: spawn, drive, cgroups, NUMA, faults, the warm
 //!   pipeline;
 //! - [`error`] and [`units`]: the one error type with its exit code; byte formatting.

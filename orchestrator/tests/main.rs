@@ -8,6 +8,8 @@ mod tools_common;
 
 mod browser_chat;
 mod budget_cli;
+mod defaults_cli;
+mod download_script;
 mod generate_cli;
 mod hardening;
 mod serve_http;
@@ -15,5 +17,6 @@ mod staged_stop_state;
 mod streaming_cli;
 mod tools_inspect;
 mod tools_pack_trunk;
+mod tools_project;
 mod tools_synth;
 mod tools_verify;

@@ -411,3 +411,72 @@ fn the_rules_catch_stale_names() {
                 `k3-orch stage <name>`, `{region, offset, len, generation}`, `k3-io`, `k3-orch`";
     assert_eq!(problems(&ix, fine, true), Vec::<(String, String)>::new());
 }
+
+/// No doc of the project points outside it: a clone has no `../shared/` (the design notes
+/// the project was built from) and no sibling checkout, so a link or path there is dead
+/// (issue 34). Every Markdown file outside `target/` and `.git/`, links and plain text.
+#[test]
+fn no_doc_points_outside_the_project() {
+    let root = scan::root();
+    let mut stack = vec![root.clone()];
+    let mut docs = 0;
+    let mut bad = Vec::new();
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            let name = e.file_name();
+            if name == "target" || name == ".git" {
+                continue;
+            }
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            if p.extension().is_none_or(|x| x != "md") {
+                continue;
+            }
+            docs += 1;
+            let text = std::fs::read_to_string(&p).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let outside = line.contains("../shared/")
+                    || line.contains("/work/shared")
+                    || line
+                        .split("](")
+                        .skip(1)
+                        .any(|t| escapes(&root, &p, t.split([')', '#']).next().unwrap_or("")));
+                if outside {
+                    bad.push(format!("{}:{}: {}", scan::rel(&p), i + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(docs >= 8, "only {docs} Markdown files found");
+    assert!(
+        bad.is_empty(),
+        "docs point outside the project:\n{}",
+        bad.join("\n")
+    );
+}
+
+/// Whether a relative link `target` in the file `doc` leads out of `root` (lexically).
+fn escapes(root: &Path, doc: &Path, target: &str) -> bool {
+    if target.contains("://") || target.starts_with('/') || target.is_empty() {
+        return false;
+    }
+    let mut depth = doc
+        .parent()
+        .unwrap()
+        .strip_prefix(root)
+        .map_or(0, |d| d.components().count() as i64);
+    for part in target.split('/') {
+        match part {
+            ".." => depth -= 1,
+            "." | "" => {}
+            _ => depth += 1,
+        }
+        if depth < 0 {
+            return true;
+        }
+    }
+    false
+}

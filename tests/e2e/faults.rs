@@ -48,7 +48,7 @@ fn start(extra: &[&str], envs: &[(&str, &str)]) -> (Child, tempfile::TempDir) {
 /// Long enough (about 30 s of full recompute on an idle machine) that a signal sent a
 /// moment after the stages start lands while they work, on any machine; the signal ends
 /// the run at once. (A 20-token run lasts about 0.8 s, and a 300 ms sleep could miss it.)
-const LONG: &[&str] = &["--gen", "400"];
+const LONG: &[&str] = &["--gen", "400", "--full-recompute"];
 
 /// (pid, stage) of the `k3-orch stage <name>` children of `parent`, from /proc.
 fn stage_children(parent: u32) -> Vec<(u32, String)> {

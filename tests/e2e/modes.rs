@@ -65,9 +65,11 @@ fn dump_logits_bit_identical_across_modes() {
         for mode in MODES {
             for inc in [false, true] {
                 let mut extra = mode.to_vec();
-                if inc {
-                    extra.push("--incremental");
-                }
+                extra.push(if inc {
+                    "--incremental"
+                } else {
+                    "--full-recompute"
+                });
                 // Four tokens: the dump is step 0's row, and the ids check that the run went on.
                 let (ids, logits) = run_dump(model, &prompt, 4, &extra);
                 let what = format!("{model} {extra:?}");
@@ -139,9 +141,11 @@ fn seeded_sampling_same_ids_in_every_mode_and_budget() {
                     continue;
                 }
                 let mut extra: Vec<&str> = mode.to_vec();
-                if inc {
-                    extra.push("--incremental");
-                }
+                extra.push(if inc {
+                    "--incremental"
+                } else {
+                    "--full-recompute"
+                });
                 extra.extend_from_slice(budget);
                 extra.extend_from_slice(&sampling);
                 let (ids, _) = run_dump(model, &prompt, n, &extra);

@@ -111,9 +111,11 @@ fn same_ids_in_every_mode() {
         for mode in [&[][..], &["--inproc"][..], &["--single-process"][..]] {
             for inc in [true, false] {
                 let mut extra: Vec<&str> = mode.to_vec();
-                if inc {
-                    extra.push("--incremental");
-                }
+                extra.push(if inc {
+                    "--incremental"
+                } else {
+                    "--full-recompute"
+                });
                 let n = if inc { want.len() } else { 6 };
                 let got = generate(&model, &prompt, n, &extra);
                 assert_eq!(got, want[..n], "{} {extra:?}", model.display());

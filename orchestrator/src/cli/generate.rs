@@ -29,7 +29,7 @@ pub fn main(argv: Vec<OsString>) -> i32 {
             EXIT_OK
         }
         Ok(Parsed::ListPresets) => {
-            print!("{}", k3_trunk_loader::Presets::builtin().list_text());
+            print!("{}", crate::tools::project::presets_text());
             EXIT_OK
         }
         Ok(Parsed::Run(a)) => match crate::run::run(&a) {

@@ -68,9 +68,14 @@ const SUBCOMMANDS: &[(&str, SubMain, &str)] = &[
         "O_DIRECT random reads at queue depth 1 and 16",
     ),
     (
+        "project",
+        tools::project::main,
+        "projected s/token for a model on a machine (from headers; not a measurement)",
+    ),
+    (
         "doctor",
         tools::doctor::main,
-        "machine check, preset advice, next command",
+        "machine check, projected s/token, the --mem-gb to use, next command",
     ),
     (
         "replay",

@@ -7,9 +7,14 @@
 //! Two layers, as ripgrep's flags (`crates/core/flags`): `LowArgs` is filled in order
 //! from the command line, each value parsed and range-checked on its own; then
 //! `GenArgs::from_low` fills in the defaults and checks the flags together (one prompt,
-//! `--tok` where text is involved, one mode).
+//! a tokenizer where text is involved, one mode, the context size). The defaults that look
+//! at the model directory (the tokenizer files, `generation_config.json`) come through
+//! [`ModelFiles`], so the parser itself is tested without files; they are the ones of
+//! [`super::defaults`], which `chat` and `serve` share.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use super::defaults::{self, GenerationDefaults, Source};
 
 /// Where the prompt comes from: exactly one of these.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,21 +49,20 @@ pub struct Sampling {
     pub stop: Vec<String>,
 }
 
-/// Chat rendering flags shared by generation and `tokenize --chat`.
+/// How a `--chat` prompt is rendered: thinking on or off, and the thinking-effort message.
+/// The default is [`defaults::thinking`]'s (thinking off), as in `chat` and `serve`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatFlags {
-    /// Thinking on (the prompt opens `think`); `--no-thinking` opens `response`.
+    /// Thinking on (the prompt opens `think`); off, the prompt opens `response`.
     pub thinking: bool,
-    /// `low`, `high`, `max`, or None (`--effort none`: no effort message).
+    /// `low`, `high`, `max`, or None (no effort message).
     pub effort: Option<String>,
 }
 
 impl Default for ChatFlags {
     fn default() -> Self {
-        ChatFlags {
-            thinking: true,
-            effort: Some("max".into()),
-        }
+        let (thinking, effort) = defaults::thinking(None, None);
+        ChatFlags { thinking, effort }
     }
 }
 
@@ -100,6 +104,70 @@ impl Sampling {
     }
 }
 
+impl Sampling {
+    /// These flags over a model's `generation_config.json` values: each value a flag left
+    /// unset is taken from the file, and every value says where it came from (the report's
+    /// `sampling.sources`). The seed is a flag's or drawn ([`Sampling::resolve`]).
+    pub fn over(&self, g: &GenerationDefaults) -> (Sampling, SamplingSources) {
+        fn pick<T: Clone>(flag: &Option<T>, file: &Option<T>) -> (Option<T>, Source) {
+            match (flag, file) {
+                (Some(v), _) => (Some(v.clone()), Source::Flag),
+                (None, Some(v)) => (Some(v.clone()), Source::GenerationConfig),
+                (None, None) => (None, Source::BuiltIn),
+            }
+        }
+        let (temperature, t) = pick(&self.temperature, &g.temperature);
+        let (top_p, p) = pick(&self.top_p, &g.top_p);
+        let (top_k, k) = pick(&self.top_k, &g.top_k);
+        let (min_p, m) = pick(&self.min_p, &g.min_p);
+        let (repetition_penalty, r) = pick(&self.repetition_penalty, &g.repetition_penalty);
+        let seed = if self.seed.is_some() {
+            Source::Flag
+        } else {
+            Source::BuiltIn
+        };
+        let s = Sampling {
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            repetition_penalty,
+            seed: self.seed,
+            stop: self.stop.clone(),
+        };
+        let sources = SamplingSources(vec![
+            ("temperature", t),
+            ("top_p", p),
+            ("top_k", k),
+            ("min_p", m),
+            ("repetition_penalty", r),
+            ("seed", seed),
+        ]);
+        (s, sources)
+    }
+}
+
+/// Where each sampling value of a run came from: a flag, the model's
+/// `generation_config.json`, or k3's built-in default.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingSources(pub Vec<(&'static str, Source)>);
+
+impl SamplingSources {
+    /// As the report's `sampling.sources` object: `{"temperature": "flag", ...}`.
+    pub fn to_json(&self) -> serde_json::Value {
+        self.0
+            .iter()
+            .map(|(k, s)| ((*k).to_string(), serde_json::Value::from(s.as_str())))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    }
+
+    /// Where `key` came from.
+    pub fn of(&self, key: &str) -> Option<Source> {
+        self.0.iter().find(|(k, _)| *k == key).map(|(_, s)| *s)
+    }
+}
+
 /// A seed from the OS's randomness (for sampling runs given no `--seed`).
 pub fn random_seed() -> u64 {
     rand::random::<u64>() >> 11 // 53 bits: exact in JSON numbers and JavaScript
@@ -112,15 +180,24 @@ pub struct GenArgs {
     pub prompt: Prompt,
     pub chat: bool,
     pub chat_flags: ChatFlags,
+    /// The tokenizer directory: `--tok`, or the model directory when it holds the
+    /// tokenizer files ([`defaults::tokenizer_dir`]); None: ids in, ids out.
     pub tok: Option<PathBuf>,
     pub mem: Vec<MemFlag>,
     pub trunk: Option<PathBuf>,
     pub gen: usize,
+    /// `-c/--ctx-size`: prompt plus generated tokens at most (refused up front beyond it).
+    pub ctx_size: Option<usize>,
+    /// Carry KV cache and recurrent state (the default); `--full-recompute` turns it off.
     pub incremental: bool,
+    /// The sampling flags over the model's `generation_config.json` ([`Sampling::over`]).
     pub sampling: Sampling,
+    /// Where each sampling value came from.
+    pub sampling_sources: SamplingSources,
     pub config: Option<PathBuf>,
     pub layers: Option<usize>,
-    pub out: PathBuf,
+    /// The JSON report (`--out`); None: no report file is written.
+    pub out: Option<PathBuf>,
     pub dump_logits: Option<PathBuf>,
     pub dump_cache_trace: Option<PathBuf>,
     pub record: Option<PathBuf>,
@@ -153,16 +230,26 @@ pub enum Parsed {
 
 pub const HELP: &str = "\
 usage: k3-orch <MODEL_DIR> [prompt] [memory] [generation] [diagnostics]
-       k3-orch serve <MODEL_DIR> --tok DIR [--port N]   (OpenAI-compatible server; see --help)
-       k3-orch chat <MODEL_DIR> --tok DIR               (interactive chat)
+       k3-orch -m MODEL_DIR -p TEXT [flags]             (llama.cpp's spelling)
+       k3-orch chat <MODEL_DIR> --tok DIR               (interactive chat; chat --help)
+       k3-orch serve <MODEL_DIR> --tok DIR [--port N]   (OpenAI-compatible server; serve --help)
+       k3-orch project | doctor [MODEL_DIR]             (projected s/token; this machine's check)
 
+model:
+  MODEL_DIR, -m DIR, --model DIR
+                         the checkpoint directory (config.json, shards; tokenizer files)
 prompt (exactly one):
-  --prompt TEXT, -p      tokenize TEXT (needs --tok)
-  --prompt-file PATH, -f tokenize the file's bytes verbatim (needs --tok)
-  --ids 1,2,3            token ids directly; no tokenizer is loaded
-  --chat                 wrap the prompt as one user turn in K3's XTML chat format (needs --tok)
-  --no-thinking          with --chat: open a `response` block instead of `think`
-  --effort E             with --chat: thinking effort low|high|max|none (default max)
+  --prompt TEXT, -p      tokenize TEXT
+  --prompt-file PATH, -f, --file
+                         tokenize the file's bytes verbatim
+  --ids 1,2,3            token ids directly; no tokenizer is loaded unless --tok names one
+  --chat                 wrap the prompt as one user turn in K3's XTML chat format
+  --thinking             with --chat: open a `think` block (off by default; see docs/run-k3.md)
+  --no-thinking          with --chat: open a `response` block (the default)
+  --effort E             with --chat: thinking effort low|high|max|none (turns thinking on;
+                         default max when thinking is on)
+  --tok DIR              tiktoken.model + tokenizer_config.json (default: MODEL_DIR when it
+                         holds them, as the release does; text prompts need one)
 memory (applied left to right; a later flag wins):
   --preset NAME          laptop|desktop|workstation|server|max|auto (sets both budgets)
   --trunk DIR            the packed trunk (pack-trunk); without it the trunk is loaded whole
@@ -171,26 +258,30 @@ memory (applied left to right; a later flag wins):
   --trunk-gb X           budget for pinned trunk layers plus the streaming ring
   --cache-gb X           budget for the routed-expert cache
 generation:
-  --gen N, -n N          tokens to generate (default 8, at most 4096)
-  --incremental          carry KV cache and recurrent state (same ids as full recompute)
-  --tok DIR              tiktoken.model + tokenizer_config.json
+  --gen N, -n N, --n-predict N
+                         tokens to generate (default 8, at most 4096)
+  --ctx-size N, -c N     prompt plus generated tokens at most; more is refused (exit 2)
+  --incremental          carry KV cache and recurrent state (the default)
+  --full-recompute       recompute the whole prefix at every step (same ids, slower)
   --save-state FILE      write the session state (KV cache, KDA state) after the run
   --load-state FILE      continue from a saved state; the prompt is optional and follows it
                          (refused, exit 2, for another model, version or a bad checksum)
-sampling (greedy unless one of these is given):
+sampling (default: MODEL_DIR/generation_config.json's values when it has one, else greedy;
+          a flag wins; the report's sampling.sources says where each value came from):
   --temperature T, --temp T
                          softmax temperature; 0 = greedy
   --top-k K              keep the K most likely ids
   --top-p P              keep the smallest set with probability >= P
   --min-p P              drop ids below P times the top id's probability
-                         (top-k/top-p/min-p without --temperature sample at temperature 1)
-  --repeat-penalty R     divide logits of ids in the last 64 tokens by R (also greedy)
+                         (top-k/top-p/min-p without a temperature sample at temperature 1)
+  --repeat-penalty R, --repetition-penalty R
+                         divide logits of ids in the last 64 tokens by R (also greedy)
   --seed S, -s S         seed of the draw; random (printed, recorded) when sampling without it
   --stop TEXT            end when the decoded text contains TEXT (repeatable; cut before it)
 diagnostics:
   --config PATH          model config (default <MODEL_DIR>/config.json)
   --layers N             bind only layers 0..N-1
-  --out FILE             JSON report (default k3_run.json)
+  --out FILE             write the JSON report to FILE (default: no report file)
   --dump-logits PATH     float32 LE logits of the first generation step
   --dump-cache-trace DIR expert_hist.json + expert_trace.bin
   --record DIR           record every stage's inbound messages and buffer hashes
@@ -201,8 +292,9 @@ diagnostics:
   --require-cgroups      fail when per-stage memory cgroups cannot be created
   --stage-timeout S      seconds a stage may stay silent before it is declared hung (default 60)
   --quiet, -q            only the generated text on stdout; warnings and errors on stderr
-  -v, -vv                debug / trace diagnostics on stderr (or K3_LOG=filter)
-  --list-presets         the memory presets
+  -v, -vv, --verbose     debug / trace diagnostics on stderr (or K3_LOG=filter)
+  --list-presets         the memory presets, with k3's projected s/token for each
+  --help, -h             this text
 exit codes: 0 ok; 1 bind/forward failure or a stage died; 2 usage, config or refused request;
             4 finished but a routed expert failed to load (ids unsound)
 ";
@@ -252,16 +344,21 @@ fn gb(s: &str, flag: &str) -> Result<f64, String> {
 /// here looks at two flags together; [`GenArgs::from_low`] does.
 #[derive(Debug, Default)]
 struct LowArgs {
-    model_dir: Option<PathBuf>,
+    /// Every model directory given (positional or `-m`; exactly one is wanted).
+    model_dirs: Vec<PathBuf>,
     /// Every prompt flag given (exactly one is wanted).
     prompts: Vec<Prompt>,
     chat: bool,
-    chat_flags: ChatFlags,
+    /// `--thinking` / `--no-thinking`, and `--effort` (`Some(None)`: "none"), as given.
+    thinking: Option<bool>,
+    effort: Option<Option<String>>,
     tok: Option<PathBuf>,
     mem: Vec<MemFlag>,
     trunk: Option<PathBuf>,
     gen: Option<usize>,
+    ctx_size: Option<usize>,
     incremental: bool,
+    full_recompute: bool,
     sampling: Sampling,
     config: Option<PathBuf>,
     layers: Option<usize>,
@@ -334,8 +431,10 @@ impl LowArgs {
     fn switch(&mut self, flag: &str) -> bool {
         match flag {
             "--chat" => self.chat = true,
-            "--no-thinking" => self.chat_flags.thinking = false,
+            "--thinking" => self.thinking = Some(true),
+            "--no-thinking" => self.thinking = Some(false),
             "--incremental" => self.incremental = true,
+            "--full-recompute" => self.full_recompute = true,
             "--inproc" => self.inproc = true,
             "--single-process" => self.single_process = true,
             "--require-cgroups" => self.require_cgroups = true,
@@ -345,13 +444,16 @@ impl LowArgs {
         true
     }
 
-    /// The prompt, the tokenizer and the chat wrapper's effort.
+    /// The model, the prompt, the tokenizer and the chat wrapper's effort.
     fn prompt_flag(&mut self, flag: &str, val: &mut Val) -> Result<bool, String> {
         match flag {
+            "--model" | "-m" => self.model_dirs.push(PathBuf::from(val()?)),
             "--prompt" | "-p" => self.prompts.push(Prompt::Text(val()?)),
-            "--prompt-file" | "-f" => self.prompts.push(Prompt::File(PathBuf::from(val()?))),
+            "--prompt-file" | "-f" | "--file" => {
+                self.prompts.push(Prompt::File(PathBuf::from(val()?)))
+            }
             "--ids" => self.prompts.push(Prompt::Ids(parse_ids(&val()?)?)),
-            "--effort" => self.chat_flags.effort = parse_effort(&val()?)?,
+            "--effort" => self.effort = Some(parse_effort(&val()?)?),
             "--tok" => self.tok = Some(PathBuf::from(val()?)),
             _ => return Ok(false),
         }
@@ -387,6 +489,7 @@ impl LowArgs {
         let s = &mut self.sampling;
         match flag {
             "--gen" | "-n" | "--n-predict" => self.gen = Some(count(&val()?, flag, 1, MAX_GEN)?),
+            "--ctx-size" | "-c" => self.ctx_size = Some(count(&val()?, flag, 1, usize::MAX)?),
             "--temperature" | "--temp" => {
                 let t: f32 = num(&val()?, flag)?;
                 if !t.is_finite() || t < 0.0 {
@@ -469,42 +572,85 @@ impl LowArgs {
                 None => format!("unknown flag '{flag}'"),
             });
         }
-        if self.model_dir.is_some() {
+        if !self.model_dirs.is_empty() {
             return Err(format!(
                 "unexpected argument '{arg}' (the model directory was already given)"
             ));
         }
-        self.model_dir = Some(PathBuf::from(arg));
+        self.model_dirs.push(PathBuf::from(arg));
         Ok(())
+    }
+}
+
+/// What the parser asks of the model directory for its defaults ([`super::defaults`]):
+/// the files on disk for a run, a fake in the parser's tests.
+pub trait ModelFiles {
+    /// The tokenizer directory: `given` checked, or the model directory's (Err: usage).
+    fn tokenizer_dir(
+        &self,
+        given: Option<&Path>,
+        model_dir: &Path,
+    ) -> Result<Option<PathBuf>, String>;
+    /// The sampling defaults of the model directory's `generation_config.json`.
+    fn generation_defaults(&self, model_dir: &Path) -> Result<GenerationDefaults, String>;
+}
+
+/// The model directory as it is on disk.
+pub struct OnDisk;
+
+impl ModelFiles for OnDisk {
+    fn tokenizer_dir(
+        &self,
+        given: Option<&Path>,
+        model_dir: &Path,
+    ) -> Result<Option<PathBuf>, String> {
+        defaults::tokenizer_dir(given, model_dir)
+    }
+
+    fn generation_defaults(&self, model_dir: &Path) -> Result<GenerationDefaults, String> {
+        GenerationDefaults::of_model_dir(model_dir)
+    }
+}
+
+/// Refuse a run whose prompt and generated tokens exceed `-c/--ctx-size` (exit 2).
+pub fn check_ctx_size(ctx: Option<usize>, prompt_tokens: usize, gen: usize) -> Result<(), String> {
+    match ctx {
+        Some(c) if prompt_tokens + gen > c => Err(format!(
+            "the prompt ({prompt_tokens} tokens) plus --gen {gen} is {} tokens, over \
+             --ctx-size {c}: shorten the prompt, lower --gen or raise --ctx-size",
+            prompt_tokens + gen
+        )),
+        _ => Ok(()),
     }
 }
 
 impl GenArgs {
     /// The second layer (ripgrep's `HiArgs`): the run the flags describe, with the
-    /// defaults filled in and the flags checked together.
-    fn from_low(low: LowArgs) -> Result<GenArgs, String> {
-        let model_dir = low.model_dir.ok_or("missing <MODEL_DIR>")?;
-        // A state is the incremental session; full recompute gives the same ids.
-        let stateful = low.save_state.is_some() || low.load_state.is_some();
-        let mut prompts = low.prompts;
-        let prompt = match prompts.len() {
-            // After --load-state the saved tokens are the prompt; one given is appended.
-            0 if low.load_state.is_some() => Prompt::Ids(Vec::new()),
-            0 => {
-                return Err("no prompt: give exactly one of --prompt, --prompt-file, --ids".into())
-            }
-            1 => prompts.pop().expect("one prompt"),
-            n => {
-                return Err(format!(
-                    "{n} prompts given: give exactly one of --prompt, --prompt-file, --ids"
-                ))
-            }
+    /// defaults filled in (`files`: the model directory's tokenizer and
+    /// `generation_config.json`) and the flags checked together.
+    fn from_low(low: LowArgs, files: &dyn ModelFiles) -> Result<GenArgs, String> {
+        let mut dirs = low.model_dirs;
+        let model_dir = match dirs.len() {
+            0 => return Err("missing <MODEL_DIR> (or -m DIR)".into()),
+            1 => dirs.pop().expect("one model directory"),
+            _ => return Err("the model directory was given twice (MODEL_DIR and -m)".into()),
         };
-        let needs_tok = !matches!(prompt, Prompt::Ids(_)) || low.chat;
-        if needs_tok && low.tok.is_none() {
-            return Err("--prompt, --prompt-file and --chat need --tok DIR (tiktoken.model + tokenizer_config.json); \
-                 to skip the tokenizer pass --ids"
-                .into());
+        let prompt = one_prompt(low.prompts, low.load_state.is_some())?;
+        // Text in or out needs a tokenizer: the given one, or the model directory's. An
+        // `--ids` run without `--tok` stays ids in, ids out (no tokenizer is loaded).
+        let needs_tok =
+            !matches!(prompt, Prompt::Ids(_)) || low.chat || !low.sampling.stop.is_empty();
+        let tok = if needs_tok || low.tok.is_some() {
+            files.tokenizer_dir(low.tok.as_deref(), &model_dir)?
+        } else {
+            None
+        };
+        if needs_tok && tok.is_none() {
+            return Err(format!(
+                "--prompt, --prompt-file, --chat and --stop need a tokenizer: --tok DIR ({}), \
+                 or those files in the model directory; to skip the tokenizer pass --ids",
+                defaults::TOKENIZER_FILES.join(" + ")
+            ));
         }
         if let Prompt::Ids(ids) = &prompt {
             if ids.len() > MAX_PROMPT {
@@ -514,33 +660,43 @@ impl GenArgs {
                 ));
             }
         }
-        if low.chat_flags != ChatFlags::default() && !low.chat {
-            return Err(
-                "--no-thinking and --effort shape the chat prompt; they need --chat".into(),
-            );
-        }
-        if !low.sampling.stop.is_empty() && low.tok.is_none() {
-            return Err("--stop matches decoded text, which needs --tok DIR".into());
-        }
+        let chat_flags = chat_flags(low.chat, low.thinking, low.effort)?;
         if low.inproc && low.single_process {
             return Err(
                 "--inproc and --single-process are different modes; give at most one".into(),
             );
         }
+        // A state is the incremental session.
+        let stateful = low.save_state.is_some() || low.load_state.is_some();
+        if low.full_recompute && (low.incremental || stateful) {
+            return Err(
+                "--full-recompute carries no state: it goes with neither --incremental \
+                 nor --save-state/--load-state"
+                    .into(),
+            );
+        }
+        let gen = low.gen.unwrap_or(8);
+        if let Prompt::Ids(ids) = &prompt {
+            check_ctx_size(low.ctx_size, ids.len(), gen)?;
+        }
+        let (sampling, sampling_sources) =
+            low.sampling.over(&files.generation_defaults(&model_dir)?);
         Ok(GenArgs {
             model_dir,
             prompt,
             chat: low.chat,
-            chat_flags: low.chat_flags,
-            tok: low.tok,
+            chat_flags,
+            tok,
             mem: low.mem,
             trunk: low.trunk,
-            gen: low.gen.unwrap_or(8),
-            incremental: low.incremental || stateful,
-            sampling: low.sampling,
+            gen,
+            ctx_size: low.ctx_size,
+            incremental: !low.full_recompute,
+            sampling,
+            sampling_sources,
             config: low.config,
             layers: low.layers,
-            out: low.out.unwrap_or_else(|| PathBuf::from("k3_run.json")),
+            out: low.out,
             dump_logits: low.dump_logits,
             dump_cache_trace: low.dump_cache_trace,
             record: low.record,
@@ -557,31 +713,74 @@ impl GenArgs {
     }
 }
 
+/// The one prompt of a run (none after `--load-state`: the saved tokens are the prompt).
+fn one_prompt(mut prompts: Vec<Prompt>, load_state: bool) -> Result<Prompt, String> {
+    match prompts.len() {
+        0 if load_state => Ok(Prompt::Ids(Vec::new())),
+        0 => Err("no prompt: give exactly one of --prompt, --prompt-file, --ids".into()),
+        1 => Ok(prompts.pop().expect("one prompt")),
+        n => Err(format!(
+            "{n} prompts given: give exactly one of --prompt, --prompt-file, --ids"
+        )),
+    }
+}
+
+/// The chat rendering of the thinking flags ([`defaults::thinking`]); they need `--chat`.
+fn chat_flags(
+    chat: bool,
+    thinking: Option<bool>,
+    effort: Option<Option<String>>,
+) -> Result<ChatFlags, String> {
+    if (thinking.is_some() || effort.is_some()) && !chat {
+        return Err(
+            "--thinking, --no-thinking and --effort shape the chat prompt; they need --chat".into(),
+        );
+    }
+    if thinking == Some(false) && effort.is_some() {
+        return Err("--effort sets how much to think; it contradicts --no-thinking".into());
+    }
+    let (thinking, effort) = defaults::thinking(thinking, effort);
+    Ok(ChatFlags { thinking, effort })
+}
+
 /// Parse `args` (without the program name) in two layers: `LowArgs` filled in order,
-/// then `GenArgs::from_low`. Errors are usage errors (exit 2).
+/// then `GenArgs::from_low` with the model directory's defaults as they are on disk.
+/// Errors are usage errors (exit 2).
 pub fn parse(args: &[String]) -> Result<Parsed, String> {
+    parse_with(args, &OnDisk)
+}
+
+/// [`parse`] with the model directory's defaults from `files`.
+pub fn parse_with(args: &[String], files: &dyn ModelFiles) -> Result<Parsed, String> {
     let mut low = LowArgs::default();
     if let Some(special) = low.fill(args)? {
         return Ok(special);
     }
-    Ok(Parsed::Run(Box::new(GenArgs::from_low(low)?)))
+    Ok(Parsed::Run(Box::new(GenArgs::from_low(low, files)?)))
 }
 
-/// Every long flag the generation command knows (for "did you mean").
+/// Every long flag the generation command knows (for "did you mean"; each is in [`HELP`]).
 pub const FLAGS: &[&str] = &[
+    "--model",
     "--prompt",
     "--prompt-file",
+    "--file",
     "--ids",
     "--chat",
+    "--thinking",
     "--no-thinking",
     "--effort",
     "--tok",
     "--preset",
     "--trunk",
+    "--mem-gb",
     "--trunk-gb",
     "--cache-gb",
     "--gen",
+    "--n-predict",
+    "--ctx-size",
     "--incremental",
+    "--full-recompute",
     "--temperature",
     "--temp",
     "--top-p",
@@ -604,11 +803,16 @@ pub const FLAGS: &[&str] = &[
     "--require-cgroups",
     "--stage-timeout",
     "--quiet",
+    "--verbose",
     "--save-state",
     "--load-state",
     "--help",
     "--list-presets",
-    "--n-predict",
+];
+
+/// The short flags the generation command knows (each is in [`HELP`]).
+pub const SHORT_FLAGS: &[&str] = &[
+    "-m", "-p", "-f", "-n", "-c", "-s", "-t", "-q", "-v", "-vv", "-h",
 ];
 
 /// Edit distance (Levenshtein) between two short strings.
@@ -642,9 +846,42 @@ pub fn nearest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
 mod tests {
     use super::*;
 
+    /// A model directory as the parser's tests want it: `t` and `m` are tokenizer
+    /// directories (`m` is a model directory that holds one, as the release does), `bare`
+    /// holds none; `sampled` has a generation_config.json with sampling values.
+    struct Fake;
+
+    impl ModelFiles for Fake {
+        fn tokenizer_dir(
+            &self,
+            given: Option<&Path>,
+            model_dir: &Path,
+        ) -> Result<Option<PathBuf>, String> {
+            let is_tok = |d: &Path| matches!(d.to_str(), Some("t" | "m" | "sampled"));
+            match given {
+                Some(d) if is_tok(d) => Ok(Some(d.to_path_buf())),
+                Some(d) => Err(format!("--tok {}: no tiktoken.model there", d.display())),
+                None if is_tok(model_dir) => Ok(Some(model_dir.to_path_buf())),
+                None => Ok(None),
+            }
+        }
+
+        fn generation_defaults(&self, model_dir: &Path) -> Result<GenerationDefaults, String> {
+            match model_dir.to_str() {
+                Some("sampled") => Ok(GenerationDefaults {
+                    temperature: Some(0.6),
+                    top_p: Some(0.95),
+                    ..Default::default()
+                }),
+                Some("broken") => Err("broken/generation_config.json: not JSON".into()),
+                _ => Ok(GenerationDefaults::default()),
+            }
+        }
+    }
+
     fn p(s: &str) -> Result<Parsed, String> {
         let v: Vec<String> = s.split_whitespace().map(str::to_string).collect();
-        parse(&v)
+        parse_with(&v, &Fake)
     }
 
     fn run(s: &str) -> GenArgs {
@@ -657,7 +894,7 @@ mod tests {
     #[test]
     fn memory_flags_keep_their_order() {
         // A parser that resolved presets after the -gb flags would lose this order.
-        let a = run("m --preset server --cache-gb 40 --ids 1");
+        let a = run("bare --preset server --cache-gb 40 --ids 1");
         assert_eq!(
             a.mem,
             vec![MemFlag::Preset("server".into()), MemFlag::CacheGb(40.0)]
@@ -666,37 +903,55 @@ mod tests {
 
     #[test]
     fn exactly_one_prompt() {
-        assert!(p("m").unwrap_err().contains("no prompt"));
-        assert!(p("m --ids 1 --ids 2").unwrap_err().contains("2 prompts"));
-        assert!(p("m --prompt hi").unwrap_err().contains("--tok"));
-        assert!(p("m --ids 1 --chat").unwrap_err().contains("--tok"));
+        assert!(p("bare").unwrap_err().contains("no prompt"));
+        assert!(p("bare --ids 1 --ids 2").unwrap_err().contains("2 prompts"));
+        assert!(p("bare --prompt hi").unwrap_err().contains("--tok"));
+        assert!(p("bare --ids 1 --chat").unwrap_err().contains("--tok"));
         assert!(matches!(
-            run("m --prompt hi --tok t").prompt,
+            run("bare --prompt hi --tok t").prompt,
             Prompt::Text(ref s) if s == "hi"
         ));
     }
 
     #[test]
     fn bad_values_are_usage_errors() {
-        assert!(p("m --ids 1,x").is_err());
-        assert!(p("m --ids 1,,2").is_err());
-        assert!(p("m --ids 1 --gen 0").is_err());
-        assert!(p("m --ids 1 --gen 4097").is_err());
-        assert!(p("m --ids 1 --preset huge").is_err());
-        assert!(p("m --ids 1 --trunk-gb -1").is_err());
-        assert!(p("m --ids 1 --frobnicate").is_err());
-        assert!(p("m n --ids 1").is_err());
+        assert!(p("bare --ids 1,x").is_err());
+        assert!(p("bare --ids 1,,2").is_err());
+        assert!(p("bare --ids 1 --gen 0").is_err());
+        assert!(p("bare --ids 1 --gen 4097").is_err());
+        assert!(p("bare --ids 1 --preset huge").is_err());
+        assert!(p("bare --ids 1 --trunk-gb -1").is_err());
+        assert!(p("bare --ids 1 --frobnicate").is_err());
+        assert!(p("bare n --ids 1").is_err());
         assert!(p("--ids 1").unwrap_err().contains("MODEL_DIR"));
-        assert!(p("m --ids 1 --gen").unwrap_err().contains("needs a value"));
+        assert!(p("bare --ids 1 --gen")
+            .unwrap_err()
+            .contains("needs a value"));
+        assert!(p("bare --ids 1 --ctx-size 0").is_err());
     }
 
+    /// The defaults a user expects (issue 34): incremental decoding, no report file unless
+    /// --out names one, greedy without a generation_config.json.
     #[test]
     fn defaults_and_inline_values() {
-        let a = run("m --ids=5,6 --gen=3");
+        let a = run("bare --ids=5,6 --gen=3");
         assert_eq!(a.prompt, Prompt::Ids(vec![5, 6]));
         assert_eq!(a.gen, 3);
-        assert_eq!(a.out, PathBuf::from("k3_run.json"));
-        assert!(!a.incremental);
+        assert_eq!(a.out, None, "nothing is written to the current directory");
+        assert!(a.incremental, "incremental decoding is the default");
+        assert_eq!(a.ctx_size, None);
+        assert_eq!(a.tok, None);
+        assert_eq!(
+            run("bare --ids 1 --out r.json").out,
+            Some(PathBuf::from("r.json"))
+        );
+        // --incremental stays accepted; --full-recompute is the old mode.
+        assert!(run("bare --ids 1 --incremental").incremental);
+        assert!(!run("bare --ids 1 --full-recompute").incremental);
+        assert!(p("bare --ids 1 --full-recompute --incremental").is_err());
+        assert!(p("bare --ids 1 --full-recompute --save-state s")
+            .unwrap_err()
+            .contains("--full-recompute"));
     }
 
     #[test]
@@ -707,17 +962,54 @@ mod tests {
 
     #[test]
     fn llama_cpp_spellings_are_aliases() {
-        let a = run("m --ids 1 --temp 0.7 -n 5 -s 11 -t 2");
+        let a = run("-m bare --ids 1 --temp 0.7 -n 5 -s 11 -t 2 -c 64");
+        assert_eq!(a.model_dir, PathBuf::from("bare"));
         assert_eq!(a.sampling.temperature, Some(0.7));
         assert_eq!(a.gen, 5);
         assert_eq!(a.sampling.seed, Some(11));
         assert_eq!(a.threads, Some(2));
-        assert_eq!(run("m -p hi --tok t").prompt, Prompt::Text("hi".into()));
+        assert_eq!(a.ctx_size, Some(64));
+        assert_eq!(run("--model bare --ids 1 --n-predict 4").gen, 4);
+        assert_eq!(run("--model=bare --ids 1 --ctx-size=9").ctx_size, Some(9));
+        assert_eq!(run("bare -p hi --tok t").prompt, Prompt::Text("hi".into()));
+        assert_eq!(
+            run("bare --file f --tok t").prompt,
+            Prompt::File("f".into())
+        );
+        assert!(p("bare -m bare --ids 1").unwrap_err().contains("twice"));
+        assert!(p("-m bare bare --ids 1").is_err());
+    }
+
+    /// `-c/--ctx-size` refuses up front a prompt plus --gen that does not fit.
+    #[test]
+    fn ctx_size_refuses_up_front() {
+        assert!(p("bare --ids 1,2,3 --gen 5 -c 8").is_ok());
+        let e = p("bare --ids 1,2,3 --gen 6 -c 8").unwrap_err();
+        assert!(e.contains("--ctx-size 8") && e.contains("9 tokens"), "{e}");
+        assert!(check_ctx_size(None, 10_000, 4096).is_ok());
+        assert!(check_ctx_size(Some(10), 5, 6).is_err());
+    }
+
+    /// `--tok` defaults to the model directory when the tokenizer files are there; a `--tok`
+    /// without them is a usage error.
+    #[test]
+    fn tokenizer_defaults_to_the_model_directory() {
+        let a = run("m --prompt hi");
+        assert_eq!(a.tok, Some(PathBuf::from("m")));
+        // ids in, ids out: no tokenizer unless one is named.
+        assert_eq!(run("m --ids 1").tok, None);
+        assert_eq!(run("m --ids 1 --tok t").tok, Some(PathBuf::from("t")));
+        assert!(p("bare --ids 1 --tok nope").is_err());
+        assert_eq!(run("m --prompt hi --tok t").tok, Some(PathBuf::from("t")));
+        assert!(p("m --prompt hi --tok nope")
+            .unwrap_err()
+            .contains("tiktoken.model"));
+        assert!(run("m --prompt hi --stop x").sampling.stop == vec!["x".to_string()]);
     }
 
     #[test]
     fn sampling_flags_and_resolution() {
-        let a = run("m --ids 1 --top-k 5");
+        let a = run("bare --ids 1 --top-k 5");
         // top-k alone samples (temperature 1), with a random seed when none is given.
         let c = a.sampling.resolve(|| 77);
         assert_eq!(c.temperature, Some(1.0));
@@ -725,48 +1017,115 @@ mod tests {
         assert_eq!(c.seed, 77);
         assert!(!c.is_greedy());
         // Greedy by default: no random seed is drawn.
-        let g = run("m --ids 1")
+        let g = run("bare --ids 1")
             .sampling
             .resolve(|| panic!("greedy draws no seed"));
         assert!(g.is_greedy());
         assert_eq!(g.seed, 0);
         // An explicit temperature 0 stays greedy; an explicit seed wins.
-        let z = run("m --ids 1 --temp 0 --top-k 5 --seed 3")
+        let z = run("bare --ids 1 --temp 0 --top-k 5 --seed 3")
             .sampling
             .resolve(|| 1);
         assert!(z.is_greedy());
         assert_eq!(z.seed, 3);
-        let m = run("m --ids 1 --min-p 0.1 --repeat-penalty 1.3");
+        let m = run("bare --ids 1 --min-p 0.1 --repeat-penalty 1.3");
         let mc = m.sampling.resolve(|| 5);
         assert_eq!(mc.min_p, Some(0.1));
         assert_eq!(mc.repetition_penalty, Some(1.3));
-        assert!(p("m --ids 1 --min-p 2").is_err());
-        assert!(p("m --ids 1 --repeat-penalty 0").is_err());
-        assert!(p("m --ids 1 --stop x").unwrap_err().contains("--tok"));
-        let s = run("m --prompt hi --tok t --stop a --stop bc");
+        assert!(p("bare --ids 1 --min-p 2").is_err());
+        assert!(p("bare --ids 1 --repeat-penalty 0").is_err());
+        assert!(p("bare --ids 1 --stop x").unwrap_err().contains("--tok"));
+        let s = run("bare --prompt hi --tok t --stop a --stop bc");
         assert_eq!(s.sampling.stop, vec!["a".to_string(), "bc".to_string()]);
     }
 
+    /// The release's generation_config.json sets the sampling a flag does not, and the
+    /// sources say which is which.
     #[test]
-    fn chat_flags_match_tokenize() {
-        let a = run("m --prompt hi --tok t --chat --no-thinking --effort low");
+    fn generation_config_sets_the_default_sampling() {
+        let a = run("sampled --ids 1");
+        assert_eq!(a.sampling.temperature, Some(0.6));
+        assert_eq!(a.sampling.top_p, Some(0.95));
+        assert_eq!(a.sampling.top_k, None);
+        let src = &a.sampling_sources;
+        assert_eq!(src.of("temperature"), Some(Source::GenerationConfig));
+        assert_eq!(src.of("top_k"), Some(Source::BuiltIn));
+        assert_eq!(src.of("seed"), Some(Source::BuiltIn));
+        let j = src.to_json();
+        assert_eq!(j["top_p"], "generation_config");
+        assert_eq!(j["min_p"], "built-in");
+        // A flag wins, and --temp 0 is greedy whatever the file says.
+        let b = run("sampled --ids 1 --temp 0 --seed 4");
+        assert_eq!(b.sampling_sources.of("temperature"), Some(Source::Flag));
+        assert_eq!(b.sampling_sources.of("seed"), Some(Source::Flag));
+        assert!(b.sampling.resolve(|| 1).is_greedy());
+        // Without the file every source is built in.
+        let c = run("bare --ids 1");
+        assert!(c
+            .sampling_sources
+            .0
+            .iter()
+            .all(|(_, s)| *s == Source::BuiltIn));
+        assert!(p("broken --ids 1")
+            .unwrap_err()
+            .contains("generation_config"));
+    }
+
+    /// One thinking default (off) for run, chat and serve; `--thinking` or `--effort` turns
+    /// it on, at effort max unless told.
+    #[test]
+    fn chat_thinking_is_off_by_default() {
+        let a = run("bare --prompt hi --tok t --chat");
         assert!(!a.chat_flags.thinking);
-        assert_eq!(a.chat_flags.effort.as_deref(), Some("low"));
-        assert_eq!(
-            run("m --prompt hi --tok t --chat --effort none")
+        assert_eq!(a.chat_flags.effort, None);
+        let t = run("bare --prompt hi --tok t --chat --thinking");
+        assert!(t.chat_flags.thinking);
+        assert_eq!(t.chat_flags.effort.as_deref(), Some("max"));
+        let e = run("bare --prompt hi --tok t --chat --effort low");
+        assert!(e.chat_flags.thinking);
+        assert_eq!(e.chat_flags.effort.as_deref(), Some("low"));
+        let n = run("bare --prompt hi --tok t --chat --effort none");
+        assert!(n.chat_flags.thinking);
+        assert_eq!(n.chat_flags.effort, None);
+        assert!(
+            !run("bare --prompt hi --tok t --chat --no-thinking")
                 .chat_flags
-                .effort,
-            None
+                .thinking
         );
-        assert!(p("m --prompt hi --tok t --chat --effort medium").is_err());
-        assert!(p("m --prompt hi --tok t --no-thinking")
+        assert!(p("bare --prompt hi --tok t --chat --effort medium").is_err());
+        assert!(
+            p("bare --prompt hi --tok t --chat --no-thinking --effort low")
+                .unwrap_err()
+                .contains("contradicts")
+        );
+        assert!(p("bare --prompt hi --tok t --no-thinking")
+            .unwrap_err()
+            .contains("--chat"));
+        assert!(p("bare --prompt hi --tok t --thinking")
             .unwrap_err()
             .contains("--chat"));
     }
 
+    /// Every flag the parser knows is in --help, and every flag listed is one it knows.
+    #[test]
+    fn every_flag_is_in_help() {
+        for f in FLAGS.iter().chain(SHORT_FLAGS) {
+            let listed = HELP
+                .split(|c: char| c.is_whitespace() || c == ',')
+                .any(|w| w == *f);
+            assert!(listed, "{f} is not in --help");
+            // -v/--verbose are taken off argv by the dispatcher, before this parser.
+            if matches!(*f, "-v" | "-vv" | "--verbose") {
+                continue;
+            }
+            let e = p(&format!("bare --ids 1 {f}")).err().unwrap_or_default();
+            assert!(!e.contains("unknown flag"), "{f}: {e}");
+        }
+    }
+
     #[test]
     fn typos_get_a_suggestion() {
-        assert!(p("m --ids 1 --temprature 1")
+        assert!(p("bare --ids 1 --temprature 1")
             .unwrap_err()
             .contains("did you mean --temperature"));
         assert_eq!(nearest("inpsect", &["inspect", "verify"]), Some("inspect"));

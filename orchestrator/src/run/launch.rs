@@ -228,7 +228,10 @@ pub fn chat_request_json(a: &GenArgs, text: &str) -> String {
 }
 
 /// The prompt's ids, encoded here (single-process mode has no tokenizer stage).
-fn encode_locally(a: &GenArgs, tok: &k3_tokenizer::Tokenizer) -> Result<Vec<u32>, RunError> {
+pub(crate) fn encode_locally(
+    a: &GenArgs,
+    tok: &k3_tokenizer::Tokenizer,
+) -> Result<Vec<u32>, RunError> {
     let text_of = |b: Vec<u8>, what: &str| {
         String::from_utf8(b).map_err(|_| {
             RunError::usage(format!("k3-orch: {what} is not UTF-8, which --chat needs"))

@@ -10,9 +10,12 @@
 //!
 //! [`floor`] is the opt-in read floor of `--single-process` decode steps (`K3_FLOOR=1`).
 //!
-//! The flags themselves are [`args`].
+//! The flags themselves are [`args`]; what a run takes when they do not say (thinking, the
+//! tokenizer directory, the sampling of `generation_config.json`) is [`defaults`], shared
+//! with `chat` and `serve`.
 
 pub mod args;
+pub mod defaults;
 pub mod disk;
 pub mod floor;
 pub mod launch;
@@ -120,12 +123,14 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let failures = g.expert_failures;
     let rep = build_report(a, mode, g, plan, seconds, &sampler, pss);
     print_outcome(a, &rep);
-    rep.write(&a.out).map_err(|e| {
-        RunError::failed(format!(
-            "k3-orch: writing the report {}: {e}",
-            a.out.display()
-        ))
-    })?;
+    if let Some(out) = &a.out {
+        rep.write(out).map_err(|e| {
+            RunError::failed(format!(
+                "k3-orch: writing the report {}: {e}",
+                out.display()
+            ))
+        })?;
+    }
     if failures > 0 {
         tracing::error!(
             "k3-orch: {failures} routed expert load(s) failed; the ids are unsound (exit 4)"
@@ -140,15 +145,25 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
 fn sampler_of(a: &GenArgs) -> SamplerConfig {
     let sampler: SamplerConfig = a.sampling.resolve(args::random_seed);
     if !sampler.is_greedy() {
+        let from_file = a
+            .sampling_sources
+            .0
+            .iter()
+            .any(|(_, s)| *s == defaults::Source::GenerationConfig);
         tracing::warn!(
-            "k3-orch: sampling with seed {}{} (repeat with --seed {})",
+            "k3-orch: sampling with seed {}{} (repeat with --seed {}){}",
             sampler.seed,
             if a.sampling.seed.is_none() {
                 " (random)"
             } else {
                 ""
             },
-            sampler.seed
+            sampler.seed,
+            if from_file {
+                "; defaults from the model's generation_config.json (--temp 0 for greedy)"
+            } else {
+                ""
+            }
         );
     }
     sampler
@@ -160,8 +175,15 @@ fn load_tokenizer(a: &GenArgs) -> Result<Option<Arc<k3_tokenizer::Tokenizer>>, R
     let Some(dir) = &a.tok else {
         return Ok(None);
     };
+    // The directory is the user's (`--tok`, or the model directory's files): a tokenizer
+    // that does not load is a usage error, refused before anything starts.
     let t = k3_tokenizer::Tokenizer::from_dir(dir)
-        .map_err(|e| RunError::failed(format!("k3-orch: --tok {}: {e}", dir.display())))?;
+        .map_err(|e| RunError::usage(format!("k3-orch: tokenizer {}: {e}", dir.display())))?;
+    if a.ctx_size.is_some() && !matches!(a.prompt, Prompt::Ids(_)) {
+        let n = launch::encode_locally(a, &t)?.len();
+        args::check_ctx_size(a.ctx_size, n, a.gen)
+            .map_err(|m| RunError::usage(format!("k3-orch: {m}")))?;
+    }
     Ok(Some(Arc::new(t)))
 }
 
@@ -234,7 +256,9 @@ fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), RunError> {
             )));
         }
     }
-    check_output("--out", &a.out).map_err(usage)?;
+    if let Some(out) = &a.out {
+        check_output("--out", out).map_err(usage)?;
+    }
     if let Some(p) = &a.dump_logits {
         check_output("--dump-logits", p).map_err(usage)?;
     }
@@ -352,7 +376,7 @@ fn build_report(
         model_dir: a.model_dir.display().to_string(),
         mode: mode.to_string(),
         incremental: a.incremental,
-        sampling: report::sampling_json(sampler, &a.sampling),
+        sampling: report::sampling_json(sampler, &a.sampling, &a.sampling_sources),
         prompt_ids: g.prompt_ids,
         generated_ids: g.generated,
         text,

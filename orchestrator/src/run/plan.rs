@@ -181,7 +181,7 @@ pub fn check_kv(positions: usize, per_pos: u64, available: Option<u64>) -> Resul
         return Err(format!(
             "REFUSING: the KV cache for {positions} positions needs {} but only {} is available.\n\
              This is a MEMORY limit, not an engine ceiling: the MLA layers cache {} per position\n\
-             whatever the budget. Shorten the request, or drop --incremental (full recompute\n\
+             whatever the budget. Shorten the request, or pass --full-recompute (full recompute\n\
              carries no KV cache at all).",
             human(need),
             human(have),

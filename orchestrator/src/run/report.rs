@@ -156,10 +156,12 @@ impl Report {
     }
 }
 
-/// The report's `sampling` object.
+/// The report's `sampling` object; `sources` says where each value came from (a flag, the
+/// model's `generation_config.json`, or the built-in default).
 pub fn sampling_json(
     c: &k3_protocol::conf::SamplerConfig,
     given: &super::args::Sampling,
+    sources: &super::args::SamplingSources,
 ) -> serde_json::Value {
     serde_json::json!({
         "mode": if c.is_greedy() { "greedy" } else { "sample" },
@@ -172,6 +174,7 @@ pub fn sampling_json(
         "seed": c.seed,
         "seed_given": given.seed.is_some(),
         "stop": given.stop,
+        "sources": sources.to_json(),
     })
 }
 

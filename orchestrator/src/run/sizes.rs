@@ -66,6 +66,28 @@ pub fn model_sizes(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> ModelSize
         }
     }
     let max_expert_span = spans.values().map(|(a, b)| b - a).max().unwrap_or(0);
+    let (kda_state_bytes, kv_per_pos) = state_bytes(cfg, layers);
+    for b in &mut layer_resident_bytes {
+        *b = b.div_ceil(4096) * 4096;
+    }
+    ModelSizes {
+        layer_bytes,
+        layer_resident_bytes,
+        model_bytes,
+        embed_bytes,
+        lm_head_bytes,
+        embed_row_bytes,
+        max_expert_span,
+        n_experts: spans.len() as u64,
+        kda_state_bytes,
+        kv_per_pos,
+    }
+}
+
+/// What the first `layers` layers hold per session, from the config alone: the KDA layers'
+/// recurrent state and conv tails (f32), and the MLA layers' KV cache per position (f32).
+/// Returns (state bytes, KV bytes per position).
+pub fn state_bytes(cfg: &ModelConfig, layers: usize) -> (u64, u64) {
     let la = &cfg.linear_attn;
     let kda_layers = (0..layers)
         .filter(|&l| cfg.layer_kind(l) == LayerKind::Kda)
@@ -82,19 +104,5 @@ pub fn model_sizes(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> ModelSize
         * (cfg.kv_lora_rank as u64
             + cfg.qk_rope_head_dim as u64
             + h * (cfg.qk_nope_head_dim + cfg.v_head_dim) as u64);
-    for b in &mut layer_resident_bytes {
-        *b = b.div_ceil(4096) * 4096;
-    }
-    ModelSizes {
-        layer_bytes,
-        layer_resident_bytes,
-        model_bytes,
-        embed_bytes,
-        lm_head_bytes,
-        embed_row_bytes,
-        max_expert_span,
-        n_experts: spans.len() as u64,
-        kda_state_bytes,
-        kv_per_pos,
-    }
+    (kda_state_bytes, kv_per_pos)
 }

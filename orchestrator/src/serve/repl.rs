@@ -39,20 +39,27 @@ struct ChatArgs {
     /// Tokens per reply at most
     #[arg(long = "gen", short = 'n', default_value_t = 256)]
     gen: usize,
-    /// Thinking mode (the reply opens a think block); off by default
+    /// Thinking mode (the reply opens a think block, at effort max); off by default, as in
+    /// `k3-orch MODEL --chat` and `serve` (docs/run-k3.md: what thinking costs)
     #[arg(long)]
     thinking: bool,
-    /// Sampling temperature (greedy by default)
+    /// Softmax temperature (--temp); 0 is greedy. Greedy when no sampling flag is given
     #[arg(long, alias = "temp")]
     temperature: Option<f32>,
+    /// Keep the K most likely ids (without --temperature: samples at temperature 1)
     #[arg(long)]
     top_k: Option<usize>,
+    /// Keep the smallest set of ids with probability >= P, in (0, 1]
     #[arg(long)]
     top_p: Option<f32>,
+    /// Drop ids below P times the most likely id's probability, in [0, 1]
     #[arg(long)]
     min_p: Option<f32>,
+    /// Divide the logits of ids in the last 64 tokens by R (--repetition-penalty; 1 = off;
+    /// applies to greedy too)
     #[arg(long, alias = "repetition-penalty")]
     repeat_penalty: Option<f32>,
+    /// Seed of the draw (a random one when sampling without it)
     #[arg(long, short = 's')]
     seed: Option<u64>,
     /// Print token counts and speed after each reply (stderr)

@@ -1,14 +1,17 @@
-//! `k3-orch doctor [MODEL_DIR]`: can this machine run the model, with which preset, and what
-//! to type next.
+//! `k3-orch doctor [MODEL_DIR]`: can this machine run the model, how fast would it be, and
+//! what to type next.
 //!
 //! Checks: CPU features (run-time detection; the engine has AVX2+FMA and AVX-512 paths and a
 //! portable fallback), what is available (MemAvailable capped by the memory cgroup k3 runs
-//! in, read by `k3_io::sysmem` as the run's plan reads it; not MemTotal) mapped to a preset
-//! by the seed's thresholds (>= 192 GB server, >= 96 workstation, >= 32 desktop, >= 10
-//! laptop), a short devbw on the model's disk, whether memory cgroups (v2 or v1) are there
-//! to enforce per-stage budgets, and the NUMA node count. Exits 1 when the machine cannot
-//! run the model at all (below every preset and the checkpoint does not simply fit), 2 on
-//! usage errors.
+//! in, read by `k3_io::sysmem` as the run's plan reads it; not MemTotal) and the `--mem-gb`
+//! to give a run: that less a stated reserve ([`RESERVE`]) for the rest of the machine, a
+//! short devbw on the model's disk, whether memory cgroups (v2 or v1) are there to enforce
+//! per-stage budgets, and the NUMA node count. Then k3's projection for this machine
+//! (`tools::project`: the model's headers, the disk as measured, the memory bandwidth and
+//! MAC rate measured here; each can be given instead) and the next commands: a one-shot run
+//! with a text prompt and `chat`, at that `--mem-gb`. Exits 1 when the machine cannot run
+//! the model at all (its plan refuses the memory there is), 2 on usage errors and for a
+//! directory that is not a checkpoint.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -16,19 +19,42 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use k3_io::devbw::measure;
 use k3_io::sysmem::{mem_available, parse_meminfo};
-use k3_trunk_loader::presets::{Preset, Presets, GB};
+use k3_trunk_loader::presets::{Presets, GB};
+
+use super::project::{self, MachineFlags, ModelShape};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "k3-orch doctor",
-    about = "Machine check, preset advice, next command"
+    about = "Machine check, projected s/token, the --mem-gb to use, next command"
 )]
 struct Args {
     /// The checkpoint directory (shards + config.json); without it the disk is not measured
+    /// and the projection is for the released model
     model_dir: Option<PathBuf>,
     /// Seconds per devbw measurement (two measurements)
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
+    /// The drive's read bandwidth in GB/s instead of the measurement
+    #[arg(long = "drive-gbps")]
+    drive_gbps: Option<f64>,
+    /// The memory read bandwidth in GB/s instead of the measurement
+    #[arg(long = "mem-gbps")]
+    mem_gbps: Option<f64>,
+    /// Multiply-adds per second of one core, in G, instead of the measurement
+    #[arg(long = "gmacs-per-core")]
+    gmacs_per_core: Option<f64>,
+}
+
+/// The share of what is available that doctor leaves to the rest of the machine (the
+/// shell, the page cache, other programs) when it advises `--mem-gb`; the run keeps its
+/// own 5% of the budget on top.
+pub const RESERVE: f64 = 0.10;
+
+/// The `--mem-gb` doctor advises for `available` bytes: less [`RESERVE`], in GB rounded
+/// down to a tenth.
+pub fn spare_gb(available: u64) -> f64 {
+    (available as f64 * (1.0 - RESERVE) / GB * 10.0).floor() / 10.0
 }
 
 /// `(name, detected)` for the CPU features the kernels care about.
@@ -158,16 +184,42 @@ pub fn main(args: Vec<OsString>) -> i32 {
             return 2;
         }
     }
+    for (flag, v) in [
+        ("--drive-gbps", a.drive_gbps),
+        ("--mem-gbps", a.mem_gbps),
+        ("--gmacs-per-core", a.gmacs_per_core),
+    ] {
+        if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+            tracing::error!("k3-orch doctor: {flag}: must be > 0");
+            return 2;
+        }
+    }
     let presets = Presets::builtin();
     print_cpu();
     let Some(mem) = print_memory(&presets, a.model_dir.as_deref()) else {
         tracing::error!("k3-orch doctor: cannot read MemAvailable from /proc/meminfo");
         return 1;
     };
-    print_disk(a.model_dir.as_deref(), a.seconds);
+    let disk = print_disk(a.model_dir.as_deref(), a.seconds);
     print_cgroups();
     print_numa();
-    print_next(a.model_dir.as_deref(), &mem)
+    // A directory that is not a checkpoint gets no projection or advice that would fail.
+    let shape = match a.model_dir.as_deref().map(ModelShape::from_dir) {
+        None => ModelShape::released(),
+        Some(Ok(s)) => s,
+        Some(Err(why)) => return not_a_checkpoint(a.model_dir.as_deref(), &why),
+    };
+    let flags = MachineFlags {
+        drives: 1,
+        drive_gbps: a.drive_gbps.or(disk.map(|bps| bps / GB)),
+        probe: None,
+        mem_gbps: a.mem_gbps,
+        cores: None,
+        gmacs_per_core: a.gmacs_per_core,
+        seconds: a.seconds,
+    };
+    let runs = print_projection(&shape, &mem, &flags, disk.is_some());
+    print_next(a.model_dir.as_deref(), &mem, runs)
 }
 
 /// The CPU line: architecture, threads, the features the kernels care about, the path.
@@ -198,43 +250,38 @@ fn print_cpu() {
     println!("             {path}");
 }
 
-/// What the memory check found: the preset for what is available, and whether the
-/// checkpoint fits in memory whole.
-struct Memory<'p> {
-    preset: Option<&'p Preset>,
+/// What the memory check found: what is available, the `--mem-gb` to advise, the preset
+/// that fits, and whether the checkpoint fits in memory whole.
+struct Memory {
+    spare_gb: f64,
     fits_whole: bool,
 }
 
 /// The memory and preset lines; None when MemAvailable cannot be read.
-fn print_memory<'p>(presets: &'p Presets, model_dir: Option<&Path>) -> Option<Memory<'p>> {
+fn print_memory(presets: &Presets, model_dir: Option<&Path>) -> Option<Memory> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let total = parse_meminfo(&meminfo, "MemTotal:");
     let avail = mem_available()?;
+    let spare_gb = spare_gb(avail);
     println!(
         "memory     : MemTotal {:.1} GB, available {:.1} GB (MemAvailable capped by the cgroup \
-         k3 runs in; presets key on it)",
+         k3 runs in); give a run --mem-gb {spare_gb:.1} (available less a {:.0}% reserve for \
+         the rest of the machine)",
         total.unwrap_or(0) as f64 / GB,
-        avail as f64 / GB
+        avail as f64 / GB,
+        100.0 * RESERVE
     );
     let preset = presets.for_available(avail);
     let (_, shard_total) = model_dir.map(model_files).unwrap_or((None, 0));
-    let fits_whole = shard_total > 0 && (shard_total as f64) < avail as f64 * 0.8;
+    let fits_whole = shard_total > 0 && (shard_total as f64) < spare_gb * GB * 0.8;
     match preset {
         Some(p) => println!(
-            "preset     : {} ({:.1} / {:.1} GB trunk / cache; available >= {} GB; the seed measured {} on the released checkpoint)",
-            p.name,
-            p.trunk_gb,
-            p.cache_gb,
-            p.min_available_gb.unwrap_or(0.0),
-            p.expect
+            "preset     : {} fits ({:.1} / {:.1} GB trunk / cache; --list-presets); one total \
+             --mem-gb uses all of it better",
+            p.name, p.trunk_gb, p.cache_gb,
         ),
         None => println!(
-            "preset     : none: below the {} GB floor of the smallest preset",
-            presets
-                .presets
-                .iter()
-                .filter_map(|p| p.min_available_gb)
-                .fold(f64::INFINITY, f64::min)
+            "preset     : none fits (the smallest wants 10 GB available); --mem-gb still plans"
         ),
     }
     if fits_whole {
@@ -243,45 +290,108 @@ fn print_memory<'p>(presets: &'p Presets, model_dir: Option<&Path>) -> Option<Me
             shard_total as f64 / GB
         );
     }
-    Some(Memory { preset, fits_whole })
+    Some(Memory {
+        spare_gb,
+        fits_whole,
+    })
 }
 
-/// The disk line: random-read bandwidth at QD1 and QD16 on the model's largest file.
-fn print_disk(model_dir: Option<&Path>, seconds: f64) {
+/// The disk line: random-read bandwidth at QD1 and QD16 on the model's largest file that
+/// holds data. Returns the QD16 bytes per second when it was read with O_DIRECT.
+fn print_disk(model_dir: Option<&Path>, seconds: f64) -> Option<f64> {
     let Some(dir) = model_dir else {
         println!("disk       : not measured (give MODEL_DIR, or run `k3-orch devbw FILE`)");
-        return;
+        return None;
     };
-    let Some((file, size)) = model_files(dir).0 else {
+    let Some(file) = project::largest_data_file(dir) else {
+        let what = if model_files(dir).0.is_some() {
+            "its shards are header-only (sparse): there is nothing to read"
+        } else {
+            "no *.safetensors there"
+        };
         println!(
-            "disk       : no *.safetensors in {}; run `k3-orch devbw FILE` on the model's disk",
+            "disk       : not measured in {}: {what}; run `k3-orch devbw FILE` on the model's drive",
             dir.display()
         );
-        return;
+        return None;
     };
+    let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
     let rb = 17_547_264u64.min(size / 4096 * 4096);
     if rb == 0 {
         println!("disk       : {} is too small to measure", file.display());
-        return;
+        return None;
     }
     let q1 = measure(&file, rb, 1, seconds);
     let q16 = measure(&file, rb, 16, seconds);
-    match (q1, q16) {
-        (Ok(x), Ok(y)) => println!(
-            "disk       : {}: {rb}-byte random reads, QD1 {:.0} MB/s, QD16 {:.0} MB/s ({})",
-            file.display(),
-            x.mb_per_s(),
-            y.mb_per_s(),
-            if x.direct {
-                "O_DIRECT"
-            } else {
-                "buffered: O_DIRECT refused, page cache may inflate this"
-            }
-        ),
-        (Err(e), _) | (_, Err(e)) => println!("disk       : cannot measure: {e}"),
-    }
+    let bps = match (q1, q16) {
+        (Ok(x), Ok(y)) => {
+            println!(
+                "disk       : {}: {rb}-byte random reads, QD1 {:.0} MB/s, QD16 {:.0} MB/s ({})",
+                file.display(),
+                x.mb_per_s(),
+                y.mb_per_s(),
+                if x.direct {
+                    "O_DIRECT"
+                } else {
+                    "buffered: O_DIRECT refused, page cache may inflate this"
+                }
+            );
+            (y.direct && y.mb_per_s() > 0.0).then(|| y.mb_per_s() * 1e6)
+        }
+        (Err(e), _) | (_, Err(e)) => {
+            println!("disk       : cannot measure: {e}");
+            None
+        }
+    };
     if size < 4 * rb {
         println!("             (a small file: random reads overlap; run devbw on a large shard)");
+    }
+    bps
+}
+
+/// The projection line for `shape` at the advised `--mem-gb` on this machine; whether the
+/// plan runs at all there.
+fn print_projection(
+    shape: &ModelShape,
+    mem: &Memory,
+    flags: &MachineFlags,
+    measured: bool,
+) -> bool {
+    let machine = project::measure_machine(shape, flags);
+    let budget = (mem.spare_gb * GB) as u64;
+    match project::project(shape, budget, &machine) {
+        Ok(p) => {
+            let t = &p.times;
+            println!(
+                "projected  : {} per token at --mem-gb {:.1} on this machine, {}-bound (disk {} \
+                 at {:.2} GB/s, memory {}, compute {}); a 256-token reply in {}",
+                project::duration(t.s_per_token()),
+                mem.spare_gb,
+                t.floor(),
+                crate::units::human(p.per_token.disk_bytes() as u64),
+                machine.drives as f64 * machine.drive_bps / GB,
+                project::duration(t.memory),
+                project::duration(t.compute),
+                project::duration(256.0 * t.s_per_token())
+            );
+            println!(
+                "             a PROJECTION of {} (k3-orch project), not a measurement{}",
+                shape.label,
+                if measured || flags.drive_gbps.is_some() {
+                    String::new()
+                } else {
+                    format!("; the drive is {}", machine.drive_source)
+                }
+            );
+            true
+        }
+        Err(e) => {
+            println!(
+                "projected  : none: at --mem-gb {:.1} the plan refuses ({e})",
+                mem.spare_gb
+            );
+            mem.fits_whole
+        }
     }
 }
 
@@ -326,56 +436,68 @@ fn print_numa() {
     );
 }
 
-/// The next command to type, and doctor's exit code: 2 for a directory that is not a
-/// checkpoint, 1 when the machine cannot run the model, else 0.
-fn print_next(model_dir: Option<&Path>, mem: &Memory) -> i32 {
+/// A directory that is not a checkpoint: say so and what to do instead; exit 2.
+fn not_a_checkpoint(model_dir: Option<&Path>, why: &str) -> i32 {
     let model = model_dir.map_or("MODEL_DIR".to_string(), |p| p.display().to_string());
-    let ids = "--ids 1008,10484,318,15383,387 --gen 8 --incremental";
-    // A directory that is not a checkpoint gets no run or pack-trunk advice that would fail.
-    if let Some(dir) = model_dir {
-        let problem = match k3_model::config::ModelConfig::load_dir(dir) {
-            Err(e) => Some(e.to_string()),
-            Ok(_) => k3_model::catalog::Catalog::open(dir)
-                .err()
-                .map(|e| e.to_string()),
-        };
-        if let Some(why) = problem {
-            println!("next       : {model} is not a checkpoint ({why})");
-            println!(
-                "             fetch one with scripts/download-model.sh DIR, or try the bundled tiny model: k3-orch demo"
-            );
-            return 2;
-        }
+    println!("next       : {model} is not a checkpoint ({why})");
+    println!(
+        "             fetch one with scripts/download-model.sh DIR, or try the bundled tiny model: k3-orch demo"
+    );
+    2
+}
+
+/// The prompt doctor's commands use.
+pub const PROMPT: &str = "What is the capital of France?";
+
+/// The next commands to type, and doctor's exit code: 1 when the machine cannot run the
+/// model (`runs` false), else 0.
+fn print_next(model_dir: Option<&Path>, mem: &Memory, runs: bool) -> i32 {
+    if !runs {
+        println!(
+            "next       : this machine cannot run the model: its plan refuses the {:.1} GB there is \
+             to spare. Free memory or use a larger machine.",
+            mem.spare_gb
+        );
+        return 1;
     }
-    match (mem.preset, mem.fits_whole) {
-        (_, true) => {
-            println!("next       : k3-orch {model} --ids 1,2,3 --gen 8 --incremental");
-            0
+    let model = model_dir.map_or("MODEL_DIR".to_string(), |p| p.display().to_string());
+    let has_tok =
+        model_dir.is_none_or(|d| crate::run::defaults::missing_tokenizer_files(d).is_empty());
+    let mem_gb = format!("--mem-gb {:.1}", mem.spare_gb);
+    let mut lines = Vec::new();
+    let trunk = match (mem.fits_whole, model_dir.and_then(find_trunk)) {
+        (true, _) => String::new(),
+        (false, Some(t)) => format!(" --trunk {}", t.display()),
+        (false, None) => {
+            let t = format!("{}-trunk", model.trim_end_matches('/'));
+            lines.push(format!(
+                "k3-orch pack-trunk {model} {t}      # once: the trunk, one run per layer"
+            ));
+            format!(" --trunk {t}")
         }
-        (Some(p), false) => {
-            match model_dir.and_then(find_trunk) {
-                Some(t) => println!(
-                    "next       : k3-orch {model} --trunk {} --preset {} {ids}",
-                    t.display(),
-                    p.name
-                ),
-                None => {
-                    let t = format!("{}-trunk", model.trim_end_matches('/'));
-                    println!("next       : k3-orch pack-trunk {model} {t}");
-                    println!(
-                        "             k3-orch {model} --trunk {t} --preset {} {ids}",
-                        p.name
-                    );
-                }
+    };
+    if has_tok {
+        lines.push(format!(
+            "k3-orch {model}{trunk} {mem_gb} --chat -p \"{PROMPT}\" -n 64"
+        ));
+        lines.push(format!(
+            "k3-orch chat {model} --tok {model}{trunk} {mem_gb}      # a conversation"
+        ));
+    } else {
+        lines.push(format!("k3-orch {model}{trunk} {mem_gb} --ids 1,2,3 -n 8"));
+        lines.push(format!(
+            "(no tokenizer files in {model}: text prompts and chat need --tok DIR)"
+        ));
+    }
+    for (i, l) in lines.iter().enumerate() {
+        println!(
+            "{} {l}",
+            if i == 0 {
+                "next       :"
+            } else {
+                "            "
             }
-            0
-        }
-        (None, false) => {
-            println!(
-                "next       : this machine cannot run the model: it needs at least 10 GB of \
-                 MemAvailable (the laptop preset peaks at 8.2 GB). Free memory or use a larger machine."
-            );
-            1
-        }
+        );
     }
+    0
 }

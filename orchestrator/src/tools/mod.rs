@@ -6,6 +6,7 @@ pub mod doctor;
 pub mod inspect;
 pub mod ladder;
 pub mod pack_trunk;
+pub mod project;
 pub mod replay;
 pub mod score;
 pub mod sim_cache;

@@ -4,7 +4,7 @@
 //!
 //! Routing does not depend on the cache, so one trace answers "how big should the cache be"
 //! for every size and policy without re-running the model. A trace recorded with full
-//! recompute (no `--incremental`) repeats every expert about once per token of prefix and
+//! recompute (`--full-recompute`) repeats every expert about once per token of prefix and
 //! overstates reuse; treat its rates as an upper bound.
 
 use std::ffi::OsString;

@@ -1,5 +1,5 @@
 //! Helpers shared by the orchestrator's integration tests (`tools_*`, `hardening`,
-//! `generate_cli`, `budget_cli`, `serve_http`, `staged_stop_state`, `streaming_cli`,
+//! `generate_cli`, `defaults_cli`, `budget_cli`, `serve_http`, `staged_stop_state`, `streaming_cli`,
 //! `browser_chat`): run the built `k3-orch`, make the tiny chat model once per test binary,
 //! read a safetensors header, find the fixtures, skip a privileged test visibly. The test
 //! modules (one binary, `tests/main.rs`) use them through `crate::tools_common`.

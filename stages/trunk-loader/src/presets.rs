@@ -2,7 +2,9 @@
 //!
 //! The preset table lives in `configs/presets.json` (compiled in; [`Presets::from_json`]
 //! reads another copy). A preset is only a shorthand for the two budgets. GB here is 10^9
-//! bytes, as in the seed's reports.
+//! bytes, as in the seed's reports. The table carries no speed: what a preset costs per
+//! token is k3's own projection (`k3-orch --list-presets`, from the orchestrator's
+//! `project` tool), never the seed engine's measurements.
 //!
 //! `auto` spends memory the way the seed's measurements say pays: the trunk first, until it
 //! is fully pinned (a GB given to the trunk removes about a GB of certain reads per token),
@@ -58,8 +60,6 @@ pub struct Preset {
     pub description: String,
     /// The doctor suggests this preset from this much MemAvailable (GB) up; `None`: never.
     pub min_available_gb: Option<f64>,
-    /// What the seed measured with it.
-    pub expect: String,
 }
 
 impl Preset {
@@ -132,7 +132,8 @@ impl Presets {
         v.join(", ")
     }
 
-    /// The `--list-presets` text.
+    /// The bare preset table (budgets and descriptions; `k3-orch --list-presets` adds what
+    /// k3's plan holds and its projected s/token).
     pub fn list_text(&self) -> String {
         let mut s = String::from("presets (trunk / expert-cache, in GB):\n");
         for p in &self.presets {
@@ -145,10 +146,7 @@ impl Presets {
         s.push_str(
             "  auto           from MemAvailable: the trunk first until fully pinned, then the cache\n",
         );
-        s.push_str(&format!(
-            "\n{}.\n",
-            p_note(&self.note).trim_end_matches('.')
-        ));
+        s.push_str(&format!("\n{}\n", self.note));
         s.push_str("Run `k3-orch doctor MODEL_DIR` to see which one this machine fits.\n");
         s
     }
@@ -164,10 +162,6 @@ impl Presets {
             .max_by(|a, b| a.0.total_cmp(&b.0))
             .map(|(_, p)| p)
     }
-}
-
-fn p_note(note: &str) -> &str {
-    note.split(". Peak RSS").next().unwrap_or(note)
 }
 
 /// Split `spendable` bytes between trunk and cache: the trunk first, up to `trunk_total`
@@ -248,7 +242,11 @@ mod tests {
         assert!(text.contains("laptop"));
         assert!(text.contains("110.0 / 109.0"));
         assert!(text.contains("The floor. Runs, slowly."));
-        assert!(text.contains("need --trunk <packed_dir>.\n"));
+        assert!(text.contains("need --trunk <packed_dir>."));
+        assert!(
+            !text.contains("s/token"),
+            "no speed in the table: the seed's were not k3's"
+        );
         assert!(p.names().ends_with("max, auto"));
     }
 

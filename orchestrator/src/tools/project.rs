@@ -1,0 +1,1097 @@
+//! `k3-orch project [MODEL_DIR]`: a projection of what a model would cost on a machine, from
+//! the model's headers (no weights) and the machine's figures. It is arithmetic over a plan,
+//! not a measurement; issue 35 calibrates it against measured runs.
+//!
+//! The model: a checkpoint's headers (`synth --shape released --headers-only DIR` writes the
+//! release's, 130 MB; a downloaded release works as well), or without MODEL_DIR the released
+//! geometry built in memory from `k3_model::released` ([`ModelShape::released`]; a test holds
+//! the two equal).
+//!
+//! The machine: the memory k3 may use (`--ram-gb`, as `--mem-gb`: the plan spends it less
+//! the run's 5% reserve), drives × GB/s, cores, memory bandwidth and a per-core MAC rate.
+//! Each is measured here unless given: the drive with `devbw` (O_DIRECT, queue depth 16,
+//! reads of one expert) on `--probe-file` or the model's largest shard when it holds data;
+//! the memory with the read probe (`k3_layer_compute::membw`) over a 256 MiB buffer; the MAC
+//! rate with the engine's own GEMV on a cache-resident bf16 and MXFP4 matrix. A drive that
+//! cannot be measured (a header-only set is sparse) is assumed at [`REFERENCE`]'s speed, and
+//! the output says so.
+//!
+//! The arithmetic ([`per_token`], [`Times`]): the run's own memory plan
+//! (`run::plan::choose`, as `inspect`'s budget table) says what is pinned, streamed and
+//! cached at the budget; per token the disk reads the streamed trunk and lm_head plus the
+//! routed experts the cache misses (flat routing by default: the hit rate is cache slots
+//! over experts, [`flat_hit_rate`]); RAM is read for every weight the token multiplies; the
+//! MACs run at the measured rate. The predicted s/token is the largest of disk bytes / disk
+//! bandwidth, RAM bytes / memory bandwidth and compute, and that one is named the floor.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+
+use k3_io::slot_bytes_for;
+use k3_model::catalog::Catalog;
+use k3_model::classify::{classify, TensorClass, LM_HEAD};
+use k3_model::config::{ExpertFormat, ModelConfig};
+use k3_model::trunk::{align_up, TrunkLayer, TrunkTensor, TRUNK_ALIGN};
+use k3_trunk_loader::{plan_streams_with, RingPolicy, Streams};
+
+use crate::run::plan::{self, choose, Choice, Spend};
+use crate::units::{human, GB};
+
+/// Command line of `k3-orch project`.
+#[derive(Parser, Debug)]
+#[command(
+    name = "k3-orch project",
+    about = "Project s/token for a model on a machine (a projection from the headers, not a measurement)"
+)]
+struct Args {
+    /// A checkpoint's directory (headers are enough: `synth --shape released --headers-only
+    /// DIR`); without it, the released Kimi K3 geometry
+    model_dir: Option<PathBuf>,
+    /// Memory k3 may use, in GB, as `--mem-gb` (a list gives one row each; default: this
+    /// machine's available memory, as a run's default budget)
+    #[arg(long = "ram-gb", value_delimiter = ',')]
+    ram_gb: Vec<f64>,
+    /// Drives the routed experts are read from (a list gives one row each; default 1)
+    #[arg(long, value_delimiter = ',')]
+    drives: Vec<u32>,
+    /// Read bandwidth of one drive in GB/s (default: measured with devbw on --probe-file or
+    /// the model's largest shard; else assumed 7.0, a PCIe 4 NVMe drive)
+    #[arg(long = "drive-gbps")]
+    drive_gbps: Option<f64>,
+    /// A large file on the drive to measure (default: the model's largest shard)
+    #[arg(long = "probe-file")]
+    probe_file: Option<PathBuf>,
+    /// Memory read bandwidth in GB/s (default: measured here with the read probe)
+    #[arg(long = "mem-gbps")]
+    mem_gbps: Option<f64>,
+    /// Cores computing (default: this machine's)
+    #[arg(long)]
+    cores: Option<usize>,
+    /// Multiply-adds per second of one core, in G (default: measured here with the
+    /// engine's GEMV, bf16 and MXFP4 apart; this value is used for both)
+    #[arg(long = "gmacs-per-core")]
+    gmacs_per_core: Option<f64>,
+    /// Seconds the drive measurement reads for
+    #[arg(long, default_value_t = 1.0)]
+    seconds: f64,
+    /// Tokens of a reply, for the reply-time line
+    #[arg(long, default_value_t = 256)]
+    reply: u64,
+}
+
+/// Positions of context the plan assumes (the KV cache of the MLA layers), as `inspect`'s
+/// budget table.
+pub const CONTEXT: u64 = crate::tools::inspect::TABLE_CONTEXT as u64;
+
+/// A model as the projection sees it: the plan's inputs and what a token touches.
+#[derive(Clone, Debug)]
+pub struct ModelShape {
+    /// Where the shape came from (a directory, or the released geometry).
+    pub label: String,
+    pub layers: usize,
+    pub moe_layers: u64,
+    pub experts_per_layer: u64,
+    pub top_k: u64,
+    pub experts_mxfp4: bool,
+    /// Bytes of the checkpoint on disk (its shards).
+    pub checkpoint_bytes: u64,
+    /// Trunk bytes (every layer's non-expert tensors) and their multiply-adds per token.
+    pub trunk_bytes: u64,
+    pub trunk_macs: u64,
+    pub lm_head_bytes: u64,
+    pub lm_head_macs: u64,
+    /// One embedding row (the embedding is read a row per token).
+    pub embed_row_bytes: u64,
+    /// One routed expert's file span (what a miss reads) and its multiply-adds.
+    pub expert_bytes: u64,
+    pub expert_macs: u64,
+    /// The memory plan's inputs (total 0) and the trunk's packed runs.
+    pub spend: Spend,
+    pub runs: Streams,
+}
+
+/// What [`ModelShape`] is built from: the tensors a token touches, tallied.
+#[derive(Default)]
+struct Tally {
+    trunk_bytes: u64,
+    trunk_macs: u64,
+    lm_head_bytes: u64,
+    lm_head_macs: u64,
+    embed_row_bytes: u64,
+    /// Model-level bytes that are neither the embedding nor the lm_head (final norms).
+    norms_bytes: u64,
+    expert_span: u64,
+    expert_macs_total: u64,
+    n_experts: u64,
+    checkpoint_bytes: u64,
+}
+
+/// Multiply-adds of one token through a weight: a matrix's elements (an MXFP4 `packed`
+/// tensor holds two per byte; scales and 1-D gains add none).
+fn macs_of(name: &str, shape: &[usize]) -> u64 {
+    if shape.len() < 2 || name.ends_with("weight_scale") {
+        return 0;
+    }
+    let n: u64 = shape.iter().map(|&d| d as u64).product();
+    if name.ends_with("weight_packed") {
+        2 * n
+    } else {
+        n
+    }
+}
+
+impl Tally {
+    /// One tensor outside the vision tower.
+    fn add(&mut self, name: &str, shape: &[usize], len: u64) {
+        let macs = macs_of(name, shape);
+        match classify(name) {
+            TensorClass::Vision => {}
+            TensorClass::RoutedExpert => self.expert_macs_total += macs,
+            _ if name == LM_HEAD => {
+                self.lm_head_bytes += len;
+                self.lm_head_macs += macs;
+            }
+            _ if name == k3_model::classify::model_tensor("embed_tokens.weight") => {
+                let rows = shape.first().copied().unwrap_or(1).max(1) as u64;
+                self.embed_row_bytes = len / rows;
+            }
+            _ if k3_model::classify::layer_of(name).is_some() => {
+                self.trunk_bytes += len;
+                self.trunk_macs += macs;
+            }
+            _ if name.starts_with("language_model.") => self.norms_bytes += len,
+            _ => {}
+        }
+    }
+}
+
+impl ModelShape {
+    /// The shape of a checkpoint directory, from its config and headers.
+    pub fn from_dir(dir: &Path) -> Result<ModelShape, String> {
+        let cfg = ModelConfig::load_dir(dir).map_err(|e| e.to_string())?;
+        let cat = Catalog::open(dir).map_err(|e| e.to_string())?;
+        let layers = cfg.num_hidden_layers;
+        let sizes = crate::run::sizes::model_sizes(&cfg, &cat, layers);
+        let mut t = Tally::default();
+        for (name, e) in cat.iter() {
+            t.add(&name, e.shape, e.len);
+        }
+        t.expert_span = sizes.max_expert_span;
+        t.n_experts = sizes.n_experts;
+        t.checkpoint_bytes = cat.shards().iter().map(|s| s.file_size).sum();
+        let runs = crate::tools::inspect::packed_streams(&cat, Some(layers));
+        Ok(ModelShape::of(&cfg, t, runs, dir.display().to_string()))
+    }
+
+    /// The released Kimi K3, from its tensor list and config (no files).
+    pub fn released() -> ModelShape {
+        use k3_model::released as r;
+        let cfg = ModelConfig::from_json_str(crate::tools::synth::RELEASED_CONFIG)
+            .expect("the released config parses (tested)");
+        let mut t = Tally::default();
+        let mut layers = Vec::with_capacity(r::N_LAYERS);
+        let mut at = 0u64;
+        for l in 0..r::N_LAYERS {
+            let mut ts = r::layer_trunk_tensors(l);
+            r::sort_in_file_order(&mut ts);
+            let mut off = 0u64;
+            let mut tensors = Vec::with_capacity(ts.len());
+            for x in &ts {
+                t.add(&x.name, &x.shape, x.bytes());
+                tensors.push(TrunkTensor {
+                    name: x.name.clone(),
+                    dtype: x.dtype,
+                    shape: x.shape.clone(),
+                    offset: off,
+                    len: x.bytes(),
+                    crc32: Vec::new(),
+                });
+                off += x.bytes();
+            }
+            layers.push(packed_layer(l, at, off, tensors));
+            at += align_up(off, TRUNK_ALIGN);
+        }
+        for x in r::model_tensors() {
+            t.add(&x.name, &x.shape, x.bytes());
+        }
+        let one: Vec<_> = r::expert_tensors(1, 0);
+        t.expert_span = one.iter().map(|x| x.bytes()).sum();
+        t.n_experts = cfg.moe_layer_indices().len() as u64 * r::N_EXPERTS as u64;
+        t.expert_macs_total =
+            t.n_experts * one.iter().map(|x| macs_of(&x.name, &x.shape)).sum::<u64>();
+        t.checkpoint_bytes = r::RELEASED_BYTES;
+        let runs = Streams::of_layers(&layers);
+        ModelShape::of(
+            &cfg,
+            t,
+            runs,
+            "the released Kimi K3 (its tensor list)".into(),
+        )
+    }
+
+    /// The shape from a tally: the plan's inputs as `inspect`'s budget table makes them.
+    fn of(cfg: &ModelConfig, t: Tally, runs: Streams, label: String) -> ModelShape {
+        let layers = cfg.num_hidden_layers;
+        let top_k = cfg.num_experts_per_token as u64;
+        let (kda_state, kv_per_pos) = crate::run::sizes::state_bytes(cfg, layers);
+        let fixed = t.embed_row_bytes.div_ceil(4096) * 4096
+            + t.norms_bytes
+            + kda_state
+            + kv_per_pos * CONTEXT
+            + plan::STAGE_PROCESSES as u64 * plan::STAGE_PROCESS_BYTES
+            + plan::compute_scratch(cfg, 1);
+        let spend = Spend {
+            total: 0,
+            fixed,
+            trunk_need: runs.pinned_bytes(),
+            lm_head: t.lm_head_bytes,
+            lm_head_row: t.lm_head_bytes / (cfg.vocab_size as u64).max(1),
+            expert_slot: slot_bytes_for(t.expert_span.max(1)),
+            min_slots: plan::min_expert_slots(top_k),
+            max_slots: t.n_experts.max(top_k),
+            trunk_min: plan::trunk_min(&runs),
+        };
+        ModelShape {
+            label,
+            layers,
+            moe_layers: cfg.moe_layer_indices().len() as u64,
+            experts_per_layer: cfg.num_experts as u64,
+            top_k,
+            experts_mxfp4: matches!(cfg.expert_format(), ExpertFormat::Mxfp4 { .. }),
+            checkpoint_bytes: t.checkpoint_bytes,
+            trunk_bytes: t.trunk_bytes,
+            trunk_macs: t.trunk_macs,
+            lm_head_bytes: t.lm_head_bytes,
+            lm_head_macs: t.lm_head_macs,
+            embed_row_bytes: t.embed_row_bytes,
+            expert_bytes: t.expert_span,
+            expert_macs: t.expert_macs_total / t.n_experts.max(1),
+            spend,
+            runs,
+        }
+    }
+
+    /// Every routed expert of the model.
+    pub fn experts(&self) -> u64 {
+        self.spend.max_slots
+    }
+}
+
+/// One layer's run as `pack-trunk` lays it out (offset `at`, `len` payload bytes).
+fn packed_layer(layer: usize, at: u64, len: u64, tensors: Vec<TrunkTensor>) -> TrunkLayer {
+    TrunkLayer {
+        layer,
+        offset: at,
+        length: len,
+        padded_length: align_up(len, TRUNK_ALIGN),
+        shard: String::new(),
+        source_offset: 0,
+        sha256: String::new(),
+        crc32: Vec::new(),
+        tensors,
+    }
+}
+
+/// A machine's figures, each with where it came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Machine {
+    pub drives: u32,
+    /// Bytes per second of one drive.
+    pub drive_bps: f64,
+    pub drive_source: String,
+    /// Memory read bytes per second.
+    pub mem_bps: f64,
+    pub mem_source: String,
+    pub cores: usize,
+    /// Multiply-adds per second of one core, through bf16 and MXFP4 weights.
+    pub bf16_macs_per_core: f64,
+    pub mxfp4_macs_per_core: f64,
+    pub compute_source: String,
+}
+
+/// The machine the preset table and docs/run-k3.md project for when no machine is named:
+/// one PCIe 4 NVMe drive (7 GB/s), 16 cores, 50 GB/s of memory bandwidth (a desktop or
+/// small workstation with two to four DDR5 channels), 10 G multiply-adds per second per
+/// core (AVX2/AVX-512 at 2-3 GHz; the decode kernels are far from compute-bound).
+pub const REFERENCE: Machine = Machine {
+    drives: 1,
+    drive_bps: 7e9,
+    drive_source: String::new(),
+    mem_bps: 50e9,
+    mem_source: String::new(),
+    cores: 16,
+    bf16_macs_per_core: 10e9,
+    mxfp4_macs_per_core: 10e9,
+    compute_source: String::new(),
+};
+
+impl Machine {
+    /// The reference machine with `drives` drives, its sources filled in.
+    pub fn reference(drives: u32) -> Machine {
+        Machine {
+            drives,
+            drive_source: "reference".into(),
+            mem_source: "reference".into(),
+            compute_source: "reference".into(),
+            ..REFERENCE
+        }
+    }
+
+    /// One line describing it.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} drive{} x {:.2} GB/s ({}); memory {:.1} GB/s ({}); {} cores x {:.1} / {:.1} G MAC/s \
+             bf16 / MXFP4 ({})",
+            self.drives,
+            if self.drives == 1 { "" } else { "s" },
+            self.drive_bps / GB,
+            self.drive_source,
+            self.mem_bps / GB,
+            self.mem_source,
+            self.cores,
+            self.bf16_macs_per_core / 1e9,
+            self.mxfp4_macs_per_core / 1e9,
+            self.compute_source
+        )
+    }
+}
+
+/// The expected share of routed-expert requests the cache serves under flat routing (every
+/// expert equally likely, as K3's router is trained for): cache slots over experts, at most
+/// all of them.
+pub fn flat_hit_rate(cache_slots: u64, experts: u64) -> f64 {
+    if experts == 0 {
+        return 1.0;
+    }
+    (cache_slots as f64 / experts as f64).min(1.0)
+}
+
+/// What one decode token touches under a plan.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PerToken {
+    /// Read from disk: the streamed trunk and lm_head, and the experts the cache misses.
+    pub trunk_disk_bytes: f64,
+    pub expert_disk_bytes: f64,
+    /// Read from RAM: every weight the token multiplies (and its embedding row).
+    pub ram_bytes: f64,
+    pub bf16_macs: f64,
+    pub mxfp4_macs: f64,
+}
+
+impl PerToken {
+    pub fn disk_bytes(&self) -> f64 {
+        self.trunk_disk_bytes + self.expert_disk_bytes
+    }
+}
+
+/// One token of `m` under plan `c`, the cache hitting `hit` of its expert requests.
+pub fn per_token(m: &ModelShape, c: &Choice, hit: f64) -> PerToken {
+    let routed = (m.moe_layers * m.top_k) as f64;
+    let expert_macs = routed * m.expert_macs as f64;
+    let (bf16_experts, mxfp4) = if m.experts_mxfp4 {
+        (0.0, expert_macs)
+    } else {
+        (expert_macs, 0.0)
+    };
+    PerToken {
+        trunk_disk_bytes: c.read_per_token as f64,
+        expert_disk_bytes: routed * (1.0 - hit) * m.expert_bytes as f64,
+        ram_bytes: (m.trunk_bytes + m.lm_head_bytes + m.embed_row_bytes) as f64
+            + routed * m.expert_bytes as f64,
+        bf16_macs: (m.trunk_macs + m.lm_head_macs) as f64 + bf16_experts,
+        mxfp4_macs: mxfp4,
+    }
+}
+
+/// Seconds per token each resource needs on its own.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Times {
+    pub disk: f64,
+    pub memory: f64,
+    pub compute: f64,
+}
+
+impl Times {
+    /// The resources' times for `t` on `m`: disk bytes over every drive's bandwidth, RAM
+    /// bytes over the memory bandwidth, MACs over every core's rate.
+    pub fn of(t: &PerToken, m: &Machine) -> Times {
+        let cores = m.cores.max(1) as f64;
+        Times {
+            disk: t.disk_bytes() / (m.drives.max(1) as f64 * m.drive_bps),
+            memory: t.ram_bytes / m.mem_bps,
+            compute: t.bf16_macs / (cores * m.bf16_macs_per_core)
+                + t.mxfp4_macs / (cores * m.mxfp4_macs_per_core),
+        }
+    }
+
+    /// The projected seconds per token: the slowest resource (the pipeline overlaps them).
+    pub fn s_per_token(&self) -> f64 {
+        self.disk.max(self.memory).max(self.compute)
+    }
+
+    /// The resource that sets it.
+    pub fn floor(&self) -> &'static str {
+        let s = self.s_per_token();
+        if s == self.disk {
+            "disk"
+        } else if s == self.memory {
+            "memory"
+        } else {
+            "compute"
+        }
+    }
+}
+
+/// The projection of one budget on one machine.
+#[derive(Clone, Debug)]
+pub struct Projection {
+    /// The budget (`--mem-gb`) and what the plan spends (less the run's reserve).
+    pub budget: u64,
+    pub total: u64,
+    pub choice: Choice,
+    /// "12/373 parts", "93/93 layers".
+    pub pinned: String,
+    pub cache_slots: u64,
+    pub hit: f64,
+    pub per_token: PerToken,
+    pub times: Times,
+}
+
+impl Projection {
+    /// What the plan holds: everything it adds up (fixed, lm_head or its buffers, trunk,
+    /// cache).
+    pub fn held_bytes(&self, m: &ModelShape) -> u64 {
+        let head = if self.choice.head_pinned {
+            m.spend.lm_head
+        } else {
+            plan::lm_head_stream_bytes(m.spend.lm_head) + self.choice.head_held
+        };
+        m.spend.fixed + head + self.choice.trunk + self.choice.cache
+    }
+}
+
+/// Project `m` at a budget of `budget` bytes (as `--mem-gb`: the plan spends it less the
+/// run's reserve) on `machine`; Err when the plan refuses the budget.
+pub fn project(m: &ModelShape, budget: u64, machine: &Machine) -> Result<Projection, String> {
+    let total = budget - (budget as f64 * plan::RESERVE_SHARE) as u64;
+    project_parts(m, budget, total, None, machine)
+}
+
+/// Project `m` with explicit trunk and cache budgets (a preset) on `machine`.
+pub fn project_preset(
+    m: &ModelShape,
+    trunk: u64,
+    cache: u64,
+    machine: &Machine,
+) -> Result<Projection, String> {
+    let total = m.spend.fixed + m.spend.lm_head + trunk + cache;
+    project_parts(m, total, total, Some((trunk, cache)), machine)
+}
+
+fn project_parts(
+    m: &ModelShape,
+    budget: u64,
+    total: u64,
+    parts: Option<(u64, u64)>,
+    machine: &Machine,
+) -> Result<Projection, String> {
+    let sp = Spend {
+        total,
+        ..m.spend.clone()
+    };
+    let c = choose(&sp, Some(&m.runs), parts.map(|p| p.0), parts.map(|p| p.1))?;
+    let pinned = plan_streams_with(c.trunk, &m.runs, RingPolicy::default(), c.sink)
+        .map(|p| {
+            format!(
+                "{}/{} {}",
+                p.plan.pinned,
+                p.plan.layers,
+                if p.parts { "parts" } else { "layers" }
+            )
+        })
+        .map_err(|e| e.to_string())?;
+    let cache_slots = (c.cache / m.spend.expert_slot.max(1)).min(m.experts());
+    let hit = flat_hit_rate(cache_slots, m.experts());
+    let pt = per_token(m, &c, hit);
+    Ok(Projection {
+        budget,
+        total,
+        choice: c,
+        pinned,
+        cache_slots,
+        hit,
+        per_token: pt,
+        times: Times::of(&pt, machine),
+    })
+}
+
+/// Seconds as people read them: `12 ms`, `0.84 s`, `12.3 s`, `4.1 min`, `3.2 h`.
+pub fn duration(s: f64) -> String {
+    if s < 0.1 {
+        format!("{:.0} ms", s * 1e3)
+    } else if s < 10.0 {
+        format!("{s:.2} s")
+    } else if s < 120.0 {
+        format!("{s:.1} s")
+    } else if s < 7200.0 {
+        format!("{:.1} min", s / 60.0)
+    } else {
+        format!("{:.1} h", s / 3600.0)
+    }
+}
+
+/// The plan and the per-token figures of one projection, as `project` prints them.
+pub fn detail(m: &ModelShape, p: &Projection, machine: &Machine, reply: u64) -> String {
+    let pt = &p.per_token;
+    let t = &p.times;
+    let mut o = format!(
+        "plan at --mem-gb {:.1} ({} spent after the 5% reserve):\n",
+        p.budget as f64 / GB,
+        human(p.total)
+    );
+    o += &format!(
+        "  pinned   : {} of the trunk ({}), lm_head {}\n",
+        p.pinned,
+        human(p.choice.trunk),
+        if p.choice.head_pinned {
+            "pinned".to_string()
+        } else if p.choice.head_held > 0 {
+            format!("streamed, {} of it held", human(p.choice.head_held))
+        } else {
+            "streamed".to_string()
+        }
+    );
+    o += &format!(
+        "  streamed : {} of trunk and lm_head read per token\n",
+        human(p.choice.read_per_token)
+    );
+    o += &format!(
+        "  cached   : {} expert slots of {} experts: expected hit rate {:.2}% (flat routing)\n",
+        p.cache_slots,
+        m.experts(),
+        100.0 * p.hit
+    );
+    o += &format!("  holds    : {}\n", human(p.held_bytes(m)));
+    o += "per token:\n";
+    o += &format!(
+        "  disk     : {} trunk/lm_head + {} experts missed = {} at {:.2} GB/s = {}\n",
+        human(pt.trunk_disk_bytes as u64),
+        human(pt.expert_disk_bytes as u64),
+        human(pt.disk_bytes() as u64),
+        machine.drives as f64 * machine.drive_bps / GB,
+        duration(t.disk)
+    );
+    o += &format!(
+        "  memory   : {} of weights read from RAM at {:.1} GB/s = {}\n",
+        human(pt.ram_bytes as u64),
+        machine.mem_bps / GB,
+        duration(t.memory)
+    );
+    o += &format!(
+        "  compute  : {:.1} G multiply-adds on {} cores = {}\n",
+        (pt.bf16_macs + pt.mxfp4_macs) / 1e9,
+        machine.cores,
+        duration(t.compute)
+    );
+    o += &format!(
+        "projected: {} per token, {}-bound; a {reply}-token reply in {} (a projection, not a measurement)\n",
+        duration(t.s_per_token()),
+        t.floor(),
+        duration(t.s_per_token() * reply as f64)
+    );
+    o
+}
+
+/// The table of several budgets × drive counts.
+pub fn table(m: &ModelShape, budgets: &[u64], machines: &[Machine]) -> String {
+    let mut o = format!(
+        "  {:>8}  {:>6}  {:>14}  {:>9}  {:>12}  {:>8}  {:>8}  {:>8}  {:>10}  {}\n",
+        "--mem-gb",
+        "drives",
+        "trunk pinned",
+        "hit rate",
+        "disk/token",
+        "disk s",
+        "memory s",
+        "compute",
+        "s/token",
+        "floor"
+    );
+    for &b in budgets {
+        for mach in machines {
+            match project(m, b, mach) {
+                Ok(p) => {
+                    o += &format!(
+                        "  {:>8.1}  {:>6}  {:>14}  {:>8.2}%  {:>12}  {:>8.2}  {:>8.2}  {:>8.2}  {:>10.2}  {}\n",
+                        b as f64 / GB,
+                        mach.drives,
+                        p.pinned,
+                        100.0 * p.hit,
+                        human(p.per_token.disk_bytes() as u64),
+                        p.times.disk,
+                        p.times.memory,
+                        p.times.compute,
+                        p.times.s_per_token(),
+                        p.times.floor()
+                    )
+                }
+                Err(e) => {
+                    o += &format!("  {:>8.1}  {:>6}  refused: {e}\n", b as f64 / GB, mach.drives)
+                }
+            }
+        }
+    }
+    o
+}
+
+/// The `--list-presets` text: each preset's budgets, what k3's plan holds with them and its
+/// projected s/token for the released model on the [`REFERENCE`] machine.
+pub fn presets_text() -> String {
+    let presets = k3_trunk_loader::Presets::builtin();
+    let m = ModelShape::released();
+    let mach = Machine::reference(1);
+    let mut s = String::from(
+        "presets (trunk / expert-cache budgets in GB), with what k3's plan holds for the released\n\
+         model and its PROJECTED s/token on a reference machine (k3-orch project; not measured):\n",
+    );
+    s += &format!("  reference machine: {}\n", mach.describe());
+    for p in &presets.presets {
+        let b = p.budgets();
+        let what = match project_preset(&m, b.trunk_bytes, b.cache_bytes, &mach) {
+            Ok(x) => format!(
+                "holds {:>9}, reads {:>9}/token, ~{} s/token ({}-bound)",
+                human(x.held_bytes(&m)),
+                human(x.per_token.disk_bytes() as u64),
+                round_s(x.times.s_per_token()),
+                x.times.floor()
+            ),
+            Err(e) => format!("refused: {e}"),
+        };
+        s += &format!(
+            "  {:<12} {:>6.1} / {:>6.1}  {what}\n               {}\n",
+            p.name, p.trunk_gb, p.cache_gb, p.description
+        );
+    }
+    s += "  auto           from MemAvailable: the trunk first until fully pinned, then the cache\n";
+    s += &format!("\n{}\n", presets.note);
+    s += "`k3-orch doctor MODEL_DIR` projects for this machine; `k3-orch project --ram-gb X` for any budget.\n";
+    s
+}
+
+/// Bytes in TB from a TB up, else as [`human`].
+fn size(b: u64) -> String {
+    if b as f64 >= 1e12 {
+        format!("{:.2} TB", b as f64 / 1e12)
+    } else {
+        human(b)
+    }
+}
+
+/// Seconds rounded for a table: one decimal under 10, whole above.
+fn round_s(s: f64) -> String {
+    if s < 10.0 {
+        format!("{s:.1}")
+    } else {
+        format!("{s:.0}")
+    }
+}
+
+pub fn main(args: Vec<OsString>) -> i32 {
+    let a = match super::parse_args::<Args>(args) {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
+    if let Err(e) = check_args(&a) {
+        tracing::error!("k3-orch project: {e}");
+        return 2;
+    }
+    let shape = match &a.model_dir {
+        Some(d) => match ModelShape::from_dir(d) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("k3-orch project: {}: {e}", d.display());
+                return 2;
+            }
+        },
+        None => ModelShape::released(),
+    };
+    let budgets = match budgets(&a) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::error!("k3-orch project: {e}");
+            return 2;
+        }
+    };
+    let probe = a
+        .probe_file
+        .clone()
+        .or_else(|| a.model_dir.as_deref().and_then(largest_data_file));
+    let machine = measure_machine(
+        &shape,
+        &MachineFlags {
+            drives: 1,
+            drive_gbps: a.drive_gbps,
+            probe: probe.as_deref(),
+            mem_gbps: a.mem_gbps,
+            cores: a.cores,
+            gmacs_per_core: a.gmacs_per_core,
+            seconds: a.seconds,
+        },
+    );
+    print!("{}", report(&shape, &budgets, &a.drives, &machine, a.reply));
+    0
+}
+
+/// The whole output of `project`.
+fn report(
+    shape: &ModelShape,
+    budgets: &[u64],
+    drives: &[u32],
+    machine: &Machine,
+    reply: u64,
+) -> String {
+    let mut o = String::from(
+        "k3-orch project: a PROJECTION from the model's headers and the machine's figures, \
+         not a measurement\n",
+    );
+    o += &format!(
+        "model   : {} ({} layers, {} MoE x {} experts, top-{}; checkpoint {}; trunk {}; one expert {})\n",
+        shape.label,
+        shape.layers,
+        shape.moe_layers,
+        shape.experts_per_layer,
+        shape.top_k,
+        size(shape.checkpoint_bytes),
+        human(shape.trunk_bytes),
+        human(shape.expert_bytes)
+    );
+    o += &format!("machine : {}\n", machine.describe());
+    let drives: Vec<u32> = if drives.is_empty() {
+        vec![1]
+    } else {
+        drives.to_vec()
+    };
+    let machines: Vec<Machine> = drives
+        .iter()
+        .map(|&d| Machine {
+            drives: d,
+            ..machine.clone()
+        })
+        .collect();
+    if budgets.len() == 1 && machines.len() == 1 {
+        match project(shape, budgets[0], &machines[0]) {
+            Ok(p) => o += &detail(shape, &p, &machines[0], reply),
+            Err(e) => o += &format!("refused at --mem-gb {:.1}: {e}\n", budgets[0] as f64 / GB),
+        }
+    } else {
+        o += &table(shape, budgets, &machines);
+    }
+    if drives.iter().any(|&d| d > 1) {
+        o += "note    : more than one drive assumes the experts are striped over them (issue 35); \
+              today a run reads them from the one model directory\n";
+    }
+    o
+}
+
+/// Usage errors the parser cannot see.
+fn check_args(a: &Args) -> Result<(), String> {
+    let positive = |x: Option<f64>, flag: &str| match x {
+        Some(v) if !(v.is_finite() && v > 0.0) => Err(format!("{flag} {v}: must be > 0")),
+        _ => Ok(()),
+    };
+    positive(a.drive_gbps, "--drive-gbps")?;
+    positive(a.mem_gbps, "--mem-gbps")?;
+    positive(a.gmacs_per_core, "--gmacs-per-core")?;
+    if a.ram_gb.iter().any(|g| !(g.is_finite() && *g > 0.0)) {
+        return Err("--ram-gb: every value must be > 0".into());
+    }
+    if a.drives.contains(&0) {
+        return Err("--drives: at least 1".into());
+    }
+    if a.cores == Some(0) {
+        return Err("--cores: at least 1".into());
+    }
+    if let Some(p) = &a.probe_file {
+        if !p.is_file() {
+            return Err(format!("--probe-file {}: not a file", p.display()));
+        }
+    }
+    Ok(())
+}
+
+/// The budgets to project: `--ram-gb`, or this machine's default total.
+fn budgets(a: &Args) -> Result<Vec<u64>, String> {
+    if !a.ram_gb.is_empty() {
+        return Ok(a.ram_gb.iter().map(|g| (g * GB) as u64).collect());
+    }
+    let (_, avail) = plan::default_total()?;
+    Ok(vec![avail])
+}
+
+/// The largest shard of a model directory that holds data (a header-only file is sparse:
+/// reading it measures nothing).
+pub fn largest_data_file(dir: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            n.ends_with(".safetensors") || n == "trunk.bin"
+        })
+        .filter_map(|e| e.metadata().ok().map(|m| (e.path(), m)))
+        .filter(|(_, m)| m.is_file() && m.blocks() * 512 >= m.len() / 2)
+        .max_by_key(|(_, m)| m.len())
+        .map(|(p, _)| p)
+}
+
+/// What the machine's figures come from: given values, else measured here.
+pub struct MachineFlags<'a> {
+    pub drives: u32,
+    pub drive_gbps: Option<f64>,
+    /// A file on the drive to measure.
+    pub probe: Option<&'a Path>,
+    pub mem_gbps: Option<f64>,
+    pub cores: Option<usize>,
+    pub gmacs_per_core: Option<f64>,
+    pub seconds: f64,
+}
+
+/// The machine: each figure given, or measured here (the drive on `probe`, reads of one of
+/// `shape`'s experts), or for a drive that cannot be measured the reference's, said so.
+pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
+    let here = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (drive_bps, drive_source) = match (f.drive_gbps, f.probe) {
+        (Some(g), _) => (g * GB, "given".to_string()),
+        (None, Some(p)) => match measure_drive(p, shape.expert_bytes, f.seconds) {
+            Ok(bps) => (bps, format!("measured: devbw QD16 on {}", p.display())),
+            Err(e) => (REFERENCE.drive_bps, format!("ASSUMED: {e}")),
+        },
+        (None, None) => (
+            REFERENCE.drive_bps,
+            "ASSUMED: no file with data to measure (give --drive-gbps)".into(),
+        ),
+    };
+    let (mem_bps, mem_source) = match f.mem_gbps {
+        Some(g) => (g * GB, "given".to_string()),
+        None => (
+            measure_memory(),
+            format!("measured: read probe, {here} threads"),
+        ),
+    };
+    let (bf16, mxfp4, compute_source) = match f.gmacs_per_core {
+        Some(g) => (g * 1e9, g * 1e9, "given".to_string()),
+        None => {
+            let (b, x) = measure_compute(here);
+            (b, x, format!("measured: k3's GEMV on {here} threads"))
+        }
+    };
+    Machine {
+        drives: f.drives,
+        drive_bps,
+        drive_source,
+        mem_bps,
+        mem_source,
+        cores: f.cores.unwrap_or(here),
+        bf16_macs_per_core: bf16,
+        mxfp4_macs_per_core: mxfp4,
+        compute_source,
+    }
+}
+
+/// Bytes per second of O_DIRECT random reads of `read_bytes` at queue depth 16 on `file`.
+pub fn measure_drive(file: &Path, read_bytes: u64, seconds: f64) -> Result<f64, String> {
+    let size = std::fs::metadata(file).map_err(|e| e.to_string())?.len();
+    let rb = read_bytes.max(1 << 20).min(size / 4096 * 4096);
+    let r = k3_io::devbw::measure(file, rb, 16, seconds).map_err(|e| e.to_string())?;
+    if !r.direct {
+        return Err(format!(
+            "{}: O_DIRECT refused, the page cache would be measured",
+            file.display()
+        ));
+    }
+    Ok(r.mb_per_s() * 1e6)
+}
+
+/// Memory read bytes per second: the read probe over 256 MiB on every core, best of three.
+pub fn measure_memory() -> f64 {
+    let buf: Vec<u8> = (0..256usize << 20).map(|i| (i >> 12) as u8).collect();
+    let best = (0..3)
+        .map(|_| k3_layer_compute::membw::read_seconds(&[&buf], 4))
+        .fold(f64::MAX, f64::min);
+    buf.len() as f64 / best.max(1e-9)
+}
+
+/// Multiply-adds per second of one core through bf16 and MXFP4 weights: the engine's GEMV
+/// over a 1024 x 2048 matrix small enough to stay in cache, on `threads` threads, for
+/// about 0.2 s each.
+pub fn measure_compute(threads: usize) -> (f64, f64) {
+    use k3_layer_compute::kernels::matmul::{gemv, Mat};
+    let (rows, cols) = (1024usize, 2048usize);
+    let bf16: Vec<u8> = (0..rows * cols * 2)
+        .map(|i| if i % 2 == 1 { 0x3f } else { (i % 251) as u8 })
+        .collect();
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i % 255) as u8).collect();
+    let scales: Vec<u8> = vec![127; rows * cols / 32];
+    let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.125).collect();
+    let mut y = vec![0f32; rows];
+    let rate = |m: &Mat<'_>, y: &mut [f32]| {
+        let t0 = std::time::Instant::now();
+        let mut n = 0u64;
+        while t0.elapsed().as_secs_f64() < 0.2 {
+            gemv(m, &x, y, threads);
+            n += 1;
+        }
+        n as f64 * (rows * cols) as f64 / t0.elapsed().as_secs_f64() / threads.max(1) as f64
+    };
+    let b = Mat::bf16(&bf16, rows, cols).map(|m| rate(&m, &mut y));
+    let q = Mat::mxfp4(&packed, &scales, rows, cols).map(|m| rate(&m, &mut y));
+    (
+        b.unwrap_or(REFERENCE.bf16_macs_per_core),
+        q.unwrap_or(REFERENCE.mxfp4_macs_per_core),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine() -> Machine {
+        Machine {
+            drives: 2,
+            drive_bps: 5e9,
+            drive_source: "given".into(),
+            mem_bps: 40e9,
+            mem_source: "given".into(),
+            cores: 8,
+            bf16_macs_per_core: 10e9,
+            mxfp4_macs_per_core: 5e9,
+            compute_source: "given".into(),
+        }
+    }
+
+    /// The three floors by hand: 100 GB from disk over 2 drives of 5 GB/s is 10 s; 200 GB
+    /// from RAM at 40 GB/s is 5 s; 400 G bf16 MACs on 8 cores of 10 G is 5 s plus 80 G MXFP4
+    /// MACs at 5 G is 2 s. Catches one drive's bandwidth used for all of them, the cores
+    /// left out, and a sum where the slowest resource is the answer.
+    #[test]
+    fn the_slowest_resource_is_the_projection() {
+        let t = PerToken {
+            trunk_disk_bytes: 60e9,
+            expert_disk_bytes: 40e9,
+            ram_bytes: 200e9,
+            bf16_macs: 400e9,
+            mxfp4_macs: 80e9,
+        };
+        let x = Times::of(&t, &machine());
+        assert_eq!(x.disk, 10.0);
+        assert_eq!(x.memory, 5.0);
+        assert_eq!(x.compute, 7.0);
+        assert_eq!(x.s_per_token(), 10.0);
+        assert_eq!(x.floor(), "disk");
+        let fast_disk = Machine {
+            drive_bps: 50e9,
+            ..machine()
+        };
+        let y = Times::of(&t, &fast_disk);
+        assert_eq!((y.s_per_token(), y.floor()), (7.0, "compute"));
+        let slow_ram = Machine {
+            drive_bps: 50e9,
+            mem_bps: 10e9,
+            ..machine()
+        };
+        assert_eq!(Times::of(&t, &slow_ram).floor(), "memory");
+    }
+
+    /// Flat routing: the cache serves slots / experts of the requests, never more than all.
+    #[test]
+    fn flat_routing_hits_the_cached_share() {
+        assert_eq!(flat_hit_rate(0, 82_432), 0.0);
+        assert_eq!(flat_hit_rate(8_243, 82_432), 8_243.0 / 82_432.0);
+        assert_eq!(flat_hit_rate(100_000, 82_432), 1.0);
+        assert_eq!(flat_hit_rate(5, 0), 1.0);
+    }
+
+    /// Per token, by hand: 3 MoE layers x top-2 = 6 routed experts of 10 bytes, half of them
+    /// hit: 30 bytes of experts from disk beside the plan's 100 streamed; RAM reads every
+    /// weight a token multiplies (trunk 1000 + lm_head 50 + a 7-byte embedding row + 6
+    /// experts); MXFP4 experts' MACs are counted apart. Catches misses counted per layer
+    /// instead of per routed expert, and cached experts left out of the RAM bytes.
+    #[test]
+    fn per_token_bytes_and_macs() {
+        let mut m = ModelShape::released();
+        m.moe_layers = 3;
+        m.top_k = 2;
+        m.expert_bytes = 10;
+        m.expert_macs = 4;
+        m.trunk_bytes = 1000;
+        m.trunk_macs = 500;
+        m.lm_head_bytes = 50;
+        m.lm_head_macs = 25;
+        m.embed_row_bytes = 7;
+        let c = Choice {
+            trunk: 0,
+            cache: 0,
+            head_pinned: true,
+            head_held: 0,
+            sink: 0,
+            read_per_token: 100,
+        };
+        let t = per_token(&m, &c, 0.5);
+        assert_eq!(t.trunk_disk_bytes, 100.0);
+        assert_eq!(t.expert_disk_bytes, 30.0);
+        assert_eq!(t.disk_bytes(), 130.0);
+        assert_eq!(t.ram_bytes, 1000.0 + 50.0 + 7.0 + 60.0);
+        assert_eq!(t.bf16_macs, 525.0);
+        assert_eq!(t.mxfp4_macs, 24.0);
+        m.experts_mxfp4 = false;
+        assert_eq!(per_token(&m, &c, 0.5).bf16_macs, 549.0);
+    }
+
+    /// The released shape: the census `inspect` prints (trunk 108.81 GB, 82,432 experts of
+    /// 17,547,264 bytes), MACs of the released matrices (an expert is 3 x 3072 x 3584).
+    #[test]
+    fn the_released_shape() {
+        let m = ModelShape::released();
+        assert_eq!(m.trunk_bytes, 108_811_877_376);
+        assert_eq!(m.expert_bytes, 17_547_264);
+        assert_eq!(m.experts(), 82_432);
+        assert_eq!(m.expert_macs, 3 * 3072 * 3584);
+        assert_eq!(m.lm_head_macs, 163_840 * 7168);
+        assert_eq!(m.moe_layers, 92);
+        assert_eq!(m.top_k, 16);
+        assert!(m.experts_mxfp4);
+        assert_eq!(m.checkpoint_bytes, 1_560_936_091_448);
+    }
+
+    /// More memory never projects slower, and everything pinned and cached reads nothing
+    /// from disk; a budget below the streaming floor is refused.
+    #[test]
+    fn more_memory_is_never_slower() {
+        let m = ModelShape::released();
+        let mach = Machine::reference(1);
+        let mut last = f64::MAX;
+        for gb in [2.0, 8.0, 64.0, 128.0, 256.0, 512.0, 2000.0] {
+            let p = project(&m, (gb * GB) as u64, &mach).unwrap();
+            let s = p.times.s_per_token();
+            assert!(s <= last, "{gb} GB: {s} after {last}");
+            last = s;
+        }
+        let all = project(&m, (2000.0 * GB) as u64, &mach).unwrap();
+        assert_eq!(all.per_token.disk_bytes(), 0.0);
+        assert_eq!(all.hit, 1.0);
+        assert!(project(&m, (0.5 * GB) as u64, &mach).is_err());
+    }
+
+    #[test]
+    fn durations_read_well() {
+        assert_eq!(duration(0.012), "12 ms");
+        assert_eq!(duration(0.5), "0.50 s");
+        assert_eq!(duration(42.0), "42.0 s");
+        assert_eq!(duration(600.0), "10.0 min");
+        assert_eq!(duration(3.0 * 3600.0), "3.0 h");
+    }
+}
