@@ -44,7 +44,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::decode::{check_finite, PrefixCache};
-use crate::forward::{ForwardStats, Group, Model, Session, Want};
+use crate::forward::{ForwardError, ForwardStats, Group, GroupOutput, Model, Session, Want};
 use crate::sampler::{self, SamplerConfig};
 use crate::weights::Weights;
 
@@ -342,33 +342,7 @@ impl Scheduler {
         let mut rep = StepReport::default();
         self.end_cancelled(&mut rep.events);
         self.admit(model, &mut rep.events);
-        // The pass: (slot, first prompt token fed, tokens) per group, decode rows first.
-        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
-        for (i, s) in self.slots.iter().enumerate() {
-            if let Some(s) = s.as_ref().filter(|s| !s.prefilling()) {
-                plan.push((i, s.fed, 1));
-            }
-        }
-        rep.decode_rows = plan.len();
-        let mut prefilling: Vec<(u64, usize)> = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| s.as_ref().filter(|s| s.prefilling()).map(|s| (s.order, i)))
-            .collect();
-        prefilling.sort_unstable();
-        let mut budget = self.opts.chunk;
-        for (_, i) in prefilling {
-            if budget == 0 {
-                break;
-            }
-            let s = self.slots[i].as_ref().expect("a prefilling slot");
-            let n = budget.min(s.req.prompt.len() - s.fed);
-            plan.push((i, s.fed, n));
-            budget -= n;
-            rep.prefill_rows += n;
-        }
-        rep.rows = rep.decode_rows + rep.prefill_rows;
+        let plan = self.plan_pass(&mut rep);
         if plan.is_empty() {
             return rep;
         }
@@ -417,60 +391,108 @@ impl Scheduler {
         let failures = out.stats.expert_failures;
         rep.stats = out.stats;
         for (&(i, _, n), res) in plan.iter().zip(out.groups) {
-            let s = self.slots[i].as_mut().expect("a planned slot");
-            s.expert_failures += failures;
-            let g = match res {
-                Ok(g) => g,
-                Err(e) => {
-                    let s = self.slots[i].take().expect("a planned slot");
-                    rep.events.push(Event::Failed {
-                        id: s.id,
-                        error: format!("forward pass failed: {e}"),
-                    });
-                    continue;
-                }
-            };
-            if s.prefilling() {
-                s.fed += n;
-                if g.rows == 0 {
-                    rep.events.push(Event::Prefill {
-                        id: s.id,
-                        done: s.fed,
-                        total: s.req.prompt.len(),
-                    });
-                    continue;
-                }
-            }
-            let row = &g.logits[..];
-            if let Err(e) = check_finite(row) {
-                let s = self.slots[i].take().expect("a planned slot");
-                rep.events.push(Event::Failed {
-                    id: s.id,
-                    error: format!("generation step {}: {e}", s.generated().len()),
-                });
-                continue;
-            }
-            let index = s.generated().len();
-            let token = sampler::sample(row, &s.req.sampler, index as u64, &s.seq) as u32;
-            s.seq.push(token);
-            rep.events.push(Event::Token {
-                id: s.id,
-                index,
-                token,
-                logits: s.req.keep_logits.then(|| row.to_vec()),
-            });
-            let reason = if s.req.stop_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if index + 1 >= s.req.max_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            if let Some(reason) = reason {
-                self.finish(i, reason, &mut rep.events);
-            }
+            self.slots[i]
+                .as_mut()
+                .expect("a planned slot")
+                .expert_failures += failures;
+            self.take_group(i, n, res, &mut rep.events);
         }
         rep
+    }
+
+    /// The pass's plan: (slot, first prompt token fed, tokens) per group, decode rows first,
+    /// then up to `chunk` prompt tokens of the prefilling slots in admission order. Sets the
+    /// report's row counts.
+    fn plan_pass(&self, rep: &mut StepReport) -> Vec<(usize, usize, usize)> {
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(s) = s.as_ref().filter(|s| !s.prefilling()) {
+                plan.push((i, s.fed, 1));
+            }
+        }
+        rep.decode_rows = plan.len();
+        let mut prefilling: Vec<(u64, usize)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().filter(|s| s.prefilling()).map(|s| (s.order, i)))
+            .collect();
+        prefilling.sort_unstable();
+        let mut budget = self.opts.chunk;
+        for (_, i) in prefilling {
+            if budget == 0 {
+                break;
+            }
+            let s = self.slots[i].as_ref().expect("a prefilling slot");
+            let n = budget.min(s.req.prompt.len() - s.fed);
+            plan.push((i, s.fed, n));
+            budget -= n;
+            rep.prefill_rows += n;
+        }
+        rep.rows = rep.decode_rows + rep.prefill_rows;
+        plan
+    }
+
+    /// Take slot `i`'s part of the pass (`n` rows fed): fail it, count its prefill, or
+    /// sample its next token and finish it on a stop id or its length.
+    fn take_group(
+        &mut self,
+        i: usize,
+        n: usize,
+        res: Result<GroupOutput, ForwardError>,
+        events: &mut Vec<Event>,
+    ) {
+        let s = self.slots[i].as_mut().expect("a planned slot");
+        let g = match res {
+            Ok(g) => g,
+            Err(e) => {
+                let s = self.slots[i].take().expect("a planned slot");
+                events.push(Event::Failed {
+                    id: s.id,
+                    error: format!("forward pass failed: {e}"),
+                });
+                return;
+            }
+        };
+        if s.prefilling() {
+            s.fed += n;
+            if g.rows == 0 {
+                events.push(Event::Prefill {
+                    id: s.id,
+                    done: s.fed,
+                    total: s.req.prompt.len(),
+                });
+                return;
+            }
+        }
+        let row = &g.logits[..];
+        if let Err(e) = check_finite(row) {
+            let s = self.slots[i].take().expect("a planned slot");
+            events.push(Event::Failed {
+                id: s.id,
+                error: format!("generation step {}: {e}", s.generated().len()),
+            });
+            return;
+        }
+        let index = s.generated().len();
+        let token = sampler::sample(row, &s.req.sampler, index as u64, &s.seq) as u32;
+        s.seq.push(token);
+        events.push(Event::Token {
+            id: s.id,
+            index,
+            token,
+            logits: s.req.keep_logits.then(|| row.to_vec()),
+        });
+        let reason = if s.req.stop_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if index + 1 >= s.req.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            self.finish(i, reason, events);
+        }
     }
 
     /// End every cancelled request, queued or in a slot.

@@ -142,6 +142,20 @@ pub struct BatchOutput {
     pub stats: ForwardStats,
 }
 
+/// How a pass's rows lie ([`Model::forward_batch`]): the groups' rows back to back.
+struct PassLayout {
+    /// Each group's rows.
+    rows: Vec<usize>,
+    /// Each group's [`Want`].
+    wants: Vec<Want>,
+    /// Each group's first row in the pass.
+    starts: Vec<usize>,
+    /// Rows in all.
+    ntok: usize,
+    /// The rows whose logits are wanted, ascending.
+    wanted: Vec<usize>,
+}
+
 /// Output of one forward call.
 #[derive(Clone, Debug)]
 pub struct ForwardOutput {
@@ -551,41 +565,14 @@ impl<W: Weights> Model<W> {
         groups: &mut [Group<'_>],
         trace: Option<&mut Trace>,
     ) -> Result<BatchOutput, ForwardError> {
-        if groups.is_empty() {
-            return Err(ForwardError::Input("no sessions to run".into()));
-        }
         let (d, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
-        for g in groups.iter() {
-            if g.ids.is_empty() {
-                return Err(ForwardError::Input("no tokens to run".into()));
-            }
-            if let Some(&bad) = g.ids.iter().find(|&&i| i as usize >= vocab) {
-                return Err(ForwardError::Input(format!(
-                    "token id {bad} is outside the vocabulary 0..{vocab}"
-                )));
-            }
-        }
-        let rows: Vec<usize> = groups.iter().map(|g| g.ids.len()).collect();
-        let wants: Vec<Want> = groups.iter().map(|g| g.want).collect();
-        let starts: Vec<usize> = rows
-            .iter()
-            .scan(0, |acc, &n| {
-                let s = *acc;
-                *acc += n;
-                Some(s)
-            })
-            .collect();
-        let ntok: usize = rows.iter().sum();
-        // The rows whose logits are wanted, ascending.
-        let wanted: Vec<usize> = groups
-            .iter()
-            .zip(&starts)
-            .flat_map(|(g, &s)| match g.want {
-                Want::All => s..s + g.ids.len(),
-                Want::Last => s + g.ids.len() - 1..s + g.ids.len(),
-                Want::None => s..s,
-            })
-            .collect();
+        let PassLayout {
+            rows,
+            wants,
+            starts,
+            ntok,
+            wanted,
+        } = self.pass_layout(groups)?;
         // A trace records every row's intermediates: nothing is skipped then.
         let skip = trace.is_none() && wanted.len() < ntok;
         let ids: Vec<u32> = groups.iter().flat_map(|g| g.ids.iter().copied()).collect();
@@ -680,6 +667,53 @@ impl<W: Weights> Model<W> {
             });
         }
         Ok(BatchOutput { groups: out, stats })
+    }
+
+    /// Check a pass's groups (at least one, each with tokens inside the vocabulary) and lay
+    /// their rows out back to back.
+    fn pass_layout(&self, groups: &[Group<'_>]) -> Result<PassLayout, ForwardError> {
+        if groups.is_empty() {
+            return Err(ForwardError::Input("no sessions to run".into()));
+        }
+        let vocab = self.cfg.vocab_size;
+        for g in groups.iter() {
+            if g.ids.is_empty() {
+                return Err(ForwardError::Input("no tokens to run".into()));
+            }
+            if let Some(&bad) = g.ids.iter().find(|&&i| i as usize >= vocab) {
+                return Err(ForwardError::Input(format!(
+                    "token id {bad} is outside the vocabulary 0..{vocab}"
+                )));
+            }
+        }
+        let rows: Vec<usize> = groups.iter().map(|g| g.ids.len()).collect();
+        let wants: Vec<Want> = groups.iter().map(|g| g.want).collect();
+        let starts: Vec<usize> = rows
+            .iter()
+            .scan(0, |acc, &n| {
+                let s = *acc;
+                *acc += n;
+                Some(s)
+            })
+            .collect();
+        let ntok: usize = rows.iter().sum();
+        // The rows whose logits are wanted, ascending.
+        let wanted: Vec<usize> = groups
+            .iter()
+            .zip(&starts)
+            .flat_map(|(g, &s)| match g.want {
+                Want::All => s..s + g.ids.len(),
+                Want::Last => s + g.ids.len() - 1..s + g.ids.len(),
+                Want::None => s..s,
+            })
+            .collect();
+        Ok(PassLayout {
+            rows,
+            wants,
+            starts,
+            ntok,
+            wanted,
+        })
     }
 
     /// The embedding rows of `ids` (`ntok × hidden`): read one row per token on demand

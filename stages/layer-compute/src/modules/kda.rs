@@ -131,12 +131,75 @@ impl KdaWeights<'_> {
         groups: &mut [Seg<'_, KdaState>],
         live: Option<&[usize]>,
     ) -> Vec<f32> {
-        let (w, eps, threads) = (self, ctx.eps, ctx.threads);
+        let threads = ctx.threads;
         let ntok: usize = groups.iter().map(|g| g.rows).sum();
         let slots = out_slots(ntok, live);
         let nout = live.map_or(ntok, |l| l.len());
         let p = d.width();
-        let (h, dk) = (d.heads, d.head_dim);
+        let pr = self.project_input(d, u, live, ntok, nout, threads);
+        let mut qc = vec![0f32; ntok * p];
+        let mut kc = vec![0f32; ntok * p];
+        let mut vc = vec![0f32; ntok * p];
+        let mut r0 = 0;
+        for g in groups.iter_mut() {
+            let r = r0 * p..(r0 + g.rows) * p;
+            let st = &mut *g.state;
+            conv::shortconv_silu(
+                &pr.q[r.clone()],
+                &self.q_conv,
+                d.conv,
+                p,
+                &mut st.conv_q,
+                &mut qc[r.clone()],
+            );
+            conv::shortconv_silu(
+                &pr.k[r.clone()],
+                &self.k_conv,
+                d.conv,
+                p,
+                &mut st.conv_k,
+                &mut kc[r.clone()],
+            );
+            conv::shortconv_silu(
+                &pr.v[r.clone()],
+                &self.v_conv,
+                d.conv,
+                p,
+                &mut st.conv_v,
+                &mut vc[r],
+            );
+            r0 += g.rows;
+        }
+        let mut z = vec![0f32; ntok * p];
+        gemm(&self.f_b, &pr.fa, &mut z, ntok, threads);
+        let conv = Convolved {
+            q: qc,
+            k: kc,
+            v: vc,
+            z,
+            beta: pr.beta,
+            gate: pr.gate,
+        };
+        let o = self.recurrence(ctx, d, &conv, groups, &slots, nout);
+        for g in groups.iter() {
+            ctx.record("kda_state", &g.state.s);
+        }
+        o
+    }
+
+    /// The products of the layer input `u` (`ntok × hidden`), every row's but the output
+    /// gate's, which is the live rows' only (`nout` rows).
+    fn project_input(
+        &self,
+        d: &KdaGeometry,
+        u: &[f32],
+        live: Option<&[usize]>,
+        ntok: usize,
+        nout: usize,
+        threads: usize,
+    ) -> Projections {
+        let w = self;
+        let (p, h) = (d.width(), d.heads);
         let mut q = vec![0f32; ntok * p];
         let mut k = vec![0f32; ntok * p];
         let mut v = vec![0f32; ntok * p];
@@ -167,47 +230,35 @@ impl KdaWeights<'_> {
                 }
             }
         }
-        let mut qc = vec![0f32; ntok * p];
-        let mut kc = vec![0f32; ntok * p];
-        let mut vc = vec![0f32; ntok * p];
-        let mut r0 = 0;
-        for g in groups.iter_mut() {
-            let r = r0 * p..(r0 + g.rows) * p;
-            let st = &mut *g.state;
-            conv::shortconv_silu(
-                &q[r.clone()],
-                &w.q_conv,
-                d.conv,
-                p,
-                &mut st.conv_q,
-                &mut qc[r.clone()],
-            );
-            conv::shortconv_silu(
-                &k[r.clone()],
-                &w.k_conv,
-                d.conv,
-                p,
-                &mut st.conv_k,
-                &mut kc[r.clone()],
-            );
-            conv::shortconv_silu(
-                &v[r.clone()],
-                &w.v_conv,
-                d.conv,
-                p,
-                &mut st.conv_v,
-                &mut vc[r],
-            );
-            r0 += g.rows;
+        Projections {
+            q,
+            k,
+            v,
+            beta,
+            fa,
+            gate,
         }
-        let mut z = vec![0f32; ntok * p];
-        gemm(&w.f_b, &fa, &mut z, ntok, threads);
+    }
 
-        // The recurrence, group by group and head by head: every head's state, gate, norms
-        // and output depend on that head's channels of its own group only, so the (group,
-        // head) pairs run on the pool (each in token order, exactly the sequential
-        // operations) and the result does not depend on the thread count or on the other
-        // groups.
+    /// The recurrence, group by group and head by head, advancing each group's state: the
+    /// gated, normed output of the rows with an output slot (`slots`), `nout × width`.
+    ///
+    /// Every head's state, gate, norms and output depend on that head's channels of its own
+    /// group only, so the (group, head) pairs run on the pool (each in token order, exactly
+    /// the sequential operations) and the result does not depend on the thread count or on
+    /// the other groups.
+    fn recurrence(
+        &self,
+        ctx: &LayerCtx<'_>,
+        d: &KdaGeometry,
+        c: &Convolved,
+        groups: &mut [Seg<'_, KdaState>],
+        slots: &[Option<usize>],
+        nout: usize,
+    ) -> Vec<f32> {
+        let (w, eps, threads) = (self, ctx.eps, ctx.threads);
+        let p = d.width();
+        let (h, dk) = (d.heads, d.head_dim);
         let qscale = 1.0 / (dk as f32).sqrt();
         // (first row of the group, its rows, head, the head's state)
         let head = |(r0, rows, hh, s): (usize, usize, usize, &mut [f32])| -> Vec<f32> {
@@ -218,9 +269,9 @@ impl KdaWeights<'_> {
             let mut out = vec![0f32; rows * dk];
             for t in 0..rows {
                 // Head hh's channels of row r0 + t.
-                let c = (r0 + t) * p + hr.start..(r0 + t) * p + hr.end;
+                let ch = (r0 + t) * p + hr.start..(r0 + t) * p + hr.end;
                 kda::decay_gate(
-                    &z[c.clone()],
+                    &c.z[ch.clone()],
                     &w.a_log[hh..hh + 1],
                     &w.dt_bias[hr.clone()],
                     1,
@@ -229,24 +280,24 @@ impl KdaWeights<'_> {
                     &mut g,
                     &mut alpha,
                 );
-                qh.copy_from_slice(&qc[c.clone()]);
-                kh.copy_from_slice(&kc[c.clone()]);
+                qh.copy_from_slice(&c.q[ch.clone()]);
+                kh.copy_from_slice(&c.k[ch.clone()]);
                 norm::l2norm_inplace(&mut qh, eps.kda_l2);
                 norm::l2norm_inplace(&mut kh, eps.kda_l2);
                 qh.iter_mut().for_each(|x| *x *= qscale);
-                let b = sigmoid(beta[(r0 + t) * h + hh]);
+                let b = sigmoid(c.beta[(r0 + t) * h + hh]);
                 let oh = &mut out[t * dk..(t + 1) * dk];
                 let x = kda::DeltaIn {
                     q: &qh,
                     k: &kh,
-                    v: &vc[c],
+                    v: &c.v[ch],
                     alpha: &alpha,
                     beta: b,
                 };
                 kda::delta_step(s, x, oh, &mut scratch);
                 if let Some(j) = slots[r0 + t] {
                     let gc = j * p + hr.start..j * p + hr.end;
-                    kda::output_norm_gate(oh, &gate[gc], &w.o_norm, 1, eps.rms);
+                    kda::output_norm_gate(oh, &c.gate[gc], &w.o_norm, 1, eps.rms);
                 }
             }
             out
@@ -277,11 +328,29 @@ impl KdaWeights<'_> {
                 }
             }
         }
-        for g in groups.iter() {
-            ctx.record("kda_state", &g.state.s);
-        }
         o
     }
+}
+
+/// The products of a pass's layer input (`ntok` rows; the output gate `nout` rows).
+struct Projections {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    beta: Vec<f32>,
+    fa: Vec<f32>,
+    gate: Vec<f32>,
+}
+
+/// What the recurrence reads: the convolved `q`, `k`, `v`, the decay-gate input `z`
+/// (`f_b · f_a`), `beta` and the output gate.
+struct Convolved {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    z: Vec<f32>,
+    beta: Vec<f32>,
+    gate: Vec<f32>,
 }
 
 impl<W: Weights> Model<W> {

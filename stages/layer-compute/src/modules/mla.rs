@@ -103,43 +103,9 @@ impl MlaWeights<'_> {
         let slots = out_slots(ntok, live);
         let nout = live.map_or(ntok, |l| l.len());
         let qh = d.nope + d.rope;
-        let mut cq = vec![0f32; nout * d.q_lora];
         let kvw = d.kv_lora + d.rope;
-        let mut kv = vec![0f32; ntok * kvw];
         let ow = d.heads * d.v;
-        let mut gate = vec![0f32; if w.g.is_some() { nout * ow } else { 0 }];
-        match live {
-            // q_a, kv_a and the output gate all read the layer input: one pass over `u`.
-            None => match &w.g {
-                Some(g) => gemm_fused(
-                    &[&w.q_a, &w.kv_a, g],
-                    u,
-                    &mut [&mut cq, &mut kv, &mut gate],
-                    ntok,
-                    threads,
-                ),
-                None => gemm_fused(
-                    &[&w.q_a, &w.kv_a],
-                    u,
-                    &mut [&mut cq, &mut kv],
-                    ntok,
-                    threads,
-                ),
-            },
-            // Every row is cached; only the live rows ask a query (and an output gate).
-            Some(rows) => {
-                gemm(&w.kv_a, u, &mut kv, ntok, threads);
-                if nout > 0 {
-                    let ul = gather_rows(u, rows, d.hidden);
-                    match &w.g {
-                        Some(g) => {
-                            gemm_fused(&[&w.q_a, g], &ul, &mut [&mut cq, &mut gate], nout, threads)
-                        }
-                        None => gemm(&w.q_a, &ul, &mut cq, nout, threads),
-                    }
-                }
-            }
-        }
+        let (mut cq, kv, gate) = w.project_input(d, u, live, ntok, nout, threads);
         for t in 0..nout {
             norm::rmsnorm_inplace(
                 &mut cq[t * d.q_lora..(t + 1) * d.q_lora],
@@ -178,26 +144,8 @@ impl MlaWeights<'_> {
         for g in groups.iter_mut() {
             let cache = &mut *g.state;
             let rows = r0..r0 + g.rows;
-            for t in rows.clone() {
-                cache
-                    .k_rope
-                    .extend_from_slice(&kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
-            }
-            cache
-                .latent
-                .extend_from_slice(&lat[r0 * d.kv_lora..rows.end * d.kv_lora]);
-            for t in rows.clone() {
-                for h in 0..d.heads {
-                    let base = (t * d.heads + h) * per;
-                    cache.k_nope.extend_from_slice(&kvb[base..base + d.nope]);
-                }
-                for h in 0..d.heads {
-                    let base = (t * d.heads + h) * per;
-                    cache.v.extend_from_slice(&kvb[base + d.nope..base + per]);
-                }
-            }
             let first = cache.len;
-            cache.len += g.rows;
+            cache_rows(cache, d, rows.clone(), &kv, &lat, &kvb);
             let view = mla::MlaCacheView {
                 k_nope: &cache.k_nope,
                 v: &cache.v,
@@ -221,6 +169,92 @@ impl MlaWeights<'_> {
         }
         o
     }
+
+    /// The products of the layer input `u` (`ntok × hidden`): the query latent `cq` and the
+    /// output gate of the live rows (`nout` rows each; the gate empty without `g_proj`) and
+    /// `kv_a` of every row (`ntok × (kv_lora + rope)`), as `(cq, kv, gate)`.
+    fn project_input(
+        &self,
+        d: &MlaGeometry,
+        u: &[f32],
+        live: Option<&[usize]>,
+        ntok: usize,
+        nout: usize,
+        threads: usize,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let w = self;
+        let mut cq = vec![0f32; nout * d.q_lora];
+        let kvw = d.kv_lora + d.rope;
+        let mut kv = vec![0f32; ntok * kvw];
+        let ow = d.heads * d.v;
+        let mut gate = vec![0f32; if w.g.is_some() { nout * ow } else { 0 }];
+        match live {
+            // q_a, kv_a and the output gate all read the layer input: one pass over `u`.
+            None => match &w.g {
+                Some(g) => gemm_fused(
+                    &[&w.q_a, &w.kv_a, g],
+                    u,
+                    &mut [&mut cq, &mut kv, &mut gate],
+                    ntok,
+                    threads,
+                ),
+                None => gemm_fused(
+                    &[&w.q_a, &w.kv_a],
+                    u,
+                    &mut [&mut cq, &mut kv],
+                    ntok,
+                    threads,
+                ),
+            },
+            // Every row is cached; only the live rows ask a query (and an output gate).
+            Some(rows) => {
+                gemm(&w.kv_a, u, &mut kv, ntok, threads);
+                if nout > 0 {
+                    let ul = gather_rows(u, rows, d.hidden);
+                    match &w.g {
+                        Some(g) => {
+                            gemm_fused(&[&w.q_a, g], &ul, &mut [&mut cq, &mut gate], nout, threads)
+                        }
+                        None => gemm(&w.q_a, &ul, &mut cq, nout, threads),
+                    }
+                }
+            }
+        }
+        (cq, kv, gate)
+    }
+}
+
+/// Append the pass rows `rows` to `cache`: their `k_rope` (from `kv`), latent (`lat`), and
+/// the per-head keys and values expanded from the latent (`kvb`, `[row][head][nope + v]`).
+fn cache_rows(
+    cache: &mut MlaCache,
+    d: &MlaGeometry,
+    rows: std::ops::Range<usize>,
+    kv: &[f32],
+    lat: &[f32],
+    kvb: &[f32],
+) {
+    let kvw = d.kv_lora + d.rope;
+    let per = d.nope + d.v;
+    for t in rows.clone() {
+        cache
+            .k_rope
+            .extend_from_slice(&kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
+    }
+    cache
+        .latent
+        .extend_from_slice(&lat[rows.start * d.kv_lora..rows.end * d.kv_lora]);
+    for t in rows.clone() {
+        for h in 0..d.heads {
+            let base = (t * d.heads + h) * per;
+            cache.k_nope.extend_from_slice(&kvb[base..base + d.nope]);
+        }
+        for h in 0..d.heads {
+            let base = (t * d.heads + h) * per;
+            cache.v.extend_from_slice(&kvb[base + d.nope..base + per]);
+        }
+    }
+    cache.len += rows.len();
 }
 
 impl<W: Weights> Model<W> {
