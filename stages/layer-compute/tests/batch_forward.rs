@@ -14,7 +14,6 @@ mod support;
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 
-use k3_layer_compute::kernels::tuning::{self, KernelTuning};
 use k3_layer_compute::Weights;
 use k3_layer_compute::{Delivery, Group, Model, ModelOptions, Session, SourceWeights, Want};
 use k3_model::config::ModelConfig;
@@ -188,7 +187,7 @@ fn mixed_pass<W: Weights>(m: &Model<W>, all: &[u32], what: &str) {
 #[test]
 fn a_pass_over_several_sessions_gives_each_its_alone_bits() {
     for path in host_paths("a_pass_over_several_sessions_gives_each_its_alone_bits") {
-        cap_isa(path);
+        let _cap = cap_isa(path);
         for model in MODELS {
             let all = full_ids(model);
             for threads in [1, 2] {
@@ -201,7 +200,6 @@ fn a_pass_over_several_sessions_gives_each_its_alone_bits() {
             }
         }
     }
-    tuning::install(KernelTuning::default());
 }
 
 /// Every call the forward makes on its weights, in order.

@@ -14,7 +14,6 @@ use k3_layer_compute::batch::{
     Event, FinishReason, Refused, Request, RequestId, Scheduler, SchedulerOptions,
 };
 use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
-use k3_layer_compute::kernels::tuning::{self, KernelTuning};
 use k3_layer_compute::sampler::SamplerConfig;
 use k3_layer_compute::{Model, Weights};
 use support::*;
@@ -257,7 +256,7 @@ fn check(what: &str, reqs: &[(Request, usize)], want: &[Run], got: &Batched) {
 #[test]
 fn each_request_gets_its_alone_bits_beside_1_3_and_7_others() {
     for path in host_paths("each_request_gets_its_alone_bits_beside_1_3_and_7_others") {
-        cap_isa(path);
+        let _cap = cap_isa(path);
         for model in MODELS {
             let all = full_ids(model);
             let m = load(model, 1);
@@ -302,7 +301,6 @@ fn each_request_gets_its_alone_bits_beside_1_3_and_7_others() {
             }
         }
     }
-    tuning::install(KernelTuning::default());
 }
 
 // Catches a queue without a bound, a full queue that still takes requests (or drops one

@@ -3,6 +3,7 @@
 
 mod support;
 
+use k3_layer_compute::kernels::simd::Isa;
 use k3_layer_compute::sampler::argmax;
 use support::*;
 
@@ -152,24 +153,26 @@ fn tiny_seed_sharded_is_bit_identical() {
     assert_bits_eq("tiny-seed single vs sharded", &a.logits, &b.logits);
 }
 
-// Determinism: threads split rows (never a reduction) and the AVX2 kernels repeat the
+// Determinism: threads split rows (never a reduction) and the SIMD kernels repeat the
 // portable ones bit for bit, so ids and logits are identical. With 2 threads the prompt's
 // routed experts (one delivery of up to 8 per layer) also run side by side, one per
 // thread, instead of one after another (catches outputs swapped between experts there).
+// Every SIMD path this host has is compared with the portable one; a path it lacks is
+// reported (`SKIPPED:`), or fails the test when `K3_REQUIRE_SIMD` names it.
 #[test]
 fn threads_and_simd_do_not_change_logits() {
     let e = read_json(&fixtures().join("tiny-mxfp4/expected-k3ref.json"));
     let full = ids(&e, "full_ids");
-    let one = load("tiny-mxfp4", 1).forward_all(&full).unwrap();
-    let two = load("tiny-mxfp4", 2).forward_all(&full).unwrap();
-    assert_bits_eq("1 vs 2 threads", &one.logits, &two.logits);
-    use k3_layer_compute::kernels::tuning::{self, Isa, KernelTuning};
-    tuning::install(KernelTuning {
-        max_isa: Some(Isa::Portable),
-        ..KernelTuning::default()
-    });
-    let port = load("tiny-mxfp4", 2).forward_all(&full);
-    tuning::install(KernelTuning::default());
-    let port = port.unwrap();
-    assert_bits_eq("SIMD vs portable", &one.logits, &port.logits);
+    let port = {
+        let _cap = cap_isa(Isa::Portable);
+        load("tiny-mxfp4", 1).forward_all(&full).unwrap()
+    };
+    for path in host_paths("threads_and_simd_do_not_change_logits") {
+        let _cap = cap_isa(path);
+        for threads in [1, 2] {
+            let out = load("tiny-mxfp4", threads).forward_all(&full).unwrap();
+            let what = format!("{} with {threads} threads vs portable with 1", path.name());
+            assert_bits_eq(&what, &port.logits, &out.logits);
+        }
+    }
 }

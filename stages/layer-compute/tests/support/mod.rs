@@ -271,10 +271,31 @@ pub fn host_paths(test: &str) -> Vec<Isa> {
         .collect()
 }
 
-/// Cap the products at `isa` for this process (the test's kernel choice).
-pub fn cap_isa(isa: Isa) {
+/// Tests that cap the products' ISA take turns: the cap is process-wide, and a test that
+/// meant to run a SIMD path would otherwise run another test's cap (portable) and compare
+/// portable with portable.
+static ISA_CAP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The products capped at one ISA for this process until dropped (then the default again).
+#[must_use = "the cap holds only while the guard lives"]
+pub struct IsaCap {
+    _turn: std::sync::MutexGuard<'static, ()>,
+}
+
+impl Drop for IsaCap {
+    fn drop(&mut self) {
+        tuning::install(KernelTuning::default());
+    }
+}
+
+/// Cap the products at `isa` for this process (the test's kernel choice) while the guard
+/// lives; other capping tests wait for it.
+pub fn cap_isa(isa: Isa) -> IsaCap {
+    // A test that panicked holding the cap poisons the lock; its guard still reset the cap.
+    let turn = ISA_CAP.lock().unwrap_or_else(|e| e.into_inner());
     tuning::install(KernelTuning {
         max_isa: Some(isa),
         ..KernelTuning::default()
     });
+    IsaCap { _turn: turn }
 }
