@@ -183,13 +183,15 @@ struct Direct<'a> {
 }
 
 impl StepHooks for Direct<'_> {
+    type Error = std::convert::Infallible;
+
     fn before_step(&mut self, step: usize) {
         // Step 0 is the prompt's forward; the floor is a decode token's.
         if let Some(f) = self.floor.as_ref().filter(|_| step > 0) {
             f.probe(step);
         }
     }
-    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), Self::Error> {
         self.failures += s.out.stats.expert_failures as u64;
         let st = StepStats {
             step: s.step as u32,
@@ -260,7 +262,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
     let fp = state_fingerprint(c)?;
     let failed = |e: String| RunError::failed(format!("k3-orch: {e}"));
     k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
-    let pool = k3_layer_compute::pool::build(c.threads).map_err(failed)?;
+    let pool = k3_layer_compute::pool::build(c.threads).map_err(|e| failed(e.to_string()))?;
     let mw = MmapWeights::open(&a.model_dir).map_err(|e| failed(e.to_string()))?;
     populate_resident(&mw, c);
     let model = Model::new(
@@ -291,7 +293,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
     };
     hooks.printer.started();
     let load = a.load_state.as_deref().map(|p| (p, fp.as_str()));
-    let mut start = Start::new(&model, load, &prompt).map_err(failed)?;
+    let mut start = Start::new(&model, load, &prompt).map_err(|e| failed(e.to_string()))?;
     let generated = pool
         .install(|| {
             decode_resumed(
@@ -313,10 +315,12 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
                 &mut hooks,
             )
         })
-        .map_err(failed)?;
+        .map_err(|e| failed(e.to_string()))?;
     hooks.printer.finish();
     if let Some(p) = &a.save_state {
-        start.save(p, &fp, &generated).map_err(failed)?;
+        start
+            .save(p, &fp, &generated)
+            .map_err(|e| failed(e.to_string()))?;
     }
     let text = hooks.printer.stream.as_ref().map(|s| s.text().into_bytes());
     Ok(Generated {
@@ -351,7 +355,7 @@ fn state_fingerprint(c: &Common<'_>) -> Result<String, RunError> {
     let fp = k3_layer_compute::state::fingerprint(c.config_path, &a.model_dir, c.layers)
         .map_err(|e| RunError::failed(format!("k3-orch: model fingerprint: {e}")))?;
     if let Some(p) = &a.load_state {
-        let bytes = k3_layer_compute::state::read(p).map_err(usage)?;
+        let bytes = k3_layer_compute::state::read(p).map_err(|e| usage(e.to_string()))?;
         k3_layer_compute::state::check(&bytes, &fp)
             .map_err(|e| usage(format!("--load-state {}: {e}", p.display())))?;
     }

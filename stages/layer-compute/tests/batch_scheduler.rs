@@ -30,7 +30,9 @@ fn full_ids(model: &str) -> Vec<u32> {
 struct Rows(Vec<Vec<f32>>);
 
 impl StepHooks for Rows {
-    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+    type Error = std::convert::Infallible;
+
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), Self::Error> {
         let v = s.out.logits.len() / s.out.rows;
         self.0.push(s.out.logits[(s.out.rows - 1) * v..].to_vec());
         Ok(())
