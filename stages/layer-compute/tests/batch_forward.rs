@@ -9,17 +9,15 @@
 //!   wanted rows' logits and every later step are unchanged, the skipped work is counted,
 //!   and the last layer reads only the wanted rows' experts.
 
-mod support;
-
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 
+use crate::support::*;
 use k3_layer_compute::Weights;
 use k3_layer_compute::{Delivery, Group, Model, ModelOptions, Session, SourceWeights, Want};
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
 use k3_model::tensor::{TensorRef, WeightError};
-use support::*;
 
 const MODELS: [&str; 2] = ["tiny-seed", "tiny-mxfp4"];
 

@@ -5,18 +5,16 @@
 //! "Alone" is the ONE decode loop ([`decode_loop`], incremental, the prompt in one pass),
 //! the path every mode runs today; nothing here compares the scheduler with itself.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
+use crate::support::*;
 use k3_layer_compute::batch::{
     Event, FinishReason, Refused, Request, RequestId, Scheduler, SchedulerOptions,
 };
 use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
 use k3_layer_compute::sampler::SamplerConfig;
 use k3_layer_compute::{Model, Weights};
-use support::*;
 
 const MODELS: [&str; 2] = ["tiny-seed", "tiny-mxfp4"];
 

@@ -6,11 +6,9 @@
 //! Also: a prompt fed in passes of a few tokens gives the oracle's ids and the very logits
 //! of one pass.
 
-mod support;
-
+use crate::support::*;
 use k3_layer_compute::decode::{decode_loop, DecodeError, LoopOptions, Step, StepHooks};
 use k3_layer_compute::sampler::SamplerConfig;
-use support::*;
 
 /// Greedy options over `prompt` (no logits dumped).
 fn greedy<'a>(

@@ -1,11 +1,9 @@
 //! Gates on the committed tiny models against the independent oracles (FIXTURES.md):
 //! the seed's PyTorch reference, k3ref (float64, spec epsilons) and llama.cpp.
 
-mod support;
-
+use crate::support::*;
 use k3_layer_compute::kernels::simd::Isa;
 use k3_layer_compute::sampler::argmax;
-use support::*;
 
 fn rows_argmax(logits: &[f32], vocab: usize) -> Vec<u32> {
     logits.chunks(vocab).map(|r| argmax(r) as u32).collect()

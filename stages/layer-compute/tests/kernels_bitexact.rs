@@ -11,8 +11,10 @@
 //! replaced by another; under `K3_REQUIRE_SIMD` (CI) the test fails instead.
 
 use k3_layer_compute::kernels::matmul::{gemm, gemm64, gemm_fused, gemm_on, gemv, Mat};
-use k3_layer_compute::kernels::tuning::{self, KernelTuning, WeightStaging};
+use k3_layer_compute::kernels::tuning::{KernelTuning, WeightStaging};
 use k3_layer_compute::kernels::{mxfp4, simd, simd::Isa, simd::Kernel};
+
+use crate::support::cap_isa;
 
 fn rng(s: &mut u64) -> u64 {
     *s ^= *s << 13;
@@ -334,16 +336,14 @@ fn fused_threads_and_f64_outputs_agree() {
             }
         }
     }
-    // The process-wide switch still forces the portable path (and changes nothing).
-    tuning::install(KernelTuning {
-        max_isa: Some(Isa::Portable),
-        ..KernelTuning::default()
-    });
+    // The process-wide switch still forces the portable path (and changes nothing). The
+    // cap is taken in turn with the other capping tests of this binary.
+    let cap = cap_isa(Isa::Portable);
     assert_eq!(simd::isa(), Isa::Portable);
     let x: Vec<f32> = (0..cols).map(|_| randf(&mut s)).collect();
     let mut a = vec![0f32; ms[0].rows];
     gemv(&ms[0], &x, &mut a, 1);
-    tuning::install(KernelTuning::default());
+    drop(cap);
     let mut b = vec![0f32; ms[0].rows];
     gemv(&ms[0], &x, &mut b, 1);
     assert_same("forced portable", &a, &b);

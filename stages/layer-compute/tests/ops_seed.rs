@@ -7,8 +7,7 @@
 
 #![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
-mod support;
-
+use crate::support::*;
 use k3_layer_compute::kernels::matmul::{gemv, Mat};
 use k3_layer_compute::kernels::{act, attnres, conv, kda, mxfp4, norm, router};
 use k3_layer_compute::modules::kda::{KdaGeometry, KdaState, KdaWeights};
@@ -18,7 +17,6 @@ use k3_layer_compute::modules::moe::{MoeHead, MoeParams, MoeStats, MoeTail, MoeW
 use k3_layer_compute::modules::{project_out, Eps, LayerCtx};
 use k3_layer_compute::weights::{Delivery, ExpertProj, ExpertRef};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
-use support::*;
 
 const SEED_EPS: Eps = Eps {
     rms: 1e-5,

@@ -4,11 +4,9 @@
 //! conversation prefilled on the loaded state gives the logits the kept state gives), and a
 //! file for another model, another conversation or with a changed byte is refused.
 
-mod support;
-
+use crate::support::*;
 use k3_layer_compute::decode::PrefixCache;
 use k3_layer_compute::state::{decode_prefix, encode_prefix, StateError};
-use support::*;
 
 /// Catches: a state saved with the wrong key (the whole conversation, or the shorter kept
 /// entry), a pending token that is not the conversation's next one, a lossy round trip

@@ -2,13 +2,11 @@
 //! mmapped shards, on both tiny models; `tests/e2e/weights_conformance.rs` runs the same
 //! suite against `StagedWeights` over live stages.
 
-mod conformance;
-mod support;
-
+use crate::conformance;
+use crate::support::*;
 use k3_layer_compute::SourceWeights;
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
-use support::*;
 
 fn run(model: &str) {
     let dir = fixtures().join(model).join("sharded");

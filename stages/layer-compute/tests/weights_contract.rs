@@ -2,16 +2,14 @@
 //! `--layers N` binds only a prefix and brackets each layer with begin/end, expert arrival
 //! order never changes a bit, and failed expert loads are counted, not silently dropped.
 
-mod support;
-
 use std::cell::RefCell;
 
+use crate::support::*;
 use k3_layer_compute::weights::{expert_from_source, Delivery, ExpertRef, Weights};
 use k3_layer_compute::{ForwardError, Model, ModelOptions, SourceWeights};
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
 use k3_model::tensor::{TensorRef, WeightError, WeightSource};
-use support::*;
 
 fn cfg(rel: &str) -> ModelConfig {
     ModelConfig::load_dir(fixtures().join(rel)).unwrap()
