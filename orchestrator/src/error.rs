@@ -12,6 +12,7 @@ use k3_protocol::failure::FailureKind;
 use crate::run::plan::BudgetError;
 use crate::run::GenError;
 use crate::supervise::SuperviseError;
+use crate::tools::score::ScoreError;
 
 /// Exit code: success.
 pub const EXIT_OK: i32 = 0;
@@ -170,6 +171,26 @@ impl From<GenError> for RunError {
 impl From<BudgetError> for RunError {
     fn from(e: BudgetError) -> RunError {
         RunError::from(GenError::Budget(e))
+    }
+}
+
+/// The exit code of a `score` that did not score: its request refused up front (2), or a
+/// failure while running (1).
+pub fn score_exit_code(e: &ScoreError) -> i32 {
+    use ScoreError as E;
+    match e {
+        E::EmptyIds
+        | E::TooManyIds { .. }
+        | E::NoThreads
+        | E::Config(_)
+        | E::IdOutside { .. }
+        | E::Layers { .. }
+        | E::Model(_) => EXIT_USAGE,
+        E::Checkpoint(_)
+        | E::Binding(_)
+        | E::Forward(_)
+        | E::NonFinite { .. }
+        | E::Write { .. } => EXIT_FAILED,
     }
 }
 
