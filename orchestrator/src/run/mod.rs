@@ -12,11 +12,12 @@
 //!
 //! The flags themselves are [`args`]; what a run takes when they do not say (thinking, the
 //! tokenizer directory, the sampling of `generation_config.json`) is [`defaults`], shared
-//! with `chat` and `serve`.
+//! with `chat` and `serve`; what ends a generation is [`GenError`].
 
 pub mod args;
 pub mod defaults;
 pub mod disk;
+pub mod error;
 pub mod floor;
 pub mod launch;
 pub mod plan;
@@ -34,6 +35,7 @@ use k3_protocol::conf::SamplerConfig;
 
 use crate::error::{RunError, EXIT_OK, EXIT_UNSOUND};
 use args::{GenArgs, Prompt};
+pub use error::GenError;
 use launch::{Common, Generated};
 use report::{Report, StepReport, Totals};
 
@@ -48,36 +50,40 @@ pub(crate) fn config_path(a: &GenArgs) -> std::path::PathBuf {
 /// catalog, and the layer count (`--layers`, refused past the model's); a `--trunk` is
 /// checked against the catalog. Shared by the
 /// one-shot run and the warm pipeline of `serve`/`chat`.
-pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
     let config_path = config_path(a);
-    let cfg = ModelConfig::load(&config_path).map_err(|e| usage(e.to_string()))?;
+    let cfg = ModelConfig::load(&config_path)?;
     if let Some(n) = a.layers {
         if n > cfg.num_hidden_layers {
-            return Err(usage(format!(
-                "--layers {n}: the model has {} layers",
-                cfg.num_hidden_layers
-            )));
+            return Err(GenError::Layers {
+                want: n,
+                have: cfg.num_hidden_layers,
+            });
         }
     }
     let layers = a.layers.unwrap_or(cfg.num_hidden_layers);
-    let cat = Catalog::open(&a.model_dir).map_err(|e| RunError::failed(format!("k3-orch: {e}")))?;
+    let cat = Catalog::open(&a.model_dir)?;
     if let Some(dir) = &a.trunk {
-        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| usage(e.to_string()))?;
+        let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
         m.check_against(&cat)
-            .map_err(|e| usage(format!("--trunk {}: {e}", dir.display())))?;
+            .map_err(|source| GenError::TrunkSource {
+                dir: dir.clone(),
+                source,
+            })?;
     }
     Ok((cfg, cat, layers))
 }
 
-/// Run a generation; the exit code (0, or 4 for unsound ids), or the error that ended it.
+/// Run a generation; the exit code (0, or 4 for unsound ids), or the error that ended it
+/// in its final form (`crate::error`).
 pub fn run(a: &GenArgs) -> Result<i32, RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+    generate(a).map_err(RunError::from)
+}
+
+/// [`run`], with its typed error.
+fn generate(a: &GenArgs) -> Result<i32, GenError> {
     if !a.model_dir.is_dir() {
-        return Err(usage(format!(
-            "model directory {} does not exist",
-            a.model_dir.display()
-        )));
+        return Err(GenError::NoModelDir(a.model_dir.clone()));
     }
     let (cfg, cat, layers) = open_model(a)?;
     let config_path = config_path(a);
@@ -124,11 +130,9 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let rep = build_report(a, mode, g, plan, seconds, &sampler, pss);
     print_outcome(a, &rep);
     if let Some(out) = &a.out {
-        rep.write(out).map_err(|e| {
-            RunError::failed(format!(
-                "k3-orch: writing the report {}: {e}",
-                out.display()
-            ))
+        rep.write(out).map_err(|source| GenError::Report {
+            path: out.clone(),
+            source,
         })?;
     }
     if failures > 0 {
@@ -171,18 +175,19 @@ fn sampler_of(a: &GenArgs) -> SamplerConfig {
 
 /// The `--tok` tokenizer, loaded once here: the stop ids, and single-process mode's
 /// encoding and text.
-fn load_tokenizer(a: &GenArgs) -> Result<Option<Arc<k3_tokenizer::Tokenizer>>, RunError> {
+fn load_tokenizer(a: &GenArgs) -> Result<Option<Arc<k3_tokenizer::Tokenizer>>, GenError> {
     let Some(dir) = &a.tok else {
         return Ok(None);
     };
     // The directory is the user's (`--tok`, or the model directory's files): a tokenizer
     // that does not load is a usage error, refused before anything starts.
-    let t = k3_tokenizer::Tokenizer::from_dir(dir)
-        .map_err(|e| RunError::usage(format!("k3-orch: tokenizer {}: {e}", dir.display())))?;
+    let t = k3_tokenizer::Tokenizer::from_dir(dir).map_err(|source| GenError::Tokenizer {
+        dir: dir.clone(),
+        source,
+    })?;
     if a.ctx_size.is_some() && !matches!(a.prompt, Prompt::Ids(_)) {
         let n = launch::encode_locally(a, &t)?.len();
-        args::check_ctx_size(a.ctx_size, n, a.gen)
-            .map_err(|m| RunError::usage(format!("k3-orch: {m}")))?;
+        args::check_ctx_size(a.ctx_size, n, a.gen).map_err(GenError::CtxSize)?;
     }
     Ok(Some(Arc::new(t)))
 }
@@ -238,8 +243,7 @@ fn print_outcome(a: &GenArgs, rep: &Report) {
 /// What can be refused before any stage starts (exit 2): a packed trunk of another
 /// checkpoint, prompt ids outside the vocabulary, output paths whose directory is missing
 /// or that are not files, a `--record` that is not a directory.
-fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), GenError> {
     if let Prompt::Ids(ids) = &a.prompt {
         let vocab = cfg.vocab_size;
         let bad: Vec<String> = ids
@@ -249,37 +253,29 @@ fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), RunError> {
             .map(|i| i.to_string())
             .collect();
         if !bad.is_empty() {
-            return Err(usage(format!(
-                "--ids: {} outside the model's vocabulary (vocab_size {vocab}: ids 0..={})",
-                bad.join(", "),
-                vocab.saturating_sub(1)
-            )));
+            return Err(GenError::IdsOutside {
+                bad: bad.join(", "),
+                vocab,
+            });
         }
     }
     if let Some(out) = &a.out {
-        check_output("--out", out).map_err(usage)?;
+        check_output("--out", out)?;
     }
     if let Some(p) = &a.dump_logits {
-        check_output("--dump-logits", p).map_err(usage)?;
+        check_output("--dump-logits", p)?;
     }
     if let Some(d) = &a.record {
         match std::fs::symlink_metadata(d) {
             Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(usage(format!(
-                    "--record {}: not a directory (it names the directory the stage \
-                     recordings go in)",
-                    d.display()
-                )))
-            }
+            Ok(_) => return Err(GenError::RecordNotDir(d.clone())),
             Err(_) => {
                 let parent = parent_dir(d);
                 if !parent.is_dir() {
-                    return Err(usage(format!(
-                        "--record {}: its directory {} does not exist",
-                        d.display(),
-                        parent.display()
-                    )));
+                    return Err(GenError::RecordDirMissing {
+                        path: d.clone(),
+                        dir: parent.to_path_buf(),
+                    });
                 }
             }
         }
@@ -296,17 +292,20 @@ fn parent_dir(p: &std::path::Path) -> &std::path::Path {
 }
 
 /// An output file must go in an existing directory and must not itself be a directory.
-fn check_output(flag: &str, p: &std::path::Path) -> Result<(), String> {
+fn check_output(flag: &'static str, p: &std::path::Path) -> Result<(), GenError> {
     if p.is_dir() {
-        return Err(format!("{flag} {}: is a directory", p.display()));
+        return Err(GenError::OutputIsDir {
+            flag,
+            path: p.to_path_buf(),
+        });
     }
     let d = parent_dir(p);
     if !d.is_dir() {
-        return Err(format!(
-            "{flag} {}: the directory {} does not exist",
-            p.display(),
-            d.display()
-        ));
+        return Err(GenError::OutputDirMissing {
+            flag,
+            path: p.to_path_buf(),
+            dir: d.to_path_buf(),
+        });
     }
     Ok(())
 }

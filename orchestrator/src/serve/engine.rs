@@ -324,7 +324,7 @@ fn worker(
     k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
     let pool = match k3_layer_compute::pool::build(o.threads) {
         Ok(p) => p,
-        Err(e) => return fail(e),
+        Err(e) => return fail(e.to_string()),
     };
     let mw = match MmapWeights::open(&o.model_dir) {
         Ok(m) => m,
@@ -360,20 +360,22 @@ fn worker(
                 let res = state_fingerprint(&o).and_then(|fp| match op {
                     StateOp::Save { path, conversation } => {
                         let (bytes, n) =
-                            k3_layer_compute::state::encode_prefix(&mut cache, &conversation, &fp)?;
+                            k3_layer_compute::state::encode_prefix(&mut cache, &conversation, &fp)
+                                .map_err(|e| e.to_string())?;
                         k3_io::output::write_atomic(&path, &bytes)
                             .map_err(|e| format!("{}: {e}", path.display()))?;
                         Ok(n)
                     }
                     StateOp::Load { path, conversation } => {
-                        let bytes = k3_layer_compute::state::read(&path)
-                            .map_err(|e| e.trim_start_matches("--load-state ").to_string())?;
+                        let bytes =
+                            k3_layer_compute::state::read(&path).map_err(|e| e.without_flag())?;
                         let (key, sess) = k3_layer_compute::state::decode_prefix(
                             &bytes,
                             &fp,
                             &model,
                             &conversation,
-                        )?;
+                        )
+                        .map_err(|e| e.to_string())?;
                         let n = key.len();
                         cache.insert(key, sess);
                         Ok(n)

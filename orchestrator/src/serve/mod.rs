@@ -144,8 +144,7 @@ impl ModelFlags {
             crate::run::args::Parsed::Run(a) => a,
             _ => return Err("unexpected flags".into()),
         };
-        crate::run::launch::warm_launch(&a)
-            .map_err(|e| e.msg.trim_start_matches("k3-orch: ").to_string())
+        crate::run::launch::warm_launch(&a).map_err(|e| e.to_string())
     }
 
     pub fn limits(&self) -> api::Limits {

@@ -124,7 +124,7 @@ impl Warm {
             }),
             Err(e) => {
                 r.kill_all();
-                Err(e)
+                Err(e.into())
             }
         }
     }

@@ -101,10 +101,27 @@ struct Index {
     weight_map: BTreeMap<String, String>,
 }
 
-fn read_index(path: &Path) -> Result<Index, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("{INDEX}: cannot read: {e}"))?;
-    let v: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| format!("{INDEX}: not valid JSON: {e}"))?;
+/// Why the index cannot be used.
+#[derive(Debug, thiserror::Error)]
+enum IndexError {
+    #[error("{INDEX}: cannot read: {0}")]
+    Read(#[source] std::io::Error),
+    #[error("{INDEX}: not valid JSON: {0}")]
+    Json(#[source] serde_json::Error),
+    #[error("{INDEX}: no weight_map object")]
+    NoWeightMap,
+    #[error("{INDEX}: weight_map[{0:?}] is not a file name")]
+    NotAName(String),
+    #[error(
+        "{INDEX}: weight_map[{key:?}] is {file:?}, not a plain file name inside the model \
+         directory"
+    )]
+    NotPlain { key: String, file: String },
+}
+
+fn read_index(path: &Path) -> Result<Index, IndexError> {
+    let bytes = std::fs::read(path).map_err(IndexError::Read)?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(IndexError::Json)?;
     let total_size = v
         .get("metadata")
         .and_then(|m| m.get("total_size"))
@@ -112,17 +129,15 @@ fn read_index(path: &Path) -> Result<Index, String> {
     let wm = v
         .get("weight_map")
         .and_then(|w| w.as_object())
-        .ok_or_else(|| format!("{INDEX}: no weight_map object"))?;
+        .ok_or(IndexError::NoWeightMap)?;
     let mut weight_map = BTreeMap::new();
     for (k, f) in wm {
-        let f = f
-            .as_str()
-            .ok_or_else(|| format!("{INDEX}: weight_map[{k:?}] is not a file name"))?;
+        let f = f.as_str().ok_or_else(|| IndexError::NotAName(k.clone()))?;
         if !is_plain_name(f) {
-            return Err(format!(
-                "{INDEX}: weight_map[{k:?}] is {f:?}, not a plain file name inside the model \
-                 directory"
-            ));
+            return Err(IndexError::NotPlain {
+                key: k.clone(),
+                file: f.to_string(),
+            });
         }
         weight_map.insert(k.clone(), f.to_string());
     }
@@ -153,7 +168,7 @@ pub fn verify_dir(dir: &Path, hashes: bool) -> VerifyReport {
         match read_index(&index_path) {
             Ok(i) => Some(i),
             Err(e) => {
-                r.problems.push(e);
+                r.problems.push(e.to_string());
                 return r;
             }
         }
@@ -582,22 +597,25 @@ fn check_release(dir: &Path, total_size: Option<u64>, r: &mut VerifyReport) {
     ));
 }
 
+/// A line of `SHA256SUMS` (1-based) that is not `<hash>  <file>`.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{SUMS_FILE} line {0}: not '<hash>  <file>'")]
+struct BadSumsLine(usize);
+
 /// Parse `SHA256SUMS`: (hex, file) per line.
-fn parse_sums(text: &str) -> Result<Vec<(String, String)>, String> {
+fn parse_sums(text: &str) -> Result<Vec<(String, String)>, BadSumsLine> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let (h, rest) = line
-            .split_once(' ')
-            .ok_or_else(|| format!("{SUMS_FILE} line {}: not '<hash>  <file>'", i + 1))?;
+        let (h, rest) = line.split_once(' ').ok_or(BadSumsLine(i + 1))?;
         let name = rest
             .strip_prefix(' ')
             .or_else(|| rest.strip_prefix('*'))
             .unwrap_or(rest);
         if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) || name.is_empty() {
-            return Err(format!("{SUMS_FILE} line {}: not '<hash>  <file>'", i + 1));
+            return Err(BadSumsLine(i + 1));
         }
         out.push((h.to_ascii_lowercase(), name.to_string()));
     }
@@ -620,13 +638,17 @@ fn check_sums(dir: &Path, hashes: bool, shards: &BTreeSet<String>, r: &mut Verif
         ));
         return;
     }
-    let list = match super::read_capped(&sums_path, SUMS_CAP)
-        .map_err(|e| format!("{SUMS_FILE}: {e}"))
-        .and_then(|t| parse_sums(&t))
-    {
+    let text = match super::read_capped(&sums_path, SUMS_CAP) {
+        Ok(t) => t,
+        Err(e) => {
+            r.problems.push(format!("{SUMS_FILE}: {e}"));
+            return;
+        }
+    };
+    let list = match parse_sums(&text) {
         Ok(l) => l,
         Err(e) => {
-            r.problems.push(e);
+            r.problems.push(e.to_string());
             return;
         }
     };
@@ -724,6 +746,6 @@ mod tests {
         let h = "a".repeat(64);
         let l = parse_sums(&format!("{h}  f1\n{h} *f2\n\n")).unwrap();
         assert_eq!(l, vec![(h.clone(), "f1".into()), (h, "f2".into())]);
-        assert!(parse_sums("zz  f").is_err());
+        assert_eq!(parse_sums("ok\nzz  f"), Err(BadSumsLine(1)));
     }
 }

@@ -225,16 +225,23 @@ pub struct Scheduler {
     cache: PrefixCache,
 }
 
+/// [`SchedulerOptions`] without a slot, a prompt chunk or a context.
+#[derive(Clone, Copy, Debug, thiserror::Error)]
+#[error(
+    "the scheduler needs at least one slot, a prompt chunk of at least one token and a context \
+     of at least one token (slots {}, chunk {}, ctx {})",
+    .0.slots,
+    .0.chunk,
+    .0.ctx
+)]
+pub struct BadOptions(pub SchedulerOptions);
+
 impl Scheduler {
     /// A scheduler for `model`'s requests (its vocabulary checks their ids); refuses
     /// options without a slot, a chunk or a context.
-    pub fn new<W: Weights>(model: &Model<W>, opts: SchedulerOptions) -> Result<Self, String> {
+    pub fn new<W: Weights>(model: &Model<W>, opts: SchedulerOptions) -> Result<Self, BadOptions> {
         if opts.slots == 0 || opts.chunk == 0 || opts.ctx == 0 {
-            return Err(format!(
-                "the scheduler needs at least one slot, a prompt chunk of at least one token \
-                 and a context of at least one token (slots {}, chunk {}, ctx {})",
-                opts.slots, opts.chunk, opts.ctx
-            ));
+            return Err(BadOptions(opts));
         }
         Ok(Scheduler {
             vocab: model.vocab(),

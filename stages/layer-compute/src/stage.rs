@@ -20,7 +20,7 @@ use std::time::Duration;
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
 use k3_protocol::conf::ComputeConf;
-use k3_protocol::failure::{FailureKind, StageFailure};
+use k3_protocol::failure::StageFailure;
 use k3_protocol::link::{send_to, Link, StageCtx};
 use k3_protocol::messages::{GenRequest, Msg, Stage, StepStats};
 use k3_protocol::shm::Region;
@@ -28,43 +28,34 @@ use k3_protocol::shm::Region;
 use crate::decode::{
     decode_resumed, decode_session, LoopOptions, PrefixCache, Resume, Step, StepHooks,
 };
+use crate::error::{ComputeError, PeerError};
 use crate::forward::{Model, ModelOptions, Session};
 use crate::links::{LoaderLinks, StagedWeights};
-use crate::state::Start;
+use crate::state::{Start, StateError};
 
 /// Run the layer-compute stage until generation is finished.
 pub fn run(mut ctx: StageCtx) -> Result<(), StageFailure> {
     ctx.wait_configure()?;
-    let conf: ComputeConf = serde_json::from_str(&ctx.conf_json)
-        .map_err(|e| ctx.fail(config(format!("layer-compute: bad Configure: {e}"))))?;
+    let conf: ComputeConf =
+        serde_json::from_str(&ctx.conf_json).map_err(|e| ctx.fail(ComputeError::Configure(e)))?;
     crate::kernels::tuning::install(conf.tuning);
-    let pool = crate::pool::build(conf.threads)
-        .map_err(|e| ctx.fail(config(format!("layer-compute: {e}"))))?;
+    let pool = crate::pool::build(conf.threads).map_err(|e| ctx.fail(ComputeError::from(e)))?;
     ctx.ready()?;
     ctx.wait_go()?;
     tracing::debug!(
         threads = pool.current_num_threads(),
         "layer-compute: pool ready"
     );
-    match pool.install(|| run_configured(&mut ctx, &conf)) {
-        Ok(()) => Ok(()),
-        Err(e) => Err(ctx.fail(StageFailure::new(FailureKind::Forward, e))),
-    }
+    pool.install(|| run_configured(&mut ctx, &conf))
+        .map_err(|e| ctx.fail(e))
 }
 
-fn config(msg: String) -> StageFailure {
-    StageFailure::new(FailureKind::Config, msg)
-}
-
-fn region(ctx: &StageCtx, name: &str) -> Result<Arc<Region>, String> {
-    let id = ctx
-        .data
-        .get(name)
-        .ok_or_else(|| format!("layer-compute: the {name} region was not handed over"))?;
+fn region(ctx: &StageCtx, name: &'static str) -> Result<Arc<Region>, ComputeError> {
+    let id = ctx.data.get(name).ok_or(ComputeError::NoRegion { name })?;
     ctx.regions
         .get(*id)
         .cloned()
-        .ok_or_else(|| format!("layer-compute: region {id} ({name}) is not mapped"))
+        .ok_or(ComputeError::Unmapped { id: *id, name })
 }
 
 /// The staged mode's hooks: reset and read the link counters around each step, send the id
@@ -87,7 +78,7 @@ struct Staged<'a> {
 
 impl Staged<'_> {
     /// Read what the orchestrator sent since the last step, without waiting.
-    fn poll_control(&mut self) -> Result<(), String> {
+    fn poll_control(&mut self) -> Result<(), PeerError> {
         loop {
             match self.ctx.control.recv(Some(Duration::ZERO)) {
                 Ok((Msg::StopRequest { req }, _)) => {
@@ -101,18 +92,21 @@ impl Staged<'_> {
                 }
                 Ok((Msg::Ping { .. }, _)) => {}
                 Ok((other, _)) => {
-                    return Err(format!(
-                        "layer-compute: unexpected {other:?} during a generation"
-                    ))
+                    return Err(PeerError::Unexpected {
+                        got: format!("{other:?}"),
+                        when: "during a generation",
+                    })
                 }
                 Err(k3_protocol::control::ControlError::Timeout) => return Ok(()),
-                Err(e) => return Err(format!("layer-compute: control: {e}")),
+                Err(e) => return Err(e.into()),
             }
         }
     }
 }
 
 impl StepHooks for Staged<'_> {
+    type Error = PeerError;
+
     fn prefill_pass(&mut self, done: usize, total: usize) {
         // A one-shot run's prompt (a warm stage's requests report no prefill progress).
         if self.req == 0 {
@@ -125,14 +119,14 @@ impl StepHooks for Staged<'_> {
         let _ = self.weights.take_io();
     }
 
-    fn after_forward(&mut self, _step: usize) -> Result<(), String> {
+    fn after_forward(&mut self, _step: usize) -> Result<(), PeerError> {
         match self.weights.take_link_error() {
             Some(e) => Err(e),
             None => Ok(()),
         }
     }
 
-    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), PeerError> {
         let io = self.weights.take_io();
         // The first step also reports what `failures` holds from before it (a snapshot's
         // prefill).
@@ -183,13 +177,13 @@ impl StepHooks for Staged<'_> {
 
 /// Bind the links and the model, then run the one-shot generation, or (a warm stage) the
 /// requests until `Shutdown`; then say `Finished`.
-fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> {
-    let cfg = ModelConfig::load(&conf.config_path).map_err(|e| format!("layer-compute: {e}"))?;
+fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), ComputeError> {
+    let cfg = ModelConfig::load(&conf.config_path)?;
     let n_layers = conf
         .layers
         .unwrap_or(cfg.num_hidden_layers)
         .min(cfg.num_hidden_layers);
-    let model_w = MmapWeights::open(&conf.model_dir).map_err(|e| format!("layer-compute: {e}"))?;
+    let model_w = MmapWeights::open(&conf.model_dir)?;
     let links = LoaderLinks {
         trunk_region: region(ctx, "trunk")?,
         expert_region: region(ctx, "experts")?,
@@ -200,7 +194,7 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> 
     let timeout = Some(Duration::from_secs_f64(conf.io_timeout_s));
     let weights = StagedWeights::new(model_w, links, n_layers, timeout, ctx.rec.clone())
         .with_model_stream(conf.lm_head_chunk_bytes, conf.lm_head_held_bytes)
-        .map_err(|e| format!("layer-compute: {e}"))?;
+        .map_err(ComputeError::ModelStream)?;
     let model = Model::new(
         cfg,
         &weights,
@@ -209,8 +203,7 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> 
             layers: conf.layers,
             eps: None,
         },
-    )
-    .map_err(|e| format!("layer-compute: {e}"))?;
+    )?;
     let generated = if conf.warm {
         serve_requests(ctx, &model, &weights, &mut tok, timeout, conf.prefill_chunk)?;
         Vec::new()
@@ -219,8 +212,7 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> 
             .load_state
             .as_deref()
             .map(|p| (p, conf.state_fingerprint.as_str()));
-        let mut start = Start::new(&model, load, &conf.prompt_ids)
-            .map_err(|e| format!("layer-compute: {e}"))?;
+        let mut start = Start::new(&model, load, &conf.prompt_ids)?;
         let generated = decode_resumed(
             &model,
             &mut start.session,
@@ -247,12 +239,9 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), String> 
                 shutdown: false,
                 failures: 0,
             },
-        )
-        .map_err(|e| format!("layer-compute: {e}"))?;
+        )?;
         if let Some(p) = &conf.save_state {
-            start
-                .save(p, &conf.state_fingerprint, &generated)
-                .map_err(|e| format!("layer-compute: {e}"))?;
+            start.save(p, &conf.state_fingerprint, &generated)?;
         }
         generated
     };
@@ -280,7 +269,7 @@ fn serve_requests(
     tok: &mut Link,
     timeout: Option<Duration>,
     prefill_chunk: Option<usize>,
-) -> Result<(), String> {
+) -> Result<(), ComputeError> {
     let mut warm = Warm {
         ctx,
         model,
@@ -291,10 +280,7 @@ fn serve_requests(
         cache: PrefixCache::new(0),
     };
     loop {
-        let (m, _) = ctx
-            .control
-            .recv(None)
-            .map_err(|e| format!("layer-compute: control: {e}"))?;
+        let (m, _) = ctx.control.recv(None)?;
         match m {
             Msg::Generate(r) => {
                 if warm.request(r)? {
@@ -324,9 +310,11 @@ fn serve_requests(
             // A stop that arrived after its request had ended.
             Msg::StopRequest { .. } | Msg::Ping { .. } => {}
             other => {
-                return Err(format!(
-                    "layer-compute: unexpected {other:?} between requests"
-                ))
+                return Err(PeerError::Unexpected {
+                    got: format!("{other:?}"),
+                    when: "between requests",
+                }
+                .into())
             }
         }
     }
@@ -347,7 +335,7 @@ struct Warm<'a> {
 impl Warm<'_> {
     /// Run one request (`Generate`) from `RequestStarted` to `RequestDone`. True when a
     /// `Shutdown` came during it (the stage ends after it).
-    fn request(&mut self, r: GenRequest) -> Result<bool, String> {
+    fn request(&mut self, r: GenRequest) -> Result<bool, ComputeError> {
         let (ctx, model) = (self.ctx, self.model);
         self.cache.cap = r.cache_entries as usize;
         let (cached, mut sess) = self
@@ -383,8 +371,7 @@ impl Warm<'_> {
                 prefill_chunk: self.prefill_chunk,
             },
             &mut hooks,
-        )
-        .map_err(|e| format!("layer-compute: {e}"))?;
+        )?;
         let (shutdown, failures) = (hooks.shutdown, hooks.failures);
         // The session has consumed the prompt and every generated id but the last; it is
         // kept only when every expert of every step was there.
@@ -410,7 +397,7 @@ impl Warm<'_> {
         r: &GenRequest,
         sess: &mut Session,
         cached: usize,
-    ) -> Result<(usize, u64), String> {
+    ) -> Result<(usize, u64), ComputeError> {
         let Some(b) = r
             .snapshot_at
             .map(|b| b as usize)
@@ -423,9 +410,9 @@ impl Warm<'_> {
             .model
             .prefill_chunked(sess, &r.prompt[cached..b], self.prefill_chunk);
         if let Some(e) = self.weights.take_link_error() {
-            return Err(e);
+            return Err(e.into());
         }
-        let out = res.map_err(|e| format!("layer-compute: forward pass failed: {e}"))?;
+        let out = res?;
         for m in &out.stats.failure_msgs {
             tracing::warn!("layer-compute: {m}");
         }
@@ -439,12 +426,18 @@ impl Warm<'_> {
 
     /// `SaveState`: write the kept state that `tokens` start with to `path`; the tokens it
     /// holds.
-    fn save(&mut self, path: &Path, fingerprint: &str, tokens: &[u32]) -> Result<usize, String> {
-        crate::state::encode_prefix(&mut self.cache, tokens, fingerprint).and_then(|(bytes, n)| {
-            k3_io::output::write_atomic(path, &bytes)
-                .map(|()| n)
-                .map_err(|e| format!("{}: {e}", path.display()))
-        })
+    fn save(
+        &mut self,
+        path: &Path,
+        fingerprint: &str,
+        tokens: &[u32],
+    ) -> Result<usize, StateError> {
+        let (bytes, n) = crate::state::encode_prefix(&mut self.cache, tokens, fingerprint)?;
+        k3_io::output::write_atomic(path, &bytes).map_err(|source| StateError::File {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Ok(n)
     }
 
     /// `LoadState`: read the state file `path`, check it against the model and `tokens`,
@@ -455,9 +448,8 @@ impl Warm<'_> {
         fingerprint: &str,
         tokens: &[u32],
         cache_entries: u32,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, StateError> {
         crate::state::read(path)
-            .map_err(|e| e.trim_start_matches("--load-state ").to_string())
             .and_then(|b| crate::state::decode_prefix(&b, fingerprint, self.model, tokens))
             .map(|(key, sess)| {
                 let n = key.len();
@@ -468,8 +460,8 @@ impl Warm<'_> {
     }
 }
 
-/// The answer to `SaveState` / `LoadState`.
-fn state_done(req: u64, res: Result<usize, String>) -> Msg {
+/// The answer to `SaveState` / `LoadState` (a file's error names its path, not the flag).
+fn state_done(req: u64, res: Result<usize, StateError>) -> Msg {
     match res {
         Ok(n) => Msg::StateDone {
             req,
@@ -479,7 +471,7 @@ fn state_done(req: u64, res: Result<usize, String>) -> Msg {
         Err(e) => Msg::StateDone {
             req,
             tokens: 0,
-            error: Some(e),
+            error: Some(e.without_flag()),
         },
     }
 }

@@ -5,18 +5,16 @@
 //! "Alone" is the ONE decode loop ([`decode_loop`], incremental, the prompt in one pass),
 //! the path every mode runs today; nothing here compares the scheduler with itself.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
+use crate::support::*;
 use k3_layer_compute::batch::{
     Event, FinishReason, Refused, Request, RequestId, Scheduler, SchedulerOptions,
 };
 use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
 use k3_layer_compute::sampler::SamplerConfig;
 use k3_layer_compute::{Model, Weights};
-use support::*;
 
 const MODELS: [&str; 2] = ["tiny-seed", "tiny-mxfp4"];
 
@@ -30,7 +28,9 @@ fn full_ids(model: &str) -> Vec<u32> {
 struct Rows(Vec<Vec<f32>>);
 
 impl StepHooks for Rows {
-    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+    type Error = std::convert::Infallible;
+
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), Self::Error> {
         let v = s.out.logits.len() / s.out.rows;
         self.0.push(s.out.logits[(s.out.rows - 1) * v..].to_vec());
         Ok(())
@@ -308,6 +308,7 @@ fn each_request_gets_its_alone_bits_beside_1_3_and_7_others() {
 // (an empty prompt, an id outside the vocabulary, more tokens than a slot holds).
 #[test]
 fn submit_refuses_what_cannot_run_and_bounds_the_queue() {
+    let _kernels = kernels_shared();
     let m = load("tiny-mxfp4", 1);
     let opts = SchedulerOptions {
         slots: 2,
@@ -352,6 +353,7 @@ fn submit_refuses_what_cannot_run_and_bounds_the_queue() {
 // still starts it, and a zero-token request that runs a pass.
 #[test]
 fn cancel_frees_the_slot_for_the_next_request_at_once() {
+    let _kernels = kernels_shared();
     let m = load("tiny-seed", 1);
     let all = full_ids("tiny-seed");
     let mut s = Scheduler::new(
@@ -424,6 +426,7 @@ fn cancel_frees_the_slot_for_the_next_request_at_once() {
 // prefills.
 #[test]
 fn prompts_are_fed_oldest_first_within_the_chunk() {
+    let _kernels = kernels_shared();
     let m = load("tiny-mxfp4", 1);
     let all = full_ids("tiny-mxfp4");
     let mut s = Scheduler::new(
@@ -476,6 +479,7 @@ fn prompts_are_fed_oldest_first_within_the_chunk() {
 // changes the request's ids or logits.
 #[test]
 fn a_kept_prefix_is_reused_and_reported() {
+    let _kernels = kernels_shared();
     for model in MODELS {
         let m = load(model, 1);
         let all = full_ids(model);
