@@ -136,6 +136,12 @@ pub struct GenArgs {
     /// Continue from this saved state (implies --incremental; the prompt is optional and
     /// follows the saved tokens).
     pub load_state: Option<PathBuf>,
+    /// `--prompts F.jsonl`: one JSON string per line, each generated on its own (then
+    /// `prompt` is empty); `--parallel` of them at once, prompts fed `--prefill-chunk`
+    /// tokens per pass.
+    pub prompts: Option<PathBuf>,
+    pub parallel: usize,
+    pub prefill_chunk: Option<usize>,
 }
 
 /// Most tokens one run may generate (the seed's ceiling).
@@ -160,6 +166,10 @@ prompt (exactly one):
   --prompt TEXT, -p      tokenize TEXT (needs --tok)
   --prompt-file PATH, -f tokenize the file's bytes verbatim (needs --tok)
   --ids 1,2,3            token ids directly; no tokenizer is loaded
+  --prompts F.jsonl      one JSON string per line, each a prompt of its own (needs --tok);
+                         one JSON line per prompt on stdout, each as a run alone gives it
+  --parallel N           with --prompts: generate N prompts at once (default 1)
+  --prefill-chunk N      with --prompts: prompt tokens per pass (default: what fits, <= 256)
   --chat                 wrap the prompt as one user turn in K3's XTML chat format (needs --tok)
   --no-thinking          with --chat: open a `response` block instead of `think`
   --effort E             with --chat: thinking effort low|high|max|none (default max)
@@ -278,6 +288,9 @@ struct LowArgs {
     quiet: bool,
     save_state: Option<PathBuf>,
     load_state: Option<PathBuf>,
+    prompts_file: Option<PathBuf>,
+    parallel: Option<usize>,
+    prefill_chunk: Option<usize>,
 }
 
 /// A flag's value, read when the flag wants one (`--flag=value` or the next argument).
@@ -456,6 +469,9 @@ impl LowArgs {
             }
             "--save-state" => self.save_state = path(val()?),
             "--load-state" => self.load_state = path(val()?),
+            "--prompts" => self.prompts_file = path(val()?),
+            "--parallel" => self.parallel = Some(count(&val()?, flag, 1, 1024)?),
+            "--prefill-chunk" => self.prefill_chunk = Some(count(&val()?, flag, 1, MAX_PROMPT)?),
             _ => return Ok(false),
         }
         Ok(true)
@@ -490,6 +506,11 @@ impl GenArgs {
         let prompt = match prompts.len() {
             // After --load-state the saved tokens are the prompt; one given is appended.
             0 if low.load_state.is_some() => Prompt::Ids(Vec::new()),
+            // Each line of --prompts is a prompt.
+            0 if low.prompts_file.is_some() => Prompt::Ids(Vec::new()),
+            _ if low.prompts_file.is_some() => {
+                return Err("--prompts gives every prompt: give no other prompt flag".into())
+            }
             0 => {
                 return Err("no prompt: give exactly one of --prompt, --prompt-file, --ids".into())
             }
@@ -522,6 +543,18 @@ impl GenArgs {
         if !low.sampling.stop.is_empty() && low.tok.is_none() {
             return Err("--stop matches decoded text, which needs --tok DIR".into());
         }
+        if low.prompts_file.is_some() {
+            if low.tok.is_none() {
+                return Err("--prompts holds text, which needs --tok DIR".into());
+            }
+            if low.load_state.is_some() || low.save_state.is_some() {
+                return Err(
+                    "--prompts runs prompts on their own: no --load-state or --save-state".into(),
+                );
+            }
+        } else if low.parallel.is_some() || low.prefill_chunk.is_some() {
+            return Err("--parallel and --prefill-chunk go with --prompts F.jsonl".into());
+        }
         if low.inproc && low.single_process {
             return Err(
                 "--inproc and --single-process are different modes; give at most one".into(),
@@ -553,6 +586,9 @@ impl GenArgs {
             quiet: low.quiet,
             save_state: low.save_state,
             load_state: low.load_state,
+            prompts: low.prompts_file,
+            parallel: low.parallel.unwrap_or(1),
+            prefill_chunk: low.prefill_chunk,
         })
     }
 }
@@ -606,6 +642,9 @@ pub const FLAGS: &[&str] = &[
     "--quiet",
     "--save-state",
     "--load-state",
+    "--prompts",
+    "--parallel",
+    "--prefill-chunk",
     "--help",
     "--list-presets",
     "--n-predict",

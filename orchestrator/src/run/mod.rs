@@ -79,6 +79,10 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let (cfg, cat, layers) = open_model(a)?;
     let config_path = config_path(a);
     preflight(a, &cfg)?;
+    if a.prompts.is_some() {
+        // Many prompts at once, on the serve engine.
+        return crate::serve::prompts::run(a);
+    }
     let sizes = sizes::model_sizes(&cfg, &cat, layers);
     let plan = plan::plan_run(a, &cfg, &sizes, layers)?;
     let threads = a

@@ -5,6 +5,9 @@
 //! The kernels split output rows over the current pool; no reduction is split, so the ids
 //! do not depend on the pool size.
 
+/// The pool type (a caller that keeps one names it without depending on rayon).
+pub use rayon::ThreadPool;
+
 /// A pool of `threads` workers (at least 1), named `k3-compute-N`.
 pub fn build(threads: usize) -> Result<rayon::ThreadPool, String> {
     rayon::ThreadPoolBuilder::new()

@@ -620,7 +620,10 @@ fn a_snapshot_inside_the_prompt_is_kept_and_the_bytes_are_bounded() {
         let mut r = Request::greedy(all[..9].to_vec(), 3);
         r.snapshot_at = Some(6);
         run_on(&mut tight, &m, r);
-        assert!(tight.prefix_cache().is_empty(), "{model}: over the byte bound");
+        assert!(
+            tight.prefix_cache().is_empty(),
+            "{model}: over the byte bound"
+        );
         let (cached, _) = run_on(&mut tight, &m, next);
         assert_eq!(cached, 0, "{model}");
         // Room for one state: the newer one stays, the bytes stay under the bound.
