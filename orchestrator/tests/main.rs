@@ -10,6 +10,7 @@ mod browser_chat;
 mod budget_cli;
 mod generate_cli;
 mod hardening;
+mod serve_batch;
 mod serve_http;
 mod staged_stop_state;
 mod streaming_cli;

@@ -669,6 +669,15 @@ pub fn compute_scratch(cfg: &ModelConfig, pass_tokens: u64) -> u64 {
     t * (cfg.hidden_size as u64 * 4 * 32 + cfg.vocab_size as u64 * 4) + (4 << 20)
 }
 
+/// Scratch of a server's pass of `rows` rows of which `logit_rows` want logits (one per
+/// slot: a prompt chunk wants only its last row's): the activations of every row, the
+/// logits of the wanted ones, the worker threads' stacks.
+pub fn serve_scratch(cfg: &ModelConfig, rows: u64, logit_rows: u64) -> u64 {
+    rows.max(1) * cfg.hidden_size as u64 * 4 * 32
+        + logit_rows.max(1) * cfg.vocab_size as u64 * 4
+        + (4 << 20)
+}
+
 /// The lm_head chunk when it streams: a sixteenth of it, at most 32 MiB, at least a page.
 /// Compute holds two (one multiplied while the next is read).
 pub fn lm_head_chunk(lm_head: u64) -> u64 {
@@ -836,6 +845,8 @@ struct FixedCosts<'a> {
     extra_rows: u64,
     /// A server's kept prefix states, at most (0 for a CLI run).
     prefix: u64,
+    /// A server's plan (its passes want one logits row per slot).
+    serve_pass: bool,
 }
 
 impl FixedCosts<'_> {
@@ -845,7 +856,12 @@ impl FixedCosts<'_> {
     }
 
     fn scratch(&self, t: u64) -> u64 {
-        compute_scratch(self.cfg, t + self.extra_rows)
+        if self.serve_pass {
+            // A server's pass wants one logits row per slot, whatever its prompt rows.
+            serve_scratch(self.cfg, t + self.extra_rows, self.extra_rows + 1)
+        } else {
+            compute_scratch(self.cfg, t + self.extra_rows)
+        }
     }
 
     /// Everything fixed for passes of `t` tokens.
@@ -889,6 +905,7 @@ fn fixed_costs<'a>(
         processes,
         extra_rows: slots - 1,
         prefix: b.serve.map_or(0, |s| s.prefix_bytes(sizes)),
+        serve_pass: b.serve.is_some(),
     }
 }
 
@@ -1186,7 +1203,7 @@ fn assemble(
     match &b.serve {
         Some(s) => {
             mp.add(
-                &format!("KV cache ({} x {} tok)", s.slots, s.ctx),
+                &format!("KV cache ({} x {})", s.slots, s.ctx),
                 "layer-compute",
                 f.kv,
             );
@@ -1318,16 +1335,44 @@ pub fn plan_serve(
             },
         ))
     };
-    let err = match one(s) {
+    // The largest chunk (up to the one asked) whose whole plan fits: the split is chosen
+    // per chunk, and a plan can still exceed the budget once assembled (a resident trunk
+    // past what the split left), so the assembled plan decides.
+    let want = s.chunk.unwrap_or(SERVE_CHUNK).max(1);
+    let fit = |n: usize| -> Result<(RunPlan, ServePlan), RunError> {
+        let shape = ServeShape { slots: n, ..*s };
+        let first = one(&shape);
+        if first.is_ok() || want == 1 {
+            return first;
+        }
+        let (mut lo, mut hi, mut best) = (0usize, want, None);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            match one(&ServeShape {
+                chunk: Some(mid),
+                ..shape
+            }) {
+                Ok(x) => (lo, best) = (mid, Some(x)),
+                Err(_) => hi = mid,
+            }
+        }
+        match best {
+            Some(x) => Ok(x),
+            None => one(&ServeShape {
+                chunk: Some(1),
+                ..shape
+            }),
+        }
+    };
+    let err = match fit(s.slots) {
         Ok(x) => return Ok(x),
         Err(e) => e,
     };
     // The largest number of slots that fits (fewer slots never need more).
-    let with = |n: usize| ServeShape { slots: n, ..*s };
     let (mut lo, mut hi) = (0usize, s.slots);
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
-        if one(&with(mid)).is_ok() {
+        if fit(mid).is_ok() {
             lo = mid;
         } else {
             hi = mid;
@@ -1352,7 +1397,7 @@ pub fn plan_serve(
         s.ctx,
         human(slot.saturating_mul(s.slots as u64)),
         human(slot),
-        human(compute_scratch(cfg, rows as u64)),
+        human(serve_scratch(cfg, rows as u64, s.slots as u64)),
         human(s.prefix_bytes(sizes)),
     )))
 }

@@ -159,6 +159,8 @@ pub struct Stats {
     /// Rows per forward pass; time to first token; time between tokens; each request's
     /// decode speed.
     pub rows: Histogram,
+    /// Decode rows per forward pass (requests decoding together).
+    pub decode_rows: Histogram,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub request_tps: Histogram,
@@ -192,6 +194,7 @@ impl Default for Stats {
             passes: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
             rows: Histogram::new(ROWS_BUCKETS),
+            decode_rows: Histogram::new(ROWS_BUCKETS),
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             request_tps: Histogram::new(TPS_BUCKETS),
@@ -712,6 +715,7 @@ impl Driver<'_> {
             WarmEvent::Pass(p) => {
                 stats.passes.fetch_add(1, Ordering::Relaxed);
                 stats.rows.observe(f64::from(p.rows));
+                stats.decode_rows.observe(f64::from(p.decode_rows));
                 stats
                     .expert_requests
                     .fetch_add(p.expert_requests, Ordering::Relaxed);

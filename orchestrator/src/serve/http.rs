@@ -492,6 +492,11 @@ async fn metrics(State(app): State<AppState>) -> Response {
         "k3_batch_rows",
         "Rows per forward pass: one per decoding request plus prompt tokens.",
     );
+    st.decode_rows.render(
+        &mut body,
+        "k3_batch_decode_rows",
+        "Decode rows per forward pass: the requests decoding together in it.",
+    );
     st.ttft.render(
         &mut body,
         "k3_time_to_first_token_seconds",
