@@ -374,6 +374,78 @@ async fn models(State(app): State<AppState>) -> Response {
     .into_response()
 }
 
+/// Memory per stage for `/metrics`: each stage's cgroup usage (or RSS), this process's
+/// RSS (`rss`), and the per-stage peak, limit and pid gauges.
+fn stage_metrics(stages: &[StageMemory], rss: u64) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let own = if stages.is_empty() {
+        "server"
+    } else {
+        "orchestrator"
+    };
+    let _ = writeln!(out, "k3_stage_rss_bytes{{stage=\"{own}\"}} {rss}");
+    for m in stages {
+        let b = m.usage_bytes.unwrap_or_else(|| pid_rss(m.pid));
+        let _ = writeln!(out, "k3_stage_rss_bytes{{stage=\"{}\"}} {b}", m.stage);
+    }
+    if stages.is_empty() {
+        return out;
+    }
+    // One per-stage gauge: its help and type lines, then a line per stage that has a value.
+    let mut gauge = |name: &str, help: &str, value: &dyn Fn(&StageMemory) -> Option<u64>| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for m in stages {
+            if let Some(v) = value(m) {
+                let _ = writeln!(out, "{name}{{stage=\"{}\"}} {v}", m.stage);
+            }
+        }
+    };
+    gauge(
+        "k3_stage_memory_peak_bytes",
+        "Peak memory of each stage's cgroup.",
+        &|m| m.peak_bytes,
+    );
+    gauge(
+        "k3_stage_memory_limit_bytes",
+        "Memory limit of each stage's cgroup.",
+        &|m| m.limit_bytes,
+    );
+    gauge("k3_stage_pid", "Process id of each stage.", &|m| {
+        Some(u64::from(m.pid))
+    });
+    out
+}
+
+/// The engine's histograms for `/metrics`.
+fn histograms(st: &super::engine::Stats, body: &mut String) {
+    st.rows.render(
+        body,
+        "k3_batch_rows",
+        "Rows per forward pass: one per decoding request plus prompt tokens.",
+    );
+    st.decode_rows.render(
+        body,
+        "k3_batch_decode_rows",
+        "Decode rows per forward pass: the requests decoding together in it.",
+    );
+    st.ttft.render(
+        body,
+        "k3_time_to_first_token_seconds",
+        "Seconds from a request's arrival to its first token.",
+    );
+    st.itl.render(
+        body,
+        "k3_inter_token_seconds",
+        "Seconds between two tokens of one request.",
+    );
+    st.request_tps.render(
+        body,
+        "k3_request_tokens_per_second",
+        "Each finished request's decode speed (tokens after its first, per second).",
+    );
+}
+
 async fn metrics(State(app): State<AppState>) -> Response {
     let st = &app.engine.stats;
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -389,50 +461,7 @@ async fn metrics(State(app): State<AppState>) -> Response {
             g(&st.resident_hits) as f64 / req as f64
         }
     };
-    let mut stage_lines = String::new();
-    {
-        use std::fmt::Write;
-        let own = if stages.is_empty() {
-            "server"
-        } else {
-            "orchestrator"
-        };
-        let _ = writeln!(stage_lines, "k3_stage_rss_bytes{{stage=\"{own}\"}} {rss}");
-        for m in &stages {
-            let b = m.usage_bytes.unwrap_or_else(|| pid_rss(m.pid));
-            let _ = writeln!(
-                stage_lines,
-                "k3_stage_rss_bytes{{stage=\"{}\"}} {b}",
-                m.stage
-            );
-        }
-        if !stages.is_empty() {
-            // One per-stage gauge: its help and type lines, then a line per stage that has a
-            // value.
-            let mut gauge =
-                |name: &str, help: &str, value: &dyn Fn(&StageMemory) -> Option<u64>| {
-                    let _ = writeln!(stage_lines, "# HELP {name} {help}\n# TYPE {name} gauge");
-                    for m in &stages {
-                        if let Some(v) = value(m) {
-                            let _ = writeln!(stage_lines, "{name}{{stage=\"{}\"}} {v}", m.stage);
-                        }
-                    }
-                };
-            gauge(
-                "k3_stage_memory_peak_bytes",
-                "Peak memory of each stage's cgroup.",
-                &|m| m.peak_bytes,
-            );
-            gauge(
-                "k3_stage_memory_limit_bytes",
-                "Memory limit of each stage's cgroup.",
-                &|m| m.limit_bytes,
-            );
-            gauge("k3_stage_pid", "Process id of each stage.", &|m| {
-                Some(u64::from(m.pid))
-            });
-        }
-    }
+    let stage_lines = stage_metrics(&stages, rss);
     let slots = app.engine.slots;
     let mut body = format!(
         "# HELP k3_requests_total Generation requests accepted.\n# TYPE k3_requests_total counter\n\
@@ -487,31 +516,7 @@ async fn metrics(State(app): State<AppState>) -> Response {
         stage_lines,
         u8::from(st.ready.load(Ordering::SeqCst)),
     );
-    st.rows.render(
-        &mut body,
-        "k3_batch_rows",
-        "Rows per forward pass: one per decoding request plus prompt tokens.",
-    );
-    st.decode_rows.render(
-        &mut body,
-        "k3_batch_decode_rows",
-        "Decode rows per forward pass: the requests decoding together in it.",
-    );
-    st.ttft.render(
-        &mut body,
-        "k3_time_to_first_token_seconds",
-        "Seconds from a request's arrival to its first token.",
-    );
-    st.itl.render(
-        &mut body,
-        "k3_inter_token_seconds",
-        "Seconds between two tokens of one request.",
-    );
-    st.request_tps.render(
-        &mut body,
-        "k3_request_tokens_per_second",
-        "Each finished request's decode speed (tokens after its first, per second).",
-    );
+    histograms(st, &mut body);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

@@ -231,6 +231,14 @@ impl Slot {
     }
 }
 
+/// A slot whose prompt has just reached its snapshot point, in passes whose experts all
+/// loaded, leaves a copy of its state there.
+fn keep_snapshot(s: &Slot, cache: &mut PrefixCache) {
+    if s.snapshot() == Some(s.fed) && s.expert_failures == 0 && cache.cap > 0 {
+        cache.insert(s.req.prompt[..s.fed].to_vec(), s.session.clone());
+    }
+}
+
 /// N requests decoding together over one model (the module doc).
 pub struct Scheduler {
     opts: SchedulerOptions,
@@ -359,36 +367,7 @@ impl Scheduler {
         let mut rep = StepReport::default();
         self.end_cancelled(&mut rep.events);
         self.admit(model, &mut rep.events);
-        // The pass: (slot, first prompt token fed, tokens) per group, decode rows first.
-        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
-        for (i, s) in self.slots.iter().enumerate() {
-            if let Some(s) = s.as_ref().filter(|s| !s.prefilling()) {
-                plan.push((i, s.fed, 1));
-            }
-        }
-        rep.decode_rows = plan.len();
-        let mut prefilling: Vec<(u64, usize)> = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| s.as_ref().filter(|s| s.prefilling()).map(|s| (s.order, i)))
-            .collect();
-        prefilling.sort_unstable();
-        let mut budget = self.opts.chunk;
-        for (_, i) in prefilling {
-            if budget == 0 {
-                break;
-            }
-            let s = self.slots[i].as_ref().expect("a prefilling slot");
-            let mut n = budget.min(s.req.prompt.len() - s.fed);
-            if let Some(b) = s.snapshot().filter(|&b| b > s.fed) {
-                n = n.min(b - s.fed);
-            }
-            plan.push((i, s.fed, n));
-            budget -= n;
-            rep.prefill_rows += n;
-        }
-        rep.rows = rep.decode_rows + rep.prefill_rows;
+        let plan = self.plan_pass(&mut rep);
         if plan.is_empty() {
             return rep;
         }
@@ -452,11 +431,7 @@ impl Scheduler {
             };
             if s.prefilling() {
                 s.fed += n;
-                // The snapshot point reached by a pass whose experts all loaded: keep it.
-                if s.snapshot() == Some(s.fed) && s.expert_failures == 0 && self.cache.cap > 0 {
-                    let key = s.req.prompt[..s.fed].to_vec();
-                    self.cache.insert(key, s.session.clone());
-                }
+                keep_snapshot(s, &mut self.cache);
                 if g.rows == 0 {
                     rep.events.push(Event::Prefill {
                         id: s.id,
@@ -496,6 +471,42 @@ impl Scheduler {
             }
         }
         rep
+    }
+
+    /// The pass: (slot, first prompt token fed, tokens) per group, decode rows first, then
+    /// up to `chunk` prompt tokens of the prefilling slots, oldest admission first (a
+    /// chunk stops at its slot's snapshot point); the row counts go in `rep`.
+    fn plan_pass(&self, rep: &mut StepReport) -> Vec<(usize, usize, usize)> {
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(s) = s.as_ref().filter(|s| !s.prefilling()) {
+                plan.push((i, s.fed, 1));
+            }
+        }
+        rep.decode_rows = plan.len();
+        let mut prefilling: Vec<(u64, usize)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().filter(|s| s.prefilling()).map(|s| (s.order, i)))
+            .collect();
+        prefilling.sort_unstable();
+        let mut budget = self.opts.chunk;
+        for (_, i) in prefilling {
+            if budget == 0 {
+                break;
+            }
+            let s = self.slots[i].as_ref().expect("a prefilling slot");
+            let mut n = budget.min(s.req.prompt.len() - s.fed);
+            if let Some(b) = s.snapshot().filter(|&b| b > s.fed) {
+                n = n.min(b - s.fed);
+            }
+            plan.push((i, s.fed, n));
+            budget -= n;
+            rep.prefill_rows += n;
+        }
+        rep.rows = rep.decode_rows + rep.prefill_rows;
+        plan
     }
 
     /// End every cancelled request, queued or in a slot.
