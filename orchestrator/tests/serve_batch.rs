@@ -839,3 +839,68 @@ fn without_parallel<'a>(flags: &[&'a str]) -> Vec<&'a str> {
     }
     out
 }
+
+/// `/health`'s status and body.
+fn health(base: &str) -> (u16, String) {
+    match ureq::get(&format!("{base}/health")).call() {
+        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
+        Err(e) => panic!("/health: {e}"),
+    }
+}
+
+/// Poll `/health` (at most `secs` seconds) until `want` says yes; the last answer.
+fn wait_health(base: &str, secs: u64, want: impl Fn(u16, &str) -> bool) -> (u16, String) {
+    let t0 = Instant::now();
+    loop {
+        let (c, b) = health(base);
+        if want(c, &b) || t0.elapsed() > Duration::from_secs(secs) {
+            return (c, b);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A restart that fails (the shard moved away, then a stage killed) is tried again with
+/// backoff: requests get 503 meanwhile, after 5 failed starts `/health` says 500 with the
+/// reason (not "loading" forever while the process lives on), and once the shard is back
+/// a start succeeds, `/health` is 200 and requests are served again. Catches a server left
+/// dead but running after one failed restart (issue 36, probe 1).
+#[test]
+fn a_failed_restart_is_retried_and_reported_on_health() {
+    let dir = std::env::temp_dir().join(format!("k3-restart-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = fixtures().join("tiny-seed");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let d = dir.to_str().unwrap();
+    let s = spawn(&["serve", d, "--port", "0", "--threads", "1"], &[], None);
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 3}).to_string();
+    let (st, good, _) = post(&s, "/v1/completions", &body);
+    assert_eq!(st, 200, "{good}");
+    let shard = dir.join("model.safetensors");
+    let away = dir.join("away.safetensors");
+    std::fs::rename(&shard, &away).unwrap();
+    let pid = wait_for_stages(s.child.id())
+        .into_iter()
+        .find(|(n, _)| n == "layer-compute")
+        .unwrap()
+        .1;
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+    let (c, b) = wait_health(&s.base, 30, |c, _| c == 500);
+    assert_eq!(c, 500, "the failed restarts are reported: {b}");
+    assert!(b.contains("could not be started again"), "{b}");
+    let (st, v, retry) = post(&s, "/v1/completions", &body);
+    assert_eq!(st, 503, "{v}");
+    assert!(retry.is_some());
+    std::fs::rename(&away, &shard).unwrap();
+    let (c, b) = wait_health(&s.base, 45, |c, _| c == 200);
+    assert_eq!(c, 200, "a later start succeeds: {b}");
+    let (st, again, _) = post(&s, "/v1/completions", &body);
+    assert_eq!(st, 200, "{again}");
+    assert_eq!(again["choices"][0]["text"], good["choices"][0]["text"]);
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
