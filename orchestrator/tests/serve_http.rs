@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use crate::tools_common::{self, bin, skip, tiny_chat_model as model};
 use serde_json::{json, Value};
 
-struct Server {
-    child: Child,
-    base: String,
+pub(crate) struct Server {
+    pub(crate) child: Child,
+    pub(crate) base: String,
 }
 
 impl Drop for Server {
@@ -28,13 +28,20 @@ fn start(extra: &[&str]) -> Server {
 /// [`start`] with environment variables (test hooks), stderr to `log` when given.
 fn start_with(extra: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
     let m = model().to_str().unwrap();
+    let mut args = vec!["serve", m, "--tok", m, "--port", "0", "--threads", "1"];
+    args.extend_from_slice(extra);
+    spawn(&args, envs, log)
+}
+
+/// `k3-orch ARGS` (a `serve` command line with `--port 0`), once it is ready (`/health`
+/// 200 within 30 s), with environment variables and stderr to `log` when given.
+pub(crate) fn spawn(args: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
     let stderr = match log {
         Some(p) => Stdio::from(std::fs::File::create(p).unwrap()),
         None => Stdio::null(),
     };
     let mut child = Command::new(bin())
-        .args(["serve", m, "--tok", m, "--port", "0", "--threads", "1"])
-        .args(extra)
+        .args(args)
         .envs(envs.iter().copied())
         .stdout(Stdio::piped())
         .stderr(stderr)
@@ -68,7 +75,7 @@ fn start_with(extra: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Serv
 }
 
 /// POST JSON; (status, body as JSON, Retry-After).
-fn post(s: &Server, path: &str, body: &str) -> (u16, Value, Option<String>) {
+pub(crate) fn post(s: &Server, path: &str, body: &str) -> (u16, Value, Option<String>) {
     let r = ureq::post(&format!("{}{path}", s.base))
         .set("Content-Type", "application/json")
         .send_string(body);
@@ -87,7 +94,7 @@ fn post(s: &Server, path: &str, body: &str) -> (u16, Value, Option<String>) {
     )
 }
 
-fn chat_body(msgs: Value, n: usize, stream: bool) -> String {
+pub(crate) fn chat_body(msgs: Value, n: usize, stream: bool) -> String {
     json!({"model": "k3", "messages": msgs, "max_tokens": n, "stream": stream,
            "stream_options": {"include_usage": true}})
     .to_string()
@@ -314,8 +321,9 @@ fn concurrent_requests_are_all_answered_and_a_full_queue_gets_429() {
     for h in handles {
         assert_eq!(h.join().unwrap(), 5);
     }
-    // One queue slot, held by a long request: the next one is refused with Retry-After.
-    let s1 = start(&["--max-queue", "1"]);
+    // One slot, held by a long request, and no room to wait: the next one is refused with
+    // Retry-After.
+    let s1 = start(&["--parallel", "1", "--max-queue", "0"]);
     let b1 = s1.base.clone();
     let long = std::thread::spawn(move || {
         ureq::post(&format!("{b1}/v1/completions"))
@@ -338,15 +346,22 @@ fn concurrent_requests_are_all_answered_and_a_full_queue_gets_429() {
 
 #[test]
 fn sigterm_drains_and_exits_0_within_5_s() {
-    let mut s = start(&[]);
-    let b = s.base.clone();
-    let inflight = std::thread::spawn(move || {
-        ureq::post(&format!("{b}/v1/completions"))
-            .send_json(json!({"prompt": "Hello", "max_tokens": 2000}))
-            .map(|r| r.status())
-            .unwrap_or(0)
-    });
-    std::thread::sleep(Duration::from_millis(300));
+    let mut s = start(&["--parallel", "4"]);
+    // Four requests in flight, two streamed: each gets a whole answer (a finish reason,
+    // `[DONE]` for a stream).
+    let inflight: Vec<_> = (0..4)
+        .map(|i| {
+            let b = s.base.clone();
+            std::thread::spawn(move || {
+                let body = json!({"prompt": format!("Hello {i}"), "max_tokens": 2000,
+                                  "stream": i % 2 == 1});
+                let r = ureq::post(&format!("{b}/v1/completions")).send_json(body);
+                let Ok(r) = r else { return (0, String::new()) };
+                (r.status(), r.into_string().unwrap_or_default())
+            })
+        })
+        .collect();
+    wait_for_busy(&s.base, 4, "the four requests");
     let stages = wait_for_stages(s.child.id());
     let cgroups: Vec<PathBuf> = stages
         .iter()
@@ -373,8 +388,22 @@ fn sigterm_drains_and_exits_0_within_5_s() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(status.code(), Some(0));
-    // The in-flight request was answered, not dropped.
-    assert_eq!(inflight.join().unwrap(), 200);
+    // The requests in flight were answered, not dropped.
+    for (i, h) in inflight.into_iter().enumerate() {
+        let (code, body) = h.join().unwrap();
+        assert_eq!(code, 200, "request {i}: {body}");
+        assert!(
+            body.contains("\"finish_reason\":\"cancelled\"")
+                || body.contains("\"finish_reason\":\"length\""),
+            "request {i}: {body}"
+        );
+        if i % 2 == 1 {
+            assert!(
+                body.trim_end().ends_with("data: [DONE]"),
+                "request {i}: {body}"
+            );
+        }
+    }
     // Nothing is left behind: no stage process, no cgroup, no shared memory of the run.
     std::thread::sleep(Duration::from_millis(100));
     for (name, p) in &stages {
@@ -458,7 +487,7 @@ fn sigterm_with_a_stage_that_does_not_answer_still_cleans_up_within_5_s() {
 }
 
 /// The stage processes of a server: (stage name, pid), from /proc (children of `pid`).
-fn stage_pids(pid: u32) -> Vec<(String, u32)> {
+pub(crate) fn stage_pids(pid: u32) -> Vec<(String, u32)> {
     let mut out = Vec::new();
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return out;
@@ -514,8 +543,8 @@ fn k3_shm_entries() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Wait until the server lists `n` stage processes.
-fn wait_for_stages(pid: u32) -> Vec<(String, u32)> {
+/// Wait until the server lists its 4 stage processes.
+pub(crate) fn wait_for_stages(pid: u32) -> Vec<(String, u32)> {
     let t0 = Instant::now();
     loop {
         let s = stage_pids(pid);
@@ -781,9 +810,14 @@ fn chat_save_and_load_continue_the_session_in_a_new_process() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Wait (at most 20 s) until `/metrics` at `base` shows one request holding the slot
-/// (queue depth 1); `what` names the request in the failure message.
+/// Wait (at most 20 s) until `/metrics` at `base` shows one request holding a slot;
+/// `what` names the request in the failure message.
 fn wait_for_one_in_flight(base: &str, what: &str) {
+    wait_for_busy(base, 1, what);
+}
+
+/// Wait (at most 20 s) until `/metrics` at `base` shows `n` slots busy.
+pub(crate) fn wait_for_busy(base: &str, n: usize, what: &str) {
     let t0 = Instant::now();
     loop {
         let m = ureq::get(&format!("{base}/metrics"))
@@ -791,7 +825,7 @@ fn wait_for_one_in_flight(base: &str, what: &str) {
             .unwrap()
             .into_string()
             .unwrap();
-        if m.contains("\nk3_queue_depth 1\n") {
+        if m.contains(&format!("\nk3_slots_busy {n}\n")) {
             return;
         }
         assert!(
@@ -832,7 +866,7 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
     assert_eq!(st, 200, "{want}");
     drop(roomy);
     // The smallest total that plans at all, 100 KB at a time: it leaves the arena the
-    // fewest slots.
+    // fewest slots. A CLI run of 257 positions plans what one serving slot of 256 does.
     let mut step = 250u32;
     let (code, _, err) =
         tools_common::k3(&[m, "--ids", "0", "--incremental", "--mem-gb", "0.0250"]);
@@ -847,7 +881,7 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
             "--ids",
             "0",
             "--gen",
-            "1",
+            "255",
             "--incremental",
             "--mem-gb",
             &gb,
@@ -861,7 +895,12 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
         assert_eq!(code, 2, "{gb}: {err}");
     };
     let log = std::env::temp_dir().join(format!("k3-serve-tight-{}.log", std::process::id()));
-    let s = start_with(&["--mem-gb", &tight], &hooks, Some(&log));
+    let one_slot = ["--parallel", "1", "--cache-entries", "0", "--ctx", "256"];
+    let s = start_with(
+        &[&one_slot[..], &["--mem-gb", &tight]].concat(),
+        &hooks,
+        Some(&log),
+    );
     let (st, got) = answer(&s);
     drop(s);
     let text = std::fs::read_to_string(&log).unwrap_or_default();

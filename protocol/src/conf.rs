@@ -144,6 +144,38 @@ pub struct ComputeConf {
     /// at its start. Absent (an older `Configure`): every setting automatic.
     #[serde(default)]
     pub tuning: KernelTuning,
+    /// A warm compute's slots (`serve --parallel N`): how many requests it runs together
+    /// and its bounds. Absent: one slot, as before.
+    #[serde(default)]
+    pub slots: WarmSlots,
+}
+
+/// A warm compute's requests at once (`k3_layer_compute::batch::Scheduler`'s options): the
+/// memory plan counted each slot's KV at `ctx` and its state, a pass of `slots - 1 +
+/// prefill_chunk` rows, and `prefix_bytes` of kept states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WarmSlots {
+    /// Requests decoding together (at least 1).
+    pub slots: usize,
+    /// Requests waiting for a slot, at most.
+    pub max_queue: usize,
+    /// Prompt plus generated tokens of one request, at most.
+    pub ctx: usize,
+    /// Bytes of session states kept for prefix reuse, at most.
+    pub prefix_bytes: u64,
+}
+
+impl Default for WarmSlots {
+    /// One slot, a queue of 16, 4,096 tokens, no byte bound on the kept states.
+    fn default() -> Self {
+        WarmSlots {
+            slots: 1,
+            max_queue: 16,
+            ctx: 4096,
+            prefix_bytes: u64::MAX,
+        }
+    }
 }
 
 /// Settings of layer-compute's product kernels (`k3_layer_compute::kernels::tuning`). Only

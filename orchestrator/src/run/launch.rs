@@ -15,7 +15,7 @@ use k3_protocol::conf::{self, SamplerConfig};
 use k3_protocol::messages::{Msg, Stage, StepStats};
 
 use super::args::{GenArgs, Prompt};
-use super::plan::RunPlan;
+use super::plan::{RunPlan, ServePlan, ServeShape};
 use super::report::{self, StageReport};
 use super::GenError;
 use crate::supervise::{self, Launch, Mode, Observer};
@@ -516,15 +516,35 @@ fn injected_failures() -> Result<Vec<(u32, u32)>, GenError> {
         .collect()
 }
 
-/// The pipeline `serve` and `chat` keep warm: the memory plan and every stage's
-/// configuration for the generation flags `a` (its prompt and `--gen` are not used; each
-/// request brings its own, stop ids included, so the tokenizer is not loaded here: the
-/// serve engine loads it once).
-pub fn warm_launch(a: &GenArgs) -> Result<Launch, GenError> {
+/// The memory plan of `serve` and `chat` in one process (`--single-process`): the same
+/// slots as [`warm_launch`] plans, without the stages; logged, refused up front (exit 2)
+/// when it does not fit.
+pub fn serve_plan(a: &GenArgs, shape: &ServeShape) -> Result<ServePlan, GenError> {
+    let (cfg, cat, layers) = super::open_model(a)?;
+    let sizes = super::sizes::model_sizes(&cfg, &cat, layers);
+    let (plan, sp) = super::plan::plan_serve(a, shape, &cfg, &sizes, layers)?;
+    for n in &plan.notes {
+        tracing::info!("k3-orch: {n}");
+    }
+    tracing::info!("{}", plan.memory.render().trim_end());
+    Ok(sp)
+}
+
+/// The pipeline `serve` and `chat` keep warm: the memory plan of `shape`'s slots
+/// ([`super::plan::plan_serve`]) and every stage's configuration for the generation flags
+/// `a` (its prompt and `--gen` are not used; each request brings its own, stop ids
+/// included, so the tokenizer is not loaded here: the serve engine loads it once);
+/// compute holds at most `max_queue` requests waiting for a slot. The plan's chunk and
+/// prefix bytes come back with it.
+pub fn warm_launch(
+    a: &GenArgs,
+    shape: &ServeShape,
+    max_queue: usize,
+) -> Result<(Launch, ServePlan), GenError> {
     let (cfg, cat, layers) = super::open_model(a)?;
     let config_path = super::config_path(a);
     let sizes = super::sizes::model_sizes(&cfg, &cat, layers);
-    let plan = super::plan::plan_run(a, &cfg, &sizes, layers)?;
+    let (plan, mut sp) = super::plan::plan_serve(a, shape, &cfg, &sizes, layers)?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -545,11 +565,10 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, GenError> {
     // Between requests nothing streams: the ring may read the next request's first part
     // while it waits, instead of when that request starts.
     launch.trunk.hold_wrap = false;
-    // Each request brings a prompt of any length, which the plan (made before any request)
-    // did not size compute's scratch for: feed prompts in passes of as many tokens as the
-    // fetcher's slots hold top-k batches (at least one), unless they hold every expert of a
-    // layer. (A larger batch would still stream through the slots, each reused as compute
-    // gives it back; the bound is for the scratch.)
+    // Prompts are fed in chunks the plan sized compute's scratch for, and no larger than
+    // the fetcher's slots hold top-k batches of (at least one token), unless they hold
+    // every expert of a layer. (A larger batch would still stream through the slots, each
+    // reused as compute gives it back.)
     let (per_layer, topk) = (
         cfg.num_experts as u64,
         cfg.num_experts_per_token.max(1) as u64,
@@ -557,12 +576,21 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, GenError> {
     let slots = plan.min_slots as u64;
     if slots < per_layer {
         let chunk = (slots / topk).max(1) as usize;
-        launch.compute.prefill_chunk = Some(chunk);
-        tracing::info!(
-            "k3-orch: prompts are fed in passes of at most {chunk} token(s) ({slots} expert \
-             slots, top-{topk})"
-        );
+        if chunk < sp.chunk {
+            sp.chunk = chunk;
+            tracing::info!(
+                "k3-orch: prompts are fed in passes of at most {chunk} token(s) ({slots} expert \
+                 slots, top-{topk})"
+            );
+        }
     }
+    launch.compute.prefill_chunk = Some(sp.chunk);
+    launch.compute.slots = conf::WarmSlots {
+        slots: shape.slots,
+        max_queue,
+        ctx: shape.ctx,
+        prefix_bytes: sp.prefix_bytes,
+    };
     // (The plan's note on the ring's hold is a one-shot run's: see above.)
     for n in plan
         .notes
@@ -572,7 +600,8 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, GenError> {
     {
         tracing::info!("k3-orch: {n}");
     }
-    Ok(launch)
+    tracing::info!("{}", plan.memory.render().trim_end());
+    Ok((launch, sp))
 }
 
 /// `--single-process` at load: prefault the page tables of the weights the plan keeps
@@ -679,6 +708,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             state_fingerprint: state_fingerprint(c)?,
             prefill_chunk: c.plan.prefill_chunk,
             tuning: k3_layer_compute::kernels::tuning::from_env(),
+            slots: conf::WarmSlots::default(),
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),

@@ -77,17 +77,28 @@ pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), G
 /// Run a generation; the exit code (0, or 4 for unsound ids), or the error that ended it
 /// in its final form (`crate::error`).
 pub fn run(a: &GenArgs) -> Result<i32, RunError> {
+    if a.prompts.is_some() {
+        // Many prompts at once, on the serve engine, after the same checks.
+        checked_model(a)?;
+        return crate::serve::prompts::run(a);
+    }
     generate(a).map_err(RunError::from)
 }
 
-/// [`run`], with its typed error.
-fn generate(a: &GenArgs) -> Result<i32, GenError> {
+/// The model `a` names, opened, and the flags checked against it.
+fn checked_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
     if !a.model_dir.is_dir() {
         return Err(GenError::NoModelDir(a.model_dir.clone()));
     }
     let (cfg, cat, layers) = open_model(a)?;
-    let config_path = config_path(a);
     preflight(a, &cfg)?;
+    Ok((cfg, cat, layers))
+}
+
+/// [`run`], with its typed error.
+fn generate(a: &GenArgs) -> Result<i32, GenError> {
+    let (cfg, cat, layers) = checked_model(a)?;
+    let config_path = config_path(a);
     let sizes = sizes::model_sizes(&cfg, &cat, layers);
     let plan = plan::plan_run(a, &cfg, &sizes, layers)?;
     let threads = a

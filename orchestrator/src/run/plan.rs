@@ -113,6 +113,42 @@ pub enum BudgetError {
         have: usize,
         want: usize,
     },
+    #[error("--parallel, --ctx and --prefill-chunk must be at least 1")]
+    ServeZero,
+    /// `--parallel N` slots do not fit: why the plan for N was refused, what the slots
+    /// hold, and the largest N that fits (0: not even one).
+    #[error(
+        "{cause}\nREFUSING --parallel {slots}: {slots} slot(s) at --ctx {ctx} hold {} of KV \
+         cache and recurrent state ({} each), a pass of up to {rows} rows {} of scratch, and \
+         the prefix cache {}; {}.",
+        human(slot.saturating_mul(*slots as u64)),
+        human(*slot),
+        human(*scratch),
+        human(*prefix),
+        largest_fit(*largest)
+    )]
+    Slots {
+        #[source]
+        cause: Box<BudgetError>,
+        slots: usize,
+        ctx: usize,
+        slot: u64,
+        rows: usize,
+        scratch: u64,
+        prefix: u64,
+        largest: usize,
+    },
+}
+
+/// The end of a `--parallel` refusal: the largest N that fits, if any.
+fn largest_fit(largest: usize) -> String {
+    if largest == 0 {
+        "not even --parallel 1 fits: lower --ctx, --cache-entries or --prefix-gb, or give \
+         more memory"
+            .to_string()
+    } else {
+        format!("the largest --parallel that fits is {largest}")
+    }
 }
 
 impl BudgetError {
@@ -125,6 +161,7 @@ impl BudgetError {
                 | BudgetError::OverAvailable { .. }
                 | BudgetError::KvCache { .. }
                 | BudgetError::Refused { .. }
+                | BudgetError::Slots { .. }
         )
     }
 }
@@ -763,6 +800,15 @@ pub fn compute_scratch(cfg: &ModelConfig, pass_tokens: u64) -> u64 {
     t * (cfg.hidden_size as u64 * 4 * 32 + cfg.vocab_size as u64 * 4) + (4 << 20)
 }
 
+/// Scratch of a server's pass of `rows` rows of which `logit_rows` want logits (one per
+/// slot: a prompt chunk wants only its last row's): the activations of every row, the
+/// logits of the wanted ones, the worker threads' stacks.
+pub fn serve_scratch(cfg: &ModelConfig, rows: u64, logit_rows: u64) -> u64 {
+    rows.max(1) * cfg.hidden_size as u64 * 4 * 32
+        + logit_rows.max(1) * cfg.vocab_size as u64 * 4
+        + (4 << 20)
+}
+
 /// The lm_head chunk when it streams: a sixteenth of it, at most 32 MiB, at least a page.
 /// Compute holds two (one multiplied while the next is read).
 pub fn lm_head_chunk(lm_head: u64) -> u64 {
@@ -835,6 +881,8 @@ struct Bounds {
     /// The lm_head's bytes, and one row's.
     lm_head: u64,
     lm_head_row: u64,
+    /// `serve`'s slots (None: one CLI run).
+    serve: Option<ServeShape>,
 }
 
 impl Bounds {
@@ -868,6 +916,7 @@ fn bound(
     cfg: &ModelConfig,
     sizes: &ModelSizes,
     layers: usize,
+    serve: Option<&ServeShape>,
 ) -> Result<Bounds, BudgetError> {
     let runs = match &a.trunk {
         Some(dir) => Some(packed_runs(dir, layers)?),
@@ -886,10 +935,12 @@ fn bound(
     // in the arena at once: the fetcher publishes a batch's experts into distinct slots and
     // compute reads them in place, so a smaller arena would recycle a slot still being read.
     let prompt_bound = prompt_bound(a);
-    let max_pass_tokens = if a.incremental {
-        prompt_bound
-    } else {
-        prompt_bound + a.gen
+    // A server's pass: up to `chunk` prompt tokens beside the other slots' decode rows
+    // (`FixedCosts::extra_rows`).
+    let max_pass_tokens = match serve {
+        Some(s) => s.chunk.unwrap_or(SERVE_CHUNK).max(1),
+        None if a.incremental => prompt_bound,
+        None => prompt_bound + a.gen,
     } as u64;
     let lm_head = sizes.lm_head_bytes;
     Ok(Bounds {
@@ -904,10 +955,12 @@ fn bound(
         experts_per_layer: cfg.num_experts as u64,
         moe_layers: sizes.n_experts / (cfg.num_experts as u64).max(1),
         max_pass_tokens: max_pass_tokens.max(1),
-        // Every prompt position and every generated one is cached.
-        positions: kv_positions(prompt_bound, a.gen),
+        // Every prompt position and every generated one is cached (a server's slot: at
+        // most `--ctx` of them).
+        positions: serve.map_or(kv_positions(prompt_bound, a.gen), |s| s.ctx),
         lm_head,
         lm_head_row: lm_head / (cfg.vocab_size as u64).max(1),
+        serve: serve.copied(),
     })
 }
 
@@ -921,16 +974,28 @@ struct FixedCosts<'a> {
     kv: u64,
     /// The staged run's worker processes (0 in one process).
     processes: u64,
+    /// Rows every pass carries beside its `t` prompt tokens: a server's other slots'
+    /// decode rows (`slots - 1`; 0 for a CLI run).
+    extra_rows: u64,
+    /// A server's kept prefix states, at most (0 for a CLI run).
+    prefix: u64,
+    /// A server's plan (its passes want one logits row per slot).
+    serve_pass: bool,
 }
 
 impl FixedCosts<'_> {
     /// The embedding is never resident: compute reads the rows a pass needs on demand.
     fn embed_rows(&self, t: u64) -> u64 {
-        (t.max(1) * self.embed_row).div_ceil(4096) * 4096
+        ((t.max(1) + self.extra_rows) * self.embed_row).div_ceil(4096) * 4096
     }
 
     fn scratch(&self, t: u64) -> u64 {
-        compute_scratch(self.cfg, t)
+        if self.serve_pass {
+            // A server's pass wants one logits row per slot, whatever its prompt rows.
+            serve_scratch(self.cfg, t + self.extra_rows, self.extra_rows + 1)
+        } else {
+            compute_scratch(self.cfg, t + self.extra_rows)
+        }
     }
 
     /// Everything fixed for passes of `t` tokens.
@@ -941,6 +1006,7 @@ impl FixedCosts<'_> {
             + self.kv
             + self.processes
             + self.scratch(t)
+            + self.prefix
     }
 }
 
@@ -951,8 +1017,9 @@ fn fixed_costs<'a>(
     sizes: &ModelSizes,
     b: &Bounds,
 ) -> FixedCosts<'a> {
-    let kv = if a.incremental {
-        sizes.kv_per_pos * b.positions as u64
+    let slots = b.serve.map_or(1, |s| s.slots.max(1) as u64);
+    let kv = if a.incremental || b.serve.is_some() {
+        (sizes.kv_per_pos.saturating_mul(b.positions as u64)).saturating_mul(slots)
     } else {
         0
     };
@@ -967,9 +1034,12 @@ fn fixed_costs<'a>(
         norms: sizes
             .model_bytes
             .saturating_sub(sizes.embed_bytes + sizes.lm_head_bytes),
-        kda_state: sizes.kda_state_bytes,
+        kda_state: sizes.kda_state_bytes.saturating_mul(slots),
         kv,
         processes,
+        extra_rows: slots - 1,
+        prefix: b.serve.map_or(0, |s| s.prefix_bytes(sizes)),
+        serve_pass: b.serve.is_some(),
     }
 }
 
@@ -1017,8 +1087,9 @@ fn spend_total(a: &GenArgs, res: &Resolved, b: &Bounds, f: &FixedCosts, total: u
         forced,
         &try_pass,
         &|t| b.batch_of(t),
-        // Recomputing runs feed the whole prefix every step: only the fit counts.
-        (a.incremental && forced.is_none()).then_some(&cost as _),
+        // Recomputing runs feed the whole prefix every step: only the fit counts; so does
+        // a server's chunk (the largest that fits, up to the one asked for).
+        (a.incremental && forced.is_none() && b.serve.is_none()).then_some(&cost as _),
     )
 }
 
@@ -1078,6 +1149,20 @@ fn choose_parts(
 /// The note on a prompt fed in passes (None: one pass).
 fn pass_note(a: &GenArgs, b: &Bounds, f: &FixedCosts, p: &Picked) -> Option<String> {
     let (t, whole) = (p.pass_tokens, b.max_pass_tokens);
+    if let Some(s) = &b.serve {
+        return Some(format!(
+            "{} slot(s) of at most {} tokens; prompts fed in chunks of at most {t} token(s) \
+             per pass beside the other slots' decode rows (a pass of at most {} rows){}",
+            s.slots,
+            s.ctx,
+            t + f.extra_rows,
+            if t < whole {
+                format!(" ({whole} asked: a larger chunk does not fit)")
+            } else {
+                String::new()
+            }
+        ));
+    }
     (t < whole).then(|| {
         format!(
             "prompt fed in passes of at most {t} token(s): a pass holds {} of \
@@ -1244,7 +1329,17 @@ fn assemble(
     if staged(a) {
         mp.add("stage processes", "processes", f.processes);
     }
-    mp.add("KV cache", "layer-compute", f.kv);
+    match &b.serve {
+        Some(s) => {
+            mp.add(
+                &format!("KV cache ({} x {})", s.slots, s.ctx),
+                "layer-compute",
+                f.kv,
+            );
+            mp.add("prefix cache", "layer-compute", f.prefix);
+        }
+        None => mp.add("KV cache", "layer-compute", f.kv),
+    }
     mp.available_bytes = mem_available();
     mp.total_budget_bytes = res.total;
     mp.check()?;
@@ -1261,7 +1356,7 @@ fn assemble(
         lm_head_held_bytes: if streams { head_held } else { 0 },
         trunk_sink,
         trunk_hold_wrap,
-        prefill_chunk: (t < b.max_pass_tokens).then_some(t as usize),
+        prefill_chunk: (t < b.max_pass_tokens || b.serve.is_some()).then_some(t as usize),
         notes,
     })
 }
@@ -1274,7 +1369,7 @@ pub fn plan_run(
     sizes: &ModelSizes,
     layers: usize,
 ) -> Result<RunPlan, BudgetError> {
-    let b = bound(a, cfg, sizes, layers)?;
+    let b = bound(a, cfg, sizes, layers, None)?;
     let res = resolve(&a.mem, default_total)?;
     let f = fixed_costs(a, cfg, sizes, &b);
     // The KV cache alone not fitting is said as such, before the whole plan is weighed.
@@ -1283,6 +1378,142 @@ pub fn plan_run(
     }
     let p = choose_parts(a, &res, &b, &f)?;
     assemble(a, res, &b, &f, p)
+}
+
+/// Prompt tokens per pass a server feeds when `--prefill-chunk` is not given (fewer when
+/// that does not fit).
+pub const SERVE_CHUNK: usize = 256;
+
+/// What `serve` (and `k3-orch MODEL --prompts F --parallel N`) holds beside one run's plan:
+/// `slots` requests at once, each with its own KV cache (up to `ctx` positions) and
+/// recurrent state, passes of `slots - 1` decode rows plus a prompt chunk, and kept
+/// prefix states.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ServeShape {
+    pub slots: usize,
+    /// Prompt plus generated tokens of one request, at most (`--ctx`).
+    pub ctx: usize,
+    /// Prompt tokens per pass asked for (`--prefill-chunk`; None: [`SERVE_CHUNK`]); the
+    /// plan gives the largest that fits, up to it.
+    pub chunk: Option<usize>,
+    /// Session states kept for prefix reuse (`--cache-entries`).
+    pub prefix_entries: usize,
+    /// Their bytes, at most (`--prefix-gb`; None: `prefix_entries` states of `ctx`
+    /// positions, the most that many can hold).
+    pub prefix_bytes: Option<u64>,
+}
+
+impl ServeShape {
+    /// One slot's state at `ctx` positions: its KV cache and its recurrent state.
+    pub fn slot_bytes(&self, sizes: &ModelSizes) -> u64 {
+        sizes
+            .kv_per_pos
+            .saturating_mul(self.ctx as u64)
+            .saturating_add(sizes.kda_state_bytes)
+    }
+
+    /// The kept prefix states' bytes, at most.
+    pub fn prefix_bytes(&self, sizes: &ModelSizes) -> u64 {
+        if self.prefix_entries == 0 {
+            return 0;
+        }
+        self.prefix_bytes.unwrap_or_else(|| {
+            self.slot_bytes(sizes)
+                .saturating_mul(self.prefix_entries as u64)
+        })
+    }
+}
+
+/// What [`plan_serve`] fixed besides the memory plan.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ServePlan {
+    /// Prompt tokens per pass (as asked, or the largest that fits).
+    pub chunk: usize,
+    /// Bytes of kept prefix states, at most.
+    pub prefix_bytes: u64,
+}
+
+/// The plan of a server's `s.slots` slots (a refusal, exit 2, says what they need and the
+/// largest `--parallel` that fits).
+pub fn plan_serve(
+    a: &GenArgs,
+    s: &ServeShape,
+    cfg: &ModelConfig,
+    sizes: &ModelSizes,
+    layers: usize,
+) -> Result<(RunPlan, ServePlan), BudgetError> {
+    if s.slots == 0 || s.ctx == 0 || s.chunk == Some(0) {
+        return Err(BudgetError::ServeZero);
+    }
+    let res = resolve(&a.mem, default_total)?;
+    let one = |shape: &ServeShape| -> Result<(RunPlan, ServePlan), BudgetError> {
+        let b = bound(a, cfg, sizes, layers, Some(shape))?;
+        let f = fixed_costs(a, cfg, sizes, &b);
+        let p = choose_parts(a, &res, &b, &f)?;
+        let chunk = p.pass_tokens as usize;
+        let plan = assemble(a, res.clone(), &b, &f, p)?;
+        Ok((
+            plan,
+            ServePlan {
+                chunk,
+                prefix_bytes: f.prefix,
+            },
+        ))
+    };
+    // The largest chunk (up to the one asked) whose whole plan fits: the split is chosen
+    // per chunk, and a plan can still exceed the budget once assembled (a resident trunk
+    // past what the split left), so the assembled plan decides.
+    let want = s.chunk.unwrap_or(SERVE_CHUNK).max(1);
+    let fit = |n: usize| -> Result<(RunPlan, ServePlan), BudgetError> {
+        let shape = ServeShape { slots: n, ..*s };
+        let first = one(&shape);
+        if first.is_ok() || want == 1 {
+            return first;
+        }
+        let (mut lo, mut hi, mut best) = (0usize, want, None);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            match one(&ServeShape {
+                chunk: Some(mid),
+                ..shape
+            }) {
+                Ok(x) => (lo, best) = (mid, Some(x)),
+                Err(_) => hi = mid,
+            }
+        }
+        match best {
+            Some(x) => Ok(x),
+            None => one(&ServeShape {
+                chunk: Some(1),
+                ..shape
+            }),
+        }
+    };
+    let err = match fit(s.slots) {
+        Ok(x) => return Ok(x),
+        Err(e) => e,
+    };
+    // The largest number of slots that fits (fewer slots never need more).
+    let (mut lo, mut hi) = (0usize, s.slots);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fit(mid).is_ok() {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let rows = (s.slots - 1) + s.chunk.unwrap_or(SERVE_CHUNK);
+    Err(BudgetError::Slots {
+        cause: Box::new(err),
+        slots: s.slots,
+        ctx: s.ctx,
+        slot: s.slot_bytes(sizes),
+        rows,
+        scratch: serve_scratch(cfg, rows as u64, s.slots as u64),
+        prefix: s.prefix_bytes(sizes),
+        largest: lo,
+    })
 }
 
 #[cfg(test)]

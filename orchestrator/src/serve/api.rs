@@ -55,6 +55,9 @@ pub struct Limits {
     pub ctx: usize,
     /// `max_tokens` when the request gives none.
     pub default_max_tokens: usize,
+    /// Requests may ask for every step's logits (`"k3_logits": true`; `serve
+    /// --debug-logits`).
+    pub debug_logits: bool,
 }
 
 /// A validated request.
@@ -67,6 +70,10 @@ pub struct Prepared {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Give the generated ids with the reply (`"return_token_ids": true`).
+    pub return_token_ids: bool,
+    /// Give every step's logits row with the reply (`"k3_logits": true`, a debug endpoint).
+    pub keep_logits: bool,
 }
 
 fn opt_f32(v: &Value, key: &str, lo: f32, hi: f32) -> Result<Option<f32>, ApiError> {
@@ -171,6 +178,20 @@ fn common(v: &Value, lim: &Limits, prompt_len: usize) -> Result<Prepared, ApiErr
         .pointer("/stream_options/include_usage")
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    let return_token_ids = opt_bool(v, "return_token_ids")?;
+    let keep_logits = opt_bool(v, "k3_logits")?;
+    if keep_logits && !lim.debug_logits {
+        return Err(ApiError::bad(
+            "'k3_logits' needs a server started with --debug-logits",
+            Some("k3_logits"),
+        ));
+    }
+    if keep_logits && stream {
+        return Err(ApiError::bad(
+            "'k3_logits' comes with the whole reply: it needs 'stream': false",
+            Some("k3_logits"),
+        ));
+    }
     // Greedy unless asked: a filter without a temperature samples at temperature 1, as on
     // the command line; a sampled request without a seed gets a random one.
     let filtered = top_k.is_some() || top_p.is_some() || min_p.is_some();
@@ -192,7 +213,57 @@ fn common(v: &Value, lim: &Limits, prompt_len: usize) -> Result<Prepared, ApiErr
         stop,
         stream,
         include_usage,
+        return_token_ids,
+        keep_logits,
     })
+}
+
+fn opt_bool(v: &Value, key: &str) -> Result<bool, ApiError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::bad(
+            format!("'{key}' must be a boolean"),
+            Some(key),
+        )),
+    }
+}
+
+/// The tokenizer, or the refusal of a server started without one (ids in, ids out).
+fn need_tok<'a>(
+    tok: Option<&'a Tokenizer>,
+    what: &str,
+    param: &str,
+) -> Result<&'a Tokenizer, ApiError> {
+    tok.ok_or_else(|| {
+        ApiError::bad(
+            format!(
+                "{what} needs a tokenizer and this server has none (--tok); give the prompt \
+                 as a list of token ids to /v1/completions"
+            ),
+            Some(param),
+        )
+    })
+}
+
+/// Token ids from JSON numbers, each inside the vocabulary (never truncated: an id past
+/// `u32` or the vocabulary is named in the refusal).
+pub fn token_ids(a: &[Value], vocab: usize, param: &str) -> Result<Vec<u32>, ApiError> {
+    a.iter()
+        .map(|x| {
+            let bad = || {
+                ApiError::bad(
+                    format!("token id {x} is not an id of the vocabulary 0..{vocab}"),
+                    Some(param),
+                )
+            };
+            let n = x.as_u64().ok_or_else(bad)?;
+            match u32::try_from(n) {
+                Ok(id) if (id as usize) < vocab => Ok(id),
+                _ => Err(bad()),
+            }
+        })
+        .collect()
 }
 
 /// Text of a message's `content`: a string, or a list of `{"type": "text", "text": ...}`.
@@ -285,7 +356,8 @@ fn chat_messages(v: &Value) -> Result<(Vec<Value>, ChatOptions), ApiError> {
 
 /// The tokens of a chat body's messages as a finished conversation (no generation prompt):
 /// what the next turn's prompt starts with (`k3-orch chat`'s `/save` and `/load`).
-pub fn conversation_tokens(tok: &Tokenizer, v: &Value) -> Result<Vec<u32>, ApiError> {
+pub fn conversation_tokens(tok: Option<&Tokenizer>, v: &Value) -> Result<Vec<u32>, ApiError> {
+    let tok = need_tok(tok, "a chat", "messages")?;
     let (clean, opts) = chat_messages(v)?;
     tok.encode_chat(
         &clean,
@@ -299,7 +371,8 @@ pub fn conversation_tokens(tok: &Tokenizer, v: &Value) -> Result<Vec<u32>, ApiEr
 }
 
 /// `POST /v1/chat/completions` body to a job.
-pub fn chat(tok: &Tokenizer, v: &Value, lim: &Limits) -> Result<Prepared, ApiError> {
+pub fn chat(tok: Option<&Tokenizer>, v: &Value, lim: &Limits) -> Result<Prepared, ApiError> {
+    let tok = need_tok(tok, "a chat", "messages")?;
     let (clean, opts) = chat_messages(v)?;
     let prompt = tok
         .encode_chat(&clean, None, &opts)
@@ -324,29 +397,16 @@ pub fn chat(tok: &Tokenizer, v: &Value, lim: &Limits) -> Result<Prepared, ApiErr
 
 /// `POST /v1/completions` body to a job (`prompt`: a string, or a list of token ids).
 pub fn completion(
-    tok: &Tokenizer,
+    tok: Option<&Tokenizer>,
     v: &Value,
     lim: &Limits,
     vocab: usize,
 ) -> Result<Prepared, ApiError> {
     let prompt: Vec<u32> = match v.get("prompt") {
-        Some(Value::String(s)) => tok.encode(s, false),
-        Some(Value::Array(a)) if a.iter().all(Value::is_u64) => {
-            let ids: Vec<u32> = a
-                .iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as u32)
-                .collect();
-            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-                return Err(ApiError::bad(
-                    format!("token id {bad} is outside the vocabulary 0..{vocab}"),
-                    Some("prompt"),
-                ));
-            }
-            ids
-        }
+        Some(Value::String(s)) => need_tok(tok, "a text prompt", "prompt")?.encode(s, false),
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => token_ids(a, vocab, "prompt")?,
         Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            tok.encode(a[0].as_str().unwrap_or(""), false)
+            need_tok(tok, "a text prompt", "prompt")?.encode(a[0].as_str().unwrap_or(""), false)
         }
         Some(_) => {
             return Err(ApiError::bad(
@@ -386,13 +446,14 @@ mod tests {
         max_tokens: 64,
         ctx: 512,
         default_max_tokens: 16,
+        debug_logits: false,
     };
 
     #[test]
     fn chat_requests_are_validated() {
         let t = tok();
         let ok = chat(
-            &t,
+            Some(&t),
             &json!({"messages": [{"role": "user", "content": "hi"}]}),
             &LIM,
         )
@@ -435,13 +496,13 @@ mod tests {
                 "context",
             ),
         ] {
-            let e = chat(&t, &body, &LIM).unwrap_err();
+            let e = chat(Some(&t), &body, &LIM).unwrap_err();
             assert_eq!(e.status, 400);
             assert!(e.message.contains(needle), "{body}: {}", e.message);
         }
         // top_k alone samples, with a random seed.
         let s = chat(
-            &t,
+            Some(&t),
             &json!({"messages": [{"role": "user", "content": "x"}], "top_k": 4}),
             &LIM,
         )
@@ -453,18 +514,62 @@ mod tests {
     fn completion_prompts_as_text_or_ids() {
         let t = tok();
         let p = completion(
-            &t,
+            Some(&t),
             &json!({"prompt": [1, 2, 3], "max_tokens": 2}),
             &LIM,
             4000,
         )
         .unwrap();
         assert_eq!(p.prompt, vec![1, 2, 3]);
-        assert!(completion(&t, &json!({"prompt": [99999]}), &LIM, 4000).is_err());
-        assert!(completion(&t, &json!({"prompt": 7}), &LIM, 4000).is_err());
-        assert!(!completion(&t, &json!({"prompt": "hello"}), &LIM, 4000)
+        assert!(completion(Some(&t), &json!({"prompt": [99999]}), &LIM, 4000).is_err());
+        // Never truncated to 32 bits: 2^32 + 5 is not id 5.
+        let e = completion(Some(&t), &json!({"prompt": [4294967301u64]}), &LIM, 4000).unwrap_err();
+        assert!(e.message.contains("4294967301"), "{}", e.message);
+        assert!(completion(Some(&t), &json!({"prompt": [1.5]}), &LIM, 4000).is_err());
+        // Without a tokenizer: ids only.
+        assert_eq!(
+            completion(None, &json!({"prompt": [1, 2]}), &LIM, 4000)
+                .unwrap()
+                .prompt,
+            vec![1, 2]
+        );
+        let e = completion(None, &json!({"prompt": "hi"}), &LIM, 4000).unwrap_err();
+        assert!(e.message.contains("--tok"), "{}", e.message);
+        assert!(chat(
+            None,
+            &json!({"messages": [{"role": "user", "content": "x"}]}),
+            &LIM
+        )
+        .is_err());
+        // The logits are a debug endpoint: refused unless the server allows them.
+        let e = completion(
+            Some(&t),
+            &json!({"prompt": [1], "k3_logits": true}),
+            &LIM,
+            4000,
+        )
+        .unwrap_err();
+        assert!(e.message.contains("--debug-logits"), "{}", e.message);
+        let dbg = Limits {
+            debug_logits: true,
+            ..LIM
+        };
+        assert!(
+            completion(
+                Some(&t),
+                &json!({"prompt": [1], "k3_logits": true}),
+                &dbg,
+                4000
+            )
             .unwrap()
-            .prompt
-            .is_empty());
+            .keep_logits
+        );
+        assert!(completion(Some(&t), &json!({"prompt": 7}), &LIM, 4000).is_err());
+        assert!(
+            !completion(Some(&t), &json!({"prompt": "hello"}), &LIM, 4000)
+                .unwrap()
+                .prompt
+                .is_empty()
+        );
     }
 }

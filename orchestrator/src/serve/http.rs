@@ -16,7 +16,7 @@ use axum::Router;
 use serde_json::{json, Value};
 
 use super::api::{self, ApiError, Limits, Prepared};
-use super::engine::{Done, Engine, Event, Job};
+use super::engine::{Done, Engine, Event, Job, Refusal};
 use crate::supervise::warm::StageMemory;
 
 /// Shared server state.
@@ -24,7 +24,6 @@ pub struct App {
     pub engine: Arc<Engine>,
     pub limits: Limits,
     pub api_key: Option<String>,
-    pub max_queue: usize,
     pub draining: Arc<AtomicBool>,
     pub next_id: AtomicU64,
 }
@@ -120,35 +119,17 @@ fn enqueue(
             "the model is still loading",
         ));
     }
-    let before = st.queue.fetch_add(1, Ordering::SeqCst);
-    if before >= app.max_queue {
-        st.queue.fetch_sub(1, Ordering::SeqCst);
-        return Err(ApiError::new(
-            429,
-            "rate_limit_error",
-            format!(
-                "the queue is full ({} requests); retry later",
-                app.max_queue
-            ),
-        ));
-    }
-    st.requests.fetch_add(1, Ordering::Relaxed);
+    // Bounded by the engine: `--parallel` slots plus `--max-queue` waiting; each job's
+    // events are at most its max_tokens text pieces plus three.
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    let job = Job {
-        prompt: p.prompt.clone(),
-        snapshot_at: p.snapshot_at,
-        max_tokens: p.max_tokens,
-        sampler: p.sampler,
-        stop: p.stop.clone(),
-        cancel: cancel.clone(),
-        events: tx,
-    };
-    if let Err(e) = app.engine.submit(job) {
-        st.queue.fetch_sub(1, Ordering::SeqCst);
-        return Err(ApiError::new(503, "unavailable_error", e));
+    match app.engine.try_submit(Job::new(p, cancel.clone(), tx)) {
+        Ok(()) => Ok((rx, CancelOnDrop(cancel))),
+        Err(e @ Refusal::QueueFull(_)) => {
+            Err(ApiError::new(429, "rate_limit_error", e.to_string()))
+        }
+        Err(e) => Err(ApiError::new(503, "unavailable_error", e.to_string())),
     }
-    Ok((rx, CancelOnDrop(cancel)))
 }
 
 fn usage(d: &Done) -> Value {
@@ -178,8 +159,10 @@ async fn generate(app: AppState, h: HeaderMap, body: Bytes, kind: Kind) -> Respo
     let prepared = check_key(&app, &h).and_then(|_| {
         let v = parse_body(&body)?;
         match kind {
-            Kind::Chat => api::chat(&app.engine.tok, &v, &app.limits),
-            Kind::Completion => api::completion(&app.engine.tok, &v, &app.limits, app.engine.vocab),
+            Kind::Chat => api::chat(app.engine.tok.as_deref(), &v, &app.limits),
+            Kind::Completion => {
+                api::completion(app.engine.tok.as_deref(), &v, &app.limits, app.engine.vocab)
+            }
         }
     });
     let p = match prepared {
@@ -222,7 +205,7 @@ async fn generate(app: AppState, h: HeaderMap, body: Bytes, kind: Kind) -> Respo
             }
         };
         drop(guard);
-        let choice = match kind {
+        let mut choice = match kind {
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
@@ -232,6 +215,18 @@ async fn generate(app: AppState, h: HeaderMap, body: Bytes, kind: Kind) -> Respo
                 "index": 0, "text": text, "finish_reason": done.finish.as_str(),
             }),
         };
+        if p.return_token_ids {
+            choice["token_ids"] = json!(done.ids);
+        }
+        if p.keep_logits {
+            // Bit patterns (f32::to_bits): the exact values, NaN and signed zeros included.
+            let rows: Vec<Vec<u32>> = done
+                .logits
+                .iter()
+                .map(|r| r.iter().map(|x| x.to_bits()).collect())
+                .collect();
+            choice["k3_logits"] = json!(rows);
+        }
         return axum::Json(json!({
             "id": id, "object": object, "created": created, "model": model,
             "choices": [choice], "usage": usage(&done), "seed": seed,
@@ -379,11 +374,82 @@ async fn models(State(app): State<AppState>) -> Response {
     .into_response()
 }
 
+/// Memory per stage for `/metrics`: each stage's cgroup usage (or RSS), this process's
+/// RSS (`rss`), and the per-stage peak, limit and pid gauges.
+fn stage_metrics(stages: &[StageMemory], rss: u64) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let own = if stages.is_empty() {
+        "server"
+    } else {
+        "orchestrator"
+    };
+    let _ = writeln!(out, "k3_stage_rss_bytes{{stage=\"{own}\"}} {rss}");
+    for m in stages {
+        let b = m.usage_bytes.unwrap_or_else(|| pid_rss(m.pid));
+        let _ = writeln!(out, "k3_stage_rss_bytes{{stage=\"{}\"}} {b}", m.stage);
+    }
+    if stages.is_empty() {
+        return out;
+    }
+    // One per-stage gauge: its help and type lines, then a line per stage that has a value.
+    let mut gauge = |name: &str, help: &str, value: &dyn Fn(&StageMemory) -> Option<u64>| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for m in stages {
+            if let Some(v) = value(m) {
+                let _ = writeln!(out, "{name}{{stage=\"{}\"}} {v}", m.stage);
+            }
+        }
+    };
+    gauge(
+        "k3_stage_memory_peak_bytes",
+        "Peak memory of each stage's cgroup.",
+        &|m| m.peak_bytes,
+    );
+    gauge(
+        "k3_stage_memory_limit_bytes",
+        "Memory limit of each stage's cgroup.",
+        &|m| m.limit_bytes,
+    );
+    gauge("k3_stage_pid", "Process id of each stage.", &|m| {
+        Some(u64::from(m.pid))
+    });
+    out
+}
+
+/// The engine's histograms for `/metrics`.
+fn histograms(st: &super::engine::Stats, body: &mut String) {
+    st.rows.render(
+        body,
+        "k3_batch_rows",
+        "Rows per forward pass: one per decoding request plus prompt tokens.",
+    );
+    st.decode_rows.render(
+        body,
+        "k3_batch_decode_rows",
+        "Decode rows per forward pass: the requests decoding together in it.",
+    );
+    st.ttft.render(
+        body,
+        "k3_time_to_first_token_seconds",
+        "Seconds from a request's arrival to its first token.",
+    );
+    st.itl.render(
+        body,
+        "k3_inter_token_seconds",
+        "Seconds between two tokens of one request.",
+    );
+    st.request_tps.render(
+        body,
+        "k3_request_tokens_per_second",
+        "Each finished request's decode speed (tokens after its first, per second).",
+    );
+}
+
 async fn metrics(State(app): State<AppState>) -> Response {
     let st = &app.engine.stats;
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let rss = self_rss();
-    let tps = f64::from_bits(st.last_tps_bits.load(Ordering::Relaxed));
     let stages = st.stages.lock().map(|g| g.clone()).unwrap_or_default();
     let hit_rate = if stages.is_empty() {
         1.0
@@ -395,51 +461,9 @@ async fn metrics(State(app): State<AppState>) -> Response {
             g(&st.resident_hits) as f64 / req as f64
         }
     };
-    let mut stage_lines = String::new();
-    {
-        use std::fmt::Write;
-        let own = if stages.is_empty() {
-            "server"
-        } else {
-            "orchestrator"
-        };
-        let _ = writeln!(stage_lines, "k3_stage_rss_bytes{{stage=\"{own}\"}} {rss}");
-        for m in &stages {
-            let b = m.usage_bytes.unwrap_or_else(|| pid_rss(m.pid));
-            let _ = writeln!(
-                stage_lines,
-                "k3_stage_rss_bytes{{stage=\"{}\"}} {b}",
-                m.stage
-            );
-        }
-        if !stages.is_empty() {
-            // One per-stage gauge: its help and type lines, then a line per stage that has a
-            // value.
-            let mut gauge =
-                |name: &str, help: &str, value: &dyn Fn(&StageMemory) -> Option<u64>| {
-                    let _ = writeln!(stage_lines, "# HELP {name} {help}\n# TYPE {name} gauge");
-                    for m in &stages {
-                        if let Some(v) = value(m) {
-                            let _ = writeln!(stage_lines, "{name}{{stage=\"{}\"}} {v}", m.stage);
-                        }
-                    }
-                };
-            gauge(
-                "k3_stage_memory_peak_bytes",
-                "Peak memory of each stage's cgroup.",
-                &|m| m.peak_bytes,
-            );
-            gauge(
-                "k3_stage_memory_limit_bytes",
-                "Memory limit of each stage's cgroup.",
-                &|m| m.limit_bytes,
-            );
-            gauge("k3_stage_pid", "Process id of each stage.", &|m| {
-                Some(u64::from(m.pid))
-            });
-        }
-    }
-    let body = format!(
+    let stage_lines = stage_metrics(&stages, rss);
+    let slots = app.engine.slots;
+    let mut body = format!(
         "# HELP k3_requests_total Generation requests accepted.\n# TYPE k3_requests_total counter\n\
          k3_requests_total {}\n\
          # HELP k3_requests_failed_total Generation requests that failed in the engine.\n# TYPE k3_requests_failed_total counter\n\
@@ -450,10 +474,20 @@ async fn metrics(State(app): State<AppState>) -> Response {
          k3_cached_tokens_total {}\n\
          # HELP k3_completion_tokens_total Tokens generated.\n# TYPE k3_completion_tokens_total counter\n\
          k3_completion_tokens_total {}\n\
-         # HELP k3_tokens_per_second Decode speed of the last finished request.\n# TYPE k3_tokens_per_second gauge\n\
+         # HELP k3_tokens_per_second Tokens generated per second over every request, the last 10 s.\n# TYPE k3_tokens_per_second gauge\n\
          k3_tokens_per_second {:.3}\n\
-         # HELP k3_queue_depth Requests queued or running.\n# TYPE k3_queue_depth gauge\n\
+         # HELP k3_slots Requests that decode together (--parallel).\n# TYPE k3_slots gauge\n\
+         k3_slots {}\n\
+         # HELP k3_slots_busy Slots holding a request.\n# TYPE k3_slots_busy gauge\n\
+         k3_slots_busy {}\n\
+         # HELP k3_queue_depth Requests waiting for a slot.\n# TYPE k3_queue_depth gauge\n\
          k3_queue_depth {}\n\
+         # HELP k3_max_queue Requests that may wait for a slot (--max-queue); more get 429.\n# TYPE k3_max_queue gauge\n\
+         k3_max_queue {}\n\
+         # HELP k3_prefill_chunk_tokens Prompt tokens per forward pass over the slots still prefilling (--prefill-chunk, as planned).\n# TYPE k3_prefill_chunk_tokens gauge\n\
+         k3_prefill_chunk_tokens {}\n\
+         # HELP k3_passes_total Forward passes.\n# TYPE k3_passes_total counter\n\
+         k3_passes_total {}\n\
          # HELP k3_expert_requests_total Routed-expert lookups.\n# TYPE k3_expert_requests_total counter\n\
          k3_expert_requests_total {}\n\
          # HELP k3_expert_hit_rate Share of routed-expert lookups served from experts already resident (the in-process engine maps every expert: 1).\n# TYPE k3_expert_hit_rate gauge\n\
@@ -469,14 +503,20 @@ async fn metrics(State(app): State<AppState>) -> Response {
         g(&st.prompt_tokens),
         g(&st.cached_tokens),
         g(&st.completion_tokens),
-        tps,
-        st.queue.load(Ordering::SeqCst),
+        st.rate.per_second(),
+        slots.slots,
+        st.busy.load(Ordering::SeqCst),
+        st.waiting.load(Ordering::SeqCst),
+        slots.max_queue,
+        slots.prefill_chunk,
+        g(&st.passes),
         g(&st.expert_requests),
         hit_rate,
         g(&st.restarts),
         stage_lines,
         u8::from(st.ready.load(Ordering::SeqCst)),
     );
+    histograms(st, &mut body);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
@@ -495,7 +535,10 @@ async fn tokenize(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Res
                 || v.get("parse_special")
                     .and_then(Value::as_bool)
                     .unwrap_or(false);
-            Ok(json!({"tokens": app.engine.tok.encode(text, specials)}))
+            let tok = app.engine.tok.as_deref().ok_or_else(|| {
+                ApiError::bad("this server has no tokenizer (--tok)", Some("content"))
+            })?;
+            Ok(json!({"tokens": tok.encode(text, specials)}))
         });
     match r {
         Ok(v) => axum::Json(v).into_response(),
@@ -508,11 +551,7 @@ async fn detokenize(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> R
         .and_then(|_| parse_body(&body))
         .and_then(|v| {
             let ids: Vec<u32> = match v.get("tokens") {
-                Some(Value::Array(a)) if a.iter().all(Value::is_u64) => a
-                    .iter()
-                    .filter_map(Value::as_u64)
-                    .map(|x| x as u32)
-                    .collect(),
+                Some(Value::Array(a)) => api::token_ids(a, app.engine.vocab, "tokens")?,
                 _ => {
                     return Err(ApiError::bad(
                         "'tokens' must be a list of token ids",
@@ -520,9 +559,10 @@ async fn detokenize(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> R
                     ))
                 }
             };
-            let bytes = app
-                .engine
-                .tok
+            let tok = app.engine.tok.as_deref().ok_or_else(|| {
+                ApiError::bad("this server has no tokenizer (--tok)", Some("tokens"))
+            })?;
+            let bytes = tok
                 .decode_bytes(&ids)
                 .map_err(|e| ApiError::bad(format!("tokens: {e}"), Some("tokens")))?;
             Ok(json!({"content": String::from_utf8_lossy(&bytes)}))

@@ -24,6 +24,9 @@ use super::engine::{Engine, Event, Job};
 use super::ModelFlags;
 use crate::error::{EXIT_FAILED, EXIT_OK, EXIT_USAGE};
 
+/// Requests `chat` lets wait for its one slot.
+const CHAT_QUEUE: usize = 4;
+
 /// Command line of `k3-orch chat`.
 #[derive(Parser, Debug)]
 #[command(
@@ -72,7 +75,13 @@ pub fn chat_main(argv: Vec<OsString>) -> i32 {
         Ok(a) => a,
         Err(code) => return code,
     };
-    let engine = match a.model.engine() {
+    if a.model.tok.is_none() {
+        tracing::error!("k3-orch chat: --tok DIR is required (the chat template and the text)");
+        return EXIT_USAGE;
+    }
+    // One conversation: one slot (a turn's slot may still be freeing when the next turn
+    // comes: a few may wait).
+    let engine = match a.model.engine(1, CHAT_QUEUE) {
         Ok(e) => e,
         Err(e) => {
             tracing::error!("k3-orch chat: {e}");
@@ -200,7 +209,7 @@ impl Session<'_> {
         ] {
             body[k] = v;
         }
-        let p = match super::api::chat(&self.engine.tok, &body, &self.lim) {
+        let p = match super::api::chat(self.engine.tok.as_deref(), &body, &self.lim) {
             Ok(p) => p,
             Err(e) => {
                 eprintln!("(refused: {})", e.message);
@@ -209,19 +218,10 @@ impl Session<'_> {
             }
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        self.engine
-            .stats
-            .queue
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if let Err(e) = self.engine.submit(Job {
-            prompt: p.prompt,
-            snapshot_at: p.snapshot_at,
-            max_tokens: p.max_tokens,
-            sampler: p.sampler,
-            stop: p.stop,
-            cancel: Arc::new(AtomicBool::new(false)),
-            events: tx,
-        }) {
+        if let Err(e) = self
+            .engine
+            .try_submit(Job::new(&p, Arc::new(AtomicBool::new(false)), tx))
+        {
             tracing::error!("k3-orch chat: {e}");
             return Err(EXIT_FAILED);
         }
@@ -299,7 +299,7 @@ fn state_path(f: &str) -> std::path::PathBuf {
 /// for the message (a state that cannot be saved leaves no stale FILE.state behind).
 fn save_state(engine: &Engine, a: &ChatArgs, messages: &[Value], f: &str) -> String {
     let p = state_path(f);
-    let res = super::api::conversation_tokens(&engine.tok, &chat_body(a, messages))
+    let res = super::api::conversation_tokens(engine.tok.as_deref(), &chat_body(a, messages))
         .map_err(|e| e.message)
         .and_then(|conv| engine.save_state(&p, &conv));
     match res {
@@ -314,7 +314,7 @@ fn save_state(engine: &Engine, a: &ChatArgs, messages: &[Value], f: &str) -> Str
 /// `/load`'s second half: FILE.state back into the prefix cache, when it fits.
 fn load_state(engine: &Engine, a: &ChatArgs, messages: &[Value], f: &str) -> String {
     let p = state_path(f);
-    let res = super::api::conversation_tokens(&engine.tok, &chat_body(a, messages))
+    let res = super::api::conversation_tokens(engine.tok.as_deref(), &chat_body(a, messages))
         .map_err(|e| e.message)
         .and_then(|conv| engine.load_state(&p, &conv));
     match res {

@@ -232,19 +232,45 @@ pub fn decode_resumed<W: Weights, H: StepHooks>(
 
 /// Session states kept after requests, keyed by the tokens each has consumed, most
 /// recently used last (prefix reuse in `serve` and `chat`: a prompt that extends a kept key
-/// prefills only the rest).
+/// prefills only the rest). Bounded twice: at most `cap` entries, and at most `byte_cap`
+/// bytes of states (each kept state gives back its unused KV room first, and counts what
+/// it still allocates); the least recently used entries go first.
 pub struct PrefixCache {
     entries: Vec<(Vec<u32>, Session)>,
     /// Entries kept (0: no reuse).
     pub cap: usize,
+    /// Bytes of kept states, at most (`usize::MAX`: only the count bounds them).
+    pub byte_cap: usize,
 }
 
 impl PrefixCache {
+    /// At most `cap` entries, whatever their bytes.
     pub fn new(cap: usize) -> PrefixCache {
+        PrefixCache::with_bytes(cap, usize::MAX)
+    }
+
+    /// At most `cap` entries and `byte_cap` bytes of states.
+    pub fn with_bytes(cap: usize, byte_cap: usize) -> PrefixCache {
         PrefixCache {
             entries: Vec::new(),
             cap,
+            byte_cap,
         }
+    }
+
+    /// Entries kept now.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing is kept.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Bytes the kept states allocate now.
+    pub fn bytes(&self) -> usize {
+        self.entries.iter().map(|(_, s)| s.allocated_bytes()).sum()
     }
 
     /// The longest kept key that is a proper prefix of `prompt` (at least one token left
@@ -264,14 +290,19 @@ impl PrefixCache {
     }
 
     /// Keep `s` under `key` (the tokens it consumed), dropping the least recently used
-    /// entry beyond the cap.
-    pub fn insert(&mut self, key: Vec<u32>, s: Session) {
+    /// entries beyond the count and the bytes (a state larger than `byte_cap` on its own
+    /// is not kept).
+    pub fn insert(&mut self, key: Vec<u32>, mut s: Session) {
         if self.cap == 0 || key.is_empty() || s.len() != key.len() {
+            return;
+        }
+        s.shrink_to_fit();
+        if s.allocated_bytes() > self.byte_cap {
             return;
         }
         self.entries.retain(|(k, _)| *k != key);
         self.entries.push((key, s));
-        while self.entries.len() > self.cap {
+        while self.entries.len() > self.cap || self.bytes() > self.byte_cap {
             self.entries.remove(0);
         }
     }

@@ -122,6 +122,12 @@ pub enum ComputeError {
     Decode(DecodeError<PeerError>),
     #[error(transparent)]
     Peer(#[from] PeerError),
+    /// The warm stage's slots (`ComputeConf::slots`) cannot be set up.
+    #[error("layer-compute: {0}")]
+    Slots(#[source] crate::batch::BadOptions),
+    /// A batched pass failed as a whole (the scheduler's report of it).
+    #[error("layer-compute: {0}")]
+    Pass(String),
 }
 
 impl From<DecodeError<PeerError>> for ComputeError {
@@ -182,6 +188,8 @@ impl ComputeError {
                 | DecodeError::NonFinite { .. } => (FailureKind::Forward, None),
             },
             ComputeError::Peer(p) => p.kind(),
+            ComputeError::Slots(_) => (FailureKind::Config, None),
+            ComputeError::Pass(_) => (FailureKind::Forward, None),
         }
     }
 }

@@ -7,6 +7,9 @@
 
 pub use crate::error::PoolError;
 
+/// The pool type (a caller that keeps one names it without depending on rayon).
+pub use rayon::ThreadPool;
+
 /// A pool of `threads` workers (at least 1), named `k3-compute-N`.
 pub fn build(threads: usize) -> Result<rayon::ThreadPool, PoolError> {
     rayon::ThreadPoolBuilder::new()
