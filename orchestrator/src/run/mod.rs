@@ -381,6 +381,14 @@ fn build_report(
         .map(|t| String::from_utf8_lossy(t).into_owned());
     let mut notes = g.notes;
     notes.extend(plan.notes);
+    let path = k3_layer_compute::kernels::simd::Kernel::selected(
+        &k3_layer_compute::kernels::tuning::from_env(),
+    )
+    .name();
+    let prefill = match (&a.load_state, step_reports.first()) {
+        (None, Some(first)) => Some(report::PrefillReport::of(first, g.prompt_ids.len(), path)),
+        _ => None,
+    };
     Report {
         engine: format!("k3-orch {}", env!("CARGO_PKG_VERSION")),
         model_dir: a.model_dir.display().to_string(),
@@ -391,6 +399,7 @@ fn build_report(
         generated_ids: g.generated,
         text,
         steps: step_reports,
+        prefill,
         totals,
         plan: Some(plan.memory),
         stages: g.stages,
