@@ -927,3 +927,51 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
         "the error does not say why: {v}"
     );
 }
+
+/// `serve` on a port in use exits 2 at once, before it starts a stage or reads a weight
+/// (issue 34 item 6, issue 36's "failed listen"). Catches: binding after the engine
+/// started (exit 1 once the stages were up, seconds later).
+#[test]
+fn a_busy_port_exits_2_at_once_before_loading() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let m = model().to_str().unwrap();
+    let t0 = Instant::now();
+    let mut child = Command::new(bin())
+        .args(["serve", m, "--tok", m, "--port", &port, "--threads", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stages_seen = false;
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        stages_seen |= !stage_pids(child.id()).is_empty();
+        if t0.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("serve on a busy port still running after 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let took = t0.elapsed();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        !stages_seen,
+        "a stage started before the bind failed: {err}"
+    );
+    assert!(took < Duration::from_secs(2), "took {took:?}: {err}");
+    assert!(
+        err.contains(&format!("cannot listen on 127.0.0.1:{port}")) && err.contains("--port"),
+        "{err}"
+    );
+    drop(held);
+}
