@@ -269,6 +269,7 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
             return EXIT_USAGE;
         }
     };
+    engine.stats.log_requests.store(true, Ordering::Relaxed);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
