@@ -512,7 +512,7 @@ pub(crate) fn stage_pids(pid: u32) -> Vec<(String, u32)> {
 }
 
 /// The cgroup directory a process is in (cgroup v2 unified hierarchy), if it is a k3 one.
-fn k3_cgroup_of(pid: u32) -> Option<PathBuf> {
+pub(crate) fn k3_cgroup_of(pid: u32) -> Option<PathBuf> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     text.lines().find_map(|l| {
         let path = l.splitn(3, ':').nth(2)?;
