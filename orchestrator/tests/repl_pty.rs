@@ -300,11 +300,31 @@ fn chat_pipe(input: &[u8]) -> (Option<i32>, String, String) {
         .spawn()
         .unwrap();
     child.stdin.take().unwrap().write_all(input).unwrap();
+    // A session that hangs (a FIFO opened for writing waits for a reader) fails the test
+    // after 60 s instead of holding the test run.
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            // SAFETY: kill(2) on our own child's pid. Only wait_with_output reaps it, and
+            // the watchdog is told to stand down right after: the pid could be reused only
+            // by a child that ends at the 60 s mark exactly.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    });
     let o = child.wait_with_output().unwrap();
+    let _ = tx.send(());
+    let _ = watchdog.join();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_ne!(
+        o.status.code(),
+        None,
+        "chat hung (killed after 60 s): {err}"
+    );
     (
         o.status.code(),
         String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
+        err,
     )
 }
 
