@@ -12,6 +12,7 @@ mod defaults_cli;
 mod download_script;
 mod generate_cli;
 mod hardening;
+mod repl_pty;
 mod serve_batch;
 mod serve_http;
 mod staged_stop_state;

@@ -512,7 +512,7 @@ pub(crate) fn stage_pids(pid: u32) -> Vec<(String, u32)> {
 }
 
 /// The cgroup directory a process is in (cgroup v2 unified hierarchy), if it is a k3 one.
-fn k3_cgroup_of(pid: u32) -> Option<PathBuf> {
+pub(crate) fn k3_cgroup_of(pid: u32) -> Option<PathBuf> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     text.lines().find_map(|l| {
         let path = l.splitn(3, ':').nth(2)?;
@@ -926,4 +926,148 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
         v.to_string().contains("failed to load"),
         "the error does not say why: {v}"
     );
+}
+
+/// `serve` on a port in use exits 2 at once, before it starts a stage or reads a weight
+/// (issue 34 item 6, issue 36's "failed listen"). Catches: binding after the engine
+/// started (exit 1 once the stages were up, seconds later).
+#[test]
+fn a_busy_port_exits_2_at_once_before_loading() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let m = model().to_str().unwrap();
+    let t0 = Instant::now();
+    let mut child = Command::new(bin())
+        .args(["serve", m, "--tok", m, "--port", &port, "--threads", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stages_seen = false;
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        stages_seen |= !stage_pids(child.id()).is_empty();
+        if t0.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("serve on a busy port still running after 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let took = t0.elapsed();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        !stages_seen,
+        "a stage started before the bind failed: {err}"
+    );
+    assert!(took < Duration::from_secs(2), "took {took:?}: {err}");
+    assert!(
+        err.contains(&format!("cannot listen on 127.0.0.1:{port}")) && err.contains("--port"),
+        "{err}"
+    );
+    drop(held);
+}
+
+/// One log line per request as it ends (issue 34 item 12): its id, prompt, cached and
+/// completion tokens, prefill seconds, tokens/s and finish reason, on stderr. Catches: a
+/// server that logs nothing per request (a long request looked like a hang).
+#[test]
+fn each_request_logs_one_line_when_it_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let s = start_with(&[], &[], Some(&log));
+    let user = json!([{"role": "user", "content": "Hello"}]);
+    let (st, first, _) = post(&s, "/v1/chat/completions", &chat_body(user, 5, false));
+    assert_eq!(st, 200, "{first}");
+    let reply = first["choices"][0]["message"]["content"].clone();
+    let more = json!([{"role": "user", "content": "Hello"},
+                      {"role": "assistant", "content": reply},
+                      {"role": "user", "content": "And then?"}]);
+    let (st, second, _) = post(&s, "/v1/chat/completions", &chat_body(more, 3, false));
+    assert_eq!(st, 200, "{second}");
+    // A line may lag its answer by a moment.
+    let t0 = Instant::now();
+    let lines = loop {
+        let text = std::fs::read_to_string(&log).unwrap();
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.contains("request ") && l.contains(" prompt tokens ("))
+            .map(str::to_string)
+            .collect();
+        if lines.len() >= 2 || t0.elapsed() > Duration::from_secs(5) {
+            break lines;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let usage = |v: &Value, k: &str| v["usage"][k].as_u64().unwrap();
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    let expect_first = format!(
+        "{} prompt tokens ({} cached), {} completion tokens, prefill ",
+        usage(&first, "prompt_tokens"),
+        cached(&first).unwrap(),
+        usage(&first, "completion_tokens"),
+    );
+    assert!(
+        lines[0].contains(&expect_first),
+        "{lines:?} vs {expect_first}"
+    );
+    let finish = |v: &Value| {
+        format!(
+            "finish {}",
+            v["choices"][0]["finish_reason"].as_str().unwrap()
+        )
+    };
+    assert!(lines[0].trim_end().ends_with(&finish(&first)), "{lines:?}");
+    let expect_second = format!(
+        "{} prompt tokens ({} cached), {} completion tokens, prefill ",
+        usage(&second, "prompt_tokens"),
+        cached(&second).unwrap(),
+        usage(&second, "completion_tokens"),
+    );
+    assert!(
+        lines[1].contains(&expect_second),
+        "{lines:?} vs {expect_second}"
+    );
+    assert!(lines[1].trim_end().ends_with(&finish(&second)), "{lines:?}");
+    assert!(
+        !lines[1].contains("(0 cached)"),
+        "the follow-up reused: {lines:?}"
+    );
+    for l in &lines {
+        let prefill: f64 = l
+            .split("prefill ")
+            .nth(1)
+            .and_then(|r| r.split(" s, ").next())
+            .and_then(|x| x.parse().ok())
+            .unwrap_or_else(|| panic!("no prefill seconds in {l}"));
+        let tps: f64 = l
+            .split(" s, ")
+            .nth(1)
+            .and_then(|r| r.split(" tokens/s").next())
+            .and_then(|x| x.parse().ok())
+            .unwrap_or_else(|| panic!("no tokens/s in {l}"));
+        let one = l.contains(" 1 completion tokens") || l.contains(" 0 completion tokens");
+        assert!(prefill >= 0.0 && (tps > 0.0 || one), "{l}");
+    }
+    let ids: Vec<&str> = lines
+        .iter()
+        .map(|l| {
+            l.split("request ")
+                .nth(1)
+                .unwrap()
+                .split(':')
+                .next()
+                .unwrap()
+        })
+        .collect();
+    assert_ne!(ids[0], ids[1], "{lines:?}");
 }

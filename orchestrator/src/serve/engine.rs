@@ -134,6 +134,8 @@ pub struct Done {
     pub logits: Vec<Vec<f32>>,
     /// Seconds from the first token to the last.
     pub seconds: f64,
+    /// Seconds from taking a slot to the first token (the prompt's prefill).
+    pub prefill_seconds: f64,
 }
 
 /// Counters, gauges and histograms for `/metrics`.
@@ -176,6 +178,8 @@ pub struct Stats {
     /// Stops the current warm stages from another thread ([`Engine::stop_stages_now`]).
     pub stopper: Mutex<Option<crate::supervise::warm::Stopper>>,
     pub load_error: Mutex<Option<String>>,
+    /// Log one line per request when it ends (`serve` sets it; `chat` has `/stats`).
+    pub log_requests: AtomicBool,
 }
 
 impl Default for Stats {
@@ -205,6 +209,7 @@ impl Default for Stats {
             closing: AtomicBool::new(false),
             stopper: Mutex::new(None),
             load_error: Mutex::new(None),
+            log_requests: AtomicBool::new(false),
         }
     }
 }
@@ -495,6 +500,8 @@ struct Live {
     answered: bool,
     /// The backend was told to stop it.
     stopping: bool,
+    /// When it took a slot (its prefill began).
+    started_at: Option<Instant>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
 }
@@ -590,6 +597,7 @@ impl Driver<'_> {
                                 started: false,
                                 answered: false,
                                 stopping: false,
+                                started_at: None,
                                 first_token: None,
                                 last_token: None,
                             },
@@ -629,7 +637,7 @@ impl Driver<'_> {
             return Ok(());
         };
         l.finish = finish;
-        answer_done(l, self.stats);
+        answer_done(l, id, self.stats);
         if !l.stopping {
             l.stopping = true;
             b.stop(id)?;
@@ -644,6 +652,7 @@ impl Driver<'_> {
             WarmEvent::Started { req, cached_tokens } => {
                 if let Some(l) = self.live.get_mut(&req) {
                     l.started = true;
+                    l.started_at = Some(Instant::now());
                     l.cached = cached_tokens;
                     stats.waiting.fetch_sub(1, Ordering::SeqCst);
                     stats.busy.fetch_add(1, Ordering::SeqCst);
@@ -683,6 +692,7 @@ impl Driver<'_> {
                          {index} (see the server log): the request ends rather than answer \
                          with text computed without them"
                     );
+                    log_end(l, req, &format!("error ({msg})"), stats);
                     answer_error(&l.job, &msg, stats);
                     l.answered = true;
                     if !l.stopping {
@@ -709,7 +719,7 @@ impl Driver<'_> {
                 if l.ids.len() >= l.job.max_tokens {
                     // The backend ends it by itself at its length.
                     l.finish = Finish::Length;
-                    answer_done(l, stats);
+                    answer_done(l, req, stats);
                 }
             }
             WarmEvent::Pass(p) => {
@@ -726,7 +736,7 @@ impl Driver<'_> {
             WarmEvent::Done { req, .. } => {
                 if let Some(mut l) = self.live.remove(&req) {
                     if !l.answered {
-                        answer_done(&mut l, stats);
+                        answer_done(&mut l, req, stats);
                     }
                     self.release(&l);
                 }
@@ -734,6 +744,7 @@ impl Driver<'_> {
             WarmEvent::Failed { req, error } => {
                 if let Some(l) = self.live.remove(&req) {
                     if !l.answered {
+                        log_end(&l, req, &format!("error ({error})"), stats);
                         answer_error(&l.job, &error, stats);
                     }
                     self.release(&l);
@@ -765,8 +776,9 @@ impl Driver<'_> {
         } else {
             "the stages are being restarted"
         };
-        for (_, l) in self.live.drain() {
+        for (id, l) in self.live.drain() {
             if !l.answered {
+                log_end(&l, id, &format!("error ({why})"), self.stats);
                 answer_error(&l.job, &format!("{why}; {next}"), self.stats);
             }
             let st = self.stats;
@@ -783,20 +795,53 @@ impl Driver<'_> {
     }
 }
 
-/// Send a job its `Done` (the text held back is flushed first) and count it.
-fn answer_done(l: &mut Live, stats: &Stats) {
+/// Seconds from taking a slot (or arriving, if it never took one) to the first token;
+/// seconds from the first token to the last.
+fn timings(l: &Live) -> (f64, f64) {
+    let from = l.started_at.unwrap_or(l.job.arrived);
+    let prefill = l
+        .first_token
+        .map_or(0.0, |t| t.duration_since(from).as_secs_f64());
+    let decode = match (l.first_token, l.last_token) {
+        (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
+        _ => 0.0,
+    };
+    (prefill, decode)
+}
+
+/// The request's one log line as it ends (when the server logs requests): its id, prompt,
+/// cached and completion tokens, prefill seconds, decode tokens/s and how it ended.
+fn log_end(l: &Live, id: u64, finish: &str, stats: &Stats) {
+    if !stats.log_requests.load(Ordering::Relaxed) {
+        return;
+    }
+    let (prefill, decode) = timings(l);
+    let tps = if l.ids.len() > 1 && decode > 0.0 {
+        (l.ids.len() - 1) as f64 / decode
+    } else {
+        0.0
+    };
+    tracing::info!(
+        "request {id}: {} prompt tokens ({} cached), {} completion tokens, prefill {prefill:.2} s, \
+         {tps:.2} tokens/s, finish {finish}",
+        l.job.prompt.len(),
+        l.cached,
+        l.ids.len(),
+    );
+}
+
+/// Send a job its `Done` (the text held back is flushed first), count it and log it.
+fn answer_done(l: &mut Live, id: u64, stats: &Stats) {
     if l.answered {
         return;
     }
     l.answered = true;
+    log_end(l, id, l.finish.as_str(), stats);
     let rest = l.text.finish();
     if !rest.is_empty() {
         let _ = l.job.events.send(Event::Text(rest));
     }
-    let seconds = match (l.first_token, l.last_token) {
-        (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
-        _ => 0.0,
-    };
+    let (prefill_seconds, seconds) = timings(l);
     if l.ids.len() > 1 && seconds > 0.0 {
         stats
             .request_tps
@@ -810,6 +855,7 @@ fn answer_done(l: &mut Live, stats: &Stats) {
         ids: std::mem::take(&mut l.ids),
         logits: std::mem::take(&mut l.logits),
         seconds,
+        prefill_seconds,
     };
     stats
         .prompt_tokens

@@ -253,6 +253,15 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
         Ok(a) => a,
         Err(code) => return code,
     };
+    // The port first: a busy port (or a host that does not resolve) is refused before
+    // any stage starts or any weight is read.
+    let std_listener = match bind(&a.host, a.port) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("k3-orch serve: {e}");
+            return EXIT_USAGE;
+        }
+    };
     let engine = match a.model.engine(a.parallel, a.max_queue) {
         Ok(e) => Arc::new(e),
         Err(e) => {
@@ -260,6 +269,7 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
             return EXIT_USAGE;
         }
     };
+    engine.stats.log_requests.store(true, Ordering::Relaxed);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -285,17 +295,16 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
     let stats = engine.stats.clone();
     let deadline_engine = engine.clone();
     let code = rt.block_on(async move {
-        let addr = format!("{}:{}", a.host, a.port);
-        let listener = match tokio::net::TcpListener::bind(&addr).await {
+        let listener = match tokio::net::TcpListener::from_std(std_listener) {
             Ok(l) => l,
             Err(e) => {
-                tracing::error!("k3-orch serve: cannot listen on {addr}: {e}");
+                tracing::error!("k3-orch serve: cannot listen: {e}");
                 return EXIT_FAILED;
             }
         };
         let local = listener
             .local_addr()
-            .map_or(addr.clone(), |x| x.to_string());
+            .map_or_else(|_| format!("{}:{}", a.host, a.port), |x| x.to_string());
         {
             use std::io::Write;
             let mut o = std::io::stdout().lock();
@@ -339,6 +348,28 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
     engine.shutdown();
     rt.shutdown_timeout(Duration::from_millis(200));
     code
+}
+
+/// The listening socket on `host:port` (non-blocking, for tokio), or why not (a port in
+/// use, a host that does not resolve): `serve` binds it before it loads anything.
+fn bind(host: &str, port: u16) -> Result<std::net::TcpListener, String> {
+    let shown = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    let l = std::net::TcpListener::bind((host, port)).map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+            " (another server is on that port: stop it, or choose another with --port; \
+             --port 0 takes any free one)"
+        } else {
+            ""
+        };
+        format!("cannot listen on {shown}: {e}{hint}")
+    })?;
+    l.set_nonblocking(true)
+        .map_err(|e| format!("cannot listen on {shown}: {e}"))?;
+    Ok(l)
 }
 
 /// SIGTERM or SIGINT.

@@ -94,10 +94,15 @@ pub fn spawn_stage(
     cmd.env("K3_CONTROL_FD", CONTROL_FD.to_string());
     let raw = control.fd().as_raw_fd();
     // SAFETY: the closure runs in the child between fork and exec, where only
-    // async-signal-safe calls are allowed: dup2, fcntl, prctl and getppid are. `raw` is a
-    // valid open descriptor in the parent at fork time, so it is valid in the child too.
+    // async-signal-safe calls are allowed: dup2, fcntl, prctl, signal and getppid are. `raw`
+    // is a valid open descriptor in the parent at fork time, so it is valid in the child too.
     unsafe {
         cmd.pre_exec(move || {
+            // A terminal's Ctrl-C goes to its whole foreground process group, the stages
+            // included: the stages ignore it (an ignored signal stays ignored across exec),
+            // and k3-orch decides what it stops (`chat`: only the reply; a run: everything,
+            // cleanly).
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
             if libc::dup2(raw, CONTROL_FD) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
