@@ -14,6 +14,7 @@ mod generate_cli;
 mod hardening;
 mod serve_batch;
 mod serve_http;
+mod serve_openai;
 mod staged_stop_state;
 mod streaming_cli;
 mod tools_inspect;

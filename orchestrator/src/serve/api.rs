@@ -104,6 +104,128 @@ fn opt_u64(v: &Value, key: &str) -> Result<Option<u64>, ApiError> {
     }
 }
 
+/// The request fields both endpoints take.
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repeat_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "return_token_ids",
+    "k3_logits",
+];
+
+/// Fields only `/v1/chat/completions` takes.
+const CHAT_FIELDS: &[&str] = &["messages", "thinking", "reasoning_effort"];
+
+/// Fields only `/v1/completions` takes.
+const COMPLETION_FIELDS: &[&str] = &["prompt"];
+
+/// Fields accepted and ignored: they do not change the reply (docs/serve.md).
+pub const HARMLESS_FIELDS: &[&str] = &["user", "metadata", "service_tier"];
+
+/// Fields accepted when they ask for what the server does anyway (OpenAI's default).
+fn is_default_value(key: &str, v: &Value) -> bool {
+    match key {
+        "echo" | "store" | "logprobs" => v == &Value::Bool(false),
+        "best_of" | "n" => v.as_u64() == Some(1),
+        "logit_bias" => v.as_object().is_some_and(|o| o.is_empty()),
+        "modalities" => v == &json!(["text"]),
+        "presence_penalty" | "frequency_penalty" => v.as_f64() == Some(0.0),
+        "response_format" => v == &json!({"type": "text"}),
+        _ => false,
+    }
+}
+
+/// Keys of a message the chat format renders.
+const MESSAGE_FIELDS: &[&str] = &["role", "content", "name"];
+
+/// Refuse every field the endpoint does not support (none is silently ignored): a 400
+/// naming it. A field whose value is null, a harmless one ([`HARMLESS_FIELDS`]) or one that
+/// asks for the default passes.
+pub fn check_fields(v: &Value, chat: bool) -> Result<(), ApiError> {
+    let Some(o) = v.as_object() else {
+        return Ok(());
+    };
+    let own = if chat { CHAT_FIELDS } else { COMPLETION_FIELDS };
+    for (k, x) in o {
+        let k = k.as_str();
+        if COMMON_FIELDS.contains(&k) || own.contains(&k) || HARMLESS_FIELDS.contains(&k) {
+            continue;
+        }
+        if x.is_null() || is_default_value(k, x) {
+            continue;
+        }
+        let why = if (CHAT_FIELDS.contains(&k) || COMPLETION_FIELDS.contains(&k))
+            && !own.contains(&k)
+        {
+            format!(
+                "'{k}' belongs to /v1/{}",
+                if chat {
+                    "completions"
+                } else {
+                    "chat/completions"
+                }
+            )
+        } else {
+            format!(
+                "'{k}' is not supported by this server (docs/serve.md lists the fields it takes)"
+            )
+        };
+        return Err(ApiError::bad(why, Some(k)));
+    }
+    if let Some(so) = o.get("stream_options").filter(|x| !x.is_null()) {
+        let Some(so) = so.as_object() else {
+            return Err(ApiError::bad(
+                "'stream_options' must be an object",
+                Some("stream_options"),
+            ));
+        };
+        for (k, x) in so {
+            match (k.as_str(), x) {
+                ("include_usage", Value::Bool(_) | Value::Null) => {}
+                ("include_usage", _) => {
+                    return Err(ApiError::bad(
+                        "'stream_options.include_usage' must be a boolean",
+                        Some("stream_options.include_usage"),
+                    ))
+                }
+                // Padding against length side channels: nothing to pad here.
+                ("include_obfuscation", _) => {}
+                (k, _) => {
+                    let p = format!("stream_options.{k}");
+                    return Err(ApiError::bad(
+                        format!("'{p}' is not supported by this server"),
+                        Some(&p),
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(Value::Array(msgs)) = o.get("messages").filter(|_| chat) {
+        for (i, m) in msgs.iter().enumerate() {
+            for (k, x) in m.as_object().into_iter().flatten() {
+                if !MESSAGE_FIELDS.contains(&k.as_str()) && !x.is_null() {
+                    let p = format!("messages[{i}].{k}");
+                    return Err(ApiError::bad(
+                        format!("'{p}' is not supported by this server"),
+                        Some(&p),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Sampling, stop and length fields common to both endpoints.
 fn common(v: &Value, lim: &Limits, prompt_len: usize) -> Result<Prepared, ApiError> {
     let max_tokens = match opt_u64(v, "max_completion_tokens")?.or(opt_u64(v, "max_tokens")?) {
@@ -372,6 +494,7 @@ pub fn conversation_tokens(tok: Option<&Tokenizer>, v: &Value) -> Result<Vec<u32
 
 /// `POST /v1/chat/completions` body to a job.
 pub fn chat(tok: Option<&Tokenizer>, v: &Value, lim: &Limits) -> Result<Prepared, ApiError> {
+    check_fields(v, true)?;
     let tok = need_tok(tok, "a chat", "messages")?;
     let (clean, opts) = chat_messages(v)?;
     let prompt = tok
@@ -402,6 +525,7 @@ pub fn completion(
     lim: &Limits,
     vocab: usize,
 ) -> Result<Prepared, ApiError> {
+    check_fields(v, false)?;
     let prompt: Vec<u32> = match v.get("prompt") {
         Some(Value::String(s)) => need_tok(tok, "a text prompt", "prompt")?.encode(s, false),
         Some(Value::Array(a)) if a.iter().all(Value::is_number) => token_ids(a, vocab, "prompt")?,
@@ -508,6 +632,76 @@ mod tests {
         )
         .unwrap();
         assert!(!s.sampler.is_greedy());
+    }
+
+    #[test]
+    fn no_field_is_silently_ignored() {
+        let t = tok();
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let with = |k: &str, x: Value| {
+            let mut b = json!({"messages": msgs});
+            b[k] = x;
+            b
+        };
+        // Unknown or unsupported fields are refused, naming the field.
+        for (k, x) in [
+            ("logit_bias", json!({"5": 10})),
+            ("echo", json!(true)),
+            ("best_of", json!(3)),
+            ("store", json!(true)),
+            ("suffix", json!("x")),
+            ("frobnicate", json!(1)),
+            ("prompt", json!("x")),
+        ] {
+            let e = chat(Some(&t), &with(k, x.clone()), &LIM).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(k)), "{k}: {x}");
+            assert!(e.message.contains(k), "{}", e.message);
+        }
+        // Harmless fields, nulls and values that ask for the default pass.
+        for (k, x) in [
+            ("user", json!("u1")),
+            ("metadata", json!({"a": "b"})),
+            ("frobnicate", Value::Null),
+            ("logit_bias", json!({})),
+            ("echo", json!(false)),
+            ("n", json!(1)),
+            ("response_format", json!({"type": "text"})),
+            ("presence_penalty", json!(0)),
+            ("model", json!("k3")),
+        ] {
+            assert!(
+                chat(Some(&t), &with(k, x.clone()), &LIM).is_ok(),
+                "{k}: {x}"
+            );
+        }
+        // Inside stream_options and the messages too.
+        let e = chat(
+            Some(&t),
+            &with(
+                "stream_options",
+                json!({"include_usage": true, "chunk_size": 3}),
+            ),
+            &LIM,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("stream_options.chunk_size"));
+        let e = chat(
+            Some(&t),
+            &json!({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}),
+            &LIM,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].audio"));
+        // /v1/completions: the chat-only fields belong elsewhere.
+        let e = completion(
+            Some(&t),
+            &json!({"prompt": [1], "messages": msgs}),
+            &LIM,
+            4000,
+        )
+        .unwrap_err();
+        assert!(e.message.contains("/v1/chat/completions"), "{}", e.message);
+        assert!(completion(Some(&t), &json!({"prompt": [1], "user": "u"}), &LIM, 4000).is_ok());
     }
 
     #[test]

@@ -38,6 +38,7 @@ pub fn router(app: AppState) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/tokenize", post(tokenize))
@@ -366,12 +367,35 @@ async fn health(State(app): State<AppState>) -> Response {
     }
 }
 
+/// The one model this server serves, as OpenAI's model object.
+fn model_object(app: &App) -> Value {
+    json!({"id": app.engine.model_name, "object": "model", "created": now(), "owned_by": "k3"})
+}
+
 async fn models(State(app): State<AppState>) -> Response {
-    axum::Json(json!({
-        "object": "list",
-        "data": [{"id": app.engine.model_name, "object": "model", "created": now(), "owned_by": "k3"}],
-    }))
-    .into_response()
+    axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
+}
+
+/// `GET /v1/models/{id}`: the model, or a 404 OpenAI error for another id.
+async fn model(
+    State(app): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if id == app.engine.model_name {
+        return axum::Json(model_object(&app)).into_response();
+    }
+    let mut e = ApiError::new(
+        404,
+        "invalid_request_error",
+        format!(
+            "the model '{id}' does not exist; this server serves '{}'",
+            app.engine.model_name
+        ),
+    );
+    e.param = Some("model".into());
+    let mut body = e.body();
+    body["error"]["code"] = json!("model_not_found");
+    (StatusCode::NOT_FOUND, axum::Json(body)).into_response()
 }
 
 /// Memory per stage for `/metrics`: each stage's cgroup usage (or RSS), this process's
