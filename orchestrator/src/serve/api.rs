@@ -115,6 +115,8 @@ const COMMON_FIELDS: &[&str] = &[
     "min_p",
     "repetition_penalty",
     "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
     "seed",
     "stop",
     "stream",
@@ -139,7 +141,6 @@ fn is_default_value(key: &str, v: &Value) -> bool {
         "best_of" | "n" => v.as_u64() == Some(1),
         "logit_bias" => v.as_object().is_some_and(|o| o.is_empty()),
         "modalities" => v == &json!(["text"]),
-        "presence_penalty" | "frequency_penalty" => v.as_f64() == Some(0.0),
         "response_format" => v == &json!({"type": "text"}),
         _ => false,
     }
@@ -326,7 +327,10 @@ fn common(v: &Value, lim: &Limits, prompt_len: usize) -> Result<Prepared, ApiErr
         seed: opt_u64(v, "seed")?,
         stop: stop.clone(),
     };
-    let sampler = args.resolve(crate::run::args::random_seed);
+    let mut sampler = args.resolve(crate::run::args::random_seed);
+    // OpenAI's penalties over the generated ids (0 = off, as absent).
+    sampler.presence_penalty = opt_f32(v, "presence_penalty", -2.0, 2.0)?.filter(|p| *p != 0.0);
+    sampler.frequency_penalty = opt_f32(v, "frequency_penalty", -2.0, 2.0)?.filter(|p| *p != 0.0);
     Ok(Prepared {
         prompt: Vec::new(),
         snapshot_at: None,
@@ -666,7 +670,6 @@ mod tests {
             ("echo", json!(false)),
             ("n", json!(1)),
             ("response_format", json!({"type": "text"})),
-            ("presence_penalty", json!(0)),
             ("model", json!("k3")),
         ] {
             assert!(
@@ -702,6 +705,27 @@ mod tests {
         .unwrap_err();
         assert!(e.message.contains("/v1/chat/completions"), "{}", e.message);
         assert!(completion(Some(&t), &json!({"prompt": [1], "user": "u"}), &LIM, 4000).is_ok());
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_reach_the_sampler() {
+        let t = tok();
+        let b = json!({"messages": [{"role": "user", "content": "x"}],
+                       "presence_penalty": 0.5, "frequency_penalty": -1.5});
+        let p = chat(Some(&t), &b, &LIM).unwrap();
+        assert_eq!(p.sampler.presence_penalty, Some(0.5));
+        assert_eq!(p.sampler.frequency_penalty, Some(-1.5));
+        // They do not make a request sampled.
+        assert!(p.sampler.is_greedy());
+        // 0 is off, as absent: the greedy config is the plain one.
+        let b = json!({"prompt": [1], "presence_penalty": 0, "frequency_penalty": 0.0});
+        let p = completion(Some(&t), &b, &LIM, 4000).unwrap();
+        assert_eq!(p.sampler, SamplerConfig::default());
+        for k in ["presence_penalty", "frequency_penalty"] {
+            let e = completion(Some(&t), &json!({"prompt": [1], k: 2.5}), &LIM, 4000).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(k));
+            assert!(e.message.contains("between -2 and 2"), "{}", e.message);
+        }
     }
 
     #[test]
