@@ -147,3 +147,244 @@ fn presence_and_frequency_penalties_steer_greedy_decoding_exactly() {
     }
     assert_ne!(ids, plain, "the penalties changed nothing: {plain:?}");
 }
+
+/// The `data:` payloads of a streamed request, [DONE] excluded (asserted last).
+fn sse(s: &Server, path: &str, body: &Value) -> Vec<Value> {
+    let r = ureq::post(&format!("{}{path}", s.base))
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string())
+        .unwrap();
+    let text = r.into_string().unwrap();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// log-softmax of a row at `id`, in f64.
+fn log_softmax(row: &[f32], id: usize) -> f64 {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = row.iter().map(|&x| (x as f64 - m).exp()).sum();
+    row[id] as f64 - m - z.ln()
+}
+
+#[test]
+fn logprobs_are_the_log_softmax_of_each_step_streamed_or_not() {
+    let s = start(&["--max-tokens", "12", "--ctx", "256", "--debug-logits"]);
+    // Completions: logprobs k, checked against the raw rows.
+    let body = json!({"prompt": [5, 9, 2, 7], "max_tokens": 12, "logprobs": 3});
+    let (ids, rows, v) = ids_and_logits(&s, "/v1/completions", body.clone());
+    let lp = &v["choices"][0]["logprobs"];
+    let got = lp["token_logprobs"].as_array().unwrap();
+    assert_eq!(got.len(), ids.len(), "{lp}");
+    for (step, row) in rows.iter().enumerate() {
+        let want = log_softmax(row, ids[step] as usize);
+        let g = got[step].as_f64().unwrap();
+        assert!((g - want).abs() < 1e-9, "step {step}: {g} vs {want}");
+        let top = lp["top_logprobs"][step].as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 3, "{top:?}");
+        // The best alternative is the row's argmax.
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        let want = log_softmax(row, argmax(row) as usize);
+        assert!((best - want).abs() < 1e-9, "step {step}: {best} vs {want}");
+    }
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), ids.len());
+    assert_eq!(lp["text_offset"][0], 0);
+    // Streamed: the same entries, spread over the chunks.
+    let mut streamed = Vec::new();
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    for c in sse(&s, "/v1/completions", &sb) {
+        if let Some(a) = c
+            .pointer("/choices/0/logprobs/token_logprobs")
+            .and_then(Value::as_array)
+        {
+            streamed.extend(a.iter().cloned());
+        }
+    }
+    assert_eq!(&streamed, got);
+    // Chat: logprobs true + top_logprobs, streamed or not, the same.
+    let chat = json!({"messages": user("hi"), "max_tokens": 12, "logprobs": true,
+                      "top_logprobs": 2});
+    let (st, v, _) = post(&s, "/v1/chat/completions", &chat.to_string());
+    assert_eq!(st, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert!(!content.is_empty(), "{v}");
+    for e in &content {
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0, "{e}");
+        assert!(e["token"].is_string() && e["bytes"].is_array(), "{e}");
+        assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 2, "{e}");
+    }
+    let mut sc = chat.clone();
+    sc["stream"] = json!(true);
+    let mut streamed = Vec::new();
+    for c in sse(&s, "/v1/chat/completions", &sc) {
+        if let Some(a) = c
+            .pointer("/choices/0/logprobs/content")
+            .and_then(Value::as_array)
+        {
+            streamed.extend(a.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, content);
+    // Without logprobs, none.
+    let (_, v, _) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": [1], "max_tokens": 2}).to_string(),
+    );
+    assert!(v["choices"][0].get("logprobs").is_none(), "{v}");
+}
+
+#[test]
+fn n_choices_are_each_seeded_and_streamed_with_their_index() {
+    let s = start(&["--max-tokens", "8", "--ctx", "256", "--parallel", "3"]);
+    let one = |seed: u64| {
+        let b = json!({"prompt": [3, 1, 4], "max_tokens": 8, "temperature": 1.0, "seed": seed,
+                       "return_token_ids": true});
+        let (st, v, _) = post(&s, "/v1/completions", &b.to_string());
+        assert_eq!(st, 200, "{v}");
+        v["choices"][0]["token_ids"].clone()
+    };
+    let body = json!({"prompt": [3, 1, 4], "max_tokens": 8, "temperature": 1.0, "seed": 40,
+                      "n": 3, "return_token_ids": true});
+    let (st, v, _) = post(&s, "/v1/completions", &body.to_string());
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let mut total = 0;
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["token_ids"], one(40 + i as u64), "choice {i}");
+        total += c["token_ids"].as_array().unwrap().len();
+    }
+    assert_ne!(choices[0]["token_ids"], choices[1]["token_ids"]);
+    assert_eq!(v["usage"]["completion_tokens"], total);
+    assert_eq!(v["usage"]["prompt_tokens"], 3);
+    // Streamed: each chunk names its choice; each choice's text is the non-streamed one.
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let mut texts = [String::new(), String::new(), String::new()];
+    let mut finished = [false; 3];
+    let chunks = sse(&s, "/v1/completions", &sb);
+    for c in &chunks {
+        let Some(ch) = c["choices"].as_array().and_then(|a| a.first()) else {
+            assert_eq!(c["usage"]["completion_tokens"], total, "{c}");
+            continue;
+        };
+        let i = ch["index"].as_u64().unwrap() as usize;
+        texts[i].push_str(ch["text"].as_str().unwrap_or(""));
+        finished[i] |= ch["finish_reason"].is_string();
+    }
+    assert_eq!(finished, [true; 3]);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(texts[i], c["text"].as_str().unwrap(), "choice {i}");
+    }
+    // Chat with n: n messages.
+    let b = json!({"messages": user("hi"), "max_tokens": 4, "n": 2});
+    let (st, v, _) = post(&s, "/v1/chat/completions", &b.to_string());
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn thinking_goes_to_reasoning_content_and_tools_render_into_the_prompt() {
+    let s = start(&["--max-tokens", "16", "--ctx", "1024"]);
+    for thinking in [true, false] {
+        let b = json!({"messages": user("hi"), "max_tokens": 16, "thinking": thinking});
+        let (st, v, _) = post(&s, "/v1/chat/completions", &b.to_string());
+        assert_eq!(st, 200, "{v}");
+        let m = &v["choices"][0]["message"];
+        let (reasoning, content) = (
+            m["reasoning_content"].as_str().unwrap_or(""),
+            m["content"].as_str().unwrap_or(""),
+        );
+        // The chat format's control tokens never reach the client.
+        for t in ["<|open|>", "<|close|>", "<|sep|>"] {
+            assert!(!reasoning.contains(t) && !content.contains(t), "{m}");
+        }
+        if thinking {
+            // The prompt opened the think block: the reply's text is reasoning until the
+            // model closes it.
+            assert!(!reasoning.is_empty(), "{m}");
+        } else {
+            assert!(m.get("reasoning_content").is_none(), "{m}");
+        }
+        // Streamed: the same split, reasoning as its own delta.
+        let mut sb = b.clone();
+        sb["stream"] = json!(true);
+        let (mut r, mut c) = (String::new(), String::new());
+        for ch in sse(&s, "/v1/chat/completions", &sb) {
+            let d = &ch["choices"][0]["delta"];
+            r.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+            c.push_str(d["content"].as_str().unwrap_or(""));
+        }
+        assert_eq!(
+            (r.as_str(), c.as_str()),
+            (reasoning, content),
+            "thinking {thinking}"
+        );
+    }
+    // Tools and tool results render into the prompt (the release's format): more prompt
+    // tokens than without, and the request is served.
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let msgs = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]);
+    let tokens = |b: Value| {
+        let (st, v, _) = post(&s, "/v1/chat/completions", &b.to_string());
+        assert_eq!(st, 200, "{b}: {v}");
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let plain = tokens(json!({"messages": msgs, "max_tokens": 1}));
+    let with_tools = tokens(json!({"messages": msgs, "tools": tools, "max_tokens": 1}));
+    let required = tokens(
+        json!({"messages": msgs, "tools": tools, "tool_choice": "required",
+                                 "max_tokens": 1}),
+    );
+    assert!(
+        plain < with_tools && with_tools < required,
+        "{plain} {with_tools} {required}"
+    );
+    let (st, v, _) = post(
+        &s,
+        "/v1/chat/completions",
+        &json!({"messages": msgs, "tools": tools, "max_tokens": 1,
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+        .to_string(),
+    );
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("tool_choice")),
+        "{v}"
+    );
+    // response_format: text is accepted, JSON modes are refused by name.
+    let (st, v, _) = post(
+        &s,
+        "/v1/chat/completions",
+        &json!({"messages": user("hi"), "max_tokens": 1, "response_format": {"type": "json_object"}})
+            .to_string(),
+    );
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("response_format")),
+        "{v}"
+    );
+}
