@@ -388,3 +388,81 @@ fn thinking_goes_to_reasoning_content_and_tools_render_into_the_prompt() {
         "{v}"
     );
 }
+
+/// The openai Python client against the server: the model by id, tools and tool results
+/// in, logprobs, `n`, `reasoning_content`, streaming with choice indexes, and refusals as
+/// `BadRequestError`s naming the field. Skipped (visibly) without `python3 -c 'import
+/// openai'`; K3_REQUIRE_OPENAI_TESTS=1 makes that a failure.
+#[test]
+fn the_openai_python_client_sees_an_honest_server() {
+    let has = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has {
+        let why = "python3 with the openai package is not installed";
+        assert!(
+            std::env::var("K3_REQUIRE_OPENAI_TESTS").as_deref() != Ok("1"),
+            "{why} and K3_REQUIRE_OPENAI_TESTS=1"
+        );
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: the_openai_python_client_sees_an_honest_server: {why}"
+        );
+        return;
+    }
+    let s = start(&["--max-tokens", "16", "--ctx", "1024", "--parallel", "2"]);
+    let script = r#"
+import sys, openai
+c = openai.OpenAI(base_url=sys.argv[1] + "/v1", api_key="unused")
+assert c.models.retrieve("k3").id == "k3"
+try:
+    c.models.retrieve("gpt-4"); raise SystemExit("gpt-4 exists")
+except openai.NotFoundError:
+    pass
+tools = [{"type": "function", "function": {"name": "get_weather",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+msgs = [{"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+r = c.chat.completions.create(model="k3", messages=msgs, tools=tools, tool_choice="required",
+                              max_tokens=6, n=2, logprobs=True, top_logprobs=2,
+                              extra_body={"thinking": True})
+assert [ch.index for ch in r.choices] == [0, 1], r
+for ch in r.choices:
+    assert ch.message.model_extra.get("reasoning_content"), ch
+    assert all(len(t.top_logprobs) == 2 for t in ch.logprobs.content), ch.logprobs
+    assert all(t.logprob <= 0 for t in ch.logprobs.content)
+seen = set()
+for chunk in c.chat.completions.create(model="k3", messages=msgs, tools=tools, max_tokens=4,
+                                       n=2, stream=True, logprobs=True):
+    for ch in chunk.choices:
+        seen.add(ch.index)
+assert seen == {0, 1}, seen
+for bad, field in [({"logit_bias": {"5": 3}}, "logit_bias"),
+                   ({"response_format": {"type": "json_object"}}, "response_format"),
+                   ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                     "tools": tools}, "tool_choice")]:
+    try:
+        c.chat.completions.create(model="k3", messages=msgs[:1], max_tokens=2, **bad)
+        raise SystemExit(f"{field} was not refused")
+    except openai.BadRequestError as e:
+        assert e.body["param"] == field, e.body
+r = c.completions.create(model="k3", prompt=[1, 2, 3], max_tokens=3, logprobs=2,
+                         presence_penalty=0.5, frequency_penalty=0.5)
+assert 1 <= len(r.choices[0].logprobs.token_logprobs) <= 3, r
+print("ok")
+"#;
+    let o = std::process::Command::new("python3")
+        .args(["-c", script, &s.base])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.trim() == "ok",
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
