@@ -15,6 +15,7 @@ mod hardening;
 mod repl_pty;
 mod serve_batch;
 mod serve_http;
+mod serve_openai;
 mod staged_stop_state;
 mod streaming_cli;
 mod tools_inspect;

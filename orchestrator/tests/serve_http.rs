@@ -21,7 +21,7 @@ impl Drop for Server {
     }
 }
 
-fn start(extra: &[&str]) -> Server {
+pub(crate) fn start(extra: &[&str]) -> Server {
     start_with(extra, &[], None)
 }
 

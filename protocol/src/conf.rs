@@ -17,8 +17,9 @@ pub const EXPERT_REGION: u32 = 20;
 pub const MAX_PROMPT_IDS: usize = 32768;
 
 /// Sampling options of a generation; `temperature` None or 0 means greedy. The sampler
-/// itself is `k3_layer_compute::sampler`. `min_p` and `repetition_penalty` were added after
-/// the first protocol version; they default to off when absent (serde default).
+/// itself is `k3_layer_compute::sampler`. `min_p`, `repetition_penalty` and the presence and
+/// frequency penalties were added after the first protocol version; they default to off
+/// when absent (serde default).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SamplerConfig {
     pub temperature: Option<f32>,
@@ -32,6 +33,15 @@ pub struct SamplerConfig {
     /// [`REPEAT_WINDOW`] tokens by this factor (1 = off); applies to greedy too.
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
+    /// OpenAI's `presence_penalty`: subtracted from the logit of every id the generation
+    /// has produced so far (the prompt does not count); None or 0 = off; applies to greedy
+    /// too.
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    /// OpenAI's `frequency_penalty`: times the number of times the generation has produced
+    /// the id so far, subtracted from its logit; None or 0 = off; applies to greedy too.
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
 }
 
 /// How many of the most recent tokens (prompt included) the repetition penalty looks at.

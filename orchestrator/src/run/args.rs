@@ -94,6 +94,7 @@ impl Sampling {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             seed: 0,
+            ..Default::default()
         };
         cfg.seed = match self.seed {
             Some(s) => s,

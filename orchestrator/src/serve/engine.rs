@@ -49,7 +49,7 @@ use k3_protocol::conf::SamplerConfig;
 use k3_protocol::messages::PassStats;
 use k3_tokenizer::Tokenizer;
 
-use super::api::Prepared;
+use super::api::{Prepared, TokenLogprobs};
 use super::metrics::{Histogram, Rate, ITL_BUCKETS, ROWS_BUCKETS, TPS_BUCKETS, TTFT_BUCKETS};
 use crate::run::stream::TextStream;
 use crate::supervise::warm::{StageMemory, Warm, WarmEvent, WarmRequest};
@@ -68,6 +68,9 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Keep every step's logits row ([`Done::logits`]; the debug endpoint).
     pub keep_logits: bool,
+    /// Send each generated id's log-probability and this many top alternatives here, before
+    /// its `Text` (OpenAI's `logprobs`); the stop id that ends a reply has none.
+    pub logprobs: Option<(usize, tokio::sync::mpsc::UnboundedSender<TokenLogprobs>)>,
     /// Set by the caller to end the job early (client gone, server draining).
     pub cancel: Arc<AtomicBool>,
     /// When the request arrived (its time to first token counts from here).
@@ -89,6 +92,7 @@ impl Job {
             sampler: p.sampler,
             stop: p.stop.clone(),
             keep_logits: p.keep_logits,
+            logprobs: None,
             cancel,
             arrived: Instant::now(),
             events,
@@ -446,7 +450,7 @@ fn state_fingerprint(o: &EngineOptions) -> Result<String, String> {
 
 /// The bytes of a generated id: the tokenizer's, or (without one) the byte vocabulary the
 /// tokenizer stage uses then (id = byte).
-fn id_bytes(tok: Option<&Tokenizer>, id: u32) -> Vec<u8> {
+pub(crate) fn id_bytes(tok: Option<&Tokenizer>, id: u32) -> Vec<u8> {
     match tok {
         Some(t) => t
             .token_bytes(id)
@@ -580,7 +584,7 @@ impl Driver<'_> {
                     stop_ids: self.stop_ids.clone(),
                     snapshot_at: job.snapshot_at,
                     cache_entries: self.cache_entries,
-                    keep_logits: job.keep_logits,
+                    keep_logits: job.keep_logits || job.logprobs.is_some(),
                 };
                 match b.submit(&q) {
                     Ok(id) => {
@@ -702,10 +706,16 @@ impl Driver<'_> {
                     return Ok(());
                 }
                 l.ids.push(token);
+                let stop = self.stop_ids.contains(&token);
                 if let Some(row) = logits {
-                    l.logits.push(row);
+                    if let (Some((k, tx)), false) = (&l.job.logprobs, stop) {
+                        let _ = tx.send(super::api::logprobs_of(&row, token, *k));
+                    }
+                    if l.job.keep_logits {
+                        l.logits.push(row);
+                    }
                 }
-                if self.stop_ids.contains(&token) {
+                if stop {
                     return self.end(b, req, Finish::Stop);
                 }
                 let delta = l.text.push(&bytes);

@@ -225,6 +225,9 @@ fn run_all(
                 include_usage: false,
                 return_token_ids: true,
                 keep_logits: false,
+                logprobs: None,
+                n: 1,
+                split: None,
             };
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
             match engine.try_submit(Job::new(&p, Arc::new(AtomicBool::new(false)), tx)) {

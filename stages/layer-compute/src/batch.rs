@@ -511,7 +511,8 @@ impl Scheduler {
             return;
         }
         let index = s.generated().len();
-        let token = sampler::sample(row, &s.req.sampler, index as u64, &s.seq) as u32;
+        let token =
+            sampler::sample(row, &s.req.sampler, index as u64, &s.seq, s.generated()) as u32;
         s.seq.push(token);
         events.push(Event::Token {
             id: s.id,

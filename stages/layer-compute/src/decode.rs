@@ -201,7 +201,8 @@ pub fn decode_resumed<W: Weights, H: StepHooks>(
         let out = res.map_err(|source| DecodeError::Forward { step, source })?;
         let row = &out.logits[(out.rows - 1) * vocab..out.rows * vocab];
         check_finite(row).map_err(|source| DecodeError::NonFinite { step, source })?;
-        let token = sampler::sample(row, &o.sampler, (r.first_step + step) as u64, &seq) as u32;
+        let step_no = (r.first_step + step) as u64;
+        let token = sampler::sample(row, &o.sampler, step_no, &seq, &generated) as u32;
         if step == 0 {
             if let Some(p) = o.dump_logits {
                 let bytes: Vec<u8> = row.iter().flat_map(|x| x.to_le_bytes()).collect();
