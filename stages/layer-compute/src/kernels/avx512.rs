@@ -24,8 +24,9 @@
 //!     same 4 rows × 2 tokens register tile without staging, rows in chunks of 16 taken
 //!     block by block, so that the tokens' block stays in L1 for the chunk's rows and a
 //!     row tile's weights for all its token pairs ([`rows_small`]);
-//!   - more tokens (prefill): rows in groups of [`RB`] (4), tokens in passes of up to
-//!     16. Per group and pass, block by block (1024 columns), the group's block is staged
+//!   - more tokens (prefill): tokens in passes of up to 16 (outermost, so a pass's
+//!     tokens stay in L2 for all the rows), rows in groups of [`RB`] (4). Per group and
+//!     pass, block by block (1024 columns), the group's block is staged
 //!     once into an aligned L1 buffer, group-major, in one of two forms ([`Staging`]:
 //!     [`Bf16Pairs`], BF16 copied and MXFP4 decoded into exact bf16 pairs; or
 //!     [`LaneF32`], widened into lane-ordered f32: always for F32, for every format with
@@ -609,9 +610,9 @@ unsafe fn tile_block<S: Staging, const T: usize>(
     }
 }
 
-/// Rows `r0..r1` × all `ntok` tokens, batched. Rows go in groups of [`RB`] (a group past
-/// the last row is padded with zero weights, whose sums are dropped), tokens in passes of
-/// up to [`TC`]. Per group and pass, block by block (1024 columns): the group's block is
+/// Rows `r0..r1` × all `ntok` tokens, batched. Tokens go in passes of up to [`TC`]
+/// (outermost), rows in groups of [`RB`] (a group past the last row is padded with zero
+/// weights, whose sums are dropped). Per pass and group, block by block (1024 columns): the group's block is
 /// staged into an aligned L1 buffer ([`Staging::put`]: raw bf16, MXFP4 decoded once into
 /// exact bf16 pairs, F32 into lane-ordered f32; the partial group zero-padded), and every
 /// token tile of up to [`TB`] tokens runs the block in registers ([`tile_block`]) and
@@ -644,21 +645,25 @@ unsafe fn rows_batched<F: Fmt, S: Staging>(
     // Register-tile passes over one block of a row group: per pass of tc tokens, tc / TB
     // tiles of TB tokens and tc % TB of one.
     let tiles = |tc: usize| tc / TB + tc % TB;
-    let passes = (ntok / TC) * tiles(TC) + tiles(ntok % TC);
-    let mut g0 = r0;
-    while g0 < r1 {
-        let nr = (r1 - g0).min(RB);
-        if full < ng {
-            for (j, p) in parts.iter_mut().enumerate().take(nr) {
-                p.1 = stage_partial(m, g0 + j, full, &mut p.0);
+    // Token passes outermost: a pass's tokens (TC × 4 bytes a column) stay in L2 for
+    // all the row groups, whose weights (a task's, a few hundred KiB at most) are read
+    // from memory in the first pass and from L2 in the next ones; row groups outermost
+    // streamed every token (more than L2 from 36 tokens of 7168 columns) once per group.
+    let mut c0 = 0;
+    while c0 < ntok {
+        let tc = (ntok - c0).min(TC);
+        let mut g0 = r0;
+        while g0 < r1 {
+            let nr = (r1 - g0).min(RB);
+            if full < ng {
+                for (j, p) in parts.iter_mut().enumerate().take(nr) {
+                    p.1 = stage_partial(m, g0 + j, full, &mut p.0);
+                }
             }
-        }
-        // The next group's weights, over this group's tile passes.
-        let next = (g0 + nr, (g0 + nr + RB).min(r1));
-        let mut ahead = Ahead::new(f.spans(next.0, next.1), ng.div_ceil(BLOCK_GROUPS) * passes);
-        let mut c0 = 0;
-        while c0 < ntok {
-            let tc = (ntok - c0).min(TC);
+            // The next group's weights, over this group's tile passes.
+            let next = (g0 + nr, (g0 + nr + RB).min(r1));
+            let steps = ng.div_ceil(BLOCK_GROUPS) * tiles(tc);
+            let mut ahead = Ahead::new(f.spans(next.0, next.1), steps);
             // SAFETY: RB * tc <= RB * TC lane sums fit the buffer; they are zeroed here
             // before the slice over them is formed.
             let acc: &mut [[f64; LANES]] = unsafe {
@@ -701,9 +706,9 @@ unsafe fn rows_batched<F: Fmt, S: Staging>(
                         unsafe { Avx512::reduce(&mut acc[j * tc + t]) };
                 }
             }
-            c0 += tc;
+            g0 += nr;
         }
-        g0 += nr;
+        c0 += tc;
     }
 }
 
