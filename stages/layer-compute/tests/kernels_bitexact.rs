@@ -203,9 +203,10 @@ fn simd_paths_match_portable_twin_bitwise() {
         for &(rows, cols) in &SHAPES {
             let o = Owned::special(fmt, rows, cols, &mut s);
             let m = o.mat();
-            // 37 tokens: three passes of the AVX-512 batched path (16 + 16 + 5 tokens,
-            // the weights staged again for each).
-            for ntok in [1usize, 2, 3, 4, 5, 9, 13, 16, 37] {
+            // 2 to 8 tokens: every few-token tile of AVX-512 (rows_few, and rows_small's
+            // pairs with an odd last token). 37 tokens: three passes of the AVX-512
+            // batched path (16 + 16 + 5 tokens, the weights staged again for each).
+            for ntok in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 37] {
                 let x = activations(ntok, cols, &mut s);
                 let mut want = vec![0f32; ntok * rows];
                 gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, ntok);
@@ -455,7 +456,7 @@ fn both_batch_stagings_match_portable_bitwise() {
         for (rows, cols) in [(133usize, 1057usize), (29, 2100)] {
             let o = Owned::special(fmt, rows, cols, &mut s);
             let m = o.mat();
-            for ntok in [5usize, 16, 37] {
+            for ntok in [5usize, 9, 16, 37] {
                 let x = activations(ntok, cols, &mut s);
                 let mut want = vec![0f32; ntok * rows];
                 gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, ntok);
