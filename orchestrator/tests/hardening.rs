@@ -35,6 +35,111 @@ fn corrupted_copy(dir: &Path, i: usize, name: &str, at: usize, bytes: &[u8]) -> 
     m
 }
 
+/// Bytes written over a tensor's data: (tensor, byte offset in its data, bytes).
+type Edit<'a> = (&'a str, usize, &'a [u8]);
+
+/// A copy of the sharded tiny model with each of `edits` written into whichever shard holds
+/// the tensor.
+fn edited_copy(dir: &Path, edits: &[Edit<'_>]) -> PathBuf {
+    let m = dir.join("m");
+    std::fs::create_dir_all(&m).unwrap();
+    for e in std::fs::read_dir(tiny()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
+    }
+    for &(name, at, bytes) in edits {
+        let p = (1..=14)
+            .map(|i| m.join(shard(i)))
+            .find(|p| header(p).1.get(name).is_some())
+            .unwrap_or_else(|| panic!("{name} in no shard"));
+        let (n, h) = header(&p);
+        let off = h[name]["data_offsets"][0].as_u64().unwrap() as usize + 8 + n as usize + at;
+        let mut b = std::fs::read(&p).unwrap();
+        b[off..off + bytes.len()].copy_from_slice(bytes);
+        std::fs::write(&p, b).unwrap();
+    }
+    m
+}
+
+/// Hostile probe 5: weights whose NaN never reaches a hidden state. A NaN row of layer 2's
+/// router (BF16) and an E8M0 scale byte 0xFF in every routed expert's w1 of layer 2 end
+/// the run with exit 1 naming the tensor, staged and single-process. Before: the router's
+/// NaN only steered the top-k choice and 0xFF decoded as 0; both exited 0 with other ids.
+#[test]
+fn nan_router_and_nan_expert_scale_end_the_run_naming_the_tensor() {
+    let router = "language_model.model.layers.2.block_sparse_moe.gate.weight";
+    let nan_row: Vec<u8> = [0xc0u8, 0x7f].repeat(128);
+    let scales: Vec<String> = (0..8)
+        .map(|e| {
+            format!("language_model.model.layers.2.block_sparse_moe.experts.{e}.w1.weight_scale")
+        })
+        .collect();
+    let cases: Vec<(Vec<Edit<'_>>, &str)> = vec![
+        (vec![(router, 5 * 256, &nan_row[..])], router),
+        (
+            scales
+                .iter()
+                .map(|s| (s.as_str(), 3, &[0xffu8][..]))
+                .collect(),
+            "E8M0 scale byte 0xFF (NaN) at row 1, group 1",
+        ),
+    ];
+    for (edits, want) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = edited_copy(tmp.path(), &edits);
+        let ms = m.to_str().unwrap();
+        for extra in [&[][..], &["--single-process"][..]] {
+            let mut a = vec![ms, "--ids", IDS, "--gen", "2", "-q"];
+            a.extend_from_slice(extra);
+            let (code, text) = run(&a);
+            assert_eq!(code, 1, "{want} {extra:?}: {text}");
+            assert!(text.contains(want), "{extra:?}: {text}");
+            assert!(text.contains("layers.2.block_sparse_moe."), "{text}");
+            assert!(text.contains("is not finite"), "{text}");
+        }
+    }
+}
+
+/// The NaN check's other blind spots: one NaN in layer 2's router bias (F32: it only steers
+/// the choice), a norm, a conv tap, A_log and an embedding row each end the run with exit 1
+/// naming that tensor. Before: the bias exited 0 with other ids; the others were reported
+/// only as some layer's output, never by name.
+#[test]
+fn nan_in_small_tensors_is_named() {
+    let f32_nan = [0u8, 0, 0xc0, 0x7f];
+    let bf16_nan = [0xc0u8, 0x7f];
+    let l2 = |s: &str| format!("language_model.model.layers.2.{s}");
+    let cases: Vec<(String, usize, &[u8])> = vec![
+        (
+            l2("block_sparse_moe.gate.e_score_correction_bias"),
+            4 * 3,
+            &f32_nan,
+        ),
+        (l2("post_attention_layernorm.weight"), 2 * 7, &bf16_nan),
+        (
+            l2("block_sparse_moe.routed_expert_norm.weight"),
+            0,
+            &bf16_nan,
+        ),
+        (l2("self_attn.q_conv1d.weight"), 4 * 9, &f32_nan),
+        (l2("self_attn.A_log"), 4, &f32_nan),
+        // Token 77's row.
+        (
+            "language_model.model.embed_tokens.weight".to_string(),
+            77 * 256 + 2,
+            &bf16_nan,
+        ),
+    ];
+    for (name, at, bytes) in &cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = edited_copy(tmp.path(), &[(name, *at, bytes)]);
+        let (code, text) = run(&[m.to_str().unwrap(), "--ids", IDS, "--gen", "2", "-q"]);
+        assert_eq!(code, 1, "{name}: {text}");
+        assert!(text.contains(&format!("tensor {name}")), "{name}: {text}");
+        assert!(text.contains("is not finite"), "{name}: {text}");
+    }
+}
+
 /// `c0 7f` × 64 (BF16 NaN) in layer 2's q_proj: greedy, sampled and score runs end with
 /// exit 1 naming layer 2. Before: token 0 at every step, exit 0.
 #[test]
