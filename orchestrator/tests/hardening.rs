@@ -567,3 +567,80 @@ fn device_inputs_and_oversize_score_are_refused() {
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("32768-id limit"), "{text}");
 }
+
+/// Hostile probe 8: `--stage-timeout` beyond what a timer can hold (1e30 overflowed
+/// `Duration`, 1e19 an `Instant` in layer-compute) or below a millisecond is a usage error
+/// (exit 2) naming the flag, before any stage starts; so is replay's `--timeout`. Before:
+/// a panic, exit 101.
+#[test]
+fn out_of_range_timeouts_are_usage_errors() {
+    for s in ["1e30", "1e19", "1000001", "0", "-1", "NaN", "inf"] {
+        let (code, text) = run(&[
+            tiny().to_str().unwrap(),
+            "--ids",
+            IDS,
+            "--gen",
+            "1",
+            "--stage-timeout",
+            s,
+        ]);
+        assert_eq!(code, 2, "{s}: {text}");
+        assert!(text.contains("--stage-timeout"), "{s}: {text}");
+        assert!(!text.contains("panicked"), "{s}: {text}");
+    }
+    let rec = fixtures().join("recordings/tiny-mxfp4");
+    let (code, text) = run(&[
+        "replay",
+        rec.to_str().unwrap(),
+        "--stage",
+        "tokenizer",
+        "--timeout",
+        "1e30",
+    ]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("--timeout"), "{text}");
+}
+
+/// Hostile probe 8: stdout or stderr closed by its reader (`k3-orch tokenize ... | head
+/// -c 10`) ends k3-orch quietly by SIGPIPE, as Unix tools end, with no panic message.
+/// Before: "failed printing to stdout: Broken pipe", exit 101.
+#[test]
+fn a_closed_pipe_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::{Command, Stdio};
+    let tok = tiny().join("../../tokenizer");
+    // Far more than a pipe holds, so the writer meets the closed end whenever it writes.
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("t.txt");
+    std::fs::write(&file, "hello world ".repeat(20_000)).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args(["tokenize", "--tok", tok.to_str().unwrap(), "--file"])
+        .arg(&file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}: {err}",
+        out.status
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    // stderr closed: the run's diagnostics (plan, step table) have nowhere to go.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args([tiny().to_str().unwrap(), "--ids", IDS, "--gen", "2", "-v"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let status = child.wait().unwrap();
+    assert!(
+        status.code() == Some(0) || status.signal() == Some(libc::SIGPIPE),
+        "{status:?}"
+    );
+}
