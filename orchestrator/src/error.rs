@@ -120,6 +120,8 @@ pub fn gen_exit_code(e: &GenError) -> i32 {
     use GenError as E;
     match e {
         E::Supervise(s) => supervise_exit_code(s),
+        // A shard that is a FIFO or a device is refused before it is read.
+        E::Catalog(c) if c.is_not_regular() => EXIT_USAGE,
         E::NoModelDir(_)
         | E::Config(_)
         | E::Layers { .. }
@@ -127,8 +129,7 @@ pub fn gen_exit_code(e: &GenError) -> i32 {
         | E::TrunkSource { .. }
         | E::Budget(_)
         | E::IdsOutside { .. }
-        | E::OutputIsDir { .. }
-        | E::OutputDirMissing { .. }
+        | E::OutputRefused { .. }
         | E::RecordNotDir(_)
         | E::RecordDirMissing { .. }
         | E::PromptFile { .. }

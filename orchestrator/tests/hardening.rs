@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::tools_common::{fixtures, header, k3_ok, k3_text as run};
+use crate::tools_common::{fixtures, header, k3_ok, k3_text as run, output_text};
 use k3_model::trunk::TrunkManifest;
 
 const IDS: &str = "77,198,74";
@@ -643,4 +643,125 @@ fn a_closed_pipe_ends_quietly() {
         status.code() == Some(0) || status.signal() == Some(libc::SIGPIPE),
         "{status:?}"
     );
+}
+
+/// `k3-orch <args>` with a deadline: exit code and output; a run still going after `secs`
+/// is killed and the test fails (a hang on a FIFO must not hang the test binary).
+fn run_within(args: &[&str], secs: u64) -> (i32, String) {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed().as_secs() >= secs {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{args:?} still running after {secs} s: {}",
+                output_text(&out)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    (out.status.code().unwrap_or(-1), output_text(&out))
+}
+
+/// A FIFO at `p`.
+fn mkfifo(p: &Path) {
+    let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path; mkfifo only creates a file system node.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+}
+
+/// Hostile probes 9 and 10: `--out`, `--dump-logits` and `--save-state` at a FIFO, an
+/// empty path, a dangling symlink, a symlink loop and `/proc/self/status` are
+/// refused before any work (exit 2, naming the flag and what the path is). Before: the run
+/// generated, then hung on the FIFO (SIGTERM ignored) or failed with exit 1.
+#[test]
+fn output_paths_that_cannot_take_a_file_are_refused_up_front() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fifo = tmp.path().join("fifo");
+    mkfifo(&fifo);
+    let dangling = tmp.path().join("dangling");
+    std::os::unix::fs::symlink(tmp.path().join("nowhere"), &dangling).unwrap();
+    let (l1, l2) = (tmp.path().join("l1"), tmp.path().join("l2"));
+    std::os::unix::fs::symlink(&l2, &l1).unwrap();
+    std::os::unix::fs::symlink(&l1, &l2).unwrap();
+    let m = tiny();
+    let cases: [(&str, &str); 5] = [
+        (fifo.to_str().unwrap(), "a FIFO"),
+        ("", "an empty path"),
+        (dangling.to_str().unwrap(), "a dangling symbolic link"),
+        (l1.to_str().unwrap(), "a symbolic link loop"),
+        ("/proc/self/status", "pseudo file systems"),
+    ];
+    for flag in ["--out", "--dump-logits", "--save-state"] {
+        for (path, want) in cases {
+            let a = [m.to_str().unwrap(), "--ids", IDS, "--gen", "1", flag, path];
+            let (code, text) = run_within(&a, 60);
+            assert_eq!(code, 2, "{flag} {path}: {text}");
+            assert!(
+                text.contains(flag) && text.contains(want),
+                "{flag} {path}: {text}"
+            );
+            assert!(!text.contains("ids:"), "refused before generating: {text}");
+        }
+    }
+    assert!(!tmp.path().join("nowhere").exists());
+    // `/dev/stdout` piped into another program (a pipe, too) still takes the report.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args([
+            m.to_str().unwrap(),
+            "--ids",
+            IDS,
+            "--gen",
+            "1",
+            "-q",
+            "--out",
+            "/dev/stdout",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", output_text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"generated_ids\""));
+}
+
+/// Hostile probe 9: a shard that is a FIFO, and a FIFO as `--load-state`, are refused at
+/// once (a run: exit 2; verify names it, exit 1) instead of waiting for a writer forever.
+#[test]
+fn fifo_inputs_are_refused_without_blocking() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = edited_copy(tmp.path(), &[]);
+    std::fs::remove_file(m.join(shard(3))).unwrap();
+    mkfifo(&m.join(shard(3)));
+    let ms = m.to_str().unwrap();
+    let (code, text) = run_within(&[ms, "--ids", IDS, "--gen", "1"], 60);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains(&shard(3)) && text.contains("a FIFO"),
+        "{text}"
+    );
+    let (code, text) = run_within(&["verify", ms], 60);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("not a regular file (a FIFO)"), "{text}");
+    let fifo = tmp.path().join("state");
+    mkfifo(&fifo);
+    let t = tiny();
+    let a = [
+        t.to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--gen",
+        "1",
+        "--load-state",
+        fifo.to_str().unwrap(),
+    ];
+    let (code, text) = run_within(&a, 60);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("--load-state"), "{text}");
 }

@@ -46,13 +46,13 @@ pub enum GenError {
         vocab.saturating_sub(1)
     )]
     IdsOutside { bad: String, vocab: usize },
-    #[error("{flag} {}: is a directory", path.display())]
-    OutputIsDir { flag: &'static str, path: PathBuf },
-    #[error("{flag} {}: the directory {} does not exist", path.display(), dir.display())]
-    OutputDirMissing {
+    /// `--out`, `--dump-logits` or `--save-state` cannot take a file
+    /// (`k3_io::output::check_target` says why).
+    #[error("{flag} {}: {why}", path.display())]
+    OutputRefused {
         flag: &'static str,
         path: PathBuf,
-        dir: PathBuf,
+        why: String,
     },
     #[error(
         "--record {}: not a directory (it names the directory the stage recordings go in)",

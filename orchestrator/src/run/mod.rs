@@ -252,8 +252,9 @@ fn print_outcome(a: &GenArgs, rep: &Report) {
 }
 
 /// What can be refused before any stage starts (exit 2): a packed trunk of another
-/// checkpoint, prompt ids outside the vocabulary, output paths whose directory is missing
-/// or that are not files, a `--record` that is not a directory.
+/// checkpoint, prompt ids outside the vocabulary, output paths that cannot take a file
+/// (`k3_io::output::check_target`: a missing directory, a directory, a dangling symlink or
+/// a loop, a FIFO no one reads, `/proc`), a `--record` that is not a directory.
 fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), GenError> {
     if let Prompt::Ids(ids) = &a.prompt {
         let vocab = cfg.vocab_size;
@@ -270,11 +271,18 @@ fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), GenError> {
             });
         }
     }
-    if let Some(out) = &a.out {
-        check_output("--out", out)?;
-    }
-    if let Some(p) = &a.dump_logits {
-        check_output("--dump-logits", p)?;
+    for (flag, p) in [
+        ("--out", &a.out),
+        ("--dump-logits", &a.dump_logits),
+        ("--save-state", &a.save_state),
+    ] {
+        if let Some(p) = p {
+            k3_io::output::check_target(p).map_err(|why| GenError::OutputRefused {
+                flag,
+                path: p.clone(),
+                why,
+            })?;
+        }
     }
     if let Some(d) = &a.record {
         match std::fs::symlink_metadata(d) {
@@ -300,25 +308,6 @@ fn parent_dir(p: &std::path::Path) -> &std::path::Path {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
     }
-}
-
-/// An output file must go in an existing directory and must not itself be a directory.
-fn check_output(flag: &'static str, p: &std::path::Path) -> Result<(), GenError> {
-    if p.is_dir() {
-        return Err(GenError::OutputIsDir {
-            flag,
-            path: p.to_path_buf(),
-        });
-    }
-    let d = parent_dir(p);
-    if !d.is_dir() {
-        return Err(GenError::OutputDirMissing {
-            flag,
-            path: p.to_path_buf(),
-            dir: d.to_path_buf(),
-        });
-    }
-    Ok(())
 }
 
 /// The JSON report of a finished generation.
