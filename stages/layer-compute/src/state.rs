@@ -484,13 +484,59 @@ pub fn load<W: Weights>(
     decode(payload, model).map_err(StateError::load(path))
 }
 
-/// Read a state file (a regular file only); its errors are [`StateError::Load`].
+/// A state file's bytes, for [`check`]. Only a regular file is opened (never blocking on
+/// a FIFO), and its magic, version, header and size are checked before the rest is read:
+/// a file that is not a state (a 3 GB log, `/dev/zero`) is refused after 16 bytes, and one
+/// whose size is not what its header says before its payload is read.
 pub fn read(path: &Path) -> Result<Vec<u8>, StateError> {
-    let m = std::fs::metadata(path).map_err(|e| StateError::load(path)(e.into()))?;
-    if !m.is_file() {
-        return Err(StateError::load(path)(StateError::NotAFile));
+    use std::io::Read;
+    let load = |e: StateError| StateError::Load {
+        path: path.to_path_buf(),
+        source: Box::new(e),
+    };
+    let mut f = k3_io::input::open_regular(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidInput => load(StateError::NotAFile),
+        _ => load(e.into()),
+    })?;
+    let size = f.metadata().map_err(|e| load(e.into()))?.len();
+    let mut head = [0u8; 16];
+    if size < 16 {
+        return Err(load(StateError::NotAState));
     }
-    std::fs::read(path).map_err(|e| StateError::load(path)(e.into()))
+    f.read_exact(&mut head).map_err(|e| load(e.into()))?;
+    if &head[..8] != MAGIC {
+        return Err(load(StateError::NotAState));
+    }
+    let version = u32::from_le_bytes(head[8..12].try_into().unwrap_or_default());
+    if version != STATE_VERSION {
+        return Err(load(StateError::Version(version)));
+    }
+    let hlen = u32::from_le_bytes(head[12..16].try_into().unwrap_or_default()) as u64;
+    if hlen > MAX_HEADER as u64 || 16 + hlen > size {
+        return Err(load(StateError::HeaderTruncated));
+    }
+    let mut bytes = head.to_vec();
+    bytes.resize(16 + hlen as usize, 0);
+    f.read_exact(&mut bytes[16..]).map_err(|e| load(e.into()))?;
+    let header: Header =
+        serde_json::from_slice(&bytes[16..]).map_err(|e| load(StateError::Header(e)))?;
+    let payload = size - 16 - hlen;
+    if payload != header.payload_bytes {
+        return Err(load(StateError::PayloadSize {
+            got: payload as usize,
+            want: header.payload_bytes,
+        }));
+    }
+    bytes
+        .try_reserve_exact(payload as usize)
+        .map_err(|e| load(std::io::Error::new(std::io::ErrorKind::OutOfMemory, e).into()))?;
+    f.take(payload)
+        .read_to_end(&mut bytes)
+        .map_err(|e| load(e.into()))?;
+    if bytes.len() as u64 != size {
+        return Err(load(StateError::Truncated));
+    }
+    Ok(bytes)
 }
 
 /// Where a run starts: a fresh session over the prompt, or a loaded state whose last token
