@@ -827,3 +827,43 @@ fn state_and_header_reads_are_bounded() {
         "{text}"
     );
 }
+
+/// Hostile probe 4: a state saved from the tiny model is refused (exit 2) by a copy whose
+/// lm_head differs in every value's lowest mantissa bit (same config, shard names, sizes
+/// and headers: other data). Before: the fingerprint covered headers only; the copy
+/// continued the state with exit 0 and ids of neither model.
+#[test]
+fn a_state_of_another_checkpoint_with_the_same_headers_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let st = tmp.path().join("s.k3state");
+    let sts = st.to_str().unwrap();
+    let t = tiny();
+    let (code, text) = run(&[
+        t.to_str().unwrap(),
+        "--ids",
+        IDS,
+        "--gen",
+        "2",
+        "--save-state",
+        sts,
+    ]);
+    assert_eq!(code, 0, "{text}");
+    let head = "language_model.lm_head.weight";
+    let (n, h) = header(&t.join(shard(14)));
+    let [a, b] = [0, 1].map(|i| h[head]["data_offsets"][i].as_u64().unwrap() as usize);
+    let bytes = std::fs::read(t.join(shard(14))).unwrap();
+    let at = 8 + n as usize;
+    // Low byte of each BF16 value: the lowest mantissa bit flips, every value stays finite.
+    let flipped: Vec<u8> = bytes[at + a..at + b]
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| if i % 2 == 0 { x ^ 1 } else { x })
+        .collect();
+    let m = edited_copy(tmp.path(), &[(head, 0, &flipped)]);
+    let (code, text) = run(&[m.to_str().unwrap(), "--gen", "2", "--load-state", sts]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("saved for another model"), "{text}");
+    // The original still continues it.
+    let (code, text) = run(&[t.to_str().unwrap(), "--gen", "2", "--load-state", sts]);
+    assert_eq!(code, 0, "{text}");
+}

@@ -58,6 +58,9 @@ pub enum StateError {
     },
     #[error(transparent)]
     Catalog(#[from] k3_model::catalog::CatalogError),
+    /// A shard's data sample could not be read for the fingerprint.
+    #[error(transparent)]
+    Source(#[from] k3_model::trunk::SourceError),
     /// Reading or writing the state file itself.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -182,8 +185,10 @@ fn sha256_hex(b: &[u8]) -> String {
     hex(&k3_protocol::record::sha256(b))
 }
 
-/// The model's fingerprint: SHA-256 over config.json, the bound layer count, and each
-/// shard's file name, size and safetensors header (in the catalog's shard order).
+/// The model's fingerprint: SHA-256 over config.json, the bound layer count, each shard's
+/// file name, size and safetensors header (in the catalog's shard order), and each shard's
+/// sampled data digest (`k3_model::trunk::SourceIdentity`, as `pack-trunk` records it:
+/// two checkpoints of one layout have the same headers, not the same data).
 pub fn fingerprint(
     config_path: &Path,
     model_dir: &Path,
@@ -198,7 +203,7 @@ pub fn fingerprint(
         .map_err(file(config_path))?;
     let cat = k3_model::catalog::Catalog::open(model_dir)?;
     let mut buf = Vec::new();
-    buf.extend_from_slice(b"k3 state fingerprint 1\n");
+    buf.extend_from_slice(b"k3 state fingerprint 2\n");
     buf.extend_from_slice(&(config.len() as u64).to_le_bytes());
     buf.extend_from_slice(&config);
     buf.extend_from_slice(&(layers as u64).to_le_bytes());
@@ -208,7 +213,7 @@ pub fn fingerprint(
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let mut f = std::fs::File::open(&sh.path).map_err(file(&sh.path))?;
+        let mut f = k3_io::input::open_regular(&sh.path).map_err(file(&sh.path))?;
         let size = f.metadata().map_err(file(&sh.path))?.len();
         let mut n = [0u8; 8];
         f.read_exact(&mut n).map_err(file(&sh.path))?;
@@ -222,6 +227,11 @@ pub fn fingerprint(
         buf.extend_from_slice(&size.to_le_bytes());
         buf.extend_from_slice(&hlen.to_le_bytes());
         buf.extend_from_slice(&header);
+    }
+    for sh in k3_model::trunk::SourceIdentity::of(&cat)?.shards {
+        buf.extend_from_slice(&(sh.file.len() as u64).to_le_bytes());
+        buf.extend_from_slice(sh.file.as_bytes());
+        buf.extend_from_slice(sh.sample_sha256.as_bytes());
     }
     Ok(sha256_hex(&buf))
 }
