@@ -123,6 +123,7 @@ pub fn gen_exit_code(e: &GenError) -> i32 {
         // A shard that is a FIFO or a device is refused before it is read.
         E::Catalog(c) if c.is_not_regular() => EXIT_USAGE,
         E::NoModelDir(_)
+        | E::ModelDir { .. }
         | E::Config(_)
         | E::Layers { .. }
         | E::TrunkManifest(_)
@@ -130,7 +131,7 @@ pub fn gen_exit_code(e: &GenError) -> i32 {
         | E::Budget(_)
         | E::IdsOutside { .. }
         | E::OutputRefused { .. }
-        | E::RecordNotDir(_)
+        | E::RecordNotDir { .. }
         | E::RecordDirMissing { .. }
         | E::PromptFile { .. }
         | E::NotUtf8 { .. }

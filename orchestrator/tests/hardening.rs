@@ -867,3 +867,80 @@ fn a_state_of_another_checkpoint_with_the_same_headers_is_refused() {
     let (code, text) = run(&[t.to_str().unwrap(), "--gen", "2", "--load-state", sts]);
     assert_eq!(code, 0, "{text}");
 }
+
+/// Hostile probe 14 (CLI): a state file whose ids include one outside the vocabulary (its
+/// checksum made right) is refused up front, exit 2; a model directory that is a symlink
+/// loop is named as one (exit 2); `--dump-cache-trace` and `--record` create only their
+/// last component (exit 2 when the directory above is missing, nothing created). Before:
+/// exit 1 from the stage; "does not exist"; `mkdir -p` of the whole trace path.
+#[test]
+fn foreign_ids_loops_and_deep_directories_are_refused_up_front() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tiny();
+    let ts = t.to_str().unwrap();
+    let st = tmp.path().join("s.k3state");
+    let (code, text) = run(&[
+        ts,
+        "--ids",
+        IDS,
+        "--gen",
+        "2",
+        "--save-state",
+        st.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{text}");
+    let b = std::fs::read(&st).unwrap();
+    let hlen = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&b[16..16 + hlen]).unwrap();
+    let mut payload = b[16 + hlen..].to_vec();
+    // pos, steps, token count, then the ids (u32 each): the last id becomes 300.
+    let nt = u64::from_le_bytes(payload[16..24].try_into().unwrap()) as usize;
+    let last = 24 + 4 * (nt - 1);
+    payload[last..last + 4].copy_from_slice(&300u32.to_le_bytes());
+    let sum: String = k3_protocol::record::sha256(&payload)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect();
+    header["payload_sha256"] = sum.into();
+    let h = serde_json::to_vec(&header).unwrap();
+    let mut out = b[..12].to_vec();
+    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&payload);
+    let bad = tmp.path().join("bad.k3state");
+    std::fs::write(&bad, out).unwrap();
+    let (code, text) = run(&[ts, "--gen", "1", "--load-state", bad.to_str().unwrap()]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("id 300, outside the vocabulary"), "{text}");
+
+    let (l1, l2) = (tmp.path().join("l1"), tmp.path().join("l2"));
+    std::os::unix::fs::symlink(&l2, &l1).unwrap();
+    std::os::unix::fs::symlink(&l1, &l2).unwrap();
+    let (code, text) = run(&[l1.to_str().unwrap(), "--ids", IDS, "--gen", "1"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("a symbolic link loop"), "{text}");
+
+    for flag in ["--dump-cache-trace", "--record"] {
+        let deep = tmp.path().join("a/b/c");
+        let (code, text) = run(&[ts, "--ids", IDS, "--gen", "1", flag, deep.to_str().unwrap()]);
+        assert_eq!(code, 2, "{flag}: {text}");
+        assert!(
+            text.contains(flag) && text.contains("does not exist"),
+            "{text}"
+        );
+        assert!(!tmp.path().join("a").exists(), "{flag} created a/");
+    }
+    // The last component alone is created.
+    let one = tmp.path().join("trace");
+    let (code, text) = run(&[
+        ts,
+        "--ids",
+        IDS,
+        "--gen",
+        "1",
+        "--dump-cache-trace",
+        one.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{text}");
+    assert!(one.join("expert_trace.bin").is_file());
+}

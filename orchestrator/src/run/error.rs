@@ -24,6 +24,9 @@ pub enum GenError {
     // Refused up front (exit 2).
     #[error("model directory {} does not exist", .0.display())]
     NoModelDir(PathBuf),
+    /// The model directory exists but cannot be one (a file, a symlink loop).
+    #[error("model directory {}: {why}", path.display())]
+    ModelDir { path: PathBuf, why: String },
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("--layers {want}: the model has {have} layers")]
@@ -54,13 +57,19 @@ pub enum GenError {
         path: PathBuf,
         why: String,
     },
+    /// `--record` or `--dump-cache-trace` names something other than a directory.
     #[error(
-        "--record {}: not a directory (it names the directory the stage recordings go in)",
-        .0.display()
+        "{flag} {}: not a directory (it names the directory the run's files go in)",
+        path.display()
     )]
-    RecordNotDir(PathBuf),
-    #[error("--record {}: its directory {} does not exist", path.display(), dir.display())]
-    RecordDirMissing { path: PathBuf, dir: PathBuf },
+    RecordNotDir { flag: &'static str, path: PathBuf },
+    /// Only the last component of `--record` / `--dump-cache-trace` is created.
+    #[error("{flag} {}: its directory {} does not exist", path.display(), dir.display())]
+    RecordDirMissing {
+        flag: &'static str,
+        path: PathBuf,
+        dir: PathBuf,
+    },
     #[error("--prompt-file {}: {source}", path.display())]
     PromptFile {
         path: PathBuf,

@@ -357,12 +357,24 @@ fn state_fingerprint(c: &Common<'_>) -> Result<String, GenError> {
         state::fingerprint(c.config_path, &a.model_dir, c.layers).map_err(GenError::Fingerprint)?;
     if let Some(p) = &a.load_state {
         let bytes = state::read(p).map_err(GenError::LoadState)?;
-        state::check(&bytes, &fp).map_err(|e| {
+        let load = |e| {
             GenError::LoadState(StateError::Load {
                 path: p.clone(),
                 source: Box::new(e),
             })
-        })?;
+        };
+        let (_, payload) = state::check(&bytes, &fp).map_err(load)?;
+        // An id outside the vocabulary is refused here (exit 2), not in the stage.
+        let vocab = c.cfg.vocab_size;
+        if let Some(t) = state::tokens(payload)
+            .map_err(load)?
+            .into_iter()
+            .find(|&t| t as usize >= vocab)
+        {
+            return Err(load(StateError::Mismatch(format!(
+                "the state holds id {t}, outside the vocabulary (vocab_size {vocab})"
+            ))));
+        }
     }
     if let Some(p) = &a.save_state {
         let dir = match p.parent() {

@@ -87,8 +87,24 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
 
 /// The model `a` names, opened, and the flags checked against it.
 fn checked_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
-    if !a.model_dir.is_dir() {
-        return Err(GenError::NoModelDir(a.model_dir.clone()));
+    match std::fs::metadata(&a.model_dir) {
+        Ok(m) if m.is_dir() => {}
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(GenError::ModelDir {
+                path: a.model_dir.clone(),
+                why: "a symbolic link loop".into(),
+            })
+        }
+        Ok(m) => {
+            return Err(GenError::ModelDir {
+                path: a.model_dir.clone(),
+                why: format!(
+                    "{}, not a directory",
+                    k3_io::input::kind_name(m.file_type())
+                ),
+            })
+        }
+        Err(_) => return Err(GenError::NoModelDir(a.model_dir.clone())),
     }
     let (cfg, cat, layers) = open_model(a)?;
     preflight(a, &cfg)?;
@@ -284,14 +300,25 @@ fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), GenError> {
             })?;
         }
     }
-    if let Some(d) = &a.record {
+    // Directories the run creates: only their last component (never `mkdir -p`).
+    for (flag, d) in [
+        ("--record", &a.record),
+        ("--dump-cache-trace", &a.dump_cache_trace),
+    ] {
+        let Some(d) = d else { continue };
         match std::fs::symlink_metadata(d) {
             Ok(m) if m.is_dir() => {}
-            Ok(_) => return Err(GenError::RecordNotDir(d.clone())),
+            Ok(_) => {
+                return Err(GenError::RecordNotDir {
+                    flag,
+                    path: d.clone(),
+                })
+            }
             Err(_) => {
                 let parent = parent_dir(d);
                 if !parent.is_dir() {
                     return Err(GenError::RecordDirMissing {
+                        flag,
                         path: d.clone(),
                         dir: parent.to_path_buf(),
                     });

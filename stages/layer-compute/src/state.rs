@@ -404,6 +404,17 @@ impl Reader<'_> {
     }
 }
 
+/// The ids a checked payload records (every id the session consumed, then the last
+/// generated one), read without a model: what a run checks against its vocabulary up
+/// front.
+pub fn tokens(payload: &[u8]) -> Result<Vec<u32>, StateError> {
+    let mut r = Reader { b: payload, at: 0 };
+    let _pos = r.u64()?;
+    let _steps = r.u64()?;
+    let nt = r.count(4)?;
+    (0..nt).map(|_| r.u32()).collect()
+}
+
 /// Read a checked payload into a session for `model`, checking every shape against it.
 pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, StateError> {
     let mismatch = StateError::Mismatch;
