@@ -141,7 +141,8 @@ pub fn gen_exit_code(e: &GenError) -> i32 {
         | E::Tokenizer { .. }
         | E::LoadState(_)
         | E::SaveStatePath(_)
-        | E::HookNotArmed
+        | E::HookNotArmed(_)
+        | E::BadHookValue { .. }
         | E::BadBudgetOverride(_)
         | E::BadInjection { .. } => EXIT_USAGE,
         E::Catalog(_)

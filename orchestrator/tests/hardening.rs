@@ -501,6 +501,7 @@ fn sim_cache_refuses_zero_rates() {
 fn malformed_injection_is_refused() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
         .args([tiny().to_str().unwrap(), "--ids", IDS, "--gen", "1"])
+        .env("K3_TEST_HOOKS", "1")
         .env("K3_INJECT_EXPERT_FAILURES", "1:0,two:3")
         .output()
         .unwrap();
@@ -943,4 +944,53 @@ fn foreign_ids_loops_and_deep_directories_are_refused_up_front() {
     ]);
     assert_eq!(code, 0, "{text}");
     assert!(one.join("expert_trace.bin").is_file());
+}
+
+/// Test item 14: the test hooks `K3_INJECT_EXPERT_FAILURES`, `K3_PREFILL_CHUNK` and
+/// `K3_LM_HEAD_*` are refused (exit 2, naming the variable) unless `K3_TEST_HOOKS=1` arms
+/// them, and a malformed value is refused when armed. Before: injection worked unarmed,
+/// and the others were silently ignored when unarmed or malformed.
+#[test]
+fn test_hooks_are_refused_unless_armed_and_well_formed() {
+    let t = tiny();
+    let run_env = |env: &[(&str, &str)]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"));
+        c.args([t.to_str().unwrap(), "--ids", IDS, "--gen", "1"]);
+        c.env_remove("K3_TEST_HOOKS");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let out = c.output().unwrap();
+        (out.status.code().unwrap_or(-1), output_text(&out))
+    };
+    for (name, good) in [
+        ("K3_INJECT_EXPERT_FAILURES", "1:0"),
+        ("K3_PREFILL_CHUNK", "2"),
+        ("K3_LM_HEAD_CHUNK_BYTES", "7000"),
+        ("K3_LM_HEAD_HELD_BYTES", "10000"),
+    ] {
+        let (code, text) = run_env(&[(name, good)]);
+        assert_eq!(code, 2, "{name} unarmed: {text}");
+        assert!(
+            text.contains(name) && text.contains("K3_TEST_HOOKS=1"),
+            "{text}"
+        );
+    }
+    for name in [
+        "K3_PREFILL_CHUNK",
+        "K3_LM_HEAD_CHUNK_BYTES",
+        "K3_LM_HEAD_HELD_BYTES",
+    ] {
+        for bad in ["0", "x", "-5", ""] {
+            let (code, text) = run_env(&[("K3_TEST_HOOKS", "1"), (name, bad)]);
+            assert_eq!(code, 2, "{name}={bad:?}: {text}");
+            assert!(
+                text.contains(&format!("{name}={bad:?}: not a positive integer")),
+                "{text}"
+            );
+        }
+    }
+    // Armed and well formed, a hook runs (the chunked prefill gives the same ids).
+    let (code, text) = run_env(&[("K3_TEST_HOOKS", "1"), ("K3_PREFILL_CHUNK", "2")]);
+    assert_eq!(code, 0, "{text}");
 }

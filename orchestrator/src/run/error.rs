@@ -91,11 +91,16 @@ pub enum GenError {
     LoadState(StateError),
     #[error("--save-state {}: not a file in an existing directory", .0.display())]
     SaveStatePath(PathBuf),
+    /// A test hook's variable (`K3_STAGE_BUDGET_OVERRIDE`, `K3_INJECT_EXPERT_FAILURES`,
+    /// `K3_PREFILL_CHUNK`, `K3_LM_HEAD_*`) without `K3_TEST_HOOKS=1`.
     #[error(
-        "{BUDGET_OVERRIDE_ENV} is a test hook that replaces stage memory budgets; it is \
-         honoured only with {TEST_HOOKS_ENV}=1 (unset it for a normal run)"
+        "{0} is a test hook (it changes how the run works); it is honoured only with \
+         {TEST_HOOKS_ENV}=1 (unset it for a normal run)"
     )]
-    HookNotArmed,
+    HookNotArmed(&'static str),
+    /// A numeric test hook whose value is not a positive integer.
+    #[error("{name}={value:?}: not a positive integer")]
+    BadHookValue { name: &'static str, value: String },
     #[error(
         "{BUDGET_OVERRIDE_ENV}: {0:?} is not stage=bytes (stages: tokenizer, trunk-loader, \
          expert-fetcher, layer-compute)"

@@ -48,9 +48,10 @@ pub(crate) fn config_path(a: &GenArgs) -> std::path::PathBuf {
 
 /// The model a generation runs: its config (`--config` or the model dir's), the shard
 /// catalog, and the layer count (`--layers`, refused past the model's); a `--trunk` is
-/// checked against the catalog. Shared by the
-/// one-shot run and the warm pipeline of `serve`/`chat`.
+/// checked against the catalog, the test hooks checked (`launch::check_test_hooks`). Shared
+/// by the one-shot run and the warm pipeline of `serve`/`chat`.
 pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
+    launch::check_test_hooks()?;
     let config_path = config_path(a);
     let cfg = ModelConfig::load(&config_path)?;
     if let Some(n) = a.layers {
