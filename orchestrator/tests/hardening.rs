@@ -397,7 +397,12 @@ fn record_does_not_follow_a_planted_symlink() {
         "--record",
         rec.to_str().unwrap(),
     ]);
-    assert_ne!(code, 0, "{text}");
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("stage tokenizer failed")
+            && text.contains("tokenizer.k3rec: Too many levels of symbolic links"),
+        "{text}"
+    );
     assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
 }
 
@@ -459,6 +464,12 @@ fn outputs_never_replace_links_or_devices() {
         "--out",
         "/dev/null",
     ]);
+    // The bug was /dev/null replaced by a regular file (as root): it is still a device.
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::symlink_metadata("/dev/null")
+        .unwrap()
+        .file_type()
+        .is_char_device());
     let names: Vec<String> = std::fs::read_dir(tmp.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
