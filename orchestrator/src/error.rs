@@ -120,16 +120,18 @@ pub fn gen_exit_code(e: &GenError) -> i32 {
     use GenError as E;
     match e {
         E::Supervise(s) => supervise_exit_code(s),
+        // A shard that is a FIFO or a device is refused before it is read.
+        E::Catalog(c) if c.is_not_regular() => EXIT_USAGE,
         E::NoModelDir(_)
+        | E::ModelDir { .. }
         | E::Config(_)
         | E::Layers { .. }
         | E::TrunkManifest(_)
         | E::TrunkSource { .. }
         | E::Budget(_)
         | E::IdsOutside { .. }
-        | E::OutputIsDir { .. }
-        | E::OutputDirMissing { .. }
-        | E::RecordNotDir(_)
+        | E::OutputRefused { .. }
+        | E::RecordNotDir { .. }
         | E::RecordDirMissing { .. }
         | E::PromptFile { .. }
         | E::NotUtf8 { .. }
@@ -139,7 +141,8 @@ pub fn gen_exit_code(e: &GenError) -> i32 {
         | E::Tokenizer { .. }
         | E::LoadState(_)
         | E::SaveStatePath(_)
-        | E::HookNotArmed
+        | E::HookNotArmed(_)
+        | E::BadHookValue { .. }
         | E::BadBudgetOverride(_)
         | E::BadInjection { .. } => EXIT_USAGE,
         E::Catalog(_)

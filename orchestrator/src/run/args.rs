@@ -226,6 +226,10 @@ pub struct GenArgs {
 pub const MAX_GEN: usize = 4096;
 /// Longest prompt accepted, in tokens.
 pub const MAX_PROMPT: usize = k3_protocol::conf::MAX_PROMPT_IDS;
+/// `--stage-timeout` bounds, in seconds: a stage's timers add it to `Instant::now()`, so a
+/// huge value (1e19, 1e30) would overflow them; a million seconds is eleven days.
+pub const MIN_STAGE_TIMEOUT_S: f64 = 0.001;
+pub const MAX_STAGE_TIMEOUT_S: f64 = 1e6;
 
 /// What the parser found: a run, or a request answered without a model.
 #[derive(Debug)]
@@ -302,7 +306,8 @@ diagnostics:
   --inproc               run the stages as threads in one process (same ids)
   --single-process       run the forward directly, without stages (same ids)
   --require-cgroups      fail when per-stage memory cgroups cannot be created
-  --stage-timeout S      seconds a stage may stay silent before it is declared hung (default 60)
+  --stage-timeout S      seconds a stage may stay silent before it is declared hung
+                         (default 60; 0.001 to 1000000)
   --quiet, -q            only the generated text on stdout; warnings and errors on stderr
   -v, -vv, --verbose     debug / trace diagnostics on stderr (or K3_LOG=filter)
   --list-presets         the memory presets, with k3's projected s/token for each
@@ -567,8 +572,11 @@ impl LowArgs {
             "--numa" => self.numa = Some(val()?),
             "--stage-timeout" => {
                 let s: f64 = num(&val()?, flag)?;
-                if !(s > 0.0 && s.is_finite()) {
-                    return Err("--stage-timeout: must be a positive number of seconds".into());
+                if !(MIN_STAGE_TIMEOUT_S..=MAX_STAGE_TIMEOUT_S).contains(&s) {
+                    return Err(format!(
+                        "--stage-timeout: {s} is out of range \
+                         ({MIN_STAGE_TIMEOUT_S}..={MAX_STAGE_TIMEOUT_S} seconds)"
+                    ));
                 }
                 self.stage_timeout_s = Some(s);
             }

@@ -24,6 +24,9 @@ pub enum GenError {
     // Refused up front (exit 2).
     #[error("model directory {} does not exist", .0.display())]
     NoModelDir(PathBuf),
+    /// The model directory exists but cannot be one (a file, a symlink loop).
+    #[error("model directory {}: {why}", path.display())]
+    ModelDir { path: PathBuf, why: String },
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("--layers {want}: the model has {have} layers")]
@@ -46,21 +49,27 @@ pub enum GenError {
         vocab.saturating_sub(1)
     )]
     IdsOutside { bad: String, vocab: usize },
-    #[error("{flag} {}: is a directory", path.display())]
-    OutputIsDir { flag: &'static str, path: PathBuf },
-    #[error("{flag} {}: the directory {} does not exist", path.display(), dir.display())]
-    OutputDirMissing {
+    /// `--out`, `--dump-logits` or `--save-state` cannot take a file
+    /// (`k3_io::output::check_target` says why).
+    #[error("{flag} {}: {why}", path.display())]
+    OutputRefused {
+        flag: &'static str,
+        path: PathBuf,
+        why: String,
+    },
+    /// `--record` or `--dump-cache-trace` names something other than a directory.
+    #[error(
+        "{flag} {}: not a directory (it names the directory the run's files go in)",
+        path.display()
+    )]
+    RecordNotDir { flag: &'static str, path: PathBuf },
+    /// Only the last component of `--record` / `--dump-cache-trace` is created.
+    #[error("{flag} {}: its directory {} does not exist", path.display(), dir.display())]
+    RecordDirMissing {
         flag: &'static str,
         path: PathBuf,
         dir: PathBuf,
     },
-    #[error(
-        "--record {}: not a directory (it names the directory the stage recordings go in)",
-        .0.display()
-    )]
-    RecordNotDir(PathBuf),
-    #[error("--record {}: its directory {} does not exist", path.display(), dir.display())]
-    RecordDirMissing { path: PathBuf, dir: PathBuf },
     #[error("--prompt-file {}: {source}", path.display())]
     PromptFile {
         path: PathBuf,
@@ -82,11 +91,16 @@ pub enum GenError {
     LoadState(StateError),
     #[error("--save-state {}: not a file in an existing directory", .0.display())]
     SaveStatePath(PathBuf),
+    /// A test hook's variable (`K3_STAGE_BUDGET_OVERRIDE`, `K3_INJECT_EXPERT_FAILURES`,
+    /// `K3_PREFILL_CHUNK`, `K3_LM_HEAD_*`) without `K3_TEST_HOOKS=1`.
     #[error(
-        "{BUDGET_OVERRIDE_ENV} is a test hook that replaces stage memory budgets; it is \
-         honoured only with {TEST_HOOKS_ENV}=1 (unset it for a normal run)"
+        "{0} is a test hook (it changes how the run works); it is honoured only with \
+         {TEST_HOOKS_ENV}=1 (unset it for a normal run)"
     )]
-    HookNotArmed,
+    HookNotArmed(&'static str),
+    /// A numeric test hook whose value is not a positive integer.
+    #[error("{name}={value:?}: not a positive integer")]
+    BadHookValue { name: &'static str, value: String },
     #[error(
         "{BUDGET_OVERRIDE_ENV}: {0:?} is not stage=bytes (stages: tokenizer, trunk-loader, \
          expert-fetcher, layer-compute)"

@@ -357,12 +357,24 @@ fn state_fingerprint(c: &Common<'_>) -> Result<String, GenError> {
         state::fingerprint(c.config_path, &a.model_dir, c.layers).map_err(GenError::Fingerprint)?;
     if let Some(p) = &a.load_state {
         let bytes = state::read(p).map_err(GenError::LoadState)?;
-        state::check(&bytes, &fp).map_err(|e| {
+        let load = |e| {
             GenError::LoadState(StateError::Load {
                 path: p.clone(),
                 source: Box::new(e),
             })
-        })?;
+        };
+        let (_, payload) = state::check(&bytes, &fp).map_err(load)?;
+        // An id outside the vocabulary is refused here (exit 2), not in the stage.
+        let vocab = c.cfg.vocab_size;
+        if let Some(t) = state::tokens(payload)
+            .map_err(load)?
+            .into_iter()
+            .find(|&t| t as usize >= vocab)
+        {
+            return Err(load(StateError::Mismatch(format!(
+                "the state holds id {t}, outside the vocabulary (vocab_size {vocab})"
+            ))));
+        }
     }
     if let Some(p) = &a.save_state {
         let dir = match p.parent() {
@@ -438,7 +450,7 @@ fn budget_override(value: Option<String>, armed: bool) -> Result<Option<BudgetOv
         return Ok(None);
     };
     if !armed {
-        return Err(GenError::HookNotArmed);
+        return Err(GenError::HookNotArmed(BUDGET_OVERRIDE_ENV));
     }
     let mut out = Vec::new();
     for part in v.split(',').filter(|p| !p.trim().is_empty()) {
@@ -497,10 +509,48 @@ fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>)
     Ok((budgets, banner))
 }
 
+/// Environment variable of the expert-failure test hook ([`injected_failures`]).
+pub const INJECT_ENV: &str = "K3_INJECT_EXPERT_FAILURES";
+
+/// The test hooks other than the budget override (which [`budget_override`] checks), each
+/// refused up front (exit 2) unless `K3_TEST_HOOKS=1` arms it, and refused when malformed:
+/// a stray variable in a user's shell never changes a run unseen, and a test that means to
+/// use a hook never runs without it. Called where every run, `serve` and `chat` open the
+/// model (`run::open_model`).
+pub fn check_test_hooks() -> Result<(), GenError> {
+    use super::plan::{LM_HEAD_CHUNK_ENV, LM_HEAD_HELD_ENV, PREFILL_CHUNK_ENV};
+    let armed = std::env::var(TEST_HOOKS_ENV).as_deref() == Ok("1");
+    for name in [
+        INJECT_ENV,
+        PREFILL_CHUNK_ENV,
+        LM_HEAD_CHUNK_ENV,
+        LM_HEAD_HELD_ENV,
+    ] {
+        let Some(v) = std::env::var_os(name) else {
+            continue;
+        };
+        if !armed {
+            return Err(GenError::HookNotArmed(name));
+        }
+        let positive = v
+            .to_str()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > 0);
+        if name != INJECT_ENV && !positive {
+            return Err(GenError::BadHookValue {
+                name,
+                value: v.to_string_lossy().into_owned(),
+            });
+        }
+    }
+    injected_failures().map(|_| ())
+}
+
 /// Routed experts whose reads fail on purpose (`K3_INJECT_EXPERT_FAILURES=layer:expert,...`,
-/// the tests of exit 4). A malformed value is a usage error, not silently ignored.
+/// the tests of exit 4; armed by `K3_TEST_HOOKS=1`, [`check_test_hooks`]). A malformed
+/// value is a usage error, not silently ignored.
 fn injected_failures() -> Result<Vec<(u32, u32)>, GenError> {
-    let Ok(v) = std::env::var("K3_INJECT_EXPERT_FAILURES") else {
+    let Ok(v) = std::env::var(INJECT_ENV) else {
         return Ok(Vec::new());
     };
     v.split(',')
@@ -796,7 +846,7 @@ mod tests {
     fn budget_override_needs_the_arming_variable() {
         assert_eq!(budget_override(None, false).unwrap(), None);
         let e = budget_override(Some("layer-compute=1000000".into()), false).unwrap_err();
-        assert!(matches!(e, GenError::HookNotArmed), "{e}");
+        assert!(matches!(e, GenError::HookNotArmed(_)), "{e}");
         let e = crate::error::RunError::from(e);
         assert_eq!(e.code, crate::error::EXIT_USAGE);
         assert!(e.msg.contains("K3_TEST_HOOKS=1"), "{}", e.msg);

@@ -48,9 +48,10 @@ pub(crate) fn config_path(a: &GenArgs) -> std::path::PathBuf {
 
 /// The model a generation runs: its config (`--config` or the model dir's), the shard
 /// catalog, and the layer count (`--layers`, refused past the model's); a `--trunk` is
-/// checked against the catalog. Shared by the
-/// one-shot run and the warm pipeline of `serve`/`chat`.
+/// checked against the catalog, the test hooks checked (`launch::check_test_hooks`). Shared
+/// by the one-shot run and the warm pipeline of `serve`/`chat`.
 pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
+    launch::check_test_hooks()?;
     let config_path = config_path(a);
     let cfg = ModelConfig::load(&config_path)?;
     if let Some(n) = a.layers {
@@ -87,8 +88,24 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
 
 /// The model `a` names, opened, and the flags checked against it.
 fn checked_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
-    if !a.model_dir.is_dir() {
-        return Err(GenError::NoModelDir(a.model_dir.clone()));
+    match std::fs::metadata(&a.model_dir) {
+        Ok(m) if m.is_dir() => {}
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(GenError::ModelDir {
+                path: a.model_dir.clone(),
+                why: "a symbolic link loop".into(),
+            })
+        }
+        Ok(m) => {
+            return Err(GenError::ModelDir {
+                path: a.model_dir.clone(),
+                why: format!(
+                    "{}, not a directory",
+                    k3_io::input::kind_name(m.file_type())
+                ),
+            })
+        }
+        Err(_) => return Err(GenError::NoModelDir(a.model_dir.clone())),
     }
     let (cfg, cat, layers) = open_model(a)?;
     preflight(a, &cfg)?;
@@ -252,8 +269,9 @@ fn print_outcome(a: &GenArgs, rep: &Report) {
 }
 
 /// What can be refused before any stage starts (exit 2): a packed trunk of another
-/// checkpoint, prompt ids outside the vocabulary, output paths whose directory is missing
-/// or that are not files, a `--record` that is not a directory.
+/// checkpoint, prompt ids outside the vocabulary, output paths that cannot take a file
+/// (`k3_io::output::check_target`: a missing directory, a directory, a dangling symlink or
+/// a loop, a FIFO no one reads, `/proc`), a `--record` that is not a directory.
 fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), GenError> {
     if let Prompt::Ids(ids) = &a.prompt {
         let vocab = cfg.vocab_size;
@@ -270,20 +288,38 @@ fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), GenError> {
             });
         }
     }
-    if let Some(out) = &a.out {
-        check_output("--out", out)?;
+    for (flag, p) in [
+        ("--out", &a.out),
+        ("--dump-logits", &a.dump_logits),
+        ("--save-state", &a.save_state),
+    ] {
+        if let Some(p) = p {
+            k3_io::output::check_target(p).map_err(|why| GenError::OutputRefused {
+                flag,
+                path: p.clone(),
+                why,
+            })?;
+        }
     }
-    if let Some(p) = &a.dump_logits {
-        check_output("--dump-logits", p)?;
-    }
-    if let Some(d) = &a.record {
+    // Directories the run creates: only their last component (never `mkdir -p`).
+    for (flag, d) in [
+        ("--record", &a.record),
+        ("--dump-cache-trace", &a.dump_cache_trace),
+    ] {
+        let Some(d) = d else { continue };
         match std::fs::symlink_metadata(d) {
             Ok(m) if m.is_dir() => {}
-            Ok(_) => return Err(GenError::RecordNotDir(d.clone())),
+            Ok(_) => {
+                return Err(GenError::RecordNotDir {
+                    flag,
+                    path: d.clone(),
+                })
+            }
             Err(_) => {
                 let parent = parent_dir(d);
                 if !parent.is_dir() {
                     return Err(GenError::RecordDirMissing {
+                        flag,
                         path: d.clone(),
                         dir: parent.to_path_buf(),
                     });
@@ -300,25 +336,6 @@ fn parent_dir(p: &std::path::Path) -> &std::path::Path {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
     }
-}
-
-/// An output file must go in an existing directory and must not itself be a directory.
-fn check_output(flag: &'static str, p: &std::path::Path) -> Result<(), GenError> {
-    if p.is_dir() {
-        return Err(GenError::OutputIsDir {
-            flag,
-            path: p.to_path_buf(),
-        });
-    }
-    let d = parent_dir(p);
-    if !d.is_dir() {
-        return Err(GenError::OutputDirMissing {
-            flag,
-            path: p.to_path_buf(),
-            dir: d.to_path_buf(),
-        });
-    }
-    Ok(())
 }
 
 /// The JSON report of a finished generation.

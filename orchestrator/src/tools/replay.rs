@@ -255,8 +255,11 @@ pub fn main(args: Vec<OsString>) -> i32 {
         );
         return 2;
     };
-    if !(a.timeout > 0.0 && a.timeout.is_finite()) {
-        tracing::error!("k3-orch replay: --timeout must be a positive number of seconds");
+    // Bounded as `--stage-timeout` is: a huge value would overflow `Duration`.
+    if !(crate::run::args::MIN_STAGE_TIMEOUT_S..=crate::run::args::MAX_STAGE_TIMEOUT_S)
+        .contains(&a.timeout)
+    {
+        tracing::error!("k3-orch replay: --timeout must be 0.001 to 1000000 seconds");
         return 2;
     }
     let path = recording_path(&a.rec_dir, stage.name());

@@ -23,7 +23,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
-use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -279,6 +278,15 @@ fn check_shard(
             return;
         }
     };
+    if !meta.is_file() {
+        // Never opened: a FIFO's open would wait for a writer forever.
+        r.problems.push(format!(
+            "{s}: not a regular file ({})",
+            k3_io::input::kind_name(meta.file_type())
+        ));
+        sum.some_failed = true;
+        return;
+    }
     sum.present += 1;
     sum.bytes_on_disk += meta.len();
     let cat = match Catalog::from_files(std::slice::from_ref(&path)) {
@@ -424,7 +432,7 @@ fn first_few(v: &[String]) -> String {
 /// Say why a shard failed to parse, in sizes when it is a truncation.
 fn diagnose(path: &Path, name: &str, size: u64, catalog_err: &str) -> String {
     let mut head = [0u8; 8];
-    let ok = File::open(path)
+    let ok = k3_io::input::open_regular(path)
         .and_then(|mut f| f.read_exact(&mut head))
         .is_ok();
     if !ok {
@@ -434,9 +442,14 @@ fn diagnose(path: &Path, name: &str, size: u64, catalog_err: &str) -> String {
     if n.saturating_add(8) > size {
         return format!("{name}: truncated: {size} bytes, but the header alone is 8 + {n} bytes");
     }
+    if n > k3_model::catalog::MAX_HEADER_BYTES {
+        // Never read (or allocate) a header past the loader's limit: the catalog's own
+        // error names it.
+        return format!("{name}: {catalog_err}");
+    }
     // Largest data end in the header, to name how much is missing.
     let end = (|| -> Option<u64> {
-        let mut f = File::open(path).ok()?;
+        let mut f = k3_io::input::open_regular(path).ok()?;
         let mut buf = vec![0u8; 8 + n as usize];
         f.read_exact(&mut buf).ok()?;
         let v: serde_json::Value = serde_json::from_slice(&buf[8..]).ok()?;
@@ -467,7 +480,7 @@ fn is_plain_name(f: &str) -> bool {
 
 /// sha256 of a file, with the progress bar advanced by its bytes.
 fn sha256_file(path: &Path, bar: &indicatif::ProgressBar) -> std::io::Result<String> {
-    let mut file = File::open(path)?;
+    let mut file = k3_io::input::open_regular(path)?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 8 << 20];
     loop {
@@ -677,7 +690,7 @@ fn check_sums(dir: &Path, hashes: bool, shards: &BTreeSet<String>, r: &mut Verif
             ));
             continue;
         }
-        let Ok(mut file) = File::open(&path) else {
+        let Ok(mut file) = k3_io::input::open_regular(&path) else {
             r.problems
                 .push(format!("{f}: listed in {SUMS_FILE} but cannot be opened"));
             continue;

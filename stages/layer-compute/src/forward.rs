@@ -40,8 +40,9 @@ use k3_model::classify::{layer_tensor, model_tensor};
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
     /// A tensor is missing or does not fit its expected dtype/shape (exit 1 upstream).
+    /// A tensor that holds a non-finite value is [`ForwardError::NonFinite`] instead.
     #[error("tensor does not bind: {0}")]
-    Bind(#[from] WeightError),
+    Bind(WeightError),
     /// The request itself is invalid (token id out of range, no tokens, bad options).
     #[error("{0}")]
     Input(String),
@@ -49,6 +50,15 @@ pub enum ForwardError {
     /// not turn it into a token.
     #[error("{0}")]
     NonFinite(String),
+}
+
+impl From<WeightError> for ForwardError {
+    fn from(e: WeightError) -> Self {
+        match e {
+            WeightError::NonFinite { .. } => ForwardError::NonFinite(e.to_string()),
+            e => ForwardError::Bind(e),
+        }
+    }
 }
 
 /// Options of a [`Model`].
@@ -792,7 +802,8 @@ impl<W: Weights> Model<W> {
                 shape: &[d],
                 bytes,
             };
-            h.extend(to_f32_vec("embed_tokens.weight", &row)?);
+            let name = || format!("{} row {id}", model_tensor("embed_tokens.weight"));
+            h.extend(to_f32_vec(&name(), &row)?);
         }
         Ok(h)
     }
@@ -1114,7 +1125,7 @@ impl<W: Weights> Model<W> {
             release_head: &mut || self.weights.end_phase(l),
             tail: &mut || self.moe_tail(l),
         };
-        let (z, ms) = head.forward_phased(ctx, &self.moe_params(), v, ntok, &mut hooks)?;
+        let (z, ms) = head.forward_phased(ctx, &self.moe_params(l), v, ntok, &mut hooks)?;
         let stats = ForwardStats {
             expert_requests: ms.requests,
             expert_failures: ms.failures,

@@ -58,6 +58,9 @@ pub enum StateError {
     },
     #[error(transparent)]
     Catalog(#[from] k3_model::catalog::CatalogError),
+    /// A shard's data sample could not be read for the fingerprint.
+    #[error(transparent)]
+    Source(#[from] k3_model::trunk::SourceError),
     /// Reading or writing the state file itself.
     #[error("{0}")]
     Io(#[from] std::io::Error),
@@ -182,8 +185,10 @@ fn sha256_hex(b: &[u8]) -> String {
     hex(&k3_protocol::record::sha256(b))
 }
 
-/// The model's fingerprint: SHA-256 over config.json, the bound layer count, and each
-/// shard's file name, size and safetensors header (in the catalog's shard order).
+/// The model's fingerprint: SHA-256 over config.json, the bound layer count, each shard's
+/// file name, size and safetensors header (in the catalog's shard order), and each shard's
+/// sampled data digest (`k3_model::trunk::SourceIdentity`, as `pack-trunk` records it:
+/// two checkpoints of one layout have the same headers, not the same data).
 pub fn fingerprint(
     config_path: &Path,
     model_dir: &Path,
@@ -198,7 +203,7 @@ pub fn fingerprint(
         .map_err(file(config_path))?;
     let cat = k3_model::catalog::Catalog::open(model_dir)?;
     let mut buf = Vec::new();
-    buf.extend_from_slice(b"k3 state fingerprint 1\n");
+    buf.extend_from_slice(b"k3 state fingerprint 2\n");
     buf.extend_from_slice(&(config.len() as u64).to_le_bytes());
     buf.extend_from_slice(&config);
     buf.extend_from_slice(&(layers as u64).to_le_bytes());
@@ -208,7 +213,7 @@ pub fn fingerprint(
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let mut f = std::fs::File::open(&sh.path).map_err(file(&sh.path))?;
+        let mut f = k3_io::input::open_regular(&sh.path).map_err(file(&sh.path))?;
         let size = f.metadata().map_err(file(&sh.path))?.len();
         let mut n = [0u8; 8];
         f.read_exact(&mut n).map_err(file(&sh.path))?;
@@ -222,6 +227,11 @@ pub fn fingerprint(
         buf.extend_from_slice(&size.to_le_bytes());
         buf.extend_from_slice(&hlen.to_le_bytes());
         buf.extend_from_slice(&header);
+    }
+    for sh in k3_model::trunk::SourceIdentity::of(&cat)?.shards {
+        buf.extend_from_slice(&(sh.file.len() as u64).to_le_bytes());
+        buf.extend_from_slice(sh.file.as_bytes());
+        buf.extend_from_slice(sh.sample_sha256.as_bytes());
     }
     Ok(sha256_hex(&buf))
 }
@@ -394,6 +404,17 @@ impl Reader<'_> {
     }
 }
 
+/// The ids a checked payload records (every id the session consumed, then the last
+/// generated one), read without a model: what a run checks against its vocabulary up
+/// front.
+pub fn tokens(payload: &[u8]) -> Result<Vec<u32>, StateError> {
+    let mut r = Reader { b: payload, at: 0 };
+    let _pos = r.u64()?;
+    let _steps = r.u64()?;
+    let nt = r.count(4)?;
+    (0..nt).map(|_| r.u32()).collect()
+}
+
 /// Read a checked payload into a session for `model`, checking every shape against it.
 pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, StateError> {
     let mismatch = StateError::Mismatch;
@@ -484,13 +505,59 @@ pub fn load<W: Weights>(
     decode(payload, model).map_err(StateError::load(path))
 }
 
-/// Read a state file (a regular file only); its errors are [`StateError::Load`].
+/// A state file's bytes, for [`check`]. Only a regular file is opened (never blocking on
+/// a FIFO), and its magic, version, header and size are checked before the rest is read:
+/// a file that is not a state (a 3 GB log, `/dev/zero`) is refused after 16 bytes, and one
+/// whose size is not what its header says before its payload is read.
 pub fn read(path: &Path) -> Result<Vec<u8>, StateError> {
-    let m = std::fs::metadata(path).map_err(|e| StateError::load(path)(e.into()))?;
-    if !m.is_file() {
-        return Err(StateError::load(path)(StateError::NotAFile));
+    use std::io::Read;
+    let load = |e: StateError| StateError::Load {
+        path: path.to_path_buf(),
+        source: Box::new(e),
+    };
+    let mut f = k3_io::input::open_regular(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidInput => load(StateError::NotAFile),
+        _ => load(e.into()),
+    })?;
+    let size = f.metadata().map_err(|e| load(e.into()))?.len();
+    let mut head = [0u8; 16];
+    if size < 16 {
+        return Err(load(StateError::NotAState));
     }
-    std::fs::read(path).map_err(|e| StateError::load(path)(e.into()))
+    f.read_exact(&mut head).map_err(|e| load(e.into()))?;
+    if &head[..8] != MAGIC {
+        return Err(load(StateError::NotAState));
+    }
+    let version = u32::from_le_bytes(head[8..12].try_into().unwrap_or_default());
+    if version != STATE_VERSION {
+        return Err(load(StateError::Version(version)));
+    }
+    let hlen = u32::from_le_bytes(head[12..16].try_into().unwrap_or_default()) as u64;
+    if hlen > MAX_HEADER as u64 || 16 + hlen > size {
+        return Err(load(StateError::HeaderTruncated));
+    }
+    let mut bytes = head.to_vec();
+    bytes.resize(16 + hlen as usize, 0);
+    f.read_exact(&mut bytes[16..]).map_err(|e| load(e.into()))?;
+    let header: Header =
+        serde_json::from_slice(&bytes[16..]).map_err(|e| load(StateError::Header(e)))?;
+    let payload = size - 16 - hlen;
+    if payload != header.payload_bytes {
+        return Err(load(StateError::PayloadSize {
+            got: payload as usize,
+            want: header.payload_bytes,
+        }));
+    }
+    bytes
+        .try_reserve_exact(payload as usize)
+        .map_err(|e| load(std::io::Error::new(std::io::ErrorKind::OutOfMemory, e).into()))?;
+    f.take(payload)
+        .read_to_end(&mut bytes)
+        .map_err(|e| load(e.into()))?;
+    if bytes.len() as u64 != size {
+        return Err(load(StateError::Truncated));
+    }
+    Ok(bytes)
 }
 
 /// Where a run starts: a fresh session over the prompt, or a loaded state whose last token

@@ -449,6 +449,7 @@ fn moe_module_on(_path: ProductPath) {
         },
     };
     let p = MoeParams {
+        layer: 0,
         hidden: 128,
         n_experts: 8,
         top_k: 2,
