@@ -67,6 +67,7 @@ fn parse_body(body: &Bytes) -> Result<Value, ApiError> {
     Ok(v)
 }
 
+/// The `--api-key` check of every `/v1/*`, `/tokenize` and `/detokenize` route.
 fn check_key(app: &App, h: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &app.api_key else {
         return Ok(());
@@ -75,7 +76,7 @@ fn check_key(app: &App, h: &HeaderMap) -> Result<(), ApiError> {
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(key.as_str()) {
+    if given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
         Ok(())
     } else {
         Err(ApiError::new(
@@ -84,6 +85,12 @@ fn check_key(app: &App, h: &HeaderMap) -> Result<(), ApiError> {
             "missing or wrong API key (Authorization: Bearer KEY)",
         ))
     }
+}
+
+/// Whether two keys are equal, in a time that depends on their lengths only (not on where
+/// they first differ).
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
 fn now() -> u64 {
@@ -648,15 +655,22 @@ fn model_object(app: &App) -> Value {
     json!({"id": app.engine.model_name, "object": "model", "created": now(), "owned_by": "k3"})
 }
 
-async fn models(State(app): State<AppState>) -> Response {
+async fn models(State(app): State<AppState>, h: HeaderMap) -> Response {
+    if let Err(e) = check_key(&app, &h) {
+        return err(e);
+    }
     axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
 }
 
 /// `GET /v1/models/{id}`: the model, or a 404 OpenAI error for another id.
 async fn model(
     State(app): State<AppState>,
+    h: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Response {
+    if let Err(e) = check_key(&app, &h) {
+        return err(e);
+    }
     if id == app.engine.model_name {
         return axum::Json(model_object(&app)).into_response();
     }

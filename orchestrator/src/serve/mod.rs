@@ -253,6 +253,10 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
         Ok(a) => a,
         Err(code) => return code,
     };
+    if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        tracing::error!("k3-orch serve: --api-key is empty: give a key, or no --api-key");
+        return EXIT_USAGE;
+    }
     // The port first: a busy port (or a host that does not resolve) is refused before
     // any stage starts or any weight is read.
     let std_listener = match bind(&a.host, a.port) {
