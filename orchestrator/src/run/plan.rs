@@ -304,6 +304,15 @@ pub fn kv_positions(prompt_tokens: usize, gen: usize) -> usize {
     prompt_tokens + gen + 1
 }
 
+/// The room the KV cache may take: what is available, capped by the run's limit
+/// (`--mem-gb`) when there is one.
+fn kv_room(limit: Option<u64>, available: Option<u64>) -> Option<u64> {
+    match (limit, available) {
+        (Some(l), Some(a)) => Some(l.min(a)),
+        (l, a) => l.or(a),
+    }
+}
+
 /// KV-cache refusal: an incremental run holds `per_pos` bytes for each of `positions`.
 pub fn check_kv(positions: usize, per_pos: u64, available: Option<u64>) -> Result<(), BudgetError> {
     let Some(have) = available else {
@@ -1374,7 +1383,11 @@ pub fn plan_run(
     let f = fixed_costs(a, cfg, sizes, &b);
     // The KV cache alone not fitting is said as such, before the whole plan is weighed.
     if a.incremental {
-        check_kv(b.positions, sizes.kv_per_pos, mem_available())?;
+        check_kv(
+            b.positions,
+            sizes.kv_per_pos,
+            kv_room(res.limit, mem_available()),
+        )?;
     }
     let p = choose_parts(a, &res, &b, &f)?;
     assemble(a, res, &b, &f, p)
