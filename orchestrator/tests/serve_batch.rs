@@ -12,7 +12,9 @@ use k3_layer_compute::kernels::simd;
 use k3_protocol::conf::Isa;
 use serde_json::{json, Value};
 
-use crate::serve_http::{chat_body, post, spawn, stage_pids, wait_for_busy, wait_for_stages};
+use crate::serve_http::{
+    chat_body, post, spawn, stage_pids, start, start_with, wait_for_busy, wait_for_stages,
+};
 use crate::tools_common::{bin, fixtures, k3, read_json, tiny_chat_model as chat_model};
 
 const MODELS: [&str; 2] = ["tiny-seed", "tiny-mxfp4"];
@@ -332,39 +334,8 @@ fn the_cli_gives_a_batched_requests_first_logits_and_ids() {
 /// conversation's), a count off by one, and reuse that changes the answer.
 #[test]
 fn each_slot_reuses_its_own_prefix_with_exact_cached_tokens() {
-    let m = chat_model().to_str().unwrap();
-    let s = spawn(
-        &[
-            "serve",
-            m,
-            "--tok",
-            m,
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--parallel",
-            "4",
-        ],
-        &[],
-        None,
-    );
-    let cold = spawn(
-        &[
-            "serve",
-            m,
-            "--tok",
-            m,
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--cache-entries",
-            "0",
-        ],
-        &[],
-        None,
-    );
+    let s = start(&["--parallel", "4"]);
+    let cold = start(&["--cache-entries", "0"]);
     let first: Vec<Vec<u64>> = vec![(100..117).collect(), (2000..2009).collect()];
     let turn = |base: &str, p: &[u64], n: usize| -> (Vec<u64>, u64, String) {
         let body = json!({"prompt": p, "max_tokens": n, "return_token_ids": true});
@@ -463,23 +434,7 @@ fn read_stream(r: ureq::Response) -> (String, Option<String>, bool) {
 /// that serves later batches wrongly.
 #[test]
 fn a_stage_killed_under_load_fails_every_stream_cleanly_and_the_next_batch_succeeds() {
-    let m = chat_model().to_str().unwrap();
-    let s = spawn(
-        &[
-            "serve",
-            m,
-            "--tok",
-            m,
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--parallel",
-            "4",
-        ],
-        &[],
-        None,
-    );
+    let s = start(&["--parallel", "4"]);
     let user = |i: usize| json!([{"role": "user", "content": format!("Hello number {i}")}]);
     let answer = |i: usize| {
         let (st, v, _) = post(&s, "/v1/chat/completions", &chat_body(user(i), 6, false));
@@ -582,17 +537,8 @@ fn a_stage_killed_under_load_fails_every_stream_cleanly_and_the_next_batch_succe
 /// and a slot or queue gauge left up after the requests end.
 #[test]
 fn metrics_show_slots_queue_and_histograms() {
-    let m = chat_model().to_str().unwrap();
-    let s = spawn(
+    let s = start_with(
         &[
-            "serve",
-            m,
-            "--tok",
-            m,
-            "--port",
-            "0",
-            "--threads",
-            "1",
             "--parallel",
             "2",
             "--max-queue",
@@ -705,16 +651,8 @@ fn the_plan_counts_every_slot_and_refuses_what_cannot_fit() {
         "0",
     ]);
     assert_eq!(code, 2, "{err}");
-    let s = spawn(
+    let s = start_with(
         &[
-            "serve",
-            m,
-            "--tok",
-            m,
-            "--port",
-            "0",
-            "--threads",
-            "1",
             "--parallel",
             &n.to_string(),
             "--ctx",

@@ -26,7 +26,7 @@ pub(crate) fn start(extra: &[&str]) -> Server {
 }
 
 /// [`start`] with environment variables (test hooks), stderr to `log` when given.
-fn start_with(extra: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
+pub(crate) fn start_with(extra: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
     let m = model().to_str().unwrap();
     let mut args = vec!["serve", m, "--tok", m, "--port", "0", "--threads", "1"];
     args.extend_from_slice(extra);
