@@ -312,6 +312,19 @@ pub const PAR_MIN_WEIGHTS: usize = 1 << 18;
 /// Weight bytes per rayon task at one token (smaller with more tokens).
 pub const TASK_BYTES: usize = 256 << 10;
 
+/// Activation bytes (`ntok × cols × 4`) from which a batched product's tasks take at least
+/// [`PROMPT_TASK_ROWS`] rows: past a few MiB the prompt's activations no longer stay in
+/// the last-level cache between tasks, and each task reads all of them again from memory.
+pub const PROMPT_X_BYTES: usize = 8 << 20;
+
+/// Fewest rows per task of a product whose activations reach [`PROMPT_X_BYTES`]: every
+/// task streams the whole input (in the AVX-512 kernel, one pass of 16 tokens at a time,
+/// reused by all the task's row groups from L2), so its rows set the multiply-adds per
+/// byte read. With 16-row tasks a 512-token prompt ran `o_proj` (12 288 columns) at 36
+/// GMAC per CPU-second and the dense FFN's down projection (33 792) at 27; with 96 at
+/// 51-59 and 41-46 (`kernel_micro bf16 512 --direct`, loaded machine, indicative).
+pub const PROMPT_TASK_ROWS: usize = 96;
+
 /// Rows per task for `m` at `ntok` tokens: a function of the shape only (never of the
 /// thread count), a multiple of 8 (of 16 when batched), so the decode tiles of 2, 4 or 8
 /// rows divide it.
@@ -319,9 +332,15 @@ pub fn task_rows(m: &Mat<'_>, ntok: usize) -> usize {
     let row_bytes = (m.weight_bytes() / m.rows.max(1)).max(1);
     if ntok > 1 {
         // Batched: whole groups of rows (the AVX-512 kernel stages 4 rows a block at a
-        // time and prefetches the next group while it computes), at least 16 per task.
+        // time and prefetches the next group while it computes), at least 16 per task,
+        // and at least PROMPT_TASK_ROWS once the input outgrows the caches.
         let per = TASK_BYTES / (row_bytes * ntok.min(8));
-        return per.max(16).div_ceil(16) * 16;
+        let least = if ntok * m.cols * 4 >= PROMPT_X_BYTES {
+            PROMPT_TASK_ROWS
+        } else {
+            16
+        };
+        return per.max(least).div_ceil(16) * 16;
     }
     let per = TASK_BYTES / row_bytes;
     per.max(8).div_ceil(8) * 8
@@ -535,6 +554,28 @@ mod tests {
             assert_eq!(y[0].to_bits(), want.to_bits(), "n={n}");
             assert_eq!(m.row_dot(0, &x).to_bits(), want.to_bits(), "simd n={n}");
         }
+    }
+
+    // Catches: a long prompt's products cut into tasks of 16 rows again (each task reads
+    // the whole prompt's activations from memory: `o_proj` and the down projection ran at
+    // half speed), a short prompt's or a decode step's split changed with it, or a task
+    // size that is not a multiple of 16 rows (the batched kernels' row groups).
+    #[test]
+    fn long_prompts_take_tasks_of_many_rows() {
+        let w = vec![0u8; 200 * 12288 * 2];
+        let m = Mat::bf16(&w, 200, 12288).unwrap();
+        for ntok in [512, 171] {
+            let rows = task_rows(&m, ntok);
+            assert!(
+                rows >= PROMPT_TASK_ROWS && rows.is_multiple_of(16),
+                "{ntok}: {rows}"
+            );
+        }
+        assert_eq!(task_rows(&m, 16), 16, "a 16-token prompt (786 KB of input)");
+        assert_eq!(task_rows(&m, 1), 16, "one token: 256 KiB of weights");
+        // Few columns: the rows that fill a task's bytes, as before.
+        let w = vec![0u8; 300 * 128 * 2];
+        assert_eq!(task_rows(&Mat::bf16(&w, 300, 128).unwrap(), 512), 128);
     }
 
     // Catches: a threaded split or a batched kernel that changes a result (bitwise).
