@@ -8,7 +8,11 @@
 //! phase of that call, summed over layers, and `other` (the call's total minus the named
 //! phases: norms, AttnRes mixes, residual adds, the embedding). Phases never overlap
 //! (they are timed on the thread that runs the forward; products inside a phase run on
-//! the compute pool). Disabled, a phase guard costs one relaxed atomic load.
+//! the compute pool), except `attn-core`, a part of `attn` printed after it and not
+//! counted again in `other`: attention's own arithmetic (KDA's short convolutions and
+//! recurrence, MLA's latent norms and attention over the cache), so that `attn` minus
+//! `attn-core` is its matrix products. Disabled, a phase guard costs one relaxed atomic
+//! load.
 //!
 //! Timing is observation only: nothing here changes a product, an order or a result.
 
@@ -20,6 +24,8 @@ use std::time::Instant;
 pub enum Phase {
     /// KDA or MLA attention (projections, recurrence or cache, output projection).
     Attn,
+    /// The part of [`Phase::Attn`] that is not a matrix product (nested in it).
+    AttnCore,
     /// The MoE router's product and the top-k choice.
     Router,
     /// The latent down-projection and the shared experts (gate/up and down).
@@ -39,8 +45,9 @@ pub enum Phase {
 }
 
 impl Phase {
-    const ALL: [Phase; 9] = [
+    const ALL: [Phase; 10] = [
         Phase::Attn,
+        Phase::AttnCore,
         Phase::Router,
         Phase::Shared,
         Phase::Experts,
@@ -54,6 +61,7 @@ impl Phase {
     fn name(self) -> &'static str {
         match self {
             Phase::Attn => "attn",
+            Phase::AttnCore => "attn-core",
             Phase::Router => "router",
             Phase::Shared => "shared",
             Phase::Experts => "experts",
@@ -138,13 +146,45 @@ pub fn begin_call() -> Option<Instant> {
 pub fn end_call(start: Option<Instant>, ntok: usize) {
     let Some(start) = start else { return };
     let total = start.elapsed().as_secs_f64() * 1e3;
+    let ms: Vec<f64> = NANOS
+        .iter()
+        .map(|n| n.load(Ordering::Relaxed) as f64 / 1e6)
+        .collect();
+    eprintln!("{}", line(ntok, total, &ms));
+}
+
+/// The profile line of a call of `total` ms whose phases took `ms` (in [`Phase::ALL`]'s
+/// order): `other` is the total minus the phases, `attn-core` not counted twice.
+fn line(ntok: usize, total: f64, ms: &[f64]) -> String {
     let mut named = 0.0;
     let mut line = format!("k3 profile: ntok {ntok} total {total:.1} ms");
-    for (p, n) in Phase::ALL.iter().zip(&NANOS) {
-        let ms = n.load(Ordering::Relaxed) as f64 / 1e6;
-        named += ms;
+    for (p, &ms) in Phase::ALL.iter().zip(ms) {
+        if *p != Phase::AttnCore {
+            named += ms;
+        }
         line.push_str(&format!(" | {} {ms:.1}", p.name()));
     }
     line.push_str(&format!(" | other {:.1}", (total - named).max(0.0)));
-    eprintln!("{line}");
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Catches: `attn-core` (a part of `attn`) counted a second time, which would take it
+    // out of `other` and make the named phases add up to more than the call.
+    #[test]
+    fn attn_core_is_printed_but_not_counted_twice() {
+        let mut ms = vec![0.0; N];
+        ms[0] = 60.0; // attn
+        ms[1] = 25.0; // attn-core, inside attn
+        ms[N - 1] = 10.0; // trunk-wait
+        let l = line(16, 100.0, &ms);
+        assert!(
+            l.contains(" | attn 60.0 | attn-core 25.0 | router 0.0"),
+            "{l}"
+        );
+        assert!(l.ends_with(" | trunk-wait 10.0 | other 30.0"), "{l}");
+    }
 }

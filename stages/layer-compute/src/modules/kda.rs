@@ -14,6 +14,7 @@ use crate::forward::{ForwardError, Model};
 use crate::kernels::act::sigmoid;
 use crate::kernels::matmul::{gemm, gemm_fused, Mat};
 use crate::kernels::{conv, kda, norm};
+use crate::profile::{self, Phase};
 use crate::weights::to_f32_vec;
 use crate::weights::Weights;
 
@@ -140,6 +141,7 @@ impl KdaWeights<'_> {
         let mut qc = vec![0f32; ntok * p];
         let mut kc = vec![0f32; ntok * p];
         let mut vc = vec![0f32; ntok * p];
+        let core = profile::span(Phase::AttnCore);
         let mut r0 = 0;
         for g in groups.iter_mut() {
             let r = r0 * p..(r0 + g.rows) * p;
@@ -170,6 +172,7 @@ impl KdaWeights<'_> {
             );
             r0 += g.rows;
         }
+        core.end();
         let mut z = vec![0f32; ntok * p];
         gemm(&self.f_b, &pr.fa, &mut z, ntok, threads);
         let conv = Convolved {
@@ -180,6 +183,7 @@ impl KdaWeights<'_> {
             beta: pr.beta,
             gate: pr.gate,
         };
+        let _core = profile::span(Phase::AttnCore);
         let o = self.recurrence(ctx, d, &conv, groups, &slots, nout);
         for g in groups.iter() {
             ctx.record("kda_state", &g.state.s);

@@ -10,6 +10,7 @@ use crate::forward::{ForwardError, Model};
 use crate::kernels::act::mul_sigmoid;
 use crate::kernels::matmul::{gemm, gemm_fused, Mat};
 use crate::kernels::{mla, norm};
+use crate::profile::{self, Phase};
 use crate::weights::Weights;
 
 /// MLA geometry.
@@ -106,6 +107,7 @@ impl MlaWeights<'_> {
         let kvw = d.kv_lora + d.rope;
         let ow = d.heads * d.v;
         let (mut cq, kv, gate) = w.project_input(d, u, live, ntok, nout, threads);
+        let core = profile::span(Phase::AttnCore);
         for t in 0..nout {
             norm::rmsnorm_inplace(
                 &mut cq[t * d.q_lora..(t + 1) * d.q_lora],
@@ -113,10 +115,12 @@ impl MlaWeights<'_> {
                 eps.mla_lora,
             );
         }
+        core.end();
         let mut q = vec![0f32; nout * d.heads * qh];
         if nout > 0 {
             gemm(&w.q_b, &cq, &mut q, nout, threads);
         }
+        let core = profile::span(Phase::AttnCore);
         let mut lat = vec![0f32; ntok * d.kv_lora];
         for t in 0..ntok {
             norm::rmsnorm(
@@ -130,6 +134,7 @@ impl MlaWeights<'_> {
         for t in 0..ntok {
             ctx.record("mla_k_rope", &kv[t * kvw + d.kv_lora..(t + 1) * kvw]);
         }
+        core.end();
         let per = d.nope + d.v;
         let mut kvb = vec![0f32; ntok * d.heads * per];
         gemm(&w.kv_b, &lat, &mut kvb, ntok, threads);
@@ -139,6 +144,7 @@ impl MlaWeights<'_> {
             rope: d.rope,
             v: d.v,
         };
+        let _core = profile::span(Phase::AttnCore);
         let mut o = vec![0f32; nout * ow];
         let mut r0 = 0;
         for g in groups.iter_mut() {
