@@ -14,6 +14,7 @@ mod generate_cli;
 mod hardening;
 mod repl_pty;
 mod serve_batch;
+mod serve_hostile;
 mod serve_http;
 mod serve_openai;
 mod staged_stop_state;
