@@ -17,6 +17,7 @@ mod serve_batch;
 mod serve_hostile;
 mod serve_http;
 mod serve_openai;
+mod serve_stream;
 mod staged_stop_state;
 mod streaming_cli;
 mod tools_inspect;
