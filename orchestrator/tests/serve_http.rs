@@ -854,12 +854,21 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
     let long = json!([{"role": "user", "content":
         "Tell me a long story about the sea, the ships, the sailors and the storms they met."}]);
     let body = json!({"model": "k3", "messages": long, "max_tokens": 4}).to_string();
-    let answer = |s: &Server| loop {
-        let (st, v, _) = post(s, "/v1/chat/completions", &body);
-        if st != 503 {
-            break (st, v);
+    // 503 while the stages (re)start: retried for 60 s at most, then the test fails
+    // instead of hanging (issue 36, item 13).
+    let answer = |s: &Server| {
+        let t0 = Instant::now();
+        loop {
+            let (st, v, _) = post(s, "/v1/chat/completions", &body);
+            if st != 503 {
+                break (st, v);
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "still 503 after 60 s: {v}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
         }
-        std::thread::sleep(Duration::from_millis(100));
     };
     let roomy = start_with(&["--mem-gb", "0.1"], &hooks, None);
     let (st, want) = answer(&roomy);
