@@ -567,7 +567,14 @@ fn metrics_show_slots_queue_and_histograms() {
     for h in hs {
         assert_eq!(h.join().unwrap(), 200);
     }
-    let t = metrics(&s.base);
+    // A reply is sent when its last token is in; its slot is freed when compute reports
+    // the request done, a moment later: wait for that (5 s at most).
+    let t0 = std::time::Instant::now();
+    let mut t = metrics(&s.base);
+    while !t.lines().any(|l| l == "k3_slots_busy 0") && t0.elapsed().as_secs() < 5 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        t = metrics(&s.base);
+    }
     for line in [
         "k3_slots 2",
         "k3_slots_busy 0",

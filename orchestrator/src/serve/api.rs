@@ -415,9 +415,17 @@ fn common(v: &Value, lim: &Limits, prompt_len: usize, chat: bool) -> Result<Prep
     let temperature = opt_f32(v, "temperature", 0.0, 100.0)?;
     let top_p = opt_f32(v, "top_p", 0.0, 1.0)?.filter(|p| *p < 1.0);
     let min_p = opt_f32(v, "min_p", 0.0, 1.0)?.filter(|p| *p > 0.0);
-    let repetition_penalty = opt_f32(v, "repetition_penalty", 0.0, 10.0)?
-        .or(opt_f32(v, "repeat_penalty", 0.0, 10.0)?)
-        .filter(|p| *p > 0.0 && *p != 1.0);
+    // 1 is off; 0 would divide by zero (it was once taken silently as off): refused.
+    let penalty = |key: &str| match opt_f32(v, key, 0.0, 10.0)? {
+        Some(p) if p <= 0.0 => Err(ApiError::bad(
+            format!("'{key}' must be above 0 (1 is off)"),
+            Some(key),
+        )),
+        p => Ok(p),
+    };
+    let repetition_penalty = penalty("repetition_penalty")?
+        .or(penalty("repeat_penalty")?)
+        .filter(|p| *p != 1.0);
     if top_p == Some(0.0) {
         return Err(ApiError::bad("'top_p' must be above 0", Some("top_p")));
     }
@@ -481,7 +489,8 @@ fn common(v: &Value, lim: &Limits, prompt_len: usize, chat: bool) -> Result<Prep
     })
 }
 
-fn opt_bool(v: &Value, key: &str) -> Result<bool, ApiError> {
+/// A boolean field (absent or `null`: false); any other type is refused, naming it.
+pub fn opt_bool(v: &Value, key: &str) -> Result<bool, ApiError> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
@@ -534,7 +543,6 @@ fn content_text(c: &Value, i: usize) -> Result<String, ApiError> {
     let param = format!("messages[{i}].content");
     match c {
         Value::String(s) => Ok(s.clone()),
-        Value::Null => Ok(String::new()),
         Value::Array(parts) => {
             let mut s = String::new();
             for p in parts {
@@ -586,7 +594,22 @@ fn chat_messages(v: &Value) -> Result<(Vec<Value>, ChatOptions), ApiError> {
                 Some(&format!("messages[{i}].role")),
             ));
         }
-        let content = content_text(m.get("content").unwrap_or(&Value::Null), i)?;
+        let calls = m.get("tool_calls").is_some_and(|c| !c.is_null());
+        let content = match m.get("content") {
+            // Only an assistant message that calls tools may have no content (OpenAI's
+            // rule); elsewhere a null is a client's mistake, not an empty message.
+            None | Some(Value::Null) if role == "assistant" && calls => String::new(),
+            None | Some(Value::Null) => {
+                return Err(ApiError::bad(
+                    format!(
+                        "messages[{i}].content is missing or null (only an assistant message \
+                         with tool_calls may leave it out)"
+                    ),
+                    Some(&format!("messages[{i}].content")),
+                ))
+            }
+            Some(c) => content_text(c, i)?,
+        };
         let mut o = json!({"role": role, "content": content});
         if let Some(n) = m.get("name").and_then(Value::as_str) {
             o["name"] = json!(n);

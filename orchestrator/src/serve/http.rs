@@ -25,6 +25,10 @@ pub struct App {
     pub engine: Arc<Engine>,
     pub limits: Limits,
     pub api_key: Option<String>,
+    /// Connection limits (the request body's size and deadline are enforced here).
+    pub conn: super::conn::ConnLimits,
+    /// The Host/Origin check of browser requests.
+    pub hosts: Hosts,
     pub draining: Arc<AtomicBool>,
     pub next_id: AtomicU64,
 }
@@ -45,7 +49,209 @@ pub fn router(app: AppState) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(|| async { err(ApiError::new(404, "not_found_error", "no such endpoint")) })
+        .method_not_allowed_fallback(|| async {
+            err(ApiError::new(
+                405,
+                "invalid_request_error",
+                "this endpoint does not take that method",
+            ))
+        })
+        .layer(axum::middleware::from_fn_with_state(app.clone(), guard))
         .with_state(app)
+}
+
+/// Header lines a request may carry (more: 431).
+pub const MAX_HEADERS: usize = 100;
+/// Bytes of a request's header lines (more: 431).
+pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+
+/// Every request passes here first: the Host/Origin check (403), the header limits (431),
+/// the declared body length (413 before a byte of the body is read), then the body itself,
+/// read whole within `--body-timeout` (408) and `--max-body-bytes` (413).
+async fn guard(
+    State(app): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match admit(&app, req).await {
+        Ok(req) => next.run(req).await,
+        Err(e) => {
+            let close = matches!(e.status, 408 | 413 | 431);
+            let mut r = err(e);
+            if close {
+                // The rest of the request is not read: the connection cannot go on.
+                r.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            r
+        }
+    }
+}
+
+/// [`guard`]'s checks; the request with its body read.
+async fn admit(app: &App, req: axum::extract::Request) -> Result<axum::extract::Request, ApiError> {
+    use futures_util::StreamExt;
+    let h = req.headers();
+    app.hosts.check(h)?;
+    let header_bytes: usize = h.iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+    if h.len() > MAX_HEADERS || header_bytes > MAX_HEADER_BYTES {
+        return Err(ApiError::new(
+            431,
+            "invalid_request_error",
+            format!(
+                "the request's headers are too large ({} lines, {header_bytes} bytes; at most \
+                 {MAX_HEADERS} lines and {MAX_HEADER_BYTES} bytes)",
+                h.len()
+            ),
+        ));
+    }
+    let max = app.conn.max_body;
+    let too_large = |n: String| {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            format!("the request body is {n} bytes; at most {max} (--max-body-bytes)"),
+        )
+    };
+    let declared = h
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > max as u64) {
+        return Err(too_large(n.to_string()));
+    }
+    let (parts, body) = req.into_parts();
+    let read = async {
+        let mut data = body.into_data_stream();
+        let mut buf = Vec::new();
+        while let Some(chunk) = data.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::bad(format!("the request body could not be read: {e}"), None)
+            })?;
+            if buf.len() + chunk.len() > max {
+                return Err(too_large("more than that".into()));
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(buf)
+    };
+    let buf = tokio::time::timeout(app.conn.body_timeout, read)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                408,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive within {} s (--body-timeout)",
+                    app.conn.body_timeout.as_secs_f64()
+                ),
+            )
+        })??;
+    Ok(axum::extract::Request::from_parts(
+        parts,
+        axum::body::Body::from(buf),
+    ))
+}
+
+/// The answer to a connection beyond `--max-connections` when every connection runs a
+/// request: 503, `Retry-After: 1`, an OpenAI error object.
+fn refusal_error() -> ApiError {
+    ApiError::new(
+        503,
+        "unavailable_error",
+        "too many connections (--max-connections); retry shortly",
+    )
+}
+
+/// [`refusal_error`] as a response (closing its connection).
+pub fn refusal_response() -> Response {
+    let mut r = err(refusal_error());
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
+}
+
+/// [`refusal_error`] as the bytes of an HTTP/1.1 response (written before hyper sees the
+/// connection).
+pub fn refusal_bytes() -> Vec<u8> {
+    let body = refusal_error().body().to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// The Host/Origin check of browser requests (DNS-rebinding and cross-site protection).
+///
+/// A request is a browser's when it carries `Origin` or a `Sec-Fetch-*` header (curl and
+/// the SDKs send neither, and are not checked). Its `Host` must be a localhost name
+/// (`localhost`, `*.localhost`), an IP address, or a name given with `--allow-host` (or
+/// `--host`): a DNS-rebinding page reaches the server under its own name, which fails
+/// this. Its `Origin` must be the served page's own (the same authority as `Host`), a
+/// localhost name, a loopback address, the bound address or an allowed name; others
+/// (another site's page, `null`) get a 403.
+#[derive(Debug, Clone, Default)]
+pub struct Hosts {
+    /// Allowed names and addresses, lower case, without ports.
+    pub names: Vec<String>,
+}
+
+/// The host part of an authority (`host`, `host:port`, `[v6]:port`), lower case, without
+/// a trailing dot.
+fn host_part(authority: &str) -> String {
+    let h = match authority.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => authority.rsplit_once(':').map_or(authority, |(h, _)| h),
+    };
+    h.trim_end_matches('.').to_ascii_lowercase()
+}
+
+impl Hosts {
+    /// Whether a host (no port) is a localhost name, a loopback address or allowed.
+    fn trusted(&self, host: &str) -> bool {
+        host == "localhost"
+            || host.ends_with(".localhost")
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+            || self.names.iter().any(|n| n == host)
+    }
+
+    pub fn check(&self, h: &HeaderMap) -> Result<(), ApiError> {
+        let origin = h.get(header::ORIGIN).map(|v| v.to_str().unwrap_or("?"));
+        let browser = origin.is_some() || h.keys().any(|k| k.as_str().starts_with("sec-fetch-"));
+        if !browser {
+            return Ok(());
+        }
+        let forbid = |m: String| Err(ApiError::new(403, "permission_error", m));
+        let host = h.get(header::HOST).and_then(|v| v.to_str().ok());
+        if let Some(host) = host {
+            let name = host_part(host);
+            if !(self.trusted(&name) || name.parse::<std::net::IpAddr>().is_ok()) {
+                return forbid(format!(
+                    "a browser request for host '{host}' is refused (DNS-rebinding \
+                     protection); reach the server by localhost or an IP address, or start \
+                     it with --allow-host {name}"
+                ));
+            }
+        }
+        let Some(origin) = origin else {
+            return Ok(());
+        };
+        let authority = origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"));
+        let own = |a: &str| host.is_some_and(|h| h.eq_ignore_ascii_case(a));
+        match authority {
+            Some(a) if own(a) || self.trusted(&host_part(a)) => Ok(()),
+            _ => forbid(format!(
+                "a request from the web page at origin '{origin}' is refused (only this \
+                 server's own page and localhost pages may call it)"
+            )),
+        }
+    }
 }
 
 fn err(e: ApiError) -> Response {
@@ -842,13 +1048,8 @@ async fn tokenize(State(app): State<AppState>, h: HeaderMap, body: Bytes) -> Res
                 .get("content")
                 .and_then(Value::as_str)
                 .ok_or_else(|| ApiError::bad("'content' must be a string", Some("content")))?;
-            let specials = v
-                .get("add_special")
-                .and_then(Value::as_bool)
-                .unwrap_or(false)
-                || v.get("parse_special")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false);
+            // Booleans or nothing: `"parse_special": "yes"` was once taken as false.
+            let specials = api::opt_bool(&v, "add_special")? | api::opt_bool(&v, "parse_special")?;
             let tok = app.engine.tok.as_deref().ok_or_else(|| {
                 ApiError::bad("this server has no tokenizer (--tok)", Some("content"))
             })?;

@@ -4,6 +4,7 @@
 //! (`--single-process`: the forward in this process). See docs/serve.md.
 //!
 //! - [`api`]: request validation (OpenAI bodies to tokenized jobs, error objects);
+//! - [`conn`]: the accept loop: connection cap, header and keep-alive timeouts;
 //! - [`engine`]: the worker thread: slots (continuous batching), the prefix cache,
 //!   streaming;
 //! - [`http`]: the axum routes, SSE, `/health`, `/metrics`, the chat page;
@@ -12,6 +13,7 @@
 //! - [`repl`]: `k3-orch chat`.
 
 pub mod api;
+pub mod conn;
 pub mod engine;
 pub mod http;
 pub mod metrics;
@@ -245,6 +247,73 @@ struct ServeArgs {
     /// a debug endpoint: the batch-invariance tests compare them bit for bit)
     #[arg(long)]
     debug_logits: bool,
+    /// Connections held open at once (lowered to leave 64 of `ulimit -n`); at the cap a new
+    /// one evicts the oldest idle connection, or gets 503 when every one runs a request
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+    /// Seconds a connection has to send a complete request head, from its start or the
+    /// end of its previous response (so also the keep-alive idle timeout)
+    #[arg(long, default_value_t = 30.0)]
+    header_timeout: f64,
+    /// Seconds a request has to send its whole body once its head is in (then 408)
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+    /// Largest request body in bytes (413, from Content-Length before the body is read)
+    #[arg(long, default_value_t = 16 << 20)]
+    max_body_bytes: usize,
+    /// A host name browsers may reach this server by, besides localhost names and IP
+    /// addresses (DNS-rebinding protection; repeatable)
+    #[arg(long)]
+    allow_host: Vec<String>,
+}
+
+impl ServeArgs {
+    /// The connection limits, or why a flag is refused (exit 2).
+    fn conn_limits(&self) -> Result<conn::ConnLimits, String> {
+        let secs = |flag: &str, s: f64| {
+            if s.is_finite() && s > 0.0 && s <= 86_400.0 {
+                Ok(Duration::from_secs_f64(s))
+            } else {
+                Err(format!(
+                    "{flag} {s}: must be a number of seconds above 0, at most 86400"
+                ))
+            }
+        };
+        if self.max_connections == 0 || self.max_body_bytes == 0 {
+            return Err("--max-connections and --max-body-bytes must be at least 1".into());
+        }
+        let max_connections = conn::cap_for_fd_limit(self.max_connections);
+        if max_connections < self.max_connections {
+            tracing::warn!(
+                "k3-orch serve: --max-connections {} lowered to {max_connections} to fit the \
+                 file-descriptor limit (ulimit -n)",
+                self.max_connections
+            );
+        }
+        Ok(conn::ConnLimits {
+            max_connections,
+            header_timeout: secs("--header-timeout", self.header_timeout)?,
+            body_timeout: secs("--body-timeout", self.body_timeout)?,
+            max_body: self.max_body_bytes,
+        })
+    }
+
+    /// The names browsers may reach this server by (beside localhost names): `--allow-host`,
+    /// `--host` and the bound address (unless it is the unspecified address).
+    fn hosts(&self, bound: Option<std::net::SocketAddr>) -> http::Hosts {
+        let mut names: Vec<String> = self
+            .allow_host
+            .iter()
+            .chain(std::iter::once(&self.host))
+            .map(|n| n.trim_end_matches('.').to_ascii_lowercase())
+            .collect();
+        names.extend(bound.map(|a| a.ip().to_string()));
+        names.retain(|n| {
+            n.parse::<std::net::IpAddr>()
+                .map_or(!n.is_empty(), |ip| !ip.is_unspecified())
+        });
+        http::Hosts { names }
+    }
 }
 
 /// Entry point of `k3-orch serve`.
@@ -257,6 +326,13 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
         tracing::error!("k3-orch serve: --api-key is empty: give a key, or no --api-key");
         return EXIT_USAGE;
     }
+    let conn_limits = match a.conn_limits() {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("k3-orch serve: {e}");
+            return EXIT_USAGE;
+        }
+    };
     // The port first: a busy port (or a host that does not resolve) is refused before
     // any stage starts or any weight is read.
     let std_listener = match bind(&a.host, a.port) {
@@ -293,6 +369,8 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
             ..a.model.limits()
         },
         api_key: a.api_key.clone(),
+        conn: conn_limits,
+        hosts: a.hosts(std_listener.local_addr().ok()),
         draining: draining.clone(),
         next_id: AtomicU64::new(1),
     });
@@ -337,16 +415,8 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
                 std::process::exit(EXIT_OK);
             });
         };
-        let r = axum::serve(listener, http::router(app))
-            .with_graceful_shutdown(shutdown)
-            .await;
-        match r {
-            Ok(()) => EXIT_OK,
-            Err(e) => {
-                tracing::error!("k3-orch serve: {e}");
-                EXIT_FAILED
-            }
-        }
+        conn::serve(listener, http::router(app), conn_limits, shutdown).await;
+        EXIT_OK
     });
     engine.stats.abort.store(true, Ordering::SeqCst);
     engine.shutdown();
