@@ -16,6 +16,7 @@ pub mod catalog;
 pub mod classify;
 pub mod config;
 pub mod locator;
+pub mod mapfault;
 pub mod mmap_weights;
 pub mod released;
 pub mod tensor;

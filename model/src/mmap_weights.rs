@@ -14,6 +14,8 @@ use crate::tensor::{TensorRef, WeightError, WeightSource};
 /// A [`Catalog`] plus a read-only mapping of each of its shards.
 pub struct MmapWeights {
     catalog: Catalog,
+    /// Each mapping watched for SIGBUS (dropped before the mappings).
+    _watched: Vec<crate::mapfault::Watched>,
     maps: Vec<Mmap>,
 }
 
@@ -34,6 +36,7 @@ impl MmapWeights {
     /// Map the shards of an existing catalog.
     pub fn from_catalog(catalog: Catalog) -> Result<MmapWeights, CatalogError> {
         let mut maps = Vec::with_capacity(catalog.shards().len());
+        let mut watched = Vec::with_capacity(catalog.shards().len());
         for s in catalog.shards() {
             let err = |m: String| CatalogError {
                 file: s.path.clone(),
@@ -45,7 +48,8 @@ impl MmapWeights {
             // are treated as immutable while the engine runs; if another process truncated
             // or rewrote a shard meanwhile, reads could fault or see new bytes. We check the
             // size now so a shard already shorter than its header promises is an error, not
-            // a SIGBUS.
+            // a SIGBUS. A shard that shrinks later is reported by `mapfault`'s SIGBUS
+            // handler (the file named, exit 1) instead of ending the process silently.
             let m = unsafe { Mmap::map(&f) }.map_err(|e| err(format!("cannot mmap: {e}")))?;
             if (m.len() as u64) < s.data_end {
                 return Err(err(format!(
@@ -54,9 +58,14 @@ impl MmapWeights {
                     s.data_end
                 )));
             }
+            watched.push(crate::mapfault::watch(m.as_ptr(), m.len(), &s.path));
             maps.push(m);
         }
-        Ok(MmapWeights { catalog, maps })
+        Ok(MmapWeights {
+            catalog,
+            _watched: watched,
+            maps,
+        })
     }
 
     /// The catalog behind the mappings.

@@ -1005,3 +1005,67 @@ fn test_hooks_are_refused_unless_armed_and_well_formed() {
     let (code, text) = run_env(&[("K3_TEST_HOOKS", "1"), ("K3_PREFILL_CHUNK", "2")]);
     assert_eq!(code, 0, "{text}");
 }
+
+/// Hostile probe 12: a shard truncated while the run maps it. `--single-process` and
+/// `--inproc` read weights through mappings, and a read of a page the truncation took used
+/// to end the process by SIGBUS with no message (exit 135); now the run ends with exit 1
+/// naming the file, as the staged mode does. The shard holding lm_head and the embedding
+/// (read at every step) is cut to 4 KiB once the run has made two steps. In
+/// `--single-process` every read is a mapping's, so its message must be the SIGBUS
+/// handler's; elsewhere a positioned read may notice first ("the file ends ..."), which
+/// names the file too. Catches a handler that is not installed (exit 135), one that does
+/// not name the file, and one that swallows the fault and lets the run go on.
+#[test]
+fn a_shard_truncated_during_the_run_is_named_exit_1() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    for mode in [&["--single-process"][..], &["--inproc"][..], &[][..]] {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = edited_copy(tmp.path(), &[]);
+        let shard = m.join(shard(14));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+            .arg(&m)
+            .args(["--ids", IDS, "--gen", "400", "--full-recompute"])
+            .args(mode)
+            .args(["--threads", "1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = String::new();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        // The step table's rows start with the step number.
+        for l in lines.by_ref() {
+            let l = l.unwrap();
+            err.push_str(&l);
+            err.push('\n');
+            let step = l
+                .split_whitespace()
+                .next()
+                .and_then(|w| w.parse::<u32>().ok());
+            if step.is_some_and(|s| s >= 2) {
+                break;
+            }
+        }
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&shard)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        for l in lines {
+            err.push_str(&l.unwrap());
+            err.push('\n');
+        }
+        let st = child.wait().unwrap();
+        let tail: String = err.lines().rev().take(6).collect::<Vec<_>>().join("\n");
+        assert_eq!(st.code(), Some(1), "{mode:?}: {st:?}\n{tail}");
+        assert!(err.contains(shard.to_str().unwrap()), "{mode:?}: {tail}");
+        if mode == ["--single-process"] {
+            assert!(
+                err.contains("the file shrank while it was mapped (SIGBUS at byte"),
+                "{mode:?}: {tail}"
+            );
+        }
+    }
+}

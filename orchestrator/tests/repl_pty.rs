@@ -338,6 +338,65 @@ fn a_line_that_is_not_utf8_is_refused_and_the_session_goes_on() {
     assert_eq!(out.lines().count(), 1, "one reply, to Hello: {out:?}");
 }
 
+/// `/save` checks both of its files as `--out` does (`k3_io::output::check_target`) before
+/// writing either: a dangling symlink (its target never created), a symlink loop and a
+/// missing directory are refused with the reason, a FILE.state that is a planted dangling
+/// symlink keeps FILE from being written (and the link is left alone), and the session goes
+/// on: a later `/save` to a good path writes both files. Catches the old check, which let
+/// each of these through to a late write error and, for a dangling FILE.state, wrote FILE
+/// and then deleted the planted link.
+#[test]
+fn save_refuses_what_an_output_refuses_and_the_session_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n);
+    std::os::unix::fs::symlink(p("nowhere"), p("dangling")).unwrap();
+    std::os::unix::fs::symlink(p("l2"), p("l1")).unwrap();
+    std::os::unix::fs::symlink(p("l1"), p("l2")).unwrap();
+    std::os::unix::fs::symlink(p("nowhere2"), p("conv.state")).unwrap();
+    let input = format!(
+        "Hello\n/save {d}\n/save {l}\n/save {m}\n/save {c}\n/save {g}\n/exit\n",
+        d = p("dangling").display(),
+        l = p("l1").display(),
+        m = p("missing/x").display(),
+        c = p("conv").display(),
+        g = p("good").display(),
+    );
+    let (code, _, err) = chat_pipe(input.as_bytes());
+    assert_eq!(code, Some(0), "{err}");
+    for what in [
+        format!(
+            "cannot save {d}: {d}: a dangling symbolic link",
+            d = p("dangling").display()
+        ),
+        format!(
+            "cannot save {l}: {l}: a symbolic link loop",
+            l = p("l1").display()
+        ),
+        format!(
+            "cannot save {m}: {m}: the directory {} does not exist",
+            p("missing").display(),
+            m = p("missing/x").display()
+        ),
+        format!(
+            "cannot save {c}: {c}.state: a dangling symbolic link",
+            c = p("conv").display()
+        ),
+        format!("(saved 2 messages to {}", p("good").display()),
+    ] {
+        assert!(err.contains(&what), "no {what:?} in {err}");
+    }
+    assert!(!p("nowhere").exists() && !p("nowhere2").exists(), "{err}");
+    assert!(
+        !p("conv").exists(),
+        "FILE written though FILE.state was refused"
+    );
+    assert!(std::fs::symlink_metadata(p("conv.state"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert!(p("good").is_file() && p("good.state").is_file(), "{err}");
+}
+
 /// `/save` to a device, a FIFO or a directory is refused before anything is written (no
 /// `/dev/null.state`, no `FIFO.state`, no hang), and `/load` of `/dev/zero` or a FIFO is
 /// refused rather than read. Catches: `/save /dev/null` writing `/dev/null.state`, a FIFO

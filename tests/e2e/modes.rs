@@ -2,7 +2,9 @@
 //! first step's logits (`--dump-logits`) bit for bit between the staged pipeline, `--inproc`
 //! and `--single-process`, incremental and full recompute, on both tiny models, and equal to
 //! the k3ref oracle's row within the FIXTURES.md tolerance; and seeded sampling gives the
-//! same ids in every mode and at every memory budget, as docs/cli.md promises.
+//! same ids in every mode and at every memory budget, as docs/cli.md promises; a run
+//! continued from a saved state gives the uninterrupted run's logits bit for bit, and its
+//! seeded sampled ids.
 
 use crate::common::*;
 
@@ -168,4 +170,114 @@ fn seeded_sampling_same_ids_in_every_mode_and_budget() {
     extra.extend_from_slice(&other);
     let (ids99, _) = run_dump(model, &prompt, n, &extra);
     assert_ne!(&ids99, ids0, "--seed 99 gave the ids of --seed 1234");
+}
+
+/// A run that saves or loads a state (`--save-state` / `--load-state` FILE); returns the
+/// generated ids and, when `dump` is set, the dumped first-step logits.
+fn run_state(
+    prompt: Option<&[u32]>,
+    gen: usize,
+    state: (&str, &str),
+    extra: &[&str],
+) -> (Vec<u32>, Vec<f32>) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run.json");
+    let logits = dir.path().join("logits.f32");
+    let m = fixtures().join("tiny-mxfp4/sharded");
+    let gen = gen.to_string();
+    let ids = prompt.map(join);
+    let mut args: Vec<&str> = vec![m.to_str().unwrap(), "--gen", &gen, "--quiet"];
+    if let Some(ids) = &ids {
+        args.extend(["--ids", ids]);
+    }
+    args.extend([
+        "--out",
+        out.to_str().unwrap(),
+        "--dump-logits",
+        logits.to_str().unwrap(),
+        state.0,
+        state.1,
+    ]);
+    args.extend_from_slice(extra);
+    let o = run(&args);
+    assert!(o.status.success(), "{state:?} {extra:?}: {}", text(&o));
+    (
+        u32s(&json(&out)["generated_ids"]),
+        f32s(&std::fs::read(&logits).unwrap()),
+    )
+}
+
+/// Save after 7 tokens, load and go on: the loaded run's first-step logits are bit for bit
+/// those of an uninterrupted run over the same tokens (the prompt and the 7 ids, whose
+/// last row predicts the 8th), staged and single-process, and across the two. Catches a
+/// lossy state that keeps the greedy ids: a KDA state or KV rounded to bf16, a dropped or
+/// zeroed conv tail, a position off by one (ids alone would not notice a small error).
+#[test]
+fn a_loaded_state_gives_the_uninterrupted_logits_bit_for_bit() {
+    let (prompt, want) = oracle("tiny-mxfp4/expected-k3ref.json");
+    let n = 7;
+    let mut consumed = prompt.clone();
+    consumed.extend_from_slice(&want[..n]);
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("s.k3state");
+    let fs = f.to_str().unwrap();
+    let modes: [&[&str]; 2] = [&[], &["--single-process"]];
+    for save in modes {
+        for load in modes {
+            let (saved, _) = run_state(Some(&prompt), n, ("--save-state", fs), save);
+            assert_eq!(saved, want[..n], "{save:?}: ids before the save");
+            let (ids, logits) = run_state(None, 4, ("--load-state", fs), load);
+            assert_eq!(
+                ids,
+                want[n..n + 4],
+                "{save:?} then {load:?}: ids after the load"
+            );
+            let (_, whole) = run_dump("tiny-mxfp4/sharded", &consumed, 1, load);
+            assert_bits_eq(
+                &format!(
+                    "saved {save:?}, loaded {load:?}: first step after the load vs uninterrupted"
+                ),
+                &logits,
+                &whole,
+            );
+        }
+    }
+}
+
+/// A seeded sampled run (temperature, top-k, repetition penalty) saved after 5 tokens and
+/// continued from the state with the same seed gives the uninterrupted run's 12 ids.
+/// Catches a loaded run that restarts the sampler's random stream (step 0's draws again
+/// instead of step 5's), and a repetition penalty that forgets the tokens before the save.
+/// The run must really sample (its ids are not the greedy ones).
+#[test]
+fn a_seeded_sampled_run_continues_from_a_state_with_the_same_ids() {
+    let (prompt, greedy) = oracle("tiny-mxfp4/expected-k3ref.json");
+    let sampling = [
+        "--temperature",
+        "1.3",
+        "--top-k",
+        "40",
+        "--repeat-penalty",
+        "1.2",
+        "--seed",
+        "4321",
+    ];
+    let (n, m) = (5, 7);
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("s.k3state");
+    let fs = f.to_str().unwrap();
+    for mode in [&[][..], &["--single-process"][..]] {
+        let mut extra = mode.to_vec();
+        extra.extend_from_slice(&sampling);
+        let (whole, _) = run_dump("tiny-mxfp4/sharded", &prompt, n + m, &extra);
+        assert_ne!(
+            whole[..],
+            greedy[..n + m],
+            "{mode:?}: the run did not sample"
+        );
+        let (mut got, _) = run_state(Some(&prompt), n, ("--save-state", fs), &extra);
+        let (rest, _) = run_state(None, m, ("--load-state", fs), &extra);
+        got.extend(rest);
+        assert_eq!(got, whole, "{mode:?}: saved after {n}, loaded for {m}");
+    }
 }

@@ -104,10 +104,11 @@ fn prompt_and_prompt_file_through_the_tokenizer() {
 
 /// `--chat` wraps the prompt in K3's chat format, whose control tokens (ids from 3,261 in
 /// the fixture tokenizer) lie outside a tiny model's 256-id vocabulary: the run must fail
-/// and say so, never answer with exit 0. Catches a --chat that is ignored (plain text would
-/// run and exit 0) and ids silently clamped into the vocabulary.
+/// and name the first of them, `<|open|>` (3264), never answer with exit 0. Catches a
+/// --chat that is ignored (plain text would run and exit 0) and ids silently clamped into
+/// the vocabulary.
 #[test]
-fn chat_prompt_reaches_the_model_wrapped() {
+fn chat_ids_outside_the_vocabulary_are_refused() {
     let tok = fixtures().join("tokenizer");
     let m = fixtures().join(MODEL);
     let dir = tempfile::tempdir().unwrap();
@@ -126,9 +127,64 @@ fn chat_prompt_reaches_the_model_wrapped() {
         out.to_str().unwrap(),
     ]);
     let t = text(&o);
-    assert!(!o.status.success(), "{t}");
+    assert_eq!(o.status.code(), Some(1), "{t}");
     assert!(
-        t.contains("vocabulary"),
-        "the refusal must name the vocabulary:\n{t}"
+        t.contains("token id 3264 is outside the vocabulary 0..256"),
+        "the refusal must name <|open|> and the vocabulary:\n{t}"
+    );
+}
+
+/// `--chat --thinking --effort none --prompt Hi` reaches the model as the whole rendered
+/// turn: the report's prompt ids are the chat oracle's (`tokenizer/chat_cases.jsonl`,
+/// `chat_one_turn_no_effort`, rendered and encoded by the release's Python template and
+/// tokenizer), on `synth --shape tiny-chat`, whose vocabulary holds them (its ranks start
+/// with the fixture's 3,261, its 256 specials start at the released 163,584, so fixture
+/// special `3261 + k` is `163584 + k` there). Catches a --chat that sends the bare text, a
+/// template that drops or reorders a block (the role, `<|end_of_msg|>`, the assistant's
+/// open `think`), and special names encoded as plain text.
+#[test]
+fn chat_prompt_reaches_the_model_wrapped() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("tiny-chat");
+    let o = run(&["synth", "--shape", "tiny-chat", m.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let cases = std::fs::read_to_string(fixtures().join("tokenizer/chat_cases.jsonl")).unwrap();
+    let case: serde_json::Value = cases
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["name"] == "chat_one_turn_no_effort")
+        .expect("the chat_one_turn_no_effort case");
+    assert_eq!(case["request"]["messages"][0]["content"], "Hi");
+    let want: Vec<u32> = u32s(&case["ids"])
+        .into_iter()
+        .map(|i| if i < 3261 { i } else { i - 3261 + 163_584 })
+        .collect();
+    assert!(
+        want.iter().any(|&i| i >= 163_584),
+        "no specials in {want:?}"
+    );
+    let out = dir.path().join("run.json");
+    let ms = m.to_str().unwrap();
+    let o = run(&[
+        ms,
+        "--tok",
+        ms,
+        "--prompt",
+        "Hi",
+        "--chat",
+        "--thinking",
+        "--effort",
+        "none",
+        "--gen",
+        "1",
+        "--quiet",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        u32s(&json(&out)["prompt_ids"]),
+        want,
+        "the rendered chat turn"
     );
 }

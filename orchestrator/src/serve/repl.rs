@@ -664,14 +664,16 @@ fn stats_line(d: Option<&Done>) -> String {
 
 /// `/save` writes only regular files (replaced whole) or new ones: a device, a FIFO or a
 /// directory is refused before anything is written (`/save /dev/null` wrote
-/// `/dev/null.state`; a FIFO hung the session).
+/// `/dev/null.state`; a FIFO hung the session), and so is whatever `--out` refuses
+/// ([`k3_io::output::check_target`]: a dangling symlink, a symlink loop, a missing
+/// directory, a /proc file).
 fn save_target(p: &Path) -> Result<(), String> {
     match std::fs::metadata(p) {
         Ok(m) if !m.is_file() => Err(format!(
             "{} is not a regular file (a device, FIFO or directory is not written)",
             p.display()
         )),
-        _ => Ok(()),
+        _ => k3_io::output::check_target(p).map_err(|why| format!("{}: {why}", p.display())),
     }
 }
 

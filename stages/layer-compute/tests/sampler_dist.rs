@@ -198,3 +198,84 @@ fn presence_and_frequency_penalties_shift_the_distribution() {
     let plain = expected(1.0, None, None);
     assert!(chi2(&n, &plain).0 > 10.0 * critical(7), "{n:?}");
 }
+
+/// Expected probabilities with min-p, by definition: softmax at T, keep the ids whose
+/// probability is at least `min_p` times the largest (after the temperature), renormalise.
+fn expected_min_p(t: f64, min_p: f64) -> Vec<f64> {
+    let w: Vec<f64> = LOGITS.iter().map(|&l| (l as f64 / t).exp()).collect();
+    let top = w.iter().cloned().fold(0.0, f64::max);
+    let kept: Vec<f64> = w
+        .iter()
+        .map(|&x| if x >= min_p * top { x } else { 0.0 })
+        .collect();
+    let z: f64 = kept.iter().sum();
+    kept.iter().map(|x| x / z).collect()
+}
+
+/// min-p while sampling with a temperature: the draws follow softmax(l / T) over the ids
+/// whose probability is at least min_p times the top one's, the cut measured after the
+/// temperature (T = 2, min-p 0.3 keeps 5 ids; the same min-p at T = 1 would keep 3; T = 0.5,
+/// min-p 0.1 keeps 3). Catches a min-p that is ignored (an id outside the set is drawn),
+/// measured before the temperature or against the total mass instead of the top
+/// probability (other sets), and draws that are not renormalised over the kept set.
+#[test]
+fn min_p_with_temperature_follows_the_definition() {
+    for (t, mp, want) in [(2.0f32, 0.3f32, 5usize), (0.5, 0.1, 3), (1.0, 0.3, 3)] {
+        let p = expected_min_p(t as f64, mp as f64);
+        assert_eq!(
+            p.iter().filter(|&&x| x > 0.0).count(),
+            want,
+            "T {t} min-p {mp}"
+        );
+        let c = SamplerConfig {
+            min_p: Some(mp),
+            ..cfg(t, None, None)
+        };
+        let n = counts(&c);
+        let (x, df) = chi2(&n, &p);
+        let crit = critical(df.max(1));
+        eprintln!("T={t} min-p {mp}: counts {n:?}, chi2 {x:.1} (df {df}, crit {crit:.1})");
+        assert!(x < crit, "T {t} min-p {mp}: chi2 {x:.1}; {n:?} vs {p:?}");
+        assert_eq!(n.iter().filter(|&&c| c > 0).count(), want, "{n:?}");
+    }
+}
+
+/// The repetition penalty while sampling (T = 1): the draws follow softmax over the
+/// penalised logits, where each id among the last `REPEAT_WINDOW` (64) of the history is
+/// penalised once (a positive logit divided by the penalty, a negative one multiplied).
+/// The history here is id 3, then id 1 62 times, then ids 4 and 6: id 3 has left the
+/// window, id 1 counts once, id 4's logit is 0 and id 6's is negative. Catches a penalty
+/// that is ignored while sampling (only greedy was tested), applied per occurrence,
+/// applied outside the window, or that divides negative logits (making them likelier).
+#[test]
+fn repetition_penalty_shifts_the_sampled_distribution() {
+    let pen = 1.5f32;
+    let mut history = vec![3u32];
+    history.extend(std::iter::repeat_n(1u32, 62));
+    history.extend([4u32, 6]);
+    assert_eq!(history.len(), k3_layer_compute::sampler::REPEAT_WINDOW + 1);
+    let c = SamplerConfig {
+        repetition_penalty: Some(pen),
+        ..cfg(1.0, None, None)
+    };
+    let mut n = vec![0u64; LOGITS.len()];
+    for step in 0..DRAWS {
+        n[sample(&LOGITS, &c, step, &history, &[])] += 1;
+    }
+    let mut l: Vec<f64> = LOGITS.iter().map(|&x| x as f64).collect();
+    for id in [1usize, 4, 6] {
+        l[id] = if l[id] > 0.0 {
+            l[id] / pen as f64
+        } else {
+            l[id] * pen as f64
+        };
+    }
+    let w: Vec<f64> = l.iter().map(|x| x.exp()).collect();
+    let z: f64 = w.iter().sum();
+    let p: Vec<f64> = w.iter().map(|x| x / z).collect();
+    let (x, df) = chi2(&n, &p);
+    eprintln!("repetition penalty {pen}: counts {n:?}, chi2 {x:.1} (df {df})");
+    assert!(x < critical(df), "chi2 {x:.1}; counts {n:?} vs p {p:?}");
+    let plain = expected(1.0, None, None);
+    assert!(chi2(&n, &plain).0 > 10.0 * critical(7), "{n:?}");
+}
