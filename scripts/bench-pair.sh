@@ -17,7 +17,9 @@
 # Environment: SLICE (default /work/bench/slice, made by `k3-orch synth --shape slice
 # --vocab 163840 --seed 7`), GGUF (default /work/bench/slice.gguf), LLAMA_BIN (default
 # /work/llama/src/build/bin; how to build it and convert the slice: scripts/bench-llama.sh),
-# THREADS (2), K3 (default target/release/k3-orch, built here).
+# THREADS (2), K3 (default target/release/k3-orch, built here), LONG (512: the long prompt,
+# one timed k3 run per round after the short ones, and llama-bench's `-p LONG`; 0 skips it).
+# The `path` column is the product path k3's report names (`K3_SIMD` selects another).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
@@ -26,6 +28,7 @@ GGUF=${GGUF:-/work/bench/slice.gguf}
 LLAMA_BIN=${LLAMA_BIN:-/work/llama/src/build/bin}
 THREADS=${THREADS:-2}
 K3=${K3:-target/release/k3-orch}
+LONG=${LONG:-512}
 WORK=$(mktemp -d /tmp/k3-bench-pair.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 [ "$K3" = target/release/k3-orch ] && cargo build --release -q -p k3-orch
@@ -33,7 +36,8 @@ for f in "$SLICE/config.json" "$GGUF" "$LLAMA_BIN/llama-bench"; do
     [ -e "$f" ] || { echo "missing $f (see the header of $0)" >&2; exit 2; }
 done
 echo "== uptime (start): $(uptime)"
-printf '%-5s %10s %10s %10s %10s %9s %9s\n' round k3_s/tok llama_s/tok k3_pp16 llama_pp16 dec_ratio pp_ratio
+printf '%-5s %10s %10s %10s %10s %9s %9s %10s %10s %9s %s\n' round k3_s/tok llama_s/tok \
+    k3_pp16 llama_pp16 dec_ratio pp_ratio "k3_pp$LONG" "llama_pp$LONG" "pp${LONG}_rat" path
 for r in $(seq "$ROUNDS"); do
     cat "$SLICE"/*.safetensors > /dev/null
     "$K3" "$SLICE" --single-process --incremental --threads "$THREADS" --ids 1 --gen 16 \
@@ -48,12 +52,18 @@ for r in $(seq "$ROUNDS"); do
         "$K3" "$SLICE" --single-process --incremental --threads "$THREADS" \
             --ids "$(seq -s, 1 16)" --gen 1 --out "$WORK/pre$i.json" --quiet > /dev/null
     done
+    rm -f "$WORK/long.json"
+    if [ "$LONG" -gt 0 ]; then
+        "$K3" "$SLICE" --single-process --incremental --threads "$THREADS" \
+            --ids "$(seq -s, 1 "$LONG")" --gen 1 --out "$WORK/long.json" --quiet > /dev/null
+    fi
     cat "$GGUF" > /dev/null
-    "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$THREADS" -p 16 -n 16 -r 3 --repack 1 -o json \
+    pp=16; [ "$LONG" -gt 0 ] && pp="16,$LONG"
+    "$LLAMA_BIN/llama-bench" -m "$GGUF" -t "$THREADS" -p "$pp" -n 16 -r 3 --repack 1 -o json \
         > "$WORK/llama.json" 2> "$WORK/llama.log"
-    python3 - "$WORK" "$r" <<'PY'
-import json, statistics, sys
-work, r = sys.argv[1], sys.argv[2]
+    python3 - "$WORK" "$r" "$LONG" <<'PY'
+import json, os, statistics, sys
+work, r, long_n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 dec = json.load(open(f"{work}/dec.json"))
 k3_tok = statistics.median(s["seconds"] for s in dec["steps"][1:])
 k3_pp = statistics.median(json.load(open(f"{work}/pre{i}.json"))["steps"][0]["seconds"]
@@ -61,8 +71,15 @@ k3_pp = statistics.median(json.load(open(f"{work}/pre{i}.json"))["steps"][0]["se
 ll = json.load(open(f"{work}/llama.json"))
 ll_pp = next(t["avg_ns"] for t in ll if t["n_prompt"] == 16 and t["n_gen"] == 0) / 1e9
 ll_tok = next(t["avg_ns"] for t in ll if t["n_gen"] == 16 and t["n_prompt"] == 0) / 1e9 / 16
+path = dec.get("prefill", {}).get("product_path", "?")
+k3_long = ll_long = None
+if long_n > 0 and os.path.exists(f"{work}/long.json"):
+    k3_long = json.load(open(f"{work}/long.json"))["steps"][0]["seconds"]
+    ll_long = next(t["avg_ns"] for t in ll if t["n_prompt"] == long_n and t["n_gen"] == 0) / 1e9
+fmt = lambda v: f"{v:>10.3f}" if v is not None else f"{'-':>10}"
+ratio = f"{k3_long / ll_long:>9.2f}" if k3_long and ll_long else f"{'-':>9}"
 print(f"{r:<5} {k3_tok:>10.3f} {ll_tok:>10.3f} {k3_pp:>10.3f} {ll_pp:>10.3f} "
-      f"{k3_tok / ll_tok:>9.2f} {k3_pp / ll_pp:>9.2f}")
+      f"{k3_tok / ll_tok:>9.2f} {k3_pp / ll_pp:>9.2f} {fmt(k3_long)} {fmt(ll_long)} {ratio} {path}")
 PY
 done
 echo "(ratios are k3 / llama.cpp: below 1 means k3 is faster)"

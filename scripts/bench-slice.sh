@@ -74,6 +74,8 @@ run warmup-prefill "$IDS16" 1
 run prefill "$IDS16" 1
 run prefill2 "$IDS16" 1
 run prefill3 "$IDS16" 1
+# The 512-token prompt (issue 32; llama-bench's pp512): one timed run after the short ones.
+run prefill512 "$(seq -s, 1 512)" 1
 # Staged runs 28 tokens: its expert-fetcher fills its cache as tokens first route to an
 # expert (a process tree per run, nothing carried over), so the first dozen steps still
 # read a few experts from disk; the steps after 16 are the resident speed.
@@ -139,8 +141,13 @@ for name, rep, lo, hi in rows:
     st = s_per_token(rep, lo, hi)
     print(f"{name:<28} {per_token/1e9:16.2f} {st:8.3f} {per_token/1e9/st:6.1f} {floor:8.3f} "
           f"{st/floor:6.2f}  (against the decode run's median floor)")
+path = pres[0].get("prefill", {}).get("product_path", "?")
 print(f"{'16-token prompt (prefill)':<28} {pre_s[1]:>34.3f} s (goal <= 0.8 s; median of 3, "
-      f"{pre_s[0]:.3f}-{pre_s[2]:.3f})")
+      f"{pre_s[0]:.3f}-{pre_s[2]:.3f}; path {path})")
+long = json.load(open(f"{work}/prefill512.json"))
+ls = long["steps"][0]["seconds"]
+print(f"{'512-token prompt (prefill)':<28} {ls:>34.3f} s ({512 / ls:.1f} tokens/s; one run; "
+      f"path {long.get('prefill', {}).get('product_path', '?')})")
 if len({tuple(p["generated_ids"]) for p in pres}) != 1:
     print("WARNING: the three prompts' ids differ")
 print(f"decode ids {dec['generated_ids']}, staged ids {stg['generated_ids']}")

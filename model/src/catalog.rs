@@ -23,7 +23,6 @@ use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
-use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -53,6 +52,12 @@ pub struct CatalogError {
 }
 
 impl CatalogError {
+    /// Whether the file is not a regular file (a FIFO, a device, a socket): refused before
+    /// it is read, a usage error rather than a damaged checkpoint.
+    pub fn is_not_regular(&self) -> bool {
+        self.tensor.is_none() && self.msg.starts_with(k3_io::input::NOT_REGULAR)
+    }
+
     fn new(file: &Path, tensor: Option<&str>, msg: impl Into<String>) -> Self {
         CatalogError {
             file: file.to_path_buf(),
@@ -599,7 +604,15 @@ fn parse_header<'a>(file: &Path, json: &'a [u8]) -> Result<Vec<RawTensor<'a>>, C
 /// Read a shard's length prefix and header bytes.
 fn read_header_bytes(path: &Path) -> Result<(u64, u64, Vec<u8>), CatalogError> {
     let io = |e: std::io::Error| CatalogError::new(path, None, format!("cannot read: {e}"));
-    let mut f = File::open(path).map_err(io)?;
+    // A FIFO or a device is refused, never opened blocking (a FIFO's open waits for a
+    // writer forever).
+    let mut f = k3_io::input::open_regular(path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::InvalidInput {
+            CatalogError::new(path, None, e.to_string())
+        } else {
+            io(e)
+        }
+    })?;
     let file_size = f.metadata().map_err(io)?.len();
     if file_size < 8 {
         return Err(CatalogError::new(
@@ -1143,8 +1156,13 @@ impl Catalog {
 
     /// Catalog the set an index file describes (shards relative to its directory).
     pub fn open_index(index: &Path) -> Result<Catalog, CatalogError> {
-        let json = std::fs::read(index)
-            .map_err(|e| CatalogError::new(index, None, format!("cannot read: {e}")))?;
+        let json = k3_io::input::read_capped(index, k3_io::input::JSON_CAP).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::InvalidInput {
+                CatalogError::new(index, None, e.to_string())
+            } else {
+                CatalogError::new(index, None, format!("cannot read: {e}"))
+            }
+        })?;
         Self::index_with(index, &json, &parse_shard)
     }
 

@@ -96,6 +96,10 @@ pub enum WeightError {
     Invalid { name: String, msg: String },
     #[error("tensor {name}: read failed: {msg}")]
     Io { name: String, msg: String },
+    /// The tensor holds a value that is not finite (a NaN or ±Inf BF16/F32 element, an
+    /// E8M0 scale byte 0xFF): corrupt weights, never computed with.
+    #[error("tensor {name} is not finite: {msg}")]
+    NonFinite { name: String, msg: String },
 }
 
 /// Where the forward pass gets its weights. Implemented by the single-process model reader

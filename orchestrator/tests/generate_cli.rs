@@ -198,3 +198,41 @@ fn the_read_floor_reads_one_decode_tokens_weights_and_changes_nothing() {
     assert_eq!(rep["generated_ids"], rep0["generated_ids"]);
     assert_eq!(String::from_utf8(o.stdout).unwrap(), text0);
 }
+
+// The report's prefill line (issue 32): the prompt's tokens (here the chat template's,
+// counted from the report's own prompt ids), the first step's time and reads, and the
+// product path. Catches a prefill that counts the generated tokens, or the whole run's
+// time instead of the first step's, or names another path than K3_SIMD selects.
+#[test]
+fn the_report_has_the_prefill_line() {
+    let (_, err, rep) = gen(&[]);
+    let p = &rep["prefill"];
+    let prompt = rep["prompt_ids"].as_array().unwrap().len() as u64;
+    assert_eq!(p["tokens"].as_u64(), Some(prompt), "{p}");
+    assert_eq!(p["seconds"], rep["steps"][0]["seconds"], "{p}");
+    let tps = p["tokens_per_second"].as_f64().unwrap();
+    let want = prompt as f64 / p["seconds"].as_f64().unwrap();
+    assert!((tps - want).abs() <= 1e-9 * want, "{tps} vs {want}");
+    assert!(err.contains("prefill: "), "{err}");
+    let out = tempfile::NamedTempFile::new().unwrap();
+    let m = model().to_str().unwrap();
+    let o = k3_cmd()
+        .env("K3_SIMD", "portable")
+        .args([
+            m,
+            "--ids",
+            "1,2,3,4,5",
+            "--gen",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+        ])
+        .arg(out.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rep: Value = serde_json::from_slice(&std::fs::read(out.path()).unwrap()).unwrap();
+    assert_eq!(rep["prefill"]["tokens"], 5);
+    assert_eq!(rep["prefill"]["product_path"], "exact/portable");
+}

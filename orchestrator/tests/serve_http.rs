@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use crate::tools_common::{self, bin, skip, tiny_chat_model as model};
 use serde_json::{json, Value};
 
-struct Server {
-    child: Child,
-    base: String,
+pub(crate) struct Server {
+    pub(crate) child: Child,
+    pub(crate) base: String,
 }
 
 impl Drop for Server {
@@ -21,20 +21,27 @@ impl Drop for Server {
     }
 }
 
-fn start(extra: &[&str]) -> Server {
+pub(crate) fn start(extra: &[&str]) -> Server {
     start_with(extra, &[], None)
 }
 
 /// [`start`] with environment variables (test hooks), stderr to `log` when given.
-fn start_with(extra: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
+pub(crate) fn start_with(extra: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
     let m = model().to_str().unwrap();
+    let mut args = vec!["serve", m, "--tok", m, "--port", "0", "--threads", "1"];
+    args.extend_from_slice(extra);
+    spawn(&args, envs, log)
+}
+
+/// `k3-orch ARGS` (a `serve` command line with `--port 0`), once it is ready (`/health`
+/// 200 within 30 s), with environment variables and stderr to `log` when given.
+pub(crate) fn spawn(args: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
     let stderr = match log {
         Some(p) => Stdio::from(std::fs::File::create(p).unwrap()),
         None => Stdio::null(),
     };
     let mut child = Command::new(bin())
-        .args(["serve", m, "--tok", m, "--port", "0", "--threads", "1"])
-        .args(extra)
+        .args(args)
         .envs(envs.iter().copied())
         .stdout(Stdio::piped())
         .stderr(stderr)
@@ -68,7 +75,7 @@ fn start_with(extra: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Serv
 }
 
 /// POST JSON; (status, body as JSON, Retry-After).
-fn post(s: &Server, path: &str, body: &str) -> (u16, Value, Option<String>) {
+pub(crate) fn post(s: &Server, path: &str, body: &str) -> (u16, Value, Option<String>) {
     let r = ureq::post(&format!("{}{path}", s.base))
         .set("Content-Type", "application/json")
         .send_string(body);
@@ -87,7 +94,7 @@ fn post(s: &Server, path: &str, body: &str) -> (u16, Value, Option<String>) {
     )
 }
 
-fn chat_body(msgs: Value, n: usize, stream: bool) -> String {
+pub(crate) fn chat_body(msgs: Value, n: usize, stream: bool) -> String {
     json!({"model": "k3", "messages": msgs, "max_tokens": n, "stream": stream,
            "stream_options": {"include_usage": true}})
     .to_string()
@@ -314,8 +321,9 @@ fn concurrent_requests_are_all_answered_and_a_full_queue_gets_429() {
     for h in handles {
         assert_eq!(h.join().unwrap(), 5);
     }
-    // One queue slot, held by a long request: the next one is refused with Retry-After.
-    let s1 = start(&["--max-queue", "1"]);
+    // One slot, held by a long request, and no room to wait: the next one is refused with
+    // Retry-After.
+    let s1 = start(&["--parallel", "1", "--max-queue", "0"]);
     let b1 = s1.base.clone();
     let long = std::thread::spawn(move || {
         ureq::post(&format!("{b1}/v1/completions"))
@@ -338,15 +346,22 @@ fn concurrent_requests_are_all_answered_and_a_full_queue_gets_429() {
 
 #[test]
 fn sigterm_drains_and_exits_0_within_5_s() {
-    let mut s = start(&[]);
-    let b = s.base.clone();
-    let inflight = std::thread::spawn(move || {
-        ureq::post(&format!("{b}/v1/completions"))
-            .send_json(json!({"prompt": "Hello", "max_tokens": 2000}))
-            .map(|r| r.status())
-            .unwrap_or(0)
-    });
-    std::thread::sleep(Duration::from_millis(300));
+    let mut s = start(&["--parallel", "4"]);
+    // Four requests in flight, two streamed: each gets a whole answer (a finish reason,
+    // `[DONE]` for a stream).
+    let inflight: Vec<_> = (0..4)
+        .map(|i| {
+            let b = s.base.clone();
+            std::thread::spawn(move || {
+                let body = json!({"prompt": format!("Hello {i}"), "max_tokens": 2000,
+                                  "stream": i % 2 == 1});
+                let r = ureq::post(&format!("{b}/v1/completions")).send_json(body);
+                let Ok(r) = r else { return (0, String::new()) };
+                (r.status(), r.into_string().unwrap_or_default())
+            })
+        })
+        .collect();
+    wait_for_busy(&s.base, 4, "the four requests");
     let stages = wait_for_stages(s.child.id());
     let cgroups: Vec<PathBuf> = stages
         .iter()
@@ -373,8 +388,22 @@ fn sigterm_drains_and_exits_0_within_5_s() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(status.code(), Some(0));
-    // The in-flight request was answered, not dropped.
-    assert_eq!(inflight.join().unwrap(), 200);
+    // The requests in flight were answered, not dropped.
+    for (i, h) in inflight.into_iter().enumerate() {
+        let (code, body) = h.join().unwrap();
+        assert_eq!(code, 200, "request {i}: {body}");
+        assert!(
+            body.contains("\"finish_reason\":\"cancelled\"")
+                || body.contains("\"finish_reason\":\"length\""),
+            "request {i}: {body}"
+        );
+        if i % 2 == 1 {
+            assert!(
+                body.trim_end().ends_with("data: [DONE]"),
+                "request {i}: {body}"
+            );
+        }
+    }
     // Nothing is left behind: no stage process, no cgroup, no shared memory of the run.
     std::thread::sleep(Duration::from_millis(100));
     for (name, p) in &stages {
@@ -458,7 +487,7 @@ fn sigterm_with_a_stage_that_does_not_answer_still_cleans_up_within_5_s() {
 }
 
 /// The stage processes of a server: (stage name, pid), from /proc (children of `pid`).
-fn stage_pids(pid: u32) -> Vec<(String, u32)> {
+pub(crate) fn stage_pids(pid: u32) -> Vec<(String, u32)> {
     let mut out = Vec::new();
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return out;
@@ -483,7 +512,7 @@ fn stage_pids(pid: u32) -> Vec<(String, u32)> {
 }
 
 /// The cgroup directory a process is in (cgroup v2 unified hierarchy), if it is a k3 one.
-fn k3_cgroup_of(pid: u32) -> Option<PathBuf> {
+pub(crate) fn k3_cgroup_of(pid: u32) -> Option<PathBuf> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     text.lines().find_map(|l| {
         let path = l.splitn(3, ':').nth(2)?;
@@ -514,8 +543,8 @@ fn k3_shm_entries() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Wait until the server lists `n` stage processes.
-fn wait_for_stages(pid: u32) -> Vec<(String, u32)> {
+/// Wait until the server lists its 4 stage processes.
+pub(crate) fn wait_for_stages(pid: u32) -> Vec<(String, u32)> {
     let t0 = Instant::now();
     loop {
         let s = stage_pids(pid);
@@ -781,9 +810,14 @@ fn chat_save_and_load_continue_the_session_in_a_new_process() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Wait (at most 20 s) until `/metrics` at `base` shows one request holding the slot
-/// (queue depth 1); `what` names the request in the failure message.
+/// Wait (at most 20 s) until `/metrics` at `base` shows one request holding a slot;
+/// `what` names the request in the failure message.
 fn wait_for_one_in_flight(base: &str, what: &str) {
+    wait_for_busy(base, 1, what);
+}
+
+/// Wait (at most 20 s) until `/metrics` at `base` shows `n` slots busy.
+pub(crate) fn wait_for_busy(base: &str, n: usize, what: &str) {
     let t0 = Instant::now();
     loop {
         let m = ureq::get(&format!("{base}/metrics"))
@@ -791,7 +825,7 @@ fn wait_for_one_in_flight(base: &str, what: &str) {
             .unwrap()
             .into_string()
             .unwrap();
-        if m.contains("\nk3_queue_depth 1\n") {
+        if m.contains(&format!("\nk3_slots_busy {n}\n")) {
             return;
         }
         assert!(
@@ -832,7 +866,7 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
     assert_eq!(st, 200, "{want}");
     drop(roomy);
     // The smallest total that plans at all, 100 KB at a time: it leaves the arena the
-    // fewest slots.
+    // fewest slots. A CLI run of 257 positions plans what one serving slot of 256 does.
     let mut step = 250u32;
     let (code, _, err) =
         tools_common::k3(&[m, "--ids", "0", "--incremental", "--mem-gb", "0.0250"]);
@@ -847,7 +881,7 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
             "--ids",
             "0",
             "--gen",
-            "1",
+            "255",
             "--incremental",
             "--mem-gb",
             &gb,
@@ -861,7 +895,12 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
         assert_eq!(code, 2, "{gb}: {err}");
     };
     let log = std::env::temp_dir().join(format!("k3-serve-tight-{}.log", std::process::id()));
-    let s = start_with(&["--mem-gb", &tight], &hooks, Some(&log));
+    let one_slot = ["--parallel", "1", "--cache-entries", "0", "--ctx", "256"];
+    let s = start_with(
+        &[&one_slot[..], &["--mem-gb", &tight]].concat(),
+        &hooks,
+        Some(&log),
+    );
     let (st, got) = answer(&s);
     drop(s);
     let text = std::fs::read_to_string(&log).unwrap_or_default();
@@ -886,5 +925,221 @@ fn failed_experts_fail_the_request_and_a_small_arena_feeds_prompts_in_passes() {
     assert!(
         v.to_string().contains("failed to load"),
         "the error does not say why: {v}"
+    );
+}
+
+/// `serve` on a port in use exits 2 at once, before it starts a stage or reads a weight
+/// (issue 34 item 6, issue 36's "failed listen"). Catches: binding after the engine
+/// started (exit 1 once the stages were up, seconds later).
+#[test]
+fn a_busy_port_exits_2_at_once_before_loading() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port().to_string();
+    let m = model().to_str().unwrap();
+    let t0 = Instant::now();
+    let mut child = Command::new(bin())
+        .args(["serve", m, "--tok", m, "--port", &port, "--threads", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stages_seen = false;
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        stages_seen |= !stage_pids(child.id()).is_empty();
+        if t0.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("serve on a busy port still running after 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let took = t0.elapsed();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(
+        !stages_seen,
+        "a stage started before the bind failed: {err}"
+    );
+    assert!(took < Duration::from_secs(2), "took {took:?}: {err}");
+    assert!(
+        err.contains(&format!("cannot listen on 127.0.0.1:{port}")) && err.contains("--port"),
+        "{err}"
+    );
+    drop(held);
+}
+
+/// One log line per request as it ends (issue 34 item 12): its id, prompt, cached and
+/// completion tokens, prefill seconds, tokens/s and finish reason, on stderr. Catches: a
+/// server that logs nothing per request (a long request looked like a hang).
+#[test]
+fn each_request_logs_one_line_when_it_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let s = start_with(&[], &[], Some(&log));
+    let user = json!([{"role": "user", "content": "Hello"}]);
+    let (st, first, _) = post(&s, "/v1/chat/completions", &chat_body(user, 5, false));
+    assert_eq!(st, 200, "{first}");
+    let reply = first["choices"][0]["message"]["content"].clone();
+    let more = json!([{"role": "user", "content": "Hello"},
+                      {"role": "assistant", "content": reply},
+                      {"role": "user", "content": "And then?"}]);
+    let (st, second, _) = post(&s, "/v1/chat/completions", &chat_body(more, 3, false));
+    assert_eq!(st, 200, "{second}");
+    // A line may lag its answer by a moment.
+    let t0 = Instant::now();
+    let lines = loop {
+        let text = std::fs::read_to_string(&log).unwrap();
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.contains("request ") && l.contains(" prompt tokens ("))
+            .map(str::to_string)
+            .collect();
+        if lines.len() >= 2 || t0.elapsed() > Duration::from_secs(5) {
+            break lines;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let usage = |v: &Value, k: &str| v["usage"][k].as_u64().unwrap();
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    let expect_first = format!(
+        "{} prompt tokens ({} cached), {} completion tokens, prefill ",
+        usage(&first, "prompt_tokens"),
+        cached(&first).unwrap(),
+        usage(&first, "completion_tokens"),
+    );
+    assert!(
+        lines[0].contains(&expect_first),
+        "{lines:?} vs {expect_first}"
+    );
+    let finish = |v: &Value| {
+        format!(
+            "finish {}",
+            v["choices"][0]["finish_reason"].as_str().unwrap()
+        )
+    };
+    assert!(lines[0].trim_end().ends_with(&finish(&first)), "{lines:?}");
+    let expect_second = format!(
+        "{} prompt tokens ({} cached), {} completion tokens, prefill ",
+        usage(&second, "prompt_tokens"),
+        cached(&second).unwrap(),
+        usage(&second, "completion_tokens"),
+    );
+    assert!(
+        lines[1].contains(&expect_second),
+        "{lines:?} vs {expect_second}"
+    );
+    assert!(lines[1].trim_end().ends_with(&finish(&second)), "{lines:?}");
+    assert!(
+        !lines[1].contains("(0 cached)"),
+        "the follow-up reused: {lines:?}"
+    );
+    for l in &lines {
+        let prefill: f64 = l
+            .split("prefill ")
+            .nth(1)
+            .and_then(|r| r.split(" s, ").next())
+            .and_then(|x| x.parse().ok())
+            .unwrap_or_else(|| panic!("no prefill seconds in {l}"));
+        let tps: f64 = l
+            .split(" s, ")
+            .nth(1)
+            .and_then(|r| r.split(" tokens/s").next())
+            .and_then(|x| x.parse().ok())
+            .unwrap_or_else(|| panic!("no tokens/s in {l}"));
+        let one = l.contains(" 1 completion tokens") || l.contains(" 0 completion tokens");
+        assert!(prefill >= 0.0 && (tps > 0.0 || one), "{l}");
+    }
+    let ids: Vec<&str> = lines
+        .iter()
+        .map(|l| {
+            l.split("request ")
+                .nth(1)
+                .unwrap()
+                .split(':')
+                .next()
+                .unwrap()
+        })
+        .collect();
+    assert_ne!(ids[0], ids[1], "{lines:?}");
+}
+
+/// `method path` with `key` as the bearer key (none: no Authorization header); the status.
+fn status_with_key(s: &Server, method: &str, path: &str, body: &str, key: Option<&str>) -> u16 {
+    let url = format!("{}{path}", s.base);
+    let mut req = ureq::request(method, &url).set("Content-Type", "application/json");
+    if let Some(k) = key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    let r = if method == "GET" {
+        req.call()
+    } else {
+        req.send_string(body)
+    };
+    match r {
+        Ok(r) => r.status(),
+        Err(ureq::Error::Status(code, _)) => code,
+        Err(e) => panic!("{method} {path}: {e}"),
+    }
+}
+
+// Issue 36 (test item 5, hostile 13): with `--api-key`, every /v1/* route (the model list
+// and one model included), /tokenize and /detokenize answer 401 without the key and with a
+// wrong one (one of the same length too: the comparison is by bytes), and serve with the
+// right one; an empty key is refused at start (exit 2). Catches a route left unchecked
+// (`GET /v1/models` answered without the key), a prefix match of the key, and an empty
+// key that would let every request through.
+#[test]
+fn api_key_guards_every_api_route_and_an_empty_key_is_refused() {
+    let s = start(&["--api-key", "s3cret"]);
+    let routes = [
+        ("GET", "/v1/models", String::new()),
+        ("GET", "/v1/models/k3", String::new()),
+        (
+            "POST",
+            "/v1/chat/completions",
+            chat_body(json!([{"role": "user", "content": "Hi"}]), 2, false),
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"model": "k3", "prompt": [1, 2, 3], "max_tokens": 2}).to_string(),
+        ),
+        ("POST", "/tokenize", json!({"content": "Hi"}).to_string()),
+        ("POST", "/detokenize", json!({"tokens": [1, 2]}).to_string()),
+    ];
+    for (method, path, body) in &routes {
+        for bad in [None, Some("wrong"), Some("s3creT"), Some("s3cret-and-more")] {
+            assert_eq!(
+                status_with_key(&s, method, path, body, bad),
+                401,
+                "{method} {path} with {bad:?}"
+            );
+        }
+        assert_eq!(
+            status_with_key(&s, method, path, body, Some("s3cret")),
+            200,
+            "{method} {path} with the key"
+        );
+    }
+    drop(s);
+    let m = model().to_str().unwrap();
+    let out = Command::new(bin())
+        .args(["serve", m, "--tok", m, "--port", "0", "--api-key", ""])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }

@@ -144,6 +144,23 @@ fn doctor_reports_every_check() {
     }
     // The tiny model fits whole on any machine that can run the tests.
     assert!(out.status.success(), "{text}");
+    // It names the product path a run gets, and why (issue 32): the portable cap gives
+    // the exact path's portable kernels whatever the CPU. Catches a path line that names
+    // the CPU's best kernels instead of what K3_SIMD selects.
+    let capped = k3()
+        .env("K3_SIMD", "exact,portable")
+        .args(["doctor", "--seconds", "0"])
+        .arg(fixture("tiny-seed"))
+        .output()
+        .unwrap();
+    let capped = String::from_utf8(capped.stdout).unwrap();
+    assert!(
+        capped.contains(
+            "path       : exact/portable (the product path K3_SIMD asks for; instruction \
+             sets capped at portable by K3_SIMD)"
+        ),
+        "{capped}"
+    );
     let bad = k3()
         .args(["doctor", "/nonexistent/model"])
         .output()

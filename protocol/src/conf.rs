@@ -17,8 +17,9 @@ pub const EXPERT_REGION: u32 = 20;
 pub const MAX_PROMPT_IDS: usize = 32768;
 
 /// Sampling options of a generation; `temperature` None or 0 means greedy. The sampler
-/// itself is `k3_layer_compute::sampler`. `min_p` and `repetition_penalty` were added after
-/// the first protocol version; they default to off when absent (serde default).
+/// itself is `k3_layer_compute::sampler`. `min_p`, `repetition_penalty` and the presence and
+/// frequency penalties were added after the first protocol version; they default to off
+/// when absent (serde default).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SamplerConfig {
     pub temperature: Option<f32>,
@@ -32,6 +33,15 @@ pub struct SamplerConfig {
     /// [`REPEAT_WINDOW`] tokens by this factor (1 = off); applies to greedy too.
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
+    /// OpenAI's `presence_penalty`: subtracted from the logit of every id the generation
+    /// has produced so far (the prompt does not count); None or 0 = off; applies to greedy
+    /// too.
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    /// OpenAI's `frequency_penalty`: times the number of times the generation has produced
+    /// the id so far, subtracted from its logit; None or 0 = off; applies to greedy too.
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
 }
 
 /// How many of the most recent tokens (prompt included) the repetition penalty looks at.
@@ -144,6 +154,38 @@ pub struct ComputeConf {
     /// at its start. Absent (an older `Configure`): every setting automatic.
     #[serde(default)]
     pub tuning: KernelTuning,
+    /// A warm compute's slots (`serve --parallel N`): how many requests it runs together
+    /// and its bounds. Absent: one slot, as before.
+    #[serde(default)]
+    pub slots: WarmSlots,
+}
+
+/// A warm compute's requests at once (`k3_layer_compute::batch::Scheduler`'s options): the
+/// memory plan counted each slot's KV at `ctx` and its state, a pass of `slots - 1 +
+/// prefill_chunk` rows, and `prefix_bytes` of kept states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WarmSlots {
+    /// Requests decoding together (at least 1).
+    pub slots: usize,
+    /// Requests waiting for a slot, at most.
+    pub max_queue: usize,
+    /// Prompt plus generated tokens of one request, at most.
+    pub ctx: usize,
+    /// Bytes of session states kept for prefix reuse, at most.
+    pub prefix_bytes: u64,
+}
+
+impl Default for WarmSlots {
+    /// One slot, a queue of 16, 4,096 tokens, no byte bound on the kept states.
+    fn default() -> Self {
+        WarmSlots {
+            slots: 1,
+            max_queue: 16,
+            ctx: 4096,
+            prefix_bytes: u64::MAX,
+        }
+    }
 }
 
 /// Settings of layer-compute's product kernels (`k3_layer_compute::kernels::tuning`). Only

@@ -190,21 +190,6 @@ impl From<LinkError> for StageFailure {
     }
 }
 
-/// Transitional, for stage code whose own errors are still text (layer-compute, until its
-/// errors are typed): `?` turns the error into its message. Remove once nothing uses it.
-impl From<ProtocolError> for String {
-    fn from(e: ProtocolError) -> String {
-        e.to_string()
-    }
-}
-
-/// Transitional, as `From<ProtocolError> for String`.
-impl From<LinkError> for String {
-    fn from(e: LinkError) -> String {
-        e.to_string()
-    }
-}
-
 /// A recording (`--record`) could not be written.
 #[derive(Debug, thiserror::Error)]
 #[error("--record: {0}")]

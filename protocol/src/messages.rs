@@ -342,6 +342,60 @@ pub enum Msg {
         tokens: u32,
         error: Option<String>,
     },
+
+    // --- several warm requests at once (continuous batching, `serve --parallel N`): a warm
+    // compute runs every `Generate` it holds together, one row per decoding request per
+    // pass, and reports per request and per pass
+    /// compute -> orchestrator: request `req`'s `index`-th generated id (in order; the
+    /// tokenizer gets the same id as `DecodeId`, in the same order, so the orchestrator
+    /// pairs each with its `Text`).
+    Token(TokenMsg),
+    /// compute -> orchestrator: one forward pass over the requests it holds.
+    PassStats(PassStats),
+    /// compute -> orchestrator: request `req` failed on its own (its logits were not
+    /// finite, it could not run); the others carry on. A pass that fails as a whole fails
+    /// the stage instead.
+    RequestFailed {
+        req: u64,
+        error: String,
+    },
+}
+
+/// One generated id of a warm request (see [`Msg::Token`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenMsg {
+    pub req: u64,
+    /// 0 for the request's first generated id.
+    pub index: u32,
+    pub token: u32,
+    /// Routed experts that failed to load in the passes of this request since its last
+    /// token (its prompt's passes included): any makes the id unsound.
+    pub expert_failures: u64,
+    /// The logits row the id was drawn from, when the request asked for it
+    /// ([`GenRequest::keep_logits`]).
+    pub logits: Option<Vec<f32>>,
+}
+
+/// One forward pass of a warm compute that runs several requests (see [`Msg::PassStats`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PassStats {
+    /// Rows in the pass: one per decoding request, plus prompt tokens.
+    pub rows: u32,
+    pub decode_rows: u32,
+    pub prefill_rows: u32,
+    /// Requests holding a slot after the pass, and waiting for one.
+    pub busy: u32,
+    pub queued: u32,
+    /// Wall seconds of the pass: forward plus sampling.
+    pub seconds: f64,
+    pub trunk_read_bytes: u64,
+    pub expert_read_bytes: u64,
+    /// Routed-expert lookups (the union over the pass's rows) and those served from
+    /// experts already resident.
+    pub expert_requests: u64,
+    pub resident_hits: u64,
+    pub expert_failures: u64,
+    pub io_wait_seconds: f64,
 }
 
 /// One request of a warm compute stage (see [`Msg::Generate`]).
@@ -360,6 +414,8 @@ pub struct GenRequest {
     pub snapshot_at: Option<u32>,
     /// Session states compute keeps for prefix reuse (0: none).
     pub cache_entries: u32,
+    /// Send each step's logits row with its token ([`TokenMsg::logits`]; a debug endpoint).
+    pub keep_logits: bool,
 }
 
 /// Encoding or decoding failed.
@@ -491,6 +547,7 @@ mod tests {
                 stop_ids: vec![163_586],
                 snapshot_at: Some(2),
                 cache_entries: 8,
+                keep_logits: true,
             }),
             Msg::RequestStarted {
                 req: 3,
@@ -524,6 +581,28 @@ mod tests {
                 req: 5,
                 tokens: 2,
                 error: Some("the state was saved for another model".into()),
+            },
+            Msg::Token(TokenMsg {
+                req: 4,
+                index: 2,
+                token: 163_839,
+                expert_failures: 1,
+                logits: Some(vec![0.5, f32::MIN_POSITIVE, -3.25]),
+            }),
+            Msg::PassStats(PassStats {
+                rows: 9,
+                decode_rows: 3,
+                prefill_rows: 6,
+                busy: 4,
+                queued: 2,
+                seconds: 0.125,
+                expert_requests: 40,
+                resident_hits: 31,
+                ..Default::default()
+            }),
+            Msg::RequestFailed {
+                req: 4,
+                error: "generation step 3: the logits are not finite".into(),
             },
         ];
         for m in msgs {

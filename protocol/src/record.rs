@@ -149,7 +149,13 @@ impl Recorder {
                 why: format!("stage name of {} bytes", stage.len()),
             });
         }
-        std::fs::create_dir_all(dir).map_err(ioe)?;
+        // Only the last component is created (never `mkdir -p` of a mistyped path).
+        match std::fs::create_dir(dir) {
+            Err(e) if !(e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir()) => {
+                return Err(ioe(e))
+            }
+            _ => {}
+        }
         // Never through a symlink planted at the predictable name (O_NOFOLLOW: ELOOP).
         let f = {
             use std::os::unix::fs::OpenOptionsExt;

@@ -367,7 +367,13 @@ fn sigterm_exits_143() {
 /// fails.
 #[test]
 fn injected_expert_failures_exit_4() {
-    let (child, _out) = start(&[], &[("K3_INJECT_EXPERT_FAILURES", "1:0,2:3")]);
+    let (child, _out) = start(
+        &[],
+        &[
+            ("K3_TEST_HOOKS", "1"),
+            ("K3_INJECT_EXPERT_FAILURES", "1:0,2:3"),
+        ],
+    );
     let (code, _, stdout, err) = wait_exit(child, Duration::from_secs(120));
     assert_eq!(code, Some(4), "{stdout}\n{err}");
     // The step table and the summary are diagnostics (stderr); stdout has the ids.

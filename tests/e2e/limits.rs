@@ -195,3 +195,51 @@ fn preset_auto_sizes_from_available_memory() {
         budget(&r)
     );
 }
+
+// Issue 36 (test item 4): the KV-cache refusal without root. `--mem-gb` caps the room the
+// KV cache may take, so a 30,000-token prompt whose cache (about 96 MB on this model) fits
+// the machine but not a 0.05 GB budget is refused as a KV cache that does not fit (exit 2),
+// before the rest of the plan is weighed; the oracle prompt runs at 1 GB.
+// Catches a KV check against the machine's memory only (then the refusal is the whole
+// plan's, "REFUSING TO START", which hides the cause) and a cache sized for `--gen` without
+// the prompt (positions = prompt + gen + 1).
+#[test]
+fn the_kv_cache_refusal_honours_mem_gb() {
+    let m = fixtures().join(MODEL);
+    let long = join(&vec![58u32; 30_000]);
+    let o = run(&[
+        m.to_str().unwrap(),
+        "--ids",
+        &long,
+        "--gen",
+        "1",
+        "--incremental",
+        "--quiet",
+        "--mem-gb",
+        "0.05",
+    ]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains("REFUSING: the KV cache for 30002 positions"),
+        "{t}"
+    );
+    let (prompt, want) = oracle(ORACLE);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run.json");
+    let o = run(&[
+        m.to_str().unwrap(),
+        "--ids",
+        &join(&prompt),
+        "--gen",
+        "1",
+        "--incremental",
+        "--quiet",
+        "--mem-gb",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "short prompt:\n{}", text(&o));
+    assert_eq!(u32s(&json(&out)["generated_ids"]), want[..1]);
+}

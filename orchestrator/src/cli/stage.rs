@@ -46,7 +46,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         Ok(()) => EXIT_OK,
         Err(e) => {
             tracing::error!("{e}");
-            EXIT_FAILED
+            crate::error::failure_exit_code(e.kind)
         }
     }
 }

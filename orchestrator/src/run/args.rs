@@ -94,6 +94,7 @@ impl Sampling {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             seed: 0,
+            ..Default::default()
         };
         cfg.seed = match self.seed {
             Some(s) => s,
@@ -213,12 +214,22 @@ pub struct GenArgs {
     /// Continue from this saved state (implies --incremental; the prompt is optional and
     /// follows the saved tokens).
     pub load_state: Option<PathBuf>,
+    /// `--prompts F.jsonl`: one JSON string per line, each generated on its own (then
+    /// `prompt` is empty); `--parallel` of them at once, prompts fed `--prefill-chunk`
+    /// tokens per pass.
+    pub prompts: Option<PathBuf>,
+    pub parallel: usize,
+    pub prefill_chunk: Option<usize>,
 }
 
 /// Most tokens one run may generate (the seed's ceiling).
 pub const MAX_GEN: usize = 4096;
 /// Longest prompt accepted, in tokens.
 pub const MAX_PROMPT: usize = k3_protocol::conf::MAX_PROMPT_IDS;
+/// `--stage-timeout` bounds, in seconds: a stage's timers add it to `Instant::now()`, so a
+/// huge value (1e19, 1e30) would overflow them; a million seconds is eleven days.
+pub const MIN_STAGE_TIMEOUT_S: f64 = 0.001;
+pub const MAX_STAGE_TIMEOUT_S: f64 = 1e6;
 
 /// What the parser found: a run, or a request answered without a model.
 #[derive(Debug)]
@@ -250,6 +261,11 @@ prompt (exactly one):
                          default max when thinking is on)
   --tok DIR              tiktoken.model + tokenizer_config.json (default: MODEL_DIR when it
                          holds them, as the release does; text prompts need one)
+  --prompts F.jsonl      one JSON string per line, each a prompt of its own (needs a
+                         tokenizer); one JSON line per prompt on stdout, each as a run
+                         alone gives it
+  --parallel N           with --prompts: generate N prompts at once (default 1)
+  --prefill-chunk N      with --prompts: prompt tokens per pass (default: what fits, <= 256)
 memory (applied left to right; a later flag wins):
   --preset NAME          laptop|desktop|workstation|server|max|auto (sets both budgets)
   --trunk DIR            the packed trunk (pack-trunk); without it the trunk is loaded whole
@@ -290,7 +306,8 @@ diagnostics:
   --inproc               run the stages as threads in one process (same ids)
   --single-process       run the forward directly, without stages (same ids)
   --require-cgroups      fail when per-stage memory cgroups cannot be created
-  --stage-timeout S      seconds a stage may stay silent before it is declared hung (default 60)
+  --stage-timeout S      seconds a stage may stay silent before it is declared hung
+                         (default 60; 0.001 to 1000000)
   --quiet, -q            only the generated text on stdout; warnings and errors on stderr
   -v, -vv, --verbose     debug / trace diagnostics on stderr (or K3_LOG=filter)
   --list-presets         the memory presets, with k3's projected s/token for each
@@ -375,6 +392,9 @@ struct LowArgs {
     quiet: bool,
     save_state: Option<PathBuf>,
     load_state: Option<PathBuf>,
+    prompts_file: Option<PathBuf>,
+    parallel: Option<usize>,
+    prefill_chunk: Option<usize>,
 }
 
 /// A flag's value, read when the flag wants one (`--flag=value` or the next argument).
@@ -552,13 +572,19 @@ impl LowArgs {
             "--numa" => self.numa = Some(val()?),
             "--stage-timeout" => {
                 let s: f64 = num(&val()?, flag)?;
-                if !(s > 0.0 && s.is_finite()) {
-                    return Err("--stage-timeout: must be a positive number of seconds".into());
+                if !(MIN_STAGE_TIMEOUT_S..=MAX_STAGE_TIMEOUT_S).contains(&s) {
+                    return Err(format!(
+                        "--stage-timeout: {s} is out of range \
+                         ({MIN_STAGE_TIMEOUT_S}..={MAX_STAGE_TIMEOUT_S} seconds)"
+                    ));
                 }
                 self.stage_timeout_s = Some(s);
             }
             "--save-state" => self.save_state = path(val()?),
             "--load-state" => self.load_state = path(val()?),
+            "--prompts" => self.prompts_file = path(val()?),
+            "--parallel" => self.parallel = Some(count(&val()?, flag, 1, 1024)?),
+            "--prefill-chunk" => self.prefill_chunk = Some(count(&val()?, flag, 1, MAX_PROMPT)?),
             _ => return Ok(false),
         }
         Ok(true)
@@ -635,11 +661,17 @@ impl GenArgs {
             1 => dirs.pop().expect("one model directory"),
             _ => return Err("the model directory was given twice (MODEL_DIR and -m)".into()),
         };
-        let prompt = one_prompt(low.prompts, low.load_state.is_some())?;
+        let prompt = one_prompt(
+            low.prompts,
+            low.load_state.is_some(),
+            low.prompts_file.is_some(),
+        )?;
         // Text in or out needs a tokenizer: the given one, or the model directory's. An
         // `--ids` run without `--tok` stays ids in, ids out (no tokenizer is loaded).
-        let needs_tok =
-            !matches!(prompt, Prompt::Ids(_)) || low.chat || !low.sampling.stop.is_empty();
+        let needs_tok = !matches!(prompt, Prompt::Ids(_))
+            || low.chat
+            || !low.sampling.stop.is_empty()
+            || low.prompts_file.is_some();
         let tok = if needs_tok || low.tok.is_some() {
             files.tokenizer_dir(low.tok.as_deref(), &model_dir)?
         } else {
@@ -647,7 +679,7 @@ impl GenArgs {
         };
         if needs_tok && tok.is_none() {
             return Err(format!(
-                "--prompt, --prompt-file, --chat and --stop need a tokenizer: --tok DIR ({}), \
+                "--prompt, --prompt-file, --prompts, --chat and --stop need a tokenizer: --tok DIR ({}), \
                  or those files in the model directory; to skip the tokenizer pass --ids",
                 defaults::TOKENIZER_FILES.join(" + ")
             ));
@@ -661,6 +693,15 @@ impl GenArgs {
             }
         }
         let chat_flags = chat_flags(low.chat, low.thinking, low.effort)?;
+        if low.prompts_file.is_some() {
+            if low.load_state.is_some() || low.save_state.is_some() {
+                return Err(
+                    "--prompts runs prompts on their own: no --load-state or --save-state".into(),
+                );
+            }
+        } else if low.parallel.is_some() || low.prefill_chunk.is_some() {
+            return Err("--parallel and --prefill-chunk go with --prompts F.jsonl".into());
+        }
         if low.inproc && low.single_process {
             return Err(
                 "--inproc and --single-process are different modes; give at most one".into(),
@@ -709,14 +750,22 @@ impl GenArgs {
             quiet: low.quiet,
             save_state: low.save_state,
             load_state: low.load_state,
+            prompts: low.prompts_file,
+            parallel: low.parallel.unwrap_or(1),
+            prefill_chunk: low.prefill_chunk,
         })
     }
 }
 
 /// The one prompt of a run (none after `--load-state`: the saved tokens are the prompt).
-fn one_prompt(mut prompts: Vec<Prompt>, load_state: bool) -> Result<Prompt, String> {
+fn one_prompt(
+    mut prompts: Vec<Prompt>,
+    load_state: bool,
+    prompts_file: bool,
+) -> Result<Prompt, String> {
     match prompts.len() {
-        0 if load_state => Ok(Prompt::Ids(Vec::new())),
+        0 if load_state || prompts_file => Ok(Prompt::Ids(Vec::new())),
+        _ if prompts_file => Err("--prompts gives every prompt: give no other prompt flag".into()),
         0 => Err("no prompt: give exactly one of --prompt, --prompt-file, --ids".into()),
         1 => Ok(prompts.pop().expect("one prompt")),
         n => Err(format!(
@@ -806,6 +855,9 @@ pub const FLAGS: &[&str] = &[
     "--verbose",
     "--save-state",
     "--load-state",
+    "--prompts",
+    "--parallel",
+    "--prefill-chunk",
     "--help",
     "--list-presets",
 ];

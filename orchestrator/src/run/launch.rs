@@ -15,9 +15,9 @@ use k3_protocol::conf::{self, SamplerConfig};
 use k3_protocol::messages::{Msg, Stage, StepStats};
 
 use super::args::{GenArgs, Prompt};
-use super::plan::RunPlan;
+use super::plan::{RunPlan, ServePlan, ServeShape};
 use super::report::{self, StageReport};
-use crate::error::RunError;
+use super::GenError;
 use crate::supervise::{self, Launch, Mode, Observer};
 
 /// What a generation produced, in any mode.
@@ -183,13 +183,15 @@ struct Direct<'a> {
 }
 
 impl StepHooks for Direct<'_> {
+    type Error = std::convert::Infallible;
+
     fn before_step(&mut self, step: usize) {
         // Step 0 is the prompt's forward; the floor is a decode token's.
         if let Some(f) = self.floor.as_ref().filter(|_| step > 0) {
             f.probe(step);
         }
     }
-    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), Self::Error> {
         self.failures += s.out.stats.expert_failures as u64;
         let st = StepStats {
             step: s.step as u32,
@@ -231,40 +233,43 @@ pub fn chat_request_json(a: &GenArgs, text: &str) -> String {
 pub(crate) fn encode_locally(
     a: &GenArgs,
     tok: &k3_tokenizer::Tokenizer,
-) -> Result<Vec<u32>, RunError> {
-    let text_of = |b: Vec<u8>, what: &str| {
-        String::from_utf8(b).map_err(|_| {
-            RunError::usage(format!("k3-orch: {what} is not UTF-8, which --chat needs"))
-        })
-    };
+) -> Result<Vec<u32>, GenError> {
     let bytes = match &a.prompt {
         Prompt::Ids(ids) => return Ok(ids.clone()),
         Prompt::Text(t) => t.clone().into_bytes(),
-        Prompt::File(p) => k3_io::input::read_capped(p, k3_io::input::PROMPT_CAP)
-            .map_err(|e| RunError::usage(format!("k3-orch: {}: {e}", p.display())))?,
+        Prompt::File(p) => read_prompt_file(p)?,
     };
     if a.chat {
-        let t = text_of(bytes, "the prompt")?;
+        let t = String::from_utf8(bytes).map_err(|_| GenError::NotUtf8 {
+            what: "the prompt".into(),
+        })?;
         return k3_tokenizer::chat::encode_chat_json(tok, &chat_request_json(a, &t))
-            .map_err(|e| RunError::usage(format!("k3-orch: --chat: {e}")));
+            .map_err(GenError::Chat);
     }
     Ok(tok.encode_bytes(&bytes, false))
 }
 
+/// The bytes of `--prompt-file` (capped, a regular file).
+fn read_prompt_file(p: &Path) -> Result<Vec<u8>, GenError> {
+    k3_io::input::read_capped(p, k3_io::input::PROMPT_CAP).map_err(|source| GenError::PromptFile {
+        path: p.to_path_buf(),
+        source,
+    })
+}
+
 /// `--single-process`: the forward called directly over mmapped shards.
-pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
+pub fn single_process(c: &Common<'_>) -> Result<Generated, GenError> {
     let a = c.args;
     let tok = c.tok.clone();
     let prompt = match (&a.prompt, &tok) {
         (Prompt::Ids(ids), _) => ids.clone(),
         (_, Some(t)) => encode_locally(a, t)?,
-        (_, None) => return Err(RunError::usage("k3-orch: a text prompt needs --tok")),
+        (_, None) => return Err(GenError::NeedsTok),
     };
     let fp = state_fingerprint(c)?;
-    let failed = |e: String| RunError::failed(format!("k3-orch: {e}"));
     k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
-    let pool = k3_layer_compute::pool::build(c.threads).map_err(failed)?;
-    let mw = MmapWeights::open(&a.model_dir).map_err(|e| failed(e.to_string()))?;
+    let pool = k3_layer_compute::pool::build(c.threads)?;
+    let mw = MmapWeights::open(&a.model_dir)?;
     populate_resident(&mw, c);
     let model = Model::new(
         c.cfg.clone(),
@@ -274,8 +279,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
             layers: a.layers,
             eps: None,
         },
-    )
-    .map_err(|e| failed(e.to_string()))?;
+    )?;
     let stream = tok
         .as_ref()
         .map(|_| super::stream::TextStream::new(&a.sampling.stop));
@@ -294,32 +298,30 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, RunError> {
     };
     hooks.printer.started();
     let load = a.load_state.as_deref().map(|p| (p, fp.as_str()));
-    let mut start = Start::new(&model, load, &prompt).map_err(failed)?;
-    let generated = pool
-        .install(|| {
-            decode_resumed(
-                &model,
-                &mut start.session,
-                &Resume {
-                    history: &start.history,
-                    first_step: start.first_step,
-                },
-                &LoopOptions {
-                    prompt: &start.prompt,
-                    gen: a.gen,
-                    incremental: a.incremental,
-                    sampler: c.sampler,
-                    stop_ids: &c.stop_ids,
-                    dump_logits: a.dump_logits.as_deref(),
-                    prefill_chunk: None,
-                },
-                &mut hooks,
-            )
-        })
-        .map_err(failed)?;
+    let mut start = Start::new(&model, load, &prompt)?;
+    let generated = pool.install(|| {
+        decode_resumed(
+            &model,
+            &mut start.session,
+            &Resume {
+                history: &start.history,
+                first_step: start.first_step,
+            },
+            &LoopOptions {
+                prompt: &start.prompt,
+                gen: a.gen,
+                incremental: a.incremental,
+                sampler: c.sampler,
+                stop_ids: &c.stop_ids,
+                dump_logits: a.dump_logits.as_deref(),
+                prefill_chunk: None,
+            },
+            &mut hooks,
+        )
+    })?;
     hooks.printer.finish();
     if let Some(p) = &a.save_state {
-        start.save(p, &fp, &generated).map_err(failed)?;
+        start.save(p, &fp, &generated)?;
     }
     let text = hooks.printer.stream.as_ref().map(|s| s.text().into_bytes());
     Ok(Generated {
@@ -345,18 +347,34 @@ fn disk_paths(a: &GenArgs) -> Vec<&Path> {
 /// The model's fingerprint for `--save-state` / `--load-state` (empty without them); a
 /// state file of another model, version or with a bad checksum is refused here (exit 2),
 /// and so is a `--save-state` path that cannot be written.
-fn state_fingerprint(c: &Common<'_>) -> Result<String, RunError> {
+fn state_fingerprint(c: &Common<'_>) -> Result<String, GenError> {
+    use k3_layer_compute::state::{self, StateError};
     let a = c.args;
     if a.save_state.is_none() && a.load_state.is_none() {
         return Ok(String::new());
     }
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
-    let fp = k3_layer_compute::state::fingerprint(c.config_path, &a.model_dir, c.layers)
-        .map_err(|e| RunError::failed(format!("k3-orch: model fingerprint: {e}")))?;
+    let fp =
+        state::fingerprint(c.config_path, &a.model_dir, c.layers).map_err(GenError::Fingerprint)?;
     if let Some(p) = &a.load_state {
-        let bytes = k3_layer_compute::state::read(p).map_err(usage)?;
-        k3_layer_compute::state::check(&bytes, &fp)
-            .map_err(|e| usage(format!("--load-state {}: {e}", p.display())))?;
+        let bytes = state::read(p).map_err(GenError::LoadState)?;
+        let load = |e| {
+            GenError::LoadState(StateError::Load {
+                path: p.clone(),
+                source: Box::new(e),
+            })
+        };
+        let (_, payload) = state::check(&bytes, &fp).map_err(load)?;
+        // An id outside the vocabulary is refused here (exit 2), not in the stage.
+        let vocab = c.cfg.vocab_size;
+        if let Some(t) = state::tokens(payload)
+            .map_err(load)?
+            .into_iter()
+            .find(|&t| t as usize >= vocab)
+        {
+            return Err(load(StateError::Mismatch(format!(
+                "the state holds id {t}, outside the vocabulary (vocab_size {vocab})"
+            ))));
+        }
     }
     if let Some(p) = &a.save_state {
         let dir = match p.parent() {
@@ -364,10 +382,7 @@ fn state_fingerprint(c: &Common<'_>) -> Result<String, RunError> {
             _ => Path::new("."),
         };
         if p.is_dir() || !dir.is_dir() {
-            return Err(usage(format!(
-                "--save-state {}: not a file in an existing directory",
-                p.display()
-            )));
+            return Err(GenError::SaveStatePath(p.clone()));
         }
     }
     Ok(fp)
@@ -385,7 +400,7 @@ fn state_notes(a: &GenArgs) -> Vec<String> {
 }
 
 /// The prompt as the tokenizer stage is asked to encode it (None: ids were given).
-fn prompt_message(a: &GenArgs) -> Result<Option<Msg>, RunError> {
+fn prompt_message(a: &GenArgs) -> Result<Option<Msg>, GenError> {
     let chat = |t: &str| Msg::EncodeChat {
         req: 1,
         chat_json: chat_request_json(a, t),
@@ -399,15 +414,10 @@ fn prompt_message(a: &GenArgs) -> Result<Option<Msg>, RunError> {
             allow_specials: false,
         }),
         Prompt::File(p) => {
-            let bytes = k3_io::input::read_capped(p, k3_io::input::PROMPT_CAP).map_err(|e| {
-                RunError::usage(format!("k3-orch: --prompt-file {}: {e}", p.display()))
-            })?;
+            let bytes = read_prompt_file(p)?;
             if a.chat {
-                let t = String::from_utf8(bytes).map_err(|_| {
-                    RunError::usage(format!(
-                        "k3-orch: --prompt-file {} is not UTF-8, which --chat needs",
-                        p.display()
-                    ))
+                let t = String::from_utf8(bytes).map_err(|_| GenError::NotUtf8 {
+                    what: format!("--prompt-file {}", p.display()),
                 })?;
                 Some(chat(&t))
             } else {
@@ -435,15 +445,12 @@ type BudgetOverride = (Vec<(Stage, u64)>, String);
 /// silently: it is honoured only with `K3_TEST_HOOKS=1` (else the run is refused, exit 2, so
 /// a stray value in a user's shell cannot shrink a budget unseen), a malformed entry is
 /// refused, and a run that honours it says so on stderr and in the report's notes.
-fn budget_override(value: Option<String>, armed: bool) -> Result<Option<BudgetOverride>, RunError> {
+fn budget_override(value: Option<String>, armed: bool) -> Result<Option<BudgetOverride>, GenError> {
     let Some(v) = value else {
         return Ok(None);
     };
     if !armed {
-        return Err(RunError::usage(format!(
-            "k3-orch: {BUDGET_OVERRIDE_ENV} is a test hook that replaces stage memory budgets; \
-             it is honoured only with {TEST_HOOKS_ENV}=1 (unset it for a normal run)"
-        )));
+        return Err(GenError::HookNotArmed(BUDGET_OVERRIDE_ENV));
     }
     let mut out = Vec::new();
     for part in v.split(',').filter(|p| !p.trim().is_empty()) {
@@ -452,12 +459,7 @@ fn budget_override(value: Option<String>, armed: bool) -> Result<Option<BudgetOv
             .and_then(|(s, b)| Some((Stage::parse(s.trim())?, b.trim().parse::<u64>().ok()?)));
         match parsed {
             Some((s, b)) if s != Stage::Orchestrator => out.push((s, b)),
-            _ => {
-                return Err(RunError::usage(format!(
-                    "k3-orch: {BUDGET_OVERRIDE_ENV}: {part:?} is not stage=bytes \
-                     (stages: tokenizer, trunk-loader, expert-fetcher, layer-compute)"
-                )))
-            }
+            _ => return Err(GenError::BadBudgetOverride(part.to_string())),
         }
     }
     let what: Vec<String> = out.iter().map(|(s, b)| format!("{s}={b} bytes")).collect();
@@ -468,7 +470,7 @@ fn budget_override(value: Option<String>, armed: bool) -> Result<Option<BudgetOv
     Ok(Some((out, banner)))
 }
 
-fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>), RunError> {
+fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>), GenError> {
     let mp = &plan.memory;
     // Each stage's cgroup gets its plan items plus headroom for what the plan cannot count
     // exactly (heap growth, page tables). Under one total budget (`--mem-gb`, auto, the
@@ -507,10 +509,48 @@ fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>)
     Ok((budgets, banner))
 }
 
+/// Environment variable of the expert-failure test hook ([`injected_failures`]).
+pub const INJECT_ENV: &str = "K3_INJECT_EXPERT_FAILURES";
+
+/// The test hooks other than the budget override (which [`budget_override`] checks), each
+/// refused up front (exit 2) unless `K3_TEST_HOOKS=1` arms it, and refused when malformed:
+/// a stray variable in a user's shell never changes a run unseen, and a test that means to
+/// use a hook never runs without it. Called where every run, `serve` and `chat` open the
+/// model (`run::open_model`).
+pub fn check_test_hooks() -> Result<(), GenError> {
+    use super::plan::{LM_HEAD_CHUNK_ENV, LM_HEAD_HELD_ENV, PREFILL_CHUNK_ENV};
+    let armed = std::env::var(TEST_HOOKS_ENV).as_deref() == Ok("1");
+    for name in [
+        INJECT_ENV,
+        PREFILL_CHUNK_ENV,
+        LM_HEAD_CHUNK_ENV,
+        LM_HEAD_HELD_ENV,
+    ] {
+        let Some(v) = std::env::var_os(name) else {
+            continue;
+        };
+        if !armed {
+            return Err(GenError::HookNotArmed(name));
+        }
+        let positive = v
+            .to_str()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .is_some_and(|n| n > 0);
+        if name != INJECT_ENV && !positive {
+            return Err(GenError::BadHookValue {
+                name,
+                value: v.to_string_lossy().into_owned(),
+            });
+        }
+    }
+    injected_failures().map(|_| ())
+}
+
 /// Routed experts whose reads fail on purpose (`K3_INJECT_EXPERT_FAILURES=layer:expert,...`,
-/// the tests of exit 4). A malformed value is a usage error, not silently ignored.
-fn injected_failures() -> Result<Vec<(u32, u32)>, RunError> {
-    let Ok(v) = std::env::var("K3_INJECT_EXPERT_FAILURES") else {
+/// the tests of exit 4; armed by `K3_TEST_HOOKS=1`, [`check_test_hooks`]). A malformed
+/// value is a usage error, not silently ignored.
+fn injected_failures() -> Result<Vec<(u32, u32)>, GenError> {
+    let Ok(v) = std::env::var(INJECT_ENV) else {
         return Ok(Vec::new());
     };
     v.split(',')
@@ -518,25 +558,43 @@ fn injected_failures() -> Result<Vec<(u32, u32)>, RunError> {
         .map(|p| {
             p.split_once(':')
                 .and_then(|(l, e)| Some((l.trim().parse().ok()?, e.trim().parse().ok()?)))
-                .ok_or_else(|| {
-                    RunError::usage(format!(
-                        "k3-orch: K3_INJECT_EXPERT_FAILURES={v:?}: {p:?} is not LAYER:EXPERT \
-                         (a comma-separated list, e.g. 1:0,2:3)"
-                    ))
+                .ok_or_else(|| GenError::BadInjection {
+                    value: v.clone(),
+                    part: p.to_string(),
                 })
         })
         .collect()
 }
 
-/// The pipeline `serve` and `chat` keep warm: the memory plan and every stage's
-/// configuration for the generation flags `a` (its prompt and `--gen` are not used; each
-/// request brings its own, stop ids included, so the tokenizer is not loaded here: the
-/// serve engine loads it once).
-pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
+/// The memory plan of `serve` and `chat` in one process (`--single-process`): the same
+/// slots as [`warm_launch`] plans, without the stages; logged, refused up front (exit 2)
+/// when it does not fit.
+pub fn serve_plan(a: &GenArgs, shape: &ServeShape) -> Result<ServePlan, GenError> {
+    let (cfg, cat, layers) = super::open_model(a)?;
+    let sizes = super::sizes::model_sizes(&cfg, &cat, layers);
+    let (plan, sp) = super::plan::plan_serve(a, shape, &cfg, &sizes, layers)?;
+    for n in &plan.notes {
+        tracing::info!("k3-orch: {n}");
+    }
+    tracing::info!("{}", plan.memory.render().trim_end());
+    Ok(sp)
+}
+
+/// The pipeline `serve` and `chat` keep warm: the memory plan of `shape`'s slots
+/// ([`super::plan::plan_serve`]) and every stage's configuration for the generation flags
+/// `a` (its prompt and `--gen` are not used; each request brings its own, stop ids
+/// included, so the tokenizer is not loaded here: the serve engine loads it once);
+/// compute holds at most `max_queue` requests waiting for a slot. The plan's chunk and
+/// prefix bytes come back with it.
+pub fn warm_launch(
+    a: &GenArgs,
+    shape: &ServeShape,
+    max_queue: usize,
+) -> Result<(Launch, ServePlan), GenError> {
     let (cfg, cat, layers) = super::open_model(a)?;
     let config_path = super::config_path(a);
     let sizes = super::sizes::model_sizes(&cfg, &cat, layers);
-    let plan = super::plan::plan_run(a, &cfg, &sizes, layers)?;
+    let (plan, mut sp) = super::plan::plan_serve(a, shape, &cfg, &sizes, layers)?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -557,11 +615,10 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
     // Between requests nothing streams: the ring may read the next request's first part
     // while it waits, instead of when that request starts.
     launch.trunk.hold_wrap = false;
-    // Each request brings a prompt of any length, which the plan (made before any request)
-    // did not size compute's scratch for: feed prompts in passes of as many tokens as the
-    // fetcher's slots hold top-k batches (at least one), unless they hold every expert of a
-    // layer. (A larger batch would still stream through the slots, each reused as compute
-    // gives it back; the bound is for the scratch.)
+    // Prompts are fed in chunks the plan sized compute's scratch for, and no larger than
+    // the fetcher's slots hold top-k batches of (at least one token), unless they hold
+    // every expert of a layer. (A larger batch would still stream through the slots, each
+    // reused as compute gives it back.)
     let (per_layer, topk) = (
         cfg.num_experts as u64,
         cfg.num_experts_per_token.max(1) as u64,
@@ -569,12 +626,21 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
     let slots = plan.min_slots as u64;
     if slots < per_layer {
         let chunk = (slots / topk).max(1) as usize;
-        launch.compute.prefill_chunk = Some(chunk);
-        tracing::info!(
-            "k3-orch: prompts are fed in passes of at most {chunk} token(s) ({slots} expert \
-             slots, top-{topk})"
-        );
+        if chunk < sp.chunk {
+            sp.chunk = chunk;
+            tracing::info!(
+                "k3-orch: prompts are fed in passes of at most {chunk} token(s) ({slots} expert \
+                 slots, top-{topk})"
+            );
+        }
     }
+    launch.compute.prefill_chunk = Some(sp.chunk);
+    launch.compute.slots = conf::WarmSlots {
+        slots: shape.slots,
+        max_queue,
+        ctx: shape.ctx,
+        prefix_bytes: sp.prefix_bytes,
+    };
     // (The plan's note on the ring's hold is a one-shot run's: see above.)
     for n in plan
         .notes
@@ -584,7 +650,8 @@ pub fn warm_launch(a: &GenArgs) -> Result<Launch, RunError> {
     {
         tracing::info!("k3-orch: {n}");
     }
-    Ok(launch)
+    tracing::info!("{}", plan.memory.render().trim_end());
+    Ok((launch, sp))
 }
 
 /// `--single-process` at load: prefault the page tables of the weights the plan keeps
@@ -635,7 +702,7 @@ fn populate_resident(mw: &MmapWeights, c: &Common<'_>) {
 type LaunchOf = (Launch, HashMap<Stage, u64>, Option<String>);
 
 /// Every stage's configuration for a run; the budgets and the test-hook banner.
-fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
+fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
     let a = c.args;
     let (budgets, hook_banner) = stage_budgets(c.plan)?;
     let launch = Launch {
@@ -691,6 +758,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
             state_fingerprint: state_fingerprint(c)?,
             prefill_chunk: c.plan.prefill_chunk,
             tuning: k3_layer_compute::kernels::tuning::from_env(),
+            slots: conf::WarmSlots::default(),
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),
@@ -703,7 +771,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, RunError> {
 }
 
 /// The staged pipeline (four processes, or threads with `--inproc`).
-pub fn staged(c: &Common<'_>) -> Result<Generated, RunError> {
+pub fn staged(c: &Common<'_>) -> Result<Generated, GenError> {
     let a = c.args;
     let (launch, budgets, hook_banner) = launch_of(c)?;
     let stream = a
@@ -778,6 +846,8 @@ mod tests {
     fn budget_override_needs_the_arming_variable() {
         assert_eq!(budget_override(None, false).unwrap(), None);
         let e = budget_override(Some("layer-compute=1000000".into()), false).unwrap_err();
+        assert!(matches!(e, GenError::HookNotArmed(_)), "{e}");
+        let e = crate::error::RunError::from(e);
         assert_eq!(e.code, crate::error::EXIT_USAGE);
         assert!(e.msg.contains("K3_TEST_HOOKS=1"), "{}", e.msg);
     }
@@ -792,7 +862,12 @@ mod tests {
             "orchestrator=1",
         ] {
             let e = budget_override(Some(bad.into()), true).unwrap_err();
-            assert_eq!(e.code, crate::error::EXIT_USAGE, "{bad}");
+            assert!(matches!(e, GenError::BadBudgetOverride(_)), "{bad}: {e}");
+            assert_eq!(
+                crate::error::RunError::from(e).code,
+                crate::error::EXIT_USAGE,
+                "{bad}"
+            );
         }
     }
 

@@ -12,11 +12,12 @@
 //!
 //! The flags themselves are [`args`]; what a run takes when they do not say (thinking, the
 //! tokenizer directory, the sampling of `generation_config.json`) is [`defaults`], shared
-//! with `chat` and `serve`.
+//! with `chat` and `serve`; what ends a generation is [`GenError`].
 
 pub mod args;
 pub mod defaults;
 pub mod disk;
+pub mod error;
 pub mod floor;
 pub mod launch;
 pub mod plan;
@@ -34,6 +35,7 @@ use k3_protocol::conf::SamplerConfig;
 
 use crate::error::{RunError, EXIT_OK, EXIT_UNSOUND};
 use args::{GenArgs, Prompt};
+pub use error::GenError;
 use launch::{Common, Generated};
 use report::{Report, StepReport, Totals};
 
@@ -46,42 +48,74 @@ pub(crate) fn config_path(a: &GenArgs) -> std::path::PathBuf {
 
 /// The model a generation runs: its config (`--config` or the model dir's), the shard
 /// catalog, and the layer count (`--layers`, refused past the model's); a `--trunk` is
-/// checked against the catalog. Shared by the
-/// one-shot run and the warm pipeline of `serve`/`chat`.
-pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+/// checked against the catalog, the test hooks checked (`launch::check_test_hooks`). Shared
+/// by the one-shot run and the warm pipeline of `serve`/`chat`.
+pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
+    launch::check_test_hooks()?;
     let config_path = config_path(a);
-    let cfg = ModelConfig::load(&config_path).map_err(|e| usage(e.to_string()))?;
+    let cfg = ModelConfig::load(&config_path)?;
     if let Some(n) = a.layers {
         if n > cfg.num_hidden_layers {
-            return Err(usage(format!(
-                "--layers {n}: the model has {} layers",
-                cfg.num_hidden_layers
-            )));
+            return Err(GenError::Layers {
+                want: n,
+                have: cfg.num_hidden_layers,
+            });
         }
     }
     let layers = a.layers.unwrap_or(cfg.num_hidden_layers);
-    let cat = Catalog::open(&a.model_dir).map_err(|e| RunError::failed(format!("k3-orch: {e}")))?;
+    let cat = Catalog::open(&a.model_dir)?;
     if let Some(dir) = &a.trunk {
-        let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| usage(e.to_string()))?;
+        let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
         m.check_against(&cat)
-            .map_err(|e| usage(format!("--trunk {}: {e}", dir.display())))?;
+            .map_err(|source| GenError::TrunkSource {
+                dir: dir.clone(),
+                source,
+            })?;
     }
     Ok((cfg, cat, layers))
 }
 
-/// Run a generation; the exit code (0, or 4 for unsound ids), or the error that ended it.
+/// Run a generation; the exit code (0, or 4 for unsound ids), or the error that ended it
+/// in its final form (`crate::error`).
 pub fn run(a: &GenArgs) -> Result<i32, RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
-    if !a.model_dir.is_dir() {
-        return Err(usage(format!(
-            "model directory {} does not exist",
-            a.model_dir.display()
-        )));
+    if a.prompts.is_some() {
+        // Many prompts at once, on the serve engine, after the same checks.
+        checked_model(a)?;
+        return crate::serve::prompts::run(a);
+    }
+    generate(a).map_err(RunError::from)
+}
+
+/// The model `a` names, opened, and the flags checked against it.
+fn checked_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
+    match std::fs::metadata(&a.model_dir) {
+        Ok(m) if m.is_dir() => {}
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(GenError::ModelDir {
+                path: a.model_dir.clone(),
+                why: "a symbolic link loop".into(),
+            })
+        }
+        Ok(m) => {
+            return Err(GenError::ModelDir {
+                path: a.model_dir.clone(),
+                why: format!(
+                    "{}, not a directory",
+                    k3_io::input::kind_name(m.file_type())
+                ),
+            })
+        }
+        Err(_) => return Err(GenError::NoModelDir(a.model_dir.clone())),
     }
     let (cfg, cat, layers) = open_model(a)?;
-    let config_path = config_path(a);
     preflight(a, &cfg)?;
+    Ok((cfg, cat, layers))
+}
+
+/// [`run`], with its typed error.
+fn generate(a: &GenArgs) -> Result<i32, GenError> {
+    let (cfg, cat, layers) = checked_model(a)?;
+    let config_path = config_path(a);
     let sizes = sizes::model_sizes(&cfg, &cat, layers);
     let plan = plan::plan_run(a, &cfg, &sizes, layers)?;
     let threads = a
@@ -124,11 +158,9 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     let rep = build_report(a, mode, g, plan, seconds, &sampler, pss);
     print_outcome(a, &rep);
     if let Some(out) = &a.out {
-        rep.write(out).map_err(|e| {
-            RunError::failed(format!(
-                "k3-orch: writing the report {}: {e}",
-                out.display()
-            ))
+        rep.write(out).map_err(|source| GenError::Report {
+            path: out.clone(),
+            source,
         })?;
     }
     if failures > 0 {
@@ -171,18 +203,19 @@ fn sampler_of(a: &GenArgs) -> SamplerConfig {
 
 /// The `--tok` tokenizer, loaded once here: the stop ids, and single-process mode's
 /// encoding and text.
-fn load_tokenizer(a: &GenArgs) -> Result<Option<Arc<k3_tokenizer::Tokenizer>>, RunError> {
+fn load_tokenizer(a: &GenArgs) -> Result<Option<Arc<k3_tokenizer::Tokenizer>>, GenError> {
     let Some(dir) = &a.tok else {
         return Ok(None);
     };
     // The directory is the user's (`--tok`, or the model directory's files): a tokenizer
     // that does not load is a usage error, refused before anything starts.
-    let t = k3_tokenizer::Tokenizer::from_dir(dir)
-        .map_err(|e| RunError::usage(format!("k3-orch: tokenizer {}: {e}", dir.display())))?;
+    let t = k3_tokenizer::Tokenizer::from_dir(dir).map_err(|source| GenError::Tokenizer {
+        dir: dir.clone(),
+        source,
+    })?;
     if a.ctx_size.is_some() && !matches!(a.prompt, Prompt::Ids(_)) {
         let n = launch::encode_locally(a, &t)?.len();
-        args::check_ctx_size(a.ctx_size, n, a.gen)
-            .map_err(|m| RunError::usage(format!("k3-orch: {m}")))?;
+        args::check_ctx_size(a.ctx_size, n, a.gen).map_err(GenError::CtxSize)?;
     }
     Ok(Some(Arc::new(t)))
 }
@@ -236,10 +269,10 @@ fn print_outcome(a: &GenArgs, rep: &Report) {
 }
 
 /// What can be refused before any stage starts (exit 2): a packed trunk of another
-/// checkpoint, prompt ids outside the vocabulary, output paths whose directory is missing
-/// or that are not files, a `--record` that is not a directory.
-fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
+/// checkpoint, prompt ids outside the vocabulary, output paths that cannot take a file
+/// (`k3_io::output::check_target`: a missing directory, a directory, a dangling symlink or
+/// a loop, a FIFO no one reads, `/proc`), a `--record` that is not a directory.
+fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), GenError> {
     if let Prompt::Ids(ids) = &a.prompt {
         let vocab = cfg.vocab_size;
         let bad: Vec<String> = ids
@@ -249,37 +282,47 @@ fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), RunError> {
             .map(|i| i.to_string())
             .collect();
         if !bad.is_empty() {
-            return Err(usage(format!(
-                "--ids: {} outside the model's vocabulary (vocab_size {vocab}: ids 0..={})",
-                bad.join(", "),
-                vocab.saturating_sub(1)
-            )));
+            return Err(GenError::IdsOutside {
+                bad: bad.join(", "),
+                vocab,
+            });
         }
     }
-    if let Some(out) = &a.out {
-        check_output("--out", out).map_err(usage)?;
+    for (flag, p) in [
+        ("--out", &a.out),
+        ("--dump-logits", &a.dump_logits),
+        ("--save-state", &a.save_state),
+    ] {
+        if let Some(p) = p {
+            k3_io::output::check_target(p).map_err(|why| GenError::OutputRefused {
+                flag,
+                path: p.clone(),
+                why,
+            })?;
+        }
     }
-    if let Some(p) = &a.dump_logits {
-        check_output("--dump-logits", p).map_err(usage)?;
-    }
-    if let Some(d) = &a.record {
+    // Directories the run creates: only their last component (never `mkdir -p`).
+    for (flag, d) in [
+        ("--record", &a.record),
+        ("--dump-cache-trace", &a.dump_cache_trace),
+    ] {
+        let Some(d) = d else { continue };
         match std::fs::symlink_metadata(d) {
             Ok(m) if m.is_dir() => {}
             Ok(_) => {
-                return Err(usage(format!(
-                    "--record {}: not a directory (it names the directory the stage \
-                     recordings go in)",
-                    d.display()
-                )))
+                return Err(GenError::RecordNotDir {
+                    flag,
+                    path: d.clone(),
+                })
             }
             Err(_) => {
                 let parent = parent_dir(d);
                 if !parent.is_dir() {
-                    return Err(usage(format!(
-                        "--record {}: its directory {} does not exist",
-                        d.display(),
-                        parent.display()
-                    )));
+                    return Err(GenError::RecordDirMissing {
+                        flag,
+                        path: d.clone(),
+                        dir: parent.to_path_buf(),
+                    });
                 }
             }
         }
@@ -293,22 +336,6 @@ fn parent_dir(p: &std::path::Path) -> &std::path::Path {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => std::path::Path::new("."),
     }
-}
-
-/// An output file must go in an existing directory and must not itself be a directory.
-fn check_output(flag: &str, p: &std::path::Path) -> Result<(), String> {
-    if p.is_dir() {
-        return Err(format!("{flag} {}: is a directory", p.display()));
-    }
-    let d = parent_dir(p);
-    if !d.is_dir() {
-        return Err(format!(
-            "{flag} {}: the directory {} does not exist",
-            p.display(),
-            d.display()
-        ));
-    }
-    Ok(())
 }
 
 /// The JSON report of a finished generation.
@@ -371,6 +398,14 @@ fn build_report(
         .map(|t| String::from_utf8_lossy(t).into_owned());
     let mut notes = g.notes;
     notes.extend(plan.notes);
+    let path = k3_layer_compute::kernels::simd::Kernel::selected(
+        &k3_layer_compute::kernels::tuning::from_env(),
+    )
+    .name();
+    let prefill = match (&a.load_state, step_reports.first()) {
+        (None, Some(first)) => Some(report::PrefillReport::of(first, g.prompt_ids.len(), path)),
+        _ => None,
+    };
     Report {
         engine: format!("k3-orch {}", env!("CARGO_PKG_VERSION")),
         model_dir: a.model_dir.display().to_string(),
@@ -381,6 +416,7 @@ fn build_report(
         generated_ids: g.generated,
         text,
         steps: step_reports,
+        prefill,
         totals,
         plan: Some(plan.memory),
         stages: g.stages,

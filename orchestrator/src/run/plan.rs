@@ -22,9 +22,149 @@ use k3_io::sysmem::mem_available;
 
 use super::args::{GenArgs, MemFlag, Prompt, MAX_PROMPT};
 use super::sizes::ModelSizes;
-use crate::error::RunError;
 
 pub use crate::units::{human, GB};
+
+/// Why a run's memory plan cannot be made or is refused (every one is refused up front).
+/// The refusals ([`BudgetError::is_refusal`]) are complete messages; the others are the
+/// flag or file at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum BudgetError {
+    /// The plan needs more than the whole run's budget.
+    #[error(
+        "REFUSING TO START: this needs {} and the budget is {}, a shortfall of {}.\n\
+         Options: a larger --mem-gb, smaller --trunk-gb/--cache-gb, fewer --layers.",
+        human(*need),
+        human(*budget),
+        human(need - budget)
+    )]
+    OverBudget { need: u64, budget: u64 },
+    /// The plan needs more than the machine has available (less the reserve).
+    #[error(
+        "REFUSING TO START: this needs {} and the machine has {} available (MemAvailable, \
+         capped by\nthe memory limit of the cgroup k3 runs in), a shortfall of {}.\n\
+         Options: a smaller --cache-gb or --trunk-gb (or a smaller --preset), --trunk DIR to \
+         stream the\ntrunk instead of loading it whole, fewer --layers, or a machine with \
+         more memory.",
+        human(*need),
+        human(*have),
+        human(*shortfall)
+    )]
+    OverAvailable {
+        need: u64,
+        have: u64,
+        shortfall: u64,
+    },
+    /// An incremental run's KV cache alone does not fit.
+    #[error(
+        "REFUSING: the KV cache for {positions} positions needs {} but only {} is \
+         available.\nThis is a MEMORY limit, not an engine ceiling: the MLA layers cache {} \
+         per position\nwhatever the budget. Shorten the request, or pass --full-recompute \
+         (full recompute\ncarries no KV cache at all).",
+        human(*positions as u64 * per_pos),
+        human(*have),
+        human(*per_pos)
+    )]
+    KvCache {
+        positions: usize,
+        per_pos: u64,
+        have: u64,
+    },
+    /// A total cannot hold what every run holds.
+    #[error(
+        "a total of {} cannot hold what every run needs: {} (state, KV, embedding rows, \
+         norms, scratch, stage processes), the lm_head {} and the expert slots a batch \
+         streams through {}: a shortfall of {}",
+        human(*total),
+        human(*fixed),
+        human(*lm_head),
+        human(*min_cache),
+        human(fixed + lm_head + min_cache - total)
+    )]
+    TotalTooSmall {
+        total: u64,
+        fixed: u64,
+        lm_head: u64,
+        min_cache: u64,
+    },
+    /// The trunk's share cannot stream the packed trunk.
+    #[error(transparent)]
+    Trunk(#[from] k3_trunk_loader::PlanError),
+    /// The split of a budget was refused: where the budget came from, and why.
+    #[error(
+        "REFUSING TO START ({budget}): {why}.\nOptions: a larger --mem-gb, fewer --layers, \
+         --trunk DIR to stream the trunk, or a machine with more memory."
+    )]
+    Refused {
+        budget: String,
+        #[source]
+        why: Box<BudgetError>,
+    },
+    #[error("cannot read MemAvailable from /proc/meminfo; give the budget with --mem-gb")]
+    NoMemAvailable,
+    #[error("--preset: unknown preset '{name}' ({known})")]
+    UnknownPreset { name: String, known: String },
+    /// `--trunk DIR`'s manifest.
+    #[error(transparent)]
+    Manifest(#[from] k3_model::trunk::TrunkError),
+    #[error("--trunk {}: it holds {have} layers, the run binds {want}", dir.display())]
+    TrunkLayers {
+        dir: std::path::PathBuf,
+        have: usize,
+        want: usize,
+    },
+    #[error("--parallel, --ctx and --prefill-chunk must be at least 1")]
+    ServeZero,
+    /// `--parallel N` slots do not fit: why the plan for N was refused, what the slots
+    /// hold, and the largest N that fits (0: not even one).
+    #[error(
+        "{cause}\nREFUSING --parallel {slots}: {slots} slot(s) at --ctx {ctx} hold {} of KV \
+         cache and recurrent state ({} each), a pass of up to {rows} rows {} of scratch, and \
+         the prefix cache {}; {}.",
+        human(slot.saturating_mul(*slots as u64)),
+        human(*slot),
+        human(*scratch),
+        human(*prefix),
+        largest_fit(*largest)
+    )]
+    Slots {
+        #[source]
+        cause: Box<BudgetError>,
+        slots: usize,
+        ctx: usize,
+        slot: u64,
+        rows: usize,
+        scratch: u64,
+        prefix: u64,
+        largest: usize,
+    },
+}
+
+/// The end of a `--parallel` refusal: the largest N that fits, if any.
+fn largest_fit(largest: usize) -> String {
+    if largest == 0 {
+        "not even --parallel 1 fits: lower --ctx, --cache-entries or --prefix-gb, or give \
+         more memory"
+            .to_string()
+    } else {
+        format!("the largest --parallel that fits is {largest}")
+    }
+}
+
+impl BudgetError {
+    /// A refusal of the plan (a complete message, said as it is), not a flag or file at
+    /// fault.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            BudgetError::OverBudget { .. }
+                | BudgetError::OverAvailable { .. }
+                | BudgetError::KvCache { .. }
+                | BudgetError::Refused { .. }
+                | BudgetError::Slots { .. }
+        )
+    }
+}
 
 /// One line of the plan.
 #[derive(Clone, Debug, Serialize)]
@@ -83,16 +223,13 @@ impl MemoryPlan {
     }
 
     /// Refuse when the plan exceeds 95% of what the machine has available.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), BudgetError> {
         if let Some(b) = self.total_budget_bytes {
             if self.total_bytes > b {
-                return Err(format!(
-                    "REFUSING TO START: this needs {} and the budget is {}, a shortfall of {}.\n\
-                     Options: a larger --mem-gb, smaller --trunk-gb/--cache-gb, fewer --layers.",
-                    human(self.total_bytes),
-                    human(b),
-                    human(self.total_bytes - b)
-                ));
+                return Err(BudgetError::OverBudget {
+                    need: self.total_bytes,
+                    budget: b,
+                });
             }
         }
         let Some(have) = self.available_bytes else {
@@ -105,15 +242,11 @@ impl MemoryPlan {
             have as f64 * 0.95
         };
         if self.total_bytes as f64 > limit {
-            return Err(format!(
-                "REFUSING TO START: this needs {} and the machine has {} available (MemAvailable, capped by\n\
-                 the memory limit of the cgroup k3 runs in), a shortfall of {}.\n\
-                 Options: a smaller --cache-gb or --trunk-gb (or a smaller --preset), --trunk DIR to stream the\n\
-                 trunk instead of loading it whole, fewer --layers, or a machine with more memory.",
-                human(self.total_bytes),
-                human(have),
-                human((self.total_bytes as f64 - limit).max(0.0) as u64)
-            ));
+            return Err(BudgetError::OverAvailable {
+                need: self.total_bytes,
+                have,
+                shortfall: (self.total_bytes as f64 - limit).max(0.0) as u64,
+            });
         }
         Ok(())
     }
@@ -171,22 +304,27 @@ pub fn kv_positions(prompt_tokens: usize, gen: usize) -> usize {
     prompt_tokens + gen + 1
 }
 
+/// The room the KV cache may take: what is available, capped by the run's limit
+/// (`--mem-gb`) when there is one.
+fn kv_room(limit: Option<u64>, available: Option<u64>) -> Option<u64> {
+    match (limit, available) {
+        (Some(l), Some(a)) => Some(l.min(a)),
+        (l, a) => l.or(a),
+    }
+}
+
 /// KV-cache refusal: an incremental run holds `per_pos` bytes for each of `positions`.
-pub fn check_kv(positions: usize, per_pos: u64, available: Option<u64>) -> Result<(), String> {
+pub fn check_kv(positions: usize, per_pos: u64, available: Option<u64>) -> Result<(), BudgetError> {
     let Some(have) = available else {
         return Ok(());
     };
     let need = positions as u64 * per_pos;
     if need as f64 > have as f64 * 0.9 {
-        return Err(format!(
-            "REFUSING: the KV cache for {positions} positions needs {} but only {} is available.\n\
-             This is a MEMORY limit, not an engine ceiling: the MLA layers cache {} per position\n\
-             whatever the budget. Shorten the request, or pass --full-recompute (full recompute\n\
-             carries no KV cache at all).",
-            human(need),
-            human(have),
-            human(per_pos)
-        ));
+        return Err(BudgetError::KvCache {
+            positions,
+            per_pos,
+            have,
+        });
     }
     Ok(())
 }
@@ -243,22 +381,18 @@ pub fn spend(
     s: &Spend,
     trunk_over: Option<u64>,
     cache_over: Option<u64>,
-) -> Result<(u64, u64), String> {
+) -> Result<(u64, u64), BudgetError> {
     let held = s.fixed + s.lm_head;
     let min_cache = s.min_slots.max(1) * s.expert_slot;
-    let left = s.total.checked_sub(held + min_cache).ok_or_else(|| {
-        format!(
-            "a total of {} cannot hold what every run needs: {} (state, KV, embedding rows, \
-             norms, scratch, stage processes), the lm_head {} and the expert slots a batch \
-             streams through {}: \
-             a shortfall of {}",
-            human(s.total),
-            human(s.fixed),
-            human(s.lm_head),
-            human(min_cache),
-            human(held + min_cache - s.total)
-        )
-    })?;
+    let left = s
+        .total
+        .checked_sub(held + min_cache)
+        .ok_or(BudgetError::TotalTooSmall {
+            total: s.total,
+            fixed: s.fixed,
+            lm_head: s.lm_head,
+            min_cache,
+        })?;
     let left = left + min_cache;
     let (t, c) = match (trunk_over, cache_over) {
         (Some(t), Some(c)) => (t, c),
@@ -331,84 +465,88 @@ pub fn choose(
     runs: Option<&k3_trunk_loader::Streams>,
     trunk_over: Option<u64>,
     cache_over: Option<u64>,
-) -> Result<Choice, String> {
-    let mut pick: Option<Choice> = None;
-    let mut first_err = None;
-    for pinned in [true, false] {
-        let sp = Spend {
-            lm_head: if pinned {
-                s.lm_head
-            } else {
-                lm_head_stream_bytes(s.lm_head)
-            },
-            ..s.clone()
-        };
-        let (t, c) = match spend(&sp, trunk_over, cache_over) {
-            Ok(x) => x,
-            Err(e) => {
-                first_err.get_or_insert(e);
-                continue;
-            }
-        };
-        let sink = if pinned { 0 } else { s.lm_head };
-        let (trunk_read, trunk_left) = match runs {
-            Some(r) => match k3_trunk_loader::plan_streams_with(
+) -> Result<Choice, BudgetError> {
+    // Pinned first: streamed replaces it only when it reads strictly less; when neither
+    // fits, the pinned way's refusal is the one said.
+    match (
+        choose_way(s, runs, trunk_over, cache_over, true),
+        choose_way(s, runs, trunk_over, cache_over, false),
+    ) {
+        (Ok(p), Ok(st)) if st.read_per_token < p.read_per_token => Ok(st),
+        (Ok(c), _) | (Err(_), Ok(c)) => Ok(c),
+        (Err(e), Err(_)) => Err(e),
+    }
+}
+
+/// [`choose`] one way: the lm_head `pinned` (held whole) or streamed.
+fn choose_way(
+    s: &Spend,
+    runs: Option<&k3_trunk_loader::Streams>,
+    trunk_over: Option<u64>,
+    cache_over: Option<u64>,
+    pinned: bool,
+) -> Result<Choice, BudgetError> {
+    let sp = Spend {
+        lm_head: if pinned {
+            s.lm_head
+        } else {
+            lm_head_stream_bytes(s.lm_head)
+        },
+        ..s.clone()
+    };
+    let (t, c) = spend(&sp, trunk_over, cache_over)?;
+    let sink = if pinned { 0 } else { s.lm_head };
+    let (trunk_read, trunk_left) = match runs {
+        Some(r) => {
+            let sp = k3_trunk_loader::plan_streams_with(
                 t,
                 r,
                 k3_trunk_loader::RingPolicy::default(),
                 sink,
-            ) {
-                Ok(sp) => (sp.read_per_token, sp.left()),
-                Err(e) => {
-                    first_err.get_or_insert(e.to_string());
-                    continue;
-                }
-            },
-            None => (0, 0),
-        };
-        // The trunk plan's leftover, and (when no flag fixes the cache) what the cache
-        // would hold beyond its keep, hold lm_head rows; the cache gets what they leave.
-        let left = sp.total.saturating_sub(sp.fixed + sp.lm_head);
-        let (head_held, cache) = match (pinned, cache_over) {
-            (true, None) => (0, c + trunk_left),
-            (true, Some(_)) => (0, c),
-            (false, _) => {
-                let spare = match cache_over {
-                    Some(_) => 0,
-                    None => left.saturating_sub(t).saturating_sub(cache_keep(&sp, left)),
-                };
-                let rows = rows_fitting(
-                    trunk_left + spare,
-                    s.lm_head_row,
-                    s.lm_head / s.lm_head_row.max(1),
-                );
-                let alloc = if rows == 0 {
-                    0
-                } else {
-                    held_rows_bytes(rows, s.lm_head_row)
-                };
-                let cache = match cache_over {
-                    Some(_) => c,
-                    None => (left.saturating_sub(t) + trunk_left - alloc)
-                        .min(s.max_slots.max(1) * s.expert_slot)
-                        .max(s.min_slots.max(1) * s.expert_slot),
-                };
-                (rows * s.lm_head_row, cache)
-            }
-        };
-        let read = trunk_read + if pinned { 0 } else { s.lm_head - head_held };
-        if pick.is_none_or(|p| read < p.read_per_token) {
-            pick = Some(Choice {
-                trunk: t,
-                cache,
-                head_pinned: pinned,
-                head_held,
-                sink,
-                read_per_token: read,
-            });
+            )?;
+            (sp.read_per_token, sp.left())
         }
-    }
-    pick.ok_or_else(|| first_err.unwrap_or_default())
+        None => (0, 0),
+    };
+    // The trunk plan's leftover, and (when no flag fixes the cache) what the cache
+    // would hold beyond its keep, hold lm_head rows; the cache gets what they leave.
+    let left = sp.total.saturating_sub(sp.fixed + sp.lm_head);
+    let (head_held, cache) = match (pinned, cache_over) {
+        (true, None) => (0, c + trunk_left),
+        (true, Some(_)) => (0, c),
+        (false, _) => {
+            let spare = match cache_over {
+                Some(_) => 0,
+                None => left.saturating_sub(t).saturating_sub(cache_keep(&sp, left)),
+            };
+            let rows = rows_fitting(
+                trunk_left + spare,
+                s.lm_head_row,
+                s.lm_head / s.lm_head_row.max(1),
+            );
+            let alloc = if rows == 0 {
+                0
+            } else {
+                held_rows_bytes(rows, s.lm_head_row)
+            };
+            let cache = match cache_over {
+                Some(_) => c,
+                None => (left.saturating_sub(t) + trunk_left - alloc)
+                    .min(s.max_slots.max(1) * s.expert_slot)
+                    .max(s.min_slots.max(1) * s.expert_slot),
+            };
+            (rows * s.lm_head_row, cache)
+        }
+    };
+    let read = trunk_read + if pinned { 0 } else { s.lm_head - head_held };
+    Ok(Choice {
+        trunk: t,
+        cache,
+        head_pinned: pinned,
+        head_held,
+        sink,
+        read_per_token: read,
+    })
 }
 
 /// The memory flags, resolved left to right.
@@ -428,9 +566,8 @@ pub struct Resolved {
 
 /// Memory the default and `auto` spend: available (MemAvailable capped by the cgroup k3
 /// runs in) minus the reserve.
-pub fn default_total() -> Result<(u64, u64), String> {
-    let avail = mem_available()
-        .ok_or("cannot read MemAvailable from /proc/meminfo; give the budget with --mem-gb")?;
+pub fn default_total() -> Result<(u64, u64), BudgetError> {
+    let avail = mem_available().ok_or(BudgetError::NoMemAvailable)?;
     Ok((avail - (avail as f64 * RESERVE_SHARE) as u64, avail))
 }
 
@@ -439,8 +576,8 @@ pub fn default_total() -> Result<(u64, u64), String> {
 /// `--trunk-gb`/`--cache-gb` fix one part. No flag: the default total.
 pub fn resolve(
     flags: &[MemFlag],
-    default_total: impl Fn() -> Result<(u64, u64), String>,
-) -> Result<Resolved, String> {
+    default_total: impl Fn() -> Result<(u64, u64), BudgetError>,
+) -> Result<Resolved, BudgetError> {
     let presets = k3_trunk_loader::Presets::builtin();
     let gb = |x: f64| k3_trunk_loader::presets::gb_to_bytes(x);
     let mut r = Resolved {
@@ -451,7 +588,7 @@ pub fn resolve(
         source: String::new(),
         limit: None,
     };
-    let from_available = |r: &mut Resolved, what: &str| -> Result<(), String> {
+    let from_available = |r: &mut Resolved, what: &str| -> Result<(), BudgetError> {
         let (t, avail) = default_total()?;
         r.total = Some(t);
         r.limit = Some(avail);
@@ -491,7 +628,10 @@ pub fn resolve(
             MemFlag::Preset(p) => {
                 let b = presets
                     .get(p)
-                    .ok_or_else(|| format!("--preset: unknown preset '{p}' ({})", presets.names()))?
+                    .ok_or_else(|| BudgetError::UnknownPreset {
+                        name: p.clone(),
+                        known: presets.names(),
+                    })?
                     .budgets();
                 (r.trunk, r.cache, r.total) = (Some(b.trunk_bytes), Some(b.cache_bytes), None);
                 r.limit = None;
@@ -577,7 +717,7 @@ pub type PassCost<'a> = dyn Fn(u64, &Choice) -> u64 + 'a;
 /// What [`pass_size`] chose.
 pub struct PassSize {
     /// The plan for passes of `tokens` tokens (or why not even one token fits).
-    pub choice: Result<Choice, String>,
+    pub choice: Result<Choice, BudgetError>,
     pub tokens: u64,
     /// Whether a pass of the whole prompt fits at all.
     pub whole_fits: bool,
@@ -593,7 +733,7 @@ pub struct PassSize {
 pub fn pass_size(
     whole: u64,
     forced: Option<u64>,
-    plan: &dyn Fn(u64) -> Result<Choice, String>,
+    plan: &dyn Fn(u64) -> Result<Choice, BudgetError>,
     batch: &dyn Fn(u64) -> u64,
     cost: Option<&PassCost<'_>>,
 ) -> PassSize {
@@ -669,6 +809,15 @@ pub fn compute_scratch(cfg: &ModelConfig, pass_tokens: u64) -> u64 {
     t * (cfg.hidden_size as u64 * 4 * 32 + cfg.vocab_size as u64 * 4) + (4 << 20)
 }
 
+/// Scratch of a server's pass of `rows` rows of which `logit_rows` want logits (one per
+/// slot: a prompt chunk wants only its last row's): the activations of every row, the
+/// logits of the wanted ones, the worker threads' stacks.
+pub fn serve_scratch(cfg: &ModelConfig, rows: u64, logit_rows: u64) -> u64 {
+    rows.max(1) * cfg.hidden_size as u64 * 4 * 32
+        + logit_rows.max(1) * cfg.vocab_size as u64 * 4
+        + (4 << 20)
+}
+
 /// The lm_head chunk when it streams: a sixteenth of it, at most 32 MiB, at least a page.
 /// Compute holds two (one multiplied while the next is read).
 pub fn lm_head_chunk(lm_head: u64) -> u64 {
@@ -693,14 +842,17 @@ pub const PREFILL_CHUNK_ENV: &str = "K3_PREFILL_CHUNK";
 pub const LM_HEAD_HELD_ENV: &str = "K3_LM_HEAD_HELD_BYTES";
 
 /// The streams of a packed trunk (whole layers and their parts), for the bound layers.
-fn packed_runs(dir: &std::path::Path, layers: usize) -> Result<k3_trunk_loader::Streams, String> {
-    let m = k3_model::trunk::TrunkManifest::load_dir(dir).map_err(|e| e.to_string())?;
+fn packed_runs(
+    dir: &std::path::Path,
+    layers: usize,
+) -> Result<k3_trunk_loader::Streams, BudgetError> {
+    let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
     if m.layers.len() < layers {
-        return Err(format!(
-            "--trunk {}: it holds {} layers, the run binds {layers}",
-            dir.display(),
-            m.layers.len()
-        ));
+        return Err(BudgetError::TrunkLayers {
+            dir: dir.to_path_buf(),
+            have: m.layers.len(),
+            want: layers,
+        });
     }
     Ok(k3_trunk_loader::Streams::of_layers(&m.layers[..layers]))
 }
@@ -738,6 +890,8 @@ struct Bounds {
     /// The lm_head's bytes, and one row's.
     lm_head: u64,
     lm_head_row: u64,
+    /// `serve`'s slots (None: one CLI run).
+    serve: Option<ServeShape>,
 }
 
 impl Bounds {
@@ -771,7 +925,8 @@ fn bound(
     cfg: &ModelConfig,
     sizes: &ModelSizes,
     layers: usize,
-) -> Result<Bounds, String> {
+    serve: Option<&ServeShape>,
+) -> Result<Bounds, BudgetError> {
     let runs = match &a.trunk {
         Some(dir) => Some(packed_runs(dir, layers)?),
         None => None,
@@ -789,10 +944,12 @@ fn bound(
     // in the arena at once: the fetcher publishes a batch's experts into distinct slots and
     // compute reads them in place, so a smaller arena would recycle a slot still being read.
     let prompt_bound = prompt_bound(a);
-    let max_pass_tokens = if a.incremental {
-        prompt_bound
-    } else {
-        prompt_bound + a.gen
+    // A server's pass: up to `chunk` prompt tokens beside the other slots' decode rows
+    // (`FixedCosts::extra_rows`).
+    let max_pass_tokens = match serve {
+        Some(s) => s.chunk.unwrap_or(SERVE_CHUNK).max(1),
+        None if a.incremental => prompt_bound,
+        None => prompt_bound + a.gen,
     } as u64;
     let lm_head = sizes.lm_head_bytes;
     Ok(Bounds {
@@ -807,10 +964,12 @@ fn bound(
         experts_per_layer: cfg.num_experts as u64,
         moe_layers: sizes.n_experts / (cfg.num_experts as u64).max(1),
         max_pass_tokens: max_pass_tokens.max(1),
-        // Every prompt position and every generated one is cached.
-        positions: kv_positions(prompt_bound, a.gen),
+        // Every prompt position and every generated one is cached (a server's slot: at
+        // most `--ctx` of them).
+        positions: serve.map_or(kv_positions(prompt_bound, a.gen), |s| s.ctx),
         lm_head,
         lm_head_row: lm_head / (cfg.vocab_size as u64).max(1),
+        serve: serve.copied(),
     })
 }
 
@@ -824,16 +983,28 @@ struct FixedCosts<'a> {
     kv: u64,
     /// The staged run's worker processes (0 in one process).
     processes: u64,
+    /// Rows every pass carries beside its `t` prompt tokens: a server's other slots'
+    /// decode rows (`slots - 1`; 0 for a CLI run).
+    extra_rows: u64,
+    /// A server's kept prefix states, at most (0 for a CLI run).
+    prefix: u64,
+    /// A server's plan (its passes want one logits row per slot).
+    serve_pass: bool,
 }
 
 impl FixedCosts<'_> {
     /// The embedding is never resident: compute reads the rows a pass needs on demand.
     fn embed_rows(&self, t: u64) -> u64 {
-        (t.max(1) * self.embed_row).div_ceil(4096) * 4096
+        ((t.max(1) + self.extra_rows) * self.embed_row).div_ceil(4096) * 4096
     }
 
     fn scratch(&self, t: u64) -> u64 {
-        compute_scratch(self.cfg, t)
+        if self.serve_pass {
+            // A server's pass wants one logits row per slot, whatever its prompt rows.
+            serve_scratch(self.cfg, t + self.extra_rows, self.extra_rows + 1)
+        } else {
+            compute_scratch(self.cfg, t + self.extra_rows)
+        }
     }
 
     /// Everything fixed for passes of `t` tokens.
@@ -844,6 +1015,7 @@ impl FixedCosts<'_> {
             + self.kv
             + self.processes
             + self.scratch(t)
+            + self.prefix
     }
 }
 
@@ -854,8 +1026,9 @@ fn fixed_costs<'a>(
     sizes: &ModelSizes,
     b: &Bounds,
 ) -> FixedCosts<'a> {
-    let kv = if a.incremental {
-        sizes.kv_per_pos * b.positions as u64
+    let slots = b.serve.map_or(1, |s| s.slots.max(1) as u64);
+    let kv = if a.incremental || b.serve.is_some() {
+        (sizes.kv_per_pos.saturating_mul(b.positions as u64)).saturating_mul(slots)
     } else {
         0
     };
@@ -870,9 +1043,12 @@ fn fixed_costs<'a>(
         norms: sizes
             .model_bytes
             .saturating_sub(sizes.embed_bytes + sizes.lm_head_bytes),
-        kda_state: sizes.kda_state_bytes,
+        kda_state: sizes.kda_state_bytes.saturating_mul(slots),
         kv,
         processes,
+        extra_rows: slots - 1,
+        prefix: b.serve.map_or(0, |s| s.prefix_bytes(sizes)),
+        serve_pass: b.serve.is_some(),
     }
 }
 
@@ -920,8 +1096,9 @@ fn spend_total(a: &GenArgs, res: &Resolved, b: &Bounds, f: &FixedCosts, total: u
         forced,
         &try_pass,
         &|t| b.batch_of(t),
-        // Recomputing runs feed the whole prefix every step: only the fit counts.
-        (a.incremental && forced.is_none()).then_some(&cost as _),
+        // Recomputing runs feed the whole prefix every step: only the fit counts; so does
+        // a server's chunk (the largest that fits, up to the one asked for).
+        (a.incremental && forced.is_none() && b.serve.is_none()).then_some(&cost as _),
     )
 }
 
@@ -958,21 +1135,18 @@ fn choose_parts(
     res: &Resolved,
     b: &Bounds,
     f: &FixedCosts,
-) -> Result<Picked, RunError> {
+) -> Result<Picked, BudgetError> {
     let p = match res.total {
         Some(total) => spend_total(a, res, b, f, total),
         None => named_parts(res, b),
     };
-    let choice = p.choice.map_err(|e| {
-        RunError::usage(format!(
-            "REFUSING TO START ({}): {e}.\nOptions: a larger --mem-gb, fewer --layers, \
-             --trunk DIR to stream the trunk, or a machine with more memory.",
-            if res.source.is_empty() {
-                "--trunk-gb/--cache-gb"
-            } else {
-                &res.source
-            },
-        ))
+    let choice = p.choice.map_err(|e| BudgetError::Refused {
+        budget: if res.source.is_empty() {
+            "--trunk-gb/--cache-gb".to_string()
+        } else {
+            res.source.clone()
+        },
+        why: Box::new(e),
     })?;
     Ok(Picked {
         choice,
@@ -984,6 +1158,20 @@ fn choose_parts(
 /// The note on a prompt fed in passes (None: one pass).
 fn pass_note(a: &GenArgs, b: &Bounds, f: &FixedCosts, p: &Picked) -> Option<String> {
     let (t, whole) = (p.pass_tokens, b.max_pass_tokens);
+    if let Some(s) = &b.serve {
+        return Some(format!(
+            "{} slot(s) of at most {} tokens; prompts fed in chunks of at most {t} token(s) \
+             per pass beside the other slots' decode rows (a pass of at most {} rows){}",
+            s.slots,
+            s.ctx,
+            t + f.extra_rows,
+            if t < whole {
+                format!(" ({whole} asked: a larger chunk does not fit)")
+            } else {
+                String::new()
+            }
+        ));
+    }
     (t < whole).then(|| {
         format!(
             "prompt fed in passes of at most {t} token(s): a pass holds {} of \
@@ -1010,7 +1198,7 @@ fn add_trunk(
     b: &Bounds,
     sink: u64,
     head_streams: bool,
-) -> Result<bool, String> {
+) -> Result<bool, BudgetError> {
     let Some(runs) = &b.runs else {
         mp.add("trunk (resident)", "trunk-loader", b.trunk_need);
         if a.mem.iter().any(|f| !matches!(f, MemFlag::MemGb(_))) {
@@ -1027,8 +1215,7 @@ fn add_trunk(
         runs,
         k3_trunk_loader::RingPolicy::default(),
         sink,
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     let tp = sp.plan;
     let unit = if sp.parts { "layer parts" } else { "layers" };
     mp.add(
@@ -1111,7 +1298,7 @@ fn assemble(
     b: &Bounds,
     f: &FixedCosts,
     p: Picked,
-) -> Result<RunPlan, RunError> {
+) -> Result<RunPlan, BudgetError> {
     let Choice {
         trunk: trunk_budget,
         cache: cache_budget,
@@ -1136,8 +1323,7 @@ fn assemble(
     }
     let mut mp = MemoryPlan::new(trunk_budget, cache_budget, a.trunk.is_some());
     let streams = lm_head_chunk_bytes.is_some();
-    let trunk_hold_wrap = add_trunk(&mut mp, &mut notes, a, b, trunk_sink, streams)
-        .map_err(|e| RunError::usage(format!("k3-orch: {e}")))?;
+    let trunk_hold_wrap = add_trunk(&mut mp, &mut notes, a, b, trunk_sink, streams)?;
     // Never more slots than there are experts to hold.
     let slots = (cache_budget / b.expert_slot)
         .min(b.max_slots)
@@ -1152,10 +1338,20 @@ fn assemble(
     if staged(a) {
         mp.add("stage processes", "processes", f.processes);
     }
-    mp.add("KV cache", "layer-compute", f.kv);
+    match &b.serve {
+        Some(s) => {
+            mp.add(
+                &format!("KV cache ({} x {})", s.slots, s.ctx),
+                "layer-compute",
+                f.kv,
+            );
+            mp.add("prefix cache", "layer-compute", f.prefix);
+        }
+        None => mp.add("KV cache", "layer-compute", f.kv),
+    }
     mp.available_bytes = mem_available();
     mp.total_budget_bytes = res.total;
-    mp.check().map_err(RunError::usage)?;
+    mp.check()?;
     Ok(RunPlan {
         memory: mp,
         trunk_budget,
@@ -1169,7 +1365,7 @@ fn assemble(
         lm_head_held_bytes: if streams { head_held } else { 0 },
         trunk_sink,
         trunk_hold_wrap,
-        prefill_chunk: (t < b.max_pass_tokens).then_some(t as usize),
+        prefill_chunk: (t < b.max_pass_tokens || b.serve.is_some()).then_some(t as usize),
         notes,
     })
 }
@@ -1181,17 +1377,156 @@ pub fn plan_run(
     cfg: &ModelConfig,
     sizes: &ModelSizes,
     layers: usize,
-) -> Result<RunPlan, RunError> {
-    let usage = |m: String| RunError::usage(format!("k3-orch: {m}"));
-    let b = bound(a, cfg, sizes, layers).map_err(usage)?;
-    let res = resolve(&a.mem, default_total).map_err(usage)?;
+) -> Result<RunPlan, BudgetError> {
+    let b = bound(a, cfg, sizes, layers, None)?;
+    let res = resolve(&a.mem, default_total)?;
     let f = fixed_costs(a, cfg, sizes, &b);
     // The KV cache alone not fitting is said as such, before the whole plan is weighed.
     if a.incremental {
-        check_kv(b.positions, sizes.kv_per_pos, mem_available()).map_err(RunError::usage)?;
+        check_kv(
+            b.positions,
+            sizes.kv_per_pos,
+            kv_room(res.limit, mem_available()),
+        )?;
     }
     let p = choose_parts(a, &res, &b, &f)?;
     assemble(a, res, &b, &f, p)
+}
+
+/// Prompt tokens per pass a server feeds when `--prefill-chunk` is not given (fewer when
+/// that does not fit).
+pub const SERVE_CHUNK: usize = 256;
+
+/// What `serve` (and `k3-orch MODEL --prompts F --parallel N`) holds beside one run's plan:
+/// `slots` requests at once, each with its own KV cache (up to `ctx` positions) and
+/// recurrent state, passes of `slots - 1` decode rows plus a prompt chunk, and kept
+/// prefix states.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ServeShape {
+    pub slots: usize,
+    /// Prompt plus generated tokens of one request, at most (`--ctx`).
+    pub ctx: usize,
+    /// Prompt tokens per pass asked for (`--prefill-chunk`; None: [`SERVE_CHUNK`]); the
+    /// plan gives the largest that fits, up to it.
+    pub chunk: Option<usize>,
+    /// Session states kept for prefix reuse (`--cache-entries`).
+    pub prefix_entries: usize,
+    /// Their bytes, at most (`--prefix-gb`; None: `prefix_entries` states of `ctx`
+    /// positions, the most that many can hold).
+    pub prefix_bytes: Option<u64>,
+}
+
+impl ServeShape {
+    /// One slot's state at `ctx` positions: its KV cache and its recurrent state.
+    pub fn slot_bytes(&self, sizes: &ModelSizes) -> u64 {
+        sizes
+            .kv_per_pos
+            .saturating_mul(self.ctx as u64)
+            .saturating_add(sizes.kda_state_bytes)
+    }
+
+    /// The kept prefix states' bytes, at most.
+    pub fn prefix_bytes(&self, sizes: &ModelSizes) -> u64 {
+        if self.prefix_entries == 0 {
+            return 0;
+        }
+        self.prefix_bytes.unwrap_or_else(|| {
+            self.slot_bytes(sizes)
+                .saturating_mul(self.prefix_entries as u64)
+        })
+    }
+}
+
+/// What [`plan_serve`] fixed besides the memory plan.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ServePlan {
+    /// Prompt tokens per pass (as asked, or the largest that fits).
+    pub chunk: usize,
+    /// Bytes of kept prefix states, at most.
+    pub prefix_bytes: u64,
+}
+
+/// The plan of a server's `s.slots` slots (a refusal, exit 2, says what they need and the
+/// largest `--parallel` that fits).
+pub fn plan_serve(
+    a: &GenArgs,
+    s: &ServeShape,
+    cfg: &ModelConfig,
+    sizes: &ModelSizes,
+    layers: usize,
+) -> Result<(RunPlan, ServePlan), BudgetError> {
+    if s.slots == 0 || s.ctx == 0 || s.chunk == Some(0) {
+        return Err(BudgetError::ServeZero);
+    }
+    let res = resolve(&a.mem, default_total)?;
+    let one = |shape: &ServeShape| -> Result<(RunPlan, ServePlan), BudgetError> {
+        let b = bound(a, cfg, sizes, layers, Some(shape))?;
+        let f = fixed_costs(a, cfg, sizes, &b);
+        let p = choose_parts(a, &res, &b, &f)?;
+        let chunk = p.pass_tokens as usize;
+        let plan = assemble(a, res.clone(), &b, &f, p)?;
+        Ok((
+            plan,
+            ServePlan {
+                chunk,
+                prefix_bytes: f.prefix,
+            },
+        ))
+    };
+    // The largest chunk (up to the one asked) whose whole plan fits: the split is chosen
+    // per chunk, and a plan can still exceed the budget once assembled (a resident trunk
+    // past what the split left), so the assembled plan decides.
+    let want = s.chunk.unwrap_or(SERVE_CHUNK).max(1);
+    let fit = |n: usize| -> Result<(RunPlan, ServePlan), BudgetError> {
+        let shape = ServeShape { slots: n, ..*s };
+        let first = one(&shape);
+        if first.is_ok() || want == 1 {
+            return first;
+        }
+        let (mut lo, mut hi, mut best) = (0usize, want, None);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            match one(&ServeShape {
+                chunk: Some(mid),
+                ..shape
+            }) {
+                Ok(x) => (lo, best) = (mid, Some(x)),
+                Err(_) => hi = mid,
+            }
+        }
+        match best {
+            Some(x) => Ok(x),
+            None => one(&ServeShape {
+                chunk: Some(1),
+                ..shape
+            }),
+        }
+    };
+    let err = match fit(s.slots) {
+        Ok(x) => return Ok(x),
+        Err(e) => e,
+    };
+    // The largest number of slots that fits (fewer slots never need more).
+    let (mut lo, mut hi) = (0usize, s.slots);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fit(mid).is_ok() {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let rows = (s.slots - 1) + s.chunk.unwrap_or(SERVE_CHUNK);
+    Err(BudgetError::Slots {
+        cause: Box::new(err),
+        slots: s.slots,
+        ctx: s.ctx,
+        slot: s.slot_bytes(sizes),
+        rows,
+        scratch: serve_scratch(cfg, rows as u64, s.slots as u64),
+        prefix: s.prefix_bytes(sizes),
+        largest: lo,
+    })
 }
 
 #[cfg(test)]
@@ -1256,7 +1591,12 @@ mod tests {
                 if t <= n {
                     Ok(c(t))
                 } else {
-                    Err(format!("{t} tokens do not fit"))
+                    Err(BudgetError::TotalTooSmall {
+                        total: t,
+                        fixed: t,
+                        lm_head: 0,
+                        min_cache: 1,
+                    })
                 }
             }
         };
@@ -1272,7 +1612,11 @@ mod tests {
             (37, false, c(37))
         );
         let p = pass_size(100, None, &upto(0), &batch, None);
-        assert_eq!(p.choice.unwrap_err(), "1 tokens do not fit");
+        assert!(
+            matches!(p.choice, Err(BudgetError::TotalTooSmall { total: 1, .. })),
+            "{:?}",
+            p.choice
+        );
         // A forced size is kept when it fits, bisected below it when it does not.
         let p = pass_size(100, Some(5), &upto(100), &batch, None);
         assert_eq!((p.tokens, p.whole_fits), (5, true));
@@ -1311,7 +1655,7 @@ mod tests {
         p.add("trunk", "trunk-loader", 3_000_000_000);
         p.add("expert cache", "expert-fetcher", 1_000_000_000);
         p.available_bytes = Some(4_000_000_000);
-        let e = p.check().unwrap_err();
+        let e = p.check().unwrap_err().to_string();
         // 4 GB needed against 0.95 x 4 GB usable: 0.2 GB short.
         assert!(e.contains("shortfall of 200.00 MB"), "{e}");
         p.available_bytes = Some(8_000_000_000);
@@ -1321,7 +1665,9 @@ mod tests {
 
     #[test]
     fn kv_refusal_names_the_per_position_cost() {
-        let e = check_kv(1000, 2_370_000, Some(1_000_000_000)).unwrap_err();
+        let e = check_kv(1000, 2_370_000, Some(1_000_000_000))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("2.37 MB per position"), "{e}");
         assert!(check_kv(10, 2_370_000, Some(1_000_000_000)).is_ok());
     }
@@ -1354,7 +1700,7 @@ mod tests {
         assert_eq!(spend(&sp(650), None, Some(100)).unwrap(), (400, 100));
         assert_eq!(spend(&sp(650), Some(300), None).unwrap(), (300, 200));
         // Below what every run holds: refused, naming the parts.
-        let e = spend(&sp(169), None, None).unwrap_err();
+        let e = spend(&sp(169), None, None).unwrap_err().to_string();
         assert!(e.contains("lm_head") && e.contains("expert slots"), "{e}");
     }
 
@@ -1384,7 +1730,7 @@ mod tests {
         let r = resolve(&[MemFlag::CacheGb(1.0)], avail).unwrap();
         assert_eq!((r.total, r.cache), (Some(9_500), Some(1_000_000_000)));
         // Without MemAvailable, parts alone fall back on the fixed defaults; auto refuses.
-        let none = || Err("no meminfo".to_string());
+        let none = || Err(BudgetError::NoMemAvailable);
         assert_eq!(resolve(&[MemFlag::TrunkGb(1.0)], none).unwrap().total, None);
         assert!(resolve(&[MemFlag::Preset("auto".into())], none).is_err());
     }
@@ -1395,7 +1741,7 @@ mod tests {
         let mut p = MemoryPlan::new(0, 0, true);
         p.add("trunk", "trunk-loader", 3_000);
         p.total_budget_bytes = Some(2_000);
-        let e = p.check().unwrap_err();
+        let e = p.check().unwrap_err().to_string();
         assert!(
             e.contains("budget is 2.00 KB") && e.contains("shortfall"),
             "{e}"

@@ -126,6 +126,37 @@ pub struct Totals {
     pub disk_busy: Option<DiskBusyTotals>,
 }
 
+/// The prompt's pass (the first step: every prompt token, which yields the first generated
+/// token): its rate, the bytes it read and the product path that computed it.
+#[derive(Clone, Debug, Serialize)]
+pub struct PrefillReport {
+    pub tokens: usize,
+    pub seconds: f64,
+    pub tokens_per_second: f64,
+    /// Trunk, lm_head and routed-expert bytes read from storage during it.
+    pub read_bytes: u64,
+    /// The product path and instruction set (`exact/avx512`, `bf16x3/avx512bf16`, ...).
+    pub product_path: String,
+}
+
+impl PrefillReport {
+    /// The prefill of a run whose first step (`first`) fed `tokens` prompt tokens on
+    /// `product_path`.
+    pub fn of(first: &StepReport, tokens: usize, product_path: String) -> PrefillReport {
+        PrefillReport {
+            tokens,
+            seconds: first.seconds,
+            tokens_per_second: if first.seconds > 0.0 {
+                tokens as f64 / first.seconds
+            } else {
+                0.0
+            },
+            read_bytes: first.trunk_read_bytes + first.expert_read_bytes,
+            product_path,
+        }
+    }
+}
+
 /// The JSON report.
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
@@ -140,6 +171,8 @@ pub struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub text: Option<String>,
     pub steps: Vec<StepReport>,
+    /// The prompt's pass; absent when a saved state supplied part of the prompt.
+    pub prefill: Option<PrefillReport>,
     pub totals: Totals,
     pub plan: Option<MemoryPlan>,
     pub stages: Vec<StageReport>,
@@ -229,6 +262,16 @@ pub fn summary(r: &Report) -> String {
         "{} tokens in {:.3} s, {:.4} s/token average\n",
         t.tokens, t.seconds, t.s_per_token
     ));
+    if let Some(p) = &r.prefill {
+        s.push_str(&format!(
+            "prefill: {} tokens in {:.3} s, {:.2} tokens/s, {} read, path {}\n",
+            p.tokens,
+            p.seconds,
+            p.tokens_per_second,
+            human(p.read_bytes),
+            p.product_path
+        ));
+    }
     if t.expert_requests > 0 {
         s.push_str(&format!(
             "experts: {} requests, TRUE resident hit rate {:.2}%, {} read from disk\n",

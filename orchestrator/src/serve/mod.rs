@@ -4,13 +4,18 @@
 //! (`--single-process`: the forward in this process). See docs/serve.md.
 //!
 //! - [`api`]: request validation (OpenAI bodies to tokenized jobs, error objects);
-//! - [`engine`]: the worker thread, the prefix cache, the decode loop with streaming;
+//! - [`engine`]: the worker thread: slots (continuous batching), the prefix cache,
+//!   streaming;
 //! - [`http`]: the axum routes, SSE, `/health`, `/metrics`, the chat page;
+//! - [`metrics`]: Prometheus histograms;
+//! - [`prompts`]: `k3-orch MODEL --prompts F.jsonl --parallel N`;
 //! - [`repl`]: `k3-orch chat`.
 
 pub mod api;
 pub mod engine;
 pub mod http;
+pub mod metrics;
+pub mod prompts;
 pub mod repl;
 
 use std::ffi::OsString;
@@ -22,16 +27,22 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::error::{EXIT_FAILED, EXIT_OK, EXIT_USAGE};
-use engine::{Engine, EngineOptions};
+use engine::{Engine, EngineOptions, SlotOptions};
+
+/// A plan error as the message `serve` and `chat` log (exit 2).
+fn plan_error(e: crate::run::error::GenError) -> String {
+    e.to_string()
+}
 
 /// Flags shared by `serve` and `chat`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelFlags {
     /// Model directory (config.json + safetensors shards)
     pub model_dir: PathBuf,
-    /// Tokenizer directory (tiktoken.model + tokenizer_config.json)
+    /// Tokenizer directory (tiktoken.model + tokenizer_config.json); without it the server
+    /// takes token ids only (`/v1/completions` with a list of ids; ids in, ids out)
     #[arg(long)]
-    pub tok: PathBuf,
+    pub tok: Option<PathBuf>,
     /// Model config (default MODEL_DIR/config.json)
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -50,6 +61,14 @@ pub struct ModelFlags {
     /// Session states kept for prefix reuse (0 turns reuse off)
     #[arg(long, default_value_t = 8)]
     pub cache_entries: usize,
+    /// Bytes of session states kept for prefix reuse, in GB (default: room for
+    /// --cache-entries states of --ctx tokens)
+    #[arg(long)]
+    pub prefix_gb: Option<f64>,
+    /// Prompt tokens per forward pass over the requests still prefilling, fed beside the
+    /// others' decode steps (default: the largest that fits, at most 256)
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
     /// Run the forward in this process instead of the four warm stage processes
     #[arg(long)]
     pub single_process: bool,
@@ -71,7 +90,9 @@ pub struct ModelFlags {
 }
 
 impl ModelFlags {
-    pub fn engine(&self) -> Result<Engine, String> {
+    /// The engine over `slots` requests at once (at most `max_queue` more waiting), after
+    /// the memory plan of those slots (refused up front, exit 2, when they do not fit).
+    pub fn engine(&self, slots: usize, max_queue: usize) -> Result<Engine, String> {
         if !self.model_dir.is_dir() {
             return Err(format!(
                 "model directory {} does not exist",
@@ -83,14 +104,44 @@ impl ModelFlags {
             Some(n) => n,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        if self.ctx == 0 || self.max_tokens == 0 {
-            return Err("--ctx and --max-tokens must be at least 1".into());
+        if self.ctx == 0 || self.max_tokens == 0 || slots == 0 {
+            return Err("--ctx, --max-tokens and --parallel must be at least 1".into());
         }
-        let warm = if self.single_process {
-            None
-        } else {
-            Some(self.warm_launch(threads)?)
+        let prefix_bytes = match self.prefix_gb {
+            Some(g) if !(g.is_finite() && g >= 0.0) => {
+                return Err(format!(
+                    "--prefix-gb {g}: must be a non-negative number of GB"
+                ))
+            }
+            Some(g) => Some((g * 1e9) as u64),
+            None => None,
         };
+        let shape = crate::run::plan::ServeShape {
+            slots,
+            ctx: self.ctx,
+            chunk: self.prefill_chunk,
+            prefix_entries: self.cache_entries,
+            prefix_bytes,
+        };
+        let a = self.gen_args(threads)?;
+        let (warm, plan) = if self.single_process {
+            (
+                None,
+                crate::run::launch::serve_plan(&a, &shape).map_err(plan_error)?,
+            )
+        } else {
+            let (l, p) =
+                crate::run::launch::warm_launch(&a, &shape, max_queue).map_err(plan_error)?;
+            (Some(l), p)
+        };
+        tracing::info!(
+            "k3-orch serve: {slots} slot(s) of at most {} tokens, {max_queue} more may wait; \
+             prompts fed {} tokens per pass; prefix cache {} entries, {}",
+            self.ctx,
+            plan.chunk,
+            self.cache_entries,
+            crate::units::human(plan.prefix_bytes)
+        );
         Engine::start(EngineOptions {
             model_dir: self.model_dir.clone(),
             config_path: self
@@ -101,20 +152,25 @@ impl ModelFlags {
             threads,
             layers: self.layers,
             cache_entries: self.cache_entries,
+            slots: SlotOptions {
+                slots,
+                max_queue,
+                prefill_chunk: plan.chunk,
+                ctx: self.ctx,
+                prefix_bytes: plan.prefix_bytes,
+            },
             warm,
         })
     }
 
-    /// The warm pipeline's configuration: the generation command line these flags stand
-    /// for, through the same memory plan as a CLI run.
-    fn warm_launch(&self, threads: usize) -> Result<crate::supervise::Launch, String> {
+    /// The generation command line these flags stand for (what the memory plan and the
+    /// warm pipeline's configuration are made from).
+    fn gen_args(&self, threads: usize) -> Result<crate::run::args::GenArgs, String> {
         let mut argv: Vec<String> = vec![
             self.model_dir.display().to_string(),
             "--ids".into(),
             "0".into(),
             "--incremental".into(),
-            "--tok".into(),
-            self.tok.display().to_string(),
             "--threads".into(),
             threads.to_string(),
             "--stage-timeout".into(),
@@ -126,6 +182,7 @@ impl ModelFlags {
                 argv.push(v);
             }
         };
+        opt("--tok", self.tok.as_ref().map(|p| p.display().to_string()));
         opt(
             "--config",
             self.config.as_ref().map(|p| p.display().to_string()),
@@ -140,12 +197,13 @@ impl ModelFlags {
         if self.require_cgroups {
             argv.push("--require-cgroups".into());
         }
-        let a = match crate::run::args::parse(&argv)? {
-            crate::run::args::Parsed::Run(a) => a,
-            _ => return Err("unexpected flags".into()),
-        };
-        crate::run::launch::warm_launch(&a)
-            .map_err(|e| e.msg.trim_start_matches("k3-orch: ").to_string())
+        if self.single_process {
+            argv.push("--single-process".into());
+        }
+        match crate::run::args::parse(&argv)? {
+            crate::run::args::Parsed::Run(a) => Ok(*a),
+            _ => Err("unexpected flags".into()),
+        }
     }
 
     pub fn limits(&self) -> api::Limits {
@@ -153,6 +211,7 @@ impl ModelFlags {
             max_tokens: self.max_tokens,
             ctx: self.ctx,
             default_max_tokens: self.max_tokens.min(256),
+            debug_logits: false,
         }
     }
 }
@@ -176,9 +235,16 @@ struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize
     #[arg(long)]
     api_key: Option<String>,
-    /// Requests queued or running at once; more get 429 with Retry-After
+    /// Requests decoding together (slots; 1 runs them one after another)
+    #[arg(long, default_value_t = 4)]
+    parallel: usize,
+    /// Requests that may wait for a slot; more get 429 with Retry-After
     #[arg(long, default_value_t = 16)]
     max_queue: usize,
+    /// Let requests ask for every step's logits (`"k3_logits": true`, as f32 bit patterns;
+    /// a debug endpoint: the batch-invariance tests compare them bit for bit)
+    #[arg(long)]
+    debug_logits: bool,
 }
 
 /// Entry point of `k3-orch serve`.
@@ -187,17 +253,27 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
         Ok(a) => a,
         Err(code) => return code,
     };
-    if a.max_queue == 0 {
-        tracing::error!("k3-orch serve: --max-queue must be at least 1");
+    if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        tracing::error!("k3-orch serve: --api-key is empty: give a key, or no --api-key");
         return EXIT_USAGE;
     }
-    let engine = match a.model.engine() {
+    // The port first: a busy port (or a host that does not resolve) is refused before
+    // any stage starts or any weight is read.
+    let std_listener = match bind(&a.host, a.port) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("k3-orch serve: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let engine = match a.model.engine(a.parallel, a.max_queue) {
         Ok(e) => Arc::new(e),
         Err(e) => {
             tracing::error!("k3-orch serve: {e}");
             return EXIT_USAGE;
         }
     };
+    engine.stats.log_requests.store(true, Ordering::Relaxed);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -212,26 +288,27 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
     let draining = Arc::new(AtomicBool::new(false));
     let app = Arc::new(http::App {
         engine: engine.clone(),
-        limits: a.model.limits(),
+        limits: api::Limits {
+            debug_logits: a.debug_logits,
+            ..a.model.limits()
+        },
         api_key: a.api_key.clone(),
-        max_queue: a.max_queue,
         draining: draining.clone(),
         next_id: AtomicU64::new(1),
     });
     let stats = engine.stats.clone();
     let deadline_engine = engine.clone();
     let code = rt.block_on(async move {
-        let addr = format!("{}:{}", a.host, a.port);
-        let listener = match tokio::net::TcpListener::bind(&addr).await {
+        let listener = match tokio::net::TcpListener::from_std(std_listener) {
             Ok(l) => l,
             Err(e) => {
-                tracing::error!("k3-orch serve: cannot listen on {addr}: {e}");
+                tracing::error!("k3-orch serve: cannot listen: {e}");
                 return EXIT_FAILED;
             }
         };
         let local = listener
             .local_addr()
-            .map_or(addr.clone(), |x| x.to_string());
+            .map_or_else(|_| format!("{}:{}", a.host, a.port), |x| x.to_string());
         {
             use std::io::Write;
             let mut o = std::io::stdout().lock();
@@ -275,6 +352,28 @@ pub fn serve_main(argv: Vec<OsString>) -> i32 {
     engine.shutdown();
     rt.shutdown_timeout(Duration::from_millis(200));
     code
+}
+
+/// The listening socket on `host:port` (non-blocking, for tokio), or why not (a port in
+/// use, a host that does not resolve): `serve` binds it before it loads anything.
+fn bind(host: &str, port: u16) -> Result<std::net::TcpListener, String> {
+    let shown = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    let l = std::net::TcpListener::bind((host, port)).map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+            " (another server is on that port: stop it, or choose another with --port; \
+             --port 0 takes any free one)"
+        } else {
+            ""
+        };
+        format!("cannot listen on {shown}: {e}{hint}")
+    })?;
+    l.set_nonblocking(true)
+        .map_err(|e| format!("cannot listen on {shown}: {e}"))?;
+    Ok(l)
 }
 
 /// SIGTERM or SIGINT.

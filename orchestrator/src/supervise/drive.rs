@@ -1,6 +1,11 @@
 //! Driving a started pipeline: wire the stages (links, regions, `Configure`), encode the
 //! prompt, then relay generation (step statistics, text, summaries) until every stage is
-//! done, turning an exit, an `Error` or silence into a [`RunError`] that names the stage.
+//! done, turning an exit, an `Error` or silence into a [`SuperviseError`] that names the
+//! stage.
+//!
+//! A stage's report of a peer's death (`FailureKind::PeerDied`) is a knock-on failure:
+//! [`handle_common`] waits briefly ([`KNOCK_ON_WAIT`]) for the peer's own exit or report
+//! and names that stage instead.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -11,26 +16,24 @@ use k3_protocol::messages::{Msg, RegionRole, Stage};
 use k3_protocol::shm::Region;
 use k3_protocol::transport::{ShmTransport, Side};
 
+use super::error::SuperviseError;
 use super::spawn::{ExitCause, Exited, Running, StageEvent};
 use super::{erased, Launch, Mode, Observer, Outcome};
-use crate::error::RunError;
+
+/// How long a knock-on failure (a stage reporting a peer's death) waits for the peer's own
+/// exit or report, which names the real cause.
+pub const KNOCK_ON_WAIT: Duration = Duration::from_millis(1500);
 
 /// Wait for the next event, watching heartbeats; returns a failure for a silent stage.
 pub(super) fn next_event(
     r: &mut Running,
     timeout: Duration,
     expect_alive: &[Stage],
-) -> Result<StageEvent, RunError> {
+) -> Result<StageEvent, SuperviseError> {
     loop {
         if super::spawn::INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
             let code = super::spawn::interrupted_exit_code();
-            return Err(RunError::new(
-                code,
-                format!(
-                    "k3-orch: interrupted by {}; stages stopped",
-                    super::spawn::signal_name(code - 128)
-                ),
-            ));
+            return Err(SuperviseError::Interrupted { signal: code - 128 });
         }
         match r.events.recv_timeout(Duration::from_millis(100)) {
             Ok(ev) => {
@@ -47,50 +50,104 @@ pub(super) fn next_event(
                     }
                     let seen = *r.last_seen.entry(*s).or_insert(now);
                     if now.duration_since(seen) > timeout {
-                        return Err(RunError::new(
-                            1,
-                            format!(
-                                "k3-orch: stage {s} stopped answering (no heartbeat for {:.0} s); stopping the pipeline",
-                                timeout.as_secs_f64()
-                            ),
-                        ));
+                        return Err(SuperviseError::Hung { stage: *s, timeout });
                     }
                 }
             }
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(RunError::new(1, "k3-orch: every stage connection is gone"))
-            }
+            Err(RecvTimeoutError::Disconnected) => return Err(SuperviseError::AllGone),
         }
     }
 }
 
 /// Turn an unexpected exit into a failure naming the stage and the cause.
-pub(super) fn exit_failure(r: &Running, e: &Exited) -> RunError {
-    let stage = e.stage.clone();
-    let mut msg = format!("k3-orch: stage {stage} (pid {}) {}", e.pid, e.cause);
-    if let Some(cg) = &r.cgroups {
-        if let Some(s) = Stage::parse(&stage) {
-            if let Some(limit) = cg.oom_killed(s) {
-                msg = format!(
-                    "k3-orch: stage {stage} (pid {}) was killed by the kernel OOM killer at its memory limit of {} ({})",
-                    e.pid,
-                    crate::units::human(limit),
-                    e.cause
-                );
+pub(super) fn exit_failure(r: &Running, e: &Exited) -> SuperviseError {
+    let oom_limit = r
+        .cgroups
+        .as_ref()
+        .zip(Stage::parse(&e.stage))
+        .and_then(|(cg, s)| cg.oom_killed(s));
+    SuperviseError::Exited {
+        stage: e.stage.clone(),
+        pid: e.pid,
+        cause: e.cause.clone(),
+        oom_limit,
+    }
+}
+
+/// The failure to report for `first`: itself, unless it is a knock-on report of a peer's
+/// death, in which case the first primary failure that arrives within `wait` (a stage's
+/// exit, or its own report of a failure that is not a knock-on) replaces it. Without one,
+/// a report that names the peer blames the peer ([`SuperviseError::KnockOn`]).
+pub(super) fn blame(r: &mut Running, first: SuperviseError, wait: Duration) -> SuperviseError {
+    if !first.is_knock_on() {
+        return first;
+    }
+    let deadline = Instant::now() + wait;
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        match r.events.recv_timeout(left.min(Duration::from_millis(50))) {
+            Ok(StageEvent::Exit(x)) => {
+                let f = exit_failure(r, &x);
+                if let Some(s) = Stage::parse(&x.stage) {
+                    r.exited.insert(s, x);
+                }
+                return f;
             }
+            Ok(StageEvent::Control(_, Ok((Msg::Error { stage, failure }, _))))
+                if !failure.kind.is_secondary() =>
+            {
+                return SuperviseError::Failed { stage, failure };
+            }
+            // Heartbeats, other knock-on reports, closed sockets (their exit follows).
+            Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
         }
     }
-    if matches!(e.cause, ExitCause::Code(0)) {
-        msg.push_str(" before the run was finished");
+    match first {
+        SuperviseError::Failed { stage, failure } => match failure.peer {
+            Some(culprit) if culprit != Stage::Orchestrator && culprit != stage => {
+                SuperviseError::KnockOn {
+                    culprit,
+                    reporter: stage,
+                    failure,
+                }
+            }
+            _ => SuperviseError::Failed { stage, failure },
+        },
+        other => other,
     }
-    RunError::new(1, msg)
+}
+
+/// How long a stage's exit waits for the failure report it sent just before.
+const REPORT_WAIT: Duration = Duration::from_millis(200);
+
+/// `stage`'s own failure report (`Msg::Error`), if it arrives within `wait`. Other events
+/// seen meanwhile are dropped (the run is ending).
+fn own_report(r: &mut Running, stage: Stage, wait: Duration) -> Option<SuperviseError> {
+    let deadline = Instant::now() + wait;
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        match r.events.recv_timeout(left) {
+            Ok(StageEvent::Control(s, Ok((Msg::Error { stage: st, failure }, _))))
+                if s == stage =>
+            {
+                return Some(SuperviseError::Failed { stage: st, failure })
+            }
+            Ok(StageEvent::Exit(x)) => {
+                if let Some(s) = Stage::parse(&x.stage) {
+                    r.exited.insert(s, x);
+                }
+            }
+            Ok(_) => {}
+            Err(_) => return None,
+        }
+    }
+    None
 }
 
 pub(super) fn handle_common(
     r: &mut Running,
     ev: StageEvent,
-    phase: &str,
-) -> Result<Option<(Stage, Msg, Vec<OwnedFd>)>, RunError> {
+    phase: &'static str,
+) -> Result<Option<(Stage, Msg, Vec<OwnedFd>)>, SuperviseError> {
     match ev {
         StageEvent::Control(s, Ok((Msg::Pong { .. }, _))) => {
             let _ = s;
@@ -111,13 +168,11 @@ pub(super) fn handle_common(
             r.progress.update(stage, &phase, done, total);
             Ok(None)
         }
-        StageEvent::Control(s, Ok((Msg::Error { stage, failure }, _))) => {
-            let _ = s;
-            Err(RunError::new(
-                1,
-                format!("k3-orch: stage {stage} failed: {failure}"),
-            ))
-        }
+        StageEvent::Control(_, Ok((Msg::Error { stage, failure }, _))) => Err(blame(
+            r,
+            SuperviseError::Failed { stage, failure },
+            KNOCK_ON_WAIT,
+        )),
         StageEvent::Control(s, Ok((m, fds))) => Ok(Some((s, m, fds))),
         StageEvent::Control(s, Err(e)) => {
             // The control socket closed: the exit event (process mode) says why; give it a
@@ -130,28 +185,47 @@ pub(super) fn handle_common(
                     return Err(f);
                 }
             }
-            Err(RunError::new(
-                1,
-                format!("k3-orch: stage {s} closed its control socket {phase}: {e}"),
-            ))
+            Err(SuperviseError::ControlClosed {
+                stage: s,
+                phase,
+                source: e,
+            })
         }
         StageEvent::Exit(x) => {
             let f = exit_failure(r, &x);
-            if let Some(s) = Stage::parse(&x.stage) {
+            let stage = Stage::parse(&x.stage);
+            if let Some(s) = stage {
                 r.exited.insert(s, x);
             }
-            Err(f)
+            // A stage that failed reported why before it exited; the report may still be
+            // on its way (another thread reads the socket).
+            Err(match stage {
+                Some(s) => match own_report(r, s, REPORT_WAIT) {
+                    Some(report) => blame(r, report, KNOCK_ON_WAIT),
+                    None => f,
+                },
+                None => f,
+            })
         }
     }
 }
 
-fn link_region(id: u32, a: Stage, b: Stage) -> Result<Region, RunError> {
+fn link_region(id: u32, a: Stage, b: Stage) -> Result<Region, SuperviseError> {
     ShmTransport::create_region(
         id,
         &format!("link-{a}-{b}"),
         &k3_protocol::link::link_ring(),
     )
-    .map_err(|e| RunError::new(1, format!("k3-orch: link region {a}<->{b}: {e}")))
+    .map_err(|source| SuperviseError::LinkRegion { a, b, source })
+}
+
+/// A message the protocol does not allow from `stage` at this point.
+fn unexpected(stage: Stage, m: &Msg, phase: &'static str) -> SuperviseError {
+    SuperviseError::Unexpected {
+        stage,
+        message: format!("{m:?}"),
+        phase,
+    }
 }
 
 /// A data region a loader shared (id, name, fd), to pass on to compute.
@@ -163,7 +237,7 @@ pub(super) fn drive(
     launch: &Launch,
     r: &mut Running,
     obs: &mut dyn Observer,
-) -> Result<Outcome, RunError> {
+) -> Result<Outcome, SuperviseError> {
     let timeout = launch.stage_timeout;
     let all = Stage::WORKERS;
     let data = wire(launch, r)?;
@@ -179,28 +253,19 @@ pub(super) fn drive(
                         compute.prompt_ids = ids;
                         break;
                     }
-                    other => {
-                        return Err(RunError::new(
-                            1,
-                            format!("k3-orch: {s} sent {other:?} while encoding"),
-                        ))
-                    }
+                    other => return Err(unexpected(s, &other, "while encoding")),
                 }
             }
         }
     }
     if compute.prompt_ids.is_empty() && compute.load_state.is_none() {
-        return Err(RunError::new(2, "k3-orch: the prompt encodes to no tokens"));
+        return Err(SuperviseError::EmptyPrompt);
     }
     if compute.prompt_ids.len() > k3_protocol::conf::MAX_PROMPT_IDS {
-        return Err(RunError::new(
-            2,
-            format!(
-                "k3-orch: the prompt is {} tokens, over the {}-token limit",
-                compute.prompt_ids.len(),
-                k3_protocol::conf::MAX_PROMPT_IDS
-            ),
-        ));
+        return Err(SuperviseError::PromptTooLong {
+            len: compute.prompt_ids.len(),
+            max: k3_protocol::conf::MAX_PROMPT_IDS,
+        });
     }
     r.progress.set_prompt_tokens(compute.prompt_ids.len());
     if compute
@@ -215,14 +280,14 @@ pub(super) fn drive(
 
 /// Steps 1-3 of the wiring: every `Hello`, the links, `Configure` to the three servers;
 /// returns the data regions they shared.
-pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, RunError> {
+pub(super) fn wire(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, SuperviseError> {
     let hello = await_hello(launch, r)?;
     send_links(launch, r, &hello)?;
     configure_servers(launch, r)
 }
 
 /// Step 1: `Hello` from every worker, in the protocol's version; their pids.
-fn await_hello(launch: &Launch, r: &mut Running) -> Result<HashMap<Stage, u32>, RunError> {
+fn await_hello(launch: &Launch, r: &mut Running) -> Result<HashMap<Stage, u32>, SuperviseError> {
     let all = Stage::WORKERS;
     let mut hello: HashMap<Stage, u32> = HashMap::new();
     while hello.len() < all.len() {
@@ -235,19 +300,11 @@ fn await_hello(launch: &Launch, r: &mut Running) -> Result<HashMap<Stage, u32>, 
                     version,
                 } if stage == s => {
                     if version != k3_protocol::messages::PROTOCOL_VERSION {
-                        return Err(RunError::new(
-                            1,
-                            format!("k3-orch: {s} speaks protocol {version}"),
-                        ));
+                        return Err(SuperviseError::Version { stage: s, version });
                     }
                     hello.insert(s, pid);
                 }
-                other => {
-                    return Err(RunError::new(
-                        1,
-                        format!("k3-orch: {s} sent {other:?} before Hello"),
-                    ))
-                }
+                other => return Err(unexpected(s, &other, "before Hello")),
             }
         }
     }
@@ -259,7 +316,7 @@ fn send_links(
     launch: &Launch,
     r: &mut Running,
     hello: &HashMap<Stage, u32>,
-) -> Result<(), RunError> {
+) -> Result<(), SuperviseError> {
     let peer_pid = |s: Stage| -> u32 {
         if launch.mode == Mode::Processes {
             hello[&s]
@@ -300,7 +357,7 @@ fn send_links(
 }
 
 /// Step 3: `Configure` to the three servers; their data regions, until each is `Ready`.
-fn configure_servers(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, RunError> {
+fn configure_servers(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>, SuperviseError> {
     let servers: [(Stage, &dyn erased::Json); 3] = [
         (Stage::Tokenizer, &launch.tokenizer),
         (Stage::TrunkLoader, &launch.trunk),
@@ -321,20 +378,12 @@ fn configure_servers(launch: &Launch, r: &mut Running) -> Result<Vec<DataRegion>
                     id,
                     role: RegionRole::Data { name },
                 } => {
-                    let fd = fds.pop().ok_or_else(|| {
-                        RunError::new(
-                            1,
-                            format!("k3-orch: {s} announced region {name} without its fd"),
-                        )
-                    })?;
+                    let Some(fd) = fds.pop() else {
+                        return Err(SuperviseError::MissingFd { stage: s, name });
+                    };
                     data.push((id, name, fd));
                 }
-                other => {
-                    return Err(RunError::new(
-                        1,
-                        format!("k3-orch: {s} sent {other:?} during set-up"),
-                    ))
-                }
+                other => return Err(unexpected(s, &other, "during set-up")),
             }
         }
     }
@@ -348,7 +397,7 @@ pub(super) fn start_compute(
     r: &mut Running,
     compute: &k3_protocol::conf::ComputeConf,
     data: Vec<DataRegion>,
-) -> Result<(), RunError> {
+) -> Result<(), SuperviseError> {
     let timeout = launch.stage_timeout;
     let all = Stage::WORKERS;
     let json = |v: &dyn erased::Json| v.json();
@@ -375,12 +424,7 @@ pub(super) fn start_compute(
         if let Some((s, m, _)) = handle_common(r, ev, "during set-up")? {
             match m {
                 Msg::Ready { stage } if stage == s && s == Stage::LayerCompute => break,
-                other => {
-                    return Err(RunError::new(
-                        1,
-                        format!("k3-orch: {s} sent {other:?} during set-up"),
-                    ))
-                }
+                other => return Err(unexpected(s, &other, "during set-up")),
             }
         }
     }
@@ -402,7 +446,7 @@ fn generate(
     r: &mut Running,
     obs: &mut dyn Observer,
     prompt_ids: Vec<u32>,
-) -> Result<Outcome, RunError> {
+) -> Result<Outcome, SuperviseError> {
     let timeout = launch.stage_timeout;
     let all = Stage::WORKERS;
     let mut out = Outcome {
@@ -476,13 +520,181 @@ fn generate(
                     serde_json::from_str(&json).unwrap_or(serde_json::Value::String(json)),
                 );
             }
-            other => {
-                return Err(RunError::new(
-                    1,
-                    format!("k3-orch: {s} sent {other:?} during generation"),
-                ))
-            }
+            other => return Err(unexpected(s, &other, "during generation")),
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::mpsc::{channel, Sender};
+
+    use k3_protocol::failure::{FailureKind, StageFailure};
+
+    use super::*;
+    use crate::error::RunError;
+
+    /// A pipeline with no stages behind it: events come from the test.
+    fn running() -> (Running, Sender<StageEvent>) {
+        let (tx, rx) = channel();
+        let r = Running {
+            controls: HashMap::new(),
+            watcher: None,
+            threads: Vec::new(),
+            events: rx,
+            pids: HashMap::new(),
+            last_seen: HashMap::new(),
+            exited: HashMap::new(),
+            cgroups: None,
+            notes: Vec::new(),
+            numa: HashMap::new(),
+            progress: super::super::progress::Progress::new(false),
+        };
+        (r, tx)
+    }
+
+    fn report(stage: Stage, failure: StageFailure) -> StageEvent {
+        StageEvent::Control(stage, Ok((Msg::Error { stage, failure }, Vec::new())))
+    }
+
+    fn killed(stage: Stage) -> StageEvent {
+        StageEvent::Exit(Exited {
+            stage: stage.name().to_string(),
+            pid: 42,
+            cause: ExitCause::Signal(libc::SIGKILL),
+            peak_rss_bytes: 0,
+        })
+    }
+
+    /// The failure `ev` ends the run with, as the CLI reports it, and the stage blamed.
+    fn outcome(r: &mut Running, ev: StageEvent) -> (RunError, Option<Stage>) {
+        let e = handle_common(r, ev, "during generation").expect_err("a failure");
+        let culprit = e.culprit();
+        (RunError::from(e), culprit)
+    }
+
+    // Catches an exit code or a blamed stage read from the message's wording (or a fixed 1
+    // for every failure): each comes from the reported kind and the reporting stage.
+    #[test]
+    fn a_stage_failure_is_blamed_and_coded_by_its_kind() {
+        for (stage, kind, code) in [
+            (Stage::ExpertFetcher, FailureKind::ExpertLoad, 1),
+            (Stage::LayerCompute, FailureKind::Bind, 1),
+            (Stage::LayerCompute, FailureKind::Forward, 1),
+            (Stage::TrunkLoader, FailureKind::Config, 2),
+        ] {
+            let (mut r, _tx) = running();
+            let f = StageFailure::new(kind, "it broke");
+            let (e, culprit) = outcome(&mut r, report(stage, f));
+            assert_eq!(e.code, code, "{kind:?}: {}", e.msg);
+            assert_eq!(culprit, Some(stage), "{kind:?}");
+            assert_eq!(e.msg, format!("k3-orch: stage {stage} failed: it broke"));
+        }
+    }
+
+    // Catches the knock-on report blamed: layer-compute says its trunk link died; the
+    // trunk-loader's own exit (SIGKILL) follows and is what the run reports.
+    #[test]
+    fn a_peer_death_report_gives_way_to_the_peers_exit() {
+        let (mut r, tx) = running();
+        let f = StageFailure::new(FailureKind::PeerDied, "layer-compute: link to trunk-loader")
+            .with_peer(Stage::TrunkLoader);
+        tx.send(report(
+            Stage::Tokenizer,
+            StageFailure::new(FailureKind::PeerDied, "x"),
+        ))
+        .unwrap();
+        tx.send(killed(Stage::TrunkLoader)).unwrap();
+        let (e, culprit) = outcome(&mut r, report(Stage::LayerCompute, f));
+        assert_eq!(culprit, Some(Stage::TrunkLoader));
+        assert_eq!(e.code, 1);
+        assert!(
+            e.msg.contains("stage trunk-loader") && e.msg.contains("SIGKILL"),
+            "{}",
+            e.msg
+        );
+        assert!(r.exited.contains_key(&Stage::TrunkLoader));
+    }
+
+    // The culprit's own report (not a knock-on) replaces the knock-on one, with its code.
+    #[test]
+    fn a_peer_death_report_gives_way_to_the_peers_own_report() {
+        let (mut r, tx) = running();
+        let f = StageFailure::new(FailureKind::PeerDied, "lost the fetcher")
+            .with_peer(Stage::ExpertFetcher);
+        tx.send(report(
+            Stage::ExpertFetcher,
+            StageFailure::new(FailureKind::Config, "no such shard"),
+        ))
+        .unwrap();
+        let (e, culprit) = outcome(&mut r, report(Stage::LayerCompute, f));
+        assert_eq!(culprit, Some(Stage::ExpertFetcher));
+        assert_eq!(e.code, 2, "{}", e.msg);
+        assert!(e.msg.contains("no such shard"), "{}", e.msg);
+    }
+
+    // Without the peer's own word, the report still blames the peer it names, not the
+    // stage that reported it.
+    #[test]
+    fn a_peer_death_report_alone_blames_the_peer() {
+        let (mut r, _tx) = running();
+        let f = StageFailure::new(FailureKind::PeerDied, "layer-compute: link to tokenizer")
+            .with_peer(Stage::Tokenizer);
+        let first = SuperviseError::Failed {
+            stage: Stage::LayerCompute,
+            failure: f,
+        };
+        assert!(first.is_knock_on());
+        let e = blame(&mut r, first, Duration::from_millis(50));
+        assert_eq!(e.culprit(), Some(Stage::Tokenizer));
+        assert!(matches!(e, SuperviseError::KnockOn { .. }), "{e}");
+        let e = RunError::from(e);
+        assert_eq!(e.code, 1);
+        assert!(
+            e.msg.starts_with("k3-orch: stage tokenizer is gone"),
+            "{}",
+            e.msg
+        );
+    }
+
+    // A stage that exits after reporting is named with its report (the kind, so the exit
+    // code), not only its exit status.
+    #[test]
+    fn an_exit_takes_the_report_sent_before_it() {
+        let (mut r, tx) = running();
+        tx.send(report(
+            Stage::TrunkLoader,
+            StageFailure::new(FailureKind::Config, "the packed trunk does not fit"),
+        ))
+        .unwrap();
+        let exit = StageEvent::Exit(Exited {
+            stage: "trunk-loader".into(),
+            pid: 7,
+            cause: ExitCause::Code(2),
+            peak_rss_bytes: 0,
+        });
+        let (e, culprit) = outcome(&mut r, exit);
+        assert_eq!(
+            (e.code, culprit),
+            (2, Some(Stage::TrunkLoader)),
+            "{}",
+            e.msg
+        );
+        assert!(e.msg.contains("does not fit"), "{}", e.msg);
+    }
+
+    #[test]
+    fn supervisor_faults_have_their_own_codes() {
+        let code = |e: SuperviseError| RunError::from(e).code;
+        assert_eq!(code(SuperviseError::Interrupted { signal: 15 }), 143);
+        assert_eq!(code(SuperviseError::EmptyPrompt), 2);
+        let hung = SuperviseError::Hung {
+            stage: Stage::TrunkLoader,
+            timeout: Duration::from_secs(5),
+        };
+        assert_eq!(hung.culprit(), Some(Stage::TrunkLoader));
+        assert_eq!(code(hung), 1);
+    }
 }

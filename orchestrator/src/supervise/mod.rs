@@ -6,7 +6,9 @@
 //! - [`warm`]: the same stages kept up for request after request (`serve`, `chat`), with
 //!   restart after a fault;
 //! - [`cgroup`]: per-stage memory cgroups (v1 and v2); [`numa`]: per-stage NUMA placement;
-//! - [`progress`]: the progress line during the trunk load and the prefill.
+//! - [`progress`]: the progress line during the trunk load and the prefill;
+//! - [`error`]: [`SuperviseError`], what ends a pipeline, typed (the exit code and the stage
+//!   to blame come from it, in `crate::error`).
 //!
 //! Nothing here knows about CLI flags or reports: `run/` builds a [`Launch`] and reads the
 //! [`Outcome`]; an [`Observer`] sees steps and text as they happen.
@@ -25,12 +27,14 @@
 //! 5. `Configure` to layer-compute, then `Ready` to all: compute drives the passes.
 //!
 //! Faults: a stage that exits or is killed before it is done, reports an `Error`, or stops
-//! sending heartbeats for `--stage-timeout` seconds ends the run with exit 1, naming the
-//! stage and the cause; every other stage is killed and reaped first. Memory shared
-//! between stages is memfd-backed, so nothing outlives the processes.
+//! sending heartbeats for `--stage-timeout` seconds ends the run, naming the stage and the
+//! cause; every other stage is killed and reaped first. A stage that reports a peer's death
+//! is not blamed: the peer's own exit or report is waited for briefly and named instead.
+//! Memory shared between stages is memfd-backed, so nothing outlives the processes.
 
 pub mod cgroup;
 pub mod drive;
+pub mod error;
 pub mod numa;
 pub mod progress;
 pub mod spawn;
@@ -44,8 +48,8 @@ use k3_protocol::control::ControlSocket;
 use k3_protocol::link::StageCtx;
 use k3_protocol::messages::{Msg, Stage, StepStats};
 
-use crate::error::RunError;
 use drive::drive;
+pub use error::{SpawnError, SuperviseError};
 use spawn::{spawn_all, ExitCause, StageEvent};
 
 /// How the stages run.
@@ -131,7 +135,7 @@ pub fn stage_main(
 }
 
 /// Run the pipeline to the end of generation.
-pub fn run(launch: &Launch, obs: &mut dyn Observer) -> Result<Outcome, RunError> {
+pub fn run(launch: &Launch, obs: &mut dyn Observer) -> Result<Outcome, SuperviseError> {
     spawn::install_interrupt_handler();
     let t_start = Instant::now();
     let mut r = spawn_all(launch)?;
@@ -156,20 +160,14 @@ pub fn run(launch: &Launch, obs: &mut dyn Observer) -> Result<Outcome, RunError>
                     r.kill_all();
                 }
             }
-            for (s, h) in r.threads.drain(..) {
-                match h.join() {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => return Err(RunError::new(1, format!("k3-orch: stage {s}: {e}"))),
-                    Err(_) => return Err(RunError::new(1, format!("k3-orch: stage {s} panicked"))),
-                }
-            }
+            join_threads(&mut r)?;
             for (s, x) in &r.exited {
                 out.peak_rss.insert(s.name().to_string(), x.peak_rss_bytes);
                 if x.cause != ExitCause::Code(0) {
-                    return Err(RunError::new(
-                        1,
-                        format!("k3-orch: stage {s} {} at shutdown", x.cause),
-                    ));
+                    return Err(SuperviseError::ShutdownExit {
+                        stage: *s,
+                        cause: x.cause.clone(),
+                    });
                 }
             }
             if let Some(cg) = &r.cgroups {
@@ -201,6 +199,19 @@ pub fn run(launch: &Launch, obs: &mut dyn Observer) -> Result<Outcome, RunError>
             Err(f)
         }
     }
+}
+
+/// Join the in-process stages (`--inproc`) of a finished run: the first one that returned
+/// a failure (its own kind, as a stage process would report it) or panicked.
+fn join_threads(r: &mut spawn::Running) -> Result<(), SuperviseError> {
+    for (stage, h) in r.threads.drain(..) {
+        match h.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(failure)) => return Err(SuperviseError::ThreadFailed { stage, failure }),
+            Err(_) => return Err(SuperviseError::Panicked { stage }),
+        }
+    }
+    Ok(())
 }
 
 pub(crate) mod erased {

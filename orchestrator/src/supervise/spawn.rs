@@ -23,9 +23,9 @@ use k3_protocol::control::{self, ControlSocket};
 use k3_protocol::messages::{Msg, Stage};
 
 use super::cgroup::StageCgroups;
+use super::error::{SpawnError, SuperviseError};
 use super::numa::{numa_plan, NUMA_ENV};
 use super::{stage_main, Launch, Mode};
-use crate::error::RunError;
 
 /// The fd number a stage process finds its control socket on.
 pub const CONTROL_FD: i32 = 3;
@@ -85,8 +85,8 @@ pub fn spawn_stage(
     exe: &std::path::Path,
     name: &str,
     control: k3_protocol::control::ControlSocket,
-    prepare: impl FnOnce(&mut Command) -> Result<(), String>,
-) -> Result<Child, String> {
+    prepare: impl FnOnce(&mut Command) -> Result<(), SpawnError>,
+) -> Result<Child, SpawnError> {
     let mut cmd = Command::new(exe);
     cmd.arg("stage").arg(name);
     prepare(&mut cmd)?;
@@ -94,10 +94,15 @@ pub fn spawn_stage(
     cmd.env("K3_CONTROL_FD", CONTROL_FD.to_string());
     let raw = control.fd().as_raw_fd();
     // SAFETY: the closure runs in the child between fork and exec, where only
-    // async-signal-safe calls are allowed: dup2, fcntl, prctl and getppid are. `raw` is a
-    // valid open descriptor in the parent at fork time, so it is valid in the child too.
+    // async-signal-safe calls are allowed: dup2, fcntl, prctl, signal and getppid are. `raw`
+    // is a valid open descriptor in the parent at fork time, so it is valid in the child too.
     unsafe {
         cmd.pre_exec(move || {
+            // A terminal's Ctrl-C goes to its whole foreground process group, the stages
+            // included: the stages ignore it (an ignored signal stays ignored across exec),
+            // and k3-orch decides what it stops (`chat`: only the reply; a run: everything,
+            // cleanly).
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
             if libc::dup2(raw, CONTROL_FD) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -121,7 +126,7 @@ pub fn spawn_stage(
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|e| e.to_string())?;
+    let child = cmd.spawn()?;
     drop(control);
     Ok(Child {
         stage: name.to_string(),
@@ -338,7 +343,7 @@ pub fn install_interrupt_handler() {
 /// control socket), or a stage process that exited. (`serve::engine::Event` is what a serve
 /// job reports.)
 pub(super) enum StageEvent {
-    Control(Stage, Result<(Msg, Vec<OwnedFd>), String>),
+    Control(Stage, Result<(Msg, Vec<OwnedFd>), control::ControlError>),
     Exit(Exited),
 }
 
@@ -378,21 +383,20 @@ impl Running {
         s: Stage,
         m: &Msg,
         fds: &[std::os::fd::BorrowedFd<'_>],
-    ) -> Result<(), RunError> {
+    ) -> Result<(), SuperviseError> {
         self.controls[&s]
             .send(m, fds)
-            .map_err(|e| RunError::new(1, format!("k3-orch: sending to {s}: {e}")))
+            .map_err(|source| SuperviseError::Send { stage: s, source })
     }
 }
 
-pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
+pub(super) fn spawn_all(launch: &Launch) -> Result<Running, SuperviseError> {
     let (tx, rx) = channel::<StageEvent>();
     let mut controls = HashMap::new();
     let mut children = Vec::new();
     let mut threads = Vec::new();
     let mut notes = Vec::new();
-    let exe = std::env::current_exe()
-        .map_err(|e| RunError::new(1, format!("k3-orch: cannot find its own binary: {e}")))?;
+    let exe = std::env::current_exe().map_err(SuperviseError::OwnBinary)?;
     let mut cgroups = None;
     let mut numa_nodes = HashMap::new();
     if launch.mode == Mode::Processes {
@@ -400,10 +404,7 @@ pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
             Ok(cg) => cgroups = Some(cg),
             Err(why) => {
                 if launch.require_cgroups {
-                    return Err(RunError::new(
-                        2,
-                        format!("k3-orch: --require-cgroups: per-stage memory cgroups are unavailable: {why}"),
-                    ));
+                    return Err(SuperviseError::CgroupsRequired(why));
                 }
                 let n = format!("running without per-stage memory cgroups: {why}");
                 tracing::warn!("k3-orch: note: {n}");
@@ -411,15 +412,15 @@ pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
             }
         }
         let (map, ns) = numa_plan(launch.numa.as_deref(), &launch.trunk.model_dir)
-            .map_err(|e| RunError::new(2, format!("k3-orch: --numa: {e}")))?;
+            .map_err(SuperviseError::Numa)?;
         numa_nodes = map;
         notes.extend(ns);
     } else if launch.numa.is_some() {
         notes.push("numa: --inproc runs every stage in one process; --numa is ignored".into());
     }
     for stage in Stage::WORKERS {
-        let (ours, theirs) = control::pair()
-            .map_err(|e| RunError::new(1, format!("k3-orch: control socket for {stage}: {e}")))?;
+        let (ours, theirs) =
+            control::pair().map_err(|source| SuperviseError::ControlPair { stage, source })?;
         match launch.mode {
             Mode::Processes => {
                 let cg = cgroups.as_ref();
@@ -433,18 +434,21 @@ pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
                         None => cmd.env_remove(NUMA_ENV),
                     };
                     match cg {
-                        Some(cg) => cg.join_on_spawn(stage, cmd),
+                        Some(cg) => Ok(cg.join_on_spawn(stage, cmd)?),
                         None => Ok(()),
                     }
                 })
-                .map_err(|e| RunError::new(1, format!("k3-orch: starting {stage}: {e}")))?;
+                .map_err(|source| SuperviseError::Spawn { stage, source })?;
                 children.push(child);
             }
             Mode::Threads => {
                 let h = std::thread::Builder::new()
                     .name(format!("k3-{stage}"))
                     .spawn(move || stage_main(stage, theirs))
-                    .map_err(|e| RunError::new(1, format!("k3-orch: starting {stage}: {e}")))?;
+                    .map_err(|e| SuperviseError::Spawn {
+                        stage,
+                        source: e.into(),
+                    })?;
                 threads.push((stage, h));
             }
         }
@@ -453,13 +457,13 @@ pub(super) fn spawn_all(launch: &Launch) -> Result<Running, RunError> {
         std::thread::Builder::new()
             .name(format!("k3-ctl-{stage}"))
             .spawn(move || loop {
-                let r = c2.recv(None).map_err(|e| e.to_string());
+                let r = c2.recv(None);
                 let stop = r.is_err();
                 if tx2.send(StageEvent::Control(stage, r)).is_err() || stop {
                     break;
                 }
             })
-            .map_err(|e| RunError::new(1, format!("k3-orch: control reader: {e}")))?;
+            .map_err(SuperviseError::ControlReader)?;
         controls.insert(stage, ours);
     }
     let pids: HashMap<Stage, u32> = children

@@ -1,24 +1,32 @@
 //! Warm stages for `serve` and `chat`: the four stage processes are started and wired once
-//! (the trunk is loaded once), then serve request after request. Layer-compute runs in warm
-//! mode (`ComputeConf::warm`): each request is `Generate` on its control socket, answered by
-//! `RequestStarted`, the usual `StepStats` (and the tokenizer's `Text` per id), then
-//! `RequestDone`; `StopRequest` ends a request early. Compute keeps the session states
-//! between requests (prefix reuse); `SaveState` / `LoadState` (answered by `StateDone`)
-//! write one to a state file and read one back (`k3-orch chat`'s `/save` and `/load`).
+//! (the trunk is loaded once), then serve requests, several at once. Layer-compute runs in
+//! warm mode (`ComputeConf::warm`, with `ComputeConf::slots`): each request is `Generate`
+//! on its control socket ([`Warm::submit`]); compute runs every request it holds together
+//! (continuous batching) and reports `RequestStarted`, a `Token` per id (while the
+//! tokenizer sends the id's `Text`), `RequestDone` or `RequestFailed` per request and a
+//! `PassStats` per pass, which [`Warm::events`] hands out in compute's order, each token
+//! paired with its text. [`Warm::stop`] (`StopRequest`) ends a request early. Compute keeps
+//! session states between requests (prefix reuse); `SaveState` / `LoadState` (answered by
+//! `StateDone`) write one to a state file and read one back (`k3-orch chat`'s `/save` and
+//! `/load`).
 //!
-//! Faults: a stage that dies, reports an `Error` or falls silent fails the request in
-//! progress with a [`RunError`] naming the stage and the cause; the caller then drops this
-//! [`Warm`] ([`Warm::kill`]: every stage killed and reaped, cgroups removed) and starts a
-//! new one. [`Warm::poll`] notices a stage that died between requests. A [`Stopper`] kills
-//! the stages and removes the cgroups from another thread (a server's shutdown deadline).
+//! Bounds: what waits here is at most what compute sent since the last [`Warm::events`]
+//! (each token's report waits only for its text, which the tokenizer sends for every id).
+//!
+//! Faults: a stage that dies, reports an `Error` or falls silent is a [`RunError`] naming
+//! the stage and the cause, from [`Warm::events`] (every request in flight is lost); the
+//! caller then drops this [`Warm`] ([`Warm::kill`]: every stage killed and reaped, cgroups
+//! removed) and starts a new one. [`Warm::poll`] notices a stage that died between
+//! requests. A [`Stopper`] kills the stages and removes the cgroups from another thread (a
+//! server's shutdown deadline).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use k3_protocol::conf::SamplerConfig;
-use k3_protocol::messages::{GenRequest, Msg, Stage, StepStats};
+use k3_protocol::messages::{GenRequest, Msg, PassStats, Stage};
 
-use super::drive::{handle_common, next_event, start_compute, wire};
+use super::drive::{handle_common, start_compute, wire};
 use super::spawn::{spawn_all, Running, StageEvent};
 use super::{Launch, Mode};
 use crate::error::RunError;
@@ -34,28 +42,37 @@ pub struct WarmRequest {
     pub snapshot_at: Option<usize>,
     /// Session states compute keeps (0: no prefix reuse).
     pub cache_entries: usize,
+    /// Report each step's logits row with its token (a debug endpoint).
+    pub keep_logits: bool,
 }
 
-/// What a request reports while it runs.
-pub trait WarmObserver {
-    /// Compute started the request, reusing `cached_tokens` prompt tokens.
-    fn started(&mut self, _cached_tokens: usize) {}
-    /// One generated token, in order, with its decoded bytes; true ends the request there
-    /// (a stop string, a stop id, a client gone).
-    fn token(&mut self, step: &StepStats, bytes: &[u8]) -> bool;
-    /// Asked often while the request runs: true cancels it.
-    fn cancelled(&mut self) -> bool {
-        false
-    }
-}
-
-/// A finished request.
-#[derive(Clone, Debug, Default)]
-pub struct WarmDone {
-    /// Every id compute generated (it may run a step or two past a stop the observer saw).
-    pub generated: Vec<u32>,
-    pub cached_tokens: usize,
-    pub steps: Vec<StepStats>,
+/// What the stages reported for the requests in flight, in compute's order.
+#[derive(Clone, Debug)]
+pub enum WarmEvent {
+    /// Request `req` took a slot, reusing `cached_tokens` prompt tokens.
+    Started { req: u64, cached_tokens: usize },
+    /// Its `index`-th generated id and its decoded bytes; `expert_failures` counts the
+    /// routed experts that failed in its passes since its last token (any: unsound).
+    Token {
+        req: u64,
+        index: usize,
+        token: u32,
+        bytes: Vec<u8>,
+        expert_failures: u64,
+        logits: Option<Vec<f32>>,
+    },
+    /// One forward pass.
+    Pass(PassStats),
+    /// It ended (its length, a stop id, a stop): every id compute generated (it may have
+    /// run a pass past a stop the caller saw).
+    Done { req: u64, generated: Vec<u32> },
+    /// It failed on its own (the others carry on).
+    Failed { req: u64, error: String },
+    /// A `SaveState` / `LoadState` answer (see [`Warm::save_state`]).
+    State {
+        req: u64,
+        result: Result<usize, String>,
+    },
 }
 
 /// Memory of one stage, from its cgroup.
@@ -98,6 +115,13 @@ pub struct Warm {
     r: Running,
     launch: Launch,
     next_req: u64,
+    /// The tokenizer's text for each token compute reported, in order (a token's text may
+    /// come before or after its report: they travel on different sockets).
+    texts: VecDeque<Vec<u8>>,
+    /// Compute's reports not yet complete (a token waiting for its text), in order.
+    pending: VecDeque<WarmEvent>,
+    /// Complete reports not yet handed out.
+    ready: Vec<WarmEvent>,
 }
 
 impl Warm {
@@ -121,10 +145,13 @@ impl Warm {
                 r,
                 launch,
                 next_req: 1,
+                texts: VecDeque::new(),
+                pending: VecDeque::new(),
+                ready: Vec::new(),
             }),
             Err(e) => {
                 r.kill_all();
-                Err(e)
+                Err(e.into())
             }
         }
     }
@@ -167,21 +194,168 @@ impl Warm {
             .collect()
     }
 
-    /// Read what arrived while no request ran (heartbeats); a stage that died, failed or
-    /// went silent meanwhile is an error (the pipeline must be restarted).
+    /// Read what arrived since the last call without waiting (heartbeats, reports); a
+    /// stage that died, failed or went silent is an error (the pipeline must be
+    /// restarted). What compute reported is kept for [`Warm::events`].
     pub fn poll(&mut self) -> Result<(), RunError> {
-        let timeout = self.launch.stage_timeout;
-        while let Ok(ev) = self.r.events.try_recv() {
+        self.receive(Duration::ZERO, usize::MAX)
+    }
+
+    /// Start one request: compute queues it and runs it beside the others it holds (it
+    /// takes a slot at the next pass boundary). Its number, which its events carry.
+    pub fn submit(&mut self, q: &WarmRequest) -> Result<u64, RunError> {
+        let req = self.next_req;
+        self.next_req += 1;
+        let n = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+        self.r.send(
+            Stage::LayerCompute,
+            &Msg::Generate(GenRequest {
+                req,
+                prompt: q.prompt.clone(),
+                gen: n(q.gen),
+                sampler: q.sampler,
+                stop_ids: q.stop_ids.clone(),
+                snapshot_at: q.snapshot_at.map(n),
+                cache_entries: n(q.cache_entries),
+                keep_logits: q.keep_logits,
+            }),
+            &[],
+        )?;
+        Ok(req)
+    }
+
+    /// End request `req` at compute's next pass boundary (a stop string, a client gone);
+    /// its `Done` follows. A stop for a request that has ended is ignored.
+    pub fn stop(&mut self, req: u64) -> Result<(), RunError> {
+        Ok(self
+            .r
+            .send(Stage::LayerCompute, &Msg::StopRequest { req }, &[])?)
+    }
+
+    /// What the requests in flight did: waits up to `wait` for the first report, then
+    /// takes what else has arrived (at most a few hundred messages), in compute's order,
+    /// each token with its decoded bytes. An error is the pipeline's (a stage died, failed
+    /// or fell silent: every request in flight is lost; restart the stages).
+    pub fn events(&mut self, wait: Duration) -> Result<Vec<WarmEvent>, RunError> {
+        if self.ready.is_empty() {
+            self.receive(wait, 1)?;
+        }
+        self.receive(Duration::ZERO, 512)?;
+        Ok(self.ready.drain(..).collect())
+    }
+
+    /// Receive up to `max` messages, the first within `wait` and the rest already there;
+    /// sort them into compute's reports (paired with the tokenizer's text).
+    fn receive(&mut self, wait: Duration, max: usize) -> Result<(), RunError> {
+        let deadline = Instant::now() + wait;
+        let mut got = 0usize;
+        while got < max {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ev = match self.r.events.recv_timeout(left) {
+                Ok(ev) => ev,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => break,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(RunError::new(1, "k3-orch: every stage connection is gone"))
+                }
+            };
+            got += 1;
             if let StageEvent::Control(s, Ok(_)) = &ev {
                 self.r.last_seen.insert(*s, Instant::now());
             }
-            if let Some((s, m, _)) = handle_common(&mut self.r, ev, "between requests")? {
+            let Some((s, m, _)) = handle_common(&mut self.r, ev, "while serving requests")? else {
+                continue;
+            };
+            self.sort(s, m)?;
+        }
+        self.release();
+        self.check_heartbeats()
+    }
+
+    /// One message from a stage, into the reports.
+    fn sort(&mut self, s: Stage, m: Msg) -> Result<(), RunError> {
+        let ev = match (s, m) {
+            (Stage::Tokenizer, Msg::Text { bytes }) => {
+                self.texts.push_back(bytes);
+                return Ok(());
+            }
+            (Stage::LayerCompute, Msg::RequestStarted { req, cached_tokens }) => {
+                WarmEvent::Started {
+                    req,
+                    cached_tokens: cached_tokens as usize,
+                }
+            }
+            (Stage::LayerCompute, Msg::Token(t)) => WarmEvent::Token {
+                req: t.req,
+                index: t.index as usize,
+                token: t.token,
+                bytes: Vec::new(),
+                expert_failures: t.expert_failures,
+                logits: t.logits,
+            },
+            (Stage::LayerCompute, Msg::PassStats(p)) => WarmEvent::Pass(p),
+            (Stage::LayerCompute, Msg::RequestDone { req, generated }) => {
+                WarmEvent::Done { req, generated }
+            }
+            (Stage::LayerCompute, Msg::RequestFailed { req, error }) => {
+                WarmEvent::Failed { req, error }
+            }
+            (Stage::LayerCompute, Msg::StateDone { req, tokens, error }) => WarmEvent::State {
+                req,
+                result: match error {
+                    None => Ok(tokens as usize),
+                    Some(e) => Err(e),
+                },
+            },
+            (s, other) => {
                 return Err(RunError::new(
                     1,
-                    format!("k3-orch: {s} sent {m:?} between requests"),
-                ));
+                    format!("k3-orch: {s} sent {other:?} while serving requests"),
+                ))
+            }
+        };
+        // Bounded: compute sends one Token per DecodeId, and the tokenizer one Text per
+        // DecodeId; a report waits only for its token's text.
+        self.pending.push_back(ev);
+        Ok(())
+    }
+
+    /// Move compute's reports that are complete (a token with its text) to `ready`, in
+    /// order: a token waits for its text, and everything after it waits too.
+    fn release(&mut self) {
+        while let Some(ev) = self.pending.front() {
+            if matches!(ev, WarmEvent::Token { .. }) {
+                let Some(bytes) = self.texts.pop_front() else {
+                    break;
+                };
+                let Some(WarmEvent::Token {
+                    req,
+                    index,
+                    token,
+                    expert_failures,
+                    logits,
+                    ..
+                }) = self.pending.pop_front()
+                else {
+                    break;
+                };
+                self.ready.push(WarmEvent::Token {
+                    req,
+                    index,
+                    token,
+                    bytes,
+                    expert_failures,
+                    logits,
+                });
+            } else if let Some(ev) = self.pending.pop_front() {
+                self.ready.push(ev);
             }
         }
+    }
+
+    /// A stage that has sent nothing (not even its heartbeat) for the stage timeout has
+    /// hung.
+    fn check_heartbeats(&mut self) -> Result<(), RunError> {
+        let timeout = self.launch.stage_timeout;
         let now = Instant::now();
         for s in Stage::WORKERS {
             let seen = *self.r.last_seen.entry(s).or_insert(now);
@@ -196,87 +370,6 @@ impl Warm {
             }
         }
         Ok(())
-    }
-
-    /// Run one request to its end.
-    pub fn generate(
-        &mut self,
-        q: &WarmRequest,
-        obs: &mut dyn WarmObserver,
-    ) -> Result<WarmDone, RunError> {
-        self.poll()?;
-        let req = self.next_req;
-        self.next_req += 1;
-        self.r.send(
-            Stage::LayerCompute,
-            &Msg::Generate(GenRequest {
-                req,
-                prompt: q.prompt.clone(),
-                gen: q.gen.min(u32::MAX as usize) as u32,
-                sampler: q.sampler,
-                stop_ids: q.stop_ids.clone(),
-                snapshot_at: q.snapshot_at.map(|b| b.min(u32::MAX as usize) as u32),
-                cache_entries: q.cache_entries.min(u32::MAX as usize) as u32,
-            }),
-            &[],
-        )?;
-        let timeout = self.launch.stage_timeout;
-        let all = Stage::WORKERS;
-        let mut out = WarmDone::default();
-        // The tokenizer's Text for id i and compute's StepStats for id i come on different
-        // sockets: pair them up in order.
-        let mut texts: VecDeque<Vec<u8>> = VecDeque::new();
-        let mut delivered = 0usize;
-        let mut done: Option<Vec<u32>> = None;
-        let mut stopped = false;
-        let mut stop_sent = false;
-        loop {
-            while delivered < out.steps.len() && !texts.is_empty() {
-                let bytes = texts.pop_front().unwrap_or_default();
-                let st = &out.steps[delivered];
-                delivered += 1;
-                if !stopped && obs.token(st, &bytes) {
-                    stopped = true;
-                }
-            }
-            if !stopped && obs.cancelled() {
-                stopped = true;
-            }
-            if stopped && !stop_sent && done.is_none() {
-                stop_sent = true;
-                self.r
-                    .send(Stage::LayerCompute, &Msg::StopRequest { req }, &[])?;
-            }
-            if let Some(g) = &done {
-                if delivered >= g.len() {
-                    break;
-                }
-            }
-            let ev = next_event(&mut self.r, timeout, &all)?;
-            let Some((s, m, _)) = handle_common(&mut self.r, ev, "during a request")? else {
-                continue;
-            };
-            match m {
-                Msg::RequestStarted {
-                    req: r,
-                    cached_tokens,
-                } if r == req && s == Stage::LayerCompute => {
-                    out.cached_tokens = cached_tokens as usize;
-                    obs.started(out.cached_tokens);
-                }
-                Msg::StepStats(st) if s == Stage::LayerCompute => out.steps.push(st),
-                Msg::Text { bytes } if s == Stage::Tokenizer => texts.push_back(bytes),
-                Msg::RequestDone { req: r, generated } if r == req => done = Some(generated),
-                other => {
-                    return Err(RunError::new(
-                        1,
-                        format!("k3-orch: {s} sent {other:?} during a request"),
-                    ))
-                }
-            }
-        }
-        out.generated = done.unwrap_or_default();
-        Ok(out)
     }
 
     /// `k3-orch chat`'s `/save`: compute writes the kept state for the longest proper prefix
@@ -316,37 +409,31 @@ impl Warm {
         })
     }
 
-    /// Send a `SaveState`/`LoadState` (numbered `self.next_req`) and wait for its `StateDone`.
+    /// Send a `SaveState`/`LoadState` (numbered `self.next_req`) and wait for its
+    /// `StateDone`; the other reports that arrive meanwhile stay for [`Warm::events`].
     fn state_request(&mut self, m: Msg) -> Result<Result<usize, String>, RunError> {
         self.poll()?;
         let req = self.next_req;
         self.next_req += 1;
         self.r.send(Stage::LayerCompute, &m, &[])?;
-        let timeout = self.launch.stage_timeout;
+        let deadline = Instant::now() + self.launch.stage_timeout;
         loop {
-            let ev = next_event(&mut self.r, timeout, &Stage::WORKERS)?;
-            let Some((s, m, _)) = handle_common(&mut self.r, ev, "saving or loading a state")?
-            else {
-                continue;
-            };
-            match m {
-                Msg::StateDone {
-                    req: r,
-                    tokens,
-                    error,
-                } if r == req && s == Stage::LayerCompute => {
-                    return Ok(match error {
-                        None => Ok(tokens as usize),
-                        Some(e) => Err(e),
-                    })
-                }
-                other => {
-                    return Err(RunError::new(
-                        1,
-                        format!("k3-orch: {s} sent {other:?} while saving or loading a state"),
-                    ))
+            if let Some(i) = self
+                .ready
+                .iter()
+                .position(|e| matches!(e, WarmEvent::State { req: r, .. } if *r == req))
+            {
+                if let WarmEvent::State { result, .. } = self.ready.remove(i) {
+                    return Ok(result);
                 }
             }
+            if Instant::now() > deadline {
+                return Err(RunError::new(
+                    1,
+                    "k3-orch: layer-compute did not answer a state request".to_string(),
+                ));
+            }
+            self.receive(Duration::from_millis(50), 512)?;
         }
     }
 

@@ -147,19 +147,26 @@ pub fn extract_bundled(dir: &Path) -> std::io::Result<PathBuf> {
     Ok(dir.to_path_buf())
 }
 
+/// An oracle's expected-*.json that does not hold its ids.
+#[derive(Debug, thiserror::Error)]
+pub enum OracleError {
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    #[error("oracle file has no {0}")]
+    Missing(&'static str),
+    #[error("bad id in {0}")]
+    BadId(&'static str),
+}
+
 /// (prompt_ids, full_ids) from an oracle's expected-*.json.
-pub fn oracle_ids(json: &str) -> Result<(Vec<u32>, Vec<u32>), String> {
-    let v: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
-    let ids = |k: &str| -> Result<Vec<u32>, String> {
+pub fn oracle_ids(json: &str) -> Result<(Vec<u32>, Vec<u32>), OracleError> {
+    let v: serde_json::Value = serde_json::from_str(json)?;
+    let ids = |k: &'static str| -> Result<Vec<u32>, OracleError> {
         v.get(k)
             .and_then(|a| a.as_array())
-            .ok_or_else(|| format!("oracle file has no {k}"))?
+            .ok_or(OracleError::Missing(k))?
             .iter()
-            .map(|x| {
-                x.as_u64()
-                    .map(|n| n as u32)
-                    .ok_or_else(|| format!("bad id in {k}"))
-            })
+            .map(|x| x.as_u64().map(|n| n as u32).ok_or(OracleError::BadId(k)))
             .collect()
     };
     Ok((ids("prompt_ids")?, ids("full_ids")?))

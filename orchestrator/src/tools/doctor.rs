@@ -248,6 +248,38 @@ fn print_cpu() {
         "portable kernels only (no AVX2+FMA): correct, but several times slower"
     };
     println!("             {path}");
+    println!("path       : {}", product_path_line());
+}
+
+/// The product path this machine's runs get (`K3_SIMD` and the CPU), and why.
+fn product_path_line() -> String {
+    use k3_layer_compute::kernels::simd::{self, Kernel, ProductPath};
+    use k3_layer_compute::kernels::tuning;
+    let (t, warnings) = tuning::parse(|k| std::env::var(k).ok());
+    let k = Kernel::selected(&t);
+    let why = if t.product.is_some() {
+        "the product path K3_SIMD asks for".to_string()
+    } else if k.product() == ProductPath::Bf16x3 {
+        "automatic: the AVX512-BF16 kernel measured faster than exact on this CPU kind".into()
+    } else if simd::bf16_dot_available() {
+        "automatic: this CPU has the AVX512-BF16 kernel (K3_SIMD=bf16x3), but without AMX \
+         it measured slower than exact (docs/measurements.md)"
+            .into()
+    } else {
+        "automatic: the bit-exact reference path; no bf16 dot-product kernel on this CPU".into()
+    };
+    let mut line = format!("{} ({why}", k.name());
+    if let Some(cap) = t.max_isa {
+        line.push_str(&format!(
+            "; instruction sets capped at {} by K3_SIMD",
+            cap.name()
+        ));
+    }
+    line.push(')');
+    for w in warnings {
+        line.push_str(&format!("; {w}"));
+    }
+    line
 }
 
 /// What the memory check found: what is available, the `--mem-gb` to advise, the preset

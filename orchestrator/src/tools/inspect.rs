@@ -20,7 +20,7 @@ use k3_expert_fetcher::fetcher::slots_for_budget;
 use k3_io::slot_bytes_for;
 use k3_model::catalog::Catalog;
 use k3_model::classify::{classify, expert_of, layer_of, TensorClass};
-use k3_model::config::{ExpertFormat, LayerKind, ModelConfig};
+use k3_model::config::{ConfigError, ExpertFormat, LayerKind, ModelConfig};
 use k3_model::trunk::{align_up, TRUNK_ALIGN};
 use k3_trunk_loader::{plan_streams, plan_streams_with, Presets, RingPolicy, Streams};
 
@@ -48,7 +48,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         }
     };
     let cfg = ModelConfig::load_dir(&args.model_dir);
-    print!("{}", report(&cat, cfg.as_ref().map_err(|e| e.to_string())));
+    print!("{}", report(&cat, cfg.as_ref()));
     if let Ok(c) = &cfg {
         print!("{}", budget_table(&cat, c));
     }
@@ -174,7 +174,7 @@ pub fn census(cat: &Catalog) -> Census {
 }
 
 /// The whole report as text.
-fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
+fn report(cat: &Catalog, cfg: Result<&ModelConfig, &ConfigError>) -> String {
     let c = census(cat);
     let runs = packed_streams(cat, None);
     let mut o = model_lines(cat, cfg);
@@ -187,7 +187,7 @@ fn report(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
 }
 
 /// The model line and the config summary.
-fn model_lines(cat: &Catalog, cfg: Result<&ModelConfig, String>) -> String {
+fn model_lines(cat: &Catalog, cfg: Result<&ModelConfig, &ConfigError>) -> String {
     let disk: u64 = cat.shards().iter().map(|s| s.file_size).sum();
     let mut o = format!(
         "model          : {} ({} shards, {} tensors, {} bytes on disk)\n",

@@ -353,15 +353,15 @@ fn lock_dir(dir: &Path) -> Result<File, Fail> {
 
 /// Re-read every run of `trunk.bin` and check its per-chunk CRCs (what the loader checks on
 /// every read; far cheaper than the sha256 of `--verify`).
-fn crc_scan(dir: &Path, m: &TrunkManifest) -> Result<(), String> {
+fn crc_scan(dir: &Path, m: &TrunkManifest) -> Result<()> {
     let bin = dir.join(&m.file);
-    let f = File::open(&bin).map_err(|e| format!("{}: {e}", bin.display()))?;
+    let f = File::open(&bin).map_err(|e| anyhow!("{}: {e}", bin.display()))?;
     let mut buf = Vec::new();
     for c in m.run_checks() {
         buf.resize(c.length as usize, 0);
         f.read_exact_at(&mut buf, c.offset)
-            .map_err(|e| format!("{}: reading layer {}: {e}", bin.display(), c.layer))?;
-        c.check(&buf).map_err(|e| e.to_string())?;
+            .map_err(|e| anyhow!("{}: reading layer {}: {e}", bin.display(), c.layer))?;
+        c.check(&buf)?;
     }
     Ok(())
 }

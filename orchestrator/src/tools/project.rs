@@ -501,7 +501,8 @@ fn project_parts(
         total,
         ..m.spend.clone()
     };
-    let c = choose(&sp, Some(&m.runs), parts.map(|p| p.0), parts.map(|p| p.1))?;
+    let c = choose(&sp, Some(&m.runs), parts.map(|p| p.0), parts.map(|p| p.1))
+        .map_err(|e| e.to_string())?;
     let pinned = plan_streams_with(c.trunk, &m.runs, RingPolicy::default(), c.sink)
         .map(|p| {
             format!(
@@ -826,7 +827,7 @@ fn budgets(a: &Args) -> Result<Vec<u64>, String> {
     if !a.ram_gb.is_empty() {
         return Ok(a.ram_gb.iter().map(|g| (g * GB) as u64).collect());
     }
-    let (_, avail) = plan::default_total()?;
+    let (_, avail) = plan::default_total().map_err(|e| e.to_string())?;
     Ok(vec![avail])
 }
 

@@ -56,13 +56,173 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use k3_protocol::control::{self, ControlError, ControlSocket};
-use k3_protocol::messages::{self, Msg, RegionRole, Stage};
+use k3_protocol::failure::StageFailure;
+use k3_protocol::messages::{self, CodecError, Msg, RegionRole, Stage};
 use k3_protocol::record::{read_recording, recording_path, sha256, Entry, Recording};
 use k3_protocol::ring::PeerWatch;
-use k3_protocol::shm::{Access, Handle, Region};
+use k3_protocol::shm::{Access, Handle, HandleError, Region, ShmError};
 use k3_protocol::transport::{ShmTransport, Side, Transport, TransportError};
 
 use k3_protocol::link::{link_ring, CONTROL, REGION_META};
+
+/// Why a replay failed: the recording, setting the stage up, an entry of the log that
+/// could not be played or did not come back as recorded, or what the stage did after it.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(
+        "recording truncated at entry {0}: it ends without its end marker (the recorded run \
+         was cut short or the file was cut); nothing to replay it against"
+    )]
+    Truncated(usize),
+    #[error("control socketpair: {0}")]
+    SocketPair(#[source] ControlError),
+    #[error("starting the stage thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// A `@region` entry that does not parse (`what`: the parse error or the entry).
+    #[error("bad {REGION_META} entry: {0}")]
+    RegionMeta(String),
+    /// Entry `entry` of the log, seen `at`.
+    #[error("entry {entry}{at}: {why}")]
+    Entry {
+        entry: usize,
+        at: At,
+        #[source]
+        why: EntryError,
+    },
+    /// The log is over, and the stage did not end as it should.
+    #[error(transparent)]
+    After(#[from] AfterLog),
+}
+
+/// Where an entry's failure was seen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum At {
+    /// The entry itself (a buffer, a release).
+    Entry,
+    /// The message as recorded.
+    Recorded,
+    /// Sending it to the stage on this channel.
+    Inbound(String),
+    /// Waiting for it from the stage on this channel.
+    Outbound(String),
+    /// Waiting for it, one of a batch of expert events compared in any order.
+    Batch(String),
+}
+
+impl std::fmt::Display for At {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            At::Entry => Ok(()),
+            At::Recorded => write!(f, " (recorded)"),
+            At::Inbound(c) => write!(f, " (inbound on {c})"),
+            At::Outbound(c) => write!(f, " (outbound on {c})"),
+            At::Batch(c) => write!(
+                f,
+                " (outbound on {c}, one of a batch of expert events compared in any order)"
+            ),
+        }
+    }
+}
+
+/// How the stage thread ended, when it ended before it should have.
+#[derive(Debug, thiserror::Error)]
+pub enum StageEnd {
+    #[error("the stage finished early")]
+    FinishedEarly,
+    #[error("the stage failed: {0}")]
+    Failed(StageFailure),
+    #[error("the stage panicked")]
+    Panicked,
+}
+
+/// Why one entry of the log failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EntryError {
+    #[error(
+        "the recording kept only the hash of buffer {0:?}; replaying layer-compute needs the \
+         bytes (record with K3_RECORD_BYTES=1)"
+    )]
+    NoBytes(Handle),
+    #[error("buffer {handle:?} is in region {}, which the stage was never given", handle.region)]
+    RegionNotGiven { handle: Handle },
+    #[error("buffer {handle:?} is in region {}, which the stage never shared", handle.region)]
+    RegionNotShared { handle: Handle },
+    #[error("buffer {handle:?} has generation {} but the region is at {at}", handle.generation)]
+    Generation { handle: Handle, at: u64 },
+    #[error("filling {handle:?}: {source}")]
+    Fill {
+        handle: Handle,
+        #[source]
+        source: ShmError,
+    },
+    #[error(transparent)]
+    Region(#[from] ShmError),
+    #[error(transparent)]
+    Handle(#[from] HandleError),
+    #[error("region {id} from the stage: {source}")]
+    StageRegion {
+        id: u32,
+        #[source]
+        source: ShmError,
+    },
+    #[error("no {REGION_META} entry for data region {id} ({name})")]
+    NoRegionMeta { id: u32, name: String },
+    #[error("no link to this peer was set up")]
+    NoLink,
+    #[error("sending to the stage: {0}")]
+    Send(#[source] TransportError),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error("control: {source}{}", stage.as_ref().map(|s| format!(" {s}")).unwrap_or_default())]
+    ControlRecv {
+        #[source]
+        source: ControlError,
+        stage: Option<StageEnd>,
+    },
+    #[error("undecodable: {0}")]
+    Undecodable(#[source] CodecError),
+    #[error("the stage sent nothing for {:.0} s", .0.as_secs_f64())]
+    Silent(Duration),
+    #[error("the recording expects a message, but {0}")]
+    StageEnded(StageEnd),
+    #[error("differs\n  stage sent: {sent:?}\n  recorded:   {recorded:?}")]
+    Differs { sent: Box<Msg>, recorded: Box<Msg> },
+    #[error("was not sent\n  recorded:   {recorded:?}\n  stage sent (unmatched): {unmatched:?}")]
+    NotSent {
+        recorded: Box<Msg>,
+        unmatched: Vec<Msg>,
+    },
+    #[error(
+        "the stage sent {sent:?}, which the recording does not have here\n  recorded (not yet \
+         sent): {left:?}"
+    )]
+    NotRecorded { sent: Box<Msg>, left: Vec<Msg> },
+    #[error("a release the recording has in this batch names an expert the stage never published")]
+    ReleaseNeverPublished,
+    #[error("the contents of published buffer {0:?} differ from the recording (SHA-256)")]
+    ContentsDiffer(Handle),
+}
+
+/// What the stage did wrong once the log was over.
+#[derive(Debug, thiserror::Error)]
+pub enum AfterLog {
+    /// `message`: the frame as decoded (or why it did not decode).
+    #[error("after the log the stage sent on {channel}: {message} (not in the recording)")]
+    Sent { channel: String, message: String },
+    #[error("the log is over but the stage is still running after {:.0} s", .0.as_secs_f64())]
+    StillRunning(Duration),
+    #[error("after the log the stage failed: {0}")]
+    Failed(StageFailure),
+    #[error("after the log the stage panicked")]
+    Panicked,
+}
+
+/// An entry's failure, seen `at`.
+fn at(entry: usize, at: At) -> impl FnOnce(EntryError) -> ReplayError {
+    move |why| ReplayError::Entry { entry, at, why }
+}
 
 #[derive(Parser, Debug)]
 #[command(
@@ -95,8 +255,11 @@ pub fn main(args: Vec<OsString>) -> i32 {
         );
         return 2;
     };
-    if !(a.timeout > 0.0 && a.timeout.is_finite()) {
-        tracing::error!("k3-orch replay: --timeout must be a positive number of seconds");
+    // Bounded as `--stage-timeout` is: a huge value would overflow `Duration`.
+    if !(crate::run::args::MIN_STAGE_TIMEOUT_S..=crate::run::args::MAX_STAGE_TIMEOUT_S)
+        .contains(&a.timeout)
+    {
+        tracing::error!("k3-orch replay: --timeout must be 0.001 to 1000000 seconds");
         return 2;
     }
     let path = recording_path(&a.rec_dir, stage.name());
@@ -176,9 +339,9 @@ fn mask_json(v: &mut serde_json::Value, read_ahead: bool) {
 }
 
 /// The masked, re-encoded form of a frame (the bytes compared).
-fn masked_bytes(frame: &[u8]) -> Result<(Msg, Vec<u8>), String> {
-    let m = messages::decode(frame).map_err(|e| format!("undecodable frame: {e}"))?;
-    let b = messages::encode(&mask(&m)).map_err(|e| e.to_string())?;
+fn masked_bytes(frame: &[u8]) -> Result<(Msg, Vec<u8>), EntryError> {
+    let m = messages::decode(frame).map_err(EntryError::Undecodable)?;
+    let b = messages::encode(&mask(&m)).map_err(EntryError::Undecodable)?;
     Ok((m, b))
 }
 
@@ -213,21 +376,17 @@ struct Replayer {
 
 /// Replay `rec` against a fresh instance of `stage`; returns the number of outbound
 /// messages compared.
-pub fn replay(stage: Stage, rec: &Recording, timeout: Duration) -> Result<usize, String> {
+pub fn replay(stage: Stage, rec: &Recording, timeout: Duration) -> Result<usize, ReplayError> {
     if !rec.complete {
         // Feeding the stage a log that stops mid-run would only wait out `timeout` and then
         // blame the stage.
-        return Err(format!(
-            "recording truncated at entry {}: it ends without its end marker (the recorded \
-             run was cut short or the file was cut); nothing to replay it against",
-            rec.entries.len()
-        ));
+        return Err(ReplayError::Truncated(rec.entries.len()));
     }
-    let (ours, theirs) = control::pair().map_err(|e| format!("control socketpair: {e}"))?;
+    let (ours, theirs) = control::pair().map_err(ReplayError::SocketPair)?;
     let thread = std::thread::Builder::new()
         .name(format!("k3-replay-{stage}"))
         .spawn(move || crate::supervise::stage_main(stage, theirs))
-        .map_err(|e| format!("starting the stage thread: {e}"))?;
+        .map_err(ReplayError::Thread)?;
     let mut r = Replayer {
         stage,
         control: ours,
@@ -242,13 +401,13 @@ pub fn replay(stage: Stage, rec: &Recording, timeout: Duration) -> Result<usize,
         if let Entry::Inbound { channel, frame } = e {
             if channel == REGION_META {
                 let v: serde_json::Value = serde_json::from_slice(frame)
-                    .map_err(|e| format!("bad {REGION_META} entry: {e}"))?;
+                    .map_err(|e| ReplayError::RegionMeta(e.to_string()))?;
                 let g = |k: &str| v.get(k).and_then(|x| x.as_u64());
                 match (g("id"), g("slot_size"), g("nslots")) {
                     (Some(id), Some(ss), Some(n)) => {
                         r.geometry.insert(id as u32, (ss, n as u32));
                     }
-                    _ => return Err(format!("bad {REGION_META} entry: {v}")),
+                    _ => return Err(ReplayError::RegionMeta(v.to_string())),
                 }
             }
         }
@@ -321,72 +480,76 @@ pub fn replay(stage: Stage, rec: &Recording, timeout: Duration) -> Result<usize,
 }
 
 impl Replayer {
-    fn stage_error(&mut self) -> Option<String> {
+    fn stage_error(&mut self) -> Option<StageEnd> {
         let t = self.thread.as_ref()?;
         if !t.is_finished() {
             return None;
         }
         let h = self.thread.take()?;
         Some(match h.join() {
-            Ok(Ok(())) => "the stage finished early".to_string(),
-            Ok(Err(e)) => format!("the stage failed: {e}"),
-            Err(_) => "the stage panicked".to_string(),
+            Ok(Ok(())) => StageEnd::FinishedEarly,
+            Ok(Err(e)) => StageEnd::Failed(e),
+            Err(_) => StageEnd::Panicked,
         })
     }
 
-    fn fill(&mut self, entry: usize, h: &Handle, bytes: Option<&[u8]>) -> Result<(), String> {
-        let bytes = bytes.ok_or_else(|| {
-            format!("entry {entry}: the recording kept only the hash of buffer {h:?}; replaying layer-compute needs the bytes (record with K3_RECORD_BYTES=1)")
-        })?;
-        let region = self.data.get(&h.region).ok_or_else(|| {
-            format!(
-                "entry {entry}: buffer {h:?} is in region {}, which the stage was never given",
-                h.region
-            )
-        })?;
+    fn fill(&mut self, entry: usize, h: &Handle, bytes: Option<&[u8]>) -> Result<(), ReplayError> {
+        self.fill_buffer(h, bytes).map_err(at(entry, At::Entry))
+    }
+
+    fn fill_buffer(&mut self, h: &Handle, bytes: Option<&[u8]>) -> Result<(), EntryError> {
+        let bytes = bytes.ok_or(EntryError::NoBytes(*h))?;
+        let region = self
+            .data
+            .get(&h.region)
+            .ok_or(EntryError::RegionNotGiven { handle: *h })?;
         let slot = (h.offset / region.slot_size().max(1) as u64) as u32;
-        let mut gen = region.generation(slot).map_err(|e| e.to_string())?;
+        let mut gen = region.generation(slot)?;
         if gen > h.generation {
-            return Err(format!(
-                "entry {entry}: buffer {h:?} has generation {} but the region is at {gen}",
-                h.generation
-            ));
+            return Err(EntryError::Generation {
+                handle: *h,
+                at: gen,
+            });
         }
         while gen < h.generation {
-            gen = region.bump_generation(slot).map_err(|e| e.to_string())?;
+            gen = region.bump_generation(slot)?;
         }
         region
             .write_at(h.offset, bytes)
-            .map_err(|e| format!("entry {entry}: filling {h:?}: {e}"))
+            .map_err(|source| EntryError::Fill { handle: *h, source })
     }
 
-    fn send_inbound(&mut self, entry: usize, channel: &str, frame: &[u8]) -> Result<(), String> {
-        let fail = |e: String| format!("entry {entry} (inbound on {channel}): {e}");
+    fn send_inbound(
+        &mut self,
+        entry: usize,
+        channel: &str,
+        frame: &[u8],
+    ) -> Result<(), ReplayError> {
+        self.send_frame_in(channel, frame)
+            .map_err(at(entry, At::Inbound(channel.to_string())))
+    }
+
+    fn send_frame_in(&mut self, channel: &str, frame: &[u8]) -> Result<(), EntryError> {
         if channel != CONTROL {
-            let link = self
-                .links
-                .get_mut(channel)
-                .ok_or_else(|| fail("no link to this peer was set up".into()))?;
+            let link = self.links.get_mut(channel).ok_or(EntryError::NoLink)?;
             return link
                 .send_bytes(frame, Some(self.timeout))
-                .map_err(|e| fail(format!("sending to the stage: {e}")));
+                .map_err(EntryError::Send);
         }
-        let msg = messages::decode(frame).map_err(|e| fail(format!("undecodable: {e}")))?;
+        let msg = messages::decode(frame).map_err(EntryError::Undecodable)?;
         match msg {
             Msg::Region {
                 id,
                 role: RegionRole::Link { peer, side, .. },
             } => {
                 let region =
-                    ShmTransport::create_region(id, &format!("replay-{peer}"), &link_ring())
-                        .map_err(|e| fail(e.to_string()))?;
+                    ShmTransport::create_region(id, &format!("replay-{peer}"), &link_ring())?;
                 let region = Arc::new(region);
                 let ours = match side {
                     Side::A => Side::B,
                     Side::B => Side::A,
                 };
-                let t = ShmTransport::attach(region.clone(), ours, PeerWatch::None, link_ring())
-                    .map_err(|e| fail(e.to_string()))?;
+                let t = ShmTransport::attach(region.clone(), ours, PeerWatch::None, link_ring())?;
                 self.links.insert(peer.name().to_string(), t);
                 let m = Msg::Region {
                     id,
@@ -396,24 +559,21 @@ impl Replayer {
                         peer_pid: 0,
                     },
                 };
-                self.control
-                    .send(&m, &[region.fd()])
-                    .map_err(|e| fail(e.to_string()))
+                Ok(self.control.send(&m, &[region.fd()])?)
             }
             Msg::Region {
                 id,
                 role: RegionRole::Data { name },
             } => {
-                let (ss, n) = *self.geometry.get(&id).ok_or_else(|| {
-                    fail(format!(
-                        "no {REGION_META} entry for data region {id} ({name})"
-                    ))
-                })?;
-                let region = Region::create(id, &format!("replay-{name}"), ss, n)
-                    .map_err(|e| fail(e.to_string()))?;
-                self.control
-                    .send_frame(frame, &[region.fd()])
-                    .map_err(|e| fail(e.to_string()))?;
+                let (ss, n) = *self
+                    .geometry
+                    .get(&id)
+                    .ok_or_else(|| EntryError::NoRegionMeta {
+                        id,
+                        name: name.clone(),
+                    })?;
+                let region = Region::create(id, &format!("replay-{name}"), ss, n)?;
+                self.control.send_frame(frame, &[region.fd()])?;
                 self.data.insert(id, Arc::new(region));
                 Ok(())
             }
@@ -431,34 +591,29 @@ impl Replayer {
                     }
                     Err(_) => json,
                 };
-                self.control
-                    .send(&Msg::Configure { json }, &[])
-                    .map_err(|e| fail(e.to_string()))
+                Ok(self.control.send(&Msg::Configure { json }, &[])?)
             }
-            _ => self
-                .control
-                .send_frame(frame, &[])
-                .map_err(|e| fail(e.to_string())),
+            _ => Ok(self.control.send_frame(frame, &[])?),
         }
     }
 
     /// The next frame the stage sends on `channel` (Pongs skipped).
-    fn recv(&mut self, entry: usize, channel: &str) -> Result<Vec<u8>, String> {
+    fn recv(&mut self, entry: usize, channel: &str) -> Result<Vec<u8>, ReplayError> {
+        self.recv_frame_out(channel)
+            .map_err(at(entry, At::Outbound(channel.to_string())))
+    }
+
+    fn recv_frame_out(&mut self, channel: &str) -> Result<Vec<u8>, EntryError> {
         let deadline = Instant::now() + self.timeout;
         let step = Duration::from_millis(50);
         loop {
             if Instant::now() > deadline {
-                return Err(format!(
-                    "entry {entry} (outbound on {channel}): the stage sent nothing for {:.0} s",
-                    self.timeout.as_secs_f64()
-                ));
+                return Err(EntryError::Silent(self.timeout));
             }
             if channel == CONTROL {
                 match self.control.recv_frame(Some(step)) {
                     Ok((f, mut fds)) => {
-                        let m = messages::decode(&f).map_err(|e| {
-                            format!("entry {entry} (outbound on {channel}): undecodable: {e}")
-                        })?;
+                        let m = messages::decode(&f).map_err(EntryError::Undecodable)?;
                         match m {
                             Msg::Pong { .. } | Msg::Progress { .. } => continue,
                             Msg::Region {
@@ -466,9 +621,8 @@ impl Replayer {
                                 role: RegionRole::Data { .. },
                             } => {
                                 if let Some(fd) = fds.pop() {
-                                    let r = Region::open(fd, Access::ReadOnly).map_err(|e| {
-                                        format!("entry {entry}: region {id} from the stage: {e}")
-                                    })?;
+                                    let r = Region::open(fd, Access::ReadOnly)
+                                        .map_err(|source| EntryError::StageRegion { id, source })?;
                                     self.own.insert(id, r);
                                 }
                             }
@@ -477,56 +631,57 @@ impl Replayer {
                         return Ok(f);
                     }
                     Err(ControlError::Timeout) => {}
-                    Err(e) => {
-                        let why = self.stage_error().unwrap_or_default();
-                        return Err(format!(
-                            "entry {entry} (outbound on {channel}): control: {e} {why}"
-                        ));
+                    Err(source) => {
+                        return Err(EntryError::ControlRecv {
+                            source,
+                            stage: self.stage_error(),
+                        });
                     }
                 }
             } else {
-                let link = self.links.get_mut(channel).ok_or_else(|| {
-                    format!("entry {entry} (outbound on {channel}): no link to this peer")
-                })?;
+                let link = self.links.get_mut(channel).ok_or(EntryError::NoLink)?;
                 match link.recv_bytes(Some(step)) {
                     Ok(f) => return Ok(f),
                     Err(TransportError::Timeout) => {}
-                    Err(e) => return Err(format!("entry {entry} (outbound on {channel}): {e}")),
+                    Err(e) => return Err(e.into()),
                 }
             }
             if let Some(why) = self.stage_error() {
-                return Err(format!(
-                    "entry {entry} (outbound on {channel}): the recording expects a message, but {why}"
-                ));
+                return Err(EntryError::StageEnded(why));
             }
         }
     }
 
     /// Await and compare the outbound entries in `start..end` (one, or a group of expert
     /// events compared as a multiset). Returns how many messages were compared.
-    fn expect(&mut self, entries: &[Entry], start: usize, end: usize) -> Result<usize, String> {
+    fn expect(
+        &mut self,
+        entries: &[Entry],
+        start: usize,
+        end: usize,
+    ) -> Result<usize, ReplayError> {
         let mut want: Vec<(usize, String, Msg, Vec<u8>)> = Vec::new();
         for (k, e) in entries.iter().enumerate().take(end).skip(start) {
             if let Entry::Outbound { channel, frame } = e {
-                let (m, b) =
-                    masked_bytes(frame).map_err(|e| format!("entry {k} (recorded): {e}"))?;
+                let (m, b) = masked_bytes(frame).map_err(at(k, At::Recorded))?;
                 want.push((k, channel.clone(), m, b));
             }
         }
         let mut got: Vec<(Msg, Vec<u8>)> = Vec::new();
         for (k, channel, _, _) in &want {
             let f = self.recv(*k, channel)?;
-            let (m, b) =
-                masked_bytes(&f).map_err(|e| format!("entry {k} (outbound on {channel}): {e}"))?;
+            let (m, b) = masked_bytes(&f).map_err(at(*k, At::Outbound(channel.clone())))?;
             got.push((m, b));
         }
         if want.len() == 1 {
             let (k, ch, wm, wb) = &want[0];
             let (gm, gb) = &got[0];
             if wb != gb {
-                return Err(format!(
-                    "entry {k} (outbound on {ch}) differs\n  stage sent: {gm:?}\n  recorded:   {wm:?}"
-                ));
+                let why = EntryError::Differs {
+                    sent: Box::new(gm.clone()),
+                    recorded: Box::new(wm.clone()),
+                };
+                return Err(at(*k, At::Outbound(ch.clone()))(why));
             }
         } else {
             for (k, ch, wm, wb) in &want {
@@ -535,10 +690,11 @@ impl Replayer {
                         got.remove(p);
                     }
                     None => {
-                        let sent: Vec<&Msg> = got.iter().map(|(m, _)| m).collect();
-                        return Err(format!(
-                            "entry {k} (outbound on {ch}, one of a batch of expert events compared in any order) was not sent\n  recorded:   {wm:?}\n  stage sent (unmatched): {sent:?}"
-                        ));
+                        let why = EntryError::NotSent {
+                            recorded: Box::new(wm.clone()),
+                            unmatched: got.iter().map(|(m, _)| m.clone()).collect(),
+                        };
+                        return Err(at(*k, At::Batch(ch.clone()))(why));
                     }
                 }
             }
@@ -566,7 +722,7 @@ impl Replayer {
         entries: &[Entry],
         start: usize,
         end: usize,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, ReplayError> {
         struct Want {
             entry: usize,
             channel: String,
@@ -587,8 +743,7 @@ impl Replayer {
         for (k, e) in entries.iter().enumerate().take(end).skip(start) {
             match e {
                 Entry::Outbound { channel, frame } => {
-                    let (msg, bytes) =
-                        masked_bytes(frame).map_err(|e| format!("entry {k} (recorded): {e}"))?;
+                    let (msg, bytes) = masked_bytes(frame).map_err(at(k, At::Recorded))?;
                     want.push(Want {
                         entry: k,
                         channel: channel.clone(),
@@ -644,13 +799,13 @@ impl Replayer {
                 break;
             };
             let f = self.recv(k0, &channel)?;
-            let (gm, gb) =
-                masked_bytes(&f).map_err(|e| format!("entry {k0} (outbound on {channel}): {e}"))?;
+            let (gm, gb) = masked_bytes(&f).map_err(at(k0, At::Outbound(channel.clone())))?;
             let Some(p) = want.iter().position(|w| w.bytes == gb) else {
-                let left: Vec<&Msg> = want.iter().map(|w| &w.msg).collect();
-                return Err(format!(
-                    "entry {k0} (outbound on {channel}, one of a batch of expert events compared in any order): the stage sent {gm:?}, which the recording does not have here\n  recorded (not yet sent): {left:?}"
-                ));
+                let why = EntryError::NotRecorded {
+                    sent: Box::new(gm),
+                    left: want.iter().map(|w| w.msg.clone()).collect(),
+                };
+                return Err(at(k0, At::Batch(channel))(why));
             };
             let w = want.remove(p);
             if let Some((h, sha)) = w.buffer {
@@ -662,35 +817,38 @@ impl Replayer {
             compared += 1;
         }
         if let Some(r) = releases.first() {
-            let entry = r.entry;
-            return Err(format!(
-                "entry {entry}: a release the recording has in this batch names an expert the stage never published"
-            ));
+            return Err(at(r.entry, At::Entry)(EntryError::ReleaseNeverPublished));
         }
         Ok(compared)
     }
 
     /// A loader published `h`: its contents must hash as recorded.
-    fn check_published(&self, entry: usize, h: &Handle, want: &[u8; 32]) -> Result<(), String> {
-        let region = self.own.get(&h.region).ok_or_else(|| {
-            format!(
-                "entry {entry}: buffer {h:?} is in region {}, which the stage never shared",
-                h.region
-            )
-        })?;
+    fn check_published(
+        &self,
+        entry: usize,
+        h: &Handle,
+        want: &[u8; 32],
+    ) -> Result<(), ReplayError> {
+        self.published_as_recorded(h, want)
+            .map_err(at(entry, At::Entry))
+    }
+
+    fn published_as_recorded(&self, h: &Handle, want: &[u8; 32]) -> Result<(), EntryError> {
+        let region = self
+            .own
+            .get(&h.region)
+            .ok_or(EntryError::RegionNotShared { handle: *h })?;
         // SAFETY: the stage published this range and does not rewrite it before the
         // message that releases it, which this replay has not sent yet.
-        let bytes = unsafe { region.resolve(h) }.map_err(|e| format!("entry {entry}: {e}"))?;
+        let bytes = unsafe { region.resolve(h) }?;
         if &sha256(bytes) != want {
-            return Err(format!(
-                "entry {entry}: the contents of published buffer {h:?} differ from the recording (SHA-256)"
-            ));
+            return Err(EntryError::ContentsDiffer(*h));
         }
         Ok(())
     }
 
     /// After the log: the stage must finish cleanly and send nothing more.
-    fn finish(mut self) -> Result<(), String> {
+    fn finish(mut self) -> Result<(), AfterLog> {
         let deadline = Instant::now() + self.timeout;
         // Keep reading control while the stage winds down (it waits for its last frames,
         // heartbeats included, to be read before it exits).
@@ -700,34 +858,32 @@ impl Replayer {
                 Ok((f, _)) => match messages::decode(&f) {
                     Ok(Msg::Pong { .. }) | Ok(Msg::Progress { .. }) => {}
                     m => {
-                        return Err(format!(
-                            "after the log the stage sent on control: {m:?} (not in the recording)"
-                        ))
+                        return Err(AfterLog::Sent {
+                            channel: CONTROL.to_string(),
+                            message: format!("{m:?}"),
+                        })
                     }
                 },
                 Err(_) if done => break,
                 Err(_) => {}
             }
             if Instant::now() > deadline {
-                return Err(format!(
-                    "the log is over but the stage is still running after {:.0} s",
-                    self.timeout.as_secs_f64()
-                ));
+                return Err(AfterLog::StillRunning(self.timeout));
             }
         }
         if let Some(h) = self.thread.take() {
             match h.join() {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(format!("after the log the stage failed: {e}")),
-                Err(_) => return Err("after the log the stage panicked".into()),
+                Ok(Err(e)) => return Err(AfterLog::Failed(e)),
+                Err(_) => return Err(AfterLog::Panicked),
             }
         }
         for (ch, l) in self.links.iter_mut() {
             if let Ok(f) = l.recv_bytes(Some(Duration::from_millis(1))) {
-                return Err(format!(
-                    "after the log the stage sent on {ch}: {:?} (not in the recording)",
-                    messages::decode(&f)
-                ));
+                return Err(AfterLog::Sent {
+                    channel: ch.clone(),
+                    message: format!("{:?}", messages::decode(&f)),
+                });
             }
         }
         Ok(())
@@ -765,7 +921,11 @@ mod tests {
         };
         let t0 = std::time::Instant::now();
         let e = replay(Stage::Tokenizer, &rec, Duration::from_secs(60)).unwrap_err();
-        assert!(e.contains("recording truncated at entry 0"), "{e}");
+        assert!(matches!(e, ReplayError::Truncated(0)), "{e}");
+        assert!(
+            e.to_string().starts_with("recording truncated at entry 0"),
+            "{e}"
+        );
         assert!(t0.elapsed() < Duration::from_secs(5));
     }
 

@@ -11,9 +11,11 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::Parser;
+use k3_layer_compute::decode::NonFiniteLogits;
 use k3_layer_compute::sampler::argmax;
-use k3_layer_compute::{Model, ModelOptions, SourceWeights};
-use k3_model::config::ModelConfig;
+use k3_layer_compute::{ForwardError, Model, ModelOptions, SourceWeights};
+use k3_model::catalog::CatalogError;
+use k3_model::config::{ConfigError, ModelConfig};
 use k3_model::mmap_weights::MmapWeights;
 
 fn default_threads() -> usize {
@@ -48,6 +50,46 @@ struct Args {
     config: Option<PathBuf>,
 }
 
+/// Why `score` did not score: a request refused up front, or a failure while running
+/// (`crate::error::score_exit_code` says which).
+#[derive(Debug, thiserror::Error)]
+pub enum ScoreError {
+    #[error("--ids is empty")]
+    EmptyIds,
+    #[error("--ids: {n} ids, over the {max}-id limit of one forward")]
+    TooManyIds { n: usize, max: usize },
+    #[error("--threads must be at least 1")]
+    NoThreads,
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("token id {id} is outside the vocabulary 0..{vocab}")]
+    IdOutside { id: u32, vocab: usize },
+    #[error("--layers {n}: the model has layers 1..={have}")]
+    Layers { n: usize, have: usize },
+    #[error(transparent)]
+    Checkpoint(#[from] CatalogError),
+    /// The model cannot be built for these options.
+    #[error("{0}")]
+    Model(#[source] ForwardError),
+    /// A tensor of the bound layers does not bind.
+    #[error("{0}")]
+    Binding(#[source] ForwardError),
+    #[error("{0}")]
+    Forward(#[source] ForwardError),
+    #[error("position {position}: {source}")]
+    NonFinite {
+        position: usize,
+        #[source]
+        source: NonFiniteLogits,
+    },
+    #[error("{}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 pub fn main(args: Vec<OsString>) -> i32 {
     let a = match super::parse_args::<Args>(args) {
         Ok(a) => a,
@@ -55,56 +97,50 @@ pub fn main(args: Vec<OsString>) -> i32 {
     };
     match run(&a) {
         Ok(code) => code,
-        Err((code, msg)) => {
-            tracing::error!("k3-orch score: {msg}");
-            code
+        Err(e) => {
+            tracing::error!("k3-orch score: {e}");
+            crate::error::score_exit_code(&e)
         }
     }
 }
 
-fn run(a: &Args) -> Result<i32, (i32, String)> {
+fn run(a: &Args) -> Result<i32, ScoreError> {
     if a.ids.is_empty() {
-        return Err((2, "--ids is empty".into()));
+        return Err(ScoreError::EmptyIds);
     }
     // One forward holds every position's activations and KV: the same prompt limit as a
     // generation (65,000 ids once ran until memory ran out).
     let max = k3_protocol::conf::MAX_PROMPT_IDS;
     if a.ids.len() > max {
-        return Err((
-            2,
-            format!(
-                "--ids: {} ids, over the {max}-id limit of one forward",
-                a.ids.len()
-            ),
-        ));
+        return Err(ScoreError::TooManyIds {
+            n: a.ids.len(),
+            max,
+        });
     }
     if a.threads == 0 {
-        return Err((2, "--threads must be at least 1".into()));
+        return Err(ScoreError::NoThreads);
     }
     let cfg_path = a
         .config
         .clone()
         .unwrap_or_else(|| a.model_dir.join("config.json"));
-    let cfg = ModelConfig::load(&cfg_path).map_err(|e| (2, e.to_string()))?;
+    let cfg = ModelConfig::load(&cfg_path)?;
     if let Some(&bad) = a.ids.iter().find(|&&i| i as usize >= cfg.vocab_size) {
-        return Err((
-            2,
-            format!(
-                "token id {bad} is outside the vocabulary 0..{}",
-                cfg.vocab_size
-            ),
-        ));
+        return Err(ScoreError::IdOutside {
+            id: bad,
+            vocab: cfg.vocab_size,
+        });
     }
     if let Some(n) = a.layers {
         if n == 0 || n > cfg.n_layers() {
-            return Err((
-                2,
-                format!("--layers {n}: the model has layers 1..={}", cfg.n_layers()),
-            ));
+            return Err(ScoreError::Layers {
+                n,
+                have: cfg.n_layers(),
+            });
         }
     }
     k3_layer_compute::kernels::tuning::install(k3_layer_compute::kernels::tuning::from_env());
-    let weights = MmapWeights::open(&a.model_dir).map_err(|e| (1, e.to_string()))?;
+    let weights = MmapWeights::open(&a.model_dir)?;
     let model = Model::new(
         cfg,
         SourceWeights::new(weights),
@@ -114,24 +150,33 @@ fn run(a: &Args) -> Result<i32, (i32, String)> {
             eps: None,
         },
     )
-    .map_err(|e| (2, e.to_string()))?;
-    model.check_binding().map_err(|e| (1, e.to_string()))?;
-    let out = model.forward_all(&a.ids).map_err(|e| (1, e.to_string()))?;
+    .map_err(ScoreError::Model)?;
+    model.check_binding().map_err(ScoreError::Binding)?;
+    let out = model.forward_all(&a.ids).map_err(ScoreError::Forward)?;
     let vocab = model.vocab();
     for (i, row) in out.logits.chunks(vocab).enumerate() {
-        k3_layer_compute::decode::check_finite(row)
-            .map_err(|e| (1, format!("position {i}: {e}")))?;
+        k3_layer_compute::decode::check_finite(row).map_err(|source| ScoreError::NonFinite {
+            position: i,
+            source,
+        })?;
     }
     let tf_pred: Vec<u32> = out.logits.chunks(vocab).map(|r| argmax(r) as u32).collect();
     let json = serde_json::json!({ "ids": a.ids, "tf_pred": tf_pred });
-    k3_io::output::write_atomic(&a.out, format!("{json}\n").as_bytes())
-        .map_err(|e| (1, format!("{}: {e}", a.out.display())))?;
+    k3_io::output::write_atomic(&a.out, format!("{json}\n").as_bytes()).map_err(|source| {
+        ScoreError::Write {
+            path: a.out.clone(),
+            source,
+        }
+    })?;
     if let Some(l) = &a.logits {
         let mut bytes = Vec::with_capacity(out.logits.len() * 4);
         for v in &out.logits {
             bytes.extend_from_slice(&v.to_le_bytes());
         }
-        k3_io::output::write_atomic(l, &bytes).map_err(|e| (1, format!("{}: {e}", l.display())))?;
+        k3_io::output::write_atomic(l, &bytes).map_err(|source| ScoreError::Write {
+            path: l.clone(),
+            source,
+        })?;
     }
     if out.stats.expert_failures > 0 {
         for m in &out.stats.failure_msgs {

@@ -38,7 +38,7 @@ use sha2::{Digest, Sha256};
 
 use k3_model::tensor::Dtype;
 
-pub use geometry::{Geometry, Init, TensorSpec};
+pub use geometry::{Geometry, GeometryError, Init, TensorSpec};
 
 /// Command line of `k3-orch synth`.
 #[derive(Parser, Debug)]
@@ -173,7 +173,22 @@ impl std::fmt::Display for Refused {
 
 impl std::error::Error for Refused {}
 
-fn resolve_geometry(a: &Args) -> Result<Geometry, String> {
+/// `--shape`/`--vocab` that give no model this tool can write (exit 2).
+#[derive(Debug, thiserror::Error)]
+enum ShapeError {
+    #[error("--shape {path}: not tiny, tiny-chat, slice or a readable config.json: {source}")]
+    Unreadable {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
+    #[error("--vocab {0}: at least 256 (room for the special ids)")]
+    Vocab(usize),
+}
+
+fn resolve_geometry(a: &Args) -> Result<Geometry, ShapeError> {
     let mut g = match a.shape.as_str() {
         "tiny" => Geometry::tiny(),
         "tiny-chat" => {
@@ -197,17 +212,16 @@ fn resolve_geometry(a: &Args) -> Result<Geometry, String> {
                 std::path::Path::new(path),
                 k3_io::input::JSON_CAP,
             )
-            .map_err(|e| {
-                format!("--shape {path}: not tiny, tiny-chat, slice or a readable config.json: {e}")
+            .map_err(|source| ShapeError::Unreadable {
+                path: path.to_string(),
+                source,
             })?;
             Geometry::from_config_json(&text, path)?
         }
     };
     if let Some(v) = a.vocab {
         if v < 256 {
-            return Err(format!(
-                "--vocab {v}: at least 256 (room for the special ids)"
-            ));
+            return Err(ShapeError::Vocab(v));
         }
         g.vocab = v;
         g.bos = v - 256;

@@ -23,7 +23,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
-use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -101,10 +100,27 @@ struct Index {
     weight_map: BTreeMap<String, String>,
 }
 
-fn read_index(path: &Path) -> Result<Index, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("{INDEX}: cannot read: {e}"))?;
-    let v: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| format!("{INDEX}: not valid JSON: {e}"))?;
+/// Why the index cannot be used.
+#[derive(Debug, thiserror::Error)]
+enum IndexError {
+    #[error("{INDEX}: cannot read: {0}")]
+    Read(#[source] std::io::Error),
+    #[error("{INDEX}: not valid JSON: {0}")]
+    Json(#[source] serde_json::Error),
+    #[error("{INDEX}: no weight_map object")]
+    NoWeightMap,
+    #[error("{INDEX}: weight_map[{0:?}] is not a file name")]
+    NotAName(String),
+    #[error(
+        "{INDEX}: weight_map[{key:?}] is {file:?}, not a plain file name inside the model \
+         directory"
+    )]
+    NotPlain { key: String, file: String },
+}
+
+fn read_index(path: &Path) -> Result<Index, IndexError> {
+    let bytes = std::fs::read(path).map_err(IndexError::Read)?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(IndexError::Json)?;
     let total_size = v
         .get("metadata")
         .and_then(|m| m.get("total_size"))
@@ -112,17 +128,15 @@ fn read_index(path: &Path) -> Result<Index, String> {
     let wm = v
         .get("weight_map")
         .and_then(|w| w.as_object())
-        .ok_or_else(|| format!("{INDEX}: no weight_map object"))?;
+        .ok_or(IndexError::NoWeightMap)?;
     let mut weight_map = BTreeMap::new();
     for (k, f) in wm {
-        let f = f
-            .as_str()
-            .ok_or_else(|| format!("{INDEX}: weight_map[{k:?}] is not a file name"))?;
+        let f = f.as_str().ok_or_else(|| IndexError::NotAName(k.clone()))?;
         if !is_plain_name(f) {
-            return Err(format!(
-                "{INDEX}: weight_map[{k:?}] is {f:?}, not a plain file name inside the model \
-                 directory"
-            ));
+            return Err(IndexError::NotPlain {
+                key: k.clone(),
+                file: f.to_string(),
+            });
         }
         weight_map.insert(k.clone(), f.to_string());
     }
@@ -153,7 +167,7 @@ pub fn verify_dir(dir: &Path, hashes: bool) -> VerifyReport {
         match read_index(&index_path) {
             Ok(i) => Some(i),
             Err(e) => {
-                r.problems.push(e);
+                r.problems.push(e.to_string());
                 return r;
             }
         }
@@ -264,6 +278,15 @@ fn check_shard(
             return;
         }
     };
+    if !meta.is_file() {
+        // Never opened: a FIFO's open would wait for a writer forever.
+        r.problems.push(format!(
+            "{s}: not a regular file ({})",
+            k3_io::input::kind_name(meta.file_type())
+        ));
+        sum.some_failed = true;
+        return;
+    }
     sum.present += 1;
     sum.bytes_on_disk += meta.len();
     let cat = match Catalog::from_files(std::slice::from_ref(&path)) {
@@ -409,7 +432,7 @@ fn first_few(v: &[String]) -> String {
 /// Say why a shard failed to parse, in sizes when it is a truncation.
 fn diagnose(path: &Path, name: &str, size: u64, catalog_err: &str) -> String {
     let mut head = [0u8; 8];
-    let ok = File::open(path)
+    let ok = k3_io::input::open_regular(path)
         .and_then(|mut f| f.read_exact(&mut head))
         .is_ok();
     if !ok {
@@ -419,9 +442,14 @@ fn diagnose(path: &Path, name: &str, size: u64, catalog_err: &str) -> String {
     if n.saturating_add(8) > size {
         return format!("{name}: truncated: {size} bytes, but the header alone is 8 + {n} bytes");
     }
+    if n > k3_model::catalog::MAX_HEADER_BYTES {
+        // Never read (or allocate) a header past the loader's limit: the catalog's own
+        // error names it.
+        return format!("{name}: {catalog_err}");
+    }
     // Largest data end in the header, to name how much is missing.
     let end = (|| -> Option<u64> {
-        let mut f = File::open(path).ok()?;
+        let mut f = k3_io::input::open_regular(path).ok()?;
         let mut buf = vec![0u8; 8 + n as usize];
         f.read_exact(&mut buf).ok()?;
         let v: serde_json::Value = serde_json::from_slice(&buf[8..]).ok()?;
@@ -452,7 +480,7 @@ fn is_plain_name(f: &str) -> bool {
 
 /// sha256 of a file, with the progress bar advanced by its bytes.
 fn sha256_file(path: &Path, bar: &indicatif::ProgressBar) -> std::io::Result<String> {
-    let mut file = File::open(path)?;
+    let mut file = k3_io::input::open_regular(path)?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 8 << 20];
     loop {
@@ -582,22 +610,25 @@ fn check_release(dir: &Path, total_size: Option<u64>, r: &mut VerifyReport) {
     ));
 }
 
+/// A line of `SHA256SUMS` (1-based) that is not `<hash>  <file>`.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{SUMS_FILE} line {0}: not '<hash>  <file>'")]
+struct BadSumsLine(usize);
+
 /// Parse `SHA256SUMS`: (hex, file) per line.
-fn parse_sums(text: &str) -> Result<Vec<(String, String)>, String> {
+fn parse_sums(text: &str) -> Result<Vec<(String, String)>, BadSumsLine> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let (h, rest) = line
-            .split_once(' ')
-            .ok_or_else(|| format!("{SUMS_FILE} line {}: not '<hash>  <file>'", i + 1))?;
+        let (h, rest) = line.split_once(' ').ok_or(BadSumsLine(i + 1))?;
         let name = rest
             .strip_prefix(' ')
             .or_else(|| rest.strip_prefix('*'))
             .unwrap_or(rest);
         if h.len() != 64 || !h.bytes().all(|b| b.is_ascii_hexdigit()) || name.is_empty() {
-            return Err(format!("{SUMS_FILE} line {}: not '<hash>  <file>'", i + 1));
+            return Err(BadSumsLine(i + 1));
         }
         out.push((h.to_ascii_lowercase(), name.to_string()));
     }
@@ -620,13 +651,17 @@ fn check_sums(dir: &Path, hashes: bool, shards: &BTreeSet<String>, r: &mut Verif
         ));
         return;
     }
-    let list = match super::read_capped(&sums_path, SUMS_CAP)
-        .map_err(|e| format!("{SUMS_FILE}: {e}"))
-        .and_then(|t| parse_sums(&t))
-    {
+    let text = match super::read_capped(&sums_path, SUMS_CAP) {
+        Ok(t) => t,
+        Err(e) => {
+            r.problems.push(format!("{SUMS_FILE}: {e}"));
+            return;
+        }
+    };
+    let list = match parse_sums(&text) {
         Ok(l) => l,
         Err(e) => {
-            r.problems.push(e);
+            r.problems.push(e.to_string());
             return;
         }
     };
@@ -655,7 +690,7 @@ fn check_sums(dir: &Path, hashes: bool, shards: &BTreeSet<String>, r: &mut Verif
             ));
             continue;
         }
-        let Ok(mut file) = File::open(&path) else {
+        let Ok(mut file) = k3_io::input::open_regular(&path) else {
             r.problems
                 .push(format!("{f}: listed in {SUMS_FILE} but cannot be opened"));
             continue;
@@ -724,6 +759,6 @@ mod tests {
         let h = "a".repeat(64);
         let l = parse_sums(&format!("{h}  f1\n{h} *f2\n\n")).unwrap();
         assert_eq!(l, vec![(h.clone(), "f1".into()), (h, "f2".into())]);
-        assert!(parse_sums("zz  f").is_err());
+        assert_eq!(parse_sums("ok\nzz  f"), Err(BadSumsLine(1)));
     }
 }

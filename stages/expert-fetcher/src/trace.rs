@@ -98,7 +98,13 @@ pub fn write_cache_trace(
     dir: &Path,
     requests: &[Key],
 ) -> Result<(PathBuf, PathBuf), TraceWriteError> {
-    std::fs::create_dir_all(dir).map_err(io_at(dir))?;
+    // Only the last component is created (never `mkdir -p` of a mistyped path).
+    match std::fs::create_dir(dir) {
+        Err(e) if !(e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir()) => {
+            return Err(io_at(dir)(e))
+        }
+        _ => {}
+    }
     let mut bin = Vec::with_capacity(requests.len() * 8);
     for &(l, e) in requests {
         let l = i32::try_from(l).map_err(|_| TraceWriteError::Layer(l))?;

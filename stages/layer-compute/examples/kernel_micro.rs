@@ -1,5 +1,6 @@
 //! Kernel arithmetic rate with the weights in cache (no DRAM): GMAC/s of one thread for
-//! bf16 and MXFP4 at 1, 4 and 16 tokens, per kernel (product path and instruction set:
+//! bf16 and MXFP4 at 1, 2, 4, 8, 16 and 64 tokens (each AVX-512 driver: one token, few
+//! tokens, chunked small batches, one and several staged passes), per kernel (product path and instruction set:
 //! `exact/avx512`, `exact/avx2`, `bf16x3/avx512bf16` where the CPU has them), in wall time
 //! and per CPU-second of the thread (`/proc/thread-self/schedstat`: meaningful on a loaded
 //! machine too). Complements `gemv_bench` (DRAM rates).
@@ -63,7 +64,7 @@ fn main() {
         // `kernel_micro FMT NTOK` takes any token count (an expert's few tokens: 1-11).
         let counts: Vec<usize> = match args.get(2).and_then(|v| v.parse().ok()) {
             Some(n) if n > 0 => vec![n],
-            _ => vec![1, 4, 16],
+            _ => vec![1, 2, 4, 8, 16, 64],
         };
         for &ntok in &counts {
             let x: Vec<f32> = (0..ntok * cols).map(|i| (i % 13) as f32 * 0.1).collect();

@@ -20,15 +20,19 @@
 //! whatever shares its passes and whenever it started (`Model::forward_batch`'s contract;
 //! `tests/batch_invariance.rs` proves it on both tiny models and every SIMD path).
 //!
-//! Prefix reuse: the scheduler keeps a [`PrefixCache`] (`prefix_entries` states). A request
-//! whose prompt extends a kept state starts from a clone of it ([`Event::Started`] reports
+//! Prefix reuse: the scheduler keeps a [`PrefixCache`] (`prefix_entries` states; a caller
+//! bounds their bytes too through [`Scheduler::prefix_cache`]). A request whose prompt
+//! extends a kept state starts from a clone of it ([`Event::Started`] reports
 //! `cached_tokens`), and a request that ends by its length or a stop id, with every routed
 //! expert of every pass it was in loaded, is kept under the tokens its session consumed
-//! (the prompt and every generated id but the last). [`Scheduler::prefix_cache`] gives the
-//! cache to a caller that loads saved states.
+//! (the prompt and every generated id but the last); so is its state at
+//! [`Request::snapshot_at`] (a chat's history, which the next turn extends).
+//! [`Scheduler::prefix_cache`] gives the cache to a caller that loads saved states.
 //!
 //! Bounds (nothing grows without one): `slots` sessions, each at most `ctx` tokens (a
-//! request with `prompt + max_tokens > ctx` is refused up front); `max_queue` waiting
+//! request with `prompt + max_tokens > ctx` is refused up front; its slot's KV room is
+//! reserved for `prompt + max_tokens` positions when it starts, so it never grows past
+//! them); `max_queue` waiting
 //! requests (a full queue refuses with [`Refused::QueueFull`]); `prefix_entries` kept
 //! states; a pass holds at most `slots - 1 + chunk` rows; a step's events are at most a few
 //! per request touched; a slot's logits rows are only kept when its request asks
@@ -68,6 +72,11 @@ pub struct Request {
     /// Give every step's logits row with its token ([`Event::Token::logits`]): a debug
     /// endpoint, `--dump-logits`, the invariance tests.
     pub keep_logits: bool,
+    /// Also keep the state after this many prompt tokens for prefix reuse (the end of a
+    /// chat's last complete message: the next turn starts there), when it lies past the
+    /// kept prefix and inside the prompt: the prompt's chunks stop there once. Changes no
+    /// result (a prompt fed in any chunks gives the same bits).
+    pub snapshot_at: Option<usize>,
 }
 
 impl Request {
@@ -80,6 +89,7 @@ impl Request {
             stop_ids: Vec::new(),
             cancel: Arc::new(AtomicBool::new(false)),
             keep_logits: false,
+            snapshot_at: None,
         }
     }
 }
@@ -212,6 +222,21 @@ impl Slot {
     fn prefilling(&self) -> bool {
         self.fed < self.req.prompt.len()
     }
+    /// Where the prompt's state is kept on the way (inside the prompt, past what was
+    /// reused).
+    fn snapshot(&self) -> Option<usize> {
+        self.req
+            .snapshot_at
+            .filter(|&b| b > 0 && b < self.req.prompt.len())
+    }
+}
+
+/// A slot whose prompt has just reached its snapshot point, in passes whose experts all
+/// loaded, leaves a copy of its state there.
+fn keep_snapshot(s: &Slot, cache: &mut PrefixCache) {
+    if s.snapshot() == Some(s.fed) && s.expert_failures == 0 && cache.cap > 0 {
+        cache.insert(s.req.prompt[..s.fed].to_vec(), s.session.clone());
+    }
 }
 
 /// N requests decoding together over one model (the module doc).
@@ -225,16 +250,23 @@ pub struct Scheduler {
     cache: PrefixCache,
 }
 
+/// [`SchedulerOptions`] without a slot, a prompt chunk or a context.
+#[derive(Clone, Copy, Debug, thiserror::Error)]
+#[error(
+    "the scheduler needs at least one slot, a prompt chunk of at least one token and a context \
+     of at least one token (slots {}, chunk {}, ctx {})",
+    .0.slots,
+    .0.chunk,
+    .0.ctx
+)]
+pub struct BadOptions(pub SchedulerOptions);
+
 impl Scheduler {
     /// A scheduler for `model`'s requests (its vocabulary checks their ids); refuses
     /// options without a slot, a chunk or a context.
-    pub fn new<W: Weights>(model: &Model<W>, opts: SchedulerOptions) -> Result<Self, String> {
+    pub fn new<W: Weights>(model: &Model<W>, opts: SchedulerOptions) -> Result<Self, BadOptions> {
         if opts.slots == 0 || opts.chunk == 0 || opts.ctx == 0 {
-            return Err(format!(
-                "the scheduler needs at least one slot, a prompt chunk of at least one token \
-                 and a context of at least one token (slots {}, chunk {}, ctx {})",
-                opts.slots, opts.chunk, opts.ctx
-            ));
+            return Err(BadOptions(opts));
         }
         Ok(Scheduler {
             vocab: model.vocab(),
@@ -400,9 +432,9 @@ impl Scheduler {
         rep
     }
 
-    /// The pass's plan: (slot, first prompt token fed, tokens) per group, decode rows first,
-    /// then up to `chunk` prompt tokens of the prefilling slots in admission order. Sets the
-    /// report's row counts.
+    /// The pass: (slot, first prompt token fed, tokens) per group, decode rows first, then
+    /// up to `chunk` prompt tokens of the prefilling slots, oldest admission first (a
+    /// chunk stops at its slot's snapshot point); the row counts go in `rep`.
     fn plan_pass(&self, rep: &mut StepReport) -> Vec<(usize, usize, usize)> {
         let mut plan: Vec<(usize, usize, usize)> = Vec::new();
         for (i, s) in self.slots.iter().enumerate() {
@@ -424,7 +456,10 @@ impl Scheduler {
                 break;
             }
             let s = self.slots[i].as_ref().expect("a prefilling slot");
-            let n = budget.min(s.req.prompt.len() - s.fed);
+            let mut n = budget.min(s.req.prompt.len() - s.fed);
+            if let Some(b) = s.snapshot().filter(|&b| b > s.fed) {
+                n = n.min(b - s.fed);
+            }
             plan.push((i, s.fed, n));
             budget -= n;
             rep.prefill_rows += n;
@@ -456,6 +491,7 @@ impl Scheduler {
         };
         if s.prefilling() {
             s.fed += n;
+            keep_snapshot(s, &mut self.cache);
             if g.rows == 0 {
                 events.push(Event::Prefill {
                     id: s.id,
@@ -475,7 +511,8 @@ impl Scheduler {
             return;
         }
         let index = s.generated().len();
-        let token = sampler::sample(row, &s.req.sampler, index as u64, &s.seq) as u32;
+        let token =
+            sampler::sample(row, &s.req.sampler, index as u64, &s.seq, s.generated()) as u32;
         s.seq.push(token);
         events.push(Event::Token {
             id: s.id,
@@ -525,10 +562,13 @@ impl Scheduler {
             let Some((id, req)) = self.queue.pop_front() else {
                 break;
             };
-            let (cached, session) = self
+            let (cached, mut session) = self
                 .cache
                 .lookup(&req.prompt)
                 .unwrap_or_else(|| (0, model.new_session()));
+            // The slot's KV room for the whole request, reserved now: it never grows past
+            // what the request can use (at most `ctx` positions) by doubling.
+            model.reserve_positions(&mut session, req.prompt.len() + req.max_tokens);
             events.push(Event::Started {
                 id,
                 slot: i,

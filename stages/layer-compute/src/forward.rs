@@ -40,8 +40,9 @@ use k3_model::classify::{layer_tensor, model_tensor};
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
     /// A tensor is missing or does not fit its expected dtype/shape (exit 1 upstream).
+    /// A tensor that holds a non-finite value is [`ForwardError::NonFinite`] instead.
     #[error("tensor does not bind: {0}")]
-    Bind(#[from] WeightError),
+    Bind(WeightError),
     /// The request itself is invalid (token id out of range, no tokens, bad options).
     #[error("{0}")]
     Input(String),
@@ -49,6 +50,15 @@ pub enum ForwardError {
     /// not turn it into a token.
     #[error("{0}")]
     NonFinite(String),
+}
+
+impl From<WeightError> for ForwardError {
+    fn from(e: WeightError) -> Self {
+        match e {
+            WeightError::NonFinite { .. } => ForwardError::NonFinite(e.to_string()),
+            e => ForwardError::Bind(e),
+        }
+    }
 }
 
 /// Options of a [`Model`].
@@ -206,6 +216,32 @@ impl Session {
             .map(|s| 4 * (s.s.len() + s.conv_q.len() + s.conv_k.len() + s.conv_v.len()))
             .sum()
     }
+    /// Bytes the session's buffers have allocated (KV cache capacity and KDA state): what
+    /// it costs in memory, which [`Session::kv_bytes`] (the positions held) can be below.
+    pub fn allocated_bytes(&self) -> usize {
+        let kv: usize = self
+            .mla
+            .iter()
+            .flatten()
+            .map(|c| {
+                4 * (c.latent.capacity()
+                    + c.k_rope.capacity()
+                    + c.k_nope.capacity()
+                    + c.v.capacity())
+            })
+            .sum();
+        kv + self.kda_bytes()
+    }
+    /// Give back the KV cache's unused capacity (a state kept for prefix reuse holds its
+    /// positions, not the room its request had reserved).
+    pub fn shrink_to_fit(&mut self) {
+        for c in self.mla.iter_mut().flatten() {
+            c.latent.shrink_to_fit();
+            c.k_rope.shrink_to_fit();
+            c.k_nope.shrink_to_fit();
+            c.v.shrink_to_fit();
+        }
+    }
 }
 
 /// A model: config, weights and options.
@@ -270,6 +306,24 @@ impl<W: Weights> Model<W> {
             pos: 0,
             kda: vec![None; self.n_layers],
             mla: vec![None; self.n_layers],
+        }
+    }
+
+    /// Reserve room in `s`'s KV cache for `positions` tokens in all (those it holds
+    /// included), so that it never grows past them by doubling: a serving slot holds what
+    /// the memory plan counted for it and no more. Changes no result.
+    pub fn reserve_positions(&self, s: &mut Session, positions: usize) {
+        let g = self.mla_geometry();
+        for (l, c) in s.mla.iter_mut().enumerate() {
+            if self.cfg.layer_kind(l) != LayerKind::Mla {
+                continue;
+            }
+            let c = c.get_or_insert_with(MlaCache::default);
+            let more = positions.saturating_sub(c.len);
+            c.latent.reserve_exact(more * g.kv_lora);
+            c.k_rope.reserve_exact(more * g.rope);
+            c.k_nope.reserve_exact(more * g.heads * g.nope);
+            c.v.reserve_exact(more * g.heads * g.v);
         }
     }
 
@@ -748,7 +802,8 @@ impl<W: Weights> Model<W> {
                 shape: &[d],
                 bytes,
             };
-            h.extend(to_f32_vec("embed_tokens.weight", &row)?);
+            let name = || format!("{} row {id}", model_tensor("embed_tokens.weight"));
+            h.extend(to_f32_vec(&name(), &row)?);
         }
         Ok(h)
     }
@@ -1070,7 +1125,7 @@ impl<W: Weights> Model<W> {
             release_head: &mut || self.weights.end_phase(l),
             tail: &mut || self.moe_tail(l),
         };
-        let (z, ms) = head.forward_phased(ctx, &self.moe_params(), v, ntok, &mut hooks)?;
+        let (z, ms) = head.forward_phased(ctx, &self.moe_params(l), v, ntok, &mut hooks)?;
         let stats = ForwardStats {
             expert_requests: ms.requests,
             expert_failures: ms.failures,

@@ -11,6 +11,8 @@
 //! - [`batch`]: [`batch::Scheduler`], several requests decoding together (slots, a bounded
 //!   queue, chunked prefill interleaved with decode, one pass per step).
 //! - [`decode`]: the ONE decode loop every mode runs, and greedy [`decode::generate`].
+//! - [`error`]: the stage's errors ([`error::ComputeError`]) and the failure kind each
+//!   reports.
 //! - [`sampler`]: greedy argmax and seeded sampling from a logits row.
 //! - [`links`]: [`links::StagedWeights`], the [`Weights`] over the loaders' links.
 //! - [`membw`]: the memory read probe (the floor kernels are measured against).
@@ -22,6 +24,7 @@
 
 pub mod batch;
 pub mod decode;
+pub mod error;
 pub mod forward;
 // Kernels spell out their loops by index on purpose (the index order IS the documented
 // reduction order), and a kernel entry point takes its operands and strides as plain
@@ -39,7 +42,10 @@ pub mod stage;
 pub mod state;
 pub mod weights;
 
-pub use decode::{decode_loop, generate, GenStep, Generation, LoopOptions, Step, StepHooks};
+pub use decode::{
+    decode_loop, generate, DecodeError, GenStep, Generation, LoopOptions, Step, StepHooks,
+};
+pub use error::{ComputeError, PeerError};
 pub use forward::{
     BatchOutput, ForwardError, ForwardOutput, ForwardStats, Group, GroupOutput, Model,
     ModelOptions, Session, Want,

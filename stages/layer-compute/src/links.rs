@@ -28,6 +28,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::error::PeerError;
 use crate::weights::{Delivery, ExpertProj, ExpertRef, Weights};
 use k3_model::classify::{split_expert, split_layer};
 use k3_model::mmap_weights::MmapWeights;
@@ -35,7 +36,7 @@ use k3_model::tensor::{Dtype, TensorRef, WeightError, WeightSource};
 use k3_protocol::messages::{Msg, Stage};
 use k3_protocol::shm::{Handle, Region};
 
-use k3_protocol::link::{recv_from, send_to, Link, Rec};
+use k3_protocol::link::{recv_from, send_to, Link, LinkError, Rec};
 use k3_protocol::transport::Transport;
 
 /// One tensor of one routed expert, relative to the expert's first byte.
@@ -81,8 +82,10 @@ pub struct StagedWeights {
     pass: Cell<u64>,
     io: Cell<IoCounters>,
     timeout: Option<Duration>,
-    /// A link failure seen inside a callback that cannot return it (end_layer).
-    link_error: RefCell<Option<String>>,
+    /// The first link failure seen inside a callback that cannot return it (end_layer,
+    /// the expert deliveries) or under an error that would hide it (a trunk receive that
+    /// fails a tensor's binding): the cause of any forward error that follows.
+    link_error: RefCell<Option<PeerError>>,
     /// Embedding rows on demand and lm_head chunks (None: both from the mapping).
     stream: Option<crate::model_stream::ModelStream>,
     /// The trunk streams in parts (`PartReady`): (layer, parts of it received, parts it
@@ -184,7 +187,7 @@ impl StagedWeights {
         mut self,
         head_chunk_bytes: Option<u64>,
         head_held_bytes: u64,
-    ) -> Result<Self, String> {
+    ) -> std::io::Result<Self> {
         self.stream = Some(crate::model_stream::ModelStream::open(
             self.model.catalog(),
             head_chunk_bytes,
@@ -194,12 +197,17 @@ impl StagedWeights {
     }
 
     /// A link failure seen since the last call, if any (and forget it).
-    pub fn take_link_error(&self) -> Option<String> {
+    pub fn take_link_error(&self) -> Option<PeerError> {
         self.link_error.borrow_mut().take()
     }
 
+    /// Keep `e` as the link failure unless one is kept already (the first is the cause).
+    fn note(&self, e: impl Into<PeerError>) {
+        self.link_error.borrow_mut().get_or_insert(e.into());
+    }
+
     /// Tell both loaders that generation is over.
-    pub fn shutdown(&self) -> Result<(), String> {
+    pub fn shutdown(&self) -> Result<(), LinkError> {
         for (peer, link) in [
             (Stage::TrunkLoader, &self.trunk),
             (Stage::ExpertFetcher, &self.fetch),
@@ -244,10 +252,18 @@ impl StagedWeights {
         );
         let dt = t0.elapsed().as_secs_f64();
         self.bump(|c| c.wait_seconds += dt);
-        r.map_err(|msg| WeightError::Io {
+        r.map_err(|e| self.trunk_link_failed(e))
+    }
+
+    /// A failed trunk link: kept as the link failure (the forward's binding error it causes
+    /// would hide the peer's death), and the tensor error for the forward.
+    fn trunk_link_failed(&self, e: LinkError) -> WeightError {
+        let msg = e.to_string();
+        self.note(e);
+        WeightError::Io {
             name: "trunk".into(),
-            msg: msg.to_string(),
-        })
+            msg,
+        }
     }
 
     /// Check a trunk-loader's tensor spans against the checkpoint headers and map them.
@@ -343,7 +359,7 @@ impl StagedWeights {
                 self.timeout,
             );
             if let Err(e) = r {
-                self.link_error.borrow_mut().get_or_insert(e.to_string());
+                self.note(e);
             }
         }
     }
@@ -447,10 +463,7 @@ impl Weights for StagedWeights {
                 },
                 self.timeout,
             )
-            .map_err(|msg| WeightError::Io {
-                name: "trunk".into(),
-                msg: msg.to_string(),
-            })?;
+            .map_err(|e| self.trunk_link_failed(e))?;
         }
         let pass = self.pass.get();
         self.held.borrow_mut().clear();
@@ -543,7 +556,7 @@ impl Weights for StagedWeights {
                     Ok(true) => self.release_parts(),
                     Ok(false) => break,
                     Err(e) => {
-                        self.link_error.borrow_mut().get_or_insert(e.to_string());
+                        self.note(PeerError::Trunk(e));
                         return;
                     }
                 }
@@ -565,7 +578,7 @@ impl Weights for StagedWeights {
             self.timeout,
         );
         if let Err(e) = r {
-            self.link_error.borrow_mut().get_or_insert(e.to_string());
+            self.note(e);
             return;
         }
         if layer + 1 == self.n_layers {
@@ -599,14 +612,13 @@ impl StagedWeights {
                     c.trunk_read_bytes += read_bytes;
                     c.trunk_io_seconds += io_seconds;
                 }),
-                Ok(other) => {
-                    self.link_error
-                        .borrow_mut()
-                        .get_or_insert(format!("expected TrunkPassDone, got {other:?}"));
-                }
-                Err(e) => {
-                    self.link_error.borrow_mut().get_or_insert(e.to_string());
-                }
+                Ok(other) => self.note(PeerError::OutOfTurn {
+                    peer: Stage::TrunkLoader,
+                    want: "TrunkPassDone",
+                    got: format!("{other:?}"),
+                }),
+                // Kept by `recv_trunk`.
+                Err(_) => {}
             }
         }
     }
@@ -617,7 +629,7 @@ impl StagedWeights {
         link: &mut dyn Transport,
         layer: usize,
         ids: &[u32],
-    ) -> Result<(), String> {
+    ) -> Result<(), LinkError> {
         send_to(
             link,
             Stage::LayerCompute,
@@ -629,7 +641,6 @@ impl StagedWeights {
             },
             self.timeout,
         )
-        .map_err(String::from)
     }
 
     fn announce_impl(&self, layer: usize, ids: &[u32]) {
@@ -639,9 +650,7 @@ impl StagedWeights {
         match r {
             Ok(()) => *self.announced.borrow_mut() = Some((pass, layer, ids.to_vec())),
             // `experts` sends it again and fails every slot with the link's error.
-            Err(e) => {
-                self.link_error.borrow_mut().get_or_insert(e.to_string());
-            }
+            Err(e) => self.note(e),
         }
     }
 
@@ -664,10 +673,10 @@ impl StagedWeights {
         let sent = match self.announced.borrow_mut().take() {
             Some((p, l, a)) if p == req.pass && l == layer && a == ids => true,
             Some((p, l, _)) => {
-                let e = format!(
-                    "internal: experts of layer {layer} asked for, but the batch announced was \
-                     layer {l} (pass {p}) with other ids"
-                );
+                let e = PeerError::Internal(format!(
+                    "experts of layer {layer} asked for, but the batch announced was layer {l} \
+                     (pass {p}) with other ids"
+                ));
                 self.fail_request(&mut req, deliver, e);
                 return;
             }
@@ -676,7 +685,7 @@ impl StagedWeights {
         let mut link = self.fetch.borrow_mut();
         if !sent {
             if let Err(e) = self.send_experts(&mut **link, layer, ids) {
-                self.fail_request(&mut req, deliver, e);
+                self.fail_request(&mut req, deliver, e.into());
                 return;
             }
         }
@@ -703,23 +712,23 @@ impl StagedWeights {
         &self,
         req: &mut Pending<'_>,
         deliver: &mut dyn for<'b> FnMut(Delivery<'b>),
-        e: String,
+        e: PeerError,
     ) {
-        self.link_error.borrow_mut().get_or_insert(e.clone());
-        req.fail_rest(deliver, &e);
+        let msg = e.to_string();
+        self.note(e);
+        req.fail_rest(deliver, &msg);
     }
 
     /// The next message from the fetcher (waiting for it), and every `ExpertReady` or
     /// `ExpertFailed` that has already arrived behind it: one delivery's worth.
-    fn recv_burst(&self, link: &mut dyn Transport) -> Vec<Result<Msg, String>> {
+    fn recv_burst(&self, link: &mut dyn Transport) -> Vec<Result<Msg, LinkError>> {
         let t0 = Instant::now();
         let first = recv_from(
             link,
             Stage::LayerCompute,
             Stage::ExpertFetcher,
             self.timeout,
-        )
-        .map_err(|e| e.to_string());
+        );
         let dt = t0.elapsed().as_secs_f64();
         self.bump(|c| c.wait_seconds += dt);
         let mut msgs = vec![first];
@@ -740,7 +749,7 @@ impl StagedWeights {
     fn take_burst<'a>(
         &'a self,
         req: &mut Pending<'_>,
-        msgs: Vec<Result<Msg, String>>,
+        msgs: Vec<Result<Msg, LinkError>>,
         link: &mut dyn Transport,
     ) -> Burst<'a> {
         let (pass, layer) = (req.pass, req.layer);
@@ -804,7 +813,7 @@ impl StagedWeights {
         // SAFETY: as in `bind_expert`: the fetcher holds the slot until our ExpertsDone.
         if let Ok(b) = unsafe { self.expert_region.resolve(handle) } {
             if let Err(e) = self.rec.buffer(handle, b) {
-                self.link_error.borrow_mut().get_or_insert(e.to_string());
+                self.note(e);
             }
         }
     }
@@ -850,7 +859,7 @@ impl StagedWeights {
             &m,
             self.timeout,
         ) {
-            self.link_error.borrow_mut().get_or_insert(e.to_string());
+            self.note(e);
         }
     }
 
@@ -860,7 +869,7 @@ impl StagedWeights {
         &self,
         req: &mut Pending<'_>,
         deliver: &mut dyn for<'b> FnMut(Delivery<'b>),
-        end: Result<Msg, String>,
+        end: Result<Msg, LinkError>,
     ) {
         match end {
             Ok(Msg::ExpertBatchDone {
@@ -882,10 +891,14 @@ impl StagedWeights {
                 req.fail_rest(deliver, "the fetcher finished the batch without it");
             }
             Ok(other) => {
-                let e = format!("unexpected message from expert-fetcher: {other:?}");
+                let e = PeerError::OutOfTurn {
+                    peer: Stage::ExpertFetcher,
+                    want: "ExpertReady, ExpertFailed or ExpertBatchDone",
+                    got: format!("{other:?}"),
+                };
                 self.fail_request(req, deliver, e);
             }
-            Err(e) => self.fail_request(req, deliver, e),
+            Err(e) => self.fail_request(req, deliver, e.into()),
         }
     }
 }
@@ -937,5 +950,5 @@ struct Burst<'a> {
     /// The ids whose slots the delivery holds, given back once it returns.
     held: Vec<u32>,
     /// The message that ended the burst and the request (the batch's end, or a failure).
-    end: Option<Result<Msg, String>>,
+    end: Option<Result<Msg, LinkError>>,
 }

@@ -84,9 +84,9 @@ impl ModelStream {
         cat: &Catalog,
         head_chunk_bytes: Option<u64>,
         head_held_bytes: u64,
-    ) -> Result<ModelStream, String> {
+    ) -> std::io::Result<ModelStream> {
         let paths: Vec<PathBuf> = cat.shards().iter().map(|s| s.path.clone()).collect();
-        let files = DirectFiles::open(&paths).map_err(|e| e.to_string())?;
+        let files = DirectFiles::open(&paths)?;
         let embed = matrix(cat, &model_tensor("embed_tokens.weight"));
         let head = matrix(cat, LM_HEAD);
         let head_chunk_rows = match (&head, head_chunk_bytes) {

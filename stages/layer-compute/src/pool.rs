@@ -5,11 +5,16 @@
 //! The kernels split output rows over the current pool; no reduction is split, so the ids
 //! do not depend on the pool size.
 
+pub use crate::error::PoolError;
+
+/// The pool type (a caller that keeps one names it without depending on rayon).
+pub use rayon::ThreadPool;
+
 /// A pool of `threads` workers (at least 1), named `k3-compute-N`.
-pub fn build(threads: usize) -> Result<rayon::ThreadPool, String> {
+pub fn build(threads: usize) -> Result<rayon::ThreadPool, PoolError> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .thread_name(|i| format!("k3-compute-{i}"))
         .build()
-        .map_err(|e| format!("cannot start {threads} compute threads: {e}"))
+        .map_err(|source| PoolError { threads, source })
 }

@@ -6,8 +6,9 @@
 //! the prefix is recomputed or carried: nothing but the logits row, the step number and the
 //! tokens so far (for the repetition penalty) enters the draw.
 //!
-//! Order, as in llama.cpp: repetition penalty on the raw logits; greedy stops there; else
-//! sort, top-k, softmax at the temperature, top-p, min-p, draw.
+//! Order, as in llama.cpp: repetition penalty on the raw logits, then the presence and
+//! frequency penalties (OpenAI's, over the generated ids); greedy stops there; else sort,
+//! top-k, softmax at the temperature, top-p, min-p, draw.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
@@ -27,27 +28,61 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
-/// The logits row with the repetition penalty applied to the ids among the last
-/// [`REPEAT_WINDOW`] of `history` (None when the penalty is off: use the row as it is).
-fn penalised(logits: &[f32], cfg: &SamplerConfig, history: &[u32]) -> Option<Vec<f32>> {
-    let pen = cfg.repetition_penalty.filter(|p| *p > 0.0 && *p != 1.0)?;
+/// The logits row with the penalties applied (None when every one is off: use the row as
+/// it is): the repetition penalty on the ids among the last [`REPEAT_WINDOW`] of `history`,
+/// then OpenAI's presence and frequency penalties over `generated` (this request's ids so
+/// far): `logit - count * frequency - (count > 0) * presence`, in f32.
+fn penalised(
+    logits: &[f32],
+    cfg: &SamplerConfig,
+    history: &[u32],
+    generated: &[u32],
+) -> Option<Vec<f32>> {
+    let rep = cfg.repetition_penalty.filter(|p| *p > 0.0 && *p != 1.0);
+    let presence = cfg.presence_penalty.filter(|p| *p != 0.0);
+    let frequency = cfg.frequency_penalty.filter(|p| *p != 0.0);
+    if rep.is_none() && presence.is_none() && frequency.is_none() {
+        return None;
+    }
     let mut row = logits.to_vec();
-    let recent = &history[history.len().saturating_sub(REPEAT_WINDOW)..];
-    let mut seen = std::collections::BTreeSet::new();
-    for &id in recent {
-        let i = id as usize;
-        if i < row.len() && seen.insert(i) {
-            let v = row[i];
-            row[i] = if v > 0.0 { v / pen } else { v * pen };
+    if let Some(pen) = rep {
+        let recent = &history[history.len().saturating_sub(REPEAT_WINDOW)..];
+        let mut seen = std::collections::BTreeSet::new();
+        for &id in recent {
+            let i = id as usize;
+            if i < row.len() && seen.insert(i) {
+                let v = row[i];
+                row[i] = if v > 0.0 { v / pen } else { v * pen };
+            }
+        }
+    }
+    if presence.is_some() || frequency.is_some() {
+        let mut counts = std::collections::BTreeMap::<usize, u32>::new();
+        for &id in generated {
+            if (id as usize) < row.len() {
+                *counts.entry(id as usize).or_default() += 1;
+            }
+        }
+        let (p, f) = (presence.unwrap_or(0.0), frequency.unwrap_or(0.0));
+        for (i, c) in counts {
+            row[i] -= c as f32 * f + p;
         }
     }
     Some(row)
 }
 
 /// Pick the next token for generation step `step` (0-based); `history` is every token so
-/// far (prompt and generated), which only the repetition penalty reads.
-pub fn sample(logits: &[f32], cfg: &SamplerConfig, step: u64, history: &[u32]) -> usize {
-    let owned = penalised(logits, cfg, history);
+/// far (prompt and generated), which only the repetition penalty reads; `generated` is the
+/// ids this request has generated so far, which only the presence and frequency penalties
+/// read.
+pub fn sample(
+    logits: &[f32],
+    cfg: &SamplerConfig,
+    step: u64,
+    history: &[u32],
+    generated: &[u32],
+) -> usize {
+    let owned = penalised(logits, cfg, history, generated);
     let logits: &[f32] = owned.as_deref().unwrap_or(logits);
     let t = match cfg.temperature {
         Some(t) if t > 0.0 => t as f64,
@@ -116,7 +151,7 @@ mod tests {
         let l = [0.1, 0.9, 0.3];
         let cfg = SamplerConfig::default();
         assert!(cfg.is_greedy());
-        assert_eq!(sample(&l, &cfg, 7, &[]), 1);
+        assert_eq!(sample(&l, &cfg, 7, &[], &[]), 1);
     }
 
     #[test]
@@ -129,8 +164,8 @@ mod tests {
             seed: 42,
             ..Default::default()
         };
-        let a: Vec<usize> = (0..20).map(|s| sample(&l, &cfg, s, &[])).collect();
-        let b: Vec<usize> = (0..20).map(|s| sample(&l, &cfg, s, &[])).collect();
+        let a: Vec<usize> = (0..20).map(|s| sample(&l, &cfg, s, &[], &[])).collect();
+        let b: Vec<usize> = (0..20).map(|s| sample(&l, &cfg, s, &[], &[])).collect();
         assert_eq!(a, b);
         // Different steps draw differently (a sampler that ignored the step would repeat).
         assert!(a.iter().any(|&x| x != a[0]));
@@ -139,7 +174,7 @@ mod tests {
             top_k: Some(1),
             ..cfg
         };
-        assert!((0..10).all(|s| sample(&l, &k1, s, &[]) == argmax(&l)));
+        assert!((0..10).all(|s| sample(&l, &k1, s, &[], &[]) == argmax(&l)));
     }
 
     fn row() -> Vec<f32> {
@@ -159,7 +194,7 @@ mod tests {
             ..Default::default()
         };
         let picks: std::collections::BTreeSet<usize> =
-            (0..200).map(|s| sample(&l, &cfg, s, &[])).collect();
+            (0..200).map(|s| sample(&l, &cfg, s, &[], &[])).collect();
         assert_eq!(picks, [3usize, 7].into_iter().collect());
         // Without min-p at a high temperature the tail is reachable.
         let hot = SamplerConfig {
@@ -168,7 +203,7 @@ mod tests {
             ..cfg
         };
         let picks: std::collections::BTreeSet<usize> =
-            (0..200).map(|s| sample(&l, &hot, s, &[])).collect();
+            (0..200).map(|s| sample(&l, &hot, s, &[], &[])).collect();
         assert!(picks.len() > 2);
     }
 
@@ -180,15 +215,59 @@ mod tests {
             ..Default::default()
         };
         // Without history the top id wins; once id 1 was seen, 3.0/1.5 = 2.0 < 2.5.
-        assert_eq!(sample(&l, &cfg, 0, &[]), 1);
-        assert_eq!(sample(&l, &cfg, 0, &[1]), 2);
+        assert_eq!(sample(&l, &cfg, 0, &[], &[]), 1);
+        assert_eq!(sample(&l, &cfg, 0, &[1], &[]), 2);
         // Negative logits are pushed further down, not up.
         let neg = [-1.0f32, -1.2];
-        assert_eq!(sample(&neg, &cfg, 0, &[0]), 1);
+        assert_eq!(sample(&neg, &cfg, 0, &[0], &[]), 1);
         // Only the last REPEAT_WINDOW tokens count.
         let mut old = vec![1u32];
         old.extend(std::iter::repeat_n(3u32, REPEAT_WINDOW));
-        assert_eq!(sample(&l, &cfg, 0, &old), 1);
+        assert_eq!(sample(&l, &cfg, 0, &old, &[]), 1);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_generated_ids_only() {
+        let l = [3.0f32, 2.5, 2.4, -1.0];
+        let pres = SamplerConfig {
+            presence_penalty: Some(0.7),
+            ..Default::default()
+        };
+        // Id 0 generated once: 3.0 - 0.7 = 2.3 < 2.5; the prompt (history) does not count.
+        assert_eq!(sample(&l, &pres, 0, &[0, 0, 0], &[]), 0);
+        assert_eq!(sample(&l, &pres, 0, &[0], &[0]), 1);
+        // Presence counts an id once however often it came (2.3, 1.8, 2.4).
+        assert_eq!(sample(&l, &pres, 0, &[], &[0, 0, 0, 1]), 2);
+        let freq = SamplerConfig {
+            frequency_penalty: Some(0.3),
+            ..Default::default()
+        };
+        // Once: 3.0 - 0.3 = 2.7 still wins; twice: 2.4 < 2.5.
+        assert_eq!(sample(&l, &freq, 0, &[], &[0]), 0);
+        assert_eq!(sample(&l, &freq, 0, &[], &[0, 0]), 1);
+        // Negative penalties favour repeats: id 3 generated 4 times at -1: -1 + 4 = 3 (not
+        // above 3.0 at id 0, which keeps the tie by the lower id), 5 times wins.
+        let neg = SamplerConfig {
+            frequency_penalty: Some(-1.0),
+            ..Default::default()
+        };
+        assert_eq!(sample(&l, &neg, 0, &[], &[3; 4]), 0);
+        assert_eq!(sample(&l, &neg, 0, &[], &[3; 5]), 3);
+        // Both at once, exactly: count * f + p in f32.
+        let both = SamplerConfig {
+            presence_penalty: Some(0.25),
+            frequency_penalty: Some(0.125),
+            ..Default::default()
+        };
+        let row = penalised(&l, &both, &[], &[1, 1, 2]).unwrap();
+        assert_eq!(row, vec![3.0, 2.5 - 0.5, 2.4 - (0.125 + 0.25), -1.0]);
+        // Off (None or 0): the row is used as it is.
+        let zero = SamplerConfig {
+            presence_penalty: Some(0.0),
+            frequency_penalty: Some(0.0),
+            ..Default::default()
+        };
+        assert!(penalised(&l, &zero, &[0], &[0]).is_none());
     }
 
     #[test]
@@ -201,7 +280,7 @@ mod tests {
             ..Default::default()
         };
         let picks: std::collections::BTreeSet<usize> =
-            (0..100).map(|s| sample(&l, &cfg, s, &[])).collect();
+            (0..100).map(|s| sample(&l, &cfg, s, &[], &[])).collect();
         assert!(picks.len() > 1, "top-k 5 at T=1 drew only {picks:?}");
         assert!(picks.len() <= 5);
     }

@@ -29,7 +29,7 @@
 //! checks it like `--load-state` and also that its tokens start the loaded conversation,
 //! and puts it back in the prefix cache, so the next turn prefills only what follows.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::decode::PrefixCache;
 use crate::forward::{Model, Session};
@@ -37,12 +37,125 @@ use crate::modules::kda::KdaState;
 use crate::modules::mla::MlaCache;
 use crate::weights::Weights;
 use k3_model::config::LayerKind;
+use k3_protocol::failure::FailureKind;
 
 /// Version of the file layout.
 pub const STATE_VERSION: u32 = 1;
 const MAGIC: &[u8; 8] = b"K3STATE\n";
 /// Longest header accepted.
 const MAX_HEADER: usize = 1 << 20;
+
+/// Why a state could not be written, read or used. A file's errors come wrapped in
+/// [`StateError::Load`] or [`StateError::Save`], which name the flag and the path.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// A file of the model (config.json, a shard) could not be read for the fingerprint.
+    #[error("{}: {source}", path.display())]
+    File {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Catalog(#[from] k3_model::catalog::CatalogError),
+    /// A shard's data sample could not be read for the fingerprint.
+    #[error(transparent)]
+    Source(#[from] k3_model::trunk::SourceError),
+    /// Reading or writing the state file itself.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("not a regular file")]
+    NotAFile,
+    #[error("not a k3 state file (written by --save-state)")]
+    NotAState,
+    #[error("state file version {0}; this k3-orch reads version {STATE_VERSION}")]
+    Version(u32),
+    #[error("the state file's header is truncated")]
+    HeaderTruncated,
+    #[error("the state file's header is unreadable: {0}")]
+    Header(#[source] serde_json::Error),
+    #[error(
+        "the state was saved for another model or configuration (fingerprint {found}, this \
+         run's is {want})"
+    )]
+    OtherModel { found: String, want: String },
+    #[error("the state file is truncated or padded: {got} payload bytes, the header says {want}")]
+    PayloadSize { got: usize, want: u64 },
+    #[error("the state file is corrupt: its payload checksum (SHA-256) does not match")]
+    Checksum,
+    #[error("the state payload is truncated")]
+    Truncated,
+    /// The payload does not fit the model (layers, kinds, shapes, ids): what does not.
+    #[error("{0}")]
+    Mismatch(String),
+    /// Encoding: the session and the tokens recorded for it disagree.
+    #[error("the session consumed {pos} tokens but {recorded} are recorded (expected one more)")]
+    TokenCount { pos: usize, recorded: usize },
+    #[error("the state's header does not serialise: {0}")]
+    Encode(#[source] serde_json::Error),
+    #[error("nothing was generated, so there is no state to save")]
+    NothingGenerated,
+    #[error("no tokens")]
+    NoTokens,
+    #[error(
+        "no session state is kept for this conversation (no turn yet, or prefix reuse is off)"
+    )]
+    NoneKept,
+    #[error(
+        "the state ({state} tokens) is not a prefix of this conversation ({conversation} \
+         tokens): it was saved for another conversation"
+    )]
+    OtherConversation { state: usize, conversation: usize },
+    /// `--load-state PATH` (or `/load`): the file and what is wrong with it.
+    #[error("--load-state {}: {source}", path.display())]
+    Load {
+        path: PathBuf,
+        #[source]
+        source: Box<StateError>,
+    },
+    /// `--save-state PATH`: the file and why it could not be written.
+    #[error("--save-state {}: {source}", path.display())]
+    Save {
+        path: PathBuf,
+        #[source]
+        source: Box<StateError>,
+    },
+}
+
+impl StateError {
+    fn load(path: &Path) -> impl FnOnce(StateError) -> StateError + '_ {
+        |e| StateError::Load {
+            path: path.to_path_buf(),
+            source: Box::new(e),
+        }
+    }
+
+    fn save(path: &Path) -> impl FnOnce(StateError) -> StateError + '_ {
+        |e| StateError::Save {
+            path: path.to_path_buf(),
+            source: Box::new(e),
+        }
+    }
+
+    /// The failure kind a stage reports for it: writing a state is I/O; a state that cannot
+    /// be read or used is the run's configuration.
+    pub fn kind(&self) -> FailureKind {
+        match self {
+            StateError::Save { .. } => FailureKind::Io,
+            _ => FailureKind::Config,
+        }
+    }
+
+    /// The message without the flag: `PATH: why` for a file's error (what `/load` shows).
+    pub fn without_flag(&self) -> String {
+        match self {
+            StateError::Load { path, source } | StateError::Save { path, source } => {
+                format!("{}: {source}", path.display())
+            }
+            e => e.to_string(),
+        }
+    }
+}
 
 /// What the header says.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -72,15 +185,25 @@ fn sha256_hex(b: &[u8]) -> String {
     hex(&k3_protocol::record::sha256(b))
 }
 
-/// The model's fingerprint: SHA-256 over config.json, the bound layer count, and each
-/// shard's file name, size and safetensors header (in the catalog's shard order).
-pub fn fingerprint(config_path: &Path, model_dir: &Path, layers: usize) -> Result<String, String> {
+/// The model's fingerprint: SHA-256 over config.json, the bound layer count, each shard's
+/// file name, size and safetensors header (in the catalog's shard order), and each shard's
+/// sampled data digest (`k3_model::trunk::SourceIdentity`, as `pack-trunk` records it:
+/// two checkpoints of one layout have the same headers, not the same data).
+pub fn fingerprint(
+    config_path: &Path,
+    model_dir: &Path,
+    layers: usize,
+) -> Result<String, StateError> {
     use std::io::Read;
+    let file = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| StateError::File { path, source }
+    };
     let config = k3_io::input::read_capped(config_path, k3_io::input::JSON_CAP)
-        .map_err(|e| format!("{}: {e}", config_path.display()))?;
-    let cat = k3_model::catalog::Catalog::open(model_dir).map_err(|e| e.to_string())?;
+        .map_err(file(config_path))?;
+    let cat = k3_model::catalog::Catalog::open(model_dir)?;
     let mut buf = Vec::new();
-    buf.extend_from_slice(b"k3 state fingerprint 1\n");
+    buf.extend_from_slice(b"k3 state fingerprint 2\n");
     buf.extend_from_slice(&(config.len() as u64).to_le_bytes());
     buf.extend_from_slice(&config);
     buf.extend_from_slice(&(layers as u64).to_le_bytes());
@@ -90,26 +213,25 @@ pub fn fingerprint(config_path: &Path, model_dir: &Path, layers: usize) -> Resul
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let mut f =
-            std::fs::File::open(&sh.path).map_err(|e| format!("{}: {e}", sh.path.display()))?;
-        let size = f
-            .metadata()
-            .map_err(|e| format!("{}: {e}", sh.path.display()))?
-            .len();
+        let mut f = k3_io::input::open_regular(&sh.path).map_err(file(&sh.path))?;
+        let size = f.metadata().map_err(file(&sh.path))?.len();
         let mut n = [0u8; 8];
-        f.read_exact(&mut n)
-            .map_err(|e| format!("{}: {e}", sh.path.display()))?;
+        f.read_exact(&mut n).map_err(file(&sh.path))?;
         let hlen = u64::from_le_bytes(n)
             .min(size.saturating_sub(8))
             .min(256 << 20);
         let mut header = vec![0u8; hlen as usize];
-        f.read_exact(&mut header)
-            .map_err(|e| format!("{}: {e}", sh.path.display()))?;
+        f.read_exact(&mut header).map_err(file(&sh.path))?;
         buf.extend_from_slice(&(name.len() as u64).to_le_bytes());
         buf.extend_from_slice(name.as_bytes());
         buf.extend_from_slice(&size.to_le_bytes());
         buf.extend_from_slice(&hlen.to_le_bytes());
         buf.extend_from_slice(&header);
+    }
+    for sh in k3_model::trunk::SourceIdentity::of(&cat)?.shards {
+        buf.extend_from_slice(&(sh.file.len() as u64).to_le_bytes());
+        buf.extend_from_slice(sh.file.as_bytes());
+        buf.extend_from_slice(sh.sample_sha256.as_bytes());
     }
     Ok(sha256_hex(&buf))
 }
@@ -132,13 +254,13 @@ pub fn encode(
     tokens: &[u32],
     steps: u64,
     session: &Session,
-) -> Result<Vec<u8>, String> {
+) -> Result<Vec<u8>, StateError> {
     let (pos, kda, mla) = session.parts();
     if tokens.len() != pos + 1 {
-        return Err(format!(
-            "the session consumed {pos} tokens but {} are recorded (expected one more)",
-            tokens.len()
-        ));
+        return Err(StateError::TokenCount {
+            pos,
+            recorded: tokens.len(),
+        });
     }
     let mut p = Vec::new();
     put_u64(&mut p, pos as u64);
@@ -174,7 +296,7 @@ pub fn encode(
         payload_bytes: p.len() as u64,
         payload_sha256: sha256_hex(&p),
     };
-    let h = serde_json::to_vec(&header).map_err(|e| e.to_string())?;
+    let h = serde_json::to_vec(&header).map_err(StateError::Encode)?;
     let mut out = Vec::with_capacity(16 + h.len() + p.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&STATE_VERSION.to_le_bytes());
@@ -191,48 +313,41 @@ pub fn save(
     tokens: &[u32],
     steps: u64,
     session: &Session,
-) -> Result<(), String> {
+) -> Result<(), StateError> {
     let bytes = encode(fingerprint, tokens, steps, session)?;
-    k3_io::output::write_atomic(path, &bytes)
-        .map_err(|e| format!("--save-state {}: {e}", path.display()))
+    k3_io::output::write_atomic(path, &bytes).map_err(|e| StateError::save(path)(e.into()))
 }
 
 /// Check a file's magic, version, model and checksum; returns the header and the payload.
-pub fn check<'a>(bytes: &'a [u8], fingerprint: &str) -> Result<(Header, &'a [u8]), String> {
+pub fn check<'a>(bytes: &'a [u8], fingerprint: &str) -> Result<(Header, &'a [u8]), StateError> {
     if bytes.len() < 16 || &bytes[..8] != MAGIC {
-        return Err("not a k3 state file (written by --save-state)".into());
+        return Err(StateError::NotAState);
     }
     let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap_or_default());
     if version != STATE_VERSION {
-        return Err(format!(
-            "state file version {version}; this k3-orch reads version {STATE_VERSION}"
-        ));
+        return Err(StateError::Version(version));
     }
     let hlen = u32::from_le_bytes(bytes[12..16].try_into().unwrap_or_default()) as usize;
     if hlen > MAX_HEADER || 16 + hlen > bytes.len() {
-        return Err("the state file's header is truncated".into());
+        return Err(StateError::HeaderTruncated);
     }
-    let header: Header = serde_json::from_slice(&bytes[16..16 + hlen])
-        .map_err(|e| format!("the state file's header is unreadable: {e}"))?;
+    let header: Header =
+        serde_json::from_slice(&bytes[16..16 + hlen]).map_err(StateError::Header)?;
     if header.fingerprint != fingerprint {
-        return Err(format!(
-            "the state was saved for another model or configuration (fingerprint {}, this \
-             run's is {fingerprint})",
-            header.fingerprint
-        ));
+        return Err(StateError::OtherModel {
+            found: header.fingerprint,
+            want: fingerprint.to_string(),
+        });
     }
     let payload = &bytes[16 + hlen..];
     if payload.len() as u64 != header.payload_bytes {
-        return Err(format!(
-            "the state file is truncated or padded: {} payload bytes, the header says {}",
-            payload.len(),
-            header.payload_bytes
-        ));
+        return Err(StateError::PayloadSize {
+            got: payload.len(),
+            want: header.payload_bytes,
+        });
     }
     if sha256_hex(payload) != header.payload_sha256 {
-        return Err(
-            "the state file is corrupt: its payload checksum (SHA-256) does not match".into(),
-        );
+        return Err(StateError::Checksum);
     }
     Ok((header, payload))
 }
@@ -243,43 +358,43 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
-    fn take(&mut self, n: usize) -> Result<&[u8], String> {
+    fn take(&mut self, n: usize) -> Result<&[u8], StateError> {
         let end = self
             .at
             .checked_add(n)
             .filter(|&e| e <= self.b.len())
-            .ok_or("the state payload is truncated")?;
+            .ok_or(StateError::Truncated)?;
         let s = &self.b[self.at..end];
         self.at = end;
         Ok(s)
     }
-    fn u64(&mut self) -> Result<u64, String> {
+    fn u64(&mut self) -> Result<u64, StateError> {
         Ok(u64::from_le_bytes(
             self.take(8)?.try_into().unwrap_or_default(),
         ))
     }
-    fn u32(&mut self) -> Result<u32, String> {
+    fn u32(&mut self) -> Result<u32, StateError> {
         Ok(u32::from_le_bytes(
             self.take(4)?.try_into().unwrap_or_default(),
         ))
     }
-    fn u8(&mut self) -> Result<u8, String> {
+    fn u8(&mut self) -> Result<u8, StateError> {
         Ok(self.take(1)?[0])
     }
-    fn count(&mut self, elem: usize) -> Result<usize, String> {
+    fn count(&mut self, elem: usize) -> Result<usize, StateError> {
         let n = self.u64()?;
         let left = (self.b.len() - self.at) as u64;
         if n.saturating_mul(elem as u64) > left {
-            return Err("the state payload is truncated".into());
+            return Err(StateError::Truncated);
         }
         Ok(n as usize)
     }
-    fn f32s(&mut self, want: usize, what: &str) -> Result<Vec<f32>, String> {
+    fn f32s(&mut self, want: usize, what: &str) -> Result<Vec<f32>, StateError> {
         let n = self.count(4)?;
         if n != want {
-            return Err(format!(
+            return Err(StateError::Mismatch(format!(
                 "{what} holds {n} values where the model needs {want}"
-            ));
+            )));
         }
         Ok(self
             .take(n * 4)?
@@ -289,29 +404,43 @@ impl Reader<'_> {
     }
 }
 
+/// The ids a checked payload records (every id the session consumed, then the last
+/// generated one), read without a model: what a run checks against its vocabulary up
+/// front.
+pub fn tokens(payload: &[u8]) -> Result<Vec<u32>, StateError> {
+    let mut r = Reader { b: payload, at: 0 };
+    let _pos = r.u64()?;
+    let _steps = r.u64()?;
+    let nt = r.count(4)?;
+    (0..nt).map(|_| r.u32()).collect()
+}
+
 /// Read a checked payload into a session for `model`, checking every shape against it.
-pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, String> {
+pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, StateError> {
+    let mismatch = StateError::Mismatch;
     let mut r = Reader { b: payload, at: 0 };
     let pos = r.u64()? as usize;
     let steps = r.u64()?;
     let nt = r.count(4)?;
     if nt != pos + 1 {
-        return Err(format!(
+        return Err(mismatch(format!(
             "the state records {nt} tokens for a session of {pos} (expected one more)"
-        ));
+        )));
     }
     let tokens: Vec<u32> = (0..nt).map(|_| r.u32()).collect::<Result<_, _>>()?;
     let vocab = model.vocab() as u32;
     if let Some(t) = tokens.iter().find(|&&t| t >= vocab) {
-        return Err(format!("the state holds id {t}, outside the vocabulary"));
+        return Err(mismatch(format!(
+            "the state holds id {t}, outside the vocabulary"
+        )));
     }
     let layers = r.u32()? as usize;
     let fresh = model.new_session();
     let want_layers = fresh.parts().1.len();
     if layers != want_layers {
-        return Err(format!(
+        return Err(mismatch(format!(
             "the state has {layers} layers, the model binds {want_layers}"
-        ));
+        )));
     }
     let kd = model.kda_geometry();
     let (state_len, tail_len) = KdaState::lens(&kd);
@@ -333,9 +462,9 @@ pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, Str
             (2, LayerKind::Mla) => {
                 let len = r.u64()? as usize;
                 if len != pos {
-                    return Err(format!(
+                    return Err(mismatch(format!(
                         "layer {l}'s KV cache holds {len} positions, the session {pos}"
-                    ));
+                    )));
                 }
                 mla[l] = Some(MlaCache {
                     len,
@@ -346,17 +475,17 @@ pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, Str
                 })
             }
             (tag, kind) => {
-                return Err(format!(
+                return Err(mismatch(format!(
                     "layer {l} is {kind:?} but the state holds kind {tag} for it"
-                ))
+                )))
             }
         }
     }
     if r.at != payload.len() {
-        return Err(format!(
+        return Err(mismatch(format!(
             "{} bytes after the last layer of the state",
             payload.len() - r.at
-        ));
+        )));
     }
     Ok(Saved {
         tokens,
@@ -366,23 +495,69 @@ pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, Str
 }
 
 /// Read, check and decode a state file for `model`.
-pub fn load<W: Weights>(path: &Path, fingerprint: &str, model: &Model<W>) -> Result<Saved, String> {
+pub fn load<W: Weights>(
+    path: &Path,
+    fingerprint: &str,
+    model: &Model<W>,
+) -> Result<Saved, StateError> {
     let bytes = read(path)?;
-    let (_, payload) =
-        check(&bytes, fingerprint).map_err(|e| format!("--load-state {}: {e}", path.display()))?;
-    decode(payload, model).map_err(|e| format!("--load-state {}: {e}", path.display()))
+    let (_, payload) = check(&bytes, fingerprint).map_err(StateError::load(path))?;
+    decode(payload, model).map_err(StateError::load(path))
 }
 
-/// Read a state file (a regular file only).
-pub fn read(path: &Path) -> Result<Vec<u8>, String> {
-    let m = std::fs::metadata(path).map_err(|e| format!("--load-state {}: {e}", path.display()))?;
-    if !m.is_file() {
-        return Err(format!(
-            "--load-state {}: not a regular file",
-            path.display()
-        ));
+/// A state file's bytes, for [`check`]. Only a regular file is opened (never blocking on
+/// a FIFO), and its magic, version, header and size are checked before the rest is read:
+/// a file that is not a state (a 3 GB log, `/dev/zero`) is refused after 16 bytes, and one
+/// whose size is not what its header says before its payload is read.
+pub fn read(path: &Path) -> Result<Vec<u8>, StateError> {
+    use std::io::Read;
+    let load = |e: StateError| StateError::Load {
+        path: path.to_path_buf(),
+        source: Box::new(e),
+    };
+    let mut f = k3_io::input::open_regular(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidInput => load(StateError::NotAFile),
+        _ => load(e.into()),
+    })?;
+    let size = f.metadata().map_err(|e| load(e.into()))?.len();
+    let mut head = [0u8; 16];
+    if size < 16 {
+        return Err(load(StateError::NotAState));
     }
-    std::fs::read(path).map_err(|e| format!("--load-state {}: {e}", path.display()))
+    f.read_exact(&mut head).map_err(|e| load(e.into()))?;
+    if &head[..8] != MAGIC {
+        return Err(load(StateError::NotAState));
+    }
+    let version = u32::from_le_bytes(head[8..12].try_into().unwrap_or_default());
+    if version != STATE_VERSION {
+        return Err(load(StateError::Version(version)));
+    }
+    let hlen = u32::from_le_bytes(head[12..16].try_into().unwrap_or_default()) as u64;
+    if hlen > MAX_HEADER as u64 || 16 + hlen > size {
+        return Err(load(StateError::HeaderTruncated));
+    }
+    let mut bytes = head.to_vec();
+    bytes.resize(16 + hlen as usize, 0);
+    f.read_exact(&mut bytes[16..]).map_err(|e| load(e.into()))?;
+    let header: Header =
+        serde_json::from_slice(&bytes[16..]).map_err(|e| load(StateError::Header(e)))?;
+    let payload = size - 16 - hlen;
+    if payload != header.payload_bytes {
+        return Err(load(StateError::PayloadSize {
+            got: payload as usize,
+            want: header.payload_bytes,
+        }));
+    }
+    bytes
+        .try_reserve_exact(payload as usize)
+        .map_err(|e| load(std::io::Error::new(std::io::ErrorKind::OutOfMemory, e).into()))?;
+    f.take(payload)
+        .read_to_end(&mut bytes)
+        .map_err(|e| load(e.into()))?;
+    if bytes.len() as u64 != size {
+        return Err(load(StateError::Truncated));
+    }
+    Ok(bytes)
 }
 
 /// Where a run starts: a fresh session over the prompt, or a loaded state whose last token
@@ -403,7 +578,7 @@ impl Start {
         model: &Model<W>,
         load: Option<(&Path, &str)>,
         prompt: &[u32],
-    ) -> Result<Start, String> {
+    ) -> Result<Start, StateError> {
         let Some((path, fp)) = load else {
             return Ok(Start {
                 session: model.new_session(),
@@ -416,7 +591,7 @@ impl Start {
         let last = saved
             .tokens
             .pop()
-            .ok_or_else(|| format!("--load-state {}: no tokens", path.display()))?;
+            .ok_or_else(|| StateError::load(path)(StateError::NoTokens))?;
         let mut p = vec![last];
         p.extend_from_slice(prompt);
         Ok(Start {
@@ -428,12 +603,9 @@ impl Start {
     }
 
     /// Save the session after the loop generated `generated` from this start.
-    pub fn save(&self, path: &Path, fp: &str, generated: &[u32]) -> Result<(), String> {
+    pub fn save(&self, path: &Path, fp: &str, generated: &[u32]) -> Result<(), StateError> {
         if generated.is_empty() {
-            return Err(format!(
-                "--save-state {}: nothing was generated, so there is no state to save",
-                path.display()
-            ));
+            return Err(StateError::save(path)(StateError::NothingGenerated));
         }
         let mut tokens = self.history.clone();
         tokens.extend_from_slice(&self.prompt);
@@ -456,10 +628,8 @@ pub fn encode_prefix(
     cache: &mut PrefixCache,
     conversation: &[u32],
     fingerprint: &str,
-) -> Result<(Vec<u8>, usize), String> {
-    let (n, session) = cache.lookup(conversation).ok_or(
-        "no session state is kept for this conversation (no turn yet, or prefix reuse is off)",
-    )?;
+) -> Result<(Vec<u8>, usize), StateError> {
+    let (n, session) = cache.lookup(conversation).ok_or(StateError::NoneKept)?;
     let bytes = encode(fingerprint, &conversation[..n + 1], 0, &session)?;
     Ok((bytes, n))
 }
@@ -472,16 +642,14 @@ pub fn decode_prefix<W: Weights>(
     fingerprint: &str,
     model: &Model<W>,
     conversation: &[u32],
-) -> Result<(Vec<u32>, Session), String> {
+) -> Result<(Vec<u32>, Session), StateError> {
     let (_, payload) = check(bytes, fingerprint)?;
     let mut saved = decode(payload, model)?;
     if !conversation.starts_with(&saved.tokens) {
-        return Err(format!(
-            "the state ({} tokens) is not a prefix of this conversation ({} tokens): it was \
-             saved for another conversation",
-            saved.tokens.len(),
-            conversation.len()
-        ));
+        return Err(StateError::OtherConversation {
+            state: saved.tokens.len(),
+            conversation: conversation.len(),
+        });
     }
     saved.tokens.pop();
     Ok((saved.tokens, saved.session))

@@ -209,7 +209,8 @@ impl<S: WeightSource> Weights for SourceWeights<S> {
     }
 }
 
-/// Widen a BF16/F32 tensor to f32 (small vectors: norms, biases, conv taps).
+/// Widen a BF16/F32 tensor to f32 (small vectors: norms, biases, conv taps), refusing a
+/// value that is not finite ([`WeightError::NonFinite`]).
 pub fn to_f32_vec(name: &str, t: &TensorRef<'_>) -> Result<Vec<f32>, WeightError> {
     let n = t.numel();
     let want = n * t.dtype.size();
@@ -219,20 +220,31 @@ pub fn to_f32_vec(name: &str, t: &TensorRef<'_>) -> Result<Vec<f32>, WeightError
             msg: format!("{} bytes for {n} {} elements", t.bytes.len(), t.dtype),
         });
     }
-    match t.dtype {
-        Dtype::F32 => Ok(t
+    let v: Vec<f32> = match t.dtype {
+        Dtype::F32 => t
             .bytes
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()),
-        Dtype::BF16 => Ok(t
+            .collect(),
+        Dtype::BF16 => t
             .bytes
             .chunks_exact(2)
             .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
-            .collect()),
-        other => Err(WeightError::Invalid {
+            .collect(),
+        other => {
+            return Err(WeightError::Invalid {
+                name: name.to_string(),
+                msg: format!("dtype {other} where BF16 or F32 is expected"),
+            })
+        }
+    };
+    // A NaN norm weight, bias, conv tap or A_log can vanish before the hidden state (a
+    // router bias only steers the top-k choice): refused here, naming the tensor.
+    match v.iter().position(|x| !x.is_finite()) {
+        Some(i) => Err(WeightError::NonFinite {
             name: name.to_string(),
-            msg: format!("dtype {other} where BF16 or F32 is expected"),
+            msg: format!("element {i} is {}", v[i]),
         }),
+        None => Ok(v),
     }
 }

@@ -9,17 +9,15 @@
 //!   wanted rows' logits and every later step are unchanged, the skipped work is counted,
 //!   and the last layer reads only the wanted rows' experts.
 
-mod support;
-
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 
+use crate::support::*;
 use k3_layer_compute::Weights;
 use k3_layer_compute::{Delivery, Group, Model, ModelOptions, Session, SourceWeights, Want};
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
 use k3_model::tensor::{TensorRef, WeightError};
-use support::*;
 
 const MODELS: [&str; 2] = ["tiny-seed", "tiny-mxfp4"];
 
@@ -283,6 +281,7 @@ fn experts_by_layer(log: &[Call]) -> Vec<(usize, BTreeSet<u32>)> {
 // announce that differs from the request that follows it.
 #[test]
 fn a_pass_reads_its_weights_once_for_every_group() {
+    let _kernels = kernels_shared();
     for model in MODELS {
         let m = counting(model, None);
         let n = m.n_layers();
@@ -383,6 +382,7 @@ fn last_layer(m: &Model<Counting>) -> String {
 // The last layer is MLA + MoE (whole models), KDA + MoE (12 layers) and KDA + dense (1).
 #[test]
 fn dead_prompt_rows_skip_the_last_layer_and_change_no_bit() {
+    let _kernels = kernels_shared();
     for model in MODELS {
         let all = full_ids(model);
         let (prompt, rest) = all.split_at(9);

@@ -5,18 +5,16 @@
 //! "Alone" is the ONE decode loop ([`decode_loop`], incremental, the prompt in one pass),
 //! the path every mode runs today; nothing here compares the scheduler with itself.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
+use crate::support::*;
 use k3_layer_compute::batch::{
     Event, FinishReason, Refused, Request, RequestId, Scheduler, SchedulerOptions,
 };
 use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
 use k3_layer_compute::sampler::SamplerConfig;
 use k3_layer_compute::{Model, Weights};
-use support::*;
 
 const MODELS: [&str; 2] = ["tiny-seed", "tiny-mxfp4"];
 
@@ -30,7 +28,9 @@ fn full_ids(model: &str) -> Vec<u32> {
 struct Rows(Vec<Vec<f32>>);
 
 impl StepHooks for Rows {
-    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+    type Error = std::convert::Infallible;
+
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), Self::Error> {
         let v = s.out.logits.len() / s.out.rows;
         self.0.push(s.out.logits[(s.out.rows - 1) * v..].to_vec());
         Ok(())
@@ -308,6 +308,7 @@ fn each_request_gets_its_alone_bits_beside_1_3_and_7_others() {
 // (an empty prompt, an id outside the vocabulary, more tokens than a slot holds).
 #[test]
 fn submit_refuses_what_cannot_run_and_bounds_the_queue() {
+    let _kernels = kernels_shared();
     let m = load("tiny-mxfp4", 1);
     let opts = SchedulerOptions {
         slots: 2,
@@ -352,6 +353,7 @@ fn submit_refuses_what_cannot_run_and_bounds_the_queue() {
 // still starts it, and a zero-token request that runs a pass.
 #[test]
 fn cancel_frees_the_slot_for_the_next_request_at_once() {
+    let _kernels = kernels_shared();
     let m = load("tiny-seed", 1);
     let all = full_ids("tiny-seed");
     let mut s = Scheduler::new(
@@ -424,6 +426,7 @@ fn cancel_frees_the_slot_for_the_next_request_at_once() {
 // prefills.
 #[test]
 fn prompts_are_fed_oldest_first_within_the_chunk() {
+    let _kernels = kernels_shared();
     let m = load("tiny-mxfp4", 1);
     let all = full_ids("tiny-mxfp4");
     let mut s = Scheduler::new(
@@ -476,6 +479,7 @@ fn prompts_are_fed_oldest_first_within_the_chunk() {
 // changes the request's ids or logits.
 #[test]
 fn a_kept_prefix_is_reused_and_reported() {
+    let _kernels = kernels_shared();
     for model in MODELS {
         let m = load(model, 1);
         let all = full_ids(model);
@@ -545,5 +549,99 @@ fn a_kept_prefix_is_reused_and_reported() {
                 ..
             }
         ));
+    }
+}
+
+/// Run `r` alone on scheduler `s` to its end: (cached tokens, ids, logits rows).
+fn run_on<W: Weights>(s: &mut Scheduler, m: &Model<W>, r: Request) -> (usize, Run) {
+    let id = s.submit(r).unwrap();
+    let (mut cached, mut run) = (usize::MAX, Run::default());
+    while !s.is_idle() {
+        for e in s.step(m).events {
+            match e {
+                Event::Started {
+                    id: i,
+                    cached_tokens,
+                    ..
+                } if i == id => cached = cached_tokens,
+                Event::Token { token, logits, .. } => {
+                    run.ids.push(token);
+                    run.logits.push(logits.unwrap_or_default());
+                }
+                _ => {}
+            }
+        }
+    }
+    (cached, run)
+}
+
+// A chat's next turn starts after the history (the last complete message), not after the
+// reply's ids: `snapshot_at` keeps that state on the way through the prompt (the chunks stop
+// there once, which changes no bit). Catches a snapshot that is not kept (cached 0), one kept
+// at the wrong point (another count), and a chunking around it that changes the ids or
+// logits; and the byte bound: a cache whose bytes cannot hold a state keeps nothing.
+#[test]
+fn a_snapshot_inside_the_prompt_is_kept_and_the_bytes_are_bounded() {
+    let _kernels = kernels_shared();
+    for model in MODELS {
+        let m = load(model, 1);
+        let all = full_ids(model);
+        let opts = SchedulerOptions {
+            slots: 2,
+            max_queue: 4,
+            chunk: 4,
+            ctx: 64,
+            prefix_entries: 4,
+        };
+        let mut s = Scheduler::new(&m, opts).unwrap();
+        let mut first = Request::greedy(all[..9].to_vec(), 3);
+        first.snapshot_at = Some(6);
+        first.keep_logits = true;
+        let want_first = alone(&m, &first);
+        let (cached, got) = run_on(&mut s, &m, first);
+        assert_eq!(cached, 0);
+        assert_eq!(got.ids, want_first.ids, "{model}: ids with a snapshot");
+        for (k, (a, b)) in got.logits.iter().zip(&want_first.logits).enumerate() {
+            assert_bits_eq(&format!("{model}: snapshot step {k}"), a, b);
+        }
+        // Another turn after the same six-token history (not the first prompt's end).
+        let mut prompt = all[..6].to_vec();
+        prompt.extend_from_slice(&all[24..28]);
+        let mut next = Request::greedy(prompt, 4);
+        next.keep_logits = true;
+        let want = alone(&m, &next);
+        let (cached, got) = run_on(&mut s, &m, next.clone());
+        assert_eq!(cached, 6, "{model}: the history's state is reused");
+        assert_eq!(got.ids, want.ids, "{model}: ids after the snapshot");
+        for (k, (a, b)) in got.logits.iter().zip(&want.logits).enumerate() {
+            assert_bits_eq(&format!("{model}: after the snapshot, step {k}"), a, b);
+        }
+        assert!(s.prefix_cache().bytes() > 0);
+        // Bytes: a cache of one byte keeps no state at all.
+        let mut tight = Scheduler::new(&m, opts).unwrap();
+        tight.prefix_cache().byte_cap = 1;
+        let mut r = Request::greedy(all[..9].to_vec(), 3);
+        r.snapshot_at = Some(6);
+        run_on(&mut tight, &m, r);
+        assert!(
+            tight.prefix_cache().is_empty(),
+            "{model}: over the byte bound"
+        );
+        let (cached, _) = run_on(&mut tight, &m, next);
+        assert_eq!(cached, 0, "{model}");
+        // Room for one state: the newer one stays, the bytes stay under the bound.
+        let mut one = Scheduler::new(&m, opts).unwrap();
+        run_on(&mut one, &m, Request::greedy(all[..5].to_vec(), 2));
+        let b = one.prefix_cache().bytes();
+        assert!(b > 0);
+        one.prefix_cache().byte_cap = b + b / 2;
+        let (_, second) = run_on(&mut one, &m, Request::greedy(all[10..15].to_vec(), 2));
+        assert_eq!(one.prefix_cache().len(), 1, "{model}");
+        assert!(one.prefix_cache().bytes() <= b + b / 2);
+        // The kept key: the prompt and the first generated id (the last was never fed).
+        let mut prompt = all[10..15].to_vec();
+        prompt.extend_from_slice(&[second.ids[0], all[0]]);
+        let (cached, _) = run_on(&mut one, &m, Request::greedy(prompt, 1));
+        assert_eq!(cached, 6, "{model}: the newer state is the one kept");
     }
 }

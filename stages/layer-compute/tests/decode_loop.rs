@@ -6,11 +6,9 @@
 //! Also: a prompt fed in passes of a few tokens gives the oracle's ids and the very logits
 //! of one pass.
 
-mod support;
-
-use k3_layer_compute::decode::{decode_loop, LoopOptions, Step, StepHooks};
+use crate::support::*;
+use k3_layer_compute::decode::{decode_loop, DecodeError, LoopOptions, Step, StepHooks};
 use k3_layer_compute::sampler::SamplerConfig;
-use support::*;
 
 /// Greedy options over `prompt` (no logits dumped).
 fn greedy<'a>(
@@ -34,7 +32,9 @@ fn greedy<'a>(
 struct Count(usize);
 
 impl StepHooks for Count {
-    fn on_step(&mut self, _s: Step<'_>) -> Result<(), String> {
+    type Error = std::convert::Infallible;
+
+    fn on_step(&mut self, _s: Step<'_>) -> Result<(), Self::Error> {
         self.0 += 1;
         Ok(())
     }
@@ -46,6 +46,7 @@ impl StepHooks for Count {
 /// an off-by-one that runs one more step.
 #[test]
 fn stop_ids_end_generation_after_the_stop_id() {
+    let _kernels = kernels_shared();
     let m = load("tiny-mxfp4", 1);
     let e = read_json(&fixtures().join("tiny-mxfp4/expected-k3ref.json"));
     let prompt = ids(&e, "prompt_ids");
@@ -84,7 +85,9 @@ fn stop_ids_end_generation_after_the_stop_id() {
 struct Logits(Vec<f32>);
 
 impl StepHooks for Logits {
-    fn on_step(&mut self, s: Step<'_>) -> Result<(), String> {
+    type Error = std::convert::Infallible;
+
+    fn on_step(&mut self, s: Step<'_>) -> Result<(), Self::Error> {
         if s.step == 0 {
             let v = s.out.logits.len() / s.out.rows;
             self.0 = s.out.logits[(s.out.rows - 1) * v..].to_vec();
@@ -101,6 +104,7 @@ impl StepHooks for Logits {
 /// logits taken from an earlier pass, and a last pass of the wrong length.
 #[test]
 fn a_prompt_in_passes_gives_the_oracle_ids_and_the_same_logits() {
+    let _kernels = kernels_shared();
     for model in ["tiny-mxfp4", "tiny-seed"] {
         let m = load(model, 1);
         let e = read_json(&fixtures().join(format!("{model}/expected-k3ref.json")));
@@ -138,4 +142,45 @@ fn a_prompt_in_passes_gives_the_oracle_ids_and_the_same_logits() {
             }
         }
     }
+}
+
+/// A hook whose `after_forward` fails at one step (a staged run's dead link).
+struct FailsAt(usize, usize);
+
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("link gone at step {0}")]
+struct Gone(usize);
+
+impl StepHooks for FailsAt {
+    type Error = Gone;
+
+    fn after_forward(&mut self, step: usize) -> Result<(), Gone> {
+        if step == self.0 {
+            return Err(Gone(step));
+        }
+        Ok(())
+    }
+
+    fn on_step(&mut self, _s: Step<'_>) -> Result<(), Gone> {
+        self.1 += 1;
+        Ok(())
+    }
+}
+
+/// Catches a hook's error turned into another (a forward error, a message) on its way out
+/// of the loop, so a caller could no longer tell a dead peer from a failed pass, and a loop
+/// that goes on after a hook failed.
+#[test]
+fn a_hook_error_ends_the_loop_as_itself() {
+    let _kernels = kernels_shared();
+    let m = load("tiny-mxfp4", 1);
+    let e = read_json(&fixtures().join("tiny-mxfp4/expected-k3ref.json"));
+    let prompt = ids(&e, "prompt_ids");
+    let mut hooks = FailsAt(2, 0);
+    let got = decode_loop(&m, &greedy(&prompt, 5, true, &[], None), &mut hooks);
+    match got {
+        Err(DecodeError::Hook(g)) => assert_eq!(g, Gone(2)),
+        other => panic!("expected the hook's own error, got {other:?}"),
+    }
+    assert_eq!(hooks.1, 2, "steps taken before the failure");
 }

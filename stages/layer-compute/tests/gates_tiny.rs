@@ -3,11 +3,9 @@
 //! runs once per product path this host has (`exact`, and `bf16x3` on AVX512-BF16:
 //! `support::on_each_path`), with the same tolerances.
 
-mod support;
-
+use crate::support::*;
 use k3_layer_compute::kernels::simd::Isa;
 use k3_layer_compute::sampler::argmax;
-use support::*;
 
 fn rows_argmax(logits: &[f32], vocab: usize) -> Vec<u32> {
     logits.chunks(vocab).map(|r| argmax(r) as u32).collect()

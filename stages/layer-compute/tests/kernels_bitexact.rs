@@ -14,21 +14,14 @@
 //!
 //! An instruction set the CPU lacks is reported (`SKIPPED:`, [`simd::runnable`]), never
 //! replaced by another; under `K3_REQUIRE_SIMD` (CI) the test fails instead. Tests that
-//! run products on the installed kernels hold [`installed`] (one of them installs the
+//! run products on the installed kernels hold `support::kernels_lock` (one of them installs the
 //! `bf16x3` path, which changes results).
-
-use std::sync::{Mutex, MutexGuard};
 
 use k3_layer_compute::kernels::matmul::{gemm, gemm64, gemm_fused, gemm_on, gemv, Mat};
 use k3_layer_compute::kernels::tuning::{self, KernelTuning, WeightStaging};
 use k3_layer_compute::kernels::{mxfp4, simd, simd::Isa, simd::Kernel, simd::ProductPath};
 
-/// The installed tuning for the tests that use it: a test that installs another product
-/// path would change the others' results meanwhile.
-fn installed() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::support::{cap_isa, kernels_lock, kernels_shared};
 
 fn rng(s: &mut u64) -> u64 {
     *s ^= *s << 13;
@@ -201,6 +194,7 @@ const SHAPES: [(usize, usize); 10] = [
 // batch that differs from one token.
 #[test]
 fn simd_paths_match_portable_twin_bitwise() {
+    let _kernels = kernels_shared();
     let mut s = 0x1234_5678_9abc_def1u64;
     let paths = simd_isas("simd_paths_match_portable_twin_bitwise");
     // Results that are NaN, infinite, subnormal: the special inputs must reach them.
@@ -209,9 +203,10 @@ fn simd_paths_match_portable_twin_bitwise() {
         for &(rows, cols) in &SHAPES {
             let o = Owned::special(fmt, rows, cols, &mut s);
             let m = o.mat();
-            // 37 tokens: three passes of the AVX-512 batched path (16 + 16 + 5 tokens,
-            // the weights staged again for each).
-            for ntok in [1usize, 2, 3, 4, 5, 9, 13, 16, 37] {
+            // 2 to 8 tokens: every few-token tile of AVX-512 (rows_few, and rows_small's
+            // pairs with an odd last token). 37 tokens: three passes of the AVX-512
+            // batched path (16 + 16 + 5 tokens, the weights staged again for each).
+            for ntok in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 37] {
                 let x = activations(ntok, cols, &mut s);
                 let mut want = vec![0f32; ntok * rows];
                 gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, ntok);
@@ -254,6 +249,7 @@ fn simd_paths_match_portable_twin_bitwise() {
 // the helper this file had), that takes −0 for +0, or that tells NaNs apart by payload.
 #[test]
 fn assert_same_checks_length_bits_and_nans() {
+    let _kernels = kernels_shared();
     let fails = |a: &'static [f32], b: &'static [f32]| {
         std::panic::catch_unwind(|| assert_same("x", a, b)).is_err()
     };
@@ -273,6 +269,7 @@ fn assert_same_checks_length_bits_and_nans() {
 // dequantised matrix bit for bit, on every path.
 #[test]
 fn mxfp4_equals_dequantised_f32_bitwise() {
+    let _kernels = kernels_shared();
     let mut s = 0xfeed_f00d_1234_5679u64;
     let mut paths = vec![Isa::Portable];
     paths.extend(simd_isas("mxfp4_equals_dequantised_f32_bitwise"));
@@ -299,7 +296,7 @@ fn mxfp4_equals_dequantised_f32_bitwise() {
 // from the plain single-threaded product.
 #[test]
 fn fused_threads_and_f64_outputs_agree() {
-    let _installed = installed();
+    let _installed = kernels_lock();
     let mut s = 0x0bad_cafe_dead_beefu64;
     let cols = 1500;
     let mats: Vec<Owned> = [("bf16", 700), ("mxfp4", 333), ("bf16", 64), ("f32", 129)]
@@ -351,16 +348,14 @@ fn fused_threads_and_f64_outputs_agree() {
             }
         }
     }
-    // The process-wide switch still forces the portable path (and changes nothing).
-    tuning::install(KernelTuning {
-        max_isa: Some(Isa::Portable),
-        ..KernelTuning::default()
-    });
+    // The process-wide switch still forces the portable path (and changes nothing). The
+    // cap is taken in turn with the other capping tests of this binary.
+    let cap = cap_isa(Isa::Portable);
     assert_eq!(simd::isa(), Isa::Portable);
     let x: Vec<f32> = (0..cols).map(|_| randf(&mut s)).collect();
     let mut a = vec![0f32; ms[0].rows];
     gemv(&ms[0], &x, &mut a, 1);
-    tuning::install(KernelTuning::default());
+    drop(cap);
     let mut b = vec![0f32; ms[0].rows];
     gemv(&ms[0], &x, &mut b, 1);
     assert_same("forced portable", &a, &b);
@@ -372,6 +367,7 @@ fn fused_threads_and_f64_outputs_agree() {
 // exact. Reports the worst observed error relative to Σ|w·x| on each path.
 #[test]
 fn error_within_documented_budget() {
+    let _kernels = kernels_shared();
     let mut s = 0x5eed_0000_1111_2222u64;
     let (rows, cols) = (64, 7168);
     let o = Owned::new("bf16", rows, cols, &mut s);
@@ -416,6 +412,7 @@ fn error_within_documented_budget() {
 // must equal the portable twin bit for bit (each passed explicitly: `Kernel::with`).
 #[test]
 fn every_decode_tuning_matches_portable_bitwise() {
+    let _kernels = kernels_shared();
     if !simd::runnable("every_decode_tuning_matches_portable_bitwise", Isa::Avx512) {
         return;
     }
@@ -450,6 +447,7 @@ fn every_decode_tuning_matches_portable_bitwise() {
 // and a second token pass (each form passed explicitly: `Kernel::with`).
 #[test]
 fn both_batch_stagings_match_portable_bitwise() {
+    let _kernels = kernels_shared();
     if !simd::runnable("both_batch_stagings_match_portable_bitwise", Isa::Avx512) {
         return;
     }
@@ -458,7 +456,7 @@ fn both_batch_stagings_match_portable_bitwise() {
         for (rows, cols) in [(133usize, 1057usize), (29, 2100)] {
             let o = Owned::special(fmt, rows, cols, &mut s);
             let m = o.mat();
-            for ntok in [5usize, 16, 37] {
+            for ntok in [5usize, 9, 16, 37] {
                 let x = activations(ntok, cols, &mut s);
                 let mut want = vec![0f32; ntok * rows];
                 gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, ntok);
@@ -483,6 +481,7 @@ fn both_batch_stagings_match_portable_bitwise() {
 // a code table with a third mantissa bit would fail here before any product differs.
 #[test]
 fn every_mxfp4_weight_is_an_exact_bf16() {
+    let _kernels = kernels_shared();
     use k3_layer_compute::kernels::portable::E2M1_SCALED;
     for (s, row) in E2M1_SCALED.0.iter().enumerate() {
         for (c, w) in row.iter().enumerate() {
@@ -565,6 +564,7 @@ const BF16X3_SHAPES: [(usize, usize); 11] = [
 // anything but zeros. And a batch that differs from one token at a time on either.
 #[test]
 fn bf16x3_kernel_matches_portable_twin_bitwise() {
+    let _kernels = kernels_shared();
     let mut s = 0xbf16_0003_7a11_c0deu64;
     let (twin, hw) = bf16x3_kernels("bf16x3_kernel_matches_portable_twin_bitwise");
     let mut seen = [0usize; 3];
@@ -612,6 +612,7 @@ fn bf16x3_kernel_matches_portable_twin_bitwise() {
 // MXFP4 and F32 paths agree where the F32 weights are exact bf16).
 #[test]
 fn bf16x3_every_mxfp4_scale_byte_and_code() {
+    let _kernels = kernels_shared();
     let (twin, hw) = bf16x3_kernels("bf16x3_every_mxfp4_scale_byte_and_code");
     let mut s = 0x5ca1_eb7e_0000_00ffu64;
     // 256 rows × 64 columns: row r has scale byte r in both groups, every code in each.
@@ -659,7 +660,7 @@ fn bf16x3_every_mxfp4_scale_byte_and_code() {
 // gemv); and an installed product path that the products do not follow.
 #[test]
 fn bf16x3_threads_fusion_and_batching_do_not_change_bits() {
-    let _installed = installed();
+    let _installed = kernels_lock();
     let (twin, hw) = bf16x3_kernels("bf16x3_threads_fusion_and_batching_do_not_change_bits");
     let mut s = 0x7b4e_adf0_0000_3333u64;
     let cols = 1500;

@@ -9,8 +9,7 @@
 
 #![allow(clippy::needless_range_loop, clippy::type_complexity)]
 
-mod support;
-
+use crate::support::*;
 use k3_layer_compute::kernels::matmul::{gemm_on, gemv, Mat};
 use k3_layer_compute::kernels::simd::{Isa, Kernel, ProductPath};
 use k3_layer_compute::kernels::{act, attnres, conv, kda, mxfp4, norm, router};
@@ -21,7 +20,6 @@ use k3_layer_compute::modules::moe::{MoeHead, MoeParams, MoeStats, MoeTail, MoeW
 use k3_layer_compute::modules::{project_out, Eps, LayerCtx};
 use k3_layer_compute::weights::{Delivery, ExpertProj, ExpertRef};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
-use support::*;
 
 const SEED_EPS: Eps = Eps {
     rms: 1e-5,
@@ -73,6 +71,7 @@ impl Store {
 // Catches: eps outside the sqrt, a missing gain, LayerNorm (mean subtracted).
 #[test]
 fn rmsnorm() {
+    let _kernels = kernels_shared();
     let v = op("rmsnorm");
     let x = arr(&v, "in");
     let w = arr(&v, "weight");
@@ -87,6 +86,7 @@ fn rmsnorm() {
 // Catches: missing caps (plain SwiGLU), sigmoid of the capped gate, swapped gate/up halves.
 #[test]
 fn situ_glu() {
+    let _kernels = kernels_shared();
     let v = op("situ_glu");
     let x = arr(&v, "in");
     let (b1, b2) = (
@@ -110,6 +110,7 @@ fn situ_glu() {
 // post-conv values.
 #[test]
 fn shortconv() {
+    let _kernels = kernels_shared();
     let v = op("shortconv");
     let (c, k) = (64, 4);
     let w = arr(&v, "weight");
@@ -128,6 +129,7 @@ fn shortconv() {
 // Width 1 has no history: the guard is on the history length, so the conv still runs.
 #[test]
 fn shortconv_width_one() {
+    let _kernels = kernels_shared();
     let x = [1.0f32, -2.0, 0.5, 3.0];
     let w = [2.0f32, -1.0];
     let mut y = [0f32; 4];
@@ -141,6 +143,7 @@ fn shortconv_width_one() {
 // Catches: A_log indexed per channel, the Kimi-Linear softplus form, exp vs −exp.
 #[test]
 fn kda_decay() {
+    let _kernels = kernels_shared();
     let v = op("kda_decay");
     let z = arr(&v, "z");
     let (a_log, dt) = (arr(&v, "A_log"), arr(&v, "dt_bias"));
@@ -160,6 +163,7 @@ fn kda_decay() {
 // per-channel beta.
 #[test]
 fn kda_recurrence() {
+    let _kernels = kernels_shared();
     for name in ["kda_recur1", "kda_recur8"] {
         let v = op(name);
         let t_n = v["T"].as_u64().unwrap() as usize;
@@ -309,6 +313,7 @@ fn router_topk_renormalised_and_scaled_on(_path: ProductPath) {
 // Exact ties: descending biased score, lower id first.
 #[test]
 fn router_tie_breaks_to_lower_id() {
+    let _kernels = kernels_shared();
     let lg = [0.0f32, 1.0, 1.0, 0.5];
     let r = router::route(&lg, None, 2, true, 1.0);
     assert_eq!(r.ids, vec![1, 2]);
@@ -318,6 +323,7 @@ fn router_tie_breaks_to_lower_id() {
 // source.
 #[test]
 fn attnres_mix() {
+    let _kernels = kernels_shared();
     let v = op("attnres");
     let p = arr(&v, "prefix_sum");
     let b = arr(&v, "block_residual");
@@ -443,6 +449,7 @@ fn moe_module_on(_path: ProductPath) {
         },
     };
     let p = MoeParams {
+        layer: 0,
         hidden: 128,
         n_experts: 8,
         top_k: 2,

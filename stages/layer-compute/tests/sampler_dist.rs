@@ -55,7 +55,7 @@ fn expected(t: f64, top_k: Option<usize>, top_p: Option<f64>) -> Vec<f64> {
 fn counts(c: &SamplerConfig) -> Vec<u64> {
     let mut n = vec![0u64; LOGITS.len()];
     for step in 0..DRAWS {
-        n[sample(&LOGITS, c, step, &[])] += 1;
+        n[sample(&LOGITS, c, step, &[], &[])] += 1;
     }
     n
 }
@@ -159,4 +159,42 @@ fn top_p_restricts_the_candidates() {
     assert_eq!(n[1], DRAWS, "T=0.5 top-p 0.5: {n:?}");
     // top-k and top-p together: top-k first, then the nucleus of the renormalised rest.
     check("top-k 4 top-p 0.8", 1.0, Some(4), Some(0.8));
+}
+
+/// OpenAI's presence and frequency penalties: the draws follow softmax(l - c·f - [c>0]·p)
+/// over the generated ids' counts c (the prompt does not count). Catches penalties that
+/// are ignored (the plain distribution fails), applied to the prompt, counted once for the
+/// frequency or per occurrence for the presence.
+#[test]
+fn presence_and_frequency_penalties_shift_the_distribution() {
+    // Generated so far: id 1 three times, id 3 once; the prompt holds id 5 (not counted).
+    let generated = [1u32, 3, 1, 1];
+    let prompt = [5u32];
+    let (pres, freq) = (0.5f32, 0.25f32);
+    let c = SamplerConfig {
+        temperature: Some(1.0),
+        presence_penalty: Some(pres),
+        frequency_penalty: Some(freq),
+        seed: 20260413,
+        ..SamplerConfig::default()
+    };
+    let mut n = vec![0u64; LOGITS.len()];
+    let mut history = prompt.to_vec();
+    history.extend_from_slice(&generated);
+    for step in 0..DRAWS {
+        n[sample(&LOGITS, &c, step, &history, &generated)] += 1;
+    }
+    // Expected, by definition, in f64.
+    let mut l: Vec<f64> = LOGITS.iter().map(|&x| x as f64).collect();
+    for (id, count) in [(1usize, 3.0f64), (3, 1.0)] {
+        l[id] -= count * freq as f64 + pres as f64;
+    }
+    let w: Vec<f64> = l.iter().map(|x| x.exp()).collect();
+    let z: f64 = w.iter().sum();
+    let p: Vec<f64> = w.iter().map(|x| x / z).collect();
+    let (x, df) = chi2(&n, &p);
+    assert!(x < critical(df), "chi2 {x:.1}; counts {n:?} vs p {p:?}");
+    // Not the unpenalised distribution.
+    let plain = expected(1.0, None, None);
+    assert!(chi2(&n, &plain).0 > 10.0 * critical(7), "{n:?}");
 }

@@ -4,17 +4,16 @@
 //! conversation prefilled on the loaded state gives the logits the kept state gives), and a
 //! file for another model, another conversation or with a changed byte is refused.
 
-mod support;
-
+use crate::support::*;
 use k3_layer_compute::decode::PrefixCache;
-use k3_layer_compute::state::{decode_prefix, encode_prefix};
-use support::*;
+use k3_layer_compute::state::{decode_prefix, encode_prefix, StateError};
 
 /// Catches: a state saved with the wrong key (the whole conversation, or the shorter kept
 /// entry), a pending token that is not the conversation's next one, a lossy round trip
 /// (logits differ bit-wise after the reload), and refusals that do not happen.
 #[test]
 fn a_prefix_state_round_trips_and_is_refused_where_it_does_not_fit() {
+    let _kernels = kernels_shared();
     let m = load("tiny-mxfp4", 1);
     let e = read_json(&fixtures().join("tiny-mxfp4/expected-k3ref.json"));
     let prompt = ids(&e, "prompt_ids");
@@ -39,23 +38,26 @@ fn a_prefix_state_round_trips_and_is_refused_where_it_does_not_fit() {
 
     // Another model (fingerprint).
     let err = decode_prefix(&bytes, "model-b", &m, &prompt).err().unwrap();
-    assert!(err.contains("another model"), "{err}");
+    assert!(matches!(err, StateError::OtherModel { .. }), "{err}");
     // Another conversation: the pending token differs, then the first token.
     let mut other = prompt.clone();
     other[long] ^= 1;
     let err = decode_prefix(&bytes, "model-a", &m, &other).err().unwrap();
-    assert!(err.contains("another conversation"), "{err}");
+    assert!(matches!(err, StateError::OtherConversation { .. }), "{err}");
     let err = decode_prefix(&bytes, "model-a", &m, &prompt[..long])
         .err()
         .unwrap();
-    assert!(err.contains("another conversation"), "{err}");
+    assert!(matches!(err, StateError::OtherConversation { .. }), "{err}");
     // One byte changed in the payload.
     let mut bad = bytes.clone();
     let last = bad.len() - 1;
     bad[last] ^= 0x10;
     let err = decode_prefix(&bad, "model-a", &m, &prompt).err().unwrap();
-    assert!(err.contains("checksum"), "{err}");
+    assert!(matches!(err, StateError::Checksum), "{err}");
     // Nothing kept for the conversation.
     let mut empty = PrefixCache::new(4);
-    assert!(encode_prefix(&mut empty, &prompt, "model-a").is_err());
+    assert!(matches!(
+        encode_prefix(&mut empty, &prompt, "model-a"),
+        Err(StateError::NoneKept)
+    ));
 }

@@ -4,10 +4,8 @@
 //! it changes (e.g. AttnRes banking the mixed input at `L03.mlp_mix`, a wrong latent norm
 //! at `L01.ffn_out`, E8M0 bias at `L01.ffn_out`), so this test names the wrong step.
 
-mod support;
-
+use crate::support::*;
 use k3_layer_compute::modules::Trace;
-use support::*;
 
 fn check(rel: &str) {
     let m = load(rel, 1);

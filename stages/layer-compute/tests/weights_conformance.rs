@@ -2,13 +2,11 @@
 //! mmapped shards, on both tiny models; `tests/e2e/weights_conformance.rs` runs the same
 //! suite against `StagedWeights` over live stages.
 
-mod conformance;
-mod support;
-
+use crate::conformance;
+use crate::support::*;
 use k3_layer_compute::SourceWeights;
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
-use support::*;
 
 fn run(model: &str) {
     let dir = fixtures().join(model).join("sharded");
@@ -26,10 +24,12 @@ fn run(model: &str) {
 
 #[test]
 fn source_weights_conform_tiny_mxfp4() {
+    let _kernels = kernels_shared();
     run("tiny-mxfp4");
 }
 
 #[test]
 fn source_weights_conform_tiny_seed() {
+    let _kernels = kernels_shared();
     run("tiny-seed");
 }

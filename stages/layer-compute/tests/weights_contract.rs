@@ -2,16 +2,14 @@
 //! `--layers N` binds only a prefix and brackets each layer with begin/end, expert arrival
 //! order never changes a bit, and failed expert loads are counted, not silently dropped.
 
-mod support;
-
 use std::cell::RefCell;
 
+use crate::support::*;
 use k3_layer_compute::weights::{expert_from_source, Delivery, ExpertRef, Weights};
 use k3_layer_compute::{ForwardError, Model, ModelOptions, SourceWeights};
 use k3_model::config::ModelConfig;
 use k3_model::mmap_weights::MmapWeights;
 use k3_model::tensor::{TensorRef, WeightError, WeightSource};
-use support::*;
 
 fn cfg(rel: &str) -> ModelConfig {
     ModelConfig::load_dir(fixtures().join(rel)).unwrap()
@@ -99,6 +97,7 @@ fn wrapped(reverse: bool, fail_id: Option<u32>, hide: Option<&'static str>) -> W
 // experts), announces other ids than it fetches, or changes a value by the reordering.
 #[test]
 fn experts_are_announced_before_they_are_fetched() {
+    let _kernels = kernels_shared();
     let full = seed_ids();
     let a = load("tiny-mxfp4", 1).forward_all(&full).unwrap();
     let m = Model::new(
@@ -129,6 +128,7 @@ fn experts_are_announced_before_they_are_fetched() {
 // a delivery of several experts that loses or swaps one).
 #[test]
 fn expert_arrival_order_does_not_matter() {
+    let _kernels = kernels_shared();
     let full = seed_ids();
     let a = load("tiny-mxfp4", 1).forward_all(&full).unwrap();
     let m = Model::new(
@@ -146,6 +146,7 @@ fn expert_arrival_order_does_not_matter() {
 // A failed expert load is counted and reported (exit 4 upstream), never silent.
 #[test]
 fn failed_expert_is_counted() {
+    let _kernels = kernels_shared();
     let m = Model::new(
         cfg("tiny-mxfp4"),
         wrapped(false, Some(3), None),
@@ -164,6 +165,7 @@ fn failed_expert_is_counted() {
 // --layers N binds only the prefix: layers 0..N begin and end in order, nothing beyond.
 #[test]
 fn layers_prefix_binds_only_the_prefix() {
+    let _kernels = kernels_shared();
     let m = Model::new(
         cfg("tiny-mxfp4"),
         wrapped(false, None, None),
@@ -194,6 +196,7 @@ fn layers_prefix_binds_only_the_prefix() {
 // A tensor that does not bind is an error naming it (exit 1 upstream).
 #[test]
 fn missing_tensor_is_named() {
+    let _kernels = kernels_shared();
     let m = Model::new(
         cfg("tiny-mxfp4"),
         wrapped(false, None, Some("layers.7.self_attn.kv_b_proj.weight")),
@@ -231,6 +234,7 @@ fn missing_tensor_is_named() {
 // Token ids outside the vocabulary are refused, not indexed.
 #[test]
 fn bad_token_is_refused() {
+    let _kernels = kernels_shared();
     let m = load("tiny-seed", 1);
     assert!(matches!(m.forward_all(&[256]), Err(ForwardError::Input(_))));
     assert!(matches!(m.forward_all(&[]), Err(ForwardError::Input(_))));
@@ -239,6 +243,7 @@ fn bad_token_is_refused() {
 // The WeightSource adapter sees the MXFP4 experts of the released layout.
 #[test]
 fn source_adapter_finds_mxfp4_experts() {
+    let _kernels = kernels_shared();
     let w = MmapWeights::open(fixtures().join("tiny-mxfp4/sharded")).unwrap();
     assert!(w.contains("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"));
     let e = expert_from_source(&w, 1, 0).unwrap();

@@ -823,6 +823,113 @@ pub fn parse_output(text: &str, started_in_think: bool) -> ParsedOutput {
     p
 }
 
+/// What [`OutputStream::push`] hands out: the new reasoning and response text, and the
+/// tool calls completed since the last call.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OutputDelta {
+    pub reasoning: String,
+    pub content: String,
+    pub tool_calls: Vec<ParsedToolCall>,
+}
+
+impl OutputDelta {
+    pub fn is_empty(&self) -> bool {
+        self.reasoning.is_empty() && self.content.is_empty() && self.tool_calls.is_empty()
+    }
+}
+
+/// [`parse_output`] over a stream of decoded text pieces: each piece gives the reasoning
+/// and response text that is now certain (a tag still being spelled out is held back until
+/// it completes) and each tool call once its `<|close|>call<|sep|>` arrives.
+#[derive(Debug, Clone)]
+pub struct OutputStream {
+    text: String,
+    started_in_think: bool,
+    reasoning: usize,
+    content: usize,
+    calls: usize,
+}
+
+impl OutputStream {
+    /// `started_in_think`: the prompt ended by opening `think` (thinking mode).
+    pub fn new(started_in_think: bool) -> OutputStream {
+        OutputStream {
+            text: String::new(),
+            started_in_think,
+            reasoning: 0,
+            content: 0,
+            calls: 0,
+        }
+    }
+
+    /// Where the certain text ends: before a tag whose `<|sep|>` has not come yet, or a
+    /// tail that may be the start of a control token.
+    fn safe_end(&self) -> usize {
+        let t = &self.text;
+        let mut end = t.len();
+        for tok in [OPEN, CLOSE] {
+            if let Some(i) = t.rfind(tok) {
+                if !t[i..].contains(SEP) {
+                    end = end.min(i);
+                }
+            }
+        }
+        for tok in [OPEN, CLOSE, END_OF_MSG] {
+            for k in (1..tok.len()).rev() {
+                if t.ends_with(&tok[..k]) {
+                    end = end.min(t.len() - k);
+                    break;
+                }
+            }
+        }
+        end
+    }
+
+    /// What `upto` bytes of the text give beyond what was handed out; `all`: every tool
+    /// call, complete or not (the end of the stream).
+    fn take(&mut self, upto: usize, all: bool) -> OutputDelta {
+        let t = &self.text[..upto];
+        let p = parse_output(t, self.started_in_think);
+        let complete = if all {
+            p.tool_calls.len()
+        } else {
+            t.matches(&format!("{CLOSE}call{SEP}"))
+                .count()
+                .min(p.tool_calls.len())
+        };
+        let d = OutputDelta {
+            reasoning: p.reasoning.get(self.reasoning..).unwrap_or("").to_string(),
+            content: p.content.get(self.content..).unwrap_or("").to_string(),
+            tool_calls: p
+                .tool_calls
+                .get(self.calls..complete)
+                .unwrap_or_default()
+                .to_vec(),
+        };
+        self.reasoning = self.reasoning.max(p.reasoning.len());
+        self.content = self.content.max(p.content.len());
+        self.calls = self.calls.max(complete);
+        d
+    }
+
+    /// One more piece of decoded text.
+    pub fn push(&mut self, piece: &str) -> OutputDelta {
+        self.text.push_str(piece);
+        let end = self.safe_end();
+        self.take(end, false)
+    }
+
+    /// The end of the stream: everything not handed out yet.
+    pub fn finish(&mut self) -> OutputDelta {
+        self.take(self.text.len(), true)
+    }
+
+    /// The whole output parsed so far.
+    pub fn parsed(&self) -> ParsedOutput {
+        parse_output(&self.text, self.started_in_think)
+    }
+}
+
 /// Parse a chat request JSON text, render it and encode the segments. Accepts a
 /// [`ChatRequest`] object (`{"messages": [...], "tools": ..., "thinking": ..., ...}`) or a
 /// bare JSON list of messages (rendered with [`ChatOptions::default`]: thinking on,
@@ -873,6 +980,54 @@ mod tests {
                 "{s:?}"
             );
         }
+    }
+
+    #[test]
+    fn output_stream_gives_what_parse_output_gives_piece_by_piece() {
+        let out = "Let me check.<|close|>think<|sep|><|open|>response<|sep|>Checking<|close|>response<|sep|>\
+                   <|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>\
+                   <|open|>argument key=\"city\" type=\"string\"<|sep|>Paris<|close|>argument<|sep|>\
+                   <|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>";
+        let whole = parse_output(out, true);
+        // Every split into pieces (a piece per char, of 3 and of 7 chars) gives the same.
+        for size in [1usize, 3, 7] {
+            let chars: Vec<char> = out.chars().collect();
+            let mut s = OutputStream::new(true);
+            let (mut r, mut c, mut calls) = (String::new(), String::new(), Vec::new());
+            let mut seen_open = false;
+            for piece in chars.chunks(size) {
+                let piece: String = piece.iter().collect();
+                let d = s.push(&piece);
+                // Never any of a control token's text.
+                assert!(
+                    !d.reasoning.contains("<|") && !d.content.contains("<|"),
+                    "{d:?}"
+                );
+                r.push_str(&d.reasoning);
+                c.push_str(&d.content);
+                calls.extend(d.tool_calls);
+                seen_open |= !calls.is_empty();
+            }
+            let d = s.finish();
+            r.push_str(&d.reasoning);
+            c.push_str(&d.content);
+            calls.extend(d.tool_calls);
+            assert!(seen_open, "the call came before the end ({size})");
+            assert_eq!(
+                (r.as_str(), c.as_str()),
+                (whole.reasoning.as_str(), whole.content.as_str())
+            );
+            assert_eq!(calls, whole.tool_calls);
+        }
+        // A call cut by the end of the stream comes out at finish.
+        let mut s = OutputStream::new(false);
+        let d = s.push("Hi<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|>");
+        assert_eq!((d.content.as_str(), d.tool_calls.len()), ("Hi", 0));
+        assert_eq!(s.finish().tool_calls.len(), 1);
+        // Text that only looks like the start of a tag is held, then given.
+        let mut s = OutputStream::new(false);
+        assert_eq!(s.push("a <|").content, "a ");
+        assert_eq!(s.push("x").content, "<|x");
     }
 
     #[test]

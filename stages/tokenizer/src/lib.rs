@@ -25,8 +25,8 @@ pub mod tokenizer;
 pub mod vocab;
 
 pub use chat::{
-    build_chat_segments, encode_chat_json, parse_output, ChatOptions, ChatRequest, ParsedOutput,
-    ParsedToolCall,
+    build_chat_segments, encode_chat_json, parse_output, ChatOptions, ChatRequest, OutputDelta,
+    OutputStream, ParsedOutput, ParsedToolCall,
 };
 pub use error::{Result, TokError};
 pub use stream::StreamDecoder;

@@ -155,3 +155,91 @@ fn stream_decodes_and_stop_ids_stop() {
     assert_eq!(tok.encode("中文 ok", false), ids);
     assert!(StreamDecoder::new().push(&tok, u32::MAX).is_err());
 }
+
+/// The release's tool-call token sequence as a fixed input: the assistant turn of the
+/// oracle case `chat_tools_calls_results` (ids from tiktoken and the reference encoder),
+/// fed id by id, as a server decodes a reply, to [`k3_tokenizer::OutputStream`]: the think
+/// block becomes the reasoning, each call comes out once complete, with its arguments typed
+/// as the template wrote them.
+#[test]
+fn tool_calls_parse_from_the_release_token_sequence_id_by_id() {
+    let tok = Tokenizer::from_dir(&fixture_dir()).unwrap();
+    let text = std::fs::read_to_string(fixture_dir().join("chat_cases.jsonl")).unwrap();
+    let case: serde_json::Value = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|c| c["name"] == "chat_tools_calls_results")
+        .unwrap();
+    let ids: Vec<u32> = case["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    // The model's part: after the assistant's `<|open|>think<|sep|>`, up to its
+    // `<|end_of_msg|>` (the stop id).
+    let eom = tok.stop_ids()[0];
+    let mut seen = Vec::new();
+    let mut start = None;
+    for (i, &id) in ids.iter().enumerate() {
+        seen.extend_from_slice(tok.token_bytes(id).unwrap());
+        if seen.ends_with(b"role=\"assistant\"<|sep|><|open|>think<|sep|>") {
+            start = Some(i + 1);
+            break;
+        }
+    }
+    let start = start.expect("an assistant turn in thinking mode");
+    let end = start + ids[start..].iter().position(|&x| x == eom).unwrap();
+    let mut out = k3_tokenizer::OutputStream::new(true);
+    let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
+    let mut pending: Vec<u8> = Vec::new();
+    let mut calls_at = Vec::new();
+    for (k, &id) in ids[start..end].iter().enumerate() {
+        pending.extend_from_slice(tok.token_bytes(id).unwrap());
+        let ok = match std::str::from_utf8(&pending) {
+            Ok(_) => pending.len(),
+            Err(e) => e.valid_up_to(),
+        };
+        let piece = String::from_utf8(pending.drain(..ok).collect()).unwrap();
+        let d = out.push(&piece);
+        reasoning.push_str(&d.reasoning);
+        content.push_str(&d.content);
+        for c in d.tool_calls {
+            calls_at.push(k);
+            calls.push(c);
+        }
+    }
+    let d = out.finish();
+    assert!(
+        d.tool_calls.is_empty(),
+        "every call closed before the end: {d:?}"
+    );
+    reasoning.push_str(&d.reasoning);
+    content.push_str(&d.content);
+    assert_eq!((reasoning.as_str(), content.as_str()), ("Two cities.", ""));
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(
+        calls_at[0] < calls_at[1],
+        "the first call streams before the second"
+    );
+    assert_eq!(
+        (calls[0].name.as_str(), calls[0].index),
+        ("get_weather", Some(1))
+    );
+    assert_eq!(
+        serde_json::Value::Object(calls[0].arguments.clone()),
+        serde_json::json!({"city": "東京", "unit": "c", "days": 2, "ok": true, "x": null,
+                           "o": {"k": [1, 2.5]}})
+    );
+    assert_eq!(
+        (calls[1].name.as_str(), calls[1].index),
+        ("get_weather", Some(2))
+    );
+    assert_eq!(
+        serde_json::Value::Object(calls[1].arguments.clone()),
+        serde_json::json!({"city": "Paris"})
+    );
+    // The same as parsing the whole text at once.
+    let whole = tok.decode(&ids[start..end]).unwrap();
+    assert_eq!(out.parsed(), parse_output(&whole, true));
+}

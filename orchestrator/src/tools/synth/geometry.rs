@@ -12,6 +12,31 @@ use serde_json::{json, Value};
 use k3_model::classify::{expert_tensor, layer_tensor, model_tensor, LM_HEAD};
 use k3_model::tensor::Dtype;
 
+/// Why a geometry cannot be read from a config, or cannot be written.
+#[derive(Debug, thiserror::Error)]
+pub enum GeometryError {
+    #[error("{path}: not valid JSON: {source}")]
+    Json {
+        path: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{path}: missing or non-integer field(s): {}", fields.join(", "))]
+    Missing { path: String, fields: Vec<String> },
+    #[error(
+        "{path}: text_config.linear_attn_config.full_attn_layers entry {entry} is not in \
+         1..={layers}"
+    )]
+    FullAttnEntry {
+        path: String,
+        entry: String,
+        layers: usize,
+    },
+    /// Dimensions this tool cannot write a model for: every problem found.
+    #[error("{}", .0.join("; "))]
+    Unwritable(Vec<String>),
+}
+
 /// Dimensions of a synthetic model (field meanings as in k3-spec §1).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Geometry {
@@ -129,9 +154,11 @@ impl Geometry {
 
     /// Read the dimensions from a config.json in the released nested shape (or a flat
     /// text config). Every field used must be present; errors name the field.
-    pub fn from_config_json(text: &str, path: &str) -> Result<Geometry, String> {
-        let root: Value =
-            serde_json::from_str(text).map_err(|e| format!("{path}: not valid JSON: {e}"))?;
+    pub fn from_config_json(text: &str, path: &str) -> Result<Geometry, GeometryError> {
+        let root: Value = serde_json::from_str(text).map_err(|source| GeometryError::Json {
+            path: path.to_string(),
+            source,
+        })?;
         let tc = root.get("text_config").unwrap_or(&root);
         let mut missing = Vec::new();
         let mut num = |obj: &Value, key: &str, prefix: &str| -> usize {
@@ -185,10 +212,10 @@ impl Geometry {
             note: format!("shape from {path}"),
         };
         if !missing.is_empty() {
-            return Err(format!(
-                "{path}: missing or non-integer field(s): {}",
-                missing.join(", ")
-            ));
+            return Err(GeometryError::Missing {
+                path: path.to_string(),
+                fields: missing,
+            });
         }
         // Layer kinds from the ONE-based full_attn_layers list when present.
         g.mla = match la.get("full_attn_layers").and_then(Value::as_array) {
@@ -197,11 +224,11 @@ impl Geometry {
                 for v in list {
                     let n = v.as_u64().unwrap_or(0) as usize;
                     if n == 0 || n > g.layers {
-                        return Err(format!(
-                            "{path}: text_config.linear_attn_config.full_attn_layers entry {v} \
-                             is not in 1..={}",
-                            g.layers
-                        ));
+                        return Err(GeometryError::FullAttnEntry {
+                            path: path.to_string(),
+                            entry: v.to_string(),
+                            layers: g.layers,
+                        });
                     }
                     mla[n - 1] = true;
                 }
@@ -219,7 +246,7 @@ impl Geometry {
     }
 
     /// Check the dimensions make a model this tool can write.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), GeometryError> {
         let mut bad = Vec::new();
         for (name, v) in [
             ("vocab", self.vocab),
@@ -259,7 +286,7 @@ impl Geometry {
         if bad.is_empty() {
             Ok(())
         } else {
-            Err(bad.join("; "))
+            Err(GeometryError::Unwritable(bad))
         }
     }
 

@@ -17,11 +17,16 @@
 //!     rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block,
 //!     the groups of one 64-byte line of every row taken in one run with one prefetch per
 //!     row ([`rows1`]);
-//!   - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt): the
-//!     one-token loop with each decoded weight multiplied into every token
-//!     ([`rows_few`]);
-//!   - several tokens (prefill): rows in groups of [`RB`] (4), tokens in passes of up to
-//!     16. Per group and pass, block by block (1024 columns), the group's block is staged
+//!   - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt), 2 tokens
+//!     of a BF16 or F32 one: the one-token loop with each decoded weight multiplied into
+//!     every token ([`rows_few`]);
+//!   - 3 to 8 tokens of a BF16 or F32 matrix (`serve --parallel` decode passes): the
+//!     same 4 rows × 2 tokens register tile without staging, rows in chunks of 16 taken
+//!     block by block, so that the tokens' block stays in L1 for the chunk's rows and a
+//!     row tile's weights for all its token pairs ([`rows_small`]);
+//!   - more tokens (prefill): tokens in passes of up to 16 (outermost, so a pass's
+//!     tokens stay in L2 for all the rows), rows in groups of [`RB`] (4). Per group and
+//!     pass, block by block (1024 columns), the group's block is staged
 //!     once into an aligned L1 buffer, group-major, in one of two forms ([`Staging`]:
 //!     [`Bf16Pairs`], BF16 copied and MXFP4 decoded into exact bf16 pairs; or
 //!     [`LaneF32`], widened into lane-ordered f32: always for F32, for every format with
@@ -208,9 +213,13 @@ trait Fmt: Copy {
     const U: usize;
     /// Default rows per one-token tile ([`R1`], [`R1_MXFP4`]).
     const ROWS1: usize;
-    /// Whether 2..=[`FEW`] tokens take [`rows_few`] (decode each weight once in registers
-    /// for all of them) rather than [`rows_batched`] (stage, then widen per tile pass).
-    const FEW_DIRECT: bool;
+    /// Most tokens (from 2, at most [`FEW`]; below 2: none) that take [`rows_few`]
+    /// (each weight decoded once in registers for all of them, rows tile by tile).
+    const FEW_TOKENS: usize;
+    /// Most tokens (above [`Fmt::FEW_TOKENS`], at most [`SMALL`]) that take [`rows_small`]
+    /// (row tiles in chunks, token pairs block by block); more take [`rows_batched`]
+    /// (stage, then widen per tile pass).
+    const SMALL_TOKENS: usize;
 }
 
 /// This driver's per-format settings (its column of the format table).
@@ -221,34 +230,42 @@ struct Tune {
     pf_l1: bool,
     /// [`Fmt::ROWS1`].
     rows1: usize,
-    /// [`Fmt::FEW_DIRECT`].
-    few_direct: bool,
+    /// [`Fmt::FEW_TOKENS`].
+    few: usize,
+    /// [`Fmt::SMALL_TOKENS`].
+    small: usize,
 }
 
 /// [`Tune`] by [`format::FormatKind`]. One-token prefetch: BF16 and F32 1 KiB ahead into
-/// L1, MXFP4 512 B ahead into L2 (its decode, not memory, bounds it). The few-token
-/// direct loop ([`rows_few`]): MXFP4 only, where a group's decode is dear; BF16's staging
-/// is a plain copy and the staged tile's 4 rows share each activation load, so BF16 was
-/// slower this way. Measurements: docs/measurements.md, "Kernel notes moved out of the
-/// code".
+/// L1, MXFP4 512 B ahead into L2 (its decode, not memory, bounds it). A few tokens:
+/// BF16 and F32 take two tokens in [`rows_few`] and up to [`SMALL`] in [`rows_small`]
+/// (on Zen 5, one thread, weights in cache, 4 rows × 2 tokens in registers read 40 to 60%
+/// faster at 2 to 4 tokens than staging, 5 to 10% at 5 to 8); MXFP4 takes up to 4 tokens
+/// in [`rows_few`] and stages from 5 on (its decode is dear: staging decodes a group once
+/// for all the tokens, and ran 10 to 30% faster than [`rows_small`] there).
+/// Measurements: docs/measurements.md, "Kernel notes moved out of the code", and the
+/// commit that added [`rows_small`].
 const TUNE: [Tune; 3] = [
     Tune {
         pf: 1024,
         pf_l1: true,
         rows1: R1,
-        few_direct: false,
+        few: 2,
+        small: SMALL,
     },
     Tune {
         pf: 1024,
         pf_l1: true,
         rows1: R1,
-        few_direct: false,
+        few: 2,
+        small: SMALL,
     },
     Tune {
         pf: 512,
         pf_l1: false,
         rows1: R1_MXFP4,
-        few_direct: true,
+        few: FEW,
+        small: 0,
     },
 ];
 
@@ -266,7 +283,16 @@ impl<F: Format> Fmt for F {
         }
     };
     const ROWS1: usize = TUNE[F::KIND as usize].rows1;
-    const FEW_DIRECT: bool = TUNE[F::KIND as usize].few_direct;
+    const FEW_TOKENS: usize = {
+        let n = TUNE[F::KIND as usize].few;
+        assert!(n <= FEW, "rows_few takes at most FEW tokens");
+        n
+    };
+    const SMALL_TOKENS: usize = {
+        let n = TUNE[F::KIND as usize].small;
+        assert!(n <= SMALL, "rows_small takes at most SMALL tokens");
+        n
+    };
     #[inline(always)]
     unsafe fn at(&self, r: usize, q: usize) -> (*const u8, u8) {
         // SAFETY: forwarded.
@@ -312,7 +338,7 @@ fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize)
 /// (groups `q0..qe`) of rows `r..r+R`: each group's activations are loaded once, then
 /// every row's group is loaded, decoded and multiplied into every token (R weight streams
 /// side by side, each weight decoded once for the T tokens); the lanes' f32 partials are
-/// promoted into `acc[j * T + t]` at the end. `PF` is the software prefetch distance in
+/// promoted into `acc[j * os + t]` at the end. `PF` is the software prefetch distance in
 /// bytes along each row (0: none), a constant so that the prefetch address is the load's
 /// with a displacement (as a run-time value it cost every row a second pointer, and the
 /// row pointers no longer fit the registers).
@@ -320,8 +346,10 @@ fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize)
 /// # Safety
 /// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
 /// `qf` (if `< qe`) is the staged partial one in `pbuf`/`psc`; `xp + t * xs` (`t < T`)
-/// holds one permuted token each; `acc.len() >= R * T`; AVX-512F enabled in the caller.
+/// holds one permuted token each; `acc.len() > (R - 1) * os + T - 1`, `os >= T`; AVX-512F
+/// enabled in the caller.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
     f: F,
     r: usize,
@@ -329,9 +357,11 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
     (pbuf, psc): (&[[u8; 128]; R], &[u8; R]),
     (xp, xs): (*const f32, usize),
     acc: &mut [[f64; LANES]],
+    os: usize,
 ) {
     // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
-    // reads stay inside the tokens (32 values at 32q < their length); acc indices < R * T.
+    // reads stay inside the tokens (32 values at 32q < their length); acc indices
+    // j * os + t <= (R - 1) * os + T - 1.
     unsafe {
         let mut a = [[Avx512::zero(); T]; R];
         let qm = qf.clamp(q0, qe);
@@ -381,7 +411,7 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
         }
         for (j, aj) in a.iter().enumerate() {
             for (t, ajt) in aj.iter().enumerate() {
-                Avx512::promote(ajt, &mut acc[j * T + t]);
+                Avx512::promote(ajt, &mut acc[j * os + t]);
             }
         }
     }
@@ -422,7 +452,7 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF:
         }
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
-            seg::<F, R, T, PF>(f, r, (q, qe, full), (&pbuf, &psc), x, &mut acc);
+            seg::<F, R, T, PF>(f, r, (q, qe, full), (&pbuf, &psc), x, &mut acc, T);
             q = qe;
         }
     }
@@ -580,9 +610,9 @@ unsafe fn tile_block<S: Staging, const T: usize>(
     }
 }
 
-/// Rows `r0..r1` × all `ntok` tokens, batched. Rows go in groups of [`RB`] (a group past
-/// the last row is padded with zero weights, whose sums are dropped), tokens in passes of
-/// up to [`TC`]. Per group and pass, block by block (1024 columns): the group's block is
+/// Rows `r0..r1` × all `ntok` tokens, batched. Tokens go in passes of up to [`TC`]
+/// (outermost), rows in groups of [`RB`] (a group past the last row is padded with zero
+/// weights, whose sums are dropped). Per pass and group, block by block (1024 columns): the group's block is
 /// staged into an aligned L1 buffer ([`Staging::put`]: raw bf16, MXFP4 decoded once into
 /// exact bf16 pairs, F32 into lane-ordered f32; the partial group zero-padded), and every
 /// token tile of up to [`TB`] tokens runs the block in registers ([`tile_block`]) and
@@ -615,21 +645,25 @@ unsafe fn rows_batched<F: Fmt, S: Staging>(
     // Register-tile passes over one block of a row group: per pass of tc tokens, tc / TB
     // tiles of TB tokens and tc % TB of one.
     let tiles = |tc: usize| tc / TB + tc % TB;
-    let passes = (ntok / TC) * tiles(TC) + tiles(ntok % TC);
-    let mut g0 = r0;
-    while g0 < r1 {
-        let nr = (r1 - g0).min(RB);
-        if full < ng {
-            for (j, p) in parts.iter_mut().enumerate().take(nr) {
-                p.1 = stage_partial(m, g0 + j, full, &mut p.0);
+    // Token passes outermost: a pass's tokens (TC × 4 bytes a column) stay in L2 for
+    // all the row groups, whose weights (a task's, a few hundred KiB at most) are read
+    // from memory in the first pass and from L2 in the next ones; row groups outermost
+    // streamed every token (more than L2 from 36 tokens of 7168 columns) once per group.
+    let mut c0 = 0;
+    while c0 < ntok {
+        let tc = (ntok - c0).min(TC);
+        let mut g0 = r0;
+        while g0 < r1 {
+            let nr = (r1 - g0).min(RB);
+            if full < ng {
+                for (j, p) in parts.iter_mut().enumerate().take(nr) {
+                    p.1 = stage_partial(m, g0 + j, full, &mut p.0);
+                }
             }
-        }
-        // The next group's weights, over this group's tile passes.
-        let next = (g0 + nr, (g0 + nr + RB).min(r1));
-        let mut ahead = Ahead::new(f.spans(next.0, next.1), ng.div_ceil(BLOCK_GROUPS) * passes);
-        let mut c0 = 0;
-        while c0 < ntok {
-            let tc = (ntok - c0).min(TC);
+            // The next group's weights, over this group's tile passes.
+            let next = (g0 + nr, (g0 + nr + RB).min(r1));
+            let steps = ng.div_ceil(BLOCK_GROUPS) * tiles(tc);
+            let mut ahead = Ahead::new(f.spans(next.0, next.1), steps);
             // SAFETY: RB * tc <= RB * TC lane sums fit the buffer; they are zeroed here
             // before the slice over them is formed.
             let acc: &mut [[f64; LANES]] = unsafe {
@@ -672,9 +706,9 @@ unsafe fn rows_batched<F: Fmt, S: Staging>(
                         unsafe { Avx512::reduce(&mut acc[j * tc + t]) };
                 }
             }
-            c0 += tc;
+            g0 += nr;
         }
-        g0 += nr;
+        c0 += tc;
     }
 }
 
@@ -822,8 +856,8 @@ unsafe fn tiles<F: Fmt, const R: usize, const T: usize, const N: usize, const PF
 
 impl Driver for Avx512 {
     /// Rows `r0..r1` × all tokens with the f32-block contract: one token in [`rows1`],
-    /// 2..=[`FEW`] tokens of a format with [`Fmt::FEW_DIRECT`] in [`rows_few`], more in
-    /// [`rows_batched`] (staged as [`Bf16Pairs`] or [`LaneF32`]).
+    /// 2..=[`Fmt::FEW_TOKENS`] in [`rows_few`], up to [`Fmt::SMALL_TOKENS`] in
+    /// [`rows_small`], more in [`rows_batched`] (staged as [`Bf16Pairs`] or [`LaneF32`]).
     #[inline(always)]
     unsafe fn drive<F: Format>(
         f: F,
@@ -856,11 +890,17 @@ impl Driver for Avx512 {
                     1536..=3071 => rows1::<F, 2048>(f, m, rs, x, rows, out),
                     _ => rows1::<F, 4096>(f, m, rs, x, rows, out),
                 }
-            } else if <F as Fmt>::FEW_DIRECT && ntok <= FEW {
+            } else if ntok <= <F as Fmt>::FEW_TOKENS {
                 if <F as Fmt>::PF >= 1024 {
                     rows_few::<F, 1024>(f, m, (r0, r1), x, ntok, out);
                 } else {
                     rows_few::<F, 512>(f, m, (r0, r1), x, ntok, out);
+                }
+            } else if ntok <= <F as Fmt>::SMALL_TOKENS {
+                if <F as Fmt>::PF >= 1024 {
+                    rows_small::<F, 1024>(f, m, (r0, r1), x, ntok, out);
+                } else {
+                    rows_small::<F, 512>(f, m, (r0, r1), x, ntok, out);
                 }
             } else if <F as Format>::KIND.info().bf16_exact && tuning.staging == WeightStaging::Bf16
             {
@@ -912,6 +952,138 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
                 tiles::<F, 1, 4, 4, PF>(f, m, (r, rs), x, ntok, out);
             }
         }
+    }
+}
+
+/// Most tokens the chunked path takes ([`rows_small`]); more go to [`rows_batched`].
+const SMALL: usize = 8;
+
+/// Rows per chunk of [`rows_small`]: the row tiles that take one block of the tokens in
+/// turn while it stays in L1.
+const CHUNK: usize = 16;
+
+/// The f64 lane sums of one [`rows_small`] chunk ([`CHUNK`] rows × [`SMALL`] tokens at
+/// most, 32 KiB), on cache lines.
+#[repr(C, align(64))]
+struct SmallAcc([[f64; LANES]; CHUNK * SMALL]);
+
+/// Rows `r0..r1` × `ntok` (2..=[`SMALL`]) tokens without staging, in chunks of up to
+/// [`CHUNK`] rows. Per chunk, block by block (1024 columns), every tile of 4 rows takes
+/// the tokens two at a time in the one-token loop's register tile (4 rows × 2 tokens, 16
+/// zmm accumulators, [`seg`]; an odd last token in a 4 × 1 tile), each weight decoded in
+/// registers (BF16: a shift and an `and`) and multiplied into both tokens. The chunk's
+/// tokens' block (4 KiB a token) stays in L1 for all its row tiles, and a tile's block of
+/// weights for all its token pairs; where staging copied every block to a buffer and read
+/// it back for each pair, this reads the weights once from memory and then from L1. Rows
+/// past the last whole tile of 4 take tiles of 2 and 1 rows. Every (row, token) lane runs
+/// the contract's FMA chain in increasing group order from +0 and is promoted once at the
+/// block's end, then the shared tree: bit for bit the portable result.
+///
+/// # Safety
+/// `f` describes `m`, `r1 <= m.rows`; `x` holds `ntok` permuted tokens; `out` has room for
+/// `(r1 - r0) * ntok` sums; `ntok <= SMALL`; AVX-512F enabled in the caller.
+#[inline(always)]
+unsafe fn rows_small<F: Fmt, const PF: usize>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    x: *const f32,
+    ntok: usize,
+    out: &mut [f64],
+) {
+    let mut r = r0;
+    // Chunks of whole row tiles of 4, 2 and 1 rows. (No closure here: a closure would not
+    // inherit the entry point's target features.)
+    for rows in [4, 2, 1] {
+        while r + rows <= r1 {
+            let n = ((r1 - r) / rows * rows).min(CHUNK);
+            let o = &mut out[(r - r0) * ntok..];
+            // SAFETY: the caller's guarantees; the chunk's rows r..r+n lie in r0..r1 and
+            // its n × ntok sums in out from (r - r0) * ntok.
+            unsafe {
+                match rows {
+                    4 => small_chunk::<F, 4, PF>(f, m, (r, r + n), x, ntok, o),
+                    2 => small_chunk::<F, 2, PF>(f, m, (r, r + n), x, ntok, o),
+                    _ => small_chunk::<F, 1, PF>(f, m, (r, r + n), x, ntok, o),
+                }
+            }
+            r += n;
+        }
+    }
+}
+
+/// Rows `c0..c1` (whole tiles of `R`, at most [`CHUNK`]) × `ntok` tokens (see
+/// [`rows_small`]); sums into `out[(r - c0) * ntok + t]`.
+///
+/// # Safety
+/// Rows `c0..c1` exist in `m`, `f` describes it; `x + t * x_stride(m.cols)` (`t < ntok`)
+/// holds one permuted token each; `out.len() >= (c1 - c0) * ntok`; AVX-512F enabled in
+/// the caller.
+#[inline(always)]
+unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
+    f: F,
+    m: &Mat<'_>,
+    (c0, c1): (usize, usize),
+    x: *const f32,
+    ntok: usize,
+    out: &mut [f64],
+) {
+    let ng = groups(m.cols);
+    let full = m.cols / GROUP_COLS;
+    let stride = x_stride(m.cols);
+    let nr = c1 - c0;
+    assert!(nr % R == 0 && nr <= CHUNK && ntok <= SMALL);
+    let mut pbuf = [[0u8; 128]; CHUNK];
+    let mut psc = [0u8; CHUNK];
+    if full < ng {
+        for j in 0..nr {
+            psc[j] = stage_partial(m, c0 + j, full, &mut pbuf[j]);
+        }
+    }
+    let mut sums = std::mem::MaybeUninit::<SmallAcc>::uninit();
+    // SAFETY: nr * ntok <= CHUNK * SMALL lane sums fit the buffer; they are zeroed before
+    // the slice over them is formed.
+    let acc: &mut [[f64; LANES]] = unsafe {
+        let p = sums.as_mut_ptr() as *mut [f64; LANES];
+        std::ptr::write_bytes(p, 0, nr * ntok);
+        std::slice::from_raw_parts_mut(p, nr * ntok)
+    };
+    // The next chunk's rows' heads, which the in-row prefetch cannot reach.
+    if PF != 0 {
+        prefetch_heads(f, m, c1, c1 + nr, PF);
+    }
+    let mut q = 0;
+    while q < ng {
+        let qe = (q + BLOCK_GROUPS).min(ng);
+        for i in 0..nr / R {
+            let (r, j0) = (c0 + i * R, i * R);
+            let pb: &[[u8; 128]; R] = pbuf[j0..j0 + R].try_into().expect("R rows");
+            let ps: &[u8; R] = psc[j0..j0 + R].try_into().expect("R rows");
+            let mut t0 = 0;
+            while t0 < ntok {
+                let xt = (x.wrapping_add(t0 * stride), stride);
+                let a = &mut acc[j0 * ntok + t0..];
+                // SAFETY: rows r..r+R lie in c0..c1 (caller), groups q..qe in 0..ng (full
+                // ones read in place, the partial one from its copy); tokens t0.. < ntok
+                // are at xt; the tile's sums (j0 + j) * ntok + t0 + t < nr * ntok. Only
+                // the first pair of a block prefetches along the rows (the others find
+                // the block in L1).
+                unsafe {
+                    let b = (q, qe, full);
+                    match (ntok - t0 >= 2, t0 == 0) {
+                        (true, true) => seg::<F, R, 2, PF>(f, r, b, (pb, ps), xt, a, ntok),
+                        (true, false) => seg::<F, R, 2, 0>(f, r, b, (pb, ps), xt, a, ntok),
+                        (false, _) => seg::<F, R, 1, 0>(f, r, b, (pb, ps), xt, a, ntok),
+                    }
+                }
+                t0 += 2;
+            }
+        }
+        q = qe;
+    }
+    for (o, a) in out.iter_mut().zip(acc.iter_mut()) {
+        // SAFETY: AVX-512F is enabled in the caller.
+        *o = unsafe { Avx512::reduce(a) };
     }
 }
 

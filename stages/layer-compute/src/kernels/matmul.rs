@@ -80,9 +80,11 @@
 //!   experts). One x permutation and one fork/join for all matrices; results are bitwise
 //!   those of separate [`gemm`] calls, so wiring it changes no id or logit.
 //! - **Batched prefill** — [`gemm`] with `ntok > 1` *is* the batched, register-blocked
-//!   GEMM (weights read from DRAM once per 16 tokens; on AVX-512, groups of 4 rows taken
-//!   block by block, each block staged once into an aligned buffer and multiplied into
-//!   4 rows × 2 tokens per inner loop, see [`super::avx512`]). Callers should pass the
+//!   GEMM (weights read from DRAM once per 16 tokens; on AVX-512, BF16/F32 weights at 3-8
+//!   tokens are widened in registers and multiplied into 4 rows × 2 tokens per inner loop
+//!   with no staging, and above that groups of 4 rows are taken block by block, each
+//!   block staged once into an aligned buffer, with the token passes outermost; see
+//!   [`super::avx512`]). Callers should pass the
 //!   whole chunk in one call (as they do today) instead of looping tokens; per-token
 //!   results equal [`gemv`] bit for bit.
 //! - **Tuning** — the instruction-set cap, the one-token AVX-512 kernel's rows side by

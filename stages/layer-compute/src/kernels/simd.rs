@@ -182,6 +182,17 @@ impl Kernel {
         }
     }
 
+    /// The kernels tuning `t` would select on this CPU if installed (what a stage given `t`
+    /// runs: the report's and `doctor`'s product path).
+    pub fn selected(t: &KernelTuning) -> Kernel {
+        let (product, isa) = select(t, best_available(), bf16_dot_available(), auto_product());
+        Kernel {
+            product,
+            isa,
+            tuning: DriverTuning::of(t),
+        }
+    }
+
     /// The installed kernels of the `exact` path with the instruction set `isa`; panics
     /// when the CPU lacks it ([`checked`]).
     pub fn on(isa: Isa) -> Kernel {

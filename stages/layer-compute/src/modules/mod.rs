@@ -205,6 +205,20 @@ pub fn mxfp4_from<'a>(
             scale.dtype, scale.shape
         )));
     }
+    // E8M0 0xFF is NaN (OCP MX spec); the kernels decode it as 0, so a corrupt scale would
+    // silently zero its group: refused here, naming the tensor. One byte per 32 weights,
+    // scanned where the expert is bound.
+    if scale.bytes.contains(&0xFF) {
+        let at = scale.bytes.iter().position(|&b| b == 0xFF).unwrap_or(0);
+        return Err(WeightError::NonFinite {
+            name: format!("{name}.weight_scale"),
+            msg: format!(
+                "E8M0 scale byte 0xFF (NaN) at row {}, group {}",
+                at / sc,
+                at % sc
+            ),
+        });
+    }
     Mat::mxfp4(packed.bytes, scale.bytes, rows, cols).map_err(|e| bad(e.0))
 }
 

@@ -12,7 +12,8 @@
 //! 297-327 ms split by rows; a decode token's 48 experts in 28-30 against 32-36 ms
 //! (`docs/measurements.md`).
 
-use k3_model::classify::layer_tensor;
+use k3_model::classify::{expert_tensor, layer_tensor};
+use k3_model::tensor::WeightError;
 
 use super::mlp::{glu_down64, glu_mlp, Situ};
 use super::{expert_mat, LayerCtx};
@@ -27,6 +28,8 @@ use rayon::prelude::*;
 /// Latent-MoE parameters.
 #[derive(Clone, Copy, Debug)]
 pub struct MoeParams {
+    /// The decoder layer (names the tensors in an error).
+    pub layer: usize,
     pub hidden: usize,
     pub n_experts: usize,
     pub top_k: usize,
@@ -74,6 +77,9 @@ pub struct MoeStats {
     pub failures: usize,
     /// One message per failure.
     pub failure_msgs: Vec<String>,
+    /// The first delivered expert holding a value that is not finite (an E8M0 scale byte
+    /// 0xFF): not a load failure, the whole pass fails with it.
+    pub non_finite: Option<String>,
 }
 
 /// A routed-expert supplier: `fetch(ids, deliver)` calls `deliver(experts)` until every
@@ -134,7 +140,7 @@ impl MoeHead<'_> {
     ) -> Result<(Vec<f32>, MoeStats), ForwardError> {
         let router_span = profile::span(Phase::Router);
         // The router first, alone: its choice starts the expert reads.
-        let routed = Routed::new(self.route(p, v, ntok, ctx.threads));
+        let routed = Routed::new(self.route(p, v, ntok, ctx.threads)?);
         (hooks.announce)(&routed.union);
         router_span.end();
         let shared_span = profile::span(Phase::Shared);
@@ -156,17 +162,45 @@ impl MoeHead<'_> {
             ..MoeStats::default()
         };
         let slots = routed_experts(p, &routed, &xl, ctx.threads, hooks.fetch, &mut stats);
+        if let Some(msg) = stats.non_finite.take() {
+            return Err(ForwardError::NonFinite(msg));
+        }
         let tail = (hooks.tail)()?;
         let _combine = profile::span(Phase::Combine);
         let z = tail.combine(ctx, p, &routed, &slots, &sh);
         Ok((z, stats))
     }
 
-    /// The router's product (alone) and each token's top-k.
-    fn route(&self, p: &MoeParams, v: &[f32], ntok: usize, threads: usize) -> Vec<Routing> {
+    /// The router's product (alone) and each token's top-k. A router logit that is not
+    /// finite from a finite input row is the gate weight's (a NaN row would otherwise only
+    /// steer the top-k choice, never reaching the hidden state): the pass fails naming it.
+    fn route(
+        &self,
+        p: &MoeParams,
+        v: &[f32],
+        ntok: usize,
+        threads: usize,
+    ) -> Result<Vec<Routing>, ForwardError> {
         let mut logits = vec![0f32; ntok * p.n_experts];
         gemm_fused(&[&self.gate], v, &mut [&mut logits], ntok, threads);
-        (0..ntok)
+        let e = p.n_experts;
+        for (t, (row, x)) in logits
+            .chunks_exact(e)
+            .zip(v.chunks_exact(p.hidden))
+            .enumerate()
+        {
+            let Some(i) = row.iter().position(|y| !y.is_finite()) else {
+                continue;
+            };
+            if x.iter().all(|x| x.is_finite()) {
+                return Err(WeightError::NonFinite {
+                    name: layer_tensor(p.layer, "block_sparse_moe.gate.weight"),
+                    msg: format!("router logit of expert {i} is {} for token {t}", row[i]),
+                }
+                .into());
+            }
+        }
+        Ok((0..ntok)
             .map(|t| {
                 router::route(
                     &logits[t * p.n_experts..(t + 1) * p.n_experts],
@@ -176,7 +210,7 @@ impl MoeHead<'_> {
                     p.routed_scale,
                 )
             })
-            .collect()
+            .collect())
     }
 
     /// The latent down-projection of `v` (`ntok × latent`) and the shared experts' output
@@ -323,7 +357,7 @@ fn bind_delivery<'b>(
         delivered[ui] = true;
         let id = union[ui];
         let mats = res.and_then(|e| {
-            let n = |x: &str| format!("expert {id} {x}");
+            let n = |x: &str| expert_tensor(p.layer, id as usize, x);
             Ok([
                 expert_mat(&n("w1"), e.w1, p.inter, lat)?,
                 expert_mat(&n("w3"), e.w3, p.inter, lat)?,
@@ -332,6 +366,9 @@ fn bind_delivery<'b>(
         });
         match mats {
             Ok(m) => jobs.push((ui, m)),
+            Err(e @ WeightError::NonFinite { .. }) => {
+                stats.non_finite.get_or_insert_with(|| e.to_string());
+            }
             Err(e) => {
                 stats.failures += 1;
                 stats.failure_msgs.push(format!("expert {id}: {e}"));
@@ -416,9 +453,11 @@ impl MoeTail<'_> {
 }
 
 impl<W: Weights> Model<W> {
-    pub(crate) fn moe_params(&self) -> MoeParams {
+    /// Layer `l`'s MoE parameters.
+    pub(crate) fn moe_params(&self, l: usize) -> MoeParams {
         let c = &self.cfg;
         MoeParams {
+            layer: l,
             hidden: c.hidden_size,
             n_experts: c.num_experts,
             top_k: c.num_experts_per_token,

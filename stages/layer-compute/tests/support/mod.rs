@@ -2,10 +2,11 @@
 //! helpers and a model loader over the committed tiny models.
 #![allow(dead_code)]
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use k3_layer_compute::kernels::simd::{self, ProductPath};
 use k3_layer_compute::kernels::tuning::{self, Isa, KernelTuning};
@@ -275,7 +276,7 @@ pub fn host_paths(test: &str) -> Vec<Isa> {
 /// The products capped at one ISA for this process until dropped (then the default again).
 #[must_use = "the cap holds only while the guard lives"]
 pub struct IsaCap {
-    _turn: std::sync::MutexGuard<'static, ()>,
+    _turn: KernelsTurn,
 }
 
 impl Drop for IsaCap {
@@ -307,11 +308,62 @@ pub fn product_paths(test: &str) -> Vec<ProductPath> {
     paths
 }
 
-/// Held by every test of a binary that runs products on the installed kernels, because
-/// [`on_each_path`] installs product paths (which change results) for the whole process.
-pub fn kernels_lock() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+/// The installed kernel tuning is process-wide and this is one test binary: a test that
+/// installs a product path or an ISA cap ([`on_each_path`], [`cap_isa`]) holds the
+/// tuning alone ([`kernels_lock`]); every other test that runs products holds it shared
+/// ([`kernels_shared`]), so none runs on a path another test installed meanwhile.
+static KERNELS: RwLock<()> = RwLock::new(());
+
+thread_local! {
+    /// Whether this thread holds [`KERNELS`] alone (a shared turn inside it is a no-op).
+    static ALONE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// A turn on the installed kernels ([`KERNELS`]), alone or shared, until dropped.
+#[must_use = "the turn holds only while the guard lives"]
+pub struct KernelsTurn {
+    _alone: Option<RwLockWriteGuard<'static, ()>>,
+    _shared: Option<RwLockReadGuard<'static, ()>>,
+}
+
+impl Drop for KernelsTurn {
+    fn drop(&mut self) {
+        if self._alone.is_some() {
+            ALONE.with(|a| a.set(false));
+        }
+    }
+}
+
+/// The installed kernels alone: held by tests that install a tuning. A no-op on a thread
+/// that holds them alone already (a test that holds them and then caps the ISA). A test
+/// that panicked holding them poisons the lock; its guards still restored the default
+/// tuning.
+pub fn kernels_lock() -> KernelsTurn {
+    let alone = if ALONE.with(|a| a.get()) {
+        None
+    } else {
+        let w = KERNELS.write().unwrap_or_else(|e| e.into_inner());
+        ALONE.with(|a| a.set(true));
+        Some(w)
+    };
+    KernelsTurn {
+        _alone: alone,
+        _shared: None,
+    }
+}
+
+/// The installed kernels shared with other tests that only run products (the default
+/// tuning); a no-op on a thread that holds them alone.
+pub fn kernels_shared() -> KernelsTurn {
+    let shared = if ALONE.with(|a| a.get()) {
+        None
+    } else {
+        Some(KERNELS.read().unwrap_or_else(|e| e.into_inner()))
+    };
+    KernelsTurn {
+        _alone: None,
+        _shared: shared,
+    }
 }
 
 /// Install `path` (every other setting automatic), keeping the instruction-set cap `isa`.

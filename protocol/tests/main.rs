@@ -1,0 +1,8 @@
+//! The k3-protocol integration tests: the recording format, shared regions across
+//! processes, and the transport conformance suite. One test binary (each one links the
+//! crate and all it depends on, so one per file cost minutes of linking; issue 31), one
+//! module per file.
+
+mod record;
+mod shm;
+mod transport;
