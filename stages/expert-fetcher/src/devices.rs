@@ -8,6 +8,7 @@
 //! later with the open's error. [`DeviceMap::from_keys`] is the grouping itself, over any
 //! keys (the tests' fake devices).
 
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 
 /// A block device number.
@@ -99,6 +100,26 @@ impl DeviceMap {
     }
 }
 
+/// `items` in disk order per device, the devices taking turns: sorted by `key` (the device,
+/// then the position on it), then one item of each device in device order, round after
+/// round. With one device this is just the sort, so a single drive keeps its disk order.
+pub fn interleave<T, K: Ord>(mut items: Vec<T>, key: impl Fn(&T) -> (usize, K)) -> Vec<T> {
+    items.sort_by_key(&key);
+    let n = items.len();
+    let mut queues: BTreeMap<usize, VecDeque<T>> = BTreeMap::new();
+    for it in items {
+        queues.entry(key(&it).0).or_default().push_back(it);
+    }
+    let mut out = Vec::with_capacity(n);
+    while !queues.is_empty() {
+        queues.retain(|_, q| {
+            out.extend(q.pop_front());
+            !q.is_empty()
+        });
+    }
+    out
+}
+
 /// The whole-disk device number of the file `p` resolves to; None when it cannot be
 /// examined.
 pub fn device_of(p: &Path) -> Option<DevNum> {
@@ -152,9 +173,32 @@ mod tests {
         let devs: Vec<usize> = (0..7).map(|f| m.device_of(f)).collect();
         assert_eq!(devs, vec![0, 1, 0, 2, 1, 2, 3]);
         assert_eq!(m.names(), &["fake7", "fake9", "unknown", "fake3"]);
-        assert_eq!(m.device_of(99), 0, "an unknown file number falls back to device 0");
+        assert_eq!(
+            m.device_of(99),
+            0,
+            "an unknown file number falls back to device 0"
+        );
         let one = DeviceMap::from_keys(&[Some(1), Some(1), Some(1)], |k| k.to_string());
         assert_eq!(one, DeviceMap::single(3, "1"));
+    }
+
+    /// Catches issuing a batch in plain (file, offset) order over several drives (the
+    /// second drive idles until the first one's reads are all queued) and an interleave
+    /// that breaks the disk order inside a drive or changes the single-drive order.
+    #[test]
+    fn interleave_takes_turns_in_disk_order() {
+        // (device, offset)
+        let items = vec![(1, 50), (0, 30), (1, 10), (0, 20), (0, 10), (2, 5)];
+        let got = interleave(items.clone(), |&(d, o)| (d, o));
+        assert_eq!(
+            got,
+            vec![(0, 10), (1, 10), (2, 5), (0, 20), (1, 50), (0, 30)]
+        );
+        let one: Vec<(usize, u64)> = vec![(0, 9), (0, 3), (0, 7)];
+        assert_eq!(
+            interleave(one, |&(d, o)| (d, o)),
+            vec![(0, 3), (0, 7), (0, 9)]
+        );
     }
 
     #[test]
@@ -165,7 +209,11 @@ mod tests {
         let link = tmp.path().join("b");
         std::os::unix::fs::symlink(&a, &link).unwrap();
         let m = DeviceMap::of_files(&[a.clone(), link, tmp.path().join("missing")]);
-        assert_eq!(m.device_of(0), m.device_of(1), "a symlink is its target's device");
+        assert_eq!(
+            m.device_of(0),
+            m.device_of(1),
+            "a symlink is its target's device"
+        );
         assert_ne!(m.device_of(0), m.device_of(2));
         assert_eq!(m.name(m.device_of(2)), "unknown");
         assert_eq!(
