@@ -136,7 +136,9 @@ fn file_name(p: &Path) -> String {
 /// Every routed expert of `cat` as one run, sorted by (layer, expert). An expert whose
 /// tensors are in two shards, or leave a gap (or overlap), is refused and named.
 pub fn expert_runs(cat: &Catalog) -> Result<Vec<ExpertRun>, ExpertRunError> {
-    let mut parts: BTreeMap<(usize, usize), Vec<(usize, u64, u64)>> = BTreeMap::new();
+    // Per (layer, expert): each tensor's (shard, offset, length).
+    type Parts = Vec<(usize, u64, u64)>;
+    let mut parts: BTreeMap<(usize, usize), Parts> = BTreeMap::new();
     for (name, e) in cat.iter() {
         if let Some((l, x, _)) = crate::classify::split_expert(&name) {
             parts
@@ -239,7 +241,11 @@ pub enum ExpertsError {
         b_id: String,
     },
     #[error("{} and {} hold the same stripe {stripe} of the pack", a.display(), b.display())]
-    SameStripe { stripe: usize, a: PathBuf, b: PathBuf },
+    SameStripe {
+        stripe: usize,
+        a: PathBuf,
+        b: PathBuf,
+    },
     #[error(
         "the pack has {stripes} directories; {} {} not given (each holds its share of the \
          experts: give every directory of the pack)",
@@ -622,7 +628,12 @@ mod tests {
             vec![vec![0, 3, 6], vec![1, 4], vec![2, 5]]
         );
         assert_eq!(stripe(&runs, 1), vec![(0..7).collect::<Vec<_>>()]);
-        let uneven = vec![run(0, 0, 40_000), run(0, 1, 4096), run(0, 2, 4096), run(0, 3, 8192)];
+        let uneven = vec![
+            run(0, 0, 40_000),
+            run(0, 1, 4096),
+            run(0, 2, 4096),
+            run(0, 3, 8192),
+        ];
         // 40 KB to dir 0; then dir 1 gets the small ones until it passes dir 0.
         assert_eq!(stripe(&uneven, 2), vec![vec![0], vec![1, 2, 3]]);
     }
@@ -678,7 +689,8 @@ mod tests {
     /// bytes as an expert).
     #[test]
     fn inconsistencies_are_named() {
-        let cases: Vec<(Box<dyn Fn(&mut ExpertsManifest)>, &str)> = vec![
+        type Edit = Box<dyn Fn(&mut ExpertsManifest)>;
+        let cases: Vec<(Edit, &str)> = vec![
             (Box::new(|m| m.experts[1].offset = 4096), "overlaps"),
             (Box::new(|m| m.experts[1].offset = 8000), "not aligned"),
             (Box::new(|m| m.file_size += 1), "file_size"),
@@ -725,7 +737,7 @@ mod tests {
         let p = PackedExperts::open(&[one.clone(), zero.clone()]).unwrap();
         assert_eq!(p.dirs, vec![zero.clone(), one.clone()], "ordered by stripe");
         assert_eq!(p.locations().len(), 4);
-        let e = PackedExperts::open(&[one.clone()]).unwrap_err();
+        let e = PackedExperts::open(std::slice::from_ref(&one)).unwrap_err();
         assert!(matches!(e, ExpertsError::MissingStripes { ref missing, .. } if missing == &[0]));
         let e = PackedExperts::open(&[one.clone(), one.clone()]).unwrap_err();
         assert!(matches!(e, ExpertsError::SameStripe { .. }), "{e}");
