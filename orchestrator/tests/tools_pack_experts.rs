@@ -237,3 +237,33 @@ fn a_failing_drive_exits_4_naming_it() {
         "the failure must name the drive: {err}"
     );
 }
+
+/// `doctor --experts` measures every drive the weights sit on: a pack in /dev/shm (tmpfs,
+/// another device than the fixture's) makes two, each named, and the projection uses
+/// their sum. Catches a doctor that measures only the model's drive.
+#[test]
+fn doctor_measures_each_drive() {
+    use std::os::unix::fs::MetadataExt;
+    let shm = Path::new("/dev/shm");
+    let same = std::fs::metadata(shm)
+        .and_then(|a| std::fs::metadata(tiny()).map(|b| a.dev() == b.dev()))
+        .unwrap_or(true);
+    if same {
+        return crate::tools_common::skip(
+            "doctor_measures_each_drive",
+            "no /dev/shm on another device than the fixtures",
+        );
+    }
+    let tmp = tempfile::tempdir_in(shm).unwrap();
+    k3_ok(&["pack-experts", s(&tiny()), "--to", s(tmp.path())]);
+    let out = k3_ok(&[
+        "doctor",
+        s(&tiny()),
+        "--experts",
+        s(tmp.path()),
+        "--seconds",
+        "0.2",
+    ]);
+    assert_eq!(out.matches("drive      :").count(), 2, "{out}");
+    assert!(out.contains("of 2 drives measured"), "{out}");
+}
