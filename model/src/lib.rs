@@ -9,12 +9,14 @@
 //! - [`locator`]: where each routed expert's bytes are (runs in the shards).
 //! - [`released`]: the released tensor list (names, shapes, dtypes) at full scale.
 //! - [`trunk`]: the packed-trunk format (trunk.json + trunk.bin).
+//! - [`experts`]: the packed-experts format (experts.json + experts.bin per drive directory).
 //!
 //! Nothing here knows about processes, rings or stages.
 
 pub mod catalog;
 pub mod classify;
 pub mod config;
+pub mod experts;
 pub mod locator;
 pub mod mapfault;
 pub mod mmap_weights;

@@ -138,6 +138,53 @@ impl SourceIdentity {
             shards,
         })
     }
+
+    /// What differs between this identity (a checkpoint when something was packed from it)
+    /// and `current` (the checkpoint now), at most three items and a count of the rest;
+    /// empty when they are the same checkpoint.
+    pub fn diffs(&self, current: &SourceIdentity) -> Vec<String> {
+        let mut diffs = Vec::new();
+        if self.total_size != current.total_size {
+            diffs.push(format!(
+                "index total_size {} now, {} when packed",
+                current.total_size, self.total_size
+            ));
+        }
+        let was: BTreeMap<&str, &ShardIdentity> =
+            self.shards.iter().map(|s| (s.file.as_str(), s)).collect();
+        for s in &current.shards {
+            match was.get(s.file.as_str()) {
+                None => diffs.push(format!("{} was not in the packed checkpoint", s.file)),
+                Some(w) if w.size != s.size => {
+                    diffs.push(format!("{} is {} bytes, was {}", s.file, s.size, w.size))
+                }
+                Some(w) if w.header_sha256 != s.header_sha256 => diffs.push(format!(
+                    "{}: its header differs (sha256 {} now, {} when packed)",
+                    s.file,
+                    short(&s.header_sha256),
+                    short(&w.header_sha256)
+                )),
+                Some(w) if w.sample_sha256 != s.sample_sha256 => diffs.push(format!(
+                    "{}: same header, other data (sample sha256 {} now, {} when packed)",
+                    s.file,
+                    short(&s.sample_sha256),
+                    short(&w.sample_sha256)
+                )),
+                _ => {}
+            }
+        }
+        for f in was.keys() {
+            if !current.shards.iter().any(|s| s.file == *f) {
+                diffs.push(format!("{f} is gone"));
+            }
+        }
+        let n = diffs.len();
+        if n > 3 {
+            diffs.truncate(3);
+            diffs.push(format!("{} more", n - 3));
+        }
+        diffs
+    }
 }
 
 /// sha256 of [`SAMPLES`] × [`SAMPLE_BYTES`] of `[start, end)` of the file, evenly spaced
@@ -167,7 +214,7 @@ fn short(h: &str) -> &str {
     h.get(..12).unwrap_or(h)
 }
 
-fn hex(b: &[u8]) -> String {
+pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -569,52 +616,9 @@ impl TrunkManifest {
     /// Refuse a trunk packed from another checkpoint: `current` is the identity of the
     /// checkpoint about to be used (see [`SourceIdentity::of`]). The error names what differs.
     pub fn check_source(&self, current: &SourceIdentity) -> Result<(), SourceError> {
-        let mut diffs = Vec::new();
-        if self.source.total_size != current.total_size {
-            diffs.push(format!(
-                "index total_size {} now, {} when packed",
-                current.total_size, self.source.total_size
-            ));
-        }
-        let was: BTreeMap<&str, &ShardIdentity> = self
-            .source
-            .shards
-            .iter()
-            .map(|s| (s.file.as_str(), s))
-            .collect();
-        for s in &current.shards {
-            match was.get(s.file.as_str()) {
-                None => diffs.push(format!("{} was not in the packed checkpoint", s.file)),
-                Some(w) if w.size != s.size => {
-                    diffs.push(format!("{} is {} bytes, was {}", s.file, s.size, w.size))
-                }
-                Some(w) if w.header_sha256 != s.header_sha256 => diffs.push(format!(
-                    "{}: its header differs (sha256 {} now, {} when packed)",
-                    s.file,
-                    short(&s.header_sha256),
-                    short(&w.header_sha256)
-                )),
-                Some(w) if w.sample_sha256 != s.sample_sha256 => diffs.push(format!(
-                    "{}: same header, other data (sample sha256 {} now, {} when packed)",
-                    s.file,
-                    short(&s.sample_sha256),
-                    short(&w.sample_sha256)
-                )),
-                _ => {}
-            }
-        }
-        for f in was.keys() {
-            if !current.shards.iter().any(|s| s.file == *f) {
-                diffs.push(format!("{f} is gone"));
-            }
-        }
+        let diffs = self.source.diffs(current);
         if diffs.is_empty() {
             return Ok(());
-        }
-        let n = diffs.len();
-        if n > 3 {
-            diffs.truncate(3);
-            diffs.push(format!("{} more", n - 3));
         }
         Err(SourceError::OtherCheckpoint { diffs })
     }

@@ -128,6 +128,7 @@ pub fn gen_exit_code(e: &GenError) -> i32 {
         | E::Layers { .. }
         | E::TrunkManifest(_)
         | E::TrunkSource { .. }
+        | E::Experts(_)
         | E::Budget(_)
         | E::IdsOutside { .. }
         | E::OutputRefused { .. }

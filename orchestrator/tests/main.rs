@@ -21,6 +21,7 @@ mod serve_stream;
 mod staged_stop_state;
 mod streaming_cli;
 mod tools_inspect;
+mod tools_pack_experts;
 mod tools_pack_trunk;
 mod tools_project;
 mod tools_synth;

@@ -102,6 +102,14 @@ pub struct FetcherConf {
     pub readers: usize,
     /// (layer, expert) pairs whose reads fail on purpose (tests of exit 4).
     pub inject_failures: Vec<(u32, u32)>,
+    /// Directories whose files' reads all fail on purpose, as if the drive holding them
+    /// failed (tests of exit 4 naming the drive).
+    #[serde(default)]
+    pub inject_drive_failures: Vec<PathBuf>,
+    /// `--experts DIR...`: read the routed experts from this pack (`k3_model::experts`,
+    /// written by `pack-experts`) instead of the shards; empty: the shards.
+    #[serde(default)]
+    pub experts_dirs: Vec<PathBuf>,
     /// Write expert_hist.json + expert_trace.bin here at the end.
     pub trace_dir: Option<PathBuf>,
     pub record_dir: Option<PathBuf>,

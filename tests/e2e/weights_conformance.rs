@@ -129,6 +129,8 @@ fn staged(model: &Path, trunk_dir: Option<PathBuf>, layers: usize) -> (StagedWei
         max_slots: 64,
         readers: 4,
         inject_failures: Vec::new(),
+        inject_drive_failures: Vec::new(),
+        experts_dirs: Vec::new(),
         trace_dir: None,
         record_dir: None,
     };

@@ -43,6 +43,11 @@ const SUBCOMMANDS: &[(&str, SubMain, &str)] = &[
         "shards, headers, index and sizes are consistent",
     ),
     (
+        "pack-experts",
+        tools::pack_experts::main,
+        "experts.bin + experts.json per drive directory, one run per expert",
+    ),
+    (
         "pack-trunk",
         tools::pack_trunk::main,
         "trunk.bin + trunk.json, one run per layer",

@@ -186,6 +186,9 @@ pub struct GenArgs {
     pub tok: Option<PathBuf>,
     pub mem: Vec<MemFlag>,
     pub trunk: Option<PathBuf>,
+    /// `--experts DIR,...`: the routed experts' pack (pack-experts), one directory per
+    /// drive; empty: the experts are read from the shards.
+    pub experts: Vec<PathBuf>,
     pub gen: usize,
     /// `-c/--ctx-size`: prompt plus generated tokens at most (refused up front beyond it).
     pub ctx_size: Option<usize>,
@@ -269,6 +272,8 @@ prompt (exactly one):
 memory (applied left to right; a later flag wins):
   --preset NAME          laptop|desktop|workstation|server|max|auto (sets both budgets)
   --trunk DIR            the packed trunk (pack-trunk); without it the trunk is loaded whole
+  --experts DIR[,DIR...] the packed routed experts (pack-experts --to DIR...), one directory
+                         per drive, all of the pack (repeatable); read from every drive at once
   --mem-gb X             one total budget for the whole run, spent to read the fewest bytes
                          per token (default: MemAvailable/cgroup room minus a 5% reserve)
   --trunk-gb X           budget for pinned trunk layers plus the streaming ring
@@ -372,6 +377,7 @@ struct LowArgs {
     tok: Option<PathBuf>,
     mem: Vec<MemFlag>,
     trunk: Option<PathBuf>,
+    experts: Vec<PathBuf>,
     gen: Option<usize>,
     ctx_size: Option<usize>,
     incremental: bool,
@@ -496,6 +502,18 @@ impl LowArgs {
                 self.mem.push(MemFlag::Preset(p));
             }
             "--trunk" => self.trunk = Some(PathBuf::from(val()?)),
+            "--experts" => {
+                let v = val()?;
+                let dirs: Vec<PathBuf> = v
+                    .split(',')
+                    .filter(|d| !d.is_empty())
+                    .map(PathBuf::from)
+                    .collect();
+                if dirs.is_empty() {
+                    return Err("--experts: give the pack's directories (DIR,DIR...)".into());
+                }
+                self.experts.extend(dirs);
+            }
             "--trunk-gb" => self.mem.push(MemFlag::TrunkGb(gb(&val()?, flag)?)),
             "--cache-gb" => self.mem.push(MemFlag::CacheGb(gb(&val()?, flag)?)),
             "--mem-gb" => self.mem.push(MemFlag::MemGb(gb(&val()?, flag)?)),
@@ -730,6 +748,7 @@ impl GenArgs {
             tok,
             mem: low.mem,
             trunk: low.trunk,
+            experts: low.experts,
             gen,
             ctx_size: low.ctx_size,
             incremental: !low.full_recompute,
@@ -822,6 +841,7 @@ pub const FLAGS: &[&str] = &[
     "--tok",
     "--preset",
     "--trunk",
+    "--experts",
     "--mem-gb",
     "--trunk-gb",
     "--cache-gb",

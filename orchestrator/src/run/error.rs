@@ -41,6 +41,9 @@ pub enum GenError {
         #[source]
         source: SourceError,
     },
+    /// `--experts DIR,...` is not one whole pack of this checkpoint.
+    #[error("--experts: {0}")]
+    Experts(#[source] k3_model::experts::ExpertsError),
     /// The memory plan (its refusals, or a flag or file it cannot use).
     #[error(transparent)]
     Budget(#[from] BudgetError),

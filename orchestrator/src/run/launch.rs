@@ -3,7 +3,7 @@
 //! loop; this module only builds what each mode needs and collects what it returns.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use k3_layer_compute::decode::{decode_resumed, LoopOptions, Resume, Step, StepHooks};
 use k3_layer_compute::forward::{Model, ModelOptions};
@@ -337,10 +337,12 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, GenError> {
     })
 }
 
-/// The directories a run reads weights from: the model's shards and the packed trunk.
+/// The directories a run reads weights from: the model's shards, the packed trunk and the
+/// packed experts' drives.
 fn disk_paths(a: &GenArgs) -> Vec<&Path> {
     let mut v = vec![a.model_dir.as_path()];
     v.extend(a.trunk.as_deref());
+    v.extend(a.experts.iter().map(PathBuf::as_path));
     v
 }
 
@@ -511,6 +513,23 @@ fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>)
 
 /// Environment variable of the expert-failure test hook ([`injected_failures`]).
 pub const INJECT_ENV: &str = "K3_INJECT_EXPERT_FAILURES";
+/// Environment variable of the drive-failure test hook ([`injected_drive_failures`]).
+pub const INJECT_DRIVE_ENV: &str = "K3_INJECT_DRIVE_FAILURE";
+
+/// Directories whose files' reads all fail, as if their drive failed
+/// (`K3_INJECT_DRIVE_FAILURE=DIR,...`, the tests of exit 4 naming the drive; armed by
+/// `K3_TEST_HOOKS=1`, [`check_test_hooks`]).
+fn injected_drive_failures() -> Vec<PathBuf> {
+    std::env::var_os(INJECT_DRIVE_ENV)
+        .map(|v| {
+            v.to_string_lossy()
+                .split(',')
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+                .collect()
+        })
+        .unwrap_or_default()
+}
 
 /// The test hooks other than the budget override (which [`budget_override`] checks), each
 /// refused up front (exit 2) unless `K3_TEST_HOOKS=1` arms it, and refused when malformed:
@@ -522,6 +541,7 @@ pub fn check_test_hooks() -> Result<(), GenError> {
     let armed = std::env::var(TEST_HOOKS_ENV).as_deref() == Ok("1");
     for name in [
         INJECT_ENV,
+        INJECT_DRIVE_ENV,
         PREFILL_CHUNK_ENV,
         LM_HEAD_CHUNK_ENV,
         LM_HEAD_HELD_ENV,
@@ -536,7 +556,7 @@ pub fn check_test_hooks() -> Result<(), GenError> {
             .to_str()
             .and_then(|s| s.trim().parse::<u64>().ok())
             .is_some_and(|n| n > 0);
-        if name != INJECT_ENV && !positive {
+        if name != INJECT_ENV && name != INJECT_DRIVE_ENV && !positive {
             return Err(GenError::BadHookValue {
                 name,
                 value: v.to_string_lossy().into_owned(),
@@ -731,6 +751,8 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             max_slots: c.plan.max_slots,
             readers: 16,
             inject_failures: injected_failures()?,
+            inject_drive_failures: injected_drive_failures(),
+            experts_dirs: a.experts.clone(),
             trace_dir: a.dump_cache_trace.clone(),
             record_dir: a.record.clone(),
         },

@@ -47,8 +47,8 @@ pub(crate) fn config_path(a: &GenArgs) -> std::path::PathBuf {
 }
 
 /// The model a generation runs: its config (`--config` or the model dir's), the shard
-/// catalog, and the layer count (`--layers`, refused past the model's); a `--trunk` is
-/// checked against the catalog, the test hooks checked (`launch::check_test_hooks`). Shared
+/// catalog, and the layer count (`--layers`, refused past the model's); a `--trunk` and an
+/// `--experts` pack are checked against the catalog, the test hooks checked (`launch::check_test_hooks`). Shared
 /// by the one-shot run and the warm pipeline of `serve`/`chat`.
 pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
     launch::check_test_hooks()?;
@@ -71,6 +71,10 @@ pub(crate) fn open_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), G
                 dir: dir.clone(),
                 source,
             })?;
+    }
+    if !a.experts.is_empty() {
+        let pack = k3_model::experts::PackedExperts::open(&a.experts).map_err(GenError::Experts)?;
+        pack.check_against(&cat).map_err(GenError::Experts)?;
     }
     Ok((cfg, cat, layers))
 }

@@ -77,6 +77,9 @@ pub struct ModelFlags {
     /// The packed trunk (pack-trunk); without it the trunk-loader loads it whole
     #[arg(long)]
     pub trunk: Option<PathBuf>,
+    /// The packed routed experts (pack-experts), one directory per drive: DIR,DIR...
+    #[arg(long, value_delimiter = ',')]
+    pub experts: Vec<PathBuf>,
     /// Memory preset: laptop|desktop|workstation|server|max|auto
     #[arg(long)]
     pub preset: Option<String>,
@@ -194,6 +197,14 @@ impl ModelFlags {
             "--trunk",
             self.trunk.as_ref().map(|p| p.display().to_string()),
         );
+        if !self.experts.is_empty() {
+            let dirs: Vec<String> = self
+                .experts
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
+            opt("--experts", Some(dirs.join(",")));
+        }
         opt("--preset", self.preset.clone());
         opt("--mem-gb", self.mem_gb.map(|g| g.to_string()));
         if self.require_cgroups {

@@ -1,11 +1,13 @@
-//! `k3-orch doctor [MODEL_DIR]`: can this machine run the model, how fast would it be, and
+//! `k3-orch doctor [MODEL_DIR] [--experts DIR,...]`: can this machine run the model, how fast would it be, and
 //! what to type next.
 //!
 //! Checks: CPU features (run-time detection; the engine has AVX2+FMA and AVX-512 paths and a
 //! portable fallback), what is available (MemAvailable capped by the memory cgroup k3 runs
 //! in, read by `k3_io::sysmem` as the run's plan reads it; not MemTotal) and the `--mem-gb`
 //! to give a run: that less a stated reserve ([`RESERVE`]) for the rest of the machine, a
-//! short devbw on the model's disk, whether memory cgroups (v2 or v1) are there to enforce
+//! short devbw on each drive the weights sit on (the shards, symlinks followed, and each
+//! `--experts DIR` of a pack; the projection reads from all of them at once, their sum),
+//! whether memory cgroups (v2 or v1) are there to enforce
 //! per-stage budgets, and the NUMA node count. Then k3's projection for this machine
 //! (`tools::project`: the model's headers, the disk as measured, the memory bandwidth and
 //! MAC rate measured here; each can be given instead) and the next commands: a one-shot run
@@ -44,6 +46,10 @@ struct Args {
     /// Multiply-adds per second of one core, in G, instead of the measurement
     #[arg(long = "gmacs-per-core")]
     gmacs_per_core: Option<f64>,
+    /// The packed experts' directories (pack-experts), one per drive: each drive is
+    /// measured, and the projection reads from all of them at once
+    #[arg(long, value_delimiter = ',')]
+    experts: Vec<PathBuf>,
 }
 
 /// The share of what is available that doctor leaves to the rest of the machine (the
@@ -200,7 +206,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         tracing::error!("k3-orch doctor: cannot read MemAvailable from /proc/meminfo");
         return 1;
     };
-    let disk = print_disk(a.model_dir.as_deref(), a.seconds);
+    let disk = print_disks(a.model_dir.as_deref(), &a.experts, a.seconds);
     print_cgroups();
     print_numa();
     // A directory that is not a checkpoint gets no projection or advice that would fail.
@@ -209,9 +215,12 @@ pub fn main(args: Vec<OsString>) -> i32 {
         Some(Ok(s)) => s,
         Some(Err(why)) => return not_a_checkpoint(a.model_dir.as_deref(), &why),
     };
+    let drives = disk.map_or(1, |d| d.0);
     let flags = MachineFlags {
-        drives: 1,
-        drive_gbps: a.drive_gbps.or(disk.map(|bps| bps / GB)),
+        drives,
+        drive_gbps: a
+            .drive_gbps
+            .or(disk.map(|(n, bps)| bps / n.max(1) as f64 / GB)),
         probe: None,
         mem_gbps: a.mem_gbps,
         cores: None,
@@ -328,12 +337,76 @@ fn print_memory(presets: &Presets, model_dir: Option<&Path>) -> Option<Memory> {
     })
 }
 
-/// The disk line: random-read bandwidth at QD1 and QD16 on the model's largest file that
-/// holds data. Returns the QD16 bytes per second when it was read with O_DIRECT.
-fn print_disk(model_dir: Option<&Path>, seconds: f64) -> Option<f64> {
-    let Some(dir) = model_dir else {
-        println!("disk       : not measured (give MODEL_DIR, or run `k3-orch devbw FILE`)");
-        return None;
+/// The disk lines: one drive per device the weights sit on (the model's shards, symlinks
+/// resolved, a packed trunk beside them, and each `--experts` directory's `experts.bin`),
+/// each measured on its largest file that holds data. Returns how many drives were
+/// measured with O_DIRECT and the sum of their QD16 bytes per second (what reads striped
+/// over them all get).
+fn print_disks(model_dir: Option<&Path>, experts: &[PathBuf], seconds: f64) -> Option<(u32, f64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut files: Vec<PathBuf> = experts
+        .iter()
+        .map(|d| d.join(k3_model::experts::EXPERTS_BIN))
+        .collect();
+    if let Some(dir) = model_dir {
+        let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
+        files.extend(entries.map(|e| e.path()).filter(|p| {
+            let n = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            n.is_some_and(|n| n.ends_with(".safetensors") || n == "trunk.bin")
+        }));
+    }
+    // The largest file holding data (not sparse) on each device, symlinks followed.
+    let mut best: Vec<(k3_expert_fetcher::devices::DevNum, PathBuf, u64)> = Vec::new();
+    for f in files {
+        let (Ok(m), Some(dev)) = (
+            std::fs::metadata(&f),
+            k3_expert_fetcher::devices::device_of(&f),
+        ) else {
+            continue;
+        };
+        if !m.is_file() || m.blocks() * 512 < m.len() / 2 {
+            continue;
+        }
+        match best.iter_mut().find(|b| b.0 == dev) {
+            Some(b) if b.2 >= m.len() => {}
+            Some(b) => (b.1, b.2) = (f, m.len()),
+            None => best.push((dev, f, m.len())),
+        }
+    }
+    if best.len() <= 1 {
+        let one = best.pop().map(|b| b.1);
+        return print_disk(model_dir, one, seconds).map(|bps| (1, bps));
+    }
+    let (mut sum, mut n) = (0.0, 0u32);
+    let all = best.len();
+    for (dev, file, _) in best {
+        let name = k3_expert_fetcher::devices::block_name(dev)
+            .map_or_else(|| dev.to_string(), |n| format!("{n} ({dev})"));
+        println!("drive      : {name}");
+        // A drive that cannot be measured with O_DIRECT (tmpfs, an error) adds nothing.
+        if let Some(bps) = print_disk(model_dir, Some(file), seconds) {
+            sum += bps;
+            n += 1;
+        }
+    }
+    println!(
+        "disks      : {n} of {all} drives measured, {:.0} MB/s together at QD16 (the plan \
+         reads them all at once)",
+        sum / 1e6
+    );
+    (n > 0).then_some((n, sum))
+}
+
+/// The disk line: random-read bandwidth at QD1 and QD16 on `file`, the largest file that
+/// holds data (None: the model's, if any). Returns the QD16 bytes per second when it was
+/// read with O_DIRECT.
+fn print_disk(model_dir: Option<&Path>, file: Option<PathBuf>, seconds: f64) -> Option<f64> {
+    let Some(dir) = model_dir.filter(|_| file.is_none()) else {
+        let Some(file) = file else {
+            println!("disk       : not measured (give MODEL_DIR, or run `k3-orch devbw FILE`)");
+            return None;
+        };
+        return measure_file(&file, seconds);
     };
     let Some(file) = project::largest_data_file(dir) else {
         let what = if model_files(dir).0.is_some() {
@@ -347,14 +420,20 @@ fn print_disk(model_dir: Option<&Path>, seconds: f64) -> Option<f64> {
         );
         return None;
     };
-    let size = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+    measure_file(&file, seconds)
+}
+
+/// Random-read bandwidth at QD1 and QD16 on `file`, printed; the QD16 bytes per second
+/// when it was read with O_DIRECT.
+fn measure_file(file: &Path, seconds: f64) -> Option<f64> {
+    let size = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
     let rb = 17_547_264u64.min(size / 4096 * 4096);
     if rb == 0 {
         println!("disk       : {} is too small to measure", file.display());
         return None;
     }
-    let q1 = measure(&file, rb, 1, seconds);
-    let q16 = measure(&file, rb, 16, seconds);
+    let q1 = measure(file, rb, 1, seconds);
+    let q16 = measure(file, rb, 16, seconds);
     let bps = match (q1, q16) {
         (Ok(x), Ok(y)) => {
             println!(

@@ -5,6 +5,7 @@ pub mod devbw;
 pub mod doctor;
 pub mod inspect;
 pub mod ladder;
+pub mod pack_experts;
 pub mod pack_trunk;
 pub mod project;
 pub mod replay;

@@ -324,9 +324,24 @@ fn run(a: &Args) -> Result<(), Fail> {
 /// Take `DIR/.pack-trunk.lock` (flock, released when the returned file closes); refused
 /// when another pack-trunk holds it.
 fn lock_dir(dir: &Path) -> Result<File, Fail> {
+    lock_tool_dir(dir, "pack-trunk").map_err(|e| match e {
+        LockError::Held(m) => Fail::Refused(m),
+        LockError::Failed(e) => Fail::Failed(e),
+    })
+}
+
+/// Why a packer's directory lock was not taken.
+pub(crate) enum LockError {
+    /// Another packer holds it (the message says which directory).
+    Held(String),
+    Failed(anyhow::Error),
+}
+
+/// Take `DIR/.<tool>.lock` (flock, released when the returned file closes).
+pub(crate) fn lock_tool_dir(dir: &Path, tool: &str) -> Result<File, LockError> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
-    let p = dir.join(".pack-trunk.lock");
+    let p = dir.join(format!(".{tool}.lock"));
     let f = OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -334,19 +349,19 @@ fn lock_dir(dir: &Path) -> Result<File, Fail> {
         .custom_flags(libc::O_NOFOLLOW)
         .mode(0o600)
         .open(&p)
-        .with_context(|| format!("opening {}", p.display()))?;
+        .map_err(|e| LockError::Failed(anyhow!("opening {}: {e}", p.display())))?;
     // SAFETY: a plain syscall on a descriptor `f` keeps open; no memory is passed.
     let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if r != 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(Fail::Refused(format!(
-                "another k3-orch pack-trunk is writing {} (it holds {}); wait for it to finish",
+            return Err(LockError::Held(format!(
+                "another k3-orch {tool} is writing {} (it holds {}); wait for it to finish",
                 dir.display(),
                 p.display()
             )));
         }
-        return Err(Fail::Failed(anyhow!("locking {}: {e}", p.display())));
+        return Err(LockError::Failed(anyhow!("locking {}: {e}", p.display())));
     }
     Ok(f)
 }
@@ -381,7 +396,7 @@ fn same_layout(m: &TrunkManifest, plan: &[PlannedLayer]) -> bool {
         })
 }
 
-fn remove_if_exists(p: &Path) -> Result<()> {
+pub(crate) fn remove_if_exists(p: &Path) -> Result<()> {
     match fs::remove_file(p) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -389,14 +404,14 @@ fn remove_if_exists(p: &Path) -> Result<()> {
     }
 }
 
-fn sync_dir(dir: &Path) {
+pub(crate) fn sync_dir(dir: &Path) {
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
     }
 }
 
 /// Write `bytes` to `path` atomically (temp name, fsync, rename, fsync the directory).
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     // A fresh, unpredictable name created with O_EXCL (tempfile), never a fixed one.
     let mut tmp = tempfile::Builder::new()
@@ -738,7 +753,7 @@ fn copy_run(
 }
 
 /// `posix_fadvise` hint (errors ignored: it is only advice).
-fn advise(f: &File, off: u64, len: u64, advice: libc::c_int) {
+pub(crate) fn advise(f: &File, off: u64, len: u64, advice: libc::c_int) {
     use std::os::fd::AsRawFd;
     // SAFETY: plain integers and a file descriptor that `f` keeps open for the call; no
     // memory is passed to the kernel.

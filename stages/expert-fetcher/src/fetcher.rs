@@ -10,7 +10,10 @@
 //! 2. read the misses in parallel, sorted by (file, offset), on a pool of reader threads
 //!    (the queue depth, 16 by default), with O_DIRECT where the file system allows, each
 //!    expert in pieces of 4 MiB taken in issue order, so the depth is the same whatever
-//!    the slot count and experts land in the order they were issued;
+//!    the slot count and experts land in the order they were issued. With files on several
+//!    drives ([`ExpertFetcher::set_devices`]) each drive has its own pool and queue depth,
+//!    the reads are issued to every drive at once (disk order within a drive, the drives
+//!    taking turns: `crate::devices::interleave`) and a failed read names its drive;
 //! 3. publish each expert through the callback as it lands, in arrival order (hits first,
 //!    they are already there). A read that fails is reported as [`BatchEvent::Failed`], counted,
 //!    its slot goes back to EMPTY, and its bytes are never published.
@@ -34,6 +37,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::devices::{interleave, DeviceMap};
 use crate::locate::{ExpertExtents, Extent, Locate};
 use crate::trace::TraceRecorder;
 use k3_io::arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
@@ -399,79 +403,113 @@ fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, ReadFailure> {
     Ok(total)
 }
 
+/// The reader threads: one queue and `readers` threads per device ([`DeviceMap`]), so each
+/// drive has its own queue depth and a batch's reads go to every drive at once, while
+/// within one drive they keep the order they were issued in (disk order). Every expert
+/// lands on the one `done` channel.
 struct Pool {
-    tx: Option<mpsc::Sender<Job>>,
+    txs: Vec<mpsc::Sender<Job>>,
+    devices: DeviceMap,
     done: mpsc::Receiver<Done>,
     threads: Vec<JoinHandle<()>>,
 }
 
 impl Pool {
-    fn new(readers: usize, reader: Arc<dyn ReadAt>) -> Pool {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
+    fn new(readers: usize, reader: Arc<dyn ReadAt>, devices: DeviceMap) -> Pool {
         let (dtx, done) = mpsc::channel::<Done>();
-        let threads = (0..readers.max(1))
-            .map(|i| {
-                let rx = Arc::clone(&rx);
-                let dtx = dtx.clone();
-                let reader = Arc::clone(&reader);
-                std::thread::Builder::new()
-                    .name(format!("k3-expert-read-{i}"))
-                    .spawn(move || loop {
-                        let job = match rx.lock() {
-                            Ok(g) => g.recv(),
-                            Err(_) => return,
-                        };
-                        let Ok(job) = job else { return };
-                        let piece = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                            run_job(reader.as_ref(), &job)
-                        }))
-                        .unwrap_or(Err(ReadFailure::Panicked));
-                        use std::sync::atomic::Ordering::AcqRel;
-                        let g = &job.group;
-                        match piece {
-                            Ok(b) => {
-                                g.bytes.fetch_add(b, AcqRel);
-                            }
-                            Err(e) => {
-                                g.err
-                                    .lock()
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .get_or_insert(e);
-                            }
-                        }
-                        if g.left.fetch_sub(1, AcqRel) != 1 {
-                            continue;
-                        }
-                        let result = match g.err.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                            Some(e) => Err(e),
-                            None => Ok(g.bytes.load(std::sync::atomic::Ordering::Acquire)),
-                        };
-                        if dtx
-                            .send(Done {
-                                tag: job.tag,
-                                result,
-                                at: Instant::now(),
-                            })
-                            .is_err()
-                        {
-                            return;
-                        }
-                    })
-                    .expect("spawn a reader thread")
-            })
-            .collect();
+        let mut txs = Vec::with_capacity(devices.len());
+        let mut threads = Vec::new();
+        for d in 0..devices.len().max(1) {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let rx = Arc::new(Mutex::new(rx));
+            let name: Arc<str> = devices.name(d).into();
+            for i in 0..readers.max(1) {
+                let thread = if devices.len() > 1 {
+                    format!("k3-expert-read-{d}.{i}")
+                } else {
+                    format!("k3-expert-read-{i}")
+                };
+                let (rx, dtx) = (Arc::clone(&rx), dtx.clone());
+                let (reader, name) = (Arc::clone(&reader), Arc::clone(&name));
+                threads.push(
+                    std::thread::Builder::new()
+                        .name(thread)
+                        .spawn(move || read_loop(&rx, &dtx, reader.as_ref(), &name))
+                        .expect("spawn a reader thread"),
+                );
+            }
+            txs.push(tx);
+        }
         Pool {
-            tx: Some(tx),
+            txs,
+            devices,
             done,
             threads,
+        }
+    }
+
+    /// The queue of the device holding `file`.
+    fn sender(&self, file: u32) -> Option<&mpsc::Sender<Job>> {
+        self.txs.get(self.devices.device_of(file))
+    }
+}
+
+/// One reader thread: take the device's jobs in order until the pool stops; the last piece
+/// of an expert reports it `Done`. A read error names the device (when the map has names).
+fn read_loop(
+    rx: &Mutex<mpsc::Receiver<Job>>,
+    dtx: &mpsc::Sender<Done>,
+    reader: &dyn ReadAt,
+    device: &str,
+) {
+    use std::sync::atomic::Ordering::{AcqRel, Acquire};
+    loop {
+        let job = match rx.lock() {
+            Ok(g) => g.recv(),
+            Err(_) => return,
+        };
+        let Ok(job) = job else { return };
+        let piece = std::panic::catch_unwind(AssertUnwindSafe(|| run_job(reader, &job)))
+            .unwrap_or(Err(ReadFailure::Panicked));
+        let g = &job.group;
+        match piece {
+            Ok(b) => {
+                g.bytes.fetch_add(b, AcqRel);
+            }
+            Err(e) => {
+                let e = match e {
+                    ReadFailure::Io(m) if !device.is_empty() => {
+                        ReadFailure::Io(format!("{m} (device {device})"))
+                    }
+                    e => e,
+                };
+                g.err
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+            }
+        }
+        if g.left.fetch_sub(1, AcqRel) != 1 {
+            continue;
+        }
+        let result = match g.err.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(g.bytes.load(Acquire)),
+        };
+        let done = Done {
+            tag: job.tag,
+            result,
+            at: Instant::now(),
+        };
+        if dtx.send(done).is_err() {
+            return;
         }
     }
 }
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        self.tx = None;
+        self.txs.clear();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -558,6 +596,7 @@ pub struct ExpertFetcher {
     /// EMPTY slots.
     free: Vec<usize>,
     locator: Arc<dyn Locate>,
+    reader: Arc<dyn ReadAt>,
     pool: Pool,
     readers: usize,
     clock: u64,
@@ -647,8 +686,13 @@ impl ExpertFetcher {
             index: HashMap::new(),
             lru: BTreeSet::new(),
             free: (0..config.slots).rev().collect(),
+            pool: Pool::new(
+                config.readers,
+                Arc::clone(&reader),
+                DeviceMap::single(locator.files().len(), ""),
+            ),
             locator,
-            pool: Pool::new(config.readers, reader),
+            reader,
             readers: config.readers.max(1),
             clock: 0,
             step: 1,
@@ -672,9 +716,21 @@ impl ExpertFetcher {
         self.slots.len()
     }
 
-    /// Reader threads (queue depth).
+    /// Reader threads (queue depth) per device.
     pub fn readers(&self) -> usize {
         self.readers
+    }
+
+    /// Read each device's files on its own pool of [`readers`](Self::readers) threads with
+    /// its own queue, every device at once (`crate::devices`); until this is called, all
+    /// files share one pool. Call it between batches (the pools are rebuilt).
+    pub fn set_devices(&mut self, devices: DeviceMap) {
+        self.pool = Pool::new(self.readers, Arc::clone(&self.reader), devices);
+    }
+
+    /// The devices the reads are grouped by.
+    pub fn devices(&self) -> &DeviceMap {
+        &self.pool.devices
     }
 
     /// The arena (to share it, or to map a published `(arena_offset, len)`).
@@ -907,7 +963,7 @@ impl ExpertFetcher {
 
     /// Start the read of `loc` into slot `s` as job `tag`; false when the pool is gone.
     fn issue(&self, tag: usize, s: usize, loc: &ExpertExtents) -> bool {
-        let Some(tx) = self.pool.tx.as_ref() else {
+        let Some(tx) = self.pool.sender(loc.file) else {
             return false;
         };
         let base = align_down(loc.start());
@@ -1050,17 +1106,23 @@ impl ExpertFetcher {
                 None => deferred.push((id, loc)),
             }
         }
-        deferred.sort_by_key(|(_, l)| (l.file, l.start()));
-        b.deferred = deferred.into();
+        let devices = &self.pool.devices;
+        b.deferred = interleave(deferred, |(_, l)| {
+            (devices.device_of(l.file), (l.file, l.start()))
+        })
+        .into();
     }
 
-    /// 2. Issue the reads in disk order. The batch's slots form a rotation in the order
+    /// 2. Issue the reads in disk order (per drive, the drives taking turns). The batch's slots form a rotation in the order
     ///    they are filled (hits first, then the reads as issued): the deferred misses, in
     ///    disk order too, take them in turn, each once its expert is done with. Which slot
     ///    an expert lands in depends only on the request and on what is resident, never on
     ///    when a read or a release arrives.
     fn issue_reads(&mut self, b: &mut Batch, io: &mut dyn BatchIo) {
-        b.misses.sort_by_key(|(_, l)| (l.file, l.start()));
+        let devices = &self.pool.devices;
+        b.misses = interleave(std::mem::take(&mut b.misses), |(_, l)| {
+            (devices.device_of(l.file), (l.file, l.start()))
+        });
         b.rotation = b.hits.clone();
         b.rotation.extend(b.misses.iter().map(|(s, _)| *s));
         b.rotation.retain(|&s| !self.slots[s].pinned);

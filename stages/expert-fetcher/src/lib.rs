@@ -2,6 +2,8 @@
 //!
 //! - [`fetcher`]: the LRU expert cache and its batch fetch (reserve serially, read in disk
 //!   order at queue depth >= 16, publish each expert as it lands, report failures).
+//! - [`devices`]: which drive holds each file (`st_dev` through symlinks, partitions
+//!   widened to their disk), so each drive gets its own reader pool and queue depth.
 //! - [`locate`]: where each expert's bytes are ([`ExpertTable`]): read from the shards'
 //!   safetensors headers (what the stage does), or through `k3_model::locator` (the same
 //!   table, checked to agree with it by the tests).
@@ -12,12 +14,14 @@
 //!
 //! Reads and the arena come from `k3_io`.
 
+pub mod devices;
 pub mod fetcher;
 pub mod locate;
 pub mod sim;
 pub mod stage;
 pub mod trace;
 
+pub use devices::DeviceMap;
 pub use fetcher::{
     slots_for_budget, Arrival, BatchEvent, BatchIo, BatchSummary, ExpertCacheConfig, ExpertFetcher,
     FetchError, FetchStats, ReadFailure, ReaderGone, SetupError, SlotState,

@@ -2,7 +2,10 @@
 //!
 //! This is the fetcher's input type. The stage fills it with
 //! [`ExpertTable::from_safetensors`], which reads the shard headers directly (every
-//! `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`, in any shard layout).
+//! `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`, in any shard layout), or
+//! with [`ExpertTable::from_packed`] for experts packed over several drive directories
+//! (`--experts DIR...`, `k3_model::experts`): one file per directory, one aligned run per
+//! expert.
 //! [`ExpertTable::from_catalog`] builds the same table from `k3_model::locator` (the
 //! checkpoint's verified contiguous run per expert, else one read per tensor) for given
 //! layers and expert counts; the tests check the two agree.
@@ -218,6 +221,20 @@ impl ExpertTable {
             }
         }
         Ok(t)
+    }
+
+    /// The experts of a pack (`k3_model::experts`): file `s` is stripe `s`'s `experts.bin`,
+    /// each expert one contiguous run in it.
+    pub fn from_packed(p: &k3_model::experts::PackedExperts) -> ExpertTable {
+        let mut t = ExpertTable::new(p.files());
+        for ((l, e), loc) in p.locations() {
+            t.insert(
+                l as u32,
+                e as u32,
+                ExpertExtents::contiguous(loc.stripe as u32, loc.offset, loc.length),
+            );
+        }
+        t
     }
 
     /// Read the headers of safetensors shards and collect every routed expert tensor

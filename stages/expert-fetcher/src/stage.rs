@@ -13,6 +13,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::devices::DeviceMap;
 use crate::fetcher::{
     slots_for_budget, BatchEvent, BatchIo, ExpertCacheConfig, ReaderGone, SetupError,
 };
@@ -22,6 +23,7 @@ use crate::ExpertFetcher;
 use k3_io::direct::{DirectFiles, FaultyReader, ReadAt};
 use k3_io::slot_bytes_for;
 use k3_model::catalog::{Catalog, CatalogError};
+use k3_model::experts::PackedExperts;
 use k3_protocol::conf::{FetcherConf, EXPERT_REGION};
 use k3_protocol::failure::{FailureKind, StageFailure};
 use k3_protocol::link::{
@@ -40,6 +42,9 @@ pub enum FetcherStageError {
     Catalog(#[source] CatalogError),
     #[error("expert-fetcher: {0}")]
     Table(#[source] TableError),
+    /// `--experts DIR...` cannot serve this model.
+    #[error("expert-fetcher: --experts: {0}")]
+    Packed(#[source] k3_model::experts::ExpertsError),
     /// The arena's shared-memory region (`what`: its creation, its first touch).
     #[error("expert-fetcher: {what}: {source}")]
     Arena {
@@ -75,7 +80,7 @@ impl From<FetcherStageError> for StageFailure {
         let kind = match e {
             E::Protocol(p) => return p.into(),
             E::Link(l) => return l.into(),
-            E::Configure(_) | E::Catalog(_) | E::Table(_) => FailureKind::Config,
+            E::Configure(_) | E::Catalog(_) | E::Table(_) | E::Packed(_) => FailureKind::Config,
             E::Arena { .. } | E::Open(_) | E::Setup(_) => FailureKind::ExpertLoad,
             E::Trace(_) | E::Record(_) => FailureKind::Io,
             E::Resolve(_) | E::Unexpected(_) | E::ExpectedDone(_) => FailureKind::Protocol,
@@ -99,6 +104,7 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
         slots = fetcher.slot_count(),
         slot_bytes = fetcher.slot_bytes(),
         readers = fetcher.readers(),
+        devices = fetcher.devices().names().join(", "),
         "expert-fetcher: arena ready"
     );
     ctx.share_region(&region, "experts")?;
@@ -168,6 +174,7 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
         "slot_bytes": fetcher.slot_bytes(),
         "arena_bytes": region.data_len(),
         "readers": fetcher.readers(),
+        "devices": fetcher.devices().names(),
         "stats": total,
         "true_resident_hit_rate": total.true_resident_hit_rate(),
         "mb_per_s": total.mb_per_s(),
@@ -281,10 +288,50 @@ impl BatchIo for LinkIo<'_> {
     }
 }
 
+/// Where the routed experts are: the pack of `--experts DIR...` (checked against the
+/// checkpoint's headers; the orchestrator has checked its identity), else the shards.
+fn expert_table(conf: &FetcherConf, cat: &Catalog) -> Result<ExpertTable, FetcherStageError> {
+    if conf.experts_dirs.is_empty() {
+        let paths: Vec<_> = cat.shards().iter().map(|s| s.path.clone()).collect();
+        return ExpertTable::from_safetensors(&paths).map_err(FetcherStageError::Table);
+    }
+    let pack = PackedExperts::open(&conf.experts_dirs).map_err(FetcherStageError::Packed)?;
+    pack.check_layout(cat).map_err(FetcherStageError::Packed)?;
+    Ok(ExpertTable::from_packed(&pack))
+}
+
+/// The reader of the table's files: O_DIRECT, with the test hooks' failures injected (the
+/// listed experts, and every file under a failed drive's directory).
+fn reader(conf: &FetcherConf, table: &ExpertTable) -> Result<Arc<dyn ReadAt>, FetcherStageError> {
+    let direct = DirectFiles::open(table.files()).map_err(FetcherStageError::Open)?;
+    if conf.inject_failures.is_empty() && conf.inject_drive_failures.is_empty() {
+        return Ok(Arc::new(direct));
+    }
+    let mut ranges = Vec::new();
+    for &(l, e) in &conf.inject_failures {
+        if let Some(loc) = table.locate(l, e) {
+            for x in &loc.extents {
+                ranges.push((loc.file, x.offset, x.offset + x.len));
+            }
+        }
+    }
+    let failed: Vec<_> = conf
+        .inject_drive_failures
+        .iter()
+        .filter_map(|d| std::fs::canonicalize(d).ok())
+        .collect();
+    for (i, f) in table.files().iter().enumerate() {
+        let f = std::fs::canonicalize(f).unwrap_or_else(|_| f.clone());
+        if failed.iter().any(|d| f.starts_with(d)) {
+            ranges.push((i as u32, 0, u64::MAX));
+        }
+    }
+    Ok(Arc::new(FaultyReader::new(direct, ranges)))
+}
+
 fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), FetcherStageError> {
     let cat = Catalog::open(&conf.model_dir).map_err(FetcherStageError::Catalog)?;
-    let paths: Vec<_> = cat.shards().iter().map(|s| s.path.clone()).collect();
-    let table = ExpertTable::from_safetensors(&paths).map_err(FetcherStageError::Table)?;
+    let table = expert_table(conf, &cat)?;
     let slot_bytes = slot_bytes_for(table.max_span().max(1));
     let slots = slots_for_budget(conf.cache_bytes, slot_bytes)
         .min(conf.max_slots)
@@ -297,21 +344,9 @@ fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), FetcherStag
         .prefault()
         .map_err(arena("first touch of the arena".into()))?;
     let region = Arc::new(region);
-    let direct = DirectFiles::open(&paths).map_err(FetcherStageError::Open)?;
-    let reader: Arc<dyn ReadAt> = if conf.inject_failures.is_empty() {
-        Arc::new(direct)
-    } else {
-        let mut ranges = Vec::new();
-        for &(l, e) in &conf.inject_failures {
-            if let Some(loc) = table.locate(l, e) {
-                for x in &loc.extents {
-                    ranges.push((loc.file, x.offset, x.offset + x.len));
-                }
-            }
-        }
-        Arc::new(FaultyReader::new(direct, ranges))
-    };
-    let fetcher = ExpertFetcher::with_arena(
+    let reader = reader(conf, &table)?;
+    let devices = DeviceMap::of_files(table.files());
+    let mut fetcher = ExpertFetcher::with_arena(
         ExpertCacheConfig {
             slots,
             slot_bytes,
@@ -322,5 +357,6 @@ fn setup(conf: &FetcherConf) -> Result<(Arc<Region>, ExpertFetcher), FetcherStag
         Arc::new(ShmArena(region.clone())),
     )
     .map_err(FetcherStageError::Setup)?;
+    fetcher.set_devices(devices);
     Ok((region, fetcher))
 }

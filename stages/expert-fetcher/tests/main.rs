@@ -2,5 +2,6 @@
 //! and trace. One test binary (each one links the crate and all it depends on, so one per
 //! file cost minutes of linking; issue 31), one module per file.
 
+mod devices;
 mod fetch_fixture;
 mod sim_seed_trace;

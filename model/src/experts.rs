@@ -1,0 +1,755 @@
+//! The packed routed experts: `experts.json` + `experts.bin` in each of one or more
+//! directories, each meant to be on its own drive (written by `k3-orch pack-experts`, read
+//! by the expert-fetcher stage with `--experts DIR...`).
+//!
+//! Every routed expert of the checkpoint is one run in one directory's `experts.bin`: its
+//! tensors (the codes and scales of w1, w2 and w3, or the three plain matrices) copied byte
+//! for byte from the shard where they already sit back to back, so the expert keeps the
+//! layout the catalog gives it (each tensor's offset from the expert's first byte is the
+//! same in the pack as in the shard, and compute binds it unchanged). Each run starts at a
+//! multiple of [`EXPERTS_ALIGN`] and is zero-padded to the next one, so an expert is one
+//! aligned O_DIRECT read. The experts are striped over the directories balanced by bytes
+//! ([`stripe`]: in (layer, expert) order, each to the directory holding the fewest bytes so
+//! far), so the experts of one router decision spread over every drive.
+//!
+//! Each directory's manifest lists its own experts (layer, expert, offset, length, where
+//! they came from, a sha256 for `--verify`), its place among the directories (`stripe` of
+//! `stripes`), the pack's id (one digest of the whole plan, the same in every directory of
+//! one pack) and the identity of the checkpoint ([`SourceIdentity`]). [`PackedExperts::open`]
+//! reads every directory given, in any order, and refuses a set that is not exactly one
+//! whole pack; [`PackedExperts::check_against`] refuses a pack of another checkpoint, or
+//! whose expert table does not match the checkpoint's headers.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::catalog::Catalog;
+use crate::trunk::{align_up, SourceError, SourceIdentity};
+
+/// The `format` string of the current manifest version.
+pub const EXPERTS_FORMAT: &str = "k3-experts/1";
+/// Alignment of every run's start and padded length in `experts.bin`.
+pub const EXPERTS_ALIGN: u64 = 4096;
+/// File name of the manifest inside each packed directory (the pack's commit marker).
+pub const EXPERTS_JSON: &str = "experts.json";
+/// File name of the packed data inside each packed directory.
+pub const EXPERTS_BIN: &str = "experts.bin";
+
+/// One directory's `experts.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertsManifest {
+    /// [`EXPERTS_FORMAT`].
+    pub format: String,
+    /// [`EXPERTS_ALIGN`].
+    pub align: u64,
+    /// The pack's id: a sha256 over the format, the source identity and the whole plan
+    /// (every directory's experts and offsets), the same in every directory of one pack.
+    pub pack_id: String,
+    /// This directory's place among the pack's directories (0-based).
+    pub stripe: usize,
+    /// How many directories the pack has.
+    pub stripes: usize,
+    /// Experts in the whole pack (every directory together).
+    pub total_experts: usize,
+    /// The data file, relative to the manifest's directory ([`EXPERTS_BIN`]).
+    pub file: String,
+    /// Exact size of the data file in bytes.
+    pub file_size: u64,
+    /// Payload bytes of this directory's runs (without padding).
+    pub total_bytes: u64,
+    /// The checkpoint the experts were packed from.
+    pub source: SourceIdentity,
+    /// This directory's experts, in file order.
+    pub experts: Vec<PackedExpert>,
+}
+
+/// One expert's run in `experts.bin`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PackedExpert {
+    pub layer: usize,
+    pub expert: usize,
+    /// Byte offset of the run in `experts.bin` (a multiple of `align`).
+    pub offset: u64,
+    /// Payload bytes of the run (the expert's tensors back to back); the bytes after it up
+    /// to the next multiple of `align` are zero.
+    pub length: u64,
+    /// Shard file the run was copied from.
+    pub shard: String,
+    /// Absolute byte offset of the run in that shard file.
+    pub source_offset: u64,
+    /// sha256 of the `length` payload bytes, lower-case hex (`pack-experts --verify`).
+    pub sha256: String,
+}
+
+impl PackedExpert {
+    /// `length` rounded up to the alignment: the bytes one aligned read takes.
+    pub fn padded_length(&self) -> u64 {
+        align_up(self.length, EXPERTS_ALIGN)
+    }
+}
+
+/// One routed expert of a checkpoint as one run of a shard (see [`expert_runs`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertRun {
+    pub layer: usize,
+    pub expert: usize,
+    /// Index into [`Catalog::shards`].
+    pub shard: usize,
+    /// Absolute byte offset of the run in the shard.
+    pub source_offset: u64,
+    pub length: u64,
+}
+
+/// A checkpoint whose experts cannot be packed as runs.
+#[derive(Debug, thiserror::Error)]
+pub enum ExpertRunError {
+    #[error("{}: no routed-expert tensors (...experts.<e>.w1...) found", model.display())]
+    NoExperts { model: PathBuf },
+    #[error("layer {layer} expert {expert}: its tensors are in {count} shards ({names}); it cannot be one run")]
+    Shards {
+        layer: usize,
+        expert: usize,
+        count: usize,
+        names: String,
+    },
+    #[error(
+        "layer {layer} expert {expert} is not contiguous in {shard}: {gap} bytes of gap or \
+         overlap inside its {span}-byte span; copying the span would drag other tensors along"
+    )]
+    Gap {
+        layer: usize,
+        expert: usize,
+        shard: String,
+        gap: u64,
+        span: u64,
+    },
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Every routed expert of `cat` as one run, sorted by (layer, expert). An expert whose
+/// tensors are in two shards, or leave a gap (or overlap), is refused and named.
+pub fn expert_runs(cat: &Catalog) -> Result<Vec<ExpertRun>, ExpertRunError> {
+    // Per (layer, expert): each tensor's (shard, offset, length).
+    type Parts = Vec<(usize, u64, u64)>;
+    let mut parts: BTreeMap<(usize, usize), Parts> = BTreeMap::new();
+    for (name, e) in cat.iter() {
+        if let Some((l, x, _)) = crate::classify::split_expert(&name) {
+            parts
+                .entry((l, x))
+                .or_default()
+                .push((e.shard, e.offset, e.len));
+        }
+    }
+    if parts.is_empty() {
+        return Err(ExpertRunError::NoExperts {
+            model: cat.source().to_path_buf(),
+        });
+    }
+    let shards = cat.shards();
+    let mut out = Vec::with_capacity(parts.len());
+    for ((layer, expert), mut ts) in parts {
+        let mut sh: Vec<usize> = ts.iter().map(|t| t.0).collect();
+        sh.sort_unstable();
+        sh.dedup();
+        if sh.len() != 1 {
+            let names: Vec<String> = sh.iter().map(|&s| file_name(&shards[s].path)).collect();
+            return Err(ExpertRunError::Shards {
+                layer,
+                expert,
+                count: sh.len(),
+                names: names.join(", "),
+            });
+        }
+        ts.sort_by_key(|t| t.1);
+        let lo = ts[0].1;
+        let hi = ts.iter().map(|t| t.1 + t.2).max().unwrap_or(lo);
+        let covered: u64 = ts.iter().map(|t| t.2).sum();
+        let tiles = ts.windows(2).all(|w| w[0].1 + w[0].2 == w[1].1);
+        if !tiles || covered != hi - lo {
+            return Err(ExpertRunError::Gap {
+                layer,
+                expert,
+                shard: file_name(&shards[sh[0]].path),
+                gap: (hi - lo).abs_diff(covered),
+                span: hi - lo,
+            });
+        }
+        out.push(ExpertRun {
+            layer,
+            expert,
+            shard: sh[0],
+            source_offset: lo,
+            length: hi - lo,
+        });
+    }
+    Ok(out)
+}
+
+/// Stripe `runs` (in their order) over `n` directories balanced by bytes: each run goes to
+/// the directory holding the fewest bytes so far (the first of those on a tie), so equal
+/// experts go round-robin and consecutive experts of a layer land on different drives.
+/// Returns, per directory, the indices into `runs` in file order.
+pub fn stripe(runs: &[ExpertRun], n: usize) -> Vec<Vec<usize>> {
+    let n = n.max(1);
+    let mut out = vec![Vec::new(); n];
+    let mut bytes = vec![0u64; n];
+    for (i, r) in runs.iter().enumerate() {
+        let d = (0..n).min_by_key(|&d| (bytes[d], d)).unwrap_or(0);
+        bytes[d] += align_up(r.length, EXPERTS_ALIGN);
+        out[d].push(i);
+    }
+    out
+}
+
+/// A manifest that cannot be used: the file and every problem found.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {}", path.display(), problems.join("; "))]
+pub struct ManifestError {
+    pub path: PathBuf,
+    pub problems: Vec<String>,
+}
+
+/// Why a set of packed directories cannot serve this model.
+#[derive(Debug, thiserror::Error)]
+pub enum ExpertsError {
+    #[error("{}: no such directory", dir.display())]
+    NoDir { dir: PathBuf },
+    #[error(
+        "{}: no {EXPERTS_JSON}: not a packed experts directory, or its pack did not finish \
+         (run k3-orch pack-experts MODEL_DIR --to DIR...)",
+        dir.display()
+    )]
+    NoManifest { dir: PathBuf },
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    #[error(
+        "{} and {} are from different packs (pack ids {} and {}); give the directories of one \
+         pack-experts run",
+        a.display(), b.display(), short(a_id), short(b_id)
+    )]
+    OtherPack {
+        a: PathBuf,
+        a_id: String,
+        b: PathBuf,
+        b_id: String,
+    },
+    #[error("{} and {} hold the same stripe {stripe} of the pack", a.display(), b.display())]
+    SameStripe {
+        stripe: usize,
+        a: PathBuf,
+        b: PathBuf,
+    },
+    #[error(
+        "the pack has {stripes} directories; {} {} not given (each holds its share of the \
+         experts: give every directory of the pack)",
+        if missing.len() == 1 { "stripe" } else { "stripes" },
+        missing.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    MissingStripes { stripes: usize, missing: Vec<usize> },
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error(
+        "the packed experts were packed from another checkpoint (or this one changed since): \
+         {}; re-run k3-orch pack-experts --force",
+        diffs.join("; ")
+    )]
+    OtherCheckpoint { diffs: Vec<String> },
+    #[error(
+        "the packed experts' table does not match the checkpoint's headers ({count} \
+         difference(s)): {}; re-run k3-orch pack-experts --force",
+        diffs.join("; ")
+    )]
+    TableDiffers { count: usize, diffs: Vec<String> },
+}
+
+fn short(h: &str) -> &str {
+    h.get(..12).unwrap_or(h)
+}
+
+impl ExpertsManifest {
+    /// Read and validate `<dir>/experts.json`, and check `experts.bin` has `file_size` bytes.
+    pub fn load_dir(dir: impl AsRef<Path>) -> Result<ExpertsManifest, ExpertsError> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            return Err(ExpertsError::NoDir {
+                dir: dir.to_path_buf(),
+            });
+        }
+        let path = dir.join(EXPERTS_JSON);
+        let err = |p: String| ManifestError {
+            path: path.clone(),
+            problems: vec![p],
+        };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(ExpertsError::NoManifest {
+                    dir: dir.to_path_buf(),
+                })
+            }
+            Err(e) => return Err(err(format!("cannot read ({e})")).into()),
+        };
+        let m = ExpertsManifest::from_json_str(&text).map_err(|mut e| {
+            e.path = path.clone();
+            e
+        })?;
+        let bin = dir.join(&m.file);
+        let size = std::fs::metadata(&bin)
+            .map_err(|e| err(format!("{}: {e}", bin.display())))?
+            .len();
+        if size != m.file_size {
+            return Err(err(format!(
+                "{} is {size} bytes but the manifest says {} (truncated or replaced; re-run \
+                 pack-experts)",
+                bin.display(),
+                m.file_size
+            ))
+            .into());
+        }
+        Ok(m)
+    }
+
+    /// Parse and validate a manifest (no file access). A manifest of another format
+    /// version is refused by its `format` alone, before its fields are read.
+    pub fn from_json_str(text: &str) -> Result<ExpertsManifest, ManifestError> {
+        #[derive(Deserialize)]
+        struct Format {
+            format: Option<serde_json::Value>,
+        }
+        let err = |problems| ManifestError {
+            path: PathBuf::from(EXPERTS_JSON),
+            problems,
+        };
+        if let Ok(Format { format: Some(f) }) = serde_json::from_str::<Format>(text) {
+            if f.as_str() != Some(EXPERTS_FORMAT) {
+                return Err(err(vec![format!(
+                    "these experts were packed in format {f}, this build reads \
+                     {EXPERTS_FORMAT:?} only: re-run k3-orch pack-experts --force"
+                )]));
+            }
+        }
+        let m: ExpertsManifest = serde_json::from_str(text)
+            .map_err(|e| err(vec![format!("not a valid experts manifest: {e}")]))?;
+        let problems = m.problems();
+        if problems.is_empty() {
+            Ok(m)
+        } else {
+            Err(err(problems))
+        }
+    }
+
+    /// Every inconsistency in the manifest (empty when it is valid; at most a few per kind).
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.format != EXPERTS_FORMAT {
+            p.push(format!(
+                "format is {:?}, this build reads {EXPERTS_FORMAT:?}",
+                self.format
+            ));
+        }
+        if self.align != EXPERTS_ALIGN {
+            p.push(format!("align {} is not {EXPERTS_ALIGN}", self.align));
+            return p;
+        }
+        if self.file.is_empty() || self.file.contains('/') {
+            p.push(format!("file {:?} is not a plain file name", self.file));
+        }
+        if self.stripes == 0 || self.stripe >= self.stripes {
+            p.push(format!(
+                "stripe {} of {} is not a place among the directories",
+                self.stripe, self.stripes
+            ));
+        }
+        if self.pack_id.len() != 64 || !self.pack_id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            p.push("pack_id is not 64 hex digits".into());
+        }
+        if self.experts.len() > self.total_experts {
+            p.push(format!(
+                "{} experts listed, more than the pack's {}",
+                self.experts.len(),
+                self.total_experts
+            ));
+        }
+        let mut end = 0u64;
+        let mut total = 0u64;
+        let mut seen = std::collections::HashSet::new();
+        let mut bad = Vec::new();
+        for x in &self.experts {
+            let who = format!("layer {} expert {}", x.layer, x.expert);
+            if !seen.insert((x.layer, x.expert)) {
+                bad.push(format!("{who} is listed twice"));
+            }
+            if x.offset % self.align != 0 {
+                bad.push(format!("{who}: offset {} is not aligned", x.offset));
+            }
+            if x.offset < end {
+                bad.push(format!(
+                    "{who}: offset {} overlaps the run before it (ends {end})",
+                    x.offset
+                ));
+            }
+            if x.length == 0 {
+                bad.push(format!("{who}: empty run"));
+            }
+            if x.sha256.len() != 64 || !x.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                bad.push(format!("{who}: sha256 is not 64 hex digits"));
+            }
+            end = x.offset.saturating_add(x.padded_length());
+            total = total.saturating_add(x.length);
+        }
+        let n = bad.len();
+        p.extend(bad.into_iter().take(3));
+        if n > 3 {
+            p.push(format!("{} more expert problems", n - 3));
+        }
+        if end != self.file_size {
+            p.push(format!(
+                "file_size {} is not the end of the last run ({end})",
+                self.file_size
+            ));
+        }
+        if total != self.total_bytes {
+            p.push(format!(
+                "total_bytes {} is not the sum of the runs ({total})",
+                self.total_bytes
+            ));
+        }
+        p
+    }
+}
+
+/// Where one packed expert is: the directory (by stripe) and its run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackedLoc {
+    pub stripe: usize,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// Every directory of one pack, by stripe (see [`PackedExperts::open`]).
+#[derive(Clone, Debug)]
+pub struct PackedExperts {
+    /// The directories, indexed by stripe.
+    pub dirs: Vec<PathBuf>,
+    /// Their manifests, indexed by stripe.
+    pub manifests: Vec<ExpertsManifest>,
+}
+
+impl PackedExperts {
+    /// Read the manifest of every directory in `dirs` (any order) and check they are the
+    /// whole of one pack: one pack id, every stripe exactly once.
+    pub fn open(dirs: &[PathBuf]) -> Result<PackedExperts, ExpertsError> {
+        let mut by: BTreeMap<usize, (PathBuf, ExpertsManifest)> = BTreeMap::new();
+        let mut first: Option<(PathBuf, String, usize)> = None;
+        for d in dirs {
+            let m = ExpertsManifest::load_dir(d)?;
+            match &first {
+                Some((a, id, n)) if *id != m.pack_id || *n != m.stripes => {
+                    return Err(ExpertsError::OtherPack {
+                        a: a.clone(),
+                        a_id: id.clone(),
+                        b: d.clone(),
+                        b_id: m.pack_id,
+                    })
+                }
+                Some(_) => {}
+                None => first = Some((d.clone(), m.pack_id.clone(), m.stripes)),
+            }
+            if let Some((a, _)) = by.get(&m.stripe) {
+                return Err(ExpertsError::SameStripe {
+                    stripe: m.stripe,
+                    a: a.clone(),
+                    b: d.clone(),
+                });
+            }
+            by.insert(m.stripe, (d.clone(), m));
+        }
+        let stripes = first.as_ref().map_or(0, |f| f.2);
+        let missing: Vec<usize> = (0..stripes).filter(|s| !by.contains_key(s)).collect();
+        if !missing.is_empty() || stripes == 0 {
+            return Err(ExpertsError::MissingStripes { stripes, missing });
+        }
+        let (dirs, manifests) = by.into_values().unzip();
+        Ok(PackedExperts { dirs, manifests })
+    }
+
+    /// The data files, indexed by stripe.
+    pub fn files(&self) -> Vec<PathBuf> {
+        self.dirs
+            .iter()
+            .zip(&self.manifests)
+            .map(|(d, m)| d.join(&m.file))
+            .collect()
+    }
+
+    /// Every packed expert and where it is.
+    pub fn locations(&self) -> HashMap<(usize, usize), PackedLoc> {
+        let mut out = HashMap::new();
+        for (stripe, m) in self.manifests.iter().enumerate() {
+            for x in &m.experts {
+                out.insert(
+                    (x.layer, x.expert),
+                    PackedLoc {
+                        stripe,
+                        offset: x.offset,
+                        length: x.length,
+                    },
+                );
+            }
+        }
+        out
+    }
+
+    /// Payload bytes in each directory, by stripe.
+    pub fn stripe_bytes(&self) -> Vec<u64> {
+        self.manifests.iter().map(|m| m.total_bytes).collect()
+    }
+
+    /// Check the pack against the checkpoint in `cat` before using it: the checkpoint's
+    /// identity ([`SourceIdentity::of`]: reads every shard's header and a few samples of
+    /// its data), then [`check_layout`](Self::check_layout).
+    pub fn check_against(&self, cat: &Catalog) -> Result<(), ExpertsError> {
+        let now = SourceIdentity::of(cat)?;
+        let diffs = self.manifests[0].source.diffs(&now);
+        if !diffs.is_empty() {
+            return Err(ExpertsError::OtherCheckpoint { diffs });
+        }
+        self.check_layout(cat)
+    }
+
+    /// Check the expert table against the checkpoint's headers alone (no data read): every
+    /// routed expert of the checkpoint packed exactly once, each with its run's length and
+    /// source, and nothing else. Every stripe must also name the same source.
+    pub fn check_layout(&self, cat: &Catalog) -> Result<(), ExpertsError> {
+        let mut diffs = Vec::new();
+        for (s, m) in self.manifests.iter().enumerate().skip(1) {
+            if m.source != self.manifests[0].source {
+                diffs.push(format!(
+                    "{} names another source checkpoint than {}",
+                    self.dirs[s].display(),
+                    self.dirs[0].display()
+                ));
+            }
+        }
+        let total: usize = self.manifests.iter().map(|m| m.experts.len()).sum();
+        if total != self.manifests[0].total_experts {
+            diffs.push(format!(
+                "the directories list {total} experts, the pack says {}",
+                self.manifests[0].total_experts
+            ));
+        }
+        let mut packed: HashMap<(usize, usize), &PackedExpert> = HashMap::new();
+        for m in &self.manifests {
+            for x in &m.experts {
+                if packed.insert((x.layer, x.expert), x).is_some() {
+                    diffs.push(format!(
+                        "layer {} expert {} is packed twice",
+                        x.layer, x.expert
+                    ));
+                }
+            }
+        }
+        match expert_runs(cat) {
+            Ok(runs) => {
+                for r in &runs {
+                    let shard = file_name(&cat.shards()[r.shard].path);
+                    match packed.remove(&(r.layer, r.expert)) {
+                        None => diffs.push(format!(
+                            "layer {} expert {} is not in the pack",
+                            r.layer, r.expert
+                        )),
+                        Some(x)
+                            if x.length != r.length
+                                || x.shard != shard
+                                || x.source_offset != r.source_offset =>
+                        {
+                            diffs.push(format!(
+                                "layer {} expert {} is {} bytes at {shard}+{} in the checkpoint, \
+                                 the pack says {} bytes at {}+{}",
+                                r.layer,
+                                r.expert,
+                                r.length,
+                                r.source_offset,
+                                x.length,
+                                x.shard,
+                                x.source_offset
+                            ))
+                        }
+                        Some(_) => {}
+                    }
+                }
+                let mut extra: Vec<_> = packed.keys().copied().collect();
+                extra.sort_unstable();
+                for (l, e) in extra {
+                    diffs.push(format!(
+                        "layer {l} expert {e} is in the pack, not in the checkpoint"
+                    ));
+                }
+            }
+            Err(e) => diffs.push(e.to_string()),
+        }
+        if diffs.is_empty() {
+            return Ok(());
+        }
+        let count = diffs.len();
+        diffs.truncate(5);
+        Err(ExpertsError::TableDiffers { count, diffs })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(layer: usize, expert: usize, length: u64) -> ExpertRun {
+        ExpertRun {
+            layer,
+            expert,
+            shard: 0,
+            source_offset: 0,
+            length,
+        }
+    }
+
+    /// Equal experts go round-robin (the experts of one decision spread over the drives);
+    /// uneven ones fill the lightest directory, so the bytes stay balanced.
+    #[test]
+    fn striping_balances_bytes() {
+        let runs: Vec<_> = (0..7).map(|e| run(0, e, 5000)).collect();
+        assert_eq!(
+            stripe(&runs, 3),
+            vec![vec![0, 3, 6], vec![1, 4], vec![2, 5]]
+        );
+        assert_eq!(stripe(&runs, 1), vec![(0..7).collect::<Vec<_>>()]);
+        let uneven = vec![
+            run(0, 0, 40_000),
+            run(0, 1, 4096),
+            run(0, 2, 4096),
+            run(0, 3, 8192),
+        ];
+        // 40 KB to dir 0; then dir 1 gets the small ones until it passes dir 0.
+        assert_eq!(stripe(&uneven, 2), vec![vec![0], vec![1, 2, 3]]);
+    }
+
+    fn manifest() -> ExpertsManifest {
+        let sha = "ab".repeat(32);
+        ExpertsManifest {
+            format: EXPERTS_FORMAT.into(),
+            align: EXPERTS_ALIGN,
+            pack_id: "cd".repeat(32),
+            stripe: 1,
+            stripes: 2,
+            total_experts: 4,
+            file: EXPERTS_BIN.into(),
+            file_size: 8192 + 4096,
+            total_bytes: 5000 + 100,
+            source: SourceIdentity {
+                total_size: 1,
+                shards: Vec::new(),
+            },
+            experts: vec![
+                PackedExpert {
+                    layer: 1,
+                    expert: 1,
+                    offset: 0,
+                    length: 5000,
+                    shard: "s".into(),
+                    source_offset: 10,
+                    sha256: sha.clone(),
+                },
+                PackedExpert {
+                    layer: 1,
+                    expert: 3,
+                    offset: 8192,
+                    length: 100,
+                    shard: "s".into(),
+                    source_offset: 99999,
+                    sha256: sha,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn a_valid_manifest_round_trips() {
+        let m = manifest();
+        assert!(m.problems().is_empty(), "{:?}", m.problems());
+        let text = serde_json::to_string(&m).unwrap();
+        assert_eq!(ExpertsManifest::from_json_str(&text).unwrap(), m);
+    }
+
+    /// Each way a manifest can lie is named (a reader that trusted it would read the wrong
+    /// bytes as an expert).
+    #[test]
+    fn inconsistencies_are_named() {
+        type Edit = Box<dyn Fn(&mut ExpertsManifest)>;
+        let cases: Vec<(Edit, &str)> = vec![
+            (Box::new(|m| m.experts[1].offset = 4096), "overlaps"),
+            (Box::new(|m| m.experts[1].offset = 8000), "not aligned"),
+            (Box::new(|m| m.file_size += 1), "file_size"),
+            (Box::new(|m| m.total_bytes = 1), "total_bytes"),
+            (Box::new(|m| m.stripe = 2), "stripe 2 of 2"),
+            (Box::new(|m| m.experts[1].expert = 1), "listed twice"),
+            (Box::new(|m| m.experts[0].sha256 = "x".into()), "sha256"),
+            (Box::new(|m| m.pack_id = "x".into()), "pack_id"),
+            (Box::new(|m| m.file = "../x".into()), "plain file name"),
+        ];
+        for (edit, want) in cases {
+            let mut m = manifest();
+            edit(&mut m);
+            let p = m.problems().join("; ");
+            assert!(p.contains(want), "{want}: {p}");
+        }
+        let mut m = manifest();
+        m.format = "k3-experts/0".into();
+        let e = ExpertsManifest::from_json_str(&serde_json::to_string(&m).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("re-run"), "{e}");
+    }
+
+    /// A set of directories must be exactly one pack: a missing stripe, a stripe given
+    /// twice and a directory of another pack are each refused and named.
+    #[test]
+    fn directories_must_make_one_pack() {
+        let tmp = tempfile::tempdir().unwrap();
+        let write = |name: &str, m: &ExpertsManifest| {
+            let d = tmp.path().join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join(EXPERTS_JSON), serde_json::to_vec(m).unwrap()).unwrap();
+            std::fs::write(d.join(EXPERTS_BIN), vec![0u8; m.file_size as usize]).unwrap();
+            d
+        };
+        let one = write("one", &manifest());
+        let mut m0 = manifest();
+        m0.stripe = 0;
+        m0.experts[0].expert = 0;
+        m0.experts[1].expert = 2;
+        let zero = write("zero", &m0);
+        let mut other = m0.clone();
+        other.pack_id = "ef".repeat(32);
+        let other = write("other", &other);
+        let p = PackedExperts::open(&[one.clone(), zero.clone()]).unwrap();
+        assert_eq!(p.dirs, vec![zero.clone(), one.clone()], "ordered by stripe");
+        assert_eq!(p.locations().len(), 4);
+        let e = PackedExperts::open(std::slice::from_ref(&one)).unwrap_err();
+        assert!(matches!(e, ExpertsError::MissingStripes { ref missing, .. } if missing == &[0]));
+        let e = PackedExperts::open(&[one.clone(), one.clone()]).unwrap_err();
+        assert!(matches!(e, ExpertsError::SameStripe { .. }), "{e}");
+        let e = PackedExperts::open(&[zero.clone(), other, one.clone()]).unwrap_err();
+        assert!(matches!(e, ExpertsError::OtherPack { .. }), "{e}");
+        let e = PackedExperts::open(&[tmp.path().join("nope")]).unwrap_err();
+        assert!(e.to_string().contains("no such directory"), "{e}");
+        let e = PackedExperts::open(&[tmp.path().to_path_buf()]).unwrap_err();
+        assert!(e.to_string().contains("no experts.json"), "{e}");
+        // A truncated data file is refused by its size.
+        std::fs::write(one.join(EXPERTS_BIN), [0u8; 10]).unwrap();
+        let e = PackedExperts::open(&[zero, one]).unwrap_err();
+        assert!(e.to_string().contains("truncated"), "{e}");
+    }
+}

@@ -1,0 +1,269 @@
+//! `k3-orch pack-experts`: the routed experts one aligned run each, striped over several
+//! directories, byte-identical to the shards, resumable, verifiable; a run with
+//! `--experts DIR,...` gives the same ids as one that reads the shards, and refuses a pack
+//! that is not whole or not of this checkpoint. A drive that fails mid-run exits 4.
+
+use std::path::{Path, PathBuf};
+
+use crate::tools_common::{fixtures, k3, k3_ok};
+use k3_model::experts::{ExpertsManifest, PackedExperts};
+
+const IDS: &str = "77,198,74";
+
+fn tiny() -> PathBuf {
+    fixtures().join("tiny-mxfp4/sharded")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// `n` fresh directories under `root`, named `d0`...
+fn dirs(root: &Path, n: usize) -> Vec<PathBuf> {
+    (0..n)
+        .map(|i| {
+            let d = root.join(format!("d{i}"));
+            std::fs::create_dir_all(&d).unwrap();
+            d
+        })
+        .collect()
+}
+
+fn pack(model: &Path, to: &[PathBuf], extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec!["pack-experts", s(model), "--to"];
+    args.extend(to.iter().map(|d| s(d)));
+    args.extend(extra);
+    k3(&args)
+}
+
+/// The ids of a staged run of the tiny model, with `extra` flags.
+fn ids(extra: &[&str]) -> String {
+    let model = tiny();
+    let mut args = vec![s(&model), "--ids", IDS, "--gen", "4"];
+    args.extend(extra);
+    k3_ok(&args)
+}
+
+fn join(to: &[PathBuf]) -> String {
+    to.iter().map(|d| s(d)).collect::<Vec<_>>().join(",")
+}
+
+/// Every expert of every directory is exactly its run of the shard (copied from the
+/// manifest's source, checked against the shard's bytes), aligned and zero-padded, and
+/// the directories' bytes differ by at most one expert. Catches a packer that copies the
+/// aligned source window, drops or repeats an expert, or stripes unevenly.
+fn check_pack(to: &[PathBuf]) {
+    let p = PackedExperts::open(to).unwrap();
+    let mut n = 0;
+    for (dir, m) in p.dirs.iter().zip(&p.manifests) {
+        let bin = std::fs::read(dir.join("experts.bin")).unwrap();
+        assert_eq!(bin.len() as u64, m.file_size);
+        for x in &m.experts {
+            assert_eq!(x.offset % 4096, 0);
+            let shard = std::fs::read(tiny().join(&x.shard)).unwrap();
+            let (a, b) = (
+                x.source_offset as usize,
+                (x.source_offset + x.length) as usize,
+            );
+            let run = &bin[x.offset as usize..(x.offset + x.length) as usize];
+            assert!(run == &shard[a..b], "layer {} expert {}", x.layer, x.expert);
+            let pad = &bin[(x.offset + x.length) as usize..(x.offset + x.padded_length()) as usize];
+            assert!(pad.iter().all(|&b| b == 0));
+            n += 1;
+        }
+    }
+    assert_eq!(n, p.manifests[0].total_experts);
+    let bytes: Vec<u64> = p.manifests.iter().map(|m| m.file_size).collect();
+    let largest = p
+        .manifests
+        .iter()
+        .flat_map(|m| &m.experts)
+        .map(|x| x.padded_length())
+        .max()
+        .unwrap();
+    let (lo, hi) = (bytes.iter().min().unwrap(), bytes.iter().max().unwrap());
+    assert!(hi - lo <= largest, "unbalanced: {bytes:?}");
+}
+
+/// Packed over 1, 2 and 3 directories, the run gives the shards' ids; a re-run of the
+/// packer has nothing to do and `--verify` passes.
+#[test]
+fn packs_and_runs_with_the_same_ids_over_one_two_and_three_directories() {
+    let want = ids(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    for n in 1..=3 {
+        let to = dirs(&tmp.path().join(format!("n{n}")), n);
+        let (code, out, err) = pack(&tiny(), &to, &[]);
+        assert_eq!(code, 0, "{out}{err}");
+        check_pack(&to);
+        assert_eq!(ids(&["--experts", &join(&to)]), want, "{n} directories");
+        let (code, out, err) = pack(&tiny(), &to, &["--verify"]);
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(out.contains("nothing to pack"), "{out}");
+        assert!(out.contains("verify: OK"), "{out}");
+    }
+}
+
+/// Interrupted after 5 experts per directory (exit 1, no manifest: not a usable pack), a
+/// re-run resumes there and ends with the same files as a pack done in one go. Catches a
+/// packer that commits early, restarts from scratch, or misplaces the resumed experts.
+#[test]
+fn resumes_an_interrupted_pack() {
+    let tmp = tempfile::tempdir().unwrap();
+    let to = dirs(&tmp.path().join("a"), 2);
+    let (code, out, err) = pack(&tiny(), &to, &["--stop-after-experts", "5"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(!to[0].join("experts.json").exists());
+    let (code, _, err) = k3(&[s(&tiny()), "--ids", IDS, "--experts", &join(&to)]);
+    assert_eq!(code, 2, "an unfinished pack is refused: {err}");
+    let (code, out, err) = pack(&tiny(), &to, &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("resuming: 5 of"), "{err}");
+    let fresh = dirs(&tmp.path().join("b"), 2);
+    let (code, out, err) = pack(&tiny(), &fresh, &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    for (a, b) in to.iter().zip(&fresh) {
+        let (x, y) = (
+            std::fs::read(a.join("experts.bin")),
+            std::fs::read(b.join("experts.bin")),
+        );
+        assert!(x.unwrap() == y.unwrap(), "{}", a.display());
+        let (ma, mb) = (ExpertsManifest::load_dir(a), ExpertsManifest::load_dir(b));
+        assert_eq!(ma.unwrap().experts, mb.unwrap().experts);
+    }
+    check_pack(&to);
+}
+
+/// One byte flipped inside an expert's run: `--verify` fails (exit 1) naming the file,
+/// layer and expert.
+#[test]
+fn verify_catches_a_flipped_byte() {
+    let tmp = tempfile::tempdir().unwrap();
+    let to = dirs(tmp.path(), 2);
+    k3_ok(&["pack-experts", s(&tiny()), "--to", s(&to[0]), s(&to[1])]);
+    let m = ExpertsManifest::load_dir(&to[1]).unwrap();
+    let x = &m.experts[3];
+    let path = to[1].join("experts.bin");
+    let mut bin = std::fs::read(&path).unwrap();
+    bin[(x.offset + x.length / 2) as usize] ^= 0x10;
+    std::fs::write(&path, &bin).unwrap();
+    let (code, out, err) = pack(&tiny(), &to, &["--verify"]);
+    assert_eq!(code, 1, "{out}{err}");
+    let want = format!("layer {} expert {}: sha256 mismatch", x.layer, x.expert);
+    assert!(err.contains(&want), "{err}");
+}
+
+/// Refused up front (exit 2), naming the directory: a missing one, a read-only one, one
+/// given twice, and one holding another checkpoint's pack.
+#[test]
+fn refuses_bad_directories() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let to = dirs(tmp.path(), 2);
+    let missing = tmp.path().join("not-mounted");
+    let (code, _, err) = pack(&tiny(), &[to[0].clone(), missing.clone()], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("{}: no such directory", missing.display())),
+        "{err}"
+    );
+    let (code, _, err) = pack(&tiny(), &[to[0].clone(), to[0].clone()], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("the same directory"), "{err}");
+    let ro = tmp.path().join("ro");
+    std::fs::create_dir(&ro).unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let (code, _, err) = pack(&tiny(), &[to[0].clone(), ro.clone()], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("{} is read-only", ro.display())),
+        "{err}"
+    );
+    assert!(
+        !to[0].join("experts.bin.partial").exists(),
+        "nothing written"
+    );
+}
+
+/// A pack of another checkpoint (same headers, other data): the packer refuses to
+/// overwrite it without --force, and a run refuses it (exit 2); a run given only some of a
+/// pack's directories is refused too, naming the missing stripe.
+#[test]
+fn refuses_a_foreign_or_partial_pack() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s7 = tmp.path().join("s7");
+    k3_ok(&["synth", "--shape", "tiny", "--seed", "7", s(&s7)]);
+    let to = dirs(&tmp.path().join("p"), 2);
+    let (code, out, err) = pack(&s7, &to, &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, _, err) = pack(&tiny(), &to, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("packed from another checkpoint"), "{err}");
+    let (code, _, err) = k3(&[s(&tiny()), "--ids", IDS, "--experts", &join(&to)]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("packed from another checkpoint"), "{err}");
+    assert!(err.contains("same header, other data"), "{err}");
+    let (code, _, err) = k3(&[s(&s7), "--ids", IDS, "--experts", s(&to[1])]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("stripe 0 not given"), "{err}");
+}
+
+/// A drive that fails while the run reads it (every read of one pack directory fails,
+/// through the test hook): exit 4, and the failure names the drive. Catches a failure
+/// that is silent (exit 0 with other ids) or ends the run without its report (exit 1).
+#[test]
+fn a_failing_drive_exits_4_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let to = dirs(tmp.path(), 2);
+    k3_ok(&["pack-experts", s(&tiny()), "--to", s(&to[0]), s(&to[1])]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args([
+            s(&tiny()),
+            "--ids",
+            IDS,
+            "--gen",
+            "2",
+            "--experts",
+            &join(&to),
+        ])
+        .env("K3_TEST_HOOKS", "1")
+        .env("K3_INJECT_DRIVE_FAILURE", &to[1])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(
+        err.contains("(device "),
+        "the failure must name the drive: {err}"
+    );
+}
+
+/// `doctor --experts` measures every drive the weights sit on: a pack in /dev/shm (tmpfs,
+/// another device than the fixture's) makes two, each named, and the projection uses
+/// their sum. Catches a doctor that measures only the model's drive.
+#[test]
+fn doctor_measures_each_drive() {
+    use std::os::unix::fs::MetadataExt;
+    let shm = Path::new("/dev/shm");
+    let same = std::fs::metadata(shm)
+        .and_then(|a| std::fs::metadata(tiny()).map(|b| a.dev() == b.dev()))
+        .unwrap_or(true);
+    if same {
+        return crate::tools_common::skip(
+            "doctor_measures_each_drive",
+            "no /dev/shm on another device than the fixtures",
+        );
+    }
+    let tmp = tempfile::tempdir_in(shm).unwrap();
+    k3_ok(&["pack-experts", s(&tiny()), "--to", s(tmp.path())]);
+    let out = k3_ok(&[
+        "doctor",
+        s(&tiny()),
+        "--experts",
+        s(tmp.path()),
+        "--seconds",
+        "0.2",
+    ]);
+    assert_eq!(out.matches("drive      :").count(), 2, "{out}");
+    assert!(out.contains("of 2 drives measured"), "{out}");
+}

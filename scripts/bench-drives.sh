@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# Experts over one drive against two (issue 35): two block devices backed by files (loop
+# devices with direct I/O, each under a dm-linear target when dmsetup works), each with an
+# ext4 file system, each throttled to the same read rate with the cgroup v1
+# `blkio.throttle.read_bps_device` of the cgroup the runs are started in. The routed
+# experts are packed (`pack-experts`) once over device A alone and once over A and B, then
+# the same `--mem-gb` run reads them with `--experts`; printed per run: s/token,
+# totals.disk_busy (the busiest watched disk's busy seconds per decode step, and its share
+# of the step time) and the ids, which must be identical. With FAIL_RUN=1 a third run over
+# A and B has B's table swapped for a dm `error` target FAIL_AFTER seconds into the run:
+# it must exit 4, naming the device.
+#
+#   sudo scripts/bench-drives.sh
+#   sudo MODEL=tests/fixtures/tiny-mxfp4/sharded N=2 FAIL_RUN=1 FAIL_AFTER=0 \
+#        scripts/bench-drives.sh          # smoke test on the tiny model
+#
+# Environment: MODEL (default $SLICE, default /work/bench/slice, made when missing with
+# `k3-orch synth --shape slice --vocab 163840 --seed 7`), N (tokens, default 8), IDS
+# (prompt ids, default 77,198,74), MEM_GB (default 5.5), RATE_MB (per device, default
+# 400), WORK (backing files and mounts, default /var/tmp/k3-bench-drives: needs about 2x
+# the model's size, sparse; NAME.json reports and NAME.ids stay there), FAIL_RUN (0), FAIL_AFTER (seconds, default 10; 0 swaps before
+# the run starts). Needs root, loop devices, mkfs.ext4, jq, and the cgroup v1 blkio
+# controller. Only meaningful on a quiet machine: `uptime` is printed at start and end.
+# Everything it sets up is torn down on exit (trap), also after a failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(id -u)" != 0 ]; then
+  echo "bench-drives.sh: needs root (loop devices, mounts, blkio cgroups)" >&2
+  exit 2
+fi
+SLICE=${SLICE:-/work/bench/slice}
+MODEL=${MODEL:-$SLICE}
+N=${N:-8}
+IDS=${IDS:-77,198,74}
+MEM_GB=${MEM_GB:-5.5}
+RATE_MB=${RATE_MB:-400}
+WORK=${WORK:-/var/tmp/k3-bench-drives}
+FAIL_RUN=${FAIL_RUN:-0}
+FAIL_AFTER=${FAIL_AFTER:-10}
+BLKIO=/sys/fs/cgroup/blkio
+CG=$BLKIO/k3-bench-drives-$$
+BIN=target/release/k3-orch
+
+[ -d "$BLKIO" ] || { echo "bench-drives.sh: no cgroup v1 blkio controller at $BLKIO" >&2; exit 2; }
+for t in losetup mkfs.ext4 jq; do
+  command -v "$t" > /dev/null || { echo "bench-drives.sh: $t is missing" >&2; exit 2; }
+done
+cargo build --release -q -p k3-orch
+if [ ! -f "$MODEL/config.json" ]; then
+  if [ "$MODEL" = "$SLICE" ]; then
+    "$BIN" synth --shape slice --vocab 163840 --seed 7 "$SLICE"
+  else
+    echo "bench-drives.sh: $MODEL is not a model directory" >&2
+    exit 2
+  fi
+fi
+
+LOOPS=()
+DMS=()
+MOUNTS=()
+teardown() {
+  set +e
+  for m in "${MOUNTS[@]}"; do umount "$m" 2> /dev/null || umount -l "$m"; done
+  for d in "${DMS[@]}"; do dmsetup remove --retry "$d" 2> /dev/null; done
+  for l in "${LOOPS[@]}"; do losetup -d "$l"; done
+  if [ -d "$CG" ]; then
+    # Leave the cgroup before removing it.
+    echo $$ > "$BLKIO/cgroup.procs" 2> /dev/null
+    rmdir "$CG"
+  fi
+  # Only what this script made: the backing files and the mount points (the reports and
+  # ids stay in $WORK).
+  rm -f "$WORK/a.img" "$WORK/b.img"
+  for m in "${MOUNTS[@]}"; do rmdir "$m" 2> /dev/null; done
+}
+trap teardown EXIT
+trap 'exit 130' INT TERM
+
+echo "== uptime (start): $(uptime)"
+echo "== cpu: $(lscpu 2> /dev/null | sed -n 's/^Model name: *//p' | head -1), $(nproc) CPUs"
+mkdir -p "$WORK"
+MODEL_BYTES=$(du -sbL "$MODEL" | cut -f1)
+USE_DM=0
+if command -v dmsetup > /dev/null && dmsetup version > /dev/null 2>&1; then USE_DM=1; fi
+
+# make_dev NAME BYTES: a file-backed device with ext4 mounted at $WORK/NAME; sets DEV to
+# the device node the reads go through (the dm target when there is one, else the loop).
+# Not in a $(...) subshell: the teardown lists must keep what it sets up.
+make_dev() {
+  local name=$1 bytes=$(( ($2 + 1048575) / 1048576 * 1048576 )) loop dev
+  truncate -s "$bytes" "$WORK/$name.img"
+  loop=$(losetup --direct-io=on --find --show "$WORK/$name.img")
+  [ -n "$loop" ] || { echo "bench-drives.sh: losetup failed" >&2; exit 1; }
+  LOOPS+=("$loop")
+  dev=$loop
+  if [ "$USE_DM" = 1 ]; then
+    dmsetup create "k3bd-$$-$name" --table "0 $(blockdev --getsz "$loop") linear $loop 0"
+    DMS+=("k3bd-$$-$name")
+    dev=/dev/mapper/k3bd-$$-$name
+  fi
+  mkfs.ext4 -q -F "$dev"
+  mkdir -p "$WORK/$name"
+  mount "$dev" "$WORK/$name"
+  MOUNTS+=("$WORK/$name")
+  DEV=$dev
+}
+# Device A holds the one-drive pack and half of the two-drive pack; B the other half.
+SLACK=$((512 << 20))
+make_dev a $((MODEL_BYTES * 3 / 2 + SLACK))
+DEV_A=$DEV
+make_dev b $((MODEL_BYTES / 2 + SLACK))
+DEV_B=$DEV
+
+mkdir "$CG"
+RATE=$((RATE_MB * 1000 * 1000))
+for dev in "$DEV_A" "$DEV_B"; do
+  majmin=$(lsblk -dno MAJ:MIN "$(readlink -f "$dev")" | tr -d ' ')
+  echo "$majmin $RATE" > "$CG/blkio.throttle.read_bps_device"
+done
+echo "== devices: A=$DEV_A B=$DEV_B, each throttled to $RATE_MB MB/s (cgroup $CG)"
+
+mkdir -p "$WORK/a/one" "$WORK/a/two" "$WORK/b/two"
+"$BIN" pack-experts "$MODEL" --to "$WORK/a/one"
+"$BIN" pack-experts "$MODEL" --to "$WORK/a/two" "$WORK/b/two"
+
+# run NAME DIRS: one throttled run (in $CG) over the pack in DIRS; its ids go to NAME.ids.
+run() {
+  sync
+  echo 3 > /proc/sys/vm/drop_caches
+  sh -c 'echo $$ > "$0/cgroup.procs"; shift; exec "$@"' "$CG" _ \
+    "$BIN" "$MODEL" --ids "$IDS" --gen "$N" --mem-gb "$MEM_GB" --experts "$2" \
+    --out "$WORK/$1.json" --quiet > "$WORK/$1.ids"
+}
+report() { # NAME
+  jq -r --arg n "$1" '.totals as $t | "\($n): \($t.s_per_token | . * 1000 | round / 1000) s/token, "
+    + (if $t.disk_busy then "disk busy \(($t.disk_busy.busy_seconds / ([$t.disk_busy.steps, 1] | max)) * 1000 | round / 1000) s/step "
+    + "(\(($t.disk_busy.busy_share * 100) | round)% of the step time, \($t.disk_busy.devices))" else "no disk watched" end)
+    + ", experts read \($t.expert_read_bytes / 1e9 * 100 | round / 100) GB"' "$WORK/$1.json"
+}
+run one "$WORK/a/one"
+run two "$WORK/a/two,$WORK/b/two"
+echo "== results ($N tokens, --mem-gb $MEM_GB, $RATE_MB MB/s per device)"
+report one
+report two
+S1=$(jq .totals.s_per_token "$WORK/one.json")
+S2=$(jq .totals.s_per_token "$WORK/two.json")
+echo "speedup two/one: $(echo "$S1 $S2" | awk '{ printf "%.2fx", $1 / $2 }')"
+if cmp -s "$WORK/one.ids" "$WORK/two.ids"; then
+  echo "ids: identical ($(tr '\n' ' ' < "$WORK/one.ids"))"
+else
+  echo "ids DIFFER:"; cat "$WORK/one.ids" "$WORK/two.ids"
+  exit 1
+fi
+
+if [ "$FAIL_RUN" = 1 ]; then
+  if [ "$USE_DM" != 1 ]; then
+    echo "== fail run skipped: dmsetup does not work here"
+  else
+    name=k3bd-$$-b
+    sectors=$(blockdev --getsz "/dev/mapper/$name")
+    fail_b() { dmsetup suspend --noflush "$name"; dmsetup load "$name" --table "0 $sectors error"; dmsetup resume "$name"; }
+    [ "$FAIL_AFTER" = 0 ] && fail_b
+    set +e
+    run fail "$WORK/a/two,$WORK/b/two" 2> "$WORK/fail.err" &
+    pid=$!
+    if [ "$FAIL_AFTER" != 0 ]; then sleep "$FAIL_AFTER"; fail_b; fi
+    wait "$pid"
+    code=$?
+    set -e
+    echo "== fail run (device B swapped for a dm error target): exit $code"
+    grep -m3 -i "device" "$WORK/fail.err" || true
+    [ "$code" = 4 ] || { echo "expected exit 4"; cat "$WORK/fail.err"; exit 1; }
+  fi
+fi
+echo "== uptime (end): $(uptime)"

@@ -1,0 +1,228 @@
+//! Which device holds each file the fetcher reads, so that each device gets its own reader
+//! pool and queue depth and a batch's reads go to every device at once.
+//!
+//! A file's device is the `st_dev` of the file it resolves to (a shard symlinked into
+//! another file system is on that file system's device), widened from a partition to its
+//! whole disk through `/sys/dev/block/MAJ:MIN` (two partitions of one drive share its
+//! queue). Files that cannot be examined share one group of their own; their reads fail
+//! later with the open's error. [`DeviceMap::from_keys`] is the grouping itself, over any
+//! keys (the tests' fake devices).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+
+/// A block device number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevNum {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl std::fmt::Display for DevNum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.major, self.minor)
+    }
+}
+
+/// The files of a location table grouped by device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceMap {
+    /// Per file (by number), the index of its device.
+    file_device: Vec<usize>,
+    /// Per device, a name for messages (`nvme0n1 (259:0)`, `7:1`, `unknown`).
+    names: Vec<String>,
+}
+
+impl DeviceMap {
+    /// Every one of `files` files on one device (named `name`).
+    pub fn single(files: usize, name: &str) -> DeviceMap {
+        DeviceMap {
+            file_device: vec![0; files],
+            names: vec![name.to_string()],
+        }
+    }
+
+    /// Group files by key: files with equal keys share a device, numbered in order of first
+    /// appearance; files without a key (`None`) share one more device, named `unknown`.
+    pub fn from_keys<K: PartialEq>(keys: &[Option<K>], name: impl Fn(&K) -> String) -> DeviceMap {
+        let mut seen: Vec<Option<&K>> = Vec::new();
+        let mut names = Vec::new();
+        let mut file_device = Vec::with_capacity(keys.len());
+        for k in keys {
+            let d = match seen.iter().position(|s| *s == k.as_ref()) {
+                Some(d) => d,
+                None => {
+                    seen.push(k.as_ref());
+                    names.push(k.as_ref().map_or_else(|| "unknown".to_string(), &name));
+                    seen.len() - 1
+                }
+            };
+            file_device.push(d);
+        }
+        if names.is_empty() {
+            names.push("none".into());
+        }
+        DeviceMap { file_device, names }
+    }
+
+    /// The devices holding `paths` (see the module documentation).
+    pub fn of_files(paths: &[PathBuf]) -> DeviceMap {
+        let keys: Vec<Option<DevNum>> = paths.iter().map(|p| device_of(p)).collect();
+        DeviceMap::from_keys(&keys, |d| match block_name(*d) {
+            Some(n) => format!("{n} ({d})"),
+            None => d.to_string(),
+        })
+    }
+
+    /// How many devices.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Never true: a map has at least one device (its files may be none).
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// The device of file `file` (device 0 for a file number the map does not know).
+    pub fn device_of(&self, file: u32) -> usize {
+        self.file_device.get(file as usize).copied().unwrap_or(0)
+    }
+
+    /// The name of device `d`.
+    pub fn name(&self, d: usize) -> &str {
+        self.names.get(d).map_or("unknown", |s| s.as_str())
+    }
+
+    /// Every device's name, by index.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+}
+
+/// `items` in disk order per device, the devices taking turns: sorted by `key` (the device,
+/// then the position on it), then one item of each device in device order, round after
+/// round. With one device this is just the sort, so a single drive keeps its disk order.
+pub fn interleave<T, K: Ord>(mut items: Vec<T>, key: impl Fn(&T) -> (usize, K)) -> Vec<T> {
+    items.sort_by_key(&key);
+    let n = items.len();
+    let mut queues: BTreeMap<usize, VecDeque<T>> = BTreeMap::new();
+    for it in items {
+        queues.entry(key(&it).0).or_default().push_back(it);
+    }
+    let mut out = Vec::with_capacity(n);
+    while !queues.is_empty() {
+        queues.retain(|_, q| {
+            out.extend(q.pop_front());
+            !q.is_empty()
+        });
+    }
+    out
+}
+
+/// The whole-disk device number of the file `p` resolves to; None when it cannot be
+/// examined.
+pub fn device_of(p: &Path) -> Option<DevNum> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(p).ok()?.dev();
+    let d = DevNum {
+        major: libc::major(dev),
+        minor: libc::minor(dev),
+    };
+    Some(whole_disk(d).unwrap_or(d))
+}
+
+/// The disk a partition belongs to (None: not a partition, or no sysfs entry).
+fn whole_disk(d: DevNum) -> Option<DevNum> {
+    let sys = PathBuf::from(format!("/sys/dev/block/{d}"));
+    if !sys.join("partition").exists() {
+        return None;
+    }
+    let parent = std::fs::canonicalize(&sys).ok()?.parent()?.join("dev");
+    parse_devnum(std::fs::read_to_string(parent).ok()?.trim())
+}
+
+/// `MAJ:MIN` as a device number.
+pub fn parse_devnum(s: &str) -> Option<DevNum> {
+    let (a, b) = s.split_once(':')?;
+    Some(DevNum {
+        major: a.trim().parse().ok()?,
+        minor: b.trim().parse().ok()?,
+    })
+}
+
+/// The kernel's name of a block device (`nvme0n1`, `loop1`), from sysfs.
+pub fn block_name(d: DevNum) -> Option<String> {
+    let link = std::fs::read_link(format!("/sys/dev/block/{d}")).ok()?;
+    Some(link.file_name()?.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Catches a grouping by file (every shard its own pool: queue depth times the shard
+    /// count on one drive) or by path prefix (a symlinked shard left on the model's drive):
+    /// only the device key counts, in order of first appearance, and unknown files share one
+    /// group of their own.
+    #[test]
+    fn files_group_by_device_key() {
+        let keys = [Some(7), Some(9), Some(7), None, Some(9), None, Some(3)];
+        let m = DeviceMap::from_keys(&keys, |k| format!("fake{k}"));
+        assert_eq!(m.len(), 4);
+        let devs: Vec<usize> = (0..7).map(|f| m.device_of(f)).collect();
+        assert_eq!(devs, vec![0, 1, 0, 2, 1, 2, 3]);
+        assert_eq!(m.names(), &["fake7", "fake9", "unknown", "fake3"]);
+        assert_eq!(
+            m.device_of(99),
+            0,
+            "an unknown file number falls back to device 0"
+        );
+        let one = DeviceMap::from_keys(&[Some(1), Some(1), Some(1)], |k| k.to_string());
+        assert_eq!(one, DeviceMap::single(3, "1"));
+    }
+
+    /// Catches issuing a batch in plain (file, offset) order over several drives (the
+    /// second drive idles until the first one's reads are all queued) and an interleave
+    /// that breaks the disk order inside a drive or changes the single-drive order.
+    #[test]
+    fn interleave_takes_turns_in_disk_order() {
+        // (device, offset)
+        let items = vec![(1, 50), (0, 30), (1, 10), (0, 20), (0, 10), (2, 5)];
+        let got = interleave(items.clone(), |&(d, o)| (d, o));
+        assert_eq!(
+            got,
+            vec![(0, 10), (1, 10), (2, 5), (0, 20), (1, 50), (0, 30)]
+        );
+        let one: Vec<(usize, u64)> = vec![(0, 9), (0, 3), (0, 7)];
+        assert_eq!(
+            interleave(one, |&(d, o)| (d, o)),
+            vec![(0, 3), (0, 7), (0, 9)]
+        );
+    }
+
+    #[test]
+    fn real_files_resolve_through_symlinks() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = tmp.path().join("a");
+        std::fs::write(&a, b"x").unwrap();
+        let link = tmp.path().join("b");
+        std::os::unix::fs::symlink(&a, &link).unwrap();
+        let m = DeviceMap::of_files(&[a.clone(), link, tmp.path().join("missing")]);
+        assert_eq!(
+            m.device_of(0),
+            m.device_of(1),
+            "a symlink is its target's device"
+        );
+        assert_ne!(m.device_of(0), m.device_of(2));
+        assert_eq!(m.name(m.device_of(2)), "unknown");
+        assert_eq!(
+            parse_devnum("259:3"),
+            Some(DevNum {
+                major: 259,
+                minor: 3
+            })
+        );
+        assert_eq!(parse_devnum("x"), None);
+    }
+}
