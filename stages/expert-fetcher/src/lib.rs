@@ -1,7 +1,8 @@
 //! `k3-expert-fetcher`: the routed-expert stage.
 //!
 //! - [`fetcher`]: the LRU expert cache and its batch fetch (reserve serially, read in disk
-//!   order at queue depth >= 16, publish each expert as it lands, report failures).
+//!   order at queue depth >= 16, publish each expert as it lands, report failures); its
+//!   child `guess.rs` reads compute's guesses (`--speculate on`) into slots nobody needs.
 //! - [`locate`]: where each expert's bytes are ([`ExpertTable`]): read from the shards'
 //!   safetensors headers (what the stage does), or through `k3_model::locator` (the same
 //!   table, checked to agree with it by the tests).
@@ -20,7 +21,7 @@ pub mod trace;
 
 pub use fetcher::{
     slots_for_budget, Arrival, BatchEvent, BatchIo, BatchSummary, ExpertCacheConfig, ExpertFetcher,
-    FetchError, FetchStats, ReadFailure, ReaderGone, SetupError, SlotState,
+    FetchError, FetchStats, GuessStats, ReadFailure, ReaderGone, SetupError, SlotState,
 };
 pub use locate::{ExpertExtents, ExpertTable, Extent, Locate, TableError};
 pub use stage::FetcherStageError;
