@@ -165,6 +165,8 @@ impl ExpertFetcher {
         if let Some(t) = &mut g.trace {
             t.extend(ids.iter().map(|&e| (pass, layer, e)));
         }
+        // An older guess still queued is stale: its layer's request came, or never will.
+        g.queue.clear();
         g.queue.extend(ids.iter().map(|&e| (layer, e)));
         g.open.insert(layer, (pass, ids));
         self.pump_guesses();
@@ -189,14 +191,14 @@ impl ExpertFetcher {
         s.correct += guessed.iter().filter(|e| actual.contains(e)).count() as u64;
     }
 
-    /// Whether guess reads are in flight or queued (the stage then polls for their landing
-    /// between messages).
+    /// Whether guess reads are in flight (the stage then polls for their landing between
+    /// messages; queued guesses wait for a landing or a release, which a message brings).
     pub fn guesses_pending(&self) -> bool {
-        !self.guess.inflight.is_empty() || !self.guess.queue.is_empty()
+        !self.guess.inflight.is_empty()
     }
 
     /// Take the guess reads that landed (without waiting) and issue queued ones as the
-    /// rules allow. Call between batches.
+    /// rules allow. Call between batches, after anything that frees a slot.
     pub fn pump_guesses(&mut self) {
         self.pump_landed();
         while let Some(&(layer, id)) = self.guess.queue.front() {
@@ -255,9 +257,10 @@ impl ExpertFetcher {
         slot.data_off = loc.start() % ALIGN as u64;
         slot.len = loc.span();
         if !self.issue(tag, s, &loc) {
+            // The readers stopped: the guess is dropped (a request fails it plainly).
             self.slots[s] = EMPTY_SLOT;
             self.free.push(s);
-            return false;
+            return true;
         }
         self.guess.inflight.insert(tag, (s, pieces));
         self.guess.pieces += pieces;

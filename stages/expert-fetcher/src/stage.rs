@@ -121,6 +121,7 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
             Msg::Shutdown => break,
             Msg::ExpertsDone { layer, ids, .. } => {
                 fetcher.release(layer, &ids);
+                fetcher.pump_guesses();
             }
             Msg::Guess {
                 pass,
