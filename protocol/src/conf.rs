@@ -166,6 +166,10 @@ pub struct ComputeConf {
     /// and its bounds. Absent: one slot, as before.
     #[serde(default)]
     pub slots: WarmSlots,
+    /// `--speculate on`: while a layer computes, guess the next layer's routed experts
+    /// and send the fetcher a `Guess` (ids never change). Absent: off.
+    #[serde(default)]
+    pub speculate: bool,
 }
 
 /// A warm compute's requests at once (`k3_layer_compute::batch::Scheduler`'s options): the

@@ -359,6 +359,15 @@ pub enum Msg {
         req: u64,
         error: String,
     },
+    /// compute -> expert-fetcher: a guess at `layer`'s routed experts in pass `pass`, made
+    /// before its router runs (`--speculate on`). A hint only: the fetcher may read them
+    /// into slots no request needs, at low priority, and never answers it; the real
+    /// `Experts` for the layer follows as always.
+    Guess {
+        pass: u64,
+        layer: u32,
+        experts: Vec<u32>,
+    },
 }
 
 /// One generated id of a warm request (see [`Msg::Token`]).
@@ -600,6 +609,11 @@ mod tests {
                 resident_hits: 31,
                 ..Default::default()
             }),
+            Msg::Guess {
+                pass: 4,
+                layer: 2,
+                experts: vec![0, 7, 895],
+            },
             Msg::RequestFailed {
                 req: 4,
                 error: "generation step 3: the logits are not finite".into(),

@@ -7,6 +7,7 @@
 //! - [`replay`]: the committed recordings replay identically;
 //! - [`faults`], [`limits`]: killed stages, hung stages, memory limits;
 //! - [`weights_conformance`]: staged weights against mmapped ones;
+//! - [`speculate`]: `--speculate on` keeps every bit, and its precision and recall;
 //! - [`layout`], [`docs`]: the sources themselves (import rules, function length, docs that
 //!   name only what exists).
 //!
@@ -24,5 +25,6 @@ mod limits;
 mod modes;
 mod pipeline;
 mod replay;
+mod speculate;
 mod text;
 mod weights_conformance;

@@ -204,6 +204,8 @@ pub struct GenArgs {
     pub out: Option<PathBuf>,
     pub dump_logits: Option<PathBuf>,
     pub dump_cache_trace: Option<PathBuf>,
+    /// `--speculate on`: compute guesses each next layer's experts for the fetcher.
+    pub speculate: bool,
     pub record: Option<PathBuf>,
     pub threads: Option<usize>,
     pub numa: Option<String>,
@@ -304,7 +306,9 @@ diagnostics:
   --layers N             bind only layers 0..N-1
   --out FILE             write the JSON report to FILE (default: no report file)
   --dump-logits PATH     float32 LE logits of the first generation step
-  --dump-cache-trace DIR expert_hist.json + expert_trace.bin
+  --dump-cache-trace DIR expert_hist.json + expert_trace.bin (+ guess_trace.bin)
+  --speculate on|off     guess each next layer's experts and read them early into
+                         slots no request needs (default off; same ids either way)
   --record DIR           record every stage's inbound messages and buffer hashes
   --threads N, -t N      compute threads (default: all cores)
   --numa SPEC            auto|off|stage=node,...
@@ -388,6 +392,7 @@ struct LowArgs {
     out: Option<PathBuf>,
     dump_logits: Option<PathBuf>,
     dump_cache_trace: Option<PathBuf>,
+    speculate: bool,
     record: Option<PathBuf>,
     threads: Option<usize>,
     numa: Option<String>,
@@ -579,6 +584,13 @@ impl LowArgs {
             "--out" => self.out = path(val()?),
             "--dump-logits" => self.dump_logits = path(val()?),
             "--dump-cache-trace" => self.dump_cache_trace = path(val()?),
+            "--speculate" => {
+                self.speculate = match val()?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    v => return Err(format!("--speculate: '{v}' must be on or off")),
+                }
+            }
             "--record" => self.record = path(val()?),
             "--threads" | "-t" => {
                 let n: usize = num(&val()?, flag)?;
@@ -759,6 +771,7 @@ impl GenArgs {
             out: low.out,
             dump_logits: low.dump_logits,
             dump_cache_trace: low.dump_cache_trace,
+            speculate: low.speculate,
             record: low.record,
             threads: low.threads,
             numa: low.numa,
@@ -864,6 +877,7 @@ pub const FLAGS: &[&str] = &[
     "--out",
     "--dump-logits",
     "--dump-cache-trace",
+    "--speculate",
     "--record",
     "--threads",
     "--numa",

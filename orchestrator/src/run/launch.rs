@@ -781,6 +781,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             prefill_chunk: c.plan.prefill_chunk,
             tuning: k3_layer_compute::kernels::tuning::from_env(),
             slots: conf::WarmSlots::default(),
+            speculate: a.speculate,
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),

@@ -380,6 +380,11 @@ fn build_report(
     };
     totals.experts_failed = g.expert_failures;
     totals.disk_busy = report::disk_busy_totals(&step_reports, g.disks.clone());
+    totals.speculation = g
+        .summaries
+        .get("expert-fetcher")
+        .map(|f| f["speculation"].clone())
+        .filter(|v| !v.is_null());
     let mut peaks: BTreeMap<String, u64> = BTreeMap::new();
     for st in &g.stages {
         peaks.insert(st.name.clone(), st.peak_rss_bytes);

@@ -124,6 +124,11 @@ pub struct Totals {
     /// How busy the disks were during the decode steps (absent: not measured).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_busy: Option<DiskBusyTotals>,
+    /// `--speculate on`: the expert-fetcher's guess counters (guesses, guessed, correct,
+    /// actual, reads, bytes_read, promoted, saved, wasted_bytes, failed, precision,
+    /// recall; `k3_expert_fetcher::GuessStats`). Absent: no guess was made.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculation: Option<serde_json::Value>,
 }
 
 /// The prompt's pass (the first step: every prompt token, which yields the first generated
@@ -296,6 +301,19 @@ pub fn summary(r: &Report) -> String {
             d.busy_seconds,
             d.seconds,
             d.steps
+        ));
+    }
+    if let Some(g) = &t.speculation {
+        let n = |k: &str| g[k].as_u64().unwrap_or(0);
+        let f = |k: &str| g[k].as_f64().unwrap_or(0.0);
+        s.push_str(&format!(
+            "speculation: {} guesses, precision {:.1}%, recall {:.1}%, {} reads saved, \
+             {} read for guesses never used\n",
+            n("guesses"),
+            100.0 * f("precision"),
+            100.0 * f("recall"),
+            n("saved"),
+            human(n("wasted_bytes"))
         ));
     }
     if !r.stages.is_empty() {

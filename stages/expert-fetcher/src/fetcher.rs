@@ -31,6 +31,12 @@
 //! `offset % 4096`, so reads are page-aligned (O_DIRECT) whatever the expert's offset and size.
 //! Hence the slot size [`slot_bytes_for`]: the largest span rounded up to 4096, plus a page.
 
+// Speculative reads (`--speculate on`): a child module so its hooks (marked `guess:`
+// below) reach the cache's private state.
+#[path = "guess.rs"]
+mod guess;
+pub use guess::GuessStats;
+
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::{mpsc, Arc, Mutex};
@@ -536,6 +542,8 @@ struct Batch {
     next_turn: usize,
     /// Reads in flight, by tag: the slot each lands in.
     inflight: HashMap<usize, usize>,
+    /// guess: slots of guess reads in flight this batch adopted (they join the rotation).
+    adopted: Vec<usize>,
     tag: usize,
     t0: Instant,
     last_done: Instant,
@@ -557,6 +565,7 @@ impl Batch {
             rotation: Vec::new(),
             next_turn: 0,
             inflight: HashMap::new(),
+            adopted: Vec::new(),
             tag: 0,
             t0: now,
             last_done: now,
@@ -611,6 +620,8 @@ pub struct ExpertFetcher {
     batch_layer: Option<u32>,
     batch_ids: HashSet<u32>,
     early: HashSet<(u32, u32)>,
+    /// guess: compute's guesses and their reads (`guess.rs`).
+    guess: guess::GuessState,
 }
 
 /// The fetcher could not be built.
@@ -703,6 +714,7 @@ impl ExpertFetcher {
             batch_layer: None,
             batch_ids: HashSet::new(),
             early: HashSet::new(),
+            guess: guess::GuessState::default(),
         })
     }
 
@@ -859,6 +871,7 @@ impl ExpertFetcher {
         let (_, s) = self.lru.pop_first()?;
         let key = self.slots[s].key;
         self.index.remove(&key);
+        self.guess.on_evict(key); // guess:
         self.slots[s] = EMPTY_SLOT;
         self.count(|c| c.evictions += 1);
         Some(s)
@@ -1046,6 +1059,9 @@ impl ExpertFetcher {
         self.early.clear();
         self.batch_layer = Some(layer);
         self.batch_ids = pending.iter().copied().collect();
+        if publish {
+            self.guesses_before_batch(layer, &pending); // guess:
+        }
         let mut b = Batch::new(layer, publish, self.hold && publish);
         self.reserve(&mut b, pending, io);
         self.issue_reads(&mut b, io);
@@ -1065,6 +1081,7 @@ impl ExpertFetcher {
                 if !publish {
                     continue; // prefetch of a resident expert: nothing to do
                 }
+                self.guess.on_hit(key); // guess:
                 let read_now = self.slots[s].loaded_step == self.step;
                 self.count(|c| {
                     c.requests += 1;
@@ -1079,6 +1096,9 @@ impl ExpertFetcher {
                 }
                 b.hits.push(s);
                 continue;
+            }
+            if publish && self.adopt_guess(b, key) {
+                continue; // guess: its read is in flight; it counts when it lands
             }
             let Some(loc) = self.locator.locate(layer, id) else {
                 self.fail_request(FetchError::Unknown { layer, expert: id }, publish, io);
@@ -1125,6 +1145,7 @@ impl ExpertFetcher {
         });
         b.rotation = b.hits.clone();
         b.rotation.extend(b.misses.iter().map(|(s, _)| *s));
+        b.rotation.extend(b.adopted.iter().copied()); // guess:
         b.rotation.retain(|&s| !self.slots[s].pinned);
         b.t0 = Instant::now();
         b.last_done = b.t0;
@@ -1236,6 +1257,7 @@ impl ExpertFetcher {
                 SlotState::Resident => {
                     let key = self.slots[s].key;
                     self.index.remove(&key);
+                    self.guess.on_evict(key); // guess:
                     self.count(|c| c.evictions += 1);
                 }
                 // A failed read left it EMPTY (and on the free list).
@@ -1249,6 +1271,9 @@ impl ExpertFetcher {
 
     /// A read of the batch finished: its expert is resident (and published), or failed.
     fn landed(&mut self, b: &mut Batch, done: Done, io: &mut dyn BatchIo) {
+        if self.guess.owns(done.tag) {
+            return self.guess_landed(done); // guess: not this batch's
+        }
         let Some(s) = b.inflight.remove(&done.tag) else {
             return;
         };
@@ -1267,6 +1292,9 @@ impl ExpertFetcher {
                     c.bytes_read += bytes;
                 });
                 b.summary.reads += 1;
+                if done.tag >= guess::GUESS_TAG {
+                    self.guess.adopted_landed(bytes); // guess: adopted
+                }
                 if b.publish {
                     b.summary.published += 1;
                     self.mark_published(s, b.hold);

@@ -1,7 +1,8 @@
 //! `k3-expert-fetcher`: the routed-expert stage.
 //!
 //! - [`fetcher`]: the LRU expert cache and its batch fetch (reserve serially, read in disk
-//!   order at queue depth >= 16, publish each expert as it lands, report failures).
+//!   order at queue depth >= 16, publish each expert as it lands, report failures); its
+//!   child `guess.rs` reads compute's guesses (`--speculate on`) into slots nobody needs.
 //! - [`devices`]: which drive holds each file (`st_dev` through symlinks, partitions
 //!   widened to their disk), so each drive gets its own reader pool and queue depth.
 //! - [`locate`]: where each expert's bytes are ([`ExpertTable`]): read from the shards'
@@ -24,7 +25,7 @@ pub mod trace;
 pub use devices::DeviceMap;
 pub use fetcher::{
     slots_for_budget, Arrival, BatchEvent, BatchIo, BatchSummary, ExpertCacheConfig, ExpertFetcher,
-    FetchError, FetchStats, ReadFailure, ReaderGone, SetupError, SlotState,
+    FetchError, FetchStats, GuessStats, ReadFailure, ReaderGone, SetupError, SlotState,
 };
 pub use locate::{ExpertExtents, ExpertTable, Extent, Locate, TableError};
 pub use stage::FetcherStageError;

@@ -114,21 +114,32 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
     let (me, peer) = (Stage::ExpertFetcher, Stage::LayerCompute);
     if conf.trace_dir.is_some() {
         fetcher.record_trace();
+        fetcher.record_guesses();
     }
     // Compute maps published slots in place: each stays held until its ExpertsDone.
     fetcher.hold_published(true);
     let mut last_pass = u64::MAX;
     loop {
-        match recv_from(&mut *link, me, peer, None)? {
+        let Some(msg) = next_message(&mut fetcher, &mut *link)? else {
+            continue;
+        };
+        match msg {
             Msg::Shutdown => break,
             Msg::ExpertsDone { layer, ids, .. } => {
                 fetcher.release(layer, &ids);
+                fetcher.pump_guesses();
             }
+            Msg::Guess {
+                pass,
+                layer,
+                experts,
+            } => fetcher.guess(pass, layer, &experts),
             Msg::Experts { pass, layer, ids } => {
                 if pass != last_pass {
                     fetcher.begin_step();
                     last_pass = pass;
                 }
+                fetcher.score_guess(pass, layer, &ids);
                 let before = fetcher.step_stats();
                 let mut io = LinkIo {
                     link: &mut *link,
@@ -137,6 +148,7 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
                     pass,
                     send_err: None,
                     shutdown: false,
+                    guesses: Vec::new(),
                 };
                 fetcher.fetch_batch_io(layer, &ids, &mut io);
                 if io.shutdown {
@@ -145,6 +157,11 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
                 if let Some(e) = io.send_err {
                     return Err(e);
                 }
+                // Guesses that came during the batch: read now that it is over.
+                for (pass, layer, experts) in std::mem::take(&mut io.guesses) {
+                    fetcher.guess(pass, layer, &experts);
+                }
+                fetcher.pump_guesses();
                 let after = fetcher.step_stats();
                 send_to(
                     &mut *link,
@@ -168,6 +185,13 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
     if let (Some(dir), Some(tr)) = (&conf.trace_dir, fetcher.trace()) {
         tr.write(dir).map_err(FetcherStageError::Trace)?;
     }
+    fetcher.finish_guesses();
+    let guesses = fetcher.guess_stats();
+    if let (Some(dir), Some(g)) = (&conf.trace_dir, fetcher.guess_trace()) {
+        if guesses.guesses > 0 {
+            write_guess_trace(dir, g).map_err(FetcherStageError::Trace)?;
+        }
+    }
     let total = fetcher.total_stats();
     let summary = serde_json::json!({
         "slots": fetcher.slot_count(),
@@ -179,12 +203,68 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
         "true_resident_hit_rate": total.true_resident_hit_rate(),
         "mb_per_s": total.mb_per_s(),
         "report": fetcher.render_stats("expert cache [whole run]", &total),
+        "speculation": (guesses.guesses > 0).then(|| guesses.to_json()),
     });
     ctx.send_control(&Msg::Summary {
         stage: me,
         json: summary.to_string(),
     })?;
     Ok(ctx.finish_recording()?)
+}
+
+/// How often the stage looks for landed guess reads while it waits for compute.
+const GUESS_POLL: Duration = Duration::from_millis(1);
+
+/// The next message from compute; while guess reads are pending, waits at most
+/// [`GUESS_POLL`] and takes the landed ones (issuing the queued ones) meanwhile (None).
+fn next_message(
+    fetcher: &mut ExpertFetcher,
+    link: &mut dyn Transport,
+) -> Result<Option<Msg>, FetcherStageError> {
+    let (me, peer) = (Stage::ExpertFetcher, Stage::LayerCompute);
+    if !fetcher.guesses_pending() {
+        return Ok(Some(recv_from(link, me, peer, None)?));
+    }
+    match link.recv(Some(GUESS_POLL)) {
+        Ok(m) => Ok(Some(m)),
+        Err(TransportError::Timeout) => {
+            fetcher.pump_guesses();
+            Ok(None)
+        }
+        Err(source) => {
+            // As `recv_from`: a dead peer's own report names the cause; let it come first.
+            if matches!(source, TransportError::PeerDied(_) | TransportError::Closed) {
+                std::thread::sleep(k3_protocol::link::PEER_DEATH_GRACE);
+            }
+            Err(LinkError {
+                me,
+                peer,
+                op: LinkOp::Recv,
+                timeout: Some(GUESS_POLL),
+                source,
+            }
+            .into())
+        }
+    }
+}
+
+/// `guess_trace.bin` in `dir`: every guess as int32 little-endian `(pass, layer, expert)`
+/// triples, in the order received (written beside `expert_trace.bin`).
+fn write_guess_trace(
+    dir: &std::path::Path,
+    guesses: &[(u64, u32, u32)],
+) -> Result<(), TraceWriteError> {
+    let mut bin = Vec::with_capacity(guesses.len() * 12);
+    for &(p, l, e) in guesses {
+        let p = p.min(i32::MAX as u64) as i32;
+        let l = i32::try_from(l).map_err(|_| TraceWriteError::Layer(l))?;
+        let e = i32::try_from(e).map_err(|_| TraceWriteError::Expert(e))?;
+        for v in [p, l, e] {
+            bin.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    let path = dir.join("guess_trace.bin");
+    k3_io::output::write_atomic(&path, &bin).map_err(|source| TraceWriteError::Io { path, source })
 }
 
 /// A batch's publications over the link to compute, and compute's `ExpertsDone` for each
@@ -199,6 +279,8 @@ struct LinkIo<'a> {
     send_err: Option<FetcherStageError>,
     /// Compute sent Shutdown during the batch.
     shutdown: bool,
+    /// `Guess`es compute sent during the batch, as `(pass, layer, experts)`: read after it.
+    guesses: Vec<(u64, u32, Vec<u32>)>,
 }
 
 impl BatchIo for LinkIo<'_> {
@@ -262,6 +344,15 @@ impl BatchIo for LinkIo<'_> {
                 Ok(Msg::ExpertsDone { layer, ids, .. }) => {
                     out.push((layer, ids));
                     // Take whatever else is already there, without waiting.
+                    wait = Some(Duration::ZERO);
+                    continue;
+                }
+                Ok(Msg::Guess {
+                    pass,
+                    layer,
+                    experts,
+                }) => {
+                    self.guesses.push((pass, layer, experts));
                     wait = Some(Duration::ZERO);
                     continue;
                 }

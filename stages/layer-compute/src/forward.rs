@@ -1119,8 +1119,12 @@ impl<W: Weights> Model<W> {
         // computed), so they overlap that compute; the head's part is given back before the
         // routed experts (a streamed trunk reads its next part meanwhile) and the tail bound
         // after them.
+        let threads = ctx.threads;
         let mut hooks = MoeHooks {
-            announce: &mut |ids: &[u32]| self.weights.announce_experts(l, ids),
+            announce: &mut |ids: &[u32]| {
+                self.weights.announce_experts(l, ids);
+                self.guess_next(l, head, v, ntok, threads);
+            },
             fetch: &mut fetch,
             release_head: &mut || self.weights.end_phase(l),
             tail: &mut || self.moe_tail(l),
@@ -1137,6 +1141,22 @@ impl<W: Weights> Model<W> {
             ..ForwardStats::default()
         };
         Ok((z, stats))
+    }
+}
+
+impl<W: Weights> Model<W> {
+    /// `--speculate on` (`crate::predict`): keep layer `l`'s router, and guess layer
+    /// `l + 1`'s experts from this layer's MoE input `v` for the expert reader.
+    fn guess_next(&self, l: usize, head: &MoeHead<'_>, v: &[f32], ntok: usize, threads: usize) {
+        let Some(pr) = self.weights.predictor() else {
+            return;
+        };
+        pr.learn(l, head);
+        if l + 1 < self.n_layers {
+            if let Some(ids) = pr.guess(&self.moe_params(l + 1), v, ntok, threads) {
+                self.weights.guess_experts(l + 1, &ids);
+            }
+        }
     }
 }
 

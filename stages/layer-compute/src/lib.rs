@@ -18,6 +18,8 @@
 //! - [`membw`]: the memory read probe (the floor kernels are measured against).
 //! - [`model_stream`]: the embedding one row per token on demand, the lm_head in chunks.
 //! - [`pool`]: the compute worker pool (rayon), sized by `--threads`.
+//! - [`predict`]: the next layer's routed experts guessed before its router runs
+//!   (`--speculate on`).
 //! - [`profile`]: the opt-in per-phase wall-time profile (`K3_PROFILE=1`).
 //! - [`stage`]: the layer-compute stage's process loop.
 //! - [`state`]: saved session states (`--save-state` / `--load-state`).
@@ -36,6 +38,7 @@ pub mod membw;
 pub mod model_stream;
 pub mod modules;
 pub mod pool;
+pub mod predict;
 pub mod profile;
 pub mod sampler;
 pub mod stage;

@@ -96,6 +96,8 @@ pub struct StagedWeights {
     /// The `Experts` request already sent by `announce_experts` (pass, layer, ids), which
     /// the next `experts` call for the same batch answers instead of sending it again.
     announced: RefCell<Option<(u64, usize, Vec<u32>)>>,
+    /// `--speculate on`: guesses each next layer's experts (`crate::predict`).
+    predictor: Option<crate::predict::Predictor>,
 }
 
 /// The two loaders' links and the shared-memory regions they publish into, as the stage is
@@ -177,7 +179,15 @@ impl StagedWeights {
             announced: RefCell::new(None),
             parts: Cell::new(None),
             held: RefCell::new(Vec::new()),
+            predictor: None,
         }
+    }
+
+    /// `--speculate on`: guess each next layer's routed experts and send the fetcher a
+    /// `Guess` ahead of the real request (ids never change).
+    pub fn with_speculation(mut self, on: bool) -> Self {
+        self.predictor = on.then(crate::predict::Predictor::new);
+        self
     }
 
     /// Read the embedding one row per token on demand, and the lm_head in chunks of about
@@ -592,6 +602,24 @@ impl Weights for StagedWeights {
 
     fn announce_experts(&self, layer: usize, ids: &[u32]) {
         self.announce_impl(layer, ids)
+    }
+
+    fn predictor(&self) -> Option<&crate::predict::Predictor> {
+        self.predictor.as_ref()
+    }
+
+    fn guess_experts(&self, layer: usize, ids: &[u32]) {
+        let m = Msg::Guess {
+            pass: self.pass.get(),
+            layer: layer as u32,
+            experts: ids.to_vec(),
+        };
+        let (me, peer) = (Stage::LayerCompute, Stage::ExpertFetcher);
+        let r = send_to(&mut **self.fetch.borrow_mut(), me, peer, &m, self.timeout);
+        if let Err(e) = r {
+            // The fetcher is gone: the next request fails with the same link.
+            self.note(e);
+        }
     }
 }
 

@@ -191,7 +191,8 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), ComputeE
     let timeout = Some(Duration::from_secs_f64(conf.io_timeout_s));
     let weights = StagedWeights::new(model_w, links, n_layers, timeout, ctx.rec.clone())
         .with_model_stream(conf.lm_head_chunk_bytes, conf.lm_head_held_bytes)
-        .map_err(ComputeError::ModelStream)?;
+        .map_err(ComputeError::ModelStream)?
+        .with_speculation(conf.speculate);
     let model = Model::new(
         cfg,
         &weights,

@@ -104,6 +104,17 @@ pub trait Weights {
     /// that compute. The default does nothing (`experts` then asks for them).
     fn announce_experts(&self, _layer: usize, _ids: &[u32]) {}
 
+    /// `--speculate on`: the predictor that guesses each next layer's routed experts
+    /// (`crate::predict`); None (the default): no guesses.
+    fn predictor(&self) -> Option<&crate::predict::Predictor> {
+        None
+    }
+
+    /// A guess of `layer`'s routed experts, made before its router runs: an
+    /// implementation that reads experts may start reading them into room nobody needs.
+    /// A hint only (the forward never reads what it names); the default ignores it.
+    fn guess_experts(&self, _layer: usize, _ids: &[u32]) {}
+
     /// Deliver the routed experts `ids` of `layer` (distinct ids, in first-use order: for
     /// one token its top-k order): call `deliver` with the experts available together,
     /// as many times as needed, so that every slot `0..ids.len()` is delivered exactly
@@ -146,6 +157,12 @@ impl<W: Weights + ?Sized> Weights for &W {
     }
     fn announce_experts(&self, layer: usize, ids: &[u32]) {
         (**self).announce_experts(layer, ids)
+    }
+    fn predictor(&self) -> Option<&crate::predict::Predictor> {
+        (**self).predictor()
+    }
+    fn guess_experts(&self, layer: usize, ids: &[u32]) {
+        (**self).guess_experts(layer, ids)
     }
     fn experts(&self, layer: usize, ids: &[u32], deliver: &mut dyn for<'b> FnMut(Delivery<'b>)) {
         (**self).experts(layer, ids, deliver)
