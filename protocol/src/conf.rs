@@ -158,6 +158,10 @@ pub struct ComputeConf {
     /// and its bounds. Absent: one slot, as before.
     #[serde(default)]
     pub slots: WarmSlots,
+    /// Write every token's routed experts per layer here at the end of the run
+    /// (`--record-routes`, [`crate::routes`]). Absent: nothing is recorded.
+    #[serde(default)]
+    pub record_routes: Option<PathBuf>,
 }
 
 /// A warm compute's requests at once (`k3_layer_compute::batch::Scheduler`'s options): the

@@ -201,6 +201,8 @@ pub struct GenArgs {
     pub out: Option<PathBuf>,
     pub dump_logits: Option<PathBuf>,
     pub dump_cache_trace: Option<PathBuf>,
+    /// `--record-routes FILE`: every token's routed experts per layer (k3_protocol::routes).
+    pub record_routes: Option<PathBuf>,
     pub record: Option<PathBuf>,
     pub threads: Option<usize>,
     pub numa: Option<String>,
@@ -300,6 +302,7 @@ diagnostics:
   --out FILE             write the JSON report to FILE (default: no report file)
   --dump-logits PATH     float32 LE logits of the first generation step
   --dump-cache-trace DIR expert_hist.json + expert_trace.bin
+  --record-routes FILE   every token's routed experts per layer (for sim-cache, project --trace)
   --record DIR           record every stage's inbound messages and buffer hashes
   --threads N, -t N      compute threads (default: all cores)
   --numa SPEC            auto|off|stage=node,...
@@ -382,6 +385,7 @@ struct LowArgs {
     out: Option<PathBuf>,
     dump_logits: Option<PathBuf>,
     dump_cache_trace: Option<PathBuf>,
+    record_routes: Option<PathBuf>,
     record: Option<PathBuf>,
     threads: Option<usize>,
     numa: Option<String>,
@@ -561,6 +565,7 @@ impl LowArgs {
             "--out" => self.out = path(val()?),
             "--dump-logits" => self.dump_logits = path(val()?),
             "--dump-cache-trace" => self.dump_cache_trace = path(val()?),
+            "--record-routes" => self.record_routes = path(val()?),
             "--record" => self.record = path(val()?),
             "--threads" | "-t" => {
                 let n: usize = num(&val()?, flag)?;
@@ -740,6 +745,7 @@ impl GenArgs {
             out: low.out,
             dump_logits: low.dump_logits,
             dump_cache_trace: low.dump_cache_trace,
+            record_routes: low.record_routes,
             record: low.record,
             threads: low.threads,
             numa: low.numa,
@@ -844,6 +850,7 @@ pub const FLAGS: &[&str] = &[
     "--out",
     "--dump-logits",
     "--dump-cache-trace",
+    "--record-routes",
     "--record",
     "--threads",
     "--numa",

@@ -19,6 +19,7 @@
 //! - [`model_stream`]: the embedding one row per token on demand, the lm_head in chunks.
 //! - [`pool`]: the compute worker pool (rayon), sized by `--threads`.
 //! - [`profile`]: the opt-in per-phase wall-time profile (`K3_PROFILE=1`).
+//! - [`routes`]: the route log `--record-routes` keeps while the model runs.
 //! - [`stage`]: the layer-compute stage's process loop.
 //! - [`state`]: saved session states (`--save-state` / `--load-state`).
 
@@ -37,6 +38,7 @@ pub mod model_stream;
 pub mod modules;
 pub mod pool;
 pub mod profile;
+pub mod routes;
 pub mod sampler;
 pub mod stage;
 pub mod state;
