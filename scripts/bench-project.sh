@@ -47,7 +47,7 @@ if [ -z "${TRUNK:-}" ]; then
         TRUNK=$WORK/trunk
     fi
 fi
-[ -f "$TRUNK/trunk.json" ] || "$K3" pack-trunk "$SLICE" "$TRUNK" > /dev/null
+[ -f "$TRUNK/trunk.json" ] || "$K3" pack-trunk "$SLICE" "$TRUNK" > /dev/null 2>&1
 echo "== $(date -u +%FT%TZ)  cpus: $(nproc)  uptime: $(uptime)"
 echo "model: $SLICE  trunk: $TRUNK  ids: $IDS  gen: $GEN"
 

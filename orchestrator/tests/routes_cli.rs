@@ -74,7 +74,7 @@ fn record_routes_keeps_the_ids_and_records_every_route_once() {
         "staged and single-process routes differ"
     );
     let t = RouteTrace::read(&staged).unwrap();
-    let cfg = k3_model::config::ModelConfig::load_dir(&tiny()).unwrap();
+    let cfg = k3_model::config::ModelConfig::load_dir(tiny()).unwrap();
     let moe: Vec<u32> = cfg
         .moe_layer_indices()
         .into_iter()
