@@ -881,12 +881,12 @@ mod tests {
         }
     }
 
-    /// LRU with 2 slots on A B A C A B: A, B miss; A hits; C evicts B (A was used more
-    /// recently); A hits; B misses: 2 hits. Catches an LRU that evicts the most recently
-    /// used (it would throw A out for C: 1 hit).
+    /// LRU with 2 slots on A B A C A: A, B miss; A hits; C evicts B (A was used more
+    /// recently); A hits: 2 hits. Catches an LRU that evicts the most recently used (it
+    /// would throw A out for C, and A would miss: 1 hit).
     #[test]
     fn lru_evicts_the_least_recent() {
-        let t = DenseTrace::new(&keys(&[0, 1, 0, 2, 0, 1]));
+        let t = DenseTrace::new(&keys(&[0, 1, 0, 2, 0]));
         assert_eq!(simulate(Policy::Lru, &t, 2), 2);
     }
 
