@@ -152,6 +152,7 @@ pub fn gen_exit_code(e: &GenError) -> i32 {
         | E::Model(_)
         | E::State(_)
         | E::Decode(_)
+        | E::Routes(_)
         | E::Report { .. } => EXIT_FAILED,
     }
 }

@@ -13,6 +13,7 @@ mod download_script;
 mod generate_cli;
 mod hardening;
 mod repl_pty;
+mod routes_cli;
 mod serve_batch;
 mod serve_hostile;
 mod serve_http;

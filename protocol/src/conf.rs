@@ -170,6 +170,10 @@ pub struct ComputeConf {
     /// and send the fetcher a `Guess` (ids never change). Absent: off.
     #[serde(default)]
     pub speculate: bool,
+    /// Write every token's routed experts per layer here at the end of the run
+    /// (`--record-routes`, [`crate::routes`]). Absent: nothing is recorded.
+    #[serde(default)]
+    pub record_routes: Option<PathBuf>,
 }
 
 /// A warm compute's requests at once (`k3_layer_compute::batch::Scheduler`'s options): the

@@ -8,6 +8,7 @@
 //! - [`failure`]: a stage's failure as the orchestrator sees it ([`failure::StageFailure`],
 //!   matched by [`failure::FailureKind`], never by its text).
 //! - [`record`]: recordings for `--record` and `k3-orch replay`.
+//! - [`routes`]: route traces (`--record-routes`): every token's routed experts per layer.
 //! - [`conf`]: typed stage configuration (each stage's `Configure` payload, region ids).
 //! - [`link`]: the stage context ([`link::StageCtx`]): hello, heartbeat, links to peers,
 //!   data regions, `Configure`, recording; what every stage's `stage::run` starts from.
@@ -22,5 +23,6 @@ pub mod link;
 pub mod messages;
 pub mod record;
 pub mod ring;
+pub mod routes;
 pub mod shm;
 pub mod transport;

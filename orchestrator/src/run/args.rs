@@ -206,6 +206,8 @@ pub struct GenArgs {
     pub dump_cache_trace: Option<PathBuf>,
     /// `--speculate on`: compute guesses each next layer's experts for the fetcher.
     pub speculate: bool,
+    /// `--record-routes FILE`: every token's routed experts per layer (k3_protocol::routes).
+    pub record_routes: Option<PathBuf>,
     pub record: Option<PathBuf>,
     pub threads: Option<usize>,
     pub numa: Option<String>,
@@ -309,6 +311,7 @@ diagnostics:
   --dump-cache-trace DIR expert_hist.json + expert_trace.bin (+ guess_trace.bin)
   --speculate on|off     guess each next layer's experts and read them early into
                          slots no request needs (default off; same ids either way)
+  --record-routes FILE   every token's routed experts per layer (for sim-cache, project --trace)
   --record DIR           record every stage's inbound messages and buffer hashes
   --threads N, -t N      compute threads (default: all cores)
   --numa SPEC            auto|off|stage=node,...
@@ -393,6 +396,7 @@ struct LowArgs {
     dump_logits: Option<PathBuf>,
     dump_cache_trace: Option<PathBuf>,
     speculate: bool,
+    record_routes: Option<PathBuf>,
     record: Option<PathBuf>,
     threads: Option<usize>,
     numa: Option<String>,
@@ -591,6 +595,7 @@ impl LowArgs {
                     v => return Err(format!("--speculate: '{v}' must be on or off")),
                 }
             }
+            "--record-routes" => self.record_routes = path(val()?),
             "--record" => self.record = path(val()?),
             "--threads" | "-t" => {
                 let n: usize = num(&val()?, flag)?;
@@ -772,6 +777,7 @@ impl GenArgs {
             dump_logits: low.dump_logits,
             dump_cache_trace: low.dump_cache_trace,
             speculate: low.speculate,
+            record_routes: low.record_routes,
             record: low.record,
             threads: low.threads,
             numa: low.numa,
@@ -878,6 +884,7 @@ pub const FLAGS: &[&str] = &[
     "--dump-logits",
     "--dump-cache-trace",
     "--speculate",
+    "--record-routes",
     "--record",
     "--threads",
     "--numa",

@@ -140,6 +140,9 @@ pub enum GenError {
     /// The decode loop (`--single-process`).
     #[error(transparent)]
     Decode(#[from] DecodeError<std::convert::Infallible>),
+    /// `--record-routes` (`--single-process`): a route that does not fit, or the file.
+    #[error("--record-routes: {0}")]
+    Routes(#[from] k3_protocol::routes::RoutesError),
     #[error("writing the report {}: {source}", path.display())]
     Report {
         path: PathBuf,

@@ -297,6 +297,10 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, GenError> {
         stop: false,
     };
     hooks.printer.started();
+    if a.record_routes.is_some() {
+        k3_layer_compute::routes::start(&model, c.config_path, &a.model_dir)
+            .map_err(GenError::Fingerprint)?;
+    }
     let load = a.load_state.as_deref().map(|p| (p, fp.as_str()));
     let mut start = Start::new(&model, load, &prompt)?;
     let generated = pool.install(|| {
@@ -322,6 +326,9 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, GenError> {
     hooks.printer.finish();
     if let Some(p) = &a.save_state {
         start.save(p, &fp, &generated)?;
+    }
+    if let Some(p) = &a.record_routes {
+        k3_layer_compute::routes::finish(&model, p)?;
     }
     let text = hooks.printer.stream.as_ref().map(|s| s.text().into_bytes());
     Ok(Generated {
@@ -782,6 +789,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             tuning: k3_layer_compute::kernels::tuning::from_env(),
             slots: conf::WarmSlots::default(),
             speculate: a.speculate,
+            record_routes: a.record_routes.clone(),
         },
         prompt: prompt_message(a)?,
         stage_timeout: std::time::Duration::from_secs_f64(a.stage_timeout_s),

@@ -295,6 +295,7 @@ fn preflight(a: &GenArgs, cfg: &ModelConfig) -> Result<(), GenError> {
     for (flag, p) in [
         ("--out", &a.out),
         ("--dump-logits", &a.dump_logits),
+        ("--record-routes", &a.record_routes),
         ("--save-state", &a.save_state),
     ] {
         if let Some(p) = p {

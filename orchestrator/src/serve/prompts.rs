@@ -46,10 +46,14 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
             "--prompts runs on the warm stages or --single-process, not --inproc".into(),
         ));
     }
-    if a.dump_logits.is_some() || a.record.is_some() || a.dump_cache_trace.is_some() {
+    if a.dump_logits.is_some()
+        || a.record.is_some()
+        || a.dump_cache_trace.is_some()
+        || a.record_routes.is_some()
+    {
         return Err(usage(
-            "--dump-logits, --record and --dump-cache-trace are one run's; --prompts does \
-             not take them"
+            "--dump-logits, --record, --dump-cache-trace and --record-routes are one run's; \
+             --prompts does not take them"
                 .into(),
         ));
     }

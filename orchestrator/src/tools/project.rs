@@ -20,7 +20,9 @@
 //! (`run::plan::choose`, as `inspect`'s budget table) says what is pinned, streamed and
 //! cached at the budget; per token the disk reads the streamed trunk and lm_head plus the
 //! routed experts the cache misses (flat routing by default: the hit rate is cache slots
-//! over experts, [`flat_hit_rate`]); RAM is read for every weight the token multiplies; the
+//! over experts, [`flat_hit_rate`]; with `--trace FILE`, a route trace from
+//! `--record-routes`, the engine's LRU replayed on it at the same share of the pool,
+//! [`Hits`]); RAM is read for every weight the token multiplies; the
 //! MACs run at the measured rate. The predicted s/token is the largest of disk bytes / disk
 //! bandwidth, RAM bytes / memory bandwidth and compute, and that one is named the floor.
 
@@ -79,6 +81,75 @@ struct Args {
     /// Tokens of a reply, for the reply-time line
     #[arg(long, default_value_t = 256)]
     reply: u64,
+    /// A route trace (`--record-routes FILE`) to take the expert hit rate from: the
+    /// engine's LRU replayed on it with the plan's cache at the same share of the trace's
+    /// expert pool (default: flat routing)
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Print one JSON object per budget and drive count instead of the text
+    #[arg(long)]
+    json: bool,
+}
+
+/// Where the expected expert hit rate comes from.
+pub enum Hits {
+    /// Flat routing: cache slots over experts ([`flat_hit_rate`]).
+    Flat,
+    /// A recorded route trace, replayed under the engine's policy (LRU) with the cache at
+    /// the same share of the trace's pool (its MoE layers x experts) as the plan's cache
+    /// is of the model's experts: exact when the trace is of this model, a scaled estimate
+    /// when it is of another (a tiny model's routes for the released one).
+    Trace {
+        trace: k3_expert_fetcher::sim::DenseTrace,
+        pool: u64,
+        label: String,
+    },
+}
+
+impl Hits {
+    /// The share of routed-expert requests a cache of `slots` serves among `experts`.
+    pub fn rate(&self, slots: u64, experts: u64) -> f64 {
+        match self {
+            Hits::Flat => flat_hit_rate(slots, experts),
+            Hits::Trace { .. } if experts == 0 || slots >= experts => 1.0,
+            Hits::Trace { trace, pool, .. } => {
+                let share = slots as f64 / experts as f64;
+                let cap = (share * *pool as f64).round() as usize;
+                let hits = k3_expert_fetcher::sim::simulate(
+                    k3_expert_fetcher::sim::Policy::Lru,
+                    trace,
+                    cap,
+                );
+                hits as f64 / trace.requests().max(1) as f64
+            }
+        }
+    }
+
+    /// Where the rate comes from, for the output.
+    pub fn label(&self) -> &str {
+        match self {
+            Hits::Flat => "flat routing",
+            Hits::Trace { label, .. } => label,
+        }
+    }
+
+    /// The hit rates of a route trace file.
+    pub fn from_trace(path: &Path) -> Result<Hits, String> {
+        let t = k3_protocol::routes::RouteTrace::read(path).map_err(|e| e.to_string())?;
+        let keys = k3_expert_fetcher::sim::keys_of_routes(&t);
+        if keys.is_empty() {
+            return Err(format!("{}: the trace has no routes", path.display()));
+        }
+        Ok(Hits::Trace {
+            trace: k3_expert_fetcher::sim::DenseTrace::new(&keys),
+            pool: t.header.moe_layers.len() as u64 * t.header.experts as u64,
+            label: format!(
+                "LRU on the route trace {} ({} routes)",
+                path.display(),
+                t.header.records
+            ),
+        })
+    }
 }
 
 /// Positions of context the plan assumes (the KV cache of the MLA layers), as `inspect`'s
@@ -475,8 +546,18 @@ impl Projection {
 /// Project `m` at a budget of `budget` bytes (as `--mem-gb`: the plan spends it less the
 /// run's reserve) on `machine`; Err when the plan refuses the budget.
 pub fn project(m: &ModelShape, budget: u64, machine: &Machine) -> Result<Projection, String> {
+    project_hits(m, budget, machine, &Hits::Flat)
+}
+
+/// [`project`] with the hit rate from `hits`.
+pub fn project_hits(
+    m: &ModelShape,
+    budget: u64,
+    machine: &Machine,
+    hits: &Hits,
+) -> Result<Projection, String> {
     let total = budget - (budget as f64 * plan::RESERVE_SHARE) as u64;
-    project_parts(m, budget, total, None, machine)
+    project_parts(m, budget, total, None, machine, hits)
 }
 
 /// Project `m` with explicit trunk and cache budgets (a preset) on `machine`.
@@ -487,7 +568,7 @@ pub fn project_preset(
     machine: &Machine,
 ) -> Result<Projection, String> {
     let total = m.spend.fixed + m.spend.lm_head + trunk + cache;
-    project_parts(m, total, total, Some((trunk, cache)), machine)
+    project_parts(m, total, total, Some((trunk, cache)), machine, &Hits::Flat)
 }
 
 fn project_parts(
@@ -496,6 +577,7 @@ fn project_parts(
     total: u64,
     parts: Option<(u64, u64)>,
     machine: &Machine,
+    hits: &Hits,
 ) -> Result<Projection, String> {
     let sp = Spend {
         total,
@@ -514,7 +596,7 @@ fn project_parts(
         })
         .map_err(|e| e.to_string())?;
     let cache_slots = (c.cache / m.spend.expert_slot.max(1)).min(m.experts());
-    let hit = flat_hit_rate(cache_slots, m.experts());
+    let hit = hits.rate(cache_slots, m.experts());
     let pt = per_token(m, &c, hit);
     Ok(Projection {
         budget,
@@ -544,7 +626,13 @@ pub fn duration(s: f64) -> String {
 }
 
 /// The plan and the per-token figures of one projection, as `project` prints them.
-pub fn detail(m: &ModelShape, p: &Projection, machine: &Machine, reply: u64) -> String {
+pub fn detail(
+    m: &ModelShape,
+    p: &Projection,
+    machine: &Machine,
+    reply: u64,
+    hits: &Hits,
+) -> String {
     let pt = &p.per_token;
     let t = &p.times;
     let mut o = format!(
@@ -569,10 +657,11 @@ pub fn detail(m: &ModelShape, p: &Projection, machine: &Machine, reply: u64) -> 
         human(p.choice.read_per_token)
     );
     o += &format!(
-        "  cached   : {} expert slots of {} experts: expected hit rate {:.2}% (flat routing)\n",
+        "  cached   : {} expert slots of {} experts: expected hit rate {:.2}% ({})\n",
         p.cache_slots,
         m.experts(),
-        100.0 * p.hit
+        100.0 * p.hit,
+        hits.label()
     );
     o += &format!("  holds    : {}\n", human(p.held_bytes(m)));
     o += "per token:\n";
@@ -606,7 +695,7 @@ pub fn detail(m: &ModelShape, p: &Projection, machine: &Machine, reply: u64) -> 
 }
 
 /// The table of several budgets × drive counts.
-pub fn table(m: &ModelShape, budgets: &[u64], machines: &[Machine]) -> String {
+pub fn table(m: &ModelShape, budgets: &[u64], machines: &[Machine], hits: &Hits) -> String {
     let mut o = format!(
         "  {:>8}  {:>6}  {:>14}  {:>9}  {:>12}  {:>8}  {:>8}  {:>8}  {:>10}  {}\n",
         "--mem-gb",
@@ -622,7 +711,7 @@ pub fn table(m: &ModelShape, budgets: &[u64], machines: &[Machine]) -> String {
     );
     for &b in budgets {
         for mach in machines {
-            match project(m, b, mach) {
+            match project_hits(m, b, mach, hits) {
                 Ok(p) => {
                     o += &format!(
                         "  {:>8.1}  {:>6}  {:>14}  {:>8.2}%  {:>12}  {:>8.2}  {:>8.2}  {:>8.2}  {:>10.2}  {}\n",
@@ -725,6 +814,16 @@ pub fn main(args: Vec<OsString>) -> i32 {
             return 2;
         }
     };
+    let hits = match &a.trace {
+        Some(t) => match Hits::from_trace(t) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::error!("k3-orch project: --trace {e}");
+                return 2;
+            }
+        },
+        None => Hits::Flat,
+    };
     let probe = a
         .probe_file
         .clone()
@@ -741,8 +840,73 @@ pub fn main(args: Vec<OsString>) -> i32 {
             seconds: a.seconds,
         },
     );
-    print!("{}", report(&shape, &budgets, &a.drives, &machine, a.reply));
+    if a.json {
+        print!(
+            "{}",
+            json_rows(&shape, &budgets, &a.drives, &machine, &hits)
+        );
+    } else {
+        print!(
+            "{}",
+            report(&shape, &budgets, &a.drives, &machine, a.reply, &hits)
+        );
+    }
     0
+}
+
+/// The machines of `--drives` (one drive when none is given).
+fn with_drives(drives: &[u32], machine: &Machine) -> Vec<Machine> {
+    let drives: &[u32] = if drives.is_empty() { &[1] } else { drives };
+    drives
+        .iter()
+        .map(|&d| Machine {
+            drives: d,
+            ..machine.clone()
+        })
+        .collect()
+}
+
+/// `--json`: one line per budget and drive count, for scripts (`bench-project.sh`).
+fn json_rows(
+    shape: &ModelShape,
+    budgets: &[u64],
+    drives: &[u32],
+    machine: &Machine,
+    hits: &Hits,
+) -> String {
+    let mut o = String::new();
+    for &b in budgets {
+        for mach in with_drives(drives, machine) {
+            let v = match project_hits(shape, b, &mach, hits) {
+                Ok(p) => serde_json::json!({
+                    "mem_gb": b as f64 / GB,
+                    "drives": mach.drives,
+                    "drive_gbps": mach.drive_bps / GB,
+                    "pinned": p.pinned,
+                    "cache_slots": p.cache_slots,
+                    "hit_rate": p.hit,
+                    "hits_from": hits.label(),
+                    "disk_bytes_per_token": p.per_token.disk_bytes(),
+                    "trunk_disk_bytes_per_token": p.per_token.trunk_disk_bytes,
+                    "expert_disk_bytes_per_token": p.per_token.expert_disk_bytes,
+                    "ram_bytes_per_token": p.per_token.ram_bytes,
+                    "disk_s": p.times.disk,
+                    "memory_s": p.times.memory,
+                    "compute_s": p.times.compute,
+                    "s_per_token": p.times.s_per_token(),
+                    "floor": p.times.floor(),
+                    "machine": mach.describe(),
+                }),
+                Err(e) => serde_json::json!({
+                    "mem_gb": b as f64 / GB,
+                    "drives": mach.drives,
+                    "refused": e,
+                }),
+            };
+            o += &format!("{v}\n");
+        }
+    }
+    o
 }
 
 /// The whole output of `project`.
@@ -752,6 +916,7 @@ fn report(
     drives: &[u32],
     machine: &Machine,
     reply: u64,
+    hits: &Hits,
 ) -> String {
     let mut o = String::from(
         "k3-orch project: a PROJECTION from the model's headers and the machine's figures, \
@@ -769,27 +934,17 @@ fn report(
         human(shape.expert_bytes)
     );
     o += &format!("machine : {}\n", machine.describe());
-    let drives: Vec<u32> = if drives.is_empty() {
-        vec![1]
-    } else {
-        drives.to_vec()
-    };
-    let machines: Vec<Machine> = drives
-        .iter()
-        .map(|&d| Machine {
-            drives: d,
-            ..machine.clone()
-        })
-        .collect();
+    let machines = with_drives(drives, machine);
     if budgets.len() == 1 && machines.len() == 1 {
-        match project(shape, budgets[0], &machines[0]) {
-            Ok(p) => o += &detail(shape, &p, &machines[0], reply),
+        match project_hits(shape, budgets[0], &machines[0], hits) {
+            Ok(p) => o += &detail(shape, &p, &machines[0], reply, hits),
             Err(e) => o += &format!("refused at --mem-gb {:.1}: {e}\n", budgets[0] as f64 / GB),
         }
     } else {
-        o += &table(shape, budgets, &machines);
+        o += &format!("expected hit rate from: {}\n", hits.label());
+        o += &table(shape, budgets, &machines, hits);
     }
-    if drives.iter().any(|&d| d > 1) {
+    if machines.iter().any(|m| m.drives > 1) {
         o += "note    : more than one drive assumes the experts are striped over them (issue 35); \
               today a run reads them from the one model directory\n";
     }

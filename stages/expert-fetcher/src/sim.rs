@@ -11,8 +11,18 @@
 //!   expert still misses the first time it is requested. This is the seed's PIN+LRU column.
 //! - `s3fifo`: S3-FIFO (small FIFO 10%, main FIFO with 2-bit frequency, ghost FIFO).
 //! - `lfu`: least frequently used since insertion, ties to the least recently used.
+//! - `pin`: pinned-hot, static pinning with no dynamic part: every slot holds one of the
+//!   most requested experts, counted over the first `pin_learn` share of the trace or
+//!   given (`--pin-file`). Learned pins are scored on the REST of the trace only (the part
+//!   they never saw; its rate scaled to the whole trace's requests), given ones on the
+//!   whole. A pinned expert misses once in that window (its read); an unpinned one always
+//!   misses.
 //!
-//! Every policy always admits a missed key (no bypass), like the fetcher.
+//! Every policy but `pin` always admits a missed key (no bypass), like the fetcher.
+//!
+//! A trace is either `--dump-cache-trace`'s `(layer, expert)` pairs (the fetcher's
+//! requests: a prompt pass's union once per layer) or a route trace (`--record-routes`,
+//! `k3_protocol::routes`: every row's top-k, [`keys_of_routes`]).
 
 use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
 use std::fmt::Write as _;
@@ -24,6 +34,8 @@ pub type Key = (u32, u32);
 /// A trace that could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
+    #[error(transparent)]
+    Routes(#[from] k3_protocol::routes::RoutesError),
     #[error("{path}: {source}")]
     Io {
         path: String,
@@ -69,6 +81,27 @@ pub fn parse_trace(bytes: &[u8], name: &str) -> Result<Vec<Key>, TraceError> {
 
 /// Read a trace file (see [`parse_trace`]).
 pub fn read_trace(path: &Path) -> Result<Vec<Key>, TraceError> {
+    Ok(read_any(path)?.0)
+}
+
+/// The requests of a route trace: each record's top-k in order, `(layer, expert)` each.
+/// Two rows of one prompt pass that share an expert make two requests (the second a hit
+/// for any cache that admitted the first, as the fetcher's held slot is).
+pub fn keys_of_routes(t: &k3_protocol::routes::RouteTrace) -> Vec<Key> {
+    t.routes()
+        .flat_map(|r| {
+            let l = r.layer;
+            r.ids.into_iter().map(move |e| (l, e))
+        })
+        .collect()
+}
+
+/// Read either kind of trace: a route trace (by its magic; its header too) or
+/// `--dump-cache-trace`'s pairs.
+pub fn read_any(
+    path: &Path,
+) -> Result<(Vec<Key>, Option<k3_protocol::routes::RouteHeader>), TraceError> {
+    use k3_protocol::routes::RouteTrace;
     let name = path.display().to_string();
     let bytes = k3_io::input::read_capped(path, k3_io::input::TRACE_CAP).map_err(|source| {
         TraceError::Io {
@@ -76,7 +109,11 @@ pub fn read_trace(path: &Path) -> Result<Vec<Key>, TraceError> {
             source,
         }
     })?;
-    parse_trace(&bytes, &name)
+    if RouteTrace::is_route_trace(&bytes) {
+        let t = RouteTrace::parse(&bytes, &name)?;
+        return Ok((keys_of_routes(&t), Some(t.header)));
+    }
+    Ok((parse_trace(&bytes, &name)?, None))
 }
 
 /// A replacement policy the simulator knows.
@@ -87,16 +124,18 @@ pub enum Policy {
     PinLru,
     S3Fifo,
     Lfu,
+    PinHot,
 }
 
 impl Policy {
     /// Every policy, in the order `--policy` documents them.
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 6] = [
         Policy::Lru,
         Policy::Belady,
         Policy::PinLru,
         Policy::S3Fifo,
         Policy::Lfu,
+        Policy::PinHot,
     ];
 
     /// The command-line spelling (`lru`, `belady`, `pin-lru`, `s3fifo`, `lfu`).
@@ -107,6 +146,7 @@ impl Policy {
             Policy::PinLru => "pin-lru",
             Policy::S3Fifo => "s3fifo",
             Policy::Lfu => "lfu",
+            Policy::PinHot => "pin",
         }
     }
 
@@ -118,6 +158,7 @@ impl Policy {
             Policy::PinLru => "PIN+LRU",
             Policy::S3Fifo => "S3-FIFO",
             Policy::Lfu => "LFU",
+            Policy::PinHot => "PINNED",
         }
     }
 
@@ -128,6 +169,7 @@ impl Policy {
             p.name() == s
                 || (s == "pinlru" && *p == Policy::PinLru)
                 || (s == "s3-fifo" && *p == Policy::S3Fifo)
+                || (s == "pinned-hot" && *p == Policy::PinHot)
         })
     }
 }
@@ -187,12 +229,37 @@ impl DenseTrace {
     }
 }
 
-/// Hits of `policy` over the trace with a cache of `capacity` experts.
+/// Where pinned-hot's pin set comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Pins {
+    /// The most requested over the first share (0 < share <= 1) of the trace.
+    Learn(f64),
+    /// These, most important first (the first `capacity` are pinned).
+    Given(Vec<Key>),
+}
+
+impl Default for Pins {
+    fn default() -> Self {
+        Pins::Learn(DEFAULT_PIN_LEARN)
+    }
+}
+
+/// The share of a trace pinned-hot learns its pins on by default.
+pub const DEFAULT_PIN_LEARN: f64 = 0.25;
+
+/// Hits of `policy` over the trace with a cache of `capacity` experts (pinned-hot learning
+/// its pins on the default share, [`DEFAULT_PIN_LEARN`]).
 pub fn simulate(policy: Policy, t: &DenseTrace, capacity: usize) -> u64 {
+    simulate_with(policy, t, capacity, &Pins::default())
+}
+
+/// [`simulate`] with pinned-hot's pins from `pins`.
+pub fn simulate_with(policy: Policy, t: &DenseTrace, capacity: usize, pins: &Pins) -> u64 {
     if capacity == 0 {
         return 0;
     }
     match policy {
+        Policy::PinHot => pin_hot(t, &pin_set(t, capacity, pins), learn_len(t, pins)),
         Policy::Lru => lru(t, capacity, &[]),
         Policy::Belady => belady(t, capacity),
         Policy::PinLru => pin_lru(t, capacity),
@@ -289,6 +356,74 @@ fn pin_lru(t: &DenseTrace, capacity: usize) -> u64 {
     lru(t, capacity - npin, &pinned)
 }
 
+/// Requests pinned-hot learns its pins on (0: given pins, or a share of 1, scored on the
+/// whole trace).
+fn learn_len(t: &DenseTrace, pins: &Pins) -> usize {
+    match pins {
+        Pins::Learn(share) if *share < 1.0 => {
+            ((t.requests() as f64 * share.max(0.0)).ceil() as usize).min(t.requests())
+        }
+        _ => 0,
+    }
+}
+
+/// Pinned-hot's pin set over `t`'s dense ids: at most `capacity` of them.
+pub fn pin_set(t: &DenseTrace, capacity: usize, pins: &Pins) -> Vec<bool> {
+    let mut pinned = vec![false; t.distinct()];
+    match pins {
+        Pins::Given(keys) => {
+            let dense: HashMap<Key, usize> =
+                t.keys.iter().enumerate().map(|(i, &k)| (k, i)).collect();
+            // A given key the trace never requests still takes its slot.
+            for k in keys.iter().take(capacity) {
+                if let Some(&i) = dense.get(k) {
+                    pinned[i] = true;
+                }
+            }
+        }
+        Pins::Learn(_) => {
+            let n = match learn_len(t, pins) {
+                0 => t.requests(),
+                n => n,
+            };
+            let mut counts = vec![0u64; t.distinct()];
+            for &id in &t.ids[..n] {
+                counts[id as usize] += 1;
+            }
+            // Most requested first; ties to the earlier first request (dense id order).
+            let mut by: Vec<usize> = (0..t.distinct()).filter(|&i| counts[i] > 0).collect();
+            by.sort_by(|&a, &b| counts[b].cmp(&counts[a]).then(a.cmp(&b)));
+            for &i in by.iter().take(capacity) {
+                pinned[i] = true;
+            }
+        }
+    }
+    pinned
+}
+
+/// Static pinning scored on the requests from `from` on: a pinned id misses its first
+/// request there and hits every later one; an unpinned id always misses (nothing else is
+/// cached). The hits are scaled to the whole trace (hits × requests / scored requests), so
+/// the rate is the scored window's.
+fn pin_hot(t: &DenseTrace, pinned: &[bool], from: usize) -> u64 {
+    let mut loaded = vec![false; pinned.len()];
+    let mut hits = 0u64;
+    for &id in &t.ids[from..] {
+        let u = id as usize;
+        if pinned[u] {
+            if loaded[u] {
+                hits += 1;
+            }
+            loaded[u] = true;
+        }
+    }
+    let scored = (t.requests() - from) as u64;
+    if scored == 0 {
+        return 0;
+    }
+    ((hits as u128 * t.requests() as u128 + scored as u128 / 2) / scored as u128) as u64
+}
+
 /// Where an id sits in S3-FIFO.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Q {
@@ -297,9 +432,16 @@ enum Q {
     Main,
 }
 
-/// S3-FIFO (Yang et al., SOSP 2023): a small probationary FIFO (10% of the slots), a main
-/// FIFO with a 2-bit frequency and reinsertion, and a ghost FIFO of keys evicted from the
-/// small queue (as many entries as the main queue has slots).
+/// S3-FIFO (Yang et al., SOSP 2023, Algorithm 1): a small probationary FIFO (10% of the
+/// slots, at least one), a main FIFO with a 2-bit frequency and reinsertion, and a ghost
+/// FIFO of keys evicted from the small queue (as many entries as the main queue has
+/// slots). A hit adds one to the key's frequency, capped at 3. A miss makes room first
+/// (from the small queue while it holds at least its 10%, else from the main), then
+/// inserts into the main queue if the key is in the ghost, else into the small one, with
+/// frequency 0. The small queue's tail moves to the main queue when its frequency is above
+/// 1 (the paper's `t.freq > 1`), its bits cleared on the move (the authors' description),
+/// else it leaves for the ghost; the main queue's tail is reinserted with one less while
+/// its frequency is above 0, else evicted.
 fn s3fifo(t: &DenseTrace, capacity: usize) -> u64 {
     let n = t.distinct();
     let small_cap = (capacity / 10).max(1);
@@ -427,6 +569,11 @@ pub struct SimOptions {
     /// Disk bandwidth in MB/s (10^6 bytes/s) that turns GB READ/TOK into SEC/TOK. The seed's
     /// published table implies about 1233.6 MB/s; pass the `devbw` figure of your disk.
     pub disk_mbps: f64,
+    /// Capacities in slots; when not empty they replace `sizes_gb` (a row's size is then
+    /// `slots × expert_bytes`).
+    pub slots: Vec<usize>,
+    /// Pinned-hot's pins.
+    pub pins: Pins,
 }
 
 impl Default for SimOptions {
@@ -438,6 +585,8 @@ impl Default for SimOptions {
             experts_per_layer: 896,
             top_k: 16,
             disk_mbps: 1233.6,
+            slots: Vec::new(),
+            pins: Pins::default(),
         }
     }
 }
@@ -476,20 +625,29 @@ pub fn run(trace: &[Key], options: &SimOptions) -> SimReport {
     let mut layers: Vec<u32> = t.keys.iter().map(|k| k.0).collect();
     layers.sort_unstable();
     layers.dedup();
-    let rows = options
-        .sizes_gb
-        .iter()
-        .map(|&gb| {
-            let slots = slots_for_gb(gb, options.expert_bytes);
-            SimRow {
-                size_gb: gb,
-                slots,
-                hits: options
-                    .policies
-                    .iter()
-                    .map(|&p| simulate(p, &t, slots))
-                    .collect(),
-            }
+    let sizes: Vec<(f64, usize)> = if options.slots.is_empty() {
+        options
+            .sizes_gb
+            .iter()
+            .map(|&gb| (gb, slots_for_gb(gb, options.expert_bytes)))
+            .collect()
+    } else {
+        options
+            .slots
+            .iter()
+            .map(|&s| (s as f64 * options.expert_bytes as f64 / 1e9, s))
+            .collect()
+    };
+    let rows = sizes
+        .into_iter()
+        .map(|(gb, slots)| SimRow {
+            size_gb: gb,
+            slots,
+            hits: options
+                .policies
+                .iter()
+                .map(|&p| simulate_with(p, &t, slots, &options.pins))
+                .collect(),
         })
         .collect();
     SimReport {
@@ -575,7 +733,12 @@ impl SimReport {
         let _ = writeln!(s, "{head}");
         let _ = writeln!(s, "{}", "-".repeat(head.len()));
         for r in &self.rows {
-            let mut line = format!("{:<12}{:>6}", gb_label(r.size_gb), r.slots);
+            let label = if o.slots.is_empty() {
+                gb_label(r.size_gb)
+            } else {
+                format!("{:.1}% pool", pct(r.slots as u64, pool))
+            };
+            let mut line = format!("{label:<12}{:>6}", r.slots);
             for &h in &r.hits {
                 let _ = write!(line, "{:>9.2}%", pct(h, self.requests));
             }
@@ -614,6 +777,70 @@ impl SimReport {
     }
 }
 
+/// A synthetic route trace: `tokens` tokens through `layers` MoE layers of `experts`, each
+/// taking `top_k` distinct experts drawn with Zipf weights of exponent `zipf` (0: flat, the
+/// router K3 is trained for; 1: a strongly skewed one), each layer's popularity order a
+/// different permutation. Tokens are independent (no temporal correlation: a real trace's
+/// recency is exactly what this leaves out). Deterministic in `seed`.
+pub fn synthetic_routes(
+    tokens: u32,
+    layers: u32,
+    experts: u32,
+    top_k: u32,
+    zipf: f64,
+    seed: u64,
+) -> k3_protocol::routes::RouteTrace {
+    let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        // splitmix64
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut cdf = Vec::with_capacity(experts as usize);
+    let mut acc = 0.0;
+    for r in 0..experts {
+        acc += 1.0 / ((r + 1) as f64).powf(zipf);
+        cdf.push(acc);
+    }
+    let perms: Vec<Vec<u32>> = (0..layers)
+        .map(|_| {
+            let mut p: Vec<u32> = (0..experts).collect();
+            for i in (1..p.len()).rev() {
+                p.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            p
+        })
+        .collect();
+    let mut t = k3_protocol::routes::RouteTrace::new(
+        format!("synthetic zipf {zipf} seed {seed}"),
+        layers,
+        (0..layers).collect(),
+        experts,
+        top_k,
+    );
+    let k = top_k.min(experts) as usize;
+    let mut ids = Vec::with_capacity(k);
+    for pos in 0..tokens {
+        for (l, perm) in perms.iter().enumerate() {
+            ids.clear();
+            while ids.len() < k {
+                let u = (next() >> 11) as f64 / (1u64 << 53) as f64 * acc;
+                let r = cdf.partition_point(|&c| c <= u).min(experts as usize - 1);
+                let id = perm[r];
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+            }
+            t.push(pos, l as u32, &ids)
+                .expect("synthetic ids fit the format (experts < 65536)");
+        }
+    }
+    t
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -646,10 +873,110 @@ mod tests {
     fn every_policy_hits_everything_when_it_all_fits() {
         let tr = keys(&[5, 6, 5, 6, 9, 9, 5]);
         let t = DenseTrace::new(&tr);
+        // Pinned-hot admits nothing it did not pin: pins learned on the whole trace here.
+        let all = Pins::Learn(1.0);
         for p in Policy::ALL {
-            assert_eq!(simulate(p, &t, 3), 4, "{}", p.name());
-            assert_eq!(simulate(p, &t, 0), 0, "{}", p.name());
+            assert_eq!(simulate_with(p, &t, 3, &all), 4, "{}", p.name());
+            assert_eq!(simulate_with(p, &t, 0, &all), 0, "{}", p.name());
         }
+    }
+
+    /// LRU with 2 slots on A B A C A: A, B miss; A hits; C evicts B (A was used more
+    /// recently); A hits: 2 hits. Catches an LRU that evicts the most recently used (it
+    /// would throw A out for C, and A would miss: 1 hit).
+    #[test]
+    fn lru_evicts_the_least_recent() {
+        let t = DenseTrace::new(&keys(&[0, 1, 0, 2, 0]));
+        assert_eq!(simulate(Policy::Lru, &t, 2), 2);
+    }
+
+    /// S3-FIFO with 2 slots (small 1, main 1, ghost 1) on A A A B C A:
+    /// A misses into small, hits twice (freq 2); B misses into small (the cache is not
+    /// full); C finds it full: small's tail A has freq 2 > 1 and moves to main, then B
+    /// (freq 0) leaves for the ghost; C goes to small; A hits in main. 3 hits. LRU gets 2
+    /// (C evicts A, the least recent). Catches an S3-FIFO that never promotes (A would
+    /// leave for the ghost and be dropped from it by B: 2 hits) and one that promotes at
+    /// freq > 0 only (same 3 here, caught below).
+    #[test]
+    fn s3fifo_promotes_what_was_used_on_probation() {
+        let t = DenseTrace::new(&keys(&[0, 0, 0, 1, 2, 0]));
+        assert_eq!(simulate(Policy::S3Fifo, &t, 2), 3);
+        assert_eq!(simulate(Policy::Lru, &t, 2), 2);
+        // A used once on probation (freq 1) is NOT promoted (the paper's freq > 1):
+        // A A B C A: C evicts A to the ghost (dropped by B), then A misses again: 1 hit.
+        // Promoting at freq 1 would keep A in main: 2 hits.
+        let t = DenseTrace::new(&keys(&[0, 0, 1, 2, 0]));
+        assert_eq!(simulate(Policy::S3Fifo, &t, 2), 1);
+    }
+
+    /// S3-FIFO's ghost, 4 slots (small 1, main 3, ghost 3) on A B C D E A E A F G H I A:
+    /// A..D fill the cache (all in small); E evicts small's tail A (freq 0) to the ghost;
+    /// A misses, B goes to the ghost, and A, found in the ghost, goes straight into main;
+    /// E hits (small, freq 1); A hits (main); F, G, H, I each evict small's tail (C, D, E
+    /// with freq 1 < 2, F) to the ghost; A hits in main. 3 hits. Catches a ghost that is
+    /// never consulted: A would re-enter small, and I would evict it (freq 1): 2 hits.
+    #[test]
+    fn s3fifo_ghost_hits_go_to_main() {
+        let t = DenseTrace::new(&keys(&[0, 1, 2, 3, 4, 0, 4, 0, 5, 6, 7, 8, 0]));
+        assert_eq!(simulate(Policy::S3Fifo, &t, 4), 3);
+    }
+
+    /// Pinned-hot with 1 slot on A A A B | C C C C, learning on the first half: A is
+    /// pinned, and the second half (scored) never asks for it: 0 hits. Learning on the
+    /// whole trace (share 1, scored on the whole) pins C (4 requests): it misses once, then
+    /// 3 hits; a given pin set of [C] gets the same. Catches pins learned on the whole
+    /// trace (the future) instead of the prefix: C pinned, 3 hits in the scored half,
+    /// scaled to 6.
+    /// On A A B A | A C A C, learning on the first half pins A; the scored half has A
+    /// (its read), C, A (a hit), C: 1 hit in 4, scaled to 2 of 8. Catches the prefix
+    /// scored too (A's hits there: 4) and an unscaled count (1).
+    #[test]
+    fn pinned_hot_learns_on_the_prefix_or_takes_the_given_set() {
+        let t = DenseTrace::new(&keys(&[0, 0, 0, 1, 2, 2, 2, 2]));
+        assert_eq!(simulate_with(Policy::PinHot, &t, 1, &Pins::Learn(0.5)), 0);
+        assert_eq!(simulate_with(Policy::PinHot, &t, 1, &Pins::Learn(1.0)), 3);
+        let u = DenseTrace::new(&keys(&[0, 0, 1, 0, 0, 2, 0, 2]));
+        assert_eq!(simulate_with(Policy::PinHot, &u, 1, &Pins::Learn(0.5)), 2);
+        assert_eq!(
+            simulate_with(Policy::PinHot, &t, 1, &Pins::Given(vec![(1, 2)])),
+            3
+        );
+        // A given key outside the trace takes its slot and hits nothing.
+        assert_eq!(
+            simulate_with(Policy::PinHot, &t, 1, &Pins::Given(vec![(9, 9), (1, 2)])),
+            0
+        );
+    }
+
+    /// A route trace's requests are its records' top-k in order, layer by layer. Catches
+    /// keys built as (expert, layer) or records flattened out of order.
+    #[test]
+    fn route_traces_become_requests_in_order() {
+        let mut t = k3_protocol::routes::RouteTrace::new("fp".into(), 4, vec![1, 3], 8, 2);
+        t.push(0, 1, &[5, 2]).unwrap();
+        t.push(0, 3, &[7, 5]).unwrap();
+        t.push(1, 1, &[2, 6]).unwrap();
+        assert_eq!(
+            keys_of_routes(&t),
+            vec![(1, 5), (1, 2), (3, 7), (3, 5), (1, 2), (1, 6)]
+        );
+    }
+
+    /// Synthetic routes: deterministic in the seed; a flat router spreads requests so that
+    /// pinning 10% of the pool serves about 10% (less its compulsory misses), a Zipf-1 one
+    /// lets the same pins serve far more. Catches a skew that is not applied.
+    #[test]
+    fn synthetic_routes_flat_and_skewed() {
+        let a = synthetic_routes(200, 4, 64, 4, 0.0, 7);
+        assert_eq!(a, synthetic_routes(200, 4, 64, 4, 0.0, 7));
+        assert_eq!(a.header.records, 800);
+        let rate = |z: f64| {
+            let t = DenseTrace::new(&keys_of_routes(&synthetic_routes(400, 4, 64, 4, z, 3)));
+            simulate(Policy::PinHot, &t, 26) as f64 / t.requests() as f64
+        };
+        let (flat, skew) = (rate(0.0), rate(1.0));
+        assert!((0.07..0.13).contains(&flat), "flat {flat}");
+        assert!(skew > 2.0 * flat, "skew {skew} flat {flat}");
     }
 
     #[test]

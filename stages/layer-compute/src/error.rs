@@ -128,6 +128,9 @@ pub enum ComputeError {
     /// A batched pass failed as a whole (the scheduler's report of it).
     #[error("layer-compute: {0}")]
     Pass(String),
+    /// `--record-routes`: a route that does not fit the format, or the file not written.
+    #[error("layer-compute: --record-routes: {0}")]
+    Routes(#[from] k3_protocol::routes::RoutesError),
 }
 
 impl From<DecodeError<PeerError>> for ComputeError {
@@ -190,6 +193,7 @@ impl ComputeError {
             ComputeError::Peer(p) => p.kind(),
             ComputeError::Slots(_) => (FailureKind::Config, None),
             ComputeError::Pass(_) => (FailureKind::Forward, None),
+            ComputeError::Routes(_) => (FailureKind::Io, None),
         }
     }
 }

@@ -251,6 +251,26 @@ pub struct Model<W> {
     threads: usize,
     n_layers: usize,
     pub(crate) eps: Eps,
+    /// The routes recorded so far (`--record-routes`); None: not recording.
+    routes: std::sync::Mutex<Option<crate::routes::RouteLog>>,
+}
+
+/// Each row's position in its session (for the route log; empty when `wanted` is false).
+fn row_positions(
+    wanted: bool,
+    sessions: &[&mut Session],
+    starts: &[usize],
+    ntok: usize,
+) -> Vec<u32> {
+    if !wanted {
+        return Vec::new();
+    }
+    (0..ntok)
+        .map(|r| {
+            let g = starts.partition_point(|&s| s <= r) - 1;
+            (sessions[g].pos + (r - starts[g])) as u32
+        })
+        .collect()
 }
 
 pub(crate) fn lname(l: usize, suffix: &str) -> String {
@@ -277,7 +297,19 @@ impl<W: Weights> Model<W> {
             eps,
             cfg,
             weights,
+            routes: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Record every row's routed experts per MoE layer into `log` from the next pass on
+    /// (`--record-routes`). Nothing computed changes.
+    pub fn record_routes(&self, log: crate::routes::RouteLog) {
+        *self.routes.lock().unwrap_or_else(|e| e.into_inner()) = Some(log);
+    }
+
+    /// The routes recorded (and stop recording); None when not recording.
+    pub fn take_routes(&self) -> Option<crate::routes::RouteLog> {
+        self.routes.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -636,7 +668,11 @@ impl<W: Weights> Model<W> {
                 **s = self.new_session();
             }
         }
-        let mut ctx = LayerCtx::new(self.threads, self.eps).with_trace(trace);
+        let mut routes = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+        let positions = row_positions(routes.is_some(), &sessions, &starts, ntok);
+        let mut ctx = LayerCtx::new(self.threads, self.eps)
+            .with_trace(trace)
+            .with_routes(routes.as_mut());
         let mut stats = ForwardStats::default();
         let prof = crate::profile::begin_call();
         let mut h = self.embed(&ids)?;
@@ -648,6 +684,9 @@ impl<W: Weights> Model<W> {
             ctx.trace_prefix(|| format!("L{l:02}."));
             let last = l + 1 == self.n_layers;
             let live = (skip && last).then_some(&wanted[..]);
+            if let Some(log) = ctx.routes.as_deref_mut() {
+                log.set_rows(l, &positions, live);
+            }
             self.weights.begin_layer(l)?;
             let r = self.run_layer(&mut ctx, l, &mut sessions, &rows, &mut h, &mut bank, live);
             self.weights.end_layer(l);

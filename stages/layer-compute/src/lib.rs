@@ -21,6 +21,7 @@
 //! - [`predict`]: the next layer's routed experts guessed before its router runs
 //!   (`--speculate on`).
 //! - [`profile`]: the opt-in per-phase wall-time profile (`K3_PROFILE=1`).
+//! - [`routes`]: the route log `--record-routes` keeps while the model runs.
 //! - [`stage`]: the layer-compute stage's process loop.
 //! - [`state`]: saved session states (`--save-state` / `--load-state`).
 
@@ -40,6 +41,7 @@ pub mod modules;
 pub mod pool;
 pub mod predict;
 pub mod profile;
+pub mod routes;
 pub mod sampler;
 pub mod stage;
 pub mod state;

@@ -202,6 +202,10 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), ComputeE
             eps: None,
         },
     )?;
+    // One run's routes (a warm stage's requests are not one run: serve refuses the flag).
+    if conf.record_routes.is_some() && !conf.warm {
+        crate::routes::start(&model, &conf.config_path, &conf.model_dir)?;
+    }
     let generated = if conf.warm {
         serve_requests(ctx, &model, &weights, &mut tok, timeout, conf)?;
         Vec::new()
@@ -239,6 +243,9 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), ComputeE
         )?;
         if let Some(p) = &conf.save_state {
             start.save(p, &conf.state_fingerprint, &generated)?;
+        }
+        if let Some(p) = &conf.record_routes {
+            crate::routes::finish(&model, p)?;
         }
         generated
     };

@@ -61,6 +61,8 @@ pub struct LayerCtx<'t> {
     pub eps: Eps,
     /// Where intermediate values are recorded (None: nothing is recorded).
     pub trace: Option<&'t mut Trace>,
+    /// Where the router's choices are recorded (`--record-routes`; None: nowhere).
+    pub routes: Option<&'t mut crate::routes::RouteLog>,
 }
 
 impl<'t> LayerCtx<'t> {
@@ -70,12 +72,25 @@ impl<'t> LayerCtx<'t> {
             threads: threads.max(1),
             eps,
             trace: None,
+            routes: None,
         }
     }
 
     /// The same context recording into `trace`.
     pub fn with_trace(self, trace: Option<&'t mut Trace>) -> Self {
         LayerCtx { trace, ..self }
+    }
+
+    /// The same context recording the router's choices into `routes`.
+    pub fn with_routes(self, routes: Option<&'t mut crate::routes::RouteLog>) -> Self {
+        LayerCtx { routes, ..self }
+    }
+
+    /// Record each row's top-k, when recording routes.
+    pub(crate) fn record_routes(&mut self, routes: &[crate::kernels::router::Routing]) {
+        if let Some(r) = self.routes.as_deref_mut() {
+            r.push(routes);
+        }
     }
 
     /// Record `data` under `name` (after the trace's prefix), when tracing.

@@ -141,6 +141,7 @@ impl MoeHead<'_> {
         let router_span = profile::span(Phase::Router);
         // The router first, alone: its choice starts the expert reads.
         let routed = Routed::new(self.route(p, v, ntok, ctx.threads)?);
+        ctx.record_routes(&routed.routes);
         (hooks.announce)(&routed.union);
         router_span.end();
         let shared_span = profile::span(Phase::Shared);
