@@ -9,11 +9,13 @@
 //! - [`locator`]: where each routed expert's bytes are (runs in the shards).
 //! - [`released`]: the released tensor list (names, shapes, dtypes) at full scale.
 //! - [`trunk`]: the packed-trunk format (trunk.json + trunk.bin).
+//! - [`codec`]: the lossless BF16 codec a packed trunk can be stored with.
 //!
 //! Nothing here knows about processes, rings or stages.
 
 pub mod catalog;
 pub mod classify;
+pub mod codec;
 pub mod config;
 pub mod locator;
 pub mod mmap_weights;
