@@ -19,6 +19,9 @@ use k3_io::direct::ReadAt;
 use crate::codec::{decode, encode_level, Codec, CodecError};
 use crate::trunk::{align_up, CodedChunk, CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK};
 
+/// One chunk's encoding, as a coding thread leaves it.
+type EncodedChunk = Result<Vec<u8>, CodecError>;
+
 /// Encode one layer's run with the entropy coder at `level`, its chunks spread over every
 /// core: its stored bytes (every chunk on an `align` boundary, zero padded to a multiple of
 /// `align`) and its [`CodedLayer`] (with `offset` 0: the caller places it).
@@ -35,8 +38,7 @@ pub fn encode_run(
         .unwrap_or(1)
         .min(pieces.len().max(1));
     let next = AtomicU64::new(0);
-    let slots: Vec<Mutex<Option<Result<Vec<u8>, CodecError>>>> =
-        pieces.iter().map(|_| Mutex::new(None)).collect();
+    let slots: Vec<Mutex<Option<EncodedChunk>>> = pieces.iter().map(|_| Mutex::new(None)).collect();
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| loop {

@@ -83,7 +83,7 @@ struct PartUnit {
 enum Source {
     Streamed {
         loader: TrunkLoader,
-        manifest: TrunkManifest,
+        manifest: Box<TrunkManifest>,
         /// Offset of each layer's first payload byte inside its arena mirror.
         head: Vec<u64>,
         /// `Some`: the trunk streams in parts (a budget below one whole layer): the
@@ -688,7 +688,7 @@ fn setup_streamed(
         region,
         Source::Streamed {
             loader,
-            manifest,
+            manifest: Box::new(manifest),
             head,
             parts,
             coded,
