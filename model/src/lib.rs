@@ -10,11 +10,16 @@
 //! - [`released`]: the released tensor list (names, shapes, dtypes) at full scale.
 //! - [`trunk`]: the packed-trunk format (trunk.json + trunk.bin).
 //! - [`experts`]: the packed-experts format (experts.json + experts.bin per drive directory).
+//! - [`trunk`]: the packed-trunk format (trunk.json + trunk.bin, or its coded form).
+//! - [`codec`]: the lossless BF16 codec a packed trunk can be stored with.
+//! - [`codec_trunk`]: a coded trunk's chunks, and the reader that decodes them.
 //!
 //! Nothing here knows about processes, rings or stages.
 
 pub mod catalog;
 pub mod classify;
+pub mod codec;
+pub mod codec_trunk;
 pub mod config;
 pub mod experts;
 pub mod locator;

@@ -14,6 +14,16 @@
 //! so `pack-trunk --verify` can prove the bytes; and a CRC-32C per [`CHECK_CHUNK`] bytes of
 //! every run, which the trunk-loader checks on every read ([`RunCheck`]).
 //!
+//! A **coded** trunk (`pack-trunk --codec NAME`, format [`TRUNK_CODED_FORMAT`]) keeps this
+//! manifest as it is, describing the runs as a raw `trunk.bin` would hold them (the
+//! layout the loader plans its slots for), and adds [`TrunkManifest::codec`]: the codec,
+//! the stored file (`trunk.k3z`, which replaces `trunk.bin`) and, per layer, its stored
+//! extent and its chunks of [`CODEC_CHUNK`] decoded bytes, each independently decodable,
+//! with the CRC-32C of its stored and of its decoded bytes ([`TrunkCodec`],
+//! `k3_model::codec_trunk` reads it). A build that predates codecs reads only
+//! [`TRUNK_FORMAT`] and refuses the coded format by name; this one refuses a codec in a
+//! manifest of the raw format.
+//!
 //! ```no_run
 //! use k3_model::trunk::TrunkManifest;
 //! let m = TrunkManifest::load_dir("k3trunk").unwrap();
@@ -33,6 +43,13 @@ use crate::tensor::Dtype;
 /// `k3-trunk/3`: also a CRC-32C per [`CHECK_CHUNK`] of every tensor, so a part of a layer
 /// read on its own is checked too.)
 pub const TRUNK_FORMAT: &str = "k3-trunk/3";
+/// The `format` string of a coded trunk's manifest (one with a [`TrunkManifest::codec`]).
+pub const TRUNK_CODED_FORMAT: &str = "k3-trunk-coded/1";
+/// Decoded bytes per chunk of a coded trunk (the last chunk of a run may be shorter): a
+/// multiple of [`CHECK_CHUNK`] that divides the loader's read pieces.
+pub const CODEC_CHUNK: u64 = 4 << 20;
+/// File name of a coded trunk's stored data.
+pub const CODED_BIN: &str = "trunk.k3z";
 /// Bytes covered by one entry of [`TrunkLayer::crc32`] (the last chunk of a run may be
 /// shorter).
 pub const CHECK_CHUNK: u64 = 1 << 20;
@@ -64,6 +81,57 @@ pub struct TrunkManifest {
     pub source: SourceIdentity,
     /// One entry per decoder layer, in layer order 0..n.
     pub layers: Vec<TrunkLayer>,
+    /// A coded trunk: how its runs are stored (absent in a raw trunk, whose manifest is
+    /// byte for byte what it was before codecs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub codec: Option<TrunkCodec>,
+}
+
+/// How a coded trunk stores its runs: `file` holds each layer's chunks, each chunk's
+/// stored bytes starting on an `align` boundary (so every chunk is one O_DIRECT read).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrunkCodec {
+    /// The codec's name (`k3_model::codec::Codec::name`).
+    pub name: String,
+    /// Decoded bytes per chunk ([`CODEC_CHUNK`]).
+    pub chunk: u64,
+    /// The stored data file, relative to the manifest ([`CODED_BIN`]).
+    pub file: String,
+    /// Exact size of that file.
+    pub file_size: u64,
+    /// Sum of every chunk's stored bytes (without the alignment padding).
+    pub stored_bytes: u64,
+    /// One per layer, in layer order (the same layers as [`TrunkManifest::layers`]).
+    pub layers: Vec<CodedLayer>,
+}
+
+/// One layer's stored run: raw `length` (its [`TrunkLayer`]) in, `stored_length` out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CodedLayer {
+    pub layer: usize,
+    /// Offset of the layer's first chunk in the stored file (a multiple of `align`).
+    pub offset: u64,
+    /// Bytes from `offset` to the end of the last chunk.
+    pub stored_length: u64,
+    /// `stored_length` rounded up to `align` (zero padding).
+    pub padded_length: u64,
+    /// The chunks: chunk `i` decodes to bytes `[i * chunk, i * chunk + raw)` of the run.
+    pub chunks: Vec<CodedChunk>,
+}
+
+/// One independently decodable chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CodedChunk {
+    /// Its first stored byte, relative to the layer's `offset` (a multiple of `align`).
+    pub offset: u64,
+    /// Stored bytes.
+    pub stored: u64,
+    /// Decoded bytes.
+    pub raw: u64,
+    /// CRC-32C of the stored bytes (checked before decoding).
+    pub crc32_stored: u32,
+    /// CRC-32C of the decoded bytes (checked after).
+    pub crc32_raw: u32,
 }
 
 /// What identifies the source checkpoint.
@@ -469,16 +537,19 @@ impl TrunkManifest {
             e.path = path.clone();
             e
         })?;
-        let bin = dir.join(&m.file);
+        let (file, want) = match &m.codec {
+            Some(c) => (&c.file, c.file_size),
+            None => (&m.file, m.file_size),
+        };
+        let bin = dir.join(file);
         let size = std::fs::metadata(&bin)
             .map_err(|e| err(format!("{}: {e}", bin.display())))?
             .len();
-        if size != m.file_size {
+        if size != want {
             return Err(err(format!(
-                "{} is {size} bytes but the manifest says {} (truncated or replaced; re-run \
-                 pack-trunk)",
+                "{} is {size} bytes but the manifest says {want} (truncated or replaced; \
+                 re-run pack-trunk)",
                 bin.display(),
-                m.file_size
             )));
         }
         Ok(m)
@@ -493,13 +564,13 @@ impl TrunkManifest {
             format: Option<serde_json::Value>,
         }
         if let Ok(Format { format: Some(f) }) = serde_json::from_str::<Format>(text) {
-            if f.as_str() != Some(TRUNK_FORMAT) {
+            if f.as_str() != Some(TRUNK_FORMAT) && f.as_str() != Some(TRUNK_CODED_FORMAT) {
                 return Err(TrunkError {
                     path: PathBuf::from(TRUNK_JSON),
                     problems: vec![format!(
                         "this trunk was packed in format {f}, this build reads \
-                         {TRUNK_FORMAT:?} only: re-run k3-orch pack-trunk --force MODEL_DIR \
-                         TRUNK_DIR to repack it"
+                         {TRUNK_FORMAT:?} and {TRUNK_CODED_FORMAT:?} only: re-run k3-orch \
+                         pack-trunk --force MODEL_DIR TRUNK_DIR to repack it"
                     )],
                 });
             }
@@ -522,10 +593,19 @@ impl TrunkManifest {
     /// Every inconsistency in the manifest (empty when it is valid).
     pub fn problems(&self) -> Vec<String> {
         let mut p = Vec::new();
-        if self.format != TRUNK_FORMAT {
+        let want = match self.codec {
+            None => TRUNK_FORMAT,
+            Some(_) => TRUNK_CODED_FORMAT,
+        };
+        if self.format != want {
             p.push(format!(
-                "format is {:?}, this build reads {TRUNK_FORMAT:?}",
-                self.format
+                "format is {:?}; a trunk {} a codec is {want:?}",
+                self.format,
+                if self.codec.is_some() {
+                    "with"
+                } else {
+                    "without"
+                }
             ));
         }
         if self.align == 0 || !self.align.is_power_of_two() {
@@ -592,6 +672,9 @@ impl TrunkManifest {
                 "file_size {} is not the end of the last run ({end})",
                 self.file_size
             ));
+        }
+        if let Some(c) = &self.codec {
+            crate::codec_trunk::codec_problems(self, c, &mut p);
         }
         if total != self.total_bytes {
             p.push(format!(
@@ -1001,6 +1084,7 @@ mod tests {
                     tensors: vec![t("z", 0)],
                 },
             ],
+            codec: None,
         }
     }
 

@@ -5,6 +5,7 @@
 
 mod catalog;
 mod catalog_released;
+mod codec;
 mod config;
 mod fuzz;
 mod fuzz_harness;

@@ -377,3 +377,161 @@ fn concurrent_pack_is_refused() {
     drop(lock);
     k3_ok(&["pack-trunk", model.to_str().unwrap(), t.to_str().unwrap()]);
 }
+
+/// `--codec bf16-zstd`: an interrupted coding resumes (the raw trunk stays the complete one
+/// until the coded manifest commits), the result replaces trunk.bin and verifies; a flipped
+/// stored byte is caught by `--verify` naming the layer and the chunk (exit 1), and a plain
+/// re-run re-packs it rather than trusting it. Catches a journal that restarts from zero, a
+/// coded manifest committed before its data, a verify that checks only the stored CRCs'
+/// count or only the decoded sha256 of intact layers.
+#[test]
+fn coded_pack_resumes_verifies_and_names_a_damaged_chunk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let (m, t) = (model.to_str().unwrap(), tmp.path().join("t"));
+    let t = t.to_str().unwrap();
+    let (code, _, err) = k3(&[
+        "pack-trunk",
+        m,
+        t,
+        "--codec",
+        "bf16-zstd",
+        "--stop-after-coded-layers",
+        "5",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    let raw = TrunkManifest::load_dir(t).unwrap();
+    assert!(raw.codec.is_none(), "committed before the coding finished");
+    let (code, out, err) = k3(&["pack-trunk", m, t, "--codec", "bf16-zstd", "--level", "3"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("resuming the coding: 5 of 13"), "{err}");
+    let coded = TrunkManifest::load_dir(t).unwrap();
+    let c = coded.codec.as_ref().unwrap();
+    assert_eq!(c.name, "bf16-zstd");
+    assert!(!Path::new(t).join("trunk.bin").exists());
+    assert!(
+        c.stored_bytes < coded.total_bytes,
+        "{} of {}",
+        c.stored_bytes,
+        coded.total_bytes
+    );
+    assert_eq!(
+        coded.layers, raw.layers,
+        "the raw layout is what the loader plans for"
+    );
+    let out = k3_ok(&["pack-trunk", m, t, "--codec", "bf16-zstd", "--verify"]);
+    assert!(out.contains("verify: OK"), "{out}");
+
+    // A flipped stored byte: the scan before anything else names the chunk and re-packs.
+    let k3z = Path::new(t).join(&c.file);
+    let ch = c.layers[4].chunks[0];
+    let at = (c.layers[4].offset + ch.offset) as usize;
+    let mut bytes = std::fs::read(&k3z).unwrap();
+    bytes[at + 40] ^= 0x20;
+    std::fs::write(&k3z, &bytes).unwrap();
+    let (code, out, err) = k3(&["pack-trunk", m, t, "--codec", "bf16-zstd", "--verify"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        err.contains("trunk layer 4 chunk 0: the stored bytes fail"),
+        "{err}"
+    );
+    assert!(out.contains("verify: OK"), "{out}");
+    // A changed mantissa byte whose stored CRC was forged too: only decoding and the
+    // decoded CRC can see it, and --verify does (exit 1, naming the chunk).
+    let c = TrunkManifest::load_dir(t).unwrap().codec.unwrap();
+    let ch = c.layers[4].chunks[0];
+    let at = (c.layers[4].offset + ch.offset) as usize;
+    let mut bytes = std::fs::read(&k3z).unwrap();
+    let last = at + ch.stored as usize - 1;
+    bytes[last] ^= 0x01;
+    std::fs::write(&k3z, &bytes).unwrap();
+    let json = Path::new(t).join("trunk.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    v["codec"]["layers"][4]["chunks"][0]["crc32_stored"] =
+        crc32c::crc32c(&bytes[at..at + ch.stored as usize]).into();
+    std::fs::write(&json, v.to_string()).unwrap();
+    let (code, _, err) = k3(&["pack-trunk", m, t, "--codec", "bf16-zstd", "--verify"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("trunk layer 4 chunk 0: the decoded bytes fail"),
+        "{err}"
+    );
+    // Asked for raw again: trunk.bin comes back and the coded file goes.
+    k3_ok(&["pack-trunk", m, t]);
+    assert!(TrunkManifest::load_dir(t).unwrap().codec.is_none());
+    assert!(!k3z.exists());
+}
+
+/// An unknown codec is refused up front (exit 2) with the ones this build has.
+#[test]
+fn unknown_codec_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let t = tmp.path().join("t");
+    let (code, _, err) = k3(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        t.to_str().unwrap(),
+        "--codec",
+        "lz9",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("bf16-zstd"), "{err}");
+}
+
+/// A build that predates codecs reads a trunk.json only when its `format` is "k3-trunk/3"
+/// (and would ignore an unknown `codec` field): a coded manifest carries another format,
+/// so such a build refuses it by name; this build refuses a codec under the raw format; a
+/// raw manifest has no `codec` key at all (byte for byte what an old build wrote).
+#[test]
+fn an_old_reader_refuses_a_coded_trunk_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let t = tmp.path().join("t");
+    k3_ok(&["pack-trunk", model.to_str().unwrap(), t.to_str().unwrap()]);
+    let raw = std::fs::read_to_string(t.join("trunk.json")).unwrap();
+    assert!(!raw.contains("\"codec\""));
+    k3_ok(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        t.to_str().unwrap(),
+        "--codec",
+        "bf16-zstd",
+        "--level",
+        "1",
+    ]);
+    let text = std::fs::read_to_string(t.join("trunk.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    // What the old build (k3_model::trunk of format 3) compares the format with.
+    assert_ne!(v["format"], "k3-trunk/3");
+    assert_eq!(v["format"], k3_model::trunk::TRUNK_CODED_FORMAT);
+    let mut forged = v.clone();
+    forged["format"] = "k3-trunk/3".into();
+    let e = TrunkManifest::from_json_str(&forged.to_string())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("a trunk with a codec is \"k3-trunk-coded/1\""),
+        "{e}"
+    );
+    // And a run refuses a truncated coded file before any compute (exit 2).
+    let k3z = t.join("trunk.k3z");
+    let len = std::fs::metadata(&k3z).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&k3z)
+        .unwrap()
+        .set_len(len - 4096)
+        .unwrap();
+    let (code, _, err) = k3(&[
+        model.to_str().unwrap(),
+        "--ids",
+        "1,2",
+        "--gen",
+        "1",
+        "--trunk",
+        t.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("trunk.k3z"), "{err}");
+}

@@ -16,6 +16,7 @@
 mod common;
 mod scan;
 
+mod codec;
 mod docs;
 mod faults;
 mod golden;

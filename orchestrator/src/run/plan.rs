@@ -845,7 +845,7 @@ pub const LM_HEAD_HELD_ENV: &str = "K3_LM_HEAD_HELD_BYTES";
 fn packed_runs(
     dir: &std::path::Path,
     layers: usize,
-) -> Result<k3_trunk_loader::Streams, BudgetError> {
+) -> Result<(k3_trunk_loader::Streams, u64), BudgetError> {
     let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
     if m.layers.len() < layers {
         return Err(BudgetError::TrunkLayers {
@@ -854,7 +854,10 @@ fn packed_runs(
             want: layers,
         });
     }
-    Ok(k3_trunk_loader::Streams::of_layers(&m.layers[..layers]))
+    Ok((
+        k3_trunk_loader::Streams::of_layers(&m.layers[..layers]),
+        k3_trunk_loader::loader::decode_buffer_bytes(&m),
+    ))
 }
 
 /// A test hook's value: `name=N` (N > 0) with `K3_TEST_HOOKS=1`, else None.
@@ -871,6 +874,8 @@ fn test_hook(name: &str) -> Option<u64> {
 struct Bounds {
     /// The packed trunk (None: resident).
     runs: Option<k3_trunk_loader::Streams>,
+    /// A coded trunk's decode buffers in the trunk-loader (0: raw or resident).
+    trunk_decode: u64,
     /// What pinning the whole trunk takes.
     trunk_need: u64,
     /// The smallest trunk budget a plan runs with ([`trunk_min`]).
@@ -927,9 +932,12 @@ fn bound(
     layers: usize,
     serve: Option<&ServeShape>,
 ) -> Result<Bounds, BudgetError> {
-    let runs = match &a.trunk {
-        Some(dir) => Some(packed_runs(dir, layers)?),
-        None => None,
+    let (runs, trunk_decode) = match &a.trunk {
+        Some(dir) => {
+            let (r, d) = packed_runs(dir, layers)?;
+            (Some(r), d)
+        }
+        None => (None, 0),
     };
     // What pinning the whole trunk takes: the packed, page-rounded runs the trunk-loader
     // allocates (not the sum of tensor bytes, which is smaller: `--preset auto` sized from
@@ -955,6 +963,7 @@ fn bound(
     Ok(Bounds {
         trunk_min: runs.as_ref().map_or(0, trunk_min),
         runs,
+        trunk_decode,
         trunk_need,
         expert_slot: k3_io::slot_bytes_for(sizes.max_expert_span.max(1)),
         top_k,
@@ -1223,6 +1232,9 @@ fn add_trunk(
         "trunk-loader",
         tp.bytes(),
     );
+    if b.trunk_decode > 0 {
+        mp.add("trunk decode buffers", "trunk-loader", b.trunk_decode);
+    }
     let streamed = sp.read_per_token;
     mp.streamed_bytes_per_token = streamed;
     notes.push(format!(

@@ -1,7 +1,7 @@
 //! `k3-orch synth`: write a deterministic random model in the released multi-shard layout.
 //!
 //! `k3-orch synth --shape tiny|tiny-chat|slice|FILE.json [--seed N] [--layers N] [--experts N]
-//! [--top-k N] [--vocab N] [--sums] [--force] OUT_DIR`
+//! [--top-k N] [--vocab N] [--weights legacy|gaussian] [--sums] [--force] OUT_DIR`
 //!
 //! Layout (k3-spec §7): shards `model-%05d-of-%06d.safetensors`, layer l in shard l+1 with its
 //! trunk first and contiguous (F32 then BF16 tensors, by name), then its routed experts in
@@ -11,6 +11,9 @@
 //! saying how it was made). Experts are compressed-tensors MXFP4 (random codes, E8M0
 //! scales chosen so a weight has rms ≈ 1/sqrt(in)) or BF16 `weight` tensors when a
 //! dimension is not a multiple of 32. Projections are ~N(0, 1/sqrt(in)), norm gains ≈ 1.
+//! With `--weights gaussian` (the default for `--shape slice`) the MXFP4 experts are real
+//! quantizations of N(0, 1/sqrt(in)) groups instead (`synth/weights.rs`), and the run
+//! prints the measured entropy of the BF16 exponents, E2M1 codes and E8M0 scales written.
 //!
 //! Values are a pure function of (seed, tensor name): each tensor has its own ChaCha8
 //! stream seeded from sha256(seed, name). `--sums` also writes `SHA256SUMS`
@@ -21,6 +24,7 @@
 
 mod geometry;
 pub mod tokenizer;
+mod weights;
 
 use std::ffi::OsString;
 use std::fs::{self, File};
@@ -39,6 +43,7 @@ use sha2::{Digest, Sha256};
 use k3_model::tensor::Dtype;
 
 pub use geometry::{Geometry, GeometryError, Init, TensorSpec};
+pub use weights::{Entropy, Weights};
 
 /// Command line of `k3-orch synth`.
 #[derive(Parser, Debug)]
@@ -67,6 +72,11 @@ struct Args {
     /// Vocabulary size (slice default 8192, reduced from the released 163840).
     #[arg(long)]
     vocab: Option<usize>,
+    /// How values are drawn: `gaussian` (MXFP4 experts quantized from Gaussian groups; the
+    /// default for `--shape slice`) or `legacy` (uniform random MXFP4 codes; the default
+    /// for the other shapes, whose fixtures were made so).
+    #[arg(long, value_enum)]
+    weights: Option<Weights>,
     /// Also write SHA256SUMS (sha256sum format) over every file written.
     #[arg(long)]
     sums: bool,
@@ -91,6 +101,8 @@ pub struct SynthSummary {
     pub tensors: usize,
     pub bytes: u64,
     pub seconds: f64,
+    /// Histograms of the values written (BF16 exponents, MXFP4 codes and scales).
+    pub entropy: Entropy,
 }
 
 /// Options of [`synth`] (the library form of the subcommand).
@@ -105,6 +117,8 @@ pub struct SynthOptions {
     /// Also write tiktoken.model + tokenizer_config.json with the released special ids
     /// (`--shape tiny-chat`).
     pub tokenizer: bool,
+    /// How the values are drawn (`--weights`).
+    pub weights: Weights,
 }
 
 pub fn main(args: Vec<OsString>) -> i32 {
@@ -130,6 +144,11 @@ pub fn main(args: Vec<OsString>) -> i32 {
         force: args.force,
         progress: true,
         tokenizer: args.shape == "tiny-chat",
+        weights: args.weights.unwrap_or(if args.shape == "slice" {
+            Weights::Gaussian
+        } else {
+            Weights::Legacy
+        }),
     };
     match synth(&opts, &args.out_dir) {
         Ok(s) => {
@@ -149,6 +168,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
                 s.bytes as f64 / 1e6 / s.seconds.max(1e-9),
                 s.out_dir.display()
             );
+            println!("{} ({} weights)", s.entropy.line(), opts.weights.name());
             0
         }
         Err(e) => {
@@ -388,7 +408,8 @@ fn write_model(opts: &SynthOptions, dir: &Path) -> Result<SynthSummary> {
     let (ret_tx, ret_rx) = sync_channel::<Vec<u8>>(8);
     let want_sums = opts.sums;
     let writer = std::thread::spawn(move || writer_thread(rx, ret_tx, want_sums));
-    let gen = generate(opts, dir, &shards, &tx, &ret_rx, &bar);
+    let mut entropy = Entropy::default();
+    let gen = generate(opts, dir, &shards, (&tx, &ret_rx), &bar, &mut entropy);
     drop(tx);
     let written = writer
         .join()
@@ -414,6 +435,7 @@ fn write_model(opts: &SynthOptions, dir: &Path) -> Result<SynthSummary> {
         tensors: shards.iter().map(|s| s.tensors.len()).sum(),
         bytes: payload,
         seconds: start.elapsed().as_secs_f64(),
+        entropy,
     })
 }
 
@@ -438,9 +460,9 @@ fn generate(
     opts: &SynthOptions,
     dir: &Path,
     shards: &[geometry::ShardSpec],
-    tx: &SyncSender<Msg>,
-    ret_rx: &Receiver<Vec<u8>>,
+    (tx, ret_rx): (&SyncSender<Msg>, &Receiver<Vec<u8>>),
     bar: &indicatif::ProgressBar,
+    entropy: &mut Entropy,
 ) -> Result<()> {
     for shard in shards {
         bar.set_message(shard.file.clone());
@@ -450,7 +472,8 @@ fn generate(
         send(tx, Msg::Data(header))?;
         let mut buf = take_buf(ret_rx);
         for t in &shard.tensors {
-            let mut rng = tensor_rng(opts.seed, &t.name);
+            let (init, stream) = weights::effective(t, opts.weights);
+            let mut rng = tensor_rng(opts.seed, &stream);
             let n = t.shape.iter().product::<usize>();
             let esz = t.dtype.size();
             let per_chunk = (CHUNK / esz / 1024).max(1) * 1024;
@@ -463,7 +486,8 @@ fn generate(
                 }
                 let at = buf.len();
                 buf.resize(at + k * esz, 0);
-                fill(t, &mut rng, done, &mut buf[at..]);
+                fill(t, init, &mut rng, done, &mut buf[at..]);
+                entropy.count(t, init, &buf[at..]);
                 done += k;
                 bar.inc((k * esz) as u64);
             }
@@ -509,7 +533,7 @@ fn write_index_and_config(
         ),
         (
             "config.json",
-            serde_json::to_vec_pretty(&opts.geometry.config_json(&opts.shape_label, opts.seed))?,
+            serde_json::to_vec_pretty(&config_json(opts))?,
         ),
     ];
     for (name, bytes) in &small {
@@ -625,6 +649,18 @@ pub fn safetensors_header(tensors: &[TensorSpec]) -> Vec<u8> {
     out
 }
 
+/// config.json: the geometry's, with `k3_synth.weights` when not `legacy` (so a legacy
+/// model's config is what it always was).
+fn config_json(opts: &SynthOptions) -> serde_json::Value {
+    let mut v = opts.geometry.config_json(&opts.shape_label, opts.seed);
+    if opts.weights != Weights::Legacy {
+        if let Some(k) = v.get_mut("k3_synth").and_then(|k| k.as_object_mut()) {
+            k.insert("weights".into(), opts.weights.name().into());
+        }
+    }
+    v
+}
+
 /// The random stream of one tensor: ChaCha8 seeded with sha256(seed LE, name).
 fn tensor_rng(seed: u64, name: &str) -> ChaCha8Rng {
     let mut h = Sha256::new();
@@ -653,9 +689,16 @@ fn normal_table() -> &'static [f32] {
 }
 
 /// Fill `out` with elements `first..first + out.len()/size` of tensor `t`.
-fn fill(t: &TensorSpec, rng: &mut ChaCha8Rng, first: usize, out: &mut [u8]) {
-    match t.init {
+/// `init` is what the tensor holds (`t.init`, or its `--weights` form).
+fn fill(t: &TensorSpec, init: Init, rng: &mut ChaCha8Rng, first: usize, out: &mut [u8]) {
+    match init {
         Init::Packed => rng.fill_bytes(out),
+        Init::QuantCodes(std) => {
+            weights::fill_quantized(rng, normal_table(), std, true, first, out)
+        }
+        Init::QuantScales(std) => {
+            weights::fill_quantized(rng, normal_table(), std, false, first, out)
+        }
         Init::Scale(c) => {
             rng.fill_bytes(out);
             let lo = c.saturating_sub(1);
@@ -681,7 +724,9 @@ fn fill(t: &TensorSpec, rng: &mut ChaCha8Rng, first: usize, out: &mut [u8]) {
                             0.0
                         }
                     }
-                    Init::Packed | Init::Scale(_) => 0.0,
+                    Init::Packed | Init::Scale(_) | Init::QuantCodes(_) | Init::QuantScales(_) => {
+                        0.0
+                    }
                 }
             };
             match t.dtype {
@@ -789,14 +834,14 @@ mod tests {
             init: Init::Normal(0.1),
         };
         let mut a = vec![0u8; 8192];
-        fill(&t, &mut tensor_rng(1, "x"), 0, &mut a);
+        fill(&t, t.init, &mut tensor_rng(1, "x"), 0, &mut a);
         let mut b = vec![0u8; 8192];
         let mut r = tensor_rng(1, "x");
-        fill(&t, &mut r, 0, &mut b[..4096]);
-        fill(&t, &mut r, 2048, &mut b[4096..]);
+        fill(&t, t.init, &mut r, 0, &mut b[..4096]);
+        fill(&t, t.init, &mut r, 2048, &mut b[4096..]);
         assert_eq!(a, b);
         let mut c = vec![0u8; 8192];
-        fill(&t, &mut tensor_rng(2, "x"), 0, &mut c);
+        fill(&t, t.init, &mut tensor_rng(2, "x"), 0, &mut c);
         assert_ne!(a, c);
     }
 }

@@ -9,6 +9,11 @@
 //! Streamed layers must be acquired in cyclic layer order (pinned ones in any order): the
 //! reader's order is fixed, so an out-of-order acquire is an error rather than a deadlock.
 //!
+//! A coded trunk (`pack-trunk --codec`) is read through [`trunk_reader`]'s
+//! [`CodedReader`]: the same raw offsets, each chunk read and decoded by the reader thread
+//! that asked for it, straight into the slot; the per-MiB CRCs below then check the decoded
+//! bytes as they check a raw trunk's.
+//!
 //! Without a packed trunk there is nothing to stream: the caller loads the whole trunk
 //! resident from the shards instead (memory-map or read it); this loader is only for
 //! `trunk.bin`, whose runs are page-aligned, though unaligned runs work too.
@@ -19,7 +24,8 @@ use std::time::Instant;
 
 use k3_io::arena::{align_down, ArenaError, ArenaMemory, OwnedArena, ALIGN};
 use k3_io::direct::{ParallelReadError, ReadAt};
-use k3_model::trunk::{CheckError, TrunkError};
+use k3_model::codec_trunk::CodedReader;
+use k3_model::trunk::{CheckError, TrunkError, TrunkManifest};
 
 use crate::plan::{LayerRun, TrunkPlan};
 
@@ -99,6 +105,41 @@ pub enum LoaderError {
     UnitTooBig { layer: usize, need: u64, slot: u64 },
     #[error("cannot start the trunk reader: {0}")]
     Thread(#[source] std::io::Error),
+    #[error("the trunk is stored with codec {0:?}, which this build cannot decode")]
+    Codec(String),
+}
+
+/// The reader of a packed trunk in `dir`: `trunk.bin` directly, or a coded trunk's stored
+/// file through a [`CodedReader`] (also returned, for its counters) that serves the same
+/// raw bytes at the same offsets (file 0 either way).
+#[allow(clippy::type_complexity)]
+pub fn trunk_reader(
+    dir: &std::path::Path,
+    m: &TrunkManifest,
+) -> Result<(Arc<dyn ReadAt>, Option<Arc<CodedReader>>), LoaderError> {
+    let file = m.codec.as_ref().map(|c| &c.file).unwrap_or(&m.file);
+    let path = dir.join(file);
+    let direct = k3_io::DirectFiles::open(std::slice::from_ref(&path))
+        .map_err(|source| LoaderError::Open { path, source })?;
+    match &m.codec {
+        None => {
+            let r: Arc<dyn ReadAt> = Arc::new(direct);
+            Ok((r, None))
+        }
+        Some(c) => {
+            let coded = CodedReader::new(m, Arc::new(direct), 0)
+                .ok_or_else(|| LoaderError::Codec(c.name.clone()))?;
+            let coded = Arc::new(coded);
+            let r: Arc<dyn ReadAt> = coded.clone();
+            Ok((r, Some(coded)))
+        }
+    }
+}
+
+/// Heap the decoding of a coded trunk holds at most (every reader thread of a
+/// [`read_parallel`] with its chunk buffers); 0 for a raw trunk. The memory plan counts it.
+pub fn decode_buffer_bytes(m: &TrunkManifest) -> u64 {
+    READ_QD as u64 * CodedReader::buffer_bytes_per_thread(m)
 }
 
 /// Where an acquired layer's bytes are: `arena_offset..arena_offset + len` of the arena.
@@ -476,15 +517,12 @@ impl TrunkLoader {
             runs.truncate(n);
         }
         let plan = crate::plan::plan(budget, &runs, ring)?;
-        let bin = dir.join(&m.file);
-        let reader = k3_io::DirectFiles::open(std::slice::from_ref(&bin))
-            .map_err(|source| LoaderError::Open { path: bin, source })?;
+        let (reader, _) = trunk_reader(dir, &m)?;
         let bytes = plan.bytes().max(ALIGN as u64);
         let arena: Arc<dyn ArenaMemory> =
             Arc::new(OwnedArena::new(bytes as usize).map_err(LoaderError::Arena)?);
         let checks = m.run_checks();
-        let loader =
-            TrunkLoader::with_arena_checked(runs, plan, Arc::new(reader), 0, arena, checks)?;
+        let loader = TrunkLoader::with_arena_checked(runs, plan, reader, 0, arena, checks)?;
         Ok((m, loader))
     }
 

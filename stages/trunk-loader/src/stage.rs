@@ -83,12 +83,14 @@ struct PartUnit {
 enum Source {
     Streamed {
         loader: TrunkLoader,
-        manifest: TrunkManifest,
+        manifest: Box<TrunkManifest>,
         /// Offset of each layer's first payload byte inside its arena mirror.
         head: Vec<u64>,
         /// `Some`: the trunk streams in parts (a budget below one whole layer): the
         /// loader's units are these, in stream order, and compute gets `PartReady`.
         parts: Option<Vec<PartUnit>>,
+        /// A coded trunk's decoding reader (its stored and decoded byte counters).
+        coded: Option<Arc<k3_model::codec_trunk::CodedReader>>,
     },
     Resident {
         /// Per layer: (offset of the layer in the region, its tensors).
@@ -287,11 +289,23 @@ fn serve(ctx: &mut StageCtx) -> Result<(), TrunkStageError> {
         )?;
     }
     let summary = match &source {
-        Source::Streamed { loader, parts, .. } => serde_json::json!({
+        Source::Streamed {
+            loader,
+            parts,
+            manifest,
+            coded,
+            ..
+        } => serde_json::json!({
             "mode": if parts.is_some() { "streamed in parts" } else { "streamed" },
             "plan": loader.plan(),
             "stats": loader.stats(),
             "passes": passes,
+            // A coded trunk: what the disk delivered against what the slots received.
+            "codec": coded.as_ref().zip(manifest.codec.as_ref()).map(|(r, c)| serde_json::json!({
+                "name": c.name,
+                "stored_bytes_read": r.stored_bytes_read(),
+                "decoded_bytes": r.decoded_bytes(),
+            })),
         }),
         Source::Resident { layers } => serde_json::json!({
             "mode": "resident",
@@ -544,6 +558,7 @@ fn publish(region: &Region, s: &Source, l: usize, pass: u64) -> Result<Msg, Trun
             manifest,
             head,
             parts: None,
+            ..
         } => {
             let h = loader.acquire(l).map_err(TrunkStageError::Load)?;
             let ml = &manifest.layers[l];
@@ -656,16 +671,12 @@ fn setup_streamed(
     };
     let bytes = p.bytes().max(ALIGN as u64);
     let region = trunk_region(bytes, format!("arena of {bytes} bytes"), "arena")?;
-    let bin: PathBuf = dir.join(&manifest.file);
-    let reader =
-        DirectFiles::open(std::slice::from_ref(&bin)).map_err(|source| TrunkStageError::Open {
-            path: Some(bin.clone()),
-            source,
-        })?;
+    let (reader, coded) =
+        crate::loader::trunk_reader(dir, &manifest).map_err(TrunkStageError::Loader)?;
     let loader = TrunkLoader::with_units(
         units,
         p,
-        Arc::new(reader),
+        reader,
         0,
         Arc::new(ShmArena(region.clone())),
         checks,
@@ -677,9 +688,10 @@ fn setup_streamed(
         region,
         Source::Streamed {
             loader,
-            manifest,
+            manifest: Box::new(manifest),
             head,
             parts,
+            coded,
         },
         (0, 0.0),
     ))

@@ -260,6 +260,7 @@ fn open_a_packed_trunk_directory() {
                 }],
             })
             .collect(),
+        codec: None,
     };
     std::fs::write(
         dir.path().join("trunk.json"),

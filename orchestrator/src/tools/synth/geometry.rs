@@ -420,6 +420,10 @@ pub enum Init {
     Packed,
     /// E8M0 scales: `center - 1 ..= center + 1`.
     Scale(u8),
+    /// MXFP4 codes quantized from N(0, std) groups (`synth --weights gaussian`).
+    QuantCodes(f32),
+    /// The E8M0 scales of those groups.
+    QuantScales(f32),
 }
 
 /// One tensor to write.

@@ -1,0 +1,204 @@
+//! The lossless trunk codec (`pack-trunk --codec bf16-zstd`): byte grouping of BF16 words
+//! into an exponent plane and a sign+mantissa plane, then zstd (whose Huffman-coded
+//! literals do the work: trained or Gaussian BF16 exponents carry about 2.6 bits of
+//! information in 8) on the exponent plane; the sign+mantissa plane is stored as it is
+//! (7 random mantissa bits and a random sign do not compress).
+//!
+//! One encoded chunk is self-describing but for its decoded length (the manifest keeps
+//! it): `[exp_len: u32 LE][zstd frame of the exponent plane: exp_len bytes][sign+mantissa
+//! plane: len/2 bytes][the last byte when len is odd]`. Word `i` (little endian `w`) puts
+//! `(w >> 7) & 0xff` in the exponent plane and `(w >> 8) & 0x80 | w & 0x7f` in the other,
+//! so any bytes round-trip (F32 tensors, NaN and Inf patterns, odd lengths): the codec is
+//! a function of bytes, not of values.
+//!
+//! [`decode`] never writes outside the `out` slice it is given and checks every length
+//! before it touches it: a corrupted chunk is an error, never a panic or an overrun.
+//!
+//! ```
+//! use k3_model::codec::{decode, encode, Codec};
+//! let raw: Vec<u8> = (0..1000u32).flat_map(|i| ((i % 7) as u16 + 0x3c00).to_le_bytes()).collect();
+//! let enc = encode(Codec::Bf16Zstd, &raw).unwrap();
+//! let mut out = vec![0u8; raw.len()];
+//! decode(Codec::Bf16Zstd, &enc, &mut out).unwrap();
+//! assert_eq!(out, raw);
+//! ```
+
+use std::cell::RefCell;
+
+/// A codec a packed trunk can be stored with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Codec {
+    /// Exponent plane through zstd, sign+mantissa plane raw.
+    Bf16Zstd,
+}
+
+/// Default zstd level of the exponent plane. Measured on Gaussian BF16 with
+/// `benches/codec.rs` (docs/measurements.md): level 19's optimal parser stores almost only
+/// Huffman-coded literals, which gives both the best ratio (0.662 of raw, at 2.54 bits of
+/// exponent entropy) and the fastest decoding (no match copies), at a slow encoding that
+/// `pack-trunk` pays once; level 1 encodes ~100x faster at 0.680 and decodes slower.
+pub const ZSTD_LEVEL: i32 = 19;
+
+/// Bytes of the chunk header (`exp_len`).
+const HEADER: usize = 4;
+
+impl Codec {
+    /// The name the manifest records and `--codec` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Codec::Bf16Zstd => "bf16-zstd",
+        }
+    }
+
+    /// The codec called `name`, if this build has it.
+    pub fn from_name(name: &str) -> Option<Codec> {
+        match name {
+            "bf16-zstd" => Some(Codec::Bf16Zstd),
+            _ => None,
+        }
+    }
+
+    /// Every codec this build has, by name.
+    pub const NAMES: &'static [&'static str] = &["bf16-zstd"];
+}
+
+/// A chunk that does not decode.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    #[error("{got} stored bytes, shorter than the {HEADER}-byte chunk header")]
+    NoHeader { got: usize },
+    #[error("the chunk's planes take {want} bytes, it has {got}")]
+    Length { want: u64, got: usize },
+    #[error("the exponent plane does not decode: {0}")]
+    Entropy(String),
+    #[error("the exponent plane decodes to {got} bytes, the chunk needs {want}")]
+    Plane { got: usize, want: usize },
+    #[error("the exponent plane does not encode: {0}")]
+    Encode(String),
+}
+
+/// Split `raw` into its planes: exponents and sign+mantissa, one byte per word each (an
+/// odd last byte is in neither).
+pub fn split(raw: &[u8], exp: &mut Vec<u8>, sm: &mut Vec<u8>) {
+    let n = raw.len() / 2;
+    exp.clear();
+    sm.clear();
+    exp.reserve(n);
+    sm.reserve(n);
+    for w in raw.chunks_exact(2) {
+        let v = u16::from_le_bytes([w[0], w[1]]);
+        exp.push((v >> 7) as u8);
+        sm.push(((v >> 8) as u8 & 0x80) | (v as u8 & 0x7f));
+    }
+}
+
+/// Interleave the planes back into words: `out.len() == 2 * exp.len() == 2 * sm.len()`.
+pub fn join(exp: &[u8], sm: &[u8], out: &mut [u8]) {
+    for ((o, &e), &s) in out.chunks_exact_mut(2).zip(exp).zip(sm) {
+        let v = ((s as u16 & 0x80) << 8) | ((e as u16) << 7) | (s as u16 & 0x7f);
+        o.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Encode one chunk at the default level ([`ZSTD_LEVEL`]).
+pub fn encode(codec: Codec, raw: &[u8]) -> Result<Vec<u8>, CodecError> {
+    encode_level(codec, raw, ZSTD_LEVEL)
+}
+
+/// Encode one chunk with the entropy coder at `level` (1..=22; the decoder does not care).
+pub fn encode_level(codec: Codec, raw: &[u8], level: i32) -> Result<Vec<u8>, CodecError> {
+    match codec {
+        Codec::Bf16Zstd => {
+            let (mut exp, mut sm) = (Vec::new(), Vec::new());
+            split(raw, &mut exp, &mut sm);
+            let z =
+                zstd::bulk::compress(&exp, level).map_err(|e| CodecError::Encode(e.to_string()))?;
+            let zl = u32::try_from(z.len()).map_err(|e| CodecError::Encode(e.to_string()))?;
+            let mut out = Vec::with_capacity(HEADER + z.len() + sm.len() + 1);
+            out.extend_from_slice(&zl.to_le_bytes());
+            out.extend_from_slice(&z);
+            out.extend_from_slice(&sm);
+            if raw.len() % 2 == 1 {
+                out.push(raw[raw.len() - 1]);
+            }
+            Ok(out)
+        }
+    }
+}
+
+thread_local! {
+    /// Per thread: a zstd decompression context and the exponent plane's buffer, reused
+    /// from chunk to chunk (the decode buffers the trunk-loader's memory plan counts).
+    static SCRATCH: RefCell<Option<(zstd::bulk::Decompressor<'static>, Vec<u8>)>> =
+        const { RefCell::new(None) };
+}
+
+/// Decode one chunk into `out` (exactly its decoded length). Writes only inside `out`.
+pub fn decode(codec: Codec, stored: &[u8], out: &mut [u8]) -> Result<(), CodecError> {
+    match codec {
+        Codec::Bf16Zstd => decode_split(stored, out),
+    }
+}
+
+fn decode_split(stored: &[u8], out: &mut [u8]) -> Result<(), CodecError> {
+    let head: [u8; HEADER] = stored
+        .get(..HEADER)
+        .and_then(|h| h.try_into().ok())
+        .ok_or(CodecError::NoHeader { got: stored.len() })?;
+    let zl = u32::from_le_bytes(head) as u64;
+    let n = out.len() / 2;
+    let odd = out.len() % 2;
+    let want = HEADER as u64 + zl + n as u64 + odd as u64;
+    if want != stored.len() as u64 {
+        return Err(CodecError::Length {
+            want,
+            got: stored.len(),
+        });
+    }
+    let zl = zl as usize;
+    let z = &stored[HEADER..HEADER + zl];
+    let sm = &stored[HEADER + zl..HEADER + zl + n];
+    SCRATCH.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.is_none() {
+            let d =
+                zstd::bulk::Decompressor::new().map_err(|e| CodecError::Entropy(e.to_string()))?;
+            *slot = Some((d, Vec::new()));
+        }
+        let Some((dctx, exp)) = slot.as_mut() else {
+            return Err(CodecError::Entropy("no decompression context".into()));
+        };
+        exp.clear();
+        exp.reserve(n);
+        // The capacity is `n`: a frame that claims more fails here, it never writes past.
+        let got = dctx
+            .decompress_to_buffer(z, exp)
+            .map_err(|e| CodecError::Entropy(e.to_string()))?;
+        if got != n {
+            return Err(CodecError::Plane { got, want: n });
+        }
+        join(exp, sm, &mut out[..2 * n]);
+        Ok(())
+    })?;
+    if odd == 1 {
+        out[2 * n] = stored[stored.len() - 1];
+    }
+    Ok(())
+}
+
+/// Shannon entropy in bits per byte of `bytes`' histogram (what an ideal order-0 coder
+/// would spend).
+pub fn byte_entropy(bytes: &[u8]) -> f64 {
+    let mut h = [0u64; 256];
+    for &b in bytes {
+        h[b as usize] += 1;
+    }
+    let n = bytes.len() as f64;
+    h.iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let p = c as f64 / n;
+            -p * p.log2()
+        })
+        .sum()
+}

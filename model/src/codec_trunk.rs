@@ -1,0 +1,389 @@
+//! A coded trunk (`pack-trunk --codec NAME`): encoding a layer's run into independently
+//! decodable chunks, checking a coded manifest, and [`CodedReader`], a [`ReadAt`] that
+//! serves the raw `trunk.bin` bytes a raw trunk would hold by reading the stored chunks and
+//! decoding them, chunk by chunk, straight into the caller's buffer.
+//!
+//! The trunk-loader reads a coded trunk through a [`CodedReader`] exactly as it reads a raw
+//! one (same offsets, same slots, same per-MiB CRCs on the decoded bytes), so compute sees
+//! the same bytes in its ring; the decoding runs in the loader's reader threads. Every
+//! chunk's stored bytes are checked against their CRC-32C before decoding and the decoded
+//! bytes against theirs after: damage is an error that names the layer and the chunk.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use k3_io::arena::OwnedArena;
+use k3_io::direct::ReadAt;
+
+use crate::codec::{decode, encode_level, Codec, CodecError};
+use crate::trunk::{align_up, CodedChunk, CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK};
+
+/// One chunk's encoding, as a coding thread leaves it.
+type EncodedChunk = Result<Vec<u8>, CodecError>;
+
+/// Encode one layer's run with the entropy coder at `level`, its chunks spread over every
+/// core: its stored bytes (every chunk on an `align` boundary, zero padded to a multiple of
+/// `align`) and its [`CodedLayer`] (with `offset` 0: the caller places it).
+pub fn encode_run(
+    codec: Codec,
+    layer: usize,
+    raw: &[u8],
+    align: u64,
+    level: i32,
+) -> Result<(Vec<u8>, CodedLayer), CodecError> {
+    let pieces: Vec<&[u8]> = raw.chunks(CODEC_CHUNK as usize).collect();
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(pieces.len().max(1));
+    let next = AtomicU64::new(0);
+    let slots: Vec<Mutex<Option<EncodedChunk>>> = pieces.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                let Some(c) = pieces.get(i) else { return };
+                let z = encode_level(codec, c, level);
+                *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(z);
+            });
+        }
+    });
+    let mut out = Vec::new();
+    let mut chunks = Vec::new();
+    for (c, slot) in pieces.iter().zip(slots) {
+        let z = slot
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .ok_or_else(|| CodecError::Encode("a coding thread stopped".into()))??;
+        let at = out.len() as u64;
+        chunks.push(CodedChunk {
+            offset: at,
+            stored: z.len() as u64,
+            raw: c.len() as u64,
+            crc32_stored: crc32c::crc32c(&z),
+            crc32_raw: crc32c::crc32c(c),
+        });
+        out.extend_from_slice(&z);
+        out.resize(align_up(out.len() as u64, align) as usize, 0);
+    }
+    let stored_length = chunks.last().map(|c| c.offset + c.stored).unwrap_or(0);
+    let padded_length = out.len() as u64;
+    Ok((
+        out,
+        CodedLayer {
+            layer,
+            offset: 0,
+            stored_length,
+            padded_length,
+            chunks,
+        },
+    ))
+}
+
+/// A chunk that is not what was packed.
+#[derive(Debug, thiserror::Error)]
+pub enum ChunkError {
+    #[error("trunk layer {layer} chunk {chunk}: the stored bytes fail their CRC-32C (damaged on disk or in transfer)")]
+    Stored { layer: usize, chunk: usize },
+    #[error("trunk layer {layer} chunk {chunk}: {source}")]
+    Decode {
+        layer: usize,
+        chunk: usize,
+        #[source]
+        source: CodecError,
+    },
+    #[error("trunk layer {layer} chunk {chunk}: the decoded bytes fail their CRC-32C")]
+    Decoded { layer: usize, chunk: usize },
+}
+
+/// Check chunk `chunk` of `layer`'s stored bytes against their CRC-32C.
+pub fn check_stored(
+    layer: usize,
+    chunk: usize,
+    ch: &CodedChunk,
+    stored: &[u8],
+) -> Result<(), ChunkError> {
+    if crc32c::crc32c(stored) != ch.crc32_stored {
+        return Err(ChunkError::Stored { layer, chunk });
+    }
+    Ok(())
+}
+
+/// Check chunk `chunk` of `layer` (its stored bytes `stored`) and decode it into `out`
+/// (`ch.raw` bytes).
+pub fn decode_chunk(
+    codec: Codec,
+    layer: usize,
+    chunk: usize,
+    ch: &CodedChunk,
+    stored: &[u8],
+    out: &mut [u8],
+) -> Result<(), ChunkError> {
+    check_stored(layer, chunk, ch, stored)?;
+    decode(codec, stored, out).map_err(|source| ChunkError::Decode {
+        layer,
+        chunk,
+        source,
+    })?;
+    if crc32c::crc32c(out) != ch.crc32_raw {
+        return Err(ChunkError::Decoded { layer, chunk });
+    }
+    Ok(())
+}
+
+/// Every inconsistency of `c`, the codec of manifest `m`, appended to `p`.
+pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<String>) {
+    if Codec::from_name(&c.name).is_none() {
+        p.push(format!(
+            "codec {:?}: this build decodes {}",
+            c.name,
+            Codec::NAMES.join(", ")
+        ));
+    }
+    if c.chunk != CODEC_CHUNK {
+        p.push(format!("codec chunk {} is not {CODEC_CHUNK}", c.chunk));
+    }
+    if c.file.is_empty() || c.file.contains('/') || c.file == m.file {
+        p.push(format!(
+            "codec file {:?} is not a plain file name of its own",
+            c.file
+        ));
+    }
+    if c.layers.len() != m.layers.len() {
+        p.push(format!(
+            "codec: {} layers, the trunk has {}",
+            c.layers.len(),
+            m.layers.len()
+        ));
+    }
+    let (mut end, mut stored) = (0u64, 0u64);
+    for (cl, l) in c.layers.iter().zip(&m.layers) {
+        let who = format!("codec layer {}", cl.layer);
+        if cl.layer != l.layer {
+            p.push(format!("{who} is listed for layer {}", l.layer));
+        }
+        if cl.offset % m.align != 0 || cl.offset < end {
+            p.push(format!(
+                "{who}: offset {} is unaligned or overlaps",
+                cl.offset
+            ));
+        }
+        if cl.padded_length != align_up(cl.stored_length, m.align) {
+            p.push(format!(
+                "{who}: padded_length is not stored_length aligned up"
+            ));
+        }
+        end = cl.offset.saturating_add(cl.padded_length);
+        if cl.chunks.len() as u64 != l.length.div_ceil(CODEC_CHUNK) {
+            p.push(format!(
+                "{who}: {} chunks, its {} bytes need {}",
+                cl.chunks.len(),
+                l.length,
+                l.length.div_ceil(CODEC_CHUNK)
+            ));
+        }
+        let mut at = 0u64;
+        for (i, ch) in cl.chunks.iter().enumerate() {
+            let raw = CODEC_CHUNK.min(l.length.saturating_sub(i as u64 * CODEC_CHUNK));
+            if ch.raw != raw || ch.offset % m.align != 0 || ch.offset < at {
+                p.push(format!(
+                    "{who}: chunk {i} is misplaced or of the wrong size"
+                ));
+            }
+            at = ch.offset.saturating_add(ch.stored);
+            stored = stored.saturating_add(ch.stored);
+        }
+        if at != cl.stored_length {
+            p.push(format!(
+                "{who}: stored_length {} is not {at}",
+                cl.stored_length
+            ));
+        }
+    }
+    if end != c.file_size {
+        p.push(format!("codec file_size {} is not {end}", c.file_size));
+    }
+    if stored != c.stored_bytes {
+        p.push(format!(
+            "codec stored_bytes {} is not {stored}",
+            c.stored_bytes
+        ));
+    }
+}
+
+/// A [`ReadAt`] over the raw layout of a coded trunk (file 0: the raw `trunk.bin` the
+/// manifest describes), reading file `file` of `inner` (the stored file) and decoding.
+pub struct CodedReader {
+    inner: Arc<dyn ReadAt>,
+    file: u32,
+    codec: Codec,
+    manifest: TrunkManifest,
+    /// Aligned buffers for one chunk's stored bytes, reused (at most one per reader thread
+    /// in flight).
+    stored_bufs: Mutex<Vec<OwnedArena>>,
+    /// Buffers for a chunk decoded only in part (a piece that starts or ends inside it).
+    raw_bufs: Mutex<Vec<Vec<u8>>>,
+    /// The largest chunk's stored bytes, aligned up.
+    stored_cap: usize,
+    stored_read: AtomicU64,
+    decoded: AtomicU64,
+}
+
+impl CodedReader {
+    /// Over a coded manifest (`None` for a raw one).
+    pub fn new(m: &TrunkManifest, inner: Arc<dyn ReadAt>, file: u32) -> Option<CodedReader> {
+        let c = m.codec.as_ref()?;
+        let codec = Codec::from_name(&c.name)?;
+        let stored_cap = c
+            .layers
+            .iter()
+            .flat_map(|l| &l.chunks)
+            .map(|ch| align_up(ch.stored, m.align))
+            .max()
+            .unwrap_or(0) as usize;
+        Some(CodedReader {
+            inner,
+            file,
+            codec,
+            manifest: m.clone(),
+            stored_bufs: Mutex::new(Vec::new()),
+            raw_bufs: Mutex::new(Vec::new()),
+            stored_cap,
+            stored_read: AtomicU64::new(0),
+            decoded: AtomicU64::new(0),
+        })
+    }
+
+    /// Decode buffers one reader thread holds at most: one chunk's stored bytes and one
+    /// chunk decoded (a partly covered chunk), plus the codec's own plane buffer.
+    pub fn buffer_bytes_per_thread(m: &TrunkManifest) -> u64 {
+        match &m.codec {
+            None => 0,
+            Some(c) => {
+                let stored = c
+                    .layers
+                    .iter()
+                    .flat_map(|l| &l.chunks)
+                    .map(|ch| align_up(ch.stored, m.align))
+                    .max()
+                    .unwrap_or(0);
+                stored + c.chunk + c.chunk / 2
+            }
+        }
+    }
+
+    /// Stored bytes read so far (what the disk delivered).
+    pub fn stored_bytes_read(&self) -> u64 {
+        self.stored_read.load(Ordering::Relaxed)
+    }
+
+    /// Decoded bytes produced so far (what the loader received).
+    pub fn decoded_bytes(&self) -> u64 {
+        self.decoded.load(Ordering::Relaxed)
+    }
+
+    fn take_stored(&self) -> io::Result<OwnedArena> {
+        let pooled = self
+            .stored_bufs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        match pooled {
+            Some(b) => Ok(b),
+            None => OwnedArena::new(self.stored_cap.max(4096))
+                .map_err(|e| io::Error::other(e.to_string())),
+        }
+    }
+
+    /// Decode chunk `k` of layer `li` and copy its bytes `[from, from + dst.len())` into
+    /// `dst` (straight into `dst` when the whole chunk is wanted).
+    fn chunk_into(&self, li: usize, k: usize, from: usize, dst: &mut [u8]) -> io::Result<()> {
+        let c = self
+            .manifest
+            .codec
+            .as_ref()
+            .ok_or_else(|| io::Error::other("not coded"))?;
+        let cl = &c.layers[li];
+        let ch = &cl.chunks[k];
+        let mut sbuf = self.take_stored()?;
+        let span = align_up(ch.stored, self.manifest.align) as usize;
+        let res = (|| {
+            let sb = sbuf.as_mut_slice().get_mut(..span).ok_or_else(|| {
+                io::Error::other(format!(
+                    "trunk layer {li} chunk {k}: larger than its buffer"
+                ))
+            })?;
+            let got = self.inner.read_at(self.file, cl.offset + ch.offset, sb)?;
+            if (got as u64) < ch.stored {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("trunk layer {li} chunk {k}: the stored file ends early"),
+                ));
+            }
+            self.stored_read.fetch_add(ch.stored, Ordering::Relaxed);
+            let stored = &sb[..ch.stored as usize];
+            let bad = |e: ChunkError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
+            if from == 0 && dst.len() as u64 == ch.raw {
+                decode_chunk(self.codec, cl.layer, k, ch, stored, dst).map_err(bad)
+            } else {
+                let mut raw = self
+                    .raw_bufs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .pop()
+                    .unwrap_or_default();
+                raw.resize(ch.raw as usize, 0);
+                let r = decode_chunk(self.codec, cl.layer, k, ch, stored, &mut raw).map_err(bad);
+                if r.is_ok() {
+                    dst.copy_from_slice(&raw[from..from + dst.len()]);
+                }
+                self.raw_bufs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(raw);
+                r
+            }
+        })();
+        self.stored_bufs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(sbuf);
+        res
+    }
+}
+
+impl ReadAt for CodedReader {
+    /// The raw trunk's bytes at `offset`: decoded runs, zero padding; short only at the
+    /// raw file's end.
+    fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
+        if file != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no file number {file}"),
+            ));
+        }
+        let end = offset
+            .saturating_add(dst.len() as u64)
+            .min(self.manifest.file_size);
+        let n = end.saturating_sub(offset) as usize;
+        let dst = &mut dst[..n];
+        dst.fill(0);
+        for (li, l) in self.manifest.layers.iter().enumerate() {
+            let (lo, hi) = (offset.max(l.offset), end.min(l.offset + l.length));
+            if lo >= hi {
+                continue;
+            }
+            let first = ((lo - l.offset) / CODEC_CHUNK) as usize;
+            let last = ((hi - 1 - l.offset) / CODEC_CHUNK) as usize;
+            for k in first..=last {
+                let c0 = l.offset + k as u64 * CODEC_CHUNK;
+                let (a, b) = (lo.max(c0), hi.min(c0 + CODEC_CHUNK));
+                let out = &mut dst[(a - offset) as usize..(b - offset) as usize];
+                self.chunk_into(li, k, (a - c0) as usize, out)?;
+                self.decoded.fetch_add(b - a, Ordering::Relaxed);
+            }
+        }
+        Ok(n)
+    }
+}
