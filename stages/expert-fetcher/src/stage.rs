@@ -198,7 +198,6 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
         "slot_bytes": fetcher.slot_bytes(),
         "arena_bytes": region.data_len(),
         "readers": fetcher.readers(),
-        "devices": fetcher.devices().names(),
         "stats": total,
         "true_resident_hit_rate": total.true_resident_hit_rate(),
         "mb_per_s": total.mb_per_s(),
