@@ -193,7 +193,7 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
         }
     }
     let total = fetcher.total_stats();
-    let summary = serde_json::json!({
+    let mut summary = serde_json::json!({
         "slots": fetcher.slot_count(),
         "slot_bytes": fetcher.slot_bytes(),
         "arena_bytes": region.data_len(),
@@ -202,8 +202,12 @@ fn serve(ctx: &mut StageCtx) -> Result<(), FetcherStageError> {
         "true_resident_hit_rate": total.true_resident_hit_rate(),
         "mb_per_s": total.mb_per_s(),
         "report": fetcher.render_stats("expert cache [whole run]", &total),
-        "speculation": (guesses.guesses > 0).then(|| guesses.to_json()),
     });
+    // Only with guesses: a run without them sends the summary it always sent (the
+    // committed recordings replay it byte for byte).
+    if guesses.guesses > 0 {
+        summary["speculation"] = guesses.to_json();
+    }
     ctx.send_control(&Msg::Summary {
         stage: me,
         json: summary.to_string(),
