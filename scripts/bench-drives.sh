@@ -16,7 +16,8 @@
 #
 # Environment: MODEL (default $SLICE, default /work/bench/slice, made when missing with
 # `k3-orch synth --shape slice --vocab 163840 --seed 7`), N (tokens, default 8), IDS
-# (prompt ids, default 77,198,74), MEM_GB (default 5.5), RATE_MB (per device, default
+# (prompt ids, default 77,198,74), MEM_GB (default 5.5), TRUNK (a `pack-trunk` directory
+# on the unthrottled disk, given as --trunk: a 5.5 GB run of the slice needs one), RATE_MB (per device, default
 # 400), WORK (backing files and mounts, default /var/tmp/k3-bench-drives: needs about 2x
 # the model's size, sparse; NAME.json reports and NAME.ids stay there), FAIL_RUN (0), FAIL_AFTER (seconds, default 10; 0 swaps before
 # the run starts). Needs root, loop devices, mkfs.ext4, jq, and the cgroup v1 blkio
@@ -33,6 +34,7 @@ MODEL=${MODEL:-$SLICE}
 N=${N:-8}
 IDS=${IDS:-77,198,74}
 MEM_GB=${MEM_GB:-5.5}
+TRUNK=${TRUNK:-}
 RATE_MB=${RATE_MB:-400}
 WORK=${WORK:-/var/tmp/k3-bench-drives}
 FAIL_RUN=${FAIL_RUN:-0}
@@ -129,7 +131,7 @@ run() {
   echo 3 > /proc/sys/vm/drop_caches
   sh -c 'echo $$ > "$0/cgroup.procs"; shift; exec "$@"' "$CG" _ \
     "$BIN" "$MODEL" --ids "$IDS" --gen "$N" --mem-gb "$MEM_GB" --experts "$2" \
-    --out "$WORK/$1.json" --quiet > "$WORK/$1.ids"
+    ${TRUNK:+--trunk "$TRUNK"} --out "$WORK/$1.json" --quiet > "$WORK/$1.ids"
 }
 report() { # NAME
   jq -r --arg n "$1" '.totals as $t | "\($n): \($t.s_per_token | . * 1000 | round / 1000) s/token, "
