@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::pack_trunk::{
-    advise, lock_tool_dir, remove_if_exists, sync_dir, write_atomic, LockError, WriteFlow,
+    advise, lock_tool_dir, remove_if_exists, sync_dir, write_atomic, Fail, WriteFlow,
 };
 use k3_model::catalog::Catalog;
 use k3_model::experts::{
@@ -77,25 +77,6 @@ struct Args {
     stop_after_experts: Option<usize>,
 }
 
-/// Failure kinds: refused up front (exit 2) or failed while working (exit 1).
-#[derive(Debug)]
-enum Fail {
-    Refused(String),
-    Failed(anyhow::Error),
-}
-
-impl From<anyhow::Error> for Fail {
-    fn from(e: anyhow::Error) -> Fail {
-        Fail::Failed(e)
-    }
-}
-
-impl From<std::io::Error> for Fail {
-    fn from(e: std::io::Error) -> Fail {
-        Fail::Failed(e.into())
-    }
-}
-
 pub fn main(args: Vec<OsString>) -> i32 {
     let args = match super::parse_args::<Args>(args) {
         Ok(a) => a,
@@ -103,14 +84,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     };
     match run(&args) {
         Ok(()) => 0,
-        Err(Fail::Refused(m)) => {
-            tracing::error!("k3-orch pack-experts: refused: {m}");
-            2
-        }
-        Err(Fail::Failed(e)) => {
-            tracing::error!("k3-orch pack-experts: {e:#}");
-            1
-        }
+        Err(f) => f.report("pack-experts"),
     }
 }
 
@@ -214,10 +188,7 @@ fn run(a: &Args) -> Result<(), Fail> {
     // One packer per directory: a second one would cut the first one's files.
     let mut locks = Vec::new();
     for d in &a.to {
-        locks.push(lock_tool_dir(d, "pack-experts").map_err(|e| match e {
-            LockError::Held(m) => Fail::Refused(m),
-            LockError::Failed(e) => Fail::Failed(e),
-        })?);
+        locks.push(lock_tool_dir(d, "pack-experts")?);
     }
     let todo = to_pack(a, &plan, &digest, &src)?;
     if todo.is_empty() {

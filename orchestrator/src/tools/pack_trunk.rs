@@ -86,11 +86,37 @@ struct Args {
     stop_after_coded_layers: Option<usize>,
 }
 
-/// Failure kinds: refused up front (exit 2) or failed while working (exit 1).
+/// The pack tools' failure kinds (`pack-trunk`, `pack-experts`): refused up front (exit 2)
+/// or failed while working (exit 1).
 #[derive(Debug)]
-enum Fail {
+pub(crate) enum Fail {
     Refused(String),
     Failed(anyhow::Error),
+}
+
+impl Fail {
+    /// Log the failure as `k3-orch TOOL` and give its exit code.
+    pub(crate) fn report(self, tool: &str) -> i32 {
+        match self {
+            Fail::Refused(m) => {
+                tracing::error!("k3-orch {tool}: refused: {m}");
+                2
+            }
+            Fail::Failed(e) => {
+                tracing::error!("k3-orch {tool}: {e:#}");
+                1
+            }
+        }
+    }
+}
+
+impl From<LockError> for Fail {
+    fn from(e: LockError) -> Fail {
+        match e {
+            LockError::Held(m) => Fail::Refused(m),
+            LockError::Failed(e) => Fail::Failed(e),
+        }
+    }
 }
 
 impl From<anyhow::Error> for Fail {
@@ -112,14 +138,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     };
     match run(&args) {
         Ok(()) => 0,
-        Err(Fail::Refused(m)) => {
-            tracing::error!("k3-orch pack-trunk: refused: {m}");
-            2
-        }
-        Err(Fail::Failed(e)) => {
-            tracing::error!("k3-orch pack-trunk: {e:#}");
-            1
-        }
+        Err(f) => f.report("pack-trunk"),
     }
 }
 
@@ -370,10 +389,7 @@ fn run(a: &Args) -> Result<(), Fail> {
 /// Take `DIR/.pack-trunk.lock` (flock, released when the returned file closes); refused
 /// when another pack-trunk holds it.
 fn lock_dir(dir: &Path) -> Result<File, Fail> {
-    lock_tool_dir(dir, "pack-trunk").map_err(|e| match e {
-        LockError::Held(m) => Fail::Refused(m),
-        LockError::Failed(e) => Fail::Failed(e),
-    })
+    Ok(lock_tool_dir(dir, "pack-trunk")?)
 }
 
 /// Why a packer's directory lock was not taken.
