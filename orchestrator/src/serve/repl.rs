@@ -697,7 +697,7 @@ fn save_state(engine: &Engine, a: &ChatArgs, messages: &[Value], f: &str) -> Str
     let p = state_path(f);
     let res = super::api::conversation_tokens(engine.tok.as_deref(), &chat_body(a, messages))
         .map_err(|e| e.message)
-        .and_then(|conv| engine.save_state(&p, &conv));
+        .and_then(|conv| engine.save_state(&p, &conv).map_err(|e| e.to_string()));
     match res {
         Ok(n) => format!("session state ({n} tokens) to {}", p.display()),
         Err(e) => {
@@ -718,7 +718,7 @@ fn load_state(engine: &Engine, a: &ChatArgs, messages: &[Value], f: &str) -> Str
     }
     let res = super::api::conversation_tokens(engine.tok.as_deref(), &chat_body(a, messages))
         .map_err(|e| e.message)
-        .and_then(|conv| engine.load_state(&p, &conv));
+        .and_then(|conv| engine.load_state(&p, &conv).map_err(|e| e.to_string()));
     match res {
         Ok(n) => format!("session state ({n} tokens) from {}", p.display()),
         Err(e) => format!("the session state was not reused: {e}"),
