@@ -68,6 +68,9 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Keep every step's logits row ([`Done::logits`]; the debug endpoint).
     pub keep_logits: bool,
+    /// Text only (`chat`'s replies): the special ids [`HiddenIds`] names add nothing to
+    /// the text (they still count as tokens).
+    pub text_only: bool,
     /// Send each generated id's log-probability and this many top alternatives here, before
     /// its `Text` (OpenAI's `logprobs`); the stop id that ends a reply has none.
     pub logprobs: Option<(usize, tokio::sync::mpsc::UnboundedSender<TokenLogprobs>)>,
@@ -92,6 +95,7 @@ impl Job {
             sampler: p.sampler,
             stop: p.stop.clone(),
             keep_logits: p.keep_logits,
+            text_only: false,
             logprobs: None,
             cancel,
             arrived: Instant::now(),
@@ -522,6 +526,42 @@ pub(crate) fn id_bytes(tok: Option<&Tokenizer>, id: u32) -> Vec<u8> {
     }
 }
 
+/// The ids whose text a text-only job ([`Job::text_only`], `chat`'s replies) does not get:
+/// the tokenizer's special ids, except the chat format's structure (`<|open|>`,
+/// `<|close|>`, `<|sep|>`, `<|end_of_msg|>`), which its reader parses away
+/// ([`k3_tokenizer::OutputStream`]), so no control token is ever printed, as llama.cpp's
+/// chat shows none. Without a tokenizer nothing is hidden.
+#[derive(Clone, Debug, Default)]
+pub struct HiddenIds {
+    specials: std::ops::Range<u32>,
+    structure: Vec<u32>,
+}
+
+impl HiddenIds {
+    pub fn of(tok: Option<&Tokenizer>) -> HiddenIds {
+        use k3_tokenizer::chat::{CLOSE, END_OF_MSG, OPEN, SEP};
+        let Some(t) = tok else {
+            return HiddenIds::default();
+        };
+        HiddenIds {
+            specials: t.n_ranks()..t.n_vocab(),
+            structure: [OPEN, CLOSE, SEP, END_OF_MSG]
+                .iter()
+                .filter_map(|n| t.special_id(n))
+                .collect(),
+        }
+    }
+
+    /// The bytes of `id` a text-only job gets: none for a hidden special.
+    pub fn shown<'a>(&self, id: u32, bytes: &'a [u8]) -> &'a [u8] {
+        if self.specials.contains(&id) && !self.structure.contains(&id) {
+            &[]
+        } else {
+            bytes
+        }
+    }
+}
+
 /// What the worker loop needs from a backend: hand requests over, stop them, and learn
 /// what happened, in order.
 trait Backend {
@@ -576,6 +616,8 @@ struct Live {
 struct Driver<'a> {
     stats: &'a Stats,
     stop_ids: Vec<u32>,
+    /// What text-only jobs do not show.
+    hidden: HiddenIds,
     cache_entries: usize,
     live: HashMap<u64, Live>,
     /// State operations that wait for the requests in flight to end.
@@ -779,7 +821,12 @@ impl Driver<'_> {
                 if stop {
                     return self.end(b, req, Finish::Stop);
                 }
-                let delta = l.text.push(&bytes);
+                let shown = if l.job.text_only {
+                    self.hidden.shown(token, &bytes)
+                } else {
+                    &bytes[..]
+                };
+                let delta = l.text.push(shown);
                 if !delta.is_empty() && l.job.events.send(Event::Text(delta)).is_err() {
                     // The client went away.
                     return self.end(b, req, Finish::Cancelled);
@@ -1134,6 +1181,7 @@ fn inproc_worker(
     Driver {
         stats: &stats,
         stop_ids,
+        hidden: HiddenIds::of(tok.as_deref()),
         cache_entries: o.cache_entries,
         live: HashMap::new(),
         held_ops: VecDeque::new(),
@@ -1209,6 +1257,7 @@ fn warm_worker(
     Driver {
         stats: &stats,
         stop_ids,
+        hidden: HiddenIds::of(tok.as_deref()),
         cache_entries: o.cache_entries,
         live: HashMap::new(),
         held_ops: VecDeque::new(),
