@@ -957,8 +957,8 @@ fn foreign_ids_loops_and_deep_directories_are_refused_up_front() {
     assert!(one.join("expert_trace.bin").is_file());
 }
 
-/// Test item 14: the test hooks `K3_INJECT_EXPERT_FAILURES`, `K3_PREFILL_CHUNK` and
-/// `K3_LM_HEAD_*` are refused (exit 2, naming the variable) unless `K3_TEST_HOOKS=1` arms
+/// Test item 14: the test hooks `K3_INJECT_EXPERT_FAILURES`, `K3_PREFILL_CHUNK`,
+/// `K3_LM_HEAD_*` and `K3_TEST_LOAD_DELAY_MS` are refused (exit 2, naming the variable) unless `K3_TEST_HOOKS=1` arms
 /// them, and a malformed value is refused when armed. Before: injection worked unarmed,
 /// and the others were silently ignored when unarmed or malformed.
 #[test]
@@ -979,6 +979,7 @@ fn test_hooks_are_refused_unless_armed_and_well_formed() {
         ("K3_PREFILL_CHUNK", "2"),
         ("K3_LM_HEAD_CHUNK_BYTES", "7000"),
         ("K3_LM_HEAD_HELD_BYTES", "10000"),
+        ("K3_TEST_LOAD_DELAY_MS", "100"),
     ] {
         let (code, text) = run_env(&[(name, good)]);
         assert_eq!(code, 2, "{name} unarmed: {text}");
@@ -991,6 +992,7 @@ fn test_hooks_are_refused_unless_armed_and_well_formed() {
         "K3_PREFILL_CHUNK",
         "K3_LM_HEAD_CHUNK_BYTES",
         "K3_LM_HEAD_HELD_BYTES",
+        "K3_TEST_LOAD_DELAY_MS",
     ] {
         for bad in ["0", "x", "-5", ""] {
             let (code, text) = run_env(&[("K3_TEST_HOOKS", "1"), (name, bad)]);

@@ -1277,3 +1277,91 @@ fn a_client_that_disconnects_cancels_its_generation() {
     assert!(n < 2000, "{line}");
     wait_for_busy(&s.base, 0, "the freed slot");
 }
+
+/// GET; (status, body as JSON, Retry-After).
+fn get(s: &Server, path: &str) -> (u16, Value, Option<String>) {
+    let resp = match ureq::get(&format!("{}{path}", s.base)).call() {
+        Ok(r) => r,
+        Err(ureq::Error::Status(_, r)) => r,
+        Err(e) => panic!("{path}: {e}"),
+    };
+    let status = resp.status();
+    let retry = resp.header("retry-after").map(str::to_string);
+    let text = resp.into_string().unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        retry,
+    )
+}
+
+/// Issue 36 ("Also"): 503 while loading, as docs/serve.md documents it. The test hook
+/// `K3_TEST_LOAD_DELAY_MS` holds the trunk-loader's ready 4 s after its load, so the
+/// server is listening while its stages still load: `/health` answers 503
+/// `{"status":"loading"}` with `Retry-After: 1`, and `/v1/completions` 503 with
+/// `Retry-After: 1` and an OpenAI error object; the server turns ready only after the delay
+/// (so the window seen is the load, not a race), and then both answer 200. Catches a server
+/// that says ready or takes requests before its stages are wired (checked by setting
+/// `ready` before the stages start: the first `/health` was 200), one that answers 503
+/// without Retry-After, and a hook that does not hold the load (checked by removing it:
+/// ready before the delay).
+#[test]
+fn health_and_requests_answer_503_while_the_stages_load() {
+    const DELAY_MS: u64 = 4000;
+    let m = model().to_str().unwrap();
+    let t0 = Instant::now();
+    let mut child = Command::new(bin())
+        .args(["serve", m, "--tok", m, "--port", "0", "--threads", "1"])
+        .env("K3_TEST_HOOKS", "1")
+        .env("K3_TEST_LOAD_DELAY_MS", DELAY_MS.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line.trim().rsplit("http://").next().unwrap().to_string();
+    let s = Server {
+        child,
+        base: format!("http://{addr}"),
+    };
+    let (st, v, retry) = get(&s, "/health");
+    assert_eq!(st, 503, "{v}");
+    assert_eq!(v, json!({"status": "loading"}));
+    assert_eq!(retry.as_deref(), Some("1"));
+    let body = json!({"model": "k3", "prompt": "Hello", "max_tokens": 2}).to_string();
+    let (st, v, retry) = post(&s, "/v1/completions", &body);
+    assert_eq!(st, 503, "{v}");
+    assert_eq!(retry.as_deref(), Some("1"), "{v}");
+    assert_eq!(v["error"]["type"], "unavailable_error", "{v}");
+    assert_eq!(v["error"]["code"], 503, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("still loading")),
+        "{v}"
+    );
+    loop {
+        let (st, v, _) = get(&s, "/health");
+        if st == 200 {
+            assert_eq!(v, json!({"status": "ok"}));
+            break;
+        }
+        assert_eq!(st, 503, "{v}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "still loading after 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        t0.elapsed() >= Duration::from_millis(DELAY_MS),
+        "ready after {:?}, before the hook's {DELAY_MS} ms",
+        t0.elapsed()
+    );
+    let (st, v, _) = post(&s, "/v1/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    assert!(v["choices"][0]["text"].is_string(), "{v}");
+}

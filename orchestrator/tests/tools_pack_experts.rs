@@ -267,3 +267,93 @@ fn doctor_measures_each_drive() {
     assert_eq!(out.matches("drive      :").count(), 2, "{out}");
     assert!(out.contains("of 2 drives measured"), "{out}");
 }
+
+/// A tmpfs of `size` mounted on a fresh directory, unmounted (lazily) when dropped.
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    /// None when this process may not mount (not root).
+    fn mount(size: &str) -> Option<Tmpfs> {
+        let dir = tempfile::tempdir().unwrap();
+        let c = |s: &str| std::ffi::CString::new(s).unwrap();
+        let (src, target, fstype, opts) = (
+            c("k3-test-tmpfs"),
+            c(s(dir.path())),
+            c("tmpfs"),
+            c(&format!("size={size}")),
+        );
+        // SAFETY: every pointer is a NUL-terminated string alive for the call.
+        let r = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                0,
+                opts.as_ptr().cast(),
+            )
+        };
+        (r == 0).then_some(Tmpfs { dir })
+    }
+
+    /// Change its size in place.
+    fn resize(&self, size: &str) {
+        let target = std::ffi::CString::new(s(self.dir.path())).unwrap();
+        let opts = std::ffi::CString::new(format!("size={size}")).unwrap();
+        // SAFETY: every pointer is a NUL-terminated string (or null) alive for the call.
+        let r = unsafe {
+            libc::mount(
+                std::ptr::null(),
+                target.as_ptr(),
+                std::ptr::null(),
+                libc::MS_REMOUNT,
+                opts.as_ptr().cast(),
+            )
+        };
+        assert_eq!(r, 0, "remount: {}", std::io::Error::last_os_error());
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let target = std::ffi::CString::new(s(self.dir.path())).unwrap();
+        // SAFETY: `target` is a NUL-terminated path alive for the call.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+/// Issue 35: a directory whose file system cannot take its share of the experts is
+/// refused up front (exit 2, naming it and the sizes) before anything is written, here a
+/// 256 KiB tmpfs beside a roomy directory; the same tmpfs grown to 64 MiB takes its share
+/// (the refusal is the free space's, not the directory's). Catches a packer without the
+/// check (it fails on ENOSPC mid-pack, exit 1, after writing the other directory: checked
+/// by removing `check_room`) and one that refuses a directory with room.
+#[test]
+fn refuses_a_directory_too_full_for_its_share() {
+    let Some(fs) = Tmpfs::mount("256k") else {
+        return crate::tools_common::skip(
+            "refuses_a_directory_too_full_for_its_share",
+            "cannot mount a tmpfs (needs root)",
+        );
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let roomy = dirs(tmp.path(), 1).remove(0);
+    let full = fs.dir.path().to_path_buf();
+    let (code, _, err) = pack(&tiny(), &[roomy.clone(), full.clone()], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!("{} is too full", full.display()))
+            && err.contains("its share of the experts needs"),
+        "{err}"
+    );
+    for d in [&roomy, &full] {
+        for f in ["experts.bin.partial", "experts.bin", "experts.json"] {
+            assert!(!d.join(f).exists(), "{}/{f} was written", d.display());
+        }
+    }
+    fs.resize("64m");
+    let (code, _, err) = pack(&tiny(), &[roomy.clone(), full.clone()], &[]);
+    assert_eq!(code, 0, "{err}");
+    check_pack(&[roomy, full]);
+}

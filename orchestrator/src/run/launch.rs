@@ -522,6 +522,9 @@ fn stage_budgets(plan: &RunPlan) -> Result<(HashMap<Stage, u64>, Option<String>)
 pub const INJECT_ENV: &str = "K3_INJECT_EXPERT_FAILURES";
 /// Environment variable of the drive-failure test hook ([`injected_drive_failures`]).
 pub const INJECT_DRIVE_ENV: &str = "K3_INJECT_DRIVE_FAILURE";
+/// Environment variable of the load-delay test hook: the trunk-loader stage says it is
+/// ready this many ms after its load (read by the stage; `serve`'s 503-while-loading test).
+pub const LOAD_DELAY_ENV: &str = "K3_TEST_LOAD_DELAY_MS";
 
 /// Directories whose files' reads all fail, as if their drive failed
 /// (`K3_INJECT_DRIVE_FAILURE=DIR,...`, the tests of exit 4 naming the drive; armed by
@@ -552,6 +555,7 @@ pub fn check_test_hooks() -> Result<(), GenError> {
         PREFILL_CHUNK_ENV,
         LM_HEAD_CHUNK_ENV,
         LM_HEAD_HELD_ENV,
+        LOAD_DELAY_ENV,
     ] {
         let Some(v) = std::env::var_os(name) else {
             continue;

@@ -68,6 +68,9 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Keep every step's logits row ([`Done::logits`]; the debug endpoint).
     pub keep_logits: bool,
+    /// Text only (`chat`'s replies): the special ids [`HiddenIds`] names add nothing to
+    /// the text (they still count as tokens).
+    pub text_only: bool,
     /// Send each generated id's log-probability and this many top alternatives here, before
     /// its `Text` (OpenAI's `logprobs`); the stop id that ends a reply has none.
     pub logprobs: Option<(usize, tokio::sync::mpsc::UnboundedSender<TokenLogprobs>)>,
@@ -92,6 +95,7 @@ impl Job {
             sampler: p.sampler,
             stop: p.stop.clone(),
             keep_logits: p.keep_logits,
+            text_only: false,
             logprobs: None,
             cancel,
             arrived: Instant::now(),
@@ -235,7 +239,7 @@ pub enum StateOp {
 /// What the worker is sent: a job, or a state operation with where to answer it.
 enum Work {
     Job(Job),
-    State(StateOp, mpsc::Sender<Result<usize, String>>),
+    State(StateOp, mpsc::Sender<Result<usize, EngineError>>),
 }
 
 /// How many requests run at once, and the engine's other bounds.
@@ -280,6 +284,62 @@ pub enum Refusal {
     Stopped,
 }
 
+/// Why the engine could not start, or a session-state operation (`chat`'s `/save` and
+/// `/load`) failed. The messages are the ones `serve` and `chat` print.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("--tok {}: {source}", dir.display())]
+    Tokenizer {
+        dir: std::path::PathBuf,
+        #[source]
+        source: k3_tokenizer::TokError,
+    },
+    #[error(transparent)]
+    Config(#[from] k3_model::config::ConfigError),
+    #[error("the tokenizer has {tok} ids but the model's vocabulary is {vocab}")]
+    VocabMismatch { tok: u32, vocab: usize },
+    #[error("cannot start the engine thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// A file the operation names could not be resolved or written.
+    #[error("{}: {source}", path.display())]
+    File {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("model fingerprint: {0}")]
+    Fingerprint(#[source] k3_layer_compute::state::StateError),
+    /// A state file that cannot be read (its path and why, without the flag's name).
+    #[error("{}", .0.without_flag())]
+    StateFile(#[source] k3_layer_compute::state::StateError),
+    /// A state that cannot be encoded or used.
+    #[error(transparent)]
+    State(#[from] k3_layer_compute::state::StateError),
+    /// The state refused by the layer-compute stage.
+    #[error(transparent)]
+    Stage(#[from] crate::supervise::warm::StateRefused),
+    /// The stages failed during the operation and were restarted.
+    #[error("{0}; the stages were restarted")]
+    Restarted(String),
+    /// The stages are down and could not be started again.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The warm stages could not be started (the pipeline's message).
+    #[error("{}", .0.msg.trim_start_matches("k3-orch: "))]
+    Start(crate::error::RunError),
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// The model failed to load (the message `/health` shows).
+    #[error("{0}")]
+    Load(String),
+    #[error("engine lock poisoned")]
+    Poisoned,
+    #[error("the engine has stopped")]
+    Stopped,
+    #[error("the engine stopped")]
+    NoAnswer,
+}
+
 /// Handle to the worker thread.
 pub struct Engine {
     jobs: Mutex<mpsc::Sender<Work>>,
@@ -294,21 +354,23 @@ pub struct Engine {
 impl Engine {
     /// Load the tokenizer now; start the worker, which loads the model (`stats.ready` turns
     /// true when it is done; a load failure is kept in `stats.load_error`).
-    pub fn start(o: EngineOptions) -> Result<Engine, String> {
+    pub fn start(o: EngineOptions) -> Result<Engine, EngineError> {
         let tok = match &o.tok_dir {
-            Some(d) => Some(Arc::new(
-                Tokenizer::from_dir(d).map_err(|e| format!("--tok {}: {e}", d.display()))?,
-            )),
+            Some(d) => Some(Arc::new(Tokenizer::from_dir(d).map_err(|source| {
+                EngineError::Tokenizer {
+                    dir: d.clone(),
+                    source,
+                }
+            })?)),
             None => None,
         };
-        let cfg = ModelConfig::load(&o.config_path).map_err(|e| e.to_string())?;
+        let cfg = ModelConfig::load(&o.config_path)?;
         if let Some(t) = &tok {
             if (t.n_vocab() as usize) > cfg.vocab_size {
-                return Err(format!(
-                    "the tokenizer has {} ids but the model's vocabulary is {}",
-                    t.n_vocab(),
-                    cfg.vocab_size
-                ));
+                return Err(EngineError::VocabMismatch {
+                    tok: t.n_vocab(),
+                    vocab: cfg.vocab_size,
+                });
             }
         }
         let vocab = cfg.vocab_size;
@@ -323,7 +385,7 @@ impl Engine {
                 Some(l) => warm_worker(&o, l, tk, rx, st),
                 None => inproc_worker(o, cfg, tk, rx, st),
             })
-            .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+            .map_err(EngineError::Thread)?;
         Ok(Engine {
             jobs: Mutex::new(tx),
             stats,
@@ -364,7 +426,7 @@ impl Engine {
         &self,
         path: &std::path::Path,
         conversation: &[u32],
-    ) -> Result<usize, String> {
+    ) -> Result<usize, EngineError> {
         self.state_op(StateOp::Save {
             path: absolute(path)?,
             conversation: conversation.to_vec(),
@@ -377,31 +439,31 @@ impl Engine {
         &self,
         path: &std::path::Path,
         conversation: &[u32],
-    ) -> Result<usize, String> {
+    ) -> Result<usize, EngineError> {
         self.state_op(StateOp::Load {
             path: absolute(path)?,
             conversation: conversation.to_vec(),
         })
     }
 
-    fn state_op(&self, op: StateOp) -> Result<usize, String> {
+    fn state_op(&self, op: StateOp) -> Result<usize, EngineError> {
         let (tx, rx) = mpsc::channel();
         self.jobs
             .lock()
-            .map_err(|_| "engine lock poisoned".to_string())?
+            .map_err(|_| EngineError::Poisoned)?
             .send(Work::State(op, tx))
-            .map_err(|_| "the engine has stopped".to_string())?;
-        rx.recv().map_err(|_| "the engine stopped".to_string())?
+            .map_err(|_| EngineError::Stopped)?;
+        rx.recv().map_err(|_| EngineError::NoAnswer)?
     }
 
     /// Wait until the model is loaded or failed to load.
-    pub fn wait_ready(&self) -> Result<(), String> {
+    pub fn wait_ready(&self) -> Result<(), EngineError> {
         loop {
             if self.stats.ready.load(Ordering::SeqCst) {
                 return Ok(());
             }
             if let Some(e) = self.stats.load_error.lock().ok().and_then(|g| g.clone()) {
-                return Err(e);
+                return Err(EngineError::Load(e));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -433,19 +495,22 @@ impl Engine {
 }
 
 /// `path` made absolute (a warm stage may not share this process's working directory).
-fn absolute(path: &std::path::Path) -> Result<std::path::PathBuf, String> {
-    std::path::absolute(path).map_err(|e| format!("{}: {e}", path.display()))
+fn absolute(path: &std::path::Path) -> Result<std::path::PathBuf, EngineError> {
+    std::path::absolute(path).map_err(|source| EngineError::File {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// The model's fingerprint for state files, as `--save-state` computes it.
-fn state_fingerprint(o: &EngineOptions) -> Result<String, String> {
-    let cfg = ModelConfig::load(&o.config_path).map_err(|e| e.to_string())?;
+fn state_fingerprint(o: &EngineOptions) -> Result<String, EngineError> {
+    let cfg = ModelConfig::load(&o.config_path)?;
     let layers = o
         .layers
         .unwrap_or(cfg.num_hidden_layers)
         .min(cfg.num_hidden_layers);
     k3_layer_compute::state::fingerprint(&o.config_path, &o.model_dir, layers)
-        .map_err(|e| format!("model fingerprint: {e}"))
+        .map_err(EngineError::Fingerprint)
 }
 
 /// The bytes of a generated id: the tokenizer's, or (without one) the byte vocabulary the
@@ -461,6 +526,42 @@ pub(crate) fn id_bytes(tok: Option<&Tokenizer>, id: u32) -> Vec<u8> {
     }
 }
 
+/// The ids whose text a text-only job ([`Job::text_only`], `chat`'s replies) does not get:
+/// the tokenizer's special ids, except the chat format's structure (`<|open|>`,
+/// `<|close|>`, `<|sep|>`, `<|end_of_msg|>`), which its reader parses away
+/// ([`k3_tokenizer::OutputStream`]), so no control token is ever printed, as llama.cpp's
+/// chat shows none. Without a tokenizer nothing is hidden.
+#[derive(Clone, Debug, Default)]
+pub struct HiddenIds {
+    specials: std::ops::Range<u32>,
+    structure: Vec<u32>,
+}
+
+impl HiddenIds {
+    pub fn of(tok: Option<&Tokenizer>) -> HiddenIds {
+        use k3_tokenizer::chat::{CLOSE, END_OF_MSG, OPEN, SEP};
+        let Some(t) = tok else {
+            return HiddenIds::default();
+        };
+        HiddenIds {
+            specials: t.n_ranks()..t.n_vocab(),
+            structure: [OPEN, CLOSE, SEP, END_OF_MSG]
+                .iter()
+                .filter_map(|n| t.special_id(n))
+                .collect(),
+        }
+    }
+
+    /// The bytes of `id` a text-only job gets: none for a hidden special.
+    pub fn shown<'a>(&self, id: u32, bytes: &'a [u8]) -> &'a [u8] {
+        if self.specials.contains(&id) && !self.structure.contains(&id) {
+            &[]
+        } else {
+            bytes
+        }
+    }
+}
+
 /// What the worker loop needs from a backend: hand requests over, stop them, and learn
 /// what happened, in order.
 trait Backend {
@@ -471,7 +572,7 @@ trait Backend {
     /// Run a pass (in process) or wait up to `wait` for reports (stages).
     fn events(&mut self, wait: Duration) -> Result<Vec<WarmEvent>, BackendError>;
     /// Save or load a session state (no request in flight).
-    fn state(&mut self, op: &StateOp) -> Result<usize, String>;
+    fn state(&mut self, op: &StateOp) -> Result<usize, EngineError>;
     /// Between requests: notice a fault (and recover from it).
     fn idle(&mut self) {}
     /// After a fault that lost every request in flight: start again (the stages).
@@ -480,7 +581,7 @@ trait Backend {
 
 /// A backend failure.
 #[derive(Debug, thiserror::Error)]
-enum BackendError {
+pub enum BackendError {
     /// The pipeline failed (a stage died, failed or fell silent): every request in flight
     /// is lost and the stages are restarted.
     #[error("{0}")]
@@ -515,10 +616,12 @@ struct Live {
 struct Driver<'a> {
     stats: &'a Stats,
     stop_ids: Vec<u32>,
+    /// What text-only jobs do not show.
+    hidden: HiddenIds,
     cache_entries: usize,
     live: HashMap<u64, Live>,
     /// State operations that wait for the requests in flight to end.
-    held_ops: VecDeque<(StateOp, mpsc::Sender<Result<usize, String>>)>,
+    held_ops: VecDeque<(StateOp, mpsc::Sender<Result<usize, EngineError>>)>,
 }
 
 impl Driver<'_> {
@@ -718,7 +821,12 @@ impl Driver<'_> {
                 if stop {
                     return self.end(b, req, Finish::Stop);
                 }
-                let delta = l.text.push(&bytes);
+                let shown = if l.job.text_only {
+                    self.hidden.shown(token, &bytes)
+                } else {
+                    &bytes[..]
+                };
+                let delta = l.text.push(shown);
                 if !delta.is_empty() && l.job.events.send(Event::Text(delta)).is_err() {
                     // The client went away.
                     return self.end(b, req, Finish::Cancelled);
@@ -982,22 +1090,22 @@ impl Backend for InProc<'_> {
         Ok(out)
     }
 
-    fn state(&mut self, op: &StateOp) -> Result<usize, String> {
+    fn state(&mut self, op: &StateOp) -> Result<usize, EngineError> {
         let fp = state_fingerprint(self.o)?;
         let cache = self.sched.prefix_cache();
         match op {
             StateOp::Save { path, conversation } => {
-                let (bytes, n) = k3_layer_compute::state::encode_prefix(cache, conversation, &fp)
-                    .map_err(|e| e.to_string())?;
-                k3_io::output::write_atomic(path, &bytes)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let (bytes, n) = k3_layer_compute::state::encode_prefix(cache, conversation, &fp)?;
+                k3_io::output::write_atomic(path, &bytes).map_err(|source| EngineError::File {
+                    path: path.clone(),
+                    source,
+                })?;
                 Ok(n)
             }
             StateOp::Load { path, conversation } => {
-                let bytes = k3_layer_compute::state::read(path).map_err(|e| e.without_flag())?;
+                let bytes = k3_layer_compute::state::read(path).map_err(EngineError::StateFile)?;
                 let (key, sess) =
-                    k3_layer_compute::state::decode_prefix(&bytes, &fp, self.model, conversation)
-                        .map_err(|e| e.to_string())?;
+                    k3_layer_compute::state::decode_prefix(&bytes, &fp, self.model, conversation)?;
                 let n = key.len();
                 cache.cap = self.o.cache_entries;
                 cache.insert(key, sess);
@@ -1073,6 +1181,7 @@ fn inproc_worker(
     Driver {
         stats: &stats,
         stop_ids,
+        hidden: HiddenIds::of(tok.as_deref()),
         cache_entries: o.cache_entries,
         live: HashMap::new(),
         held_ops: VecDeque::new(),
@@ -1083,7 +1192,7 @@ fn inproc_worker(
 // --- the warm-stage backend (the default)
 
 /// Start the warm stages; a failure is logged.
-fn start_warm(launch: &Launch, stats: &Stats) -> Result<Warm, String> {
+fn start_warm(launch: &Launch, stats: &Stats) -> Result<Warm, EngineError> {
     let t0 = Instant::now();
     match Warm::start(launch) {
         Ok(w) => {
@@ -1093,7 +1202,7 @@ fn start_warm(launch: &Launch, stats: &Stats) -> Result<Warm, String> {
                 Ok(mut g) if !stats.closing.load(Ordering::SeqCst) => *g = Some(w.stopper()),
                 _ => {
                     w.kill();
-                    return Err("the server is shutting down".into());
+                    return Err(EngineError::ShuttingDown);
                 }
             }
             tracing::info!(
@@ -1110,7 +1219,7 @@ fn start_warm(launch: &Launch, stats: &Stats) -> Result<Warm, String> {
             }
             Ok(w)
         }
-        Err(e) => Err(e.msg.trim_start_matches("k3-orch: ").to_string()),
+        Err(e) => Err(EngineError::Start(e)),
     }
 }
 
@@ -1129,7 +1238,7 @@ fn warm_worker(
         Err(e) => {
             tracing::error!("k3-orch serve: starting the stages: {e}");
             if let Ok(mut g) = stats.load_error.lock() {
-                *g = Some(e);
+                *g = Some(e.to_string());
             }
             return;
         }
@@ -1148,6 +1257,7 @@ fn warm_worker(
     Driver {
         stats: &stats,
         stop_ids,
+        hidden: HiddenIds::of(tok.as_deref()),
         cache_entries: o.cache_entries,
         live: HashMap::new(),
         held_ops: VecDeque::new(),
@@ -1279,10 +1389,10 @@ impl Backend for Staged<'_> {
         r
     }
 
-    fn state(&mut self, op: &StateOp) -> Result<usize, String> {
+    fn state(&mut self, op: &StateOp) -> Result<usize, EngineError> {
         let cache_entries = self.o.cache_entries;
         let fp = state_fingerprint(self.o)?;
-        let w = self.up().map_err(|e| e.to_string())?;
+        let w = self.up()?;
         let r = match op {
             StateOp::Save { path, conversation } => w.save_state(path, &fp, conversation),
             StateOp::Load { path, conversation } => {
@@ -1291,11 +1401,14 @@ impl Backend for Staged<'_> {
         };
         // The outer error is the stages failing (restart them); the inner one the state
         // refused (the stages are fine).
-        r.unwrap_or_else(|e| {
-            let why = e.msg.trim_start_matches("k3-orch: ").to_string();
-            Staged::restart(self, &why);
-            Err(format!("{why}; the stages were restarted"))
-        })
+        match r {
+            Ok(r) => r.map_err(EngineError::Stage),
+            Err(e) => {
+                let why = e.msg.trim_start_matches("k3-orch: ").to_string();
+                Staged::restart(self, &why);
+                Err(EngineError::Restarted(why))
+            }
+        }
     }
 
     /// A stage that died (while idle too) is noticed here, and the stages started again;

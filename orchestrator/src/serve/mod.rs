@@ -166,6 +166,7 @@ impl ModelFlags {
             },
             warm,
         })
+        .map_err(|e| e.to_string())
     }
 
     /// The generation command line these flags stand for (what the memory plan and the

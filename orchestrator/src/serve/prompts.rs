@@ -201,6 +201,7 @@ fn start_engine(a: &GenArgs, ctx: usize) -> Result<Engine, String> {
         },
         warm,
     })
+    .map_err(|e| e.to_string())
 }
 
 /// Hand every prompt to the engine (as its slots and queue allow) and collect each one's

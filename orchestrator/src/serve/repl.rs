@@ -3,6 +3,12 @@
 //! stdout as it decodes. Commands: `/reset`, `/stats`, `/save FILE`, `/load FILE`, `/exit`.
 //! Follow-up turns reuse the previous turns' state (prefix reuse).
 //!
+//! Only text is printed ([`ReplyText`]): the chat format's tags are parsed away as
+//! `/v1/chat/completions` does, and every other special id is dropped by the engine
+//! ([`super::engine::HiddenIds`]), so no control token ever reaches the screen. With
+//! `--thinking` the think block is printed first, a blank line before the answer; the
+//! conversation keeps the answer as `content` and the think block as `reasoning_content`.
+//!
 //! Input: a line ending in `\` goes on on the next line, and a `"""` line opens a block
 //! that a line ending in `"""` closes; either is one turn, its lines joined with newlines.
 //! A line that is not UTF-8 is refused with a message (the session goes on).
@@ -32,6 +38,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use k3_tokenizer::{OutputDelta, OutputStream};
 use serde_json::{json, Value};
 
 use super::api::Limits;
@@ -533,11 +540,14 @@ impl Session<'_> {
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        if let Err(e) = self.engine.try_submit(Job::new(&p, cancel.clone(), tx)) {
+        let mut job = Job::new(&p, cancel.clone(), tx);
+        job.text_only = true;
+        if let Err(e) = self.engine.try_submit(job) {
             tracing::error!("k3-orch chat: {e}");
             return Err(EXIT_FAILED);
         }
-        let r = stream_reply(self.rt, rx, &cancel, a.stats)?;
+        let mut text = ReplyText::new(a.thinking);
+        let r = stream_reply(self.rt, rx, &cancel, a.stats, &mut text)?;
         match &r.done {
             Some(d) => self.last = Some(d.clone()),
             None => {
@@ -547,34 +557,86 @@ impl Session<'_> {
         if r.done.is_some()
             && self.messages.last().and_then(|m| m.get("role")) == Some(&json!("user"))
         {
-            self.messages
-                .push(json!({"role": "assistant", "content": r.text}));
+            self.messages.push(text.message());
         }
         Ok(!r.terminated)
     }
 }
 
+/// What the REPL prints of a reply's text: the chat format parsed away as
+/// `/v1/chat/completions` does ([`OutputStream`]): the think block (thinking mode) and the
+/// answer, a blank line between them, never a tag or a control token (the engine already
+/// dropped the other special ids, [`super::engine::HiddenIds`]). Tool calls are not shown.
+struct ReplyText {
+    parse: OutputStream,
+    reasoning: String,
+    content: String,
+}
+
+impl ReplyText {
+    /// `thinking`: the prompt opened the think block.
+    fn new(thinking: bool) -> ReplyText {
+        ReplyText {
+            parse: OutputStream::new(thinking),
+            reasoning: String::new(),
+            content: String::new(),
+        }
+    }
+
+    /// What to print for one more piece of the reply's text.
+    fn push(&mut self, piece: &str) -> String {
+        let d = self.parse.push(piece);
+        self.take(d)
+    }
+
+    /// What to print at the end of the reply (text held back while a tag might begin).
+    fn finish(&mut self) -> String {
+        let d = self.parse.finish();
+        self.take(d)
+    }
+
+    fn take(&mut self, d: OutputDelta) -> String {
+        let mut out = d.reasoning;
+        self.reasoning.push_str(&out);
+        if !d.content.is_empty() {
+            if self.content.is_empty() && !self.reasoning.is_empty() {
+                out.push_str("\n\n");
+            }
+            self.content.push_str(&d.content);
+            out.push_str(&d.content);
+        }
+        out
+    }
+
+    /// The reply as the conversation's assistant message.
+    fn message(&self) -> Value {
+        let mut m = json!({"role": "assistant", "content": self.content});
+        if !self.reasoning.is_empty() {
+            m["reasoning_content"] = json!(self.reasoning);
+        }
+        m
+    }
+}
+
 /// What [`stream_reply`] saw of one reply.
 struct Reply {
-    /// The text written.
-    text: String,
     /// The job's end (None: it failed, as said on stderr).
     done: Option<Done>,
     /// A SIGTERM came meanwhile: the session ends.
     terminated: bool,
 }
 
-/// Print a job's text to stdout as it arrives, until it ends; a Ctrl-C (or a SIGTERM)
-/// meanwhile cancels the job, which then ends at its next step. Err(exit code) when the
-/// engine stopped.
+/// Print a job's text to stdout as it arrives (what `text` shows of it), until it ends; a
+/// Ctrl-C (or a SIGTERM) meanwhile cancels the job, which then ends at its next step.
+/// Err(exit code) when the engine stopped.
 fn stream_reply(
     rt: &tokio::runtime::Runtime,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     cancel: &AtomicBool,
     stats: bool,
+    text: &mut ReplyText,
 ) -> Result<Reply, i32> {
     let mut r = Reply {
-        text: String::new(),
         done: None,
         terminated: false,
     };
@@ -597,12 +659,11 @@ fn stream_reply(
         match ev {
             Some(Event::Started { .. }) => {}
             Some(Event::Text(t)) => {
-                r.text.push_str(&t);
-                let _ = out.write_all(t.as_bytes());
+                let _ = out.write_all(text.push(&t).as_bytes());
                 let _ = out.flush();
             }
             Some(Event::Done(d)) => {
-                let _ = writeln!(out);
+                let _ = writeln!(out, "{}", text.finish());
                 let _ = out.flush();
                 if d.finish == Finish::Cancelled && !r.terminated {
                     eprintln!(
@@ -697,7 +758,7 @@ fn save_state(engine: &Engine, a: &ChatArgs, messages: &[Value], f: &str) -> Str
     let p = state_path(f);
     let res = super::api::conversation_tokens(engine.tok.as_deref(), &chat_body(a, messages))
         .map_err(|e| e.message)
-        .and_then(|conv| engine.save_state(&p, &conv));
+        .and_then(|conv| engine.save_state(&p, &conv).map_err(|e| e.to_string()));
     match res {
         Ok(n) => format!("session state ({n} tokens) to {}", p.display()),
         Err(e) => {
@@ -718,7 +779,7 @@ fn load_state(engine: &Engine, a: &ChatArgs, messages: &[Value], f: &str) -> Str
     }
     let res = super::api::conversation_tokens(engine.tok.as_deref(), &chat_body(a, messages))
         .map_err(|e| e.message)
-        .and_then(|conv| engine.load_state(&p, &conv));
+        .and_then(|conv| engine.load_state(&p, &conv).map_err(|e| e.to_string()));
     match res {
         Ok(n) => format!("session state ({n} tokens) from {}", p.display()),
         Err(e) => format!("the session state was not reused: {e}"),
@@ -738,4 +799,100 @@ fn load(f: &str) -> Result<Vec<Value>, String> {
         .and_then(Value::as_array)
         .cloned()
         .ok_or_else(|| "no messages list".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::stream::TextStream;
+    use crate::serve::engine::{id_bytes, HiddenIds};
+    use k3_tokenizer::specials::Specials;
+    use k3_tokenizer::vocab::Vocab;
+    use k3_tokenizer::Tokenizer;
+
+    /// A byte vocabulary (ids 0..256) with K3's special names after it (256..512).
+    fn tokenizer() -> Tokenizer {
+        let bytes = (0..=255u8).map(|b| vec![b]).collect();
+        let v = Vocab::from_tokens(bytes, Path::new("bytes")).unwrap();
+        Tokenizer::from_parts(v, Specials::k3_default(256)).unwrap()
+    }
+
+    /// The ids of `parts`: text as ordinary tokens, `@NAME` as that special's id.
+    fn ids(tok: &Tokenizer, parts: &[&str]) -> Vec<u32> {
+        parts
+            .iter()
+            .flat_map(|p| match p.strip_prefix('@') {
+                Some(name) => vec![tok.special_id(name).unwrap()],
+                None => tok.encode(p, false),
+            })
+            .collect()
+    }
+
+    /// What `chat` prints for a reply of `ids`, along the engine's path: each id's bytes,
+    /// the hidden specials' dropped, the job's text stream, the REPL's reply text; and the
+    /// assistant message the conversation keeps.
+    fn printed(tok: &Tokenizer, ids: &[u32], thinking: bool) -> (String, Value) {
+        let hidden = HiddenIds::of(Some(tok));
+        let mut stream = TextStream::new(&[]);
+        let mut text = ReplyText::new(thinking);
+        let mut out = String::new();
+        for &id in ids {
+            let bytes = id_bytes(Some(tok), id);
+            out += &text.push(&stream.push(hidden.shown(id, &bytes)));
+        }
+        out += &text.push(&stream.finish());
+        out += &text.finish();
+        (out, text.message())
+    }
+
+    /// Issue 34: the REPL printed the reply's raw text, control tokens and all
+    /// (`Hello[EOT] wor<|media_pad|>ld...<|close|>response<|sep|>`). Only text is printed
+    /// now, fed ids rather than relying on the tiny model to produce a special. Catches
+    /// printing the raw text, dropping every special id (the tag's name `response` would
+    /// show), and parsing the chat format without dropping the other specials (`[EOT]`
+    /// would show); the reverted fix printed the raw text (checked).
+    #[test]
+    fn the_repl_prints_text_and_never_a_special() {
+        let tok = tokenizer();
+        let reply = ids(
+            &tok,
+            &[
+                "Hello",
+                "@[EOT]",
+                " wor",
+                "@<|media_pad|>",
+                "ld",
+                "@<|reserved_token_300|>",
+                "@<|close|>",
+                "response",
+                "@<|sep|>",
+            ],
+        );
+        let (out, msg) = printed(&tok, &reply, false);
+        assert_eq!(out, "Hello world");
+        assert_eq!(msg, json!({"role": "assistant", "content": "Hello world"}));
+        // Thinking: the think block, a blank line, the answer; kept apart in the message.
+        let reply = ids(
+            &tok,
+            &[
+                "Let me see.",
+                "@[BOS]",
+                "@<|close|>",
+                "think",
+                "@<|sep|>",
+                "@<|open|>",
+                "response",
+                "@<|sep|>",
+                "Hi",
+                "@[start_header_id]",
+                "!",
+            ],
+        );
+        let (out, msg) = printed(&tok, &reply, true);
+        assert_eq!(out, "Let me see.\n\nHi!");
+        assert_eq!(
+            msg,
+            json!({"role": "assistant", "content": "Hi!", "reasoning_content": "Let me see."})
+        );
+    }
 }

@@ -71,9 +71,15 @@ pub enum WarmEvent {
     /// A `SaveState` / `LoadState` answer (see [`Warm::save_state`]).
     State {
         req: u64,
-        result: Result<usize, String>,
+        result: Result<usize, StateRefused>,
     },
 }
+
+/// Why layer-compute saved or loaded no state (its `StateDone` error: a file it could not
+/// write, a state for another model or conversation); the stages carry on.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct StateRefused(pub String);
 
 /// Memory of one stage, from its cgroup.
 #[derive(Clone, Debug)]
@@ -303,7 +309,7 @@ impl Warm {
                 req,
                 result: match error {
                     None => Ok(tokens as usize),
-                    Some(e) => Err(e),
+                    Some(e) => Err(StateRefused(e)),
                 },
             },
             (s, other) => {
@@ -380,7 +386,7 @@ impl Warm {
         path: &std::path::Path,
         fingerprint: &str,
         tokens: &[u32],
-    ) -> Result<Result<usize, String>, RunError> {
+    ) -> Result<Result<usize, StateRefused>, RunError> {
         let req = self.next_req;
         self.state_request(Msg::SaveState {
             req,
@@ -398,7 +404,7 @@ impl Warm {
         fingerprint: &str,
         tokens: &[u32],
         cache_entries: usize,
-    ) -> Result<Result<usize, String>, RunError> {
+    ) -> Result<Result<usize, StateRefused>, RunError> {
         let req = self.next_req;
         self.state_request(Msg::LoadState {
             req,
@@ -411,7 +417,7 @@ impl Warm {
 
     /// Send a `SaveState`/`LoadState` (numbered `self.next_req`) and wait for its
     /// `StateDone`; the other reports that arrive meanwhile stay for [`Warm::events`].
-    fn state_request(&mut self, m: Msg) -> Result<Result<usize, String>, RunError> {
+    fn state_request(&mut self, m: Msg) -> Result<Result<usize, StateRefused>, RunError> {
         self.poll()?;
         let req = self.next_req;
         self.next_req += 1;

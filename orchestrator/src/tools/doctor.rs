@@ -213,7 +213,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     let shape = match a.model_dir.as_deref().map(ModelShape::from_dir) {
         None => ModelShape::released(),
         Some(Ok(s)) => s,
-        Some(Err(why)) => return not_a_checkpoint(a.model_dir.as_deref(), &why),
+        Some(Err(why)) => return not_a_checkpoint(a.model_dir.as_deref(), &why.to_string()),
     };
     let drives = disk.map_or(1, |d| d.0);
     let flags = MachineFlags {

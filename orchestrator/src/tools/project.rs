@@ -134,11 +134,11 @@ impl Hits {
     }
 
     /// The hit rates of a route trace file.
-    pub fn from_trace(path: &Path) -> Result<Hits, String> {
-        let t = k3_protocol::routes::RouteTrace::read(path).map_err(|e| e.to_string())?;
+    pub fn from_trace(path: &Path) -> Result<Hits, ProjectError> {
+        let t = k3_protocol::routes::RouteTrace::read(path)?;
         let keys = k3_expert_fetcher::sim::keys_of_routes(&t);
         if keys.is_empty() {
-            return Err(format!("{}: the trace has no routes", path.display()));
+            return Err(ProjectError::NoRoutes(path.to_path_buf()));
         }
         Ok(Hits::Trace {
             trace: k3_expert_fetcher::sim::DenseTrace::new(&keys),
@@ -150,6 +150,32 @@ impl Hits {
             ),
         })
     }
+}
+
+/// Why a model cannot be projected (its config, headers or route trace), a budget is
+/// refused (the memory plan's reason), or a drive cannot be measured.
+#[derive(Debug, thiserror::Error)]
+pub enum ProjectError {
+    #[error(transparent)]
+    Config(#[from] k3_model::config::ConfigError),
+    #[error(transparent)]
+    Catalog(#[from] k3_model::catalog::CatalogError),
+    #[error(transparent)]
+    Routes(#[from] k3_protocol::routes::RoutesError),
+    #[error("{}: the trace has no routes", .0.display())]
+    NoRoutes(PathBuf),
+    /// The memory plan refuses the budget.
+    #[error(transparent)]
+    Budget(#[from] plan::BudgetError),
+    /// The trunk's streams do not fit what the plan gave them.
+    #[error(transparent)]
+    Streams(#[from] k3_trunk_loader::PlanError),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Devbw(#[from] k3_io::devbw::DevbwError),
+    #[error("{}: O_DIRECT refused, the page cache would be measured", .0.display())]
+    NotDirect(PathBuf),
 }
 
 /// Positions of context the plan assumes (the KV cache of the MLA layers), as `inspect`'s
@@ -240,9 +266,9 @@ impl Tally {
 
 impl ModelShape {
     /// The shape of a checkpoint directory, from its config and headers.
-    pub fn from_dir(dir: &Path) -> Result<ModelShape, String> {
-        let cfg = ModelConfig::load_dir(dir).map_err(|e| e.to_string())?;
-        let cat = Catalog::open(dir).map_err(|e| e.to_string())?;
+    pub fn from_dir(dir: &Path) -> Result<ModelShape, ProjectError> {
+        let cfg = ModelConfig::load_dir(dir)?;
+        let cat = Catalog::open(dir)?;
         let layers = cfg.num_hidden_layers;
         let sizes = crate::run::sizes::model_sizes(&cfg, &cat, layers);
         let mut t = Tally::default();
@@ -545,7 +571,7 @@ impl Projection {
 
 /// Project `m` at a budget of `budget` bytes (as `--mem-gb`: the plan spends it less the
 /// run's reserve) on `machine`; Err when the plan refuses the budget.
-pub fn project(m: &ModelShape, budget: u64, machine: &Machine) -> Result<Projection, String> {
+pub fn project(m: &ModelShape, budget: u64, machine: &Machine) -> Result<Projection, ProjectError> {
     project_hits(m, budget, machine, &Hits::Flat)
 }
 
@@ -555,7 +581,7 @@ pub fn project_hits(
     budget: u64,
     machine: &Machine,
     hits: &Hits,
-) -> Result<Projection, String> {
+) -> Result<Projection, ProjectError> {
     let total = budget - (budget as f64 * plan::RESERVE_SHARE) as u64;
     project_parts(m, budget, total, None, machine, hits)
 }
@@ -566,7 +592,7 @@ pub fn project_preset(
     trunk: u64,
     cache: u64,
     machine: &Machine,
-) -> Result<Projection, String> {
+) -> Result<Projection, ProjectError> {
     let total = m.spend.fixed + m.spend.lm_head + trunk + cache;
     project_parts(m, total, total, Some((trunk, cache)), machine, &Hits::Flat)
 }
@@ -578,23 +604,20 @@ fn project_parts(
     parts: Option<(u64, u64)>,
     machine: &Machine,
     hits: &Hits,
-) -> Result<Projection, String> {
+) -> Result<Projection, ProjectError> {
     let sp = Spend {
         total,
         ..m.spend.clone()
     };
-    let c = choose(&sp, Some(&m.runs), parts.map(|p| p.0), parts.map(|p| p.1))
-        .map_err(|e| e.to_string())?;
-    let pinned = plan_streams_with(c.trunk, &m.runs, RingPolicy::default(), c.sink)
-        .map(|p| {
-            format!(
-                "{}/{} {}",
-                p.plan.pinned,
-                p.plan.layers,
-                if p.parts { "parts" } else { "layers" }
-            )
-        })
-        .map_err(|e| e.to_string())?;
+    let c = choose(&sp, Some(&m.runs), parts.map(|p| p.0), parts.map(|p| p.1))?;
+    let pinned = plan_streams_with(c.trunk, &m.runs, RingPolicy::default(), c.sink).map(|p| {
+        format!(
+            "{}/{} {}",
+            p.plan.pinned,
+            p.plan.layers,
+            if p.parts { "parts" } else { "layers" }
+        )
+    })?;
     let cache_slots = (c.cache / m.spend.expert_slot.max(1)).min(m.experts());
     let hit = hits.rate(cache_slots, m.experts());
     let pt = per_token(m, &c, hit);
@@ -900,7 +923,7 @@ fn json_rows(
                 Err(e) => serde_json::json!({
                     "mem_gb": b as f64 / GB,
                     "drives": mach.drives,
-                    "refused": e,
+                    "refused": e.to_string(),
                 }),
             };
             o += &format!("{v}\n");
@@ -978,11 +1001,11 @@ fn check_args(a: &Args) -> Result<(), String> {
 }
 
 /// The budgets to project: `--ram-gb`, or this machine's default total.
-fn budgets(a: &Args) -> Result<Vec<u64>, String> {
+fn budgets(a: &Args) -> Result<Vec<u64>, plan::BudgetError> {
     if !a.ram_gb.is_empty() {
         return Ok(a.ram_gb.iter().map(|g| (g * GB) as u64).collect());
     }
-    let (_, avail) = plan::default_total().map_err(|e| e.to_string())?;
+    let (_, avail) = plan::default_total()?;
     Ok(vec![avail])
 }
 
@@ -1059,15 +1082,12 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
 }
 
 /// Bytes per second of O_DIRECT random reads of `read_bytes` at queue depth 16 on `file`.
-pub fn measure_drive(file: &Path, read_bytes: u64, seconds: f64) -> Result<f64, String> {
-    let size = std::fs::metadata(file).map_err(|e| e.to_string())?.len();
+pub fn measure_drive(file: &Path, read_bytes: u64, seconds: f64) -> Result<f64, ProjectError> {
+    let size = std::fs::metadata(file)?.len();
     let rb = read_bytes.max(1 << 20).min(size / 4096 * 4096);
-    let r = k3_io::devbw::measure(file, rb, 16, seconds).map_err(|e| e.to_string())?;
+    let r = k3_io::devbw::measure(file, rb, 16, seconds)?;
     if !r.direct {
-        return Err(format!(
-            "{}: O_DIRECT refused, the page cache would be measured",
-            file.display()
-        ));
+        return Err(ProjectError::NotDirect(file.to_path_buf()));
     }
     Ok(r.mb_per_s() * 1e6)
 }

@@ -249,6 +249,7 @@ fn serve(ctx: &mut StageCtx) -> Result<(), TrunkStageError> {
         "trunk-loader: arena ready"
     );
     ctx.share_region(&region, "trunk")?;
+    test_load_delay();
     ctx.ready()?;
     ctx.wait_go()?;
     let mut link = ctx.take_link(Stage::LayerCompute)?;
@@ -321,6 +322,23 @@ fn serve(ctx: &mut StageCtx) -> Result<(), TrunkStageError> {
         json: summary.to_string(),
     })?;
     Ok(ctx.finish_recording()?)
+}
+
+/// The test hook `K3_TEST_LOAD_DELAY_MS=N`: the stage says it is ready N ms after its
+/// load, so a test sees the window in which `serve` answers 503 ("loading"). Honoured only
+/// with `K3_TEST_HOOKS=1`; the orchestrator refuses it (exit 2, before any stage starts)
+/// when unarmed or not a positive integer (`k3-orch`'s `check_test_hooks`).
+fn test_load_delay() {
+    if std::env::var("K3_TEST_HOOKS").as_deref() != Ok("1") {
+        return;
+    }
+    let ms = std::env::var("K3_TEST_LOAD_DELAY_MS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(ms) = ms {
+        tracing::warn!("trunk-loader: TEST HOOK K3_TEST_LOAD_DELAY_MS: ready {ms} ms late");
+        std::thread::sleep(Duration::from_millis(ms));
+    }
 }
 
 /// Serves one pass after another: publishes the units in forward order as far as the ring
