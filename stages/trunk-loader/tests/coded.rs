@@ -12,7 +12,7 @@ use k3_model::trunk::{
     align_up, chunk_crcs, SourceIdentity, TrunkCodec, TrunkLayer, TrunkManifest, TrunkTensor,
     CODEC_CHUNK, CODED_BIN, TRUNK_CODED_FORMAT, TRUNK_FORMAT,
 };
-use k3_trunk_loader::loader::decode_buffer_bytes;
+use k3_trunk_loader::loader::{decode_buffer_bytes, read_parallel, READ_QD};
 use k3_trunk_loader::{RingPolicy, TrunkLoader};
 
 /// Gaussian-looking BF16 words (a few exponents, random sign and mantissa) of layer `l`.
@@ -165,4 +165,34 @@ fn loader_decodes_a_coded_trunk_and_names_a_damaged_chunk() {
     let e = loader.layer(1).err().unwrap().to_string();
     assert!(e.contains("trunk layer 1 chunk 1"), "{e}");
     assert!(loader.layer(2).is_ok());
+}
+
+/// The decoders (zstd context and chunk buffers) are pooled: reading every layer over and
+/// over with the loader's parallel reads (threads spawned per read) creates at most one per
+/// reader thread in flight, and the bytes stay the raw ones. Catches a context (or its
+/// buffers) created per chunk or per layer read, as it was when each read's threads kept
+/// their own.
+#[test]
+fn decoders_are_pooled_across_chunks_and_layers() {
+    let sizes = [(17 << 20) + 6, (9 << 20) + 4098, 3000];
+    let (_, bin, m, k3z) = trunks(&sizes);
+    let r = CodedReader::new(&m, Arc::new(Mem(k3z)), 0).unwrap();
+    assert_eq!(r.decoders_made(), 0);
+    let mut chunks = 0;
+    for _ in 0..4 {
+        for l in &m.layers {
+            let mut dst = vec![0u8; l.length as usize];
+            let got = read_parallel(&r, 0, l.offset, &mut dst, None).unwrap();
+            assert_eq!(got, dst.len());
+            let end = (l.offset + l.length) as usize;
+            assert!(dst == bin[l.offset as usize..end], "layer {}", l.layer);
+            chunks += l.length.div_ceil(CODEC_CHUNK);
+        }
+    }
+    let made = r.decoders_made();
+    assert!(
+        made >= 1 && made <= READ_QD as u64,
+        "{made} decoders for {chunks} chunks"
+    );
+    assert!(chunks > 4 * READ_QD as u64);
 }
