@@ -142,6 +142,14 @@ pub fn decode_buffer_bytes(m: &TrunkManifest) -> u64 {
     READ_QD as u64 * CodedReader::buffer_bytes_per_thread(m)
 }
 
+/// [`decode_buffer_bytes`] of any coded trunk with chunks of `chunk` decoded bytes (a chunk
+/// stores at most its bytes plus a few of header and frame, page-aligned): what a plan
+/// projects before the trunk is packed (`inspect --codec-ratio`).
+pub fn decode_buffer_bound(chunk: u64) -> u64 {
+    let stored = k3_io::arena::align_up(chunk + 4096);
+    READ_QD as u64 * (stored + chunk + chunk / 2)
+}
+
 /// Where an acquired layer's bytes are: `arena_offset..arena_offset + len` of the arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerHandle {

@@ -13,7 +13,7 @@ use k3_model::trunk::{
     CODEC_CHUNK, CODED_BIN, TRUNK_CODED_FORMAT, TRUNK_FORMAT,
 };
 use k3_trunk_loader::loader::{decode_buffer_bytes, read_parallel, READ_QD};
-use k3_trunk_loader::{RingPolicy, TrunkLoader};
+use k3_trunk_loader::{plan_streams, RingPolicy, Streams, TrunkLoader};
 
 /// Gaussian-looking BF16 words (a few exponents, random sign and mantissa) of layer `l`.
 fn run_bytes(l: usize, n: usize) -> Vec<u8> {
@@ -195,4 +195,37 @@ fn decoders_are_pooled_across_chunks_and_layers() {
         "{made} decoders for {chunks} chunks"
     );
     assert!(chunks > 4 * READ_QD as u64);
+}
+
+/// A coded trunk plans with its manifest's stored sizes: the same memory as the raw trunk
+/// (slots and pinned units hold decoded bytes), but each streamed unit reads the stored
+/// bytes of its chunks. Catches a plan (the loader's and the orchestrator's, which share
+/// `Streams::of_manifest`) that reads a coded trunk at its decoded size.
+#[test]
+fn a_coded_trunk_plans_with_its_stored_sizes() {
+    let sizes = [(5 << 20) + 6, (9 << 20) + 4098, 3000];
+    let (raw, _, m, _) = trunks(&sizes);
+    let (rs, cs) = (Streams::of_manifest(&raw, 3), Streams::of_manifest(&m, 3));
+    assert!(rs.layer_reads.is_empty() && rs.part_reads.is_empty());
+    let c = m.codec.as_ref().unwrap();
+    for (l, cl) in c.layers.iter().enumerate() {
+        let stored: u64 = cl.chunks.iter().map(|x| x.stored).sum();
+        assert_eq!(cs.layer_reads[l], stored, "layer {l}");
+    }
+    assert_eq!(cs.stored_bytes(), c.stored_bytes);
+    assert!(cs.stored_bytes() < rs.stored_bytes());
+    // One tensor per layer: one part per layer, reading its whole layer's chunks.
+    assert_eq!(cs.part_reads, cs.layer_reads);
+    let budget = align_up(sizes[0] as u64, 4096) + align_up(sizes[1] as u64, 4096);
+    let (r, k) = (
+        plan_streams(budget, &rs, RingPolicy::default()).unwrap(),
+        plan_streams(budget, &cs, RingPolicy::default()).unwrap(),
+    );
+    assert_eq!(r.plan, k.plan);
+    assert!(
+        k.read_per_token > 0 && k.read_per_token < r.read_per_token,
+        "coded {} raw {}",
+        k.read_per_token,
+        r.read_per_token
+    );
 }
