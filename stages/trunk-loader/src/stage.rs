@@ -673,13 +673,14 @@ fn setup_streamed(
     let region = trunk_region(bytes, format!("arena of {bytes} bytes"), "arena")?;
     let (reader, coded) =
         crate::loader::trunk_reader(dir, &manifest).map_err(TrunkStageError::Loader)?;
-    let loader = TrunkLoader::with_units(
+    let loader = TrunkLoader::with_units_grid(
         units,
         p,
         reader,
         0,
         Arc::new(ShmArena(region.clone())),
         checks,
+        crate::loader::ChunkGrid::of(&manifest),
     )
     .map_err(TrunkStageError::Loader)?;
     let mut manifest = manifest;

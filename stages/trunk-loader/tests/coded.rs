@@ -12,8 +12,8 @@ use k3_model::trunk::{
     align_up, chunk_crcs, SourceIdentity, TrunkCodec, TrunkLayer, TrunkManifest, TrunkTensor,
     CODEC_CHUNK, CODED_BIN, TRUNK_CODED_FORMAT, TRUNK_FORMAT,
 };
-use k3_trunk_loader::loader::{decode_buffer_bytes, read_parallel, READ_QD};
-use k3_trunk_loader::{plan_streams, RingPolicy, Streams, TrunkLoader};
+use k3_trunk_loader::loader::{decode_buffer_bytes, read_parallel, ChunkGrid, READ_QD};
+use k3_trunk_loader::{plan, plan_streams, Piece, RingPolicy, Streams, TrunkLoader, Unit};
 
 /// Gaussian-looking BF16 words (a few exponents, random sign and mantissa) of layer `l`.
 fn run_bytes(l: usize, n: usize) -> Vec<u8> {
@@ -228,4 +228,41 @@ fn a_coded_trunk_plans_with_its_stored_sizes() {
         k.read_per_token,
         r.read_per_token
     );
+}
+
+/// A part that starts inside a chunk (a layer's second tensor) is read cut at the chunk's
+/// end: each chunk it spans is read and decoded once, as `Streams::of_manifest` counts it,
+/// and its bytes are the raw ones. Catches reads cut in `READ_CHUNK` pieces from the part's
+/// first byte, which put every chunk boundary inside a piece and decode those chunks twice
+/// (1.44x the stored bytes here).
+#[test]
+fn a_part_inside_a_chunk_decodes_each_chunk_once() {
+    let sizes = [(81 << 20) + 6];
+    let (_, bin, m, k3z) = trunks(&sizes);
+    let coded = Arc::new(CodedReader::new(&m, Arc::new(Mem(k3z)), 0).unwrap());
+    let (at, len) = (4096u64 * 3, 80u64 << 20);
+    let unit = Unit {
+        pieces: vec![Piece {
+            offset: at,
+            len,
+            check: None,
+            tensor_checks: Vec::new(),
+        }],
+    };
+    let p = plan(unit.footprint(), &[unit.as_run()], RingPolicy::default()).unwrap();
+    let arena = Arc::new(k3_io::arena::OwnedArena::new(p.bytes() as usize).unwrap());
+    let grid = ChunkGrid::of(&m);
+    assert_eq!(
+        grid.as_ref().unwrap().cut(at, len as usize),
+        Some((4 << 20) - 3 * 4096)
+    );
+    let reader: Arc<dyn ReadAt> = coded.clone();
+    let loader =
+        TrunkLoader::with_units_grid(vec![unit], p, reader, 0, arena, vec![], grid).unwrap();
+    let g = loader.layer(0).unwrap();
+    assert!(g[..len as usize] == bin[at as usize..(at + len) as usize]);
+    let chunks = &m.codec.as_ref().unwrap().layers[0].chunks;
+    let touched = (at / CODEC_CHUNK) as usize..=((at + len - 1) / CODEC_CHUNK) as usize;
+    let once: u64 = chunks[touched].iter().map(|c| c.stored).sum();
+    assert_eq!(coded.stored_bytes_read(), once);
 }
