@@ -20,14 +20,28 @@
 #   cgroup's peak and the report's own true peak, how busy the disk was during the decode
 #   steps (the report's `totals.disk_busy`: the kernel's io_ticks over the steps' wall
 #   time; 100% means the disk never waited for compute), the exit code and the ids, which must
-#   equal EXPECT (the resident run's ids for IDS/GEN; the default is those of `--ids 1
-#   --gen 8`). A rung whose plan does not fit is refused up front (exit 2, no report). The
+#   equal EXPECT. A rung whose plan does not fit is refused up front (exit 2, no report). The
 #   slice's floor is 0.90 GB (`inspect SLICE`): the trunk streams in parts (the tensors the
 #   forward uses together; the largest, a KDA attention up to its output projection, is one
 #   0.71 GB ring slot), the lm_head in chunks, and a layer's experts through 4 arena slots
 #   (each reused as compute gives it back), so the 1.5 GB rung runs (and a 0.96 GB one).
+#
+# EXPECT: the ids every run must give. When not given, the resident rung is run first and
+# its ids are the expectation (slices made before `synth --weights gaussian` have other ids
+# than new ones, so no default is hard-coded); without a resident rung EXPECT is required.
+#
+# Codec rows (issue 37): with CODED_TRUNK=DIR (the same slice packed with `pack-trunk
+# --codec bf16-zstd`; packed there once if DIR has no trunk.json), every numeric rung runs
+# twice, the raw TRUNK and the coded trunk back to back (rows `L` and `L/coded`), the order
+# alternating from round to round (ROUNDS, default 1), and prints beside the row the stored
+# bytes the coded trunk read per token (the trunk's decoded bytes per token times the run's
+# stored/decoded share, from the trunk-loader's summary) and s/token against the latest
+# raw run's at that rung.
+#
+# DRY_RUN=1 checks the arguments and prints the runs it would make, in order, then exits
+# (no root, no k3-orch, nothing written).
 # Needs root (cgroups, drop_caches). Environment: K3 (default target/release/k3-orch),
-# SLICE, TRUNK, GEN (default 8), IDS (default 1), EXPECT.
+# SLICE, TRUNK, CODED_TRUNK, GEN (default 8), IDS (default 1), EXPECT, ROUNDS, DRY_RUN.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 K3=${K3:-target/release/k3-orch}
@@ -35,20 +49,57 @@ WORK=${1:-/tmp/k3-bench-budget}
 LIMITS=${2:-1.5,5.5,resident}
 GEN=${GEN:-8}
 IDS=${IDS:-1}
-if [ "$IDS" = 1 ] && [ "$GEN" = 8 ]; then
-    EXPECT=${EXPECT:-101883,10879,110240,69507,56170,141799,66690,130240}
-else
-    EXPECT=${EXPECT:-}
+EXPECT=${EXPECT:-}
+ROUNDS=${ROUNDS:-1}
+CODED_TRUNK=${CODED_TRUNK:-}
+DRY_RUN=${DRY_RUN:-}
+
+# The rungs: numbers (GB) or `resident`; the resident rung first when it sets EXPECT.
+IFS=, read -ra LS <<< "$LIMITS"
+HAVE_RESIDENT=
+NUMERIC=()
+for L in "${LS[@]}"; do
+    if [ "$L" = resident ]; then
+        HAVE_RESIDENT=1
+    elif [[ "$L" =~ ^[0-9]+([.][0-9]+)?$ ]] && python3 -c "import sys; sys.exit(0 if float('$L') > 0 else 1)"; then
+        NUMERIC+=("$L")
+    else
+        echo "bench-budget: limit '$L' is neither a positive number of GB nor 'resident'" >&2
+        exit 2
+    fi
+done
+if ! [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]]; then
+    echo "bench-budget: ROUNDS=$ROUNDS is not a positive whole number" >&2
+    exit 2
+fi
+if [ -z "$EXPECT" ] && [ -z "$HAVE_RESIDENT" ]; then
+    echo "bench-budget: give EXPECT (the resident run's ids for IDS=$IDS GEN=$GEN) or include the 'resident' rung" >&2
+    exit 2
+fi
+if [ -n "$EXPECT" ] && ! [[ "$EXPECT" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+    echo "bench-budget: EXPECT=$EXPECT is not a comma-separated list of ids" >&2
+    exit 2
+fi
+# The runs in order: "rung trunk-kind" (kind raw, coded or resident).
+PLAN=()
+[ -n "$HAVE_RESIDENT" ] && PLAN+=("resident resident")
+for ((round = 1; round <= ROUNDS; round++)); do
+    for L in "${NUMERIC[@]}"; do
+        if [ -z "$CODED_TRUNK" ]; then
+            PLAN+=("$L raw")
+        elif ((round % 2)); then
+            PLAN+=("$L raw" "$L coded")
+        else
+            PLAN+=("$L coded" "$L raw")
+        fi
+    done
+done
+if [ -n "$DRY_RUN" ]; then
+    echo "bench-budget (dry run): ${#PLAN[@]} runs, ROUNDS=$ROUNDS, EXPECT=${EXPECT:-from the resident rung}, CODED_TRUNK=${CODED_TRUNK:-none}"
+    for p in "${PLAN[@]}"; do echo "run: $p"; done
+    exit 0
 fi
 
-if [ ! -x "$K3" ]; then
-    echo "k3-orch not found at $K3 (build with: cargo build --release -p k3-orch)" >&2
-    exit 2
-fi
-if [ "$(id -u)" != 0 ]; then
-    echo "bench-budget needs root (memory cgroups and drop_caches)" >&2
-    exit 2
-fi
 echo "== $(date -u +%FT%TZ)  cpus: $(nproc)  uptime: $(uptime)"
 mkdir -p "$WORK"
 if [ -z "${SLICE:-}" ]; then
@@ -60,6 +111,10 @@ fi
 echo "slice: $SLICE  trunk: $TRUNK  ids: $IDS  gen: $GEN"
 [ -f "$SLICE/config.json" ] || "$K3" synth --shape slice --vocab 163840 "$SLICE"
 [ -f "$TRUNK/trunk.json" ] || "$K3" pack-trunk "$SLICE" "$TRUNK"
+if [ -n "$CODED_TRUNK" ]; then
+    echo "coded trunk: $CODED_TRUNK"
+    [ -f "$CODED_TRUNK/trunk.json" ] || "$K3" pack-trunk "$SLICE" "$CODED_TRUNK" --codec bf16-zstd
+fi
 
 # S: bytes one token touches (trunk, lm_head, top-k experts in every MoE layer).
 S=$("$K3" inspect "$SLICE" | python3 -c '
@@ -104,38 +159,44 @@ make_cg() { # name bytes -> path
 }
 peak_of() { if [ $CG = v2 ]; then cat "$1/memory.peak" 2>/dev/null || echo 0; else cat "$1/memory.max_usage_in_bytes"; fi; }
 
-printf '%-8s %10s %12s %8s %8s %9s %10s %10s %6s  %s\n' limit s/token bytes/tok devbw ratio disk_busy cg_peak peak exit ids
-IFS=, read -ra LS <<< "$LIMITS"
-for L in "${LS[@]}"; do
-    if [ "$L" = resident ]; then
+printf '%-14s %10s %12s %8s %8s %9s %10s %10s %6s  %s\n' limit s/token bytes/tok devbw ratio disk_busy cg_peak peak exit ids
+declare -A RAW_SPT=()
+for p in "${PLAN[@]}"; do
+    read -r L KIND <<< "$p"
+    NAME=$L
+    if [ "$KIND" = resident ]; then
         d=$(make_cg "k3-bench-$$-$L" max)
         RUN=("$K3" "$SLICE")
         LGB=0
     else
         B=$(python3 -c "print(int($L * 1e9))")
-        d=$(make_cg "k3-bench-$$-$L" "$B")
-        RUN=("$K3" "$SLICE" --trunk "$TRUNK" --mem-gb "$L")
+        d=$(make_cg "k3-bench-$$-$L-$KIND" "$B")
+        DIR=$TRUNK
+        if [ "$KIND" = coded ]; then DIR=$CODED_TRUNK; NAME=$L/coded; fi
+        RUN=("$K3" "$SLICE" --trunk "$DIR" --mem-gb "$L")
         LGB=$L
     fi
     sync; echo 3 > /proc/sys/vm/drop_caches
-    OUT=$WORK/rung-$L.json
+    TAG=${NAME//\//-}
+    OUT=$WORK/rung-$TAG.json
     rm -f "$OUT"
     set +e
     ( echo $BASHPID > "$d/cgroup.procs" 2>/dev/null || echo $BASHPID > "$d/tasks"
       exec "${RUN[@]}" --ids "$IDS" --gen "$GEN" --incremental --quiet --out "$OUT" ) \
-        > "$WORK/rung-$L.log" 2>&1
+        > "$WORK/rung-$TAG.log" 2>&1
     rc=$?
     set -e
     PEAK=$(peak_of "$d")
     if [ -f "$OUT" ]; then
-        python3 - "$OUT" "$LGB" "$S" "$DEVBW" "$PEAK" "$rc" "$L" "$EXPECT" <<'PY'
+        LINE=$(python3 - "$OUT" "$LGB" "$S" "$DEVBW" "$PEAK" "$rc" "$NAME" "$EXPECT" "${RAW_SPT[$L]:-}" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 L, S, devbw, cg, rc = float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
-name, expect = sys.argv[7], sys.argv[8]
+name, expect, raw_spt = sys.argv[7], sys.argv[8], sys.argv[9]
 steps = r["steps"][1:] or r["steps"]
 spt = sum(s["seconds"] for s in steps) / len(steps)
-bpt = sum(s["trunk_read_bytes"] + s["expert_read_bytes"] for s in steps) / len(steps)
+trunk = sum(s["trunk_read_bytes"] for s in steps) / len(steps)
+bpt = trunk + sum(s["expert_read_bytes"] for s in steps) / len(steps)
 floor = max(0.0, S - L * 1e9 + 0.5e9) if L > 0 else 0.0
 ratio = f"{bpt / floor:.2f}" if floor > 0 else "-"
 peak = r["totals"].get("peak_bytes") or 0
@@ -143,11 +204,33 @@ db = r["totals"].get("disk_busy")
 busy = f"{100 * db['busy_share']:.1f}%" if db else "-"
 ids = ",".join(map(str, r["generated_ids"]))
 same = "" if not expect else ("  (= expected)" if ids == expect else f"  (DIFFERENT: expected {expect})")
-print(f"{name:<8} {spt:>10.3f} {bpt/1e9:>10.3f}GB {devbw:>8} {ratio:>8} {busy:>9} {cg/1e9:>8.3f}GB {peak/1e9:>8.3f}GB {rc:>6}  {ids}{same}")
+codec = ((r.get("stage_summaries") or {}).get("trunk-loader") or {}).get("codec")
+extra = ""
+if codec and codec.get("decoded_bytes"):
+    share = codec["stored_bytes_read"] / codec["decoded_bytes"]
+    extra = f"  [coded: trunk {trunk/1e9:.3f}GB decoded, {trunk*share/1e9:.3f}GB stored per token"
+    if raw_spt:
+        extra += f"; s/token {spt / float(raw_spt):.2f}x raw"
+    extra += "]"
+print(f"{name:<14} {spt:>10.3f} {bpt/1e9:>10.3f}GB {devbw:>8} {ratio:>8} {busy:>9} {cg/1e9:>8.3f}GB {peak/1e9:>8.3f}GB {rc:>6}  {ids}{same}{extra}")
+print(f"@@ {spt} {ids}")
 PY
+)
+        echo "$LINE" | grep -v '^@@ '
+        read -r _ SPT GOT <<< "$(echo "$LINE" | grep '^@@ ')"
+        [ "$KIND" = raw ] && RAW_SPT[$L]=$SPT
+        if [ "$KIND" = resident ] && [ -z "$EXPECT" ]; then
+            EXPECT=$GOT
+            echo "EXPECT (from the resident rung): $EXPECT"
+        fi
     else
-        printf '%-8s %10s %12s %8s %8s %9s %8.3fGB %10s %6s  %s\n' "$L" - - "$DEVBW" - - \
-            "$(python3 -c "print($PEAK/1e9)")" - "$rc" "(no report: $(tail -1 "$WORK/rung-$L.log"))"
+        printf '%-14s %10s %12s %8s %8s %9s %8.3fGB %10s %6s  %s\n' "$NAME" - - "$DEVBW" - - \
+            "$(python3 -c "print($PEAK/1e9)")" - "$rc" "(no report: $(tail -1 "$WORK/rung-$TAG.log"))"
+        if [ "$KIND" = resident ] && [ -z "$EXPECT" ]; then
+            echo "bench-budget: the resident rung gave no ids and EXPECT is not set: nothing to compare against" >&2
+            rmdir "$d" 2>/dev/null || true
+            exit 1
+        fi
     fi
     rmdir "$d" 2>/dev/null || true
 done

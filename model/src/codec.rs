@@ -126,51 +126,72 @@ pub fn encode_level(codec: Codec, raw: &[u8], level: i32) -> Result<Vec<u8>, Cod
     }
 }
 
-thread_local! {
-    /// Per thread: a zstd decompression context and the exponent plane's buffer, reused
-    /// from chunk to chunk (the decode buffers the trunk-loader's memory plan counts).
-    static SCRATCH: RefCell<Option<(zstd::bulk::Decompressor<'static>, Vec<u8>)>> =
-        const { RefCell::new(None) };
+/// A decoder's reusable state: one zstd decompression context and the exponent plane's
+/// buffer. Creating a context allocates (and zstd sizes its tables on first use), so a
+/// caller that decodes many chunks keeps one per thread and reuses it from chunk to chunk
+/// and layer to layer ([`crate::codec_trunk::CodedReader`] pools them across its reader
+/// threads); [`decode`] uses one per calling thread.
+#[derive(Default)]
+pub struct Decoder {
+    /// Created on the first decode (so that `new` cannot fail).
+    dctx: Option<zstd::bulk::Decompressor<'static>>,
+    exp: Vec<u8>,
 }
 
-/// Decode one chunk into `out` (exactly its decoded length). Writes only inside `out`.
-pub fn decode(codec: Codec, stored: &[u8], out: &mut [u8]) -> Result<(), CodecError> {
-    match codec {
-        Codec::Bf16Zstd => decode_split(stored, out),
+impl Decoder {
+    /// A decoder with no context yet.
+    pub fn new() -> Decoder {
+        Decoder::default()
     }
-}
 
-fn decode_split(stored: &[u8], out: &mut [u8]) -> Result<(), CodecError> {
-    let head: [u8; HEADER] = stored
-        .get(..HEADER)
-        .and_then(|h| h.try_into().ok())
-        .ok_or(CodecError::NoHeader { got: stored.len() })?;
-    let zl = u32::from_le_bytes(head) as u64;
-    let n = out.len() / 2;
-    let odd = out.len() % 2;
-    let want = HEADER as u64 + zl + n as u64 + odd as u64;
-    if want != stored.len() as u64 {
-        return Err(CodecError::Length {
-            want,
-            got: stored.len(),
-        });
+    /// Whether a zstd context has been created (by a decode).
+    pub fn has_context(&self) -> bool {
+        self.dctx.is_some()
     }
-    let zl = zl as usize;
-    let z = &stored[HEADER..HEADER + zl];
-    let sm = &stored[HEADER + zl..HEADER + zl + n];
-    SCRATCH.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if slot.is_none() {
+
+    /// Decode one chunk into `out` (exactly its decoded length). Writes only inside `out`.
+    pub fn decode(
+        &mut self,
+        codec: Codec,
+        stored: &[u8],
+        out: &mut [u8],
+    ) -> Result<(), CodecError> {
+        match codec {
+            Codec::Bf16Zstd => self.decode_split(stored, out),
+        }
+    }
+
+    fn decode_split(&mut self, stored: &[u8], out: &mut [u8]) -> Result<(), CodecError> {
+        let head: [u8; HEADER] = stored
+            .get(..HEADER)
+            .and_then(|h| h.try_into().ok())
+            .ok_or(CodecError::NoHeader { got: stored.len() })?;
+        let zl = u32::from_le_bytes(head) as u64;
+        let n = out.len() / 2;
+        let odd = out.len() % 2;
+        let want = HEADER as u64 + zl + n as u64 + odd as u64;
+        if want != stored.len() as u64 {
+            return Err(CodecError::Length {
+                want,
+                got: stored.len(),
+            });
+        }
+        let zl = zl as usize;
+        let z = &stored[HEADER..HEADER + zl];
+        let sm = &stored[HEADER + zl..HEADER + zl + n];
+        if self.dctx.is_none() {
             let d =
                 zstd::bulk::Decompressor::new().map_err(|e| CodecError::Entropy(e.to_string()))?;
-            *slot = Some((d, Vec::new()));
+            self.dctx = Some(d);
         }
-        let Some((dctx, exp)) = slot.as_mut() else {
+        let (Some(dctx), exp) = (self.dctx.as_mut(), &mut self.exp) else {
             return Err(CodecError::Entropy("no decompression context".into()));
         };
         exp.clear();
         exp.reserve(n);
-        // The capacity is `n`: a frame that claims more fails here, it never writes past.
+        // zstd writes only inside `exp`'s own allocation (its capacity, at least `n`: more
+        // when the buffer served a larger chunk before); a frame that decodes to any other
+        // length than `n` fails the check below, and `out` is written only after it.
         let got = dctx
             .decompress_to_buffer(z, exp)
             .map_err(|e| CodecError::Entropy(e.to_string()))?;
@@ -178,12 +199,22 @@ fn decode_split(stored: &[u8], out: &mut [u8]) -> Result<(), CodecError> {
             return Err(CodecError::Plane { got, want: n });
         }
         join(exp, sm, &mut out[..2 * n]);
+        if odd == 1 {
+            out[2 * n] = stored[stored.len() - 1];
+        }
         Ok(())
-    })?;
-    if odd == 1 {
-        out[2 * n] = stored[stored.len() - 1];
     }
-    Ok(())
+}
+
+thread_local! {
+    /// The calling thread's [`Decoder`] for [`decode`].
+    static SCRATCH: RefCell<Decoder> = RefCell::new(Decoder::new());
+}
+
+/// Decode one chunk into `out` (exactly its decoded length) with the calling thread's
+/// [`Decoder`]. Writes only inside `out`.
+pub fn decode(codec: Codec, stored: &[u8], out: &mut [u8]) -> Result<(), CodecError> {
+    SCRATCH.with(|d| d.borrow_mut().decode(codec, stored, out))
 }
 
 /// Shannon entropy in bits per byte of `bytes`' histogram (what an ideal order-0 coder

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use k3_io::arena::OwnedArena;
 use k3_io::direct::ReadAt;
 
-use crate::codec::{decode, encode_level, Codec, CodecError};
+use crate::codec::{encode_level, Codec, CodecError, Decoder};
 use crate::trunk::{align_up, CodedChunk, CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK};
 
 /// One chunk's encoding, as a coding thread leaves it.
@@ -111,8 +111,9 @@ pub fn check_stored(
 }
 
 /// Check chunk `chunk` of `layer` (its stored bytes `stored`) and decode it into `out`
-/// (`ch.raw` bytes).
+/// (`ch.raw` bytes) with `dec` (the caller's, reused from chunk to chunk).
 pub fn decode_chunk(
+    dec: &mut Decoder,
     codec: Codec,
     layer: usize,
     chunk: usize,
@@ -121,11 +122,12 @@ pub fn decode_chunk(
     out: &mut [u8],
 ) -> Result<(), ChunkError> {
     check_stored(layer, chunk, ch, stored)?;
-    decode(codec, stored, out).map_err(|source| ChunkError::Decode {
-        layer,
-        chunk,
-        source,
-    })?;
+    dec.decode(codec, stored, out)
+        .map_err(|source| ChunkError::Decode {
+            layer,
+            chunk,
+            source,
+        })?;
     if crc32c::crc32c(out) != ch.crc32_raw {
         return Err(ChunkError::Decoded { layer, chunk });
     }
@@ -212,6 +214,16 @@ pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<Stri
     }
 }
 
+/// What one reader thread decodes a chunk with.
+struct Scratch {
+    /// An aligned buffer for one chunk's stored bytes.
+    stored: OwnedArena,
+    /// A chunk decoded only in part (a piece that starts or ends inside it).
+    raw: Vec<u8>,
+    /// The zstd context and the exponent plane's buffer.
+    dec: Decoder,
+}
+
 /// A [`ReadAt`] over the raw layout of a coded trunk (file 0: the raw `trunk.bin` the
 /// manifest describes), reading file `file` of `inner` (the stored file) and decoding.
 pub struct CodedReader {
@@ -219,11 +231,12 @@ pub struct CodedReader {
     file: u32,
     codec: Codec,
     manifest: TrunkManifest,
-    /// Aligned buffers for one chunk's stored bytes, reused (at most one per reader thread
-    /// in flight).
-    stored_bufs: Mutex<Vec<OwnedArena>>,
-    /// Buffers for a chunk decoded only in part (a piece that starts or ends inside it).
-    raw_bufs: Mutex<Vec<Vec<u8>>>,
+    /// One reader thread's decoding state each, reused from chunk to chunk and layer to
+    /// layer (at most one per reader thread in flight: the loader's reads spawn their
+    /// threads per read, so a thread's own state would die with it).
+    scratch: Mutex<Vec<Scratch>>,
+    /// [`Scratch`]es created so far (the most reader threads ever in flight at once).
+    scratch_made: AtomicU64,
     /// The largest chunk's stored bytes, aligned up.
     stored_cap: usize,
     stored_read: AtomicU64,
@@ -247,8 +260,8 @@ impl CodedReader {
             file,
             codec,
             manifest: m.clone(),
-            stored_bufs: Mutex::new(Vec::new()),
-            raw_bufs: Mutex::new(Vec::new()),
+            scratch: Mutex::new(Vec::new()),
+            scratch_made: AtomicU64::new(0),
             stored_cap,
             stored_read: AtomicU64::new(0),
             decoded: AtomicU64::new(0),
@@ -283,22 +296,49 @@ impl CodedReader {
         self.decoded.load(Ordering::Relaxed)
     }
 
-    fn take_stored(&self) -> io::Result<OwnedArena> {
-        let pooled = self
-            .stored_bufs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop();
+    /// Decoders (each with its chunk buffers) created so far: the most reader threads that
+    /// were ever decoding at once, however many chunks and layers they decoded.
+    pub fn decoders_made(&self) -> u64 {
+        self.scratch_made.load(Ordering::Relaxed)
+    }
+
+    fn take_scratch(&self) -> io::Result<Scratch> {
+        let pooled = self.scratch.lock().unwrap_or_else(|p| p.into_inner()).pop();
         match pooled {
-            Some(b) => Ok(b),
-            None => OwnedArena::new(self.stored_cap.max(4096))
-                .map_err(|e| io::Error::other(e.to_string())),
+            Some(s) => Ok(s),
+            None => {
+                let stored = OwnedArena::new(self.stored_cap.max(4096))
+                    .map_err(|e| io::Error::other(e.to_string()))?;
+                self.scratch_made.fetch_add(1, Ordering::Relaxed);
+                Ok(Scratch {
+                    stored,
+                    raw: Vec::new(),
+                    dec: Decoder::new(),
+                })
+            }
         }
     }
 
     /// Decode chunk `k` of layer `li` and copy its bytes `[from, from + dst.len())` into
     /// `dst` (straight into `dst` when the whole chunk is wanted).
     fn chunk_into(&self, li: usize, k: usize, from: usize, dst: &mut [u8]) -> io::Result<()> {
+        let mut sc = self.take_scratch()?;
+        let res = self.chunk_with(&mut sc, li, k, from, dst);
+        self.scratch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(sc);
+        res
+    }
+
+    fn chunk_with(
+        &self,
+        sc: &mut Scratch,
+        li: usize,
+        k: usize,
+        from: usize,
+        dst: &mut [u8],
+    ) -> io::Result<()> {
         let c = self
             .manifest
             .codec
@@ -306,50 +346,30 @@ impl CodedReader {
             .ok_or_else(|| io::Error::other("not coded"))?;
         let cl = &c.layers[li];
         let ch = &cl.chunks[k];
-        let mut sbuf = self.take_stored()?;
         let span = align_up(ch.stored, self.manifest.align) as usize;
-        let res = (|| {
-            let sb = sbuf.as_mut_slice().get_mut(..span).ok_or_else(|| {
-                io::Error::other(format!(
-                    "trunk layer {li} chunk {k}: larger than its buffer"
-                ))
-            })?;
-            let got = self.inner.read_at(self.file, cl.offset + ch.offset, sb)?;
-            if (got as u64) < ch.stored {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    format!("trunk layer {li} chunk {k}: the stored file ends early"),
-                ));
-            }
-            self.stored_read.fetch_add(ch.stored, Ordering::Relaxed);
-            let stored = &sb[..ch.stored as usize];
-            let bad = |e: ChunkError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
-            if from == 0 && dst.len() as u64 == ch.raw {
-                decode_chunk(self.codec, cl.layer, k, ch, stored, dst).map_err(bad)
-            } else {
-                let mut raw = self
-                    .raw_bufs
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .pop()
-                    .unwrap_or_default();
-                raw.resize(ch.raw as usize, 0);
-                let r = decode_chunk(self.codec, cl.layer, k, ch, stored, &mut raw).map_err(bad);
-                if r.is_ok() {
-                    dst.copy_from_slice(&raw[from..from + dst.len()]);
-                }
-                self.raw_bufs
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(raw);
-                r
-            }
-        })();
-        self.stored_bufs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(sbuf);
-        res
+        let sb = sc.stored.as_mut_slice().get_mut(..span).ok_or_else(|| {
+            io::Error::other(format!(
+                "trunk layer {li} chunk {k}: larger than its buffer"
+            ))
+        })?;
+        let got = self.inner.read_at(self.file, cl.offset + ch.offset, sb)?;
+        if (got as u64) < ch.stored {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("trunk layer {li} chunk {k}: the stored file ends early"),
+            ));
+        }
+        self.stored_read.fetch_add(ch.stored, Ordering::Relaxed);
+        let stored = &sb[..ch.stored as usize];
+        let bad = |e: ChunkError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
+        let dec = &mut sc.dec;
+        if from == 0 && dst.len() as u64 == ch.raw {
+            return decode_chunk(dec, self.codec, cl.layer, k, ch, stored, dst).map_err(bad);
+        }
+        sc.raw.resize(ch.raw as usize, 0);
+        decode_chunk(dec, self.codec, cl.layer, k, ch, stored, &mut sc.raw).map_err(bad)?;
+        dst.copy_from_slice(&sc.raw[from..from + dst.len()]);
+        Ok(())
     }
 }
 

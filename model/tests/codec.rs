@@ -1,7 +1,7 @@
 //! The trunk codec (`k3_model::codec`) on adversarial inputs: every byte pattern round-trips
 //! exactly, and a damaged chunk is an error (never a panic, never a write past `out`).
 
-use k3_model::codec::{decode, encode, join, split, Codec};
+use k3_model::codec::{decode, encode, join, split, Codec, Decoder};
 
 const C: Codec = Codec::Bf16Zstd;
 
@@ -113,6 +113,42 @@ fn damaged_chunks_fail_cleanly() {
     let mut forged = big[..4 + u32::from_le_bytes(big[..4].try_into().unwrap()) as usize].to_vec();
     forged.extend_from_slice(&[0u8; 1024]);
     assert!(decode(C, &forged, &mut out).is_err());
+}
+
+/// One [`Decoder`] reused over chunks of every size, a damaged one between them, gives the
+/// same bytes as a fresh decoder each time: catches reused state leaking from chunk to
+/// chunk (an exponent buffer not cleared, a length taken from the buffer's capacity left by
+/// a larger chunk, a context left unusable by an error).
+#[test]
+fn a_reused_decoder_decodes_as_a_fresh_one() {
+    let mut dec = Decoder::new();
+    assert!(!dec.has_context());
+    let raws = [
+        noise(1 << 20, 6),
+        noise(4097, 7),
+        vec![],
+        noise(3, 8),
+        noise(70_000, 9),
+    ];
+    for (i, raw) in raws.iter().enumerate() {
+        let enc = encode(C, raw).unwrap();
+        let mut bad = enc.clone();
+        if bad.len() > 8 {
+            bad[6] ^= 0xff;
+        }
+        let mut out = vec![0x5Au8; raw.len()];
+        // A damaged chunk (a failure or other bytes) leaves the decoder usable.
+        let _ = dec.decode(C, &bad, &mut out);
+        assert!(dec
+            .decode(C, &enc[..enc.len().saturating_sub(1)], &mut out)
+            .is_err());
+        dec.decode(C, &enc, &mut out).unwrap();
+        assert!(&out == raw, "chunk {i}");
+        let mut fresh = vec![0u8; raw.len()];
+        Decoder::new().decode(C, &enc, &mut fresh).unwrap();
+        assert!(fresh == out, "chunk {i}");
+    }
+    assert!(dec.has_context());
 }
 
 #[test]

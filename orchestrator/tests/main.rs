@@ -6,6 +6,7 @@
 
 mod tools_common;
 
+mod bench_budget_script;
 mod browser_chat;
 mod budget_cli;
 mod defaults_cli;

@@ -177,4 +177,56 @@ fn released_headers_only_and_the_budget_table() {
     // A batch streams through a few slots: the floor holds 4, not one per top-k expert.
     assert!(line.contains("4 expert slots"), "{line}");
     assert!(out.contains("streamed"), "{out}");
+    coded_projection(&d);
+}
+
+/// `inspect --codec-ratio R` projects a coded trunk on the released headers: it stores R of
+/// the raw 108.81 GB, keeps the same decoded bytes resident, and at 64 GB reads R of the
+/// raw trunk's bytes per token. Catches a projection that reads at the decoded size, that
+/// shrinks what is pinned by the ratio (pinned parts are decoded once, at their raw size),
+/// or that forgets the decode buffers in the floor; and a ratio out of (0, 1] accepted.
+fn coded_projection(d: &std::path::Path) {
+    let out = k3_ok(&["inspect", d.to_str().unwrap(), "--codec-ratio", "0.662"]);
+    assert!(
+        out.contains("coded trunk (--codec-ratio 0.662): 72.03 GB stored of 108.81 GB"),
+        "{out}"
+    );
+    let floor = |what: &str| -> f64 {
+        let l = out.lines().find(|l| l.contains(what)).unwrap();
+        let v = l
+            .split(what)
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap();
+        v.parse().unwrap()
+    };
+    assert!(
+        floor("coded streaming floor:") > floor("  streaming floor:"),
+        "{out}"
+    );
+    let row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("64.00 GB"))
+        .unwrap_or_else(|| panic!("no 64 GB row\n{out}"));
+    // The figures in GB: total, resident, read/token, coded resident, coded read/token
+    // (the lm_head is pinned at 64 GB).
+    let f: Vec<&str> = row.split_whitespace().collect();
+    let gb: Vec<f64> = f
+        .windows(2)
+        .filter(|w| w[1] == "GB")
+        .map(|w| w[0].parse().unwrap())
+        .collect();
+    assert_eq!(gb.len(), 5, "{row}");
+    let (resident, read, coded_resident, coded_read) = (gb[1], gb[2], gb[3], gb[4]);
+    assert!((resident - coded_resident).abs() < 0.5, "{row}");
+    assert!(
+        (coded_read / read - 0.662).abs() < 0.01,
+        "coded reads {coded_read} of raw {read}: {row}"
+    );
+    for bad in ["0", "1.5", "x"] {
+        let (code, _, err) = k3(&["inspect", d.to_str().unwrap(), "--codec-ratio", bad]);
+        assert_eq!(code, 2, "--codec-ratio {bad}: {err}");
+    }
 }

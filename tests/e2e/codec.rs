@@ -66,6 +66,7 @@ fn same_with_and_without_codec(model: &Path, ids: &str, n: usize, budgets: &[&[&
     assert!(!coded.join("trunk.bin").exists());
     let (want, want_logits, _) = gen(model, ids, n, &[], tmp.path(), "resident");
     for (i, b) in budgets.iter().enumerate() {
+        let mut planned = Vec::new();
         for (dir, tag) in [(&raw, "raw"), (&coded, "coded")] {
             let mut extra = vec!["--trunk", dir.to_str().unwrap()];
             extra.extend_from_slice(b);
@@ -85,6 +86,15 @@ fn same_with_and_without_codec(model: &Path, ids: &str, n: usize, budgets: &[&[&
             } else {
                 assert!(c.is_null(), "{c}");
             }
+            planned.push(r["plan"]["streamed_bytes_per_token"].as_u64().unwrap());
+        }
+        // The plan reads a coded trunk at its stored size (catches a plan that counts
+        // the decoded bytes, as a raw trunk's).
+        if planned[0] > 0 {
+            assert!(
+                planned[1] < planned[0],
+                "budget {b:?}: planned reads {planned:?}"
+            );
         }
     }
     want

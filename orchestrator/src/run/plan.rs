@@ -855,7 +855,7 @@ fn packed_runs(
         });
     }
     Ok((
-        k3_trunk_loader::Streams::of_layers(&m.layers[..layers]),
+        k3_trunk_loader::Streams::of_manifest(&m, layers),
         k3_trunk_loader::loader::decode_buffer_bytes(&m),
     ))
 }
@@ -999,6 +999,8 @@ struct FixedCosts<'a> {
     prefix: u64,
     /// A server's plan (its passes want one logits row per slot).
     serve_pass: bool,
+    /// A coded trunk's decode buffers in the trunk-loader (0: raw or resident).
+    trunk_decode: u64,
 }
 
 impl FixedCosts<'_> {
@@ -1025,6 +1027,7 @@ impl FixedCosts<'_> {
             + self.processes
             + self.scratch(t)
             + self.prefix
+            + self.trunk_decode
     }
 }
 
@@ -1058,6 +1061,7 @@ fn fixed_costs<'a>(
         extra_rows: slots - 1,
         prefix: b.serve.map_or(0, |s| s.prefix_bytes(sizes)),
         serve_pass: b.serve.is_some(),
+        trunk_decode: b.trunk_decode,
     }
 }
 
@@ -1238,13 +1242,18 @@ fn add_trunk(
     let streamed = sp.read_per_token;
     mp.streamed_bytes_per_token = streamed;
     notes.push(format!(
-        "trunk streamed: {}/{} {unit} pinned, ring {} x {}; deterministic hit rate {:.1}%; {} read per token",
+        "trunk streamed: {}/{} {unit} pinned, ring {} x {}; deterministic hit rate {:.1}%; {} read per token{}",
         tp.pinned,
         tp.layers,
         tp.ring_slots,
         human(tp.slot_bytes),
         100.0 * tp.hit_rate(),
-        human(streamed)
+        human(streamed),
+        if b.trunk_decode > 0 {
+            " (stored bytes of the coded trunk; pinned parts decoded once at load)"
+        } else {
+            ""
+        }
     ));
     // The lm_head streams from the same disk between tokens: a ring that read the next
     // token's first part then would share the disk with it, while the token starts with
@@ -1774,7 +1783,7 @@ mod tests {
                     len: 10 * P,
                 })
                 .collect(),
-            parts: Vec::new(),
+            ..Default::default()
         };
         let s = Spend {
             total,

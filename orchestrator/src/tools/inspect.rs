@@ -8,6 +8,12 @@
 //! of `k3_trunk_loader::plan` (pinned prefix + ring slots) over this checkpoint's layer runs
 //! as they would be packed, and the expert cache slots of `k3_expert_fetcher`.
 //!
+//! `--codec-ratio R` projects a coded trunk (`pack-trunk --codec`) before it is packed: every
+//! streamed unit reads `R` of its bytes, pinned units still take their decoded size (decoded
+//! once at load), and the decode buffers join what every run holds; the budget table then
+//! shows the coded plan beside the raw one. A packed coded trunk's own stored sizes are what
+//! a run with `--trunk` plans with.
+//!
 //! Only headers are read. GB = 10^9 bytes, TB = 10^12 (the seed's units).
 
 use std::collections::BTreeMap;
@@ -33,6 +39,18 @@ use k3_trunk_loader::{plan_streams, plan_streams_with, Presets, RingPolicy, Stre
 struct Args {
     /// The checkpoint directory (index + shards, or model.safetensors).
     model_dir: PathBuf,
+    /// Project a coded trunk that stores this share of its bytes (0 < R <= 1; measured:
+    /// 0.662 for Gaussian BF16 with `pack-trunk --codec bf16-zstd`).
+    #[arg(long = "codec-ratio", value_parser = parse_ratio)]
+    codec_ratio: Option<f64>,
+}
+
+/// A `--codec-ratio`: a number in (0, 1].
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(r) if r > 0.0 && r <= 1.0 => Ok(r),
+        _ => Err(format!("{s:?} is not a share in (0, 1]")),
+    }
 }
 
 pub fn main(args: Vec<OsString>) -> i32 {
@@ -50,7 +68,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     let cfg = ModelConfig::load_dir(&args.model_dir);
     print!("{}", report(&cat, cfg.as_ref()));
     if let Ok(c) = &cfg {
-        print!("{}", budget_table(&cat, c));
+        print!("{}", budget_table(&cat, c, args.codec_ratio));
     }
     0
 }
@@ -437,11 +455,86 @@ pub fn floor_of(s: &crate::run::plan::Spend, runs: &Streams) -> Option<u64> {
     Some(hi)
 }
 
-/// "one total budget": what `--mem-gb X` (the staged run, a packed trunk, incremental
-/// decode at a context of [`TABLE_CONTEXT`]) would hold and read per token, from the
-/// streaming floor up, by the run's own plan ([`crate::run::plan::choose`]).
-pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
-    use crate::run::plan::{choose, compute_scratch, lm_head_stream_bytes, Spend};
+/// One row of the budget table: what a total pins and reads.
+struct Row {
+    /// Units pinned of the trunk's (`12/93 parts`).
+    pinned: String,
+    /// Arena bytes of the pinned trunk (decoded).
+    resident: u64,
+    head: String,
+    slots: u64,
+    read: u64,
+}
+
+/// What `total` pins and reads over `runs` by the run's own plan, or why it is refused.
+fn row(base: &crate::run::plan::Spend, runs: &Streams, total: u64) -> Result<Row, String> {
+    use crate::run::plan::{choose, Spend};
+    let sp = Spend {
+        total,
+        ..base.clone()
+    };
+    let c = choose(&sp, Some(runs), None, None).map_err(|e| e.to_string())?;
+    let tp = plan_streams_with(c.trunk, runs, RingPolicy::default(), c.sink).ok();
+    Ok(Row {
+        pinned: tp
+            .as_ref()
+            .map(|p| {
+                let parts = if p.parts { " parts" } else { "" };
+                format!("{}/{}{parts}", p.plan.pinned, p.plan.layers)
+            })
+            .unwrap_or_default(),
+        resident: tp.map_or(0, |p| p.plan.pinned_bytes),
+        head: if c.head_pinned {
+            "pinned".to_string()
+        } else if c.head_held > 0 {
+            format!("{} held", gb(c.head_held))
+        } else {
+            "streamed".to_string()
+        },
+        slots: (c.cache / base.expert_slot.max(1)).min(base.max_slots),
+        read: c.read_per_token,
+    })
+}
+
+/// The floor line of a plan over `runs`.
+fn floor_line(
+    base: &crate::run::plan::Spend,
+    runs: &Streams,
+    floor: Option<u64>,
+    topk: u64,
+) -> String {
+    use crate::run::plan::{choose, Spend};
+    let Some(f) = floor else {
+        return "none (the plan refuses every total)".into();
+    };
+    let sp = choose(
+        &Spend {
+            total: f,
+            ..base.clone()
+        },
+        Some(runs),
+        None,
+        None,
+    )
+    .ok()
+    .and_then(|c| plan_streams_with(c.trunk, runs, RingPolicy::default(), c.sink).ok());
+    let (slot, what) = match sp {
+        Some(sp) if sp.parts => (sp.plan.slot_bytes, "the largest layer part"),
+        Some(sp) => (sp.plan.slot_bytes, "the largest layer"),
+        None => (0, "the trunk"),
+    };
+    format!(
+        "{} (one ring slot of {} for {what}, {} expert slots that a layer's top-{} streams through)",
+        gb(f),
+        gb(slot),
+        base.min_slots,
+        topk
+    )
+}
+
+/// The [`crate::run::plan::Spend`] of every total of the budget table, and the streams.
+fn table_base(cat: &Catalog, cfg: &ModelConfig) -> (crate::run::plan::Spend, Streams, u64, u64) {
+    use crate::run::plan::{compute_scratch, Spend};
     let layers = cfg.num_hidden_layers;
     let sizes = crate::run::sizes::model_sizes(cfg, cat, layers);
     let runs = packed_streams(cat, Some(layers));
@@ -467,6 +560,24 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
         max_slots: sizes.n_experts.max(topk),
         trunk_min: crate::run::plan::trunk_min(&runs),
     };
+    (base, runs, sizes.lm_head_bytes, topk)
+}
+
+/// "one total budget": what `--mem-gb X` (the staged run, a packed trunk, incremental
+/// decode at a context of [`TABLE_CONTEXT`]) would hold and read per token, from the
+/// streaming floor up, by the run's own plan ([`crate::run::plan::choose`]); with a
+/// `codec_ratio`, the same for a coded trunk that stores that share of its bytes.
+pub fn budget_table(cat: &Catalog, cfg: &ModelConfig, codec_ratio: Option<f64>) -> String {
+    use crate::run::plan::lm_head_stream_bytes;
+    let (base, runs, lm_head, topk) = table_base(cat, cfg);
+    let coded = codec_ratio.map(|r| {
+        let decode = k3_trunk_loader::loader::decode_buffer_bound(k3_model::trunk::CODEC_CHUNK);
+        let spend = crate::run::plan::Spend {
+            fixed: base.fixed + decode,
+            ..base.clone()
+        };
+        (r, spend, runs.clone().with_read_ratio(r), decode)
+    });
     let mut o = String::new();
     o += &format!(
         "\none total budget (--mem-gb; staged, packed trunk, incremental at {TABLE_CONTEXT} positions):\n"
@@ -474,86 +585,89 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig) -> String {
     o += &format!(
         "  held whatever the budget: {} (embedding row, norms, recurrent state, KV, scratch, processes); \
          the embedding is never resident, the lm_head ({}) is pinned or streamed ({} of chunk buffers)\n",
-        gb(fixed),
-        gb(sizes.lm_head_bytes),
-        gb(lm_head_stream_bytes(sizes.lm_head_bytes))
+        gb(base.fixed),
+        gb(lm_head),
+        gb(lm_head_stream_bytes(lm_head))
     );
     let floor = floor_of(&base, &runs);
-    match floor {
-        Some(f) => {
-            let sp = choose(
-                &Spend {
-                    total: f,
-                    ..base.clone()
-                },
-                Some(&runs),
-                None,
-                None,
-            )
-            .ok()
-            .and_then(|c| plan_streams_with(c.trunk, &runs, RingPolicy::default(), c.sink).ok());
-            let (slot, what) = match sp {
-                Some(sp) if sp.parts => (sp.plan.slot_bytes, "the largest layer part"),
-                Some(sp) => (sp.plan.slot_bytes, "the largest layer"),
-                None => (0, "the trunk"),
-            };
-            o += &format!(
-                "  streaming floor: {} (one ring slot of {} for {what}, {} expert slots that a layer's top-{topk} streams through)\n",
-                gb(f),
-                gb(slot),
-                base.min_slots
-            )
-        }
-        None => o += "  streaming floor: none (the plan refuses every total)\n",
+    o += &format!(
+        "  streaming floor: {}\n",
+        floor_line(&base, &runs, floor, topk)
+    );
+    if let Some((r, cb, cr, decode)) = &coded {
+        o += &format!(
+            "  coded trunk (--codec-ratio {r}): {} stored of {} (read at the stored size when streamed, \
+             pinned at the decoded size); {} of decode buffers\n",
+            gb(cr.stored_bytes()),
+            gb(runs.pinned_bytes()),
+            gb(*decode)
+        );
+        o += &format!(
+            "  coded streaming floor: {}\n",
+            floor_line(cb, cr, floor_of(cb, cr), topk)
+        );
     }
-    let all = base.fixed + base.lm_head + base.trunk_need + base.max_slots * expert_slot;
+    let all = base.fixed + base.lm_head + base.trunk_need + base.max_slots * base.expert_slot;
     let mut totals: Vec<u64> = floor.into_iter().collect();
-    for g in [1.5, 2.0, 5.5, 8.0, 16.0, 64.0, 128.0] {
+    for g in [1.5, 2.0, 5.5, 8.0, 16.0, 64.0, 128.0, 256.0] {
         let b = (g * 1e9) as u64;
         if floor.is_none_or(|f| b > f) && b < all {
             totals.push(b);
         }
     }
     totals.push(all);
-    o += &format!(
-        "  {:>10}  {:>14}  {:>15}  {:>13}  {:>16}\n",
-        "total", "trunk pinned", "lm_head", "cache slots", "read/token*"
+    o += &table_rows(&base, &runs, coded.as_ref().map(|c| (&c.1, &c.2)), &totals);
+    o +=
+        "  * trunk layers and lm_head read per token; routed experts come on top (see sim-cache)\n";
+    o
+}
+
+/// The budget table's header and one row per total (raw, and coded beside it when given).
+fn table_rows(
+    base: &crate::run::plan::Spend,
+    runs: &Streams,
+    coded: Option<(&crate::run::plan::Spend, &Streams)>,
+    totals: &[u64],
+) -> String {
+    let mut o = format!(
+        "  {:>10}  {:>14}  {:>12}  {:>15}  {:>11}  {:>12}",
+        "total", "trunk pinned", "resident", "lm_head", "cache slots", "read/token*"
     );
-    for t in totals {
-        let sp = Spend {
-            total: t,
-            ..base.clone()
-        };
-        match choose(&sp, Some(&runs), None, None) {
-            Ok(c) => {
-                let tp = plan_streams_with(c.trunk, &runs, RingPolicy::default(), c.sink).ok();
-                let slots = (c.cache / expert_slot).min(base.max_slots);
+    if coded.is_some() {
+        o += &format!(
+            "  {:>14}  {:>14}  {:>18}",
+            "coded pinned", "coded resident", "coded read/token*"
+        );
+    }
+    o += "\n";
+    for &t in totals {
+        match row(base, runs, t) {
+            Ok(r) => {
                 o += &format!(
-                    "  {:>10}  {:>14}  {:>15}  {:>13}  {:>16}\n",
+                    "  {:>10}  {:>14}  {:>12}  {:>15}  {:>11}  {:>12}",
                     gb(t),
-                    tp.map(|p| format!(
-                        "{}/{}{}",
-                        p.plan.pinned,
-                        p.plan.layers,
-                        if p.parts { " parts" } else { "" }
-                    ))
-                    .unwrap_or_default(),
-                    if c.head_pinned {
-                        "pinned".to_string()
-                    } else if c.head_held > 0 {
-                        format!("{} held", gb(c.head_held))
-                    } else {
-                        "streamed".to_string()
-                    },
-                    slots,
-                    gb(c.read_per_token)
+                    r.pinned,
+                    gb(r.resident),
+                    r.head,
+                    r.slots,
+                    gb(r.read)
                 );
+                if let Some((cb, cr)) = coded {
+                    o += &match row(cb, cr, t) {
+                        Ok(c) => format!(
+                            "  {:>14}  {:>14}  {:>18}",
+                            c.pinned,
+                            gb(c.resident),
+                            gb(c.read)
+                        ),
+                        Err(_) => format!("  {:>14}", "refused"),
+                    };
+                }
+                o += "\n";
             }
             Err(e) => o += &format!("  {:>10}  refused: {e}\n", gb(t)),
         }
     }
-    o +=
-        "  * trunk layers and lm_head read per token; routed experts come on top (see sim-cache)\n";
     o
 }
 

@@ -688,6 +688,25 @@ fn normal_table() -> &'static [f32] {
     })
 }
 
+/// One routed expert matrix of `rows` x `fan_in` as `synth --weights gaussian --seed SEED`
+/// writes the matrix called `name` (`*.weight`): its MXFP4 codes and its E8M0 scales, the
+/// real quantization of N(0, 1/sqrt(fan_in)) groups (what `benches/codec_experts.rs`
+/// measures the codec on). `fan_in` is a multiple of 32.
+pub fn gaussian_expert_planes(
+    seed: u64,
+    name: &str,
+    rows: usize,
+    fan_in: usize,
+) -> (Vec<u8>, Vec<u8>) {
+    let rng = tensor_rng(seed, name);
+    let std = 1.0 / (fan_in.max(1) as f32).sqrt();
+    let mut codes = vec![0u8; rows * fan_in / 2];
+    let mut scales = vec![0u8; rows * fan_in / 32];
+    weights::fill_quantized(&rng, normal_table(), std, true, 0, &mut codes);
+    weights::fill_quantized(&rng, normal_table(), std, false, 0, &mut scales);
+    (codes, scales)
+}
+
 /// Fill `out` with elements `first..first + out.len()/size` of tensor `t`.
 /// `init` is what the tensor holds (`t.init`, or its `--weights` form).
 fn fill(t: &TensorSpec, init: Init, rng: &mut ChaCha8Rng, first: usize, out: &mut [u8]) {

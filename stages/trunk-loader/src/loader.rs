@@ -12,7 +12,8 @@
 //! A coded trunk (`pack-trunk --codec`) is read through [`trunk_reader`]'s
 //! [`CodedReader`]: the same raw offsets, each chunk read and decoded by the reader thread
 //! that asked for it, straight into the slot; the per-MiB CRCs below then check the decoded
-//! bytes as they check a raw trunk's.
+//! bytes as they check a raw trunk's. A read that starts inside a chunk (a layer's part) is
+//! cut at the chunk's end ([`ChunkGrid`]), so no chunk is decoded twice.
 //!
 //! Without a packed trunk there is nothing to stream: the caller loads the whole trunk
 //! resident from the shards instead (memory-map or read it); this loader is only for
@@ -140,6 +141,14 @@ pub fn trunk_reader(
 /// [`read_parallel`] with its chunk buffers); 0 for a raw trunk. The memory plan counts it.
 pub fn decode_buffer_bytes(m: &TrunkManifest) -> u64 {
     READ_QD as u64 * CodedReader::buffer_bytes_per_thread(m)
+}
+
+/// [`decode_buffer_bytes`] of any coded trunk with chunks of `chunk` decoded bytes (a chunk
+/// stores at most its bytes plus a few of header and frame, page-aligned): what a plan
+/// projects before the trunk is packed (`inspect --codec-ratio`).
+pub fn decode_buffer_bound(chunk: u64) -> u64 {
+    let stored = k3_io::arena::align_up(chunk + 4096);
+    READ_QD as u64 * (stored + chunk + chunk / 2)
 }
 
 /// Where an acquired layer's bytes are: `arena_offset..arena_offset + len` of the arena.
@@ -289,6 +298,8 @@ struct Shared {
     ring_at: u64,
     reader: Arc<dyn ReadAt>,
     file: u32,
+    /// A coded trunk's chunk grid (reads of unchecked pieces are cut on it).
+    grid: Option<ChunkGrid>,
     /// Per-run CRCs checked after every read, named by each piece's `check` (empty:
     /// unchecked, e.g. a raw file in tests).
     checks: Vec<k3_model::trunk::RunCheck>,
@@ -297,6 +308,43 @@ struct Shared {
 }
 
 pub use k3_io::direct::{READ_CHUNK, READ_QD};
+
+/// Where a coded trunk's chunks start (`pack-trunk --codec`): every `chunk` bytes from each
+/// layer's first byte (`starts`, the layers' offsets in the raw layout, ascending).
+///
+/// [`read_parallel`] cuts a read into [`READ_CHUNK`] pieces from its first byte; a part
+/// that starts inside a chunk would then cut every chunk it spans across two pieces, and
+/// each piece decodes the whole chunk: half as much decoding and stored reading again. The
+/// loader cuts such a read at the first chunk boundary instead, so every later piece is
+/// whole chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkGrid {
+    pub starts: Vec<u64>,
+    pub chunk: u64,
+}
+
+impl ChunkGrid {
+    /// The grid of coded trunk `m` (None for a raw one).
+    pub fn of(m: &TrunkManifest) -> Option<ChunkGrid> {
+        let c = m.codec.as_ref()?;
+        Some(ChunkGrid {
+            starts: m.layers.iter().map(|l| l.offset).collect(),
+            chunk: c.chunk.max(1),
+        })
+    }
+
+    /// Bytes from `start` to the first chunk boundary after it, when that lies inside a
+    /// read of `len` bytes (None: `start` is on a boundary, or the read ends first).
+    pub fn cut(&self, start: u64, len: usize) -> Option<usize> {
+        let i = self
+            .starts
+            .partition_point(|&o| o <= start)
+            .checked_sub(1)?;
+        let rel = start - self.starts[i];
+        let to = (self.chunk - rel % self.chunk) % self.chunk;
+        (to > 0 && (to as usize) < len).then_some(to as usize)
+    }
+}
 
 /// Fill `dst` from `offset` of `file` with [`k3_io::direct::read_parallel`] ([`READ_CHUNK`]
 /// pieces, [`READ_QD`] in flight), checking each piece against `check`'s CRCs. Returns the
@@ -372,7 +420,7 @@ impl Shared {
                 .check
                 .and_then(|(i, a)| self.checks.get(i).map(|c| (c, a)));
             let aligned = check.filter(|_| start == r.offset);
-            let got = read_parallel_at(&*self.reader, self.file, start, dst, aligned)?;
+            let got = self.read_cut(start, dst, aligned)?;
             if start + (got as u64) < r.offset + r.len {
                 return Err(UnitReadError::Short {
                     got,
@@ -393,6 +441,29 @@ impl Shared {
             pos += fp;
         }
         Ok(total)
+    }
+
+    /// [`read_parallel_at`] of `dst` from `start`; an unchecked read of a coded trunk is cut
+    /// at its first chunk boundary (see [`ChunkGrid`]).
+    fn read_cut(
+        &self,
+        start: u64,
+        dst: &mut [u8],
+        check: Option<(&k3_model::trunk::RunCheck, u64)>,
+    ) -> Result<usize, ParallelReadError<CheckError>> {
+        let cut = match (&self.grid, check) {
+            (Some(g), None) => g.cut(start, dst.len()),
+            _ => None,
+        };
+        let Some(cut) = cut else {
+            return read_parallel_at(&*self.reader, self.file, start, dst, check);
+        };
+        let (head, tail) = dst.split_at_mut(cut);
+        let got = read_parallel_at(&*self.reader, self.file, start, head, None)?;
+        if got < cut {
+            return Ok(got);
+        }
+        Ok(cut + read_parallel_at(&*self.reader, self.file, start + cut as u64, tail, None)?)
     }
 
     fn next_streamed(&self, layer: usize) -> usize {
@@ -593,6 +664,21 @@ impl TrunkLoader {
         arena: Arc<dyn ArenaMemory>,
         checks: Vec<k3_model::trunk::RunCheck>,
     ) -> Result<TrunkLoader, LoaderError> {
+        Self::with_units_grid(units, plan, reader, file, arena, checks, None)
+    }
+
+    /// Like [`with_units`](Self::with_units) over a coded trunk read through a
+    /// `CodedReader` whose chunks lie on `grid` ([`ChunkGrid::of`]): a piece that starts
+    /// inside a chunk is read cut at the chunk's end, so no chunk is decoded twice.
+    pub fn with_units_grid(
+        units: Vec<Unit>,
+        plan: TrunkPlan,
+        reader: Arc<dyn ReadAt>,
+        file: u32,
+        arena: Arc<dyn ArenaMemory>,
+        checks: Vec<k3_model::trunk::RunCheck>,
+        grid: Option<ChunkGrid>,
+    ) -> Result<TrunkLoader, LoaderError> {
         let runs = &units;
         if runs.len() != plan.layers {
             return Err(LoaderError::PlanLayers {
@@ -637,6 +723,7 @@ impl TrunkLoader {
             ring_at: at,
             reader,
             file,
+            grid,
             checks,
             state: Mutex::new(State {
                 pinned: vec![Loaded::No; plan.pinned],

@@ -168,17 +168,27 @@ pub fn plan(budget: u64, runs: &[LayerRun], ring: RingPolicy) -> Result<TrunkPla
 
 /// A packed trunk's two ways to stream: whole layers, or the layers' parts (the tensors the
 /// forward uses together, `k3_model::trunk::layer_parts_of`), both in stream order.
+///
+/// What streaming a unit costs is the bytes it reads from disk: its footprint for a raw
+/// trunk; for a coded one (`pack-trunk --codec`) the stored bytes of the chunks it covers
+/// (`layer_reads`, `part_reads`), while its arena footprint stays the decoded size (a pinned
+/// unit is decoded once at load, a ring slot holds decoded bytes).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Streams {
     /// One run per layer (its padded length).
     pub layers: Vec<LayerRun>,
     /// One run per part, layer by layer (the bytes its pieces take).
     pub parts: Vec<LayerRun>,
+    /// Bytes streaming each layer reads (a coded trunk's stored bytes); empty: the
+    /// footprints.
+    pub layer_reads: Vec<u64>,
+    /// Bytes streaming each part reads; empty: the footprints.
+    pub part_reads: Vec<u64>,
 }
 
 impl Streams {
     /// The streams of these layers of a packed trunk (or of a trunk laid out as `pack-trunk`
-    /// would lay it out, for `inspect`).
+    /// would lay it out, for `inspect`), read raw.
     pub fn of_layers(layers: &[k3_model::trunk::TrunkLayer]) -> Streams {
         Streams {
             layers: layers
@@ -196,12 +206,78 @@ impl Streams {
                     len: p.bytes(),
                 })
                 .collect(),
+            layer_reads: Vec::new(),
+            part_reads: Vec::new(),
         }
+    }
+
+    /// The streams of the first `layers` layers of packed trunk `m`: for a coded trunk each
+    /// unit reads the stored bytes of the chunks its pieces touch (a chunk two parts or two
+    /// pieces share is read by both), what the trunk-loader's `CodedReader` reads.
+    pub fn of_manifest(m: &k3_model::trunk::TrunkManifest, layers: usize) -> Streams {
+        let layers = layers.min(m.layers.len());
+        let mut s = Streams::of_layers(&m.layers[..layers]);
+        let Some(c) = &m.codec else { return s };
+        let chunk = c.chunk.max(1);
+        for (l, cl) in m.layers[..layers].iter().zip(&c.layers) {
+            s.layer_reads
+                .push(cl.chunks.iter().map(|ch| ch.stored).sum());
+            for part in k3_model::trunk::layer_parts_of(l) {
+                // Each piece is read on its own: a chunk two pieces touch is read twice.
+                let mut read = 0u64;
+                for p in &part.pieces {
+                    let end = (p.at + p.len).min(l.length);
+                    if end > p.at {
+                        let (a, b) = ((p.at / chunk) as usize, ((end - 1) / chunk) as usize);
+                        read += cl
+                            .chunks
+                            .iter()
+                            .take(b + 1)
+                            .skip(a)
+                            .map(|ch| ch.stored)
+                            .sum::<u64>();
+                    }
+                }
+                s.part_reads.push(read);
+            }
+        }
+        s
+    }
+
+    /// The same layout read `ratio` of its bytes per unit (`inspect --codec-ratio`: a coded
+    /// trunk projected before it is packed).
+    pub fn with_read_ratio(mut self, ratio: f64) -> Streams {
+        let scale = |r: &[LayerRun]| -> Vec<u64> {
+            r.iter()
+                .map(|u| (u.footprint() as f64 * ratio).ceil() as u64)
+                .collect()
+        };
+        self.layer_reads = scale(&self.layers);
+        self.part_reads = scale(&self.parts);
+        self
     }
 
     /// Arena bytes of the whole trunk pinned (whole layers).
     pub fn pinned_bytes(&self) -> u64 {
         self.layers.iter().map(LayerRun::footprint).sum()
+    }
+
+    /// Bytes the whole trunk reads from disk (its stored size when coded).
+    pub fn stored_bytes(&self) -> u64 {
+        if self.layer_reads.is_empty() {
+            self.pinned_bytes()
+        } else {
+            self.layer_reads.iter().sum()
+        }
+    }
+}
+
+/// What streaming each of `runs` reads: `reads` when given (one per run), else footprints.
+fn read_costs(runs: &[LayerRun], reads: &[u64]) -> Vec<u64> {
+    if reads.len() == runs.len() {
+        reads.to_vec()
+    } else {
+        runs.iter().map(LayerRun::footprint).collect()
     }
 }
 
@@ -212,7 +288,8 @@ pub struct StreamPlan {
     /// parts). Its units are in `order`: the loader's unit `i` is stream unit `order[i]`.
     pub plan: TrunkPlan,
     pub parts: bool,
-    /// Trunk bytes read per token: the streamed units' bytes.
+    /// Trunk bytes read per token: the streamed units' bytes (a coded trunk's stored
+    /// bytes).
     pub read_per_token: u64,
     /// The loader's units in terms of the stream's (`order[i]`: the stream unit the loader's
     /// unit `i` is): the pinned units first, then the streamed ones, each group in stream
@@ -255,8 +332,9 @@ impl StreamPlan {
 /// when no candidate fits or every unit fits pinned.
 ///
 /// With a `sink` (see the module documentation) a candidate's bytes are its streamed bytes
-/// plus the sink's bytes that its unspent budget cannot hold.
-fn pin_order(budget: u64, runs: &[LayerRun], sink: u64) -> Option<Vec<usize>> {
+/// plus the sink's bytes that its unspent budget cannot hold. A streamed unit costs its
+/// `cost` (its footprint, or a coded trunk's stored bytes).
+fn pin_order(budget: u64, runs: &[LayerRun], cost: &[u64], sink: u64) -> Option<Vec<usize>> {
     let fp: Vec<u64> = runs.iter().map(LayerRun::footprint).collect();
     let total: u64 = fp.iter().sum();
     if total <= budget {
@@ -266,7 +344,9 @@ fn pin_order(budget: u64, runs: &[LayerRun], sink: u64) -> Option<Vec<usize>> {
     sizes.sort_unstable();
     sizes.dedup();
     let mut by_size: Vec<usize> = (0..runs.len()).collect();
-    by_size.sort_by_key(|&i| std::cmp::Reverse(fp[i]));
+    // The largest first (each pinned byte is one byte less of slot or stream); of equal
+    // ones, the one that costs most to stream (a coded trunk's least compressed).
+    by_size.sort_by_key(|&i| (std::cmp::Reverse(fp[i]), std::cmp::Reverse(cost[i])));
     let mut best: Option<(u64, Vec<bool>)> = None;
     for &slot in &sizes {
         let forced: u64 = fp.iter().filter(|&&f| f > slot).sum();
@@ -283,7 +363,7 @@ fn pin_order(budget: u64, runs: &[LayerRun], sink: u64) -> Option<Vec<usize>> {
                 cap -= fp[i];
             }
         }
-        let streamed: u64 = (0..runs.len()).filter(|&i| !pin[i]).map(|i| fp[i]).sum();
+        let streamed: u64 = (0..runs.len()).filter(|&i| !pin[i]).map(|i| cost[i]).sum();
         let streamed = streamed + sink.saturating_sub(cap);
         if best.as_ref().is_none_or(|(b, _)| streamed < *b) {
             best = Some((streamed, pin));
@@ -315,33 +395,35 @@ pub fn plan_streams_with(
     ring: RingPolicy,
     sink: u64,
 ) -> Result<StreamPlan, PlanError> {
-    let read = |runs: &[LayerRun], p: &TrunkPlan| -> u64 {
-        runs[p.pinned..].iter().map(LayerRun::footprint).sum()
-    };
+    // Bytes read per token: the streamed units' costs (`cost` in the units' order).
+    let read = |cost: &[u64], p: &TrunkPlan| -> u64 { cost[p.pinned..].iter().sum() };
     let net = |p: &StreamPlan| p.read_with(sink);
+    let layer_cost = read_costs(&s.layers, &s.layer_reads);
     let whole = plan(budget, &s.layers, ring).map(|p| StreamPlan {
         plan: p,
         parts: false,
-        read_per_token: read(&s.layers, &p),
+        read_per_token: read(&layer_cost, &p),
         order: None,
     });
     if s.parts.is_empty() {
         return whole;
     }
+    let part_cost = read_costs(&s.parts, &s.part_reads);
     let prefix = plan(budget, &s.parts, ring).map(|p| StreamPlan {
         plan: p,
         parts: true,
-        read_per_token: read(&s.parts, &p),
+        read_per_token: read(&part_cost, &p),
         order: None,
     });
     // Parts may also pin a set that is not a prefix (see `pin_order`); the prefix plan
     // stays on a tie.
-    let chosen = pin_order(budget, &s.parts, sink).and_then(|order| {
+    let chosen = pin_order(budget, &s.parts, &part_cost, sink).and_then(|order| {
         let runs: Vec<LayerRun> = order.iter().map(|&i| s.parts[i]).collect();
+        let cost: Vec<u64> = order.iter().map(|&i| part_cost[i]).collect();
         plan(budget, &runs, ring).ok().map(|p| StreamPlan {
             plan: p,
             parts: true,
-            read_per_token: read(&runs, &p),
+            read_per_token: read(&cost, &p),
             order: Some(order),
         })
     });
@@ -493,6 +575,31 @@ mod tests {
         Streams {
             layers: runs(&[pages.iter().sum()]),
             parts: runs(pages),
+            ..Default::default()
+        }
+    }
+
+    // A coded trunk (each unit reads its stored bytes) plans the same memory and reads the
+    // stored bytes of what it streams; a unit whose bytes do not compress weighs more, so
+    // the set pinned can change. Catches a plan that counts a coded trunk's reads at the
+    // decoded size (the read per token, and the choice of lm_head pinned or streamed that
+    // depends on it, would be the raw trunk's).
+    #[test]
+    fn a_coded_trunk_reads_its_stored_bytes() {
+        let ring = RingPolicy::default();
+        let raw = plan_streams(4833 * P, &streams_of(&SLICE), ring).unwrap();
+        let half = streams_of(&SLICE).with_read_ratio(0.5);
+        assert_eq!(half.stored_bytes(), SLICE.iter().sum::<u64>() * P / 2);
+        let sp = plan_streams(4833 * P, &half, ring).unwrap();
+        assert_eq!((sp.plan, sp.parts), (raw.plan, raw.parts));
+        assert_eq!(sp.read_per_token, 1568 * P / 2);
+        // Three equal parts and a budget for one pinned beside one slot: the one that
+        // would read most (stores most) is pinned, wherever it is.
+        let mut s = streams_of(&[10, 10, 10]);
+        for reads in [[2, 9, 5], [9, 2, 5], [2, 5, 9]] {
+            s.part_reads = reads.iter().map(|r| r * P).collect();
+            let sp = plan_streams(20 * P, &s, ring).unwrap();
+            assert_eq!(sp.read_per_token, 7 * P, "{reads:?}: {sp:?}");
         }
     }
 

@@ -652,7 +652,7 @@ fn setup_streamed(
     // (the tensors the forward uses together), so no slot holds a whole layer.
     let mut checks = manifest.run_checks();
     checks.truncate(conf.layers);
-    let streams = crate::Streams::of_layers(layers);
+    let streams = crate::Streams::of_manifest(&manifest, conf.layers);
     let sp = crate::plan_streams_with(
         conf.budget_bytes,
         &streams,
@@ -691,13 +691,14 @@ fn setup_streamed(
     let region = trunk_region(bytes, format!("arena of {bytes} bytes"), "arena")?;
     let (reader, coded) =
         crate::loader::trunk_reader(dir, &manifest).map_err(TrunkStageError::Loader)?;
-    let loader = TrunkLoader::with_units(
+    let loader = TrunkLoader::with_units_grid(
         units,
         p,
         reader,
         0,
         Arc::new(ShmArena(region.clone())),
         checks,
+        crate::loader::ChunkGrid::of(&manifest),
     )
     .map_err(TrunkStageError::Loader)?;
     let mut manifest = manifest;

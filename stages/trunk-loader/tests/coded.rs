@@ -12,8 +12,8 @@ use k3_model::trunk::{
     align_up, chunk_crcs, SourceIdentity, TrunkCodec, TrunkLayer, TrunkManifest, TrunkTensor,
     CODEC_CHUNK, CODED_BIN, TRUNK_CODED_FORMAT, TRUNK_FORMAT,
 };
-use k3_trunk_loader::loader::decode_buffer_bytes;
-use k3_trunk_loader::{RingPolicy, TrunkLoader};
+use k3_trunk_loader::loader::{decode_buffer_bytes, read_parallel, ChunkGrid, READ_QD};
+use k3_trunk_loader::{plan, plan_streams, Piece, RingPolicy, Streams, TrunkLoader, Unit};
 
 /// Gaussian-looking BF16 words (a few exponents, random sign and mantissa) of layer `l`.
 fn run_bytes(l: usize, n: usize) -> Vec<u8> {
@@ -165,4 +165,104 @@ fn loader_decodes_a_coded_trunk_and_names_a_damaged_chunk() {
     let e = loader.layer(1).err().unwrap().to_string();
     assert!(e.contains("trunk layer 1 chunk 1"), "{e}");
     assert!(loader.layer(2).is_ok());
+}
+
+/// The decoders (zstd context and chunk buffers) are pooled: reading every layer over and
+/// over with the loader's parallel reads (threads spawned per read) creates at most one per
+/// reader thread in flight, and the bytes stay the raw ones. Catches a context (or its
+/// buffers) created per chunk or per layer read, as it was when each read's threads kept
+/// their own.
+#[test]
+fn decoders_are_pooled_across_chunks_and_layers() {
+    let sizes = [(17 << 20) + 6, (9 << 20) + 4098, 3000];
+    let (_, bin, m, k3z) = trunks(&sizes);
+    let r = CodedReader::new(&m, Arc::new(Mem(k3z)), 0).unwrap();
+    assert_eq!(r.decoders_made(), 0);
+    let mut chunks = 0;
+    for _ in 0..4 {
+        for l in &m.layers {
+            let mut dst = vec![0u8; l.length as usize];
+            let got = read_parallel(&r, 0, l.offset, &mut dst, None).unwrap();
+            assert_eq!(got, dst.len());
+            let end = (l.offset + l.length) as usize;
+            assert!(dst == bin[l.offset as usize..end], "layer {}", l.layer);
+            chunks += l.length.div_ceil(CODEC_CHUNK);
+        }
+    }
+    let made = r.decoders_made();
+    assert!(
+        made >= 1 && made <= READ_QD as u64,
+        "{made} decoders for {chunks} chunks"
+    );
+    assert!(chunks > 4 * READ_QD as u64);
+}
+
+/// A coded trunk plans with its manifest's stored sizes: the same memory as the raw trunk
+/// (slots and pinned units hold decoded bytes), but each streamed unit reads the stored
+/// bytes of its chunks. Catches a plan (the loader's and the orchestrator's, which share
+/// `Streams::of_manifest`) that reads a coded trunk at its decoded size.
+#[test]
+fn a_coded_trunk_plans_with_its_stored_sizes() {
+    let sizes = [(5 << 20) + 6, (9 << 20) + 4098, 3000];
+    let (raw, _, m, _) = trunks(&sizes);
+    let (rs, cs) = (Streams::of_manifest(&raw, 3), Streams::of_manifest(&m, 3));
+    assert!(rs.layer_reads.is_empty() && rs.part_reads.is_empty());
+    let c = m.codec.as_ref().unwrap();
+    for (l, cl) in c.layers.iter().enumerate() {
+        let stored: u64 = cl.chunks.iter().map(|x| x.stored).sum();
+        assert_eq!(cs.layer_reads[l], stored, "layer {l}");
+    }
+    assert_eq!(cs.stored_bytes(), c.stored_bytes);
+    assert!(cs.stored_bytes() < rs.stored_bytes());
+    // One tensor per layer: one part per layer, reading its whole layer's chunks.
+    assert_eq!(cs.part_reads, cs.layer_reads);
+    let budget = align_up(sizes[0] as u64, 4096) + align_up(sizes[1] as u64, 4096);
+    let (r, k) = (
+        plan_streams(budget, &rs, RingPolicy::default()).unwrap(),
+        plan_streams(budget, &cs, RingPolicy::default()).unwrap(),
+    );
+    assert_eq!(r.plan, k.plan);
+    assert!(
+        k.read_per_token > 0 && k.read_per_token < r.read_per_token,
+        "coded {} raw {}",
+        k.read_per_token,
+        r.read_per_token
+    );
+}
+
+/// A part that starts inside a chunk (a layer's second tensor) is read cut at the chunk's
+/// end: each chunk it spans is read and decoded once, as `Streams::of_manifest` counts it,
+/// and its bytes are the raw ones. Catches reads cut in `READ_CHUNK` pieces from the part's
+/// first byte, which put every chunk boundary inside a piece and decode those chunks twice
+/// (1.44x the stored bytes here).
+#[test]
+fn a_part_inside_a_chunk_decodes_each_chunk_once() {
+    let sizes = [(81 << 20) + 6];
+    let (_, bin, m, k3z) = trunks(&sizes);
+    let coded = Arc::new(CodedReader::new(&m, Arc::new(Mem(k3z)), 0).unwrap());
+    let (at, len) = (4096u64 * 3, 80u64 << 20);
+    let unit = Unit {
+        pieces: vec![Piece {
+            offset: at,
+            len,
+            check: None,
+            tensor_checks: Vec::new(),
+        }],
+    };
+    let p = plan(unit.footprint(), &[unit.as_run()], RingPolicy::default()).unwrap();
+    let arena = Arc::new(k3_io::arena::OwnedArena::new(p.bytes() as usize).unwrap());
+    let grid = ChunkGrid::of(&m);
+    assert_eq!(
+        grid.as_ref().unwrap().cut(at, len as usize),
+        Some((4 << 20) - 3 * 4096)
+    );
+    let reader: Arc<dyn ReadAt> = coded.clone();
+    let loader =
+        TrunkLoader::with_units_grid(vec![unit], p, reader, 0, arena, vec![], grid).unwrap();
+    let g = loader.layer(0).unwrap();
+    assert!(g[..len as usize] == bin[at as usize..(at + len) as usize]);
+    let chunks = &m.codec.as_ref().unwrap().layers[0].chunks;
+    let touched = (at / CODEC_CHUNK) as usize..=((at + len - 1) / CODEC_CHUNK) as usize;
+    let once: u64 = chunks[touched].iter().map(|c| c.stored).sum();
+    assert_eq!(coded.stored_bytes_read(), once);
 }

@@ -20,7 +20,7 @@ use anyhow::{anyhow, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use k3_model::codec::Codec;
+use k3_model::codec::{Codec, Decoder};
 use k3_model::codec_trunk::{check_stored, decode_chunk, encode_run};
 use k3_model::trunk::{
     CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK, CODED_BIN, TRUNK_BIN, TRUNK_CODED_FORMAT,
@@ -216,6 +216,7 @@ pub(super) fn verify_layers(dir: &Path, m: &TrunkManifest) -> Result<Vec<String>
     let checks = m.run_checks();
     let mut bad = Vec::new();
     let (mut stored, mut run) = (Vec::new(), Vec::new());
+    let mut dec = Decoder::new();
     for (cl, l) in c.layers.iter().zip(&m.layers) {
         stored.resize(cl.padded_length as usize, 0);
         f.read_exact_at(&mut stored, cl.offset)
@@ -231,7 +232,7 @@ pub(super) fn verify_layers(dir: &Path, m: &TrunkManifest) -> Result<Vec<String>
             at = o + n;
             let r0 = k * CODEC_CHUNK as usize;
             let dst = &mut run[r0..r0 + ch.raw as usize];
-            if let Err(e) = decode_chunk(codec, cl.layer, k, ch, &stored[o..o + n], dst) {
+            if let Err(e) = decode_chunk(&mut dec, codec, cl.layer, k, ch, &stored[o..o + n], dst) {
                 bad.push(e.to_string());
                 ok = false;
             }
