@@ -544,6 +544,11 @@ struct Batch {
     inflight: HashMap<usize, usize>,
     /// guess: slots of guess reads in flight this batch adopted (they join the rotation).
     adopted: Vec<usize>,
+    /// guess: slots of guess reads in flight this batch took over for its misses (they join
+    /// the rotation last), and by the guess's tag the slot and the miss read into it once
+    /// the guess read lands.
+    taken: Vec<usize>,
+    after_guess: HashMap<usize, (usize, ExpertExtents)>,
     tag: usize,
     t0: Instant,
     last_done: Instant,
@@ -566,6 +571,8 @@ impl Batch {
             next_turn: 0,
             inflight: HashMap::new(),
             adopted: Vec::new(),
+            taken: Vec::new(),
+            after_guess: HashMap::new(),
             tag: 0,
             t0: now,
             last_done: now,
@@ -1123,6 +1130,9 @@ impl ExpertFetcher {
                     b.claimed.push(s);
                     b.misses.push((s, loc));
                 }
+                // guess: a guess read in flight that this batch did not ask for gives up
+                // its slot; the read into it starts when the guess's lands.
+                None if publish && self.take_over_guess(b, id, &loc) => {}
                 None => deferred.push((id, loc)),
             }
         }
@@ -1146,6 +1156,7 @@ impl ExpertFetcher {
         b.rotation = b.hits.clone();
         b.rotation.extend(b.misses.iter().map(|(s, _)| *s));
         b.rotation.extend(b.adopted.iter().copied()); // guess:
+        b.rotation.extend(b.taken.iter().copied()); // guess:
         b.rotation.retain(|&s| !self.slots[s].pinned);
         b.t0 = Instant::now();
         b.last_done = b.t0;
@@ -1271,6 +1282,12 @@ impl ExpertFetcher {
 
     /// A read of the batch finished: its expert is resident (and published), or failed.
     fn landed(&mut self, b: &mut Batch, done: Done, io: &mut dyn BatchIo) {
+        if let Some((s, loc)) = b.after_guess.remove(&done.tag) {
+            // guess: a taken-over guess read landed; its slot is free for the batch's read.
+            b.inflight.remove(&done.tag);
+            self.guess.taken_over_landed(&done.result);
+            return self.start_read(b, s, &loc, io);
+        }
         if self.guess.owns(done.tag) {
             return self.guess_landed(done); // guess: not this batch's
         }
