@@ -95,12 +95,15 @@ pub struct ExpertCacheConfig {
     pub readers: usize,
 }
 
+/// Reader threads per drive unless configured: the queue depth the fetcher reads at.
+pub const DEFAULT_READERS: usize = 16;
+
 impl Default for ExpertCacheConfig {
     fn default() -> Self {
         ExpertCacheConfig {
             slots: 64,
             slot_bytes: 0,
-            readers: 16,
+            readers: DEFAULT_READERS,
         }
     }
 }
@@ -344,7 +347,7 @@ struct Group {
 /// Bytes one reader job reads of an expert: the disk's largest request here (4 MiB), so
 /// the readers' queue depth is in requests whatever the slot count, and pieces are taken
 /// in issue order, so experts land in the order they were issued.
-const PIECE: u64 = 4 << 20;
+pub const PIECE: u64 = 4 << 20;
 
 struct Done {
     tag: usize,
