@@ -15,7 +15,9 @@
 //!   it holds data, twice: as the expert-fetcher reads (its 4 MiB pieces at its queue
 //!   depth, 16) and as the trunk-loader reads (`k3_io::direct::READ_CHUNK` pieces at
 //!   `READ_QD`); a drive that cannot be measured (a header-only set is sparse) is assumed at
-//!   [`REFERENCE`]'s speed, and the output says so;
+//!   [`REFERENCE`]'s speed, and the output says so; with `--experts DIR,..` (a pack striped
+//!   over several drives) each drive's `experts.bin` is measured as the fetcher reads it
+//!   and the experts are read at the drives' sum ([`with_expert_drives`], as `doctor`);
 //! - the memory with the engine's own GEMV over a bf16 and an MXFP4 matrix far larger than
 //!   the caches ([`measure_products`]): the bytes per second the products reach, which is
 //!   about half what a bare read probe gives on the machines measured so far;
@@ -78,6 +80,12 @@ struct Args {
     /// A large file on the drive to measure (default: the model's largest shard)
     #[arg(long = "probe-file")]
     probe_file: Option<PathBuf>,
+    /// Packed experts' directories (`pack-experts --to`, as a run's `--experts`), one per
+    /// drive: each drive's `experts.bin` is measured as the fetcher reads it and the
+    /// experts are projected at the drives' summed bandwidth (`--drives` defaults to the
+    /// number of drives they sit on)
+    #[arg(long, value_delimiter = ',')]
+    experts: Vec<PathBuf>,
     /// Memory read bandwidth in GB/s (default: measured here with the read probe)
     #[arg(long = "mem-gbps")]
     mem_gbps: Option<f64>,
@@ -942,18 +950,87 @@ pub fn main(args: Vec<OsString>) -> i32 {
             seconds: a.seconds,
         },
     );
+    let (machine, drives) = match (a.experts.is_empty() || a.drive_gbps.is_some(), a.drives) {
+        (true, drives) => (machine, drives),
+        (false, drives) => {
+            let (m, n) = with_expert_drives(machine, &a.experts, &shape, a.seconds);
+            (m, if drives.is_empty() { vec![n] } else { drives })
+        }
+    };
     if a.json {
-        print!(
-            "{}",
-            json_rows(&shape, &budgets, &a.drives, &machine, &hits)
-        );
+        print!("{}", json_rows(&shape, &budgets, &drives, &machine, &hits));
     } else {
         print!(
             "{}",
-            report(&shape, &budgets, &a.drives, &machine, a.reply, &hits)
+            report(&shape, &budgets, &drives, &machine, a.reply, &hits)
         );
     }
     0
+}
+
+/// `--experts DIR,..`: each drive the directories' `experts.bin` sit on (a drive counted
+/// once, however many directories it holds) measured as the fetcher reads it; the machine
+/// with one drive's share of their sum (so `drives` of them read the sum) and how many
+/// drives were measured. A drive that cannot be measured with O_DIRECT adds nothing; when
+/// none can, the machine is left as it was (its drive figure says where it came from).
+pub fn with_expert_drives(
+    machine: Machine,
+    dirs: &[PathBuf],
+    shape: &ModelShape,
+    seconds: f64,
+) -> (Machine, u32) {
+    let mut seen: Vec<k3_expert_fetcher::devices::DevNum> = Vec::new();
+    let mut files = Vec::new();
+    for d in dirs {
+        let f = d.join(k3_model::experts::EXPERTS_BIN);
+        match k3_expert_fetcher::devices::device_of(&f) {
+            Some(dev) if seen.contains(&dev) => {}
+            Some(dev) => {
+                seen.push(dev);
+                files.push(f);
+            }
+            None => files.push(f),
+        }
+    }
+    let read = EXPERT_READ.0.min(shape.expert_bytes).max(1 << 20);
+    let (mut sum, mut n, mut why) = (0.0, 0u32, Vec::new());
+    for f in &files {
+        match measure_drive(f, read, EXPERT_READ.1, seconds) {
+            Ok(bps) => {
+                sum += bps;
+                n += 1;
+            }
+            Err(e) => why.push(e),
+        }
+    }
+    if n == 0 {
+        let mut m = machine;
+        m.drive_source = format!(
+            "{}; --experts not measured: {}",
+            m.drive_source,
+            why.join("; ")
+        );
+        return (m, 1);
+    }
+    let source = format!(
+        "measured: devbw on the experts of {n} drive{} as the fetcher reads ({:.1} MiB x QD{}), \
+         {:.2} GB/s together{}",
+        if n == 1 { "" } else { "s" },
+        read as f64 / (1u64 << 20) as f64,
+        EXPERT_READ.1,
+        sum / GB,
+        if why.is_empty() {
+            String::new()
+        } else {
+            format!(" ({} not measured: {})", why.len(), why.join("; "))
+        }
+    );
+    let m = Machine {
+        drive_bps: sum / n as f64,
+        drive_source: format!("{source}; trunk: {}", machine.drive_source),
+        ..machine
+    };
+    (m, n)
 }
 
 /// The machines of `--drives` (one drive when none is given).
@@ -1051,8 +1128,8 @@ fn report(
         o += &table(shape, budgets, &machines, hits);
     }
     if machines.iter().any(|m| m.drives > 1) {
-        o += "note    : more than one drive assumes the experts are striped over them (issue 35); \
-              today a run reads them from the one model directory\n";
+        o += "note    : more than one drive assumes the experts striped over them (pack-experts \
+              --to DIR,.. and a run's --experts DIR,..), read at their summed bandwidth\n";
     }
     o
 }
@@ -1078,6 +1155,15 @@ fn check_args(a: &Args) -> Result<(), String> {
     if let Some(p) = &a.probe_file {
         if !p.is_file() {
             return Err(format!("--probe-file {}: not a file", p.display()));
+        }
+    }
+    for d in &a.experts {
+        if !d.join(k3_model::experts::EXPERTS_BIN).is_file() {
+            return Err(format!(
+                "--experts {}: no {} there (pack-experts --to DIR writes it)",
+                d.display(),
+                k3_model::experts::EXPERTS_BIN
+            ));
         }
     }
     Ok(())
