@@ -9,10 +9,14 @@
 #
 # Run it on a quiet machine (it prints `uptime` before and after). Needs root (cgroups,
 # drop_caches). LIMITS defaults to "resident,5.5,1.5". The machine figures `project` uses
-# are measured here by `project` itself: the drive with devbw (O_DIRECT, QD16) on
-# TRUNK/trunk.bin, the memory bandwidth with the read probe, the MAC rate with k3's GEMV;
-# each can be given instead through PROJECT_FLAGS (e.g. "--drive-gbps 3.2"). THREADS, when
-# set, is passed to the runs (--threads) and to project (--cores).
+# are measured here by `project` itself, the way the engine uses them: the drive with devbw
+# (O_DIRECT) on TRUNK/trunk.bin as the expert-fetcher reads (4 MiB x QD16) and as the
+# trunk-loader reads (8 MiB x QD8), the products' streaming rate with k3's GEMV over bf16
+# and MXFP4 weights larger than the caches, the MAC rate with k3's GEMV in cache; each can
+# be given instead through PROJECT_FLAGS (e.g. "--drive-gbps 3.2"). THREADS, when set, is
+# passed to the runs (--threads) and to project (--cores). After the table, each limit's
+# model line shows the terms and how they combine, and its measured disk busy time per
+# decode token (`totals.disk_busy`) beside the predicted disk term.
 #
 # Environment: K3 (default target/release/k3-orch), SLICE (default /work/bench/slice:
 # `k3-orch synth --shape slice --vocab 163840 --seed 7`), TRUNK (default
@@ -128,7 +132,24 @@ print(f"{name:<9} {spt:>10.3f} s {pred:>10.3f} s {ratio:>8.2f} {p['floor']:<8} "
 PY
 done
 for L in "${LS[@]}"; do
-    python3 -c 'import json,sys; p=json.loads(open(sys.argv[1]).readline()); print(f"machine ({sys.argv[2]}): {p.get(\"machine\", \"-\")}")' \
-        "$WORK/project-$L.json" "$L" 2>/dev/null || true
+    python3 - "$L" "$WORK/project-$L.json" "$WORK/run-$L.json" <<'PY' || true
+import json, sys
+name, proj, run = sys.argv[1:4]
+try:
+    p = json.loads(open(proj).readline())
+except (OSError, ValueError):
+    sys.exit(0)
+print(f"machine ({name}): {p.get('machine', '-')}")
+if "model" in p:
+    print(f"model   ({name}): s/token = {p['model']}")
+try:
+    r = json.load(open(run))
+    busy = r["totals"]["disk_busy"]
+    steps = max(busy["steps"], 1)
+    print(f"disk    ({name}): busy {busy['busy_seconds'] / steps:.3f} s per decode token measured, "
+          f"{p.get('disk_s', 0):.3f} s predicted")
+except (OSError, ValueError, KeyError, TypeError):
+    pass
+PY
 done
 echo "== $(date -u +%FT%TZ)  uptime: $(uptime)"

@@ -8,7 +8,8 @@
 # --incremental --speculate off|on`, off then on in each round (only runs taken next to
 # each other compare). Per run it prints: decode s/token (the steps after the prefill),
 # the disk's busy time per decode token (`totals.disk_busy`) and their ratio, the guesses'
-# precision and recall, the bytes read for guesses never used, reads saved, the exit code
+# precision and recall, guess reads, the bytes read for guesses never used, reads saved,
+# guess reads a request took the slot of (`taken_over`), the exit code
 # and whether the ids equal the first run's (they must: speculation never changes an id).
 # `uptime` and the CPU model at the start and the end: do not record results from a
 # loaded machine.
@@ -55,8 +56,8 @@ make_cg() { # name bytes -> path
 
 BYTES=$(python3 -c "print(int($MEM * 1e9))")
 FIRST_IDS=""
-printf '%-5s %-4s %9s %11s %7s %9s %7s %10s %6s %5s  %s\n' \
-    round spec s/token busy/token ratio precision recall wasted saved exit ids
+printf '%-5s %-4s %9s %11s %7s %9s %7s %6s %10s %6s %6s %5s  %s\n' \
+    round spec s/token busy/token ratio precision recall reads wasted saved taken exit ids
 for r in $(seq "$ROUNDS"); do
     for spec in off on; do
         d=$(make_cg "k3-bench-spec-$$-$r-$spec" "$BYTES")
@@ -91,8 +92,9 @@ same = "" if not first else (" (= first)" if ids == first else " (DIFFERENT from
 pct = lambda k: f"{100 * g[k]:.1f}%" if k in g else "-"
 print(f"{r:<5} {spec:<4} {spt:>9.3f} "
       + (f"{busy:>10.3f}s {spt / busy:>7.2f}" if busy else f"{'-':>11} {'-':>7}")
-      + f" {pct('precision'):>9} {pct('recall'):>7}"
-      + f" {g.get('wasted_bytes', 0) / 1e6:>8.1f}MB {g.get('saved', 0):>6} {rc:>5}  {ids}{same}")
+      + f" {pct('precision'):>9} {pct('recall'):>7} {g.get('reads', 0):>6}"
+      + f" {g.get('wasted_bytes', 0) / 1e6:>8.1f}MB {g.get('saved', 0):>6}"
+      + f" {g.get('taken_over', 0):>6} {rc:>5}  {ids}{same}")
 print(ids)
 PY
 )

@@ -99,6 +99,48 @@ fn project_prints_the_plan_the_bytes_and_the_floor() {
     assert!(out.contains("striped"), "{out}");
 }
 
+/// `--experts DIR,..`: the drives the packs sit on are measured and summed, a drive counted
+/// once however many directories it holds (two directories on this test's one file system
+/// are one drive), `--drives` follows from them; a directory without `experts.bin` is
+/// refused with exit 2, naming it. Catches drives counted per directory (two drives'
+/// bandwidth from one disk) and a missing pack projected at an assumed speed.
+#[test]
+fn project_sums_the_drives_of_experts_dirs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    for d in [&a, &b] {
+        std::fs::create_dir(d).unwrap();
+        let bytes: Vec<u8> = (0..8u32 << 20).map(|i| (i >> 12) as u8).collect();
+        std::fs::write(d.join("experts.bin"), bytes).unwrap();
+    }
+    let dirs = format!("{},{}", a.display(), b.display());
+    let args = [
+        "project",
+        "--ram-gb",
+        "64",
+        "--experts",
+        &dirs,
+        "--seconds",
+        "0.05",
+        "--mem-gbps",
+        "50",
+        "--gmacs-per-core",
+        "10",
+        "--cores",
+        "16",
+    ];
+    let out = k3_ok(&args);
+    let machine = out.lines().find(|l| l.starts_with("machine")).unwrap();
+    assert!(machine.contains("machine : 1 drive x"), "{out}");
+    assert!(machine.contains("experts"), "{out}");
+    assert!(!out.contains("striped"), "{out}");
+    let missing = tmp.path().join("none");
+    let dirs = format!("{},{}", a.display(), missing.display());
+    let (code, _, err) = k3(&["project", "--experts", &dirs]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(&missing.display().to_string()), "{err}");
+}
+
 #[test]
 fn project_refuses_bad_figures() {
     for bad in [

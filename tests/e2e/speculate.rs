@@ -4,7 +4,10 @@
 //!
 //! Tiny-mxfp4, staged, with a small expert cache (experts stream, and there is room for
 //! guess reads), and the prompt in passes of two tokens: the routers are learned in the
-//! first pass, so the pass whose logits `--dump-logits` writes runs with guesses.
+//! first pass, so the pass whose logits `--dump-logits` writes runs with guesses. Also at
+//! the tightest budget, a cache of one decode request (2 slots, top-2: what the slice at
+//! `--mem-gb 5.5` is with 16 slots and top-16), where guesses read into the slots of the
+//! layer just passed and a request may take over a wrong guess read in flight.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -12,9 +15,14 @@ use crate::common::*;
 
 const MODEL: &str = "tiny-mxfp4/sharded";
 
-/// One staged run with `--speculate on|off`, its trace in `dir/trace`; returns the
-/// report and the dumped logits.
-fn run_spec(on: bool, dir: &std::path::Path) -> (serde_json::Value, Vec<f32>) {
+/// `--cache-gb` for 16 slots of tiny-mxfp4's experts (12,288 bytes each).
+const ROOMY: &str = "0.0002";
+/// `--cache-gb` for 2 slots: one decode request (top-2).
+const TIGHT: &str = "0.000025";
+
+/// One staged run with `--speculate on|off` and `--cache-gb cache`, its trace in
+/// `dir/trace`; returns the report and the dumped logits.
+fn run_spec(on: bool, cache: &str, dir: &std::path::Path) -> (serde_json::Value, Vec<f32>) {
     let (prompt, _) = oracle("tiny-mxfp4/expected-k3ref.json");
     let m = fixtures().join(MODEL);
     let out = dir.join("run.json");
@@ -29,7 +37,7 @@ fn run_spec(on: bool, dir: &std::path::Path) -> (serde_json::Value, Vec<f32>) {
         "8",
         "--quiet",
         "--cache-gb",
-        "0.0002",
+        cache,
         "--speculate",
         if on { "on" } else { "off" },
         "--out",
@@ -65,8 +73,8 @@ fn i32s(b: &[u8]) -> Vec<i32> {
 #[test]
 fn speculation_keeps_ids_and_logits_bit_identical() {
     let (d_off, d_on) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let (r_off, l_off) = run_spec(false, d_off.path());
-    let (r_on, l_on) = run_spec(true, d_on.path());
+    let (r_off, l_off) = run_spec(false, ROOMY, d_off.path());
+    let (r_on, l_on) = run_spec(true, ROOMY, d_on.path());
     assert_eq!(
         u32s(&r_on["generated_ids"]),
         u32s(&r_off["generated_ids"]),
@@ -94,7 +102,7 @@ fn speculation_keeps_ids_and_logits_bit_identical() {
 #[test]
 fn speculation_precision_recall_match_the_cache_trace() {
     let d = tempfile::tempdir().unwrap();
-    let (r, _) = run_spec(true, d.path());
+    let (r, _) = run_spec(true, ROOMY, d.path());
     let trace = i32s(&std::fs::read(d.path().join("trace/expert_trace.bin")).unwrap());
     let guesses = i32s(&std::fs::read(d.path().join("trace/guess_trace.bin")).unwrap());
     // The requests by (pass, layer): a batch's requests are consecutive and within a pass
@@ -142,5 +150,31 @@ fn speculation_precision_recall_match_the_cache_trace() {
     assert!(
         (s["recall"].as_f64().unwrap() - recall).abs() < 1e-12,
         "{s}"
+    );
+}
+
+/// At a cache of one decode request (2 slots, top-2), where a reserve of the largest
+/// request seen read no guess at all. Catches: no guess read there (`reads` 0), a guess
+/// that evicts a held expert or lands where a request reads from, or a taken-over slot
+/// read into while its guess read still writes it (a bit of the logits or an id would
+/// change), and a request that fails for want of a slot.
+#[test]
+fn speculation_reads_guesses_in_a_cache_of_one_request_with_the_same_bits() {
+    let (d_off, d_on) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (r_off, l_off) = run_spec(false, TIGHT, d_off.path());
+    let (r_on, l_on) = run_spec(true, TIGHT, d_on.path());
+    let slots = &r_on["stage_summaries"]["expert-fetcher"]["slots"];
+    assert_eq!(slots.as_u64(), Some(2), "not the tight cache: {slots}");
+    assert_eq!(
+        u32s(&r_on["generated_ids"]),
+        u32s(&r_off["generated_ids"]),
+        "ids"
+    );
+    assert_bits_eq("first-step logits, speculate on vs off", &l_on, &l_off);
+    let g = &r_on["totals"]["speculation"];
+    assert!(g["reads"].as_u64().unwrap() > 0, "no guess was read: {g}");
+    assert!(
+        g["saved"].as_u64().unwrap() > 0,
+        "no guess served a request: {g}"
     );
 }

@@ -8,13 +8,20 @@
 //! the two equal).
 //!
 //! The machine: the memory k3 may use (`--ram-gb`, as `--mem-gb`: the plan spends it less
-//! the run's 5% reserve), drives × GB/s, cores, memory bandwidth and a per-core MAC rate.
-//! Each is measured here unless given: the drive with `devbw` (O_DIRECT, queue depth 16,
-//! reads of one expert) on `--probe-file` or the model's largest shard when it holds data;
-//! the memory with the read probe (`k3_layer_compute::membw`) over a 256 MiB buffer; the MAC
-//! rate with the engine's own GEMV on a cache-resident bf16 and MXFP4 matrix. A drive that
-//! cannot be measured (a header-only set is sparse) is assumed at [`REFERENCE`]'s speed, and
-//! the output says so.
+//! the run's 5% reserve), drives × GB/s, cores, the rate k3's products stream weights from
+//! RAM and a per-core MAC rate. Each is measured here unless given, the way the engine
+//! uses it (issue 35's calibration: the raw probes overstated what the engine reaches):
+//! - the drive with `devbw` (O_DIRECT) on `--probe-file` or the model's largest shard when
+//!   it holds data, twice: as the expert-fetcher reads (its 4 MiB pieces at its queue
+//!   depth, 16) and as the trunk-loader reads (`k3_io::direct::READ_CHUNK` pieces at
+//!   `READ_QD`); a drive that cannot be measured (a header-only set is sparse) is assumed at
+//!   [`REFERENCE`]'s speed, and the output says so; with `--experts DIR,..` (a pack striped
+//!   over several drives) each drive's `experts.bin` is measured as the fetcher reads it
+//!   and the experts are read at the drives' sum ([`with_expert_drives`], as `doctor`);
+//! - the memory with the engine's own GEMV over a bf16 and an MXFP4 matrix far larger than
+//!   the caches ([`measure_products`]): the bytes per second the products reach, which is
+//!   about half what a bare read probe gives on the machines measured so far;
+//! - the MAC rate with the same GEMV on a cache-resident bf16 and MXFP4 matrix.
 //!
 //! The arithmetic ([`per_token`], [`Times`]): the run's own memory plan
 //! (`run::plan::choose`, as `inspect`'s budget table) says what is pinned, streamed and
@@ -22,9 +29,17 @@
 //! routed experts the cache misses (flat routing by default: the hit rate is cache slots
 //! over experts, [`flat_hit_rate`]; with `--trace FILE`, a route trace from
 //! `--record-routes`, the engine's LRU replayed on it at the same share of the pool,
-//! [`Hits`]); RAM is read for every weight the token multiplies; the
-//! MACs run at the measured rate. The predicted s/token is the largest of disk bytes / disk
-//! bandwidth, RAM bytes / memory bandwidth and compute, and that one is named the floor.
+//! [`Hits`]); RAM is read for every weight the token multiplies, bf16 and MXFP4 at their
+//! measured rates; the MACs run at the measured rate. The terms combine as the pipeline
+//! runs ([`Times::s_per_token`]): the trunk-loader reads ahead while compute works, but a
+//! layer's experts are asked for only once its router has run and its products wait for
+//! them, and with a ring of one slot the loader cannot read the next streamed unit while
+//! compute works on the current one. So s/token is the larger of
+//! - the disk's time (trunk and experts) plus the compute it cannot overlap (the products
+//!   over streamed trunk units, when the ring holds one), and
+//! - the compute (products, or MACs where those are slower) plus the expert reads,
+//!
+//! and the floor named is the first (disk) or the slower part of the second.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -65,6 +80,12 @@ struct Args {
     /// A large file on the drive to measure (default: the model's largest shard)
     #[arg(long = "probe-file")]
     probe_file: Option<PathBuf>,
+    /// Packed experts' directories (`pack-experts --to`, as a run's `--experts`), one per
+    /// drive: each drive's `experts.bin` is measured as the fetcher reads it and the
+    /// experts are projected at the drives' summed bandwidth (`--drives` defaults to the
+    /// number of drives they sit on)
+    #[arg(long, value_delimiter = ',')]
+    experts: Vec<PathBuf>,
     /// Memory read bandwidth in GB/s (default: measured here with the read probe)
     #[arg(long = "mem-gbps")]
     mem_gbps: Option<f64>,
@@ -395,11 +416,18 @@ fn packed_layer(layer: usize, at: u64, len: u64, tensors: Vec<TrunkTensor>) -> T
 #[derive(Clone, Debug, PartialEq)]
 pub struct Machine {
     pub drives: u32,
-    /// Bytes per second of one drive.
+    /// Bytes per second of one drive, read as the expert-fetcher reads (4 MiB pieces, 16
+    /// in flight).
     pub drive_bps: f64,
+    /// Bytes per second of one drive, read as the trunk-loader reads (8 MiB pieces, 8 in
+    /// flight).
+    pub trunk_drive_bps: f64,
     pub drive_source: String,
-    /// Memory read bytes per second.
+    /// Bytes per second k3's products stream bf16 weights from RAM (its GEMV over a matrix
+    /// larger than the caches).
     pub mem_bps: f64,
+    /// The same for MXFP4 weights (the routed experts).
+    pub mxfp4_mem_bps: f64,
     pub mem_source: String,
     pub cores: usize,
     /// Multiply-adds per second of one core, through bf16 and MXFP4 weights.
@@ -415,8 +443,10 @@ pub struct Machine {
 pub const REFERENCE: Machine = Machine {
     drives: 1,
     drive_bps: 7e9,
+    trunk_drive_bps: 7e9,
     drive_source: String::new(),
     mem_bps: 50e9,
+    mxfp4_mem_bps: 50e9,
     mem_source: String::new(),
     cores: 16,
     bf16_macs_per_core: 10e9,
@@ -438,14 +468,27 @@ impl Machine {
 
     /// One line describing it.
     pub fn describe(&self) -> String {
+        let trunk = if self.trunk_drive_bps == self.drive_bps {
+            String::new()
+        } else {
+            format!(" (trunk reads {:.2} GB/s)", self.trunk_drive_bps / GB)
+        };
+        let mem = if self.mxfp4_mem_bps == self.mem_bps {
+            format!("{:.1} GB/s", self.mem_bps / GB)
+        } else {
+            format!(
+                "{:.1} / {:.1} GB/s bf16 / MXFP4",
+                self.mem_bps / GB,
+                self.mxfp4_mem_bps / GB
+            )
+        };
         format!(
-            "{} drive{} x {:.2} GB/s ({}); memory {:.1} GB/s ({}); {} cores x {:.1} / {:.1} G MAC/s \
-             bf16 / MXFP4 ({})",
+            "{} drive{} x {:.2} GB/s{trunk} ({}); memory {mem} ({}); {} cores x {:.1} / {:.1} G \
+             MAC/s bf16 / MXFP4 ({})",
             self.drives,
             if self.drives == 1 { "" } else { "s" },
             self.drive_bps / GB,
             self.drive_source,
-            self.mem_bps / GB,
             self.mem_source,
             self.cores,
             self.bf16_macs_per_core / 1e9,
@@ -471,8 +514,14 @@ pub struct PerToken {
     /// Read from disk: the streamed trunk and lm_head, and the experts the cache misses.
     pub trunk_disk_bytes: f64,
     pub expert_disk_bytes: f64,
-    /// Read from RAM: every weight the token multiplies (and its embedding row).
+    /// Read from RAM: every weight the token multiplies (and its embedding row); of them,
+    /// the MXFP4 ones (the routed experts of an MXFP4 checkpoint).
     pub ram_bytes: f64,
+    pub ram_mxfp4_bytes: f64,
+    /// Of the bf16 ones, those compute multiplies while the disk has nothing to read: the
+    /// streamed trunk units when the ring holds one slot (the loader reads the next only
+    /// once compute gives the slot back). 0 when the ring reads ahead.
+    pub serial_ram_bytes: f64,
     pub bf16_macs: f64,
     pub mxfp4_macs: f64,
 }
@@ -492,52 +541,99 @@ pub fn per_token(m: &ModelShape, c: &Choice, hit: f64) -> PerToken {
     } else {
         (expert_macs, 0.0)
     };
+    let expert_ram = routed * m.expert_bytes as f64;
     PerToken {
         trunk_disk_bytes: c.read_per_token as f64,
         expert_disk_bytes: routed * (1.0 - hit) * m.expert_bytes as f64,
-        ram_bytes: (m.trunk_bytes + m.lm_head_bytes + m.embed_row_bytes) as f64
-            + routed * m.expert_bytes as f64,
+        ram_bytes: (m.trunk_bytes + m.lm_head_bytes + m.embed_row_bytes) as f64 + expert_ram,
+        ram_mxfp4_bytes: if m.experts_mxfp4 { expert_ram } else { 0.0 },
+        serial_ram_bytes: 0.0,
         bf16_macs: (m.trunk_macs + m.lm_head_macs) as f64 + bf16_experts,
         mxfp4_macs: mxfp4,
     }
 }
 
-/// Seconds per token each resource needs on its own.
+/// Seconds per token each resource needs on its own, and the parts the pipeline cannot
+/// overlap.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Times {
+    /// The disk's busy time: trunk and lm_head reads, and expert reads, over every drive.
     pub disk: f64,
+    /// Of it, the expert reads: asked for after the router, waited for by the products.
+    pub expert_disk: f64,
+    /// The products streaming their weights from RAM at the rates k3's GEMV reaches.
     pub memory: f64,
+    /// The multiply-adds at the cache-resident rate.
     pub compute: f64,
+    /// The compute the disk idles through (`PerToken::serial_ram_bytes`' products).
+    pub exposed: f64,
 }
 
 impl Times {
-    /// The resources' times for `t` on `m`: disk bytes over every drive's bandwidth, RAM
-    /// bytes over the memory bandwidth, MACs over every core's rate.
+    /// The resources' times for `t` on `m`: trunk bytes over every drive's trunk-read
+    /// rate and expert bytes over its expert-read rate; bf16 and MXFP4 RAM bytes over the
+    /// products' rates; MACs over every core's rate; the serial products' share of the
+    /// compute.
     pub fn of(t: &PerToken, m: &Machine) -> Times {
         let cores = m.cores.max(1) as f64;
+        let drives = m.drives.max(1) as f64;
+        let expert_disk = t.expert_disk_bytes / (drives * m.drive_bps);
+        let memory =
+            (t.ram_bytes - t.ram_mxfp4_bytes) / m.mem_bps + t.ram_mxfp4_bytes / m.mxfp4_mem_bps;
+        let compute = t.bf16_macs / (cores * m.bf16_macs_per_core)
+            + t.mxfp4_macs / (cores * m.mxfp4_macs_per_core);
+        let share = if t.ram_bytes > 0.0 {
+            (t.serial_ram_bytes / t.ram_bytes).min(1.0)
+        } else {
+            0.0
+        };
         Times {
-            disk: t.disk_bytes() / (m.drives.max(1) as f64 * m.drive_bps),
-            memory: t.ram_bytes / m.mem_bps,
-            compute: t.bf16_macs / (cores * m.bf16_macs_per_core)
-                + t.mxfp4_macs / (cores * m.mxfp4_macs_per_core),
+            disk: t.trunk_disk_bytes / (drives * m.trunk_drive_bps) + expert_disk,
+            expert_disk,
+            memory,
+            compute,
+            exposed: share * memory.max(compute),
         }
     }
 
-    /// The projected seconds per token: the slowest resource (the pipeline overlaps them).
-    pub fn s_per_token(&self) -> f64 {
-        self.disk.max(self.memory).max(self.compute)
+    /// The compute side: the products, or the MACs where those are slower.
+    pub fn cpu(&self) -> f64 {
+        self.memory.max(self.compute)
     }
 
-    /// The resource that sets it.
+    /// The projected seconds per token, as the pipeline overlaps the terms (see the module
+    /// documentation): the larger of the disk's time plus the compute it idles through,
+    /// and the compute plus the expert reads it waits for.
+    pub fn s_per_token(&self) -> f64 {
+        (self.disk + self.exposed).max(self.cpu() + self.expert_disk)
+    }
+
+    /// The resource that sets it: the disk when its side is the larger, else the slower
+    /// of memory and compute (named "disk" too when the expert reads outweigh both).
     pub fn floor(&self) -> &'static str {
-        let s = self.s_per_token();
-        if s == self.disk {
+        if self.disk + self.exposed >= self.cpu() + self.expert_disk
+            || self.expert_disk > self.cpu()
+        {
             "disk"
-        } else if s == self.memory {
+        } else if self.memory >= self.compute {
             "memory"
         } else {
             "compute"
         }
+    }
+
+    /// The formula with its terms, for the output.
+    pub fn explain(&self) -> String {
+        format!(
+            "max(disk {} + compute it idles through {}, products {} (memory {}, MACs {}) + \
+             expert reads after the router {})",
+            duration(self.disk),
+            duration(self.exposed),
+            duration(self.cpu()),
+            duration(self.memory),
+            duration(self.compute),
+            duration(self.expert_disk)
+        )
     }
 }
 
@@ -610,17 +706,21 @@ fn project_parts(
         ..m.spend.clone()
     };
     let c = choose(&sp, Some(&m.runs), parts.map(|p| p.0), parts.map(|p| p.1))?;
-    let pinned = plan_streams_with(c.trunk, &m.runs, RingPolicy::default(), c.sink).map(|p| {
-        format!(
-            "{}/{} {}",
-            p.plan.pinned,
-            p.plan.layers,
-            if p.parts { "parts" } else { "layers" }
-        )
-    })?;
+    let sp = plan_streams_with(c.trunk, &m.runs, RingPolicy::default(), c.sink)?;
+    let pinned = format!(
+        "{}/{} {}",
+        sp.plan.pinned,
+        sp.plan.layers,
+        if sp.parts { "parts" } else { "layers" }
+    );
     let cache_slots = (c.cache / m.spend.expert_slot.max(1)).min(m.experts());
     let hit = hits.rate(cache_slots, m.experts());
-    let pt = per_token(m, &c, hit);
+    let mut pt = per_token(m, &c, hit);
+    // A ring of one slot: the loader reads the next streamed unit only once compute gives
+    // the slot back, so the products over the streamed units run with the disk idle.
+    if sp.plan.ring_slots <= 1 {
+        pt.serial_ram_bytes = sp.read_per_token as f64;
+    }
     Ok(Projection {
         budget,
         total,
@@ -688,18 +788,23 @@ pub fn detail(
     );
     o += &format!("  holds    : {}\n", human(p.held_bytes(m)));
     o += "per token:\n";
+    let drives = machine.drives as f64;
     o += &format!(
-        "  disk     : {} trunk/lm_head + {} experts missed = {} at {:.2} GB/s = {}\n",
+        "  disk     : {} trunk/lm_head at {:.2} GB/s + {} experts missed at {:.2} GB/s = {} \
+         in {}\n",
         human(pt.trunk_disk_bytes as u64),
+        drives * machine.trunk_drive_bps / GB,
         human(pt.expert_disk_bytes as u64),
+        drives * machine.drive_bps / GB,
         human(pt.disk_bytes() as u64),
-        machine.drives as f64 * machine.drive_bps / GB,
         duration(t.disk)
     );
     o += &format!(
-        "  memory   : {} of weights read from RAM at {:.1} GB/s = {}\n",
+        "  memory   : {} of weights read from RAM ({} MXFP4) at {:.1} / {:.1} GB/s = {}\n",
         human(pt.ram_bytes as u64),
+        human(pt.ram_mxfp4_bytes as u64),
         machine.mem_bps / GB,
+        machine.mxfp4_mem_bps / GB,
         duration(t.memory)
     );
     o += &format!(
@@ -708,6 +813,12 @@ pub fn detail(
         machine.cores,
         duration(t.compute)
     );
+    o += &format!(
+        "  serial   : {} of streamed trunk multiplied with the disk idle (a one-slot ring) = {}\n",
+        human(pt.serial_ram_bytes as u64),
+        duration(t.exposed)
+    );
+    o += &format!("  model    : s/token = {}\n", t.explain());
     o += &format!(
         "projected: {} per token, {}-bound; a {reply}-token reply in {} (a projection, not a measurement)\n",
         duration(t.s_per_token()),
@@ -863,18 +974,87 @@ pub fn main(args: Vec<OsString>) -> i32 {
             seconds: a.seconds,
         },
     );
+    let (machine, drives) = match (a.experts.is_empty() || a.drive_gbps.is_some(), a.drives) {
+        (true, drives) => (machine, drives),
+        (false, drives) => {
+            let (m, n) = with_expert_drives(machine, &a.experts, &shape, a.seconds);
+            (m, if drives.is_empty() { vec![n] } else { drives })
+        }
+    };
     if a.json {
-        print!(
-            "{}",
-            json_rows(&shape, &budgets, &a.drives, &machine, &hits)
-        );
+        print!("{}", json_rows(&shape, &budgets, &drives, &machine, &hits));
     } else {
         print!(
             "{}",
-            report(&shape, &budgets, &a.drives, &machine, a.reply, &hits)
+            report(&shape, &budgets, &drives, &machine, a.reply, &hits)
         );
     }
     0
+}
+
+/// `--experts DIR,..`: each drive the directories' `experts.bin` sit on (a drive counted
+/// once, however many directories it holds) measured as the fetcher reads it; the machine
+/// with one drive's share of their sum (so `drives` of them read the sum) and how many
+/// drives were measured. A drive that cannot be measured with O_DIRECT adds nothing; when
+/// none can, the machine is left as it was (its drive figure says where it came from).
+pub fn with_expert_drives(
+    machine: Machine,
+    dirs: &[PathBuf],
+    shape: &ModelShape,
+    seconds: f64,
+) -> (Machine, u32) {
+    let mut seen: Vec<k3_expert_fetcher::devices::DevNum> = Vec::new();
+    let mut files = Vec::new();
+    for d in dirs {
+        let f = d.join(k3_model::experts::EXPERTS_BIN);
+        match k3_expert_fetcher::devices::device_of(&f) {
+            Some(dev) if seen.contains(&dev) => {}
+            Some(dev) => {
+                seen.push(dev);
+                files.push(f);
+            }
+            None => files.push(f),
+        }
+    }
+    let read = EXPERT_READ.0.min(shape.expert_bytes).max(1 << 20);
+    let (mut sum, mut n, mut why) = (0.0, 0u32, Vec::new());
+    for f in &files {
+        match measure_drive(f, read, EXPERT_READ.1, seconds) {
+            Ok(bps) => {
+                sum += bps;
+                n += 1;
+            }
+            Err(e) => why.push(e.to_string()),
+        }
+    }
+    if n == 0 {
+        let mut m = machine;
+        m.drive_source = format!(
+            "{}; --experts not measured: {}",
+            m.drive_source,
+            why.join("; ")
+        );
+        return (m, 1);
+    }
+    let source = format!(
+        "measured: devbw on the experts of {n} drive{} as the fetcher reads ({:.1} MiB x QD{}), \
+         {:.2} GB/s together{}",
+        if n == 1 { "" } else { "s" },
+        read as f64 / (1u64 << 20) as f64,
+        EXPERT_READ.1,
+        sum / GB,
+        if why.is_empty() {
+            String::new()
+        } else {
+            format!(" ({} not measured: {})", why.len(), why.join("; "))
+        }
+    );
+    let m = Machine {
+        drive_bps: sum / n as f64,
+        drive_source: format!("{source}; trunk: {}", machine.drive_source),
+        ..machine
+    };
+    (m, n)
 }
 
 /// The machines of `--drives` (one drive when none is given).
@@ -914,8 +1094,12 @@ fn json_rows(
                     "expert_disk_bytes_per_token": p.per_token.expert_disk_bytes,
                     "ram_bytes_per_token": p.per_token.ram_bytes,
                     "disk_s": p.times.disk,
+                    "expert_disk_s": p.times.expert_disk,
                     "memory_s": p.times.memory,
                     "compute_s": p.times.compute,
+                    "exposed_s": p.times.exposed,
+                    "model": p.times.explain(),
+                    "trunk_drive_gbps": mach.trunk_drive_bps / GB,
                     "s_per_token": p.times.s_per_token(),
                     "floor": p.times.floor(),
                     "machine": mach.describe(),
@@ -968,8 +1152,8 @@ fn report(
         o += &table(shape, budgets, &machines, hits);
     }
     if machines.iter().any(|m| m.drives > 1) {
-        o += "note    : more than one drive assumes the experts are striped over them (issue 35); \
-              today a run reads them from the one model directory\n";
+        o += "note    : more than one drive assumes the experts striped over them (pack-experts \
+              --to DIR,.. and a run's --experts DIR,..), read at their summed bandwidth\n";
     }
     o
 }
@@ -995,6 +1179,15 @@ fn check_args(a: &Args) -> Result<(), String> {
     if let Some(p) = &a.probe_file {
         if !p.is_file() {
             return Err(format!("--probe-file {}: not a file", p.display()));
+        }
+    }
+    for d in &a.experts {
+        if !d.join(k3_model::experts::EXPERTS_BIN).is_file() {
+            return Err(format!(
+                "--experts {}: no {} there (pack-experts --to DIR writes it)",
+                d.display(),
+                k3_model::experts::EXPERTS_BIN
+            ));
         }
     }
     Ok(())
@@ -1043,23 +1236,46 @@ pub struct MachineFlags<'a> {
 /// `shape`'s experts), or for a drive that cannot be measured the reference's, said so.
 pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
     let here = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (drive_bps, drive_source) = match (f.drive_gbps, f.probe) {
-        (Some(g), _) => (g * GB, "given".to_string()),
-        (None, Some(p)) => match measure_drive(p, shape.expert_bytes, f.seconds) {
-            Ok(bps) => (bps, format!("measured: devbw QD16 on {}", p.display())),
-            Err(e) => (REFERENCE.drive_bps, format!("ASSUMED: {e}")),
+    // A smaller expert is read in one piece (devbw reads at least 1 MiB).
+    let expert_read = EXPERT_READ.0.min(shape.expert_bytes).max(1 << 20);
+    let (drive_bps, trunk_drive_bps, drive_source) = match (f.drive_gbps, f.probe) {
+        (Some(g), _) => (g * GB, g * GB, "given".to_string()),
+        (None, Some(p)) => match measure_drives(p, expert_read, f.seconds) {
+            Ok((e, t)) => (
+                e,
+                t,
+                format!(
+                    "measured: devbw on {}, as the fetcher reads ({:.1} MiB x QD{}) and as the \
+                     trunk-loader reads ({} MiB x QD{})",
+                    p.display(),
+                    expert_read as f64 / (1u64 << 20) as f64,
+                    EXPERT_READ.1,
+                    TRUNK_READ.0 >> 20,
+                    TRUNK_READ.1
+                ),
+            ),
+            Err(e) => (
+                REFERENCE.drive_bps,
+                REFERENCE.trunk_drive_bps,
+                format!("ASSUMED: {e}"),
+            ),
         },
         (None, None) => (
             REFERENCE.drive_bps,
+            REFERENCE.trunk_drive_bps,
             "ASSUMED: no file with data to measure (give --drive-gbps)".into(),
         ),
     };
-    let (mem_bps, mem_source) = match f.mem_gbps {
-        Some(g) => (g * GB, "given".to_string()),
-        None => (
-            measure_memory(),
-            format!("measured: read probe, {here} threads"),
-        ),
+    let (mem_bps, mxfp4_mem_bps, mem_source) = match f.mem_gbps {
+        Some(g) => (g * GB, g * GB, "given".to_string()),
+        None => {
+            let (b, x) = measure_products(here);
+            (
+                b,
+                x,
+                format!("measured: k3's GEMV over weights larger than the caches, {here} threads"),
+            )
+        }
     };
     let (bf16, mxfp4, compute_source) = match f.gmacs_per_core {
         Some(g) => (g * 1e9, g * 1e9, "given".to_string()),
@@ -1071,8 +1287,10 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
     Machine {
         drives: f.drives,
         drive_bps,
+        trunk_drive_bps,
         drive_source,
         mem_bps,
+        mxfp4_mem_bps,
         mem_source,
         cores: f.cores.unwrap_or(here),
         bf16_macs_per_core: bf16,
@@ -1081,24 +1299,79 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
     }
 }
 
-/// Bytes per second of O_DIRECT random reads of `read_bytes` at queue depth 16 on `file`.
-pub fn measure_drive(file: &Path, read_bytes: u64, seconds: f64) -> Result<f64, ProjectError> {
+/// How the expert-fetcher reads a drive: its pieces, at its default queue depth.
+pub const EXPERT_READ: (u64, usize) = (
+    k3_expert_fetcher::fetcher::PIECE,
+    k3_expert_fetcher::fetcher::DEFAULT_READERS,
+);
+/// How the trunk-loader reads a drive: `read_parallel`'s pieces and depth.
+pub const TRUNK_READ: (u64, usize) = (k3_io::direct::READ_CHUNK as u64, k3_io::direct::READ_QD);
+
+/// Bytes per second of O_DIRECT random reads of `read_bytes` at `depth` on `file`.
+pub fn measure_drive(
+    file: &Path,
+    read_bytes: u64,
+    depth: usize,
+    seconds: f64,
+) -> Result<f64, ProjectError> {
     let size = std::fs::metadata(file)?.len();
     let rb = read_bytes.max(1 << 20).min(size / 4096 * 4096);
-    let r = k3_io::devbw::measure(file, rb, 16, seconds)?;
+    let r = k3_io::devbw::measure(file, rb, depth, seconds)?;
     if !r.direct {
         return Err(ProjectError::NotDirect(file.to_path_buf()));
     }
     Ok(r.mb_per_s() * 1e6)
 }
 
-/// Memory read bytes per second: the read probe over 256 MiB on every core, best of three.
-pub fn measure_memory() -> f64 {
-    let buf: Vec<u8> = (0..256usize << 20).map(|i| (i >> 12) as u8).collect();
-    let best = (0..3)
-        .map(|_| k3_layer_compute::membw::read_seconds(&[&buf], 4))
-        .fold(f64::MAX, f64::min);
-    buf.len() as f64 / best.max(1e-9)
+/// One drive's bytes per second read as the expert-fetcher reads (`expert_read`-byte
+/// pieces at [`EXPERT_READ`]'s depth) and as the trunk-loader reads ([`TRUNK_READ`]),
+/// `seconds` each.
+pub fn measure_drives(
+    file: &Path,
+    expert_read: u64,
+    seconds: f64,
+) -> Result<(f64, f64), ProjectError> {
+    let e = measure_drive(file, expert_read, EXPERT_READ.1, seconds)?;
+    let t = measure_drive(file, TRUNK_READ.0, TRUNK_READ.1, seconds)?;
+    Ok((e, t))
+}
+
+/// Bytes per second k3's products stream bf16 and MXFP4 weights from RAM: the engine's
+/// GEMV on `threads` threads over a 224 MiB bf16 matrix and a 112 MiB MXFP4 one (16,384
+/// and 32,768 rows of the released model's 7,168 columns: far larger than any cache), the
+/// fastest pass of about 0.3 s of them each, after one that warms up. What the products
+/// reach, not what a bare read reaches (issue 35: decode reached about half the read
+/// probe).
+pub fn measure_products(threads: usize) -> (f64, f64) {
+    use k3_layer_compute::kernels::matmul::{gemv, Mat};
+    let cols = 7168usize;
+    let rate = |m: &Mat<'_>, bytes: usize| {
+        let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.125).collect();
+        let mut y = vec![0f32; m.rows];
+        gemv(m, &x, &mut y, threads);
+        let t0 = std::time::Instant::now();
+        let mut best = f64::MAX;
+        while t0.elapsed().as_secs_f64() < 0.3 {
+            let t = std::time::Instant::now();
+            gemv(m, &x, &mut y, threads);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        bytes as f64 / best.max(1e-9)
+    };
+    let rows = 16_384usize;
+    let bf16: Vec<u8> = (0..rows * cols * 2)
+        .map(|i| if i % 2 == 1 { 0x3f } else { (i % 251) as u8 })
+        .collect();
+    let b = Mat::bf16(&bf16, rows, cols).map(|m| rate(&m, bf16.len()));
+    drop(bf16);
+    let rows = 32_768usize;
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i % 255) as u8).collect();
+    let scales: Vec<u8> = vec![127; rows * cols / 32];
+    let q = Mat::mxfp4(&packed, &scales, rows, cols).map(|m| rate(&m, packed.len() + scales.len()));
+    (
+        b.unwrap_or(REFERENCE.mem_bps),
+        q.unwrap_or(REFERENCE.mxfp4_mem_bps),
+    )
 }
 
 /// Multiply-adds per second of one core through bf16 and MXFP4 weights: the engine's GEMV
@@ -1139,8 +1412,10 @@ mod tests {
         Machine {
             drives: 2,
             drive_bps: 5e9,
+            trunk_drive_bps: 10e9,
             drive_source: "given".into(),
             mem_bps: 40e9,
+            mxfp4_mem_bps: 20e9,
             mem_source: "given".into(),
             cores: 8,
             bf16_macs_per_core: 10e9,
@@ -1149,37 +1424,88 @@ mod tests {
         }
     }
 
-    /// The three floors by hand: 100 GB from disk over 2 drives of 5 GB/s is 10 s; 200 GB
-    /// from RAM at 40 GB/s is 5 s; 400 G bf16 MACs on 8 cores of 10 G is 5 s plus 80 G MXFP4
-    /// MACs at 5 G is 2 s. Catches one drive's bandwidth used for all of them, the cores
-    /// left out, and a sum where the slowest resource is the answer.
+    /// The terms by hand: 60 GB of trunk over 2 drives of 10 GB/s (trunk reads) is 3 s and
+    /// 40 GB of experts over 2 of 5 GB/s (the fetcher's reads) 4 s: the disk 7 s; 160 GB
+    /// of bf16 from RAM at 40 GB/s and 40 GB of MXFP4 at 20 GB/s: memory 6 s; 400 G bf16
+    /// MACs on 8 cores of 10 G plus 80 G MXFP4 at 5 G: compute 7 s; a quarter of the RAM
+    /// bytes multiplied with the disk idle: 1.75 s exposed. s/token = max(7 + 1.75, 7 + 4)
+    /// = 11, compute-bound: the experts' reads wait for the router, so they add to compute.
+    /// Catches one
+    /// drive's bandwidth used for all of them, the trunk and expert rates swapped, the
+    /// MXFP4 bytes at the bf16 rate, the cores left out, and the old max of the three
+    /// (7 s), which put reads after the router in parallel with compute.
     #[test]
-    fn the_slowest_resource_is_the_projection() {
+    fn the_pipeline_combines_the_terms() {
         let t = PerToken {
             trunk_disk_bytes: 60e9,
             expert_disk_bytes: 40e9,
             ram_bytes: 200e9,
+            ram_mxfp4_bytes: 40e9,
+            serial_ram_bytes: 50e9,
             bf16_macs: 400e9,
             mxfp4_macs: 80e9,
         };
         let x = Times::of(&t, &machine());
-        assert_eq!(x.disk, 10.0);
-        assert_eq!(x.memory, 5.0);
+        assert_eq!((x.disk, x.expert_disk), (7.0, 4.0));
+        assert_eq!(x.memory, 6.0);
         assert_eq!(x.compute, 7.0);
-        assert_eq!(x.s_per_token(), 10.0);
-        assert_eq!(x.floor(), "disk");
+        assert_eq!(x.exposed, 1.75);
+        assert_eq!(x.s_per_token(), 11.0);
+        assert_eq!(x.floor(), "compute");
+        // Half the drives' speed: the disk's side (14 + 1.75) sets it.
+        let slow_disk = Machine {
+            drive_bps: 2.5e9,
+            trunk_drive_bps: 5e9,
+            ..machine()
+        };
+        let w = Times::of(&t, &slow_disk);
+        assert_eq!((w.s_per_token(), w.floor()), (15.75, "disk"));
+        // Fast drives: compute sets it, plus what is left of the expert reads.
         let fast_disk = Machine {
             drive_bps: 50e9,
+            trunk_drive_bps: 50e9,
             ..machine()
         };
         let y = Times::of(&t, &fast_disk);
-        assert_eq!((y.s_per_token(), y.floor()), (7.0, "compute"));
+        assert_eq!((y.s_per_token(), y.floor()), (7.4, "compute"));
         let slow_ram = Machine {
             drive_bps: 50e9,
+            trunk_drive_bps: 50e9,
             mem_bps: 10e9,
             ..machine()
         };
         assert_eq!(Times::of(&t, &slow_ram).floor(), "memory");
+        // No expert reads, no serial products: the larger of disk and compute.
+        let u = PerToken {
+            expert_disk_bytes: 0.0,
+            serial_ram_bytes: 0.0,
+            ..t
+        };
+        let z = Times::of(&u, &machine());
+        assert_eq!((z.s_per_token(), z.floor()), (7.0, "compute"));
+        assert!(z.explain().contains("expert reads after the router"));
+    }
+
+    /// The released model at 64 GB streams its trunk through a ring of one part: the
+    /// products over the streamed parts run with the disk idle and add to it; at 128 GB
+    /// nothing streams and nothing is serial. Catches a serial share that ignores the ring,
+    /// or that is not the streamed units' share of the products.
+    #[test]
+    fn a_one_slot_ring_leaves_the_disk_idle_through_its_products() {
+        let m = ModelShape::released();
+        let mach = Machine::reference(1);
+        let p = project(&m, (64.0 * GB) as u64, &mach).unwrap();
+        let pt = &p.per_token;
+        assert!(pt.serial_ram_bytes > 0.0, "{pt:?}");
+        assert_eq!(
+            pt.serial_ram_bytes, pt.trunk_disk_bytes,
+            "the lm_head is pinned"
+        );
+        let share = pt.serial_ram_bytes / pt.ram_bytes;
+        assert_eq!(p.times.exposed, share * p.times.cpu());
+        assert!(p.times.s_per_token() >= p.times.disk + p.times.exposed);
+        let q = project(&m, (128.0 * GB) as u64, &mach).unwrap();
+        assert_eq!((q.per_token.serial_ram_bytes, q.times.exposed), (0.0, 0.0));
     }
 
     /// Flat routing: the cache serves slots / experts of the requests, never more than all.
@@ -1221,10 +1547,12 @@ mod tests {
         assert_eq!(t.expert_disk_bytes, 30.0);
         assert_eq!(t.disk_bytes(), 130.0);
         assert_eq!(t.ram_bytes, 1000.0 + 50.0 + 7.0 + 60.0);
+        assert_eq!(t.ram_mxfp4_bytes, 60.0);
         assert_eq!(t.bf16_macs, 525.0);
         assert_eq!(t.mxfp4_macs, 24.0);
         m.experts_mxfp4 = false;
         assert_eq!(per_token(&m, &c, 0.5).bf16_macs, 549.0);
+        assert_eq!(per_token(&m, &c, 0.5).ram_mxfp4_bytes, 0.0);
     }
 
     /// The released shape: the census `inspect` prints (trunk 108.81 GB, 82,432 experts of

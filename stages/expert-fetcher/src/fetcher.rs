@@ -95,12 +95,15 @@ pub struct ExpertCacheConfig {
     pub readers: usize,
 }
 
+/// Reader threads per drive unless configured: the queue depth the fetcher reads at.
+pub const DEFAULT_READERS: usize = 16;
+
 impl Default for ExpertCacheConfig {
     fn default() -> Self {
         ExpertCacheConfig {
             slots: 64,
             slot_bytes: 0,
-            readers: 16,
+            readers: DEFAULT_READERS,
         }
     }
 }
@@ -344,7 +347,7 @@ struct Group {
 /// Bytes one reader job reads of an expert: the disk's largest request here (4 MiB), so
 /// the readers' queue depth is in requests whatever the slot count, and pieces are taken
 /// in issue order, so experts land in the order they were issued.
-const PIECE: u64 = 4 << 20;
+pub const PIECE: u64 = 4 << 20;
 
 struct Done {
     tag: usize,
@@ -544,6 +547,11 @@ struct Batch {
     inflight: HashMap<usize, usize>,
     /// guess: slots of guess reads in flight this batch adopted (they join the rotation).
     adopted: Vec<usize>,
+    /// guess: slots of guess reads in flight this batch took over for its misses (they join
+    /// the rotation last), and by the guess's tag the slot and the miss read into it once
+    /// the guess read lands.
+    taken: Vec<usize>,
+    after_guess: HashMap<usize, (usize, ExpertExtents)>,
     tag: usize,
     t0: Instant,
     last_done: Instant,
@@ -566,6 +574,8 @@ impl Batch {
             next_turn: 0,
             inflight: HashMap::new(),
             adopted: Vec::new(),
+            taken: Vec::new(),
+            after_guess: HashMap::new(),
             tag: 0,
             t0: now,
             last_done: now,
@@ -1123,6 +1133,9 @@ impl ExpertFetcher {
                     b.claimed.push(s);
                     b.misses.push((s, loc));
                 }
+                // guess: a guess read in flight that this batch did not ask for gives up
+                // its slot; the read into it starts when the guess's lands.
+                None if publish && self.take_over_guess(b, id, &loc) => {}
                 None => deferred.push((id, loc)),
             }
         }
@@ -1146,6 +1159,7 @@ impl ExpertFetcher {
         b.rotation = b.hits.clone();
         b.rotation.extend(b.misses.iter().map(|(s, _)| *s));
         b.rotation.extend(b.adopted.iter().copied()); // guess:
+        b.rotation.extend(b.taken.iter().copied()); // guess:
         b.rotation.retain(|&s| !self.slots[s].pinned);
         b.t0 = Instant::now();
         b.last_done = b.t0;
@@ -1271,6 +1285,12 @@ impl ExpertFetcher {
 
     /// A read of the batch finished: its expert is resident (and published), or failed.
     fn landed(&mut self, b: &mut Batch, done: Done, io: &mut dyn BatchIo) {
+        if let Some((s, loc)) = b.after_guess.remove(&done.tag) {
+            // guess: a taken-over guess read landed; its slot is free for the batch's read.
+            b.inflight.remove(&done.tag);
+            self.guess.taken_over_landed(&done.result);
+            return self.start_read(b, s, &loc, io);
+        }
         if self.guess.owns(done.tag) {
             return self.guess_landed(done); // guess: not this batch's
         }

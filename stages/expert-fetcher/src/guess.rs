@@ -6,17 +6,33 @@
 //! - **Only slots nobody needs.** A guess takes an EMPTY slot, else the least recently
 //!   used evictable one that is not of the guessed layer (those may be the coming
 //!   request's hits) and not another unused guess; never a held, pinned, requested or
-//!   INFLIGHT slot. And it leaves at least as many evictable slots as the largest request
-//!   seen so far (`reserve`), so a real batch never finds its slots taken by guesses.
+//!   INFLIGHT slot. In a decode step that is a slot of a layer already passed in this
+//!   token: compute gives layer L's slots back before it asks for layer L+1, and until the
+//!   next token only LRU would touch them, evicting them first anyway.
+//! - **Room where it pays** (the reserve). The next request wants about as many slots as
+//!   the guess names (`want`: exactly top-k for one row, the union of the rows' top-k
+//!   otherwise). Guess reads in flight leave at least `want` slots free or evictable
+//!   (a landed guess is either a hit or evictable, so only reads in flight count), except
+//!   ONE: when the cache holds no more than one request (the slice at `--mem-gb 5.5`: 16
+//!   slots, top-16, where the reserve of the largest request seen left no slot and no
+//!   guess was ever read), a single guess read may be in flight below the reserve. If
+//!   its guess was right the request adopts it (below); if wrong, the request **takes it
+//!   over**: the slot becomes the request's at once (it claims as many slots as without
+//!   guesses, so none of its experts waits for a slot compute must release), the guess
+//!   read's bytes are wasted (`taken_over`), and the one miss given that slot is read as
+//!   soon as the guess read lands. That read is the only one a guess can delay, by at most
+//!   what is left of one guess read that was at the disk before the request came, while
+//!   the request's other reads, issued at once, keep the disk busy.
 //! - **Low priority.** Guess reads are issued only between batches, and at most half the
 //!   readers' worth of pieces at once (none with a single reader): every guess piece is
 //!   being read, none waits in the readers' queue, so a real read issued later never
 //!   queues behind a guess. The rest wait here, in the order guessed.
-//! - **Never waited on.** A batch waits only for its own reads. When the real request
-//!   arrives, a queued guess of one of its experts is dropped (the request reads it as an
-//!   ordinary miss: "promoted"); a guess read in flight for it is adopted by the batch (it
-//!   counts when it lands); a guess that already landed is a hit. Queued guesses of that
-//!   layer that were not requested are dropped.
+//! - **Never waited on.** A batch waits only for its own reads (and a taken-over slot's
+//!   guess read, above). When the real request arrives, a queued guess of one of its
+//!   experts is dropped (the request reads it as an ordinary miss: "promoted"); a guess
+//!   read in flight for it is adopted by the batch (it counts when it lands); a guess that
+//!   already landed is a cache hit for the request (`saved`). Queued guesses of that layer
+//!   that were not requested are dropped.
 //! - Under no budget every guessed expert is resident already: nothing is read.
 //!
 //! Ids never depend on any of this (a slot holds the expert's file bytes, whichever read
@@ -25,6 +41,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::{Batch, Done, ExpertFetcher, SlotState, EMPTY_SLOT, PIECE};
+use crate::locate::ExpertExtents;
 use k3_io::arena::{align_down, align_up, ALIGN};
 
 /// Tags of guess reads start here (a batch's own tags count up from 0, and a batch never
@@ -55,6 +72,9 @@ pub struct GuessStats {
     pub wasted_bytes: u64,
     /// Guess reads that failed (the request, if any, reads it again).
     pub failed: u64,
+    /// Guess reads in flight that a request took the slot of (it did not ask for their
+    /// expert): their bytes count as wasted once they land.
+    pub taken_over: u64,
 }
 
 impl GuessStats {
@@ -99,8 +119,10 @@ pub(super) struct GuessState {
     unused: HashMap<(u32, u32), u64>,
     /// The last guess of each layer, scored when that layer's request arrives.
     open: HashMap<u32, (u64, Vec<u32>)>,
-    /// Distinct experts of the largest request so far: evictable slots a guess leaves.
-    reserve: usize,
+    /// Distinct experts of the last guess: what the next request is expected to ask for,
+    /// the free or evictable slots guess reads in flight leave (but one, see the module
+    /// documentation).
+    want: usize,
     stats: GuessStats,
     /// Every guess as `(pass, layer, expert)` when tracing (`--dump-cache-trace`).
     trace: Option<Vec<(u64, u32, u32)>>,
@@ -130,6 +152,17 @@ impl GuessState {
     pub(super) fn adopted_landed(&mut self, bytes: u64) {
         self.stats.saved += 1;
         self.stats.bytes_read += bytes;
+    }
+
+    /// A guess read a batch took over landed: its bytes were read for nothing.
+    pub(super) fn taken_over_landed(&mut self, result: &Result<u64, super::ReadFailure>) {
+        match result {
+            Ok(bytes) => {
+                self.stats.bytes_read += bytes;
+                self.stats.wasted_bytes += bytes;
+            }
+            Err(_) => self.stats.failed += 1,
+        }
     }
 }
 
@@ -168,6 +201,7 @@ impl ExpertFetcher {
         // An older guess still queued is stale: its layer's request came, or never will.
         g.queue.clear();
         g.queue.extend(ids.iter().map(|&e| (layer, e)));
+        g.want = ids.len();
         g.open.insert(layer, (pass, ids));
         self.pump_guesses();
     }
@@ -242,7 +276,10 @@ impl ExpertFetcher {
         let cap = self.readers / 2;
         let fits =
             self.guess.pieces + pieces <= cap || (self.guess.pieces == 0 && pieces < self.readers);
-        if !fits || self.free.len() + self.lru.len() <= self.guess.reserve {
+        // Taking a slot leaves fewer than the next request wants: only as the one read in
+        // flight below the reserve.
+        let below = self.free.len() + self.lru.len() <= self.guess.want;
+        if !fits || (below && !self.guess.inflight.is_empty()) {
             return false;
         }
         let Some(s) = self.guess_victim(layer) else {
@@ -315,13 +352,11 @@ impl ExpertFetcher {
         }
     }
 
-    /// A request of `layer` for `pending` begins: take the guess reads that landed, drop
-    /// the layer's queued guesses (those it asked for are promoted: read as misses), and
-    /// raise the reserve to the request's size.
+    /// A request of `layer` for `pending` begins: take the guess reads that landed, and
+    /// drop the layer's queued guesses (those it asked for are promoted: read as misses).
     pub(super) fn guesses_before_batch(&mut self, layer: u32, pending: &[u32]) {
         self.pump_landed();
         let g = &mut self.guess;
-        g.reserve = g.reserve.max(pending.len());
         let mut promoted = 0;
         g.queue.retain(|&(l, e)| {
             let requested = l == layer && pending.contains(&e);
@@ -339,6 +374,37 @@ impl ExpertFetcher {
                 Err(_) => break,
             }
         }
+    }
+
+    /// The request being reserved found no slot for its miss `id` at `loc`: when a guess
+    /// read it did not ask for is in flight (the oldest, if several), the batch takes its
+    /// slot, claims it for `id` and reads `id` into it once the guess read lands. True
+    /// when it did.
+    pub(super) fn take_over_guess(&mut self, b: &mut Batch, id: u32, loc: &ExpertExtents) -> bool {
+        let layer = b.layer;
+        let Some((tag, s, pieces)) = self
+            .guess
+            .inflight
+            .iter()
+            .filter(|(_, &(s, _))| {
+                let (l, e) = self.slots[s].key;
+                l != layer || !self.batch_ids.contains(&e)
+            })
+            .map(|(&tag, &(s, pieces))| (tag, s, pieces))
+            .min()
+        else {
+            return false;
+        };
+        self.guess.inflight.remove(&tag);
+        self.guess.pieces -= pieces;
+        self.guess.stats.taken_over += 1;
+        self.claim_for_read(s, layer, id, loc, true);
+        b.claimed.push(s);
+        b.taken.push(s);
+        b.after_guess.insert(tag, (s, loc.clone()));
+        b.inflight.insert(tag, s);
+        b.any_read = true;
+        true
     }
 
     /// The request being reserved asks for `key`, which is not resident: when a guess read
@@ -482,34 +548,130 @@ mod tests {
         })
     }
 
-    /// Catches a guess that takes a held slot, or the last evictable slots a real
-    /// request needs (it would then fail NoSlot or wait on the guess's read), and a guess
-    /// read of an expert that is resident already (under no budget nothing is read).
+    /// Wait until no guess read is in flight, issuing the queued ones as slots allow.
+    fn settle(f: &mut ExpertFetcher) {
+        f.pump_guesses();
+        while f.guesses_pending() {
+            std::thread::sleep(Duration::from_millis(1));
+            f.pump_guesses();
+        }
+    }
+
+    /// Catches a guess that takes a held slot or another unused guess's, and a guess read
+    /// of an expert that is resident already (under no budget nothing is read). With two
+    /// of four slots held and three guessed, one read may be in flight below the reserve
+    /// (more would leave the next request short of several slots).
     #[test]
-    fn a_guess_never_takes_a_held_or_needed_slot() {
+    fn a_guess_never_takes_a_held_slot() {
         let reader = GatedReader::new(&[(1, 5), (1, 6), (1, 7)]);
         let mut f = fetcher(4, 4, reader.clone());
         let _open = OpenOnDrop(reader.clone());
         f.hold_published(true);
         assert_eq!(fetch(&mut f, 0, &[0, 1]).published, 2);
-        // Two held, two EMPTY: the next request may need both, so no guess is read.
         f.guess(1, 1, &[5, 6, 7]);
-        assert_eq!(f.guess_stats().reads, 0);
+        f.pump_guesses();
+        assert_eq!(f.guess_stats().reads, 1, "one read below the reserve");
+        reader.open();
+        settle(&mut f);
+        // 5 and 6 took the EMPTY slots; 7 finds only held slots and unused guesses.
+        assert_eq!(f.guess_stats().reads, 2);
         assert!(f.is_resident(0, 0) && f.is_resident(0, 1));
         assert_eq!(f.held(), 2);
-        // The real request finds the two free slots its misses need, at once (the guess
-        // reads would block on the gate).
-        let s = fetch_within(&mut f, 1, &[8, 9], Duration::from_secs(10), || {});
-        let s = s.expect("the real request waited on a guess");
-        assert_eq!((s.published, s.failed, s.recycled), (2, 0, 0));
-        assert_eq!(f.guess_stats().reads, 0);
-        reader.open();
-        // Resident already: a guess of them reads nothing.
+        assert!(f.is_resident(1, 5) && f.is_resident(1, 6));
+        // Layer 0 given back: a passed layer's slot takes 7.
         f.release(0, &[0, 1]);
-        f.release(1, &[8, 9]);
-        f.guess(2, 1, &[8, 9]);
-        assert_eq!(f.guess_stats().reads, 0);
+        settle(&mut f);
+        assert_eq!(f.guess_stats().reads, 3);
+        assert!(f.is_resident(1, 7));
+        let s = fetch(&mut f, 1, &[5, 6, 7]);
+        assert_eq!((s.hits, s.reads), (3, 0), "guess hits are cache hits");
+        assert_eq!(f.guess_stats().saved, 3);
+        // Resident already: a guess of them reads nothing.
+        f.release(1, &[5, 6, 7]);
+        f.guess(2, 1, &[5, 6]);
+        assert_eq!(f.guess_stats().reads, 3);
         assert!(!f.guesses_pending());
+    }
+
+    /// The case that read no guess on the slice at 5.5 GB (16 slots, top-16): the cache
+    /// holds exactly one request. Catches a reserve of the largest request seen (or of the
+    /// whole cache), which leaves no slot to any guess there; and a guess that evicts the
+    /// layer it guesses instead of the passed one.
+    #[test]
+    fn a_guess_is_read_when_the_cache_holds_one_request() {
+        let reader = GatedReader::new(&[]);
+        let mut f = fetcher(4, 4, reader.clone());
+        f.hold_published(true);
+        assert_eq!(fetch(&mut f, 0, &[0, 1, 2, 3]).published, 4);
+        f.guess(1, 1, &[4, 5, 6, 7]);
+        f.pump_guesses();
+        assert_eq!(f.guess_stats().reads, 0, "every slot is held");
+        f.release(0, &[0, 1, 2, 3]);
+        settle(&mut f);
+        assert_eq!(f.guess_stats().reads, 4);
+        assert!((0..4).all(|e| !f.is_resident(0, e)), "layer 0 was passed");
+        let s = fetch(&mut f, 1, &[4, 5, 6, 7]);
+        assert_eq!((s.hits, s.reads, s.published), (4, 0, 4));
+        let g = f.guess_stats();
+        assert_eq!((g.saved, g.taken_over, g.wasted_bytes), (4, 0, 0));
+    }
+
+    /// A wrong guess read in flight when the request comes, in a cache that holds one
+    /// request. Catches: a request left a slot short (its last miss failing NoSlot, or
+    /// waiting for compute to release a slot), a request whose other reads wait for the
+    /// guess read, a miss read into the slot while the guess read still writes it (it
+    /// would be published before the guess lands, and the guess's bytes would overwrite
+    /// it), and the guess's bytes not counted as wasted.
+    #[test]
+    fn a_request_takes_over_a_wrong_guess_in_flight() {
+        let reader = GatedReader::new(&[(1, 9)]);
+        let mut f = fetcher(4, 4, reader.clone());
+        let _open = OpenOnDrop(reader.clone());
+        f.hold_published(true);
+        assert_eq!(fetch(&mut f, 0, &[0, 1, 2, 3]).published, 4);
+        f.release(0, &[0, 1, 2, 3]);
+        f.guess(1, 1, &[9]);
+        assert_eq!(f.guess_stats().reads, 1);
+        let wait = Duration::from_secs(10);
+        let s = std::thread::scope(|sc| {
+            let (tx, rx) = mpsc::channel();
+            let f = &mut f;
+            let h = sc.spawn(move || {
+                f.fetch_batch(1, &[4, 5, 6, 7], |ev| match ev {
+                    BatchEvent::Ready(a) => {
+                        let want = (offset(a.layer, a.expert) / EXPERT) as u8;
+                        let ok = a.data.iter().all(|&b| b == want);
+                        let _ = tx.send((a.expert, ok));
+                    }
+                    BatchEvent::Failed(e) => {
+                        let _ = tx.send((u32::MAX, false));
+                        eprintln!("{e}");
+                    }
+                })
+            });
+            let mut got = Vec::new();
+            for _ in 0..3 {
+                got.push(rx.recv_timeout(wait).expect("a read waited on the guess"));
+            }
+            let early = rx.recv_timeout(Duration::from_millis(200));
+            reader.open();
+            assert!(early.is_err(), "read before the guess landed: {early:?}");
+            let last = rx
+                .recv_timeout(wait)
+                .expect("the taken-over miss was never published");
+            assert!(
+                got.iter().all(|&(e, ok)| ok && e != 7),
+                "the first three: {got:?}"
+            );
+            assert_eq!(last, (7, true), "the taken-over slot's expert");
+            h.join().expect("the batch")
+        });
+        assert_eq!((s.published, s.reads, s.failed, s.recycled), (4, 4, 0, 0));
+        let g = f.guess_stats();
+        assert_eq!((g.taken_over, g.wasted_bytes, g.saved), (1, EXPERT, 0));
+        // The slot holds 7's bytes, not the guess's that landed before them.
+        f.release(1, &[4, 5, 6, 7]);
+        assert_eq!(fetch(&mut f, 1, &[7]).hits, 1);
     }
 
     /// Catches a guess read queued in the readers' channel ahead of a real read (with two
