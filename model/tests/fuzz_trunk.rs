@@ -1,0 +1,69 @@
+//! A CI-sized run of the mutation fuzzer in `examples/fuzz_trunk` (`trunk.json` and the
+//! trunk codec's chunk decoder, 20,000 cases each, a few seconds), so the harness keeps
+//! compiling and keeps reaching the readers' accepting paths; the long runs (≥ 10^7 cases
+//! each) are in docs/fuzzing.md.
+
+#[allow(dead_code)]
+#[path = "../examples/fuzz_trunk/harness.rs"]
+mod harness;
+
+use harness::{run, Target};
+
+/// Cases per reader (`K3_FUZZ_EXECS` overrides; 0 is refused, so a run that fuzzed
+/// nothing cannot pass).
+fn execs() -> u64 {
+    let n = std::env::var("K3_FUZZ_EXECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    assert!(n > 0, "K3_FUZZ_EXECS=0 would fuzz nothing");
+    n
+}
+
+/// Both readers: no panics, no verdict the oracles disagree with, and a share of accepted
+/// mutants (a harness whose mutants never parse tests only the readers' first checks).
+#[test]
+fn trunk_fuzz_finds_nothing_and_reaches_acceptance() {
+    for t in Target::ALL {
+        let rep = run(t, 20_261_205, execs(), 0, |_| {});
+        eprintln!("{}", rep.line());
+        for f in &rep.findings {
+            eprintln!(
+                "  case {}: {}\n  input: {:?}",
+                f.case,
+                f.what,
+                String::from_utf8_lossy(&f.input)
+            );
+        }
+        assert_eq!(rep.n_findings, 0, "{}", rep.line());
+        assert_eq!(rep.execs, execs());
+        assert!(
+            rep.accepted * 100 >= rep.execs && rep.accepted < rep.execs,
+            "{}: accepted share out of range",
+            rep.line()
+        );
+    }
+}
+
+/// The corpus holds raw and coded manifests the reader accepts, and the oracle can fail:
+/// it refuses a nudged run length and a layer count that disagrees with the codec's.
+#[test]
+fn trunk_corpus_is_valid_and_the_oracle_refuses_what_it_must() {
+    let ms = harness::manifests();
+    assert!(ms.len() >= 8, "{} manifests", ms.len());
+    let mut coded = 0;
+    for m in &ms {
+        let s = std::str::from_utf8(m).unwrap();
+        let got = k3_model::trunk::TrunkManifest::from_json_str(s).unwrap();
+        assert!(harness::oracle_accepts(s));
+        coded += got.codec.is_some() as usize;
+    }
+    assert!(coded > 0 && coded < ms.len());
+    let s = String::from_utf8(ms[0].clone()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&s).unwrap();
+    v["layers"][0]["length"] = (v["layers"][0]["length"].as_u64().unwrap() + 1).into();
+    assert!(!harness::oracle_accepts(&v.to_string()));
+    let mut v: serde_json::Value = serde_json::from_str(&s).unwrap();
+    v["total_bytes"] = 0.into();
+    assert!(!harness::oracle_accepts(&v.to_string()));
+}
