@@ -169,7 +169,7 @@ pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<Stri
                 cl.offset
             ));
         }
-        if cl.padded_length != align_up(cl.stored_length, m.align) {
+        if Some(cl.padded_length) != cl.stored_length.checked_next_multiple_of(m.align) {
             p.push(format!(
                 "{who}: padded_length is not stored_length aligned up"
             ));

@@ -67,3 +67,40 @@ fn trunk_corpus_is_valid_and_the_oracle_refuses_what_it_must() {
     v["total_bytes"] = 0.into();
     assert!(!harness::oracle_accepts(&v.to_string()));
 }
+
+/// Found by `examples/fuzz_trunk` (a panic, "attempt to multiply with overflow", in a build
+/// with overflow checks): a run length or a coded layer's stored length within 4095 of
+/// 2^64 has no 4096-aligned padded length, and `align_up` overflowed while the manifest
+/// was being checked. Catches: the plain `align_up` in `TrunkManifest::problems` or
+/// `codec_problems`, which panics with overflow checks and otherwise wraps to 0, so that
+/// a `padded_length` of 0 passed its check (this test then finds no padded_length
+/// problem).
+#[test]
+fn a_length_near_2_64_is_a_problem_not_an_overflow() {
+    let ms = harness::manifests();
+    let coded = ms
+        .iter()
+        .map(|m| serde_json::from_slice::<serde_json::Value>(m).unwrap())
+        .find(|v| v.get("codec").is_some())
+        .unwrap();
+    let mut v = coded.clone();
+    v["layers"][0]["length"] = u64::MAX.into();
+    v["layers"][0]["padded_length"] = 0.into();
+    let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+    let p = m.problems();
+    assert!(
+        p.iter()
+            .any(|p| p.starts_with("layer 0: padded_length 0 is not length")),
+        "{p:#?}"
+    );
+    let mut v = coded;
+    v["codec"]["layers"][0]["stored_length"] = (u64::MAX - 5).into();
+    v["codec"]["layers"][0]["padded_length"] = 0.into();
+    let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+    let p = m.problems();
+    assert!(
+        p.iter()
+            .any(|p| p == "codec layer 0: padded_length is not stored_length aligned up"),
+        "{p:#?}"
+    );
+}
