@@ -1,0 +1,63 @@
+//! A CI-sized run of the mutation fuzzer in `examples/fuzz_state` (the saved-state reader:
+//! `state::decode`, `decode_prefix` and `read` against the tiny-mxfp4 model, 20,000 cases,
+//! a few seconds), so the harness keeps compiling and keeps reaching the reader's
+//! accepting paths; the long runs (≥ 10^7 cases) are in docs/fuzzing.md.
+
+#[allow(dead_code)]
+#[path = "../examples/fuzz_state/harness.rs"]
+mod harness;
+
+use crate::support::kernels_shared;
+use harness::{run, Target};
+
+/// Cases (`K3_FUZZ_EXECS` overrides; 0 is refused, so a run that fuzzed nothing cannot
+/// pass).
+fn execs() -> u64 {
+    let n = std::env::var("K3_FUZZ_EXECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    assert!(n > 0, "K3_FUZZ_EXECS=0 would fuzz nothing");
+    n
+}
+
+/// No panics, no verdict the oracle disagrees with, and a share of accepted mutants (a
+/// harness whose mutants never decode tests only the reader's first checks).
+#[test]
+fn state_fuzz_finds_nothing_and_reaches_acceptance() {
+    // The corpus is made by prefilling the model: products run.
+    let _kernels = kernels_shared();
+    let rep = run(Target::State, 20_261_205, execs(), 0, |_| {});
+    eprintln!("{}", rep.line());
+    for f in &rep.findings {
+        eprintln!(
+            "  case {}: {}\n  input: {} bytes",
+            f.case,
+            f.what,
+            f.input.len()
+        );
+    }
+    assert_eq!(rep.n_findings, 0, "{}", rep.line());
+    assert_eq!(rep.execs, execs());
+    assert!(
+        rep.accepted * 100 >= rep.execs && rep.accepted < rep.execs,
+        "{}: accepted share out of range",
+        rep.line()
+    );
+}
+
+/// The oracle can fail: it accepts a corpus payload and refuses it with a byte more, a
+/// byte less, or the position raised by one.
+#[test]
+fn state_oracle_refuses_what_it_must() {
+    let _kernels = kernels_shared();
+    let (p, accepts) = harness::oracle_check(harness::load_model());
+    assert!(accepts(&p));
+    let mut longer = p.clone();
+    longer.push(0);
+    assert!(!accepts(&longer));
+    assert!(!accepts(&p[..p.len() - 1]));
+    let mut pos = p.clone();
+    pos[0] = pos[0].wrapping_add(1);
+    assert!(!accepts(&pos));
+}
