@@ -61,3 +61,25 @@ fn state_oracle_refuses_what_it_must() {
     pos[0] = pos[0].wrapping_add(1);
     assert!(!accepts(&pos));
 }
+
+/// Found by `examples/fuzz_state` (a panic, "attempt to add with overflow", in a build
+/// with overflow checks, in the first cases): a payload whose position is 2^64 - 1.
+/// `decode` checked the token count against `pos + 1`, which overflowed. Catches: the
+/// unchecked `pos + 1`, which panics with overflow checks and otherwise wraps to 0, so
+/// that an empty token list passed the check and the payload was refused later for
+/// something else (this test then sees another message).
+#[test]
+fn a_position_of_2_64_minus_1_is_refused_by_its_token_count() {
+    let m = harness::load_model();
+    let mut p = Vec::new();
+    for v in [u64::MAX, 0, 0] {
+        p.extend_from_slice(&v.to_le_bytes()); // pos, steps, no tokens
+    }
+    p.extend_from_slice(&13u32.to_le_bytes());
+    p.extend_from_slice(&[0; 13]);
+    let e = k3_layer_compute::state::decode(&p, &m).err().unwrap();
+    assert_eq!(
+        e.to_string(),
+        "the state records 0 tokens for a session of 18446744073709551615 (expected one more)"
+    );
+}
