@@ -51,6 +51,8 @@ use serde_json::Value;
 
 /// Largest manifest one case builds (bytes).
 const MAX_JSON: usize = 1 << 20;
+/// Largest manifest kept as corpus (the small ones are a few KiB, the whole ones 108 KB).
+const MAX_KEPT_JSON: usize = 32 << 10;
 /// Largest chunk (stored bytes) and declared output one case builds.
 const MAX_CHUNK: usize = 1 << 17;
 /// Guard bytes on each side of the decoder's output slot.
@@ -1019,6 +1021,9 @@ impl Fuzzer {
         }
         let i = self.fixed + self.rng.below(MAX_GROWN);
         match c {
+            // Not the mutants of the whole manifests: fed back, they would make most
+            // cases as slow as those (one in 256).
+            Case::Trunk(t, _) if t.len() > MAX_KEPT_JSON => return,
             Case::Trunk(t, _) => {
                 if self.grown < MAX_GROWN {
                     self.files.push(t);
