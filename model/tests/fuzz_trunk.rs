@@ -104,3 +104,30 @@ fn a_length_near_2_64_is_a_problem_not_an_overflow() {
         "{p:#?}"
     );
 }
+
+/// Found by `examples/fuzz_trunk` (`load_dir` accepted a manifest whose data file could
+/// not exist): a manifest naming "." (or "..") as its data file passed the check, and
+/// `load_dir` then took the trunk directory itself, 4096 bytes on most file systems, for a
+/// data file of that size. Catches: a plain-file-name check that refuses only "" and
+/// names with a slash, for the raw file and for the codec's.
+#[test]
+fn a_data_file_named_dot_or_dot_dot_is_a_problem() {
+    let ms = harness::manifests();
+    let coded = ms
+        .iter()
+        .map(|m| serde_json::from_slice::<serde_json::Value>(m).unwrap())
+        .find(|v| v.get("codec").is_some())
+        .unwrap();
+    for name in [".", ".."] {
+        let mut v = coded.clone();
+        v["file"] = name.into();
+        let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+        let want = format!("file {name:?} is not a plain file name");
+        assert!(m.problems().contains(&want), "{:#?}", m.problems());
+        let mut v = coded.clone();
+        v["codec"]["file"] = name.into();
+        let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+        let want = format!("codec file {name:?} is not a plain file name of its own");
+        assert!(m.problems().contains(&want), "{:#?}", m.problems());
+    }
+}

@@ -498,7 +498,7 @@ fn oracle_codec(m: &TrunkManifest, c: &TrunkCodec) -> Result<(), String> {
     if Codec::from_name(&c.name).is_none() || c.chunk != CODEC_CHUNK {
         return Err("codec name or chunk".into());
     }
-    if c.file.is_empty() || c.file.contains('/') || c.file == m.file {
+    if matches!(c.file.as_str(), "" | "." | "..") || c.file.contains('/') || c.file == m.file {
         return Err("codec file".into());
     }
     if c.layers.len() != m.layers.len() {
@@ -554,7 +554,7 @@ fn oracle_manifest(text: &str) -> Result<TrunkManifest, String> {
     if !m.align.is_power_of_two() {
         return Err("align".into());
     }
-    if m.file.is_empty() || m.file.contains('/') {
+    if matches!(m.file.as_str(), "" | "." | "..") || m.file.contains('/') {
         return Err("file".into());
     }
     let a = m.align as u128;
