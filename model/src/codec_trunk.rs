@@ -146,7 +146,7 @@ pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<Stri
     if c.chunk != CODEC_CHUNK {
         p.push(format!("codec chunk {} is not {CODEC_CHUNK}", c.chunk));
     }
-    if c.file.is_empty() || c.file.contains('/') || c.file == m.file {
+    if matches!(c.file.as_str(), "" | "." | "..") || c.file.contains('/') || c.file == m.file {
         p.push(format!(
             "codec file {:?} is not a plain file name of its own",
             c.file
@@ -171,7 +171,7 @@ pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<Stri
                 cl.offset
             ));
         }
-        if cl.padded_length != align_up(cl.stored_length, m.align) {
+        if Some(cl.padded_length) != cl.stored_length.checked_next_multiple_of(m.align) {
             p.push(format!(
                 "{who}: padded_length is not stored_length aligned up"
             ));

@@ -9,4 +9,5 @@ mod codec;
 mod config;
 mod fuzz;
 mod fuzz_harness;
+mod fuzz_trunk;
 mod locator;

@@ -270,8 +270,14 @@ pub fn read_recording(path: &Path, verify: bool) -> Result<Recording, RecordErro
         path: path.to_path_buf(),
         source,
     })?;
+    parse_recording(path, &data, verify)
+}
+
+/// [`read_recording`] of bytes already read (`path` only names them in errors): the
+/// in-memory twin the fuzzer drives (`protocol/examples/fuzz_protocol`).
+pub fn parse_recording(path: &Path, data: &[u8], verify: bool) -> Result<Recording, RecordError> {
     let p = || path.to_path_buf();
-    let (stage, bytes_kept, mut pos) = read_header(&data, path)?;
+    let (stage, bytes_kept, mut pos) = read_header(data, path)?;
     let mut chain = sha256(&data[..pos]);
     let mut entries = Vec::new();
     let mut complete = false;

@@ -3,6 +3,7 @@
 //! crate and all it depends on, so one per file cost minutes of linking; issue 31), one
 //! module per file.
 
+mod fuzz_harness;
 mod record;
 mod shm;
 mod transport;

@@ -419,14 +419,18 @@ pub fn tokens(payload: &[u8]) -> Result<Vec<u32>, StateError> {
 pub fn decode<W: Weights>(payload: &[u8], model: &Model<W>) -> Result<Saved, StateError> {
     let mismatch = StateError::Mismatch;
     let mut r = Reader { b: payload, at: 0 };
-    let pos = r.u64()? as usize;
+    let pos = r.u64()?;
     let steps = r.u64()?;
     let nt = r.count(4)?;
-    if nt != pos + 1 {
+    // Checked: a position of 2^64 - 1 has no "one more" (`examples/fuzz_state` found the
+    // overflow).
+    if pos.checked_add(1) != Some(nt as u64) {
         return Err(mismatch(format!(
             "the state records {nt} tokens for a session of {pos} (expected one more)"
         )));
     }
+    // Below the token count, which the payload's length bounds.
+    let pos = pos as usize;
     let tokens: Vec<u32> = (0..nt).map(|_| r.u32()).collect::<Result<_, _>>()?;
     let vocab = model.vocab() as u32;
     if let Some(t) = tokens.iter().find(|&&t| t >= vocab) {

@@ -12,6 +12,7 @@ mod support;
 mod batch_forward;
 mod batch_scheduler;
 mod decode_loop;
+mod fuzz_state;
 mod gates_tiny;
 mod kernels_bitexact;
 mod ops_seed;

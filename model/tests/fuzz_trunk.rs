@@ -1,0 +1,133 @@
+//! A CI-sized run of the mutation fuzzer in `examples/fuzz_trunk` (`trunk.json` and the
+//! trunk codec's chunk decoder, 20,000 cases each, a few seconds), so the harness keeps
+//! compiling and keeps reaching the readers' accepting paths; the long runs (≥ 10^7 cases
+//! each) are in docs/fuzzing.md.
+
+#[allow(dead_code)]
+#[path = "../examples/fuzz_trunk/harness.rs"]
+mod harness;
+
+use harness::{run, Target};
+
+/// Cases per reader (`K3_FUZZ_EXECS` overrides; 0 is refused, so a run that fuzzed
+/// nothing cannot pass).
+fn execs() -> u64 {
+    let n = std::env::var("K3_FUZZ_EXECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    assert!(n > 0, "K3_FUZZ_EXECS=0 would fuzz nothing");
+    n
+}
+
+/// Both readers: no panics, no verdict the oracles disagree with, and a share of accepted
+/// mutants (a harness whose mutants never parse tests only the readers' first checks).
+#[test]
+fn trunk_fuzz_finds_nothing_and_reaches_acceptance() {
+    for t in Target::ALL {
+        let rep = run(t, 20_261_205, execs(), 0, |_| {});
+        eprintln!("{}", rep.line());
+        for f in &rep.findings {
+            eprintln!(
+                "  case {}: {}\n  input: {:?}",
+                f.case,
+                f.what,
+                String::from_utf8_lossy(&f.input)
+            );
+        }
+        assert_eq!(rep.n_findings, 0, "{}", rep.line());
+        assert_eq!(rep.execs, execs());
+        assert!(
+            rep.accepted * 100 >= rep.execs && rep.accepted < rep.execs,
+            "{}: accepted share out of range",
+            rep.line()
+        );
+    }
+}
+
+/// The corpus holds raw and coded manifests the reader accepts, and the oracle can fail:
+/// it refuses a nudged run length and a layer count that disagrees with the codec's.
+#[test]
+fn trunk_corpus_is_valid_and_the_oracle_refuses_what_it_must() {
+    let ms = harness::manifests();
+    assert!(ms.len() >= 8, "{} manifests", ms.len());
+    let mut coded = 0;
+    for m in &ms {
+        let s = std::str::from_utf8(m).unwrap();
+        let got = k3_model::trunk::TrunkManifest::from_json_str(s).unwrap();
+        assert!(harness::oracle_accepts(s));
+        coded += got.codec.is_some() as usize;
+    }
+    assert!(coded > 0 && coded < ms.len());
+    let s = String::from_utf8(ms[0].clone()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&s).unwrap();
+    v["layers"][0]["length"] = (v["layers"][0]["length"].as_u64().unwrap() + 1).into();
+    assert!(!harness::oracle_accepts(&v.to_string()));
+    let mut v: serde_json::Value = serde_json::from_str(&s).unwrap();
+    v["total_bytes"] = 0.into();
+    assert!(!harness::oracle_accepts(&v.to_string()));
+}
+
+/// Found by `examples/fuzz_trunk` (a panic, "attempt to multiply with overflow", in a build
+/// with overflow checks): a run length or a coded layer's stored length within 4095 of
+/// 2^64 has no 4096-aligned padded length, and `align_up` overflowed while the manifest
+/// was being checked. Catches: the plain `align_up` in `TrunkManifest::problems` or
+/// `codec_problems`, which panics with overflow checks and otherwise wraps to 0, so that
+/// a `padded_length` of 0 passed its check (this test then finds no padded_length
+/// problem).
+#[test]
+fn a_length_near_2_64_is_a_problem_not_an_overflow() {
+    let ms = harness::manifests();
+    let coded = ms
+        .iter()
+        .map(|m| serde_json::from_slice::<serde_json::Value>(m).unwrap())
+        .find(|v| v.get("codec").is_some())
+        .unwrap();
+    let mut v = coded.clone();
+    v["layers"][0]["length"] = u64::MAX.into();
+    v["layers"][0]["padded_length"] = 0.into();
+    let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+    let p = m.problems();
+    assert!(
+        p.iter()
+            .any(|p| p.starts_with("layer 0: padded_length 0 is not length")),
+        "{p:#?}"
+    );
+    let mut v = coded;
+    v["codec"]["layers"][0]["stored_length"] = (u64::MAX - 5).into();
+    v["codec"]["layers"][0]["padded_length"] = 0.into();
+    let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+    let p = m.problems();
+    assert!(
+        p.iter()
+            .any(|p| p == "codec layer 0: padded_length is not stored_length aligned up"),
+        "{p:#?}"
+    );
+}
+
+/// Found by `examples/fuzz_trunk` (`load_dir` accepted a manifest whose data file could
+/// not exist): a manifest naming "." (or "..") as its data file passed the check, and
+/// `load_dir` then took the trunk directory itself, 4096 bytes on most file systems, for a
+/// data file of that size. Catches: a plain-file-name check that refuses only "" and
+/// names with a slash, for the raw file and for the codec's.
+#[test]
+fn a_data_file_named_dot_or_dot_dot_is_a_problem() {
+    let ms = harness::manifests();
+    let coded = ms
+        .iter()
+        .map(|m| serde_json::from_slice::<serde_json::Value>(m).unwrap())
+        .find(|v| v.get("codec").is_some())
+        .unwrap();
+    for name in [".", ".."] {
+        let mut v = coded.clone();
+        v["file"] = name.into();
+        let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+        let want = format!("file {name:?} is not a plain file name");
+        assert!(m.problems().contains(&want), "{:#?}", m.problems());
+        let mut v = coded.clone();
+        v["codec"]["file"] = name.into();
+        let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+        let want = format!("codec file {name:?} is not a plain file name of its own");
+        assert!(m.problems().contains(&want), "{:#?}", m.problems());
+    }
+}
