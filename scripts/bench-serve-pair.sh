@@ -10,7 +10,7 @@
 # With MEM_GB=X (and TRUNK=packed trunk) the server runs `--mem-gb X --trunk TRUNK` inside
 # a fresh v1 memory cgroup of X GB (needs root), the cgroup's peak printed at the end.
 # Environment: K3 (default target/release/k3-orch), THREADS (2), ROUNDS (2), LLAMA_BIN
-# (directory of llama-batched-bench; skipped when absent), GEN (64), PROMPT (16).
+# (directory of llama-batched-bench; skipped when absent), GEN (64), PROMPT (16), CTX (1024).
 # Prints `uptime`, the CPU model and flags; do not record numbers from a loaded machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,13 +35,14 @@ trap cleanup EXIT
 echo "== $(date -u +%FT%TZ) $(uptime)"
 lscpu | grep -E 'Model name|^Flags' | sed 's/^Flags: */Flags: /' | cut -c1-400
 
-flags=(--parallel 4 --threads "$THREADS" --port 0 --ctx 1024)
+flags=(--parallel 4 --threads "$THREADS" --port 0 --ctx ${CTX:-1024})
 if [ -n "${MEM_GB:-}" ]; then
     flags+=(--mem-gb "$MEM_GB")
     [ -n "${TRUNK:-}" ] && flags+=(--trunk "$TRUNK")
     CGDIR=/sys/fs/cgroup/memory/k3-bench-serve-$$
     mkdir "$CGDIR"
-    awk -v g="$MEM_GB" 'BEGIN { printf "%d\n", g * 1e9 }' > "$CGDIR/memory.limit_in_bytes"
+    # %.0f, not %d: mawk's %d stops at 2^31 - 1, which made a 5.5 GB limit 2 GiB.
+    awk -v g="$MEM_GB" 'BEGIN { printf "%.0f\n", g * 1e9 }' > "$CGDIR/memory.limit_in_bytes"
     sync; echo 3 > /proc/sys/vm/drop_caches
 fi
 (
