@@ -745,12 +745,29 @@ pub struct CodecCase {
     pub chunk: Option<CodedChunk>,
 }
 
+thread_local! {
+    static DECODER: std::cell::RefCell<codec::Decoder> =
+        std::cell::RefCell::new(codec::Decoder::new());
+}
+
 fn judge_codec(c: &CodecCase) -> Verdict {
     let mut buf = vec![0xA5u8; c.n + 2 * GUARD];
     let (lo, hi) = (GUARD, GUARD + c.n);
     let r = match &c.chunk {
-        Some(ch) => decode_chunk(Codec::Bf16Zstd, 3, 7, ch, &c.stored, &mut buf[lo..hi])
-            .map_err(|e| e.to_string()),
+        // One decoder for every case of the thread, as the loader pools them: a context
+        // left dirty by a failed case must not change a later case's result.
+        Some(ch) => DECODER.with(|d| {
+            decode_chunk(
+                &mut d.borrow_mut(),
+                Codec::Bf16Zstd,
+                3,
+                7,
+                ch,
+                &c.stored,
+                &mut buf[lo..hi],
+            )
+            .map_err(|e| e.to_string())
+        }),
         None => {
             codec::decode(Codec::Bf16Zstd, &c.stored, &mut buf[lo..hi]).map_err(|e| e.to_string())
         }
