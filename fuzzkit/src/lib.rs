@@ -21,4 +21,4 @@ pub mod rng;
 pub mod runner;
 
 pub use rng::{n_edits, Rng};
-pub use runner::{run, Finding, FuzzReport, Harness, Target, Verdict, Violation};
+pub use runner::{ci_execs, run, Finding, FuzzReport, Harness, Target, Verdict, Violation};

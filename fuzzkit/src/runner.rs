@@ -114,6 +114,37 @@ impl FuzzReport {
     }
 }
 
+impl FuzzReport {
+    /// The verdict of a CI-sized run (the `tests/fuzz_*.rs` of every harness): `execs`
+    /// cases ran, none was a finding (each is printed first, its input through `show`), and
+    /// some but not all mutants were accepted (at least 1%: a harness whose mutants never
+    /// parse tests only the readers' first checks).
+    pub fn assert_ci(&self, execs: u64, show: impl Fn(&[u8]) -> String) {
+        eprintln!("{}", self.line());
+        for f in &self.findings {
+            eprintln!("  case {}: {}\n  input: {}", f.case, f.what, show(&f.input));
+        }
+        assert_eq!(self.n_findings, 0, "{}", self.line());
+        assert_eq!(self.execs, execs);
+        assert!(
+            self.accepted * 100 >= self.execs && self.accepted < self.execs,
+            "{}: accepted share out of range",
+            self.line()
+        );
+    }
+}
+
+/// Cases per reader of a CI-sized run: `K3_FUZZ_EXECS`, else 20,000. 0 is refused, so a run
+/// that fuzzed nothing cannot pass.
+pub fn ci_execs() -> u64 {
+    let n = std::env::var("K3_FUZZ_EXECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    assert!(n > 0, "K3_FUZZ_EXECS=0 would fuzz nothing");
+    n
+}
+
 /// One fuzzer: its corpus and how it builds, judges and keeps cases.
 pub trait Harness {
     /// One built input.
