@@ -11,23 +11,12 @@
 
 use std::time::Instant;
 
-use k3_orch::tools::synth::gaussian_expert_planes;
+use k3_orch::tools::synth::{bits, gaussian_expert_planes};
 
 /// Decoded bytes of codes per chunk (the trunk codec's chunk).
 const CHUNK: usize = 4 << 20;
 /// MXFP4 group: 16 bytes of codes per scale byte.
 const CODES_PER_SCALE: usize = 16;
-
-fn entropy(h: &[u64]) -> f64 {
-    let n: u64 = h.iter().sum();
-    h.iter()
-        .filter(|&&c| c > 0)
-        .map(|&c| {
-            let p = c as f64 / n as f64;
-            -p * p.log2()
-        })
-        .sum()
-}
 
 fn best_of<F: FnMut()>(runs: usize, mut f: F) -> f64 {
     let mut best = f64::MAX;
@@ -82,7 +71,7 @@ fn main() {
     for &b in &scales {
         hs[b as usize] += 1;
     }
-    let (en, es) = (entropy(&hn), entropy(&hs));
+    let (en, es) = (bits(&hn), bits(&hs));
     let total = codes.len() + scales.len();
     let bound = (codes.len() as f64 * en / 4.0 + scales.len() as f64 * es / 8.0) / total as f64;
     println!(

@@ -26,6 +26,9 @@ mod geometry;
 pub mod tokenizer;
 mod weights;
 
+/// Shannon entropy of a histogram (what `synth` prints for what it writes).
+pub use weights::bits;
+
 use std::ffi::OsString;
 use std::fs::{self, File};
 use std::io::Write;
