@@ -784,7 +784,10 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             prefill_chunk: c.plan.prefill_chunk,
             tuning: k3_layer_compute::kernels::tuning::from_env(),
             slots: conf::WarmSlots::default(),
-            speculate: a.speculate,
+            // The plan's arena slots against the bound layers' routed experts.
+            speculate: a
+                .speculate
+                .resolve(c.plan.min_slots as u64, c.plan.max_slots as u64),
             record_routes: a.record_routes.clone(),
         },
         prompt: prompt_message(a)?,
