@@ -174,11 +174,11 @@ impl SamplingSources {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Speculate {
     On,
-    #[default]
     Off,
-    /// On when the routed experts stream (the expert cache holds fewer slots than the
+    /// The default (measured: docs/measurements.md, issue 35). On when the routed experts stream (the expert cache holds fewer slots than the
     /// bound layers have routed experts); off when they all stay resident, where a
     /// guess can only cost compute time.
+    #[default]
     Auto,
 }
 
@@ -336,8 +336,8 @@ diagnostics:
   --dump-logits PATH     float32 LE logits of the first generation step
   --dump-cache-trace DIR expert_hist.json + expert_trace.bin (+ guess_trace.bin)
   --speculate on|off|auto  guess each next layer's experts and read them early into
-                         slots no request needs; auto: when the experts stream
-                         (default off; same ids either way)
+                         slots no request needs; auto (default): when the
+                         experts stream (same ids either way)
   --record-routes FILE   every token's routed experts per layer (for sim-cache, project --trace)
   --record DIR           record every stage's inbound messages and buffer hashes
   --threads N, -t N      compute threads (default: all cores)
@@ -1250,7 +1250,11 @@ mod tests {
     /// an unknown mode for `off`.
     #[test]
     fn speculate_modes_parse_and_auto_follows_the_arena() {
-        assert_eq!(run("bare --ids 1").speculate, Speculate::Off);
+        assert_eq!(run("bare --ids 1").speculate, Speculate::Auto);
+        assert_eq!(
+            run("bare --ids 1 --speculate off").speculate,
+            Speculate::Off
+        );
         assert_eq!(run("bare --ids 1 --speculate on").speculate, Speculate::On);
         assert_eq!(
             run("bare --ids 1 --speculate auto").speculate,
