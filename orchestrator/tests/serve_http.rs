@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::tools_common::{self, bin, skip, tiny_chat_model as model};
@@ -377,16 +377,7 @@ fn sigterm_drains_and_exits_0_within_5_s() {
     let t0 = Instant::now();
     let pid = s.child.id() as i32;
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-    let status = loop {
-        if let Some(st) = s.child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "still running 5 s after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within_5_s(&mut s.child, t0, || {});
     assert_eq!(status.code(), Some(0));
     // The requests in flight were answered, not dropped.
     for (i, h) in inflight.into_iter().enumerate() {
@@ -424,6 +415,22 @@ fn sigterm_drains_and_exits_0_within_5_s() {
     );
 }
 
+/// The server's exit status, once it exits within 5 s of `t0` (when it was sent SIGTERM).
+/// Past that, `on_timeout` runs (to let go of a stage the test stopped, so nothing outlives
+/// the test) and the test fails.
+fn exit_within_5_s(child: &mut Child, t0: Instant, on_timeout: impl FnOnce()) -> ExitStatus {
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        if t0.elapsed() >= Duration::from_secs(5) {
+            on_timeout();
+            panic!("still running 5 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// SIGTERM while layer-compute does not answer (stopped with SIGSTOP mid-generation, so the
 /// drain's cut at 2.5 s is never honoured): the deadline path still exits 0 within 5 s and
 /// leaves no stage process and no cgroup behind (it used to exit at 4.5 s past the cleanup,
@@ -457,16 +464,10 @@ fn sigterm_with_a_stage_that_does_not_answer_still_cleans_up_within_5_s() {
     assert_eq!(unsafe { libc::kill(compute as i32, libc::SIGSTOP) }, 0);
     let t0 = Instant::now();
     assert_eq!(unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) }, 0);
-    let status = loop {
-        if let Some(st) = s.child.try_wait().unwrap() {
-            break st;
-        }
-        if t0.elapsed() > Duration::from_secs(5) {
-            unsafe { libc::kill(compute as i32, libc::SIGKILL) };
-            panic!("still running 5 s after SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within_5_s(&mut s.child, t0, || {
+        // SAFETY: a signal to the stage this test started (and stopped).
+        unsafe { libc::kill(compute as i32, libc::SIGKILL) };
+    });
     let took = t0.elapsed();
     assert_eq!(status.code(), Some(0), "after {took:?}");
     std::thread::sleep(Duration::from_millis(200));
@@ -1200,16 +1201,7 @@ fn sigterm_cuts_requests_in_flight_with_finish_reason_cancelled() {
     std::thread::sleep(Duration::from_millis(2700));
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(compute, libc::SIGCONT) }, 0);
-    let status = loop {
-        if let Some(st) = s.child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "still running 5 s after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = exit_within_5_s(&mut s.child, t0, || {});
     assert_eq!(status.code(), Some(0));
     for (i, h) in inflight.into_iter().enumerate() {
         let (code, body) = h.join().unwrap();
