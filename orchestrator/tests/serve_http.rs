@@ -376,6 +376,7 @@ fn sigterm_drains_and_exits_0_within_5_s() {
     let shm_before = k3_shm_entries();
     let t0 = Instant::now();
     let pid = s.child.id() as i32;
+    // SAFETY: a signal to the server this test started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
     let status = exit_within_5_s(&mut s.child, t0, || {});
     assert_eq!(status.code(), Some(0));
@@ -461,8 +462,10 @@ fn sigterm_with_a_stage_that_does_not_answer_still_cleans_up_within_5_s() {
         .filter_map(|d| d.parent().map(Path::to_path_buf))
         .collect();
     let compute = stages.iter().find(|(n, _)| n == "layer-compute").unwrap().1;
+    // SAFETY: signals to processes this test started (its stage, then the server).
     assert_eq!(unsafe { libc::kill(compute as i32, libc::SIGSTOP) }, 0);
     let t0 = Instant::now();
+    // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) }, 0);
     let status = exit_within_5_s(&mut s.child, t0, || {
         // SAFETY: a signal to the stage this test started (and stopped).
@@ -478,6 +481,7 @@ fn sigterm_with_a_stage_that_does_not_answer_still_cleans_up_within_5_s() {
         })
         .collect();
     for (_, p) in &alive {
+        // SAFETY: a stage of the server this test started, which outlived it.
         unsafe { libc::kill(*p as i32, libc::SIGKILL) };
     }
     assert!(alive.is_empty(), "stages outlived the server: {alive:?}");
@@ -588,6 +592,7 @@ fn a_sigkilled_stage_fails_its_request_with_a_5xx_and_the_next_request_succeeds(
         // Kill the stage once the request is generating.
         wait_for_one_in_flight(&s.base, "the request");
         std::thread::sleep(Duration::from_millis(300));
+        // SAFETY: a signal to a stage of the server this test started.
         assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
         let (code, v) = inflight.join().unwrap();
         assert!((500..600).contains(&code), "{victim}: {code} {v}");
