@@ -37,7 +37,10 @@
 //!     (`T0`) a share per tile pass, a whole group ahead. This shape ran more FMAs per
 //!     cycle than 2 × 4; zmm loads are kept from straddling two lines (which halved the
 //!     loop's speed), and the f64 sums of a pass stay in L1 (docs/measurements.md,
-//!     "Kernel notes moved out of the code").
+//!     "Kernel notes moved out of the code"). A pass whose tokens do not fit L2 (more
+//!     than [`PASS_X_BYTES`]: the dense FFN's down projection) takes the blocks
+//!     outermost instead, every row group in turn per block, so each block of its tokens
+//!     is read from memory once; its f64 sums then live in L2 ([`pass_by_block`]).
 //!
 //! Blocking never changes what one (row, token) lane computes (the same FMAs in the same
 //! order, the same promotion at block ends, the same tree), so batched results equal
@@ -52,7 +55,7 @@ use std::arch::x86_64::*;
 use super::format::{self, stage_partial, Driver, Format, FormatKind};
 use super::matmul::Mat;
 use super::ops::{prefetch_l1, prefetch_l2, prefetch_lines, Ops};
-use super::portable::{groups, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES};
+use super::portable::{groups, x_stride, AlignedBuf, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES};
 use super::tuning::{DriverTuning, WeightStaging, R1, R1_MXFP4};
 
 /// The AVX-512F operations: a group is two zmm (lanes 0..15, the even columns; lanes
@@ -612,14 +615,16 @@ unsafe fn tile_block<S: Staging, const T: usize>(
 
 /// Rows `r0..r1` × all `ntok` tokens, batched. Tokens go in passes of up to [`TC`]
 /// (outermost), rows in groups of [`RB`] (a group past the last row is padded with zero
-/// weights, whose sums are dropped). Per pass and group, block by block (1024 columns): the group's block is
-/// staged into an aligned L1 buffer ([`Staging::put`]: raw bf16, MXFP4 decoded once into
-/// exact bf16 pairs, F32 into lane-ordered f32; the partial group zero-padded), and every
-/// token tile of up to [`TB`] tokens runs the block in registers ([`tile_block`]) and
-/// promotes into its f64 lane sums; meanwhile [`Ahead`] prefetches the next group.
+/// weights, whose sums are dropped). Per pass and group, block by block (1024 columns):
+/// the group's block is staged into an aligned L1 buffer ([`Staging::put`]: raw bf16,
+/// MXFP4 decoded once into exact bf16 pairs, F32 into lane-ordered f32; the partial group
+/// zero-padded), and every token tile of up to [`TB`] tokens runs the block in registers
+/// ([`tile_block`]) and promotes into its f64 lane sums; meanwhile [`Ahead`] prefetches
+/// the next group. A pass takes the row groups outermost ([`pass_by_group`]) while its
+/// tokens' activations fit L2 ([`PASS_X_BYTES`]), else the blocks ([`pass_by_block`]).
 /// Each (row, token) lane performs exactly the contract's FMA chain (in increasing group
 /// order), promotes at the end of each block and reduces by the shared tree, so results
-/// equal the one-token kernel bit for bit.
+/// equal the one-token kernel bit for bit, in either order.
 ///
 /// # Safety
 /// `f` describes `m`, `r1 <= m.rows`; `xp` holds `ntok` permuted tokens; `out` has room for
@@ -633,82 +638,218 @@ unsafe fn rows_batched<F: Fmt, S: Staging>(
     ntok: usize,
     out: &mut [f64],
 ) {
-    let ng = groups(m.cols);
-    let full = m.cols / GROUP_COLS;
     let stride = x_stride(m.cols);
     // Neither buffer is read before it is written: the stage block by block, the sums
     // pass by pass (zeroed at each pass's start). Zero-filling both (32 KiB) for every
     // task cost a small product (an expert's few tokens) about a tile pass.
     let mut buf = std::mem::MaybeUninit::<StageBuf>::uninit();
     let mut sums = std::mem::MaybeUninit::<Acc>::uninit();
-    let mut parts = [([0u8; 128], 0u8); RB];
-    // Register-tile passes over one block of a row group: per pass of tc tokens, tc / TB
-    // tiles of TB tokens and tc % TB of one.
-    let tiles = |tc: usize| tc / TB + tc % TB;
-    // Token passes outermost: a pass's tokens (TC × 4 bytes a column) stay in L2 for
-    // all the row groups, whose weights (a task's, a few hundred KiB at most) are read
-    // from memory in the first pass and from L2 in the next ones; row groups outermost
-    // streamed every token (more than L2 from 36 tokens of 7168 columns) once per group.
+    let dst = buf.as_mut_ptr() as *mut u8;
+    // The lane sums of every row of a pass by blocks (allocated at its first pass).
+    let mut wide: Option<AlignedBuf<f64>> = None;
     let mut c0 = 0;
     while c0 < ntok {
         let tc = (ntok - c0).min(TC);
+        let toks = (ntok, c0, tc);
+        // SAFETY: the caller's guarantees; tokens c0..c0 + tc < ntok.
+        unsafe {
+            if tc * stride * 4 <= PASS_X_BYTES {
+                let acc = sums.as_mut_ptr() as *mut [f64; LANES];
+                pass_by_group::<F, S>(f, m, (r0, r1), xp, toks, out, (acc, dst));
+            } else {
+                let n = (r1 - r0).div_ceil(RB) * RB * TC * LANES;
+                let acc = wide.get_or_insert_with(|| AlignedBuf::new(n));
+                let acc = acc.as_mut_ptr() as *mut [f64; LANES];
+                pass_by_block::<F, S>(f, m, (r0, r1), xp, toks, out, (acc, dst));
+            }
+        }
+        c0 += tc;
+    }
+}
+
+/// Register-tile passes over one block of a row group: per pass of `tc` tokens, `tc / TB`
+/// tiles of [`TB`] tokens and `tc % TB` of one.
+const fn tile_passes(tc: usize) -> usize {
+    tc / TB + tc % TB
+}
+
+/// The register tiles of one staged block (`stage`, groups `q..qe` of a row group) over
+/// tokens `c0..c0 + tc`, their f64 lane sums `acc[j * tc + t]` (row `j` of the group,
+/// token `c0 + t`); `ahead` steps once per tile.
+///
+/// # Safety
+/// `stage` holds `qe - q` staged groups of RB rows; `xp` holds the tokens (stride
+/// `stride`); `acc` has `RB * tc` entries; AVX-512F enabled in the caller.
+#[inline(always)]
+unsafe fn tiles_over_block<S: Staging, const N: usize>(
+    stage: *const u8,
+    (q, qe): (usize, usize),
+    (xp, stride): (*const f32, usize),
+    (c0, tc): (usize, usize),
+    acc: &mut [[f64; LANES]],
+    ahead: &mut Ahead<N>,
+) {
+    let mut t0 = 0;
+    while t0 < tc {
+        let x = xp.wrapping_add((c0 + t0) * stride + GROUP_COLS * q);
+        let a = &mut acc[t0..];
+        ahead.step();
+        // SAFETY: the staged block holds qe - q groups of RB rows; tokens c0 + t0.. have
+        // their block's values at x (+ t * stride); acc has RB * tc >= (RB - 1) * tc + t0
+        // + T entries (caller).
+        unsafe {
+            if t0 + TB <= tc {
+                tile_block::<S, TB>(stage, qe - q, x, stride, a, tc);
+                t0 += TB;
+            } else {
+                tile_block::<S, 1>(stage, qe - q, x, stride, a, tc);
+                t0 += 1;
+            }
+        }
+    }
+}
+
+/// One pass of tokens `c0..c0 + tc` (`toks = (ntok, c0, tc)`) over rows `r0..r1`, row
+/// groups outermost: each group's lane sums (`acc`, room for `RB * TC`) stay in L1 for
+/// all its blocks, and the pass's tokens (`TC` × 4 bytes a column) in L2 for all the row
+/// groups, whose weights (a task's, a few hundred KiB at most) are read from memory in
+/// the first pass and from L2 in the next ones; row groups outermost over all the tokens
+/// streamed every token (more than L2 from 36 tokens of 7168 columns) once per group.
+/// `dst` is the staging buffer ([`StageBuf`]).
+///
+/// # Safety
+/// As [`rows_batched`] for tokens `c0..c0 + tc`; `acc` and `dst` are valid for writes of
+/// `RB * TC` lane sums and a [`StageBuf`].
+#[inline(always)]
+unsafe fn pass_by_group<F: Fmt, S: Staging>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    xp: *const f32,
+    (ntok, c0, tc): (usize, usize, usize),
+    out: &mut [f64],
+    (acc, dst): (*mut [f64; LANES], *mut u8),
+) {
+    let ng = groups(m.cols);
+    let full = m.cols / GROUP_COLS;
+    let stride = x_stride(m.cols);
+    let mut parts = [([0u8; 128], 0u8); RB];
+    let mut g0 = r0;
+    while g0 < r1 {
+        let nr = (r1 - g0).min(RB);
+        if full < ng {
+            for (j, p) in parts.iter_mut().enumerate().take(nr) {
+                p.1 = stage_partial(m, g0 + j, full, &mut p.0);
+            }
+        }
+        // The next group's weights, over this group's tile passes.
+        let next = (g0 + nr, (g0 + nr + RB).min(r1));
+        let steps = ng.div_ceil(BLOCK_GROUPS) * tile_passes(tc);
+        let mut ahead = Ahead::new(f.spans(next.0, next.1), steps);
+        // SAFETY: RB * tc <= RB * TC lane sums fit the buffer (caller); they are zeroed
+        // here before the slice over them is formed.
+        let acc: &mut [[f64; LANES]] = unsafe {
+            std::ptr::write_bytes(acc, 0, RB * tc);
+            std::slice::from_raw_parts_mut(acc, RB * tc)
+        };
+        let mut q = 0;
+        while q < ng {
+            let qe = (q + BLOCK_GROUPS).min(ng);
+            // SAFETY: rows g0..g0+nr < m.rows and groups q..qe < ng (full ones read in
+            // place, the partial one from its copy); the staged block fits the buffer
+            // (qe - q <= BLOCK_GROUPS, RB rows of at most 128 bytes a group); the tiles
+            // read what was staged, tokens c0..c0 + tc < ntok.
+            unsafe {
+                stage_block::<F, S>(f, (g0, nr, full), (q, qe), &parts, dst);
+                let x = (xp, stride);
+                tiles_over_block::<S, 2>(dst, (q, qe), x, (c0, tc), acc, &mut ahead);
+            }
+            q = qe;
+        }
+        for j in 0..nr {
+            for t in 0..tc {
+                // SAFETY: AVX-512F is enabled in the caller.
+                out[(g0 + j - r0) * ntok + c0 + t] =
+                    unsafe { Avx512::reduce(&mut acc[j * tc + t]) };
+            }
+        }
+        g0 += nr;
+    }
+}
+
+/// Bytes of a pass's activations (`TC` tokens × 4 bytes a column) up to which it takes
+/// the row groups outermost ([`pass_by_group`]: they stay in L2, 1 MiB a core on Zen 5,
+/// for all the groups); a wider pass (the dense FFN's down projection, 33 792 columns: 2.2
+/// MB) takes the blocks outermost ([`pass_by_block`]). On Zen 5, one thread, 96 rows ×
+/// 33 792 columns × 128 tokens: 48-56 GMAC per CPU-second by blocks against 37-51 by
+/// groups (MXFP4 62-63 against 54-55); at 12 288 columns (787 KB a pass) the two orders
+/// were level, at 7168 by groups was ahead (docs/measurements.md, "Wide products by
+/// blocks").
+const PASS_X_BYTES: usize = 1 << 20;
+
+/// One pass of tokens `c0..c0 + tc` over rows `r0..r1`, blocks outermost: per block, every
+/// row group in turn is staged and runs its tiles, so one block of the pass's tokens
+/// (`TC` × 4 KiB) stays in L1 and L2 for all the groups and the whole pass's activations
+/// are read from memory once, however wide the matrix. The lane sums of every row of the
+/// pass (`acc`, room for `RB * TC` per row group: 384 KiB for a task of 96 rows) live in
+/// L2 between blocks. [`Ahead`] prefetches the next group's block (the next block's first
+/// group after the last).
+///
+/// # Safety
+/// As [`pass_by_group`]; `acc` is valid for writes of `RB * TC` lane sums per row group of
+/// `r0..r1`.
+#[inline(always)]
+unsafe fn pass_by_block<F: Fmt, S: Staging>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    xp: *const f32,
+    (ntok, c0, tc): (usize, usize, usize),
+    out: &mut [f64],
+    (acc, dst): (*mut [f64; LANES], *mut u8),
+) {
+    let ng = groups(m.cols);
+    let full = m.cols / GROUP_COLS;
+    let stride = x_stride(m.cols);
+    let n = (r1 - r0).div_ceil(RB) * RB * tc;
+    // SAFETY: n lane sums fit the buffer (caller); zeroed before the slice is formed.
+    let acc: &mut [[f64; LANES]] = unsafe {
+        std::ptr::write_bytes(acc, 0, n);
+        std::slice::from_raw_parts_mut(acc, n)
+    };
+    let mut parts = [([0u8; 128], 0u8); RB];
+    let mut q = 0;
+    while q < ng {
+        let qe = (q + BLOCK_GROUPS).min(ng);
         let mut g0 = r0;
         while g0 < r1 {
             let nr = (r1 - g0).min(RB);
-            if full < ng {
+            if qe > full {
                 for (j, p) in parts.iter_mut().enumerate().take(nr) {
                     p.1 = stage_partial(m, g0 + j, full, &mut p.0);
                 }
             }
-            // The next group's weights, over this group's tile passes.
-            let next = (g0 + nr, (g0 + nr + RB).min(r1));
-            let steps = ng.div_ceil(BLOCK_GROUPS) * tiles(tc);
-            let mut ahead = Ahead::new(f.spans(next.0, next.1), steps);
-            // SAFETY: RB * tc <= RB * TC lane sums fit the buffer; they are zeroed here
-            // before the slice over them is formed.
-            let acc: &mut [[f64; LANES]] = unsafe {
-                let p = sums.as_mut_ptr() as *mut [f64; LANES];
-                std::ptr::write_bytes(p, 0, RB * tc);
-                std::slice::from_raw_parts_mut(p, RB * tc)
-            };
-            let mut q = 0;
-            while q < ng {
-                let qe = (q + BLOCK_GROUPS).min(ng);
-                let dst = buf.as_mut_ptr() as *mut u8;
-                // SAFETY: rows g0..g0+nr < m.rows and groups q..qe < ng (full ones read in
-                // place, the partial one from its copy); the staged block fits the buffer
-                // (qe - q <= BLOCK_GROUPS, RB rows of at most 128 bytes a group).
-                unsafe { stage_block::<F, S>(f, (g0, nr, full), (q, qe), &parts, dst) };
-                let mut t0 = 0;
-                while t0 < tc {
-                    let x = xp.wrapping_add((c0 + t0) * stride + GROUP_COLS * q);
-                    let a = &mut acc[t0..];
-                    // SAFETY: the staged block holds qe - q groups of RB rows (written just
-                    // above); tokens c0+t0.. < ntok have their block's values at x (+ t *
-                    // stride); acc has RB * tc >= (RB - 1) * tc + t0 + T entries.
-                    unsafe {
-                        ahead.step();
-                        if t0 + TB <= tc {
-                            tile_block::<S, TB>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
-                            t0 += TB;
-                        } else {
-                            tile_block::<S, 1>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
-                            t0 += 1;
-                        }
-                    }
-                }
-                q = qe;
-            }
-            for j in 0..nr {
-                for t in 0..tc {
-                    // SAFETY: AVX-512F is enabled in the caller.
-                    out[(g0 + j - r0) * ntok + c0 + t] =
-                        unsafe { Avx512::reduce(&mut acc[j * tc + t]) };
-                }
+            let (nq, ng0) = if g0 + nr < r1 { (q, g0 + nr) } else { (qe, r0) };
+            let nb = (nq, (nq + BLOCK_GROUPS).min(ng));
+            let spans = block_spans(f, m, (ng0, (ng0 + RB).min(r1)), nb);
+            let mut ahead = Ahead::new(spans, tile_passes(tc));
+            let a = &mut acc[(g0 - r0) * tc..];
+            // SAFETY: as in pass_by_group; the group's sums are RB * tc entries from
+            // (g0 - r0) * tc, inside the n of acc.
+            unsafe {
+                stage_block::<F, S>(f, (g0, nr, full), (q, qe), &parts, dst);
+                let x = (xp, stride);
+                tiles_over_block::<S, { 2 * RB }>(dst, (q, qe), x, (c0, tc), a, &mut ahead);
             }
             g0 += nr;
         }
-        c0 += tc;
+        q = qe;
+    }
+    for r in r0..r1 {
+        for t in 0..tc {
+            // SAFETY: AVX-512F is enabled in the caller.
+            out[(r - r0) * ntok + c0 + t] = unsafe { Avx512::reduce(&mut acc[(r - r0) * tc + t]) };
+        }
     }
 }
 
@@ -760,19 +901,20 @@ unsafe fn stage_block<F: Fmt, S: Staging>(
 /// group's work: [`Ahead::step`] is called once per register-tile pass and prefetches its
 /// share of the lines, so every line is asked for a whole row group ahead of its staging
 /// (a block ahead, asked for in one burst, arrived too late: the staging copy stalled on
-/// memory as long as the tiles computed).
-struct Ahead {
-    spans: [(*const u8, usize); 2],
+/// memory as long as the tiles computed). `N` spans: the rows' weights and scales (2), or
+/// one block of each of a group's rows ([`block_spans`]).
+struct Ahead<const N: usize> {
+    spans: [(*const u8, usize); N],
     /// Bytes of `spans` already prefetched.
     done: usize,
     /// Bytes per step.
     per: usize,
 }
 
-impl Ahead {
+impl<const N: usize> Ahead<N> {
     /// Prefetch `spans` over `steps` calls of [`Ahead::step`].
-    fn new(spans: [(*const u8, usize); 2], steps: usize) -> Self {
-        let total = spans[0].1 + spans[1].1;
+    fn new(spans: [(*const u8, usize); N], steps: usize) -> Self {
+        let total: usize = spans.iter().map(|s| s.1).sum();
         let per = total.div_ceil(steps.max(1)).div_ceil(64) * 64;
         Ahead {
             spans,
@@ -785,17 +927,45 @@ impl Ahead {
     /// formed with wrapping arithmetic).
     #[inline(always)]
     fn step(&mut self) {
-        let [(a, na), (b, nb)] = self.spans;
-        let (lo, hi) = (self.done, (self.done + self.per).min(na + nb));
-        if lo < na {
-            prefetch_lines(a.wrapping_add(lo), hi.min(na) - lo);
+        let (lo, mut base) = (self.done, 0);
+        let hi = lo + self.per;
+        for &(p, n) in &self.spans {
+            if lo < base + n && hi > base {
+                let a = lo.max(base) - base;
+                prefetch_lines(p.wrapping_add(a), hi.min(base + n) - base - a);
+            }
+            base += n;
         }
-        if hi > na {
-            let from = lo.max(na) - na;
-            prefetch_lines(b.wrapping_add(from), hi - na - from);
-        }
-        self.done = hi;
+        self.done = hi.min(base);
     }
+}
+
+/// The bytes of groups `q..qe` of rows `g0..g1` (at most [`RB`]): per row, its weights
+/// and its scales (empty without scales); spans past `g1` are empty. Addresses only.
+#[inline(always)]
+fn block_spans<F: Fmt>(
+    f: F,
+    m: &Mat<'_>,
+    (g0, g1): (usize, usize),
+    (q, qe): (usize, usize),
+) -> [(*const u8, usize); 2 * RB] {
+    let info = F::KIND.info();
+    let (wb, sb) = (info.row_bytes(m.cols), info.row_scale_bytes(m.cols));
+    let mut out = [(std::ptr::null::<u8>(), 0usize); 2 * RB];
+    for (j, row) in (g0..g1.min(m.rows)).take(RB).enumerate() {
+        let [(w, _), (s, _)] = f.spans(row, row + 1);
+        let (w0, w1) = (
+            (q * info.group_bytes).min(wb),
+            (qe * info.group_bytes).min(wb),
+        );
+        out[2 * j] = (w.wrapping_add(w0), w1 - w0);
+        let (s0, s1) = (
+            (q * info.scale_bytes).min(sb),
+            (qe * info.scale_bytes).min(sb),
+        );
+        out[2 * j + 1] = (s.wrapping_add(s0), s1 - s0);
+    }
+    out
 }
 
 /// Rows `r0..r1` × one token, in tiles of `rows` rows (2, 4, 6 or 8) side by side, the
