@@ -23,7 +23,8 @@
 //!   - 3 to 8 tokens of a BF16 or F32 matrix (`serve --parallel` decode passes): the
 //!     same 4 rows × 2 tokens register tile without staging, rows in chunks of 16 taken
 //!     block by block, so that the tokens' block stays in L1 for the chunk's rows and a
-//!     row tile's weights for all its token pairs ([`rows_small`]);
+//!     row tile's weights for all its token pairs ([`rows_small`]; at 4 tokens the
+//!     second pair prefetches the next tile's block, [`NX_TOKENS`]);
 //!   - more tokens (prefill): tokens in passes of up to 16 (outermost, so a pass's
 //!     tokens stay in L2 for all the rows), rows in groups of [`RB`] (4). Per group and
 //!     pass, block by block (1024 columns), the group's block is staged
@@ -344,7 +345,9 @@ fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize)
 /// promoted into `acc[j * os + t]` at the end. `PF` is the software prefetch distance in
 /// bytes along each row (0: none), a constant so that the prefetch address is the load's
 /// with a displacement (as a run-time value it cost every row a second pointer, and the
-/// row pointers no longer fit the registers).
+/// row pointers no longer fit the registers). With `NX`, each group also prefetches the
+/// same group of the rows at `next` (group 0 of each row, addresses only: the next row
+/// tile's block, see [`NX_TOKENS`]).
 ///
 /// # Safety
 /// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
@@ -353,13 +356,13 @@ fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize)
 /// enabled in the caller.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
+unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize, const NX: bool>(
     f: F,
     r: usize,
     (q0, qe, qf): (usize, usize, usize),
     (pbuf, psc): (&[[u8; 128]; R], &[u8; R]),
     (xp, xs): (*const f32, usize),
-    acc: &mut [[f64; LANES]],
+    (acc, next): (&mut [[f64; LANES]], &[*const u8; R]),
     os: usize,
 ) {
     // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
@@ -392,6 +395,13 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
                     let (p, _) = f.at(r + j, q);
                     // A hint: it never faults; wrapping_add keeps the arithmetic defined.
                     prefetch_row::<F>(p.wrapping_add(PF));
+                }
+            }
+            if NX {
+                // The next row tile's same groups (hints, as above).
+                let gb = F::KIND.info().group_bytes;
+                for nj in next {
+                    prefetch_lines(nj.wrapping_add(q * gb), F::U * gb);
                 }
             }
             for u in 0..F::U {
@@ -455,7 +465,8 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF:
         }
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
-            seg::<F, R, T, PF>(f, r, (q, qe, full), (&pbuf, &psc), x, &mut acc, T);
+            let a = (&mut acc[..], &[std::ptr::null(); R]);
+            seg::<F, R, T, PF, false>(f, r, (q, qe, full), (&pbuf, &psc), x, a, T);
             q = qe;
         }
     }
@@ -1128,6 +1139,17 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
 /// Most tokens the chunked path takes ([`rows_small`]); more go to [`rows_batched`].
 const SMALL: usize = 8;
 
+/// Most tokens for which [`rows_small`]'s second token pair prefetches the next row
+/// tile's block into L1 (`T0`), so that the weights keep coming while the pair computes
+/// from L1 (the first pair of every tile stalled on them, the second read none): in
+/// effect 4 tokens, a `serve --parallel 4` pass (3 end in a single token, whose pass is
+/// not FMA-bound). Zen 5, one thread, alternating: `gemv_bench --only "batch4 kda"` (from
+/// DRAM) 29.6-30.4 → 36.2-38.4 GMAC per CPU-second (2 threads 28.7-30.4 → 35.2-37.6),
+/// `kernel_micro bf16 4` (in cache) 61-63 → 65-66. At 8 tokens it won from DRAM (42-43 →
+/// 46) but lost in cache (67 → 60-64: the tokens' block and two tiles' weights are all
+/// of L1), and into L2 (`T1`) it was level: not taken there.
+const NX_TOKENS: usize = 4;
+
 /// Rows per chunk of [`rows_small`]: the row tiles that take one block of the tokens in
 /// turn while it stays in L1.
 const CHUNK: usize = 16;
@@ -1229,10 +1251,19 @@ unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
             let (r, j0) = (c0 + i * R, i * R);
             let pb: &[[u8; 128]; R] = pbuf[j0..j0 + R].try_into().expect("R rows");
             let ps: &[u8; R] = psc[j0..j0 + R].try_into().expect("R rows");
+            let pp = (pb, ps);
+            // The next row tile's block (after the chunk's last tile, the first tile's
+            // next block), prefetched by the second token pair (addresses only).
+            let (nr0, nq) = if i + 1 < nr / R { (r + R, q) } else { (c0, qe) };
+            let gb = F::KIND.info().group_bytes;
+            let next: [*const u8; R] = std::array::from_fn(|j| {
+                let row = f.spans(nr0 + j, nr0 + j + 1)[0].0;
+                row.wrapping_add(nq * gb).wrapping_sub(q * gb)
+            });
             let mut t0 = 0;
             while t0 < ntok {
                 let xt = (x.wrapping_add(t0 * stride), stride);
-                let a = &mut acc[j0 * ntok + t0..];
+                let a = (&mut acc[j0 * ntok + t0..], &next);
                 // SAFETY: rows r..r+R lie in c0..c1 (caller), groups q..qe in 0..ng (full
                 // ones read in place, the partial one from its copy); tokens t0.. < ntok
                 // are at xt; the tile's sums (j0 + j) * ntok + t0 + t < nr * ntok. Only
@@ -1241,9 +1272,12 @@ unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
                 unsafe {
                     let b = (q, qe, full);
                     match (ntok - t0 >= 2, t0 == 0) {
-                        (true, true) => seg::<F, R, 2, PF>(f, r, b, (pb, ps), xt, a, ntok),
-                        (true, false) => seg::<F, R, 2, 0>(f, r, b, (pb, ps), xt, a, ntok),
-                        (false, _) => seg::<F, R, 1, 0>(f, r, b, (pb, ps), xt, a, ntok),
+                        (true, true) => seg::<F, R, 2, PF, false>(f, r, b, pp, xt, a, ntok),
+                        (true, false) if t0 == 2 && ntok <= NX_TOKENS => {
+                            seg::<F, R, 2, 0, true>(f, r, b, pp, xt, a, ntok)
+                        }
+                        (true, false) => seg::<F, R, 2, 0, false>(f, r, b, pp, xt, a, ntok),
+                        (false, _) => seg::<F, R, 1, 0, false>(f, r, b, pp, xt, a, ntok),
                     }
                 }
                 t0 += 2;
