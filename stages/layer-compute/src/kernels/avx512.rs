@@ -23,8 +23,8 @@
 //!   - 3 to 8 tokens of a BF16 or F32 matrix (`serve --parallel` decode passes): the
 //!     same 4 rows × 2 tokens register tile without staging, rows in chunks of 16 taken
 //!     block by block, so that the tokens' block stays in L1 for the chunk's rows and a
-//!     row tile's weights for all its token pairs ([`rows_small`]; at 4 tokens the
-//!     second pair prefetches the next tile's block, [`NX_TOKENS`]);
+//!     row tile's weights for all its token pairs ([`rows_small`]; at an even count the
+//!     last pair prefetches the next tile's block, [`NX_TOKENS`]);
 //!   - more tokens (prefill): tokens in passes of up to 16 (outermost, so a pass's
 //!     tokens stay in L2 for all the rows), rows in groups of [`RB`] (4). Per group and
 //!     pass, block by block (1024 columns), the group's block is staged
@@ -1139,16 +1139,17 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
 /// Most tokens the chunked path takes ([`rows_small`]); more go to [`rows_batched`].
 const SMALL: usize = 8;
 
-/// Most tokens for which [`rows_small`]'s second token pair prefetches the next row
-/// tile's block into L1 (`T0`), so that the weights keep coming while the pair computes
-/// from L1 (the first pair of every tile stalled on them, the second read none): in
-/// effect 4 tokens, a `serve --parallel 4` pass (3 end in a single token, whose pass is
-/// not FMA-bound). Zen 5, one thread, alternating: `gemv_bench --only "batch4 kda"` (from
-/// DRAM) 29.6-30.4 → 36.2-38.4 GMAC per CPU-second (2 threads 28.7-30.4 → 35.2-37.6),
-/// `kernel_micro bf16 4` (in cache) 61-63 → 65-66. At 8 tokens it won from DRAM (42-43 →
-/// 46) but lost in cache (67 → 60-64: the tokens' block and two tiles' weights are all
-/// of L1), and into L2 (`T1`) it was level: not taken there.
-const NX_TOKENS: usize = 4;
+/// Most tokens for which [`rows_small`]'s last token pair of a row tile, when it is the
+/// tile's last pass (an even count: 4, 6, 8), prefetches the next row tile's block into
+/// L1 (`T0`), so that the weights keep coming while that pair computes from L1 (the
+/// first pair of every tile stalled on them, the later ones read none). Zen 5, one
+/// thread, alternating: from DRAM, `gemv_bench --only "batch4 kda"` (the `serve
+/// --parallel 4` pass's shape) 29.6-30.4 → 36.2-38.4 GMAC per CPU-second (2 threads
+/// 28.7-30.4 → 35.2-37.6), `kernel_micro` over 12 288 × 7168 at 6 tokens 39-43 → 46-47,
+/// at 8 49-50 → 53-55; in cache level at 6 and 8, 61-63 → 65-66 at 4. Where a single
+/// token's pass follows (3, 5, 7) it lost in cache (the lines wait in L1 longer), and
+/// into L2 (`T1`) it did not pay (docs/measurements.md, "Wide products by blocks").
+const NX_TOKENS: usize = SMALL;
 
 /// Rows per chunk of [`rows_small`]: the row tiles that take one block of the tokens in
 /// turn while it stays in L1.
@@ -1273,7 +1274,7 @@ unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
                     let b = (q, qe, full);
                     match (ntok - t0 >= 2, t0 == 0) {
                         (true, true) => seg::<F, R, 2, PF, false>(f, r, b, pp, xt, a, ntok),
-                        (true, false) if t0 == 2 && ntok <= NX_TOKENS => {
+                        (true, false) if t0 + 2 == ntok && ntok <= NX_TOKENS => {
                             seg::<F, R, 2, 0, true>(f, r, b, pp, xt, a, ntok)
                         }
                         (true, false) => seg::<F, R, 2, 0, false>(f, r, b, pp, xt, a, ntok),
