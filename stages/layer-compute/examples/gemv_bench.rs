@@ -318,6 +318,27 @@ fn main() {
             shapes: vec![(12288, 7168)],
             kind: Kind::Batch(16),
         },
+        // A `serve --parallel 4` decode pass: 4 rows of every trunk product.
+        Case {
+            name: "batch4 kda q 12288x7168",
+            fmt: Fmt::Bf16,
+            shapes: vec![(12288, 7168)],
+            kind: Kind::Batch(4),
+        },
+        Case {
+            name: "batch8 kda q 12288x7168",
+            fmt: Fmt::Bf16,
+            shapes: vec![(12288, 7168)],
+            kind: Kind::Batch(8),
+        },
+        // A prompt's dense FFN down projection: a pass of 16 tokens' activations (2.2 MB)
+        // outgrows L2.
+        Case {
+            name: "batch64 dense down 7168x33792",
+            fmt: Fmt::Bf16,
+            shapes: vec![(7168, 33792)],
+            kind: Kind::Batch(64),
+        },
         // A prompt chunk's dense products: compute-bound, where bf16x3 and exact differ.
         Case {
             name: "batch64 latent down 3584x7168",

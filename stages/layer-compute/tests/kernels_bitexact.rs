@@ -444,7 +444,11 @@ fn every_decode_tuning_matches_portable_bitwise() {
 // splits a group into the wrong lanes, pads a partial group or a padded row with anything
 // but zero, or a bf16-pair stage that rounds an MXFP4 weight. Both forms must equal the
 // portable twin bit for bit, through partial groups and blocks, a padded last row group
-// and a second token pass (each form passed explicitly: `Kernel::with`).
+// and a second token pass (each form passed explicitly: `Kernel::with`). The wide shape
+// (17 000 columns: 16 tokens' activations pass 1 MiB) takes AVX-512's blocks-outermost
+// pass for its 16-token passes and the row-groups-outermost one for the rest: catches a
+// blocks-outermost pass that mixes up two row groups' or tokens' lane sums, drops the
+// padded row group's or the partial group's weights, or promotes at a wrong block edge.
 #[test]
 fn both_batch_stagings_match_portable_bitwise() {
     let _kernels = kernels_shared();
@@ -453,7 +457,7 @@ fn both_batch_stagings_match_portable_bitwise() {
     }
     let mut s = 0x57a6_e0f3_2b1d_9c44_u64;
     for fmt in ["bf16", "f32", "mxfp4"] {
-        for (rows, cols) in [(133usize, 1057usize), (29, 2100)] {
+        for (rows, cols) in [(133usize, 1057usize), (29, 2100), (9, 17000)] {
             let o = Owned::special(fmt, rows, cols, &mut s);
             let m = o.mat();
             for ntok in [5usize, 9, 16, 37] {

@@ -23,7 +23,8 @@
 //!   - 3 to 8 tokens of a BF16 or F32 matrix (`serve --parallel` decode passes): the
 //!     same 4 rows × 2 tokens register tile without staging, rows in chunks of 16 taken
 //!     block by block, so that the tokens' block stays in L1 for the chunk's rows and a
-//!     row tile's weights for all its token pairs ([`rows_small`]);
+//!     row tile's weights for all its token pairs ([`rows_small`]; at an even count the
+//!     last pair prefetches the next tile's block, [`NX_TOKENS`]);
 //!   - more tokens (prefill): tokens in passes of up to 16 (outermost, so a pass's
 //!     tokens stay in L2 for all the rows), rows in groups of [`RB`] (4). Per group and
 //!     pass, block by block (1024 columns), the group's block is staged
@@ -37,7 +38,10 @@
 //!     (`T0`) a share per tile pass, a whole group ahead. This shape ran more FMAs per
 //!     cycle than 2 × 4; zmm loads are kept from straddling two lines (which halved the
 //!     loop's speed), and the f64 sums of a pass stay in L1 (docs/measurements.md,
-//!     "Kernel notes moved out of the code").
+//!     "Kernel notes moved out of the code"). A pass whose tokens do not fit L2 (more
+//!     than [`PASS_X_BYTES`]: the dense FFN's down projection) takes the blocks
+//!     outermost instead, every row group in turn per block, so each block of its tokens
+//!     is read from memory once; its f64 sums then live in L2 ([`pass_by_block`]).
 //!
 //! Blocking never changes what one (row, token) lane computes (the same FMAs in the same
 //! order, the same promotion at block ends, the same tree), so batched results equal
@@ -52,7 +56,7 @@ use std::arch::x86_64::*;
 use super::format::{self, stage_partial, Driver, Format, FormatKind};
 use super::matmul::Mat;
 use super::ops::{prefetch_l1, prefetch_l2, prefetch_lines, Ops};
-use super::portable::{groups, x_stride, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES};
+use super::portable::{groups, x_stride, AlignedBuf, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES};
 use super::tuning::{DriverTuning, WeightStaging, R1, R1_MXFP4};
 
 /// The AVX-512F operations: a group is two zmm (lanes 0..15, the even columns; lanes
@@ -341,7 +345,9 @@ fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize)
 /// promoted into `acc[j * os + t]` at the end. `PF` is the software prefetch distance in
 /// bytes along each row (0: none), a constant so that the prefetch address is the load's
 /// with a displacement (as a run-time value it cost every row a second pointer, and the
-/// row pointers no longer fit the registers).
+/// row pointers no longer fit the registers). With `NX`, each group also prefetches the
+/// same group of the rows at `next` (group 0 of each row, addresses only: the next row
+/// tile's block, see [`NX_TOKENS`]).
 ///
 /// # Safety
 /// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
@@ -350,13 +356,13 @@ fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize)
 /// enabled in the caller.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
+unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize, const NX: bool>(
     f: F,
     r: usize,
     (q0, qe, qf): (usize, usize, usize),
     (pbuf, psc): (&[[u8; 128]; R], &[u8; R]),
     (xp, xs): (*const f32, usize),
-    acc: &mut [[f64; LANES]],
+    (acc, next): (&mut [[f64; LANES]], &[*const u8; R]),
     os: usize,
 ) {
     // SAFETY (whole body): groups < qf are read in place, the partial one from pbuf; x
@@ -389,6 +395,13 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize>(
                     let (p, _) = f.at(r + j, q);
                     // A hint: it never faults; wrapping_add keeps the arithmetic defined.
                     prefetch_row::<F>(p.wrapping_add(PF));
+                }
+            }
+            if NX {
+                // The next row tile's same groups (hints, as above).
+                let gb = F::KIND.info().group_bytes;
+                for nj in next {
+                    prefetch_lines(nj.wrapping_add(q * gb), F::U * gb);
                 }
             }
             for u in 0..F::U {
@@ -452,7 +465,8 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF:
         }
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
-            seg::<F, R, T, PF>(f, r, (q, qe, full), (&pbuf, &psc), x, &mut acc, T);
+            let a = (&mut acc[..], &[std::ptr::null(); R]);
+            seg::<F, R, T, PF, false>(f, r, (q, qe, full), (&pbuf, &psc), x, a, T);
             q = qe;
         }
     }
@@ -612,14 +626,16 @@ unsafe fn tile_block<S: Staging, const T: usize>(
 
 /// Rows `r0..r1` × all `ntok` tokens, batched. Tokens go in passes of up to [`TC`]
 /// (outermost), rows in groups of [`RB`] (a group past the last row is padded with zero
-/// weights, whose sums are dropped). Per pass and group, block by block (1024 columns): the group's block is
-/// staged into an aligned L1 buffer ([`Staging::put`]: raw bf16, MXFP4 decoded once into
-/// exact bf16 pairs, F32 into lane-ordered f32; the partial group zero-padded), and every
-/// token tile of up to [`TB`] tokens runs the block in registers ([`tile_block`]) and
-/// promotes into its f64 lane sums; meanwhile [`Ahead`] prefetches the next group.
+/// weights, whose sums are dropped). Per pass and group, block by block (1024 columns):
+/// the group's block is staged into an aligned L1 buffer ([`Staging::put`]: raw bf16,
+/// MXFP4 decoded once into exact bf16 pairs, F32 into lane-ordered f32; the partial group
+/// zero-padded), and every token tile of up to [`TB`] tokens runs the block in registers
+/// ([`tile_block`]) and promotes into its f64 lane sums; meanwhile [`Ahead`] prefetches
+/// the next group. A pass takes the row groups outermost ([`pass_by_group`]) while its
+/// tokens' activations fit L2 ([`PASS_X_BYTES`]), else the blocks ([`pass_by_block`]).
 /// Each (row, token) lane performs exactly the contract's FMA chain (in increasing group
 /// order), promotes at the end of each block and reduces by the shared tree, so results
-/// equal the one-token kernel bit for bit.
+/// equal the one-token kernel bit for bit, in either order.
 ///
 /// # Safety
 /// `f` describes `m`, `r1 <= m.rows`; `xp` holds `ntok` permuted tokens; `out` has room for
@@ -633,82 +649,218 @@ unsafe fn rows_batched<F: Fmt, S: Staging>(
     ntok: usize,
     out: &mut [f64],
 ) {
-    let ng = groups(m.cols);
-    let full = m.cols / GROUP_COLS;
     let stride = x_stride(m.cols);
     // Neither buffer is read before it is written: the stage block by block, the sums
     // pass by pass (zeroed at each pass's start). Zero-filling both (32 KiB) for every
     // task cost a small product (an expert's few tokens) about a tile pass.
     let mut buf = std::mem::MaybeUninit::<StageBuf>::uninit();
     let mut sums = std::mem::MaybeUninit::<Acc>::uninit();
-    let mut parts = [([0u8; 128], 0u8); RB];
-    // Register-tile passes over one block of a row group: per pass of tc tokens, tc / TB
-    // tiles of TB tokens and tc % TB of one.
-    let tiles = |tc: usize| tc / TB + tc % TB;
-    // Token passes outermost: a pass's tokens (TC × 4 bytes a column) stay in L2 for
-    // all the row groups, whose weights (a task's, a few hundred KiB at most) are read
-    // from memory in the first pass and from L2 in the next ones; row groups outermost
-    // streamed every token (more than L2 from 36 tokens of 7168 columns) once per group.
+    let dst = buf.as_mut_ptr() as *mut u8;
+    // The lane sums of every row of a pass by blocks (allocated at its first pass).
+    let mut wide: Option<AlignedBuf<f64>> = None;
     let mut c0 = 0;
     while c0 < ntok {
         let tc = (ntok - c0).min(TC);
+        let toks = (ntok, c0, tc);
+        // SAFETY: the caller's guarantees; tokens c0..c0 + tc < ntok.
+        unsafe {
+            if tc * stride * 4 <= PASS_X_BYTES {
+                let acc = sums.as_mut_ptr() as *mut [f64; LANES];
+                pass_by_group::<F, S>(f, m, (r0, r1), xp, toks, out, (acc, dst));
+            } else {
+                let n = (r1 - r0).div_ceil(RB) * RB * TC * LANES;
+                let acc = wide.get_or_insert_with(|| AlignedBuf::new(n));
+                let acc = acc.as_mut_ptr() as *mut [f64; LANES];
+                pass_by_block::<F, S>(f, m, (r0, r1), xp, toks, out, (acc, dst));
+            }
+        }
+        c0 += tc;
+    }
+}
+
+/// Register-tile passes over one block of a row group: per pass of `tc` tokens, `tc / TB`
+/// tiles of [`TB`] tokens and `tc % TB` of one.
+const fn tile_passes(tc: usize) -> usize {
+    tc / TB + tc % TB
+}
+
+/// The register tiles of one staged block (`stage`, groups `q..qe` of a row group) over
+/// tokens `c0..c0 + tc`, their f64 lane sums `acc[j * tc + t]` (row `j` of the group,
+/// token `c0 + t`); `ahead` steps once per tile.
+///
+/// # Safety
+/// `stage` holds `qe - q` staged groups of RB rows; `xp` holds the tokens (stride
+/// `stride`); `acc` has `RB * tc` entries; AVX-512F enabled in the caller.
+#[inline(always)]
+unsafe fn tiles_over_block<S: Staging, const N: usize>(
+    stage: *const u8,
+    (q, qe): (usize, usize),
+    (xp, stride): (*const f32, usize),
+    (c0, tc): (usize, usize),
+    acc: &mut [[f64; LANES]],
+    ahead: &mut Ahead<N>,
+) {
+    let mut t0 = 0;
+    while t0 < tc {
+        let x = xp.wrapping_add((c0 + t0) * stride + GROUP_COLS * q);
+        let a = &mut acc[t0..];
+        ahead.step();
+        // SAFETY: the staged block holds qe - q groups of RB rows; tokens c0 + t0.. have
+        // their block's values at x (+ t * stride); acc has RB * tc >= (RB - 1) * tc + t0
+        // + T entries (caller).
+        unsafe {
+            if t0 + TB <= tc {
+                tile_block::<S, TB>(stage, qe - q, x, stride, a, tc);
+                t0 += TB;
+            } else {
+                tile_block::<S, 1>(stage, qe - q, x, stride, a, tc);
+                t0 += 1;
+            }
+        }
+    }
+}
+
+/// One pass of tokens `c0..c0 + tc` (`toks = (ntok, c0, tc)`) over rows `r0..r1`, row
+/// groups outermost: each group's lane sums (`acc`, room for `RB * TC`) stay in L1 for
+/// all its blocks, and the pass's tokens (`TC` × 4 bytes a column) in L2 for all the row
+/// groups, whose weights (a task's, a few hundred KiB at most) are read from memory in
+/// the first pass and from L2 in the next ones; row groups outermost over all the tokens
+/// streamed every token (more than L2 from 36 tokens of 7168 columns) once per group.
+/// `dst` is the staging buffer ([`StageBuf`]).
+///
+/// # Safety
+/// As [`rows_batched`] for tokens `c0..c0 + tc`; `acc` and `dst` are valid for writes of
+/// `RB * TC` lane sums and a [`StageBuf`].
+#[inline(always)]
+unsafe fn pass_by_group<F: Fmt, S: Staging>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    xp: *const f32,
+    (ntok, c0, tc): (usize, usize, usize),
+    out: &mut [f64],
+    (acc, dst): (*mut [f64; LANES], *mut u8),
+) {
+    let ng = groups(m.cols);
+    let full = m.cols / GROUP_COLS;
+    let stride = x_stride(m.cols);
+    let mut parts = [([0u8; 128], 0u8); RB];
+    let mut g0 = r0;
+    while g0 < r1 {
+        let nr = (r1 - g0).min(RB);
+        if full < ng {
+            for (j, p) in parts.iter_mut().enumerate().take(nr) {
+                p.1 = stage_partial(m, g0 + j, full, &mut p.0);
+            }
+        }
+        // The next group's weights, over this group's tile passes.
+        let next = (g0 + nr, (g0 + nr + RB).min(r1));
+        let steps = ng.div_ceil(BLOCK_GROUPS) * tile_passes(tc);
+        let mut ahead = Ahead::new(f.spans(next.0, next.1), steps);
+        // SAFETY: RB * tc <= RB * TC lane sums fit the buffer (caller); they are zeroed
+        // here before the slice over them is formed.
+        let acc: &mut [[f64; LANES]] = unsafe {
+            std::ptr::write_bytes(acc, 0, RB * tc);
+            std::slice::from_raw_parts_mut(acc, RB * tc)
+        };
+        let mut q = 0;
+        while q < ng {
+            let qe = (q + BLOCK_GROUPS).min(ng);
+            // SAFETY: rows g0..g0+nr < m.rows and groups q..qe < ng (full ones read in
+            // place, the partial one from its copy); the staged block fits the buffer
+            // (qe - q <= BLOCK_GROUPS, RB rows of at most 128 bytes a group); the tiles
+            // read what was staged, tokens c0..c0 + tc < ntok.
+            unsafe {
+                stage_block::<F, S>(f, (g0, nr, full), (q, qe), &parts, dst);
+                let x = (xp, stride);
+                tiles_over_block::<S, 2>(dst, (q, qe), x, (c0, tc), acc, &mut ahead);
+            }
+            q = qe;
+        }
+        for j in 0..nr {
+            for t in 0..tc {
+                // SAFETY: AVX-512F is enabled in the caller.
+                out[(g0 + j - r0) * ntok + c0 + t] =
+                    unsafe { Avx512::reduce(&mut acc[j * tc + t]) };
+            }
+        }
+        g0 += nr;
+    }
+}
+
+/// Bytes of a pass's activations (`TC` tokens × 4 bytes a column) up to which it takes
+/// the row groups outermost ([`pass_by_group`]: they stay in L2, 1 MiB a core on Zen 5,
+/// for all the groups); a wider pass (the dense FFN's down projection, 33 792 columns: 2.2
+/// MB) takes the blocks outermost ([`pass_by_block`]). On Zen 5, one thread, 96 rows ×
+/// 33 792 columns × 128 tokens: 48-56 GMAC per CPU-second by blocks against 37-51 by
+/// groups (MXFP4 62-63 against 54-55); at 12 288 columns (787 KB a pass) the two orders
+/// were level, at 7168 by groups was ahead (docs/measurements.md, "Wide products by
+/// blocks").
+const PASS_X_BYTES: usize = 1 << 20;
+
+/// One pass of tokens `c0..c0 + tc` over rows `r0..r1`, blocks outermost: per block, every
+/// row group in turn is staged and runs its tiles, so one block of the pass's tokens
+/// (`TC` × 4 KiB) stays in L1 and L2 for all the groups and the whole pass's activations
+/// are read from memory once, however wide the matrix. The lane sums of every row of the
+/// pass (`acc`, room for `RB * TC` per row group: 384 KiB for a task of 96 rows) live in
+/// L2 between blocks. [`Ahead`] prefetches the next group's block (the next block's first
+/// group after the last).
+///
+/// # Safety
+/// As [`pass_by_group`]; `acc` is valid for writes of `RB * TC` lane sums per row group of
+/// `r0..r1`.
+#[inline(always)]
+unsafe fn pass_by_block<F: Fmt, S: Staging>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    xp: *const f32,
+    (ntok, c0, tc): (usize, usize, usize),
+    out: &mut [f64],
+    (acc, dst): (*mut [f64; LANES], *mut u8),
+) {
+    let ng = groups(m.cols);
+    let full = m.cols / GROUP_COLS;
+    let stride = x_stride(m.cols);
+    let n = (r1 - r0).div_ceil(RB) * RB * tc;
+    // SAFETY: n lane sums fit the buffer (caller); zeroed before the slice is formed.
+    let acc: &mut [[f64; LANES]] = unsafe {
+        std::ptr::write_bytes(acc, 0, n);
+        std::slice::from_raw_parts_mut(acc, n)
+    };
+    let mut parts = [([0u8; 128], 0u8); RB];
+    let mut q = 0;
+    while q < ng {
+        let qe = (q + BLOCK_GROUPS).min(ng);
         let mut g0 = r0;
         while g0 < r1 {
             let nr = (r1 - g0).min(RB);
-            if full < ng {
+            if qe > full {
                 for (j, p) in parts.iter_mut().enumerate().take(nr) {
                     p.1 = stage_partial(m, g0 + j, full, &mut p.0);
                 }
             }
-            // The next group's weights, over this group's tile passes.
-            let next = (g0 + nr, (g0 + nr + RB).min(r1));
-            let steps = ng.div_ceil(BLOCK_GROUPS) * tiles(tc);
-            let mut ahead = Ahead::new(f.spans(next.0, next.1), steps);
-            // SAFETY: RB * tc <= RB * TC lane sums fit the buffer; they are zeroed here
-            // before the slice over them is formed.
-            let acc: &mut [[f64; LANES]] = unsafe {
-                let p = sums.as_mut_ptr() as *mut [f64; LANES];
-                std::ptr::write_bytes(p, 0, RB * tc);
-                std::slice::from_raw_parts_mut(p, RB * tc)
-            };
-            let mut q = 0;
-            while q < ng {
-                let qe = (q + BLOCK_GROUPS).min(ng);
-                let dst = buf.as_mut_ptr() as *mut u8;
-                // SAFETY: rows g0..g0+nr < m.rows and groups q..qe < ng (full ones read in
-                // place, the partial one from its copy); the staged block fits the buffer
-                // (qe - q <= BLOCK_GROUPS, RB rows of at most 128 bytes a group).
-                unsafe { stage_block::<F, S>(f, (g0, nr, full), (q, qe), &parts, dst) };
-                let mut t0 = 0;
-                while t0 < tc {
-                    let x = xp.wrapping_add((c0 + t0) * stride + GROUP_COLS * q);
-                    let a = &mut acc[t0..];
-                    // SAFETY: the staged block holds qe - q groups of RB rows (written just
-                    // above); tokens c0+t0.. < ntok have their block's values at x (+ t *
-                    // stride); acc has RB * tc >= (RB - 1) * tc + t0 + T entries.
-                    unsafe {
-                        ahead.step();
-                        if t0 + TB <= tc {
-                            tile_block::<S, TB>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
-                            t0 += TB;
-                        } else {
-                            tile_block::<S, 1>(buf.as_ptr() as _, qe - q, x, stride, a, tc);
-                            t0 += 1;
-                        }
-                    }
-                }
-                q = qe;
-            }
-            for j in 0..nr {
-                for t in 0..tc {
-                    // SAFETY: AVX-512F is enabled in the caller.
-                    out[(g0 + j - r0) * ntok + c0 + t] =
-                        unsafe { Avx512::reduce(&mut acc[j * tc + t]) };
-                }
+            let (nq, ng0) = if g0 + nr < r1 { (q, g0 + nr) } else { (qe, r0) };
+            let nb = (nq, (nq + BLOCK_GROUPS).min(ng));
+            let spans = block_spans(f, m, (ng0, (ng0 + RB).min(r1)), nb);
+            let mut ahead = Ahead::new(spans, tile_passes(tc));
+            let a = &mut acc[(g0 - r0) * tc..];
+            // SAFETY: as in pass_by_group; the group's sums are RB * tc entries from
+            // (g0 - r0) * tc, inside the n of acc.
+            unsafe {
+                stage_block::<F, S>(f, (g0, nr, full), (q, qe), &parts, dst);
+                let x = (xp, stride);
+                tiles_over_block::<S, { 2 * RB }>(dst, (q, qe), x, (c0, tc), a, &mut ahead);
             }
             g0 += nr;
         }
-        c0 += tc;
+        q = qe;
+    }
+    for r in r0..r1 {
+        for t in 0..tc {
+            // SAFETY: AVX-512F is enabled in the caller.
+            out[(r - r0) * ntok + c0 + t] = unsafe { Avx512::reduce(&mut acc[(r - r0) * tc + t]) };
+        }
     }
 }
 
@@ -760,19 +912,20 @@ unsafe fn stage_block<F: Fmt, S: Staging>(
 /// group's work: [`Ahead::step`] is called once per register-tile pass and prefetches its
 /// share of the lines, so every line is asked for a whole row group ahead of its staging
 /// (a block ahead, asked for in one burst, arrived too late: the staging copy stalled on
-/// memory as long as the tiles computed).
-struct Ahead {
-    spans: [(*const u8, usize); 2],
+/// memory as long as the tiles computed). `N` spans: the rows' weights and scales (2), or
+/// one block of each of a group's rows ([`block_spans`]).
+struct Ahead<const N: usize> {
+    spans: [(*const u8, usize); N],
     /// Bytes of `spans` already prefetched.
     done: usize,
     /// Bytes per step.
     per: usize,
 }
 
-impl Ahead {
+impl<const N: usize> Ahead<N> {
     /// Prefetch `spans` over `steps` calls of [`Ahead::step`].
-    fn new(spans: [(*const u8, usize); 2], steps: usize) -> Self {
-        let total = spans[0].1 + spans[1].1;
+    fn new(spans: [(*const u8, usize); N], steps: usize) -> Self {
+        let total: usize = spans.iter().map(|s| s.1).sum();
         let per = total.div_ceil(steps.max(1)).div_ceil(64) * 64;
         Ahead {
             spans,
@@ -785,17 +938,45 @@ impl Ahead {
     /// formed with wrapping arithmetic).
     #[inline(always)]
     fn step(&mut self) {
-        let [(a, na), (b, nb)] = self.spans;
-        let (lo, hi) = (self.done, (self.done + self.per).min(na + nb));
-        if lo < na {
-            prefetch_lines(a.wrapping_add(lo), hi.min(na) - lo);
+        let (lo, mut base) = (self.done, 0);
+        let hi = lo + self.per;
+        for &(p, n) in &self.spans {
+            if lo < base + n && hi > base {
+                let a = lo.max(base) - base;
+                prefetch_lines(p.wrapping_add(a), hi.min(base + n) - base - a);
+            }
+            base += n;
         }
-        if hi > na {
-            let from = lo.max(na) - na;
-            prefetch_lines(b.wrapping_add(from), hi - na - from);
-        }
-        self.done = hi;
+        self.done = hi.min(base);
     }
+}
+
+/// The bytes of groups `q..qe` of rows `g0..g1` (at most [`RB`]): per row, its weights
+/// and its scales (empty without scales); spans past `g1` are empty. Addresses only.
+#[inline(always)]
+fn block_spans<F: Fmt>(
+    f: F,
+    m: &Mat<'_>,
+    (g0, g1): (usize, usize),
+    (q, qe): (usize, usize),
+) -> [(*const u8, usize); 2 * RB] {
+    let info = F::KIND.info();
+    let (wb, sb) = (info.row_bytes(m.cols), info.row_scale_bytes(m.cols));
+    let mut out = [(std::ptr::null::<u8>(), 0usize); 2 * RB];
+    for (j, row) in (g0..g1.min(m.rows)).take(RB).enumerate() {
+        let [(w, _), (s, _)] = f.spans(row, row + 1);
+        let (w0, w1) = (
+            (q * info.group_bytes).min(wb),
+            (qe * info.group_bytes).min(wb),
+        );
+        out[2 * j] = (w.wrapping_add(w0), w1 - w0);
+        let (s0, s1) = (
+            (q * info.scale_bytes).min(sb),
+            (qe * info.scale_bytes).min(sb),
+        );
+        out[2 * j + 1] = (s.wrapping_add(s0), s1 - s0);
+    }
+    out
 }
 
 /// Rows `r0..r1` × one token, in tiles of `rows` rows (2, 4, 6 or 8) side by side, the
@@ -958,6 +1139,18 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
 /// Most tokens the chunked path takes ([`rows_small`]); more go to [`rows_batched`].
 const SMALL: usize = 8;
 
+/// Most tokens for which [`rows_small`]'s last token pair of a row tile, when it is the
+/// tile's last pass (an even count: 4, 6, 8), prefetches the next row tile's block into
+/// L1 (`T0`), so that the weights keep coming while that pair computes from L1 (the
+/// first pair of every tile stalled on them, the later ones read none). Zen 5, one
+/// thread, alternating: from DRAM, `gemv_bench --only "batch4 kda"` (the `serve
+/// --parallel 4` pass's shape) 29.6-30.4 → 36.2-38.4 GMAC per CPU-second (2 threads
+/// 28.7-30.4 → 35.2-37.6), `kernel_micro` over 12 288 × 7168 at 6 tokens 39-43 → 46-47,
+/// at 8 49-50 → 53-55; in cache level at 6 and 8, 61-63 → 65-66 at 4. Where a single
+/// token's pass follows (3, 5, 7) it lost in cache (the lines wait in L1 longer), and
+/// into L2 (`T1`) it did not pay (docs/measurements.md, "Wide products by blocks").
+const NX_TOKENS: usize = SMALL;
+
 /// Rows per chunk of [`rows_small`]: the row tiles that take one block of the tokens in
 /// turn while it stays in L1.
 const CHUNK: usize = 16;
@@ -1059,10 +1252,19 @@ unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
             let (r, j0) = (c0 + i * R, i * R);
             let pb: &[[u8; 128]; R] = pbuf[j0..j0 + R].try_into().expect("R rows");
             let ps: &[u8; R] = psc[j0..j0 + R].try_into().expect("R rows");
+            let pp = (pb, ps);
+            // The next row tile's block (after the chunk's last tile, the first tile's
+            // next block), prefetched by the second token pair (addresses only).
+            let (nr0, nq) = if i + 1 < nr / R { (r + R, q) } else { (c0, qe) };
+            let gb = F::KIND.info().group_bytes;
+            let next: [*const u8; R] = std::array::from_fn(|j| {
+                let row = f.spans(nr0 + j, nr0 + j + 1)[0].0;
+                row.wrapping_add(nq * gb).wrapping_sub(q * gb)
+            });
             let mut t0 = 0;
             while t0 < ntok {
                 let xt = (x.wrapping_add(t0 * stride), stride);
-                let a = &mut acc[j0 * ntok + t0..];
+                let a = (&mut acc[j0 * ntok + t0..], &next);
                 // SAFETY: rows r..r+R lie in c0..c1 (caller), groups q..qe in 0..ng (full
                 // ones read in place, the partial one from its copy); tokens t0.. < ntok
                 // are at xt; the tile's sums (j0 + j) * ntok + t0 + t < nr * ntok. Only
@@ -1071,9 +1273,12 @@ unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
                 unsafe {
                     let b = (q, qe, full);
                     match (ntok - t0 >= 2, t0 == 0) {
-                        (true, true) => seg::<F, R, 2, PF>(f, r, b, (pb, ps), xt, a, ntok),
-                        (true, false) => seg::<F, R, 2, 0>(f, r, b, (pb, ps), xt, a, ntok),
-                        (false, _) => seg::<F, R, 1, 0>(f, r, b, (pb, ps), xt, a, ntok),
+                        (true, true) => seg::<F, R, 2, PF, false>(f, r, b, pp, xt, a, ntok),
+                        (true, false) if t0 + 2 == ntok && ntok <= NX_TOKENS => {
+                            seg::<F, R, 2, 0, true>(f, r, b, pp, xt, a, ntok)
+                        }
+                        (true, false) => seg::<F, R, 2, 0, false>(f, r, b, pp, xt, a, ntok),
+                        (false, _) => seg::<F, R, 1, 0, false>(f, r, b, pp, xt, a, ntok),
                     }
                 }
                 t0 += 2;
