@@ -1541,6 +1541,8 @@ mod tests {
             head_held: 0,
             sink: 0,
             read_per_token: 100,
+            decode_per_token: 0,
+            cost_per_token: 100,
         };
         let t = per_token(&m, &c, 0.5);
         assert_eq!(t.trunk_disk_bytes, 100.0);
