@@ -913,7 +913,8 @@ impl DecodeTerms {
     /// One line: what a decoded byte weighs and why.
     pub fn describe(&self) -> String {
         format!(
-            "a decoded byte weighs {:.2} read bytes = drive {:.2} GB/s ({}) / ({:.2} GB/s              decoded per core ({}) x {} core(s), shared with compute)",
+            "a decoded byte weighs {:.2} read bytes = drive {:.2} GB/s ({}) / ({:.2} GB/s \
+             decoded per core ({}) x {} core(s), shared with compute)",
             self.ppm() as f64 / 1e6,
             self.disk_bps / GB,
             self.disk_source,
