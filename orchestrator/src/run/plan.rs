@@ -357,6 +357,37 @@ pub struct Spend {
     /// The smallest trunk budget a plan runs with (one ring slot for the largest streamed
     /// part or layer, [`trunk_min`]; 0 for a resident trunk).
     pub trunk_min: u64,
+    /// The expert reads in flight the cache keeps a slot for when there is room
+    /// ([`read_slots`]: the fetcher's queue depth on every drive the experts sit on).
+    pub read_slots: u64,
+}
+
+/// The expert reads a cache keeps slots for when there is room: the fetcher's readers
+/// (`k3_expert_fetcher::fetcher::DEFAULT_READERS`, 16, the queue depth of one drive) on
+/// each of `drives` drives, each with its own reader pool (`devices::DeviceMap`): a read in
+/// flight holds its slot, so fewer slots would leave the drives' queues short.
+pub fn read_slots(drives: usize) -> u64 {
+    (k3_expert_fetcher::fetcher::DEFAULT_READERS * drives.max(1)) as u64
+}
+
+/// How many drives a run's routed experts are read from: the drives of `--experts`' packs,
+/// else of the checkpoint's shards (symlinks followed; `devices::drives_of`).
+pub fn expert_drives(a: &GenArgs) -> usize {
+    let files: Vec<std::path::PathBuf> = if a.experts.is_empty() {
+        std::fs::read_dir(&a.model_dir)
+            .map(|d| {
+                d.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    } else {
+        a.experts
+            .iter()
+            .map(|d| d.join(k3_model::experts::EXPERTS_BIN))
+            .collect()
+    };
+    k3_expert_fetcher::devices::drives_of(&files)
 }
 
 /// The smallest budget a streamed trunk runs with: one ring slot for its largest part
@@ -412,14 +443,16 @@ pub fn spend(
 }
 
 /// What the expert cache keeps of `left` (the total less the fixed part and the lm_head)
-/// when nothing fixes it: the fewest slots, 16 when there is room for them beside the
-/// whole trunk or for 32 (and the trunk can still run beside them).
+/// when nothing fixes it: the fewest slots, or the reads in flight ([`Spend::read_slots`]:
+/// 16 per drive the experts sit on) when there is room for them beside the whole trunk or
+/// for twice as many (and the trunk can still run beside them).
 fn cache_keep(s: &Spend, left: u64) -> u64 {
     let min_cache = s.min_slots.max(1) * s.expert_slot;
-    let room = left >= s.trunk_need + 16 * s.expert_slot || left >= 32 * s.expert_slot;
+    let keep = s.read_slots.max(1);
+    let room = left >= s.trunk_need + keep * s.expert_slot || left >= 2 * keep * s.expert_slot;
     // Never so many that the trunk cannot run: near the floor the few slots are kept.
-    if room && left >= s.trunk_min + 16 * s.expert_slot {
-        (16.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
+    if room && left >= s.trunk_min + keep * s.expert_slot {
+        (keep.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
     } else {
         min_cache
     }
@@ -1001,6 +1034,8 @@ struct Bounds {
     top_k: u64,
     min_slots: u64,
     max_slots: u64,
+    /// The expert reads in flight the cache keeps slots for ([`read_slots`]).
+    read_slots: u64,
     /// Routed experts of the model per MoE layer; MoE layers bound.
     experts_per_layer: u64,
     moe_layers: u64,
@@ -1090,6 +1125,7 @@ fn bound(
         // The fewest slots: a batch of any size streams through them (see MIN_EXPERT_SLOTS).
         min_slots: min_expert_slots(top_k),
         max_slots: sizes.n_experts.max(top_k),
+        read_slots: read_slots(expert_drives(a)),
         experts_per_layer: cfg.num_experts as u64,
         moe_layers: sizes.n_experts / (cfg.num_experts as u64).max(1),
         max_pass_tokens: max_pass_tokens.max(1),
@@ -1209,6 +1245,7 @@ fn spend_total(a: &GenArgs, res: &Resolved, b: &Bounds, f: &FixedCosts, total: u
                 max_slots: b.max_slots,
                 lm_head_row: b.lm_head_row,
                 trunk_min: b.trunk_min,
+                read_slots: b.read_slots,
             },
             b.runs.as_ref(),
             trunk_over,
@@ -1842,6 +1879,7 @@ mod tests {
             min_slots: 2,
             max_slots: 40,
             trunk_min: 0,
+            read_slots: read_slots(1),
         }
     }
 
@@ -1861,6 +1899,33 @@ mod tests {
         // Below what every run holds: refused, naming the parts.
         let e = spend(&sp(169), None, None).unwrap_err().to_string();
         assert!(e.contains("lm_head") && e.contains("expert slots"), "{e}");
+    }
+
+    // Experts on two drives: the cache keeps a slot for each of the 32 reads in flight
+    // (16 per drive's reader pool) when there is room, and still gives the trunk first
+    // what it needs. Catches a plan that keeps one drive's 16 slots whatever the drives
+    // (half of each drive's queue left empty: a read in flight holds its slot).
+    #[test]
+    fn the_cache_keeps_every_drives_reads_in_flight() {
+        assert_eq!((read_slots(0), read_slots(1), read_slots(2)), (16, 16, 32));
+        let two = |total| Spend {
+            read_slots: read_slots(2),
+            max_slots: 100,
+            ..sp(total)
+        };
+        // Room beside the whole trunk: 32 slots, not 16.
+        assert_eq!(
+            spend(&two(150 + 1_000 + 320), None, None).unwrap(),
+            (1_000, 320)
+        );
+        assert_eq!(
+            spend(&sp(150 + 1_000 + 320), None, None).unwrap(),
+            (1_000, 320),
+            "the rest goes to the cache either way"
+        );
+        // Tight: the trunk gets all but 32 slots (all but 16 on one drive).
+        assert_eq!(spend(&two(150 + 1_000), None, None).unwrap(), (680, 320));
+        assert_eq!(spend(&sp(150 + 1_000), None, None).unwrap(), (840, 160));
     }
 
     // Left to right: --mem-gb clears earlier parts, a named preset clears the total, the
@@ -1933,6 +1998,7 @@ mod tests {
             min_slots: 1,
             max_slots,
             trunk_min: 0,
+            read_slots: read_slots(1),
         };
         (runs, s)
     }

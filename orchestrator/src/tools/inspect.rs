@@ -603,6 +603,7 @@ fn table_base(cat: &Catalog, cfg: &ModelConfig) -> (crate::run::plan::Spend, Str
         min_slots: crate::run::plan::min_expert_slots(topk),
         max_slots: sizes.n_experts.max(topk),
         trunk_min: crate::run::plan::trunk_min(&runs),
+        read_slots: crate::run::plan::read_slots(1),
     };
     (base, runs, sizes.lm_head_bytes, topk)
 }

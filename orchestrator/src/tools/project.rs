@@ -387,6 +387,7 @@ impl ModelShape {
             min_slots: plan::min_expert_slots(top_k),
             max_slots: t.n_experts.max(top_k),
             trunk_min: plan::trunk_min(&runs),
+            read_slots: plan::read_slots(1),
         };
         ModelShape {
             label,
@@ -769,8 +770,11 @@ fn project_parts(
     machine: &Machine,
     hits: &Hits,
 ) -> Result<Projection, ProjectError> {
+    // Experts striped over the machine's drives: the cache keeps every drive's reads in
+    // flight, as a run's plan does.
     let sp = Spend {
         total,
+        read_slots: plan::read_slots(machine.drives as usize),
         ..m.spend.clone()
     };
     // A coded trunk's decoding weighed as this machine's reads, as a run's plan weighs it.
