@@ -713,6 +713,9 @@ pub struct Projection {
     pub budget: u64,
     pub total: u64,
     pub choice: Choice,
+    /// Arena bytes the trunk's plan allocates (its pinned units and ring slots: what the
+    /// trunk's share holds, the rest of which went to lm_head rows or the cache).
+    pub trunk_bytes: u64,
     /// "12/373 parts", "93/93 layers".
     pub pinned: String,
     pub cache_slots: u64,
@@ -722,15 +725,22 @@ pub struct Projection {
 }
 
 impl Projection {
-    /// What the plan holds: everything it adds up (fixed, lm_head or its buffers, trunk,
-    /// cache).
+    /// What the plan holds: everything it adds up, as a run's memory plan does (fixed,
+    /// lm_head or its buffers and held rows' arena, the trunk's plan, cache).
     pub fn held_bytes(&self, m: &ModelShape) -> u64 {
         let head = if self.choice.head_pinned {
             m.spend.lm_head
         } else {
-            plan::lm_head_stream_bytes(m.spend.lm_head) + self.choice.head_held
+            let row = m.spend.lm_head_row.max(1);
+            let rows = self.choice.head_held / row;
+            let held = if rows == 0 {
+                0
+            } else {
+                plan::held_rows_bytes(rows, row)
+            };
+            plan::lm_head_stream_bytes(m.spend.lm_head) + held
         };
-        m.spend.fixed + head + self.choice.trunk + self.choice.cache
+        m.spend.fixed + head + self.trunk_bytes + self.choice.cache
     }
 }
 
@@ -805,6 +815,7 @@ fn project_parts(
         budget,
         total,
         choice: c,
+        trunk_bytes: sp.plan.bytes(),
         pinned,
         cache_slots,
         hit,
@@ -1864,5 +1875,33 @@ mod tests {
         );
         assert!(weighed.times.decode > 0.0);
         assert!(weighed.times.s_per_token() < Times::of(&by_stored.per_token, &two).s_per_token());
+    }
+
+    /// What a projection says it holds fits what it spends: the trunk counted as its plan
+    /// allocates it and a streamed lm_head's held rows as their arena, as a run's memory
+    /// plan adds them up. Catches the trunk's share counted whole (what the trunk plan
+    /// leaves of it holds lm_head rows or cache: counted twice, 60.81 GB "held" of 60.80 on
+    /// the coded 64 GB projection on 2 cores).
+    #[test]
+    fn what_a_projection_holds_fits_what_it_spends() {
+        let raw = ModelShape::released();
+        let coded = ModelShape::released().with_codec_ratio(0.662);
+        let two = Machine {
+            cores: 2,
+            ..Machine::reference(1)
+        };
+        for m in [&raw, &coded] {
+            for mach in [&Machine::reference(1), &two] {
+                for gb in [2.0, 5.5, 64.0, 128.0, 256.0] {
+                    let p = project(m, (gb * GB) as u64, mach).unwrap();
+                    assert!(
+                        p.held_bytes(m) <= p.total,
+                        "{gb} GB: holds {} of {}",
+                        p.held_bytes(m),
+                        p.total
+                    );
+                }
+            }
+        }
     }
 }
