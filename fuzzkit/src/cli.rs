@@ -131,21 +131,10 @@ pub fn main<T: Target>(prog: &str, about: &str, run: &RunFn<'_, T>) -> ExitCode 
 mod tests {
     use super::*;
 
-    #[derive(Clone, Copy, Debug, PartialEq)]
-    enum T {
-        A,
-        B,
-    }
-
-    impl Target for T {
-        fn all() -> &'static [T] {
-            &[T::A, T::B]
-        }
-        fn name(self) -> &'static str {
-            match self {
-                T::A => "a",
-                T::B => "b",
-            }
+    crate::targets! {
+        enum T {
+            A => "a",
+            B => "b",
         }
     }
 

@@ -9,6 +9,8 @@
 //! - [`runner`]: a harness ([`Harness`]: build a case, judge it, keep accepted mutants),
 //!   its verdicts ([`Verdict`], [`Violation`]), and the run loop that catches panics and
 //!   keeps findings ([`run`], [`FuzzReport`], [`Finding`]).
+//! - [`targets!`]: a harness's target enum (its `ALL`, names and [`Target`] impl) from one
+//!   line per reader.
 //! - [`cli`]: the command line of a long run (`--target`, `--execs`, `--seed`,
 //!   `--findings`), its output and exit codes.
 //!

@@ -25,6 +25,57 @@ pub trait Target: Copy + 'static {
     }
 }
 
+/// Declares a harness's targets: a `Copy` enum with one variant per reader, its `ALL`
+/// (every target, in `--target all` order), its inherent `name` (the command-line name) and
+/// its [`Target`] impl, from one line per variant:
+///
+/// ```
+/// fuzzkit::targets! {
+///     /// The readers under test.
+///     pub enum Target {
+///         Header => "header",
+///         Index => "index",
+///     }
+/// }
+/// assert_eq!(Target::ALL, [Target::Header, Target::Index]);
+/// assert_eq!(Target::Index.name(), "index");
+/// assert_eq!(<Target as fuzzkit::Target>::parse("header"), Some(Target::Header));
+/// ```
+#[macro_export]
+macro_rules! targets {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $ty:ident { $($variant:ident => $name:literal),+ $(,)? }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        $vis enum $ty {
+            $($variant),+
+        }
+
+        impl $ty {
+            /// Every target, in `--target all` order.
+            pub const ALL: [$ty; [$($name),+].len()] = [$($ty::$variant),+];
+
+            /// The command-line name.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name),+
+                }
+            }
+        }
+
+        impl $crate::Target for $ty {
+            fn all() -> &'static [$ty] {
+                &$ty::ALL
+            }
+            fn name(self) -> &'static str {
+                $ty::name(self)
+            }
+        }
+    };
+}
+
 /// What an oracle found wrong: with the reader's result, or with the input (one sentence).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Violation(pub String);

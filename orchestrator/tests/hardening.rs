@@ -4,14 +4,12 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::tools_common::{fixtures, header, k3_ok, k3_text as run, output_text};
+use crate::tools_common::{
+    copy_model, fixtures, header, k3_ok, k3_text as run, output_text, tiny_sharded as tiny,
+};
 use k3_model::trunk::TrunkManifest;
 
 const IDS: &str = "77,198,74";
-
-fn tiny() -> PathBuf {
-    fixtures().join("tiny-mxfp4/sharded")
-}
 
 fn shard(i: usize) -> String {
     format!("model-{i:05}-of-000014.safetensors")
@@ -21,11 +19,7 @@ fn shard(i: usize) -> String {
 /// data in shard `i` (1-based).
 fn corrupted_copy(dir: &Path, i: usize, name: &str, at: usize, bytes: &[u8]) -> PathBuf {
     let m = dir.join("m");
-    std::fs::create_dir_all(&m).unwrap();
-    for e in std::fs::read_dir(tiny()).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
-    }
+    copy_model(&tiny(), &m);
     let p = m.join(shard(i));
     let (n, h) = header(&p);
     let off = h[name]["data_offsets"][0].as_u64().unwrap() as usize + 8 + n as usize + at;
@@ -42,11 +36,7 @@ type Edit<'a> = (&'a str, usize, &'a [u8]);
 /// the tensor.
 fn edited_copy(dir: &Path, edits: &[Edit<'_>]) -> PathBuf {
     let m = dir.join("m");
-    std::fs::create_dir_all(&m).unwrap();
-    for e in std::fs::read_dir(tiny()).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
-    }
+    copy_model(&tiny(), &m);
     for &(name, at, bytes) in edits {
         let p = (1..=14)
             .map(|i| m.join(shard(i)))

@@ -4,17 +4,13 @@
 //! directory printing the bytes a token touches as the tensor catalog adds them up.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use crate::tools_common::{fixtures, k3_ok, read_json};
+use crate::tools_common::{k3_ok, read_json, tiny_sharded as tiny};
 use k3_protocol::routes::RouteTrace;
 
 const IDS: &str = "77,198,74";
 const GEN: usize = 4;
-
-fn tiny() -> PathBuf {
-    fixtures().join("tiny-mxfp4/sharded")
-}
 
 /// Run the tiny model (`extra` flags) and return its generated ids.
 fn ids_of(dir: &Path, name: &str, extra: &[&str]) -> serde_json::Value {

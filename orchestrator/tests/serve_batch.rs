@@ -15,7 +15,9 @@ use serde_json::{json, Value};
 use crate::serve_http::{
     chat_body, post, spawn, stage_pids, start, start_with, wait_for_busy, wait_for_stages,
 };
-use crate::tools_common::{bin, fixtures, k3, read_json, tiny_chat_model as chat_model};
+use crate::tools_common::{
+    bin, copy_model_files, fixtures, k3, read_json, tiny_chat_model as chat_model,
+};
 
 const MODELS: [&str; 2] = ["tiny-seed", "tiny-mxfp4"];
 
@@ -819,10 +821,11 @@ fn a_failed_restart_is_retried_and_reported_on_health() {
     let dir = std::env::temp_dir().join(format!("k3-restart-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let src = fixtures().join("tiny-seed");
-    for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(src.join(f), dir.join(f)).unwrap();
-    }
+    copy_model_files(
+        &fixtures().join("tiny-seed"),
+        &dir,
+        &["config.json", "model.safetensors"],
+    );
     let d = dir.to_str().unwrap();
     let s = spawn(&["serve", d, "--port", "0", "--threads", "1"], &[], None);
     let body = json!({"prompt": [1, 2, 3], "max_tokens": 3}).to_string();

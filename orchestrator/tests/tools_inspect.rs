@@ -2,7 +2,7 @@
 //! (82,432 experts x 17,547,264 bytes = 1.447 TB; trunk 108.81 GB; embed + lm_head
 //! 4.70 GB); on the tiny fixture, the counts its header holds.
 
-use crate::tools_common::{fixtures, k3, k3_ok};
+use crate::tools_common::{fixtures, k3, k3_ok, released_headers};
 
 /// The census row of `class`: (tensors, bytes), parsed from the table.
 fn row(out: &str, class: &str) -> (u64, u64) {
@@ -27,13 +27,8 @@ fn row(out: &str, class: &str) -> (u64, u64) {
 fn released_headers_reproduce_the_seed_census() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("released");
-    let set = k3_model::released::write_header_only_set(&d).unwrap();
+    let set = released_headers(&d);
     assert_eq!(set.n_tensors, 497_220);
-    std::fs::copy(
-        fixtures().join("released/config.json"),
-        d.join("config.json"),
-    )
-    .unwrap();
     let out = k3_ok(&["inspect", d.to_str().unwrap()]);
     println!("{out}");
     // The seed's census lines (Part II, "shard census" and the resident split). The seed

@@ -3,7 +3,7 @@
 //! the per-token bytes and the floor, says it is a projection, and bad figures exit 2;
 //! doctor advises `--mem-gb` at what the machine can spare and a text prompt.
 
-use crate::tools_common::{fixtures, k3, k3_ok, tiny_chat_model};
+use crate::tools_common::{k3, k3_ok, released_headers, tiny_chat_model};
 use k3_orch::tools::project::{project, Machine, ModelShape};
 
 /// The flags that fix every machine figure (nothing is measured; the output is exact).
@@ -27,12 +27,7 @@ const GIVEN: [&str; 8] = [
 fn the_released_shape_is_the_released_headers() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("released");
-    k3_model::released::write_header_only_set(&d).unwrap();
-    std::fs::copy(
-        fixtures().join("released/config.json"),
-        d.join("config.json"),
-    )
-    .unwrap();
+    released_headers(&d);
     let mut from_headers = ModelShape::from_dir(&d).unwrap();
     let built = ModelShape::released();
     from_headers.label = built.label.clone();

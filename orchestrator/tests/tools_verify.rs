@@ -4,14 +4,10 @@
 
 use std::path::Path;
 
-use crate::tools_common::{fixtures, k3, k3_ok};
+use crate::tools_common::{copy_model, fixtures, k3, k3_ok, tiny_sharded};
 
 fn copy_fixture(to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(fixtures().join("tiny-mxfp4/sharded")).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
+    copy_model(&tiny_sharded(), to);
 }
 
 fn shard(i: usize) -> String {

@@ -39,32 +39,12 @@ pub const MAX_INPUT: usize = 1 << 20;
 /// Most accepted mutants kept as extra corpus entries.
 const MAX_GROWN: usize = 256;
 
-/// The readers under test.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
-    Header,
-    Index,
-    Config,
-}
-
-impl Target {
-    pub const ALL: [Target; 3] = [Target::Header, Target::Index, Target::Config];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Target::Header => "header",
-            Target::Index => "index",
-            Target::Config => "config",
-        }
-    }
-}
-
-impl fuzzkit::Target for Target {
-    fn all() -> &'static [Target] {
-        &Target::ALL
-    }
-    fn name(self) -> &'static str {
-        Target::name(self)
+fuzzkit::targets! {
+    /// The readers under test.
+    pub enum Target {
+        Header => "header",
+        Index => "index",
+        Config => "config",
     }
 }
 

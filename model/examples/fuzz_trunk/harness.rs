@@ -62,30 +62,11 @@ const MAX_GROWN: usize = 256;
 /// The stream of this harness's [`Rng`]s.
 const STREAM: u64 = 0x6b33_5f74_7275_6e6b;
 
-/// The readers under test.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
-    Trunk,
-    Codec,
-}
-
-impl Target {
-    pub const ALL: [Target; 2] = [Target::Trunk, Target::Codec];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Target::Trunk => "trunk",
-            Target::Codec => "codec",
-        }
-    }
-}
-
-impl fuzzkit::Target for Target {
-    fn all() -> &'static [Target] {
-        &Target::ALL
-    }
-    fn name(self) -> &'static str {
-        Target::name(self)
+fuzzkit::targets! {
+    /// The readers under test.
+    pub enum Target {
+        Trunk => "trunk",
+        Codec => "codec",
     }
 }
 

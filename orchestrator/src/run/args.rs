@@ -169,6 +169,31 @@ impl SamplingSources {
     }
 }
 
+/// `--speculate`: reads before the router decides (issue 35). Never changes an id or a
+/// logit bit; only when and what the expert-fetcher reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Speculate {
+    On,
+    Off,
+    /// The default (measured: docs/measurements.md, issue 35). On when the routed experts stream (the expert cache holds fewer slots than the
+    /// bound layers have routed experts); off when they all stay resident, where a
+    /// guess can only cost compute time.
+    #[default]
+    Auto,
+}
+
+impl Speculate {
+    /// Whether a run guesses: `expert_slots` is what the plan's expert cache holds,
+    /// `routed` the routed experts of the bound layers.
+    pub fn resolve(self, expert_slots: u64, routed: u64) -> bool {
+        match self {
+            Speculate::On => true,
+            Speculate::Off => false,
+            Speculate::Auto => expert_slots < routed,
+        }
+    }
+}
+
 /// A seed from the OS's randomness (for sampling runs given no `--seed`).
 pub fn random_seed() -> u64 {
     rand::random::<u64>() >> 11 // 53 bits: exact in JSON numbers and JavaScript
@@ -210,8 +235,9 @@ pub struct GenArgs {
     pub out: Option<PathBuf>,
     pub dump_logits: Option<PathBuf>,
     pub dump_cache_trace: Option<PathBuf>,
-    /// `--speculate on`: compute guesses each next layer's experts for the fetcher.
-    pub speculate: bool,
+    /// `--speculate on|off|auto`: whether compute guesses each next layer's experts for
+    /// the fetcher (`auto`: when the routed experts stream, [`Speculate::resolve`]).
+    pub speculate: Speculate,
     /// `--record-routes FILE`: every token's routed experts per layer (k3_protocol::routes).
     pub record_routes: Option<PathBuf>,
     pub record: Option<PathBuf>,
@@ -319,8 +345,9 @@ diagnostics:
   --out FILE             write the JSON report to FILE (default: no report file)
   --dump-logits PATH     float32 LE logits of the first generation step
   --dump-cache-trace DIR expert_hist.json + expert_trace.bin (+ guess_trace.bin)
-  --speculate on|off     guess each next layer's experts and read them early into
-                         slots no request needs (default off; same ids either way)
+  --speculate on|off|auto  guess each next layer's experts and read them early into
+                         slots no request needs; auto (default): when the
+                         experts stream (same ids either way)
   --record-routes FILE   every token's routed experts per layer (for sim-cache, project --trace)
   --record DIR           record every stage's inbound messages and buffer hashes
   --threads N, -t N      compute threads (default: all cores)
@@ -416,7 +443,7 @@ struct LowArgs {
     out: Option<PathBuf>,
     dump_logits: Option<PathBuf>,
     dump_cache_trace: Option<PathBuf>,
-    speculate: bool,
+    speculate: Speculate,
     record_routes: Option<PathBuf>,
     record: Option<PathBuf>,
     threads: Option<usize>,
@@ -613,9 +640,10 @@ impl LowArgs {
             "--dump-cache-trace" => self.dump_cache_trace = path(val()?),
             "--speculate" => {
                 self.speculate = match val()?.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    v => return Err(format!("--speculate: '{v}' must be on or off")),
+                    "on" => Speculate::On,
+                    "off" => Speculate::Off,
+                    "auto" => Speculate::Auto,
+                    v => return Err(format!("--speculate: '{v}' must be on, off or auto")),
                 }
             }
             "--record-routes" => self.record_routes = path(val()?),
@@ -1241,6 +1269,32 @@ mod tests {
             let e = p(&format!("bare --ids 1 {f}")).err().unwrap_or_default();
             assert!(!e.contains("unknown flag"), "{f}: {e}");
         }
+    }
+
+    /// `--speculate auto` guesses exactly when the arena holds fewer slots than the bound
+    /// layers have routed experts. Catches an `auto` that guesses over a resident cache
+    /// (pure cost) or one that never guesses while experts stream, and a parser that takes
+    /// an unknown mode for `off`.
+    #[test]
+    fn speculate_modes_parse_and_auto_follows_the_arena() {
+        assert_eq!(run("bare --ids 1").speculate, Speculate::Auto);
+        assert_eq!(
+            run("bare --ids 1 --speculate off").speculate,
+            Speculate::Off
+        );
+        assert_eq!(run("bare --ids 1 --speculate on").speculate, Speculate::On);
+        assert_eq!(
+            run("bare --ids 1 --speculate auto").speculate,
+            Speculate::Auto
+        );
+        assert!(p("bare --ids 1 --speculate maybe")
+            .unwrap_err()
+            .contains("must be on, off or auto"));
+        // The slice at 5.5 GB: 16 slots for 3 MoE layers x 64 experts; resident: all 192.
+        assert!(Speculate::Auto.resolve(16, 192));
+        assert!(!Speculate::Auto.resolve(192, 192));
+        assert!(Speculate::On.resolve(192, 192));
+        assert!(!Speculate::Off.resolve(16, 192));
     }
 
     #[test]

@@ -625,7 +625,7 @@ pub fn warm_launch(
     let (cfg, cat, layers) = super::open_model(a)?;
     let config_path = super::config_path(a);
     let sizes = super::sizes::model_sizes(&cfg, &cat, layers);
-    let (plan, mut sp) = super::plan::plan_serve(a, shape, &cfg, &sizes, layers)?;
+    let (plan, sp) = super::plan::plan_serve(a, shape, &cfg, &sizes, layers)?;
     let threads = a
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -646,25 +646,17 @@ pub fn warm_launch(
     // Between requests nothing streams: the ring may read the next request's first part
     // while it waits, instead of when that request starts.
     launch.trunk.hold_wrap = false;
-    // Prompts are fed in chunks the plan sized compute's scratch for, and no larger than
-    // the fetcher's slots hold top-k batches of (at least one token), unless they hold
-    // every expert of a layer. (A larger batch would still stream through the slots, each
-    // reused as compute gives it back.)
-    let (per_layer, topk) = (
-        cfg.num_experts as u64,
-        cfg.num_experts_per_token.max(1) as u64,
+    // Prompts are fed in chunks the plan sized compute's scratch for
+    // ([`super::plan::plan_serve`]). A chunk's experts may outnumber the fetcher's slots:
+    // the union of its rows' routes streams through them, each expert read once per pass
+    // and its slot reused as compute gives it back (as a one-shot prompt does). Passes of
+    // one token each (the slots' share, as fed before) read the trunk and the experts once
+    // per prompt token: at 5.5 GB on the slice a 16-token prompt took 16 passes.
+    tracing::info!(
+        "k3-orch: prompts are fed in passes of at most {} token(s) ({} expert slots)",
+        sp.chunk,
+        plan.min_slots
     );
-    let slots = plan.min_slots as u64;
-    if slots < per_layer {
-        let chunk = (slots / topk).max(1) as usize;
-        if chunk < sp.chunk {
-            sp.chunk = chunk;
-            tracing::info!(
-                "k3-orch: prompts are fed in passes of at most {chunk} token(s) ({slots} expert \
-                 slots, top-{topk})"
-            );
-        }
-    }
     launch.compute.prefill_chunk = Some(sp.chunk);
     launch.compute.slots = conf::WarmSlots {
         slots: shape.slots,
@@ -793,7 +785,10 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             prefill_chunk: c.plan.prefill_chunk,
             tuning: k3_layer_compute::kernels::tuning::from_env(),
             slots: conf::WarmSlots::default(),
-            speculate: a.speculate,
+            // The plan's arena slots against the bound layers' routed experts.
+            speculate: a
+                .speculate
+                .resolve(c.plan.min_slots as u64, c.plan.max_slots as u64),
             record_routes: a.record_routes.clone(),
         },
         prompt: prompt_message(a)?,

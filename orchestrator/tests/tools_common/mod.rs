@@ -1,8 +1,9 @@
 //! Helpers shared by the orchestrator's integration tests (`tools_*`, `hardening`,
-//! `generate_cli`, `defaults_cli`, `budget_cli`, `serve_http`, `staged_stop_state`, `streaming_cli`,
-//! `browser_chat`): run the built `k3-orch`, make the tiny chat model once per test binary,
-//! read a safetensors header, find the fixtures, skip a privileged test visibly. The test
-//! modules (one binary, `tests/main.rs`) use them through `crate::tools_common`.
+//! `generate_cli`, `defaults_cli`, `budget_cli`, `serve_http`, `staged_stop_state`,
+//! `streaming_cli`, `browser_chat`): run the built `k3-orch`, make the tiny chat model once
+//! per test binary, read a safetensors header, find the fixtures and copy their models,
+//! skip a privileged test visibly. The test modules (one binary, `tests/main.rs`) use them
+//! through `crate::tools_common`.
 #![allow(dead_code)]
 
 use std::io::Write;
@@ -103,6 +104,40 @@ pub fn fixtures() -> PathBuf {
 /// `tests/fixtures/<rel>`.
 pub fn fixture(rel: &str) -> PathBuf {
     fixtures().join(rel)
+}
+
+/// The sharded tiny-mxfp4 checkpoint (14 shards and their index).
+pub fn tiny_sharded() -> PathBuf {
+    fixtures().join("tiny-mxfp4/sharded")
+}
+
+/// A copy of the model files `names` of `src` in `to` (created), for a test that corrupts,
+/// moves or adds to them.
+pub fn copy_model_files(src: &Path, to: &Path, names: &[&str]) {
+    std::fs::create_dir_all(to).unwrap_or_else(|e| panic!("{}: {e}", to.display()));
+    for n in names {
+        let (a, b) = (src.join(n), to.join(n));
+        std::fs::copy(&a, &b).unwrap_or_else(|e| panic!("{} to {}: {e}", a.display(), b.display()));
+    }
+}
+
+/// A copy of every file of the fixture model directory `src` in `to` (created).
+pub fn copy_model(src: &Path, to: &Path) {
+    let names: Vec<String> = std::fs::read_dir(src)
+        .unwrap_or_else(|e| panic!("{}: {e}", src.display()))
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    copy_model_files(src, to, &names);
+}
+
+/// The released 96-shard set as sparse header-only files in `to` (written by the model
+/// crate's generator from k3-spec §2/§7, not by the code under test), with the released
+/// config.
+pub fn released_headers(to: &Path) -> k3_model::released::HeaderOnlySet {
+    let set = k3_model::released::write_header_only_set(to).unwrap();
+    copy_model_files(&fixtures().join("released"), to, &["config.json"]);
+    set
 }
 
 /// Header length and parsed JSON of a safetensors file.

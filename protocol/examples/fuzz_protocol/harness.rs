@@ -53,30 +53,11 @@ const MAX_GROWN: usize = 256;
 /// The stream of this harness's [`Rng`]s.
 const STREAM: u64 = 0x6b33_5f70_726f_746f;
 
-/// The readers under test.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
-    Message,
-    Recording,
-}
-
-impl Target {
-    pub const ALL: [Target; 2] = [Target::Message, Target::Recording];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Target::Message => "message",
-            Target::Recording => "recording",
-        }
-    }
-}
-
-impl fuzzkit::Target for Target {
-    fn all() -> &'static [Target] {
-        &Target::ALL
-    }
-    fn name(self) -> &'static str {
-        Target::name(self)
+fuzzkit::targets! {
+    /// The readers under test.
+    pub enum Target {
+        Message => "message",
+        Recording => "recording",
     }
 }
 

@@ -873,6 +873,20 @@ impl ExpertFetcher {
         self.clock
     }
 
+    /// A read into slot `s` landed: its expert is RESIDENT, read in this step, used now
+    /// (the LRU clock's next tick, returned) and found by its key. Where it goes next (the
+    /// batch's published slots, the LRU) is the caller's.
+    fn land(&mut self, s: usize) -> u64 {
+        let stamp = self.tick();
+        let step = self.step;
+        let slot = &mut self.slots[s];
+        slot.state = SlotState::Resident;
+        slot.loaded_step = step;
+        slot.stamp = stamp;
+        self.index.insert(slot.key, s);
+        stamp
+    }
+
     /// A slot for a new expert: EMPTY first, else the least recently used evictable one.
     fn take_victim(&mut self) -> Option<usize> {
         if let Some(s) = self.free.pop() {
@@ -1300,13 +1314,7 @@ impl ExpertFetcher {
         b.last_done = b.last_done.max(done.at);
         match done.result {
             Ok(bytes) => {
-                let stamp = self.tick();
-                let step = self.step;
-                let slot = &mut self.slots[s];
-                slot.state = SlotState::Resident;
-                slot.loaded_step = step;
-                slot.stamp = stamp;
-                self.index.insert(slot.key, s);
+                self.land(s);
                 self.count(|c| {
                     c.reads += 1;
                     c.bytes_read += bytes;

@@ -336,14 +336,8 @@ impl ExpertFetcher {
         };
         match done.result {
             Ok(bytes) => {
-                let stamp = self.tick();
-                let step = self.step;
-                let slot = &mut self.slots[s];
-                slot.state = SlotState::Resident;
-                slot.loaded_step = step;
-                slot.stamp = stamp;
-                let key = slot.key;
-                self.index.insert(key, s);
+                let stamp = self.land(s);
+                let key = self.slots[s].key;
                 self.lru.insert((stamp, s));
                 self.guess.unused.insert(key, bytes);
                 self.guess.stats.bytes_read += bytes;

@@ -50,26 +50,10 @@ const MAX_GROWN: usize = 256;
 /// The stream of this harness's [`Rng`]s.
 const STREAM: u64 = 0x6b33_5f73_7461_7465;
 
-/// The one reader under test (a target, for the command line).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
-    State,
-}
-
-impl Target {
-    pub const ALL: [Target; 1] = [Target::State];
-
-    pub fn name(self) -> &'static str {
-        "state"
-    }
-}
-
-impl fuzzkit::Target for Target {
-    fn all() -> &'static [Target] {
-        &Target::ALL
-    }
-    fn name(self) -> &'static str {
-        Target::name(self)
+fuzzkit::targets! {
+    /// The one reader under test (a target, for the command line).
+    pub enum Target {
+        State => "state",
     }
 }
 

@@ -73,30 +73,11 @@ pub const MAX_INPUT: usize = 1 << 20;
 /// Most accepted mutants kept as extra corpus entries.
 const MAX_GROWN: usize = 256;
 
-/// The readers under test.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Target {
-    Tiktoken,
-    Tokconfig,
-}
-
-impl Target {
-    pub const ALL: [Target; 2] = [Target::Tiktoken, Target::Tokconfig];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Target::Tiktoken => "tiktoken",
-            Target::Tokconfig => "tokconfig",
-        }
-    }
-}
-
-impl fuzzkit::Target for Target {
-    fn all() -> &'static [Target] {
-        &Target::ALL
-    }
-    fn name(self) -> &'static str {
-        Target::name(self)
+fuzzkit::targets! {
+    /// The readers under test.
+    pub enum Target {
+        Tiktoken => "tiktoken",
+        Tokconfig => "tokconfig",
     }
 }
 
