@@ -81,6 +81,11 @@ pub struct TrunkConf {
     /// (`k3_trunk_loader::plan_streams_with`), as the orchestrator's was. 0: none.
     #[serde(default)]
     pub sink_bytes: u64,
+    /// A coded trunk's decoding weighed against reading, as the orchestrator's plan weighed
+    /// it (`k3_trunk_loader::Streams::decode_ppm`): the loader plans the same units. 0: by
+    /// stored bytes alone.
+    #[serde(default)]
+    pub decode_weight_ppm: u64,
     /// Read each pass's first streamed unit only once compute starts that pass
     /// (`StartPass`), not as soon as a ring slot frees: set when the lm_head streams from
     /// the same disk between passes and the pass starts with pinned units.

@@ -70,6 +70,11 @@ fn same_with_and_without_codec(model: &Path, ids: &str, n: usize, budgets: &[&[&
         for (dir, tag) in [(&raw, "raw"), (&coded, "coded")] {
             let mut extra = vec!["--trunk", dir.to_str().unwrap()];
             extra.extend_from_slice(b);
+            if tag == "coded" {
+                // Decoding nearly free: the plan ranks by stored bytes, as the planned
+                // reads below assume (with decoding weighed it may read more, decode less).
+                extra.extend_from_slice(&["--drive-gbps", "1", "--decode-gbps", "1000"]);
+            }
             let (got, logits, r) = gen(model, ids, n, &extra, tmp.path(), &format!("{tag}{i}"));
             assert_eq!(got, want, "{tag} trunk, budget {b:?}");
             assert!(
@@ -83,6 +88,11 @@ fn same_with_and_without_codec(model: &Path, ids: &str, n: usize, budgets: &[&[&
                     c["decoded_bytes"].as_u64().unwrap(),
                 );
                 assert!(s > 0 && s < d, "stored {s} of decoded {d}: {c}");
+                let notes = r["notes"].to_string();
+                assert!(
+                    notes.contains("coded trunk:") && notes.contains("(--decode-gbps"),
+                    "{notes}"
+                );
             } else {
                 assert!(c.is_null(), "{c}");
             }
@@ -138,7 +148,7 @@ fn gaussian_synth_same_ids_and_logits_coded() {
     ]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("entropy: BF16 exponent"), "{}", text(&o));
-    same_with_and_without_codec(
+    let want = same_with_and_without_codec(
         &model,
         "1,2,3,4",
         4,
@@ -150,6 +160,14 @@ fn gaussian_synth_same_ids_and_logits_coded() {
     );
     let coded = tmp.path().join("c");
     pack(&model, &coded, true);
+    // Without --drive-gbps/--decode-gbps the run measures the decoder on the trunk's own
+    // chunks and plans with it (the plan's note says so); the ids do not move. Catches a
+    // run that never weighs decoding by default.
+    let extra = ["--trunk", coded.to_str().unwrap(), "--trunk-gb", "0.004"];
+    let (got, _, r) = gen(&model, "1,2,3,4", 4, &extra, tmp.path(), "measured");
+    assert_eq!(got, want);
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("measured on the trunk's chunks"), "{notes}");
     let m = json(&coded.join("trunk.json"));
     let ratio = m["codec"]["stored_bytes"].as_f64().unwrap() / m["total_bytes"].as_f64().unwrap();
     assert!(ratio < 0.75, "stored {ratio} of raw");

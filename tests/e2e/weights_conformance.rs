@@ -120,6 +120,7 @@ fn staged(model: &Path, trunk_dir: Option<PathBuf>, layers: usize) -> (StagedWei
         layers,
         record_dir: None,
         sink_bytes: 0,
+        decode_weight_ppm: 0,
         hold_wrap: false,
     };
     let fetcher = FetcherConf {

@@ -214,6 +214,12 @@ pub struct GenArgs {
     /// `--experts DIR,...`: the routed experts' pack (pack-experts), one directory per
     /// drive; empty: the experts are read from the shards.
     pub experts: Vec<PathBuf>,
+    /// `--drive-gbps X`: the trunk drive's read rate, for weighing a coded trunk's decoding
+    /// against its reads (None: measured at the start when the trunk is coded).
+    pub drive_gbps: Option<f64>,
+    /// `--decode-gbps X`: a coded trunk's decoding rate per core (None: measured on its
+    /// own chunks at the start).
+    pub decode_gbps: Option<f64>,
     pub gen: usize,
     /// `-c/--ctx-size`: prompt plus generated tokens at most (refused up front beyond it).
     pub ctx_size: Option<usize>,
@@ -307,6 +313,10 @@ memory (applied left to right; a later flag wins):
   --mem-gb X             one total budget for the whole run, spent to read the fewest bytes
                          per token (default: MemAvailable/cgroup room minus a 5% reserve)
   --trunk-gb X           budget for pinned trunk layers plus the streaming ring
+  --drive-gbps X         with a coded --trunk: the drive's read rate in GB/s, to weigh
+                         decoding against reading (default: measured at the start)
+  --decode-gbps X        with a coded --trunk: GB/s one core decodes (default: measured on
+                         the trunk's own chunks at the start)
   --cache-gb X           budget for the routed-expert cache
 generation:
   --gen N, -n N, --n-predict N
@@ -395,6 +405,15 @@ fn gb(s: &str, flag: &str) -> Result<f64, String> {
     Ok(x)
 }
 
+/// `flag: value` as a rate in GB/s: a positive number.
+fn rate(s: &str, flag: &str) -> Result<f64, String> {
+    let x: f64 = num(s, flag)?;
+    if !x.is_finite() || x <= 0.0 {
+        return Err(format!("{flag}: '{s}' must be a positive number of GB/s"));
+    }
+    Ok(x)
+}
+
 /// The first of the parser's two layers (ripgrep's `LowArgs`): every flag as the command
 /// line gave it, filled in order, each value parsed and range-checked on its own. Nothing
 /// here looks at two flags together; [`GenArgs::from_low`] does.
@@ -412,6 +431,8 @@ struct LowArgs {
     mem: Vec<MemFlag>,
     trunk: Option<PathBuf>,
     experts: Vec<PathBuf>,
+    drive_gbps: Option<f64>,
+    decode_gbps: Option<f64>,
     gen: Option<usize>,
     ctx_size: Option<usize>,
     incremental: bool,
@@ -553,6 +574,8 @@ impl LowArgs {
             "--trunk-gb" => self.mem.push(MemFlag::TrunkGb(gb(&val()?, flag)?)),
             "--cache-gb" => self.mem.push(MemFlag::CacheGb(gb(&val()?, flag)?)),
             "--mem-gb" => self.mem.push(MemFlag::MemGb(gb(&val()?, flag)?)),
+            "--drive-gbps" => self.drive_gbps = Some(rate(&val()?, flag)?),
+            "--decode-gbps" => self.decode_gbps = Some(rate(&val()?, flag)?),
             _ => return Ok(false),
         }
         Ok(true)
@@ -794,6 +817,8 @@ impl GenArgs {
             mem: low.mem,
             trunk: low.trunk,
             experts: low.experts,
+            drive_gbps: low.drive_gbps,
+            decode_gbps: low.decode_gbps,
             gen,
             ctx_size: low.ctx_size,
             incremental: !low.full_recompute,
@@ -892,6 +917,8 @@ pub const FLAGS: &[&str] = &[
     "--mem-gb",
     "--trunk-gb",
     "--cache-gb",
+    "--drive-gbps",
+    "--decode-gbps",
     "--gen",
     "--n-predict",
     "--ctx-size",

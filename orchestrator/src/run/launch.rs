@@ -745,6 +745,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             layers: c.layers,
             record_dir: a.record.clone(),
             sink_bytes: c.plan.trunk_sink,
+            decode_weight_ppm: c.plan.trunk_decode_ppm,
             hold_wrap: c.plan.trunk_hold_wrap,
         },
         fetcher: conf::FetcherConf {

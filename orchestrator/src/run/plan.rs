@@ -5,7 +5,10 @@
 //! the fewest bytes per token ([`choose`], [`spend`]): what every run holds first (state,
 //! KV, scratch, one embedding row per token: the embedding is never resident), then the
 //! trunk and the lm_head pinned by bytes saved per token (the lm_head streams in chunks when
-//! pinning it would read more), the expert cache last. `--preset NAME`, `--trunk-gb` and
+//! pinning it would read more), the expert cache last. A coded trunk's streamed parts also
+//! cost their decoding on every token, weighed as the bytes the disk reads in that time
+//! ([`DecodeTerms`]: the drive's rate and the decoder's, measured at the start or given),
+//! so pinning is ranked by time saved per byte of RAM, not by stored bytes alone. `--preset NAME`, `--trunk-gb` and
 //! `--cache-gb` override parts, left to right ([`resolve`]).
 //!
 //! The plan is a forecast; the report's measured true peak (the stage cgroups' peaks, or
@@ -354,6 +357,37 @@ pub struct Spend {
     /// The smallest trunk budget a plan runs with (one ring slot for the largest streamed
     /// part or layer, [`trunk_min`]; 0 for a resident trunk).
     pub trunk_min: u64,
+    /// The expert reads in flight the cache keeps a slot for when there is room
+    /// ([`read_slots`]: the fetcher's queue depth on every drive the experts sit on).
+    pub read_slots: u64,
+}
+
+/// The expert reads a cache keeps slots for when there is room: the fetcher's readers
+/// (`k3_expert_fetcher::fetcher::DEFAULT_READERS`, 16, the queue depth of one drive) on
+/// each of `drives` drives, each with its own reader pool (`devices::DeviceMap`): a read in
+/// flight holds its slot, so fewer slots would leave the drives' queues short.
+pub fn read_slots(drives: usize) -> u64 {
+    (k3_expert_fetcher::fetcher::DEFAULT_READERS * drives.max(1)) as u64
+}
+
+/// How many drives a run's routed experts are read from: the drives of `--experts`' packs,
+/// else of the checkpoint's shards (symlinks followed; `devices::drives_of`).
+pub fn expert_drives(a: &GenArgs) -> usize {
+    let files: Vec<std::path::PathBuf> = if a.experts.is_empty() {
+        std::fs::read_dir(&a.model_dir)
+            .map(|d| {
+                d.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    } else {
+        a.experts
+            .iter()
+            .map(|d| d.join(k3_model::experts::EXPERTS_BIN))
+            .collect()
+    };
+    k3_expert_fetcher::devices::drives_of(&files)
 }
 
 /// The smallest budget a streamed trunk runs with: one ring slot for its largest part
@@ -409,14 +443,16 @@ pub fn spend(
 }
 
 /// What the expert cache keeps of `left` (the total less the fixed part and the lm_head)
-/// when nothing fixes it: the fewest slots, 16 when there is room for them beside the
-/// whole trunk or for 32 (and the trunk can still run beside them).
+/// when nothing fixes it: the fewest slots, or the reads in flight ([`Spend::read_slots`]:
+/// 16 per drive the experts sit on) when there is room for them beside the whole trunk or
+/// for twice as many (and the trunk can still run beside them).
 fn cache_keep(s: &Spend, left: u64) -> u64 {
     let min_cache = s.min_slots.max(1) * s.expert_slot;
-    let room = left >= s.trunk_need + 16 * s.expert_slot || left >= 32 * s.expert_slot;
+    let keep = s.read_slots.max(1);
+    let room = left >= s.trunk_need + keep * s.expert_slot || left >= 2 * keep * s.expert_slot;
     // Never so many that the trunk cannot run: near the floor the few slots are kept.
-    if room && left >= s.trunk_min + 16 * s.expert_slot {
-        (16.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
+    if room && left >= s.trunk_min + keep * s.expert_slot {
+        (keep.min(s.max_slots.max(1)) * s.expert_slot).max(min_cache)
     } else {
         min_cache
     }
@@ -450,10 +486,16 @@ pub struct Choice {
     /// streamed lm_head's bytes, 0 when it is pinned.
     pub sink: u64,
     pub read_per_token: u64,
+    /// Bytes a coded trunk's streamed parts decode per token (0: raw or nothing streams).
+    pub decode_per_token: u64,
+    /// What the choice weighs: the bytes read plus the decoding weighed as bytes read
+    /// (`k3_trunk_loader::StreamPlan::cost_per_token`); `read_per_token` for a raw trunk.
+    pub cost_per_token: u64,
 }
 
 /// Spend a total both ways — lm_head pinned (held whole) or streamed (two chunk buffers) —
-/// and take the one that reads the fewest bytes per token, pinned on a tie. `runs`: the
+/// and take the one that reads the fewest bytes per token (with a coded trunk: that costs
+/// least, its decoding weighed as reads, [`Choice::cost_per_token`]), pinned on a tie. `runs`: the
 /// packed trunk (None: resident, its bytes fixed by `trunk_over`).
 ///
 /// A streamed lm_head's rows are pinned like trunk bytes (each held byte is one byte less
@@ -472,7 +514,7 @@ pub fn choose(
         choose_way(s, runs, trunk_over, cache_over, true),
         choose_way(s, runs, trunk_over, cache_over, false),
     ) {
-        (Ok(p), Ok(st)) if st.read_per_token < p.read_per_token => Ok(st),
+        (Ok(p), Ok(st)) if st.cost_per_token < p.cost_per_token => Ok(st),
         (Ok(c), _) | (Err(_), Ok(c)) => Ok(c),
         (Err(e), Err(_)) => Err(e),
     }
@@ -496,7 +538,7 @@ fn choose_way(
     };
     let (t, c) = spend(&sp, trunk_over, cache_over)?;
     let sink = if pinned { 0 } else { s.lm_head };
-    let (trunk_read, trunk_left) = match runs {
+    let (trunk_read, trunk_decode, trunk_cost, trunk_left) = match runs {
         Some(r) => {
             let sp = k3_trunk_loader::plan_streams_with(
                 t,
@@ -504,9 +546,14 @@ fn choose_way(
                 k3_trunk_loader::RingPolicy::default(),
                 sink,
             )?;
-            (sp.read_per_token, sp.left())
+            (
+                sp.read_per_token,
+                sp.decode_per_token,
+                sp.cost_per_token,
+                sp.left(),
+            )
         }
-        None => (0, 0),
+        None => (0, 0, 0, 0),
     };
     // The trunk plan's leftover, and (when no flag fixes the cache) what the cache
     // would hold beyond its keep, hold lm_head rows; the cache gets what they leave.
@@ -538,14 +585,16 @@ fn choose_way(
             (rows * s.lm_head_row, cache)
         }
     };
-    let read = trunk_read + if pinned { 0 } else { s.lm_head - head_held };
+    let head_read = if pinned { 0 } else { s.lm_head - head_held };
     Ok(Choice {
         trunk: t,
         cache,
         head_pinned: pinned,
         head_held,
         sink,
-        read_per_token: read,
+        read_per_token: trunk_read + head_read,
+        decode_per_token: trunk_decode,
+        cost_per_token: trunk_cost + head_read,
     })
 }
 
@@ -670,6 +719,9 @@ pub struct RunPlan {
     pub lm_head_held_bytes: u64,
     /// The sink the trunk-loader plans its budget beside (`plan_streams_with`).
     pub trunk_sink: u64,
+    /// A coded trunk's decoding weighed against reading, which the trunk-loader plans with
+    /// too (`TrunkConf::decode_weight_ppm`; 0: raw).
+    pub trunk_decode_ppm: u64,
     /// The trunk-loader reads each token's first streamed part when the token starts, not
     /// while the previous token's lm_head streams (`TrunkConf::hold_wrap`).
     pub trunk_hold_wrap: bool,
@@ -696,18 +748,19 @@ pub struct RunShape {
 /// plan `c` (`lm_head`: its bytes): each pass reads the streamed trunk and its batch of
 /// `batch` experts per MoE layer; the last pass also the streamed lm_head; each of the
 /// other `gen - 1` tokens reads the streamed trunk, the streamed lm_head and `top_k`
-/// experts per MoE layer. No cache hit is counted (the plan does not guess them).
+/// experts per MoE layer. No cache hit is counted (the plan does not guess them). A coded
+/// trunk's decoding counts as the bytes read in its time ([`Choice::cost_per_token`]).
 pub fn run_read_estimate(r: &RunShape, pass: u64, batch: u64, c: &Choice, lm_head: u64) -> u64 {
     let head = if c.head_pinned {
         0
     } else {
         lm_head.saturating_sub(c.head_held)
     };
-    let trunk = c.read_per_token.saturating_sub(head);
+    let trunk = c.cost_per_token.saturating_sub(head);
     let passes = r.prompt.max(1).div_ceil(pass.max(1));
     let prefill = passes * (trunk + r.moe_layers * batch * r.expert_bytes) + head;
     let decode =
-        r.gen.saturating_sub(1) * (c.read_per_token + r.moe_layers * r.top_k * r.expert_bytes);
+        r.gen.saturating_sub(1) * (c.cost_per_token + r.moe_layers * r.top_k * r.expert_bytes);
     prefill + decode
 }
 
@@ -860,6 +913,100 @@ fn packed_runs(
     ))
 }
 
+/// The drive rate a coded trunk's decoding is weighed against when the drive cannot be
+/// measured (a PCIe 4 NVMe drive, as `project`'s reference machine).
+pub const ASSUMED_DRIVE_BPS: f64 = 7e9;
+/// The decoder's rate per core when it cannot be measured: `bf16-zstd` at level 19 on
+/// Gaussian BF16 (docs/measurements.md, issue 37: 2.11 GB/s under load).
+pub const ASSUMED_DECODE_BPS: f64 = 2e9;
+/// Chunks the decode probe decodes (4 MiB of BF16 each), and seconds the drive is read.
+const DECODE_PROBE_CHUNKS: usize = 8;
+const DRIVE_PROBE_SECONDS: f64 = 0.25;
+
+/// How a coded trunk's decoding is weighed against its reads
+/// (`k3_trunk_loader::Streams::decode_ppm`): the drive's rate as the trunk-loader reads
+/// it, one core's decoding rate, and the cores the decoding shares with compute, each with
+/// where it came from. The decoding runs on the trunk-loader's reader threads while compute
+/// uses every core, so its core-seconds are counted spread over all of them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodeTerms {
+    pub disk_bps: f64,
+    pub disk_source: String,
+    pub decode_bps: f64,
+    pub decode_source: String,
+    pub cores: usize,
+}
+
+impl DecodeTerms {
+    /// The weight: disk bytes read in the time one decoded byte takes, per million.
+    pub fn ppm(&self) -> u64 {
+        k3_trunk_loader::decode_weight_ppm(self.disk_bps, self.decode_bps, self.cores)
+    }
+
+    /// One line: what a decoded byte weighs and why.
+    pub fn describe(&self) -> String {
+        format!(
+            "a decoded byte weighs {:.2} read bytes = drive {:.2} GB/s ({}) / ({:.2} GB/s \
+             decoded per core ({}) x {} core(s), shared with compute)",
+            self.ppm() as f64 / 1e6,
+            self.disk_bps / GB,
+            self.disk_source,
+            self.decode_bps / GB,
+            self.decode_source,
+            self.cores
+        )
+    }
+
+    /// The terms of a run's coded trunk (None: raw, or no `--trunk`): `--drive-gbps` and
+    /// `--decode-gbps` when given, else measured here, once per plan: the drive with devbw
+    /// (O_DIRECT) on the stored file as the trunk-loader reads it, the decoder on a few of
+    /// the trunk's own chunks (`k3_trunk_loader::decode_rate`); a figure that cannot be
+    /// measured is assumed, and the plan's note says so. The cores are this machine's.
+    pub fn of_run(a: &GenArgs) -> Result<Option<DecodeTerms>, BudgetError> {
+        let Some(dir) = &a.trunk else { return Ok(None) };
+        let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
+        let Some(c) = &m.codec else { return Ok(None) };
+        let (disk_bps, disk_source) = match a.drive_gbps {
+            Some(g) => (g * GB, "--drive-gbps".to_string()),
+            None => measure_trunk_drive(&dir.join(&c.file)),
+        };
+        let (decode_bps, decode_source) = match a.decode_gbps {
+            Some(g) => (g * GB, "--decode-gbps".to_string()),
+            None => match k3_trunk_loader::decode_rate(dir, &m, DECODE_PROBE_CHUNKS) {
+                Some(r) => (r, "measured on the trunk's chunks".to_string()),
+                None => (ASSUMED_DECODE_BPS, "ASSUMED: no chunk decoded".to_string()),
+            },
+        };
+        Ok(Some(DecodeTerms {
+            disk_bps,
+            disk_source,
+            decode_bps,
+            decode_source,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        }))
+    }
+}
+
+/// The drive holding `file` as the trunk-loader reads it (its pieces at its queue depth,
+/// O_DIRECT), or [`ASSUMED_DRIVE_BPS`] with the reason it could not be measured.
+fn measure_trunk_drive(file: &std::path::Path) -> (f64, String) {
+    let size = std::fs::metadata(file).map_or(0, |m| m.len());
+    let rb = (k3_io::direct::READ_CHUNK as u64).min(size / 4096 * 4096);
+    if rb == 0 {
+        return (
+            ASSUMED_DRIVE_BPS,
+            "ASSUMED: the stored file is too small to measure".into(),
+        );
+    }
+    match k3_io::devbw::measure(file, rb, k3_io::direct::READ_QD, DRIVE_PROBE_SECONDS) {
+        Ok(r) if r.direct && r.mb_per_s() > 0.0 => {
+            (r.mb_per_s() * 1e6, "measured with devbw".into())
+        }
+        Ok(_) => (ASSUMED_DRIVE_BPS, "ASSUMED: O_DIRECT refused".into()),
+        Err(e) => (ASSUMED_DRIVE_BPS, format!("ASSUMED: {e}")),
+    }
+}
+
 /// A test hook's value: `name=N` (N > 0) with `K3_TEST_HOOKS=1`, else None.
 fn test_hook(name: &str) -> Option<u64> {
     std::env::var(name)
@@ -876,6 +1023,8 @@ struct Bounds {
     runs: Option<k3_trunk_loader::Streams>,
     /// A coded trunk's decode buffers in the trunk-loader (0: raw or resident).
     trunk_decode: u64,
+    /// How a coded trunk's decoding is weighed (None: raw or resident).
+    decode: Option<DecodeTerms>,
     /// What pinning the whole trunk takes.
     trunk_need: u64,
     /// The smallest trunk budget a plan runs with ([`trunk_min`]).
@@ -885,6 +1034,8 @@ struct Bounds {
     top_k: u64,
     min_slots: u64,
     max_slots: u64,
+    /// The expert reads in flight the cache keeps slots for ([`read_slots`]).
+    read_slots: u64,
     /// Routed experts of the model per MoE layer; MoE layers bound.
     experts_per_layer: u64,
     moe_layers: u64,
@@ -924,18 +1075,21 @@ fn prompt_bound(a: &GenArgs) -> usize {
     .min(MAX_PROMPT)
 }
 
-/// [`Bounds`] of a request on the model's first `layers` layers.
+/// [`Bounds`] of a request on the model's first `layers` layers (`decode`: its coded
+/// trunk's [`DecodeTerms`], measured once per plan).
 fn bound(
     a: &GenArgs,
     cfg: &ModelConfig,
     sizes: &ModelSizes,
     layers: usize,
     serve: Option<&ServeShape>,
+    decode: Option<&DecodeTerms>,
 ) -> Result<Bounds, BudgetError> {
     let (runs, trunk_decode) = match &a.trunk {
         Some(dir) => {
             let (r, d) = packed_runs(dir, layers)?;
-            (Some(r), d)
+            let ppm = decode.map_or(0, DecodeTerms::ppm);
+            (Some(r.with_decode_weight(ppm)), d)
         }
         None => (None, 0),
     };
@@ -964,12 +1118,14 @@ fn bound(
         trunk_min: runs.as_ref().map_or(0, trunk_min),
         runs,
         trunk_decode,
+        decode: decode.cloned(),
         trunk_need,
         expert_slot: k3_io::slot_bytes_for(sizes.max_expert_span.max(1)),
         top_k,
         // The fewest slots: a batch of any size streams through them (see MIN_EXPERT_SLOTS).
         min_slots: min_expert_slots(top_k),
         max_slots: sizes.n_experts.max(top_k),
+        read_slots: read_slots(expert_drives(a)),
         experts_per_layer: cfg.num_experts as u64,
         moe_layers: sizes.n_experts / (cfg.num_experts as u64).max(1),
         max_pass_tokens: max_pass_tokens.max(1),
@@ -1089,6 +1245,7 @@ fn spend_total(a: &GenArgs, res: &Resolved, b: &Bounds, f: &FixedCosts, total: u
                 max_slots: b.max_slots,
                 lm_head_row: b.lm_head_row,
                 trunk_min: b.trunk_min,
+                read_slots: b.read_slots,
             },
             b.runs.as_ref(),
             trunk_over,
@@ -1127,6 +1284,8 @@ fn named_parts(res: &Resolved, b: &Bounds) -> PassSize {
             head_held: 0,
             sink: 0,
             read_per_token: 0,
+            decode_per_token: 0,
+            cost_per_token: 0,
         }),
         tokens: test_hook(PREFILL_CHUNK_ENV)
             .map_or(b.max_pass_tokens, |n| n.clamp(1, b.max_pass_tokens)),
@@ -1255,6 +1414,14 @@ fn add_trunk(
             ""
         }
     ));
+    if let Some(d) = &b.decode {
+        notes.push(format!(
+            "coded trunk: {} decoded per token by the trunk-loader's readers, pinned parts \
+             ranked by read + decode time saved per byte of RAM: {}",
+            human(sp.decode_per_token),
+            d.describe()
+        ));
+    }
     // The lm_head streams from the same disk between tokens: a ring that read the next
     // token's first part then would share the disk with it, while the token starts with
     // pinned parts whose compute that read can overlap instead.
@@ -1385,6 +1552,7 @@ fn assemble(
         lm_head_chunk_bytes,
         lm_head_held_bytes: if streams { head_held } else { 0 },
         trunk_sink,
+        trunk_decode_ppm: b.decode.as_ref().map_or(0, DecodeTerms::ppm),
         trunk_hold_wrap,
         prefill_chunk: (t < b.max_pass_tokens || b.serve.is_some()).then_some(t as usize),
         notes,
@@ -1399,7 +1567,8 @@ pub fn plan_run(
     sizes: &ModelSizes,
     layers: usize,
 ) -> Result<RunPlan, BudgetError> {
-    let b = bound(a, cfg, sizes, layers, None)?;
+    let decode = DecodeTerms::of_run(a)?;
+    let b = bound(a, cfg, sizes, layers, None, decode.as_ref())?;
     let res = resolve(&a.mem, default_total)?;
     let f = fixed_costs(a, cfg, sizes, &b);
     // The KV cache alone not fitting is said as such, before the whole plan is weighed.
@@ -1480,8 +1649,9 @@ pub fn plan_serve(
         return Err(BudgetError::ServeZero);
     }
     let res = resolve(&a.mem, default_total)?;
+    let decode = DecodeTerms::of_run(a)?;
     let one = |shape: &ServeShape| -> Result<(RunPlan, ServePlan), BudgetError> {
-        let b = bound(a, cfg, sizes, layers, Some(shape))?;
+        let b = bound(a, cfg, sizes, layers, Some(shape), decode.as_ref())?;
         let f = fixed_costs(a, cfg, sizes, &b);
         let p = choose_parts(a, &res, &b, &f)?;
         let chunk = p.pass_tokens as usize;
@@ -1569,6 +1739,8 @@ mod tests {
             head_held: 30,
             sink: 100,
             read_per_token: 80,
+            decode_per_token: 0,
+            cost_per_token: 80,
         };
         let r = RunShape {
             prompt: 5,
@@ -1586,6 +1758,7 @@ mod tests {
             head_pinned: true,
             head_held: 0,
             read_per_token: 10,
+            cost_per_token: 10,
             ..c
         };
         assert_eq!(run_read_estimate(&r, 5, 10, &pinned, 100), 70 + 3 * 22);
@@ -1606,6 +1779,8 @@ mod tests {
             head_held: 0,
             sink: 0,
             read_per_token: read,
+            decode_per_token: 0,
+            cost_per_token: read,
         };
         let upto = |n: u64| {
             move |t: u64| {
@@ -1704,6 +1879,7 @@ mod tests {
             min_slots: 2,
             max_slots: 40,
             trunk_min: 0,
+            read_slots: read_slots(1),
         }
     }
 
@@ -1723,6 +1899,33 @@ mod tests {
         // Below what every run holds: refused, naming the parts.
         let e = spend(&sp(169), None, None).unwrap_err().to_string();
         assert!(e.contains("lm_head") && e.contains("expert slots"), "{e}");
+    }
+
+    // Experts on two drives: the cache keeps a slot for each of the 32 reads in flight
+    // (16 per drive's reader pool) when there is room, and still gives the trunk first
+    // what it needs. Catches a plan that keeps one drive's 16 slots whatever the drives
+    // (half of each drive's queue left empty: a read in flight holds its slot).
+    #[test]
+    fn the_cache_keeps_every_drives_reads_in_flight() {
+        assert_eq!((read_slots(0), read_slots(1), read_slots(2)), (16, 16, 32));
+        let two = |total| Spend {
+            read_slots: read_slots(2),
+            max_slots: 100,
+            ..sp(total)
+        };
+        // Room beside the whole trunk: 32 slots, not 16.
+        assert_eq!(
+            spend(&two(150 + 1_000 + 320), None, None).unwrap(),
+            (1_000, 320)
+        );
+        assert_eq!(
+            spend(&sp(150 + 1_000 + 320), None, None).unwrap(),
+            (1_000, 320),
+            "the rest goes to the cache either way"
+        );
+        // Tight: the trunk gets all but 32 slots (all but 16 on one drive).
+        assert_eq!(spend(&two(150 + 1_000), None, None).unwrap(), (680, 320));
+        assert_eq!(spend(&sp(150 + 1_000), None, None).unwrap(), (840, 160));
     }
 
     // Left to right: --mem-gb clears earlier parts, a named preset clears the total, the
@@ -1795,6 +1998,7 @@ mod tests {
             min_slots: 1,
             max_slots,
             trunk_min: 0,
+            read_slots: read_slots(1),
         };
         (runs, s)
     }
@@ -1839,5 +2043,54 @@ mod tests {
         // --cache-gb fixes the cache: only the trunk's leftover holds rows.
         let c = choose(&s(95 * P), Some(&runs), None, Some(40 * P)).unwrap();
         assert_eq!((c.trunk, c.head_held, c.cache), (45 * P, 4 * P, 40 * P));
+    }
+
+    // A coded trunk (each 10-page layer stores 7 pages and decodes 10) at a total that
+    // holds the 50-page lm_head beside one trunk slot, or the whole trunk beside a streamed
+    // lm_head. By stored bytes (today's ranking, and a weight of 0) pinning the raw lm_head
+    // reads least (28 pages of coded trunk against 40 of lm_head), as the slice at 5.5 GB
+    // pinned its lm_head and 3 of 17 coded parts (docs/measurements.md). With decoding
+    // weighed at 0.7 read bytes per decoded byte (a 2.8 GB/s disk, 2 cores decoding 2 GB/s
+    // each) streaming the trunk costs 28 + 28 = 56 pages a token: the coded layers are
+    // pinned before the lm_head, which streams. A raw trunk's choice does not move with the
+    // weight. Catches `choose` comparing the two ways by bytes read instead of cost, a
+    // weight that does not reach the trunk's plan, and a plan over its total.
+    #[test]
+    fn a_coded_trunk_is_pinned_before_the_raw_lm_head() {
+        let (raw, s) = four_layers(62 * P, 1);
+        let coded = |ppm| {
+            let mut c = raw.clone().with_decode_weight(ppm);
+            c.layer_reads = vec![7 * P; 4];
+            c.layer_decoded = vec![10 * P; 4];
+            c
+        };
+        let by_stored = choose(&s, Some(&coded(0)), None, None).unwrap();
+        assert!(by_stored.head_pinned, "{by_stored:?}");
+        assert_eq!(
+            (by_stored.read_per_token, by_stored.decode_per_token),
+            (28 * P, 40 * P)
+        );
+        let weighed = choose(&s, Some(&coded(700_000)), None, None).unwrap();
+        assert!(!weighed.head_pinned, "{weighed:?}");
+        assert_eq!(weighed.trunk, 40 * P, "every coded layer pinned");
+        assert_eq!(
+            (
+                weighed.read_per_token,
+                weighed.decode_per_token,
+                weighed.cost_per_token
+            ),
+            (40 * P, 0, 40 * P)
+        );
+        let held = held_rows_bytes(weighed.head_held / P, P);
+        let head = lm_head_stream_bytes(50 * P);
+        assert!(
+            head + weighed.trunk + held + weighed.cache <= 62 * P,
+            "{weighed:?}"
+        );
+        for ppm in [0, 700_000, 3_000_000] {
+            let c = choose(&s, Some(&raw.clone().with_decode_weight(ppm)), None, None).unwrap();
+            assert!(c.head_pinned, "{c:?}");
+            assert_eq!((c.read_per_token, c.cost_per_token), (40 * P, 40 * P));
+        }
     }
 }

@@ -12,7 +12,11 @@
 //! streamed unit reads `R` of its bytes, pinned units still take their decoded size (decoded
 //! once at load), and the decode buffers join what every run holds; the budget table then
 //! shows the coded plan beside the raw one. A packed coded trunk's own stored sizes are what
-//! a run with `--trunk` plans with.
+//! a run with `--trunk` plans with. Its streamed units are also decoded on every token, and
+//! the plan weighs that decoding as reads, as a run's does (`run::plan::DecodeTerms`): for
+//! a machine given by `--drive-gbps`, `--decode-gbps` and `--cores`, by default `project`'s
+//! reference machine (one 7 GB/s drive, 16 cores) decoding 2 GB/s per core (nothing is
+//! measured: only headers are read).
 //!
 //! Only headers are read. GB = 10^9 bytes, TB = 10^12 (the seed's units).
 
@@ -43,10 +47,29 @@ struct Args {
     /// 0.662 for Gaussian BF16 with `pack-trunk --codec bf16-zstd`).
     #[arg(long = "codec-ratio", value_parser = parse_ratio)]
     codec_ratio: Option<f64>,
+    /// With --codec-ratio: the trunk drive's read rate in GB/s (default 7, the reference
+    /// machine's)
+    #[arg(long = "drive-gbps", value_parser = parse_rate)]
+    drive_gbps: Option<f64>,
+    /// With --codec-ratio: GB/s of BF16 one core decodes (default 2, as measured at level 19)
+    #[arg(long = "decode-gbps", value_parser = parse_rate)]
+    decode_gbps: Option<f64>,
+    /// With --codec-ratio: the cores decoding shares with compute (default 16, the
+    /// reference machine's)
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    cores: Option<u32>,
+}
+
+/// A rate in GB/s: a positive number.
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("{s:?} is not a positive number of GB/s")),
+    }
 }
 
 /// A `--codec-ratio`: a number in (0, 1].
-fn parse_ratio(s: &str) -> Result<f64, String> {
+pub(crate) fn parse_ratio(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(r) if r > 0.0 && r <= 1.0 => Ok(r),
         _ => Err(format!("{s:?} is not a share in (0, 1]")),
@@ -68,7 +91,25 @@ pub fn main(args: Vec<OsString>) -> i32 {
     let cfg = ModelConfig::load_dir(&args.model_dir);
     print!("{}", report(&cat, cfg.as_ref()));
     if let Ok(c) = &cfg {
-        print!("{}", budget_table(&cat, c, args.codec_ratio));
+        let codec = args.codec_ratio.map(|r| {
+            let given = |x: Option<f64>, what: &str| match x {
+                Some(_) => what.to_string(),
+                None => "reference".to_string(),
+            };
+            let terms = crate::run::plan::DecodeTerms {
+                disk_bps: args.drive_gbps.unwrap_or(7.0) * crate::units::GB,
+                disk_source: given(args.drive_gbps, "--drive-gbps"),
+                decode_bps: args
+                    .decode_gbps
+                    .map_or(crate::run::plan::ASSUMED_DECODE_BPS, |g| {
+                        g * crate::units::GB
+                    }),
+                decode_source: given(args.decode_gbps, "--decode-gbps"),
+                cores: args.cores.unwrap_or(16) as usize,
+            };
+            (r, terms)
+        });
+        print!("{}", budget_table(&cat, c, codec.as_ref()));
     }
     0
 }
@@ -464,6 +505,8 @@ struct Row {
     head: String,
     slots: u64,
     read: u64,
+    /// Bytes a coded trunk's streamed units decode per token.
+    decoded: u64,
 }
 
 /// What `total` pins and reads over `runs` by the run's own plan, or why it is refused.
@@ -493,6 +536,7 @@ fn row(base: &crate::run::plan::Spend, runs: &Streams, total: u64) -> Result<Row
         },
         slots: (c.cache / base.expert_slot.max(1)).min(base.max_slots),
         read: c.read_per_token,
+        decoded: c.decode_per_token,
     })
 }
 
@@ -559,6 +603,7 @@ fn table_base(cat: &Catalog, cfg: &ModelConfig) -> (crate::run::plan::Spend, Str
         min_slots: crate::run::plan::min_expert_slots(topk),
         max_slots: sizes.n_experts.max(topk),
         trunk_min: crate::run::plan::trunk_min(&runs),
+        read_slots: crate::run::plan::read_slots(1),
     };
     (base, runs, sizes.lm_head_bytes, topk)
 }
@@ -566,17 +611,26 @@ fn table_base(cat: &Catalog, cfg: &ModelConfig) -> (crate::run::plan::Spend, Str
 /// "one total budget": what `--mem-gb X` (the staged run, a packed trunk, incremental
 /// decode at a context of [`TABLE_CONTEXT`]) would hold and read per token, from the
 /// streaming floor up, by the run's own plan ([`crate::run::plan::choose`]); with a
-/// `codec_ratio`, the same for a coded trunk that stores that share of its bytes.
-pub fn budget_table(cat: &Catalog, cfg: &ModelConfig, codec_ratio: Option<f64>) -> String {
+/// `codec` (a ratio and the machine's decoding terms), the same for a coded trunk that
+/// stores that share of its bytes, its decoding weighed as the run weighs it.
+pub fn budget_table(
+    cat: &Catalog,
+    cfg: &ModelConfig,
+    codec: Option<&(f64, crate::run::plan::DecodeTerms)>,
+) -> String {
     use crate::run::plan::lm_head_stream_bytes;
     let (base, runs, lm_head, topk) = table_base(cat, cfg);
-    let coded = codec_ratio.map(|r| {
+    let coded = codec.map(|(r, terms)| {
         let decode = k3_trunk_loader::loader::decode_buffer_bound(k3_model::trunk::CODEC_CHUNK);
         let spend = crate::run::plan::Spend {
             fixed: base.fixed + decode,
             ..base.clone()
         };
-        (r, spend, runs.clone().with_read_ratio(r), decode)
+        let streams = runs
+            .clone()
+            .with_read_ratio(*r)
+            .with_decode_weight(terms.ppm());
+        (*r, spend, streams, decode, terms)
     });
     let mut o = String::new();
     o += &format!(
@@ -594,13 +648,17 @@ pub fn budget_table(cat: &Catalog, cfg: &ModelConfig, codec_ratio: Option<f64>) 
         "  streaming floor: {}\n",
         floor_line(&base, &runs, floor, topk)
     );
-    if let Some((r, cb, cr, decode)) = &coded {
+    if let Some((r, cb, cr, decode, terms)) = &coded {
         o += &format!(
             "  coded trunk (--codec-ratio {r}): {} stored of {} (read at the stored size when streamed, \
              pinned at the decoded size); {} of decode buffers\n",
             gb(cr.stored_bytes()),
             gb(runs.pinned_bytes()),
             gb(*decode)
+        );
+        o += &format!(
+            "  coded trunk decoded on every token it streams, weighed as reads: {}\n",
+            terms.describe()
         );
         o += &format!(
             "  coded streaming floor: {}\n",
@@ -635,8 +693,8 @@ fn table_rows(
     );
     if coded.is_some() {
         o += &format!(
-            "  {:>14}  {:>14}  {:>18}",
-            "coded pinned", "coded resident", "coded read/token*"
+            "  {:>14}  {:>14}  {:>15}  {:>18}  {:>14}",
+            "coded pinned", "coded resident", "coded lm_head", "coded read/token*", "decoded/token"
         );
     }
     o += "\n";
@@ -655,10 +713,12 @@ fn table_rows(
                 if let Some((cb, cr)) = coded {
                     o += &match row(cb, cr, t) {
                         Ok(c) => format!(
-                            "  {:>14}  {:>14}  {:>18}",
+                            "  {:>14}  {:>14}  {:>15}  {:>18}  {:>14}",
                             c.pinned,
                             gb(c.resident),
-                            gb(c.read)
+                            c.head,
+                            gb(c.read),
+                            gb(c.decoded)
                         ),
                         Err(_) => format!("  {:>14}", "refused"),
                     };

@@ -40,6 +40,14 @@
 //! - the compute (products, or MACs where those are slower) plus the expert reads,
 //!
 //! and the floor named is the first (disk) or the slower part of the second.
+//!
+//! `--codec-ratio R` projects a coded trunk (`pack-trunk --codec`) storing `R` of its bytes
+//! ([`ModelShape::with_codec_ratio`]): its streamed parts are read at the stored size and
+//! decoded on every token by the trunk-loader's reader threads, on the cores compute uses.
+//! The plan weighs that decoding against the reads (`run::plan::DecodeTerms`, as a run
+//! does), and the decoding's time, its decoded bytes over one core's rate times the cores
+//! (`--decode-gbps`, else measured on Gaussian BF16 coded at level 1, [`measure_decode`]),
+//! is added to the compute side: the core-seconds it takes are compute's.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -110,6 +118,13 @@ struct Args {
     /// Print one JSON object per budget and drive count instead of the text
     #[arg(long)]
     json: bool,
+    /// Project a coded trunk that stores this share of its bytes (0 < R <= 1; measured:
+    /// 0.662 at level 19, 0.68 at level 1 on Gaussian BF16)
+    #[arg(long = "codec-ratio", value_parser = crate::tools::inspect::parse_ratio)]
+    codec_ratio: Option<f64>,
+    /// With --codec-ratio: GB/s of BF16 one core decodes (default: measured here)
+    #[arg(long = "decode-gbps")]
+    decode_gbps: Option<f64>,
 }
 
 /// Where the expected expert hit rate comes from.
@@ -228,6 +243,8 @@ pub struct ModelShape {
     /// The memory plan's inputs (total 0) and the trunk's packed runs.
     pub spend: Spend,
     pub runs: Streams,
+    /// A coded trunk's stored share (None: raw).
+    pub codec_ratio: Option<f64>,
 }
 
 /// What [`ModelShape`] is built from: the tensors a token touches, tallied.
@@ -370,6 +387,7 @@ impl ModelShape {
             min_slots: plan::min_expert_slots(top_k),
             max_slots: t.n_experts.max(top_k),
             trunk_min: plan::trunk_min(&runs),
+            read_slots: plan::read_slots(1),
         };
         ModelShape {
             label,
@@ -388,7 +406,20 @@ impl ModelShape {
             expert_macs: t.expert_macs_total / t.n_experts.max(1),
             spend,
             runs,
+            codec_ratio: None,
         }
+    }
+
+    /// The same model with its trunk coded at `ratio` (`inspect --codec-ratio`'s
+    /// projection): every streamed unit reads `ratio` of its bytes and decodes them all,
+    /// pinned units keep their decoded size, and the trunk-loader's decode buffers join
+    /// what every run holds.
+    pub fn with_codec_ratio(mut self, ratio: f64) -> ModelShape {
+        self.runs = self.runs.with_read_ratio(ratio);
+        self.spend.fixed +=
+            k3_trunk_loader::loader::decode_buffer_bound(k3_model::trunk::CODEC_CHUNK);
+        self.codec_ratio = Some(ratio);
+        self
     }
 
     /// Every routed expert of the model.
@@ -434,6 +465,9 @@ pub struct Machine {
     pub bf16_macs_per_core: f64,
     pub mxfp4_macs_per_core: f64,
     pub compute_source: String,
+    /// Bytes per second of BF16 one core decodes from a coded trunk, and where from.
+    pub decode_bps: f64,
+    pub decode_source: String,
 }
 
 /// The machine the preset table and docs/run-k3.md project for when no machine is named:
@@ -452,6 +486,8 @@ pub const REFERENCE: Machine = Machine {
     bf16_macs_per_core: 10e9,
     mxfp4_macs_per_core: 10e9,
     compute_source: String::new(),
+    decode_bps: plan::ASSUMED_DECODE_BPS,
+    decode_source: String::new(),
 };
 
 impl Machine {
@@ -462,7 +498,21 @@ impl Machine {
             drive_source: "reference".into(),
             mem_source: "reference".into(),
             compute_source: "reference".into(),
+            decode_source: "reference".into(),
             ..REFERENCE
+        }
+    }
+
+    /// How a coded trunk's decoding is weighed against its reads on this machine, as a
+    /// run's plan weighs it: the trunk's reads at every drive's trunk rate, the decoding at
+    /// one core's rate times the cores.
+    pub fn decode_terms(&self) -> plan::DecodeTerms {
+        plan::DecodeTerms {
+            disk_bps: self.drives.max(1) as f64 * self.trunk_drive_bps,
+            disk_source: self.drive_source.clone(),
+            decode_bps: self.decode_bps,
+            decode_source: self.decode_source.clone(),
+            cores: self.cores,
         }
     }
 
@@ -524,6 +574,8 @@ pub struct PerToken {
     pub serial_ram_bytes: f64,
     pub bf16_macs: f64,
     pub mxfp4_macs: f64,
+    /// Bytes a coded trunk's streamed parts decode (0: raw, or nothing streams).
+    pub decode_bytes: f64,
 }
 
 impl PerToken {
@@ -550,6 +602,7 @@ pub fn per_token(m: &ModelShape, c: &Choice, hit: f64) -> PerToken {
         serial_ram_bytes: 0.0,
         bf16_macs: (m.trunk_macs + m.lm_head_macs) as f64 + bf16_experts,
         mxfp4_macs: mxfp4,
+        decode_bytes: c.decode_per_token as f64,
     }
 }
 
@@ -567,6 +620,9 @@ pub struct Times {
     pub compute: f64,
     /// The compute the disk idles through (`PerToken::serial_ram_bytes`' products).
     pub exposed: f64,
+    /// A coded trunk's decoding: its core-seconds spread over every core, taken from
+    /// compute (the trunk-loader's reader threads share the cores).
+    pub decode: f64,
 }
 
 impl Times {
@@ -593,6 +649,11 @@ impl Times {
             memory,
             compute,
             exposed: share * memory.max(compute),
+            decode: if t.decode_bytes > 0.0 {
+                t.decode_bytes / (cores * m.decode_bps)
+            } else {
+                0.0
+            },
         }
     }
 
@@ -603,18 +664,21 @@ impl Times {
 
     /// The projected seconds per token, as the pipeline overlaps the terms (see the module
     /// documentation): the larger of the disk's time plus the compute it idles through,
-    /// and the compute plus the expert reads it waits for.
+    /// and the compute (with a coded trunk's decoding, which takes the same cores) plus the
+    /// expert reads it waits for.
     pub fn s_per_token(&self) -> f64 {
-        (self.disk + self.exposed).max(self.cpu() + self.expert_disk)
+        (self.disk + self.exposed).max(self.cpu() + self.decode + self.expert_disk)
     }
 
     /// The resource that sets it: the disk when its side is the larger, else the slower
     /// of memory and compute (named "disk" too when the expert reads outweigh both).
     pub fn floor(&self) -> &'static str {
-        if self.disk + self.exposed >= self.cpu() + self.expert_disk
-            || self.expert_disk > self.cpu()
+        if self.disk + self.exposed >= self.cpu() + self.decode + self.expert_disk
+            || self.expert_disk > self.cpu() + self.decode
         {
             "disk"
+        } else if self.decode > self.cpu() {
+            "decode"
         } else if self.memory >= self.compute {
             "memory"
         } else {
@@ -624,8 +688,13 @@ impl Times {
 
     /// The formula with its terms, for the output.
     pub fn explain(&self) -> String {
+        let decode = if self.decode > 0.0 {
+            format!(" + trunk decoding {}", duration(self.decode))
+        } else {
+            String::new()
+        };
         format!(
-            "max(disk {} + compute it idles through {}, products {} (memory {}, MACs {}) + \
+            "max(disk {} + compute it idles through {}, products {} (memory {}, MACs {}){decode} + \
              expert reads after the router {})",
             duration(self.disk),
             duration(self.exposed),
@@ -644,6 +713,9 @@ pub struct Projection {
     pub budget: u64,
     pub total: u64,
     pub choice: Choice,
+    /// Arena bytes the trunk's plan allocates (its pinned units and ring slots: what the
+    /// trunk's share holds, the rest of which went to lm_head rows or the cache).
+    pub trunk_bytes: u64,
     /// "12/373 parts", "93/93 layers".
     pub pinned: String,
     pub cache_slots: u64,
@@ -653,15 +725,22 @@ pub struct Projection {
 }
 
 impl Projection {
-    /// What the plan holds: everything it adds up (fixed, lm_head or its buffers, trunk,
-    /// cache).
+    /// What the plan holds: everything it adds up, as a run's memory plan does (fixed,
+    /// lm_head or its buffers and held rows' arena, the trunk's plan, cache).
     pub fn held_bytes(&self, m: &ModelShape) -> u64 {
         let head = if self.choice.head_pinned {
             m.spend.lm_head
         } else {
-            plan::lm_head_stream_bytes(m.spend.lm_head) + self.choice.head_held
+            let row = m.spend.lm_head_row.max(1);
+            let rows = self.choice.head_held / row;
+            let held = if rows == 0 {
+                0
+            } else {
+                plan::held_rows_bytes(rows, row)
+            };
+            plan::lm_head_stream_bytes(m.spend.lm_head) + held
         };
-        m.spend.fixed + head + self.choice.trunk + self.choice.cache
+        m.spend.fixed + head + self.trunk_bytes + self.choice.cache
     }
 }
 
@@ -701,12 +780,23 @@ fn project_parts(
     machine: &Machine,
     hits: &Hits,
 ) -> Result<Projection, ProjectError> {
+    // Experts striped over the machine's drives: the cache keeps every drive's reads in
+    // flight, as a run's plan does.
     let sp = Spend {
         total,
+        read_slots: plan::read_slots(machine.drives as usize),
         ..m.spend.clone()
     };
-    let c = choose(&sp, Some(&m.runs), parts.map(|p| p.0), parts.map(|p| p.1))?;
-    let sp = plan_streams_with(c.trunk, &m.runs, RingPolicy::default(), c.sink)?;
+    // A coded trunk's decoding weighed as this machine's reads, as a run's plan weighs it.
+    let runs = match m.codec_ratio {
+        Some(_) => m
+            .runs
+            .clone()
+            .with_decode_weight(machine.decode_terms().ppm()),
+        None => m.runs.clone(),
+    };
+    let c = choose(&sp, Some(&runs), parts.map(|p| p.0), parts.map(|p| p.1))?;
+    let sp = plan_streams_with(c.trunk, &runs, RingPolicy::default(), c.sink)?;
     let pinned = format!(
         "{}/{} {}",
         sp.plan.pinned,
@@ -725,6 +815,7 @@ fn project_parts(
         budget,
         total,
         choice: c,
+        trunk_bytes: sp.plan.bytes(),
         pinned,
         cache_slots,
         hit,
@@ -818,6 +909,17 @@ pub fn detail(
         human(pt.serial_ram_bytes as u64),
         duration(t.exposed)
     );
+    if m.codec_ratio.is_some() {
+        o += &format!(
+            "  decode   : {} of coded trunk decoded by the trunk-loader's readers at {:.2} GB/s \
+             per core x {} cores = {} (core-seconds taken from compute); the plan: {}\n",
+            human(pt.decode_bytes as u64),
+            machine.decode_bps / GB,
+            machine.cores,
+            duration(t.decode),
+            machine.decode_terms().describe()
+        );
+    }
     o += &format!("  model    : s/token = {}\n", t.explain());
     o += &format!(
         "projected: {} per token, {}-bound; a {reply}-token reply in {} (a projection, not a measurement)\n",
@@ -830,8 +932,9 @@ pub fn detail(
 
 /// The table of several budgets × drive counts.
 pub fn table(m: &ModelShape, budgets: &[u64], machines: &[Machine], hits: &Hits) -> String {
+    let coded = m.codec_ratio.is_some();
     let mut o = format!(
-        "  {:>8}  {:>6}  {:>14}  {:>9}  {:>12}  {:>8}  {:>8}  {:>8}  {:>10}  {}\n",
+        "  {:>8}  {:>6}  {:>14}  {:>9}  {:>12}  {:>8}  {:>8}  {:>8}  {:>10}  {}{}\n",
         "--mem-gb",
         "drives",
         "trunk pinned",
@@ -841,14 +944,19 @@ pub fn table(m: &ModelShape, budgets: &[u64], machines: &[Machine], hits: &Hits)
         "memory s",
         "compute",
         "s/token",
-        "floor"
+        "floor",
+        if coded {
+            "   lm_head   decoded/token  decode s"
+        } else {
+            ""
+        }
     );
     for &b in budgets {
         for mach in machines {
             match project_hits(m, b, mach, hits) {
                 Ok(p) => {
                     o += &format!(
-                        "  {:>8.1}  {:>6}  {:>14}  {:>8.2}%  {:>12}  {:>8.2}  {:>8.2}  {:>8.2}  {:>10.2}  {}\n",
+                        "  {:>8.1}  {:>6}  {:>14}  {:>8.2}%  {:>12}  {:>8.2}  {:>8.2}  {:>8.2}  {:>10.2}  {:<6}",
                         b as f64 / GB,
                         mach.drives,
                         p.pinned,
@@ -859,10 +967,27 @@ pub fn table(m: &ModelShape, budgets: &[u64], machines: &[Machine], hits: &Hits)
                         p.times.compute,
                         p.times.s_per_token(),
                         p.times.floor()
-                    )
+                    );
+                    if coded {
+                        o += &format!(
+                            "  {:>8}  {:>14}  {:>8.2}",
+                            if p.choice.head_pinned {
+                                "pinned"
+                            } else {
+                                "streamed"
+                            },
+                            human(p.per_token.decode_bytes as u64),
+                            p.times.decode
+                        );
+                    }
+                    o = o.trim_end().to_string() + "\n";
                 }
                 Err(e) => {
-                    o += &format!("  {:>8.1}  {:>6}  refused: {e}\n", b as f64 / GB, mach.drives)
+                    o += &format!(
+                        "  {:>8.1}  {:>6}  refused: {e}\n",
+                        b as f64 / GB,
+                        mach.drives
+                    )
                 }
             }
         }
@@ -941,6 +1066,10 @@ pub fn main(args: Vec<OsString>) -> i32 {
         },
         None => ModelShape::released(),
     };
+    let shape = match a.codec_ratio {
+        Some(r) => shape.with_codec_ratio(r),
+        None => shape,
+    };
     let budgets = match budgets(&a) {
         Ok(b) => b,
         Err(e) => {
@@ -974,6 +1103,16 @@ pub fn main(args: Vec<OsString>) -> i32 {
             seconds: a.seconds,
         },
     );
+    let mut machine = machine;
+    if a.codec_ratio.is_some() {
+        (machine.decode_bps, machine.decode_source) = match a.decode_gbps {
+            Some(g) => (g * GB, "given".to_string()),
+            None => (
+                measure_decode(),
+                "measured: Gaussian BF16 coded at level 1, one core".to_string(),
+            ),
+        };
+    }
     let (machine, drives) = match (a.experts.is_empty() || a.drive_gbps.is_some(), a.drives) {
         (true, drives) => (machine, drives),
         (false, drives) => {
@@ -1098,6 +1237,9 @@ fn json_rows(
                     "memory_s": p.times.memory,
                     "compute_s": p.times.compute,
                     "exposed_s": p.times.exposed,
+                    "decode_bytes_per_token": p.per_token.decode_bytes,
+                    "decode_s": p.times.decode,
+                    "head_pinned": p.choice.head_pinned,
                     "model": p.times.explain(),
                     "trunk_drive_gbps": mach.trunk_drive_bps / GB,
                     "s_per_token": p.times.s_per_token(),
@@ -1141,6 +1283,13 @@ fn report(
         human(shape.expert_bytes)
     );
     o += &format!("machine : {}\n", machine.describe());
+    if let Some(r) = shape.codec_ratio {
+        o += &format!(
+            "codec   : a coded trunk storing {r} of its bytes; decoding {:.2} GB/s per core ({})\n",
+            machine.decode_bps / GB,
+            machine.decode_source
+        );
+    }
     let machines = with_drives(drives, machine);
     if budgets.len() == 1 && machines.len() == 1 {
         match project_hits(shape, budgets[0], &machines[0], hits) {
@@ -1167,6 +1316,7 @@ fn check_args(a: &Args) -> Result<(), String> {
     positive(a.drive_gbps, "--drive-gbps")?;
     positive(a.mem_gbps, "--mem-gbps")?;
     positive(a.gmacs_per_core, "--gmacs-per-core")?;
+    positive(a.decode_gbps, "--decode-gbps")?;
     if a.ram_gb.iter().any(|g| !(g.is_finite() && *g > 0.0)) {
         return Err("--ram-gb: every value must be > 0".into());
     }
@@ -1296,6 +1446,8 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
         bf16_macs_per_core: bf16,
         mxfp4_macs_per_core: mxfp4,
         compute_source,
+        decode_bps: plan::ASSUMED_DECODE_BPS,
+        decode_source: "ASSUMED (no coded trunk projected)".into(),
     }
 }
 
@@ -1374,6 +1526,57 @@ pub fn measure_products(threads: usize) -> (f64, f64) {
     )
 }
 
+/// Bytes per second of BF16 one core decodes from a coded trunk: two chunks of Gaussian
+/// BF16 (sigma 1/sqrt(7168), as `synth --weights gaussian` draws a released matrix) coded
+/// with `bf16-zstd` at level 1 (the level a whole trunk is packed at in practice: level 19
+/// packs about 100x slower), decoded by one reused `Decoder` as the trunk-loader's readers
+/// decode, the fastest of three passes. [`plan::ASSUMED_DECODE_BPS`] when coding fails.
+pub fn measure_decode() -> f64 {
+    use k3_model::codec::{encode_level, Codec, Decoder};
+    let chunk = k3_model::trunk::CODEC_CHUNK as usize;
+    let sigma = 1.0 / (7168f64).sqrt();
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    let mut uniform = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let raw: Vec<Vec<u8>> = (0..2)
+        .map(|_| {
+            (0..chunk / 2)
+                .flat_map(|_| {
+                    // Box-Muller; BF16 is the top half of the f32, rounded to nearest.
+                    let (u, v) = (uniform(), uniform());
+                    let x = sigma * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
+                    let b = (x as f32).to_bits();
+                    (((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16).to_le_bytes()
+                })
+                .collect()
+        })
+        .collect();
+    let Ok(coded) = raw
+        .iter()
+        .map(|r| encode_level(Codec::Bf16Zstd, r, 1))
+        .collect::<Result<Vec<_>, _>>()
+    else {
+        return plan::ASSUMED_DECODE_BPS;
+    };
+    let mut dec = Decoder::new();
+    let mut out = vec![0u8; chunk];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        for c in &coded {
+            if dec.decode(Codec::Bf16Zstd, c, &mut out).is_err() {
+                return plan::ASSUMED_DECODE_BPS;
+            }
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (2 * chunk) as f64 / best.max(1e-9)
+}
+
 /// Multiply-adds per second of one core through bf16 and MXFP4 weights: the engine's GEMV
 /// over a 1024 x 2048 matrix small enough to stay in cache, on `threads` threads, for
 /// about 0.2 s each.
@@ -1421,6 +1624,8 @@ mod tests {
             bf16_macs_per_core: 10e9,
             mxfp4_macs_per_core: 5e9,
             compute_source: "given".into(),
+            decode_bps: 2e9,
+            decode_source: "given".into(),
         }
     }
 
@@ -1444,6 +1649,7 @@ mod tests {
             serial_ram_bytes: 50e9,
             bf16_macs: 400e9,
             mxfp4_macs: 80e9,
+            decode_bytes: 0.0,
         };
         let x = Times::of(&t, &machine());
         assert_eq!((x.disk, x.expert_disk), (7.0, 4.0));
@@ -1541,6 +1747,8 @@ mod tests {
             head_held: 0,
             sink: 0,
             read_per_token: 100,
+            decode_per_token: 0,
+            cost_per_token: 100,
         };
         let t = per_token(&m, &c, 0.5);
         assert_eq!(t.trunk_disk_bytes, 100.0);
@@ -1597,5 +1805,103 @@ mod tests {
         assert_eq!(duration(42.0), "42.0 s");
         assert_eq!(duration(600.0), "10.0 min");
         assert_eq!(duration(3.0 * 3600.0), "3.0 h");
+    }
+
+    /// A coded trunk's decoding by hand: 16 GB decoded at 2 GB/s per core on 8 cores is
+    /// 1 s, added to the compute side (7 s of MACs + 1 s + 4 s of expert reads = 12 s, over
+    /// the disk's 8.75 s). Catches the decoding left out of s/token, counted on one core
+    /// (8 s), or put on the disk's side (where it would hide under the compute side).
+    #[test]
+    fn a_coded_trunks_decoding_takes_computes_cores() {
+        let t = PerToken {
+            trunk_disk_bytes: 60e9,
+            expert_disk_bytes: 40e9,
+            ram_bytes: 200e9,
+            ram_mxfp4_bytes: 40e9,
+            serial_ram_bytes: 50e9,
+            bf16_macs: 400e9,
+            mxfp4_macs: 80e9,
+            decode_bytes: 16e9,
+        };
+        let x = Times::of(&t, &machine());
+        assert_eq!(x.decode, 1.0);
+        assert_eq!(x.s_per_token(), 12.0);
+        assert!(
+            x.explain().contains("trunk decoding 1.00 s"),
+            "{}",
+            x.explain()
+        );
+        let slow = Machine {
+            decode_bps: 0.25e9,
+            ..machine()
+        };
+        let y = Times::of(&t, &slow);
+        assert_eq!(
+            (y.decode, y.s_per_token(), y.floor()),
+            (8.0, 19.0, "decode")
+        );
+    }
+
+    /// The released model with its trunk coded at 0.662, at 64 GB: on 16 cores decoding
+    /// weighs little against a 7 GB/s drive and the lm_head stays pinned, as a raw
+    /// trunk's; on 2 cores a decoded byte weighs 1.75 read bytes, so the plan pins coded
+    /// parts before the raw lm_head (which streams) and decodes less per token than the
+    /// stored-bytes ranking (decoding free) would on the same machine, and projects faster
+    /// for it. Catches a projection whose plan ignores the machine's decoding (the 2-core
+    /// plan would be the stored-bytes one).
+    #[test]
+    fn a_coded_trunk_plans_by_the_machines_decoding() {
+        let m = ModelShape::released().with_codec_ratio(0.662);
+        let b = (64.0 * GB) as u64;
+        let wide = project(&m, b, &Machine::reference(1)).unwrap();
+        assert!(wide.choice.head_pinned, "{:?}", wide.choice);
+        let two = Machine {
+            cores: 2,
+            ..Machine::reference(1)
+        };
+        let free = Machine {
+            decode_bps: 1e18,
+            ..two.clone()
+        };
+        let weighed = project(&m, b, &two).unwrap();
+        let by_stored = project(&m, b, &free).unwrap();
+        assert!(by_stored.choice.head_pinned, "{:?}", by_stored.choice);
+        assert!(!weighed.choice.head_pinned, "{:?}", weighed.choice);
+        assert!(
+            weighed.per_token.decode_bytes < by_stored.per_token.decode_bytes,
+            "{} {}",
+            weighed.per_token.decode_bytes,
+            by_stored.per_token.decode_bytes
+        );
+        assert!(weighed.times.decode > 0.0);
+        assert!(weighed.times.s_per_token() < Times::of(&by_stored.per_token, &two).s_per_token());
+    }
+
+    /// What a projection says it holds fits what it spends: the trunk counted as its plan
+    /// allocates it and a streamed lm_head's held rows as their arena, as a run's memory
+    /// plan adds them up. Catches the trunk's share counted whole (what the trunk plan
+    /// leaves of it holds lm_head rows or cache: counted twice, 60.81 GB "held" of 60.80 on
+    /// the coded 64 GB projection on 2 cores).
+    #[test]
+    fn what_a_projection_holds_fits_what_it_spends() {
+        let raw = ModelShape::released();
+        let coded = ModelShape::released().with_codec_ratio(0.662);
+        let two = Machine {
+            cores: 2,
+            ..Machine::reference(1)
+        };
+        for m in [&raw, &coded] {
+            for mach in [&Machine::reference(1), &two] {
+                for gb in [2.0, 5.5, 64.0, 128.0, 256.0] {
+                    let p = project(m, (gb * GB) as u64, mach).unwrap();
+                    assert!(
+                        p.held_bytes(m) <= p.total,
+                        "{gb} GB: holds {} of {}",
+                        p.held_bytes(m),
+                        p.total
+                    );
+                }
+            }
+        }
     }
 }

@@ -100,6 +100,26 @@ impl DeviceMap {
     }
 }
 
+/// How many drives hold files with these device keys: the distinct keys, at least 1 (files
+/// that cannot be examined count toward none: they are on some drive already counted, or
+/// their reads fail). What the memory plan sizes the reads in flight by: one reader pool
+/// and queue depth per drive ([`DeviceMap`]).
+pub fn drive_count<K: PartialEq>(keys: &[Option<K>]) -> usize {
+    let mut seen: Vec<&K> = Vec::new();
+    for k in keys.iter().flatten() {
+        if !seen.contains(&k) {
+            seen.push(k);
+        }
+    }
+    seen.len().max(1)
+}
+
+/// [`drive_count`] of the files `paths` resolve to (a partition counted as its disk).
+pub fn drives_of(paths: &[PathBuf]) -> usize {
+    let keys: Vec<Option<DevNum>> = paths.iter().map(|p| device_of(p)).collect();
+    drive_count(&keys)
+}
+
 /// `items` in disk order per device, the devices taking turns: sorted by `key` (the device,
 /// then the position on it), then one item of each device in device order, round after
 /// round. With one device this is just the sort, so a single drive keeps its disk order.
@@ -224,5 +244,32 @@ mod tests {
             })
         );
         assert_eq!(parse_devnum("x"), None);
+    }
+
+    /// Catches a drive count that counts files (every shard a drive: the plan would keep
+    /// 16 expert slots in flight per shard) or the files it cannot examine (a missing file
+    /// is no drive), and a count of 0 for a model with no examinable file (the plan keeps
+    /// one drive's reads). On this machine a file on tmpfs (`/dev/shm`) and one on the
+    /// disk are two drives when both are there.
+    #[test]
+    fn drives_are_counted_by_device() {
+        assert_eq!(drive_count(&[Some(7), Some(9), Some(7), None]), 2);
+        assert_eq!(drive_count::<u32>(&[None, None]), 1);
+        assert_eq!(drive_count::<u32>(&[]), 1);
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+        std::fs::write(&a, b"x").unwrap();
+        std::fs::write(&b, b"y").unwrap();
+        let missing = tmp.path().join("missing");
+        assert_eq!(drives_of(&[a.clone(), b, missing]), 1);
+        if let Ok(shm) = tempfile::tempdir_in("/dev/shm") {
+            let c = shm.path().join("c");
+            std::fs::write(&c, b"z").unwrap();
+            if device_of(&c) != device_of(&a) {
+                let link = tmp.path().join("link");
+                std::os::unix::fs::symlink(&c, &link).unwrap();
+                assert_eq!(drives_of(&[a.clone(), link]), 2, "a symlink to tmpfs");
+            }
+        }
     }
 }

@@ -24,9 +24,10 @@
 //!   what is left of one guess read that was at the disk before the request came, while
 //!   the request's other reads, issued at once, keep the disk busy.
 //! - **Low priority.** Guess reads are issued only between batches, and at most half the
-//!   readers' worth of pieces at once (none with a single reader): every guess piece is
-//!   being read, none waits in the readers' queue, so a real read issued later never
-//!   queues behind a guess. The rest wait here, in the order guessed.
+//!   readers' worth of pieces at once on each drive (none with a single reader; each drive
+//!   has its own readers and queue, `devices::DeviceMap`): every guess piece is being read,
+//!   none waits in a drive's queue, so a real read issued later never queues behind a
+//!   guess. The rest wait here, in the order guessed.
 //! - **Never waited on.** A batch waits only for its own reads (and a taken-over slot's
 //!   guess read, above). When the real request arrives, a queued guess of one of its
 //!   experts is dropped (the request reads it as an ordinary miss: "promoted"); a guess
@@ -110,10 +111,9 @@ fn ratio(a: u64, b: u64) -> f64 {
 pub(super) struct GuessState {
     /// Guessed experts not yet issued, in the order guessed.
     queue: VecDeque<(u32, u32)>,
-    /// Guess reads in flight, by tag: the slot and the pieces it was issued as.
-    inflight: HashMap<usize, (usize, usize)>,
-    /// Pieces of guess reads in the readers' hands.
-    pieces: usize,
+    /// Guess reads in flight, by tag: the slot, the pieces it was issued as and the drive
+    /// (`DeviceMap` index) they were issued to.
+    inflight: HashMap<usize, (usize, usize, usize)>,
     next_tag: usize,
     /// Landed guesses no request has used yet, with their bytes.
     unused: HashMap<(u32, u32), u64>,
@@ -259,7 +259,7 @@ impl ExpertFetcher {
             f.guess
                 .inflight
                 .values()
-                .any(|&(s, _)| f.slots[s].key == key)
+                .any(|&(s, _, _)| f.slots[s].key == key)
         };
         if self.index.contains_key(&key) || in_flight(self) {
             return true;
@@ -273,9 +273,15 @@ impl ExpertFetcher {
         }
         let span = align_up(loc.start() + loc.span()) - align_down(loc.start());
         let pieces = span.div_ceil(PIECE) as usize;
+        // Each drive has `readers` readers of its own: half of them at most, on the drive
+        // this read goes to.
+        let dev = self.pool.devices.device_of(loc.file);
+        let busy: usize = (self.guess.inflight.values())
+            .filter(|&&(_, _, d)| d == dev)
+            .map(|&(_, p, _)| p)
+            .sum();
         let cap = self.readers / 2;
-        let fits =
-            self.guess.pieces + pieces <= cap || (self.guess.pieces == 0 && pieces < self.readers);
+        let fits = busy + pieces <= cap || (busy == 0 && pieces < self.readers);
         // Taking a slot leaves fewer than the next request wants: only as the one read in
         // flight below the reserve.
         let below = self.free.len() + self.lru.len() <= self.guess.want;
@@ -299,8 +305,7 @@ impl ExpertFetcher {
             self.free.push(s);
             return true;
         }
-        self.guess.inflight.insert(tag, (s, pieces));
-        self.guess.pieces += pieces;
+        self.guess.inflight.insert(tag, (s, pieces, dev));
         self.guess.stats.reads += 1;
         true
     }
@@ -326,10 +331,9 @@ impl ExpertFetcher {
     /// A guess read (not adopted) finished: its expert is resident and evictable, or its
     /// slot is EMPTY again.
     pub(super) fn guess_landed(&mut self, done: Done) {
-        let Some((s, pieces)) = self.guess.inflight.remove(&done.tag) else {
+        let Some((s, _, _)) = self.guess.inflight.remove(&done.tag) else {
             return;
         };
-        self.guess.pieces -= pieces;
         match done.result {
             Ok(bytes) => {
                 let stamp = self.land(s);
@@ -376,21 +380,20 @@ impl ExpertFetcher {
     /// when it did.
     pub(super) fn take_over_guess(&mut self, b: &mut Batch, id: u32, loc: &ExpertExtents) -> bool {
         let layer = b.layer;
-        let Some((tag, s, pieces)) = self
+        let Some((tag, s)) = self
             .guess
             .inflight
             .iter()
-            .filter(|(_, &(s, _))| {
+            .filter(|(_, &(s, _, _))| {
                 let (l, e) = self.slots[s].key;
                 l != layer || !self.batch_ids.contains(&e)
             })
-            .map(|(&tag, &(s, pieces))| (tag, s, pieces))
+            .map(|(&tag, &(s, _, _))| (tag, s))
             .min()
         else {
             return false;
         };
         self.guess.inflight.remove(&tag);
-        self.guess.pieces -= pieces;
         self.guess.stats.taken_over += 1;
         self.claim_for_read(s, layer, id, loc, true);
         b.claimed.push(s);
@@ -405,16 +408,15 @@ impl ExpertFetcher {
     /// of it is in flight, the batch adopts it (claims its slot, waits for its tag) and
     /// gets true.
     pub(super) fn adopt_guess(&mut self, b: &mut Batch, key: (u32, u32)) -> bool {
-        let Some((&tag, &(s, pieces))) = self
+        let Some((&tag, &(s, _, _))) = self
             .guess
             .inflight
             .iter()
-            .find(|(_, &(s, _))| self.slots[s].key == key)
+            .find(|(_, &(s, _, _))| self.slots[s].key == key)
         else {
             return false;
         };
         self.guess.inflight.remove(&tag);
-        self.guess.pieces -= pieces;
         self.slots[s].in_batch = true;
         self.count(|c| {
             c.requests += 1;
@@ -725,5 +727,56 @@ mod tests {
         assert_eq!(g.bytes_read, 2 * EXPERT);
         assert_eq!((g.guessed, g.correct, g.actual), (2, 1, 1));
         assert_eq!((g.precision(), g.recall()), (0.5, 1.0));
+    }
+
+    /// Experts of odd id on drive 1, even on drive 0, two readers per drive.
+    fn two_drive_fetcher(reader: Arc<GatedReader>) -> ExpertFetcher {
+        let mut table = ExpertTable::new(vec!["a.bin".into(), "b.bin".into()]);
+        for l in 0..4 {
+            for e in 0..16 {
+                table.insert(l, e, ExpertExtents::contiguous(e % 2, offset(l, e), EXPERT));
+            }
+        }
+        let config = ExpertCacheConfig {
+            slots: 8,
+            slot_bytes: 0,
+            readers: 2,
+        };
+        let mut f = ExpertFetcher::new(config, Arc::new(table), reader).unwrap();
+        f.set_devices(crate::devices::DeviceMap::from_keys(
+            &[Some(0), Some(1)],
+            |k| format!("dev{k}"),
+        ));
+        f
+    }
+
+    /// Each drive has its own readers, so each takes half of its own in guess reads: two
+    /// drives read two guesses at once where one drive read one. Catches a cap over every
+    /// drive's guesses together that stays at one drive's half (the second drive's
+    /// readers idle: one guess read), and one that is the drives' sum (two guesses on one
+    /// drive hold both its readers: its real read waits behind them).
+    #[test]
+    fn each_drive_takes_half_its_own_readers_in_guesses() {
+        let reader = GatedReader::new(&[(1, 5), (1, 6), (1, 9)]);
+        let mut f = two_drive_fetcher(reader.clone());
+        let _open = OpenOnDrop(reader.clone());
+        assert_eq!(fetch(&mut f, 0, &[0]).published, 1);
+        // 5 on drive 1 and 6 on drive 0: both read; 9 (drive 1) waits for 5.
+        f.guess(1, 1, &[5, 6, 9]);
+        assert_eq!(f.guess_stats().reads, 2);
+        drop(_open);
+        reader.open();
+        settle(&mut f);
+
+        let reader = GatedReader::new(&[(1, 5), (1, 9)]);
+        let mut f = two_drive_fetcher(reader.clone());
+        let _open = OpenOnDrop(reader.clone());
+        assert_eq!(fetch(&mut f, 0, &[0]).published, 1);
+        // 5 and 9 are both on drive 1: only 5 is read; 9 (and 6 behind it) wait.
+        f.guess(1, 1, &[5, 9, 6]);
+        assert_eq!(f.guess_stats().reads, 1);
+        let s = fetch_within(&mut f, 1, &[7], Duration::from_secs(10), || reader.open());
+        let s = s.expect("a real read on drive 1 waited behind guess reads");
+        assert_eq!((s.published, s.reads), (1, 1));
     }
 }

@@ -22,7 +22,7 @@ pub use loader::{
     TrunkStats, Unit, UnitReadError,
 };
 pub use plan::{
-    plan, plan_streams, plan_streams_with, LayerRun, PlanError, RingPolicy, StreamPlan, Streams,
-    TrunkPlan,
+    decode_cost, decode_rate, decode_weight_ppm, plan, plan_streams, plan_streams_with, LayerRun,
+    PlanError, RingPolicy, StreamPlan, Streams, TrunkPlan,
 };
 pub use presets::{auto, mem_available, Budgets, Preset, Presets, PresetsError};

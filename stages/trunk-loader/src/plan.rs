@@ -26,6 +26,15 @@
 //! pinned trunk or held sink, so the plan that reads least is the one with the smallest
 //! slot that still fits beside the parts too big to stream through it.
 //!
+//! A coded trunk's streamed unit costs more than its read: the reader threads decode it on
+//! every token, on the cores compute uses. Its cost is its stored bytes plus its decoded
+//! bytes weighed by [`Streams::decode_ppm`] (the disk bytes read in the time the decoders
+//! take for one decoded byte, per million: [`decode_weight_ppm`]), so the plan ranks
+//! pinning by time saved per byte of RAM: a coded part whose read and decode take longer
+//! than the raw lm_head's read of the same bytes is pinned before it. A pinned unit is
+//! decoded once at load and costs nothing per token. [`decode_rate`] is the short probe of
+//! the decoder's rate on a trunk's own chunks.
+//!
 //! Footprints are in whole pages: a layer at file offset `o` of `n` bytes occupies
 //! `align_up(o % 4096 + n)` bytes of arena, so O_DIRECT reads land page-aligned.
 
@@ -184,6 +193,15 @@ pub struct Streams {
     pub layer_reads: Vec<u64>,
     /// Bytes streaming each part reads; empty: the footprints.
     pub part_reads: Vec<u64>,
+    /// Bytes streaming each layer decodes (a coded trunk: the decoded bytes of the chunks
+    /// its reads cover); empty: none (a raw trunk).
+    pub layer_decoded: Vec<u64>,
+    /// Bytes streaming each part decodes; empty: none.
+    pub part_decoded: Vec<u64>,
+    /// What decoding costs against reading: the bytes the disk reads in the time the
+    /// trunk-loader's decoders take for a million decoded bytes ([`decode_weight_ppm`]).
+    /// 0: decoding is free, streamed units are ranked by their stored bytes alone.
+    pub decode_ppm: u64,
 }
 
 impl Streams {
@@ -208,6 +226,9 @@ impl Streams {
                 .collect(),
             layer_reads: Vec::new(),
             part_reads: Vec::new(),
+            layer_decoded: Vec::new(),
+            part_decoded: Vec::new(),
+            decode_ppm: 0,
         }
     }
 
@@ -222,23 +243,24 @@ impl Streams {
         for (l, cl) in m.layers[..layers].iter().zip(&c.layers) {
             s.layer_reads
                 .push(cl.chunks.iter().map(|ch| ch.stored).sum());
+            s.layer_decoded
+                .push(cl.chunks.iter().map(|ch| ch.raw).sum());
             for part in k3_model::trunk::layer_parts_of(l) {
-                // Each piece is read on its own: a chunk two pieces touch is read twice.
-                let mut read = 0u64;
+                // Each piece is read on its own: a chunk two pieces touch is read (and
+                // decoded) twice.
+                let (mut read, mut decoded) = (0u64, 0u64);
                 for p in &part.pieces {
                     let end = (p.at + p.len).min(l.length);
                     if end > p.at {
                         let (a, b) = ((p.at / chunk) as usize, ((end - 1) / chunk) as usize);
-                        read += cl
-                            .chunks
-                            .iter()
-                            .take(b + 1)
-                            .skip(a)
-                            .map(|ch| ch.stored)
-                            .sum::<u64>();
+                        for ch in cl.chunks.iter().take(b + 1).skip(a) {
+                            read += ch.stored;
+                            decoded += ch.raw;
+                        }
                     }
                 }
                 s.part_reads.push(read);
+                s.part_decoded.push(decoded);
             }
         }
         s
@@ -254,7 +276,20 @@ impl Streams {
         };
         self.layer_reads = scale(&self.layers);
         self.part_reads = scale(&self.parts);
+        self.layer_decoded = self.layers.iter().map(|u| u.len).collect();
+        self.part_decoded = self.parts.iter().map(|u| u.len).collect();
         self
+    }
+
+    /// The same streams with decoding weighed at `ppm` ([`Streams::decode_ppm`]).
+    pub fn with_decode_weight(mut self, ppm: u64) -> Streams {
+        self.decode_ppm = ppm;
+        self
+    }
+
+    /// Whether streaming decodes (a coded trunk).
+    pub fn is_coded(&self) -> bool {
+        !self.layer_decoded.is_empty()
     }
 
     /// Arena bytes of the whole trunk pinned (whole layers).
@@ -281,6 +316,88 @@ fn read_costs(runs: &[LayerRun], reads: &[u64]) -> Vec<u64> {
     }
 }
 
+/// What streaming each of `runs` decodes: `decoded` when given (one per run), else 0.
+fn decode_sizes(runs: &[LayerRun], decoded: &[u64]) -> Vec<u64> {
+    if decoded.len() == runs.len() {
+        decoded.to_vec()
+    } else {
+        vec![0; runs.len()]
+    }
+}
+
+/// `decoded` bytes' decoding in disk bytes read in the same time, at `ppm`
+/// ([`Streams::decode_ppm`]).
+pub fn decode_cost(decoded: u64, ppm: u64) -> u64 {
+    (decoded as u128 * ppm as u128 / 1_000_000).min(u64::MAX as u128) as u64
+}
+
+/// The weight of decoding against reading ([`Streams::decode_ppm`]) on a machine whose
+/// disk reads the trunk at `disk_bps` bytes per second while `cores` cores each decode
+/// `decode_bps` bytes per second: the time one decoded byte takes, counted as its share of
+/// every core's time (the decoding runs on the trunk-loader's reader threads, on the cores
+/// compute uses: each core-second it takes is one compute does not get, spread over
+/// `cores`), over the time one byte takes to read, per million. 0 when a rate is not a
+/// positive number (decoding then weighs nothing, the stored-bytes ranking).
+pub fn decode_weight_ppm(disk_bps: f64, decode_bps: f64, cores: usize) -> u64 {
+    let ok = |x: f64| x.is_finite() && x > 0.0;
+    if !ok(disk_bps) || !ok(decode_bps) {
+        return 0;
+    }
+    let w = disk_bps / (decode_bps * cores.max(1) as f64) * 1e6;
+    w.round().min(1e12) as u64
+}
+
+/// Bytes per second one core decodes the coded trunk of manifest `m` in `dir` at: up to
+/// `chunks` of its chunks, spread over the trunk, are read (buffered: the disk is not what
+/// is measured) and decoded by one [`k3_model::codec::Decoder`] reused from chunk to chunk,
+/// with their CRCs checked, as the trunk-loader's pooled decoders do; only the decoding is
+/// timed, the faster of two passes. None for a raw trunk, or when a chunk cannot be read or
+/// decoded (the run's own checks then say why).
+pub fn decode_rate(
+    dir: &std::path::Path,
+    m: &k3_model::trunk::TrunkManifest,
+    chunks: usize,
+) -> Option<f64> {
+    use k3_model::codec::{Codec, Decoder};
+    use std::os::unix::fs::FileExt;
+    let c = m.codec.as_ref()?;
+    let codec = Codec::from_name(&c.name)?;
+    let all: Vec<(usize, usize)> = c
+        .layers
+        .iter()
+        .enumerate()
+        .flat_map(|(l, cl)| (0..cl.chunks.len()).map(move |k| (l, k)))
+        .collect();
+    if all.is_empty() || chunks == 0 {
+        return None;
+    }
+    let file = std::fs::File::open(dir.join(&c.file)).ok()?;
+    let step = all.len().div_ceil(chunks).max(1);
+    let mut picked = Vec::new();
+    for &(l, k) in all.iter().step_by(step) {
+        let (cl, ch) = (&c.layers[l], &c.layers[l].chunks[k]);
+        let mut stored = vec![0u8; usize::try_from(ch.stored).ok()?];
+        file.read_exact_at(&mut stored, cl.offset + ch.offset)
+            .ok()?;
+        picked.push((cl.layer, k, *ch, stored));
+    }
+    let mut dec = Decoder::new();
+    let mut out = Vec::new();
+    let (mut best, mut bytes) = (f64::MAX, 0u64);
+    for _ in 0..2 {
+        let t = std::time::Instant::now();
+        bytes = 0;
+        for (layer, k, ch, stored) in &picked {
+            out.resize(usize::try_from(ch.raw).ok()?, 0);
+            k3_model::codec_trunk::decode_chunk(&mut dec, codec, *layer, *k, ch, stored, &mut out)
+                .ok()?;
+            bytes += ch.raw;
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (bytes > 0).then(|| bytes as f64 / best.max(1e-9))
+}
+
 /// What [`plan_streams`] chose.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct StreamPlan {
@@ -291,6 +408,11 @@ pub struct StreamPlan {
     /// Trunk bytes read per token: the streamed units' bytes (a coded trunk's stored
     /// bytes).
     pub read_per_token: u64,
+    /// Bytes the streamed units decode per token (0 for a raw trunk).
+    pub decode_per_token: u64,
+    /// What the plan weighs: the bytes read plus the decoding weighed as bytes read
+    /// ([`decode_cost`] at [`Streams::decode_ppm`]); the bytes read for a raw trunk.
+    pub cost_per_token: u64,
     /// The loader's units in terms of the stream's (`order[i]`: the stream unit the loader's
     /// unit `i` is): the pinned units first, then the streamed ones, each group in stream
     /// order, so the ring still reads the streamed units in the order the forward uses
@@ -320,6 +442,13 @@ impl StreamPlan {
     pub fn read_with(&self, sink: u64) -> u64 {
         self.read_per_token + sink.saturating_sub(self.left())
     }
+
+    /// What the plan weighs beside a sink of `sink` bytes: the trunk's cost (reads and
+    /// decoding, [`StreamPlan::cost_per_token`]) plus the sink's bytes the budget left cannot
+    /// hold (each read raw).
+    pub fn cost_with(&self, sink: u64) -> u64 {
+        self.cost_per_token + sink.saturating_sub(self.left())
+    }
 }
 
 /// Which units to pin when the pinned ones need not be a prefix (parts: a layer's small
@@ -333,7 +462,8 @@ impl StreamPlan {
 ///
 /// With a `sink` (see the module documentation) a candidate's bytes are its streamed bytes
 /// plus the sink's bytes that its unspent budget cannot hold. A streamed unit costs its
-/// `cost` (its footprint, or a coded trunk's stored bytes).
+/// `cost` (its footprint, or a coded trunk's stored bytes plus its decoding weighed as
+/// reads).
 fn pin_order(budget: u64, runs: &[LayerRun], cost: &[u64], sink: u64) -> Option<Vec<usize>> {
     let fp: Vec<u64> = runs.iter().map(LayerRun::footprint).collect();
     let total: u64 = fp.iter().sum();
@@ -387,45 +517,30 @@ pub fn plan_streams(budget: u64, s: &Streams, ring: RingPolicy) -> Result<Stream
 }
 
 /// [`plan_streams`] beside a sink of `sink` bytes (see the module documentation): the
-/// candidates are weighed by their reads less what the budget they leave lets the sink
-/// hold ([`StreamPlan::read_with`]). A sink of 0 is [`plan_streams`].
+/// candidates are weighed by their cost (reads, and a coded trunk's decoding at
+/// [`Streams::decode_ppm`]) plus the sink's bytes the budget they leave cannot hold
+/// ([`StreamPlan::cost_with`]). A sink of 0 is [`plan_streams`].
 pub fn plan_streams_with(
     budget: u64,
     s: &Streams,
     ring: RingPolicy,
     sink: u64,
 ) -> Result<StreamPlan, PlanError> {
-    // Bytes read per token: the streamed units' costs (`cost` in the units' order).
-    let read = |cost: &[u64], p: &TrunkPlan| -> u64 { cost[p.pinned..].iter().sum() };
-    let net = |p: &StreamPlan| p.read_with(sink);
-    let layer_cost = read_costs(&s.layers, &s.layer_reads);
-    let whole = plan(budget, &s.layers, ring).map(|p| StreamPlan {
-        plan: p,
-        parts: false,
-        read_per_token: read(&layer_cost, &p),
-        order: None,
-    });
+    let net = |p: &StreamPlan| p.cost_with(sink);
+    let layers = UnitCosts::of(&s.layers, &s.layer_reads, &s.layer_decoded, s.decode_ppm);
+    let whole = plan(budget, &s.layers, ring).map(|p| layers.stream_plan(p, false, None));
     if s.parts.is_empty() {
         return whole;
     }
-    let part_cost = read_costs(&s.parts, &s.part_reads);
-    let prefix = plan(budget, &s.parts, ring).map(|p| StreamPlan {
-        plan: p,
-        parts: true,
-        read_per_token: read(&part_cost, &p),
-        order: None,
-    });
+    let parts = UnitCosts::of(&s.parts, &s.part_reads, &s.part_decoded, s.decode_ppm);
+    let prefix = plan(budget, &s.parts, ring).map(|p| parts.stream_plan(p, true, None));
     // Parts may also pin a set that is not a prefix (see `pin_order`); the prefix plan
     // stays on a tie.
-    let chosen = pin_order(budget, &s.parts, &part_cost, sink).and_then(|order| {
+    let chosen = pin_order(budget, &s.parts, &parts.cost, sink).and_then(|order| {
         let runs: Vec<LayerRun> = order.iter().map(|&i| s.parts[i]).collect();
-        let cost: Vec<u64> = order.iter().map(|&i| part_cost[i]).collect();
-        plan(budget, &runs, ring).ok().map(|p| StreamPlan {
-            plan: p,
-            parts: true,
-            read_per_token: read(&cost, &p),
-            order: Some(order),
-        })
+        plan(budget, &runs, ring)
+            .ok()
+            .map(|p| parts.stream_plan(p, true, Some(order)))
     });
     let parts = match (prefix, chosen) {
         (Ok(a), Some(b)) if net(&b) < net(&a) => Ok(b),
@@ -437,6 +552,51 @@ pub fn plan_streams_with(
         (Ok(w), _) => Ok(w),
         (Err(_), Ok(p)) => Ok(p),
         (Err(_), Err(e)) => Err(e),
+    }
+}
+
+/// What streaming each unit of one kind (layers or parts, in stream order) reads, decodes
+/// and costs.
+struct UnitCosts {
+    read: Vec<u64>,
+    decoded: Vec<u64>,
+    /// `read` plus the decoding weighed as reads ([`decode_cost`]).
+    cost: Vec<u64>,
+}
+
+impl UnitCosts {
+    fn of(runs: &[LayerRun], reads: &[u64], decoded: &[u64], ppm: u64) -> UnitCosts {
+        let read = read_costs(runs, reads);
+        let decoded = decode_sizes(runs, decoded);
+        let cost = read
+            .iter()
+            .zip(&decoded)
+            .map(|(&r, &d)| r.saturating_add(decode_cost(d, ppm)))
+            .collect();
+        UnitCosts {
+            read,
+            decoded,
+            cost,
+        }
+    }
+
+    /// The [`StreamPlan`] of trunk plan `p` over these units in `order` (None: stream
+    /// order): the units past the pinned ones stream.
+    fn stream_plan(&self, p: TrunkPlan, parts: bool, order: Option<Vec<usize>>) -> StreamPlan {
+        let sum = |v: &[u64]| -> u64 {
+            match &order {
+                Some(o) => o[p.pinned..].iter().map(|&i| v[i]).sum(),
+                None => v[p.pinned..].iter().sum(),
+            }
+        };
+        StreamPlan {
+            plan: p,
+            parts,
+            read_per_token: sum(&self.read),
+            decode_per_token: sum(&self.decoded),
+            cost_per_token: sum(&self.cost),
+            order,
+        }
     }
 }
 
@@ -720,5 +880,56 @@ mod tests {
                 assert!(sp.read_per_token >= best_with_sink(budget, &pages, 0) * P);
             }
         }
+    }
+
+    // Three parts of the same size: one raw (reads 10 pages, decodes nothing), one coded
+    // (reads 7, decodes 10), one coded and small to stream (reads 2, decodes 2), and room to
+    // pin one beside a slot. By stored bytes the raw one is pinned (streaming it reads
+    // most); once decoding weighs half a read byte per decoded byte, streaming the first
+    // coded one costs 7 + 5 = 12 and it is pinned instead. Catches a plan that ranks
+    // pinning by stored bytes alone (today's: the coded part streams whatever the
+    // decoder's rate), a decode weight applied to raw units, and a cost that is not what
+    // the plan reports.
+    #[test]
+    fn decoding_weighs_coded_units_toward_pinning() {
+        let ring = RingPolicy::default();
+        let mut s = streams_of(&[10, 10, 10]);
+        s.part_reads = vec![10 * P, 7 * P, 2 * P];
+        s.part_decoded = vec![0, 10 * P, 2 * P];
+        let pinned = |sp: &StreamPlan| -> Vec<usize> {
+            let all = [0, 1, 2];
+            sp.order.as_deref().unwrap_or(&all)[..sp.plan.pinned].to_vec()
+        };
+        let sp = plan_streams(20 * P, &s, ring).unwrap();
+        assert_eq!(pinned(&sp), [0]);
+        assert_eq!((sp.read_per_token, sp.decode_per_token), (9 * P, 12 * P));
+        assert_eq!(sp.cost_per_token, 9 * P, "no weight: decoding is free");
+        let w = s.clone().with_decode_weight(500_000);
+        let sp = plan_streams(20 * P, &w, ring).unwrap();
+        assert_eq!(pinned(&sp), [1]);
+        assert_eq!((sp.read_per_token, sp.decode_per_token), (12 * P, 2 * P));
+        assert_eq!(sp.cost_per_token, 13 * P);
+        assert!(sp.plan.bytes() <= 20 * P);
+        // A raw trunk plans the same at any weight.
+        let raw = streams_of(&SLICE);
+        let a = plan_streams_with(4833 * P, &raw, ring, 2350 * P).unwrap();
+        let b = plan_streams_with(4833 * P, &raw.with_decode_weight(3_000_000), ring, 2350 * P)
+            .unwrap();
+        assert_eq!(a, b);
+    }
+
+    // The weight by hand: a 2.8 GB/s disk against 2 cores decoding 2 GB/s each is 0.7 of a
+    // read byte per decoded byte; one core, 1.4. Catches the cores left out (decoding
+    // counted as if compute did not share them) or the ratio upside down, and a bad rate
+    // turned into an infinite weight.
+    #[test]
+    fn the_decode_weight_is_disk_over_decoders() {
+        assert_eq!(decode_weight_ppm(2.8e9, 2e9, 2), 700_000);
+        assert_eq!(decode_weight_ppm(2.8e9, 2e9, 1), 1_400_000);
+        assert_eq!(decode_weight_ppm(7e9, 2e9, 16), 218_750);
+        assert_eq!(decode_weight_ppm(0.0, 2e9, 2), 0);
+        assert_eq!(decode_weight_ppm(2e9, f64::NAN, 2), 0);
+        assert_eq!(decode_cost(10 * P, 700_000), 7 * P);
+        assert_eq!(decode_cost(u64::MAX, 2_000_000), u64::MAX);
     }
 }

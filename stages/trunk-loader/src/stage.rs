@@ -652,7 +652,8 @@ fn setup_streamed(
     // (the tensors the forward uses together), so no slot holds a whole layer.
     let mut checks = manifest.run_checks();
     checks.truncate(conf.layers);
-    let streams = crate::Streams::of_manifest(&manifest, conf.layers);
+    let streams = crate::Streams::of_manifest(&manifest, conf.layers)
+        .with_decode_weight(conf.decode_weight_ppm);
     let sp = crate::plan_streams_with(
         conf.budget_bytes,
         &streams,

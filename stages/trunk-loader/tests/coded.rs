@@ -266,3 +266,30 @@ fn a_part_inside_a_chunk_decodes_each_chunk_once() {
     let once: u64 = chunks[touched].iter().map(|c| c.stored).sum();
     assert_eq!(coded.stored_bytes_read(), once);
 }
+
+/// The decode probe reads and decodes the trunk's own chunks (their CRCs checked) and
+/// says how fast one core decodes them; a raw trunk has no rate, and a damaged chunk gives
+/// none rather than a rate of what did not decode. Each manifest's streams record the
+/// decoded bytes a streamed unit decodes (the raw trunk's: none). Catches a probe that
+/// times something other than decoding these chunks (a damaged chunk would still give a
+/// rate) and decoded sizes counted for a raw trunk.
+#[test]
+fn the_decode_probe_decodes_the_trunks_own_chunks() {
+    let sizes = [(5 << 20) + 6, (9 << 20) + 4098, 3000];
+    let (raw, _, m, mut k3z) = trunks(&sizes);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join(CODED_BIN), &k3z).unwrap();
+    let rate = k3_trunk_loader::decode_rate(dir.path(), &m, 4).expect("a rate");
+    assert!(rate.is_finite() && rate > 0.0, "{rate}");
+    assert_eq!(k3_trunk_loader::decode_rate(dir.path(), &raw, 4), None);
+    let (rs, cs) = (Streams::of_manifest(&raw, 3), Streams::of_manifest(&m, 3));
+    assert!(!rs.is_coded() && rs.layer_decoded.is_empty());
+    assert!(cs.is_coded());
+    assert_eq!(cs.layer_decoded, sizes.map(|n| n as u64).to_vec());
+    // Every chunk picked: damage the first one.
+    let c = m.codec.as_ref().unwrap();
+    let at = (c.layers[0].offset + c.layers[0].chunks[0].offset + 100) as usize;
+    k3z[at] ^= 0x08;
+    std::fs::write(dir.path().join(CODED_BIN), &k3z).unwrap();
+    assert_eq!(k3_trunk_loader::decode_rate(dir.path(), &m, 1000), None);
+}
