@@ -16,7 +16,8 @@
 #
 # Environment: MODEL (default $SLICE, default /work/bench/slice, made when missing with
 # `k3-orch synth --shape slice --vocab 163840 --seed 7`), N (tokens, default 8), IDS
-# (prompt ids, default 77,198,74), MEM_GB (default 5.5), TRUNK (a `pack-trunk` directory
+# (prompt ids, default 77,198,74), K3 (a k3-orch binary; default target/release/k3-orch,
+# built first), MEM_GB (default 5.5), TRUNK (a `pack-trunk` directory
 # on the unthrottled disk, given as --trunk: a 5.5 GB run of the slice needs one), RATE_MB (per device, default
 # 400), WORK (backing files and mounts, default /var/tmp/k3-bench-drives: needs about 2x
 # the model's size, sparse; NAME.json reports and NAME.ids stay there), FAIL_RUN (0), FAIL_AFTER (seconds, default 10; 0 swaps before
@@ -41,13 +42,13 @@ FAIL_RUN=${FAIL_RUN:-0}
 FAIL_AFTER=${FAIL_AFTER:-10}
 BLKIO=/sys/fs/cgroup/blkio
 CG=$BLKIO/k3-bench-drives-$$
-BIN=target/release/k3-orch
+BIN=${K3:-target/release/k3-orch}
 
 [ -d "$BLKIO" ] || { echo "bench-drives.sh: no cgroup v1 blkio controller at $BLKIO" >&2; exit 2; }
 for t in losetup mkfs.ext4 jq; do
   command -v "$t" > /dev/null || { echo "bench-drives.sh: $t is missing" >&2; exit 2; }
 done
-cargo build --release -q -p k3-orch
+[ -n "${K3:-}" ] || cargo build --release -q -p k3-orch
 if [ ! -f "$MODEL/config.json" ]; then
   if [ "$MODEL" = "$SLICE" ]; then
     "$BIN" synth --shape slice --vocab 163840 --seed 7 "$SLICE"
