@@ -1629,6 +1629,21 @@ mod tests {
         }
     }
 
+    /// One token's terms for the pipeline tests: 60 + 40 GB from disk, 200 GB from RAM (40
+    /// of it MXFP4, 50 after the router), 400 G bf16 and 80 G MXFP4 MACs, nothing decoded.
+    fn token_terms() -> PerToken {
+        PerToken {
+            trunk_disk_bytes: 60e9,
+            expert_disk_bytes: 40e9,
+            ram_bytes: 200e9,
+            ram_mxfp4_bytes: 40e9,
+            serial_ram_bytes: 50e9,
+            bf16_macs: 400e9,
+            mxfp4_macs: 80e9,
+            decode_bytes: 0.0,
+        }
+    }
+
     /// The terms by hand: 60 GB of trunk over 2 drives of 10 GB/s (trunk reads) is 3 s and
     /// 40 GB of experts over 2 of 5 GB/s (the fetcher's reads) 4 s: the disk 7 s; 160 GB
     /// of bf16 from RAM at 40 GB/s and 40 GB of MXFP4 at 20 GB/s: memory 6 s; 400 G bf16
@@ -1641,16 +1656,7 @@ mod tests {
     /// (7 s), which put reads after the router in parallel with compute.
     #[test]
     fn the_pipeline_combines_the_terms() {
-        let t = PerToken {
-            trunk_disk_bytes: 60e9,
-            expert_disk_bytes: 40e9,
-            ram_bytes: 200e9,
-            ram_mxfp4_bytes: 40e9,
-            serial_ram_bytes: 50e9,
-            bf16_macs: 400e9,
-            mxfp4_macs: 80e9,
-            decode_bytes: 0.0,
-        };
+        let t = token_terms();
         let x = Times::of(&t, &machine());
         assert_eq!((x.disk, x.expert_disk), (7.0, 4.0));
         assert_eq!(x.memory, 6.0);
@@ -1814,14 +1820,8 @@ mod tests {
     #[test]
     fn a_coded_trunks_decoding_takes_computes_cores() {
         let t = PerToken {
-            trunk_disk_bytes: 60e9,
-            expert_disk_bytes: 40e9,
-            ram_bytes: 200e9,
-            ram_mxfp4_bytes: 40e9,
-            serial_ram_bytes: 50e9,
-            bf16_macs: 400e9,
-            mxfp4_macs: 80e9,
             decode_bytes: 16e9,
+            ..token_terms()
         };
         let x = Times::of(&t, &machine());
         assert_eq!(x.decode, 1.0);
