@@ -16,8 +16,9 @@
 #
 # Needs root (cgroups, drop_caches). Environment: K3 (default target/release/k3-orch),
 # SLICE (default /work/bench/slice), TRUNK (default /work/bench/slice-trunk; packed once
-# under WORK_DIR when missing), MEM (5.5), GEN (8), IDS (1). Smoke it on the tiny model
-# with e.g. SLICE=tests/fixtures/tiny-mxfp4/sharded TRUNK=/tmp/tiny-trunk MEM=0.0315.
+# under WORK_DIR when missing), MEM (5.5), GEN (8), IDS (1), EXTRA (more flags for every
+# run, split on spaces: e.g. EXTRA="--cache-gb 0.5616" for a 32-slot arena at 5.5 GB).
+# Smoke it on the tiny model with e.g. SLICE=tests/fixtures/tiny-mxfp4/sharded TRUNK=/tmp/tiny-trunk MEM=0.0315.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-2}
@@ -35,7 +36,7 @@ mkdir -p "$WORK"
 [ -f "$TRUNK/trunk.json" ] || { TRUNK=$WORK/trunk; [ -f "$TRUNK/trunk.json" ] || "$K3" pack-trunk "$SLICE" "$TRUNK"; }
 cpu() { lscpu | sed -n 's/^Model name: *//p'; }
 echo "== $(date -u +%FT%TZ)  cpu: $(cpu)  cpus: $(nproc)  uptime: $(uptime)"
-echo "slice: $SLICE  trunk: $TRUNK  mem: $MEM GB  ids: $IDS  gen: $GEN  rounds: $ROUNDS"
+echo "slice: $SLICE  trunk: $TRUNK  mem: $MEM GB  ids: $IDS  gen: $GEN  rounds: $ROUNDS  extra: ${EXTRA:-none}"
 
 if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
     CG=v2; BASE=/sys/fs/cgroup$(sed -n 's/^0:://p' /proc/self/cgroup)
@@ -67,7 +68,7 @@ for r in $(seq "$ROUNDS"); do
         set +e
         ( echo $BASHPID > "$d/cgroup.procs" 2>/dev/null || echo $BASHPID > "$d/tasks"
           exec "$K3" "$SLICE" --trunk "$TRUNK" --mem-gb "$MEM" --ids "$IDS" -n "$GEN" \
-              --incremental --speculate "$spec" --quiet --out "$OUT" ) \
+              --incremental --speculate "$spec" ${EXTRA:-} --quiet --out "$OUT" ) \
             > "$WORK/run-$r-$spec.log" 2>&1
         rc=$?
         set -e
