@@ -1527,33 +1527,16 @@ pub fn measure_products(threads: usize) -> (f64, f64) {
 }
 
 /// Bytes per second of BF16 one core decodes from a coded trunk: two chunks of Gaussian
-/// BF16 (sigma 1/sqrt(7168), as `synth --weights gaussian` draws a released matrix) coded
-/// with `bf16-zstd` at level 1 (the level a whole trunk is packed at in practice: level 19
-/// packs about 100x slower), decoded by one reused `Decoder` as the trunk-loader's readers
+/// BF16 (sigma 1/sqrt(7168), drawn as `synth --weights gaussian` draws a released matrix:
+/// [`gaussian_bf16`](crate::tools::synth::gaussian_bf16)) coded with `bf16-zstd` at level 1
+/// (the level a whole trunk is packed at in practice: level 19 packs about 100x slower),
+/// decoded by one reused `Decoder` as the trunk-loader's readers
 /// decode, the fastest of three passes. [`plan::ASSUMED_DECODE_BPS`] when coding fails.
 pub fn measure_decode() -> f64 {
     use k3_model::codec::{encode_level, Codec, Decoder};
     let chunk = k3_model::trunk::CODEC_CHUNK as usize;
-    let sigma = 1.0 / (7168f64).sqrt();
-    let mut s = 0x9e37_79b9_7f4a_7c15u64;
-    let mut uniform = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
     let raw: Vec<Vec<u8>> = (0..2)
-        .map(|_| {
-            (0..chunk / 2)
-                .flat_map(|_| {
-                    // Box-Muller; BF16 is the top half of the f32, rounded to nearest.
-                    let (u, v) = (uniform(), uniform());
-                    let x = sigma * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
-                    let b = (x as f32).to_bits();
-                    (((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16).to_le_bytes()
-                })
-                .collect()
-        })
+        .map(|i| crate::tools::synth::gaussian_bf16(i, "decode-probe", chunk / 2, 7168))
         .collect();
     let Ok(coded) = raw
         .iter()

@@ -710,6 +710,21 @@ pub fn gaussian_expert_planes(
     (codes, scales)
 }
 
+/// `n` BF16 values as `synth --weights gaussian --seed SEED` writes a BF16 tensor called
+/// `name` of fan-in `fan_in`: N(0, 1/sqrt(fan_in)), rounded to nearest (what `project`
+/// times the trunk codec's decoder on).
+pub fn gaussian_bf16(seed: u64, name: &str, n: usize, fan_in: usize) -> Vec<u8> {
+    let t = TensorSpec {
+        name: name.to_string(),
+        dtype: Dtype::BF16,
+        shape: vec![n],
+        init: Init::Normal(1.0 / (fan_in.max(1) as f32).sqrt()),
+    };
+    let mut out = vec![0u8; 2 * n];
+    fill(&t, t.init, &mut tensor_rng(seed, name), 0, &mut out);
+    out
+}
+
 /// Fill `out` with elements `first..first + out.len()/size` of tensor `t`.
 /// `init` is what the tensor holds (`t.init`, or its `--weights` form).
 fn fill(t: &TensorSpec, init: Init, rng: &mut ChaCha8Rng, first: usize, out: &mut [u8]) {
