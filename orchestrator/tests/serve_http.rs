@@ -36,6 +36,24 @@ pub(crate) fn start_with(extra: &[&str], envs: &[(&str, &str)], log: Option<&Pat
 /// `k3-orch ARGS` (a `serve` command line with `--port 0`), once it is ready (`/health`
 /// 200 within 30 s), with environment variables and stderr to `log` when given.
 pub(crate) fn spawn(args: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
+    let s = spawn_listening(args, envs, log);
+    let t0 = Instant::now();
+    loop {
+        if let Ok(r) = ureq::get(&format!("{}/health", s.base)).call() {
+            if r.status() == 200 {
+                return s;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "server never became ready"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// [`spawn`] once the server prints the address it listens on, before it is ready.
+fn spawn_listening(args: &[&str], envs: &[(&str, &str)], log: Option<&Path>) -> Server {
     let stderr = match log {
         Some(p) => Stdio::from(std::fs::File::create(p).unwrap()),
         None => Stdio::null(),
@@ -57,20 +75,9 @@ pub(crate) fn spawn(args: &[&str], envs: &[(&str, &str)], log: Option<&Path>) ->
         .next()
         .unwrap_or_else(|| panic!("no address in {line:?}"))
         .to_string();
-    let base = format!("http://{addr}");
-    let s = Server { child, base };
-    let t0 = Instant::now();
-    loop {
-        if let Ok(r) = ureq::get(&format!("{}/health", s.base)).call() {
-            if r.status() == 200 {
-                return s;
-            }
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "server never became ready"
-        );
-        std::thread::sleep(Duration::from_millis(50));
+    Server {
+        child,
+        base: format!("http://{addr}"),
     }
 }
 
@@ -79,6 +86,12 @@ pub(crate) fn post(s: &Server, path: &str, body: &str) -> (u16, Value, Option<St
     let r = ureq::post(&format!("{}{path}", s.base))
         .set("Content-Type", "application/json")
         .send_string(body);
+    answer(path, r)
+}
+
+/// A response, an error status included: (status, body as JSON or else as a string,
+/// Retry-After). A transport error fails the test, naming `path`.
+fn answer(path: &str, r: Result<ureq::Response, ureq::Error>) -> (u16, Value, Option<String>) {
     let resp = match r {
         Ok(r) => r,
         Err(ureq::Error::Status(_, r)) => r,
@@ -1292,19 +1305,7 @@ fn a_client_that_disconnects_cancels_its_generation() {
 
 /// GET; (status, body as JSON, Retry-After).
 fn get(s: &Server, path: &str) -> (u16, Value, Option<String>) {
-    let resp = match ureq::get(&format!("{}{path}", s.base)).call() {
-        Ok(r) => r,
-        Err(ureq::Error::Status(_, r)) => r,
-        Err(e) => panic!("{path}: {e}"),
-    };
-    let status = resp.status();
-    let retry = resp.header("retry-after").map(str::to_string);
-    let text = resp.into_string().unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        retry,
-    )
+    answer(path, ureq::get(&format!("{}{path}", s.base)).call())
 }
 
 /// Issue 36 ("Also"): 503 while loading, as docs/serve.md documents it. The test hook
@@ -1322,23 +1323,12 @@ fn health_and_requests_answer_503_while_the_stages_load() {
     const DELAY_MS: u64 = 4000;
     let m = model().to_str().unwrap();
     let t0 = Instant::now();
-    let mut child = Command::new(bin())
-        .args(["serve", m, "--tok", m, "--port", "0", "--threads", "1"])
-        .env("K3_TEST_HOOKS", "1")
-        .env("K3_TEST_LOAD_DELAY_MS", DELAY_MS.to_string())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line.trim().rsplit("http://").next().unwrap().to_string();
-    let s = Server {
-        child,
-        base: format!("http://{addr}"),
-    };
+    let delay = DELAY_MS.to_string();
+    let s = spawn_listening(
+        &["serve", m, "--tok", m, "--port", "0", "--threads", "1"],
+        &[("K3_TEST_HOOKS", "1"), ("K3_TEST_LOAD_DELAY_MS", &delay)],
+        None,
+    );
     let (st, v, retry) = get(&s, "/health");
     assert_eq!(st, 503, "{v}");
     assert_eq!(v, json!({"status": "loading"}));
