@@ -44,6 +44,15 @@ fn trunk_corpus_is_valid_and_the_oracle_refuses_what_it_must() {
     assert!(!harness::oracle_accepts(&v.to_string()));
 }
 
+/// The harness corpus's first coded (`k3-trunk-coded/1`) manifest, as JSON.
+fn coded_manifest() -> serde_json::Value {
+    harness::manifests()
+        .iter()
+        .map(|m| serde_json::from_slice::<serde_json::Value>(m).unwrap())
+        .find(|v| v.get("codec").is_some())
+        .unwrap()
+}
+
 /// Found by `examples/fuzz_trunk` (a panic, "attempt to multiply with overflow", in a build
 /// with overflow checks): a run length or a coded layer's stored length within 4095 of
 /// 2^64 has no 4096-aligned padded length, and `align_up` overflowed while the manifest
@@ -53,12 +62,7 @@ fn trunk_corpus_is_valid_and_the_oracle_refuses_what_it_must() {
 /// problem).
 #[test]
 fn a_length_near_2_64_is_a_problem_not_an_overflow() {
-    let ms = harness::manifests();
-    let coded = ms
-        .iter()
-        .map(|m| serde_json::from_slice::<serde_json::Value>(m).unwrap())
-        .find(|v| v.get("codec").is_some())
-        .unwrap();
+    let coded = coded_manifest();
     let mut v = coded.clone();
     v["layers"][0]["length"] = u64::MAX.into();
     v["layers"][0]["padded_length"] = 0.into();
@@ -88,12 +92,7 @@ fn a_length_near_2_64_is_a_problem_not_an_overflow() {
 /// names with a slash, for the raw file and for the codec's.
 #[test]
 fn a_data_file_named_dot_or_dot_dot_is_a_problem() {
-    let ms = harness::manifests();
-    let coded = ms
-        .iter()
-        .map(|m| serde_json::from_slice::<serde_json::Value>(m).unwrap())
-        .find(|v| v.get("codec").is_some())
-        .unwrap();
+    let coded = coded_manifest();
     for name in [".", ".."] {
         let mut v = coded.clone();
         v["file"] = name.into();
