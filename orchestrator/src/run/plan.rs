@@ -988,15 +988,21 @@ impl DecodeTerms {
 }
 
 /// The drive holding `file` as the trunk-loader reads it (its pieces at its queue depth,
-/// O_DIRECT: `project`'s [`measure_drive`](crate::tools::project::measure_drive) at
-/// [`TRUNK_READ`](crate::tools::project::TRUNK_READ)), or [`ASSUMED_DRIVE_BPS`] with the
-/// reason it could not be measured.
+/// O_DIRECT), or [`ASSUMED_DRIVE_BPS`] with the reason it could not be measured.
 fn measure_trunk_drive(file: &std::path::Path) -> (f64, String) {
-    use crate::tools::project::{measure_drive, ProjectError, TRUNK_READ};
-    match measure_drive(file, TRUNK_READ.0, TRUNK_READ.1, DRIVE_PROBE_SECONDS) {
-        Ok(bps) if bps > 0.0 => (bps, "measured with devbw".into()),
-        Ok(_) => (ASSUMED_DRIVE_BPS, "ASSUMED: nothing was read".into()),
-        Err(ProjectError::NotDirect(_)) => (ASSUMED_DRIVE_BPS, "ASSUMED: O_DIRECT refused".into()),
+    let size = std::fs::metadata(file).map_or(0, |m| m.len());
+    let rb = (k3_io::direct::READ_CHUNK as u64).min(size / 4096 * 4096);
+    if rb == 0 {
+        return (
+            ASSUMED_DRIVE_BPS,
+            "ASSUMED: the stored file is too small to measure".into(),
+        );
+    }
+    match k3_io::devbw::measure(file, rb, k3_io::direct::READ_QD, DRIVE_PROBE_SECONDS) {
+        Ok(r) if r.direct && r.mb_per_s() > 0.0 => {
+            (r.mb_per_s() * 1e6, "measured with devbw".into())
+        }
+        Ok(_) => (ASSUMED_DRIVE_BPS, "ASSUMED: O_DIRECT refused".into()),
         Err(e) => (ASSUMED_DRIVE_BPS, format!("ASSUMED: {e}")),
     }
 }
