@@ -321,7 +321,8 @@ impl Locate for ExpertTable {
 }
 
 /// `(layer, expert, rest)` of a routed-expert tensor name.
-fn parse_expert_name(name: &str) -> Option<(u32, u32, String)> {
+#[doc(hidden)]
+pub fn parse_expert_name(name: &str) -> Option<(u32, u32, String)> {
     let (l, e, rest) = k3_model::classify::split_expert(name)?;
     Some((l as u32, e as u32, rest.to_string()))
 }
@@ -358,51 +359,4 @@ fn read_header(p: &Path) -> Result<(u64, serde_json::Value), TableError> {
         source,
     })?;
     Ok((8 + n, v))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names() {
-        assert_eq!(
-            parse_expert_name(
-                "language_model.model.layers.3.block_sparse_moe.experts.17.w2.weight_scale"
-            ),
-            Some((3, 17, "w2.weight_scale".to_string()))
-        );
-        assert_eq!(
-            parse_expert_name("model.layers.3.block_sparse_moe.shared_experts.w2.weight"),
-            None
-        );
-        assert_eq!(
-            parse_expert_name("model.layers.3.self_attn.q_proj.weight"),
-            None
-        );
-    }
-
-    #[test]
-    fn merge_adjacent_extents() {
-        let mut t = ExpertTable::new(vec![]);
-        t.insert(
-            0,
-            0,
-            ExpertExtents {
-                file: 0,
-                extents: vec![
-                    Extent { offset: 10, len: 5 },
-                    Extent { offset: 0, len: 10 },
-                    Extent { offset: 20, len: 1 },
-                ],
-            },
-        );
-        let l = t.locate(0, 0).unwrap();
-        assert_eq!(
-            l.extents,
-            vec![Extent { offset: 0, len: 15 }, Extent { offset: 20, len: 1 }]
-        );
-        assert_eq!(l.span(), 21);
-        assert_eq!(l.bytes(), 16);
-    }
 }

@@ -50,7 +50,8 @@ pub fn sum_streams(chunk: &[u8], k: usize) -> u64 {
 }
 
 /// Sixteen u64 lanes per 128 bytes (auto-vectorised), then the last bytes one at a time.
-fn sum_portable(chunk: &[u8]) -> u64 {
+#[doc(hidden)]
+pub fn sum_portable(chunk: &[u8]) -> u64 {
     let mut acc = [0u64; 16];
     let mut blocks = chunk.chunks_exact(128);
     for blk in &mut blocks {
@@ -117,7 +118,8 @@ unsafe fn sum_streams_512(chunk: &[u8], k: usize) -> u64 {
 /// The CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn sum_streams_256(chunk: &[u8], k: usize) -> u64 {
+#[doc(hidden)]
+pub unsafe fn sum_streams_256(chunk: &[u8], k: usize) -> u64 {
     use std::arch::x86_64::*;
     let mut s = [_mm256_setzero_si256(); 8];
     // SAFETY: `walk` passes the start of 64 readable bytes; AVX2 is enabled here.
@@ -151,43 +153,4 @@ pub fn read_seconds(spans: &[&[u8]], k: usize) -> f64 {
         .reduce(|| 0, u64::wrapping_add);
     black_box(total);
     t0.elapsed().as_secs_f64()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    // Catches: a vector path that skips the bytes after the last whole tile, or reads a
-    // row twice or not at all (each path is compared with the sum's definition, computed
-    // here by a plain loop over the words).
-    #[test]
-    fn every_byte_is_read_once() {
-        let buf: Vec<u8> = (0..3 * ROW * 4 + 777).map(|i| (i * 7 + 3) as u8).collect();
-        for k in [1, 4, 8] {
-            for len in [0, 1, 127, 128, 4 * ROW, buf.len()] {
-                let c = &buf[..len];
-                // The definition: the wrapping sum of the little-endian u64 words of the
-                // whole 128-byte blocks, plus the bytes after them (a tile is 112 such
-                // blocks, so the vector path's tail starts on a block boundary).
-                let words = len / 128 * 128;
-                let want = c[..words]
-                    .chunks_exact(8)
-                    .fold(0u64, |a, w| {
-                        a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()))
-                    })
-                    .wrapping_add(c[words..].iter().map(|&b| b as u64).sum::<u64>());
-                assert_eq!(sum_streams(c, k), want, "k {k} len {len}");
-                assert_eq!(sum_portable(c), want, "portable len {len}");
-                #[cfg(target_arch = "x86_64")]
-                if simd::avx2_available() {
-                    // SAFETY: AVX2 detected.
-                    assert_eq!(
-                        unsafe { sum_streams_256(c, k) },
-                        want,
-                        "avx2 k {k} len {len}"
-                    );
-                }
-            }
-        }
-    }
 }

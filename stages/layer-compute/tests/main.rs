@@ -4,10 +4,13 @@
 //! minutes of linking; issue 31), one module per file.
 //!
 //! [`support`] holds the helpers (fixtures, the .npy reader, the model loader, the ISA
-//! cap); [`conformance`] the `Weights` conformance suite.
+//! cap); [`conformance`] the `Weights` conformance suite; [`unit`] the tests of the
+//! library's private workings (the crate has no `#[cfg(test)]` unit tests: `test = false`
+//! on its lib, so `cargo test` does not compile it twice).
 
 mod conformance;
 mod support;
+mod unit;
 
 mod batch_forward;
 mod batch_scheduler;

@@ -28,7 +28,8 @@ pub struct Segment {
 }
 
 /// Python's `str.isspace()` (what Kimi's run guard uses; not the regex's `\s`).
-fn py_isspace(c: char) -> bool {
+#[doc(hidden)]
+pub fn py_isspace(c: char) -> bool {
     matches!(
         c,
         '\t' | '\n'
@@ -51,7 +52,8 @@ fn py_isspace(c: char) -> bool {
 
 /// Kimi's guard: split `s` before any character that would make a run of same-kind
 /// (whitespace or not) characters longer than `max` characters. Calls `f` per part.
-fn split_runs(s: &str, max: usize, mut f: impl FnMut(&str)) {
+#[doc(hidden)]
+pub fn split_runs(s: &str, max: usize, mut f: impl FnMut(&str)) {
     let mut chars = s.char_indices();
     let Some((_, c0)) = chars.clone().next() else {
         f(s);
@@ -259,35 +261,5 @@ impl Tokenizer {
     /// `decode_bytes` as UTF-8, invalid sequences replaced by U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn isspace_matches_python_list() {
-        // The list Python 3 prints for [c for c in range(0x110000) if chr(c).isspace()].
-        let py: Vec<u32> = vec![
-            0x9, 0xa, 0xb, 0xc, 0xd, 0x1c, 0x1d, 0x1e, 0x1f, 0x20, 0x85, 0xa0, 0x1680, 0x2000,
-            0x2001, 0x2002, 0x2003, 0x2004, 0x2005, 0x2006, 0x2007, 0x2008, 0x2009, 0x200a, 0x2028,
-            0x2029, 0x202f, 0x205f, 0x3000,
-        ];
-        let ours: Vec<u32> = (0..0x11_0000u32)
-            .filter(|&c| char::from_u32(c).is_some_and(py_isspace))
-            .collect();
-        assert_eq!(ours, py);
-    }
-
-    #[test]
-    fn split_runs_cuts_like_kimi() {
-        let mut parts = Vec::new();
-        split_runs("aaaaa  bbbbbbb", 3, |p| parts.push(p.to_string()));
-        // Expected from tools/tokenizer/kimi_pat.py::_split_ws_runs (the Python guard).
-        assert_eq!(parts, ["aaa", "aa  bbb", "bbb", "b"]);
-        let mut parts = Vec::new();
-        split_runs("", 3, |p| parts.push(p.to_string()));
-        assert_eq!(parts, [""]);
     }
 }

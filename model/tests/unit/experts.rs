@@ -1,0 +1,150 @@
+//! The packed-experts format (`src/experts.rs`): striping, the manifest's round trip and
+//! checks, one pack over the drive directories.
+
+use k3_model::experts::*;
+use k3_model::trunk::SourceIdentity;
+
+fn run(layer: usize, expert: usize, length: u64) -> ExpertRun {
+    ExpertRun {
+        layer,
+        expert,
+        shard: 0,
+        source_offset: 0,
+        length,
+    }
+}
+
+/// Equal experts go round-robin (the experts of one decision spread over the drives);
+/// uneven ones fill the lightest directory, so the bytes stay balanced.
+#[test]
+fn striping_balances_bytes() {
+    let runs: Vec<_> = (0..7).map(|e| run(0, e, 5000)).collect();
+    assert_eq!(
+        stripe(&runs, 3),
+        vec![vec![0, 3, 6], vec![1, 4], vec![2, 5]]
+    );
+    assert_eq!(stripe(&runs, 1), vec![(0..7).collect::<Vec<_>>()]);
+    let uneven = vec![
+        run(0, 0, 40_000),
+        run(0, 1, 4096),
+        run(0, 2, 4096),
+        run(0, 3, 8192),
+    ];
+    // 40 KB to dir 0; then dir 1 gets the small ones until it passes dir 0.
+    assert_eq!(stripe(&uneven, 2), vec![vec![0], vec![1, 2, 3]]);
+}
+
+fn manifest() -> ExpertsManifest {
+    let sha = "ab".repeat(32);
+    ExpertsManifest {
+        format: EXPERTS_FORMAT.into(),
+        align: EXPERTS_ALIGN,
+        pack_id: "cd".repeat(32),
+        stripe: 1,
+        stripes: 2,
+        total_experts: 4,
+        file: EXPERTS_BIN.into(),
+        file_size: 8192 + 4096,
+        total_bytes: 5000 + 100,
+        source: SourceIdentity {
+            total_size: 1,
+            shards: Vec::new(),
+        },
+        experts: vec![
+            PackedExpert {
+                layer: 1,
+                expert: 1,
+                offset: 0,
+                length: 5000,
+                shard: "s".into(),
+                source_offset: 10,
+                sha256: sha.clone(),
+            },
+            PackedExpert {
+                layer: 1,
+                expert: 3,
+                offset: 8192,
+                length: 100,
+                shard: "s".into(),
+                source_offset: 99999,
+                sha256: sha,
+            },
+        ],
+    }
+}
+
+#[test]
+fn a_valid_manifest_round_trips() {
+    let m = manifest();
+    assert!(m.problems().is_empty(), "{:?}", m.problems());
+    let text = serde_json::to_string(&m).unwrap();
+    assert_eq!(ExpertsManifest::from_json_str(&text).unwrap(), m);
+}
+
+/// Each way a manifest can lie is named (a reader that trusted it would read the wrong
+/// bytes as an expert).
+#[test]
+fn inconsistencies_are_named() {
+    type Edit = Box<dyn Fn(&mut ExpertsManifest)>;
+    let cases: Vec<(Edit, &str)> = vec![
+        (Box::new(|m| m.experts[1].offset = 4096), "overlaps"),
+        (Box::new(|m| m.experts[1].offset = 8000), "not aligned"),
+        (Box::new(|m| m.file_size += 1), "file_size"),
+        (Box::new(|m| m.total_bytes = 1), "total_bytes"),
+        (Box::new(|m| m.stripe = 2), "stripe 2 of 2"),
+        (Box::new(|m| m.experts[1].expert = 1), "listed twice"),
+        (Box::new(|m| m.experts[0].sha256 = "x".into()), "sha256"),
+        (Box::new(|m| m.pack_id = "x".into()), "pack_id"),
+        (Box::new(|m| m.file = "../x".into()), "plain file name"),
+    ];
+    for (edit, want) in cases {
+        let mut m = manifest();
+        edit(&mut m);
+        let p = m.problems().join("; ");
+        assert!(p.contains(want), "{want}: {p}");
+    }
+    let mut m = manifest();
+    m.format = "k3-experts/0".into();
+    let e = ExpertsManifest::from_json_str(&serde_json::to_string(&m).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("re-run"), "{e}");
+}
+
+/// A set of directories must be exactly one pack: a missing stripe, a stripe given
+/// twice and a directory of another pack are each refused and named.
+#[test]
+fn directories_must_make_one_pack() {
+    let tmp = tempfile::tempdir().unwrap();
+    let write = |name: &str, m: &ExpertsManifest| {
+        let d = tmp.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join(EXPERTS_JSON), serde_json::to_vec(m).unwrap()).unwrap();
+        std::fs::write(d.join(EXPERTS_BIN), vec![0u8; m.file_size as usize]).unwrap();
+        d
+    };
+    let one = write("one", &manifest());
+    let mut m0 = manifest();
+    m0.stripe = 0;
+    m0.experts[0].expert = 0;
+    m0.experts[1].expert = 2;
+    let zero = write("zero", &m0);
+    let mut other = m0.clone();
+    other.pack_id = "ef".repeat(32);
+    let other = write("other", &other);
+    let p = PackedExperts::open(&[one.clone(), zero.clone()]).unwrap();
+    assert_eq!(p.dirs, vec![zero.clone(), one.clone()], "ordered by stripe");
+    assert_eq!(p.locations().len(), 4);
+    let e = PackedExperts::open(std::slice::from_ref(&one)).unwrap_err();
+    assert!(matches!(e, ExpertsError::MissingStripes { ref missing, .. } if missing == &[0]));
+    let e = PackedExperts::open(&[one.clone(), one.clone()]).unwrap_err();
+    assert!(matches!(e, ExpertsError::SameStripe { .. }), "{e}");
+    let e = PackedExperts::open(&[zero.clone(), other, one.clone()]).unwrap_err();
+    assert!(matches!(e, ExpertsError::OtherPack { .. }), "{e}");
+    let e = PackedExperts::open(&[tmp.path().join("nope")]).unwrap_err();
+    assert!(e.to_string().contains("no such directory"), "{e}");
+    let e = PackedExperts::open(&[tmp.path().to_path_buf()]).unwrap_err();
+    assert!(e.to_string().contains("no experts.json"), "{e}");
+    // A truncated data file is refused by its size.
+    std::fs::write(one.join(EXPERTS_BIN), [0u8; 10]).unwrap();
+    let e = PackedExperts::open(&[zero, one]).unwrap_err();
+    assert!(e.to_string().contains("truncated"), "{e}");
+}
