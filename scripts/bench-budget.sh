@@ -38,10 +38,19 @@
 # stored/decoded share, from the trunk-loader's summary) and s/token against the latest
 # raw run's at that rung.
 #
+# CODED_RESIDENT=MODE,... (with CODED_TRUNK; issue 37's second mode) runs the coded trunk
+# once per `--trunk-resident` MODE (raw, coded, auto) at each numeric rung instead of once
+# with the default (auto): rows `L/coded-MODE`, after the raw row in odd rounds and in the
+# reverse order before it in even ones. The coded rows also print the layers the plan kept
+# coded in memory and their bytes. For example, beside the raw trunk:
+#   CODED_TRUNK=/work/bench/slice-coded CODED_RESIDENT=raw,coded,auto ROUNDS=2 \
+#       scripts/bench-budget.sh /tmp/k3-bench-budget 5.5,resident
+#
 # DRY_RUN=1 checks the arguments and prints the runs it would make, in order, then exits
 # (no root, no k3-orch, nothing written).
 # Needs root (cgroups, drop_caches). Environment: K3 (default target/release/k3-orch),
-# SLICE, TRUNK, CODED_TRUNK, GEN (default 8), IDS (default 1), EXPECT, ROUNDS, DRY_RUN.
+# SLICE, TRUNK, CODED_TRUNK, CODED_RESIDENT, GEN (default 8), IDS (default 1), EXPECT, ROUNDS,
+# DRY_RUN.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 K3=${K3:-target/release/k3-orch}
@@ -52,6 +61,7 @@ IDS=${IDS:-1}
 EXPECT=${EXPECT:-}
 ROUNDS=${ROUNDS:-1}
 CODED_TRUNK=${CODED_TRUNK:-}
+CODED_RESIDENT=${CODED_RESIDENT:-}
 DRY_RUN=${DRY_RUN:-}
 
 # The rungs: numbers (GB) or `resident`; the resident rung first when it sets EXPECT.
@@ -80,6 +90,23 @@ if [ -n "$EXPECT" ] && ! [[ "$EXPECT" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
     echo "bench-budget: EXPECT=$EXPECT is not a comma-separated list of ids" >&2
     exit 2
 fi
+# The coded kinds of a rung: `coded` (the default placement), or one `coded-MODE` per
+# CODED_RESIDENT mode.
+CODED_KINDS=(coded)
+if [ -n "$CODED_RESIDENT" ]; then
+    if [ -z "$CODED_TRUNK" ]; then
+        echo "bench-budget: CODED_RESIDENT needs CODED_TRUNK (the coded trunk it places)" >&2
+        exit 2
+    fi
+    CODED_KINDS=()
+    IFS=, read -ra MODES <<< "$CODED_RESIDENT"
+    for M in "${MODES[@]}"; do
+        case "$M" in
+            raw|coded|auto) CODED_KINDS+=("coded-$M") ;;
+            *) echo "bench-budget: CODED_RESIDENT mode '$M' is not raw, coded or auto" >&2; exit 2 ;;
+        esac
+    done
+fi
 # The runs in order: "rung trunk-kind" (kind raw, coded or resident).
 PLAN=()
 [ -n "$HAVE_RESIDENT" ] && PLAN+=("resident resident")
@@ -88,9 +115,11 @@ for ((round = 1; round <= ROUNDS; round++)); do
         if [ -z "$CODED_TRUNK" ]; then
             PLAN+=("$L raw")
         elif ((round % 2)); then
-            PLAN+=("$L raw" "$L coded")
+            PLAN+=("$L raw")
+            for K in "${CODED_KINDS[@]}"; do PLAN+=("$L $K"); done
         else
-            PLAN+=("$L coded" "$L raw")
+            for ((k = ${#CODED_KINDS[@]} - 1; k >= 0; k--)); do PLAN+=("$L ${CODED_KINDS[k]}"); done
+            PLAN+=("$L raw")
         fi
     done
 done
@@ -172,8 +201,12 @@ for p in "${PLAN[@]}"; do
         B=$(python3 -c "print(int($L * 1e9))")
         d=$(make_cg "k3-bench-$$-$L-$KIND" "$B")
         DIR=$TRUNK
-        if [ "$KIND" = coded ]; then DIR=$CODED_TRUNK; NAME=$L/coded; fi
-        RUN=("$K3" "$SLICE" --trunk "$DIR" --mem-gb "$L")
+        PLACE=()
+        case "$KIND" in
+            coded) DIR=$CODED_TRUNK; NAME=$L/coded ;;
+            coded-*) DIR=$CODED_TRUNK; NAME=$L/$KIND; PLACE=(--trunk-resident "${KIND#coded-}") ;;
+        esac
+        RUN=("$K3" "$SLICE" --trunk "$DIR" --mem-gb "$L" "${PLACE[@]}")
         LGB=$L
     fi
     sync; echo 3 > /proc/sys/vm/drop_caches
@@ -209,6 +242,7 @@ extra = ""
 if codec and codec.get("decoded_bytes"):
     share = codec["stored_bytes_read"] / codec["decoded_bytes"]
     extra = f"  [coded: trunk {trunk/1e9:.3f}GB decoded, {trunk*share/1e9:.3f}GB stored per token"
+    extra += f"; {codec.get('kept_layers', 0)} layers kept coded ({codec.get('kept_bytes', 0)/1e9:.3f}GB)"
     if raw_spt:
         extra += f"; s/token {spt / float(raw_spt):.2f}x raw"
     extra += "]"

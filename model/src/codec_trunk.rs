@@ -8,12 +8,16 @@
 //! the same bytes in its ring; the decoding runs in the loader's reader threads. Every
 //! chunk's stored bytes are checked against their CRC-32C before decoding and the decoded
 //! bytes against theirs after: damage is an error that names the layer and the chunk.
+//!
+//! Layers kept coded in memory ([`CodedReader::keep_layers`], `--trunk-resident`) have
+//! their stored runs read once into the loader's arena; their chunks are then decoded from
+//! there on every use, never read again, with the same two checks at decode time.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use k3_io::arena::OwnedArena;
+use k3_io::arena::{ArenaMemory, OwnedArena};
 use k3_io::direct::ReadAt;
 
 use crate::codec::{encode_level, Codec, CodecError, Decoder};
@@ -241,6 +245,17 @@ pub struct CodedReader {
     stored_cap: usize,
     stored_read: AtomicU64,
     decoded: AtomicU64,
+    /// The layers kept coded in memory ([`CodedReader::keep_layers`]).
+    kept: Option<Kept>,
+    /// Stored bytes decoded from memory (kept layers) rather than read.
+    stored_kept: AtomicU64,
+}
+
+/// Stored runs kept in memory: layer `li`'s at byte `at[li]` of `mem` (None: read from
+/// the file).
+struct Kept {
+    mem: Arc<dyn ArenaMemory>,
+    at: Vec<Option<u64>>,
 }
 
 impl CodedReader {
@@ -265,7 +280,73 @@ impl CodedReader {
             stored_cap,
             stored_read: AtomicU64::new(0),
             decoded: AtomicU64::new(0),
+            kept: None,
+            stored_kept: AtomicU64::new(0),
         })
+    }
+
+    /// Keep the stored runs of `layers` (indices into the manifest's layers) in `mem`, back
+    /// to back from byte `at`, each its `padded_length` (`at` and the runs page-aligned, so
+    /// the reads stay O_DIRECT): they are read now, once, and from then on those layers'
+    /// chunks are decoded from memory (the stored and decoded CRCs still checked at each
+    /// decode). Call before the reader is shared. Returns the bytes kept.
+    pub fn keep_layers(
+        &mut self,
+        layers: &[usize],
+        mem: Arc<dyn ArenaMemory>,
+        at: u64,
+    ) -> io::Result<u64> {
+        let c = self
+            .manifest
+            .codec
+            .as_ref()
+            .ok_or_else(|| io::Error::other("not coded"))?;
+        let mut where_ = vec![None; c.layers.len()];
+        let mut pos = at;
+        for &li in layers {
+            let cl = c
+                .layers
+                .get(li)
+                .ok_or_else(|| io::Error::other(format!("no trunk layer {li} to keep coded")))?;
+            let end = pos.saturating_add(cl.padded_length);
+            if end > mem.len() as u64 || where_[li].is_some() {
+                return Err(io::Error::other(format!(
+                    "trunk layer {}: {} stored bytes do not fit at byte {pos} of the \
+                     {}-byte arena (or the layer is kept twice)",
+                    cl.layer,
+                    cl.padded_length,
+                    mem.len()
+                )));
+            }
+            // SAFETY: [pos, end) lies inside `mem` (checked above) and inside no other kept
+            // run (each starts where the last ended); the reader is not shared yet
+            // (`&mut self`) and the caller hands the arena to no one before this returns,
+            // so nothing else reads or writes these bytes.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(
+                    mem.base().add(pos as usize),
+                    cl.padded_length as usize,
+                )
+            };
+            let none = |_: usize, _: &[u8]| Ok::<(), std::convert::Infallible>(());
+            let got = k3_io::direct::read_parallel(&*self.inner, self.file, cl.offset, dst, &none)
+                .map_err(|e| io::Error::other(format!("trunk layer {}: {e}", cl.layer)))?;
+            if (got as u64) < cl.stored_length {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("trunk layer {}: the stored file ends early", cl.layer),
+                ));
+            }
+            where_[li] = Some(pos);
+            pos = end;
+        }
+        self.kept = Some(Kept { mem, at: where_ });
+        Ok(pos - at)
+    }
+
+    /// Stored bytes decoded from memory so far (the kept layers' chunks: no read).
+    pub fn stored_bytes_kept(&self) -> u64 {
+        self.stored_kept.load(Ordering::Relaxed)
     }
 
     /// Decode buffers one reader thread holds at most: one chunk's stored bytes and one
@@ -286,7 +367,8 @@ impl CodedReader {
         }
     }
 
-    /// Stored bytes read so far (what the disk delivered).
+    /// Stored bytes read so far to decode them (what the disk delivered; the kept layers'
+    /// one read at load is not counted: it is their kept bytes).
     pub fn stored_bytes_read(&self) -> u64 {
         self.stored_read.load(Ordering::Relaxed)
     }
@@ -346,6 +428,9 @@ impl CodedReader {
             .ok_or_else(|| io::Error::other("not coded"))?;
         let cl = &c.layers[li];
         let ch = &cl.chunks[k];
+        if let Some(at) = self.kept.as_ref().and_then(|kp| kp.at[li]) {
+            return self.kept_chunk(sc, li, k, at, from, dst);
+        }
         let span = align_up(ch.stored, self.manifest.align) as usize;
         let sb = sc.stored.as_mut_slice().get_mut(..span).ok_or_else(|| {
             io::Error::other(format!(
@@ -361,14 +446,72 @@ impl CodedReader {
         }
         self.stored_read.fetch_add(ch.stored, Ordering::Relaxed);
         let stored = &sb[..ch.stored as usize];
+        let (dec, raw) = (&mut sc.dec, &mut sc.raw);
+        self.decode_into(dec, raw, li, k, stored, from, dst)
+    }
+
+    /// Chunk `k` of kept layer `li` (its run at byte `at` of the kept memory), decoded from
+    /// memory into `dst` as [`CodedReader::chunk_with`] decodes a chunk it read.
+    fn kept_chunk(
+        &self,
+        sc: &mut Scratch,
+        li: usize,
+        k: usize,
+        at: u64,
+        from: usize,
+        dst: &mut [u8],
+    ) -> io::Result<()> {
+        let (Some(kp), Some(c)) = (&self.kept, &self.manifest.codec) else {
+            return Err(io::Error::other("not coded"));
+        };
+        let (cl, ch) = (&c.layers[li], &c.layers[li].chunks[k]);
+        if ch.offset.saturating_add(ch.stored) > cl.padded_length {
+            return Err(io::Error::other(format!(
+                "trunk layer {} chunk {k}: outside its kept run",
+                cl.layer
+            )));
+        }
+        // SAFETY: the chunk lies inside layer `li`'s kept run (checked above), which
+        // `keep_layers` placed inside the arena and filled before the reader was shared;
+        // nothing writes a kept run after that (the loader never places a slot over it, and
+        // compute maps the arena read-only), so shared reads are sound.
+        let stored = unsafe {
+            std::slice::from_raw_parts(
+                kp.mem.base().add((at + ch.offset) as usize) as *const u8,
+                ch.stored as usize,
+            )
+        };
+        self.stored_kept.fetch_add(ch.stored, Ordering::Relaxed);
+        self.decode_into(&mut sc.dec, &mut sc.raw, li, k, stored, from, dst)
+    }
+
+    /// Check and decode chunk `k` of layer `li` (its stored bytes `stored`) and copy its
+    /// bytes `[from, from + dst.len())` into `dst` (straight into `dst` when the whole chunk
+    /// is wanted, else through `raw`).
+    #[allow(clippy::too_many_arguments)]
+    fn decode_into(
+        &self,
+        dec: &mut Decoder,
+        raw: &mut Vec<u8>,
+        li: usize,
+        k: usize,
+        stored: &[u8],
+        from: usize,
+        dst: &mut [u8],
+    ) -> io::Result<()> {
+        let c = self
+            .manifest
+            .codec
+            .as_ref()
+            .ok_or_else(|| io::Error::other("not coded"))?;
+        let (cl, ch) = (&c.layers[li], &c.layers[li].chunks[k]);
         let bad = |e: ChunkError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
-        let dec = &mut sc.dec;
         if from == 0 && dst.len() as u64 == ch.raw {
             return decode_chunk(dec, self.codec, cl.layer, k, ch, stored, dst).map_err(bad);
         }
-        sc.raw.resize(ch.raw as usize, 0);
-        decode_chunk(dec, self.codec, cl.layer, k, ch, stored, &mut sc.raw).map_err(bad)?;
-        dst.copy_from_slice(&sc.raw[from..from + dst.len()]);
+        raw.resize(ch.raw as usize, 0);
+        decode_chunk(dec, self.codec, cl.layer, k, ch, stored, raw).map_err(bad)?;
+        dst.copy_from_slice(&raw[from..from + dst.len()]);
         Ok(())
     }
 }

@@ -17,7 +17,14 @@ fn dry(env: &[(&str, &str)], args: &[&str]) -> (i32, String, String) {
         .args(args)
         .env("DRY_RUN", "1")
         .env("K3", "/nonexistent/k3-orch");
-    for v in ["EXPECT", "CODED_TRUNK", "ROUNDS", "IDS", "GEN"] {
+    for v in [
+        "EXPECT",
+        "CODED_TRUNK",
+        "CODED_RESIDENT",
+        "ROUNDS",
+        "IDS",
+        "GEN",
+    ] {
         c.env_remove(v);
     }
     for (k, v) in env {
@@ -77,6 +84,47 @@ fn coded_rows_alternate_and_the_resident_rung_comes_first() {
     let (code, out, _) = dry(&[], &["/tmp/w", "5.5,resident"]);
     assert_eq!(code, 0);
     assert_eq!(runs(&out), ["resident resident", "5.5 raw"]);
+}
+
+/// CODED_RESIDENT runs the coded trunk once per `--trunk-resident` mode beside the raw
+/// trunk, the order reversed in the second round; a mode it does not know, or the modes
+/// without a coded trunk, are refused with exit 2. Catches modes that are ignored (one
+/// coded row), rows that do not alternate, and a bad mode passed on to k3-orch.
+#[test]
+fn coded_resident_modes_each_get_a_row() {
+    let (code, out, err) = dry(
+        &[
+            ("CODED_TRUNK", "/tmp/coded"),
+            ("CODED_RESIDENT", "raw,coded,auto"),
+            ("ROUNDS", "2"),
+            ("EXPECT", "1"),
+        ],
+        &["/tmp/w", "5.5"],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        runs(&out),
+        [
+            "5.5 raw",
+            "5.5 coded-raw",
+            "5.5 coded-coded",
+            "5.5 coded-auto",
+            "5.5 coded-auto",
+            "5.5 coded-coded",
+            "5.5 coded-raw",
+            "5.5 raw"
+        ]
+    );
+    for env in [
+        vec![("CODED_TRUNK", "/tmp/coded"), ("CODED_RESIDENT", "raw,zip")],
+        vec![("CODED_RESIDENT", "coded")],
+    ] {
+        let mut env = env;
+        env.push(("EXPECT", "1"));
+        let (code, _, err) = dry(&env, &["/tmp/w", "5.5"]);
+        assert_eq!(code, 2, "{env:?}: {err}");
+        assert!(err.contains("CODED_RESIDENT"), "{err}");
+    }
 }
 
 /// No stale default ids: without a resident rung EXPECT is required (exit 2), and a given

@@ -180,8 +180,20 @@ fn released_headers_only_and_the_budget_table() {
 /// raw trunk's bytes per token. Catches a projection that reads at the decoded size, that
 /// shrinks what is pinned by the ratio (pinned parts are decoded once, at their raw size),
 /// or that forgets the decode buffers in the floor; and a ratio out of (0, 1] accepted.
+/// With `--trunk-resident raw` (no layer kept coded) the coded trunk pins what the raw one
+/// does; by default (`auto`) at 64 GB on the reference machine it keeps layers coded
+/// ("+N kept", their stored bytes resident) and reads less per token than raw pinning
+/// does. Catches a projection that does not plan the run's default placements.
 fn coded_projection(d: &std::path::Path) {
-    let out = k3_ok(&["inspect", d.to_str().unwrap(), "--codec-ratio", "0.662"]);
+    let dir = d.to_str().unwrap();
+    let out = k3_ok(&[
+        "inspect",
+        dir,
+        "--codec-ratio",
+        "0.662",
+        "--trunk-resident",
+        "raw",
+    ]);
     assert!(
         out.contains("coded trunk (--codec-ratio 0.662): 72.03 GB stored of 108.81 GB"),
         "{out}"
@@ -228,6 +240,23 @@ fn coded_projection(d: &std::path::Path) {
         out.contains("a decoded byte weighs 0.22 read bytes"),
         "{out}"
     );
+    let auto = k3_ok(&["inspect", dir, "--codec-ratio", "0.662"]);
+    let row_auto = auto
+        .lines()
+        .find(|l| l.trim_start().starts_with("64.00 GB"))
+        .unwrap_or_else(|| panic!("no 64 GB row\n{auto}"));
+    assert!(row_auto.contains(" kept"), "{row_auto}");
+    let ga = gbs(row_auto);
+    assert!(ga[ga.len() - 2] < coded_read, "{row_auto} against {row}");
+    let (code, _, err) = k3(&[
+        "inspect",
+        dir,
+        "--codec-ratio",
+        "0.662",
+        "--trunk-resident",
+        "zip",
+    ]);
+    assert_eq!(code, 2, "{err}");
     // On 2 cores a decoded byte weighs 1.75 read bytes: the plan pins coded parts before
     // the raw lm_head, which streams, and decodes less per token. Catches a projection
     // whose plan ranks a coded trunk by stored bytes alone (the row would not change).

@@ -91,6 +91,49 @@ pub struct TrunkConf {
     /// the same disk between passes and the pass starts with pinned units.
     #[serde(default)]
     pub hold_wrap: bool,
+    /// Where a coded trunk's resident layers are kept (`--trunk-resident`): the loader
+    /// plans the same placements as the orchestrator's plan did.
+    #[serde(default)]
+    pub trunk_resident: TrunkResident,
+}
+
+/// `--trunk-resident`: how a coded trunk's resident layers are held (issue 37). Every
+/// placement serves compute the same decoded bytes; only memory and time differ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrunkResident {
+    /// Resident layers are decoded once at load and kept raw (the only way for a raw
+    /// trunk).
+    Raw,
+    /// No layer is kept raw: resident layers stay compressed in the loader's memory and
+    /// are decoded into a ring slot on each use.
+    Coded,
+    /// Each coded layer raw-pinned, kept coded or streamed, whichever the plan weighs
+    /// cheapest under the budget.
+    #[default]
+    Auto,
+}
+
+impl TrunkResident {
+    /// The flag's value: `raw`, `coded` or `auto`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TrunkResident::Raw => "raw",
+            TrunkResident::Coded => "coded",
+            TrunkResident::Auto => "auto",
+        }
+    }
+
+    /// The placement a flag value names (None: not one of them).
+    pub fn from_name(s: &str) -> Option<TrunkResident> {
+        [
+            TrunkResident::Raw,
+            TrunkResident::Coded,
+            TrunkResident::Auto,
+        ]
+        .into_iter()
+        .find(|r| r.name() == s)
+    }
 }
 
 /// expert-fetcher stage.

@@ -201,3 +201,106 @@ fn damaged_chunk_at_load_exits_1_naming_it() {
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("trunk layer 4 chunk 0"), "{}", text(&o));
 }
+
+/// Layers kept coded (`--trunk-resident coded`: every layer that fits stays compressed in
+/// the trunk-loader's arena and is decoded into a ring slot on each use) give the ids and
+/// the logits, bit for bit, of the resident run and of the raw trunk, whether every layer
+/// is kept or some stream beside them; the kept runs are counted in the plan (its
+/// `trunk N kept coded` line is the loader's kept bytes, and pinned + ring + kept fit the
+/// trunk budget) and decoded from memory, not read. Catches a kept layer decoded wrongly
+/// (from the wrong place of the arena) or skipped, kept bytes left out of the plan, and a
+/// loader that plans other placements than the orchestrator.
+#[test]
+fn kept_coded_layers_same_ids_and_logits() {
+    let (prompt, greedy) = oracle("tiny-mxfp4/expected-k3ref.json");
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let ids = join(&prompt);
+    let n = 4.min(greedy.len());
+    let tmp = tempfile::tempdir().unwrap();
+    let coded = tmp.path().join("coded");
+    pack(&model, &coded, true);
+    let (want, want_logits, _) = gen(&model, &ids, n, &[], tmp.path(), "resident");
+    assert_eq!(want, greedy[..n]);
+    // 13 layers storing 2.0 MB: all kept at 4 MB; some kept, the rest streamed, at 1.5 MB.
+    for (gb, all) in [("0.004", true), ("0.0015", false)] {
+        let extra = [
+            "--trunk",
+            coded.to_str().unwrap(),
+            "--trunk-gb",
+            gb,
+            "--cache-gb",
+            "0.00001",
+            "--trunk-resident",
+            "coded",
+            "--drive-gbps",
+            "1",
+            "--decode-gbps",
+            "1000",
+        ];
+        let (got, logits, r) = gen(&model, &ids, n, &extra, tmp.path(), &format!("kept{gb}"));
+        assert_eq!(got, want, "{gb} GB");
+        assert!(logits == want_logits, "{gb} GB: logits differ");
+        let t = &r["stage_summaries"]["trunk-loader"];
+        let (c, p) = (&t["codec"], &t["plan"]);
+        let kept = c["kept_layers"].as_u64().unwrap();
+        assert!(kept > 0 && (kept == 13) == all, "{gb} GB: {c}");
+        assert_eq!(p["pinned"].as_u64(), Some(0), "coded pins nothing raw: {p}");
+        assert!(c["stored_bytes_kept"].as_u64().unwrap() > 0, "{c}");
+        if all {
+            assert_eq!(c["stored_bytes_read"].as_u64(), Some(0), "{c}");
+        }
+        let plan = &r["plan"];
+        assert_eq!(plan["trunk_kept_layers"].as_u64(), Some(kept));
+        let kept_bytes = c["kept_bytes"].as_u64().unwrap();
+        assert_eq!(plan["trunk_kept_bytes"].as_u64(), Some(kept_bytes));
+        let line = plan["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["what"] == format!("trunk {kept} kept coded"))
+            .unwrap_or_else(|| panic!("no kept line: {plan}"));
+        assert_eq!(line["bytes"].as_u64(), Some(kept_bytes));
+        let used = p["pinned_bytes"].as_u64().unwrap()
+            + p["ring_slots"].as_u64().unwrap() * p["slot_bytes"].as_u64().unwrap()
+            + kept_bytes;
+        assert!(used <= plan["trunk_budget_bytes"].as_u64().unwrap(), "{p}");
+        let notes = r["notes"].to_string();
+        assert!(
+            notes.contains("trunk placement (--trunk-resident coded): 0 layer(s) pinned raw"),
+            "{notes}"
+        );
+    }
+}
+
+/// A flipped byte in a chunk of a layer kept coded: the stored CRC is checked when the
+/// chunk is decoded from memory, so the run exits 1 naming the layer and the chunk, as a
+/// streamed one does. Catches a kept chunk decoded without its check (wrong ids, exit 0).
+#[test]
+fn damaged_kept_chunk_exits_1_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let coded = tmp.path().join("coded");
+    pack(&model, &coded, true);
+    let m = json(&coded.join("trunk.json"));
+    let l4 = &m["codec"]["layers"][4];
+    let at = l4["offset"].as_u64().unwrap() + l4["chunks"][0]["offset"].as_u64().unwrap() + 77;
+    let k3z = coded.join("trunk.k3z");
+    let mut bytes = std::fs::read(&k3z).unwrap();
+    bytes[at as usize] ^= 0x01;
+    std::fs::write(&k3z, &bytes).unwrap();
+    let o = run(&[
+        model.to_str().unwrap(),
+        "--ids",
+        "1,2,3",
+        "--gen",
+        "2",
+        "--trunk",
+        coded.to_str().unwrap(),
+        "--trunk-gb",
+        "0.004",
+        "--trunk-resident",
+        "coded",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("trunk layer 4 chunk 0"), "{}", text(&o));
+}

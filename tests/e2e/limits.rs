@@ -243,3 +243,71 @@ fn the_kv_cache_refusal_honours_mem_gb() {
     assert!(o.status.success(), "short prompt:\n{}", text(&o));
     assert_eq!(u32s(&json(&out)["generated_ids"]), want[..1]);
 }
+
+/// Layers kept coded (`--trunk-resident coded`) live in the trunk-loader's arena, which
+/// its cgroup pays for: inside a 128 MB cgroup (a coded trunk's decode buffers alone take
+/// about 50 MB) a run that keeps every layer of a coded trunk coded fits, is never
+/// OOM-killed and gives the oracle's ids, and its plan gives the trunk-loader exactly its
+/// arena: pinned, ring and the kept bytes (the loader's own count). Catches kept runs
+/// allocated outside the plan (the loader's share would not hold them) or a plan that
+/// counts them at their decoded size.
+#[test]
+fn kept_coded_layers_fit_a_small_cgroup() {
+    let cg = match TestCgroup::new("kept", 128 * MB) {
+        Ok(cg) => cg,
+        Err(why) => return skip("kept_coded_layers_fit_a_small_cgroup", &why),
+    };
+    let (prompt, want) = oracle(ORACLE);
+    let m = fixtures().join(MODEL);
+    let dir = tempfile::tempdir().unwrap();
+    let coded = dir.path().join("coded");
+    let o = run(&[
+        "pack-trunk",
+        m.to_str().unwrap(),
+        coded.to_str().unwrap(),
+        "--codec",
+        "bf16-zstd",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = dir.path().join("run.json");
+    let ids = join(&prompt);
+    let mut a = args(m.to_str().unwrap(), &ids, "4", out.to_str().unwrap());
+    a.extend_from_slice(&[
+        "--trunk",
+        coded.to_str().unwrap(),
+        "--trunk-resident",
+        "coded",
+    ]);
+    let o = cg.run(&a);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert_eq!(cg.oom_kills(), 0, "OOM kill in the cgroup:\n{t}");
+    let r = json(&out);
+    assert_eq!(u32s(&r["generated_ids"]), want[..4]);
+    let c = &r["stage_summaries"]["trunk-loader"]["codec"];
+    assert_eq!(c["kept_layers"].as_u64(), Some(13), "{c}");
+    let kept = c["kept_bytes"].as_u64().unwrap();
+    let stored = json(&coded.join("trunk.json"))["codec"]["file_size"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(kept, stored, "every layer's stored run, padded");
+    // The plan's trunk lines (its decode buffers apart) are the loader's arena: pinned,
+    // ring and kept runs.
+    let plan = &r["plan"];
+    let lines: u64 = plan["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["stage"] == "trunk-loader" && i["what"] != "trunk decode buffers")
+        .map(|i| i["bytes"].as_u64().unwrap())
+        .sum();
+    let p = &r["stage_summaries"]["trunk-loader"]["plan"];
+    let arena = p["pinned_bytes"].as_u64().unwrap()
+        + p["ring_slots"].as_u64().unwrap() * p["slot_bytes"].as_u64().unwrap()
+        + kept;
+    assert_eq!(
+        lines, arena,
+        "the plan's trunk lines against the loader's arena: {plan}"
+    );
+    assert_eq!(plan["trunk_kept_bytes"].as_u64(), Some(kept));
+}

@@ -122,6 +122,7 @@ fn staged(model: &Path, trunk_dir: Option<PathBuf>, layers: usize) -> (StagedWei
         sink_bytes: 0,
         decode_weight_ppm: 0,
         hold_wrap: false,
+        trunk_resident: Default::default(),
     };
     let fetcher = FetcherConf {
         model_dir: model.to_path_buf(),

@@ -15,6 +15,7 @@
 use std::path::{Path, PathBuf};
 
 use super::defaults::{self, GenerationDefaults, Source};
+use k3_protocol::conf::TrunkResident;
 
 /// Where the prompt comes from: exactly one of these.
 #[derive(Clone, Debug, PartialEq)]
@@ -220,6 +221,9 @@ pub struct GenArgs {
     /// `--decode-gbps X`: a coded trunk's decoding rate per core (None: measured on its
     /// own chunks at the start).
     pub decode_gbps: Option<f64>,
+    /// `--trunk-resident raw|coded|auto`: how a coded trunk's resident layers are held
+    /// (raw, kept coded and decoded on use, or whichever the plan weighs cheaper).
+    pub trunk_resident: TrunkResident,
     pub gen: usize,
     /// `-c/--ctx-size`: prompt plus generated tokens at most (refused up front beyond it).
     pub ctx_size: Option<usize>,
@@ -317,6 +321,10 @@ memory (applied left to right; a later flag wins):
                          decoding against reading (default: measured at the start)
   --decode-gbps X        with a coded --trunk: GB/s one core decodes (default: measured on
                          the trunk's own chunks at the start)
+  --trunk-resident raw|coded|auto
+                         with a coded --trunk: keep resident layers raw (decoded once),
+                         coded (decoded on each use, ~1.45x more fit), or auto (default:
+                         per layer, whichever the plan weighs cheaper; same ids)
   --cache-gb X           budget for the routed-expert cache
 generation:
   --gen N, -n N, --n-predict N
@@ -433,6 +441,7 @@ struct LowArgs {
     experts: Vec<PathBuf>,
     drive_gbps: Option<f64>,
     decode_gbps: Option<f64>,
+    trunk_resident: TrunkResident,
     gen: Option<usize>,
     ctx_size: Option<usize>,
     incremental: bool,
@@ -576,6 +585,11 @@ impl LowArgs {
             "--mem-gb" => self.mem.push(MemFlag::MemGb(gb(&val()?, flag)?)),
             "--drive-gbps" => self.drive_gbps = Some(rate(&val()?, flag)?),
             "--decode-gbps" => self.decode_gbps = Some(rate(&val()?, flag)?),
+            "--trunk-resident" => {
+                let v = val()?;
+                self.trunk_resident = TrunkResident::from_name(&v)
+                    .ok_or_else(|| format!("--trunk-resident: '{v}' must be raw, coded or auto"))?;
+            }
             _ => return Ok(false),
         }
         Ok(true)
@@ -819,6 +833,7 @@ impl GenArgs {
             experts: low.experts,
             drive_gbps: low.drive_gbps,
             decode_gbps: low.decode_gbps,
+            trunk_resident: low.trunk_resident,
             gen,
             ctx_size: low.ctx_size,
             incremental: !low.full_recompute,
@@ -919,6 +934,7 @@ pub const FLAGS: &[&str] = &[
     "--cache-gb",
     "--drive-gbps",
     "--decode-gbps",
+    "--trunk-resident",
     "--gen",
     "--n-predict",
     "--ctx-size",
@@ -1295,6 +1311,20 @@ mod tests {
         assert!(!Speculate::Auto.resolve(192, 192));
         assert!(Speculate::On.resolve(192, 192));
         assert!(!Speculate::Off.resolve(16, 192));
+    }
+
+    /// `--trunk-resident` takes raw, coded or auto (the default) and refuses anything
+    /// else. Catches a parser that takes an unknown mode for the default.
+    #[test]
+    fn trunk_resident_modes_parse() {
+        assert_eq!(run("bare --ids 1").trunk_resident, TrunkResident::Auto);
+        for m in ["raw", "coded", "auto"] {
+            let a = run(&format!("bare --ids 1 --trunk-resident {m}"));
+            assert_eq!(a.trunk_resident.name(), m);
+        }
+        assert!(p("bare --ids 1 --trunk-resident zip")
+            .unwrap_err()
+            .contains("must be raw, coded or auto"));
     }
 
     #[test]

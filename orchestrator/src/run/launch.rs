@@ -747,6 +747,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             sink_bytes: c.plan.trunk_sink,
             decode_weight_ppm: c.plan.trunk_decode_ppm,
             hold_wrap: c.plan.trunk_hold_wrap,
+            trunk_resident: a.trunk_resident,
         },
         fetcher: conf::FetcherConf {
             model_dir: a.model_dir.clone(),

@@ -191,6 +191,10 @@ pub struct MemoryPlan {
     /// Bytes read per token outside the expert cache: trunk layers not pinned and a streamed
     /// lm_head (0 when both are held).
     pub streamed_bytes_per_token: u64,
+    /// Layers of a coded trunk kept coded in the trunk-loader's memory
+    /// (`--trunk-resident`), and the arena bytes their stored runs take (in the items).
+    pub trunk_kept_layers: usize,
+    pub trunk_kept_bytes: u64,
 }
 
 impl MemoryPlan {
@@ -204,6 +208,8 @@ impl MemoryPlan {
             available_bytes: None,
             total_budget_bytes: None,
             streamed_bytes_per_token: 0,
+            trunk_kept_layers: 0,
+            trunk_kept_bytes: 0,
         }
     }
 
@@ -1089,7 +1095,8 @@ fn bound(
         Some(dir) => {
             let (r, d) = packed_runs(dir, layers)?;
             let ppm = decode.map_or(0, DecodeTerms::ppm);
-            (Some(r.with_decode_weight(ppm)), d)
+            let r = r.with_decode_weight(ppm).with_resident(a.trunk_resident);
+            (Some(r), d)
         }
         None => (None, 0),
     };
@@ -1393,8 +1400,16 @@ fn add_trunk(
     mp.add(
         &format!("trunk ({}/{} pinned)", tp.pinned, tp.layers),
         "trunk-loader",
-        tp.bytes(),
+        tp.kept_at(),
     );
+    if tp.kept > 0 {
+        mp.add(
+            &format!("trunk {} kept coded", tp.kept),
+            "trunk-loader",
+            tp.kept_bytes,
+        );
+    }
+    (mp.trunk_kept_layers, mp.trunk_kept_bytes) = (tp.kept, tp.kept_bytes);
     if b.trunk_decode > 0 {
         mp.add("trunk decode buffers", "trunk-loader", b.trunk_decode);
     }
@@ -1421,6 +1436,7 @@ fn add_trunk(
             human(sp.decode_per_token),
             d.describe()
         ));
+        notes.push(placement_note(runs, &sp, a.trunk_resident));
     }
     // The lm_head streams from the same disk between tokens: a ring that read the next
     // token's first part then would share the disk with it, while the token starts with
@@ -1434,6 +1450,46 @@ fn add_trunk(
         );
     }
     Ok(hold_wrap)
+}
+
+/// The note that says where a coded trunk's layers are (`--trunk-resident`): how many
+/// layers, and their bytes, pinned raw, kept coded in memory, and streamed from disk (a
+/// layer counts as pinned raw when all its units are, as streamed when none is kept or
+/// pinned, and as partly pinned otherwise).
+fn placement_note(
+    runs: &k3_trunk_loader::Streams,
+    sp: &k3_trunk_loader::StreamPlan,
+    resident: k3_protocol::conf::TrunkResident,
+) -> String {
+    let n = runs.layers.len();
+    let units: Vec<usize> = match &sp.order {
+        Some(o) => o[..sp.plan.pinned].to_vec(),
+        None => (0..sp.plan.pinned).collect(),
+    };
+    // Units pinned raw of each layer, against its units.
+    let (mut pinned, mut of) = (vec![0usize; n], vec![0usize; n]);
+    let layer_of = |i: usize| if sp.parts { runs.part_layer[i] } else { i };
+    for i in 0..if sp.parts { runs.parts.len() } else { n } {
+        of[layer_of(i)] += 1;
+    }
+    for &i in &units {
+        pinned[layer_of(i)] += 1;
+    }
+    let raw = (0..n).filter(|&l| of[l] > 0 && pinned[l] == of[l]).count();
+    let partly = (0..n)
+        .filter(|&l| pinned[l] > 0 && pinned[l] < of[l] && !sp.kept.contains(&l))
+        .count();
+    let streamed = n - raw - partly - sp.kept.len();
+    format!(
+        "trunk placement (--trunk-resident {}): {raw} layer(s) pinned raw ({} with the \
+         pinned parts of {partly} more), {} kept coded ({} of RAM, decoded on each use), \
+         {streamed} streamed ({} read per token)",
+        resident.name(),
+        human(sp.plan.pinned_bytes),
+        sp.kept.len(),
+        human(sp.plan.kept_bytes),
+        human(sp.read_per_token)
+    )
 }
 
 /// The lm_head's lines of the plan and its note: pinned, or streamed in chunks of `chunk`

@@ -32,6 +32,7 @@ use k3_model::catalog::Catalog;
 use k3_model::classify::{classify, expert_of, layer_of, TensorClass};
 use k3_model::config::{ConfigError, ExpertFormat, LayerKind, ModelConfig};
 use k3_model::trunk::{align_up, TRUNK_ALIGN};
+use k3_protocol::conf::TrunkResident;
 use k3_trunk_loader::{plan_streams, plan_streams_with, Presets, RingPolicy, Streams};
 
 /// Command line of `k3-orch inspect`.
@@ -58,6 +59,15 @@ struct Args {
     /// reference machine's)
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     cores: Option<u32>,
+    /// With --codec-ratio: how resident layers are held, as `k3-orch --trunk-resident`
+    /// (raw, coded or auto; default auto)
+    #[arg(long = "trunk-resident", value_parser = parse_resident, default_value = "auto")]
+    trunk_resident: TrunkResident,
+}
+
+/// A `--trunk-resident` placement: raw, coded or auto.
+pub(crate) fn parse_resident(s: &str) -> Result<TrunkResident, String> {
+    TrunkResident::from_name(s.trim()).ok_or_else(|| format!("{s:?} is not raw, coded or auto"))
 }
 
 /// A rate in GB/s: a positive number.
@@ -107,7 +117,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
                 decode_source: given(args.decode_gbps, "--decode-gbps"),
                 cores: args.cores.unwrap_or(16) as usize,
             };
-            (r, terms)
+            (r, terms, args.trunk_resident)
         });
         print!("{}", budget_table(&cat, c, codec.as_ref()));
     }
@@ -498,9 +508,9 @@ pub fn floor_of(s: &crate::run::plan::Spend, runs: &Streams) -> Option<u64> {
 
 /// One row of the budget table: what a total pins and reads.
 struct Row {
-    /// Units pinned of the trunk's (`12/93 parts`).
+    /// Units pinned of the trunk's (`12/93 parts`), and the layers kept coded (`+40 kept`).
     pinned: String,
-    /// Arena bytes of the pinned trunk (decoded).
+    /// Arena bytes of the pinned trunk (decoded) and of the layers kept coded (stored).
     resident: u64,
     head: String,
     slots: u64,
@@ -523,10 +533,14 @@ fn row(base: &crate::run::plan::Spend, runs: &Streams, total: u64) -> Result<Row
             .as_ref()
             .map(|p| {
                 let parts = if p.parts { " parts" } else { "" };
-                format!("{}/{}{parts}", p.plan.pinned, p.plan.layers)
+                let kept = match p.plan.kept {
+                    0 => String::new(),
+                    k => format!(" +{k} kept"),
+                };
+                format!("{}/{}{parts}{kept}", p.plan.pinned, p.plan.layers)
             })
             .unwrap_or_default(),
-        resident: tp.map_or(0, |p| p.plan.pinned_bytes),
+        resident: tp.map_or(0, |p| p.plan.pinned_bytes + p.plan.kept_bytes),
         head: if c.head_pinned {
             "pinned".to_string()
         } else if c.head_held > 0 {
@@ -616,11 +630,11 @@ fn table_base(cat: &Catalog, cfg: &ModelConfig) -> (crate::run::plan::Spend, Str
 pub fn budget_table(
     cat: &Catalog,
     cfg: &ModelConfig,
-    codec: Option<&(f64, crate::run::plan::DecodeTerms)>,
+    codec: Option<&(f64, crate::run::plan::DecodeTerms, TrunkResident)>,
 ) -> String {
     use crate::run::plan::lm_head_stream_bytes;
     let (base, runs, lm_head, topk) = table_base(cat, cfg);
-    let coded = codec.map(|(r, terms)| {
+    let coded = codec.map(|(r, terms, resident)| {
         let decode = k3_trunk_loader::loader::decode_buffer_bound(k3_model::trunk::CODEC_CHUNK);
         let spend = crate::run::plan::Spend {
             fixed: base.fixed + decode,
@@ -629,7 +643,8 @@ pub fn budget_table(
         let streams = runs
             .clone()
             .with_read_ratio(*r)
-            .with_decode_weight(terms.ppm());
+            .with_decode_weight(terms.ppm())
+            .with_resident(*resident);
         (*r, spend, streams, decode, terms)
     });
     let mut o = String::new();
@@ -659,6 +674,11 @@ pub fn budget_table(
         o += &format!(
             "  coded trunk decoded on every token it streams, weighed as reads: {}\n",
             terms.describe()
+        );
+        o += &format!(
+            "  coded trunk placed with --trunk-resident {}: \"+N kept\" layers stay coded in RAM \
+             (their stored bytes resident), decoded on each use\n",
+            cr.resident.name()
         );
         o += &format!(
             "  coded streaming floor: {}\n",

@@ -125,6 +125,10 @@ struct Args {
     /// With --codec-ratio: GB/s of BF16 one core decodes (default: measured here)
     #[arg(long = "decode-gbps")]
     decode_gbps: Option<f64>,
+    /// With --codec-ratio: how resident layers are held, as `k3-orch --trunk-resident`
+    /// (raw, coded or auto; default auto)
+    #[arg(long = "trunk-resident", value_parser = crate::tools::inspect::parse_resident, default_value = "auto")]
+    trunk_resident: k3_protocol::conf::TrunkResident,
 }
 
 /// Where the expected expert hit rate comes from.
@@ -419,6 +423,13 @@ impl ModelShape {
         self.spend.fixed +=
             k3_trunk_loader::loader::decode_buffer_bound(k3_model::trunk::CODEC_CHUNK);
         self.codec_ratio = Some(ratio);
+        self
+    }
+
+    /// The same model with a coded trunk's resident layers held as `resident` says
+    /// (`--trunk-resident`).
+    pub fn with_resident(mut self, resident: k3_protocol::conf::TrunkResident) -> ModelShape {
+        self.runs = self.runs.with_resident(resident);
         self
     }
 
@@ -798,10 +809,14 @@ fn project_parts(
     let c = choose(&sp, Some(&runs), parts.map(|p| p.0), parts.map(|p| p.1))?;
     let sp = plan_streams_with(c.trunk, &runs, RingPolicy::default(), c.sink)?;
     let pinned = format!(
-        "{}/{} {}",
+        "{}/{} {}{}",
         sp.plan.pinned,
         sp.plan.layers,
-        if sp.parts { "parts" } else { "layers" }
+        if sp.parts { "parts" } else { "layers" },
+        match sp.plan.kept {
+            0 => String::new(),
+            k => format!(" +{k} kept"),
+        }
     );
     let cache_slots = (c.cache / m.spend.expert_slot.max(1)).min(m.experts());
     let hit = hits.rate(cache_slots, m.experts());
@@ -1067,7 +1082,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         None => ModelShape::released(),
     };
     let shape = match a.codec_ratio {
-        Some(r) => shape.with_codec_ratio(r),
+        Some(r) => shape.with_codec_ratio(r).with_resident(a.trunk_resident),
         None => shape,
     };
     let budgets = match budgets(&a) {
@@ -1593,6 +1608,7 @@ pub fn measure_compute(threads: usize) -> (f64, f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k3_protocol::conf::TrunkResident;
 
     fn machine() -> Machine {
         Machine {
@@ -1834,7 +1850,9 @@ mod tests {
     /// plan would be the stored-bytes one).
     #[test]
     fn a_coded_trunk_plans_by_the_machines_decoding() {
-        let m = ModelShape::released().with_codec_ratio(0.662);
+        let m = ModelShape::released()
+            .with_codec_ratio(0.662)
+            .with_resident(TrunkResident::Raw);
         let b = (64.0 * GB) as u64;
         let wide = project(&m, b, &Machine::reference(1)).unwrap();
         assert!(wide.choice.head_pinned, "{:?}", wide.choice);
@@ -1858,6 +1876,41 @@ mod tests {
         );
         assert!(weighed.times.decode > 0.0);
         assert!(weighed.times.s_per_token() < Times::of(&by_stored.per_token, &two).s_per_token());
+    }
+
+    /// `--trunk-resident auto` at 64 GB on 16 cores (a decoded byte weighs 0.22 read bytes)
+    /// keeps layers coded in RAM ("+N kept") where the raw plan pins them decoded, and its
+    /// plan weighs less and reads less per token; on 2 cores (1.75) it keeps none and is
+    /// the raw plan. Catches a projection that never plans kept layers, or keeps them
+    /// where decoding costs more than the reads they save.
+    #[test]
+    fn auto_keeps_coded_layers_where_decoding_is_cheap() {
+        let b = (64.0 * GB) as u64;
+        let coded = ModelShape::released().with_codec_ratio(0.662);
+        let raw = coded.clone().with_resident(TrunkResident::Raw);
+        let wide = Machine::reference(1);
+        let (a, r) = (
+            project(&coded, b, &wide).unwrap(),
+            project(&raw, b, &wide).unwrap(),
+        );
+        assert!(
+            a.pinned.contains(" kept") && !r.pinned.contains("kept"),
+            "{} {}",
+            a.pinned,
+            r.pinned
+        );
+        assert!(a.choice.cost_per_token < r.choice.cost_per_token);
+        assert!(a.choice.read_per_token < r.choice.read_per_token);
+        let two = Machine {
+            cores: 2,
+            ..Machine::reference(1)
+        };
+        let (a, r) = (
+            project(&coded, b, &two).unwrap(),
+            project(&raw, b, &two).unwrap(),
+        );
+        assert!(!a.pinned.contains("kept"), "{}", a.pinned);
+        assert_eq!(a.choice.cost_per_token, r.choice.cost_per_token);
     }
 
     /// What a projection says it holds fits what it spends: the trunk counted as its plan

@@ -2,7 +2,8 @@
 //!
 //! - [`plan`](mod@plan): the fixed-point sizing of a pinned prefix plus a ring of slots for a budget,
 //!   over whole layers or, below one slot for the largest layer, over the layers' parts
-//!   (the tensors the forward uses together; [`plan_streams`]).
+//!   (the tensors the forward uses together; [`plan_streams`]); a coded trunk's layers may
+//!   also be kept coded in memory and decoded on each use ([`TrunkResident`]).
 //! - [`loader`]: the reader thread that loads the pinned prefix once and streams the other
 //!   layers through the ring, in layer order, as far ahead as free slots allow.
 //! - [`presets`]: `--preset` / `--trunk-gb` / `--cache-gb` / `auto` budgets.
@@ -23,6 +24,6 @@ pub use loader::{
 };
 pub use plan::{
     decode_cost, decode_rate, decode_weight_ppm, plan, plan_streams, plan_streams_with, LayerRun,
-    PlanError, RingPolicy, StreamPlan, Streams, TrunkPlan,
+    PlanError, RingPolicy, StreamPlan, Streams, TrunkPlan, TrunkResident,
 };
 pub use presets::{auto, mem_available, Budgets, Preset, Presets, PresetsError};

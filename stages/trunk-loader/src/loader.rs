@@ -108,6 +108,8 @@ pub enum LoaderError {
     Thread(#[source] std::io::Error),
     #[error("the trunk is stored with codec {0:?}, which this build cannot decode")]
     Codec(String),
+    #[error("reading the layers kept coded in memory: {0}")]
+    Keep(#[source] std::io::Error),
 }
 
 /// The reader of a packed trunk in `dir`: `trunk.bin` directly, or a coded trunk's stored
@@ -117,6 +119,25 @@ pub enum LoaderError {
 pub fn trunk_reader(
     dir: &std::path::Path,
     m: &TrunkManifest,
+) -> Result<(Arc<dyn ReadAt>, Option<Arc<CodedReader>>), LoaderError> {
+    trunk_reader_keeping(dir, m, None)
+}
+
+/// Layers of a coded trunk kept coded in memory: their stored runs, back to back from
+/// byte `at` of `arena` ([`crate::plan::TrunkPlan::kept_at`]).
+pub struct KeepCoded<'a> {
+    pub layers: &'a [usize],
+    pub arena: Arc<dyn ArenaMemory>,
+    pub at: u64,
+}
+
+/// [`trunk_reader`] that first reads the stored runs of `keep`'s layers into its arena
+/// ([`CodedReader::keep_layers`]): those layers are decoded from memory from then on.
+#[allow(clippy::type_complexity)]
+pub fn trunk_reader_keeping(
+    dir: &std::path::Path,
+    m: &TrunkManifest,
+    keep: Option<KeepCoded<'_>>,
 ) -> Result<(Arc<dyn ReadAt>, Option<Arc<CodedReader>>), LoaderError> {
     let file = m.codec.as_ref().map(|c| &c.file).unwrap_or(&m.file);
     let path = dir.join(file);
@@ -128,8 +149,13 @@ pub fn trunk_reader(
             Ok((r, None))
         }
         Some(c) => {
-            let coded = CodedReader::new(m, Arc::new(direct), 0)
+            let mut coded = CodedReader::new(m, Arc::new(direct), 0)
                 .ok_or_else(|| LoaderError::Codec(c.name.clone()))?;
+            if let Some(k) = keep.filter(|k| !k.layers.is_empty()) {
+                coded
+                    .keep_layers(k.layers, k.arena, k.at)
+                    .map_err(LoaderError::Keep)?;
+            }
             let coded = Arc::new(coded);
             let r: Arc<dyn ReadAt> = coded.clone();
             Ok((r, Some(coded)))

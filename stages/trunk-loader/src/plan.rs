@@ -35,10 +35,22 @@
 //! decoded once at load and costs nothing per token. [`decode_rate`] is the short probe of
 //! the decoder's rate on a trunk's own chunks.
 //!
+//! A coded trunk's layer has a third placement beside pinned raw and streamed: **kept
+//! coded** (`--trunk-resident`, [`Streams::resident`]): its stored run stays in the loader's
+//! memory (after the ring in its arena, counted at its stored size, [`TrunkPlan::kept_bytes`])
+//! and is decoded into a ring slot on each use, as a streamed unit but without the read. It
+//! costs its stored bytes of RAM and its decoding per token; pinned raw costs its decoded
+//! bytes and nothing per token; streamed costs a slot, the read and the decoding. With
+//! `auto` [`plan_streams_with`] weighs every raw-pinned prefix (and, in parts, every set the
+//! slot size forces) with the layers it can still keep coded, greedily by reads saved per
+//! byte kept, beside the sink, and keeps a layer coded only where that costs less than
+//! what the raw plan does; `coded` keeps nothing raw.
+//!
 //! Footprints are in whole pages: a layer at file offset `o` of `n` bytes occupies
 //! `align_up(o % 4096 + n)` bytes of arena, so O_DIRECT reads land page-aligned.
 
 use k3_io::arena::{align_up, ALIGN};
+pub use k3_protocol::conf::TrunkResident;
 
 /// One layer's bytes in the trunk file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,11 +99,20 @@ pub struct TrunkPlan {
     pub slot_bytes: u64,
     /// The budget it was made for.
     pub budget: u64,
+    /// Layers of a coded trunk kept coded in memory (see the module documentation).
+    pub kept: usize,
+    /// Arena bytes of their stored runs (after the ring, [`TrunkPlan::kept_at`]).
+    pub kept_bytes: u64,
 }
 
 impl TrunkPlan {
-    /// Arena bytes the plan allocates.
+    /// Arena bytes the plan allocates: the pinned units, the ring, the layers kept coded.
     pub fn bytes(&self) -> u64 {
+        self.kept_at() + self.kept_bytes
+    }
+
+    /// Where the kept layers' stored runs start in the arena: after the ring.
+    pub fn kept_at(&self) -> u64 {
         self.pinned_bytes + self.ring_slots as u64 * self.slot_bytes
     }
 
@@ -172,6 +193,8 @@ pub fn plan(budget: u64, runs: &[LayerRun], ring: RingPolicy) -> Result<TrunkPla
         ring_slots,
         slot_bytes: if ring_slots == 0 { 0 } else { slot_bytes },
         budget,
+        kept: 0,
+        kept_bytes: 0,
     })
 }
 
@@ -202,6 +225,13 @@ pub struct Streams {
     /// trunk-loader's decoders take for a million decoded bytes ([`decode_weight_ppm`]).
     /// 0: decoding is free, streamed units are ranked by their stored bytes alone.
     pub decode_ppm: u64,
+    /// The layer each part belongs to (one per part).
+    pub part_layer: Vec<usize>,
+    /// Arena bytes keeping each layer coded takes (a coded trunk's stored run, padded);
+    /// empty: a raw trunk, nothing can be kept coded.
+    pub layer_kept: Vec<u64>,
+    /// Which placements a coded trunk's layers may take (`--trunk-resident`).
+    pub resident: TrunkResident,
 }
 
 impl Streams {
@@ -229,6 +259,13 @@ impl Streams {
             layer_decoded: Vec::new(),
             part_decoded: Vec::new(),
             decode_ppm: 0,
+            part_layer: layers
+                .iter()
+                .enumerate()
+                .flat_map(|(i, l)| std::iter::repeat_n(i, k3_model::trunk::layer_parts_of(l).len()))
+                .collect(),
+            layer_kept: Vec::new(),
+            resident: TrunkResident::default(),
         }
     }
 
@@ -245,6 +282,7 @@ impl Streams {
                 .push(cl.chunks.iter().map(|ch| ch.stored).sum());
             s.layer_decoded
                 .push(cl.chunks.iter().map(|ch| ch.raw).sum());
+            s.layer_kept.push(cl.padded_length);
             for part in k3_model::trunk::layer_parts_of(l) {
                 // Each piece is read on its own: a chunk two pieces touch is read (and
                 // decoded) twice.
@@ -278,6 +316,13 @@ impl Streams {
         self.part_reads = scale(&self.parts);
         self.layer_decoded = self.layers.iter().map(|u| u.len).collect();
         self.part_decoded = self.parts.iter().map(|u| u.len).collect();
+        self.layer_kept = self.layer_reads.iter().map(|&r| align_up(r)).collect();
+        self
+    }
+
+    /// The same streams with the placements `resident` allows ([`Streams::resident`]).
+    pub fn with_resident(mut self, resident: TrunkResident) -> Streams {
+        self.resident = resident;
         self
     }
 
@@ -413,6 +458,9 @@ pub struct StreamPlan {
     /// What the plan weighs: the bytes read plus the decoding weighed as bytes read
     /// ([`decode_cost`] at [`Streams::decode_ppm`]); the bytes read for a raw trunk.
     pub cost_per_token: u64,
+    /// The layers kept coded in memory, ascending (their streamed units read nothing, they
+    /// decode from memory): `plan.kept` of them, `plan.kept_bytes` of arena.
+    pub kept: Vec<usize>,
     /// The loader's units in terms of the stream's (`order[i]`: the stream unit the loader's
     /// unit `i` is): the pinned units first, then the streamed ones, each group in stream
     /// order, so the ring still reads the streamed units in the order the forward uses
@@ -519,7 +567,9 @@ pub fn plan_streams(budget: u64, s: &Streams, ring: RingPolicy) -> Result<Stream
 /// [`plan_streams`] beside a sink of `sink` bytes (see the module documentation): the
 /// candidates are weighed by their cost (reads, and a coded trunk's decoding at
 /// [`Streams::decode_ppm`]) plus the sink's bytes the budget they leave cannot hold
-/// ([`StreamPlan::cost_with`]). A sink of 0 is [`plan_streams`].
+/// ([`StreamPlan::cost_with`]). A sink of 0 is [`plan_streams`]. A coded trunk's layers
+/// may also be kept coded ([`Streams::resident`], see the module documentation): with
+/// `auto` only when that plan costs less than the raw one, with `coded` always.
 pub fn plan_streams_with(
     budget: u64,
     s: &Streams,
@@ -529,9 +579,32 @@ pub fn plan_streams_with(
     let net = |p: &StreamPlan| p.cost_with(sink);
     let layers = UnitCosts::of(&s.layers, &s.layer_reads, &s.layer_decoded, s.decode_ppm);
     let whole = plan(budget, &s.layers, ring).map(|p| layers.stream_plan(p, false, None));
-    if s.parts.is_empty() {
-        return whole;
+    let raw = if s.parts.is_empty() {
+        whole
+    } else {
+        raw_parts_or_whole(budget, s, ring, sink, whole)
+    };
+    if s.layer_kept.len() != s.layers.len() || s.resident == TrunkResident::Raw {
+        return raw;
     }
+    // Kept coded only where it costs less than the raw plan (`auto`), or always (`coded`).
+    match (raw, plan_kept(budget, s, ring, sink)) {
+        (Ok(r), Some(k)) if s.resident == TrunkResident::Auto && net(&k) >= net(&r) => Ok(r),
+        (_, Some(k)) => Ok(k),
+        (r, None) => r,
+    }
+}
+
+/// The raw plan over parts (the prefix plan, or a pinned set `pin_order` picks) against
+/// `whole`, the plan over whole layers: whichever costs less beside `sink`.
+fn raw_parts_or_whole(
+    budget: u64,
+    s: &Streams,
+    ring: RingPolicy,
+    sink: u64,
+    whole: Result<StreamPlan, PlanError>,
+) -> Result<StreamPlan, PlanError> {
+    let net = |p: &StreamPlan| p.cost_with(sink);
     let parts = UnitCosts::of(&s.parts, &s.part_reads, &s.part_decoded, s.decode_ppm);
     let prefix = plan(budget, &s.parts, ring).map(|p| parts.stream_plan(p, true, None));
     // Parts may also pin a set that is not a prefix (see `pin_order`); the prefix plan
@@ -553,6 +626,160 @@ pub fn plan_streams_with(
         (Err(_), Ok(p)) => Ok(p),
         (Err(_), Err(e)) => Err(e),
     }
+}
+
+/// The cheapest plan ([`StreamPlan::cost_with`] beside `sink`) that keeps layers of a coded
+/// trunk coded, over whole layers and over parts: each raw-pinned set of
+/// [`raw_pinned_sets`] with one slot for the largest unit it streams, filled by
+/// [`keep_coded`]. With `coded` ([`Streams::resident`]) nothing is pinned raw and every
+/// layer that fits is kept, whatever the sink; None when no plan fits (or, with `auto`,
+/// none keeps a layer).
+fn plan_kept(budget: u64, s: &Streams, ring: RingPolicy, sink: u64) -> Option<StreamPlan> {
+    let whole: Vec<usize> = (0..s.layers.len()).collect();
+    let kinds = [
+        (false, &s.layers, &s.layer_reads, &s.layer_decoded, &whole),
+        (
+            true,
+            &s.parts,
+            &s.part_reads,
+            &s.part_decoded,
+            &s.part_layer,
+        ),
+    ];
+    let mut best: Option<StreamPlan> = None;
+    for (parts, runs, reads, decoded, layer_of) in kinds {
+        if runs.is_empty() || layer_of.len() != runs.len() {
+            continue;
+        }
+        let units = KeepUnits {
+            fp: runs.iter().map(LayerRun::footprint).collect(),
+            costs: UnitCosts::of(runs, reads, decoded, s.decode_ppm),
+            layer_of,
+            parts,
+        };
+        for pin in raw_pinned_sets(&units.fp, s.resident) {
+            let Some(sp) = keep_coded(budget, s, ring, sink, &units, &pin) else {
+                continue;
+            };
+            if best
+                .as_ref()
+                .is_none_or(|b| sp.cost_with(sink) < b.cost_with(sink))
+            {
+                best = Some(sp);
+            }
+        }
+    }
+    best
+}
+
+/// One kind of unit (layers or parts) as [`keep_coded`] weighs them.
+struct KeepUnits<'a> {
+    fp: Vec<u64>,
+    costs: UnitCosts,
+    /// The layer of each unit.
+    layer_of: &'a [usize],
+    parts: bool,
+}
+
+/// The raw-pinned sets a plan that keeps layers coded starts from: none with `coded`;
+/// with `auto` every prefix of the units, and for each unit size the units larger than it
+/// (those a slot of that size forces pinned).
+fn raw_pinned_sets(fp: &[u64], resident: TrunkResident) -> Vec<Vec<bool>> {
+    let n = fp.len();
+    if resident == TrunkResident::Coded {
+        return vec![vec![false; n]];
+    }
+    let mut sets: Vec<Vec<bool>> = (0..=n).map(|p| (0..n).map(|i| i < p).collect()).collect();
+    let mut sizes = fp.to_vec();
+    sizes.sort_unstable();
+    sizes.dedup();
+    for slot in sizes {
+        sets.push(fp.iter().map(|&f| f > slot).collect());
+    }
+    sets
+}
+
+/// The plan that pins `pin` raw, keeps ring.min slots for the largest unit it streams, then
+/// keeps layers coded in what is left, greedily by reads saved per byte kept (with `auto`
+/// only a layer that lowers the cost beside `sink`: each byte the sink cannot hold is
+/// read), then adds ring slots (up to ring.max) with the rest, as [`plan`] does. None when
+/// it does not fit, streams nothing, or (with `auto`) keeps no layer.
+fn keep_coded(
+    budget: u64,
+    s: &Streams,
+    ring: RingPolicy,
+    sink: u64,
+    u: &KeepUnits,
+    pin: &[bool],
+) -> Option<StreamPlan> {
+    let n = u.fp.len();
+    let streamed: Vec<usize> = (0..n).filter(|&i| !pin[i]).collect();
+    let slot = streamed.iter().map(|&i| u.fp[i]).max()?;
+    let pinned_bytes: u64 = (0..n).filter(|&i| pin[i]).map(|i| u.fp[i]).sum();
+    let ring_max = ring.max.max(1);
+    let min = ring.min.clamp(1, ring_max).min(streamed.len());
+    let mut left = budget
+        .checked_sub(pinned_bytes)?
+        .checked_sub(min as u64 * slot)?;
+    // Reads each layer's streamed units would no longer make.
+    let mut saved = vec![0u64; s.layer_kept.len()];
+    for &i in &streamed {
+        saved[u.layer_of[i]] += u.costs.read[i];
+    }
+    let mut order: Vec<usize> = (0..saved.len())
+        .filter(|&l| saved[l] > 0 && s.layer_kept[l] > 0)
+        .collect();
+    // By reads saved per byte kept, the best first (cross-multiplied: no rounding).
+    order.sort_by(|&a, &b| {
+        let (ka, kb) = (s.layer_kept[a] as u128, s.layer_kept[b] as u128);
+        (saved[b] as u128 * ka).cmp(&(saved[a] as u128 * kb))
+    });
+    let mut cost: u64 = streamed.iter().map(|&i| u.costs.cost[i]).sum();
+    let mut kept = vec![false; saved.len()];
+    let mut kept_bytes = 0u64;
+    for l in order {
+        let k = s.layer_kept[l];
+        if k > left {
+            continue;
+        }
+        let better = cost.saturating_sub(saved[l]) + sink.saturating_sub(left - k)
+            < cost + sink.saturating_sub(left);
+        if s.resident == TrunkResident::Coded || better {
+            kept[l] = true;
+            left -= k;
+            kept_bytes += k;
+            cost = cost.saturating_sub(saved[l]);
+        }
+    }
+    if kept_bytes == 0 && s.resident != TrunkResident::Coded {
+        return None;
+    }
+    let extra = ((left / slot) as usize).min(ring_max.min(streamed.len()) - min);
+    let plan = TrunkPlan {
+        layers: n,
+        pinned: n - streamed.len(),
+        pinned_bytes,
+        ring_slots: min + extra,
+        slot_bytes: slot,
+        budget,
+        kept: kept.iter().filter(|&&k| k).count(),
+        kept_bytes,
+    };
+    let is_kept = |i: usize| kept[u.layer_of[i]];
+    let prefix = (0..n).all(|i| pin[i] == (i < plan.pinned));
+    Some(StreamPlan {
+        plan,
+        parts: u.parts,
+        read_per_token: streamed
+            .iter()
+            .filter(|&&i| !is_kept(i))
+            .map(|&i| u.costs.read[i])
+            .sum(),
+        decode_per_token: streamed.iter().map(|&i| u.costs.decoded[i]).sum(),
+        cost_per_token: cost,
+        kept: (0..kept.len()).filter(|&l| kept[l]).collect(),
+        order: (!prefix).then(|| (0..n).filter(|&i| pin[i]).chain(streamed).collect()),
+    })
 }
 
 /// What streaming each unit of one kind (layers or parts, in stream order) reads, decodes
@@ -595,6 +822,7 @@ impl UnitCosts {
             read_per_token: sum(&self.read),
             decode_per_token: sum(&self.decoded),
             cost_per_token: sum(&self.cost),
+            kept: Vec::new(),
             order,
         }
     }
@@ -931,5 +1159,174 @@ mod tests {
         assert_eq!(decode_weight_ppm(2e9, f64::NAN, 2), 0);
         assert_eq!(decode_cost(10 * P, 700_000), 7 * P);
         assert_eq!(decode_cost(u64::MAX, 2_000_000), u64::MAX);
+    }
+
+    /// Four 10-page layers, each storing 6 pages (and keeping 6 pages of arena coded) and
+    /// decoding 10, with decoding weighed at `ppm`, under `resident`.
+    fn coded_layers(ppm: u64, resident: TrunkResident) -> Streams {
+        Streams {
+            layers: runs(&[10; 4]),
+            layer_reads: vec![6 * P; 4],
+            layer_decoded: vec![10 * P; 4],
+            layer_kept: vec![6 * P; 4],
+            ..Default::default()
+        }
+        .with_decode_weight(ppm)
+        .with_resident(resident)
+    }
+
+    // At 34 pages the raw plan pins 2 layers and streams 2: 12 pages read plus 20 decoded a
+    // token, 12 + 20w. Keeping all 4 coded beside one slot (24 + 10 pages) reads nothing and
+    // decodes 40: 40w. So keeping wins below w = 0.6 and the raw plan from there on (a tie
+    // stays raw). Catches a plan that never keeps (or always does), one that ignores the
+    // decoding a kept layer still costs, a kept layer counted as read, and kept bytes left
+    // out of the arena (the plan over its budget).
+    #[test]
+    fn keeping_coded_flips_where_decoding_costs_more_than_the_reads_it_saves() {
+        let ring = RingPolicy::default();
+        for (ppm, keeps) in [
+            (0, true),
+            (550_000, true),
+            (600_000, false),
+            (1_000_000, false),
+        ] {
+            let sp = plan_streams(34 * P, &coded_layers(ppm, TrunkResident::Auto), ring).unwrap();
+            assert!(sp.plan.bytes() <= 34 * P, "{ppm}: {sp:?}");
+            if keeps {
+                assert_eq!(sp.kept, [0, 1, 2, 3], "{ppm}: {sp:?}");
+                assert_eq!((sp.plan.pinned, sp.plan.kept), (0, 4));
+                assert_eq!((sp.plan.kept_bytes, sp.plan.kept_at()), (24 * P, 10 * P));
+                assert_eq!((sp.read_per_token, sp.decode_per_token), (0, 40 * P));
+                assert_eq!(sp.cost_per_token, decode_cost(40 * P, ppm));
+            } else {
+                assert!(sp.kept.is_empty(), "{ppm}: {sp:?}");
+                assert_eq!((sp.plan.pinned, sp.plan.kept_bytes), (2, 0));
+                assert_eq!(sp.read_per_token, 12 * P);
+            }
+        }
+    }
+
+    // `raw` never keeps a layer coded (today's plan, whatever the weight); `coded` pins
+    // nothing raw and keeps every layer that fits beside one slot, even where it costs
+    // more, streaming the rest. Catches a flag that is not obeyed either way, and kept
+    // layers past the budget.
+    #[test]
+    fn the_flag_forces_raw_or_coded() {
+        let ring = RingPolicy::default();
+        let raw = plan_streams(34 * P, &coded_layers(0, TrunkResident::Raw), ring).unwrap();
+        assert!(raw.kept.is_empty());
+        assert_eq!(raw.plan.pinned, 2);
+        let mut bare = coded_layers(0, TrunkResident::Auto);
+        bare.layer_kept.clear();
+        assert_eq!(raw, plan_streams(34 * P, &bare, ring).unwrap());
+        let forced = coded_layers(1_000_000, TrunkResident::Coded);
+        let sp = plan_streams(34 * P, &forced, ring).unwrap();
+        assert_eq!((sp.plan.pinned, sp.kept.len()), (0, 4));
+        let sp = plan_streams(25 * P, &forced, ring).unwrap();
+        assert_eq!(
+            (sp.plan.pinned, sp.kept.len(), sp.plan.ring_slots),
+            (0, 2, 1)
+        );
+        assert_eq!(sp.read_per_token, 12 * P, "two layers kept, two streamed");
+        assert!(sp.plan.bytes() <= 25 * P);
+    }
+
+    // Random coded streams (layers and parts, a sink, any weight): `auto` never weighs more
+    // than the raw plan, fits its budget, keeps only layers with a streamed unit, and
+    // reports the reads, decoding and cost of what it streams and keeps. Catches a kept
+    // plan that is worse than the raw one it replaces, kept bytes over the budget, and
+    // per-token figures that count a kept unit as read (or a pinned one at all).
+    #[test]
+    fn auto_fits_and_never_weighs_more_than_raw() {
+        let ring = RingPolicy::default();
+        let mut next = xorshift(0xc0de_u64);
+        for _ in 0..300 {
+            let layers = 1 + next(5) as usize;
+            let mut pages = Vec::new();
+            let mut part_layer = Vec::new();
+            for l in 0..layers {
+                for _ in 0..1 + next(3) {
+                    pages.push(1 + next(20));
+                    part_layer.push(l);
+                }
+            }
+            let mut s = streams_of(&pages);
+            s.layers = runs(
+                &(0..layers)
+                    .map(|l| {
+                        (0..pages.len())
+                            .filter(|&i| part_layer[i] == l)
+                            .map(|i| pages[i])
+                            .sum()
+                    })
+                    .collect::<Vec<u64>>(),
+            );
+            s.part_layer = part_layer.clone();
+            s.part_decoded = pages.iter().map(|&p| p * P).collect();
+            s.part_reads = pages.iter().map(|&p| (p * P).div_ceil(3) * 2).collect();
+            s.layer_decoded = s.layers.iter().map(|r| r.len).collect();
+            s.layer_reads = (0..layers)
+                .map(|l| {
+                    (0..pages.len())
+                        .filter(|&i| part_layer[i] == l)
+                        .map(|i| s.part_reads[i])
+                        .sum()
+                })
+                .collect();
+            s.layer_kept = s.layer_reads.iter().map(|&r| align_up(r)).collect();
+            let s = s.with_decode_weight(next(1_500_000));
+            let total: u64 = pages.iter().sum();
+            let budget = (1 + next(total + 10)) * P;
+            let sink = next(2) * next(30) * P;
+            let raw = plan_streams_with(
+                budget,
+                &s.clone().with_resident(TrunkResident::Raw),
+                ring,
+                sink,
+            );
+            let Ok(sp) = plan_streams_with(budget, &s, ring, sink) else {
+                assert!(raw.is_err());
+                continue;
+            };
+            assert!(sp.plan.bytes() <= budget, "{pages:?} {budget}: {sp:?}");
+            if let Ok(r) = &raw {
+                assert!(
+                    sp.cost_with(sink) <= r.cost_with(sink),
+                    "{pages:?} {budget}"
+                );
+            }
+            let kept_bytes: u64 = sp.kept.iter().map(|&l| s.layer_kept[l]).sum();
+            assert_eq!(
+                (sp.plan.kept, sp.plan.kept_bytes),
+                (sp.kept.len(), kept_bytes)
+            );
+            let (runs_, reads, decoded, layer_of): (_, _, _, Vec<usize>) = if sp.parts {
+                (&s.parts, &s.part_reads, &s.part_decoded, part_layer.clone())
+            } else {
+                (
+                    &s.layers,
+                    &s.layer_reads,
+                    &s.layer_decoded,
+                    (0..layers).collect(),
+                )
+            };
+            let all: Vec<usize> = (0..runs_.len()).collect();
+            let order = sp.order.as_deref().unwrap_or(&all);
+            let streamed = &order[sp.plan.pinned..];
+            for &l in &sp.kept {
+                assert!(streamed.iter().any(|&i| layer_of[i] == l), "{sp:?}");
+            }
+            let read: u64 = streamed
+                .iter()
+                .filter(|&&i| !sp.kept.contains(&layer_of[i]))
+                .map(|&i| reads[i])
+                .sum();
+            let dec: u64 = streamed.iter().map(|&i| decoded[i]).sum();
+            assert_eq!(
+                (sp.read_per_token, sp.decode_per_token),
+                (read, dec),
+                "{sp:?}"
+            );
+        }
     }
 }

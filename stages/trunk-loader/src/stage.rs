@@ -7,6 +7,10 @@
 //! - **resident** (no `--trunk`): every layer's trunk tensors are read once from the shards,
 //!   tensor by tensor (any shard layout works), into one region, and stay.
 //!
+//! A coded trunk's layers the plan keeps coded (`--trunk-resident`) have their stored runs
+//! read once into the arena after the ring, and are then served through the ring like
+//! streamed ones, decoded from memory instead of read.
+//!
 //! When the budget cannot hold one slot for the largest layer, the trunk streams in parts
 //! instead (`k3_model::trunk::TrunkManifest::layer_parts`: the tensors the forward uses
 //! together), each part a loader unit answered by `PartReady` / `PartDone`.
@@ -302,10 +306,14 @@ fn serve(ctx: &mut StageCtx) -> Result<(), TrunkStageError> {
             "stats": loader.stats(),
             "passes": passes,
             // A coded trunk: what the disk delivered against what the slots received.
+            // Layers kept coded decode their stored bytes from memory, never read them.
             "codec": coded.as_ref().zip(manifest.codec.as_ref()).map(|(r, c)| serde_json::json!({
                 "name": c.name,
                 "stored_bytes_read": r.stored_bytes_read(),
+                "stored_bytes_kept": r.stored_bytes_kept(),
                 "decoded_bytes": r.decoded_bytes(),
+                "kept_layers": loader.plan().kept,
+                "kept_bytes": loader.plan().kept_bytes,
             })),
         }),
         Source::Resident { layers } => serde_json::json!({
@@ -653,7 +661,8 @@ fn setup_streamed(
     let mut checks = manifest.run_checks();
     checks.truncate(conf.layers);
     let streams = crate::Streams::of_manifest(&manifest, conf.layers)
-        .with_decode_weight(conf.decode_weight_ppm);
+        .with_decode_weight(conf.decode_weight_ppm)
+        .with_resident(conf.trunk_resident);
     let sp = crate::plan_streams_with(
         conf.budget_bytes,
         &streams,
@@ -690,8 +699,15 @@ fn setup_streamed(
     };
     let bytes = p.bytes().max(ALIGN as u64);
     let region = trunk_region(bytes, format!("arena of {bytes} bytes"), "arena")?;
-    let (reader, coded) =
-        crate::loader::trunk_reader(dir, &manifest).map_err(TrunkStageError::Loader)?;
+    // Layers kept coded: their stored runs after the ring, read now (the arena is not
+    // shared with compute before setup returns).
+    let keep = crate::loader::KeepCoded {
+        layers: &sp.kept,
+        arena: Arc::new(ShmArena(region.clone())),
+        at: p.kept_at(),
+    };
+    let (reader, coded) = crate::loader::trunk_reader_keeping(dir, &manifest, Some(keep))
+        .map_err(TrunkStageError::Loader)?;
     let loader = TrunkLoader::with_units_grid(
         units,
         p,

@@ -293,3 +293,79 @@ fn the_decode_probe_decodes_the_trunks_own_chunks() {
     std::fs::write(dir.path().join(CODED_BIN), &k3z).unwrap();
     assert_eq!(k3_trunk_loader::decode_rate(dir.path(), &m, 1000), None);
 }
+
+/// A file in memory that logs the range of every read.
+struct Logged(Mem, std::sync::Mutex<Vec<(u64, u64)>>);
+impl ReadAt for Logged {
+    fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
+        self.1.lock().unwrap().push((offset, dst.len() as u64));
+        self.0.read_at(file, offset, dst)
+    }
+}
+
+/// A layer kept coded (`--trunk-resident`): its stored run is read once into the arena,
+/// then every read of it decodes from memory, never from the file, and serves the raw
+/// bytes; the other layers still read their chunks. Its stored bytes are checked when
+/// decoded, not when kept: a flipped byte keeps, then fails that layer's read naming the
+/// layer and the chunk. Catches a kept layer still read from disk, one decoded from the
+/// wrong place in memory (other bytes than the raw ones), a damaged kept chunk served
+/// unchecked, and a run kept past its arena.
+#[test]
+fn a_layer_kept_coded_decodes_from_memory_and_names_a_damaged_chunk() {
+    let sizes = [(5 << 20) + 6, (9 << 20) + 4098, 3000];
+    let (_, bin, m, mut k3z) = trunks(&sizes);
+    let c = m.codec.as_ref().unwrap().clone();
+    let kept = &c.layers[1];
+    assert_eq!(
+        Streams::of_manifest(&m, 3).layer_kept,
+        c.layers.iter().map(|l| l.padded_length).collect::<Vec<_>>()
+    );
+    let keep = |k3z: Vec<u8>| {
+        let file = Arc::new(Logged(Mem(k3z), Default::default()));
+        let mut r = CodedReader::new(&m, file.clone(), 0).unwrap();
+        let small = Arc::new(k3_io::arena::OwnedArena::new(4096).unwrap());
+        assert!(
+            r.keep_layers(&[1], small, 0).is_err(),
+            "kept past its arena"
+        );
+        let arena = k3_io::arena::OwnedArena::new(4096 + kept.padded_length as usize).unwrap();
+        assert_eq!(
+            r.keep_layers(&[1], Arc::new(arena), 4096).unwrap(),
+            kept.padded_length
+        );
+        file.1.lock().unwrap().clear();
+        (r, file)
+    };
+    let (r, file) = keep(k3z.clone());
+    for _ in 0..2 {
+        for l in &m.layers {
+            let mut dst = vec![0u8; l.length as usize];
+            assert_eq!(
+                read_parallel(&r, 0, l.offset, &mut dst, None).unwrap(),
+                dst.len()
+            );
+            let end = (l.offset + l.length) as usize;
+            assert!(dst == bin[l.offset as usize..end], "layer {}", l.layer);
+        }
+    }
+    let (from, to) = (kept.offset, kept.offset + kept.padded_length);
+    let log = file.1.lock().unwrap().clone();
+    assert!(!log.is_empty());
+    assert!(
+        log.iter().all(|&(o, n)| o + n <= from || o >= to),
+        "a kept layer was read from the file: {log:?}"
+    );
+    let stored = |l: usize| -> u64 { c.layers[l].chunks.iter().map(|ch| ch.stored).sum() };
+    assert_eq!(r.stored_bytes_kept(), 2 * stored(1));
+    assert_eq!(r.stored_bytes_read(), 2 * (stored(0) + stored(2)));
+    k3z[(kept.offset + kept.chunks[1].offset + 100) as usize] ^= 0x08;
+    let (r, _) = keep(k3z);
+    let read = |l: usize| {
+        let ml = &m.layers[l];
+        let mut dst = vec![0u8; ml.length as usize];
+        read_parallel(&r, 0, ml.offset, &mut dst, None).map(|_| ())
+    };
+    assert!(read(0).is_ok() && read(2).is_ok());
+    let e = read(1).unwrap_err().to_string();
+    assert!(e.contains("trunk layer 1 chunk 1"), "{e}");
+}
