@@ -503,7 +503,7 @@ impl StreamPlan {
 /// MoE part can be pinned while its large attention part streams, so the ring slot is
 /// sized for the largest streamed unit only). For every candidate slot size `s` (each
 /// distinct footprint): the units larger than `s` must be pinned; of the rest, the largest
-/// that still fit beside one slot of `s` are pinned too (every pinned byte saves one byte
+/// that still fit beside `slots` slots of `s` (the ring's minimum) are pinned too (every pinned byte saves one byte
 /// read per token). The candidate that streams the fewest bytes wins (the smallest slot on
 /// a tie). Returns the order (pinned first, then streamed, each in stream order), or None
 /// when no candidate fits or every unit fits pinned.
@@ -512,7 +512,13 @@ impl StreamPlan {
 /// plus the sink's bytes that its unspent budget cannot hold. A streamed unit costs its
 /// `cost` (its footprint, or a coded trunk's stored bytes plus its decoding weighed as
 /// reads).
-fn pin_order(budget: u64, runs: &[LayerRun], cost: &[u64], sink: u64) -> Option<Vec<usize>> {
+fn pin_order(
+    budget: u64,
+    runs: &[LayerRun],
+    cost: &[u64],
+    sink: u64,
+    slots: usize,
+) -> Option<Vec<usize>> {
     let fp: Vec<u64> = runs.iter().map(LayerRun::footprint).collect();
     let total: u64 = fp.iter().sum();
     if total <= budget {
@@ -529,7 +535,10 @@ fn pin_order(budget: u64, runs: &[LayerRun], cost: &[u64], sink: u64) -> Option<
     for &slot in &sizes {
         let forced: u64 = fp.iter().filter(|&&f| f > slot).sum();
         // What one slot and the units that cannot stream through it leave.
-        let Some(mut cap) = budget.checked_sub(slot).and_then(|c| c.checked_sub(forced)) else {
+        let Some(mut cap) = budget
+            .checked_sub(slot.saturating_mul(slots as u64))
+            .and_then(|c| c.checked_sub(forced))
+        else {
             continue;
         };
         let mut pin = vec![false; runs.len()];
@@ -609,12 +618,13 @@ fn raw_parts_or_whole(
     let prefix = plan(budget, &s.parts, ring).map(|p| parts.stream_plan(p, true, None));
     // Parts may also pin a set that is not a prefix (see `pin_order`); the prefix plan
     // stays on a tie.
-    let chosen = pin_order(budget, &s.parts, &parts.cost, sink).and_then(|order| {
-        let runs: Vec<LayerRun> = order.iter().map(|&i| s.parts[i]).collect();
-        plan(budget, &runs, ring)
-            .ok()
-            .map(|p| parts.stream_plan(p, true, Some(order)))
-    });
+    let chosen =
+        pin_order(budget, &s.parts, &parts.cost, sink, ring.min.max(1)).and_then(|order| {
+            let runs: Vec<LayerRun> = order.iter().map(|&i| s.parts[i]).collect();
+            plan(budget, &runs, ring)
+                .ok()
+                .map(|p| parts.stream_plan(p, true, Some(order)))
+        });
     let parts = match (prefix, chosen) {
         (Ok(a), Some(b)) if net(&b) < net(&a) => Ok(b),
         (Err(_), Some(b)) => Ok(b),
@@ -1008,6 +1018,38 @@ mod tests {
         let order = sp.order.clone().expect("a set that is not a prefix");
         assert_eq!(order, vec![0, 1, 2, 3, 5, 4, 6, 7, 8]);
         assert!(sp.plan.bytes() <= 4833 * P);
+    }
+
+    /// A ring of several slots takes its pinned set for that many slots, so the loader's
+    /// streamed units stay in stream order (the loader streams them cyclically). Catches
+    /// a pinned set chosen for one slot and then cut for two: the units it unpinned came
+    /// before earlier streamed ones, and the staged run failed "acquired out of order"
+    /// (the slice at 5.5 GB with two slots, 2026-12-05).
+    #[test]
+    fn a_ring_of_several_slots_keeps_the_streamed_units_in_order() {
+        let s = streams_of(&SLICE);
+        let total: u64 = s.parts.iter().map(LayerRun::footprint).sum();
+        let mut checked = 0;
+        for min in 1..=3 {
+            for budget in (1000..total / P).step_by(97).map(|b| b * P) {
+                let ring = RingPolicy { min, max: 4 };
+                let Ok(sp) = plan_streams(budget, &s, ring) else {
+                    continue;
+                };
+                assert!(sp.plan.bytes() <= budget, "min {min}, budget {budget}");
+                let Some(order) = &sp.order else { continue };
+                let (pinned, streamed) = order.split_at(sp.plan.pinned);
+                for part in [pinned, streamed] {
+                    assert!(
+                        part.windows(2).all(|w| w[0] < w[1]),
+                        "min {min}, budget {budget}: order {order:?}, {} pinned",
+                        sp.plan.pinned
+                    );
+                }
+                checked += 1;
+            }
+        }
+        assert!(checked > 10, "only {checked} plans had a pinned set");
     }
 
     /// A xorshift generator from `seed`: `next(m)` is in `0..m`.
