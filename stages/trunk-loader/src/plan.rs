@@ -503,8 +503,8 @@ impl StreamPlan {
 /// MoE part can be pinned while its large attention part streams, so the ring slot is
 /// sized for the largest streamed unit only). For every candidate slot size `s` (each
 /// distinct footprint): the units larger than `s` must be pinned; of the rest, the largest
-/// that still fit beside `slots` slots of `s` (the ring's minimum) are pinned too (every pinned byte saves one byte
-/// read per token). The candidate that streams the fewest bytes wins (the smallest slot on
+/// that still fit beside `slots` slots of `s` (the ring's minimum) are pinned too (every
+/// pinned byte saves one byte read per token). The candidate that streams the fewest bytes wins (the smallest slot on
 /// a tie). Returns the order (pinned first, then streamed, each in stream order), or None
 /// when no candidate fits or every unit fits pinned.
 ///
