@@ -35,8 +35,9 @@
 # twice, the raw TRUNK and the coded trunk back to back (rows `L` and `L/coded`), the order
 # alternating from round to round (ROUNDS, default 1), and prints beside the row the stored
 # bytes the coded trunk read per token (the trunk's decoded bytes per token times the run's
-# stored/decoded share, from the trunk-loader's summary) and s/token against the latest
-# raw run's at that rung.
+# stored/decoded share, from the trunk-loader's summary) and s/token against the same
+# round's raw run at that rung (known beside the row in odd rounds; every round's ratios
+# are printed at the end, since in even rounds the raw run comes last).
 #
 # CODED_RESIDENT=MODE,... (with CODED_TRUNK; issue 37's second mode) runs the coded trunk
 # once per `--trunk-resident` MODE (raw, coded, auto) at each numeric rung instead of once
@@ -109,23 +110,23 @@ if [ -n "$CODED_RESIDENT" ]; then
 fi
 # The runs in order: "rung trunk-kind" (kind raw, coded or resident).
 PLAN=()
-[ -n "$HAVE_RESIDENT" ] && PLAN+=("resident resident")
+[ -n "$HAVE_RESIDENT" ] && PLAN+=("resident resident 0")
 for ((round = 1; round <= ROUNDS; round++)); do
     for L in "${NUMERIC[@]}"; do
         if [ -z "$CODED_TRUNK" ]; then
-            PLAN+=("$L raw")
+            PLAN+=("$L raw $round")
         elif ((round % 2)); then
-            PLAN+=("$L raw")
-            for K in "${CODED_KINDS[@]}"; do PLAN+=("$L $K"); done
+            PLAN+=("$L raw $round")
+            for K in "${CODED_KINDS[@]}"; do PLAN+=("$L $K $round"); done
         else
-            for ((k = ${#CODED_KINDS[@]} - 1; k >= 0; k--)); do PLAN+=("$L ${CODED_KINDS[k]}"); done
-            PLAN+=("$L raw")
+            for ((k = ${#CODED_KINDS[@]} - 1; k >= 0; k--)); do PLAN+=("$L ${CODED_KINDS[k]} $round"); done
+            PLAN+=("$L raw $round")
         fi
     done
 done
 if [ -n "$DRY_RUN" ]; then
     echo "bench-budget (dry run): ${#PLAN[@]} runs, ROUNDS=$ROUNDS, EXPECT=${EXPECT:-from the resident rung}, CODED_TRUNK=${CODED_TRUNK:-none}"
-    for p in "${PLAN[@]}"; do echo "run: $p"; done
+    for p in "${PLAN[@]}"; do read -r L KIND _ <<< "$p"; echo "run: $L $KIND"; done
     exit 0
 fi
 
@@ -190,8 +191,11 @@ peak_of() { if [ $CG = v2 ]; then cat "$1/memory.peak" 2>/dev/null || echo 0; el
 
 printf '%-14s %10s %12s %8s %8s %9s %10s %10s %6s  %s\n' limit s/token bytes/tok devbw ratio disk_busy cg_peak peak exit ids
 declare -A RAW_SPT=()
+# s/token of every run, by "round rung kind", for the ratios at the end.
+declare -A SPTS=()
+ORDER=()
 for p in "${PLAN[@]}"; do
-    read -r L KIND <<< "$p"
+    read -r L KIND R <<< "$p"
     NAME=$L
     if [ "$KIND" = resident ]; then
         d=$(make_cg "k3-bench-$$-$L" max)
@@ -221,7 +225,7 @@ for p in "${PLAN[@]}"; do
     set -e
     PEAK=$(peak_of "$d")
     if [ -f "$OUT" ]; then
-        LINE=$(python3 - "$OUT" "$LGB" "$S" "$DEVBW" "$PEAK" "$rc" "$NAME" "$EXPECT" "${RAW_SPT[$L]:-}" <<'PY'
+        LINE=$(python3 - "$OUT" "$LGB" "$S" "$DEVBW" "$PEAK" "$rc" "$NAME" "$EXPECT" "${RAW_SPT[$R $L]:-}" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 L, S, devbw, cg, rc = float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
@@ -252,7 +256,9 @@ PY
 )
         echo "$LINE" | grep -v '^@@ '
         read -r _ SPT GOT <<< "$(echo "$LINE" | grep '^@@ ')"
-        [ "$KIND" = raw ] && RAW_SPT[$L]=$SPT
+        [ "$KIND" = raw ] && RAW_SPT[$R $L]=$SPT
+        SPTS[$R $L $KIND]=$SPT
+        ORDER+=("$R $L $KIND")
         if [ "$KIND" = resident ] && [ -z "$EXPECT" ]; then
             EXPECT=$GOT
             echo "EXPECT (from the resident rung): $EXPECT"
@@ -268,4 +274,15 @@ PY
     fi
     rmdir "$d" 2>/dev/null || true
 done
+if [ -n "$CODED_TRUNK" ]; then
+    # Each coded run against the raw run of its own round at its rung (alternated back to
+    # back; in even rounds the raw run comes after the coded ones).
+    echo "== coded s/token over the same round's raw"
+    for k in "${ORDER[@]}"; do
+        read -r R L KIND <<< "$k"
+        raw=${SPTS[$R $L raw]:-}
+        [ "$KIND" = raw ] || [ "$KIND" = resident ] || [ -z "$raw" ] && continue
+        echo "round $R  $L/$KIND  $(python3 -c "print(f'{${SPTS[$k]} / $raw:.2f}x')") (${SPTS[$k]} against $raw s/token)"
+    done
+fi
 echo "== $(date -u +%FT%TZ)  uptime: $(uptime)"
