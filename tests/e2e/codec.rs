@@ -3,7 +3,7 @@
 //! streamed through a ring or in parts; the report shows the stored bytes the disk
 //! delivered against the decoded bytes the slots received.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::common::*;
 
@@ -173,14 +173,11 @@ fn gaussian_synth_same_ids_and_logits_coded() {
     assert!(ratio < 0.75, "stored {ratio} of raw");
 }
 
-/// A flipped byte in a coded trunk's chunk: the run exits 1 naming the layer and the chunk
-/// (the stored CRC is checked before decoding), not with wrong ids. Catches a loader that
-/// decodes without checking, or that reports the raw offset only.
-#[test]
-fn damaged_chunk_at_load_exits_1_naming_it() {
-    let tmp = tempfile::tempdir().unwrap();
+/// tiny-mxfp4 and its trunk packed coded under `dir`, with one bit flipped inside layer 4's
+/// first chunk (77 bytes in): (model, coded trunk).
+fn damaged_coded_trunk(dir: &Path) -> (PathBuf, PathBuf) {
     let model = fixtures().join("tiny-mxfp4/sharded");
-    let coded = tmp.path().join("coded");
+    let coded = dir.join("coded");
     pack(&model, &coded, true);
     let m = json(&coded.join("trunk.json"));
     let l4 = &m["codec"]["layers"][4];
@@ -189,6 +186,16 @@ fn damaged_chunk_at_load_exits_1_naming_it() {
     let mut bytes = std::fs::read(&k3z).unwrap();
     bytes[at as usize] ^= 0x01;
     std::fs::write(&k3z, &bytes).unwrap();
+    (model, coded)
+}
+
+/// A flipped byte in a coded trunk's chunk: the run exits 1 naming the layer and the chunk
+/// (the stored CRC is checked before decoding), not with wrong ids. Catches a loader that
+/// decodes without checking, or that reports the raw offset only.
+#[test]
+fn damaged_chunk_at_load_exits_1_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, coded) = damaged_coded_trunk(tmp.path());
     let o = run(&[
         model.to_str().unwrap(),
         "--ids",
@@ -278,16 +285,7 @@ fn kept_coded_layers_same_ids_and_logits() {
 #[test]
 fn damaged_kept_chunk_exits_1_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = fixtures().join("tiny-mxfp4/sharded");
-    let coded = tmp.path().join("coded");
-    pack(&model, &coded, true);
-    let m = json(&coded.join("trunk.json"));
-    let l4 = &m["codec"]["layers"][4];
-    let at = l4["offset"].as_u64().unwrap() + l4["chunks"][0]["offset"].as_u64().unwrap() + 77;
-    let k3z = coded.join("trunk.k3z");
-    let mut bytes = std::fs::read(&k3z).unwrap();
-    bytes[at as usize] ^= 0x01;
-    std::fs::write(&k3z, &bytes).unwrap();
+    let (model, coded) = damaged_coded_trunk(tmp.path());
     let o = run(&[
         model.to_str().unwrap(),
         "--ids",
