@@ -45,6 +45,8 @@ pub enum DevbwError {
     },
     #[error("{}: a reader thread panicked", path.display())]
     Panicked { path: PathBuf },
+    #[error("{}: O_DIRECT refused, the page cache would be measured", path.display())]
+    NotDirect { path: PathBuf },
 }
 
 /// One measurement.
@@ -81,6 +83,40 @@ fn open(path: &Path) -> std::io::Result<(File, bool)> {
         Ok(f) => Ok((f, true)),
         Err(_) => Ok((File::open(path)?, false)),
     }
+}
+
+/// The drive under `path` in bytes per second, as a stage reads it: [`measure`] with reads
+/// of `read_bytes` cut to the file's whole pages, refused ([`DevbwError::NotDirect`]) when
+/// O_DIRECT is (the page cache would be measured instead of the drive), and
+/// [`DevbwError::TooSmall`] for a file under one page. What the run's plan (a coded trunk's
+/// drive) and `project` (the drives of a model) both measure.
+pub fn direct_bytes_per_s(
+    path: &Path,
+    read_bytes: u64,
+    queue_depth: usize,
+    seconds: f64,
+) -> Result<f64, DevbwError> {
+    let size = std::fs::metadata(path)
+        .map_err(|source| DevbwError::Open {
+            path: path.to_path_buf(),
+            source,
+        })?
+        .len();
+    let rb = read_bytes.min(align_down(size));
+    if rb == 0 {
+        return Err(DevbwError::TooSmall {
+            path: path.to_path_buf(),
+            size,
+            read_bytes: ALIGN as u64,
+        });
+    }
+    let r = measure(path, rb, queue_depth, seconds)?;
+    if !r.direct {
+        return Err(DevbwError::NotDirect {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(r.mb_per_s() * 1e6)
 }
 
 /// Random reads of `read_bytes` at `queue_depth` for about `seconds` (at least one read per

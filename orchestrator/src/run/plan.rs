@@ -996,19 +996,18 @@ impl DecodeTerms {
 /// The drive holding `file` as the trunk-loader reads it (its pieces at its queue depth,
 /// O_DIRECT), or [`ASSUMED_DRIVE_BPS`] with the reason it could not be measured.
 fn measure_trunk_drive(file: &std::path::Path) -> (f64, String) {
-    let size = std::fs::metadata(file).map_or(0, |m| m.len());
-    let rb = (k3_io::direct::READ_CHUNK as u64).min(size / 4096 * 4096);
-    if rb == 0 {
-        return (
+    use k3_io::devbw::{direct_bytes_per_s, DevbwError};
+    let read = k3_io::direct::READ_CHUNK as u64;
+    match direct_bytes_per_s(file, read, k3_io::direct::READ_QD, DRIVE_PROBE_SECONDS) {
+        Ok(bps) if bps > 0.0 => (bps, "measured with devbw".into()),
+        Ok(_) => (ASSUMED_DRIVE_BPS, "ASSUMED: no read finished".into()),
+        Err(DevbwError::TooSmall { .. }) => (
             ASSUMED_DRIVE_BPS,
             "ASSUMED: the stored file is too small to measure".into(),
-        );
-    }
-    match k3_io::devbw::measure(file, rb, k3_io::direct::READ_QD, DRIVE_PROBE_SECONDS) {
-        Ok(r) if r.direct && r.mb_per_s() > 0.0 => {
-            (r.mb_per_s() * 1e6, "measured with devbw".into())
+        ),
+        Err(DevbwError::NotDirect { .. }) => {
+            (ASSUMED_DRIVE_BPS, "ASSUMED: O_DIRECT refused".into())
         }
-        Ok(_) => (ASSUMED_DRIVE_BPS, "ASSUMED: O_DIRECT refused".into()),
         Err(e) => (ASSUMED_DRIVE_BPS, format!("ASSUMED: {e}")),
     }
 }

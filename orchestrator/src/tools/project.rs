@@ -214,8 +214,6 @@ pub enum ProjectError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Devbw(#[from] k3_io::devbw::DevbwError),
-    #[error("{}: O_DIRECT refused, the page cache would be measured", .0.display())]
-    NotDirect(PathBuf),
 }
 
 /// Positions of context the plan assumes (the KV cache of the MLA layers), as `inspect`'s
@@ -1481,13 +1479,8 @@ pub fn measure_drive(
     depth: usize,
     seconds: f64,
 ) -> Result<f64, ProjectError> {
-    let size = std::fs::metadata(file)?.len();
-    let rb = read_bytes.max(1 << 20).min(size / 4096 * 4096);
-    let r = k3_io::devbw::measure(file, rb, depth, seconds)?;
-    if !r.direct {
-        return Err(ProjectError::NotDirect(file.to_path_buf()));
-    }
-    Ok(r.mb_per_s() * 1e6)
+    let rb = read_bytes.max(1 << 20);
+    Ok(k3_io::devbw::direct_bytes_per_s(file, rb, depth, seconds)?)
 }
 
 /// One drive's bytes per second read as the expert-fetcher reads (`expert_read`-byte
