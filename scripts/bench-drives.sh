@@ -24,7 +24,8 @@
 # (prompt ids, default 77,198,74), K3 (a k3-orch binary; default target/release/k3-orch,
 # built first), MEM_GB (default 5.5), TRUNK (a `pack-trunk` directory
 # on the unthrottled disk, given as --trunk: a 5.5 GB run of the slice needs one), RATE_MB (per device, default
-# 400), WORK (backing files and mounts, default /var/tmp/k3-bench-drives: needs about 2x
+# 400), EXTRA (more flags for every run, split on spaces: e.g. EXTRA="--cache-gb 0.8424"
+# for a 48-slot arena), WORK (backing files and mounts, default /var/tmp/k3-bench-drives: needs about 2x
 # the model's size, sparse; NAME.json reports and NAME.ids stay there), FAIL_RUN (0), FAIL_AFTER (seconds, default 10; 0 swaps before
 # the run starts). Needs root, loop devices, mkfs.ext4, jq, and the cgroup v1 blkio
 # controller. Only meaningful on a quiet machine: `uptime` is printed at start and end.
@@ -137,7 +138,7 @@ run() {
   echo 3 > /proc/sys/vm/drop_caches
   sh -c 'echo $$ > "$0/cgroup.procs"; shift; exec "$@"' "$CG" _ \
     "$BIN" "$MODEL" --ids "$IDS" --gen "$N" --mem-gb "$MEM_GB" --experts "$2" \
-    ${TRUNK:+--trunk "$TRUNK"} --out "$WORK/$1.json" --quiet > "$WORK/$1.ids"
+    ${TRUNK:+--trunk "$TRUNK"} ${EXTRA:-} --out "$WORK/$1.json" --quiet > "$WORK/$1.ids"
 }
 report() { # NAME
   jq -r --arg n "$1" '.totals as $t | ([.steps[1:][].seconds] | if length > 0 then add / length else null end) as $d
