@@ -173,6 +173,17 @@ fn gaussian_synth_same_ids_and_logits_coded() {
     assert!(ratio < 0.75, "stored {ratio} of raw");
 }
 
+/// tiny-mxfp4 run for two tokens with `extra` flags over its trunk packed coded, with one
+/// bit flipped inside layer 4's first chunk (77 bytes in).
+fn run_damaged(extra: &[&str]) -> std::process::Output {
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, coded) = damaged_coded_trunk(tmp.path());
+    let (model, coded) = (model.to_str().unwrap(), coded.to_str().unwrap());
+    let mut args = vec![model, "--ids", "1,2,3", "--gen", "2", "--trunk", coded];
+    args.extend_from_slice(extra);
+    run(&args)
+}
+
 /// tiny-mxfp4 and its trunk packed coded under `dir`, with one bit flipped inside layer 4's
 /// first chunk (77 bytes in): (model, coded trunk).
 fn damaged_coded_trunk(dir: &Path) -> (PathBuf, PathBuf) {
@@ -194,17 +205,7 @@ fn damaged_coded_trunk(dir: &Path) -> (PathBuf, PathBuf) {
 /// decodes without checking, or that reports the raw offset only.
 #[test]
 fn damaged_chunk_at_load_exits_1_naming_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (model, coded) = damaged_coded_trunk(tmp.path());
-    let o = run(&[
-        model.to_str().unwrap(),
-        "--ids",
-        "1,2,3",
-        "--gen",
-        "2",
-        "--trunk",
-        coded.to_str().unwrap(),
-    ]);
+    let o = run_damaged(&[]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("trunk layer 4 chunk 0"), "{}", text(&o));
 }
@@ -284,21 +285,7 @@ fn kept_coded_layers_same_ids_and_logits() {
 /// streamed one does. Catches a kept chunk decoded without its check (wrong ids, exit 0).
 #[test]
 fn damaged_kept_chunk_exits_1_naming_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (model, coded) = damaged_coded_trunk(tmp.path());
-    let o = run(&[
-        model.to_str().unwrap(),
-        "--ids",
-        "1,2,3",
-        "--gen",
-        "2",
-        "--trunk",
-        coded.to_str().unwrap(),
-        "--trunk-gb",
-        "0.004",
-        "--trunk-resident",
-        "coded",
-    ]);
+    let o = run_damaged(&["--trunk-gb", "0.004", "--trunk-resident", "coded"]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     assert!(text(&o).contains("trunk layer 4 chunk 0"), "{}", text(&o));
 }

@@ -3,14 +3,20 @@
 use k3_io::devbw::*;
 use std::io::Write;
 
-#[test]
-fn measures_and_refuses_small_files() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("f");
+/// A file of three pages and 100 bytes in `dir`.
+fn three_pages_and_a_bit(dir: &std::path::Path) -> std::path::PathBuf {
+    let p = dir.join("f");
     std::fs::File::create(&p)
         .unwrap()
         .write_all(&vec![7u8; 3 * 4096 + 100])
         .unwrap();
+    p
+}
+
+#[test]
+fn measures_and_refuses_small_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = three_pages_and_a_bit(dir.path());
     let r = measure(&p, 8192, 2, 0.0).unwrap();
     assert_eq!(r.read_bytes, 8192);
     assert!(r.reads >= 2);
@@ -29,11 +35,7 @@ fn measures_and_refuses_small_files() {
 fn the_direct_rate_fits_its_reads_to_the_file() {
     use std::os::unix::fs::OpenOptionsExt;
     let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("f");
-    std::fs::File::create(&p)
-        .unwrap()
-        .write_all(&vec![7u8; 3 * 4096 + 100])
-        .unwrap();
+    let p = three_pages_and_a_bit(dir.path());
     let direct = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
