@@ -428,11 +428,32 @@ impl CodedReader {
             .ok_or_else(|| io::Error::other("not coded"))?;
         let cl = &c.layers[li];
         let ch = &cl.chunks[k];
-        if let Some(at) = self.kept.as_ref().and_then(|kp| kp.at[li]) {
-            return self.kept_chunk(sc, li, k, at, from, dst);
+        let Scratch { stored, raw, dec } = sc;
+        let stored = match self.kept.as_ref().and_then(|kp| Some((kp, kp.at[li]?))) {
+            Some((kp, at)) => self.kept_stored(kp, at, cl, k)?,
+            None => self.read_stored(stored, li, k, cl)?,
+        };
+        let bad = |e: ChunkError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
+        if from == 0 && dst.len() as u64 == ch.raw {
+            return decode_chunk(dec, self.codec, cl.layer, k, ch, stored, dst).map_err(bad);
         }
+        raw.resize(ch.raw as usize, 0);
+        decode_chunk(dec, self.codec, cl.layer, k, ch, stored, raw).map_err(bad)?;
+        dst.copy_from_slice(&raw[from..from + dst.len()]);
+        Ok(())
+    }
+
+    /// Chunk `k` of layer `li` (`cl`) read from the file into `buf`: its stored bytes.
+    fn read_stored<'b>(
+        &self,
+        buf: &'b mut OwnedArena,
+        li: usize,
+        k: usize,
+        cl: &CodedLayer,
+    ) -> io::Result<&'b [u8]> {
+        let ch = &cl.chunks[k];
         let span = align_up(ch.stored, self.manifest.align) as usize;
-        let sb = sc.stored.as_mut_slice().get_mut(..span).ok_or_else(|| {
+        let sb = buf.as_mut_slice().get_mut(..span).ok_or_else(|| {
             io::Error::other(format!(
                 "trunk layer {li} chunk {k}: larger than its buffer"
             ))
@@ -445,33 +466,26 @@ impl CodedReader {
             ));
         }
         self.stored_read.fetch_add(ch.stored, Ordering::Relaxed);
-        let stored = &sb[..ch.stored as usize];
-        let (dec, raw) = (&mut sc.dec, &mut sc.raw);
-        self.decode_into(dec, raw, li, k, stored, from, dst)
+        Ok(&sb[..ch.stored as usize])
     }
 
-    /// Chunk `k` of kept layer `li` (its run at byte `at` of the kept memory), decoded from
-    /// memory into `dst` as [`CodedReader::chunk_with`] decodes a chunk it read.
-    fn kept_chunk(
+    /// Chunk `k` of a kept layer (`cl`, its run at byte `at` of the kept memory): its stored
+    /// bytes, in memory, decoded as [`CodedReader::chunk_with`] decodes a chunk it read.
+    fn kept_stored<'k>(
         &self,
-        sc: &mut Scratch,
-        li: usize,
-        k: usize,
+        kp: &'k Kept,
         at: u64,
-        from: usize,
-        dst: &mut [u8],
-    ) -> io::Result<()> {
-        let (Some(kp), Some(c)) = (&self.kept, &self.manifest.codec) else {
-            return Err(io::Error::other("not coded"));
-        };
-        let (cl, ch) = (&c.layers[li], &c.layers[li].chunks[k]);
+        cl: &CodedLayer,
+        k: usize,
+    ) -> io::Result<&'k [u8]> {
+        let ch = &cl.chunks[k];
         if ch.offset.saturating_add(ch.stored) > cl.padded_length {
             return Err(io::Error::other(format!(
                 "trunk layer {} chunk {k}: outside its kept run",
                 cl.layer
             )));
         }
-        // SAFETY: the chunk lies inside layer `li`'s kept run (checked above), which
+        // SAFETY: the chunk lies inside the layer's kept run (checked above), which
         // `keep_layers` placed inside the arena and filled before the reader was shared;
         // nothing writes a kept run after that (the loader never places a slot over it, and
         // compute maps the arena read-only), so shared reads are sound.
@@ -482,37 +496,7 @@ impl CodedReader {
             )
         };
         self.stored_kept.fetch_add(ch.stored, Ordering::Relaxed);
-        self.decode_into(&mut sc.dec, &mut sc.raw, li, k, stored, from, dst)
-    }
-
-    /// Check and decode chunk `k` of layer `li` (its stored bytes `stored`) and copy its
-    /// bytes `[from, from + dst.len())` into `dst` (straight into `dst` when the whole chunk
-    /// is wanted, else through `raw`).
-    #[allow(clippy::too_many_arguments)]
-    fn decode_into(
-        &self,
-        dec: &mut Decoder,
-        raw: &mut Vec<u8>,
-        li: usize,
-        k: usize,
-        stored: &[u8],
-        from: usize,
-        dst: &mut [u8],
-    ) -> io::Result<()> {
-        let c = self
-            .manifest
-            .codec
-            .as_ref()
-            .ok_or_else(|| io::Error::other("not coded"))?;
-        let (cl, ch) = (&c.layers[li], &c.layers[li].chunks[k]);
-        let bad = |e: ChunkError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
-        if from == 0 && dst.len() as u64 == ch.raw {
-            return decode_chunk(dec, self.codec, cl.layer, k, ch, stored, dst).map_err(bad);
-        }
-        raw.resize(ch.raw as usize, 0);
-        decode_chunk(dec, self.codec, cl.layer, k, ch, stored, raw).map_err(bad)?;
-        dst.copy_from_slice(&raw[from..from + dst.len()]);
-        Ok(())
+        Ok(stored)
     }
 }
 
