@@ -6,8 +6,8 @@
 //!   and tiny-seed checkpoints (each layer's tensors back to back, their real bytes, CRCs,
 //!   SHA-256, the real [`SourceIdentity`]), raw (`k3-trunk/3`) and coded
 //!   (`k3-trunk-coded/1`, chunks by [`encode_run`]), whole (one case in 256: 108 KB of
-//!   JSON) and cut to their first 1 to 3 layers of a few tensors each, pretty and compact. Mutations: the model
-//!   fuzzer's JSON text edits, byte edits, and structural edits of the parsed tree (a
+//!   JSON) and cut to their first 1 to 3 layers of a few tensors each, pretty and compact.
+//!   Mutations: the model fuzzer's JSON text edits, byte edits, and structural edits of the parsed tree (a
 //!   number nudged by ±1, doubled, zeroed or made huge, near 2^64 included; array entries
 //!   dropped, duplicated or swapped; members deleted or added; the codec dropped or moved
 //!   to a raw manifest). Verdict: the reader and an oracle must agree both ways. The oracle

@@ -176,9 +176,9 @@ impl SamplingSources {
 pub enum Speculate {
     On,
     Off,
-    /// The default (measured: docs/measurements.md, issue 35). On when the routed experts stream (the expert cache holds fewer slots than the
-    /// bound layers have routed experts); off when they all stay resident, where a
-    /// guess can only cost compute time.
+    /// The default (measured: docs/measurements.md, issue 35). On when the routed experts
+    /// stream (the expert cache holds fewer slots than the bound layers have routed
+    /// experts); off when they all stay resident, where a guess can only cost compute time.
     #[default]
     Auto,
 }

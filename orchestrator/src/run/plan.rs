@@ -8,8 +8,9 @@
 //! pinning it would read more), the expert cache last. A coded trunk's streamed parts also
 //! cost their decoding on every token, weighed as the bytes the disk reads in that time
 //! ([`DecodeTerms`]: the drive's rate and the decoder's, measured at the start or given),
-//! so pinning is ranked by time saved per byte of RAM, not by stored bytes alone. `--preset NAME`, `--trunk-gb` and
-//! `--cache-gb` override parts, left to right ([`resolve`]).
+//! so pinning is ranked by time saved per byte of RAM, not by stored bytes alone.
+//! `--preset NAME`, `--trunk-gb` and `--cache-gb` override parts, left to right
+//! ([`resolve`]).
 //!
 //! The plan is a forecast; the report's measured true peak (the stage cgroups' peaks, or
 //! the sampled PSS) is the number to quote. A plan that does not fit its total or what is
