@@ -870,6 +870,27 @@ fn a_state_of_another_checkpoint_with_the_same_headers_is_refused() {
     assert_eq!(code, 0, "{text}");
 }
 
+/// A model path that cannot be looked at is refused up front (exit 2) with the system's
+/// reason, not "does not exist": here a path below a regular file (ENOTDIR; permission
+/// denied above the directory takes the same branch, e.g. a checkout in a 0700 directory
+/// read by another user). Missing stays "does not exist". Catches a check that calls
+/// every failed lookup a missing directory.
+#[test]
+fn an_unreadable_model_path_says_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let below = file.join("model");
+    let (code, text) = run(&[below.to_str().unwrap(), "--ids", IDS, "--gen", "1"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("Not a directory"), "{text}");
+    assert!(!text.contains("does not exist"), "{text}");
+    let missing = tmp.path().join("missing");
+    let (code, text) = run(&[missing.to_str().unwrap(), "--ids", IDS, "--gen", "1"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("does not exist"), "{text}");
+}
+
 /// Hostile probe 14 (CLI): a state file whose ids include one outside the vocabulary (its
 /// checksum made right) is refused up front, exit 2; a model directory that is a symlink
 /// loop is named as one (exit 2); `--dump-cache-trace` and `--record` create only their

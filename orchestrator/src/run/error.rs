@@ -24,7 +24,8 @@ pub enum GenError {
     // Refused up front (exit 2).
     #[error("model directory {} does not exist", .0.display())]
     NoModelDir(PathBuf),
-    /// The model directory exists but cannot be one (a file, a symlink loop).
+    /// The model directory is there but cannot be one (a file, a symlink loop) or cannot
+    /// be looked at (permission denied).
     #[error("model directory {}: {why}", path.display())]
     ModelDir { path: PathBuf, why: String },
     #[error(transparent)]

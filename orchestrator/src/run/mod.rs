@@ -90,27 +90,31 @@ pub fn run(a: &GenArgs) -> Result<i32, RunError> {
     generate(a).map_err(RunError::from)
 }
 
+/// Refused up front (exit 2) unless `dir` is a directory: missing ([`GenError::NoModelDir`]),
+/// or there but not one or not readable ([`GenError::ModelDir`]: a file, a symlink loop,
+/// permission denied on it or above it). The run and `serve` both check with it.
+pub fn check_model_dir(dir: &std::path::Path) -> Result<(), GenError> {
+    let bad = |why: String| GenError::ModelDir {
+        path: dir.to_path_buf(),
+        why,
+    };
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(m) => Err(bad(format!(
+            "{}, not a directory",
+            k3_io::input::kind_name(m.file_type())
+        ))),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => Err(bad("a symbolic link loop".into())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(GenError::NoModelDir(dir.to_path_buf()))
+        }
+        Err(e) => Err(bad(e.to_string())),
+    }
+}
+
 /// The model `a` names, opened, and the flags checked against it.
 fn checked_model(a: &GenArgs) -> Result<(ModelConfig, Catalog, usize), GenError> {
-    match std::fs::metadata(&a.model_dir) {
-        Ok(m) if m.is_dir() => {}
-        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
-            return Err(GenError::ModelDir {
-                path: a.model_dir.clone(),
-                why: "a symbolic link loop".into(),
-            })
-        }
-        Ok(m) => {
-            return Err(GenError::ModelDir {
-                path: a.model_dir.clone(),
-                why: format!(
-                    "{}, not a directory",
-                    k3_io::input::kind_name(m.file_type())
-                ),
-            })
-        }
-        Err(_) => return Err(GenError::NoModelDir(a.model_dir.clone())),
-    }
+    check_model_dir(&a.model_dir)?;
     let (cfg, cat, layers) = open_model(a)?;
     preflight(a, &cfg)?;
     Ok((cfg, cat, layers))

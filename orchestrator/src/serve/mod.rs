@@ -98,12 +98,7 @@ impl ModelFlags {
     /// The engine over `slots` requests at once (at most `max_queue` more waiting), after
     /// the memory plan of those slots (refused up front, exit 2, when they do not fit).
     pub fn engine(&self, slots: usize, max_queue: usize) -> Result<Engine, String> {
-        if !self.model_dir.is_dir() {
-            return Err(format!(
-                "model directory {} does not exist",
-                self.model_dir.display()
-            ));
-        }
+        crate::run::check_model_dir(&self.model_dir).map_err(|e| e.to_string())?;
         let threads = match self.threads {
             Some(0) => return Err("--threads must be at least 1".into()),
             Some(n) => n,
