@@ -497,6 +497,24 @@ fn over_budget_stage_is_oom_killed() {
 fn require_cgroups_refuses_when_they_are_unavailable() {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
+    // The fixture may sit where uid 65534 cannot look (a clone in a 0700 temporary
+    // directory): the dropped run gets a copy it can read.
+    let copy = tempfile::tempdir().unwrap();
+    let model = if root {
+        use std::os::unix::fs::PermissionsExt;
+        let m = copy.path().join("model");
+        std::fs::create_dir(&m).unwrap();
+        for e in std::fs::read_dir(model()).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
+        }
+        for d in [copy.path(), &m] {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        m
+    } else {
+        model()
+    };
     let run = |extra: &[&str]| {
         let mut c = if root {
             let mut c = Command::new("setpriv");
@@ -505,7 +523,7 @@ fn require_cgroups_refuses_when_they_are_unavailable() {
         } else {
             Command::new(bin())
         };
-        c.arg(model())
+        c.arg(&model)
             .args(["--ids", "77,198,74", "--gen", "2", "--quiet"])
             .args(extra)
             .current_dir(std::env::temp_dir());
