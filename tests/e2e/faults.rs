@@ -497,10 +497,11 @@ fn over_budget_stage_is_oom_killed() {
 fn require_cgroups_refuses_when_they_are_unavailable() {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    // The fixture may sit where uid 65534 cannot look (a clone in a 0700 temporary
-    // directory): the dropped run gets a copy it can read.
+    // The checkout may sit where uid 65534 cannot look (a clone in a 0700 temporary
+    // directory): the dropped run gets a copy of the binary (it re-executes itself for
+    // its stages) and of the model that it can reach.
     let copy = tempfile::tempdir().unwrap();
-    let model = if root {
+    let (exe, model) = if root {
         use std::os::unix::fs::PermissionsExt;
         let m = copy.path().join("model");
         std::fs::create_dir(&m).unwrap();
@@ -508,20 +509,23 @@ fn require_cgroups_refuses_when_they_are_unavailable() {
             let e = e.unwrap();
             std::fs::copy(e.path(), m.join(e.file_name())).unwrap();
         }
-        for d in [copy.path(), &m] {
-            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let exe = copy.path().join("k3-orch");
+        std::fs::copy(bin(), &exe).unwrap();
+        for p in [copy.path(), &m, &exe] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
-        m
+        (exe, m)
     } else {
-        model()
+        (PathBuf::from(bin()), model())
     };
     let run = |extra: &[&str]| {
         let mut c = if root {
             let mut c = Command::new("setpriv");
-            c.args(["--reuid=65534", "--regid=65534", "--clear-groups", bin()]);
+            c.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(&exe);
             c
         } else {
-            Command::new(bin())
+            Command::new(&exe)
         };
         c.arg(&model)
             .args(["--ids", "77,198,74", "--gen", "2", "--quiet"])
