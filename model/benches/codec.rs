@@ -1,5 +1,6 @@
 //! The trunk codec on Gaussian BF16: `cargo bench -p k3-model --bench codec` prints, per
-//! zstd level of the exponent plane, the stored share of raw and the decode speed in GB/s
+//! effort of the exponent plane's encoder (zstd levels 1, 3, 19 and the default fast
+//! literals), the stored share of raw and the decode speed in GB/s
 //! of BF16 output on one core (4 MiB chunks, as `pack-trunk --codec bf16-zstd` writes),
 //! beside plain zstd on the interleaved bytes and the exponent plane's entropy.
 //! Indicative only on a loaded machine: docs/measurements.md says where the numbers came
@@ -7,7 +8,7 @@
 
 use std::time::Instant;
 
-use k3_model::codec::{byte_entropy, decode, encode_level, split, Codec};
+use k3_model::codec::{byte_entropy, decode, encode_with, split, Codec, Effort};
 
 /// Decoded bytes per chunk, as `pack-trunk --codec` writes them (its `CODEC_CHUNK`).
 const CHUNK: usize = 4 << 20;
@@ -64,11 +65,17 @@ fn main() {
     let mut out = vec![0u8; CHUNK];
     println!("| codec | stored / raw | decode GB/s of BF16 (1 core) | encode MB/s |");
     println!("|---|---|---|---|");
-    for level in [1, 3, 19] {
+    let efforts = [
+        Effort::Level(1),
+        Effort::Level(3),
+        Effort::Level(19),
+        Effort::Literals,
+    ];
+    for effort in efforts {
         let t0 = Instant::now();
         let enc: Vec<Vec<u8>> = chunks
             .iter()
-            .map(|c| encode_level(Codec::Bf16Zstd, c, level).unwrap())
+            .map(|c| encode_with(Codec::Bf16Zstd, c, effort).unwrap())
             .collect();
         let enc_s = t0.elapsed().as_secs_f64();
         let stored: usize = enc.iter().map(Vec::len).sum();
@@ -78,7 +85,7 @@ fn main() {
             }
         });
         println!(
-            "| bf16-zstd, level {level} | {:.3} | {:.2} | {:.0} |",
+            "| bf16-zstd, {effort} | {:.4} | {:.2} | {:.0} |",
             stored as f64 / raw.len() as f64,
             raw.len() as f64 / t / 1e9,
             raw.len() as f64 / enc_s / 1e6

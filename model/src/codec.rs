@@ -32,12 +32,41 @@ pub enum Codec {
     Bf16Zstd,
 }
 
-/// Default zstd level of the exponent plane. Measured on Gaussian BF16 with
-/// `benches/codec.rs` (docs/measurements.md): level 19's optimal parser stores almost only
-/// Huffman-coded literals, which gives both the best ratio (0.662 of raw, at 2.54 bits of
-/// exponent entropy) and the fastest decoding (no match copies), at a slow encoding that
-/// `pack-trunk` pays once; level 1 encodes ~100x faster at 0.680 and decodes slower.
+/// The zstd level that gave the ratio and the decoding speed the default [`Effort`]
+/// matches. Measured on Gaussian BF16 with `benches/codec.rs` (docs/measurements.md):
+/// level 19's optimal parser stores almost only Huffman-coded literals, which gives both the
+/// best ratio (0.662 of raw, at 2.54 bits of exponent entropy) and the fastest decoding (no
+/// match copies), but encodes at 5-7 MB/s; level 1 encodes ~100x faster at 0.680 and
+/// decodes slower.
 pub const ZSTD_LEVEL: i32 = 19;
+
+/// How hard the encoder searches the exponent plane for matches (the decoder does not
+/// care: every effort writes a plain zstd frame).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Effort {
+    /// Literals, found fast (the default): zstd's `fast` strategy with a 64-entry hash
+    /// table and 7-byte minimum matches, so that a match is almost never found and almost
+    /// every exponent is a Huffman-coded literal, as level 19's parser decides after a long
+    /// search. On Gaussian BF16 (`benches/codec.rs`, 2026-12-05, quiet Zen 5): 0.6623 of raw
+    /// against level 19's 0.6621, decoding at 4.9-5.0 GB/s against 5.2, encoding at 910
+    /// MB/s against 6-7. A smaller window (2^12) made its blocks smaller and decoded at 3.4
+    /// GB/s; 6-byte matches or a 256-entry table found matches that slowed the decoder.
+    Literals,
+    /// zstd's own level (1..=22).
+    Level(i32),
+}
+
+/// The effort `pack-trunk --codec` uses without `--level`.
+pub const DEFAULT_EFFORT: Effort = Effort::Literals;
+
+impl std::fmt::Display for Effort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Effort::Literals => write!(f, "zstd fast literals: min match 7, hash log 6"),
+            Effort::Level(l) => write!(f, "zstd level {l}"),
+        }
+    }
+}
 
 /// Bytes of the chunk header (`exp_len`).
 const HEADER: usize = 4;
@@ -100,19 +129,45 @@ pub fn join(exp: &[u8], sm: &[u8], out: &mut [u8]) {
     }
 }
 
-/// Encode one chunk at the default level ([`ZSTD_LEVEL`]).
+/// Encode one chunk with the default effort ([`DEFAULT_EFFORT`]).
 pub fn encode(codec: Codec, raw: &[u8]) -> Result<Vec<u8>, CodecError> {
-    encode_level(codec, raw, ZSTD_LEVEL)
+    encode_with(codec, raw, DEFAULT_EFFORT)
 }
 
-/// Encode one chunk with the entropy coder at `level` (1..=22; the decoder does not care).
+/// Encode one chunk with the entropy coder at zstd `level` (1..=22; the decoder does not
+/// care).
 pub fn encode_level(codec: Codec, raw: &[u8], level: i32) -> Result<Vec<u8>, CodecError> {
+    encode_with(codec, raw, Effort::Level(level))
+}
+
+/// The exponent plane as one zstd frame, searched with `effort`.
+fn compress_plane(exp: &[u8], effort: Effort) -> Result<Vec<u8>, CodecError> {
+    use zstd::zstd_safe::{CParameter, Strategy};
+    let err = |e: std::io::Error| CodecError::Encode(e.to_string());
+    match effort {
+        Effort::Level(level) => zstd::bulk::compress(exp, level).map_err(err),
+        Effort::Literals => {
+            let mut c = zstd::bulk::Compressor::new(1).map_err(err)?;
+            for p in [
+                CParameter::Strategy(Strategy::ZSTD_fast),
+                CParameter::MinMatch(7),
+                CParameter::HashLog(6),
+                CParameter::WindowLog(17),
+            ] {
+                c.set_parameter(p).map_err(err)?;
+            }
+            c.compress(exp).map_err(err)
+        }
+    }
+}
+
+/// Encode one chunk, the exponent plane searched with `effort`.
+pub fn encode_with(codec: Codec, raw: &[u8], effort: Effort) -> Result<Vec<u8>, CodecError> {
     match codec {
         Codec::Bf16Zstd => {
             let (mut exp, mut sm) = (Vec::new(), Vec::new());
             split(raw, &mut exp, &mut sm);
-            let z =
-                zstd::bulk::compress(&exp, level).map_err(|e| CodecError::Encode(e.to_string()))?;
+            let z = compress_plane(&exp, effort)?;
             let zl = u32::try_from(z.len()).map_err(|e| CodecError::Encode(e.to_string()))?;
             let mut out = Vec::with_capacity(HEADER + z.len() + sm.len() + 1);
             out.extend_from_slice(&zl.to_le_bytes());

@@ -20,13 +20,13 @@ use std::sync::{Arc, Mutex};
 use k3_io::arena::{ArenaMemory, OwnedArena};
 use k3_io::direct::ReadAt;
 
-use crate::codec::{encode_level, Codec, CodecError, Decoder};
+use crate::codec::{encode_with, Codec, CodecError, Decoder, Effort};
 use crate::trunk::{align_up, CodedChunk, CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK};
 
 /// One chunk's encoding, as a coding thread leaves it.
 type EncodedChunk = Result<Vec<u8>, CodecError>;
 
-/// Encode one layer's run with the entropy coder at `level`, its chunks spread over every
+/// Encode one layer's run with the entropy coder searching at `effort`, its chunks spread over every
 /// core: its stored bytes (every chunk on an `align` boundary, zero padded to a multiple of
 /// `align`) and its [`CodedLayer`] (with `offset` 0: the caller places it).
 pub fn encode_run(
@@ -34,7 +34,7 @@ pub fn encode_run(
     layer: usize,
     raw: &[u8],
     align: u64,
-    level: i32,
+    effort: Effort,
 ) -> Result<(Vec<u8>, CodedLayer), CodecError> {
     let pieces: Vec<&[u8]> = raw.chunks(CODEC_CHUNK as usize).collect();
     let threads = std::thread::available_parallelism()
@@ -48,7 +48,7 @@ pub fn encode_run(
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed) as usize;
                 let Some(c) = pieces.get(i) else { return };
-                let z = encode_level(codec, c, level);
+                let z = encode_with(codec, c, effort);
                 *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(z);
             });
         }

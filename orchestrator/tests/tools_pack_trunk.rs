@@ -381,7 +381,8 @@ fn concurrent_pack_is_refused() {
 /// `--codec bf16-zstd`: an interrupted coding resumes (the raw trunk stays the complete one
 /// until the coded manifest commits), the result replaces trunk.bin and verifies; a flipped
 /// stored byte is caught by `--verify` naming the layer and the chunk (exit 1), and a plain
-/// re-run re-packs it rather than trusting it. Catches a journal that restarts from zero, a
+/// re-run re-packs it rather than trusting it; a run without --codec is refused rather than
+/// throwing the coded trunk away. Catches a journal that restarts from zero, a
 /// coded manifest committed before its data, a verify that checks only the stored CRCs'
 /// count or only the decoded sha256 of intact layers.
 #[test]
@@ -456,8 +457,18 @@ fn coded_pack_resumes_verifies_and_names_a_damaged_chunk() {
         err.contains("trunk layer 4 chunk 0: the decoded bytes fail"),
         "{err}"
     );
-    // Asked for raw again: trunk.bin comes back and the coded file goes.
-    k3_ok(&["pack-trunk", m, t]);
+    // Asked for raw (no --codec, a `--verify` of the coded trunk mistyped): refused (exit 2)
+    // and the coded trunk kept, since coding a released trunk takes a long time. Catches
+    // the re-pack that threw it away silently.
+    let (code, _, err) = k3(&["pack-trunk", m, t, "--verify"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("coded with bf16-zstd") && err.contains("--force"),
+        "{err}"
+    );
+    assert!(k3z.exists() && TrunkManifest::load_dir(t).unwrap().codec.is_some());
+    // With --force: trunk.bin comes back and the coded file goes.
+    k3_ok(&["pack-trunk", m, t, "--force"]);
     assert!(TrunkManifest::load_dir(t).unwrap().codec.is_none());
     assert!(!k3z.exists());
 }

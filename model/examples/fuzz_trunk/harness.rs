@@ -18,7 +18,7 @@
 //!   problem that is not empty.
 //! - `codec`: the chunk decoder, [`codec::decode`] and (one case in 8)
 //!   [`decode_chunk`], with arbitrary stored bytes and a declared output size. Corpus:
-//!   chunks encoded by [`codec::encode_level`] at levels 1, 3 and 19 from the tiny
+//!   chunks encoded by [`codec::encode_with`] at levels 1, 3, 19 and fast literals from the tiny
 //!   checkpoints' real tensor bytes, Gaussian-like BF16, F32, random and constant bytes,
 //!   of 0 to 64 KiB, odd sizes included. Mutations: the header's plane length nudged,
 //!   edits inside the zstd frame (its header, its block headers, its literals), the frame
@@ -40,7 +40,7 @@ use std::path::PathBuf;
 use fuzzkit::json::JsonEdits;
 use fuzzkit::{n_edits, FuzzReport, Harness, Rng, Verdict};
 use k3_model::catalog::Catalog;
-use k3_model::codec::{self, Codec};
+use k3_model::codec::{self, Codec, Effort};
 use k3_model::codec_trunk::{decode_chunk, encode_run};
 use k3_model::trunk::{
     align_up, chunk_crcs, CodedChunk, SourceIdentity, TrunkCodec, TrunkLayer, TrunkManifest,
@@ -151,7 +151,8 @@ fn pack(
         });
         end += align_up(length, 4096);
         if coded {
-            if let Ok((bytes, mut cl)) = encode_run(Codec::Bf16Zstd, l, run, 4096, 1) {
+            if let Ok((bytes, mut cl)) = encode_run(Codec::Bf16Zstd, l, run, 4096, Effort::Level(1))
+            {
                 cl.offset = cend;
                 cend += bytes.len() as u64;
                 coded_layers.push(cl);
@@ -858,8 +859,13 @@ impl Fuzzer {
                     inputs.push(synth_raw(&mut rng));
                 }
                 for (i, raw) in inputs.into_iter().enumerate() {
-                    let level = [1, 3, 19][i % 3];
-                    if let Ok(z) = codec::encode_level(Codec::Bf16Zstd, &raw, level) {
+                    let effort = [
+                        Effort::Level(1),
+                        Effort::Level(3),
+                        Effort::Level(19),
+                        Effort::Literals,
+                    ][i % 4];
+                    if let Ok(z) = codec::encode_with(Codec::Bf16Zstd, &raw, effort) {
                         f.chunks.push((raw, z));
                     }
                 }

@@ -74,16 +74,27 @@ struct Args {
     /// sign and mantissa raw), decoded by the trunk-loader as it reads.
     #[arg(long)]
     codec: Option<String>,
-    /// zstd level of the exponent plane with --codec (1..=22; default 19: the smallest and
-    /// fastest to decode, slow to pack; 1 packs ~100x faster, ~3% larger).
-    #[arg(long, default_value_t = k3_model::codec::ZSTD_LEVEL, value_parser = clap::value_parser!(i32).range(1..=22))]
-    level: i32,
+    /// zstd level of the exponent plane with --codec (1..=22). Without it the exponents are
+    /// coded as literals found fast (zstd's fast strategy, 7-byte matches, a 64-entry hash
+    /// table): level 19's ratio and decoding speed, packed about 130x faster than level 19.
+    #[arg(long, value_parser = clap::value_parser!(i32).range(1..=22))]
+    level: Option<i32>,
     /// Testing: stop (exit 1) after this many layers, as if interrupted.
     #[arg(long, hide = true)]
     stop_after_layers: Option<usize>,
     /// Testing: stop (exit 1) after coding this many layers, as if interrupted.
     #[arg(long, hide = true)]
     stop_after_coded_layers: Option<usize>,
+}
+
+impl Args {
+    /// How the exponent plane is searched: `--level`, else the codec's default.
+    fn effort(&self) -> k3_model::codec::Effort {
+        self.level.map_or(
+            k3_model::codec::DEFAULT_EFFORT,
+            k3_model::codec::Effort::Level,
+        )
+    }
 }
 
 /// The pack tools' failure kinds (`pack-trunk`, `pack-experts`): refused up front (exit 2)
@@ -354,12 +365,22 @@ fn run(a: &Args) -> Result<(), Fail> {
             // A complete raw trunk asked for coded: only the coding is left to do.
             Ok(m) if !a.force && same_layout(&m, &plan) && m.codec.is_none() => {
                 if let (Some(c), Ok(())) = (codec, crc_scan(dir, &m)) {
-                    coded::code(dir, c, a.level, a.stop_after_coded_layers)?;
+                    coded::code(dir, c, a.effort(), a.stop_after_coded_layers)?;
                     return if a.verify {
                         verify(dir, &cat, &plan)
                     } else {
                         Ok(())
                     };
+                }
+            }
+            // A complete coded trunk asked for raw (no --codec): coding it may have taken
+            // hours, so it is never thrown away without --force.
+            Ok(m) if !a.force && same_layout(&m, &plan) && want.is_none() => {
+                if let Some(c) = codec_of(&m) {
+                    return Err(Fail::Refused(format!(
+                        "{} holds a complete trunk coded with {c}; pass --codec {c} to keep                          it (with --verify to check it), or --force to re-pack it raw",
+                        dir.display()
+                    )));
                 }
             }
             Ok(_) if !a.force => tracing::info!(
@@ -378,7 +399,7 @@ fn run(a: &Args) -> Result<(), Fail> {
     // A coded trunk's data, left by an earlier pack, is no longer described by anything.
     remove_if_exists(&dir.join(CODED_BIN))?;
     if let Some(c) = codec {
-        coded::code(dir, c, a.level, a.stop_after_coded_layers)?;
+        coded::code(dir, c, a.effort(), a.stop_after_coded_layers)?;
     }
     if a.verify {
         verify(dir, &cat, &plan)?;

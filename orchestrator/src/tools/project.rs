@@ -46,7 +46,8 @@
 //! decoded on every token by the trunk-loader's reader threads, on the cores compute uses.
 //! The plan weighs that decoding against the reads (`run::plan::DecodeTerms`, as a run
 //! does), and the decoding's time, its decoded bytes over one core's rate times the cores
-//! (`--decode-gbps`, else measured on Gaussian BF16 coded at level 1, [`measure_decode`]),
+//! (`--decode-gbps`, else measured on Gaussian BF16 coded as `pack-trunk` codes it,
+//! [`measure_decode`]),
 //! is added to the compute side: the core-seconds it takes are compute's.
 
 use std::ffi::OsString;
@@ -514,7 +515,8 @@ impl Machine {
 
     /// How a coded trunk's decoding is weighed against its reads on this machine, as a
     /// run's plan weighs it: the trunk's reads at every drive's trunk rate, the decoding at
-    /// one core's rate times the cores.
+    /// one core's rate on the cores compute leaves (a run's default compute takes them all,
+    /// so one).
     pub fn decode_terms(&self) -> plan::DecodeTerms {
         plan::DecodeTerms {
             disk_bps: self.drives.max(1) as f64 * self.trunk_drive_bps,
@@ -522,6 +524,7 @@ impl Machine {
             decode_bps: self.decode_bps,
             decode_source: self.decode_source.clone(),
             cores: self.cores,
+            compute_threads: self.cores,
         }
     }
 
@@ -1536,19 +1539,19 @@ pub fn measure_products(threads: usize) -> (f64, f64) {
 
 /// Bytes per second of BF16 one core decodes from a coded trunk: two chunks of Gaussian
 /// BF16 (sigma 1/sqrt(7168), drawn as `synth --weights gaussian` draws a released matrix:
-/// [`gaussian_bf16`](crate::tools::synth::gaussian_bf16)) coded with `bf16-zstd` at level 1
-/// (the level a whole trunk is packed at in practice: level 19 packs about 100x slower),
+/// [`gaussian_bf16`](crate::tools::synth::gaussian_bf16)) coded with `bf16-zstd` at the
+/// effort `pack-trunk --codec` uses by default ([`k3_model::codec::DEFAULT_EFFORT`]),
 /// decoded by one reused `Decoder` as the trunk-loader's readers
 /// decode, the fastest of three passes. [`plan::ASSUMED_DECODE_BPS`] when coding fails.
 pub fn measure_decode() -> f64 {
-    use k3_model::codec::{encode_level, Codec, Decoder};
+    use k3_model::codec::{encode, Codec, Decoder};
     let chunk = k3_model::trunk::CODEC_CHUNK as usize;
     let raw: Vec<Vec<u8>> = (0..2)
         .map(|i| crate::tools::synth::gaussian_bf16(i, "decode-probe", chunk / 2, 7168))
         .collect();
     let Ok(coded) = raw
         .iter()
-        .map(|r| encode_level(Codec::Bf16Zstd, r, 1))
+        .map(|r| encode(Codec::Bf16Zstd, r))
         .collect::<Result<Vec<_>, _>>()
     else {
         return plan::ASSUMED_DECODE_BPS;

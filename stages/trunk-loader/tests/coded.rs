@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use k3_io::ReadAt;
-use k3_model::codec::Codec;
+use k3_model::codec::{Codec, Effort};
 use k3_model::codec_trunk::{encode_run, CodedReader};
 use k3_model::tensor::Dtype;
 use k3_model::trunk::{
@@ -56,7 +56,7 @@ fn trunks(sizes: &[usize]) -> (TrunkManifest, Vec<u8>, TrunkManifest, Vec<u8>) {
                 crc32: chunk_crcs(&run),
             }],
         });
-        let (bytes, mut cl) = encode_run(Codec::Bf16Zstd, l, &run, 4096, 1).unwrap();
+        let (bytes, mut cl) = encode_run(Codec::Bf16Zstd, l, &run, 4096, Effort::Level(1)).unwrap();
         cl.offset = k3z.len() as u64;
         k3z.extend_from_slice(&bytes);
         coded.push(cl);

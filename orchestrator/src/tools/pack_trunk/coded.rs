@@ -20,7 +20,7 @@ use anyhow::{anyhow, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use k3_model::codec::{Codec, Decoder};
+use k3_model::codec::{Codec, Decoder, Effort};
 use k3_model::codec_trunk::{check_stored, decode_chunk, encode_run};
 use k3_model::trunk::{
     CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK, CODED_BIN, TRUNK_BIN, TRUNK_CODED_FORMAT,
@@ -73,11 +73,12 @@ fn resume(dir: &Path, digest: &str, layers: usize) -> Vec<CodedLayer> {
     j.done
 }
 
-/// Code the complete raw trunk in `dir` with `codec` at zstd `level`, resumably; commit it.
+/// Code the complete raw trunk in `dir` with `codec`, searching at `effort`, resumably;
+/// commit it.
 pub(super) fn code(
     dir: &Path,
     codec: Codec,
-    level: i32,
+    effort: Effort,
     stop_after: Option<usize>,
 ) -> Result<(), Fail> {
     let raw_json = fs::read(dir.join(TRUNK_JSON)).context("reading the raw trunk.json")?;
@@ -129,7 +130,7 @@ pub(super) fn code(
         checks[l.layer]
             .check(&run)
             .map_err(|e| Fail::Failed(e.into()))?;
-        let (bytes, mut cl) = encode_run(codec, l.layer, &run, m.align, level)
+        let (bytes, mut cl) = encode_run(codec, l.layer, &run, m.align, effort)
             .map_err(|e| Fail::Failed(anyhow!("layer {}: {e}", l.layer)))?;
         cl.offset = end;
         out.write_all_at(&bytes, end)
@@ -174,7 +175,7 @@ pub(super) fn code(
     remove_if_exists(&dir.join(JOURNAL))?;
     sync_dir(dir);
     println!(
-        "coded {} with {} (zstd level {level}): {} stored for {} raw ({:.3}), in {:.1} s",
+        "coded {} with {} ({effort}): {} stored for {} raw ({:.3}), in {:.1} s",
         dir.join(CODED_BIN).display(),
         codec.name(),
         gb(stored_bytes),
