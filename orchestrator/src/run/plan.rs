@@ -932,9 +932,11 @@ const DRIVE_PROBE_SECONDS: f64 = 0.25;
 
 /// How a coded trunk's decoding is weighed against its reads
 /// (`k3_trunk_loader::Streams::decode_ppm`): the drive's rate as the trunk-loader reads
-/// it, one core's decoding rate, and the cores the decoding shares with compute, each with
-/// where it came from. The decoding runs on the trunk-loader's reader threads while compute
-/// uses every core, so its core-seconds are counted spread over all of them.
+/// it and one core's decoding rate, each with where it came from, and the cores: the
+/// machine's and compute's threads. The decoding runs on the trunk-loader's reader threads
+/// and counts on the cores compute leaves, at least one (`k3_trunk_loader::decode_cores`:
+/// counted spread over the cores compute runs on, it kept layers coded that measured
+/// slower than reading them).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecodeTerms {
     pub disk_bps: f64,
@@ -942,25 +944,34 @@ pub struct DecodeTerms {
     pub decode_bps: f64,
     pub decode_source: String,
     pub cores: usize,
+    /// Compute's threads (`--threads`; all the cores by default).
+    pub compute_threads: usize,
 }
 
 impl DecodeTerms {
     /// The weight: disk bytes read in the time one decoded byte takes, per million.
     pub fn ppm(&self) -> u64 {
-        k3_trunk_loader::decode_weight_ppm(self.disk_bps, self.decode_bps, self.cores)
+        k3_trunk_loader::decode_weight_ppm(self.disk_bps, self.decode_bps, self.decoders())
+    }
+
+    /// The cores the decoding counts on (`k3_trunk_loader::decode_cores`).
+    pub fn decoders(&self) -> usize {
+        k3_trunk_loader::decode_cores(self.cores, self.compute_threads)
     }
 
     /// One line: what a decoded byte weighs and why.
     pub fn describe(&self) -> String {
         format!(
             "a decoded byte weighs {:.2} read bytes = drive {:.2} GB/s ({}) / ({:.2} GB/s \
-             decoded per core ({}) x {} core(s), shared with compute)",
+             decoded per core ({}) x {} core(s): of {} core(s), compute runs on {})",
             self.ppm() as f64 / 1e6,
             self.disk_bps / GB,
             self.disk_source,
             self.decode_bps / GB,
             self.decode_source,
-            self.cores
+            self.decoders(),
+            self.cores,
+            self.compute_threads.min(self.cores),
         )
     }
 
@@ -984,12 +995,14 @@ impl DecodeTerms {
                 None => (ASSUMED_DECODE_BPS, "ASSUMED: no chunk decoded".to_string()),
             },
         };
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Ok(Some(DecodeTerms {
             disk_bps,
             disk_source,
             decode_bps,
             decode_source,
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cores,
+            compute_threads: a.threads.unwrap_or(cores),
         }))
     }
 }

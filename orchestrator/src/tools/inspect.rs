@@ -55,8 +55,9 @@ struct Args {
     /// With --codec-ratio: GB/s of BF16 one core decodes (default 2, as measured at level 19)
     #[arg(long = "decode-gbps", value_parser = parse_rate)]
     decode_gbps: Option<f64>,
-    /// With --codec-ratio: the cores decoding shares with compute (default 16, the
-    /// reference machine's)
+    /// With --codec-ratio: the machine's cores (default 16, the reference machine's).
+    /// Compute runs on all of them, so the decoding counts on one core's rate
+    /// (`k3_trunk_loader::decode_cores`)
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     cores: Option<u32>,
     /// With --codec-ratio: how resident layers are held, as `k3-orch --trunk-resident`
@@ -116,6 +117,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
                     }),
                 decode_source: given(args.decode_gbps, "--decode-gbps"),
                 cores: args.cores.unwrap_or(16) as usize,
+                compute_threads: args.cores.unwrap_or(16) as usize,
             };
             (r, terms, args.trunk_resident)
         });

@@ -23,7 +23,8 @@ pub use loader::{
     TrunkStats, Unit, UnitReadError,
 };
 pub use plan::{
-    decode_cost, decode_rate, decode_weight_ppm, plan, plan_streams, plan_streams_with, LayerRun,
-    PlanError, RingPolicy, StreamPlan, Streams, TrunkPlan, TrunkResident,
+    decode_cores, decode_cost, decode_rate, decode_weight_ppm, plan, plan_streams,
+    plan_streams_with, LayerRun, PlanError, RingPolicy, StreamPlan, Streams, TrunkPlan,
+    TrunkResident,
 };
 pub use presets::{auto, mem_available, Budgets, Preset, Presets, PresetsError};

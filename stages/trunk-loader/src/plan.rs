@@ -378,11 +378,10 @@ pub fn decode_cost(decoded: u64, ppm: u64) -> u64 {
 
 /// The weight of decoding against reading ([`Streams::decode_ppm`]) on a machine whose
 /// disk reads the trunk at `disk_bps` bytes per second while `cores` cores each decode
-/// `decode_bps` bytes per second: the time one decoded byte takes, counted as its share of
-/// every core's time (the decoding runs on the trunk-loader's reader threads, on the cores
-/// compute uses: each core-second it takes is one compute does not get, spread over
-/// `cores`), over the time one byte takes to read, per million. 0 when a rate is not a
-/// positive number (decoding then weighs nothing, the stored-bytes ranking).
+/// `decode_bps` bytes per second: the time one decoded byte takes on those cores over the
+/// time one byte takes to read, per million. `cores` is what the decoding has to itself,
+/// [`decode_cores`]: not the cores compute runs on. 0 when a rate is not a positive number
+/// (decoding then weighs nothing, the stored-bytes ranking).
 pub fn decode_weight_ppm(disk_bps: f64, decode_bps: f64, cores: usize) -> u64 {
     let ok = |x: f64| x.is_finite() && x > 0.0;
     if !ok(disk_bps) || !ok(decode_bps) {
@@ -390,6 +389,20 @@ pub fn decode_weight_ppm(disk_bps: f64, decode_bps: f64, cores: usize) -> u64 {
     }
     let w = disk_bps / (decode_bps * cores.max(1) as f64) * 1e6;
     w.round().min(1e12) as u64
+}
+
+/// The cores a coded trunk's decoding counts on ([`decode_weight_ppm`]): those of the
+/// machine's `cores` that compute's `compute_threads` leave, at least one.
+///
+/// Measured (docs/measurements.md, "The coded trunk's literals"; 2 vCPU, compute on both):
+/// counting the decoding as spread over every core made `--trunk-resident auto` keep
+/// layers coded that ran slower than reading them. With one layer kept, 0.84 GB more
+/// decoded per token cost 0.20-0.29 s; with all four kept, 5.82 GB decoded per token cost
+/// about 1.5 s, against 0.8 s at 3.5 GB/s on each of two cores: the decoding of a kept
+/// layer is on the token's path (compute waits for its slot) and shares the cores and the
+/// memory with compute, so it runs at no more than one core's probed rate.
+pub fn decode_cores(cores: usize, compute_threads: usize) -> usize {
+    cores.saturating_sub(compute_threads).max(1)
 }
 
 /// Bytes per second one core decodes the coded trunk of manifest `m` in `dir` at: up to
@@ -1194,6 +1207,12 @@ mod tests {
     // turned into an infinite weight.
     #[test]
     fn the_decode_weight_is_disk_over_decoders() {
+        // The decoding gets the cores compute leaves, at least one: catches every core
+        // counted while compute runs on them (the weight that kept slower layers coded).
+        assert_eq!(decode_cores(2, 2), 1);
+        assert_eq!(decode_cores(16, 16), 1);
+        assert_eq!(decode_cores(16, 12), 4);
+        assert_eq!(decode_cores(1, 4), 1);
         assert_eq!(decode_weight_ppm(2.8e9, 2e9, 2), 700_000);
         assert_eq!(decode_weight_ppm(2.8e9, 2e9, 1), 1_400_000);
         assert_eq!(decode_weight_ppm(7e9, 2e9, 16), 218_750);
