@@ -10,7 +10,8 @@
 # With MEM_GB=X (and TRUNK=packed trunk) the server runs `--mem-gb X --trunk TRUNK` inside
 # a fresh v1 memory cgroup of X GB (needs root), the cgroup's peak printed at the end.
 # Environment: K3 (default target/release/k3-orch), THREADS (2), ROUNDS (2), LLAMA_BIN
-# (directory of llama-batched-bench; skipped when absent), GEN (64), PROMPT (16), CTX (1024).
+# (directory of llama-batched-bench; skipped when absent), GEN (64), PROMPT (16), CTX (1024),
+# EXTRA (more `serve` flags, e.g. EXTRA=--single-process).
 # Prints `uptime`, the CPU model and flags; do not record numbers from a loaded machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,8 @@ echo "== $(date -u +%FT%TZ) $(uptime)"
 lscpu | grep -E 'Model name|^Flags' | sed 's/^Flags: */Flags: /' | cut -c1-400
 
 flags=(--parallel 4 --threads "$THREADS" --port 0 --ctx ${CTX:-1024})
+# shellcheck disable=SC2206 # EXTRA is split into flags on purpose.
+[ -n "${EXTRA:-}" ] && flags+=($EXTRA)
 if [ -n "${MEM_GB:-}" ]; then
     flags+=(--mem-gb "$MEM_GB")
     [ -n "${TRUNK:-}" ] && flags+=(--trunk "$TRUNK")

@@ -188,16 +188,19 @@ fn released_headers_only_and_the_budget_table() {
 /// placements.
 fn coded_projection(d: &std::path::Path) {
     let dir = d.to_str().unwrap();
-    let out = k3_ok(&[
-        "inspect",
-        dir,
-        "--codec-ratio",
-        "0.662",
-        "--decode-gbps",
-        "40",
-        "--trunk-resident",
-        "raw",
-    ]);
+    // `inspect` of the coded trunk with the light decoder, and `extra`.
+    let light = |extra: &[&str]| {
+        let base = [
+            "inspect",
+            dir,
+            "--codec-ratio",
+            "0.662",
+            "--decode-gbps",
+            "40",
+        ];
+        k3_ok(&[&base[..], extra].concat())
+    };
+    let out = light(&["--trunk-resident", "raw"]);
     assert!(
         out.contains("coded trunk (--codec-ratio 0.662): 72.03 GB stored of 108.81 GB"),
         "{out}"
@@ -244,14 +247,7 @@ fn coded_projection(d: &std::path::Path) {
         out.contains("a decoded byte weighs 0.17 read bytes"),
         "{out}"
     );
-    let auto = k3_ok(&[
-        "inspect",
-        dir,
-        "--codec-ratio",
-        "0.662",
-        "--decode-gbps",
-        "40",
-    ]);
+    let auto = light(&[]);
     let row_auto = auto
         .lines()
         .find(|l| l.trim_start().starts_with("64.00 GB"))
