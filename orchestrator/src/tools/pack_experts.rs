@@ -364,13 +364,7 @@ fn pack(
         .flat_map(|&i| &plan[i].experts)
         .map(|x| x.length)
         .sum();
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "pack-experts {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let bar = super::pack_trunk::bytes_bar("pack-experts", total, 0);
     let start = Instant::now();
     let results: Vec<Result<Vec<PackedExpert>, Fail>> = std::thread::scope(|s| {
         let handles: Vec<_> = todo

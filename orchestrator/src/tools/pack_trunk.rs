@@ -614,11 +614,7 @@ fn pack(
                 s,
                 copied as f64 / 1e6 / s.max(1e-9)
             );
-            if bar.is_hidden() {
-                tracing::info!("{line}");
-            } else {
-                bar.println(line);
-            }
+            progress_line(&bar, line);
         }
     }
     bar.finish_and_clear();
@@ -684,15 +680,29 @@ fn open_partial(bin_path: &Path, done: &[TrunkLayer]) -> Result<File, Fail> {
 fn progress_bar(plan: &[PlannedLayer], done: &[TrunkLayer]) -> indicatif::ProgressBar {
     let total: u64 = plan.iter().map(|p| p.length).sum();
     let already: u64 = done.iter().map(|d| d.length).sum();
+    bytes_bar("pack-trunk", total, already)
+}
+
+/// A progress bar over `total` bytes named `what`, at `already` (drawn on a terminal only).
+pub(crate) fn bytes_bar(what: &str, total: u64, already: u64) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "pack-trunk {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta} {msg}",
-        )
+        indicatif::ProgressStyle::with_template(&format!(
+            "{what} {{bar:40}} {{bytes}}/{{total_bytes}} {{bytes_per_sec}} eta {{eta}} {{msg}}"
+        ))
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_position(already);
     bar
+}
+
+/// Print a progress `line` above `bar`, or log it where the bar is hidden (not a terminal).
+pub(crate) fn progress_line(bar: &indicatif::ProgressBar, line: String) {
+    if bar.is_hidden() {
+        tracing::info!("{line}");
+    } else {
+        bar.println(line);
+    }
 }
 
 /// Copy one planned layer into the partial file (synced) and describe it for the manifest.

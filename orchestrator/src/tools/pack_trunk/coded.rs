@@ -27,7 +27,7 @@ use k3_model::trunk::{
     TRUNK_JSON,
 };
 
-use super::{gb, hex, remove_if_exists, sync_dir, write_atomic, Fail};
+use super::{bytes_bar, gb, hex, progress_line, remove_if_exists, sync_dir, write_atomic, Fail};
 
 /// Stored data while coding.
 const PARTIAL: &str = "trunk.k3z.partial";
@@ -114,9 +114,14 @@ pub(super) fn code(
     let input = File::open(&bin).with_context(|| format!("opening {}", bin.display()))?;
     let checks = m.run_checks();
     let start = Instant::now();
+    let already: u64 = m.layers.iter().take(done.len()).map(|l| l.length).sum();
+    let bar = bytes_bar("pack-trunk --codec", m.total_bytes, already);
+    let every = if m.layers.len() > 20 { 10 } else { 1 };
+    let (mut coded_raw, mut coded_stored) = (0u64, 0u64);
     let mut run = Vec::new();
     for l in m.layers.iter().skip(done.len()) {
         if stop_after == Some(done.len()) {
+            bar.finish_and_clear();
             return Err(Fail::Failed(anyhow!(
                 "stopped after coding {} layers (--stop-after-coded-layers)",
                 done.len()
@@ -130,6 +135,7 @@ pub(super) fn code(
         checks[l.layer]
             .check(&run)
             .map_err(|e| Fail::Failed(e.into()))?;
+        bar.set_message(format!("coding layer {}", l.layer));
         let (bytes, mut cl) = encode_run(codec, l.layer, &run, m.align, effort)
             .map_err(|e| Fail::Failed(anyhow!("layer {}: {e}", l.layer)))?;
         cl.offset = end;
@@ -138,6 +144,8 @@ pub(super) fn code(
         out.sync_data()
             .with_context(|| format!("fsync {}", part_path.display()))?;
         end += cl.padded_length;
+        coded_raw += l.length;
+        coded_stored += cl.chunks.iter().map(|c| c.stored).sum::<u64>();
         done.push(cl);
         let j = Journal {
             digest: digest.clone(),
@@ -147,7 +155,25 @@ pub(super) fn code(
             &dir.join(JOURNAL),
             &serde_json::to_vec(&j).map_err(anyhow::Error::from)?,
         )?;
+        bar.inc(l.length);
+        if done.len().is_multiple_of(every) || done.len() == m.layers.len() {
+            let s = start.elapsed().as_secs_f64();
+            progress_line(
+                &bar,
+                format!(
+                    "  coded {}/{} layers, {} stored for {} ({:.3}), {:.1} s ({:.0} MB/s)",
+                    done.len(),
+                    m.layers.len(),
+                    gb(coded_stored),
+                    gb(coded_raw),
+                    coded_stored as f64 / coded_raw.max(1) as f64,
+                    s,
+                    coded_raw as f64 / 1e6 / s.max(1e-9)
+                ),
+            );
+        }
     }
+    bar.finish_and_clear();
     let stored_bytes = done.iter().flat_map(|l| &l.chunks).map(|c| c.stored).sum();
     let mut coded = m.clone();
     coded.format = TRUNK_CODED_FORMAT.to_string();
