@@ -32,16 +32,13 @@ pub enum Codec {
     Bf16Zstd,
 }
 
-/// The zstd level that gave the ratio and the decoding speed the default [`Effort`]
-/// matches. Measured on Gaussian BF16 with `benches/codec.rs` (docs/measurements.md):
-/// level 19's optimal parser stores almost only Huffman-coded literals, which gives both the
-/// best ratio (0.662 of raw, at 2.54 bits of exponent entropy) and the fastest decoding (no
-/// match copies), but encodes at 5-7 MB/s; level 1 encodes ~100x faster at 0.680 and
-/// decodes slower.
-pub const ZSTD_LEVEL: i32 = 19;
-
 /// How hard the encoder searches the exponent plane for matches (the decoder does not
-/// care: every effort writes a plain zstd frame).
+/// care: every effort writes a plain zstd frame). Measured on Gaussian BF16 with
+/// `benches/codec.rs` (docs/measurements.md): zstd level 19's optimal parser stores almost
+/// only Huffman-coded literals, which gives both the best ratio (0.662 of raw, at 2.54 bits
+/// of exponent entropy) and the fastest decoding (no match copies), but encodes at 5-7
+/// MB/s; level 1 encodes ~60x faster at 0.680 and decodes slower; [`Effort::Literals`]
+/// stores as little and decodes as fast as level 19, and encodes faster than level 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Effort {
     /// Literals, found fast (the default): zstd's `fast` strategy with a 64-entry hash
