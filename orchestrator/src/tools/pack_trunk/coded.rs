@@ -174,6 +174,30 @@ pub(super) fn code(
         }
     }
     bar.finish_and_clear();
+    let stored_bytes = commit(dir, &m, codec, done, end)?;
+    println!(
+        "coded {} with {} ({effort}): {} stored for {} raw ({:.3}), in {:.1} s",
+        dir.join(CODED_BIN).display(),
+        codec.name(),
+        gb(stored_bytes),
+        gb(m.total_bytes),
+        stored_bytes as f64 / m.total_bytes.max(1) as f64,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Commit the coded trunk whose layers `done` fill `trunk.k3z.partial` up to `end`: the
+/// data renamed to `trunk.k3z`, then the coded manifest (from the raw one, `m`) replacing
+/// `trunk.json`, and only then the raw `trunk.bin` and the journal removed. Returns the
+/// stored bytes.
+fn commit(
+    dir: &Path,
+    m: &TrunkManifest,
+    codec: Codec,
+    done: Vec<CodedLayer>,
+    end: u64,
+) -> Result<u64, Fail> {
     let stored_bytes = done.iter().flat_map(|l| &l.chunks).map(|c| c.stored).sum();
     let mut coded = m.clone();
     coded.format = TRUNK_CODED_FORMAT.to_string();
@@ -192,24 +216,15 @@ pub(super) fn code(
             problems.join("; ")
         )));
     }
-    fs::rename(&part_path, dir.join(CODED_BIN))
+    fs::rename(dir.join(PARTIAL), dir.join(CODED_BIN))
         .with_context(|| format!("renaming {PARTIAL} to {CODED_BIN}"))?;
     sync_dir(dir);
     let json = serde_json::to_vec_pretty(&coded).map_err(anyhow::Error::from)?;
     write_atomic(&dir.join(TRUNK_JSON), &json)?;
-    remove_if_exists(&bin)?;
+    remove_if_exists(&dir.join(TRUNK_BIN))?;
     remove_if_exists(&dir.join(JOURNAL))?;
     sync_dir(dir);
-    println!(
-        "coded {} with {} ({effort}): {} stored for {} raw ({:.3}), in {:.1} s",
-        dir.join(CODED_BIN).display(),
-        codec.name(),
-        gb(stored_bytes),
-        gb(m.total_bytes),
-        stored_bytes as f64 / m.total_bytes.max(1) as f64,
-        start.elapsed().as_secs_f64()
-    );
-    Ok(())
+    Ok(stored_bytes)
 }
 
 /// Check every stored chunk's CRC (the cheap scan of an existing coded trunk).
