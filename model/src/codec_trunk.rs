@@ -26,9 +26,9 @@ use crate::trunk::{align_up, CodedChunk, CodedLayer, TrunkCodec, TrunkManifest, 
 /// One chunk's encoding, as a coding thread leaves it.
 type EncodedChunk = Result<Vec<u8>, CodecError>;
 
-/// Encode one layer's run with the entropy coder searching at `effort`, its chunks spread over every
-/// core: its stored bytes (every chunk on an `align` boundary, zero padded to a multiple of
-/// `align`) and its [`CodedLayer`] (with `offset` 0: the caller places it).
+/// Encode one layer's run with the entropy coder searching at `effort`, its chunks spread
+/// over every core: its stored bytes (every chunk on an `align` boundary, zero padded to a
+/// multiple of `align`) and its [`CodedLayer`] (with `offset` 0: the caller places it).
 pub fn encode_run(
     codec: Codec,
     layer: usize,

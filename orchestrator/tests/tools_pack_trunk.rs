@@ -463,7 +463,8 @@ fn coded_pack_resumes_verifies_and_names_a_damaged_chunk() {
     let (code, _, err) = k3(&["pack-trunk", m, t, "--verify"]);
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("coded with bf16-zstd") && err.contains("--force"),
+        err.contains("coded with bf16-zstd; pass --codec bf16-zstd to keep it")
+            && err.contains("--force"),
         "{err}"
     );
     assert!(k3z.exists() && TrunkManifest::load_dir(t).unwrap().codec.is_some());

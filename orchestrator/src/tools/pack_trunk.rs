@@ -378,7 +378,8 @@ fn run(a: &Args) -> Result<(), Fail> {
             Ok(m) if !a.force && same_layout(&m, &plan) && want.is_none() => {
                 if let Some(c) = codec_of(&m) {
                     return Err(Fail::Refused(format!(
-                        "{} holds a complete trunk coded with {c}; pass --codec {c} to keep                          it (with --verify to check it), or --force to re-pack it raw",
+                        "{} holds a complete trunk coded with {c}; pass --codec {c} to keep \
+                         it (with --verify to check it), or --force to re-pack it raw",
                         dir.display()
                     )));
                 }
