@@ -66,6 +66,14 @@ struct Args {
     trunk_resident: TrunkResident,
 }
 
+/// What a plan's pinned count gets for the layers it keeps coded: ` +N kept`, or nothing.
+pub(crate) fn kept_suffix(kept: usize) -> String {
+    match kept {
+        0 => String::new(),
+        k => format!(" +{k} kept"),
+    }
+}
+
 /// A `--trunk-resident` placement: raw, coded or auto.
 pub(crate) fn parse_resident(s: &str) -> Result<TrunkResident, String> {
     TrunkResident::from_name(s.trim()).ok_or_else(|| format!("{s:?} is not raw, coded or auto"))
@@ -535,10 +543,7 @@ fn row(base: &crate::run::plan::Spend, runs: &Streams, total: u64) -> Result<Row
             .as_ref()
             .map(|p| {
                 let parts = if p.parts { " parts" } else { "" };
-                let kept = match p.plan.kept {
-                    0 => String::new(),
-                    k => format!(" +{k} kept"),
-                };
+                let kept = kept_suffix(p.plan.kept);
                 format!("{}/{}{parts}{kept}", p.plan.pinned, p.plan.layers)
             })
             .unwrap_or_default(),

@@ -529,6 +529,12 @@ impl Machine {
         }
     }
 
+    /// The cores a coded trunk's decoding counts on here: those compute leaves, and a run's
+    /// default compute takes them all (`k3_trunk_loader::decode_cores`), so one.
+    pub fn decoders(&self) -> usize {
+        k3_trunk_loader::decode_cores(self.cores, self.cores)
+    }
+
     /// One line describing it.
     pub fn describe(&self) -> String {
         let trunk = if self.trunk_drive_bps == self.drive_bps {
@@ -664,7 +670,7 @@ impl Times {
             compute,
             exposed: share * memory.max(compute),
             decode: if t.decode_bytes > 0.0 {
-                t.decode_bytes / (m.decode_terms().decoders() as f64 * m.decode_bps)
+                t.decode_bytes / (m.decoders() as f64 * m.decode_bps)
             } else {
                 0.0
             },
@@ -816,10 +822,7 @@ fn project_parts(
         sp.plan.pinned,
         sp.plan.layers,
         if sp.parts { "parts" } else { "layers" },
-        match sp.plan.kept {
-            0 => String::new(),
-            k => format!(" +{k} kept"),
-        }
+        crate::tools::inspect::kept_suffix(sp.plan.kept)
     );
     let cache_slots = (c.cache / m.spend.expert_slot.max(1)).min(m.experts());
     let hit = hits.rate(cache_slots, m.experts());
@@ -933,7 +936,7 @@ pub fn detail(
              per core x {} core(s) compute leaves = {} (on compute's side); the plan: {}\n",
             human(pt.decode_bytes as u64),
             machine.decode_bps / GB,
-            machine.decode_terms().decoders(),
+            machine.decoders(),
             duration(t.decode),
             machine.decode_terms().describe()
         );
