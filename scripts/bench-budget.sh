@@ -190,8 +190,8 @@ make_cg() { # name bytes -> path
 peak_of() { if [ $CG = v2 ]; then cat "$1/memory.peak" 2>/dev/null || echo 0; else cat "$1/memory.max_usage_in_bytes"; fi; }
 
 printf '%-14s %10s %12s %8s %8s %9s %10s %10s %6s  %s\n' limit s/token bytes/tok devbw ratio disk_busy cg_peak peak exit ids
-declare -A RAW_SPT=()
-# s/token of every run, by "round rung kind", for the ratios at the end.
+# s/token of every run, by "round rung kind": a coded row's ratio beside it (its round's
+# raw run, when that came first) and the ratios at the end.
 declare -A SPTS=()
 ORDER=()
 for p in "${PLAN[@]}"; do
@@ -225,7 +225,7 @@ for p in "${PLAN[@]}"; do
     set -e
     PEAK=$(peak_of "$d")
     if [ -f "$OUT" ]; then
-        LINE=$(python3 - "$OUT" "$LGB" "$S" "$DEVBW" "$PEAK" "$rc" "$NAME" "$EXPECT" "${RAW_SPT[$R $L]:-}" <<'PY'
+        LINE=$(python3 - "$OUT" "$LGB" "$S" "$DEVBW" "$PEAK" "$rc" "$NAME" "$EXPECT" "${SPTS[$R $L raw]:-}" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 L, S, devbw, cg, rc = float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), sys.argv[6]
@@ -256,7 +256,6 @@ PY
 )
         echo "$LINE" | grep -v '^@@ '
         read -r _ SPT GOT <<< "$(echo "$LINE" | grep '^@@ ')"
-        [ "$KIND" = raw ] && RAW_SPT[$R $L]=$SPT
         SPTS[$R $L $KIND]=$SPT
         ORDER+=("$R $L $KIND")
         if [ "$KIND" = resident ] && [ -z "$EXPECT" ]; then
