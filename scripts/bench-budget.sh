@@ -47,10 +47,17 @@
 #   CODED_TRUNK=/work/bench/slice-coded CODED_RESIDENT=raw,coded,auto ROUNDS=2 \
 #       scripts/bench-budget.sh /tmp/k3-bench-budget 5.5,resident
 #
+# CODED_HEAD=MODE,... (with CODED_TRUNK) runs the coded trunk once per `--lm-head-read`
+# MODE (raw, coded, auto): rows `L/head-MODE`, ordered as CODED_RESIDENT's (after them when
+# both are given). `head-raw` is the coded trunk with the lm_head streamed raw from the
+# checkpoint, as before the lm_head was coded; `head-auto` is the default. For example:
+#   CODED_TRUNK=/work/bench/slice-coded CODED_HEAD=raw,auto ROUNDS=2 \
+#       scripts/bench-budget.sh /tmp/k3-bench-budget 5.5
+#
 # DRY_RUN=1 checks the arguments and prints the runs it would make, in order, then exits
 # (no root, no k3-orch, nothing written).
 # Needs root (cgroups, drop_caches). Environment: K3 (default target/release/k3-orch),
-# SLICE, TRUNK, CODED_TRUNK, CODED_RESIDENT, GEN (default 8), IDS (default 1), EXPECT, ROUNDS,
+# SLICE, TRUNK, CODED_TRUNK, CODED_RESIDENT, CODED_HEAD, GEN (default 8), IDS (default 1), EXPECT, ROUNDS,
 # DRY_RUN.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +70,7 @@ EXPECT=${EXPECT:-}
 ROUNDS=${ROUNDS:-1}
 CODED_TRUNK=${CODED_TRUNK:-}
 CODED_RESIDENT=${CODED_RESIDENT:-}
+CODED_HEAD=${CODED_HEAD:-}
 DRY_RUN=${DRY_RUN:-}
 
 # The rungs: numbers (GB) or `resident`; the resident rung first when it sets EXPECT.
@@ -105,6 +113,20 @@ if [ -n "$CODED_RESIDENT" ]; then
         case "$M" in
             raw|coded|auto) CODED_KINDS+=("coded-$M") ;;
             *) echo "bench-budget: CODED_RESIDENT mode '$M' is not raw, coded or auto" >&2; exit 2 ;;
+        esac
+    done
+fi
+if [ -n "$CODED_HEAD" ]; then
+    if [ -z "$CODED_TRUNK" ]; then
+        echo "bench-budget: CODED_HEAD needs CODED_TRUNK (the coded trunk whose lm_head it reads)" >&2
+        exit 2
+    fi
+    [ -n "$CODED_RESIDENT" ] || CODED_KINDS=()
+    IFS=, read -ra MODES <<< "$CODED_HEAD"
+    for M in "${MODES[@]}"; do
+        case "$M" in
+            raw|coded|auto) CODED_KINDS+=("head-$M") ;;
+            *) echo "bench-budget: CODED_HEAD mode '$M' is not raw, coded or auto" >&2; exit 2 ;;
         esac
     done
 fi
@@ -209,6 +231,7 @@ for p in "${PLAN[@]}"; do
         case "$KIND" in
             coded) DIR=$CODED_TRUNK; NAME=$L/coded ;;
             coded-*) DIR=$CODED_TRUNK; NAME=$L/$KIND; PLACE=(--trunk-resident "${KIND#coded-}") ;;
+            head-*) DIR=$CODED_TRUNK; NAME=$L/$KIND; PLACE=(--lm-head-read "${KIND#head-}") ;;
         esac
         RUN=("$K3" "$SLICE" --trunk "$DIR" --mem-gb "$L" "${PLACE[@]}")
         LGB=$L

@@ -21,7 +21,9 @@ use k3_io::arena::{ArenaMemory, OwnedArena};
 use k3_io::direct::ReadAt;
 
 use crate::codec::{encode_with, Codec, CodecError, Decoder, Effort};
-use crate::trunk::{align_up, CodedChunk, CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK};
+use crate::trunk::{
+    align_up, CodedChunk, CodedHead, CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK,
+};
 
 /// One chunk's encoding, as a coding thread leaves it.
 type EncodedChunk = Result<Vec<u8>, CodecError>;
@@ -37,6 +39,58 @@ pub fn encode_run(
     effort: Effort,
 ) -> Result<(Vec<u8>, CodedLayer), CodecError> {
     let pieces: Vec<&[u8]> = raw.chunks(CODEC_CHUNK as usize).collect();
+    let (out, chunks) = encode_pieces(codec, &pieces, align, effort)?;
+    let stored_length = chunks.last().map(|c| c.offset + c.stored).unwrap_or(0);
+    let padded_length = out.len() as u64;
+    Ok((
+        out,
+        CodedLayer {
+            layer,
+            offset: 0,
+            stored_length,
+            padded_length,
+            chunks,
+        },
+    ))
+}
+
+/// Rows of `row` bytes per coded lm_head chunk: as many as [`CODEC_CHUNK`] holds (at least
+/// one, and at most `max_bytes` of them when that is smaller: tests code small heads in
+/// several chunks).
+pub fn head_chunk_rows(row: u64, max_bytes: u64) -> u64 {
+    (max_bytes.min(CODEC_CHUNK) / row.max(1)).max(1)
+}
+
+/// Encode rows `[r0, r0 + raw.len() / row)` of an lm_head (`raw`: whole rows of `row`
+/// bytes, `r0` a multiple of `chunk_rows`) in chunks of `chunk_rows` rows, on every core:
+/// their stored bytes (each chunk on an `align` boundary, the end padded to one) and their
+/// chunks, offsets relative to the start of the returned bytes.
+pub fn encode_head_rows(
+    codec: Codec,
+    raw: &[u8],
+    row: u64,
+    chunk_rows: u64,
+    align: u64,
+    effort: Effort,
+) -> Result<(Vec<u8>, Vec<CodedChunk>), CodecError> {
+    if row == 0 || chunk_rows == 0 || !(raw.len() as u64).is_multiple_of(row) {
+        return Err(CodecError::Encode(format!(
+            "{} bytes are not whole rows of {row} bytes",
+            raw.len()
+        )));
+    }
+    let pieces: Vec<&[u8]> = raw.chunks((chunk_rows * row) as usize).collect();
+    encode_pieces(codec, &pieces, align, effort)
+}
+
+/// Encode `pieces`, one chunk each, spread over every core: the stored bytes (each chunk on
+/// an `align` boundary, the end zero padded to a multiple of `align`) and the chunks.
+fn encode_pieces(
+    codec: Codec,
+    pieces: &[&[u8]],
+    align: u64,
+    effort: Effort,
+) -> Result<(Vec<u8>, Vec<CodedChunk>), CodecError> {
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
@@ -71,69 +125,84 @@ pub fn encode_run(
         out.extend_from_slice(&z);
         out.resize(align_up(out.len() as u64, align) as usize, 0);
     }
-    let stored_length = chunks.last().map(|c| c.offset + c.stored).unwrap_or(0);
-    let padded_length = out.len() as u64;
-    Ok((
-        out,
-        CodedLayer {
-            layer,
-            offset: 0,
-            stored_length,
-            padded_length,
-            chunks,
-        },
-    ))
+    Ok((out, chunks))
+}
+
+/// What a coded chunk belongs to: a trunk layer's run or the coded lm_head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    Layer(usize),
+    Head,
+}
+
+impl From<usize> for Unit {
+    fn from(layer: usize) -> Unit {
+        Unit::Layer(layer)
+    }
+}
+
+impl std::fmt::Display for Unit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unit::Layer(l) => write!(f, "trunk layer {l}"),
+            Unit::Head => write!(f, "coded lm_head"),
+        }
+    }
 }
 
 /// A chunk that is not what was packed.
 #[derive(Debug, thiserror::Error)]
 pub enum ChunkError {
-    #[error("trunk layer {layer} chunk {chunk}: the stored bytes fail their CRC-32C (damaged on disk or in transfer)")]
-    Stored { layer: usize, chunk: usize },
-    #[error("trunk layer {layer} chunk {chunk}: {source}")]
+    #[error("{unit} chunk {chunk}: the stored bytes fail their CRC-32C (damaged on disk or in transfer)")]
+    Stored { unit: Unit, chunk: usize },
+    #[error("{unit} chunk {chunk}: {source}")]
     Decode {
-        layer: usize,
+        unit: Unit,
         chunk: usize,
         #[source]
         source: CodecError,
     },
-    #[error("trunk layer {layer} chunk {chunk}: the decoded bytes fail their CRC-32C")]
-    Decoded { layer: usize, chunk: usize },
+    #[error("{unit} chunk {chunk}: the decoded bytes fail their CRC-32C")]
+    Decoded { unit: Unit, chunk: usize },
 }
 
-/// Check chunk `chunk` of `layer`'s stored bytes against their CRC-32C.
+/// Check chunk `chunk` of `unit`'s stored bytes against their CRC-32C.
 pub fn check_stored(
-    layer: usize,
+    unit: impl Into<Unit>,
     chunk: usize,
     ch: &CodedChunk,
     stored: &[u8],
 ) -> Result<(), ChunkError> {
     if crc32c::crc32c(stored) != ch.crc32_stored {
-        return Err(ChunkError::Stored { layer, chunk });
+        return Err(ChunkError::Stored {
+            unit: unit.into(),
+            chunk,
+        });
     }
     Ok(())
 }
 
-/// Check chunk `chunk` of `layer` (its stored bytes `stored`) and decode it into `out`
+/// Check chunk `chunk` of `unit` (its stored bytes `stored`) and decode it into `out`
 /// (`ch.raw` bytes) with `dec` (the caller's, reused from chunk to chunk).
 pub fn decode_chunk(
     dec: &mut Decoder,
     codec: Codec,
-    layer: usize,
+    unit: impl Into<Unit>,
     chunk: usize,
     ch: &CodedChunk,
     stored: &[u8],
     out: &mut [u8],
 ) -> Result<(), ChunkError> {
-    check_stored(layer, chunk, ch, stored)?;
+    let unit = unit.into();
+    check_stored(unit, chunk, ch, stored)?;
     dec.decode(codec, stored, out)
         .map_err(|source| ChunkError::Decode {
-            layer,
+            unit,
             chunk,
             source,
         })?;
     if crc32c::crc32c(out) != ch.crc32_raw {
-        return Err(ChunkError::Decoded { layer, chunk });
+        return Err(ChunkError::Decoded { unit, chunk });
     }
     Ok(())
 }
@@ -210,10 +279,81 @@ pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<Stri
     if end != c.file_size {
         p.push(format!("codec file_size {} is not {end}", c.file_size));
     }
+    if let Some(h) = &c.head {
+        head_problems(m, c, h, p);
+    }
     if stored != c.stored_bytes {
         p.push(format!(
             "codec stored_bytes {} is not {stored}",
             c.stored_bytes
+        ));
+    }
+}
+
+/// Every inconsistency of `h`, the coded lm_head of codec `c` of manifest `m`.
+fn head_problems(m: &TrunkManifest, c: &TrunkCodec, h: &CodedHead, p: &mut Vec<String>) {
+    let plain = !matches!(h.file.as_str(), "" | "." | "..") && !h.file.contains('/');
+    if !plain || h.file == m.file || h.file == c.file {
+        p.push(format!(
+            "codec head file {:?} is not a plain file name of its own",
+            h.file
+        ));
+    }
+    if h.tensor != crate::classify::LM_HEAD {
+        p.push(format!(
+            "codec head tensor {:?} is not the lm_head",
+            h.tensor
+        ));
+    }
+    let row = h.row_bytes();
+    if h.dtype != crate::tensor::Dtype::BF16 || h.shape.len() != 2 || row == 0 {
+        p.push(format!(
+            "codec head: {} {:?} is not a BF16 matrix",
+            h.dtype, h.shape
+        ));
+        return;
+    }
+    if h.chunk_rows == 0 || h.chunk_rows.saturating_mul(row) > CODEC_CHUNK {
+        p.push(format!(
+            "codec head: {} rows per chunk of {row} bytes is not 1 to {CODEC_CHUNK} bytes",
+            h.chunk_rows
+        ));
+        return;
+    }
+    let rows = h.rows();
+    if h.chunks.len() as u64 != rows.div_ceil(h.chunk_rows) {
+        p.push(format!(
+            "codec head: {} chunks, its {rows} rows need {}",
+            h.chunks.len(),
+            rows.div_ceil(h.chunk_rows)
+        ));
+    }
+    if h.sha256.len() != 64 || !h.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+        p.push("codec head: sha256 is not 64 hex digits".into());
+    }
+    let (mut at, mut stored) = (0u64, 0u64);
+    for (i, ch) in h.chunks.iter().enumerate() {
+        let r = h
+            .chunk_rows
+            .min(rows.saturating_sub(i as u64 * h.chunk_rows));
+        if ch.raw != r * row || ch.offset % m.align != 0 || ch.offset < at {
+            p.push(format!(
+                "codec head: chunk {i} is misplaced or of the wrong size"
+            ));
+        }
+        at = ch.offset.saturating_add(ch.stored);
+        stored = stored.saturating_add(ch.stored);
+    }
+    if at.checked_next_multiple_of(m.align) != Some(h.file_size) {
+        p.push(format!(
+            "codec head file_size {} is not the end of its last chunk ({at}) aligned up",
+            h.file_size
+        ));
+    }
+    if stored != h.stored_bytes {
+        p.push(format!(
+            "codec head stored_bytes {} is not {stored}",
+            h.stored_bytes
         ));
     }
 }

@@ -103,6 +103,62 @@ pub struct TrunkCodec {
     pub stored_bytes: u64,
     /// One per layer, in layer order (the same layers as [`TrunkManifest::layers`]).
     pub layers: Vec<CodedLayer>,
+    /// The checkpoint's lm_head coded too, for a run that streams it (absent: the lm_head is
+    /// read raw from the checkpoint; a reader that does not know this field reads it so).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head: Option<CodedHead>,
+}
+
+/// File name of a coded trunk's lm_head.
+pub const CODED_HEAD_BIN: &str = "lm_head.k3z";
+
+/// The checkpoint's lm_head (a `[rows, cols]` BF16 matrix), coded in chunks of whole rows
+/// in a file of its own ([`CODED_HEAD_BIN`]), so that a run which streams the lm_head every
+/// token reads its stored bytes instead of the raw ones. Chunk `i` decodes to rows
+/// `[i * chunk_rows, min((i + 1) * chunk_rows, rows))`, each chunk's stored bytes on an
+/// `align` boundary of the file (one O_DIRECT read each).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CodedHead {
+    /// The checkpoint tensor (`classify::LM_HEAD`), its dtype and `[rows, cols]` shape.
+    pub tensor: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    /// Rows per chunk (their bytes at most [`CODEC_CHUNK`]).
+    pub chunk_rows: u64,
+    /// The stored data file, relative to the manifest ([`CODED_HEAD_BIN`]).
+    pub file: String,
+    /// Exact size of that file.
+    pub file_size: u64,
+    /// Sum of every chunk's stored bytes (without the alignment padding).
+    pub stored_bytes: u64,
+    /// sha256 of the raw tensor bytes (what `--verify` compares the decoded chunks with).
+    pub sha256: String,
+    /// The chunks, `offset` relative to the start of `file`.
+    pub chunks: Vec<CodedChunk>,
+}
+
+impl CodedHead {
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> u64 {
+        self.shape.get(1).map_or(0, |&c| c as u64) * self.dtype.size() as u64
+    }
+
+    /// Rows of the matrix.
+    pub fn rows(&self) -> u64 {
+        self.shape.first().map_or(0, |&r| r as u64)
+    }
+
+    /// The chunks covering rows `[r0, r1)` (`r0` a multiple of `chunk_rows`).
+    pub fn chunks_of(&self, r0: u64, r1: u64) -> std::ops::Range<usize> {
+        let cr = self.chunk_rows.max(1);
+        (r0 / cr) as usize..(r1.div_ceil(cr) as usize).min(self.chunks.len())
+    }
+
+    /// Stored bytes of the chunks covering rows `[r0, rows)`.
+    pub fn stored_from(&self, r0: u64) -> u64 {
+        let k = self.chunks_of(r0, self.rows());
+        self.chunks[k].iter().map(|c| c.stored).sum()
+    }
 }
 
 /// One layer's stored run: raw `length` (its [`TrunkLayer`]) in, `stored_length` out.
@@ -774,6 +830,16 @@ impl TrunkManifest {
                 && !packed.contains(name.as_str())
             {
                 diffs.push(format!("layer {layer}: {name} is not in the manifest"));
+            }
+        }
+        if let Some(h) = self.codec.as_ref().and_then(|c| c.head.as_ref()) {
+            match cat.get(&h.tensor) {
+                Some(e) if e.dtype == h.dtype && e.shape == h.shape.as_slice() => {}
+                Some(e) => diffs.push(format!(
+                    "the coded {} is {} {:?}, the checkpoint's is {} {:?}",
+                    h.tensor, h.dtype, h.shape, e.dtype, e.shape
+                )),
+                None => diffs.push(format!("the coded {} is not in the checkpoint", h.tensor)),
             }
         }
         if diffs.is_empty() {

@@ -127,6 +127,48 @@ fn coded_resident_modes_each_get_a_row() {
     }
 }
 
+/// CODED_HEAD runs the coded trunk once per `--lm-head-read` mode (after the
+/// CODED_RESIDENT modes when both are given), alternating like them; a mode it does not
+/// know, or the modes without a coded trunk, are refused with exit 2. Catches head modes
+/// that replace the resident modes' rows, and a bad mode passed on to k3-orch.
+#[test]
+fn coded_head_modes_each_get_a_row() {
+    let (code, out, err) = dry(
+        &[
+            ("CODED_TRUNK", "/tmp/coded"),
+            ("CODED_RESIDENT", "raw"),
+            ("CODED_HEAD", "raw,auto"),
+            ("ROUNDS", "2"),
+            ("EXPECT", "1"),
+        ],
+        &["/tmp/w", "5.5"],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        runs(&out),
+        [
+            "5.5 raw",
+            "5.5 coded-raw",
+            "5.5 head-raw",
+            "5.5 head-auto",
+            "5.5 head-auto",
+            "5.5 head-raw",
+            "5.5 coded-raw",
+            "5.5 raw"
+        ]
+    );
+    for env in [
+        vec![("CODED_TRUNK", "/tmp/coded"), ("CODED_HEAD", "zip")],
+        vec![("CODED_HEAD", "coded")],
+    ] {
+        let mut env = env;
+        env.push(("EXPECT", "1"));
+        let (code, _, err) = dry(&env, &["/tmp/w", "5.5"]);
+        assert_eq!(code, 2, "{env:?}: {err}");
+        assert!(err.contains("CODED_HEAD"), "{err}");
+    }
+}
+
 /// No stale default ids: without a resident rung EXPECT is required (exit 2), and a given
 /// one is used; bad limits, rounds or ids are refused with exit 2. Catches the old
 /// hard-coded ids of the legacy slice (gaussian slices have other ids).

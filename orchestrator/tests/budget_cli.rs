@@ -185,6 +185,109 @@ fn streamed_lm_head_and_embedding_rows_keep_the_logits() {
     }
 }
 
+/// A coded trunk codes the lm_head too (`pack-trunk --codec`, here in 8-row chunks so the
+/// tiny head has 32 of them), and a streamed lm_head read from it (`--lm-head-read coded`)
+/// gives the oracle's ids and the very logits of the raw stream, at every chunk size and
+/// held prefix: a stream chunk of one coded chunk, of three, bigger than the head; held
+/// rows rounded down to whole coded chunks (600 bytes: none; 10000: 32 rows), the last
+/// chunk short of 8 rows. Catches decoded chunks placed at the wrong rows, streamed rows
+/// that restart at row 0 after the held ones or skip a chunk, and a short last chunk
+/// decoded past its rows. Then damage: a stored byte flipped in chunk 5 of lm_head.k3z
+/// fails the run (exit 1) naming the coded lm_head and the chunk, and `--lm-head-read
+/// coded` over a trunk without one is refused up front (exit 2).
+#[test]
+fn a_coded_lm_head_streams_the_same_logits() {
+    let model = "tiny-mxfp4";
+    let dir = tempfile::tempdir().unwrap();
+    let trunk = dir.path().join("trunk");
+    let o = k3()
+        .arg("pack-trunk")
+        .arg(fixture(&format!("{model}/sharded")))
+        .arg(&trunk)
+        .args(["--codec", "bf16-zstd"])
+        .env("K3_TEST_HOOKS", "1")
+        .env("K3_TEST_HEAD_CHUNK_BYTES", "2048")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let m = k3_model::trunk::TrunkManifest::load_dir(&trunk).unwrap();
+    let h = m
+        .codec
+        .as_ref()
+        .unwrap()
+        .head
+        .clone()
+        .expect("the lm_head is coded");
+    assert_eq!((h.chunk_rows, h.chunks.len()), (8, 32));
+    let out = dir.path().join("r.json");
+    let want = oracle_ids(model, 4);
+    let run = |read: &str, chunk: &str, held: Option<&str>, logits: &Path| {
+        let lg = logits.to_str().unwrap().to_string();
+        let mut env = vec![("K3_TEST_HOOKS", "1"), ("K3_LM_HEAD_CHUNK_BYTES", chunk)];
+        if let Some(n) = held {
+            env.push(("K3_LM_HEAD_HELD_BYTES", n));
+        }
+        let extra = ["--lm-head-read", read, "--dump-logits", lg.as_str()];
+        gen_with(model, &trunk, &out, &extra, &env)
+    };
+    let base = dir.path().join("raw.bin");
+    let o = run("raw", "7000", None, &base);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!text(&o).contains("read coded"), "{}", text(&o));
+    assert_eq!(
+        generated_ids(&out),
+        want,
+        "raw stream: ids differ from the oracle"
+    );
+    let base = std::fs::read(&base).unwrap();
+    for (chunk, held) in [
+        ("7000", None),
+        ("1", None),
+        ("100000000", None),
+        ("7000", Some("10000")),
+        ("7000", Some("600")),
+    ] {
+        let logits = dir.path().join("coded.bin");
+        let o = run("coded", chunk, held, &logits);
+        let t = text(&o);
+        assert!(o.status.success(), "chunk {chunk} held {held:?}: {t}");
+        assert!(t.contains("read coded"), "{t}");
+        assert_eq!(
+            generated_ids(&out),
+            want,
+            "chunk {chunk} held {held:?}: ids"
+        );
+        assert!(
+            std::fs::read(&logits).unwrap() == base,
+            "chunk {chunk} held {held:?}: logits differ from the raw stream"
+        );
+    }
+    // A flipped stored byte in chunk 5.
+    let k3z = trunk.join(&h.file);
+    let mut bytes = std::fs::read(&k3z).unwrap();
+    bytes[h.chunks[5].offset as usize + 3] ^= 0x10;
+    std::fs::write(&k3z, &bytes).unwrap();
+    let o = run("coded", "7000", None, &dir.path().join("x.bin"));
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("coded lm_head chunk 5: the stored bytes fail their CRC-32C"),
+        "{}",
+        text(&o)
+    );
+    // A raw trunk has no coded lm_head.
+    let raw = dir.path().join("raw-trunk");
+    let o = k3()
+        .arg("pack-trunk")
+        .arg(fixture(&format!("{model}/sharded")))
+        .arg(&raw)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let o = gen(model, &raw, &out, &["--lm-head-read", "coded"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("holds no coded lm_head"), "{}", text(&o));
+}
+
 /// Prefill reads each expert once per pass: the prompt's 12 tokens route 12 x 12 MoE layers
 /// x top-2 = 288 expert uses on tiny-mxfp4, but a layer has only 8 experts, so the union is
 /// at most 96 loads, and with the smallest cache every load is a read. Catches a prefill

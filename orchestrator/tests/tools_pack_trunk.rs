@@ -474,6 +474,57 @@ fn coded_pack_resumes_verifies_and_names_a_damaged_chunk() {
     assert!(!k3z.exists());
 }
 
+/// `--codec` codes the lm_head too (`lm_head.k3z`), and a coded trunk packed before that
+/// (no `head` in its manifest) gets it added by a re-run with `--codec`, its layers left
+/// alone; `--verify` decodes the coded lm_head and names a damaged chunk of it (exit 1).
+/// Catches a re-run that re-packs the whole trunk for the head, a verify that skips the
+/// head, and a head committed without its data.
+#[test]
+fn the_lm_head_is_coded_added_and_verified() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let (m, t) = (model.to_str().unwrap(), tmp.path().join("t"));
+    let t = t.to_str().unwrap();
+    let out = k3_ok(&["pack-trunk", m, t, "--codec", "bf16-zstd"]);
+    assert!(out.contains("coded the lm_head (256 rows)"), "{out}");
+    let coded = TrunkManifest::load_dir(t).unwrap();
+    let h = coded.codec.as_ref().unwrap().head.clone().unwrap();
+    let head_file = Path::new(t).join(&h.file);
+    assert_eq!(std::fs::metadata(&head_file).unwrap().len(), h.file_size);
+    // As a trunk coded before the lm_head was.
+    let json = Path::new(t).join("trunk.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    v["codec"].as_object_mut().unwrap().remove("head");
+    std::fs::write(&json, v.to_string()).unwrap();
+    std::fs::remove_file(&head_file).unwrap();
+    let k3z = Path::new(t).join("trunk.k3z");
+    let before = std::fs::metadata(&k3z).unwrap().modified().unwrap();
+    let out = k3_ok(&["pack-trunk", m, t, "--codec", "bf16-zstd", "--verify"]);
+    assert!(
+        out.contains("added the coded lm_head") && out.contains("verify: OK"),
+        "{out}"
+    );
+    assert_eq!(std::fs::metadata(&k3z).unwrap().modified().unwrap(), before);
+    let again = TrunkManifest::load_dir(t).unwrap();
+    assert_eq!(again.codec.as_ref().unwrap().head.as_ref(), Some(&h));
+    assert_eq!(again.codec.unwrap().layers, coded.codec.unwrap().layers);
+    // A changed byte of chunk 0 with its stored CRC forged: only decoding sees it.
+    let ch = h.chunks[0];
+    let mut bytes = std::fs::read(&head_file).unwrap();
+    bytes[(ch.offset + ch.stored) as usize - 1] ^= 0x01;
+    std::fs::write(&head_file, &bytes).unwrap();
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let stored = &bytes[ch.offset as usize..(ch.offset + ch.stored) as usize];
+    v["codec"]["head"]["chunks"][0]["crc32_stored"] = crc32c::crc32c(stored).into();
+    std::fs::write(&json, v.to_string()).unwrap();
+    let (code, _, err) = k3(&["pack-trunk", m, t, "--codec", "bf16-zstd", "--verify"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("coded lm_head chunk 0: the decoded bytes fail"),
+        "{err}"
+    );
+}
+
 /// An unknown codec is refused up front (exit 2) with the ones this build has.
 #[test]
 fn unknown_codec_is_refused() {

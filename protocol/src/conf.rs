@@ -188,6 +188,10 @@ pub struct ComputeConf {
     /// whole run (read once, on first use) and stream only the rest. 0: none.
     #[serde(default)]
     pub lm_head_held_bytes: u64,
+    /// With a streamed lm_head: read the streamed rows from the coded lm_head of the coded
+    /// trunk in this directory (`pack-trunk --codec`) instead of raw from the shards.
+    #[serde(default)]
+    pub lm_head_coded: Option<PathBuf>,
     /// Serve a sequence of requests (`Msg::Generate` on the control socket) until
     /// `Shutdown`, instead of one generation of `prompt_ids` (`serve`, `chat`).
     #[serde(default)]

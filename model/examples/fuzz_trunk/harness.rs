@@ -191,6 +191,7 @@ fn pack(
                 .map(|c| c.stored)
                 .sum(),
             layers: coded_layers,
+            head: None,
         }),
         layers,
     }

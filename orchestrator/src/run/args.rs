@@ -17,6 +17,38 @@ use std::path::{Path, PathBuf};
 use super::defaults::{self, GenerationDefaults, Source};
 use k3_protocol::conf::TrunkResident;
 
+/// `--lm-head-read`: where a streamed lm_head's rows come from when the coded trunk codes
+/// the lm_head (issue 37). Both serve compute the same rows; only the bytes read and the
+/// decoding differ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HeadRead {
+    /// Raw, from the checkpoint's shards.
+    Raw,
+    /// The coded lm_head's stored chunks, decoded by compute's reader threads.
+    Coded,
+    /// Whichever the plan weighs cheaper (raw without a coded lm_head).
+    #[default]
+    Auto,
+}
+
+impl HeadRead {
+    /// The flag's value: `raw`, `coded` or `auto`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeadRead::Raw => "raw",
+            HeadRead::Coded => "coded",
+            HeadRead::Auto => "auto",
+        }
+    }
+
+    /// The mode a flag value names (None: not one of them).
+    pub fn from_name(s: &str) -> Option<HeadRead> {
+        [HeadRead::Raw, HeadRead::Coded, HeadRead::Auto]
+            .into_iter()
+            .find(|r| r.name() == s)
+    }
+}
+
 /// Where the prompt comes from: exactly one of these.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prompt {
@@ -224,6 +256,8 @@ pub struct GenArgs {
     /// `--trunk-resident raw|coded|auto`: how a coded trunk's resident layers are held
     /// (raw, kept coded and decoded on use, or whichever the plan weighs cheaper).
     pub trunk_resident: TrunkResident,
+    /// `--lm-head-read raw|coded|auto`: where a streamed lm_head's rows are read from.
+    pub lm_head_read: HeadRead,
     pub gen: usize,
     /// `-c/--ctx-size`: prompt plus generated tokens at most (refused up front beyond it).
     pub ctx_size: Option<usize>,
@@ -325,6 +359,10 @@ memory (applied left to right; a later flag wins):
                          with a coded --trunk: keep resident layers raw (decoded once),
                          coded (decoded on each use, ~1.45x more fit), or auto (default:
                          per layer, whichever the plan weighs cheaper; same ids)
+  --lm-head-read raw|coded|auto
+                         with a coded --trunk that codes the lm_head: read a streamed
+                         lm_head raw from the checkpoint, coded from the trunk, or auto
+                         (default: whichever the plan weighs cheaper; same ids)
   --cache-gb X           budget for the routed-expert cache
 generation:
   --gen N, -n N, --n-predict N
@@ -442,6 +480,7 @@ struct LowArgs {
     drive_gbps: Option<f64>,
     decode_gbps: Option<f64>,
     trunk_resident: TrunkResident,
+    lm_head_read: HeadRead,
     gen: Option<usize>,
     ctx_size: Option<usize>,
     incremental: bool,
@@ -589,6 +628,11 @@ impl LowArgs {
                 let v = val()?;
                 self.trunk_resident = TrunkResident::from_name(&v)
                     .ok_or_else(|| format!("--trunk-resident: '{v}' must be raw, coded or auto"))?;
+            }
+            "--lm-head-read" => {
+                let v = val()?;
+                self.lm_head_read = HeadRead::from_name(&v)
+                    .ok_or_else(|| format!("--lm-head-read: '{v}' must be raw, coded or auto"))?;
             }
             _ => return Ok(false),
         }
@@ -834,6 +878,7 @@ impl GenArgs {
             drive_gbps: low.drive_gbps,
             decode_gbps: low.decode_gbps,
             trunk_resident: low.trunk_resident,
+            lm_head_read: low.lm_head_read,
             gen,
             ctx_size: low.ctx_size,
             incremental: !low.full_recompute,
@@ -935,6 +980,7 @@ pub const FLAGS: &[&str] = &[
     "--drive-gbps",
     "--decode-gbps",
     "--trunk-resident",
+    "--lm-head-read",
     "--gen",
     "--n-predict",
     "--ctx-size",
@@ -1311,6 +1357,20 @@ mod tests {
         assert!(!Speculate::Auto.resolve(192, 192));
         assert!(Speculate::On.resolve(192, 192));
         assert!(!Speculate::Off.resolve(16, 192));
+    }
+
+    /// `--lm-head-read` takes raw, coded or auto (the default) and refuses anything else.
+    /// Catches a parser that takes an unknown mode for the default.
+    #[test]
+    fn lm_head_read_modes_parse() {
+        assert_eq!(run("bare --ids 1").lm_head_read, HeadRead::Auto);
+        for m in ["raw", "coded", "auto"] {
+            let a = run(&format!("bare --ids 1 --lm-head-read {m}"));
+            assert_eq!(a.lm_head_read.name(), m);
+        }
+        assert!(p("bare --ids 1 --lm-head-read zip")
+            .unwrap_err()
+            .contains("must be raw, coded or auto"));
     }
 
     /// `--trunk-resident` takes raw, coded or auto (the default) and refuses anything

@@ -779,6 +779,11 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             record_dir: a.record.clone(),
             lm_head_chunk_bytes: c.plan.lm_head_chunk_bytes,
             lm_head_held_bytes: c.plan.lm_head_held_bytes,
+            lm_head_coded: if c.plan.lm_head_coded {
+                a.trunk.clone()
+            } else {
+                None
+            },
             warm: false,
             load_state: a.load_state.clone(),
             save_state: a.save_state.clone(),

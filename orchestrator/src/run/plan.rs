@@ -24,7 +24,7 @@ use k3_model::config::ModelConfig;
 // k3 itself runs in (one copy, in k3-io: the presets and `doctor` read it too).
 use k3_io::sysmem::mem_available;
 
-use super::args::{GenArgs, MemFlag, Prompt, MAX_PROMPT};
+use super::args::{GenArgs, HeadRead, MemFlag, Prompt, MAX_PROMPT};
 use super::sizes::ModelSizes;
 
 pub use crate::units::{human, GB};
@@ -119,6 +119,12 @@ pub enum BudgetError {
     },
     #[error("--parallel, --ctx and --prefill-chunk must be at least 1")]
     ServeZero,
+    #[error(
+        "--lm-head-read coded: {} holds no coded lm_head (`k3-orch pack-trunk MODEL DIR \
+         --codec bf16-zstd` codes it, also into a trunk coded before)",
+        match dir { Some(d) => format!("--trunk {}", d.display()), None => "no --trunk".into() }
+    )]
+    NoCodedHead { dir: Option<std::path::PathBuf> },
     /// `--parallel N` slots do not fit: why the plan for N was refused, what the slots
     /// hold, and the largest N that fits (0: not even one).
     #[error(
@@ -367,6 +373,44 @@ pub struct Spend {
     /// The expert reads in flight the cache keeps a slot for when there is room
     /// ([`read_slots`]: the fetcher's queue depth on every drive the experts sit on).
     pub read_slots: u64,
+    /// The coded trunk's coded lm_head, which a streamed lm_head may be read from (None:
+    /// raw only).
+    pub head_coded: Option<HeadCoding>,
+}
+
+/// What streaming the lm_head from its coded copy costs (`--lm-head-read`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadCoding {
+    /// Stored bytes of the whole coded lm_head.
+    pub stored: u64,
+    /// Rows per coded chunk (held rows and stream chunks are whole chunks of them).
+    pub chunk_rows: u64,
+    /// A decoded byte's weight in read bytes, per million ([`DecodeTerms::head_ppm`]).
+    pub ppm: u64,
+    /// Compute's span buffers and decoders
+    /// (`k3_layer_compute::model_stream::coded_head_buffer_bytes`).
+    pub buffers: u64,
+    /// `--lm-head-read coded`: a streamed lm_head is always read coded.
+    pub only: bool,
+}
+
+impl HeadCoding {
+    /// What compute holds to stream the lm_head (`lm_head` bytes, rows of `row`) coded: two
+    /// chunk buffers of whole coded chunks, and the readers' buffers.
+    pub fn stream_bytes(&self, lm_head: u64, row: u64) -> u64 {
+        let chunk = k3_layer_compute::model_stream::head_stream_chunk_bytes(
+            lm_head_chunk(lm_head),
+            row,
+            Some(self.chunk_rows),
+        );
+        2 * k3_io::slot_bytes_for(chunk) + self.buffers
+    }
+
+    /// Stored bytes read per token for the rows past the first `held` bytes (of `lm_head`).
+    pub fn read_past(&self, lm_head: u64, held: u64) -> u64 {
+        let left = lm_head.saturating_sub(held) as u128;
+        (self.stored as u128 * left).div_ceil(lm_head.max(1) as u128) as u64
+    }
 }
 
 /// The expert reads a cache keeps slots for when there is room: the fetcher's readers
@@ -498,48 +542,77 @@ pub struct Choice {
     /// What the choice weighs: the bytes read plus the decoding weighed as bytes read
     /// (`k3_trunk_loader::StreamPlan::cost_per_token`); `read_per_token` for a raw trunk.
     pub cost_per_token: u64,
+    /// The streamed lm_head is read from the coded lm_head ([`HeadCoding`]).
+    pub head_coded: bool,
+    /// The lm_head's part of `cost_per_token` (0 when it is pinned).
+    pub head_cost: u64,
 }
 
-/// Spend a total both ways — lm_head pinned (held whole) or streamed (two chunk buffers) —
-/// and take the one that reads the fewest bytes per token (with a coded trunk: that costs
-/// least, its decoding weighed as reads, [`Choice::cost_per_token`]), pinned on a tie. `runs`: the
-/// packed trunk (None: resident, its bytes fixed by `trunk_over`).
+/// How a way of [`choose`] holds the lm_head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HeadWay {
+    Pinned,
+    /// Streamed raw from the checkpoint.
+    Streamed,
+    /// Streamed from the coded lm_head.
+    Coded,
+}
+
+/// Spend a total every way — lm_head pinned (held whole), streamed raw (two chunk buffers)
+/// or, with a coded lm_head, streamed coded (two chunk buffers and the readers') — and take
+/// the one that reads the fewest bytes per token (with a coded trunk or lm_head: that costs
+/// least, the decoding weighed as reads, [`Choice::cost_per_token`]), pinned on a tie,
+/// raw before coded. `runs`: the packed trunk (None: resident, its bytes fixed by
+/// `trunk_over`).
 ///
 /// A streamed lm_head's rows are pinned like trunk bytes (each held byte is one byte less
 /// read per token): the trunk is planned with the lm_head as its sink, and what the trunk
 /// plan leaves of its share, with what the cache has beyond its keep when `--cache-gb`
-/// does not fix it, holds the lm_head's leading rows. The cache gets the rest.
+/// does not fix it, holds the lm_head's leading rows. The cache gets the rest. (A coded
+/// lm_head's held byte saves its stored bytes and its decoding, which the sink counts as
+/// one read byte: near enough to rank it against trunk parts, whose own weights are alike.)
 pub fn choose(
     s: &Spend,
     runs: Option<&k3_trunk_loader::Streams>,
     trunk_over: Option<u64>,
     cache_over: Option<u64>,
 ) -> Result<Choice, BudgetError> {
-    // Pinned first: streamed replaces it only when it reads strictly less; when neither
-    // fits, the pinned way's refusal is the one said.
-    match (
-        choose_way(s, runs, trunk_over, cache_over, true),
-        choose_way(s, runs, trunk_over, cache_over, false),
-    ) {
-        (Ok(p), Ok(st)) if st.cost_per_token < p.cost_per_token => Ok(st),
-        (Ok(c), _) | (Err(_), Ok(c)) => Ok(c),
-        (Err(e), Err(_)) => Err(e),
+    // Pinned first: a streamed way replaces it only when it costs strictly less; when
+    // none fits, the pinned way's refusal is the one said.
+    let way = |w| choose_way(s, runs, trunk_over, cache_over, w);
+    let mut best = way(HeadWay::Pinned);
+    let mut ways = vec![HeadWay::Streamed, HeadWay::Coded];
+    match s.head_coded {
+        None => ways.retain(|w| *w != HeadWay::Coded),
+        Some(h) if h.only => ways.retain(|w| *w != HeadWay::Streamed),
+        Some(_) => {}
     }
+    for w in ways {
+        best = match (best, way(w)) {
+            (Ok(b), Ok(c)) if c.cost_per_token < b.cost_per_token => Ok(c),
+            (Ok(b), _) => Ok(b),
+            (Err(_), Ok(c)) => Ok(c),
+            (Err(e), Err(_)) => Err(e),
+        };
+    }
+    best
 }
 
-/// [`choose`] one way: the lm_head `pinned` (held whole) or streamed.
+/// [`choose`] one way.
 fn choose_way(
     s: &Spend,
     runs: Option<&k3_trunk_loader::Streams>,
     trunk_over: Option<u64>,
     cache_over: Option<u64>,
-    pinned: bool,
+    way: HeadWay,
 ) -> Result<Choice, BudgetError> {
+    let pinned = way == HeadWay::Pinned;
+    let coding = s.head_coded.filter(|_| way == HeadWay::Coded);
     let sp = Spend {
-        lm_head: if pinned {
-            s.lm_head
-        } else {
-            lm_head_stream_bytes(s.lm_head)
+        lm_head: match (way, coding) {
+            (HeadWay::Pinned, _) => s.lm_head,
+            (_, Some(h)) => h.stream_bytes(s.lm_head, s.lm_head_row),
+            _ => lm_head_stream_bytes(s.lm_head),
         },
         ..s.clone()
     };
@@ -573,11 +646,12 @@ fn choose_way(
                 Some(_) => 0,
                 None => left.saturating_sub(t).saturating_sub(cache_keep(&sp, left)),
             };
-            let rows = rows_fitting(
-                trunk_left + spare,
-                s.lm_head_row,
-                s.lm_head / s.lm_head_row.max(1),
-            );
+            let all = s.lm_head / s.lm_head_row.max(1);
+            let mut rows = rows_fitting(trunk_left + spare, s.lm_head_row, all);
+            // Coded: the streamed rows start on a coded chunk (as compute holds them).
+            if let Some(h) = coding.filter(|_| rows < all) {
+                rows = rows / h.chunk_rows.max(1) * h.chunk_rows.max(1);
+            }
             let alloc = if rows == 0 {
                 0
             } else {
@@ -592,7 +666,16 @@ fn choose_way(
             (rows * s.lm_head_row, cache)
         }
     };
-    let head_read = if pinned { 0 } else { s.lm_head - head_held };
+    let (head_read, head_decode, head_cost) = match (way, coding) {
+        (HeadWay::Pinned, _) => (0, 0, 0),
+        (_, Some(h)) => {
+            let read = h.read_past(s.lm_head, head_held);
+            let decode = s.lm_head - head_held;
+            let weighed = (decode as u128 * h.ppm as u128 / 1_000_000) as u64;
+            (read, decode, read + weighed)
+        }
+        _ => (s.lm_head - head_held, 0, s.lm_head - head_held),
+    };
     Ok(Choice {
         trunk: t,
         cache,
@@ -600,8 +683,10 @@ fn choose_way(
         head_held,
         sink,
         read_per_token: trunk_read + head_read,
-        decode_per_token: trunk_decode,
-        cost_per_token: trunk_cost + head_read,
+        decode_per_token: trunk_decode + head_decode,
+        cost_per_token: trunk_cost + head_cost,
+        head_coded: coding.is_some(),
+        head_cost,
     })
 }
 
@@ -724,6 +809,8 @@ pub struct RunPlan {
     pub lm_head_chunk_bytes: Option<u64>,
     /// A streamed lm_head's leading rows held for the whole run (payload bytes; 0: none).
     pub lm_head_held_bytes: u64,
+    /// The streamed lm_head is read from the coded trunk's coded lm_head.
+    pub lm_head_coded: bool,
     /// The sink the trunk-loader plans its budget beside (`plan_streams_with`).
     pub trunk_sink: u64,
     /// A coded trunk's decoding weighed against reading, which the trunk-loader plans with
@@ -752,17 +839,13 @@ pub struct RunShape {
 }
 
 /// Bytes an incremental run reads with the prompt fed in passes of `pass` tokens under
-/// plan `c` (`lm_head`: its bytes): each pass reads the streamed trunk and its batch of
+/// plan `c`: each pass reads the streamed trunk and its batch of
 /// `batch` experts per MoE layer; the last pass also the streamed lm_head; each of the
 /// other `gen - 1` tokens reads the streamed trunk, the streamed lm_head and `top_k`
 /// experts per MoE layer. No cache hit is counted (the plan does not guess them). A coded
 /// trunk's decoding counts as the bytes read in its time ([`Choice::cost_per_token`]).
-pub fn run_read_estimate(r: &RunShape, pass: u64, batch: u64, c: &Choice, lm_head: u64) -> u64 {
-    let head = if c.head_pinned {
-        0
-    } else {
-        lm_head.saturating_sub(c.head_held)
-    };
+pub fn run_read_estimate(r: &RunShape, pass: u64, batch: u64, c: &Choice) -> u64 {
+    let head = c.head_cost;
     let trunk = c.cost_per_token.saturating_sub(head);
     let passes = r.prompt.max(1).div_ceil(pass.max(1));
     let prefill = passes * (trunk + r.moe_layers * batch * r.expert_bytes) + head;
@@ -954,6 +1037,14 @@ impl DecodeTerms {
         k3_trunk_loader::decode_weight_ppm(self.disk_bps, self.decode_bps, self.decoders())
     }
 
+    /// The weight of the coded lm_head's decoding: every core decodes it. While the
+    /// lm_head streams, compute only multiplies each chunk as it lands, far faster than
+    /// the chunks are read, so its readers' decoding has the cores (measured:
+    /// docs/measurements.md, "The coded lm_head").
+    pub fn head_ppm(&self) -> u64 {
+        k3_trunk_loader::decode_weight_ppm(self.disk_bps, self.decode_bps, self.cores)
+    }
+
     /// The cores the decoding counts on (`k3_trunk_loader::decode_cores`).
     pub fn decoders(&self) -> usize {
         k3_trunk_loader::decode_cores(self.cores, self.compute_threads)
@@ -1065,6 +1156,8 @@ struct Bounds {
     /// The lm_head's bytes, and one row's.
     lm_head: u64,
     lm_head_row: u64,
+    /// The coded lm_head a streamed lm_head may be read from.
+    head_coded: Option<HeadCoding>,
     /// `serve`'s slots (None: one CLI run).
     serve: Option<ServeShape>,
 }
@@ -1134,7 +1227,9 @@ fn bound(
         None => prompt_bound + a.gen,
     } as u64;
     let lm_head = sizes.lm_head_bytes;
+    let lm_head_row = lm_head / (cfg.vocab_size as u64).max(1);
     Ok(Bounds {
+        head_coded: head_coding(a, decode, lm_head)?,
         trunk_min: runs.as_ref().map_or(0, trunk_min),
         runs,
         trunk_decode,
@@ -1153,9 +1248,48 @@ fn bound(
         // most `--ctx` of them).
         positions: serve.map_or(kv_positions(prompt_bound, a.gen), |s| s.ctx),
         lm_head,
-        lm_head_row: lm_head / (cfg.vocab_size as u64).max(1),
+        lm_head_row,
         serve: serve.copied(),
     })
+}
+
+/// The coded lm_head a streamed lm_head may be read from (`--lm-head-read` not `raw`, a
+/// coded `--trunk` that codes it), with its decoding weighed by `decode`
+/// ([`DecodeTerms::head_ppm`]); `--lm-head-read coded` without one is refused.
+fn head_coding(
+    a: &GenArgs,
+    decode: Option<&DecodeTerms>,
+    lm_head: u64,
+) -> Result<Option<HeadCoding>, BudgetError> {
+    if a.lm_head_read == HeadRead::Raw {
+        return Ok(None);
+    }
+    let head = match &a.trunk {
+        Some(dir) => k3_model::trunk::TrunkManifest::load_dir(dir)?
+            .codec
+            .and_then(|c| c.head.map(|h| (h, dir))),
+        None => None,
+    };
+    let (Some((h, _)), Some(d)) = (head, decode) else {
+        return match a.lm_head_read {
+            HeadRead::Coded => Err(BudgetError::NoCodedHead {
+                dir: a.trunk.clone(),
+            }),
+            _ => Ok(None),
+        };
+    };
+    let chunk = k3_layer_compute::model_stream::head_stream_chunk_bytes(
+        lm_head_chunk(lm_head),
+        h.row_bytes(),
+        Some(h.chunk_rows),
+    );
+    Ok(Some(HeadCoding {
+        stored: h.stored_bytes,
+        chunk_rows: h.chunk_rows,
+        ppm: d.head_ppm(),
+        buffers: k3_layer_compute::model_stream::coded_head_buffer_bytes(&h, chunk),
+        only: a.lm_head_read == HeadRead::Coded,
+    }))
 }
 
 /// What every run holds whatever the budget (the second step of [`plan_run`]), part of it
@@ -1266,6 +1400,7 @@ fn spend_total(a: &GenArgs, res: &Resolved, b: &Bounds, f: &FixedCosts, total: u
                 lm_head_row: b.lm_head_row,
                 trunk_min: b.trunk_min,
                 read_slots: b.read_slots,
+                head_coded: b.head_coded,
             },
             b.runs.as_ref(),
             trunk_over,
@@ -1279,7 +1414,7 @@ fn spend_total(a: &GenArgs, res: &Resolved, b: &Bounds, f: &FixedCosts, total: u
         top_k: b.top_k,
         expert_bytes: b.expert_slot,
     };
-    let cost = |t: u64, c: &Choice| run_read_estimate(&shape, t, b.batch_of(t), c, b.lm_head);
+    let cost = |t: u64, c: &Choice| run_read_estimate(&shape, t, b.batch_of(t), c);
     let forced = test_hook(PREFILL_CHUNK_ENV);
     pass_size(
         b.max_pass_tokens,
@@ -1306,6 +1441,8 @@ fn named_parts(res: &Resolved, b: &Bounds) -> PassSize {
             read_per_token: 0,
             decode_per_token: 0,
             cost_per_token: 0,
+            head_coded: false,
+            head_cost: 0,
         }),
         tokens: test_hook(PREFILL_CHUNK_ENV)
             .map_or(b.max_pass_tokens, |n| n.clamp(1, b.max_pass_tokens)),
@@ -1513,6 +1650,7 @@ fn add_lm_head(
     b: &Bounds,
     chunk: Option<u64>,
     held: u64,
+    coding: Option<HeadCoding>,
 ) {
     let (lm, row) = (b.lm_head, b.lm_head_row);
     let Some(c) = chunk else {
@@ -1524,8 +1662,27 @@ fn add_lm_head(
         "layer-compute",
         2 * k3_io::slot_bytes_for(c),
     );
-    let head_read = lm - held;
+    let head_read = match coding {
+        Some(h) => h.read_past(lm, held),
+        None => lm - held,
+    };
     mp.streamed_bytes_per_token += head_read;
+    let how = match coding {
+        Some(h) => {
+            mp.add("lm_head decoders", "layer-compute", h.buffers);
+            format!(
+                ", read coded: {} stored for {} decoded, a decoded byte weighed {:.2} read \
+                 bytes on every core",
+                human(head_read),
+                human(lm - held),
+                h.ppm as f64 / 1e6
+            )
+        }
+        None if b.head_coded.is_some() => {
+            ", read raw: the coded lm_head weighs more (--lm-head-read coded reads it)".into()
+        }
+        None => String::new(),
+    };
     if held > 0 {
         mp.add(
             "lm_head rows held",
@@ -1533,16 +1690,16 @@ fn add_lm_head(
             held_rows_bytes(held / row.max(1), row),
         );
         notes.push(format!(
-            "lm_head: {} of its leading rows held, the rest streamed in chunks of {} ({} read per token)",
+            "lm_head: {} of its leading rows held, the rest streamed in chunks of {} ({} read per token){how}",
             human(held),
             human(c),
             human(head_read)
         ));
     } else {
         notes.push(format!(
-            "lm_head streamed in chunks of {} ({} read per token)",
+            "lm_head streamed in chunks of {} ({} read per token){how}",
             human(c),
-            human(lm)
+            human(head_read)
         ));
     }
 }
@@ -1562,18 +1719,32 @@ fn assemble(
         head_pinned,
         head_held,
         sink: trunk_sink,
+        head_coded,
         ..
     } = p.choice;
+    // `--lm-head-read coded` reads a streamed lm_head coded however it came to stream.
+    let coding = b.head_coded.filter(|h| head_coded || h.only);
     let (lm, row) = (b.lm_head, b.lm_head_row);
     let head_held = match test_hook(LM_HEAD_HELD_ENV) {
-        Some(n) => (n.min(lm) / row.max(1)) * row,
+        Some(n) => {
+            let (rows, all) = (n.min(lm) / row.max(1), lm / row.max(1));
+            // Coded: whole coded chunks, as compute holds them.
+            match coding {
+                Some(h) if rows < all => rows / h.chunk_rows.max(1) * h.chunk_rows.max(1) * row,
+                _ => rows * row,
+            }
+        }
         None => head_held,
     };
     let lm_head_chunk_bytes = match test_hook(LM_HEAD_CHUNK_ENV) {
         Some(n) => Some(n),
         None if head_pinned => None,
         None => Some(lm_head_chunk(lm)),
-    };
+    }
+    .map(|c| {
+        let rows = coding.map(|h| h.chunk_rows);
+        k3_layer_compute::model_stream::head_stream_chunk_bytes(c, row, rows)
+    });
     let mut notes: Vec<String> = pass_note(a, b, f, &p).into_iter().collect();
     if !res.source.is_empty() {
         notes.push(format!("budget from {}", res.source));
@@ -1586,7 +1757,14 @@ fn assemble(
         .min(b.max_slots)
         .max(b.min_slots);
     mp.add("expert cache", "expert-fetcher", slots * b.expert_slot);
-    add_lm_head(&mut mp, &mut notes, b, lm_head_chunk_bytes, head_held);
+    add_lm_head(
+        &mut mp,
+        &mut notes,
+        b,
+        lm_head_chunk_bytes,
+        head_held,
+        coding,
+    );
     let t = p.pass_tokens;
     mp.add("embedding rows", "layer-compute", f.embed_rows(t));
     mp.add("norms", "layer-compute", f.norms);
@@ -1620,6 +1798,7 @@ fn assemble(
         limit: res.limit,
         lm_head_chunk_bytes,
         lm_head_held_bytes: if streams { head_held } else { 0 },
+        lm_head_coded: streams && coding.is_some(),
         trunk_sink,
         trunk_decode_ppm: b.decode.as_ref().map_or(0, DecodeTerms::ppm),
         trunk_hold_wrap,
@@ -1810,6 +1989,8 @@ mod tests {
             read_per_token: 80,
             decode_per_token: 0,
             cost_per_token: 80,
+            head_coded: false,
+            head_cost: 70,
         };
         let r = RunShape {
             prompt: 5,
@@ -1819,18 +2000,19 @@ mod tests {
             expert_bytes: 3,
         };
         // Passes of 2 tokens: 3 passes x (10 + 2 x 4 x 3) + 70, then 3 x (80 + 2 x 2 x 3).
-        assert_eq!(run_read_estimate(&r, 2, 4, &c, 100), 3 * 34 + 70 + 3 * 92);
+        assert_eq!(run_read_estimate(&r, 2, 4, &c), 3 * 34 + 70 + 3 * 92);
         // One pass of 5 (a batch of 10 experts).
-        assert_eq!(run_read_estimate(&r, 5, 10, &c, 100), 70 + 70 + 3 * 92);
+        assert_eq!(run_read_estimate(&r, 5, 10, &c), 70 + 70 + 3 * 92);
         // A pinned lm_head is never read.
         let pinned = Choice {
             head_pinned: true,
             head_held: 0,
             read_per_token: 10,
             cost_per_token: 10,
+            head_cost: 0,
             ..c
         };
-        assert_eq!(run_read_estimate(&r, 5, 10, &pinned, 100), 70 + 3 * 22);
+        assert_eq!(run_read_estimate(&r, 5, 10, &pinned), 70 + 3 * 22);
     }
 
     // The pass size: the whole prompt when it fits; the largest that fits when it does not
@@ -1850,6 +2032,8 @@ mod tests {
             read_per_token: read,
             decode_per_token: 0,
             cost_per_token: read,
+            head_coded: false,
+            head_cost: 0,
         };
         let upto = |n: u64| {
             move |t: u64| {
@@ -1949,6 +2133,7 @@ mod tests {
             max_slots: 40,
             trunk_min: 0,
             read_slots: read_slots(1),
+            head_coded: None,
         }
     }
 
@@ -2068,6 +2253,7 @@ mod tests {
             max_slots,
             trunk_min: 0,
             read_slots: read_slots(1),
+            head_coded: None,
         };
         (runs, s)
     }
@@ -2092,6 +2278,42 @@ mod tests {
         );
         assert_eq!(c.sink, 50 * P);
         assert!(choose(&s(20 * P), Some(&runs), None, None).is_err());
+    }
+
+    // A coded lm_head (33 of 50 pages stored, 2 rows per chunk) where the lm_head streams:
+    // read coded when its stored pages plus its decoding weighed cost less than the raw
+    // read (a weight of 0.2: about 33 + 10 = 43 pages against 50 per token), raw when they
+    // cost more (0.5: 33 + 25 = 58), coded whatever the weight with `--lm-head-read coded`;
+    // its held rows whole chunks. Catches a plan that reads the coded lm_head by stored
+    // bytes alone (always coded), a weight that does not reach the head's cost, `only`
+    // ignored, and held rows that split a coded chunk.
+    #[test]
+    fn a_streamed_lm_head_is_read_coded_only_where_that_costs_less() {
+        let (runs, raw) = four_layers(45 * P, 1);
+        let with = |ppm, only| Spend {
+            head_coded: Some(HeadCoding {
+                stored: 33 * P,
+                chunk_rows: 2,
+                ppm,
+                buffers: 0,
+                only,
+            }),
+            ..raw.clone()
+        };
+        let r = choose(&raw, Some(&runs), None, None).unwrap();
+        assert!(!r.head_pinned && !r.head_coded, "{r:?}");
+        let cheap = choose(&with(200_000, false), Some(&runs), None, None).unwrap();
+        assert!(cheap.head_coded && !cheap.head_pinned, "{cheap:?}");
+        assert!(cheap.cost_per_token < r.cost_per_token, "{cheap:?} {r:?}");
+        assert_eq!(cheap.head_held % (2 * P), 0, "{cheap:?}");
+        let left = 50 * P - cheap.head_held;
+        let read = (33 * left).div_ceil(50);
+        assert_eq!(cheap.head_cost, read + left / 5, "{cheap:?}");
+        assert_eq!(cheap.decode_per_token, left, "{cheap:?}");
+        let dear = choose(&with(500_000, false), Some(&runs), None, None).unwrap();
+        assert_eq!(dear, r, "a raw read costs less: the raw plan");
+        let forced = choose(&with(500_000, true), Some(&runs), None, None).unwrap();
+        assert!(forced.head_coded, "{forced:?}");
     }
 
     // Catches: a plan that gives what the trunk leaves to a cache that cannot use it (the

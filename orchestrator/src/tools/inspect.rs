@@ -551,7 +551,13 @@ fn row(base: &crate::run::plan::Spend, runs: &Streams, total: u64) -> Result<Row
         head: if c.head_pinned {
             "pinned".to_string()
         } else if c.head_held > 0 {
-            format!("{} held", gb(c.head_held))
+            format!(
+                "{} held{}",
+                gb(c.head_held),
+                if c.head_coded { ", coded" } else { "" }
+            )
+        } else if c.head_coded {
+            "streamed coded".to_string()
         } else {
             "streamed".to_string()
         },
@@ -625,6 +631,7 @@ fn table_base(cat: &Catalog, cfg: &ModelConfig) -> (crate::run::plan::Spend, Str
         max_slots: sizes.n_experts.max(topk),
         trunk_min: crate::run::plan::trunk_min(&runs),
         read_slots: crate::run::plan::read_slots(1),
+        head_coded: None,
     };
     (base, runs, sizes.lm_head_bytes, topk)
 }
@@ -643,8 +650,23 @@ pub fn budget_table(
     let (base, runs, lm_head, topk) = table_base(cat, cfg);
     let coded = codec.map(|(r, terms, resident)| {
         let decode = k3_trunk_loader::loader::decode_buffer_bound(k3_model::trunk::CODEC_CHUNK);
+        // The lm_head coded at the same ratio (pack-trunk --codec codes it too).
+        let row = base.lm_head_row;
+        let chunk_rows = k3_model::codec_trunk::head_chunk_rows(row, k3_model::trunk::CODEC_CHUNK);
+        let raw_chunk = chunk_rows * row;
+        let head = crate::run::plan::HeadCoding {
+            stored: (base.lm_head as f64 * r) as u64,
+            chunk_rows,
+            ppm: terms.head_ppm(),
+            buffers: 2
+                * (crate::run::plan::lm_head_chunk(base.lm_head) / raw_chunk).max(1)
+                * k3_io::slot_bytes_for((raw_chunk as f64 * r) as u64)
+                + k3_layer_compute::model_stream::head_decoders() as u64 * raw_chunk / 2,
+            only: false,
+        };
         let spend = crate::run::plan::Spend {
             fixed: base.fixed + decode,
+            head_coded: Some(head),
             ..base.clone()
         };
         let streams = runs

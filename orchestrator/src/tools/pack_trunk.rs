@@ -346,6 +346,16 @@ fn run(a: &Args) -> Result<(), Fail> {
             }
             Ok(m) if !a.force && same_layout(&m, &plan) && codec_of(&m) == want => {
                 match scan(dir, &m) {
+                    // Coded before the lm_head was: only the lm_head is left to code.
+                    Ok(()) if m.codec.as_ref().is_some_and(|c| c.head.is_none()) => {
+                        if coded::add_head(dir, &cat, &m, a.effort())? {
+                            println!("{}: added the coded lm_head", dir.display());
+                        }
+                        if a.verify {
+                            return verify(dir, &cat, &plan);
+                        }
+                        return Ok(());
+                    }
                     Ok(()) => {
                         tracing::info!(
                         "{} already holds a complete trunk of this checkpoint ({} layers, {}); \
@@ -365,7 +375,7 @@ fn run(a: &Args) -> Result<(), Fail> {
             // A complete raw trunk asked for coded: only the coding is left to do.
             Ok(m) if !a.force && same_layout(&m, &plan) && m.codec.is_none() => {
                 if let (Some(c), Ok(())) = (codec, crc_scan(dir, &m)) {
-                    coded::code(dir, c, a.effort(), a.stop_after_coded_layers)?;
+                    coded::code(dir, &cat, c, a.effort(), a.stop_after_coded_layers)?;
                     return if a.verify {
                         verify(dir, &cat, &plan)
                     } else {
@@ -399,8 +409,9 @@ fn run(a: &Args) -> Result<(), Fail> {
     pack(a, &cat, &plan, &src, &digest)?;
     // A coded trunk's data, left by an earlier pack, is no longer described by anything.
     remove_if_exists(&dir.join(CODED_BIN))?;
+    remove_if_exists(&dir.join(k3_model::trunk::CODED_HEAD_BIN))?;
     if let Some(c) = codec {
-        coded::code(dir, c, a.effort(), a.stop_after_coded_layers)?;
+        coded::code(dir, &cat, c, a.effort(), a.stop_after_coded_layers)?;
     }
     if a.verify {
         verify(dir, &cat, &plan)?;

@@ -392,6 +392,7 @@ impl ModelShape {
             max_slots: t.n_experts.max(top_k),
             trunk_min: plan::trunk_min(&runs),
             read_slots: plan::read_slots(1),
+            head_coded: None,
         };
         ModelShape {
             label,
@@ -1755,6 +1756,8 @@ mod tests {
             read_per_token: 100,
             decode_per_token: 0,
             cost_per_token: 100,
+            head_coded: false,
+            head_cost: 0,
         };
         let t = per_token(&m, &c, 0.5);
         assert_eq!(t.trunk_disk_bytes, 100.0);

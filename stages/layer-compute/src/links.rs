@@ -192,16 +192,18 @@ impl StagedWeights {
 
     /// Read the embedding one row per token on demand, and the lm_head in chunks of about
     /// `head_chunk_bytes` when given (else it stays mapped and held), instead of from the
-    /// mapping of the shards.
+    /// mapping of the shards; the streamed rows from `coded` when given.
     pub fn with_model_stream(
         mut self,
         head_chunk_bytes: Option<u64>,
         head_held_bytes: u64,
+        coded: Option<crate::model_stream::CodedHeadFile>,
     ) -> std::io::Result<Self> {
         self.stream = Some(crate::model_stream::ModelStream::open(
             self.model.catalog(),
             head_chunk_bytes,
             head_held_bytes,
+            coded,
         )?);
         Ok(self)
     }

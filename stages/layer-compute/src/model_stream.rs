@@ -9,6 +9,11 @@
 //! Reads are O_DIRECT where the file system allows (`k3_io::direct::DirectFiles`), so they
 //! leave no page cache behind to be charged to compute's cgroup: what compute holds is the
 //! few rows of a pass and two chunk buffers, whatever the vocabulary.
+//!
+//! With a coded trunk that carries the lm_head coded (`pack-trunk --codec`), the streamed
+//! rows may be read from its stored chunks and decoded instead ([`coded`]): the disk then
+//! delivers about two thirds of the bytes. The held rows are read raw, once, and are whole
+//! coded chunks, so the streamed rows start on one.
 
 use std::cell::{Cell, RefCell};
 use std::path::PathBuf;
@@ -19,6 +24,9 @@ use k3_io::direct::{window, DirectFiles};
 use k3_model::catalog::Catalog;
 use k3_model::classify::{model_tensor, LM_HEAD};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
+
+mod coded;
+pub use coded::{coded_head_buffer_bytes, head_decoders, CodedHeadFile};
 
 /// Where a `[rows, cols]` model-level matrix lies in the shards.
 #[derive(Clone, Debug)]
@@ -57,6 +65,18 @@ pub struct ModelStream {
     /// Two chunk buffers, allocated on first use.
     bufs: RefCell<Option<[OwnedArena; 2]>>,
     read: Cell<HeadReads>,
+    /// The streamed rows' coded source (None: read raw from the shards).
+    coded: RefCell<Option<coded::Coded>>,
+}
+
+/// The bytes of a streamed lm_head's chunk when the plan asks for `chunk_bytes`: with a
+/// coded head of `coded_rows` rows per coded chunk, whole coded chunks (at least one).
+pub fn head_stream_chunk_bytes(chunk_bytes: u64, row: u64, coded_rows: Option<u64>) -> u64 {
+    let rows = (chunk_bytes / row.max(1)).max(1);
+    match coded_rows {
+        Some(cr) => (rows / cr.max(1)).max(1) * cr.max(1) * row,
+        None => rows * row,
+    }
 }
 
 fn matrix(cat: &Catalog, name: &str) -> Option<Matrix> {
@@ -80,21 +100,46 @@ impl ModelStream {
     /// that many bytes (at least one row); None: the lm_head stays held by the caller.
     /// `head_held_bytes`: with a streamed lm_head, hold that many bytes of its leading rows
     /// (whole rows, fewer than all) and stream only the rest.
+    /// `coded`: read the streamed rows from this coded lm_head (checked against `cat`'s).
     pub fn open(
         cat: &Catalog,
         head_chunk_bytes: Option<u64>,
         head_held_bytes: u64,
+        coded: Option<CodedHeadFile>,
     ) -> std::io::Result<ModelStream> {
         let paths: Vec<PathBuf> = cat.shards().iter().map(|s| s.path.clone()).collect();
         let files = DirectFiles::open(&paths)?;
         let embed = matrix(cat, &model_tensor("embed_tokens.weight"));
         let head = matrix(cat, LM_HEAD);
+        let coded = match (&head, coded, head_chunk_bytes) {
+            (Some(h), Some(c), Some(_)) => {
+                let shape = coded::Shape {
+                    name: &h.name,
+                    dtype: h.dtype,
+                    rows: h.rows,
+                    row_bytes: h.row_bytes,
+                };
+                Some(coded::Coded::open(&shape, c)?)
+            }
+            _ => None,
+        };
+        let coded_rows = coded.as_ref().map(|c| c.head.chunk_rows);
         let head_chunk_rows = match (&head, head_chunk_bytes) {
-            (Some(h), Some(b)) => Some(((b / h.row_bytes.max(1)) as usize).clamp(1, h.rows)),
+            (Some(h), Some(b)) => {
+                let bytes = head_stream_chunk_bytes(b, h.row_bytes, coded_rows);
+                Some(((bytes / h.row_bytes.max(1)) as usize).clamp(1, h.rows))
+            }
             _ => None,
         };
         let head_held_rows = match (&head, head_chunk_rows) {
-            (Some(h), Some(_)) => ((head_held_bytes / h.row_bytes.max(1)) as usize).min(h.rows),
+            (Some(h), Some(_)) => {
+                let rows = ((head_held_bytes / h.row_bytes.max(1)) as usize).min(h.rows);
+                // Coded: the streamed rows start on a coded chunk's first row.
+                match coded_rows {
+                    Some(cr) if rows < h.rows => rows / cr as usize * cr as usize,
+                    _ => rows,
+                }
+            }
             _ => 0,
         };
         Ok(ModelStream {
@@ -107,7 +152,13 @@ impl ModelStream {
             scratch: RefCell::new(None),
             bufs: RefCell::new(None),
             read: Cell::new(HeadReads::default()),
+            coded: RefCell::new(coded),
         })
+    }
+
+    /// Whether the streamed lm_head rows are read from a coded lm_head.
+    pub fn head_coded(&self) -> bool {
+        self.coded.borrow().is_some()
     }
 
     /// What was read since the last call (and reset it).
@@ -276,6 +327,14 @@ impl ModelStream {
             read_bytes += held_rows as u64 * m.row_bytes;
         }
         let start = held_rows.min(m.rows);
+        if let Some(c) = self.coded.borrow_mut().as_mut() {
+            let held = held.as_mut().map(|(buf, (lo, hi))| &buf.as_mut_slice()[*lo..*hi]);
+            let span = (start, m.rows, step);
+            return Some(
+                c.stream(&m.name, cols, m.dtype, span, [a, b], held.as_deref(), f)
+                    .map(|(stored, secs)| self.count(read_bytes + stored, io_s + secs)),
+            );
+        }
         let files = &self.files;
         // The held rows are multiplied while the first streamed chunk is read.
         let held_work = || match held.as_mut() {

@@ -174,6 +174,24 @@ impl StepHooks for Staged<'_> {
 
 /// Bind the links and the model, then run the one-shot generation, or (a warm stage) the
 /// requests until `Shutdown`; then say `Finished`.
+/// The coded lm_head the conf streams from (None: raw, or the lm_head is not streamed);
+/// a trunk without one when the conf names it is refused (the plan counted its bytes).
+fn coded_head(
+    conf: &ComputeConf,
+) -> Result<Option<crate::model_stream::CodedHeadFile>, ComputeError> {
+    let (Some(dir), Some(_)) = (&conf.lm_head_coded, conf.lm_head_chunk_bytes) else {
+        return Ok(None);
+    };
+    match crate::model_stream::CodedHeadFile::of_trunk(dir) {
+        Ok(Some(c)) => Ok(Some(c)),
+        Ok(None) => Err(ComputeError::ModelStream(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{}: the trunk has no coded lm_head", dir.display()),
+        ))),
+        Err(e) => Err(ComputeError::ModelStream(e)),
+    }
+}
+
 fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), ComputeError> {
     let cfg = ModelConfig::load(&conf.config_path)?;
     let n_layers = conf
@@ -190,7 +208,11 @@ fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), ComputeE
     let mut tok = ctx.take_link(Stage::Tokenizer)?;
     let timeout = Some(Duration::from_secs_f64(conf.io_timeout_s));
     let weights = StagedWeights::new(model_w, links, n_layers, timeout, ctx.rec.clone())
-        .with_model_stream(conf.lm_head_chunk_bytes, conf.lm_head_held_bytes)
+        .with_model_stream(
+            conf.lm_head_chunk_bytes,
+            conf.lm_head_held_bytes,
+            coded_head(conf)?,
+        )
         .map_err(ComputeError::ModelStream)?
         .with_speculation(conf.speculate);
     let model = Model::new(

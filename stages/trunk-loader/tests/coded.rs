@@ -85,6 +85,7 @@ fn trunks(sizes: &[usize]) -> (TrunkManifest, Vec<u8>, TrunkManifest, Vec<u8>) {
         file_size: k3z.len() as u64,
         stored_bytes: coded.iter().flat_map(|c| &c.chunks).map(|c| c.stored).sum(),
         layers: coded,
+        head: None,
     });
     assert_eq!(m.problems(), Vec::<String>::new());
     (raw, bin, m, k3z)

@@ -20,11 +20,16 @@ use anyhow::{anyhow, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use k3_model::catalog::Catalog;
+use k3_model::classify::LM_HEAD;
 use k3_model::codec::{Codec, Decoder, Effort};
-use k3_model::codec_trunk::{check_stored, decode_chunk, encode_run};
+use k3_model::codec_trunk::{
+    check_stored, decode_chunk, encode_head_rows, encode_run, head_chunk_rows, Unit,
+};
+use k3_model::tensor::Dtype;
 use k3_model::trunk::{
-    CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK, CODED_BIN, TRUNK_BIN, TRUNK_CODED_FORMAT,
-    TRUNK_JSON,
+    CodedChunk, CodedHead, CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK, CODED_BIN,
+    CODED_HEAD_BIN, TRUNK_BIN, TRUNK_CODED_FORMAT, TRUNK_JSON,
 };
 
 use super::{bytes_bar, gb, hex, progress_line, remove_if_exists, sync_dir, write_atomic, Fail};
@@ -33,6 +38,10 @@ use super::{bytes_bar, gb, hex, progress_line, remove_if_exists, sync_dir, write
 const PARTIAL: &str = "trunk.k3z.partial";
 /// Journal while coding.
 const JOURNAL: &str = "trunk.k3z.partial.json";
+/// The coded lm_head while coding.
+const HEAD_PARTIAL: &str = "lm_head.k3z.partial";
+/// lm_head rows coded per batch (whole chunks of them): a bounded buffer at any vocabulary.
+const HEAD_BATCH_CHUNKS: u64 = 32;
 
 /// The journal of an unfinished coding phase.
 #[derive(Debug, Serialize, Deserialize)]
@@ -77,6 +86,7 @@ fn resume(dir: &Path, digest: &str, layers: usize) -> Vec<CodedLayer> {
 /// commit it.
 pub(super) fn code(
     dir: &Path,
+    cat: &Catalog,
     codec: Codec,
     effort: Effort,
     stop_after: Option<usize>,
@@ -174,7 +184,8 @@ pub(super) fn code(
         }
     }
     bar.finish_and_clear();
-    let stored_bytes = commit(dir, &m, codec, done, end)?;
+    let head = code_head(dir, cat, codec, effort, m.align)?;
+    let stored_bytes = commit(dir, &m, codec, done, end, head)?;
     println!(
         "coded {} with {} ({effort}): {} stored for {} raw ({:.3}), in {:.1} s",
         dir.join(CODED_BIN).display(),
@@ -187,18 +198,147 @@ pub(super) fn code(
     Ok(())
 }
 
+/// Code the checkpoint's lm_head (a BF16 matrix) into `lm_head.k3z.partial` in chunks of
+/// whole rows, `HEAD_BATCH_CHUNKS` chunks read and coded at a time (on every core). None
+/// (nothing written) when the checkpoint has no lm_head of its own or it is not BF16.
+fn code_head(
+    dir: &Path,
+    cat: &Catalog,
+    codec: Codec,
+    effort: Effort,
+    align: u64,
+) -> Result<Option<CodedHead>, Fail> {
+    let part = dir.join(HEAD_PARTIAL);
+    remove_if_exists(&part)?;
+    let Some(e) = cat.get(LM_HEAD) else {
+        tracing::info!("the checkpoint has no {LM_HEAD} of its own: no coded lm_head");
+        return Ok(None);
+    };
+    let (rows, cols) = match e.shape {
+        [r, c] if e.dtype == Dtype::BF16 && *c > 0 => (*r as u64, *c as u64),
+        _ => {
+            tracing::info!(
+                "{LM_HEAD} is {} {:?}, not a BF16 matrix: no coded lm_head",
+                e.dtype,
+                e.shape
+            );
+            return Ok(None);
+        }
+    };
+    let row = cols * 2;
+    let chunk_rows = head_chunk_rows(row, head_chunk_cap());
+    let shard = &cat.shards()[e.shard].path;
+    let input = File::open(shard).with_context(|| format!("opening {}", shard.display()))?;
+    let out = File::create(&part).with_context(|| format!("creating {}", part.display()))?;
+    let start = Instant::now();
+    let (mut chunks, mut end, mut sha) = (Vec::<CodedChunk>::new(), 0u64, Sha256::new());
+    let mut raw = Vec::new();
+    let batch = chunk_rows * HEAD_BATCH_CHUNKS;
+    let mut r0 = 0u64;
+    while r0 < rows {
+        let r1 = (r0 + batch).min(rows);
+        raw.resize(((r1 - r0) * row) as usize, 0);
+        input
+            .read_exact_at(&mut raw, e.offset + r0 * row)
+            .with_context(|| format!("reading {LM_HEAD} rows {r0}..{r1}"))?;
+        sha.update(&raw);
+        let (bytes, cs) = encode_head_rows(codec, &raw, row, chunk_rows, align, effort)
+            .map_err(|x| Fail::Failed(anyhow!("{LM_HEAD} rows {r0}..{r1}: {x}")))?;
+        out.write_all_at(&bytes, end)
+            .with_context(|| format!("writing {}", part.display()))?;
+        chunks.extend(cs.into_iter().map(|c| CodedChunk {
+            offset: c.offset + end,
+            ..c
+        }));
+        end += bytes.len() as u64;
+        r0 = r1;
+    }
+    out.sync_data()
+        .with_context(|| format!("fsync {}", part.display()))?;
+    let stored_bytes = chunks.iter().map(|c| c.stored).sum();
+    println!(
+        "coded the lm_head ({rows} rows): {} stored for {} raw ({:.3}), in {:.1} s",
+        gb(stored_bytes),
+        gb(rows * row),
+        stored_bytes as f64 / (rows * row).max(1) as f64,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(Some(CodedHead {
+        tensor: LM_HEAD.to_string(),
+        dtype: Dtype::BF16,
+        shape: vec![rows as usize, cols as usize],
+        chunk_rows,
+        file: CODED_HEAD_BIN.to_string(),
+        file_size: end,
+        stored_bytes,
+        sha256: hex(&sha.finalize()),
+        chunks,
+    }))
+}
+
+/// The most bytes of one coded lm_head chunk: `CODEC_CHUNK`, or fewer with the test hook
+/// `K3_TEST_HEAD_CHUNK_BYTES` (with `K3_TEST_HOOKS=1`), so the tiny model's head codes
+/// into several chunks.
+fn head_chunk_cap() -> u64 {
+    std::env::var("K3_TEST_HEAD_CHUNK_BYTES")
+        .ok()
+        .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(CODEC_CHUNK)
+}
+
+/// A complete coded trunk packed before the lm_head was coded: code the lm_head and commit
+/// it into the manifest (the layers stay as they are). Returns whether a head was added.
+pub(super) fn add_head(
+    dir: &Path,
+    cat: &Catalog,
+    m: &TrunkManifest,
+    effort: Effort,
+) -> Result<bool, Fail> {
+    let Some(c) = &m.codec else { return Ok(false) };
+    if c.head.is_some() {
+        return Ok(false);
+    }
+    let codec = Codec::from_name(&c.name).ok_or_else(|| anyhow!("unknown codec {}", c.name))?;
+    let Some(head) = code_head(dir, cat, codec, effort, m.align)? else {
+        return Ok(false);
+    };
+    let mut coded = m.clone();
+    if let Some(c) = coded.codec.as_mut() {
+        c.head = Some(head);
+    }
+    let problems = coded.problems();
+    if !problems.is_empty() {
+        return Err(Fail::Failed(anyhow!(
+            "internal: the coded manifest is inconsistent: {}",
+            problems.join("; ")
+        )));
+    }
+    fs::rename(dir.join(HEAD_PARTIAL), dir.join(CODED_HEAD_BIN))
+        .with_context(|| format!("renaming {HEAD_PARTIAL} to {CODED_HEAD_BIN}"))?;
+    sync_dir(dir);
+    let json = serde_json::to_vec_pretty(&coded).map_err(anyhow::Error::from)?;
+    write_atomic(&dir.join(TRUNK_JSON), &json)?;
+    sync_dir(dir);
+    Ok(true)
+}
+
 /// Commit the coded trunk whose layers `done` fill `trunk.k3z.partial` up to `end`: the
 /// data renamed to `trunk.k3z`, then the coded manifest (from the raw one, `m`) replacing
-/// `trunk.json`, and only then the raw `trunk.bin` and the journal removed. Returns the
-/// stored bytes.
+/// `trunk.json`, and only then the raw `trunk.bin` and the journal removed (`head`: the
+/// coded lm_head in `lm_head.k3z.partial`, renamed with the data). Returns the stored
+/// bytes of the layers.
 fn commit(
     dir: &Path,
     m: &TrunkManifest,
     codec: Codec,
     done: Vec<CodedLayer>,
     end: u64,
+    head: Option<CodedHead>,
 ) -> Result<u64, Fail> {
     let stored_bytes = done.iter().flat_map(|l| &l.chunks).map(|c| c.stored).sum();
+    let has_head = head.is_some();
     let mut coded = m.clone();
     coded.format = TRUNK_CODED_FORMAT.to_string();
     coded.codec = Some(TrunkCodec {
@@ -208,6 +348,7 @@ fn commit(
         file_size: end,
         stored_bytes,
         layers: done,
+        head,
     });
     let problems = coded.problems();
     if !problems.is_empty() {
@@ -218,6 +359,12 @@ fn commit(
     }
     fs::rename(dir.join(PARTIAL), dir.join(CODED_BIN))
         .with_context(|| format!("renaming {PARTIAL} to {CODED_BIN}"))?;
+    if has_head {
+        fs::rename(dir.join(HEAD_PARTIAL), dir.join(CODED_HEAD_BIN))
+            .with_context(|| format!("renaming {HEAD_PARTIAL} to {CODED_HEAD_BIN}"))?;
+    } else {
+        remove_if_exists(&dir.join(CODED_HEAD_BIN))?;
+    }
     sync_dir(dir);
     let json = serde_json::to_vec_pretty(&coded).map_err(anyhow::Error::from)?;
     write_atomic(&dir.join(TRUNK_JSON), &json)?;
@@ -241,6 +388,15 @@ pub(super) fn scan(dir: &Path, m: &TrunkManifest) -> Result<()> {
             buf.resize(ch.stored as usize, 0);
             f.read_exact_at(&mut buf, cl.offset + ch.offset)?;
             check_stored(cl.layer, k, ch, &buf)?;
+        }
+    }
+    if let Some(h) = &c.head {
+        let path = dir.join(&h.file);
+        let f = File::open(&path).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        for (k, ch) in h.chunks.iter().enumerate() {
+            buf.resize(ch.stored as usize, 0);
+            f.read_exact_at(&mut buf, ch.offset)?;
+            check_stored(Unit::Head, k, ch, &buf)?;
         }
     }
     Ok(())
@@ -299,5 +455,49 @@ pub(super) fn verify_layers(dir: &Path, m: &TrunkManifest) -> Result<Vec<String>
             ));
         }
     }
+    if let Some(h) = &c.head {
+        verify_head(dir, codec, h, &mut bad)?;
+    }
     Ok(bad)
+}
+
+/// `--verify` of the coded lm_head: every chunk's two CRCs, the padding, the sha256 of the
+/// decoded rows; problems appended to `bad`.
+fn verify_head(dir: &Path, codec: Codec, h: &CodedHead, bad: &mut Vec<String>) -> Result<()> {
+    let path = dir.join(&h.file);
+    let f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let mut stored = vec![0u8; h.file_size as usize];
+    f.read_exact_at(&mut stored, 0)
+        .with_context(|| format!("reading {}", path.display()))?;
+    let (mut sha, mut dec, mut out) = (Sha256::new(), Decoder::new(), Vec::new());
+    let (mut at, mut ok, mut gaps_zero) = (0usize, true, true);
+    for (k, ch) in h.chunks.iter().enumerate() {
+        let (o, n) = (ch.offset as usize, ch.stored as usize);
+        gaps_zero &= stored[at..o].iter().all(|&b| b == 0);
+        at = o + n;
+        out.resize(ch.raw as usize, 0);
+        match decode_chunk(
+            &mut dec,
+            codec,
+            Unit::Head,
+            k,
+            ch,
+            &stored[o..o + n],
+            &mut out,
+        ) {
+            Ok(()) => sha.update(&out),
+            Err(e) => {
+                bad.push(e.to_string());
+                ok = false;
+            }
+        }
+    }
+    gaps_zero &= stored[at..].iter().all(|&b| b == 0);
+    if !gaps_zero {
+        bad.push("coded lm_head: padding between or after the chunks is not zero".into());
+    }
+    if ok && hex(&sha.finalize()) != h.sha256 {
+        bad.push("coded lm_head: sha256 of the decoded rows mismatch".into());
+    }
+    Ok(())
 }
