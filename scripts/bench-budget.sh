@@ -54,10 +54,15 @@
 #   CODED_TRUNK=/work/bench/slice-coded CODED_HEAD=raw,auto ROUNDS=2 \
 #       scripts/bench-budget.sh /tmp/k3-bench-budget 5.5
 #
+# RATE_MB=N throttles every numeric rung's reads of the disk that holds the trunks to N MB/s
+# (a cgroup v1 `blkio.throttle.read_bps_device` the rungs run in, beside their memory
+# cgroup): a slower drive beside the same cores, where the disk rather than the decoding is
+# the floor. The runs' own drive probes then measure the throttled rate, as on such a drive.
+#
 # DRY_RUN=1 checks the arguments and prints the runs it would make, in order, then exits
 # (no root, no k3-orch, nothing written).
 # Needs root (cgroups, drop_caches). Environment: K3 (default target/release/k3-orch),
-# SLICE, TRUNK, CODED_TRUNK, CODED_RESIDENT, CODED_HEAD, GEN (default 8), IDS (default 1), EXPECT, ROUNDS,
+# SLICE, TRUNK, CODED_TRUNK, CODED_RESIDENT, CODED_HEAD, RATE_MB, GEN (default 8), IDS (default 1), EXPECT, ROUNDS,
 # DRY_RUN.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -71,6 +76,7 @@ ROUNDS=${ROUNDS:-1}
 CODED_TRUNK=${CODED_TRUNK:-}
 CODED_RESIDENT=${CODED_RESIDENT:-}
 CODED_HEAD=${CODED_HEAD:-}
+RATE_MB=${RATE_MB:-}
 DRY_RUN=${DRY_RUN:-}
 
 # The rungs: numbers (GB) or `resident`; the resident rung first when it sets EXPECT.
@@ -129,6 +135,10 @@ if [ -n "$CODED_HEAD" ]; then
             *) echo "bench-budget: CODED_HEAD mode '$M' is not raw, coded or auto" >&2; exit 2 ;;
         esac
     done
+fi
+if [ -n "$RATE_MB" ] && ! [[ "$RATE_MB" =~ ^[1-9][0-9]*$ ]]; then
+    echo "bench-budget: RATE_MB=$RATE_MB is not a positive whole number of MB/s" >&2
+    exit 2
 fi
 # The runs in order: "rung trunk-kind" (kind raw, coded or resident).
 PLAN=()
@@ -209,6 +219,17 @@ make_cg() { # name bytes -> path
     fi
     echo "$d"
 }
+# RATE_MB: a blkio cgroup that throttles reads of the disk holding the trunks.
+BLK=
+if [ -n "$RATE_MB" ]; then
+    [ -d /sys/fs/cgroup/blkio ] || { echo "bench-budget: RATE_MB needs the cgroup v1 blkio controller" >&2; exit 2; }
+    BLK=/sys/fs/cgroup/blkio/k3-bench-$$
+    mkdir -p "$BLK"
+    majmin=$(findmnt -n -o MAJ:MIN -T "$TRUNK" | tr -d ' ')
+    echo "$majmin $((RATE_MB * 1000 * 1000))" > "$BLK/blkio.throttle.read_bps_device"
+    trap 'rmdir "$BLK" 2>/dev/null || true' EXIT
+    echo "reads of $majmin throttled to $RATE_MB MB/s in the numeric rungs (blkio $BLK)"
+fi
 peak_of() { if [ $CG = v2 ]; then cat "$1/memory.peak" 2>/dev/null || echo 0; else cat "$1/memory.max_usage_in_bytes"; fi; }
 
 printf '%-14s %10s %12s %8s %8s %9s %10s %10s %6s  %s\n' limit s/token bytes/tok devbw ratio disk_busy cg_peak peak exit ids
@@ -242,6 +263,7 @@ for p in "${PLAN[@]}"; do
     rm -f "$OUT"
     set +e
     ( echo $BASHPID > "$d/cgroup.procs" 2>/dev/null || echo $BASHPID > "$d/tasks"
+      if [ -n "$BLK" ] && [ "$KIND" != resident ]; then echo $BASHPID > "$BLK/cgroup.procs"; fi
       exec "${RUN[@]}" --ids "$IDS" --gen "$GEN" --incremental --quiet --out "$OUT" ) \
         > "$WORK/rung-$TAG.log" 2>&1
     rc=$?

@@ -1,4 +1,8 @@
-//! Probe (temporary): decode rate of a coded lm_head's chunks, with and without CRCs.
+//! Probe: how fast a coded trunk's lm_head chunks decode in memory, with and without their
+//! two CRC-32C checks, on N threads (the ceiling the streamed coded lm_head is measured
+//! against; docs/measurements.md, "The coded lm_head").
+//!
+//!   cargo run --release -p k3-model --example head_decode_probe -- TRUNK_DIR [THREADS]
 use k3_model::codec::{Codec, Decoder};
 use k3_model::codec_trunk::{decode_chunk, Unit};
 use k3_model::trunk::TrunkManifest;
@@ -25,7 +29,8 @@ fn main() {
                         let st = &bytes[ch.offset as usize..(ch.offset + ch.stored) as usize];
                         let o = &mut out[..ch.raw as usize];
                         if crc {
-                            decode_chunk(&mut dec, Codec::Bf16Zstd, Unit::Head, k, ch, st, o).unwrap();
+                            decode_chunk(&mut dec, Codec::Bf16Zstd, Unit::Head, k, ch, st, o)
+                                .unwrap();
                         } else {
                             dec.decode(Codec::Bf16Zstd, st, o).unwrap();
                         }
@@ -34,6 +39,9 @@ fn main() {
             }
         });
         let s = t.elapsed().as_secs_f64();
-        println!("threads {threads} crc {crc}: {:.2} GB/s decoded", raw_total as f64 / s / 1e9);
+        println!(
+            "threads {threads} crc {crc}: {:.2} GB/s decoded",
+            raw_total as f64 / s / 1e9
+        );
     }
 }

@@ -225,8 +225,10 @@ fn coded_projection(d: &std::path::Path) {
         .find(|l| l.trim_start().starts_with("64.00 GB"))
         .unwrap_or_else(|| panic!("no 64 GB row\n{out}"));
     // The figures in GB: total, resident, read/token, coded resident, coded read/token,
-    // decoded/token (the lm_head is pinned at 64 GB: one core decoding 40 GB/s against
-    // a 7 GB/s drive).
+    // decoded/token. The raw plan pins the lm_head at 64 GB; the coded plan streams it
+    // coded (one chunk held): with 40 GB/s of decoding a core against a 7 GB/s drive, its
+    // stored bytes and its decoding on every core weigh 0.67 read bytes a byte of RAM,
+    // less than the coded trunk parts the room goes to (0.83).
     let gbs = |row: &str| -> Vec<f64> {
         let f: Vec<&str> = row.split_whitespace().collect();
         f.windows(2)
@@ -237,12 +239,14 @@ fn coded_projection(d: &std::path::Path) {
     let gb = gbs(row);
     assert_eq!(gb.len(), 6, "{row}");
     let (resident, read, coded_resident, coded_read) = (gb[1], gb[2], gb[3], gb[4]);
-    assert!((resident - coded_resident).abs() < 0.5, "{row}");
+    // The room of the lm_head (2.35 GB) the coded plan streams pins coded trunk parts.
+    assert!((coded_resident - resident - 2.35).abs() < 0.5, "{row}");
     assert!(
-        (coded_read / read - 0.662).abs() < 0.01,
+        coded_read / read < 0.70,
         "coded reads {coded_read} of raw {read}: {row}"
     );
-    assert!(row.matches("pinned").count() == 2, "{row}");
+    assert!(row.matches("pinned").count() == 1, "{row}");
+    assert!(row.contains("held, coded"), "{row}");
     assert!(
         out.contains("a decoded byte weighs 0.17 read bytes"),
         "{out}"
@@ -265,9 +269,12 @@ fn coded_projection(d: &std::path::Path) {
     ]);
     assert_eq!(code, 2, "{err}");
     // At the reference decoder (2 GB/s on the one core compute leaves) a decoded byte
-    // weighs 3.5 read bytes: the plan pins coded parts before the raw lm_head, which
-    // streams, and decodes less per token; more cores change nothing while compute runs on
-    // all of them. Catches a projection whose plan ranks a coded trunk by stored bytes
+    // weighs 3.5 read bytes: the plan pins coded parts before the lm_head, which streams
+    // (coded: its decoding has every core, 0.22), and decodes no more per token than at
+    // 40 GB/s (where the lm_head streams coded too, so both pin all the trunk they can),
+    // but pins other parts: at 16 GB, 23 of 373 (those whose decoding costs most per
+    // byte) where the light decoder pins 44; more cores change nothing while compute runs
+    // on all of them. Catches a projection whose plan ranks a coded trunk by stored bytes
     // alone (the row would not change), or that spreads the decoding over compute's cores
     // (0.22 on 16).
     let two = k3_ok(&[
@@ -288,7 +295,22 @@ fn coded_projection(d: &std::path::Path) {
         .unwrap_or_else(|| panic!("no 64 GB row\n{two}"));
     assert!(row2.contains("streamed") || row2.contains("held"), "{row2}");
     let g2 = gbs(row2);
-    assert!(g2[g2.len() - 1] < gb[5], "decoded {row2} against {row}");
+    assert!(g2[g2.len() - 1] <= gb[5], "decoded {row2} against {row}");
+    let at16 = |t: &str| -> String {
+        let r = t.lines().find(|l| l.trim_start().starts_with("16.00 GB"));
+        r.unwrap_or_else(|| panic!("no 16 GB row\n{t}")).to_string()
+    };
+    let (light16, ref16) = (at16(&out), at16(&two));
+    let coded_parts = |r: &str| {
+        r.split_whitespace()
+            .filter(|w| w.ends_with("/373"))
+            .nth(1)
+            .map(str::to_string)
+    };
+    assert!(
+        coded_parts(&light16).is_some() && coded_parts(&light16) != coded_parts(&ref16),
+        "{light16} against {ref16}"
+    );
     for bad in ["0", "1.5", "x"] {
         let (code, _, err) = k3(&["inspect", d.to_str().unwrap(), "--codec-ratio", bad]);
         assert_eq!(code, 2, "--codec-ratio {bad}: {err}");

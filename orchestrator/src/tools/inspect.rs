@@ -705,6 +705,13 @@ pub fn budget_table(
             terms.describe()
         );
         o += &format!(
+            "  coded lm_head (pack-trunk --codec codes it too, here at the same ratio): {} \
+             stored; when it streams, read coded where that weighs less (\"coded\" in the \
+             lm_head column), its decoding on every core: a decoded byte weighs {:.2} read bytes\n",
+            gb(cb.head_coded.map_or(0, |h| h.stored)),
+            terms.head_ppm() as f64 / 1e6
+        );
+        o += &format!(
             "  coded trunk placed with --trunk-resident {}: \"+N kept\" layers stay coded in RAM \
              (their stored bytes resident), decoded on each use\n",
             cr.resident.name()

@@ -328,10 +328,12 @@ impl ModelStream {
         }
         let start = held_rows.min(m.rows);
         if let Some(c) = self.coded.borrow_mut().as_mut() {
-            let held = held.as_mut().map(|(buf, (lo, hi))| &buf.as_mut_slice()[*lo..*hi]);
+            let held = held
+                .as_mut()
+                .map(|(buf, (lo, hi))| &buf.as_mut_slice()[*lo..*hi]);
             let span = (start, m.rows, step);
             return Some(
-                c.stream(&m.name, cols, m.dtype, span, [a, b], held.as_deref(), f)
+                c.stream(&m.name, cols, m.dtype, span, [a, b], held, f)
                     .map(|(stored, secs)| self.count(read_bytes + stored, io_s + secs)),
             );
         }

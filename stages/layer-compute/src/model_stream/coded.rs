@@ -91,6 +91,9 @@ pub(super) struct Coded {
 /// One stream chunk: its rows `[r0, r1)`.
 type Rows = (usize, usize);
 
+/// A coded chunk to decode (its index and its rows' bytes in the output), taken once.
+type Job<'a> = Mutex<Option<(usize, &'a mut [u8])>>;
+
 impl Coded {
     /// Open `c` for the checkpoint's lm_head `s`: refused unless it codes the same matrix.
     pub(super) fn open(s: &Shape<'_>, c: CodedHeadFile) -> std::io::Result<Coded> {
@@ -147,7 +150,10 @@ impl Coded {
         if got < len {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
-                format!("coded lm_head rows {}..{}: the stored file ends early", r.0, r.1),
+                format!(
+                    "coded lm_head rows {}..{}: the stored file ends early",
+                    r.0, r.1
+                ),
             ));
         }
         Ok(t.elapsed().as_secs_f64())
@@ -160,7 +166,7 @@ impl Coded {
         let base = self.head.chunks[ks.start].offset;
         let per = (self.head.chunk_rows * self.head.row_bytes()) as usize;
         let want = (r.1 - r.0) * self.head.row_bytes() as usize;
-        let jobs: Vec<Mutex<Option<(usize, &mut [u8])>>> = ks
+        let jobs: Vec<Job<'_>> = ks
             .zip(out[..want].chunks_mut(per))
             .map(|j| Mutex::new(Some(j)))
             .collect();
@@ -172,7 +178,11 @@ impl Coded {
             let stored = span.get(o..o + ch.stored as usize).ok_or_else(|| {
                 std::io::Error::other(format!("coded lm_head chunk {k}: outside its span"))
             })?;
-            let pooled = self.decoders.lock().unwrap_or_else(|p| p.into_inner()).pop();
+            let pooled = self
+                .decoders
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop();
             let mut dec = pooled.unwrap_or_default();
             let res = decode_chunk(&mut dec, self.codec, Unit::Head, k, ch, stored, dst);
             self.decoders
