@@ -138,9 +138,10 @@ pub struct CodedHead {
 }
 
 impl CodedHead {
-    /// Bytes of one row.
+    /// Bytes of one row (saturating: the manifest check refuses a row that large).
     pub fn row_bytes(&self) -> u64 {
-        self.shape.get(1).map_or(0, |&c| c as u64) * self.dtype.size() as u64
+        let cols = self.shape.get(1).map_or(0, |&c| c as u64);
+        cols.saturating_mul(self.dtype.size() as u64)
     }
 
     /// Rows of the matrix.
@@ -575,7 +576,8 @@ pub fn align_up(x: u64, a: u64) -> u64 {
 }
 
 impl TrunkManifest {
-    /// Read and validate `<dir>/trunk.json`, and check `trunk.bin` has `file_size` bytes.
+    /// Read and validate `<dir>/trunk.json`, and check `trunk.bin` has `file_size` bytes
+    /// (a coded trunk: its stored file, and its coded lm_head's, theirs).
     pub fn load_dir(dir: impl AsRef<Path>) -> Result<TrunkManifest, TrunkError> {
         let dir = dir.as_ref();
         let path = dir.join(TRUNK_JSON);
@@ -597,16 +599,20 @@ impl TrunkManifest {
             Some(c) => (&c.file, c.file_size),
             None => (&m.file, m.file_size),
         };
-        let bin = dir.join(file);
-        let size = std::fs::metadata(&bin)
-            .map_err(|e| err(format!("{}: {e}", bin.display())))?
-            .len();
-        if size != want {
-            return Err(err(format!(
-                "{} is {size} bytes but the manifest says {want} (truncated or replaced; \
-                 re-run pack-trunk)",
-                bin.display(),
-            )));
+        let head = m.codec.as_ref().and_then(|c| c.head.as_ref());
+        let files = std::iter::once((file, want)).chain(head.map(|h| (&h.file, h.file_size)));
+        for (file, want) in files {
+            let bin = dir.join(file);
+            let size = std::fs::metadata(&bin)
+                .map_err(|e| err(format!("{}: {e}", bin.display())))?
+                .len();
+            if size != want {
+                return Err(err(format!(
+                    "{} is {size} bytes but the manifest says {want} (truncated or replaced; \
+                     re-run pack-trunk)",
+                    bin.display(),
+                )));
+            }
         }
         Ok(m)
     }

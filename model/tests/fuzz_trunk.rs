@@ -44,6 +44,47 @@ fn trunk_corpus_is_valid_and_the_oracle_refuses_what_it_must() {
     assert!(!harness::oracle_accepts(&v.to_string()));
 }
 
+/// The coded corpus carries a coded lm_head, and the reader and the oracle both refuse
+/// its chunk rows at 0, a chunk moved off its alignment, a row so wide that rows times
+/// chunk rows passes 2^64 (the reader saturates it, the oracle counts in 128 bits), and a
+/// file_size that is not the last chunk's end aligned up. Catches a head the fuzzer never
+/// sees (the corpus without one), and a check the two would disagree on.
+#[test]
+fn the_coded_lm_head_is_in_the_corpus_and_checked() {
+    let v = coded_manifest();
+    assert!(
+        v["codec"]["head"]["chunks"]
+            .as_array()
+            .is_some_and(|c| c.len() > 1),
+        "{v}"
+    );
+    let text = v.to_string();
+    assert!(harness::oracle_accepts(&text));
+    assert!(k3_model::trunk::TrunkManifest::from_json_str(&text).is_ok());
+    let edits: [&dyn Fn(&mut serde_json::Value); 4] = [
+        &|v| v["codec"]["head"]["chunk_rows"] = 0.into(),
+        &|v| v["codec"]["head"]["chunks"][1]["offset"] = 4097.into(),
+        &|v| v["codec"]["head"]["shape"][1] = (u64::MAX / 2).into(),
+        &|v| {
+            let f = v["codec"]["head"]["file_size"].as_u64().unwrap();
+            v["codec"]["head"]["file_size"] = (f + 4096).into();
+        },
+    ];
+    for (i, edit) in edits.iter().enumerate() {
+        let mut w = v.clone();
+        edit(&mut w);
+        let t = w.to_string();
+        assert!(
+            !harness::oracle_accepts(&t),
+            "edit {i}: the oracle accepted"
+        );
+        assert!(
+            k3_model::trunk::TrunkManifest::from_json_str(&t).is_err(),
+            "edit {i}: the reader accepted"
+        );
+    }
+}
+
 /// The harness corpus's first coded (`k3-trunk-coded/1`) manifest, as JSON.
 fn coded_manifest() -> serde_json::Value {
     harness::manifests()

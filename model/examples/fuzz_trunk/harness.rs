@@ -5,7 +5,8 @@
 //!   file. Corpus: manifests packed here as `pack-trunk` packs them, from the tiny-mxfp4
 //!   and tiny-seed checkpoints (each layer's tensors back to back, their real bytes, CRCs,
 //!   SHA-256, the real [`SourceIdentity`]), raw (`k3-trunk/3`) and coded
-//!   (`k3-trunk-coded/1`, chunks by [`encode_run`]), whole (one case in 256: 108 KB of
+//!   (`k3-trunk-coded/1`, chunks by [`encode_run`], with a coded lm_head made of layer 0's
+//!   first rows by [`encode_head_rows`]), whole (one case in 256: 108 KB of
 //!   JSON) and cut to their first 1 to 3 layers of a few tensors each, pretty and compact.
 //!   Mutations: the model fuzzer's JSON text edits, byte edits, and structural edits of the parsed tree (a
 //!   number nudged by ±1, doubled, zeroed or made huge, near 2^64 included; array entries
@@ -41,11 +42,12 @@ use fuzzkit::json::JsonEdits;
 use fuzzkit::{n_edits, FuzzReport, Harness, Rng, Verdict};
 use k3_model::catalog::Catalog;
 use k3_model::codec::{self, Codec, Effort};
-use k3_model::codec_trunk::{decode_chunk, encode_run};
+use k3_model::codec_trunk::{decode_chunk, encode_head_rows, encode_run};
+use k3_model::tensor::Dtype;
 use k3_model::trunk::{
-    align_up, chunk_crcs, CodedChunk, SourceIdentity, TrunkCodec, TrunkLayer, TrunkManifest,
-    TrunkTensor, CHECK_CHUNK, CODEC_CHUNK, CODED_BIN, TRUNK_BIN, TRUNK_CODED_FORMAT, TRUNK_FORMAT,
-    TRUNK_JSON,
+    align_up, chunk_crcs, CodedChunk, CodedHead, SourceIdentity, TrunkCodec, TrunkLayer,
+    TrunkManifest, TrunkTensor, CHECK_CHUNK, CODEC_CHUNK, CODED_BIN, TRUNK_BIN, TRUNK_CODED_FORMAT,
+    TRUNK_FORMAT, TRUNK_JSON,
 };
 use serde_json::Value;
 
@@ -191,10 +193,31 @@ fn pack(
                 .map(|c| c.stored)
                 .sum(),
             layers: coded_layers,
-            head: None,
+            head: runs.first().and_then(|r| coded_head(&r.1)),
         }),
         layers,
     }
+}
+
+/// A coded lm_head of 128 columns made of `run`'s first whole rows (at most 64), in
+/// chunks of 8 rows, as `pack-trunk --codec` codes one.
+fn coded_head(run: &[u8]) -> Option<CodedHead> {
+    const ROW: usize = 256;
+    let rows = (run.len() / ROW).min(64);
+    let raw = &run[..rows * ROW];
+    let (bytes, chunks) =
+        encode_head_rows(Codec::Bf16Zstd, raw, ROW as u64, 8, 4096, Effort::Level(1)).ok()?;
+    Some(CodedHead {
+        tensor: k3_model::classify::LM_HEAD.into(),
+        dtype: Dtype::BF16,
+        shape: vec![rows, ROW / 2],
+        chunk_rows: 8,
+        file: k3_model::trunk::CODED_HEAD_BIN.into(),
+        file_size: bytes.len() as u64,
+        stored_bytes: chunks.iter().map(|c| c.stored).sum(),
+        sha256: sha256_hex(raw),
+        chunks,
+    })
 }
 
 /// Whole manifests, small ones, and raw run bytes.
@@ -520,6 +543,46 @@ fn oracle_codec(m: &TrunkManifest, c: &TrunkCodec) -> Result<(), String> {
     if end != c.file_size as u128 || stored != c.stored_bytes as u128 {
         return Err("codec file_size or stored_bytes".into());
     }
+    match &c.head {
+        Some(h) => oracle_head(m, c, h),
+        None => Ok(()),
+    }
+}
+
+/// The oracle's rules of a coded lm_head, in 128-bit arithmetic.
+fn oracle_head(m: &TrunkManifest, c: &TrunkCodec, h: &CodedHead) -> Result<(), String> {
+    let a = m.align as u128;
+    let f = h.file.as_str();
+    if matches!(f, "" | "." | "..") || f.contains('/') || f == m.file || f == c.file {
+        return Err("head file".into());
+    }
+    if h.tensor != k3_model::classify::LM_HEAD || h.dtype != Dtype::BF16 || h.shape.len() != 2 {
+        return Err("head tensor".into());
+    }
+    let (rows, row) = (h.shape[0] as u128, h.shape[1] as u128 * 2);
+    let cr = h.chunk_rows as u128;
+    if row == 0 || cr == 0 || cr.checked_mul(row).is_none_or(|b| b > CODEC_CHUNK as u128) {
+        return Err("head rows per chunk".into());
+    }
+    if h.chunks.len() as u128 != rows.div_ceil(cr) {
+        return Err("head chunk count".into());
+    }
+    if h.sha256.len() != 64 || !h.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("head sha256".into());
+    }
+    let (mut at, mut stored) = (0u128, 0u128);
+    for (i, ch) in h.chunks.iter().enumerate() {
+        let raw = cr.min(rows - i as u128 * cr) * row;
+        let off = ch.offset as u128;
+        if ch.raw as u128 != raw || !off.is_multiple_of(a) || off < at {
+            return Err(format!("head chunk {i}"));
+        }
+        at = off + ch.stored as u128;
+        stored += ch.stored as u128;
+    }
+    if up(at, a) != h.file_size as u128 || stored != h.stored_bytes as u128 {
+        return Err("head file_size or stored_bytes".into());
+    }
     Ok(())
 }
 
@@ -637,10 +700,15 @@ fn load_from_dir(
             Some(c) => (&c.file, c.file_size),
             None => (&m.file, m.file_size),
         };
-        made = size <= 1 << 30
-            && std::fs::File::create(dir.join(file))
-                .and_then(|f| f.set_len(size))
-                .is_ok();
+        let head = m.codec.as_ref().and_then(|c| c.head.as_ref());
+        for (file, size) in
+            std::iter::once((file, size)).chain(head.map(|h| (&h.file, h.file_size)))
+        {
+            made &= size <= 1 << 30
+                && std::fs::File::create(dir.join(file))
+                    .and_then(|f| f.set_len(size))
+                    .is_ok();
+        }
     }
     let r = TrunkManifest::load_dir(&dir);
     let _ = std::fs::remove_dir_all(&dir);
