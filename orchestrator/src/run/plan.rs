@@ -395,6 +395,23 @@ pub struct HeadCoding {
 }
 
 impl HeadCoding {
+    /// A projection's coded lm_head (`inspect`/`project --codec-ratio`): `lm_head` bytes of
+    /// rows of `row` coded at `ratio`, in `pack-trunk`'s chunks, read by compute's span
+    /// buffers and decoders as a run holds them, its decoding weighed `ppm`.
+    pub fn projected(lm_head: u64, row: u64, ratio: f64, ppm: u64) -> HeadCoding {
+        let chunk_rows = k3_model::codec_trunk::head_chunk_rows(row, k3_model::trunk::CODEC_CHUNK);
+        let raw_chunk = chunk_rows * row;
+        let per = (lm_head_chunk(lm_head) / raw_chunk.max(1)).max(1);
+        HeadCoding {
+            stored: (lm_head as f64 * ratio) as u64,
+            chunk_rows,
+            ppm,
+            buffers: 2 * per * k3_io::slot_bytes_for((raw_chunk as f64 * ratio) as u64)
+                + k3_layer_compute::model_stream::head_decoders() as u64 * raw_chunk / 2,
+            only: false,
+        }
+    }
+
     /// What compute holds to stream the lm_head (`lm_head` bytes, rows of `row`) coded: two
     /// chunk buffers of whole coded chunks, and the readers' buffers.
     pub fn stream_bytes(&self, lm_head: u64, row: u64) -> u64 {

@@ -651,19 +651,12 @@ pub fn budget_table(
     let coded = codec.map(|(r, terms, resident)| {
         let decode = k3_trunk_loader::loader::decode_buffer_bound(k3_model::trunk::CODEC_CHUNK);
         // The lm_head coded at the same ratio (pack-trunk --codec codes it too).
-        let row = base.lm_head_row;
-        let chunk_rows = k3_model::codec_trunk::head_chunk_rows(row, k3_model::trunk::CODEC_CHUNK);
-        let raw_chunk = chunk_rows * row;
-        let head = crate::run::plan::HeadCoding {
-            stored: (base.lm_head as f64 * r) as u64,
-            chunk_rows,
-            ppm: terms.head_ppm(),
-            buffers: 2
-                * (crate::run::plan::lm_head_chunk(base.lm_head) / raw_chunk).max(1)
-                * k3_io::slot_bytes_for((raw_chunk as f64 * r) as u64)
-                + k3_layer_compute::model_stream::head_decoders() as u64 * raw_chunk / 2,
-            only: false,
-        };
+        let head = crate::run::plan::HeadCoding::projected(
+            base.lm_head,
+            base.lm_head_row,
+            *r,
+            terms.head_ppm(),
+        );
         let spend = crate::run::plan::Spend {
             fixed: base.fixed + decode,
             head_coded: Some(head),

@@ -596,6 +596,8 @@ pub struct PerToken {
     pub mxfp4_macs: f64,
     /// Bytes a coded trunk's streamed parts decode (0: raw, or nothing streams).
     pub decode_bytes: f64,
+    /// Bytes the coded lm_head decodes when it streams coded (on every core).
+    pub head_decode_bytes: f64,
 }
 
 impl PerToken {
@@ -622,7 +624,17 @@ pub fn per_token(m: &ModelShape, c: &Choice, hit: f64) -> PerToken {
         serial_ram_bytes: 0.0,
         bf16_macs: (m.trunk_macs + m.lm_head_macs) as f64 + bf16_experts,
         mxfp4_macs: mxfp4,
-        decode_bytes: c.decode_per_token as f64,
+        decode_bytes: (c.decode_per_token - head_decode(m, c)) as f64,
+        head_decode_bytes: head_decode(m, c) as f64,
+    }
+}
+
+/// Bytes the lm_head decodes per token under `c`: its streamed rows when read coded.
+fn head_decode(m: &ModelShape, c: &Choice) -> u64 {
+    if c.head_coded {
+        m.spend.lm_head.saturating_sub(c.head_held)
+    } else {
+        0
     }
 }
 
@@ -641,8 +653,8 @@ pub struct Times {
     /// The compute the disk idles through (`PerToken::serial_ram_bytes`' products).
     pub exposed: f64,
     /// A coded trunk's decoding: its bytes at one core's rate on the cores compute leaves
-    /// (`k3_trunk_loader::decode_cores`; compute runs on every core, so one), on the
-    /// compute side.
+    /// (`k3_trunk_loader::decode_cores`; compute runs on every core, so one), and the coded
+    /// lm_head's on every core (compute waits for it), on the compute side.
     pub decode: f64,
 }
 
@@ -670,8 +682,9 @@ impl Times {
             memory,
             compute,
             exposed: share * memory.max(compute),
-            decode: if t.decode_bytes > 0.0 {
+            decode: if t.decode_bytes + t.head_decode_bytes > 0.0 {
                 t.decode_bytes / (m.decoders() as f64 * m.decode_bps)
+                    + t.head_decode_bytes / (cores * m.decode_bps)
             } else {
                 0.0
             },
@@ -803,9 +816,15 @@ fn project_parts(
 ) -> Result<Projection, ProjectError> {
     // Experts striped over the machine's drives: the cache keeps every drive's reads in
     // flight, as a run's plan does.
+    // A coded trunk's lm_head coded at the same ratio (`pack-trunk --codec` codes it).
+    let head_coded = m.codec_ratio.map(|r| {
+        let ppm = machine.decode_terms().head_ppm();
+        plan::HeadCoding::projected(m.spend.lm_head, m.spend.lm_head_row, r, ppm)
+    });
     let sp = Spend {
         total,
         read_slots: plan::read_slots(machine.drives as usize),
+        head_coded,
         ..m.spend.clone()
     };
     // A coded trunk's decoding weighed as this machine's reads, as a run's plan weighs it.
@@ -934,10 +953,13 @@ pub fn detail(
     if m.codec_ratio.is_some() {
         o += &format!(
             "  decode   : {} of coded trunk decoded by the trunk-loader's readers at {:.2} GB/s \
-             per core x {} core(s) compute leaves = {} (on compute's side); the plan: {}\n",
+             per core x {} core(s) compute leaves, and {} of coded lm_head on all {} = {} (on \
+             compute's side); the plan: {}\n",
             human(pt.decode_bytes as u64),
             machine.decode_bps / GB,
             machine.decoders(),
+            human(pt.head_decode_bytes as u64),
+            machine.cores,
             duration(t.decode),
             machine.decode_terms().describe()
         );
@@ -1252,6 +1274,7 @@ fn json_rows(
                     "hits_from": hits.label(),
                     "disk_bytes_per_token": p.per_token.disk_bytes(),
                     "trunk_disk_bytes_per_token": p.per_token.trunk_disk_bytes,
+                    "head_decode_bytes_per_token": p.per_token.head_decode_bytes,
                     "expert_disk_bytes_per_token": p.per_token.expert_disk_bytes,
                     "ram_bytes_per_token": p.per_token.ram_bytes,
                     "disk_s": p.times.disk,
@@ -1642,6 +1665,7 @@ mod tests {
             bf16_macs: 400e9,
             mxfp4_macs: 80e9,
             decode_bytes: 0.0,
+            head_decode_bytes: 0.0,
         }
     }
 
@@ -1826,6 +1850,7 @@ mod tests {
     fn a_coded_trunks_decoding_takes_computes_cores() {
         let t = PerToken {
             decode_bytes: 4e9,
+            head_decode_bytes: 0.0,
             ..token_terms()
         };
         let x = Times::of(&t, &machine());
@@ -1845,17 +1870,25 @@ mod tests {
             (y.decode, y.s_per_token(), y.floor()),
             (8.0, 19.0, "decode")
         );
+        // The coded lm_head's 8 GB more decode on all 8 cores: 0.5 s, not 4 s on one.
+        // Catches the lm_head's decoding counted at the trunk's one core.
+        let h = PerToken {
+            head_decode_bytes: 8e9,
+            ..t
+        };
+        assert_eq!(Times::of(&h, &machine()).decode, 2.5);
     }
 
-    /// The released model with its trunk coded at 0.662, at 64 GB: with a decoder of 40
-    /// GB/s a core decoding weighs little against a 7 GB/s drive and the lm_head stays
-    /// pinned, as a raw trunk's; at the reference 2 GB/s a decoded byte weighs 3.5 read
-    /// bytes (one core's rate: compute runs on all 16), so the plan pins coded parts before
-    /// the raw lm_head (which streams) and decodes less per token than the stored-bytes
-    /// ranking (decoding free) would on the same machine, and projects faster for it; 2
-    /// cores plan the same (compute on both). Catches a projection whose plan ignores the
-    /// machine's decoding (the reference plan would be the stored-bytes one), or counts
-    /// the decoding on the cores compute runs on (16 cores would keep the lm_head pinned).
+    /// The released model with its trunk (and lm_head) coded at 0.662, at 64 GB: with a
+    /// decoder of 40 GB/s a core decoding weighs little against a 7 GB/s drive and the
+    /// lm_head streams coded (its decoding on all 16 cores: 0.01 read bytes a byte); at the
+    /// reference 2 GB/s a trunk part's decoded byte weighs 3.5 read bytes (one core's rate:
+    /// compute runs on all 16), so the plan pins coded parts before the lm_head (which
+    /// streams coded, 0.22) and decodes less of the trunk per token than the stored-bytes
+    /// ranking (decoding free, the lm_head pinned) would on the same machine, and projects
+    /// faster for it. Catches a projection whose plan ignores the machine's decoding (the
+    /// reference plan would be the stored-bytes one), or counts the trunk's decoding on the
+    /// cores compute runs on (16 cores would keep the lm_head pinned).
     #[test]
     fn a_coded_trunk_plans_by_the_machines_decoding() {
         let m = ModelShape::released()
@@ -1867,16 +1900,19 @@ mod tests {
             ..Machine::reference(1)
         };
         let fast = project(&m, b, &light).unwrap();
-        assert!(fast.choice.head_pinned, "{:?}", fast.choice);
+        // The lm_head's decoding, on every core, weighs 0.01: it streams coded.
+        assert!(fast.choice.head_coded, "{:?}", fast.choice);
         let two = Machine::reference(1);
         let small = Machine {
             cores: 2,
             ..Machine::reference(1)
         };
-        assert_eq!(
-            project(&m, b, &small).unwrap().choice,
-            project(&m, b, &two).unwrap().choice
-        );
+        // Two cores weigh a trunk part's decoding as sixteen do (compute runs on all), but
+        // the lm_head's on two cores at 1.75 read bytes a byte: it streams raw there.
+        assert_eq!(small.decode_terms().ppm(), two.decode_terms().ppm());
+        let on_two = project(&m, b, &small).unwrap().choice;
+        assert!(!on_two.head_pinned && !on_two.head_coded, "{on_two:?}");
+        assert!(project(&m, b, &two).unwrap().choice.head_coded);
         let free = Machine {
             decode_bps: 1e18,
             ..two.clone()
