@@ -193,8 +193,8 @@ fn streamed_lm_head_and_embedding_rows_keep_the_logits() {
 /// chunk short of 8 rows. Catches decoded chunks placed at the wrong rows, streamed rows
 /// that restart at row 0 after the held ones or skip a chunk, and a short last chunk
 /// decoded past its rows. Then damage: a stored byte flipped in chunk 5 of lm_head.k3z
-/// fails the run (exit 1) naming the coded lm_head and the chunk, and `--lm-head-read
-/// coded` over a trunk without one is refused up front (exit 2).
+/// fails the run (exit 1) naming the coded lm_head and the chunk, a truncated lm_head.k3z
+/// and `--lm-head-read coded` over a trunk without one are refused up front (exit 2).
 #[test]
 fn a_coded_lm_head_streams_the_same_logits() {
     let model = "tiny-mxfp4";
@@ -274,6 +274,12 @@ fn a_coded_lm_head_streams_the_same_logits() {
         "{}",
         text(&o)
     );
+    // A truncated lm_head.k3z: refused before anything runs (exit 2), naming the file.
+    let f = std::fs::OpenOptions::new().write(true).open(&k3z).unwrap();
+    f.set_len(h.file_size - 4096).unwrap();
+    let o = run("coded", "7000", None, &dir.path().join("y.bin"));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("lm_head.k3z is"), "{}", text(&o));
     // A raw trunk has no coded lm_head.
     let raw = dir.path().join("raw-trunk");
     let o = k3()
