@@ -77,6 +77,14 @@ pub struct ModelFlags {
     /// The packed trunk (pack-trunk); without it the trunk-loader loads it whole
     #[arg(long)]
     pub trunk: Option<PathBuf>,
+    /// With a coded --trunk: keep resident layers raw, coded or auto (as `k3-orch
+    /// --trunk-resident`)
+    #[arg(long, value_parser = ["raw", "coded", "auto"])]
+    pub trunk_resident: Option<String>,
+    /// With a coded --trunk that codes the lm_head: read a streamed lm_head raw, coded or
+    /// auto (as `k3-orch --lm-head-read`)
+    #[arg(long, value_parser = ["raw", "coded", "auto"])]
+    pub lm_head_read: Option<String>,
     /// The packed routed experts (pack-experts), one directory per drive: DIR,DIR...
     #[arg(long, value_delimiter = ',')]
     pub experts: Vec<PathBuf>,
@@ -193,6 +201,8 @@ impl ModelFlags {
             "--trunk",
             self.trunk.as_ref().map(|p| p.display().to_string()),
         );
+        opt("--trunk-resident", self.trunk_resident.clone());
+        opt("--lm-head-read", self.lm_head_read.clone());
         if !self.experts.is_empty() {
             let dirs: Vec<String> = self
                 .experts
