@@ -22,6 +22,19 @@ fn prompt(model: &str) -> String {
         .join(",")
 }
 
+/// `pack-trunk` of `model`'s fixture into `trunk`, with `extra` flags and `envs`.
+fn pack_with(model: &str, trunk: &Path, extra: &[&str], envs: &[(&str, &str)]) {
+    let o = k3()
+        .arg("pack-trunk")
+        .arg(fixture(&format!("{model}/sharded")))
+        .arg(trunk)
+        .args(extra)
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+}
+
 fn gen(model: &str, trunk: &Path, out: &Path, extra: &[&str]) -> Output {
     gen_with(model, trunk, out, extra, &[])
 }
@@ -200,16 +213,8 @@ fn a_coded_lm_head_streams_the_same_logits() {
     let model = "tiny-mxfp4";
     let dir = tempfile::tempdir().unwrap();
     let trunk = dir.path().join("trunk");
-    let o = k3()
-        .arg("pack-trunk")
-        .arg(fixture(&format!("{model}/sharded")))
-        .arg(&trunk)
-        .args(["--codec", "bf16-zstd"])
-        .env("K3_TEST_HOOKS", "1")
-        .env("K3_TEST_HEAD_CHUNK_BYTES", "2048")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    let hooks = [("K3_TEST_HOOKS", "1"), ("K3_TEST_HEAD_CHUNK_BYTES", "2048")];
+    pack_with(model, &trunk, &["--codec", "bf16-zstd"], &hooks);
     let m = k3_model::trunk::TrunkManifest::load_dir(&trunk).unwrap();
     let h = m
         .codec
@@ -282,13 +287,7 @@ fn a_coded_lm_head_streams_the_same_logits() {
     assert!(text(&o).contains("lm_head.k3z is"), "{}", text(&o));
     // A raw trunk has no coded lm_head.
     let raw = dir.path().join("raw-trunk");
-    let o = k3()
-        .arg("pack-trunk")
-        .arg(fixture(&format!("{model}/sharded")))
-        .arg(&raw)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    pack(model, &raw);
     let o = gen(model, &raw, &out, &["--lm-head-read", "coded"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("holds no coded lm_head"), "{}", text(&o));
@@ -332,13 +331,7 @@ fn prefill_reads_the_union_of_the_routes() {
 }
 
 fn pack(model: &str, trunk: &Path) {
-    let o = k3()
-        .arg("pack-trunk")
-        .arg(fixture(&format!("{model}/sharded")))
-        .arg(trunk)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    pack_with(model, trunk, &[], &[]);
 }
 
 /// The ids a run's report says it generated.

@@ -308,13 +308,7 @@ pub(super) fn add_head(
     if let Some(c) = coded.codec.as_mut() {
         c.head = Some(head);
     }
-    let problems = coded.problems();
-    if !problems.is_empty() {
-        return Err(Fail::Failed(anyhow!(
-            "internal: the coded manifest is inconsistent: {}",
-            problems.join("; ")
-        )));
-    }
+    consistent(&coded)?;
     fs::rename(dir.join(HEAD_PARTIAL), dir.join(CODED_HEAD_BIN))
         .with_context(|| format!("renaming {HEAD_PARTIAL} to {CODED_HEAD_BIN}"))?;
     sync_dir(dir);
@@ -322,6 +316,18 @@ pub(super) fn add_head(
     write_atomic(&dir.join(TRUNK_JSON), &json)?;
     sync_dir(dir);
     Ok(true)
+}
+
+/// A coded manifest about to be committed has no problem (an internal error otherwise).
+fn consistent(coded: &TrunkManifest) -> Result<(), Fail> {
+    let problems = coded.problems();
+    if !problems.is_empty() {
+        return Err(Fail::Failed(anyhow!(
+            "internal: the coded manifest is inconsistent: {}",
+            problems.join("; ")
+        )));
+    }
+    Ok(())
 }
 
 /// Commit the coded trunk whose layers `done` fill `trunk.k3z.partial` up to `end`: the
@@ -350,13 +356,7 @@ fn commit(
         layers: done,
         head,
     });
-    let problems = coded.problems();
-    if !problems.is_empty() {
-        return Err(Fail::Failed(anyhow!(
-            "internal: the coded manifest is inconsistent: {}",
-            problems.join("; ")
-        )));
-    }
+    consistent(&coded)?;
     fs::rename(dir.join(PARTIAL), dir.join(CODED_BIN))
         .with_context(|| format!("renaming {PARTIAL} to {CODED_BIN}"))?;
     if has_head {
