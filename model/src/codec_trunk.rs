@@ -249,7 +249,10 @@ pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<Stri
                 "{who}: padded_length is not stored_length aligned up"
             ));
         }
-        end = cl.offset.saturating_add(cl.padded_length);
+        end = cl.offset.checked_add(cl.padded_length).unwrap_or_else(|| {
+            p.push(format!("{who}: offset + padded_length overflows 64 bits"));
+            u64::MAX
+        });
         if cl.chunks.len() as u64 != l.length.div_ceil(CODEC_CHUNK) {
             p.push(format!(
                 "{who}: {} chunks, its {} bytes need {}",

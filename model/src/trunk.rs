@@ -709,7 +709,12 @@ impl TrunkManifest {
                     l.offset
                 ));
             }
-            end = l.offset.saturating_add(l.padded_length);
+            // Checked: a run that ends past 2^64 saturated to a file_size of 2^64 - 1 and
+            // passed (found by `examples/fuzz_trunk`).
+            end = l.offset.checked_add(l.padded_length).unwrap_or_else(|| {
+                p.push(format!("{who}: offset + padded_length overflows 64 bits"));
+                u64::MAX
+            });
             if end > self.file_size {
                 p.push(format!(
                     "{who}: run ends at {end}, past file_size {}",

@@ -126,6 +126,41 @@ fn a_length_near_2_64_is_a_problem_not_an_overflow() {
     );
 }
 
+/// Found by `examples/fuzz_trunk` (seed 20261207, case 6,351,961 of 10^7; the oracle
+/// refused what the reader accepted): a raw layer at offset 2^64 - 4096 with a padded
+/// length of 53,248 ends past 2^64; its end saturated to 2^64 - 1, which a `file_size` of
+/// 2^64 - 1 then matched. The same for a coded layer's run and the codec's file_size.
+/// Catches: `saturating_add` in place of a checked sum in `TrunkManifest::problems` or
+/// `codec_problems` (no problem is then reported).
+#[test]
+fn a_run_ending_past_2_64_is_a_problem() {
+    let coded = coded_manifest();
+    let mut v = coded.clone();
+    v.as_object_mut().unwrap().remove("codec");
+    v["format"] = "k3-trunk/3".into();
+    v["file_size"] = u64::MAX.into();
+    let n = v["layers"].as_array().unwrap().len();
+    v["layers"][n - 1]["offset"] = (u64::MAX - 4095).into();
+    let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+    let p = m.problems();
+    assert!(
+        p.iter()
+            .any(|p| p.ends_with("offset + padded_length overflows 64 bits")),
+        "{p:#?}"
+    );
+    let mut v = coded;
+    v["codec"]["file_size"] = u64::MAX.into();
+    let n = v["codec"]["layers"].as_array().unwrap().len();
+    v["codec"]["layers"][n - 1]["offset"] = (u64::MAX - 4095).into();
+    let m: k3_model::trunk::TrunkManifest = serde_json::from_value(v).unwrap();
+    let p = m.problems();
+    assert!(
+        p.iter().any(|p| p.starts_with("codec layer")
+            && p.ends_with("offset + padded_length overflows 64 bits")),
+        "{p:#?}"
+    );
+}
+
 /// Found by `examples/fuzz_trunk` (`load_dir` accepted a manifest whose data file could
 /// not exist): a manifest naming "." (or "..") as its data file passed the check, and
 /// `load_dir` then took the trunk directory itself, 4096 bytes on most file systems, for a
