@@ -22,7 +22,8 @@ use k3_io::direct::ReadAt;
 
 use crate::codec::{encode_with, Codec, CodecError, Decoder, Effort};
 use crate::trunk::{
-    align_up, CodedChunk, CodedHead, CodedLayer, TrunkCodec, TrunkManifest, CODEC_CHUNK,
+    align_up, hex_sha256, plain_file_name, CodedChunk, CodedHead, CodedLayer, TrunkCodec,
+    TrunkManifest, CODEC_CHUNK,
 };
 
 /// One chunk's encoding, as a coding thread leaves it.
@@ -219,7 +220,7 @@ pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<Stri
     if c.chunk != CODEC_CHUNK {
         p.push(format!("codec chunk {} is not {CODEC_CHUNK}", c.chunk));
     }
-    if matches!(c.file.as_str(), "" | "." | "..") || c.file.contains('/') || c.file == m.file {
+    if !plain_file_name(&c.file) || c.file == m.file {
         p.push(format!(
             "codec file {:?} is not a plain file name of its own",
             c.file
@@ -261,17 +262,9 @@ pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<Stri
                 l.length.div_ceil(CODEC_CHUNK)
             ));
         }
-        let mut at = 0u64;
-        for (i, ch) in cl.chunks.iter().enumerate() {
-            let raw = CODEC_CHUNK.min(l.length.saturating_sub(i as u64 * CODEC_CHUNK));
-            if ch.raw != raw || ch.offset % m.align != 0 || ch.offset < at {
-                p.push(format!(
-                    "{who}: chunk {i} is misplaced or of the wrong size"
-                ));
-            }
-            at = ch.offset.saturating_add(ch.stored);
-            stored = stored.saturating_add(ch.stored);
-        }
+        let raw = |i: u64| CODEC_CHUNK.min(l.length.saturating_sub(i * CODEC_CHUNK));
+        let (at, run_stored) = chunk_problems(&cl.chunks, m.align, raw, &who, p);
+        stored = stored.saturating_add(run_stored);
         if at != cl.stored_length {
             p.push(format!(
                 "{who}: stored_length {} is not {at}",
@@ -293,10 +286,33 @@ pub(crate) fn codec_problems(m: &TrunkManifest, c: &TrunkCodec, p: &mut Vec<Stri
     }
 }
 
+/// Every misplaced chunk of a run of `chunks` (each on an `align` boundary, none before the
+/// end of the one before it, chunk `i` decoding to `raw(i)` bytes), appended to `p` under
+/// `who`. Returns the end of the last chunk's stored bytes and the sum of their stored
+/// bytes (both saturating: a run past 2^64 cannot match the lengths it is checked against).
+fn chunk_problems(
+    chunks: &[CodedChunk],
+    align: u64,
+    raw: impl Fn(u64) -> u64,
+    who: &str,
+    p: &mut Vec<String>,
+) -> (u64, u64) {
+    let (mut at, mut stored) = (0u64, 0u64);
+    for (i, ch) in chunks.iter().enumerate() {
+        if ch.raw != raw(i as u64) || ch.offset % align != 0 || ch.offset < at {
+            p.push(format!(
+                "{who}: chunk {i} is misplaced or of the wrong size"
+            ));
+        }
+        at = ch.offset.saturating_add(ch.stored);
+        stored = stored.saturating_add(ch.stored);
+    }
+    (at, stored)
+}
+
 /// Every inconsistency of `h`, the coded lm_head of codec `c` of manifest `m`.
 fn head_problems(m: &TrunkManifest, c: &TrunkCodec, h: &CodedHead, p: &mut Vec<String>) {
-    let plain = !matches!(h.file.as_str(), "" | "." | "..") && !h.file.contains('/');
-    if !plain || h.file == m.file || h.file == c.file {
+    if !plain_file_name(&h.file) || h.file == m.file || h.file == c.file {
         p.push(format!(
             "codec head file {:?} is not a plain file name of its own",
             h.file
@@ -331,22 +347,11 @@ fn head_problems(m: &TrunkManifest, c: &TrunkCodec, h: &CodedHead, p: &mut Vec<S
             rows.div_ceil(h.chunk_rows)
         ));
     }
-    if h.sha256.len() != 64 || !h.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if !hex_sha256(&h.sha256) {
         p.push("codec head: sha256 is not 64 hex digits".into());
     }
-    let (mut at, mut stored) = (0u64, 0u64);
-    for (i, ch) in h.chunks.iter().enumerate() {
-        let r = h
-            .chunk_rows
-            .min(rows.saturating_sub(i as u64 * h.chunk_rows));
-        if ch.raw != r * row || ch.offset % m.align != 0 || ch.offset < at {
-            p.push(format!(
-                "codec head: chunk {i} is misplaced or of the wrong size"
-            ));
-        }
-        at = ch.offset.saturating_add(ch.stored);
-        stored = stored.saturating_add(ch.stored);
-    }
+    let raw = |i: u64| h.chunk_rows.min(rows.saturating_sub(i * h.chunk_rows)) * row;
+    let (at, stored) = chunk_problems(&h.chunks, m.align, raw, "codec head", p);
     if at.checked_next_multiple_of(m.align) != Some(h.file_size) {
         p.push(format!(
             "codec head file_size {} is not the end of its last chunk ({at}) aligned up",

@@ -367,7 +367,7 @@ impl ExpertsManifest {
                 self.stripe, self.stripes
             ));
         }
-        if self.pack_id.len() != 64 || !self.pack_id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        if !crate::trunk::hex_sha256(&self.pack_id) {
             p.push("pack_id is not 64 hex digits".into());
         }
         if self.experts.len() > self.total_experts {
@@ -398,7 +398,7 @@ impl ExpertsManifest {
             if x.length == 0 {
                 bad.push(format!("{who}: empty run"));
             }
-            if x.sha256.len() != 64 || !x.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+            if !crate::trunk::hex_sha256(&x.sha256) {
                 bad.push(format!("{who}: sha256 is not 64 hex digits"));
             }
             end = x.offset.saturating_add(x.padded_length());

@@ -570,6 +570,16 @@ fn tensor_problems(l: &TrunkLayer, who: &str, p: &mut Vec<String>) {
     }
 }
 
+/// Whether `name` is a plain file name: not empty, not "." or ".." (directories), no `/`.
+pub(crate) fn plain_file_name(name: &str) -> bool {
+    !matches!(name, "" | "." | "..") && !name.contains('/')
+}
+
+/// Whether `s` is a sha256 in hex: 64 hex digits.
+pub(crate) fn hex_sha256(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 /// Round `x` up to a multiple of `a` (a power of two).
 pub fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
@@ -676,7 +686,7 @@ impl TrunkManifest {
         }
         // "." and ".." name directories (`load_dir` took the trunk directory itself as a
         // data file of 4096 bytes; found by `examples/fuzz_trunk`).
-        if matches!(self.file.as_str(), "" | "." | "..") || self.file.contains('/') {
+        if !plain_file_name(&self.file) {
             p.push(format!("file {:?} is not a plain file name", self.file));
         }
         let mut end = 0u64;
@@ -729,7 +739,7 @@ impl TrunkManifest {
                     l.length
                 ));
             }
-            if l.sha256.len() != 64 || !l.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+            if !hex_sha256(&l.sha256) {
                 p.push(format!("{who}: sha256 is not 64 hex digits"));
             }
             total = total.saturating_add(l.length);
