@@ -358,7 +358,7 @@ impl ExpertsManifest {
             p.push(format!("align {} is not {EXPERTS_ALIGN}", self.align));
             return p;
         }
-        if self.file.is_empty() || self.file.contains('/') {
+        if !crate::trunk::plain_file_name(&self.file) {
             p.push(format!("file {:?} is not a plain file name", self.file));
         }
         if self.stripes == 0 || self.stripe >= self.stripes {

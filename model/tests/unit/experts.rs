@@ -96,6 +96,9 @@ fn inconsistencies_are_named() {
         (Box::new(|m| m.experts[0].sha256 = "x".into()), "sha256"),
         (Box::new(|m| m.pack_id = "x".into()), "pack_id"),
         (Box::new(|m| m.file = "../x".into()), "plain file name"),
+        // "." and ".." name directories (the trunk manifest's fuzz finding, here too).
+        (Box::new(|m| m.file = ".".into()), "plain file name"),
+        (Box::new(|m| m.file = "..".into()), "plain file name"),
     ];
     for (edit, want) in cases {
         let mut m = manifest();
