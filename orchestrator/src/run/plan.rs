@@ -401,13 +401,15 @@ impl HeadCoding {
     pub fn projected(lm_head: u64, row: u64, ratio: f64, ppm: u64) -> HeadCoding {
         let chunk_rows = k3_model::codec_trunk::head_chunk_rows(row, k3_model::trunk::CODEC_CHUNK);
         let raw_chunk = chunk_rows * row;
-        let per = (lm_head_chunk(lm_head) / raw_chunk.max(1)).max(1);
         HeadCoding {
             stored: (lm_head as f64 * ratio) as u64,
             chunk_rows,
             ppm,
-            buffers: 2 * per * k3_io::slot_bytes_for((raw_chunk as f64 * ratio) as u64)
-                + k3_layer_compute::model_stream::head_decoders() as u64 * raw_chunk / 2,
+            buffers: k3_layer_compute::model_stream::coded_head_buffer_bound(
+                (raw_chunk as f64 * ratio) as u64,
+                raw_chunk,
+                lm_head_chunk(lm_head),
+            ),
             only: false,
         }
     }
@@ -664,11 +666,12 @@ fn choose_way(
                 None => left.saturating_sub(t).saturating_sub(cache_keep(&sp, left)),
             };
             let all = s.lm_head / s.lm_head_row.max(1);
-            let mut rows = rows_fitting(trunk_left + spare, s.lm_head_row, all);
-            // Coded: the streamed rows start on a coded chunk (as compute holds them).
-            if let Some(h) = coding.filter(|_| rows < all) {
-                rows = rows / h.chunk_rows.max(1) * h.chunk_rows.max(1);
-            }
+            // Coded: whole coded chunks, as compute holds them.
+            let rows = k3_layer_compute::model_stream::head_held_rows(
+                rows_fitting(trunk_left + spare, s.lm_head_row, all),
+                all,
+                coding.map(|h| h.chunk_rows),
+            );
             let alloc = if rows == 0 {
                 0
             } else {
@@ -1746,10 +1749,8 @@ fn assemble(
         Some(n) => {
             let (rows, all) = (n.min(lm) / row.max(1), lm / row.max(1));
             // Coded: whole coded chunks, as compute holds them.
-            match coding {
-                Some(h) if rows < all => rows / h.chunk_rows.max(1) * h.chunk_rows.max(1) * row,
-                _ => rows * row,
-            }
+            let chunk_rows = coding.map(|h| h.chunk_rows);
+            k3_layer_compute::model_stream::head_held_rows(rows, all, chunk_rows) * row
         }
         None => head_held,
     };

@@ -26,7 +26,7 @@ use k3_model::classify::{model_tensor, LM_HEAD};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
 
 mod coded;
-pub use coded::{coded_head_buffer_bytes, head_decoders, CodedHeadFile};
+pub use coded::{coded_head_buffer_bound, coded_head_buffer_bytes, head_decoders, CodedHeadFile};
 
 /// Where a `[rows, cols]` model-level matrix lies in the shards.
 #[derive(Clone, Debug)]
@@ -76,6 +76,16 @@ pub fn head_stream_chunk_bytes(chunk_bytes: u64, row: u64, coded_rows: Option<u6
     match coded_rows {
         Some(cr) => (rows / cr.max(1)).max(1) * cr.max(1) * row,
         None => rows * row,
+    }
+}
+
+/// The leading rows a streamed lm_head holds when `rows` of its `all` fit: with a coded
+/// head of `coded_rows` rows per coded chunk, whole coded chunks (the streamed rows then
+/// start on one), unless every row is held.
+pub fn head_held_rows(rows: u64, all: u64, coded_rows: Option<u64>) -> u64 {
+    match coded_rows {
+        Some(cr) if rows < all => rows / cr.max(1) * cr.max(1),
+        _ => rows,
     }
 }
 
@@ -133,12 +143,8 @@ impl ModelStream {
         };
         let head_held_rows = match (&head, head_chunk_rows) {
             (Some(h), Some(_)) => {
-                let rows = ((head_held_bytes / h.row_bytes.max(1)) as usize).min(h.rows);
-                // Coded: the streamed rows start on a coded chunk's first row.
-                match coded_rows {
-                    Some(cr) if rows < h.rows => rows / cr as usize * cr as usize,
-                    _ => rows,
-                }
+                let rows = (head_held_bytes / h.row_bytes.max(1)).min(h.rows as u64);
+                head_held_rows(rows, h.rows as u64, coded_rows) as usize
             }
             _ => 0,
         };

@@ -34,17 +34,27 @@ pub fn head_decoders() -> usize {
 /// stream chunks of `chunk_bytes` (whole coded chunks: `head_stream_chunk_bytes`): two
 /// buffers of a stream chunk's stored span and each decoder's exponent plane.
 pub fn coded_head_buffer_bytes(h: &CodedHead, chunk_bytes: u64) -> u64 {
-    let raw = (h.chunk_rows * h.row_bytes()).max(1);
-    2 * span_cap(h, chunk_bytes) as u64 + head_decoders() as u64 * raw / 2
+    coded_head_buffer_bound(max_stored(h), h.chunk_rows * h.row_bytes(), chunk_bytes)
+}
+
+/// [`coded_head_buffer_bytes`] of a coded lm_head whose largest chunk stores `max_stored`
+/// bytes and decodes to `raw_chunk` (a projection's, before any lm_head is coded).
+pub fn coded_head_buffer_bound(max_stored: u64, raw_chunk: u64, chunk_bytes: u64) -> u64 {
+    let raw_chunk = raw_chunk.max(1);
+    2 * span_bytes(max_stored, raw_chunk, chunk_bytes) + head_decoders() as u64 * raw_chunk / 2
 }
 
 /// The largest stored span of a stream chunk of `chunk_bytes`: its coded chunks' stored
-/// bytes, each aligned up (as they lie in the file).
-fn span_cap(h: &CodedHead, chunk_bytes: u64) -> usize {
-    let raw = (h.chunk_rows * h.row_bytes()).max(1);
-    let per = (chunk_bytes / raw).max(1) as usize;
-    let stored = h.chunks.iter().map(|c| c.stored).max().unwrap_or(0) as usize;
-    per * stored.next_multiple_of(ALIGN).max(ALIGN)
+/// bytes (each at most `max_stored`, decoding to `raw_chunk`), each aligned up (as they
+/// lie in the file).
+fn span_bytes(max_stored: u64, raw_chunk: u64, chunk_bytes: u64) -> u64 {
+    let per = (chunk_bytes / raw_chunk.max(1)).max(1);
+    per * max_stored.next_multiple_of(ALIGN as u64).max(ALIGN as u64)
+}
+
+/// The stored bytes of `h`'s largest chunk.
+fn max_stored(h: &CodedHead) -> u64 {
+    h.chunks.iter().map(|c| c.stored).max().unwrap_or(0)
 }
 
 /// A coded lm_head to stream from: the stored file, the manifest's record of it, the codec.
@@ -257,7 +267,10 @@ impl Coded {
         let mut spans = match self.spans.take() {
             Some(s) => s,
             None => {
-                let cap = span_cap(&self.head, (step as u64) * self.head.row_bytes());
+                let h = &self.head;
+                let raw_chunk = h.chunk_rows * h.row_bytes();
+                let chunk = step as u64 * h.row_bytes();
+                let cap = span_bytes(max_stored(h), raw_chunk, chunk) as usize;
                 let a = OwnedArena::new(cap).and_then(|a| Ok([a, OwnedArena::new(cap)?]));
                 a.map_err(|e| io(std::io::Error::other(format!("lm_head spans: {e}"))))?
             }
