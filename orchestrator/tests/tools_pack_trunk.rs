@@ -525,6 +525,34 @@ fn the_lm_head_is_coded_added_and_verified() {
     );
 }
 
+/// `pack-trunk`'s test hook `K3_TEST_HEAD_CHUNK_BYTES` is refused up front (exit 2,
+/// naming it, nothing packed) unless `K3_TEST_HOOKS=1` arms it, and when armed with a value
+/// that is not a positive integer: as a run's hooks are (`check_test_hooks`). Catches the
+/// hook read on its own, silently ignored when unarmed or malformed.
+#[test]
+fn the_head_chunk_hook_is_refused_unless_armed_and_well_formed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixtures().join("tiny-mxfp4/sharded");
+    let t = tmp.path().join("t");
+    for (armed, value) in [(false, "2048"), (true, "0"), (true, "x")] {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"));
+        c.arg("pack-trunk")
+            .arg(&model)
+            .arg(&t)
+            .args(["--codec", "bf16-zstd"]);
+        c.env_remove("K3_TEST_HOOKS")
+            .env("K3_TEST_HEAD_CHUNK_BYTES", value);
+        if armed {
+            c.env("K3_TEST_HOOKS", "1");
+        }
+        let o = c.output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "armed {armed} {value:?}: {err}");
+        assert!(err.contains("K3_TEST_HEAD_CHUNK_BYTES"), "{err}");
+        assert!(!t.join("trunk.json").exists(), "packed despite the refusal");
+    }
+}
+
 /// An unknown codec is refused up front (exit 2) with the ones this build has.
 #[test]
 fn unknown_codec_is_refused() {

@@ -557,24 +557,35 @@ pub fn check_test_hooks() -> Result<(), GenError> {
         LM_HEAD_HELD_ENV,
         LOAD_DELAY_ENV,
     ] {
-        let Some(v) = std::env::var_os(name) else {
-            continue;
-        };
-        if !armed {
-            return Err(GenError::HookNotArmed(name));
-        }
-        let positive = v
-            .to_str()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .is_some_and(|n| n > 0);
-        if name != INJECT_ENV && name != INJECT_DRIVE_ENV && !positive {
-            return Err(GenError::BadHookValue {
-                name,
-                value: v.to_string_lossy().into_owned(),
-            });
+        if name == INJECT_ENV || name == INJECT_DRIVE_ENV {
+            if std::env::var_os(name).is_some() && !armed {
+                return Err(GenError::HookNotArmed(name));
+            }
+        } else {
+            numeric_hook(name)?;
         }
     }
     injected_failures().map(|_| ())
+}
+
+/// A numeric test hook's value: None when `name` is unset; refused (exit 2) when it is set
+/// without `K3_TEST_HOOKS=1` or is not a positive integer. [`check_test_hooks`] checks a
+/// run's hooks with it; a tool with a hook of its own (`pack-trunk`) reads it so.
+pub fn numeric_hook(name: &'static str) -> Result<Option<u64>, GenError> {
+    let Some(v) = std::env::var_os(name) else {
+        return Ok(None);
+    };
+    if std::env::var(TEST_HOOKS_ENV).as_deref() != Ok("1") {
+        return Err(GenError::HookNotArmed(name));
+    }
+    v.to_str()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .filter(|&n| n > 0)
+        .map(Some)
+        .ok_or_else(|| GenError::BadHookValue {
+            name,
+            value: v.to_string_lossy().into_owned(),
+        })
 }
 
 /// Routed experts whose reads fail on purpose (`K3_INJECT_EXPERT_FAILURES=layer:expert,...`,

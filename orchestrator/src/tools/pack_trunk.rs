@@ -313,6 +313,8 @@ fn run(a: &Args) -> Result<(), Fail> {
             ))
         })?),
     };
+    // A test hook set by mistake is refused before anything is packed.
+    let head_cap = coded::head_chunk_cap()?;
     let cat = Catalog::open(&a.model_dir).map_err(|e| {
         Fail::Refused(format!(
             "cannot catalog the checkpoint: {e} (run k3-orch verify)"
@@ -348,7 +350,7 @@ fn run(a: &Args) -> Result<(), Fail> {
                 match scan(dir, &m) {
                     // Coded before the lm_head was: only the lm_head is left to code.
                     Ok(()) if m.codec.as_ref().is_some_and(|c| c.head.is_none()) => {
-                        if coded::add_head(dir, &cat, &m, a.effort())? {
+                        if coded::add_head(dir, &cat, &m, a.effort(), head_cap)? {
                             println!("{}: added the coded lm_head", dir.display());
                         }
                         if a.verify {
@@ -375,7 +377,14 @@ fn run(a: &Args) -> Result<(), Fail> {
             // A complete raw trunk asked for coded: only the coding is left to do.
             Ok(m) if !a.force && same_layout(&m, &plan) && m.codec.is_none() => {
                 if let (Some(c), Ok(())) = (codec, crc_scan(dir, &m)) {
-                    coded::code(dir, &cat, c, a.effort(), a.stop_after_coded_layers)?;
+                    coded::code(
+                        dir,
+                        &cat,
+                        c,
+                        a.effort(),
+                        a.stop_after_coded_layers,
+                        head_cap,
+                    )?;
                     return if a.verify {
                         verify(dir, &cat, &plan)
                     } else {
@@ -411,7 +420,14 @@ fn run(a: &Args) -> Result<(), Fail> {
     remove_if_exists(&dir.join(CODED_BIN))?;
     remove_if_exists(&dir.join(k3_model::trunk::CODED_HEAD_BIN))?;
     if let Some(c) = codec {
-        coded::code(dir, &cat, c, a.effort(), a.stop_after_coded_layers)?;
+        coded::code(
+            dir,
+            &cat,
+            c,
+            a.effort(),
+            a.stop_after_coded_layers,
+            head_cap,
+        )?;
     }
     if a.verify {
         verify(dir, &cat, &plan)?;

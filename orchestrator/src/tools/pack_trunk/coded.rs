@@ -40,6 +40,8 @@ const PARTIAL: &str = "trunk.k3z.partial";
 const JOURNAL: &str = "trunk.k3z.partial.json";
 /// The coded lm_head while coding.
 const HEAD_PARTIAL: &str = "lm_head.k3z.partial";
+/// Test hook: the most bytes of a coded lm_head chunk ([`head_chunk_cap`]).
+const HEAD_CHUNK_ENV: &str = "K3_TEST_HEAD_CHUNK_BYTES";
 /// lm_head rows coded per batch (whole chunks of them): a bounded buffer at any vocabulary.
 const HEAD_BATCH_CHUNKS: u64 = 32;
 
@@ -90,6 +92,7 @@ pub(super) fn code(
     codec: Codec,
     effort: Effort,
     stop_after: Option<usize>,
+    head_cap: u64,
 ) -> Result<(), Fail> {
     let raw_json = fs::read(dir.join(TRUNK_JSON)).context("reading the raw trunk.json")?;
     let m = TrunkManifest::load_dir(dir).map_err(|e| Fail::Failed(anyhow!("{e}")))?;
@@ -184,7 +187,7 @@ pub(super) fn code(
         }
     }
     bar.finish_and_clear();
-    let head = code_head(dir, cat, codec, effort, m.align)?;
+    let head = code_head(dir, cat, codec, effort, m.align, head_cap)?;
     let stored_bytes = commit(dir, &m, codec, done, end, head)?;
     println!(
         "coded {} with {} ({effort}): {} stored for {} raw ({:.3}), in {:.1} s",
@@ -201,12 +204,14 @@ pub(super) fn code(
 /// Code the checkpoint's lm_head (a BF16 matrix) into `lm_head.k3z.partial` in chunks of
 /// whole rows, `HEAD_BATCH_CHUNKS` chunks read and coded at a time (on every core). None
 /// (nothing written) when the checkpoint has no lm_head of its own or it is not BF16.
+/// `head_cap`: the most bytes of a chunk ([`head_chunk_cap`]).
 fn code_head(
     dir: &Path,
     cat: &Catalog,
     codec: Codec,
     effort: Effort,
     align: u64,
+    head_cap: u64,
 ) -> Result<Option<CodedHead>, Fail> {
     let part = dir.join(HEAD_PARTIAL);
     remove_if_exists(&part)?;
@@ -226,7 +231,7 @@ fn code_head(
         }
     };
     let row = cols * 2;
-    let chunk_rows = head_chunk_rows(row, head_chunk_cap());
+    let chunk_rows = head_chunk_rows(row, head_cap);
     let shard = &cat.shards()[e.shard].path;
     let input = File::open(shard).with_context(|| format!("opening {}", shard.display()))?;
     let out = File::create(&part).with_context(|| format!("creating {}", part.display()))?;
@@ -277,15 +282,12 @@ fn code_head(
 }
 
 /// The most bytes of one coded lm_head chunk: `CODEC_CHUNK`, or fewer with the test hook
-/// `K3_TEST_HEAD_CHUNK_BYTES` (with `K3_TEST_HOOKS=1`), so the tiny model's head codes
-/// into several chunks.
-fn head_chunk_cap() -> u64 {
-    std::env::var("K3_TEST_HEAD_CHUNK_BYTES")
-        .ok()
-        .filter(|_| std::env::var("K3_TEST_HOOKS").as_deref() == Ok("1"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or(CODEC_CHUNK)
+/// `K3_TEST_HEAD_CHUNK_BYTES` (armed by `K3_TEST_HOOKS=1`, refused otherwise, as a run's
+/// hooks are), so the tiny model's head codes into several chunks.
+pub(super) fn head_chunk_cap() -> Result<u64, Fail> {
+    crate::run::launch::numeric_hook(HEAD_CHUNK_ENV)
+        .map(|n| n.unwrap_or(CODEC_CHUNK))
+        .map_err(|e| Fail::Refused(e.to_string()))
 }
 
 /// A complete coded trunk packed before the lm_head was coded: code the lm_head and commit
@@ -295,13 +297,14 @@ pub(super) fn add_head(
     cat: &Catalog,
     m: &TrunkManifest,
     effort: Effort,
+    head_cap: u64,
 ) -> Result<bool, Fail> {
     let Some(c) = &m.codec else { return Ok(false) };
     if c.head.is_some() {
         return Ok(false);
     }
     let codec = Codec::from_name(&c.name).ok_or_else(|| anyhow!("unknown codec {}", c.name))?;
-    let Some(head) = code_head(dir, cat, codec, effort, m.align)? else {
+    let Some(head) = code_head(dir, cat, codec, effort, m.align, head_cap)? else {
         return Ok(false);
     };
     let mut coded = m.clone();
