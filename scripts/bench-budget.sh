@@ -106,36 +106,28 @@ if [ -n "$EXPECT" ] && ! [[ "$EXPECT" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
     exit 2
 fi
 # The coded kinds of a rung: `coded` (the default placement), or one `coded-MODE` per
-# CODED_RESIDENT mode.
+# CODED_RESIDENT mode and one `head-MODE` per CODED_HEAD mode.
+# add_kinds VAR PREFIX WHAT: one kind PREFIX-MODE per mode in $VAR (raw, coded or auto).
+add_kinds() {
+    local var=$1 prefix=$2 what=$3 M MODES
+    if [ -z "$CODED_TRUNK" ]; then
+        echo "bench-budget: $var needs CODED_TRUNK (the coded trunk $what)" >&2
+        exit 2
+    fi
+    IFS=, read -ra MODES <<< "${!var}"
+    for M in "${MODES[@]}"; do
+        case "$M" in
+            raw|coded|auto) CODED_KINDS+=("$prefix-$M") ;;
+            *) echo "bench-budget: $var mode '$M' is not raw, coded or auto" >&2; exit 2 ;;
+        esac
+    done
+}
 CODED_KINDS=(coded)
-if [ -n "$CODED_RESIDENT" ]; then
-    if [ -z "$CODED_TRUNK" ]; then
-        echo "bench-budget: CODED_RESIDENT needs CODED_TRUNK (the coded trunk it places)" >&2
-        exit 2
-    fi
+if [ -n "$CODED_RESIDENT$CODED_HEAD" ]; then
     CODED_KINDS=()
-    IFS=, read -ra MODES <<< "$CODED_RESIDENT"
-    for M in "${MODES[@]}"; do
-        case "$M" in
-            raw|coded|auto) CODED_KINDS+=("coded-$M") ;;
-            *) echo "bench-budget: CODED_RESIDENT mode '$M' is not raw, coded or auto" >&2; exit 2 ;;
-        esac
-    done
 fi
-if [ -n "$CODED_HEAD" ]; then
-    if [ -z "$CODED_TRUNK" ]; then
-        echo "bench-budget: CODED_HEAD needs CODED_TRUNK (the coded trunk whose lm_head it reads)" >&2
-        exit 2
-    fi
-    [ -n "$CODED_RESIDENT" ] || CODED_KINDS=()
-    IFS=, read -ra MODES <<< "$CODED_HEAD"
-    for M in "${MODES[@]}"; do
-        case "$M" in
-            raw|coded|auto) CODED_KINDS+=("head-$M") ;;
-            *) echo "bench-budget: CODED_HEAD mode '$M' is not raw, coded or auto" >&2; exit 2 ;;
-        esac
-    done
-fi
+[ -z "$CODED_RESIDENT" ] || add_kinds CODED_RESIDENT coded "it places"
+[ -z "$CODED_HEAD" ] || add_kinds CODED_HEAD head "whose lm_head it reads"
 if [ -n "$RATE_MB" ] && ! [[ "$RATE_MB" =~ ^[1-9][0-9]*$ ]]; then
     echo "bench-budget: RATE_MB=$RATE_MB is not a positive whole number of MB/s" >&2
     exit 2
