@@ -1284,13 +1284,15 @@ fn head_coding(
     if a.lm_head_read == HeadRead::Raw {
         return Ok(None);
     }
-    let head = match &a.trunk {
-        Some(dir) => k3_model::trunk::TrunkManifest::load_dir(dir)?
+    // Decode terms exist only for a coded trunk: a raw one's manifest is not read again.
+    let head = match (&a.trunk, decode) {
+        (Some(dir), Some(d)) => k3_model::trunk::TrunkManifest::load_dir(dir)?
             .codec
-            .and_then(|c| c.head.map(|h| (h, dir))),
-        None => None,
+            .and_then(|c| c.head)
+            .map(|h| (h, d)),
+        _ => None,
     };
-    let (Some((h, _)), Some(d)) = (head, decode) else {
+    let Some((h, d)) = head else {
         return match a.lm_head_read {
             HeadRead::Coded => Err(BudgetError::NoCodedHead {
                 dir: a.trunk.clone(),
