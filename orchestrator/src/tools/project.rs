@@ -616,6 +616,7 @@ pub fn per_token(m: &ModelShape, c: &Choice, hit: f64) -> PerToken {
         (expert_macs, 0.0)
     };
     let expert_ram = routed * m.expert_bytes as f64;
+    let head_decode = head_decode(m, c);
     PerToken {
         trunk_disk_bytes: c.read_per_token as f64,
         expert_disk_bytes: routed * (1.0 - hit) * m.expert_bytes as f64,
@@ -624,8 +625,8 @@ pub fn per_token(m: &ModelShape, c: &Choice, hit: f64) -> PerToken {
         serial_ram_bytes: 0.0,
         bf16_macs: (m.trunk_macs + m.lm_head_macs) as f64 + bf16_experts,
         mxfp4_macs: mxfp4,
-        decode_bytes: (c.decode_per_token - head_decode(m, c)) as f64,
-        head_decode_bytes: head_decode(m, c) as f64,
+        decode_bytes: (c.decode_per_token - head_decode) as f64,
+        head_decode_bytes: head_decode as f64,
     }
 }
 

@@ -162,11 +162,6 @@ impl ModelStream {
         })
     }
 
-    /// Whether the streamed lm_head rows are read from a coded lm_head.
-    pub fn head_coded(&self) -> bool {
-        self.coded.borrow().is_some()
-    }
-
     /// What was read since the last call (and reset it).
     pub fn take_read(&self) -> HeadReads {
         self.read.replace(HeadReads::default())
