@@ -303,16 +303,22 @@ fn gb(b: u64) -> String {
     format!("{:.2} GB", b as f64 / 1e9)
 }
 
-fn run(a: &Args) -> Result<(), Fail> {
-    let codec = match a.codec.as_deref() {
-        None => None,
-        Some(n) => Some(Codec::from_name(n).ok_or_else(|| {
-            Fail::Refused(format!(
-                "--codec {n}: this build has {}",
-                Codec::NAMES.join(", ")
-            ))
-        })?),
+/// The `--codec` asked for (None: raw), or the refusal of one this build does not have.
+fn codec_arg(a: &Args) -> Result<Option<Codec>, Fail> {
+    let Some(n) = a.codec.as_deref() else {
+        return Ok(None);
     };
+    let c = Codec::from_name(n).ok_or_else(|| {
+        Fail::Refused(format!(
+            "--codec {n}: this build has {}",
+            Codec::NAMES.join(", ")
+        ))
+    })?;
+    Ok(Some(c))
+}
+
+fn run(a: &Args) -> Result<(), Fail> {
+    let codec = codec_arg(a)?;
     // A test hook set by mistake is refused before anything is packed.
     let head_cap = coded::head_chunk_cap()?;
     let cat = Catalog::open(&a.model_dir).map_err(|e| {
@@ -333,6 +339,24 @@ fn run(a: &Args) -> Result<(), Fail> {
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     // One packer per directory: a second one would cut the first one's files.
     let _lock = lock_dir(dir)?;
+    let code = |c| {
+        coded::code(
+            dir,
+            &cat,
+            c,
+            a.effort(),
+            a.stop_after_coded_layers,
+            head_cap,
+        )
+    };
+    // The end of a run that leaves the trunk as it is, or codes it: `--verify` checks it.
+    let finish = || {
+        if a.verify {
+            verify(dir, &cat, &plan)
+        } else {
+            Ok(())
+        }
+    };
 
     // Already complete for this checkpoint and plan?
     if dir.join(TRUNK_JSON).exists() {
@@ -353,10 +377,7 @@ fn run(a: &Args) -> Result<(), Fail> {
                         if coded::add_head(dir, &cat, &m, a.effort(), head_cap)? {
                             println!("{}: added the coded lm_head", dir.display());
                         }
-                        if a.verify {
-                            return verify(dir, &cat, &plan);
-                        }
-                        return Ok(());
+                        return finish();
                     }
                     Ok(()) => {
                         tracing::info!(
@@ -366,10 +387,7 @@ fn run(a: &Args) -> Result<(), Fail> {
                         m.layers.len(),
                         gb(m.total_bytes)
                     );
-                        if a.verify {
-                            return verify(dir, &cat, &plan);
-                        }
-                        return Ok(());
+                        return finish();
                     }
                     Err(e) => tracing::warn!("{e}; re-packing"),
                 }
@@ -377,19 +395,8 @@ fn run(a: &Args) -> Result<(), Fail> {
             // A complete raw trunk asked for coded: only the coding is left to do.
             Ok(m) if !a.force && same_layout(&m, &plan) && m.codec.is_none() => {
                 if let (Some(c), Ok(())) = (codec, crc_scan(dir, &m)) {
-                    coded::code(
-                        dir,
-                        &cat,
-                        c,
-                        a.effort(),
-                        a.stop_after_coded_layers,
-                        head_cap,
-                    )?;
-                    return if a.verify {
-                        verify(dir, &cat, &plan)
-                    } else {
-                        Ok(())
-                    };
+                    code(c)?;
+                    return finish();
                 }
             }
             // A complete coded trunk asked for raw (no --codec): coding it may have taken
@@ -420,19 +427,9 @@ fn run(a: &Args) -> Result<(), Fail> {
     remove_if_exists(&dir.join(CODED_BIN))?;
     remove_if_exists(&dir.join(k3_model::trunk::CODED_HEAD_BIN))?;
     if let Some(c) = codec {
-        coded::code(
-            dir,
-            &cat,
-            c,
-            a.effort(),
-            a.stop_after_coded_layers,
-            head_cap,
-        )?;
+        code(c)?;
     }
-    if a.verify {
-        verify(dir, &cat, &plan)?;
-    }
-    Ok(())
+    finish()
 }
 
 /// Take `DIR/.pack-trunk.lock` (flock, released when the returned file closes); refused
