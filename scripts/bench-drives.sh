@@ -15,6 +15,12 @@
 # A and B has B's table swapped for a dm `error` target FAIL_AFTER seconds into the run:
 # it must exit 4, naming the device.
 #
+# ROUNDS=N alternates the two layouts N times (one, two, one, two, ...) over the same packs.
+# After the runs, `k3-orch project` is asked for each layout, in the throttled cgroup (so
+# its drive probes read at the throttled rate, 3 s each) with the same --mem-gb, --experts
+# and the trunk as its probe file: its predicted decode s/token, the experts' part of it
+# and the busiest drive's share (`stripe_balance`) print beside the measured decode steps.
+#
 #   sudo scripts/bench-drives.sh
 #   sudo MODEL=tests/fixtures/tiny-mxfp4/sharded N=2 FAIL_RUN=1 FAIL_AFTER=0 \
 #        scripts/bench-drives.sh          # smoke test on the tiny model
@@ -46,6 +52,8 @@ RATE_MB=${RATE_MB:-400}
 WORK=${WORK:-/var/tmp/k3-bench-drives}
 FAIL_RUN=${FAIL_RUN:-0}
 FAIL_AFTER=${FAIL_AFTER:-10}
+ROUNDS=${ROUNDS:-1}
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench-drives.sh: ROUNDS=$ROUNDS is not a positive whole number" >&2; exit 2; }
 BLKIO=/sys/fs/cgroup/blkio
 CG=$BLKIO/k3-bench-drives-$$
 BIN=${K3:-target/release/k3-orch}
@@ -147,23 +155,40 @@ report() { # NAME
     + "(\(($t.disk_busy.busy_share * 100) | round)% of the step time, \($t.disk_busy.devices))" else "no disk watched" end)
     + ", experts read \($t.expert_read_bytes / 1e9 * 100 | round / 100) GB"' "$WORK/$1.json"
 }
-run one "$WORK/a/one"
-run two "$WORK/a/two,$WORK/b/two"
-echo "== results ($N tokens, --mem-gb $MEM_GB, $RATE_MB MB/s per device)"
-report one
-report two
-S1=$(jq .totals.s_per_token "$WORK/one.json")
-S2=$(jq .totals.s_per_token "$WORK/two.json")
+# Round r's runs are named one, two (round 1) and one-r, two-r.
+sfx() { if [ "$1" -gt 1 ]; then echo "-$1"; fi; }
+for r in $(seq 1 "$ROUNDS"); do
+  run "one$(sfx "$r")" "$WORK/a/one"
+  run "two$(sfx "$r")" "$WORK/a/two,$WORK/b/two"
+done
+echo "== results ($N tokens, --mem-gb $MEM_GB, $RATE_MB MB/s per device, $ROUNDS round(s))"
 decode() { jq '[.steps[1:][].seconds] | if length > 0 then add / length else 0 end' "$WORK/$1.json"; }
-D1=$(decode one)
-D2=$(decode two)
-echo "speedup two/one: $(echo "$S1 $S2" | awk '{ printf "%.2fx", $1 / $2 }') (whole run: the first step loads the pinned trunk and runs the prompt), decode steps $(echo "$D1 $D2" | awk '{ printf "%.2fx", ($2 > 0 ? $1 / $2 : 0) }')"
-if cmp -s "$WORK/one.ids" "$WORK/two.ids"; then
-  echo "ids: identical ($(tr '\n' ' ' < "$WORK/one.ids"))"
-else
-  echo "ids DIFFER:"; cat "$WORK/one.ids" "$WORK/two.ids"
-  exit 1
-fi
+for r in $(seq 1 "$ROUNDS"); do
+  o=one$(sfx "$r"); t=two$(sfx "$r")
+  report "$o"
+  report "$t"
+  S1=$(jq .totals.s_per_token "$WORK/$o.json")
+  S2=$(jq .totals.s_per_token "$WORK/$t.json")
+  D1=$(decode "$o")
+  D2=$(decode "$t")
+  echo "speedup two/one, round $r: $(echo "$S1 $S2" | awk '{ printf "%.2fx", $1 / $2 }') (whole run: the first step loads the pinned trunk and runs the prompt), decode steps $(echo "$D1 $D2" | awk '{ printf "%.2fx", ($2 > 0 ? $1 / $2 : 0) }')"
+  for x in "$o" "$t"; do
+    if ! cmp -s "$WORK/one.ids" "$WORK/$x.ids"; then
+      echo "ids DIFFER ($x against one):"; cat "$WORK/one.ids" "$WORK/$x.ids"
+      exit 1
+    fi
+  done
+done
+echo "ids: identical in every run ($(tr '\n' ' ' < "$WORK/one.ids"))"
+# project NAME DIRS: the projection for one layout, in the throttled cgroup.
+project() {
+  sh -c 'echo $$ > "$0/cgroup.procs"; shift; exec "$@"' "$CG" _ \
+    "$BIN" project "$MODEL" --ram-gb "$MEM_GB" --experts "$2" \
+    ${TRUNK:+--probe-file "$TRUNK/trunk.bin"} --seconds 3 --json | head -1 > "$WORK/$1.project.json"
+  jq -r --arg n "$1" --argjson d "$(decode "$1")" '"projected \($n): \(.s_per_token * 1000 | round / 1000) s/token against \($d * 1000 | round / 1000) measured (\(($d / .s_per_token) * 100 | round / 100)x); experts \(.expert_disk_s * 1000 | round / 1000) s of it, the busiest drive \(.stripe_balance * 100 | round / 100)x its share; floor \(.floor)"' "$WORK/$1.project.json"
+}
+project one "$WORK/a/one" || echo "projected one: project failed"
+project two "$WORK/a/two,$WORK/b/two" || echo "projected two: project failed"
 
 if [ "$FAIL_RUN" = 1 ]; then
   if [ "$USE_DM" != 1 ]; then

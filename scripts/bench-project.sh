@@ -18,10 +18,24 @@
 # model line shows the terms and how they combine, and its measured disk busy time per
 # decode token (`totals.disk_busy`) beside the predicted disk term.
 #
+# The resident rung runs with the slice in the page cache (its files are read once before
+# it, as a resident run on a machine with the RAM has them): a cold cache would make its
+# decode steps read the routed experts' first touches from the disk, which the projection
+# (rightly) does not count, and so do the staged run's first steps, whose expert-fetcher
+# reads each routed expert's first touch into its slots: the resident rung generates
+# RESIDENT_GEN tokens (default 32) and its measured s/token is the mean of the decode steps
+# that read nothing. The numeric rungs start from a cold page cache.
+#
+# RATE_MB=N throttles the numeric rungs' reads of the disk that holds TRUNK (and the
+# projection's drive probes, which then read 3 s each) to N MB/s with a cgroup v1
+# `blkio.throttle.read_bps_device`, as `bench-budget.sh` does: a drive of known speed
+# beside the same cores. A virtual disk backed by the host's page cache measures
+# differently from one probe to the next; a throttled one does not.
+#
 # Environment: K3 (default target/release/k3-orch), SLICE (default /work/bench/slice:
 # `k3-orch synth --shape slice --vocab 163840 --seed 7`), TRUNK (default
 # /work/bench/slice-trunk, else WORK_DIR/trunk, packed once), GEN (default 8), IDS
-# (default 1), PROJECT_FLAGS, THREADS. Any model directory works as SLICE (a tiny model
+# (default 1), RESIDENT_GEN (default 32), PROJECT_FLAGS, THREADS, RATE_MB. Any model directory works as SLICE (a tiny model
 # smokes the script's logic in seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,9 +43,15 @@ K3=${K3:-target/release/k3-orch}
 WORK=${1:-/tmp/k3-bench-project}
 LIMITS=${2:-resident,5.5,1.5}
 GEN=${GEN:-8}
+RESIDENT_GEN=${RESIDENT_GEN:-32}
 IDS=${IDS:-1}
 PROJECT_FLAGS=${PROJECT_FLAGS:-}
 THREADS=${THREADS:-}
+RATE_MB=${RATE_MB:-}
+if [ -n "$RATE_MB" ] && ! [[ "$RATE_MB" =~ ^[1-9][0-9]*$ ]]; then
+    echo "bench-project: RATE_MB=$RATE_MB is not a positive whole number of MB/s" >&2
+    exit 2
+fi
 
 if [ ! -x "$K3" ]; then
     echo "k3-orch not found at $K3 (build with: cargo build --release -p k3-orch)" >&2
@@ -58,6 +78,7 @@ echo "model: $SLICE  trunk: $TRUNK  ids: $IDS  gen: $GEN"
 TFLAGS=()
 PFLAGS=(--probe-file "$TRUNK/trunk.bin")
 if [ -n "$THREADS" ]; then TFLAGS=(--threads "$THREADS"); PFLAGS+=(--cores "$THREADS"); fi
+if [ -n "$RATE_MB" ]; then PFLAGS+=(--seconds 3); fi
 # shellcheck disable=SC2206
 PFLAGS+=($PROJECT_FLAGS)
 
@@ -79,6 +100,20 @@ make_cg() { # name bytes -> path
     echo "$d"
 }
 
+# RATE_MB: a blkio cgroup that throttles reads of the disk holding the trunk.
+BLK=
+if [ -n "$RATE_MB" ]; then
+    [ -d /sys/fs/cgroup/blkio ] || { echo "bench-project: RATE_MB needs the cgroup v1 blkio controller" >&2; exit 2; }
+    BLK=/sys/fs/cgroup/blkio/k3-bench-project-$$
+    mkdir -p "$BLK"
+    majmin=$(findmnt -n -o MAJ:MIN -T "$TRUNK" | tr -d ' ')
+    echo "$majmin $((RATE_MB * 1000 * 1000))" > "$BLK/blkio.throttle.read_bps_device"
+    trap 'rmdir "$BLK" 2>/dev/null || true' EXIT
+    echo "reads of $majmin throttled to $RATE_MB MB/s in the numeric rungs and their probes (blkio $BLK)"
+fi
+# Reads every file of the model directory once, so a resident run finds it in the page cache.
+warm() { find "$SLICE" -type f -exec cat {} + > /dev/null; }
+
 printf '%-9s %12s %12s %8s %-8s %12s %12s  %s\n' \
     limit measured predicted ratio floor "read/tok" "pred read" "ids"
 IFS=, read -ra LS <<< "$LIMITS"
@@ -92,14 +127,24 @@ for L in "${LS[@]}"; do
         RUN=("$K3" "$SLICE" --trunk "$TRUNK" --mem-gb "$L")
         PROJ=("$K3" project "$SLICE" --ram-gb "$L" --json "${PFLAGS[@]}")
     fi
+    # Throttled (RATE_MB) for a numeric rung, in its cgroup, from the shell that execs it.
+    THROTTLE=
+    if [ -n "$BLK" ] && [ "$L" != resident ]; then THROTTLE=$BLK/cgroup.procs; fi
     # The projection first (its probes read the drive and memory; nothing else runs).
-    "${PROJ[@]}" > "$WORK/project-$L.json" 2> "$WORK/project-$L.log" || true
-    sync; echo 3 > /proc/sys/vm/drop_caches
+    ( if [ -n "$THROTTLE" ]; then echo $BASHPID > "$THROTTLE"; fi
+      exec "${PROJ[@]}" ) > "$WORK/project-$L.json" 2> "$WORK/project-$L.log" || true
+    if [ "$L" = resident ]; then
+        warm
+    else
+        sync; echo 3 > /proc/sys/vm/drop_caches
+    fi
     OUT=$WORK/run-$L.json
     rm -f "$OUT"
     set +e
     ( echo $BASHPID > "$d/cgroup.procs" 2>/dev/null || echo $BASHPID > "$d/tasks"
-      exec "${RUN[@]}" --ids "$IDS" --gen "$GEN" --incremental --quiet "${TFLAGS[@]}" \
+      if [ -n "$THROTTLE" ]; then echo $BASHPID > "$THROTTLE"; fi
+      G=$GEN; if [ "$L" = resident ]; then G=$RESIDENT_GEN; fi
+      exec "${RUN[@]}" --ids "$IDS" --gen "$G" --incremental --quiet "${TFLAGS[@]}" \
           --out "$OUT" ) > "$WORK/run-$L.log" 2>&1
     rc=$?
     set -e
@@ -117,8 +162,15 @@ if not os.path.exists(run):
     sys.exit(0)
 r = json.load(open(run))
 steps = r["steps"][1:] or r["steps"]
-spt = sum(s["seconds"] for s in steps) / len(steps)
 bpt = sum(s["trunk_read_bytes"] + s["expert_read_bytes"] for s in steps) / len(steps)
+note = ""
+if name == "resident":
+    # The steady state the projection models: the decode steps that read nothing. The
+    # first steps read each routed expert's first touch into the fetcher's slots.
+    quiet = [s for s in steps if s["trunk_read_bytes"] + s["expert_read_bytes"] == 0]
+    note = f"  ({len(quiet)} of {len(steps)} decode steps read nothing: their mean)"
+    steps = quiet or steps
+spt = sum(s["seconds"] for s in steps) / len(steps)
 ids = ",".join(map(str, r["generated_ids"]))
 if not p or "refused" in p:
     why = p.get("refused") if p else f"no projection (see project-{name}.log)"
@@ -128,13 +180,13 @@ pred = p["s_per_token"]
 ratio = spt / pred if pred > 0 else float("inf")
 mark = "" if 0.87 <= ratio <= 1.15 else "  OUTSIDE 15%"
 print(f"{name:<9} {spt:>10.3f} s {pred:>10.3f} s {ratio:>8.2f} {p['floor']:<8} "
-      f"{bpt/1e9:>10.3f}GB {p['disk_bytes_per_token']/1e9:>10.3f}GB  {ids}{mark}")
+      f"{bpt/1e9:>10.3f}GB {p['disk_bytes_per_token']/1e9:>10.3f}GB  {ids}{mark}{note}")
 PY
 done
 for L in "${LS[@]}"; do
-    python3 - "$L" "$WORK/project-$L.json" "$WORK/run-$L.json" <<'PY' || true
+    python3 - "$L" "$WORK/project-$L.json" "$WORK/run-$L.json" "$RATE_MB" <<'PY' || true
 import json, sys
-name, proj, run = sys.argv[1:4]
+name, proj, run, rate = sys.argv[1:5]
 try:
     p = json.loads(open(proj).readline())
 except (OSError, ValueError):
@@ -147,7 +199,9 @@ try:
     busy = r["totals"]["disk_busy"]
     steps = max(busy["steps"], 1)
     print(f"disk    ({name}): busy {busy['busy_seconds'] / steps:.3f} s per decode token measured, "
-          f"{p.get('disk_s', 0):.3f} s predicted")
+          f"{p.get('disk_s', 0):.3f} s predicted"
+          + (f" (reads throttled to {rate} MB/s: the device is busy only while a read is"
+             " let through, so its busy time is not the drive's)" if rate and name != "resident" else ""))
 except (OSError, ValueError, KeyError, TypeError):
     pass
 PY

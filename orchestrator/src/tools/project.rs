@@ -18,9 +18,10 @@
 //!   [`REFERENCE`]'s speed, and the output says so; with `--experts DIR,..` (a pack striped
 //!   over several drives) each drive's `experts.bin` is measured as the fetcher reads it
 //!   and the experts are read at the drives' sum ([`with_expert_drives`], as `doctor`);
-//! - the memory with the engine's own GEMV over a bf16 and an MXFP4 matrix far larger than
-//!   the caches ([`measure_products`]): the bytes per second the products reach, which is
-//!   about half what a bare read probe gives on the machines measured so far;
+//! - the memory with the engine's own GEMV over a bf16 matrix far larger than the caches
+//!   and over 16 routed experts of the model's shape run side by side as a decode step runs
+//!   them ([`measure_products`], the median pass): the bytes per second the products reach,
+//!   which is about half what a bare read probe gives on the machines measured so far;
 //! - the MAC rate with the same GEMV on a cache-resident bf16 and MXFP4 matrix.
 //!
 //! The arithmetic ([`per_token`], [`Times`]): the run's own memory plan
@@ -244,6 +245,9 @@ pub struct ModelShape {
     /// One routed expert's file span (what a miss reads) and its multiply-adds.
     pub expert_bytes: u64,
     pub expert_macs: u64,
+    /// One routed expert's matrices: w1 and w3 are `.0 x .1` (moe_intermediate x latent),
+    /// w2 the other way round (what [`measure_products`] times them as).
+    pub expert_dims: (usize, usize),
     /// The memory plan's inputs (total 0) and the trunk's packed runs.
     pub spend: Spend,
     pub runs: Streams,
@@ -409,6 +413,7 @@ impl ModelShape {
             embed_row_bytes: t.embed_row_bytes,
             expert_bytes: t.expert_span,
             expert_macs: t.expert_macs_total / t.n_experts.max(1),
+            expert_dims: (cfg.moe_intermediate_size, cfg.routed_expert_hidden_size),
             spend,
             runs,
             codec_ratio: None,
@@ -598,6 +603,10 @@ pub struct PerToken {
     pub decode_bytes: f64,
     /// Bytes the coded lm_head decodes when it streams coded (on every core).
     pub head_decode_bytes: f64,
+    /// The experts one MoE layer misses (its top-k less the cache's hits) and the routed
+    /// experts a layer has: what [`stripe_balance`] needs (0 misses: not modelled).
+    pub layer_misses: f64,
+    pub layer_experts: u64,
 }
 
 impl PerToken {
@@ -627,7 +636,53 @@ pub fn per_token(m: &ModelShape, c: &Choice, hit: f64) -> PerToken {
         mxfp4_macs: mxfp4,
         decode_bytes: (c.decode_per_token - head_decode) as f64,
         head_decode_bytes: head_decode as f64,
+        layer_misses: m.top_k as f64 * (1.0 - hit),
+        layer_experts: m.experts_per_layer,
     }
+}
+
+/// How much longer one MoE layer's expert reads take over `drives` drives than if every
+/// drive read an equal share: the expected largest number of the layer's `misses` (rounded,
+/// at least 1) that fall on one drive, over `misses / drives`. `pack-experts` stripes a
+/// layer's `experts` round-robin (drive sizes differ by at most one), routing is taken as
+/// flat (every set of `misses` experts alike), and a layer's products wait for all of its
+/// reads, so the busiest drive sets the layer's read time. 1 for one drive, no misses or
+/// no experts. Exact: P(largest <= m) counts the sets with at most m on every drive (the
+/// coefficient of x^k in the product over drives of sum_{j<=m} C(n_d, j) x^j) over
+/// C(experts, k). The slice (64 experts, 16 misses, 2 drives): 9.36 / 8 = 1.17; the
+/// released model (896, 16) over 4 drives: 1.53 (1.19 over 2, 2.09 over 8).
+pub fn stripe_balance(experts: u64, misses: f64, drives: u32) -> f64 {
+    let d = drives.max(1) as usize;
+    let n = experts as usize;
+    if d == 1 || n == 0 || misses <= 0.0 {
+        return 1.0;
+    }
+    let k = (misses.round() as usize).clamp(1, n);
+    let sizes: Vec<usize> = (0..d).map(|i| n / d + usize::from(i < n % d)).collect();
+    let binom = |a: usize, b: usize| -> f64 {
+        if b > a {
+            return 0.0;
+        }
+        (0..b.min(a - b)).fold(1.0, |c, i| c * (a - i) as f64 / (i + 1) as f64)
+    };
+    let all = binom(n, k);
+    // E[largest] = sum over m of P(largest > m).
+    let mut expect = 0.0;
+    for m in 0..k {
+        let mut poly = vec![0.0f64; k + 1];
+        poly[0] = 1.0;
+        for &nd in &sizes {
+            let mut next = vec![0.0f64; k + 1];
+            for (i, &c) in poly.iter().enumerate().filter(|(_, c)| **c != 0.0) {
+                for j in 0..=m.min(nd).min(k - i) {
+                    next[i + j] += c * binom(nd, j);
+                }
+            }
+            poly = next;
+        }
+        expect += 1.0 - poly[k] / all;
+    }
+    expect / (k as f64 / d as f64)
 }
 
 /// Bytes the lm_head decodes per token under `c`: its streamed rows when read coded.
@@ -645,8 +700,11 @@ fn head_decode(m: &ModelShape, c: &Choice) -> u64 {
 pub struct Times {
     /// The disk's busy time: trunk and lm_head reads, and expert reads, over every drive.
     pub disk: f64,
-    /// Of it, the expert reads: asked for after the router, waited for by the products.
+    /// Of it, the expert reads: asked for after the router, waited for by the products; over
+    /// several drives, the busiest drive's share of each layer ([`stripe_balance`]).
     pub expert_disk: f64,
+    /// That busiest drive's reads over an equal share (1 on one drive).
+    pub balance: f64,
     /// The products streaming their weights from RAM at the rates k3's GEMV reaches.
     pub memory: f64,
     /// The multiply-adds at the cache-resident rate.
@@ -667,7 +725,8 @@ impl Times {
     pub fn of(t: &PerToken, m: &Machine) -> Times {
         let cores = m.cores.max(1) as f64;
         let drives = m.drives.max(1) as f64;
-        let expert_disk = t.expert_disk_bytes / (drives * m.drive_bps);
+        let balance = stripe_balance(t.layer_experts, t.layer_misses, m.drives);
+        let expert_disk = t.expert_disk_bytes * balance / (drives * m.drive_bps);
         let memory =
             (t.ram_bytes - t.ram_mxfp4_bytes) / m.mem_bps + t.ram_mxfp4_bytes / m.mxfp4_mem_bps;
         let compute = t.bf16_macs / (cores * m.bf16_macs_per_core)
@@ -680,6 +739,7 @@ impl Times {
         Times {
             disk: t.trunk_disk_bytes / (drives * m.trunk_drive_bps) + expert_disk,
             expert_disk,
+            balance,
             memory,
             compute,
             exposed: share * memory.max(compute),
@@ -932,6 +992,14 @@ pub fn detail(
         human(pt.disk_bytes() as u64),
         duration(t.disk)
     );
+    if t.balance > 1.0 {
+        o += &format!(
+            "  stripes  : a layer's {:.0} expert reads over {} drives: the busiest reads {:.2}x              an equal share (round-robin stripes, flat routing), counted in the experts' time\n",
+            pt.layer_misses.round().max(1.0),
+            machine.drives,
+            t.balance
+        );
+    }
     o += &format!(
         "  memory   : {} of weights read from RAM ({} MXFP4) at {:.1} / {:.1} GB/s = {}\n",
         human(pt.ram_bytes as u64),
@@ -1280,6 +1348,7 @@ fn json_rows(
                     "ram_bytes_per_token": p.per_token.ram_bytes,
                     "disk_s": p.times.disk,
                     "expert_disk_s": p.times.expert_disk,
+                    "stripe_balance": p.times.balance,
                     "memory_s": p.times.memory,
                     "compute_s": p.times.compute,
                     "exposed_s": p.times.exposed,
@@ -1348,7 +1417,9 @@ fn report(
     }
     if machines.iter().any(|m| m.drives > 1) {
         o += "note    : more than one drive assumes the experts striped over them (pack-experts \
-              --to DIR,.. and a run's --experts DIR,..), read at their summed bandwidth\n";
+              --to DIR,.. and a run's --experts DIR,..), read at their summed bandwidth; a \
+              layer's reads take as long as its busiest drive's (flat routing: at top-16, 1.19x \
+              an equal share over 2 drives of 896 experts, 1.53x over 4)\n";
     }
     o
 }
@@ -1465,11 +1536,14 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
     let (mem_bps, mxfp4_mem_bps, mem_source) = match f.mem_gbps {
         Some(g) => (g * GB, g * GB, "given".to_string()),
         None => {
-            let (b, x) = measure_products(here);
+            let (b, x) = measure_products(here, shape.expert_dims);
             (
                 b,
                 x,
-                format!("measured: k3's GEMV over weights larger than the caches, {here} threads"),
+                format!(
+                    "measured: k3's GEMV over weights larger than the caches, the experts at \
+                     their shape side by side, {here} threads"
+                ),
             )
         }
     };
@@ -1529,42 +1603,110 @@ pub fn measure_drives(
     Ok((e, t))
 }
 
-/// Bytes per second k3's products stream bf16 and MXFP4 weights from RAM: the engine's
-/// GEMV on `threads` threads over a 224 MiB bf16 matrix and a 112 MiB MXFP4 one (16,384
-/// and 32,768 rows of the released model's 7,168 columns: far larger than any cache), the
-/// fastest pass of about 0.3 s of them each, after one that warms up. What the products
-/// reach, not what a bare read reaches (issue 35: decode reached about half the read
-/// probe).
-pub fn measure_products(threads: usize) -> (f64, f64) {
+/// Bytes per second k3's products stream bf16 and MXFP4 weights from RAM, each the median
+/// pass of about 0.5 s of passes, after one that warms up. What the products reach, not
+/// what a bare read reaches (issue 35: decode reached about half the read probe):
+/// - bf16: the engine's GEMV on `threads` threads over a 224 MiB matrix (16,384 rows of
+///   the released model's 7,168 columns: far larger than any cache), as the trunk's and the
+///   lm_head's products run;
+/// - MXFP4: 16 routed experts of `expert` (w1 and w3 `expert.0 x expert.1`, w2 the
+///   other way round; 280 MB at the released shape), side by side as a decode step runs
+///   its experts (`modules::moe`: one expert's three products on one thread, the threads
+///   taking the next expert as they finish).
+///
+/// The median, not the fastest pass: a decode step streams its weights at the rate the
+/// memory keeps up, which on a shared host ran 5-10% below the fastest of 30-40 passes.
+/// The expert-shaped MXFP4 probe: rows of 1.8 KB (3,584 columns) ran at 0.6-0.7 of the
+/// rate of one 32,768 x 7,168 matrix on both threads (docs/measurements.md, "The
+/// projection calibrated").
+pub fn measure_products(threads: usize, expert: (usize, usize)) -> (f64, f64) {
     use k3_layer_compute::kernels::matmul::{gemv, Mat};
     let cols = 7168usize;
-    let rate = |m: &Mat<'_>, bytes: usize| {
-        let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 * 0.125).collect();
-        let mut y = vec![0f32; m.rows];
-        gemv(m, &x, &mut y, threads);
-        let t0 = std::time::Instant::now();
-        let mut best = f64::MAX;
-        while t0.elapsed().as_secs_f64() < 0.3 {
-            let t = std::time::Instant::now();
-            gemv(m, &x, &mut y, threads);
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        bytes as f64 / best.max(1e-9)
-    };
+    let x: Vec<f32> = (0..cols.max(expert.0).max(expert.1))
+        .map(|i| (i % 7) as f32 * 0.125)
+        .collect();
     let rows = 16_384usize;
     let bf16: Vec<u8> = (0..rows * cols * 2)
         .map(|i| if i % 2 == 1 { 0x3f } else { (i % 251) as u8 })
         .collect();
-    let b = Mat::bf16(&bf16, rows, cols).map(|m| rate(&m, bf16.len()));
+    let b = Mat::bf16(&bf16, rows, cols).map(|m| {
+        let mut y = vec![0f32; m.rows];
+        median_rate(bf16.len(), &mut || gemv(&m, &x[..cols], &mut y, threads))
+    });
     drop(bf16);
-    let rows = 32_768usize;
-    let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i % 255) as u8).collect();
-    let scales: Vec<u8> = vec![127; rows * cols / 32];
-    let q = Mat::mxfp4(&packed, &scales, rows, cols).map(|m| rate(&m, packed.len() + scales.len()));
+    let q = measure_experts(threads, expert, &x);
     (
         b.unwrap_or(REFERENCE.mem_bps),
         q.unwrap_or(REFERENCE.mxfp4_mem_bps),
     )
+}
+
+/// `bytes` over the median time of `pass`, run for about 0.5 s after one warm-up pass.
+fn median_rate(bytes: usize, pass: &mut dyn FnMut()) -> f64 {
+    pass();
+    let t0 = std::time::Instant::now();
+    let mut passes = Vec::new();
+    while t0.elapsed().as_secs_f64() < 0.5 {
+        let t = std::time::Instant::now();
+        pass();
+        passes.push(t.elapsed().as_secs_f64());
+    }
+    passes.sort_by(f64::total_cmp);
+    bytes as f64 / passes[passes.len() / 2].max(1e-9)
+}
+
+/// [`measure_products`]' MXFP4 part: 16 routed experts of `(f, lat)`, their products side
+/// by side on `threads` threads; None when that is not a shape MXFP4 can hold.
+fn measure_experts(threads: usize, (f, lat): (usize, usize), x: &[f32]) -> Option<f64> {
+    use k3_layer_compute::kernels::matmul::{gemv, Mat};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const EXPERTS: usize = 16;
+    // One matrix's packed codes and scales (32 values a scale byte), distinct per seed.
+    let matrix = |rows: usize, cols: usize, seed: usize| {
+        let packed: Vec<u8> = (0..rows * cols / 2)
+            .map(|i| ((i + seed) % 255) as u8)
+            .collect();
+        (packed, vec![127u8; rows * cols / 32], rows, cols)
+    };
+    let experts: Vec<[_; 3]> = (0..EXPERTS)
+        .map(|e| {
+            [
+                matrix(f, lat, 3 * e),
+                matrix(lat, f, 3 * e + 1),
+                matrix(f, lat, 3 * e + 2),
+            ]
+        })
+        .collect();
+    let mats: Vec<[Mat<'_>; 3]> = experts
+        .iter()
+        .map(|ms| {
+            let [a, b, c] = ms
+                .each_ref()
+                .map(|(p, s, r, c)| Mat::mxfp4(p, s, *r, *c).ok());
+            Some([a?, b?, c?])
+        })
+        .collect::<Option<_>>()?;
+    let bytes: usize = experts
+        .iter()
+        .flatten()
+        .map(|(p, s, _, _)| p.len() + s.len())
+        .sum();
+    let next = AtomicUsize::new(0);
+    Some(median_rate(bytes, &mut || {
+        next.store(0, Ordering::Relaxed);
+        std::thread::scope(|sc| {
+            for _ in 0..threads.max(1) {
+                sc.spawn(|| {
+                    let mut y = vec![0f32; f.max(lat)];
+                    while let Some(ms) = mats.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        for m in ms {
+                            gemv(m, &x[..m.cols], &mut y[..m.rows], 1);
+                        }
+                    }
+                });
+            }
+        });
+    }))
 }
 
 /// Bytes per second of BF16 one core decodes from a coded trunk: two chunks of Gaussian
@@ -1667,6 +1809,8 @@ mod tests {
             mxfp4_macs: 80e9,
             decode_bytes: 0.0,
             head_decode_bytes: 0.0,
+            layer_misses: 0.0,
+            layer_experts: 0,
         }
     }
 
@@ -1744,6 +1888,41 @@ mod tests {
         assert!(p.times.s_per_token() >= p.times.disk + p.times.exposed);
         let q = project(&m, (128.0 * GB) as u64, &mach).unwrap();
         assert_eq!((q.per_token.serial_ram_bytes, q.times.exposed), (0.0, 0.0));
+    }
+
+    /// A layer's misses over round-robin drives: the expected busiest drive over an equal
+    /// share. The oracle for two drives is the hypergeometric sum written out (k of one
+    /// drive's 32 among 64, the other drive 16 - k), not the product of per-drive
+    /// polynomials the function computes. Catches the mean share taken for the busiest
+    /// (1.0), drive sizes that drop a remainder, and more drives splitting a single read.
+    #[test]
+    fn the_busiest_drive_sets_a_layers_reads() {
+        let c = |a: u64, b: u64| (0..b).fold(1.0, |x, i| x * (a - i) as f64 / (i + 1) as f64);
+        let largest: f64 = (0..=16u64)
+            .map(|k| k.max(16 - k) as f64 * c(32, k) * c(32, 16 - k))
+            .sum::<f64>()
+            / c(64, 16);
+        assert!((largest - 9.3588).abs() < 1e-3, "{largest}");
+        let b = stripe_balance(64, 16.0, 2);
+        assert!((b - largest / 8.0).abs() < 1e-9, "{b}");
+        assert_eq!(stripe_balance(64, 16.0, 1), 1.0);
+        assert_eq!(stripe_balance(896, 0.0, 4), 1.0);
+        // One read a layer: more drives do not split it.
+        assert!((stripe_balance(896, 1.0, 4) - 4.0).abs() < 1e-12);
+        // Every expert read: 65 over two drives are 33 and 32, the busiest reads 33.
+        assert!((stripe_balance(65, 65.0, 2) - 33.0 / 32.5).abs() < 1e-12);
+        // The released model over 4 drives: a simulation of 200,000 layers gave 1.53.
+        let r = stripe_balance(896, 16.0, 4);
+        assert!((1.50..1.56).contains(&r), "{r}");
+        // Times: the experts' reads over the test machine's 2 drives take the busiest's.
+        let t = PerToken {
+            layer_misses: 16.0,
+            layer_experts: 64,
+            ..token_terms()
+        };
+        let x = Times::of(&t, &machine());
+        assert!((x.expert_disk - 4.0 * b).abs() < 1e-9, "{x:?}");
+        assert_eq!(x.balance, b);
     }
 
     /// Flat routing: the cache serves slots / experts of the requests, never more than all.
