@@ -208,8 +208,11 @@ trait Fmt: Copy {
     }
     /// The bytes of rows `r0..r1` (see [`Format::spans`]).
     fn spans(&self, r0: usize, r1: usize) -> [(*const u8, usize); 2];
-    /// Software prefetch distance in bytes ahead of the group being decoded.
+    /// Software prefetch distance in bytes ahead of the group being decoded, in the
+    /// few-token paths.
     const PF: usize;
+    /// The same in the one-token path.
+    const PF1: usize;
     /// Whether the one-token loop's prefetch asks for L1 (`T0`) rather than L2 (`T1`).
     const PF_L1: bool;
     /// Groups per 64-byte line of a row's weights (at least 1): the one-token path
@@ -230,6 +233,8 @@ trait Fmt: Copy {
 struct Tune {
     /// [`Fmt::PF`].
     pf: usize,
+    /// [`Fmt::PF1`].
+    pf1: usize,
     /// [`Fmt::PF_L1`].
     pf_l1: bool,
     /// [`Fmt::ROWS1`].
@@ -240,8 +245,12 @@ struct Tune {
     small: usize,
 }
 
-/// [`Tune`] by [`format::FormatKind`]. One-token prefetch: BF16 and F32 1 KiB ahead into
-/// L1, MXFP4 512 B ahead into L2 (its decode, not memory, bounds it). A few tokens:
+/// [`Tune`] by [`format::FormatKind`]. One-token prefetch: 256 B ahead, BF16 and F32 into
+/// L1, MXFP4 into L2 (its decode, not memory, bounds it): on a Zen 5 VM whose memory
+/// gave the kernels 28-32 GB/s, 1 KiB (BF16) and 512 B (MXFP4) ahead, the earlier
+/// defaults, kept up to 64 lines per thread in flight and decoded 12% slower than 256 B
+/// (alternated, docs/measurements.md, "The one-token prefetch distance"). A few tokens
+/// prefetch 1 KiB (BF16, F32) or 512 B (MXFP4) ahead. A few tokens:
 /// BF16 and F32 take two tokens in [`rows_few`] and up to [`SMALL`] in [`rows_small`]
 /// (on Zen 5, one thread, weights in cache, 4 rows × 2 tokens in registers read 40 to 60%
 /// faster at 2 to 4 tokens than staging, 5 to 10% at 5 to 8); MXFP4 takes up to 4 tokens
@@ -252,6 +261,7 @@ struct Tune {
 const TUNE: [Tune; 3] = [
     Tune {
         pf: 1024,
+        pf1: 256,
         pf_l1: true,
         rows1: R1,
         few: 2,
@@ -259,6 +269,7 @@ const TUNE: [Tune; 3] = [
     },
     Tune {
         pf: 1024,
+        pf1: 256,
         pf_l1: true,
         rows1: R1,
         few: 2,
@@ -266,6 +277,7 @@ const TUNE: [Tune; 3] = [
     },
     Tune {
         pf: 512,
+        pf1: 256,
         pf_l1: false,
         rows1: R1_MXFP4,
         few: FEW,
@@ -276,6 +288,7 @@ const TUNE: [Tune; 3] = [
 impl<F: Format> Fmt for F {
     const KIND: FormatKind = <F as Format>::KIND;
     const PF: usize = TUNE[F::KIND as usize].pf;
+    const PF1: usize = TUNE[F::KIND as usize].pf1;
     const PF_L1: bool = TUNE[F::KIND as usize].pf_l1;
     /// One 64-byte line holds 64 / (group bytes) groups (MXFP4: 4), at least one.
     const U: usize = {
@@ -1059,7 +1072,7 @@ impl Driver for Avx512 {
         unsafe {
             if ntok == 1 {
                 let rows = tuning.decode_rows.unwrap_or(<F as Fmt>::ROWS1);
-                let pf = tuning.decode_prefetch.unwrap_or(<F as Fmt>::PF);
+                let pf = tuning.decode_prefetch.unwrap_or(<F as Fmt>::PF1);
                 // The distance is a compile-time constant of the kernel: the nearest of
                 // these.
                 let rs = (r0, r1);
