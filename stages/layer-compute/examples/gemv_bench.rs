@@ -228,7 +228,7 @@ fn main() {
     let tunings: Vec<(Option<u8>, Option<u32>)> = if sweep {
         [2u8, 4, 6, 8]
             .iter()
-            .flat_map(|&r| [0u32, 512, 1024, 2048, 4096].map(|p| (Some(r), Some(p))))
+            .flat_map(|&r| [0u32, 256, 512, 1024, 2048, 4096].map(|p| (Some(r), Some(p))))
             .collect()
     } else {
         vec![(base.decode_rows, base.decode_prefetch)]
