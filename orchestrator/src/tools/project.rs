@@ -994,7 +994,8 @@ pub fn detail(
     );
     if t.balance > 1.0 {
         o += &format!(
-            "  stripes  : a layer's {:.0} expert reads over {} drives: the busiest reads {:.2}x              an equal share (round-robin stripes, flat routing), counted in the experts' time\n",
+            "  stripes  : a layer's {:.0} expert reads over {} drives: the busiest reads {:.2}x \
+             an equal share (round-robin stripes, flat routing), counted in the experts' time\n",
             pt.layer_misses.round().max(1.0),
             machine.drives,
             t.balance
@@ -1418,8 +1419,22 @@ fn report(
     if machines.iter().any(|m| m.drives > 1) {
         o += "note    : more than one drive assumes the experts striped over them (pack-experts \
               --to DIR,.. and a run's --experts DIR,..), read at their summed bandwidth; a \
-              layer's reads take as long as its busiest drive's (flat routing: at top-16, 1.19x \
-              an equal share over 2 drives of 896 experts, 1.53x over 4)\n";
+              layer's reads take as long as its busiest drive's (flat routing, every expert \
+              of a layer's top-";
+        o += &format!("{} missed: ", shape.top_k);
+        let counts: std::collections::BTreeSet<u32> = machines
+            .iter()
+            .map(|m| m.drives)
+            .filter(|&d| d > 1)
+            .collect();
+        let shares: Vec<String> = counts
+            .iter()
+            .map(|&d| {
+                let b = stripe_balance(shape.experts_per_layer, shape.top_k as f64, d);
+                format!("{b:.2}x an equal share over {d} drives")
+            })
+            .collect();
+        o += &format!("{})\n", shares.join(", "));
     }
     o
 }
@@ -1923,6 +1938,60 @@ mod tests {
         let x = Times::of(&t, &machine());
         assert!((x.expert_disk - 4.0 * b).abs() < 1e-9, "{x:?}");
         assert_eq!(x.balance, b);
+    }
+
+    /// The text output names the busiest drive's share, from the model's own geometry: the
+    /// detail's `stripes` line for one row, the note for a table. Catches a share written
+    /// as a literal (the released model's 1.19x where 64 experts a layer give 1.17x) and a
+    /// line continuation dropped from the message (a run of spaces inside the sentence).
+    #[test]
+    fn the_text_names_the_busiest_drives_share() {
+        let released = ModelShape::released();
+        let one = report(
+            &released,
+            &[(128.0 * GB) as u64],
+            &[2],
+            &Machine::reference(1),
+            256,
+            &Hits::Flat,
+        );
+        assert!(
+            one.contains("the busiest reads 1.19x an equal share (round-robin stripes"),
+            "{one}"
+        );
+        let mut slice_like = ModelShape::released();
+        slice_like.experts_per_layer = 64;
+        let budgets = [(128.0 * GB) as u64, (256.0 * GB) as u64];
+        let table = report(
+            &slice_like,
+            &budgets,
+            &[1, 2, 4, 2],
+            &Machine::reference(1),
+            256,
+            &Hits::Flat,
+        );
+        let note = table
+            .lines()
+            .find(|l| l.starts_with("note"))
+            .unwrap_or_default();
+        assert!(
+            note.ends_with(
+                "(flat routing, every expert of a layer's top-16 missed: 1.17x an equal share \
+                 over 2 drives, 1.46x an equal share over 4 drives)"
+            ),
+            "{note}"
+        );
+        // The lines' text after their aligned labels has no run of spaces.
+        let stripes = one
+            .lines()
+            .find(|l| l.starts_with("  stripes  : "))
+            .unwrap_or_default();
+        for line in [
+            note.strip_prefix("note    : ").unwrap_or_default(),
+            stripes.strip_prefix("  stripes  : ").unwrap_or_default(),
+        ] {
+            assert!(!line.is_empty() && !line.contains("  "), "{line}");
+        }
     }
 
     /// Flat routing: the cache serves slots / experts of the requests, never more than all.
