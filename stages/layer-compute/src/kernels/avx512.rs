@@ -249,11 +249,11 @@ struct Tune {
 /// L1, MXFP4 into L2 (its decode, not memory, bounds it): on a Zen 5 VM whose memory
 /// gave the kernels 28-32 GB/s, 1 KiB (BF16) and 512 B (MXFP4) ahead, the earlier
 /// defaults, kept up to 64 lines per thread in flight and decoded 12% slower than 256 B
-/// (alternated, docs/measurements.md, "The one-token prefetch distance"). A few tokens
-/// prefetch 1 KiB (BF16, F32) or 512 B (MXFP4) ahead. A few tokens:
-/// BF16 and F32 take two tokens in [`rows_few`] and up to [`SMALL`] in [`rows_small`]
-/// (on Zen 5, one thread, weights in cache, 4 rows × 2 tokens in registers read 40 to 60%
-/// faster at 2 to 4 tokens than staging, 5 to 10% at 5 to 8); MXFP4 takes up to 4 tokens
+/// (alternated, docs/measurements.md, "The one-token prefetch distance"). The few-token
+/// paths prefetch 1 KiB (BF16, F32) or 512 B (MXFP4) ahead. A few tokens: BF16 and F32
+/// take two tokens in [`rows_few`] and up to [`SMALL`] in [`rows_small`] (on Zen 5, one
+/// thread, weights in cache, 4 rows × 2 tokens in registers read 40 to 60% faster at 2
+/// to 4 tokens than staging, 5 to 10% at 5 to 8); MXFP4 takes up to 4 tokens
 /// in [`rows_few`] and stages from 5 on (its decode is dear: staging decodes a group once
 /// for all the tokens, and ran 10 to 30% faster than [`rows_small`] there).
 /// Measurements: docs/measurements.md, "Kernel notes moved out of the code", and the
