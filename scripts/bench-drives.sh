@@ -15,7 +15,10 @@
 # A and B has B's table swapped for a dm `error` target FAIL_AFTER seconds into the run:
 # it must exit 4, naming the device.
 #
-# ROUNDS=N alternates the two layouts N times (one, two, one, two, ...) over the same packs.
+# MIRROR=1 adds a third layout, "mirror": every expert on both devices (`pack-experts
+# --copies 2`), each read from the device with fewer of the layer's reads.
+#
+# ROUNDS=N alternates the layouts N times (one, two[, mirror], one, ...) over the same packs.
 # After the runs, `k3-orch project` is asked for each layout, in the throttled cgroup (so
 # its drive probes read at the throttled rate, 3 s each) with the same --mem-gb, --experts
 # and the trunk as its probe file: its predicted decode s/token, the experts' part of it
@@ -32,8 +35,9 @@
 # on the unthrottled disk, given as --trunk: a 5.5 GB run of the slice needs one), RATE_MB (per device, default
 # 400), EXTRA (more flags for every run, split on spaces: e.g. EXTRA="--cache-gb 0.8424"
 # for a 48-slot arena), WORK (backing files and mounts, default /var/tmp/k3-bench-drives: needs about 2x
-# the model's size, sparse; NAME.json reports and NAME.ids stay there), FAIL_RUN (0), FAIL_AFTER (seconds, default 10; 0 swaps before
-# the run starts). Needs root, loop devices, mkfs.ext4, jq, and the cgroup v1 blkio
+# the model's size, sparse, 3x with MIRROR=1; NAME.json reports and NAME.ids stay there),
+# MIRROR (0), FAIL_RUN (0), FAIL_AFTER (seconds, default 10; 0 swaps before the run
+# starts). Needs root, loop devices, mkfs.ext4, jq, and the cgroup v1 blkio
 # controller. Only meaningful on a quiet machine: `uptime` is printed at start and end.
 # Everything it sets up is torn down on exit (trap), also after a failure.
 set -euo pipefail
@@ -53,6 +57,9 @@ WORK=${WORK:-/var/tmp/k3-bench-drives}
 FAIL_RUN=${FAIL_RUN:-0}
 FAIL_AFTER=${FAIL_AFTER:-10}
 ROUNDS=${ROUNDS:-1}
+MIRROR=${MIRROR:-0}
+LAYOUTS=(one two)
+[ "$MIRROR" = 1 ] && LAYOUTS+=(mirror)
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench-drives.sh: ROUNDS=$ROUNDS is not a positive whole number" >&2; exit 2; }
 BLKIO=/sys/fs/cgroup/blkio
 CG=$BLKIO/k3-bench-drives-$$
@@ -121,11 +128,12 @@ make_dev() {
   MOUNTS+=("$WORK/$name")
   DEV=$dev
 }
-# Device A holds the one-drive pack and half of the two-drive pack; B the other half.
+# Device A holds the one-drive pack and half of the two-drive pack; B the other half; with
+# MIRROR=1 each also holds a whole copy.
 SLACK=$((512 << 20))
-make_dev a $((MODEL_BYTES * 3 / 2 + SLACK))
+make_dev a $((MODEL_BYTES * (3 + 2 * MIRROR) / 2 + SLACK))
 DEV_A=$DEV
-make_dev b $((MODEL_BYTES / 2 + SLACK))
+make_dev b $((MODEL_BYTES * (1 + 2 * MIRROR) / 2 + SLACK))
 DEV_B=$DEV
 
 mkdir "$CG"
@@ -139,6 +147,17 @@ echo "== devices: A=$DEV_A B=$DEV_B, each throttled to $RATE_MB MB/s (cgroup $CG
 mkdir -p "$WORK/a/one" "$WORK/a/two" "$WORK/b/two"
 "$BIN" pack-experts "$MODEL" --to "$WORK/a/one"
 "$BIN" pack-experts "$MODEL" --to "$WORK/a/two" "$WORK/b/two"
+if [ "$MIRROR" = 1 ]; then
+  mkdir -p "$WORK/a/mirror" "$WORK/b/mirror"
+  "$BIN" pack-experts "$MODEL" --copies 2 --to "$WORK/a/mirror" "$WORK/b/mirror"
+fi
+# dirs LAYOUT: its --experts directories.
+dirs() {
+  case $1 in
+    one) echo "$WORK/a/one" ;;
+    *) echo "$WORK/a/$1,$WORK/b/$1" ;;
+  esac
+}
 
 # run NAME DIRS: one throttled run (in $CG) over the pack in DIRS; its ids go to NAME.ids.
 run() {
@@ -155,24 +174,27 @@ report() { # NAME
     + "(\(($t.disk_busy.busy_share * 100) | round)% of the step time, \($t.disk_busy.devices))" else "no disk watched" end)
     + ", experts read \($t.expert_read_bytes / 1e9 * 100 | round / 100) GB"' "$WORK/$1.json"
 }
-# Round r's runs are named one, two (round 1) and one-r, two-r.
+# Round r's runs are named one, two, mirror (round 1) and one-r, two-r, mirror-r.
 sfx() { if [ "$1" -gt 1 ]; then echo "-$1"; fi; }
 for r in $(seq 1 "$ROUNDS"); do
-  run "one$(sfx "$r")" "$WORK/a/one"
-  run "two$(sfx "$r")" "$WORK/a/two,$WORK/b/two"
+  for l in "${LAYOUTS[@]}"; do run "$l$(sfx "$r")" "$(dirs "$l")"; done
 done
 echo "== results ($N tokens, --mem-gb $MEM_GB, $RATE_MB MB/s per device, $ROUNDS round(s))"
 decode() { jq '[.steps[1:][].seconds] | if length > 0 then add / length else 0 end' "$WORK/$1.json"; }
 for r in $(seq 1 "$ROUNDS"); do
-  o=one$(sfx "$r"); t=two$(sfx "$r")
+  o=one$(sfx "$r")
   report "$o"
-  report "$t"
   S1=$(jq .totals.s_per_token "$WORK/$o.json")
-  S2=$(jq .totals.s_per_token "$WORK/$t.json")
   D1=$(decode "$o")
-  D2=$(decode "$t")
-  echo "speedup two/one, round $r: $(echo "$S1 $S2" | awk '{ printf "%.2fx", $1 / $2 }') (whole run: the first step loads the pinned trunk and runs the prompt), decode steps $(echo "$D1 $D2" | awk '{ printf "%.2fx", ($2 > 0 ? $1 / $2 : 0) }')"
-  for x in "$o" "$t"; do
+  for l in "${LAYOUTS[@]:1}"; do
+    t=$l$(sfx "$r")
+    report "$t"
+    S2=$(jq .totals.s_per_token "$WORK/$t.json")
+    D2=$(decode "$t")
+    echo "speedup $l/one, round $r: $(echo "$S1 $S2" | awk '{ printf "%.2fx", $1 / $2 }') (whole run: the first step loads the pinned trunk and runs the prompt), decode steps $(echo "$D1 $D2" | awk '{ printf "%.2fx", ($2 > 0 ? $1 / $2 : 0) }')"
+  done
+  for l in "${LAYOUTS[@]}"; do
+    x=$l$(sfx "$r")
     if ! cmp -s "$WORK/one.ids" "$WORK/$x.ids"; then
       echo "ids DIFFER ($x against one):"; cat "$WORK/one.ids" "$WORK/$x.ids"
       exit 1
@@ -187,8 +209,9 @@ project() {
     ${TRUNK:+--probe-file "$TRUNK/trunk.bin"} --seconds 3 --json | head -1 > "$WORK/$1.project.json"
   jq -r --arg n "$1" --argjson d "$(decode "$1")" '"projected \($n): \(.s_per_token * 1000 | round / 1000) s/token against \($d * 1000 | round / 1000) measured (\(($d / .s_per_token) * 100 | round / 100)x); experts \(.expert_disk_s * 1000 | round / 1000) s of it, the busiest drive \(.stripe_balance * 100 | round / 100)x its share; floor \(.floor)"' "$WORK/$1.project.json"
 }
-project one "$WORK/a/one" || echo "projected one: project failed"
-project two "$WORK/a/two,$WORK/b/two" || echo "projected two: project failed"
+for l in "${LAYOUTS[@]}"; do
+  project "$l" "$(dirs "$l")" || echo "projected $l: project failed"
+done
 
 if [ "$FAIL_RUN" = 1 ]; then
   if [ "$USE_DM" != 1 ]; then

@@ -10,11 +10,15 @@
 //! multiple of [`EXPERTS_ALIGN`] and is zero-padded to the next one, so an expert is one
 //! aligned O_DIRECT read. The experts are striped over the directories balanced by bytes
 //! ([`stripe`]: in (layer, expert) order, each to the directory holding the fewest bytes so
-//! far), so the experts of one router decision spread over every drive.
+//! far), so the experts of one router decision spread over every drive. A pack may hold
+//! each expert in several directories (`pack-experts --copies N`, [`stripe_copies`]): the
+//! fetcher then reads each expert from whichever of its drives is least busy with the
+//! layer's reads, so no drive reads much more than its share of a layer (twice the space
+//! for two copies).
 //!
 //! Each directory's manifest lists its own experts (layer, expert, offset, length, where
 //! they came from, a sha256 for `--verify`), its place among the directories (`stripe` of
-//! `stripes`), the pack's id (one digest of the whole plan, the same in every directory of
+//! `stripes`), the copies of each expert, the pack's id (one digest of the whole plan, the same in every directory of
 //! one pack) and the identity of the checkpoint ([`SourceIdentity`]). [`PackedExperts::open`]
 //! reads every directory given, in any order, and refuses a set that is not exactly one
 //! whole pack; [`PackedExperts::check_against`] refuses a pack of another checkpoint, or
@@ -51,8 +55,12 @@ pub struct ExpertsManifest {
     pub stripe: usize,
     /// How many directories the pack has.
     pub stripes: usize,
-    /// Experts in the whole pack (every directory together).
+    /// Distinct experts in the whole pack (every directory together).
     pub total_experts: usize,
+    /// In how many directories each expert is (its copies, in distinct directories; 1 when
+    /// the field is absent, as in packs written before copies existed).
+    #[serde(default = "one_copy")]
+    pub copies: usize,
     /// The data file, relative to the manifest's directory ([`EXPERTS_BIN`]).
     pub file: String,
     /// Exact size of the data file in bytes.
@@ -63,6 +71,10 @@ pub struct ExpertsManifest {
     pub source: SourceIdentity,
     /// This directory's experts, in file order.
     pub experts: Vec<PackedExpert>,
+}
+
+fn one_copy() -> usize {
+    1
 }
 
 /// One expert's run in `experts.bin`.
@@ -206,6 +218,57 @@ pub fn stripe(runs: &[ExpertRun], n: usize) -> Vec<Vec<usize>> {
         out[d].push(i);
     }
     out
+}
+
+/// Lay `runs` (in their order) out over `n` directories with each run in `copies` of them
+/// (distinct directories; `copies` is clamped to 1..=n): per directory, the indices into
+/// `runs` in file order. One copy is [`stripe`]. With more, run `i` goes to the set of
+/// `copies` directories holding the fewest bytes together, a tie going to the set that comes
+/// first counting from set `i` in the sets' lexicographic cycle. Equal runs thus take every
+/// set in turn: each directory holds the same bytes within a run, and every pair of
+/// directories shares experts, so a layer's reads can be spread over all the drives
+/// (`k3_expert_fetcher` reads each expert from whichever of its drives has the fewest of the
+/// batch's bytes). Two copies over four directories cycle through all six pairs.
+pub fn stripe_copies(runs: &[ExpertRun], n: usize, copies: usize) -> Vec<Vec<usize>> {
+    let n = n.max(1);
+    let c = copies.clamp(1, n);
+    if c == 1 {
+        return stripe(runs, n);
+    }
+    let sets = subsets(n, c);
+    let mut out = vec![Vec::new(); n];
+    let mut bytes = vec![0u64; n];
+    for (i, r) in runs.iter().enumerate() {
+        let k = sets.len();
+        let pick = (0..k)
+            .min_by_key(|&j| {
+                let held: u64 = sets[j].iter().map(|&d| bytes[d]).sum();
+                (held, (j + k - i % k) % k)
+            })
+            .unwrap_or(0);
+        for &d in &sets[pick] {
+            bytes[d] += align_up(r.length, EXPERTS_ALIGN);
+            out[d].push(i);
+        }
+    }
+    out
+}
+
+/// Every `c`-element subset of `0..n`, ascending, in lexicographic order.
+fn subsets(n: usize, c: usize) -> Vec<Vec<usize>> {
+    let mut out = Vec::new();
+    let mut cur: Vec<usize> = (0..c).collect();
+    loop {
+        out.push(cur.clone());
+        // The rightmost element that can still move right, then the rest right after it.
+        let Some(i) = (0..c).rev().find(|&i| cur[i] < n - c + i) else {
+            return out;
+        };
+        cur[i] += 1;
+        for j in i + 1..c {
+            cur[j] = cur[j - 1] + 1;
+        }
+    }
 }
 
 /// A manifest that cannot be used: the file and every problem found.
@@ -367,6 +430,12 @@ impl ExpertsManifest {
                 self.stripe, self.stripes
             ));
         }
+        if self.copies == 0 || self.copies > self.stripes.max(1) {
+            p.push(format!(
+                "copies {} is not between 1 and the {} directories",
+                self.copies, self.stripes
+            ));
+        }
         if !crate::trunk::hex_sha256(&self.pack_id) {
             p.push("pack_id is not 64 hex digits".into());
         }
@@ -489,22 +558,25 @@ impl PackedExperts {
             .collect()
     }
 
-    /// Every packed expert and where it is.
-    pub fn locations(&self) -> HashMap<(usize, usize), PackedLoc> {
-        let mut out = HashMap::new();
+    /// Every packed expert and where its copies are, by stripe (one location each when
+    /// the pack has one copy).
+    pub fn locations(&self) -> HashMap<(usize, usize), Vec<PackedLoc>> {
+        let mut out: HashMap<(usize, usize), Vec<PackedLoc>> = HashMap::new();
         for (stripe, m) in self.manifests.iter().enumerate() {
             for x in &m.experts {
-                out.insert(
-                    (x.layer, x.expert),
-                    PackedLoc {
-                        stripe,
-                        offset: x.offset,
-                        length: x.length,
-                    },
-                );
+                out.entry((x.layer, x.expert)).or_default().push(PackedLoc {
+                    stripe,
+                    offset: x.offset,
+                    length: x.length,
+                });
             }
         }
         out
+    }
+
+    /// In how many directories each expert is.
+    pub fn copies(&self) -> usize {
+        self.manifests[0].copies
     }
 
     /// Payload bytes in each directory, by stripe.
@@ -525,64 +597,57 @@ impl PackedExperts {
     }
 
     /// Check the expert table against the checkpoint's headers alone (no data read): every
-    /// routed expert of the checkpoint packed exactly once, each with its run's length and
-    /// source, and nothing else. Every stripe must also name the same source.
+    /// routed expert of the checkpoint packed exactly `copies` times (in as many
+    /// directories: a directory lists an expert once), each copy with its run's length and
+    /// source, and nothing else. Every stripe must also name the same source and copies.
     pub fn check_layout(&self, cat: &Catalog) -> Result<(), ExpertsError> {
         let mut diffs = Vec::new();
+        let first = &self.manifests[0];
         for (s, m) in self.manifests.iter().enumerate().skip(1) {
-            if m.source != self.manifests[0].source {
+            if m.source != first.source || m.copies != first.copies {
                 diffs.push(format!(
-                    "{} names another source checkpoint than {}",
+                    "{} names another source checkpoint or copy count than {}",
                     self.dirs[s].display(),
                     self.dirs[0].display()
                 ));
             }
         }
+        let copies = first.copies;
         let total: usize = self.manifests.iter().map(|m| m.experts.len()).sum();
-        if total != self.manifests[0].total_experts {
+        if total != first.total_experts * copies {
             diffs.push(format!(
-                "the directories list {total} experts, the pack says {}",
-                self.manifests[0].total_experts
+                "the directories list {total} experts, the pack says {} x {copies} copies",
+                first.total_experts
             ));
         }
-        let mut packed: HashMap<(usize, usize), &PackedExpert> = HashMap::new();
+        let mut packed: HashMap<(usize, usize), Vec<&PackedExpert>> = HashMap::new();
         for m in &self.manifests {
             for x in &m.experts {
-                if packed.insert((x.layer, x.expert), x).is_some() {
-                    diffs.push(format!(
-                        "layer {} expert {} is packed twice",
-                        x.layer, x.expert
-                    ));
-                }
+                packed.entry((x.layer, x.expert)).or_default().push(x);
             }
         }
         match expert_runs(cat) {
             Ok(runs) => {
                 for r in &runs {
                     let shard = file_name(&cat.shards()[r.shard].path);
-                    match packed.remove(&(r.layer, r.expert)) {
-                        None => diffs.push(format!(
-                            "layer {} expert {} is not in the pack",
-                            r.layer, r.expert
-                        )),
-                        Some(x)
-                            if x.length != r.length
-                                || x.shard != shard
-                                || x.source_offset != r.source_offset =>
-                        {
-                            diffs.push(format!(
-                                "layer {} expert {} is {} bytes at {shard}+{} in the checkpoint, \
-                                 the pack says {} bytes at {}+{}",
-                                r.layer,
-                                r.expert,
-                                r.length,
-                                r.source_offset,
-                                x.length,
-                                x.shard,
-                                x.source_offset
-                            ))
-                        }
-                        Some(_) => {}
+                    let who = format!("layer {} expert {}", r.layer, r.expert);
+                    let xs = packed.remove(&(r.layer, r.expert)).unwrap_or_default();
+                    if xs.len() != copies {
+                        diffs.push(format!(
+                            "{who} is in {} of the directories, the pack says {copies}",
+                            xs.len()
+                        ));
+                    }
+                    for x in xs.into_iter().filter(|x| {
+                        x.length != r.length
+                            || x.shard != shard
+                            || x.source_offset != r.source_offset
+                    }) {
+                        diffs.push(format!(
+                            "{who} is {} bytes at {shard}+{} in the checkpoint, the pack says \
+                             {} bytes at {}+{}",
+                            r.length, r.source_offset, x.length, x.shard, x.source_offset
+                        ));
                     }
                 }
                 let mut extra: Vec<_> = packed.keys().copied().collect();

@@ -72,7 +72,7 @@ fn check_pack(to: &[PathBuf]) {
             n += 1;
         }
     }
-    assert_eq!(n, p.manifests[0].total_experts);
+    assert_eq!(n, p.manifests[0].total_experts * p.copies());
     let bytes: Vec<u64> = p.manifests.iter().map(|m| m.file_size).collect();
     let largest = p
         .manifests
@@ -102,6 +102,54 @@ fn packs_and_runs_with_the_same_ids_over_one_two_and_three_directories() {
         assert!(out.contains("nothing to pack"), "{out}");
         assert!(out.contains("verify: OK"), "{out}");
     }
+}
+
+/// `--copies 2` over 2 and 3 directories: every expert in two of them (check_pack counts
+/// both copies, each byte-identical to the shard), the run gives the shards' ids and
+/// `--verify` passes. More copies than directories is refused (exit 2). A pack that lost
+/// one copy of an expert from a manifest is refused by the run (exit 2), naming the expert:
+/// catches a reader that trusts the first copy it finds.
+#[test]
+fn copies_pack_and_run_with_the_same_ids() {
+    let want = ids(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    for n in 2..=3 {
+        let to = dirs(&tmp.path().join(format!("c{n}")), n);
+        let (code, out, err) = pack(&tiny(), &to, &["--copies", "2", "--verify"]);
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(out.contains("2 copies of each"), "{out}");
+        assert!(out.contains("verify: OK"), "{out}");
+        check_pack(&to);
+        let p = PackedExperts::open(&to).unwrap();
+        assert_eq!(p.copies(), 2);
+        assert!(p.locations().values().all(|l| l.len() == 2));
+        assert_eq!(ids(&["--experts", &join(&to)]), want, "{n} directories");
+    }
+    let to = dirs(&tmp.path().join("c2"), 2);
+    let (code, _, err) = pack(&tiny(), &to, &["--copies", "3"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--copies 3 needs at least 3 directories"),
+        "{err}"
+    );
+    // Drop the last expert of directory 1 (its manifest stays self-consistent).
+    let mut m = ExpertsManifest::load_dir(&to[1]).unwrap();
+    let x = m.experts.pop().unwrap();
+    m.file_size = x.offset;
+    m.total_bytes -= x.length;
+    std::fs::write(to[1].join("experts.json"), serde_json::to_vec(&m).unwrap()).unwrap();
+    let bin = std::fs::OpenOptions::new()
+        .write(true)
+        .open(to[1].join("experts.bin"))
+        .unwrap();
+    bin.set_len(x.offset).unwrap();
+    let (code, _, err) = k3(&[s(&tiny()), "--ids", IDS, "--experts", &join(&to)]);
+    assert_eq!(code, 2, "{err}");
+    let who = format!(
+        "layer {} expert {} is in 1 of the directories",
+        x.layer, x.expert
+    );
+    assert!(err.contains(&who), "{err}");
 }
 
 /// Interrupted after 5 experts per directory (exit 1, no manifest: not a usable pack), a

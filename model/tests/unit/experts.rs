@@ -34,6 +34,32 @@ fn striping_balances_bytes() {
     assert_eq!(stripe(&uneven, 2), vec![vec![0], vec![1, 2, 3]]);
 }
 
+/// Two copies over four directories: every run in two distinct directories, every
+/// directory the same bytes, and every one of the six pairs of directories used (twice in
+/// twelve runs). Catches copies in one directory, an unbalanced layout, and fixed mirror
+/// pairs ({0,1} and {2,3} only), which leave a layer's reads as uneven between the two
+/// pairs as plain stripes over two drives. One copy is `stripe`; copies beyond the
+/// directories are clamped.
+#[test]
+fn copies_cover_every_pair_of_directories() {
+    let runs: Vec<_> = (0..12).map(|e| run(0, e, 5000)).collect();
+    let dirs = stripe_copies(&runs, 4, 2);
+    assert!(dirs.iter().all(|d| d.len() == 6), "{dirs:?}");
+    let mut pairs = std::collections::BTreeMap::new();
+    for i in 0..runs.len() {
+        let on: Vec<usize> = (0..4).filter(|&d| dirs[d].contains(&i)).collect();
+        assert_eq!(on.len(), 2, "run {i}: {on:?}");
+        *pairs.entry(on).or_insert(0) += 1;
+    }
+    assert_eq!(pairs.len(), 6, "{pairs:?}");
+    assert!(pairs.values().all(|&n| n == 2), "{pairs:?}");
+    // File order within a directory is the runs' order.
+    assert!(dirs.iter().all(|d| d.windows(2).all(|w| w[0] < w[1])));
+    assert_eq!(stripe_copies(&runs, 3, 1), stripe(&runs, 3));
+    let all = stripe_copies(&runs, 2, 5);
+    assert_eq!(all, vec![(0..12).collect::<Vec<_>>(); 2]);
+}
+
 fn manifest() -> ExpertsManifest {
     let sha = "ab".repeat(32);
     ExpertsManifest {
@@ -43,6 +69,7 @@ fn manifest() -> ExpertsManifest {
         stripe: 1,
         stripes: 2,
         total_experts: 4,
+        copies: 1,
         file: EXPERTS_BIN.into(),
         file_size: 8192 + 4096,
         total_bytes: 5000 + 100,
@@ -79,6 +106,11 @@ fn a_valid_manifest_round_trips() {
     assert!(m.problems().is_empty(), "{:?}", m.problems());
     let text = serde_json::to_string(&m).unwrap();
     assert_eq!(ExpertsManifest::from_json_str(&text).unwrap(), m);
+    // A manifest written before copies existed has one copy of each expert.
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v.as_object_mut().unwrap().remove("copies");
+    let old = ExpertsManifest::from_json_str(&v.to_string()).unwrap();
+    assert_eq!(old.copies, 1);
 }
 
 /// Each way a manifest can lie is named (a reader that trusted it would read the wrong
@@ -99,6 +131,8 @@ fn inconsistencies_are_named() {
         // "." and ".." name directories (the trunk manifest's fuzz finding, here too).
         (Box::new(|m| m.file = ".".into()), "plain file name"),
         (Box::new(|m| m.file = "..".into()), "plain file name"),
+        (Box::new(|m| m.copies = 3), "copies 3"),
+        (Box::new(|m| m.copies = 0), "copies 0"),
     ];
     for (edit, want) in cases {
         let mut m = manifest();

@@ -1,14 +1,16 @@
-//! `k3-orch pack-experts MODEL_DIR --to DIR [DIR...] [--verify] [--force]`: copy every
-//! routed expert into `experts.bin` files, one aligned run per expert (its tensors back to
-//! back, as in the shard), striped over the directories balanced by bytes, each directory
-//! meant to be on its own drive and described by its own `experts.json` (format and
-//! striping: `k3_model::experts`). Run with `k3-orch MODEL --experts DIR,...`.
+//! `k3-orch pack-experts MODEL_DIR --to DIR [DIR...] [--copies N] [--verify] [--force]`:
+//! copy every routed expert into `experts.bin` files, one aligned run per expert (its
+//! tensors back to back, as in the shard), striped over the directories balanced by bytes,
+//! each directory meant to be on its own drive and described by its own `experts.json`
+//! (format and striping: `k3_model::experts`). With `--copies N` each expert is written to N
+//! of the directories (N times the space), and a run reads it from whichever of them is
+//! least busy. Run with `k3-orch MODEL --experts DIR,...`.
 //!
 //! Refused up front (exit 2), naming the directory: one that does not exist (a drive not
 //! mounted), is not a directory, is read-only (a read-only mount, no write permission, or a
 //! probe file cannot be created), lacks the room for its share, or holds experts packed from
-//! another checkpoint (`--force` re-packs); a directory given twice; a checkpoint whose
-//! experts are not one run each.
+//! another checkpoint (`--force` re-packs); a directory given twice; more copies than
+//! directories; a checkpoint whose experts are not one run each.
 //!
 //! Crash safety, per directory: data goes to `experts.bin.partial`; after every 64 MiB of
 //! experts (and at the end) the data is fsynced and then one line per expert (its sha256)
@@ -40,8 +42,8 @@ use super::pack_trunk::{
 };
 use k3_model::catalog::Catalog;
 use k3_model::experts::{
-    expert_runs, stripe, ExpertRun, ExpertsManifest, PackedExpert, PackedExperts, EXPERTS_ALIGN,
-    EXPERTS_BIN, EXPERTS_FORMAT, EXPERTS_JSON,
+    expert_runs, stripe_copies, ExpertRun, ExpertsManifest, PackedExpert, PackedExperts,
+    EXPERTS_ALIGN, EXPERTS_BIN, EXPERTS_FORMAT, EXPERTS_JSON,
 };
 use k3_model::trunk::{align_up, SourceIdentity};
 
@@ -65,6 +67,11 @@ struct Args {
     /// striped over them balanced by bytes.
     #[arg(long = "to", required = true, num_args = 1..)]
     to: Vec<PathBuf>,
+    /// Write each expert to this many of the directories (at most one per directory):
+    /// N times the space; a run reads each expert from whichever of its drives has the
+    /// fewest of the layer's reads, so no drive reads much more than its share.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    copies: u32,
     /// Re-read every expert and check it against experts.json and the checkpoint.
     #[arg(long)]
     verify: bool,
@@ -105,6 +112,16 @@ impl Stripe {
     }
 }
 
+/// What every directory's manifest says of the whole pack.
+struct PackHead<'a> {
+    stripes: usize,
+    /// Distinct experts.
+    total_experts: usize,
+    copies: usize,
+    src: &'a SourceIdentity,
+    digest: &'a str,
+}
+
 /// The first line of a journal.
 #[derive(Debug, Serialize, Deserialize)]
 struct JournalHead {
@@ -132,10 +149,11 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Lay the runs out over the directories ([`stripe`]), each run at the next aligned offset.
-fn plan(cat: &Catalog, runs: &[ExpertRun], dirs: &[PathBuf]) -> Vec<Stripe> {
+/// Lay the runs out over the directories, `copies` of each ([`stripe_copies`]), each run at
+/// the next aligned offset of its directories.
+fn plan(cat: &Catalog, runs: &[ExpertRun], dirs: &[PathBuf], copies: usize) -> Vec<Stripe> {
     let shards = cat.shards();
-    stripe(runs, dirs.len())
+    stripe_copies(runs, dirs.len(), copies)
         .into_iter()
         .zip(dirs)
         .map(|(idx, dir)| {
@@ -176,6 +194,14 @@ fn plan_digest(plan: &[Stripe], src: &SourceIdentity) -> String {
 
 fn run(a: &Args) -> Result<(), Fail> {
     check_dirs(&a.to)?;
+    let copies = a.copies as usize;
+    if copies > a.to.len() {
+        return Err(Fail::Refused(format!(
+            "--copies {copies} needs at least {copies} directories (one copy per directory, \
+             each on its own drive); {} given",
+            a.to.len()
+        )));
+    }
     let cat = Catalog::open(&a.model_dir).map_err(|e| {
         Fail::Refused(format!(
             "cannot catalog the checkpoint: {e} (run k3-orch verify)"
@@ -183,7 +209,7 @@ fn run(a: &Args) -> Result<(), Fail> {
     })?;
     let src = SourceIdentity::of(&cat).map_err(|e| Fail::Refused(e.to_string()))?;
     let runs = expert_runs(&cat).map_err(|e| Fail::Refused(e.to_string()))?;
-    let plan = plan(&cat, &runs, &a.to);
+    let plan = plan(&cat, &runs, &a.to, copies);
     let digest = plan_digest(&plan, &src);
     // One packer per directory: a second one would cut the first one's files.
     let mut locks = Vec::new();
@@ -191,6 +217,7 @@ fn run(a: &Args) -> Result<(), Fail> {
         locks.push(lock_tool_dir(d, "pack-experts")?);
     }
     let todo = to_pack(a, &plan, &digest, &src)?;
+    let total_experts = runs.len();
     if todo.is_empty() {
         println!(
             "{} already hold a complete pack of this checkpoint ({} experts); nothing to pack \
@@ -205,7 +232,14 @@ fn run(a: &Args) -> Result<(), Fail> {
             remove_if_exists(&plan[i].dir.join(EXPERTS_JSON))?;
             sync_dir(&plan[i].dir);
         }
-        pack(a, &cat, &plan, &todo, &src, &digest)?;
+        let head = PackHead {
+            stripes: plan.len(),
+            total_experts,
+            copies,
+            src: &src,
+            digest: &digest,
+        };
+        pack(a, &cat, &plan, &todo, &head)?;
     }
     if a.verify {
         verify(&a.to, &cat)?;
@@ -356,9 +390,9 @@ fn pack(
     cat: &Catalog,
     plan: &[Stripe],
     todo: &[usize],
-    src: &SourceIdentity,
-    digest: &str,
+    head: &PackHead<'_>,
 ) -> Result<(), Fail> {
+    let digest = head.digest;
     let total: u64 = todo
         .iter()
         .flat_map(|&i| &plan[i].experts)
@@ -387,17 +421,8 @@ fn pack(
     for (&i, r) in todo.iter().zip(results) {
         done.push((i, r?));
     }
-    let total_experts: usize = plan.iter().map(|s| s.experts.len()).sum();
     for (i, experts) in done {
-        let m = commit_dir(
-            &plan[i].dir,
-            i,
-            plan.len(),
-            total_experts,
-            src,
-            digest,
-            experts,
-        )?;
+        let m = commit_dir(&plan[i].dir, i, head, experts)?;
         println!(
             "wrote {}: {} experts, {}",
             plan[i].dir.join(EXPERTS_BIN).display(),
@@ -407,7 +432,13 @@ fn pack(
     }
     let s = start.elapsed().as_secs_f64();
     println!(
-        "packed {total_experts} experts over {} directories ({} copied in {s:.1} s, {:.0} MB/s)",
+        "packed {} experts{} over {} directories ({} copied in {s:.1} s, {:.0} MB/s)",
+        head.total_experts,
+        if head.copies > 1 {
+            format!(", {} copies of each,", head.copies)
+        } else {
+            String::new()
+        },
         plan.len(),
         gb(total),
         total as f64 / 1e6 / s.max(1e-9)
@@ -614,23 +645,21 @@ impl<'a> Copier<'a> {
 fn commit_dir(
     dir: &Path,
     stripe: usize,
-    stripes: usize,
-    total_experts: usize,
-    src: &SourceIdentity,
-    digest: &str,
+    head: &PackHead<'_>,
     experts: Vec<PackedExpert>,
 ) -> Result<ExpertsManifest, Fail> {
     let m = ExpertsManifest {
         format: EXPERTS_FORMAT.to_string(),
         align: EXPERTS_ALIGN,
-        pack_id: digest.to_string(),
+        pack_id: head.digest.to_string(),
         stripe,
-        stripes,
-        total_experts,
+        stripes: head.stripes,
+        total_experts: head.total_experts,
+        copies: head.copies,
         file: EXPERTS_BIN.to_string(),
         file_size: experts.last().map_or(0, |x| x.offset + x.padded_length()),
         total_bytes: experts.iter().map(|x| x.length).sum(),
-        source: src.clone(),
+        source: head.src.clone(),
         experts,
     };
     let problems = m.problems();

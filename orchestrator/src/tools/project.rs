@@ -97,6 +97,10 @@ struct Args {
     /// number of drives they sit on)
     #[arg(long, value_delimiter = ',')]
     experts: Vec<PathBuf>,
+    /// Copies of each routed expert over the drives (`pack-experts --copies`; default: the
+    /// --experts pack's, else 1): each read from the least busy drive holding it
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    copies: Option<u32>,
     /// Memory read bandwidth in GB/s (default: measured here with the read probe)
     #[arg(long = "mem-gbps")]
     mem_gbps: Option<f64>,
@@ -464,6 +468,9 @@ fn packed_layer(layer: usize, at: u64, len: u64, tensors: Vec<TrunkTensor>) -> T
 #[derive(Clone, Debug, PartialEq)]
 pub struct Machine {
     pub drives: u32,
+    /// In how many drives each routed expert is (`pack-experts --copies`; at most `drives`
+    /// counts).
+    pub copies: u32,
     /// Bytes per second of one drive, read as the expert-fetcher reads (4 MiB pieces, 16
     /// in flight).
     pub drive_bps: f64,
@@ -493,6 +500,7 @@ pub struct Machine {
 /// core (AVX2/AVX-512 at 2-3 GHz; the decode kernels are far from compute-bound).
 pub const REFERENCE: Machine = Machine {
     drives: 1,
+    copies: 1,
     drive_bps: 7e9,
     trunk_drive_bps: 7e9,
     drive_source: String::new(),
@@ -685,6 +693,58 @@ pub fn stripe_balance(experts: u64, misses: f64, drives: u32) -> f64 {
     expect / (k as f64 / d as f64)
 }
 
+/// [`stripe_balance`] for a pack holding each expert on `copies` of the `drives` drives
+/// (`pack-experts --copies`, laid out by `k3_model::experts::stripe_copies`), each miss
+/// read from the copy whose drive has the fewest of the layer's reads so far
+/// (`k3_expert_fetcher::devices::least_loaded`, in request order, as the fetcher does):
+/// the expected busiest drive's reads over an equal share, estimated over
+/// [`BALANCE_TRIALS`] layers of `misses` experts drawn flat with a fixed seed, so the same
+/// arguments always give the same figure. One copy is [`stripe_balance`], exact. With
+/// every expert on every drive a layer's reads differ by at most one between drives: 16
+/// misses over 2 drives give exactly 1.
+pub fn drive_balance(experts: u64, misses: f64, drives: u32, copies: u32) -> f64 {
+    use k3_model::experts::{stripe_copies, ExpertRun, EXPERTS_ALIGN};
+    use rand::SeedableRng;
+    let d = drives.max(1) as usize;
+    let c = (copies as usize).clamp(1, d);
+    let n = experts as usize;
+    if c == 1 || n == 0 || misses <= 0.0 {
+        return stripe_balance(experts, misses, drives);
+    }
+    let k = (misses.round() as usize).clamp(1, n);
+    let runs: Vec<ExpertRun> = (0..n)
+        .map(|expert| ExpertRun {
+            layer: 0,
+            expert,
+            shard: 0,
+            source_offset: 0,
+            length: EXPERTS_ALIGN,
+        })
+        .collect();
+    let mut holders = vec![Vec::new(); n];
+    for (dir, idx) in stripe_copies(&runs, d, c).into_iter().enumerate() {
+        for i in idx {
+            holders[i].push(dir);
+        }
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x6b33_6472_6976_6573);
+    let mut busiest = 0u64;
+    for _ in 0..BALANCE_TRIALS {
+        let mut load = vec![0u64; d];
+        for i in rand::seq::index::sample(&mut rng, n, k).iter() {
+            let on = &holders[i];
+            if let Some(j) = k3_expert_fetcher::devices::least_loaded(on, &load) {
+                load[on[j]] += 1;
+            }
+        }
+        busiest += load.iter().copied().max().unwrap_or(0);
+    }
+    busiest as f64 / BALANCE_TRIALS as f64 / (k as f64 / d as f64)
+}
+
+/// Layers [`drive_balance`] draws (its estimate's standard error is under 0.5% at 4000).
+pub const BALANCE_TRIALS: u32 = 4000;
+
 /// Bytes the lm_head decodes per token under `c`: its streamed rows when read coded.
 fn head_decode(m: &ModelShape, c: &Choice) -> u64 {
     if c.head_coded {
@@ -701,7 +761,7 @@ pub struct Times {
     /// The disk's busy time: trunk and lm_head reads, and expert reads, over every drive.
     pub disk: f64,
     /// Of it, the expert reads: asked for after the router, waited for by the products; over
-    /// several drives, the busiest drive's share of each layer ([`stripe_balance`]).
+    /// several drives, the busiest drive's share of each layer ([`drive_balance`]).
     pub expert_disk: f64,
     /// That busiest drive's reads over an equal share (1 on one drive).
     pub balance: f64,
@@ -725,7 +785,7 @@ impl Times {
     pub fn of(t: &PerToken, m: &Machine) -> Times {
         let cores = m.cores.max(1) as f64;
         let drives = m.drives.max(1) as f64;
-        let balance = stripe_balance(t.layer_experts, t.layer_misses, m.drives);
+        let balance = drive_balance(t.layer_experts, t.layer_misses, m.drives, m.copies);
         let expert_disk = t.expert_disk_bytes * balance / (drives * m.drive_bps);
         let memory =
             (t.ram_bytes - t.ram_mxfp4_bytes) / m.mem_bps + t.ram_mxfp4_bytes / m.mxfp4_mem_bps;
@@ -992,13 +1052,14 @@ pub fn detail(
         human(pt.disk_bytes() as u64),
         duration(t.disk)
     );
-    if t.balance > 1.0 {
+    if machine.drives > 1 {
         o += &format!(
             "  stripes  : a layer's {:.0} expert reads over {} drives: the busiest reads {:.2}x \
-             an equal share (round-robin stripes, flat routing), counted in the experts' time\n",
+             an equal share ({}, flat routing), counted in the experts' time\n",
             pt.layer_misses.round().max(1.0),
             machine.drives,
-            t.balance
+            t.balance,
+            layout(machine)
         );
     }
     o += &format!(
@@ -1227,12 +1288,19 @@ pub fn main(args: Vec<OsString>) -> i32 {
             ),
         };
     }
-    let (machine, drives) = match (a.experts.is_empty() || a.drive_gbps.is_some(), a.drives) {
+    let (mut machine, drives) = match (a.experts.is_empty() || a.drive_gbps.is_some(), a.drives) {
         (true, drives) => (machine, drives),
         (false, drives) => {
             let (m, n) = with_expert_drives(machine, &a.experts, &shape, a.seconds);
             (m, if drives.is_empty() { vec![n] } else { drives })
         }
+    };
+    machine.copies = match (a.copies, a.experts.is_empty()) {
+        (Some(c), _) => c,
+        (None, false) => {
+            k3_model::experts::PackedExperts::open(&a.experts).map_or(1, |p| p.copies() as u32)
+        }
+        (None, true) => 1,
     };
     if a.json {
         print!("{}", json_rows(&shape, &budgets, &drives, &machine, &hits));
@@ -1337,6 +1405,7 @@ fn json_rows(
                 Ok(p) => serde_json::json!({
                     "mem_gb": b as f64 / GB,
                     "drives": mach.drives,
+                    "copies": mach.copies.min(mach.drives.max(1)),
                     "drive_gbps": mach.drive_bps / GB,
                     "pinned": p.pinned,
                     "cache_slots": p.cache_slots,
@@ -1417,10 +1486,15 @@ fn report(
         o += &table(shape, budgets, &machines, hits);
     }
     if machines.iter().any(|m| m.drives > 1) {
-        o += "note    : more than one drive assumes the experts striped over them (pack-experts \
-              --to DIR,.. and a run's --experts DIR,..), read at their summed bandwidth; a \
-              layer's reads take as long as its busiest drive's (flat routing, every expert \
-              of a layer's top-";
+        let packed = match machine.copies {
+            1 => "striped over them (pack-experts --to DIR,..".to_string(),
+            c => format!("on {c} of them each (pack-experts --copies {c} --to DIR,.."),
+        };
+        o += &format!(
+            "note    : more than one drive assumes the experts {packed} and a run's --experts \
+             DIR,..), read at their summed bandwidth; a layer's reads take as long as its \
+             busiest drive's (flat routing, every expert of a layer's top-"
+        );
         o += &format!("{} missed: ", shape.top_k);
         let counts: std::collections::BTreeSet<u32> = machines
             .iter()
@@ -1430,13 +1504,22 @@ fn report(
         let shares: Vec<String> = counts
             .iter()
             .map(|&d| {
-                let b = stripe_balance(shape.experts_per_layer, shape.top_k as f64, d);
+                let (e, k) = (shape.experts_per_layer, shape.top_k as f64);
+                let b = drive_balance(e, k, d, machine.copies);
                 format!("{b:.2}x an equal share over {d} drives")
             })
             .collect();
         o += &format!("{})\n", shares.join(", "));
     }
     o
+}
+
+/// How the experts lie over the drives, for the stripes line.
+fn layout(m: &Machine) -> String {
+    match m.copies.min(m.drives.max(1)) {
+        1 => "round-robin stripes".into(),
+        c => format!("{c} copies of each expert, each read from the least busy"),
+    }
 }
 
 /// Usage errors the parser cannot see.
@@ -1571,6 +1654,7 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
     };
     Machine {
         drives: f.drives,
+        copies: 1,
         drive_bps,
         trunk_drive_bps,
         drive_source,
@@ -1796,6 +1880,7 @@ mod tests {
     fn machine() -> Machine {
         Machine {
             drives: 2,
+            copies: 1,
             drive_bps: 5e9,
             trunk_drive_bps: 10e9,
             drive_source: "given".into(),
@@ -1903,6 +1988,37 @@ mod tests {
         assert!(p.times.s_per_token() >= p.times.disk + p.times.exposed);
         let q = project(&m, (128.0 * GB) as u64, &mach).unwrap();
         assert_eq!((q.per_token.serial_ram_bytes, q.times.exposed), (0.0, 0.0));
+    }
+
+    /// Copies of each expert (`pack-experts --copies`), each miss read from the least busy
+    /// drive: with every expert on every drive a layer's reads split exactly (16 over 2
+    /// drives: 8 and 8; 15: 8 and 7), two copies over four drives fall between that and the
+    /// stripes, and one copy is the stripes. Catches copies ignored (the stripes' 1.17 for
+    /// two mirrored drives), and a figure that changes from call to call.
+    #[test]
+    fn copies_spread_a_layers_reads() {
+        assert_eq!(drive_balance(64, 16.0, 2, 2), 1.0);
+        assert!((drive_balance(64, 15.0, 2, 2) - 8.0 / 7.5).abs() < 1e-12);
+        assert_eq!(drive_balance(896, 16.0, 4, 4), 1.0);
+        assert_eq!(drive_balance(64, 16.0, 2, 1), stripe_balance(64, 16.0, 2));
+        // More copies than drives count as every drive.
+        assert_eq!(drive_balance(64, 16.0, 2, 3), 1.0);
+        let two = drive_balance(896, 16.0, 4, 2);
+        assert_eq!(two, drive_balance(896, 16.0, 4, 2));
+        assert!(two > 1.0 && two < 1.25, "{two}");
+        assert!(two < stripe_balance(896, 16.0, 4) - 0.25, "{two}");
+        let mut t = PerToken {
+            layer_misses: 16.0,
+            layer_experts: 64,
+            ..token_terms()
+        };
+        t.expert_disk_bytes = 40e9;
+        let mirrored = Machine {
+            copies: 2,
+            ..machine()
+        };
+        assert_eq!(Times::of(&t, &mirrored).balance, 1.0);
+        assert!(Times::of(&t, &machine()).balance > 1.1);
     }
 
     /// A layer's misses over round-robin drives: the expected busiest drive over an equal

@@ -120,6 +120,16 @@ pub fn drives_of(paths: &[PathBuf]) -> usize {
     drive_count(&keys)
 }
 
+/// Which of an expert's copies to read, given the devices they are on (`devices[i]`: copy
+/// `i`'s) and the bytes a batch reads from each device so far (`load`, by device): the
+/// copy whose device has the fewest (the first such on a tie; a device `load` does not
+/// know counts as full). None for no copies. The fetcher applies it to a batch's misses in
+/// request order, adding each read's bytes to its device; `k3-orch project` replays it to
+/// project the busiest drive's share.
+pub fn least_loaded(devices: &[usize], load: &[u64]) -> Option<usize> {
+    (0..devices.len()).min_by_key(|&i| (load.get(devices[i]).copied().unwrap_or(u64::MAX), i))
+}
+
 /// `items` in disk order per device, the devices taking turns: sorted by `key` (the device,
 /// then the position on it), then one item of each device in device order, round after
 /// round. With one device this is just the sort, so a single drive keeps its disk order.

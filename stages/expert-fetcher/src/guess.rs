@@ -264,7 +264,20 @@ impl ExpertFetcher {
         if self.index.contains_key(&key) || in_flight(self) {
             return true;
         }
-        let Some(loc) = self.locator.locate(layer, id) else {
+        // Each drive has `readers` readers of its own: half of them at most, on the drive
+        // this read goes to; of an expert's copies, the one on the drive with the fewest
+        // guess pieces in flight.
+        let busy = |f: &ExpertFetcher, dev: usize| -> usize {
+            (f.guess.inflight.values())
+                .filter(|&&(_, _, d)| d == dev)
+                .map(|&(_, p, _)| p)
+                .sum()
+        };
+        let devices = &self.pool.devices;
+        let Some((busy, loc)) = (self.locator.copies(layer, id).into_iter())
+            .map(|l| (busy(self, devices.device_of(l.file)), l))
+            .min_by_key(|(b, _)| *b)
+        else {
             return true;
         };
         let need = align_up(loc.start() % ALIGN as u64 + loc.span());
@@ -273,13 +286,7 @@ impl ExpertFetcher {
         }
         let span = align_up(loc.start() + loc.span()) - align_down(loc.start());
         let pieces = span.div_ceil(PIECE) as usize;
-        // Each drive has `readers` readers of its own: half of them at most, on the drive
-        // this read goes to.
-        let dev = self.pool.devices.device_of(loc.file);
-        let busy: usize = (self.guess.inflight.values())
-            .filter(|&&(_, _, d)| d == dev)
-            .map(|&(_, p, _)| p)
-            .sum();
+        let dev = devices.device_of(loc.file);
         let cap = self.readers / 2;
         let fits = busy + pieces <= cap || (busy == 0 && pieces < self.readers);
         // Taking a slot leaves fewer than the next request wants: only as the one read in

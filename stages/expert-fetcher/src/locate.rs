@@ -5,7 +5,7 @@
 //! `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`, in any shard layout), or
 //! with [`ExpertTable::from_packed`] for experts packed over several drive directories
 //! (`--experts DIR...`, `k3_model::experts`): one file per directory, one aligned run per
-//! expert.
+//! expert, in each directory that holds a copy of it ([`Locate::copies`]).
 //! [`ExpertTable::from_catalog`] builds the same table from `k3_model::locator` (the
 //! checkpoint's verified contiguous run per expert, else one read per tensor) for given
 //! layers and expert counts; the tests check the two agree.
@@ -109,6 +109,13 @@ impl ExpertExtents {
 pub trait Locate: Send + Sync {
     /// The location, or `None` for an expert the model does not have.
     fn locate(&self, layer: u32, expert: u32) -> Option<ExpertExtents>;
+    /// Every copy of the expert, [`locate`](Self::locate)'s first (empty for an expert the
+    /// model does not have). Copies hold the same bytes in other files (a pack written with
+    /// `--copies`), each laid out as the first: the same extents relative to its start, and
+    /// the same start within a page.
+    fn copies(&self, layer: u32, expert: u32) -> Vec<ExpertExtents> {
+        self.locate(layer, expert).into_iter().collect()
+    }
     /// The files locations refer to, by number.
     fn files(&self) -> &[PathBuf];
     /// The largest span of any expert (sizes the slots).
@@ -126,6 +133,8 @@ pub struct ExpertTable {
     /// Per expert, its tensors: name suffix (e.g. `w1.weight_packed`) -> (offset from the
     /// expert's first byte, length). Filled by `from_safetensors`.
     tensors: HashMap<(u32, u32), TensorList>,
+    /// Per expert, its copies after the first ([`Locate::copies`]; `from_packed`).
+    more: HashMap<(u32, u32), Vec<ExpertExtents>>,
 }
 
 impl ExpertTable {
@@ -137,7 +146,8 @@ impl ExpertTable {
         }
     }
 
-    /// Add or replace one expert; extents are sorted and adjacent ones merged.
+    /// Add or replace one expert (dropping its other copies); extents are sorted and
+    /// adjacent ones merged.
     pub fn insert(&mut self, layer: u32, expert: u32, mut loc: ExpertExtents) {
         loc.extents.sort_by_key(|e| e.offset);
         let mut merged: Vec<Extent> = Vec::with_capacity(loc.extents.len());
@@ -149,6 +159,26 @@ impl ExpertTable {
         }
         loc.extents = merged;
         self.map.insert((layer, expert), loc);
+        self.more.remove(&(layer, expert));
+    }
+
+    /// Add another copy of an expert already in the table; refused (false) unless it is
+    /// laid out as the first copy (the same extents from its start, the same start within a
+    /// page: a slot holds either copy's read the same way).
+    pub fn insert_copy(&mut self, layer: u32, expert: u32, loc: ExpertExtents) -> bool {
+        let Some(first) = self.map.get(&(layer, expert)) else {
+            return false;
+        };
+        let shape = |l: &ExpertExtents| -> (u64, Vec<(u64, u64)>) {
+            let s = l.start();
+            let rel = l.extents.iter().map(|e| (e.offset - s, e.len)).collect();
+            (s % k3_io::arena::ALIGN as u64, rel)
+        };
+        if shape(first) != shape(&loc) {
+            return false;
+        }
+        self.more.entry((layer, expert)).or_default().push(loc);
+        true
     }
 
     /// Experts in the table.
@@ -224,15 +254,22 @@ impl ExpertTable {
     }
 
     /// The experts of a pack (`k3_model::experts`): file `s` is stripe `s`'s `experts.bin`,
-    /// each expert one contiguous run in it.
+    /// each expert one contiguous run in it, in every directory that holds a copy (the
+    /// lowest stripe's first). Every run starts at an aligned offset, so copies of one
+    /// expert are laid out alike.
     pub fn from_packed(p: &k3_model::experts::PackedExperts) -> ExpertTable {
         let mut t = ExpertTable::new(p.files());
-        for ((l, e), loc) in p.locations() {
-            t.insert(
-                l as u32,
-                e as u32,
-                ExpertExtents::contiguous(loc.stripe as u32, loc.offset, loc.length),
-            );
+        for ((l, e), locs) in p.locations() {
+            let (l, e) = (l as u32, e as u32);
+            let mut locs = locs
+                .into_iter()
+                .map(|x| ExpertExtents::contiguous(x.stripe as u32, x.offset, x.length));
+            if let Some(first) = locs.next() {
+                t.insert(l, e, first);
+            }
+            for other in locs {
+                t.insert_copy(l, e, other);
+            }
         }
         t
     }
@@ -311,6 +348,13 @@ impl ExpertTable {
 impl Locate for ExpertTable {
     fn locate(&self, layer: u32, expert: u32) -> Option<ExpertExtents> {
         self.map.get(&(layer, expert)).cloned()
+    }
+    fn copies(&self, layer: u32, expert: u32) -> Vec<ExpertExtents> {
+        let mut out: Vec<ExpertExtents> = self.locate(layer, expert).into_iter().collect();
+        if let Some(more) = self.more.get(&(layer, expert)) {
+            out.extend(more.iter().cloned());
+        }
+        out
     }
     fn files(&self) -> &[PathBuf] {
         &self.files

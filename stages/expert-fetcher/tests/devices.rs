@@ -126,3 +126,69 @@ fn a_failing_drive_fails_its_experts_naming_it() {
         );
     }
 }
+
+/// Reads every file's bytes as the file number plus one, and counts the reads per file.
+struct Counting(Mutex<Vec<u32>>);
+
+impl ReadAt for Counting {
+    fn read_at(&self, file: u32, _offset: u64, dst: &mut [u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().push(file);
+        dst.fill(file as u8 + 1);
+        Ok(dst.len())
+    }
+}
+
+/// Experts 0..8 of layer 0, each in both files (one per fake drive) at the same offset.
+fn mirrored() -> Arc<ExpertTable> {
+    let mut t = ExpertTable::new(vec![PathBuf::from("/a/0"), PathBuf::from("/b/1")]);
+    for e in 0..8u32 {
+        let off = e as u64 * BYTES;
+        t.insert(0, e, ExpertExtents::contiguous(0, off, BYTES));
+        assert!(t.insert_copy(0, e, ExpertExtents::contiguous(1, off, BYTES)));
+    }
+    // A copy laid out otherwise (another start within the page) is refused.
+    assert!(!t.insert_copy(0, 0, ExpertExtents::contiguous(1, 100, BYTES)));
+    Arc::new(t)
+}
+
+/// Every expert on both drives (`pack-experts --copies 2`): a batch of 8 misses reads 4 from
+/// each drive, and each expert is published whole. Catches a fetcher that reads the first
+/// copy only (all 8 from drive 0: the layer waits for one drive reading everything), and a
+/// choice that ignores the load (8 from one drive as well). A second batch of the same
+/// experts reads nothing.
+#[test]
+fn copies_spread_a_batch_over_the_drives() {
+    let reads = Arc::new(Counting(Mutex::new(Vec::new())));
+    let mut f = ExpertFetcher::new(
+        ExpertCacheConfig {
+            slots: 8,
+            slot_bytes: 0,
+            readers: 2,
+        },
+        mirrored(),
+        reads.clone(),
+    )
+    .unwrap();
+    f.set_devices(DeviceMap::from_keys(&[Some(7), Some(9)], |k| {
+        format!("fake{k}")
+    }));
+    let mut got = Vec::new();
+    f.fetch_batch(0, &[5, 1, 7, 0, 2, 6, 3, 4], |ev| match ev {
+        BatchEvent::Ready(a) => {
+            assert_eq!(a.data.len() as u64, BYTES);
+            assert!(
+                a.data.iter().all(|&b| b == a.data[0]),
+                "expert {}",
+                a.expert
+            );
+            got.push(a.expert);
+        }
+        BatchEvent::Failed(e) => panic!("{e}"),
+    });
+    got.sort_unstable();
+    assert_eq!(got, (0..8).collect::<Vec<_>>());
+    let per_file = |f: u32| reads.0.lock().unwrap().iter().filter(|&&x| x == f).count();
+    assert_eq!((per_file(0), per_file(1)), (4, 4));
+    f.fetch_batch(0, &[0, 1, 2, 3, 4, 5, 6, 7], |_| {});
+    assert_eq!(reads.0.lock().unwrap().len(), 8, "hits read nothing");
+}
