@@ -694,9 +694,9 @@ pub fn stripe_balance(experts: u64, misses: f64, drives: u32) -> f64 {
 }
 
 /// [`stripe_balance`] for a pack holding each expert on `copies` of the `drives` drives
-/// (`pack-experts --copies`, laid out by `k3_model::experts::stripe_copies`), each miss
-/// read from the copy whose drive has the fewest of the layer's reads so far
-/// (`k3_expert_fetcher::devices::least_loaded`, in request order, as the fetcher does):
+/// (`pack-experts --copies`, laid out by `k3_model::experts::stripe_copies`), the misses'
+/// copies chosen as the fetcher chooses them (`k3_expert_fetcher::devices::assign_copies`:
+/// the least busy drive read by read, then moves until the busiest is as low as it can be):
 /// the expected busiest drive's reads over an equal share, estimated over
 /// [`BALANCE_TRIALS`] layers of `misses` experts drawn flat with a fixed seed, so the same
 /// arguments always give the same figure. One copy is [`stripe_balance`], exact. With
@@ -731,12 +731,10 @@ pub fn drive_balance(experts: u64, misses: f64, drives: u32, copies: u32) -> f64
     let mut busiest = 0u64;
     for _ in 0..BALANCE_TRIALS {
         let mut load = vec![0u64; d];
-        for i in rand::seq::index::sample(&mut rng, n, k).iter() {
-            let on = &holders[i];
-            if let Some(j) = k3_expert_fetcher::devices::least_loaded(on, &load) {
-                load[on[j]] += 1;
-            }
-        }
+        let on: Vec<Vec<usize>> = (rand::seq::index::sample(&mut rng, n, k).iter())
+            .map(|i| holders[i].clone())
+            .collect();
+        k3_expert_fetcher::devices::assign_copies(&on, &vec![1; k], &mut load);
         busiest += load.iter().copied().max().unwrap_or(0);
     }
     busiest as f64 / BALANCE_TRIALS as f64 / (k as f64 / d as f64)
@@ -1992,9 +1990,10 @@ mod tests {
 
     /// Copies of each expert (`pack-experts --copies`), each miss read from the least busy
     /// drive: with every expert on every drive a layer's reads split exactly (16 over 2
-    /// drives: 8 and 8; 15: 8 and 7), two copies over four drives fall between that and the
-    /// stripes, and one copy is the stripes. Catches copies ignored (the stripes' 1.17 for
-    /// two mirrored drives), and a figure that changes from call to call.
+    /// drives: 8 and 8; 15: 8 and 7), two copies over four drives come within 5% of that,
+    /// and one copy is the stripes. Catches copies ignored (the stripes' 1.17 for two
+    /// mirrored drives), copies chosen read by read only (1.16 over four), and a figure
+    /// that changes from call to call.
     #[test]
     fn copies_spread_a_layers_reads() {
         assert_eq!(drive_balance(64, 16.0, 2, 2), 1.0);
@@ -2005,7 +2004,9 @@ mod tests {
         assert_eq!(drive_balance(64, 16.0, 2, 3), 1.0);
         let two = drive_balance(896, 16.0, 4, 2);
         assert_eq!(two, drive_balance(896, 16.0, 4, 2));
-        assert!(two > 1.0 && two < 1.25, "{two}");
+        // Read by read alone, the least busy drive leaves 1.16 here; the fetcher's moves
+        // bring the busiest to the least it can be.
+        assert!(two > 1.0 && two < 1.05, "{two}");
         assert!(two < stripe_balance(896, 16.0, 4) - 0.25, "{two}");
         let mut t = PerToken {
             layer_misses: 16.0,

@@ -123,11 +123,83 @@ pub fn drives_of(paths: &[PathBuf]) -> usize {
 /// Which of an expert's copies to read, given the devices they are on (`devices[i]`: copy
 /// `i`'s) and the bytes a batch reads from each device so far (`load`, by device): the
 /// copy whose device has the fewest (the first such on a tie; a device `load` does not
-/// know counts as full). None for no copies. The fetcher applies it to a batch's misses in
-/// request order, adding each read's bytes to its device; `k3-orch project` replays it to
-/// project the busiest drive's share.
+/// know counts as full). None for no copies. The first pass of [`assign_copies`].
 pub fn least_loaded(devices: &[usize], load: &[u64]) -> Option<usize> {
     (0..devices.len()).min_by_key(|&i| (load.get(devices[i]).copied().unwrap_or(u64::MAX), i))
+}
+
+/// Which copy of each of a batch's reads to take, over every read at once: `on[i]` lists
+/// read `i`'s copies' devices, `bytes[i]` its size, and `load` (by device) the bytes going
+/// to each device already; it is updated. First [`least_loaded`] read by read, in order;
+/// then, when every read has the same size (a model's experts do), while a chain of moves
+/// (a read of the busiest device to another of its copies' devices, a read of that device
+/// to another of its own, ...) ends at a device that stays below the busiest, the chain is
+/// applied: each step takes one read off the busiest device and changes no other device's
+/// load but the chain's last. When no chain is left, every device the busiest can reach
+/// holds at least one read less than it, and the reads that can only go there leave some
+/// device of them that many in any choice: the busiest load is the least possible. Returns
+/// the chosen copy of each read. Deterministic: the same arguments, the same choice. The
+/// fetcher applies it to each batch's misses; `k3-orch project` replays it to project the
+/// busiest drive's share.
+pub fn assign_copies(on: &[Vec<usize>], bytes: &[u64], load: &mut [u64]) -> Vec<usize> {
+    let mut pick = vec![0usize; on.len()];
+    for (i, devs) in on.iter().enumerate() {
+        if let Some(j) = least_loaded(devs, load) {
+            pick[i] = j;
+            load[devs[j]] += bytes[i];
+        }
+    }
+    let equal = bytes.windows(2).all(|w| w[0] == w[1]);
+    if !equal || on.iter().all(|d| d.len() < 2) {
+        return pick;
+    }
+    let w = bytes.first().copied().unwrap_or(0);
+    // Each round takes a read off the busiest device or leaves one device fewer at the
+    // top, so rounds are bounded; the bound is a guard.
+    for _ in 0..on.len() * load.len() + 1 {
+        let Some(hi) = (0..load.len()).max_by_key(|&d| (load[d], std::cmp::Reverse(d))) else {
+            break;
+        };
+        // Breadth-first over devices from the busiest: how each was reached (the read
+        // moved into it, its copy index, the device it left).
+        let mut from: Vec<Option<(usize, usize, usize)>> = vec![None; load.len()];
+        let mut seen = vec![false; load.len()];
+        seen[hi] = true;
+        let mut queue = std::collections::VecDeque::from([hi]);
+        let mut end = None;
+        'search: while let Some(u) = queue.pop_front() {
+            for (i, devs) in on.iter().enumerate() {
+                if devs.get(pick[i]) != Some(&u) {
+                    continue;
+                }
+                for (j, &v) in devs.iter().enumerate() {
+                    if v >= load.len() || seen[v] {
+                        continue;
+                    }
+                    seen[v] = true;
+                    from[v] = Some((i, j, u));
+                    if load[v] + w < load[hi] {
+                        end = Some(v);
+                        break 'search;
+                    }
+                    queue.push_back(v);
+                }
+            }
+        }
+        let Some(mut v) = end else {
+            break;
+        };
+        load[hi] -= w;
+        load[v] += w;
+        while let Some((i, j, u)) = from[v] {
+            pick[i] = j;
+            if u == hi {
+                break;
+            }
+            v = u;
+        }
+    }
+    pick
 }
 
 /// `items` in disk order per device, the devices taking turns: sorted by `key` (the device,

@@ -43,7 +43,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::devices::{interleave, least_loaded, DeviceMap};
+use crate::devices::{assign_copies, interleave, DeviceMap};
 use crate::locate::{ExpertExtents, Extent, Locate};
 use crate::trace::TraceRecorder;
 use k3_io::arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
@@ -1099,8 +1099,6 @@ impl ExpertFetcher {
     fn reserve(&mut self, b: &mut Batch, pending: Vec<u32>, io: &mut dyn BatchIo) {
         let (layer, publish) = (b.layer, b.publish);
         let mut deferred: Vec<(u32, ExpertExtents)> = Vec::new();
-        // Bytes this batch reads from each device so far (where an expert has copies).
-        let mut load = vec![0u64; self.pool.devices.len()];
         for id in pending {
             let key = (layer, id);
             if let Some(&s) = self.index.get(&key) {
@@ -1126,7 +1124,7 @@ impl ExpertFetcher {
             if publish && self.adopt_guess(b, key) {
                 continue; // guess: its read is in flight; it counts when it lands
             }
-            let Some(loc) = self.place(layer, id, &mut load) else {
+            let Some(loc) = self.locator.locate(layer, id) else {
                 self.fail_request(FetchError::Unknown { layer, expert: id }, publish, io);
                 b.summary.failed += 1;
                 continue;
@@ -1155,6 +1153,7 @@ impl ExpertFetcher {
                 None => deferred.push((id, loc)),
             }
         }
+        self.choose_copies(layer, &mut b.misses, &mut deferred);
         let devices = &self.pool.devices;
         b.deferred = interleave(deferred, |(_, l)| {
             (devices.device_of(l.file), (l.file, l.start()))
@@ -1162,21 +1161,49 @@ impl ExpertFetcher {
         .into();
     }
 
-    /// The copy of `(layer, id)` to read: the one whose device has the fewest bytes in
-    /// `load` ([`least_loaded`]), whose bytes it then adds there. With one copy per expert that is its only location. Greedy in request
-    /// order: with every expert on every drive a batch's misses alternate over the drives;
-    /// with two copies over more drives no drive reads much more than its share, where
-    /// plain stripes leave the busiest drive 1.2-2x its share. Which copy is read changes
-    /// no bit (they hold the same bytes, checked by `pack-experts --verify`) and no slot.
-    fn place(&self, layer: u32, id: u32, load: &mut [u64]) -> Option<ExpertExtents> {
-        let mut all = self.locator.copies(layer, id);
-        let devices = &self.pool.devices;
-        let on: Vec<usize> = all.iter().map(|l| devices.device_of(l.file)).collect();
-        let best = least_loaded(&on, load)?;
-        if let Some(b) = load.get_mut(on[best]) {
-            *b += all[best].span();
+    /// Where the experts have copies (`pack-experts --copies`), which copy each of the
+    /// batch's reads (`misses`, then `deferred`, in request order) takes: the choice of
+    /// [`assign_copies`] over all of them at once, so the busiest drive reads as few of
+    /// the layer's experts as the copies allow (plain stripes leave it 1.2-2x its share).
+    /// Copies are laid out alike ([`crate::ExpertTable::insert_copy`]), so a slot claimed
+    /// for one holds any; they hold the same bytes (`pack-experts --verify`), so which is
+    /// read changes no bit and no slot.
+    fn choose_copies(
+        &self,
+        layer: u32,
+        misses: &mut [(usize, ExpertExtents)],
+        deferred: &mut [(u32, ExpertExtents)],
+    ) {
+        let ids: Vec<u32> = (misses.iter().map(|(s, _)| self.slots[*s].key.1))
+            .chain(deferred.iter().map(|(id, _)| *id))
+            .collect();
+        let mut copies: Vec<Vec<ExpertExtents>> = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            copies.push(self.locator.copies(layer, id));
         }
-        Some(all.swap_remove(best))
+        if copies.iter().all(|c| c.len() < 2) {
+            return;
+        }
+        let devices = &self.pool.devices;
+        let on: Vec<Vec<usize>> = (copies.iter())
+            .map(|c| c.iter().map(|l| devices.device_of(l.file)).collect())
+            .collect();
+        let bytes: Vec<u64> = copies
+            .iter()
+            .map(|c| c.first().map_or(0, |l| l.span()))
+            .collect();
+        let mut load = vec![0u64; devices.len()];
+        let pick = assign_copies(&on, &bytes, &mut load);
+        let locs = misses.iter_mut().map(|(_, l)| l);
+        for ((loc, mut c), j) in locs
+            .chain(deferred.iter_mut().map(|(_, l)| l))
+            .zip(copies)
+            .zip(pick)
+        {
+            if j < c.len() {
+                *loc = c.swap_remove(j);
+            }
+        }
     }
 
     /// 2. Issue the reads in disk order (per drive, the drives taking turns). The batch's slots form a rotation in the order
