@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Experts over one drive against two (issue 35): two block devices backed by files (loop
+# Experts over one drive against several (issue 35): DRIVES (2) block devices backed by files (loop
 # devices with direct I/O, each under a dm-linear target when dmsetup works), each with an
 # ext4 file system, each throttled to the same read rate with the cgroup v1
 # `blkio.throttle.read_bps_device` of the cgroup the runs are started in. The routed
@@ -9,14 +9,15 @@
 # the prompt),
 # totals.disk_busy (the busiest watched disk's busy seconds per decode step, and its share
 # of the step time; the time a read waits in the throttle is not busy time) and the ids,
-# which must be identical. Both backing files sit on the local disk, which the --trunk and
+# which must be identical. The backing files sit on the local disk, which the --trunk and
 # the lm_head stream from as well: where those streams are large (--mem-gb 5.5 on the
 # slice) the devices share that disk's bandwidth. With FAIL_RUN=1 a third run over
 # A and B has B's table swapped for a dm `error` target FAIL_AFTER seconds into the run:
 # it must exit 4, naming the device.
 #
-# MIRROR=1 adds a third layout, "mirror": every expert on both devices (`pack-experts
-# --copies 2`), each read from the device with fewer of the layer's reads.
+# The layouts: "one" (every expert on device A), "two" (striped round-robin over the
+# DRIVES devices: A and B, or A to D) and, with MIRROR=1, "mirror" (`pack-experts --copies
+# 2` over the same devices: every expert on two of them, each read from the less busy).
 #
 # ROUNDS=N alternates the layouts N times (one, two[, mirror], one, ...) over the same packs.
 # After the runs, `k3-orch project` is asked for each layout, in the throttled cgroup (so
@@ -36,7 +37,7 @@
 # 400), EXTRA (more flags for every run, split on spaces: e.g. EXTRA="--cache-gb 0.8424"
 # for a 48-slot arena), WORK (backing files and mounts, default /var/tmp/k3-bench-drives: needs about 2x
 # the model's size, sparse, 3x with MIRROR=1; NAME.json reports and NAME.ids stay there),
-# MIRROR (0), FAIL_RUN (0), FAIL_AFTER (seconds, default 10; 0 swaps before the run
+# DRIVES (2, 3 or 4 devices for the striped and mirror layouts), MIRROR (0), FAIL_RUN (0), FAIL_AFTER (seconds, default 10; 0 swaps before the run
 # starts). Needs root, loop devices, mkfs.ext4, jq, and the cgroup v1 blkio
 # controller. Only meaningful on a quiet machine: `uptime` is printed at start and end.
 # Everything it sets up is torn down on exit (trap), also after a failure.
@@ -58,6 +59,10 @@ FAIL_RUN=${FAIL_RUN:-0}
 FAIL_AFTER=${FAIL_AFTER:-10}
 ROUNDS=${ROUNDS:-1}
 MIRROR=${MIRROR:-0}
+DRIVES=${DRIVES:-2}
+[[ "$DRIVES" =~ ^[2-4]$ ]] || { echo "bench-drives.sh: DRIVES=$DRIVES: 2, 3 or 4" >&2; exit 2; }
+NAMES=(a b c d)
+NAMES=("${NAMES[@]:0:$DRIVES}")
 LAYOUTS=(one two)
 [ "$MIRROR" = 1 ] && LAYOUTS+=(mirror)
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench-drives.sh: ROUNDS=$ROUNDS is not a positive whole number" >&2; exit 2; }
@@ -94,7 +99,7 @@ teardown() {
   fi
   # Only what this script made: the backing files and the mount points (the reports and
   # ids stay in $WORK).
-  rm -f "$WORK/a.img" "$WORK/b.img"
+  for n in a b c d; do rm -f "$WORK/$n.img"; done
   for m in "${MOUNTS[@]}"; do rmdir "$m" 2> /dev/null; done
 }
 trap teardown EXIT
@@ -128,34 +133,42 @@ make_dev() {
   MOUNTS+=("$WORK/$name")
   DEV=$dev
 }
-# Device A holds the one-drive pack and half of the two-drive pack; B the other half; with
-# MIRROR=1 each also holds a whole copy.
+# Device A holds the one-drive pack and its share of the striped one; the others their
+# shares; with MIRROR=1 each also holds its share of two copies (sizes are sparse files'
+# upper bounds: the model's size stands for its experts').
 SLACK=$((512 << 20))
-make_dev a $((MODEL_BYTES * (3 + 2 * MIRROR) / 2 + SLACK))
-DEV_A=$DEV
-make_dev b $((MODEL_BYTES * (1 + 2 * MIRROR) / 2 + SLACK))
-DEV_B=$DEV
+DEVS=()
+for n in "${NAMES[@]}"; do
+  share=$((MODEL_BYTES * (1 + 2 * MIRROR) / DRIVES))
+  [ "$n" = a ] && share=$((share + MODEL_BYTES))
+  make_dev "$n" $((share + SLACK))
+  DEVS+=("$DEV")
+done
 
 mkdir "$CG"
 RATE=$((RATE_MB * 1000 * 1000))
-for dev in "$DEV_A" "$DEV_B"; do
+for dev in "${DEVS[@]}"; do
   majmin=$(lsblk -dno MAJ:MIN "$(readlink -f "$dev")" | tr -d ' ')
   echo "$majmin $RATE" > "$CG/blkio.throttle.read_bps_device"
 done
-echo "== devices: A=$DEV_A B=$DEV_B, each throttled to $RATE_MB MB/s (cgroup $CG)"
+echo "== devices: ${DEVS[*]} (A to ${NAMES[-1]^^}), each throttled to $RATE_MB MB/s (cgroup $CG)"
 
-mkdir -p "$WORK/a/one" "$WORK/a/two" "$WORK/b/two"
+# over LAYOUT: the layout's directory on every device.
+over() { for n in "${NAMES[@]}"; do echo "$WORK/$n/$1"; done; }
+mkdir -p "$WORK/a/one" $(over two)
 "$BIN" pack-experts "$MODEL" --to "$WORK/a/one"
-"$BIN" pack-experts "$MODEL" --to "$WORK/a/two" "$WORK/b/two"
+# shellcheck disable=SC2046 # one directory per line, no spaces in $WORK.
+"$BIN" pack-experts "$MODEL" --to $(over two)
 if [ "$MIRROR" = 1 ]; then
-  mkdir -p "$WORK/a/mirror" "$WORK/b/mirror"
-  "$BIN" pack-experts "$MODEL" --copies 2 --to "$WORK/a/mirror" "$WORK/b/mirror"
+  mkdir -p $(over mirror)
+  # shellcheck disable=SC2046
+  "$BIN" pack-experts "$MODEL" --copies 2 --to $(over mirror)
 fi
 # dirs LAYOUT: its --experts directories.
 dirs() {
   case $1 in
     one) echo "$WORK/a/one" ;;
-    *) echo "$WORK/a/$1,$WORK/b/$1" ;;
+    *) over "$1" | paste -sd, ;;
   esac
 }
 
@@ -179,7 +192,7 @@ sfx() { if [ "$1" -gt 1 ]; then echo "-$1"; fi; }
 for r in $(seq 1 "$ROUNDS"); do
   for l in "${LAYOUTS[@]}"; do run "$l$(sfx "$r")" "$(dirs "$l")"; done
 done
-echo "== results ($N tokens, --mem-gb $MEM_GB, $RATE_MB MB/s per device, $ROUNDS round(s))"
+echo "== results ($N tokens, --mem-gb $MEM_GB, $DRIVES devices at $RATE_MB MB/s each, $ROUNDS round(s))"
 decode() { jq '[.steps[1:][].seconds] | if length > 0 then add / length else 0 end' "$WORK/$1.json"; }
 for r in $(seq 1 "$ROUNDS"); do
   o=one$(sfx "$r")
@@ -222,7 +235,7 @@ if [ "$FAIL_RUN" = 1 ]; then
     fail_b() { dmsetup suspend --noflush "$name"; dmsetup load "$name" --table "0 $sectors error"; dmsetup resume "$name"; }
     [ "$FAIL_AFTER" = 0 ] && fail_b
     set +e
-    run fail "$WORK/a/two,$WORK/b/two" 2> "$WORK/fail.err" &
+    run fail "$(dirs two)" 2> "$WORK/fail.err" &
     pid=$!
     if [ "$FAIL_AFTER" != 0 ]; then sleep "$FAIL_AFTER"; fail_b; fi
     wait "$pid"
