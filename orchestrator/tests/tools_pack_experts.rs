@@ -106,9 +106,10 @@ fn packs_and_runs_with_the_same_ids_over_one_two_and_three_directories() {
 
 /// `--copies 2` over 2 and 3 directories: every expert in two of them (check_pack counts
 /// both copies, each byte-identical to the shard), the run gives the shards' ids and
-/// `--verify` passes. More copies than directories is refused (exit 2). A pack that lost
-/// one copy of an expert from a manifest is refused by the run (exit 2), naming the expert:
-/// catches a reader that trusts the first copy it finds.
+/// `--verify` passes, and `project` projects the pack's copies. More copies than
+/// directories is refused (exit 2). A pack that lost one copy of an expert from a manifest
+/// is refused by the run (exit 2), naming the expert: catches a reader that trusts the
+/// first copy it finds.
 #[test]
 fn copies_pack_and_run_with_the_same_ids() {
     let want = ids(&[]);
@@ -124,6 +125,23 @@ fn copies_pack_and_run_with_the_same_ids() {
         assert_eq!(p.copies(), 2);
         assert!(p.locations().values().all(|l| l.len() == 2));
         assert_eq!(ids(&["--experts", &join(&to)]), want, "{n} directories");
+        // `project` takes the copies from the pack.
+        let json = k3_ok(&[
+            "project",
+            s(&tiny()),
+            "--experts",
+            &join(&to),
+            "--drives",
+            &n.to_string(),
+            "--drive-gbps",
+            "1",
+            "--mem-gbps",
+            "10",
+            "--gmacs-per-core",
+            "1",
+            "--json",
+        ]);
+        assert!(json.contains("\"copies\":2"), "{json}");
     }
     let to = dirs(&tmp.path().join("c2"), 2);
     let (code, _, err) = pack(&tiny(), &to, &["--copies", "3"]);

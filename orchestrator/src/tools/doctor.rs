@@ -218,6 +218,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
     let drives = disk.map_or(1, |d| d.0);
     let flags = MachineFlags {
         drives,
+        copies: project::pack_copies(&a.experts),
         drive_gbps: a
             .drive_gbps
             .or(disk.map(|(n, bps)| bps / n.max(1) as f64 / GB)),

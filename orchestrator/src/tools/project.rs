@@ -1268,6 +1268,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         &shape,
         &MachineFlags {
             drives: 1,
+            copies: 1,
             drive_gbps: a.drive_gbps,
             probe: probe.as_deref(),
             mem_gbps: a.mem_gbps,
@@ -1293,13 +1294,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
             (m, if drives.is_empty() { vec![n] } else { drives })
         }
     };
-    machine.copies = match (a.copies, a.experts.is_empty()) {
-        (Some(c), _) => c,
-        (None, false) => {
-            k3_model::experts::PackedExperts::open(&a.experts).map_or(1, |p| p.copies() as u32)
-        }
-        (None, true) => 1,
-    };
+    machine.copies = a.copies.unwrap_or_else(|| pack_copies(&a.experts));
     if a.json {
         print!("{}", json_rows(&shape, &budgets, &drives, &machine, &hits));
     } else {
@@ -1374,6 +1369,15 @@ pub fn with_expert_drives(
         ..machine
     };
     (m, n)
+}
+
+/// The copies of each expert in the pack in `dirs` (1 for no directories, or a pack that
+/// does not open: the run refuses it, naming why).
+pub fn pack_copies(dirs: &[PathBuf]) -> u32 {
+    if dirs.is_empty() {
+        return 1;
+    }
+    k3_model::experts::PackedExperts::open(dirs).map_or(1, |p| p.copies() as u32)
 }
 
 /// The machines of `--drives` (one drive when none is given).
@@ -1586,6 +1590,8 @@ pub fn largest_data_file(dir: &Path) -> Option<PathBuf> {
 /// What the machine's figures come from: given values, else measured here.
 pub struct MachineFlags<'a> {
     pub drives: u32,
+    /// Copies of each routed expert over the drives (`pack-experts --copies`).
+    pub copies: u32,
     pub drive_gbps: Option<f64>,
     /// A file on the drive to measure.
     pub probe: Option<&'a Path>,
@@ -1652,7 +1658,7 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
     };
     Machine {
         drives: f.drives,
-        copies: 1,
+        copies: f.copies.max(1),
         drive_bps,
         trunk_drive_bps,
         drive_source,
