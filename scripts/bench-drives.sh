@@ -37,8 +37,8 @@
 # 400), EXTRA (more flags for every run, split on spaces: e.g. EXTRA="--cache-gb 0.8424"
 # for a 48-slot arena), WORK (backing files and mounts, default /var/tmp/k3-bench-drives: needs about 2x
 # the model's size, sparse, 3x with MIRROR=1; NAME.json reports and NAME.ids stay there),
-# DRIVES (2, 3 or 4 devices for the striped and mirror layouts), MIRROR (0), FAIL_RUN (0), FAIL_AFTER (seconds, default 10; 0 swaps before the run
-# starts). Needs root, loop devices, mkfs.ext4, jq, and the cgroup v1 blkio
+# DRIVES (2, 3 or 4 devices for the striped and mirror layouts), MIRROR (0), FAIL_RUN (0),
+# FAIL_AFTER (seconds, default 10; 0 swaps before the run starts). Needs root, loop devices, mkfs.ext4, jq, and the cgroup v1 blkio
 # controller. Only meaningful on a quiet machine: `uptime` is printed at start and end.
 # Everything it sets up is torn down on exit (trap), also after a failure.
 set -euo pipefail

@@ -18,11 +18,12 @@
 //!
 //! Each directory's manifest lists its own experts (layer, expert, offset, length, where
 //! they came from, a sha256 for `--verify`), its place among the directories (`stripe` of
-//! `stripes`), the copies of each expert, the pack's id (one digest of the whole plan, the same in every directory of
-//! one pack) and the identity of the checkpoint ([`SourceIdentity`]). [`PackedExperts::open`]
-//! reads every directory given, in any order, and refuses a set that is not exactly one
-//! whole pack; [`PackedExperts::check_against`] refuses a pack of another checkpoint, or
-//! whose expert table does not match the checkpoint's headers.
+//! `stripes`), the copies of each expert, the pack's id (one digest of the whole plan, the
+//! same in every directory of one pack) and the identity of the checkpoint
+//! ([`SourceIdentity`]). [`PackedExperts::open`] reads every directory given, in any order,
+//! and refuses a set that is not exactly one whole pack; [`PackedExperts::check_against`]
+//! refuses a pack of another checkpoint, or whose expert table does not match the
+//! checkpoint's headers.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

@@ -304,6 +304,48 @@ fn a_failing_drive_exits_4_naming_it() {
     );
 }
 
+/// A failing pack directory under a pack with two copies of each expert (the first
+/// copy's directory, which every read goes to when both directories share a drive, as
+/// here): the run reads around it (exit 0, the shards' ids) and says what failed. Catches
+/// copies that are never used when a drive fails, and a failover that reads the wrong
+/// bytes.
+#[test]
+fn a_failing_drive_is_read_around_with_copies() {
+    let want = ids(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    let to = dirs(tmp.path(), 2);
+    k3_ok(&[
+        "pack-experts",
+        s(&tiny()),
+        "--copies",
+        "2",
+        "--to",
+        s(&to[0]),
+        s(&to[1]),
+    ]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args([
+            s(&tiny()),
+            "--ids",
+            IDS,
+            "--gen",
+            "4",
+            "--experts",
+            &join(&to),
+        ])
+        .env("K3_TEST_HOOKS", "1")
+        .env("K3_INJECT_DRIVE_FAILURE", &to[0])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), want, "{err}");
+    assert!(
+        err.contains("failed a read"),
+        "the failover must be said: {err}"
+    );
+}
+
 /// `doctor --experts` measures every drive the weights sit on: a pack in /dev/shm (tmpfs,
 /// another device than the fixture's) makes two, each named, and the projection uses
 /// their sum. Catches a doctor that measures only the model's drive.

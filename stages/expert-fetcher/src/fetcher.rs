@@ -230,6 +230,9 @@ pub struct FetchStats {
     pub bytes_read: u64,
     /// Wall-clock seconds during which reads were outstanding.
     pub io_seconds: f64,
+    /// Reads that failed on a drive and were read again from another copy of the expert
+    /// on a drive that had not failed (`pack-experts --copies`).
+    pub failovers: u64,
 }
 
 impl FetchStats {
@@ -270,6 +273,7 @@ impl FetchStats {
         self.reads += o.reads;
         self.bytes_read += o.bytes_read;
         self.io_seconds += o.io_seconds;
+        self.failovers += o.failovers;
     }
 }
 
@@ -298,6 +302,8 @@ struct Slot {
     /// Offset of the expert's first byte inside the slot, and its span.
     data_off: u64,
     len: u64,
+    /// The file its last read was issued to (which copy, where the expert has several).
+    file: u32,
 }
 
 const EMPTY_SLOT: Slot = Slot {
@@ -310,6 +316,7 @@ const EMPTY_SLOT: Slot = Slot {
     loaded_step: 0,
     data_off: 0,
     len: 0,
+    file: u32::MAX,
 };
 
 /// A raw pointer that may cross to a reader thread.
@@ -632,6 +639,9 @@ pub struct ExpertFetcher {
     early: HashSet<(u32, u32)>,
     /// guess: compute's guesses and their reads (`guess.rs`).
     guess: guess::GuessState,
+    /// Files that failed a read: where an expert has a copy in another file, it is read
+    /// there from then on ([`ExpertFetcher::failover`]).
+    down: BTreeSet<u32>,
 }
 
 /// The fetcher could not be built.
@@ -725,6 +735,7 @@ impl ExpertFetcher {
             batch_ids: HashSet::new(),
             early: HashSet::new(),
             guess: guess::GuessState::default(),
+            down: BTreeSet::new(),
         })
     }
 
@@ -1179,9 +1190,14 @@ impl ExpertFetcher {
             .collect();
         let mut copies: Vec<Vec<ExpertExtents>> = Vec::with_capacity(ids.len());
         for &id in &ids {
-            copies.push(self.locator.copies(layer, id));
+            let mut c = self.locator.copies(layer, id);
+            // A file that failed a read only where no other copy is left.
+            if c.iter().any(|l| !self.down.contains(&l.file)) {
+                c.retain(|l| !self.down.contains(&l.file));
+            }
+            copies.push(c);
         }
-        if copies.iter().all(|c| c.len() < 2) {
+        if copies.iter().all(|c| c.len() < 2) && self.down.is_empty() {
             return;
         }
         let devices = &self.pool.devices;
@@ -1231,6 +1247,7 @@ impl ExpertFetcher {
     /// Start the read of `loc` into slot `s` (already claimed) as the batch's next tag; a
     /// pool that stopped fails it.
     fn start_read(&mut self, b: &mut Batch, s: usize, loc: &ExpertExtents, io: &mut dyn BatchIo) {
+        self.slots[s].file = loc.file;
         if self.issue(b.tag, s, loc) {
             b.inflight.insert(b.tag, s);
             b.any_read = true;
@@ -1376,9 +1393,51 @@ impl ExpertFetcher {
                 }
             }
             Err(why) => {
+                if let Some(other) = self.failover(s, &why) {
+                    self.count(|c| c.failovers += 1);
+                    return self.start_read(b, s, &other, io);
+                }
                 self.fail_read(s, why, b.publish, io);
                 b.summary.failed += 1;
             }
+        }
+    }
+
+    /// A read into slot `s` failed with `why`: an I/O error or a short read marks its file
+    /// down (said once, as a warning naming the file and the error its device), and the expert's
+    /// first copy in a file that is not down, if any, is where to read it again, into the
+    /// same slot. None: the read fails as it would without copies (the run exits 4, naming
+    /// the device). The copies hold the same bytes, so the expert and the ids are
+    /// unchanged.
+    fn failover(&mut self, s: usize, why: &ReadFailure) -> Option<ExpertExtents> {
+        if !matches!(why, ReadFailure::Io(_) | ReadFailure::Short { .. }) {
+            return None;
+        }
+        let slot = &self.slots[s];
+        let (file, key) = (slot.file, slot.key);
+        let copies = self.locator.copies(key.0, key.1);
+        if copies.len() < 2 {
+            return None;
+        }
+        if self.down.insert(file) {
+            // `why` names the device.
+            let path = self.locator.files().get(file as usize);
+            tracing::warn!(
+                "{} failed a read ({why}); experts with a copy elsewhere are read from there \
+                 from now on",
+                path.map_or_else(|| format!("file {file}"), |p| p.display().to_string())
+            );
+        }
+        copies.into_iter().find(|l| !self.down.contains(&l.file))
+    }
+
+    /// A file that failed a read, for messages: its path and its device.
+    fn down_name(&self, file: u32) -> String {
+        let path = self.locator.files().get(file as usize);
+        let dev = self.pool.devices.name(self.pool.devices.device_of(file));
+        match path {
+            Some(p) => format!("{} (device {dev})", p.display()),
+            None => format!("file {file} (device {dev})"),
         }
     }
 
@@ -1482,7 +1541,7 @@ impl ExpertFetcher {
             "cache [{title}]\n  slots        : {} of {:.2} MB = {:.2} GB arena ({} resident, {} pinned)\n  \
              requests     : {}  hits {} ({:.2}%)  misses {}  evictions {}  failed {}\n  \
              of those hits : {} were read from disk this step; TRUE resident hit rate {:.2}%\n  \
-             read from disk: {:.2} GB in {:.2} s ({:.0} MB/s while loading), {} reads\n",
+             read from disk: {:.2} GB in {:.2} s ({:.0} MB/s while loading), {} reads\n{}",
             self.slots.len(),
             mb,
             self.slots.len() as f64 * mb / 1e3,
@@ -1500,6 +1559,16 @@ impl ExpertFetcher {
             st.io_seconds,
             st.mb_per_s(),
             st.reads,
+            if st.failovers > 0 {
+                let names: Vec<String> = self.down.iter().map(|&f| self.down_name(f)).collect();
+                format!(
+                    "  failed over  : {} reads read again from another copy (failed: {})\n",
+                    st.failovers,
+                    names.join(", ")
+                )
+            } else {
+                String::new()
+            }
         )
     }
 }

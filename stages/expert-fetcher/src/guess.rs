@@ -274,9 +274,10 @@ impl ExpertFetcher {
                 .sum()
         };
         let devices = &self.pool.devices;
+        // A file that failed a read (`down`) only where no other copy is left.
         let Some((busy, loc)) = (self.locator.copies(layer, id).into_iter())
             .map(|l| (busy(self, devices.device_of(l.file)), l))
-            .min_by_key(|(b, _)| *b)
+            .min_by_key(|(b, l)| (self.down.contains(&l.file), *b))
         else {
             return true;
         };
@@ -306,6 +307,7 @@ impl ExpertFetcher {
         slot.key = key;
         slot.data_off = loc.start() % ALIGN as u64;
         slot.len = loc.span();
+        slot.file = loc.file;
         if !self.issue(tag, s, &loc) {
             // The readers stopped: the guess is dropped (a request fails it plainly).
             self.slots[s] = EMPTY_SLOT;

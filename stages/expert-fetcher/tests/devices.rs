@@ -192,3 +192,63 @@ fn copies_spread_a_batch_over_the_drives() {
     f.fetch_batch(0, &[0, 1, 2, 3, 4, 5, 6, 7], |_| {});
     assert_eq!(reads.0.lock().unwrap().len(), 8, "hits read nothing");
 }
+
+/// Reads every file's bytes as the file number plus one; every read of file 1 fails.
+struct DeadSecond(Mutex<Vec<u32>>);
+
+impl ReadAt for DeadSecond {
+    fn read_at(&self, file: u32, _offset: u64, dst: &mut [u8]) -> io::Result<usize> {
+        self.0.lock().unwrap().push(file);
+        if file == 1 {
+            return Err(io::Error::other("injected EIO"));
+        }
+        dst.fill(file as u8 + 1);
+        Ok(dst.len())
+    }
+}
+
+/// Every expert on both drives and drive 1's file failing every read: each expert sent
+/// there is read again from drive 0 into the same slot, published with drive 0's bytes,
+/// none fails, and `failovers` counts them; the next batch sends nothing to that file. Catches a
+/// failure that ends the expert although a copy is left, a retry of the same dead drive,
+/// and a drive that keeps getting reads once it has failed. Without copies a failing drive
+/// fails its experts (`a_failing_drive_fails_its_experts_naming_it`).
+#[test]
+fn a_failing_drive_is_read_around_where_copies_are_left() {
+    let reads = Arc::new(DeadSecond(Mutex::new(Vec::new())));
+    let mut f = ExpertFetcher::new(
+        ExpertCacheConfig {
+            slots: 8,
+            slot_bytes: 0,
+            readers: 2,
+        },
+        mirrored(),
+        reads.clone(),
+    )
+    .unwrap();
+    f.set_devices(DeviceMap::from_keys(&[Some(7), Some(9)], |k| {
+        format!("fake{k}")
+    }));
+    let mut got = Vec::new();
+    f.fetch_batch(0, &[0, 1, 2, 3], |ev| match ev {
+        BatchEvent::Ready(a) => {
+            assert!(a.data.iter().all(|&b| b == 1), "expert {}", a.expert);
+            got.push(a.expert);
+        }
+        BatchEvent::Failed(e) => panic!("{e}"),
+    });
+    got.sort_unstable();
+    assert_eq!(got, vec![0, 1, 2, 3]);
+    let failed = reads.0.lock().unwrap().iter().filter(|&&x| x == 1).count();
+    assert!(failed >= 1, "the batch sent reads to both drives");
+    assert_eq!(f.total_stats().failovers, failed as u64);
+    assert_eq!(f.total_stats().failed, 0);
+    let before = reads.0.lock().unwrap().len();
+    f.fetch_batch(0, &[4, 5, 6, 7], |ev| {
+        assert!(matches!(ev, BatchEvent::Ready(_)), "{ev:?}");
+    });
+    let after: Vec<u32> = reads.0.lock().unwrap()[before..].to_vec();
+    assert_eq!(after, vec![0; 4], "drive 1 is down");
+    let report = f.render_stats("run", &f.total_stats());
+    assert!(report.contains("(failed: /b/1 (device fake9))"), "{report}");
+}
