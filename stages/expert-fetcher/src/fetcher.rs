@@ -231,8 +231,15 @@ pub struct FetchStats {
     /// Wall-clock seconds during which reads were outstanding.
     pub io_seconds: f64,
     /// Reads that failed on a drive and were read again from another copy of the expert
-    /// on a drive that had not failed (`pack-experts --copies`).
+    /// on a drive that had not failed (`pack-experts --copies`). Left out of the JSON
+    /// when 0, so a run without failures reports what it did before copies existed (the
+    /// replay recordings compare it).
+    #[serde(skip_serializing_if = "is_zero")]
     pub failovers: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl FetchStats {
