@@ -274,6 +274,25 @@ fn refuses_a_foreign_or_partial_pack() {
     assert!(err.contains("stripe 0 not given"), "{err}");
 }
 
+/// A staged run of `gen` tokens over the pack in `to`, every read of `failing` (a pack
+/// directory) failing through the test hook.
+fn run_failing(to: &[PathBuf], failing: &Path, gen: &str) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
+        .args([
+            s(&tiny()),
+            "--ids",
+            IDS,
+            "--gen",
+            gen,
+            "--experts",
+            &join(to),
+        ])
+        .env("K3_TEST_HOOKS", "1")
+        .env("K3_INJECT_DRIVE_FAILURE", failing)
+        .output()
+        .unwrap()
+}
+
 /// A drive that fails while the run reads it (every read of one pack directory fails,
 /// through the test hook): exit 4, and the failure names the drive. Catches a failure
 /// that is silent (exit 0 with other ids) or ends the run without its report (exit 1).
@@ -282,20 +301,7 @@ fn a_failing_drive_exits_4_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
     let to = dirs(tmp.path(), 2);
     k3_ok(&["pack-experts", s(&tiny()), "--to", s(&to[0]), s(&to[1])]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
-        .args([
-            s(&tiny()),
-            "--ids",
-            IDS,
-            "--gen",
-            "2",
-            "--experts",
-            &join(&to),
-        ])
-        .env("K3_TEST_HOOKS", "1")
-        .env("K3_INJECT_DRIVE_FAILURE", &to[1])
-        .output()
-        .unwrap();
+    let out = run_failing(&to, &to[1], "2");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(4), "{err}");
     assert!(
@@ -323,20 +329,7 @@ fn a_failing_drive_is_read_around_with_copies() {
         s(&to[0]),
         s(&to[1]),
     ]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_k3-orch"))
-        .args([
-            s(&tiny()),
-            "--ids",
-            IDS,
-            "--gen",
-            "4",
-            "--experts",
-            &join(&to),
-        ])
-        .env("K3_TEST_HOOKS", "1")
-        .env("K3_INJECT_DRIVE_FAILURE", &to[0])
-        .output()
-        .unwrap();
+    let out = run_failing(&to, &to[0], "4");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert_eq!(String::from_utf8_lossy(&out.stdout), want, "{err}");

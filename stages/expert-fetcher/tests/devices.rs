@@ -151,6 +151,24 @@ fn mirrored() -> Arc<ExpertTable> {
     Arc::new(t)
 }
 
+/// 8 slots over [`mirrored`], on two fake drives, reading through `reader`.
+fn mirrored_fetcher(reader: Arc<dyn ReadAt>) -> ExpertFetcher {
+    let mut f = ExpertFetcher::new(
+        ExpertCacheConfig {
+            slots: 8,
+            slot_bytes: 0,
+            readers: 2,
+        },
+        mirrored(),
+        reader,
+    )
+    .unwrap();
+    f.set_devices(DeviceMap::from_keys(&[Some(7), Some(9)], |k| {
+        format!("fake{k}")
+    }));
+    f
+}
+
 /// Every expert on both drives (`pack-experts --copies 2`): a batch of 8 misses reads 4 from
 /// each drive, and each expert is published whole. Catches a fetcher that reads the first
 /// copy only (all 8 from drive 0: the layer waits for one drive reading everything), and a
@@ -159,19 +177,7 @@ fn mirrored() -> Arc<ExpertTable> {
 #[test]
 fn copies_spread_a_batch_over_the_drives() {
     let reads = Arc::new(Counting(Mutex::new(Vec::new())));
-    let mut f = ExpertFetcher::new(
-        ExpertCacheConfig {
-            slots: 8,
-            slot_bytes: 0,
-            readers: 2,
-        },
-        mirrored(),
-        reads.clone(),
-    )
-    .unwrap();
-    f.set_devices(DeviceMap::from_keys(&[Some(7), Some(9)], |k| {
-        format!("fake{k}")
-    }));
+    let mut f = mirrored_fetcher(reads.clone());
     let mut got = Vec::new();
     f.fetch_batch(0, &[5, 1, 7, 0, 2, 6, 3, 4], |ev| match ev {
         BatchEvent::Ready(a) => {
@@ -209,26 +215,14 @@ impl ReadAt for DeadSecond {
 
 /// Every expert on both drives and drive 1's file failing every read: each expert sent
 /// there is read again from drive 0 into the same slot, published with drive 0's bytes,
-/// none fails, and `failovers` counts them; the next batch sends nothing to that file. Catches a
-/// failure that ends the expert although a copy is left, a retry of the same dead drive,
-/// and a drive that keeps getting reads once it has failed. Without copies a failing drive
+/// none fails, and `failovers` counts them; the next batch sends nothing to that file.
+/// Catches a failure that ends the expert although a copy is left, a retry of the same
+/// dead drive, and a drive that keeps getting reads once it has failed. Without copies a failing drive
 /// fails its experts (`a_failing_drive_fails_its_experts_naming_it`).
 #[test]
 fn a_failing_drive_is_read_around_where_copies_are_left() {
     let reads = Arc::new(DeadSecond(Mutex::new(Vec::new())));
-    let mut f = ExpertFetcher::new(
-        ExpertCacheConfig {
-            slots: 8,
-            slot_bytes: 0,
-            readers: 2,
-        },
-        mirrored(),
-        reads.clone(),
-    )
-    .unwrap();
-    f.set_devices(DeviceMap::from_keys(&[Some(7), Some(9)], |k| {
-        format!("fake{k}")
-    }));
+    let mut f = mirrored_fetcher(reads.clone());
     let mut got = Vec::new();
     f.fetch_batch(0, &[0, 1, 2, 3], |ev| match ev {
         BatchEvent::Ready(a) => {
