@@ -223,7 +223,7 @@ fn run(a: &Args) -> Result<(), Fail> {
             "{} already hold a complete pack of this checkpoint ({} experts); nothing to pack \
              (--force re-packs)",
             a.to.len(),
-            runs.len()
+            total_experts
         );
     } else {
         check_room(&plan, &todo)?;

@@ -549,6 +549,11 @@ impl Machine {
         k3_trunk_loader::decode_cores(self.cores, self.cores)
     }
 
+    /// The copies of each expert that count: at most one per drive.
+    pub fn copies_used(&self) -> u32 {
+        self.copies.clamp(1, self.drives.max(1))
+    }
+
     /// One line describing it.
     pub fn describe(&self) -> String {
         let trunk = if self.trunk_drive_bps == self.drive_bps {
@@ -729,12 +734,13 @@ pub fn drive_balance(experts: u64, misses: f64, drives: u32, copies: u32) -> f64
     }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x6b33_6472_6976_6573);
     let mut busiest = 0u64;
+    let unit = vec![1u64; k];
     for _ in 0..BALANCE_TRIALS {
         let mut load = vec![0u64; d];
         let on: Vec<Vec<usize>> = (rand::seq::index::sample(&mut rng, n, k).iter())
             .map(|i| holders[i].clone())
             .collect();
-        k3_expert_fetcher::devices::assign_copies(&on, &vec![1; k], &mut load);
+        k3_expert_fetcher::devices::assign_copies(&on, &unit, &mut load);
         busiest += load.iter().copied().max().unwrap_or(0);
     }
     busiest as f64 / BALANCE_TRIALS as f64 / (k as f64 / d as f64)
@@ -1407,7 +1413,7 @@ fn json_rows(
                 Ok(p) => serde_json::json!({
                     "mem_gb": b as f64 / GB,
                     "drives": mach.drives,
-                    "copies": mach.copies.min(mach.drives.max(1)),
+                    "copies": mach.copies_used(),
                     "drive_gbps": mach.drive_bps / GB,
                     "pinned": p.pinned,
                     "cache_slots": p.cache_slots,
@@ -1518,7 +1524,7 @@ fn report(
 
 /// How the experts lie over the drives, for the stripes line.
 fn layout(m: &Machine) -> String {
-    match m.copies.min(m.drives.max(1)) {
+    match m.copies_used() {
         1 => "round-robin stripes".into(),
         c => format!("{c} copies of each expert, each read from the least busy"),
     }

@@ -1195,15 +1195,10 @@ impl ExpertFetcher {
         let ids: Vec<u32> = (misses.iter().map(|(s, _)| self.slots[*s].key.1))
             .chain(deferred.iter().map(|(id, _)| *id))
             .collect();
-        let mut copies: Vec<Vec<ExpertExtents>> = Vec::with_capacity(ids.len());
-        for &id in &ids {
-            let mut c = self.locator.copies(layer, id);
-            // A file that failed a read only where no other copy is left.
-            if c.iter().any(|l| !self.down.contains(&l.file)) {
-                c.retain(|l| !self.down.contains(&l.file));
-            }
-            copies.push(c);
-        }
+        let copies: Vec<Vec<ExpertExtents>> =
+            ids.iter().map(|&id| self.live_copies(layer, id)).collect();
+        // Nothing to choose, and `reserve` located each read at its only copy. (With a
+        // file down, a read it located there must move even when one copy is left.)
         if copies.iter().all(|c| c.len() < 2) && self.down.is_empty() {
             return;
         }
@@ -1410,10 +1405,20 @@ impl ExpertFetcher {
         }
     }
 
+    /// The copies of `(layer, id)` ([`Locate::copies`]) less those in files that failed a
+    /// read, unless no other copy is left (then all of them: the read fails plainly).
+    pub(super) fn live_copies(&self, layer: u32, id: u32) -> Vec<ExpertExtents> {
+        let mut c = self.locator.copies(layer, id);
+        if c.iter().any(|l| !self.down.contains(&l.file)) {
+            c.retain(|l| !self.down.contains(&l.file));
+        }
+        c
+    }
+
     /// A read into slot `s` failed with `why`: an I/O error or a short read marks its file
-    /// down (said once, as a warning naming the file and the error its device), and the expert's
-    /// first copy in a file that is not down, if any, is where to read it again, into the
-    /// same slot. None: the read fails as it would without copies (the run exits 4, naming
+    /// down (said once, as a warning naming the file and the error its device), and the
+    /// expert's first copy in a file that is not down, if any, is where to read it again,
+    /// into the same slot. None: the read fails as it would without copies (the run exits 4, naming
     /// the device). The copies hold the same bytes, so the expert and the ids are
     /// unchanged.
     fn failover(&mut self, s: usize, why: &ReadFailure) -> Option<ExpertExtents> {
@@ -1428,24 +1433,27 @@ impl ExpertFetcher {
         }
         if self.down.insert(file) {
             // `why` names the device.
-            let path = self.locator.files().get(file as usize);
             tracing::warn!(
                 "{} failed a read ({why}); experts with a copy elsewhere are read from there \
                  from now on",
-                path.map_or_else(|| format!("file {file}"), |p| p.display().to_string())
+                self.file_path(file)
             );
         }
         copies.into_iter().find(|l| !self.down.contains(&l.file))
     }
 
-    /// A file that failed a read, for messages: its path and its device.
-    fn down_name(&self, file: u32) -> String {
-        let path = self.locator.files().get(file as usize);
-        let dev = self.pool.devices.name(self.pool.devices.device_of(file));
-        match path {
-            Some(p) => format!("{} (device {dev})", p.display()),
-            None => format!("file {file} (device {dev})"),
+    /// File `file`'s path, for messages.
+    fn file_path(&self, file: u32) -> String {
+        match self.locator.files().get(file as usize) {
+            Some(p) => p.display().to_string(),
+            None => format!("file {file}"),
         }
+    }
+
+    /// A file that failed a read, for the report: its path and its device.
+    fn down_name(&self, file: u32) -> String {
+        let dev = self.pool.devices.name(self.pool.devices.device_of(file));
+        format!("{} (device {dev})", self.file_path(file))
     }
 
     /// 4. The batch is over: its slots become ordinary LRU entries, in the order they

@@ -265,19 +265,18 @@ impl ExpertFetcher {
             return true;
         }
         // Each drive has `readers` readers of its own: half of them at most, on the drive
-        // this read goes to; of an expert's copies, the one on the drive with the fewest
-        // guess pieces in flight.
-        let busy = |f: &ExpertFetcher, dev: usize| -> usize {
+        // this read goes to; of an expert's live copies, the one on the drive with the
+        // fewest guess pieces in flight.
+        let pieces_on = |f: &ExpertFetcher, dev: usize| -> usize {
             (f.guess.inflight.values())
                 .filter(|&&(_, _, d)| d == dev)
                 .map(|&(_, p, _)| p)
                 .sum()
         };
         let devices = &self.pool.devices;
-        // A file that failed a read (`down`) only where no other copy is left.
-        let Some((busy, loc)) = (self.locator.copies(layer, id).into_iter())
-            .map(|l| (busy(self, devices.device_of(l.file)), l))
-            .min_by_key(|(b, l)| (self.down.contains(&l.file), *b))
+        let Some((busy, loc)) = (self.live_copies(layer, id).into_iter())
+            .map(|l| (pieces_on(self, devices.device_of(l.file)), l))
+            .min_by_key(|(b, _)| *b)
         else {
             return true;
         };
