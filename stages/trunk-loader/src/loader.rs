@@ -1,5 +1,5 @@
-//! The trunk loader: pinned layers loaded once, the other layers streamed through a ring of
-//! slots by a reader thread that runs ahead in layer order as far as free slots allow.
+//! The trunk loader: pinned layers loaded once, the other layers streamed through a ring
+//! ([`Ring`]) by a reader thread that runs ahead in layer order as far as its free bytes allow.
 //!
 //! The consumer walks layers 0..L-1 on every token: [`TrunkLoader::acquire`] blocks until
 //! the layer is in memory and returns where it is; [`TrunkLoader::release`] gives a streamed
@@ -285,19 +285,93 @@ enum Loaded {
     Failed(UnitReadError),
 }
 
+/// One streamed unit in the ring: where it sits and how far it got.
 #[derive(Clone, Debug)]
 struct RingSlot {
+    /// None once released (or failed and passed over); its bytes are free when every older
+    /// entry's are ([`Ring::place`]).
     layer: Option<usize>,
     loaded: Loaded,
     acquired: bool,
     /// Bytes the read that loaded it transferred (counted as served when acquired).
     bytes: u64,
+    /// Its region: `[at, at + len)` from the ring's first byte.
+    at: u64,
+    len: u64,
+}
+
+/// The ring's bytes. The reader reads units in the order the consumer uses them.
+///
+/// - **One slot** (the plan under a tight budget): the bytes are handed out first in,
+///   first out. Each unit is placed right after the one read before it (wrapping to the
+///   start when the end cannot hold it) as soon as the units before it have given back
+///   enough room, so the slot holds a small unit in use and reads the next one beside it
+///   (a latent MoE layer's 51 MB phase-4 part held through the expert wait, the next
+///   layer's 176 MB output projection read meanwhile). A unit released before an older one
+///   stays counted until the older one goes. With nothing held the whole slot is free, so
+///   it never holds fewer units than one whole slot would.
+/// - **Several slots**: whole slots, one unit each. First in, first out could hold fewer
+///   there (a unit that does not fit before the wrap waits while a whole slot is free).
+#[derive(Debug, Default)]
+struct Ring {
+    /// Entries, oldest first.
+    entries: std::collections::VecDeque<RingSlot>,
+    /// The plan's slots and bytes per slot.
+    slots: usize,
+    slot: u64,
+}
+
+impl Ring {
+    fn new(slots: usize, slot: u64) -> Ring {
+        Ring {
+            entries: Default::default(),
+            slots,
+            slot,
+        }
+    }
+
+    /// Where a unit of `len` bytes (at most a slot) would go now, if anywhere, from the
+    /// ring's first byte (released entries are dropped first).
+    fn place(&mut self, len: u64) -> Option<u64> {
+        if self.slots > 1 {
+            self.entries.retain(|e| e.layer.is_some());
+            return (0..self.slots as u64)
+                .map(|k| k * self.slot)
+                .find(|&at| self.entries.iter().all(|e| e.at != at));
+        }
+        while self.entries.front().is_some_and(|e| e.layer.is_none()) {
+            self.entries.pop_front();
+        }
+        let cap = self.slot * self.slots as u64;
+        let (Some(front), Some(back)) = (self.entries.front(), self.entries.back()) else {
+            return (len <= cap).then_some(0);
+        };
+        let (tail, head) = (front.at, back.at + back.len);
+        if back.at >= tail {
+            // One run [tail, head): after it, or else from the start up to the tail.
+            if head + len <= cap {
+                Some(head)
+            } else {
+                (len <= tail).then_some(0)
+            }
+        } else {
+            // Wrapped: the free bytes are [head, tail).
+            (head + len <= tail).then_some(head)
+        }
+    }
+
+    /// The entry holding `layer`, acquired or not yet.
+    fn find(&self, layer: usize, acquired: bool) -> Option<usize> {
+        self.entries
+            .iter()
+            .position(|s| s.layer == Some(layer) && s.acquired == acquired)
+    }
 }
 
 struct State {
     pinned: Vec<Loaded>,
     pinned_used: Vec<bool>,
-    ring: Vec<RingSlot>,
+    ring: Ring,
     /// The streamed layer the consumer must acquire next.
     next_consume: usize,
     stop: bool,
@@ -320,7 +394,7 @@ struct Shared {
     plan: TrunkPlan,
     /// Arena offset of each pinned layer's page-mirror.
     pinned_at: Vec<u64>,
-    /// Arena offset of ring slot 0.
+    /// Arena offset of the ring's first byte.
     ring_at: u64,
     reader: Arc<dyn ReadAt>,
     file: u32,
@@ -528,7 +602,7 @@ impl Shared {
         let mut next = p.pinned;
         loop {
             // Wait for a free slot (and, holding the wrap, for the pass that uses it).
-            let slot = {
+            let at = {
                 let mut st = self.lock();
                 loop {
                     if st.stop {
@@ -537,41 +611,54 @@ impl Shared {
                     // Pass 1's first streamed unit is read at once; pass n + 1's once the
                     // consumer has opened it.
                     let held = next == p.pinned && st.wraps > 0 && st.wrap_closed();
-                    let free = if held {
-                        None
-                    } else {
-                        st.ring.iter().position(|s| s.layer.is_none())
-                    };
-                    if let Some(i) = free {
-                        st.ring[i] = RingSlot {
+                    let len = self.units[next].footprint();
+                    let free = if held { None } else { st.ring.place(len) };
+                    if let Some(at) = free {
+                        st.ring.entries.push_back(RingSlot {
                             layer: Some(next),
                             loaded: Loaded::No,
                             acquired: false,
                             bytes: 0,
-                        };
+                            at,
+                            len,
+                        });
                         if next == p.pinned {
                             st.wraps += 1;
                         }
-                        break i;
+                        break at;
                     }
                     st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            let at = self.ring_at + slot as u64 * p.slot_bytes;
             let t0 = Instant::now();
-            let r = self.read_layer(next, at, p.slot_bytes);
+            let r = self.read_layer(next, self.ring_at + at, p.slot_bytes);
             let dt = t0.elapsed().as_secs_f64();
             let mut st = self.lock();
             st.stats.io_seconds += dt;
-            st.ring[slot].loaded = match r {
+            let loaded = match r {
                 Ok(b) => {
                     st.stats.reads += 1;
                     st.stats.bytes_read += b;
-                    st.ring[slot].bytes = b;
-                    Loaded::Yes
+                    Ok(b)
                 }
-                Err(w) => Loaded::Failed(w),
+                Err(w) => Err(w),
             };
+            // The newest entry with this unit and not yet loaded: the one just placed.
+            if let Some(e) = st
+                .ring
+                .entries
+                .iter_mut()
+                .rev()
+                .find(|e| e.layer == Some(next) && e.at == at)
+            {
+                match loaded {
+                    Ok(b) => {
+                        e.bytes = b;
+                        e.loaded = Loaded::Yes;
+                    }
+                    Err(w) => e.loaded = Loaded::Failed(w),
+                }
+            }
             drop(st);
             self.cv.notify_all();
             next = self.next_streamed(next);
@@ -756,15 +843,7 @@ impl TrunkLoader {
                 pinned_used: vec![false; plan.pinned],
                 pinned_bytes: vec![0; plan.pinned],
                 served_bytes: 0,
-                ring: vec![
-                    RingSlot {
-                        layer: None,
-                        loaded: Loaded::No,
-                        acquired: false,
-                        bytes: 0,
-                    };
-                    plan.ring_slots
-                ],
+                ring: Ring::new(plan.ring_slots, plan.slot_bytes),
                 next_consume: plan.pinned,
                 stop: false,
                 hold_wrap: false,
@@ -882,28 +961,25 @@ impl TrunkLoader {
                 expected: st.next_consume,
             });
         }
-        let started = st.ring.iter().any(|s| s.layer == Some(layer));
+        let started = st.ring.entries.iter().any(|s| s.layer == Some(layer));
         if layer == p.pinned && !started && st.wrap_closed() {
             // The consumer wants the held unit: its pass has started, opened or not.
             st.opened = st.wraps + 1;
             sh.cv.notify_all();
         }
         loop {
-            if let Some(i) = st
-                .ring
-                .iter()
-                .position(|s| s.layer == Some(layer) && !s.acquired)
-            {
-                match &st.ring[i].loaded {
+            if let Some(i) = st.ring.find(layer, false) {
+                let at = st.ring.entries[i].at;
+                match &st.ring.entries[i].loaded {
                     Loaded::Yes => {
-                        st.ring[i].acquired = true;
-                        st.served_bytes += std::mem::take(&mut st.ring[i].bytes);
+                        st.ring.entries[i].acquired = true;
+                        st.served_bytes += std::mem::take(&mut st.ring.entries[i].bytes);
                         st.next_consume = sh.next_streamed(layer);
                         st.stats.binds += 1;
                         st.stats.wait_seconds += t0.elapsed().as_secs_f64();
                         return Ok(LayerHandle {
                             layer,
-                            arena_offset: sh.ring_at + i as u64 * p.slot_bytes + head,
+                            arena_offset: sh.ring_at + at + head,
                             len,
                             hit: false,
                         });
@@ -911,7 +987,7 @@ impl TrunkLoader {
                     Loaded::Failed(w) => {
                         // Give the slot back so the stream can go on, and move past the layer.
                         let why = w.clone();
-                        st.ring[i].layer = None;
+                        st.ring.entries[i].layer = None;
                         st.next_consume = sh.next_streamed(layer);
                         st.stats.binds += 1;
                         drop(st);
@@ -935,19 +1011,10 @@ impl TrunkLoader {
             return Ok(());
         }
         let mut st = sh.lock();
-        let Some(i) = st
-            .ring
-            .iter()
-            .position(|s| s.layer == Some(layer) && s.acquired)
-        else {
+        let Some(i) = st.ring.find(layer, true) else {
             return Err(LoadError::NotAcquired { layer });
         };
-        st.ring[i] = RingSlot {
-            layer: None,
-            loaded: Loaded::No,
-            acquired: false,
-            bytes: 0,
-        };
+        st.ring.entries[i].layer = None;
         drop(st);
         sh.cv.notify_all();
         Ok(())
@@ -1143,6 +1210,136 @@ mod tests {
         held.acquire(0).unwrap();
         held.acquire(1).unwrap();
         assert_eq!(reads_of(&log, page), 3);
+    }
+
+    fn entry(layer: usize, at: u64, len: u64) -> RingSlot {
+        RingSlot {
+            layer: Some(layer),
+            loaded: Loaded::Yes,
+            acquired: false,
+            bytes: 0,
+            at,
+            len,
+        }
+    }
+
+    // One slot, first in, first out: a unit goes right after the newest, wraps to the start
+    // when the end cannot hold it, waits while the older units hold the room, and a unit
+    // released before an older one frees nothing until the older one goes. Catches a
+    // placement that overlaps a held unit (after the wrap, or past the slot's end) and one
+    // that waits for room that is free.
+    #[test]
+    fn one_slot_places_units_first_in_first_out() {
+        let mut r = Ring::new(1, 100);
+        assert_eq!(r.place(100), Some(0), "an empty ring holds a whole slot");
+        r.entries.push_back(entry(1, 0, 60));
+        assert_eq!(r.place(30), Some(60));
+        assert_eq!(
+            r.place(41),
+            None,
+            "60 + 41 passes the end; 41 > the 0 bytes before 60"
+        );
+        r.entries.push_back(entry(2, 60, 30));
+        r.entries[0].layer = None; // unit 1 released
+        assert_eq!(
+            r.place(50),
+            Some(0),
+            "wraps into the 60 bytes unit 1 gave back"
+        );
+        assert_eq!(r.place(61), None);
+        r.entries.push_back(entry(3, 0, 50));
+        assert_eq!(
+            r.place(10),
+            Some(50),
+            "after the wrap, up to the oldest (at 60)"
+        );
+        assert_eq!(r.place(11), None, "would overlap unit 2 at 60");
+        r.entries[1].layer = None; // unit 3 released before unit 2
+        assert_eq!(
+            r.place(11),
+            None,
+            "unit 3's bytes stay counted while unit 2 is held"
+        );
+        r.entries[0].layer = None; // unit 2 released: only unit 3's entry is left, released
+        assert_eq!(r.place(100), Some(0));
+    }
+
+    // Several slots: one unit a slot, never fewer units than slots. Catches the first in,
+    // first out placement there (a 100-byte unit after a 50 and a 100 would wait).
+    #[test]
+    fn several_slots_hold_a_unit_each() {
+        let mut r = Ring::new(2, 100);
+        r.entries.push_back(entry(1, 0, 50));
+        assert_eq!(r.place(100), Some(100));
+        r.entries.push_back(entry(2, 100, 100));
+        assert_eq!(r.place(10), None);
+        r.entries[0].layer = None;
+        assert_eq!(r.place(100), Some(0));
+    }
+
+    // A one-slot ring reads the next small unit while the consumer holds one: units 1 and
+    // 2 (a page each) share the two-page slot of unit 3 (two pages). Unit 2 is read while
+    // unit 1 is held, and unit 3 only once both are given back; every unit serves its own
+    // bytes. Catches whole-slot behaviour (unit 2 read only after unit 1's release) and a
+    // unit read over one still held (its bytes would change under the consumer).
+    #[test]
+    fn one_slot_reads_a_small_unit_beside_a_held_one() {
+        let page = ALIGN as u64;
+        let lens = [page, page, page, 2 * page];
+        let mut offset = 0;
+        let runs: Vec<LayerRun> = lens
+            .iter()
+            .map(|&len| {
+                let r = LayerRun { offset, len };
+                offset += len;
+                r
+            })
+            .collect();
+        let bytes: Vec<u8> = (0..offset).map(|i| (i / page) as u8 + 1).collect();
+        let log = Arc::new(Logged(Mem(bytes), Mutex::new(Vec::new())));
+        let plan = TrunkPlan {
+            layers: 4,
+            pinned: 1,
+            pinned_bytes: page,
+            ring_slots: 1,
+            slot_bytes: 2 * page,
+            budget: 3 * page,
+            kept: 0,
+            kept_bytes: 0,
+        };
+        let reader: Arc<dyn ReadAt> = log.clone();
+        let loader = TrunkLoader::new(runs, plan, reader, 0).unwrap();
+        let wait_for = |off: u64| {
+            let t0 = Instant::now();
+            while reads_of(&log, off) == 0 && t0.elapsed().as_secs() < 10 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            reads_of(&log, off)
+        };
+        let check = |g: &LayerGuard<'_>, first: u8, n: u64| {
+            let want: Vec<u8> = (0..n * page).map(|i| first + (i / page) as u8).collect();
+            assert!(
+                g[..] == want[..],
+                "unit starting with {first} served other bytes"
+            );
+        };
+        let one = loader.layer(1).unwrap();
+        check(&one, 2, 1);
+        assert_eq!(wait_for(2 * page), 1, "unit 2 was not read beside unit 1");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(
+            reads_of(&log, 3 * page),
+            0,
+            "unit 3 was read over a held unit"
+        );
+        drop(one);
+        let two = loader.layer(2).unwrap();
+        check(&two, 3, 1);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(reads_of(&log, 3 * page), 0, "unit 3 was read over unit 2");
+        drop(two);
+        let three = loader.layer(3).unwrap();
+        check(&three, 4, 2);
     }
 
     // Pieces land at their own offsets, in parallel, and a file ending inside the last
