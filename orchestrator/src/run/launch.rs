@@ -525,6 +525,10 @@ pub const INJECT_DRIVE_ENV: &str = "K3_INJECT_DRIVE_FAILURE";
 /// Environment variable of the load-delay test hook: the trunk-loader stage says it is
 /// ready this many ms after its load (read by the stage; `serve`'s 503-while-loading test).
 pub const LOAD_DELAY_ENV: &str = "K3_TEST_LOAD_DELAY_MS";
+/// Environment variable of the restart-backoff test hook: `serve` waits this many ms
+/// instead of 500 before its first try to start failed stages again, doubling as before
+/// (read by `serve::engine`; the test of failed restarts reported on `/health`).
+pub const RESTART_BACKOFF_ENV: &str = "K3_TEST_RESTART_BACKOFF_MS";
 
 /// Directories whose files' reads all fail, as if their drive failed
 /// (`K3_INJECT_DRIVE_FAILURE=DIR,...`, the tests of exit 4 naming the drive; armed by
@@ -556,6 +560,7 @@ pub fn check_test_hooks() -> Result<(), GenError> {
         LM_HEAD_CHUNK_ENV,
         LM_HEAD_HELD_ENV,
         LOAD_DELAY_ENV,
+        RESTART_BACKOFF_ENV,
     ] {
         if name == INJECT_ENV || name == INJECT_DRIVE_ENV {
             if std::env::var_os(name).is_some() && !armed {

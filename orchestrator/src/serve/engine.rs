@@ -1289,6 +1289,15 @@ struct Staged<'a> {
 /// Starts in a row that may fail before `/health` says 500 (the server keeps trying).
 const START_TRIES: u32 = 5;
 
+/// Seconds before the first try to start failed stages again: 0.5, or the test hook's
+/// (`K3_TEST_RESTART_BACKOFF_MS`, checked when the server opened the model).
+fn restart_backoff() -> f64 {
+    match crate::run::launch::numeric_hook(crate::run::launch::RESTART_BACKOFF_ENV) {
+        Ok(Some(ms)) => ms as f64 / 1000.0,
+        _ => 0.5,
+    }
+}
+
 impl Staged<'_> {
     /// Stop the stages (when up) and start them again, unless the server is closing.
     fn restart(&mut self, why: &str) {
@@ -1322,7 +1331,7 @@ impl Staged<'_> {
             }
             Err(e) => {
                 self.failed_starts += 1;
-                let wait = (0.5 * 2f64.powi(self.failed_starts as i32 - 1)).min(30.0);
+                let wait = (restart_backoff() * 2f64.powi(self.failed_starts as i32 - 1)).min(30.0);
                 self.next_start = Instant::now() + Duration::from_secs_f64(wait);
                 tracing::error!(
                     "k3-orch serve: restarting the stages ({} in a row failed; next try in \
