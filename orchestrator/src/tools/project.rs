@@ -84,6 +84,14 @@ struct Args {
     /// Drives the routed experts are read from (a list gives one row each; default 1)
     #[arg(long, value_delimiter = ',')]
     drives: Vec<u32>,
+    /// Drives the trunk's and lm_head's reads spread over: 1, the `--trunk` directory on
+    /// one drive (default), or N for an md RAID 0 of N drives under it
+    #[arg(
+        long = "trunk-drives",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    trunk_drives: u32,
     /// Read bandwidth of one drive in GB/s (default: measured with devbw on --probe-file or
     /// the model's largest shard; else assumed 7.0, a PCIe 4 NVMe drive)
     #[arg(long = "drive-gbps")]
@@ -477,6 +485,10 @@ pub struct Machine {
     /// Bytes per second of one drive, read as the trunk-loader reads (8 MiB pieces, 8 in
     /// flight).
     pub trunk_drive_bps: f64,
+    /// Drives the trunk's and lm_head's reads spread over: 1, the `--trunk` directory on a
+    /// drive (the routed experts' drives do not read it), or N for an md RAID 0 of N drives
+    /// under it (`project --trunk-drives`).
+    pub trunk_drives: u32,
     pub drive_source: String,
     /// Bytes per second k3's products stream bf16 weights from RAM (its GEMV over a matrix
     /// larger than the caches).
@@ -503,6 +515,7 @@ pub const REFERENCE: Machine = Machine {
     copies: 1,
     drive_bps: 7e9,
     trunk_drive_bps: 7e9,
+    trunk_drives: 1,
     drive_source: String::new(),
     mem_bps: 50e9,
     mxfp4_mem_bps: 50e9,
@@ -529,12 +542,12 @@ impl Machine {
     }
 
     /// How a coded trunk's decoding is weighed against its reads on this machine, as a
-    /// run's plan weighs it: the trunk's reads at every drive's trunk rate, the decoding at
+    /// run's plan weighs it: the trunk's reads at its drives' trunk rate, the decoding at
     /// one core's rate on the cores compute leaves (a run's default compute takes them all,
     /// so one).
     pub fn decode_terms(&self) -> plan::DecodeTerms {
         plan::DecodeTerms {
-            disk_bps: self.drives.max(1) as f64 * self.trunk_drive_bps,
+            disk_bps: self.trunk_drives.max(1) as f64 * self.trunk_drive_bps,
             disk_source: self.drive_source.clone(),
             decode_bps: self.decode_bps,
             decode_source: self.decode_source.clone(),
@@ -556,6 +569,10 @@ impl Machine {
 
     /// One line describing it.
     pub fn describe(&self) -> String {
+        let on = match self.trunk_drives.max(1) {
+            1 => "one drive".to_string(),
+            n => format!("a RAID 0 of {n} drives"),
+        };
         let trunk = if self.trunk_drive_bps == self.drive_bps {
             String::new()
         } else {
@@ -571,8 +588,8 @@ impl Machine {
             )
         };
         format!(
-            "{} drive{} x {:.2} GB/s{trunk} ({}); memory {mem} ({}); {} cores x {:.1} / {:.1} G \
-             MAC/s bf16 / MXFP4 ({})",
+            "{} drive{} x {:.2} GB/s{trunk} ({}), the trunk on {on}; memory {mem} ({}); {} cores \
+             x {:.1} / {:.1} G MAC/s bf16 / MXFP4 ({})",
             self.drives,
             if self.drives == 1 { "" } else { "s" },
             self.drive_bps / GB,
@@ -782,8 +799,8 @@ pub struct Times {
 }
 
 impl Times {
-    /// The resources' times for `t` on `m`: trunk bytes over every drive's trunk-read
-    /// rate and expert bytes over its expert-read rate; bf16 and MXFP4 RAM bytes over the
+    /// The resources' times for `t` on `m`: trunk bytes over the trunk's drives' trunk-read
+    /// rate and expert bytes over the expert drives' expert-read rate; bf16 and MXFP4 RAM bytes over the
     /// products' rates; MACs over every core's rate; the serial products' share of the
     /// compute.
     pub fn of(t: &PerToken, m: &Machine) -> Times {
@@ -801,7 +818,8 @@ impl Times {
             0.0
         };
         Times {
-            disk: t.trunk_disk_bytes / (drives * m.trunk_drive_bps) + expert_disk,
+            disk: t.trunk_disk_bytes / (m.trunk_drives.max(1) as f64 * m.trunk_drive_bps)
+                + expert_disk,
             expert_disk,
             balance,
             memory,
@@ -1050,7 +1068,7 @@ pub fn detail(
         "  disk     : {} trunk/lm_head at {:.2} GB/s + {} experts missed at {:.2} GB/s = {} \
          in {}\n",
         human(pt.trunk_disk_bytes as u64),
-        drives * machine.trunk_drive_bps / GB,
+        machine.trunk_drives.max(1) as f64 * machine.trunk_drive_bps / GB,
         human(pt.expert_disk_bytes as u64),
         drives * machine.drive_bps / GB,
         human(pt.disk_bytes() as u64),
@@ -1283,7 +1301,10 @@ pub fn main(args: Vec<OsString>) -> i32 {
             seconds: a.seconds,
         },
     );
-    let mut machine = machine;
+    let mut machine = Machine {
+        trunk_drives: a.trunk_drives,
+        ..machine
+    };
     if a.codec_ratio.is_some() {
         (machine.decode_bps, machine.decode_source) = match a.decode_gbps {
             Some(g) => (g * GB, "given".to_string()),
@@ -1435,6 +1456,7 @@ fn json_rows(
                     "head_pinned": p.choice.head_pinned,
                     "model": p.times.explain(),
                     "trunk_drive_gbps": mach.trunk_drive_bps / GB,
+                    "trunk_drives": mach.trunk_drives,
                     "s_per_token": p.times.s_per_token(),
                     "floor": p.times.floor(),
                     "machine": mach.describe(),
@@ -1667,6 +1689,7 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
         copies: f.copies.max(1),
         drive_bps,
         trunk_drive_bps,
+        trunk_drives: 1,
         drive_source,
         mem_bps,
         mxfp4_mem_bps,
@@ -1893,6 +1916,8 @@ mod tests {
             copies: 1,
             drive_bps: 5e9,
             trunk_drive_bps: 10e9,
+            // The trunk on an md RAID 0 of the two drives.
+            trunk_drives: 2,
             drive_source: "given".into(),
             mem_bps: 40e9,
             mxfp4_mem_bps: 20e9,
@@ -1924,14 +1949,13 @@ mod tests {
         }
     }
 
-    /// The terms by hand: 60 GB of trunk over 2 drives of 10 GB/s (trunk reads) is 3 s and
-    /// 40 GB of experts over 2 of 5 GB/s (the fetcher's reads) 4 s: the disk 7 s; 160 GB
-    /// of bf16 from RAM at 40 GB/s and 40 GB of MXFP4 at 20 GB/s: memory 6 s; 400 G bf16
-    /// MACs on 8 cores of 10 G plus 80 G MXFP4 at 5 G: compute 7 s; a quarter of the RAM
-    /// bytes multiplied with the disk idle: 1.75 s exposed. s/token = max(7 + 1.75, 7 + 4)
-    /// = 11, compute-bound: the experts' reads wait for the router, so they add to compute.
-    /// Catches one
-    /// drive's bandwidth used for all of them, the trunk and expert rates swapped, the
+    /// The terms by hand: 60 GB of trunk over a RAID 0 of 2 drives of 10 GB/s (trunk
+    /// reads) is 3 s and 40 GB of experts over 2 of 5 GB/s (the fetcher's reads) 4 s: the
+    /// disk 7 s; 160 GB of bf16 from RAM at 40 GB/s and 40 GB of MXFP4 at 20 GB/s: memory
+    /// 6 s; 400 G bf16 MACs on 8 cores of 10 G plus 80 G MXFP4 at 5 G: compute 7 s; a
+    /// quarter of the RAM bytes multiplied with the disk idle: 1.75 s exposed. s/token =
+    /// max(7 + 1.75, 7 + 4) = 11, compute-bound: the experts' reads wait for the router, so
+    /// they add to compute. Catches one drive's bandwidth used for all of them, the trunk and expert rates swapped, the
     /// MXFP4 bytes at the bf16 rate, the cores left out, and the old max of the three
     /// (7 s), which put reads after the router in parallel with compute.
     #[test]
@@ -1944,6 +1968,20 @@ mod tests {
         assert_eq!(x.exposed, 1.75);
         assert_eq!(x.s_per_token(), 11.0);
         assert_eq!(x.floor(), "compute");
+        // The trunk on one of them (its own directory): its 60 GB take 6 s, whatever reads
+        // the experts; the disk's side (10 + 1.75) sets it. Catches the trunk read at the
+        // expert drives' sum.
+        let one = Times::of(
+            &t,
+            &Machine {
+                trunk_drives: 1,
+                ..machine()
+            },
+        );
+        assert_eq!(
+            (one.disk, one.s_per_token(), one.floor()),
+            (10.0, 11.75, "disk")
+        );
         // Half the drives' speed: the disk's side (14 + 1.75) sets it.
         let slow_disk = Machine {
             drive_bps: 2.5e9,
