@@ -19,6 +19,12 @@
 # DRIVES devices: A and B, or A to D) and, with MIRROR=1, "mirror" (`pack-experts --copies
 # 2` over the same devices: every expert on two of them, each read from the less busy).
 #
+# With TRUNK_COPIES=1 the layouts are the trunk's instead: "tone" (the TRUNK directory
+# copied onto device A, --trunk A/trunk) and "ttwo" (copied onto every device, --trunk
+# A/trunk,B/trunk...: the trunk-loader reads each unit's 8 MiB pieces from the copies in
+# turn); the routed experts come from the model's shards on the unthrottled disk, and the
+# lm_head streams from there too. Needs TRUNK.
+#
 # ROUNDS=N alternates the layouts N times (one, two[, mirror], one, ...) over the same packs.
 # After the runs, `k3-orch project` is asked for each layout, in the throttled cgroup (so
 # its drive probes read at the throttled rate, 3 s each) with the same --mem-gb, --experts
@@ -60,11 +66,16 @@ FAIL_AFTER=${FAIL_AFTER:-10}
 ROUNDS=${ROUNDS:-1}
 MIRROR=${MIRROR:-0}
 DRIVES=${DRIVES:-2}
+TRUNK_COPIES=${TRUNK_COPIES:-0}
 [[ "$DRIVES" =~ ^[2-4]$ ]] || { echo "bench-drives.sh: DRIVES=$DRIVES: 2, 3 or 4" >&2; exit 2; }
 NAMES=(a b c d)
 NAMES=("${NAMES[@]:0:$DRIVES}")
 LAYOUTS=(one two)
 [ "$MIRROR" = 1 ] && LAYOUTS+=(mirror)
+if [ "$TRUNK_COPIES" = 1 ]; then
+  [ -n "$TRUNK" ] || { echo "bench-drives.sh: TRUNK_COPIES=1 needs TRUNK" >&2; exit 2; }
+  LAYOUTS=(tone ttwo)
+fi
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench-drives.sh: ROUNDS=$ROUNDS is not a positive whole number" >&2; exit 2; }
 BLKIO=/sys/fs/cgroup/blkio
 CG=$BLKIO/k3-bench-drives-$$
@@ -138,8 +149,10 @@ make_dev() {
 # upper bounds: the model's size stands for its experts').
 SLACK=$((512 << 20))
 DEVS=()
+TRUNK_BYTES=0
+[ "$TRUNK_COPIES" = 1 ] && TRUNK_BYTES=$(du -sbL "$TRUNK" | cut -f1)
 for n in "${NAMES[@]}"; do
-  share=$((MODEL_BYTES * (1 + 2 * MIRROR) / DRIVES))
+  share=$((MODEL_BYTES * (1 + 2 * MIRROR) / DRIVES + TRUNK_BYTES))
   [ "$n" = a ] && share=$((share + MODEL_BYTES))
   make_dev "$n" $((share + SLACK))
   DEVS+=("$DEV")
@@ -155,11 +168,15 @@ echo "== devices: ${DEVS[*]} (A to ${NAMES[-1]^^}), each throttled to $RATE_MB M
 
 # over LAYOUT: the layout's directory on every device.
 over() { for n in "${NAMES[@]}"; do echo "$WORK/$n/$1"; done; }
-mkdir -p "$WORK/a/one" $(over two)
-"$BIN" pack-experts "$MODEL" --to "$WORK/a/one"
-# shellcheck disable=SC2046 # one directory per line, no spaces in $WORK.
-"$BIN" pack-experts "$MODEL" --to $(over two)
-if [ "$MIRROR" = 1 ]; then
+if [ "$TRUNK_COPIES" = 1 ]; then
+  for n in "${NAMES[@]}"; do cp -r "$TRUNK" "$WORK/$n/trunk"; done
+else
+  mkdir -p "$WORK/a/one" $(over two)
+  "$BIN" pack-experts "$MODEL" --to "$WORK/a/one"
+  # shellcheck disable=SC2046 # one directory per line, no spaces in $WORK.
+  "$BIN" pack-experts "$MODEL" --to $(over two)
+fi
+if [ "$MIRROR" = 1 ] && [ "$TRUNK_COPIES" != 1 ]; then
   mkdir -p $(over mirror)
   # shellcheck disable=SC2046
   "$BIN" pack-experts "$MODEL" --copies 2 --to $(over mirror)
@@ -168,7 +185,16 @@ fi
 dirs() {
   case $1 in
     one) echo "$WORK/a/one" ;;
+    tone | ttwo) echo "" ;;
     *) over "$1" | paste -sd, ;;
+  esac
+}
+# trunk LAYOUT: its --trunk (TRUNK, or the copies on the devices).
+trunk() {
+  case $1 in
+    tone) echo "$WORK/a/trunk" ;;
+    ttwo) over trunk | paste -sd, ;;
+    *) echo "$TRUNK" ;;
   esac
 }
 
@@ -177,8 +203,8 @@ run() {
   sync
   echo 3 > /proc/sys/vm/drop_caches
   sh -c 'echo $$ > "$0/cgroup.procs"; shift; exec "$@"' "$CG" _ \
-    "$BIN" "$MODEL" --ids "$IDS" --gen "$N" --mem-gb "$MEM_GB" --experts "$2" \
-    ${TRUNK:+--trunk "$TRUNK"} ${EXTRA:-} --out "$WORK/$1.json" --quiet > "$WORK/$1.ids"
+    "$BIN" "$MODEL" --ids "$IDS" --gen "$N" --mem-gb "$MEM_GB" ${2:+--experts "$2"} \
+    ${3:+--trunk "$3"} ${EXTRA:-} --out "$WORK/$1.json" --quiet > "$WORK/$1.ids"
 }
 report() { # NAME
   jq -r --arg n "$1" '.totals as $t | ([.steps[1:][].seconds] | if length > 0 then add / length else null end) as $d
@@ -190,12 +216,12 @@ report() { # NAME
 # Round r's runs are named one, two, mirror (round 1) and one-r, two-r, mirror-r.
 sfx() { if [ "$1" -gt 1 ]; then echo "-$1"; fi; }
 for r in $(seq 1 "$ROUNDS"); do
-  for l in "${LAYOUTS[@]}"; do run "$l$(sfx "$r")" "$(dirs "$l")"; done
+  for l in "${LAYOUTS[@]}"; do run "$l$(sfx "$r")" "$(dirs "$l")" "$(trunk "$l")"; done
 done
 echo "== results ($N tokens, --mem-gb $MEM_GB, $DRIVES devices at $RATE_MB MB/s each, $ROUNDS round(s))"
 decode() { jq '[.steps[1:][].seconds] | if length > 0 then add / length else 0 end' "$WORK/$1.json"; }
 for r in $(seq 1 "$ROUNDS"); do
-  o=one$(sfx "$r")
+  o=${LAYOUTS[0]}$(sfx "$r")
   report "$o"
   S1=$(jq .totals.s_per_token "$WORK/$o.json")
   D1=$(decode "$o")
@@ -204,17 +230,17 @@ for r in $(seq 1 "$ROUNDS"); do
     report "$t"
     S2=$(jq .totals.s_per_token "$WORK/$t.json")
     D2=$(decode "$t")
-    echo "speedup $l/one, round $r: $(echo "$S1 $S2" | awk '{ printf "%.2fx", $1 / $2 }') (whole run: the first step loads the pinned trunk and runs the prompt), decode steps $(echo "$D1 $D2" | awk '{ printf "%.2fx", ($2 > 0 ? $1 / $2 : 0) }')"
+    echo "speedup $l/${LAYOUTS[0]}, round $r: $(echo "$S1 $S2" | awk '{ printf "%.2fx", $1 / $2 }') (whole run: the first step loads the pinned trunk and runs the prompt), decode steps $(echo "$D1 $D2" | awk '{ printf "%.2fx", ($2 > 0 ? $1 / $2 : 0) }')"
   done
   for l in "${LAYOUTS[@]}"; do
     x=$l$(sfx "$r")
-    if ! cmp -s "$WORK/one.ids" "$WORK/$x.ids"; then
-      echo "ids DIFFER ($x against one):"; cat "$WORK/one.ids" "$WORK/$x.ids"
+    if ! cmp -s "$WORK/${LAYOUTS[0]}.ids" "$WORK/$x.ids"; then
+      echo "ids DIFFER ($x against ${LAYOUTS[0]}):"; cat "$WORK/${LAYOUTS[0]}.ids" "$WORK/$x.ids"
       exit 1
     fi
   done
 done
-echo "ids: identical in every run ($(tr '\n' ' ' < "$WORK/one.ids"))"
+echo "ids: identical in every run ($(tr '\n' ' ' < "$WORK/${LAYOUTS[0]}.ids"))"
 # project NAME DIRS: the projection for one layout, in the throttled cgroup.
 project() {
   sh -c 'echo $$ > "$0/cgroup.procs"; shift; exec "$@"' "$CG" _ \
@@ -222,9 +248,13 @@ project() {
     ${TRUNK:+--probe-file "$TRUNK/trunk.bin"} --seconds 3 --json | head -1 > "$WORK/$1.project.json"
   jq -r --arg n "$1" --argjson d "$(decode "$1")" '"projected \($n): \(.s_per_token * 1000 | round / 1000) s/token against \($d * 1000 | round / 1000) measured (\(($d / .s_per_token) * 100 | round / 100)x); experts \(.expert_disk_s * 1000 | round / 1000) s of it, the busiest drive \(.stripe_balance * 100 | round / 100)x its share; floor \(.floor)"' "$WORK/$1.project.json"
 }
-for l in "${LAYOUTS[@]}"; do
-  project "$l" "$(dirs "$l")" || echo "projected $l: project failed"
-done
+if [ "$TRUNK_COPIES" = 1 ]; then
+  echo "== not projected: the trunk's copies and the experts sit on devices of other rates"
+else
+  for l in "${LAYOUTS[@]}"; do
+    project "$l" "$(dirs "$l")" || echo "projected $l: project failed"
+  done
+fi
 
 if [ "$FAIL_RUN" = 1 ]; then
   if [ "$USE_DM" != 1 ]; then

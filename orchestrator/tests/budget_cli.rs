@@ -595,3 +595,53 @@ fn a_prompt_whose_experts_do_not_fit_is_fed_in_passes() {
         assert_eq!(generated_ids(&out), want, "{model} --mem-gb {}", first.0);
     }
 }
+
+/// `--trunk DIR,COPY`: a copy of the packed trunk (its files copied) serves the same
+/// oracle ids with everything streamed, staged and in-process; a copy whose manifest
+/// differs, or whose data file is short or missing, is refused up front (exit 2) naming
+/// it. Catches a copy taken on trust (a stale or half-copied trunk would be read as this
+/// one until a CRC failed mid-run) and the comma list read as one directory. (Which copy
+/// serves which 8 MiB piece is the trunk-loader's `copies_share_a_units_pieces`: the tiny
+/// trunks are smaller than one piece.)
+#[test]
+fn a_copy_of_the_trunk_serves_the_same_ids_and_a_wrong_one_is_refused() {
+    let model = "tiny-mxfp4";
+    let dir = tempfile::tempdir().unwrap();
+    let (trunk, copy) = (dir.path().join("trunk"), dir.path().join("copy"));
+    pack(model, &trunk);
+    std::fs::create_dir(&copy).unwrap();
+    for f in ["trunk.json", "trunk.bin"] {
+        std::fs::copy(trunk.join(f), copy.join(f)).unwrap();
+    }
+    let both = std::path::PathBuf::from(format!("{},{}", trunk.display(), copy.display()));
+    let m = k3_model::trunk::TrunkManifest::load_dir(&trunk).unwrap();
+    let gb = format!("{:.9}", m.max_part() as f64 / 1e9);
+    let out = dir.path().join("r.json");
+    let want = oracle_ids(model, 4);
+    for inproc in [false, true] {
+        let mut extra = vec!["--trunk-gb", gb.as_str(), "--cache-gb", "0"];
+        if inproc {
+            extra.insert(0, "--inproc");
+        }
+        let o = gen_with(model, &both, &out, &extra, &[]);
+        assert!(o.status.success(), "{extra:?}: {}", text(&o));
+        assert_eq!(generated_ids(&out), want, "{extra:?}: ids with a copy");
+    }
+    let refused = |what: &str| {
+        let o = gen_with(model, &both, &out, &[], &[]);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{what}: {t}");
+        assert!(t.contains("not a copy of the packed trunk"), "{what}: {t}");
+        assert!(t.contains(&copy.display().to_string()), "{what}: {t}");
+    };
+    let bin = std::fs::read(copy.join("trunk.bin")).unwrap();
+    std::fs::write(copy.join("trunk.bin"), &bin[..bin.len() - 4096]).unwrap();
+    refused("a short trunk.bin");
+    std::fs::write(copy.join("trunk.bin"), &bin).unwrap();
+    let mut j = std::fs::read_to_string(copy.join("trunk.json")).unwrap();
+    j.push('\n');
+    std::fs::write(copy.join("trunk.json"), j).unwrap();
+    refused("another trunk.json");
+    std::fs::remove_file(copy.join("trunk.json")).unwrap();
+    refused("no trunk.json");
+}

@@ -71,6 +71,10 @@ pub struct TrunkConf {
     /// Packed trunk directory (trunk.json + trunk.bin); None: every layer resident, read
     /// tensor by tensor from the shards.
     pub trunk_dir: Option<PathBuf>,
+    /// Copies of `trunk_dir` (the same trunk.json, checked by the orchestrator), each on a
+    /// drive of its own: the loader's reads alternate over all of them piece by piece.
+    #[serde(default)]
+    pub trunk_copies: Vec<PathBuf>,
     /// Bytes for pinned layers plus ring slots (streaming mode only).
     pub budget_bytes: u64,
     /// Layers bound (`--layers`), i.e. served per pass.

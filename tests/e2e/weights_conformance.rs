@@ -115,6 +115,7 @@ fn staged(model: &Path, trunk_dir: Option<PathBuf>, layers: usize) -> (StagedWei
     let trunk = TrunkConf {
         model_dir: model.to_path_buf(),
         trunk_dir,
+        trunk_copies: Vec::new(),
         // Room for two layers: the rest streams through the ring.
         budget_bytes: 1 << 20,
         layers,

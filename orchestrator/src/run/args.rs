@@ -244,6 +244,9 @@ pub struct GenArgs {
     pub tok: Option<PathBuf>,
     pub mem: Vec<MemFlag>,
     pub trunk: Option<PathBuf>,
+    /// `--trunk DIR,COPY,...`: copies of the packed trunk in `trunk` (the same trunk.json),
+    /// each on a drive of its own; the trunk-loader spreads its reads over all of them.
+    pub trunk_copies: Vec<PathBuf>,
     /// `--experts DIR,...`: the routed experts' pack (pack-experts), one directory per
     /// drive; empty: the experts are read from the shards.
     pub experts: Vec<PathBuf>,
@@ -345,7 +348,9 @@ prompt (exactly one):
   --prefill-chunk N      with --prompts: prompt tokens per pass (default: what fits, <= 256)
 memory (applied left to right; a later flag wins):
   --preset NAME          laptop|desktop|workstation|server|max|auto (sets both budgets)
-  --trunk DIR            the packed trunk (pack-trunk); without it the trunk is loaded whole
+  --trunk DIR[,COPY...]  the packed trunk (pack-trunk); without it the trunk is loaded whole.
+                         Each COPY holds a copy of DIR (cp -r) on a drive of its own: the
+                         trunk's reads alternate over all of them, 8 MiB piece by piece
   --experts DIR[,DIR...] the packed routed experts (pack-experts --to DIR...), one directory
                          per drive, all of the pack (repeatable); read from every drive at once
   --mem-gb X             one total budget for the whole run, spent to read the fewest bytes
@@ -476,6 +481,7 @@ struct LowArgs {
     tok: Option<PathBuf>,
     mem: Vec<MemFlag>,
     trunk: Option<PathBuf>,
+    trunk_copies: Vec<PathBuf>,
     experts: Vec<PathBuf>,
     drive_gbps: Option<f64>,
     decode_gbps: Option<f64>,
@@ -606,7 +612,15 @@ impl LowArgs {
                 }
                 self.mem.push(MemFlag::Preset(p));
             }
-            "--trunk" => self.trunk = Some(PathBuf::from(val()?)),
+            "--trunk" => {
+                let v = val()?;
+                let mut dirs = v.split(',').filter(|d| !d.is_empty()).map(PathBuf::from);
+                self.trunk = Some(
+                    dirs.next()
+                        .ok_or("--trunk: give the packed trunk's directory")?,
+                );
+                self.trunk_copies = dirs.collect();
+            }
             "--experts" => {
                 let v = val()?;
                 let dirs: Vec<PathBuf> = v
@@ -874,6 +888,7 @@ impl GenArgs {
             tok,
             mem: low.mem,
             trunk: low.trunk,
+            trunk_copies: low.trunk_copies,
             experts: low.experts,
             drive_gbps: low.drive_gbps,
             decode_gbps: low.decode_gbps,

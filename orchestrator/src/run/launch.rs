@@ -757,6 +757,7 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
         trunk: conf::TrunkConf {
             model_dir: a.model_dir.clone(),
             trunk_dir: a.trunk.clone(),
+            trunk_copies: a.trunk_copies.clone(),
             budget_bytes: c.plan.trunk_budget,
             layers: c.layers,
             record_dir: a.record.clone(),

@@ -111,6 +111,17 @@ pub enum BudgetError {
     /// `--trunk DIR`'s manifest.
     #[error(transparent)]
     Manifest(#[from] k3_model::trunk::TrunkError),
+    #[error(
+        "--trunk {}: not a copy of the packed trunk in {}: {why} (copy the whole directory, \
+         e.g. `cp -r`)",
+        copy.display(),
+        dir.display()
+    )]
+    TrunkCopy {
+        dir: std::path::PathBuf,
+        copy: std::path::PathBuf,
+        why: String,
+    },
     #[error("--trunk {}: it holds {have} layers, the run binds {want}", dir.display())]
     TrunkLayers {
         dir: std::path::PathBuf,
@@ -1004,6 +1015,30 @@ pub const PREFILL_CHUNK_ENV: &str = "K3_PREFILL_CHUNK";
 /// streamed lm_head's leading rows (whole rows) whatever the plan decides.
 pub const LM_HEAD_HELD_ENV: &str = "K3_LM_HEAD_HELD_BYTES";
 
+/// `copy` holds the packed trunk in `dir`: the same manifest, byte for byte, and a data file
+/// of the same length (its bytes are checked by the trunk's CRCs as they are read).
+fn check_trunk_copy(dir: &std::path::Path, copy: &std::path::Path) -> Result<(), BudgetError> {
+    let fail = |why: String| BudgetError::TrunkCopy {
+        dir: dir.to_path_buf(),
+        copy: copy.to_path_buf(),
+        why,
+    };
+    let name = k3_model::trunk::TRUNK_JSON;
+    let ours = std::fs::read(dir.join(name)).map_err(|e| fail(format!("{name}: {e}")))?;
+    let theirs = std::fs::read(copy.join(name)).map_err(|e| fail(format!("{name}: {e}")))?;
+    if ours != theirs {
+        return Err(fail(format!("its {name} differs")));
+    }
+    let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
+    let file = m.codec.as_ref().map(|c| &c.file).unwrap_or(&m.file);
+    let len = |d: &std::path::Path| std::fs::metadata(d.join(file)).map(|x| x.len());
+    match (len(dir), len(copy)) {
+        (Ok(a), Ok(b)) if a == b => Ok(()),
+        (Ok(a), Ok(b)) => Err(fail(format!("its {file} holds {b} bytes, not {a}"))),
+        (_, Err(e)) | (Err(e), _) => Err(fail(format!("{file}: {e}"))),
+    }
+}
+
 /// The streams of a packed trunk (whole layers and their parts), for the bound layers.
 fn packed_runs(
     dir: &std::path::Path,
@@ -1220,6 +1255,9 @@ fn bound(
     let (runs, trunk_decode) = match &a.trunk {
         Some(dir) => {
             let (r, d) = packed_runs(dir, layers)?;
+            for copy in &a.trunk_copies {
+                check_trunk_copy(dir, copy)?;
+            }
             let ppm = decode.map_or(0, DecodeTerms::ppm);
             let r = r.with_decode_weight(ppm).with_resident(a.trunk_resident);
             (Some(r), d)

@@ -84,8 +84,9 @@ struct Args {
     /// Drives the routed experts are read from (a list gives one row each; default 1)
     #[arg(long, value_delimiter = ',')]
     drives: Vec<u32>,
-    /// Drives the trunk's and lm_head's reads spread over: 1, the `--trunk` directory on
-    /// one drive (default), or N for an md RAID 0 of N drives under it
+    /// Drives the trunk's reads spread over: 1, the `--trunk` directory on one drive
+    /// (default), or N for N copies given to a run's `--trunk DIR,COPY,..` (or an md RAID 0
+    /// of N drives under it)
     #[arg(
         long = "trunk-drives",
         default_value_t = 1,
@@ -485,9 +486,9 @@ pub struct Machine {
     /// Bytes per second of one drive, read as the trunk-loader reads (8 MiB pieces, 8 in
     /// flight).
     pub trunk_drive_bps: f64,
-    /// Drives the trunk's and lm_head's reads spread over: 1, the `--trunk` directory on a
-    /// drive (the routed experts' drives do not read it), or N for an md RAID 0 of N drives
-    /// under it (`project --trunk-drives`).
+    /// Drives the trunk's reads spread over: 1, the `--trunk` directory on a drive (the
+    /// routed experts' drives do not read it), or N copies of it (`--trunk DIR,COPY,..`, or
+    /// an md RAID 0 of N drives under it; `project --trunk-drives`).
     pub trunk_drives: u32,
     pub drive_source: String,
     /// Bytes per second k3's products stream bf16 weights from RAM (its GEMV over a matrix
@@ -571,7 +572,7 @@ impl Machine {
     pub fn describe(&self) -> String {
         let on = match self.trunk_drives.max(1) {
             1 => "one drive".to_string(),
-            n => format!("a RAID 0 of {n} drives"),
+            n => format!("{n} drives"),
         };
         let trunk = if self.trunk_drive_bps == self.drive_bps {
             String::new()

@@ -120,7 +120,34 @@ pub fn trunk_reader(
     dir: &std::path::Path,
     m: &TrunkManifest,
 ) -> Result<(Arc<dyn ReadAt>, Option<Arc<CodedReader>>), LoaderError> {
-    trunk_reader_keeping(dir, m, None)
+    trunk_reader_keeping(dir, &[], m, None)
+}
+
+/// Identical files read as one: a read at `offset` goes to file `(offset / READ_CHUNK) %
+/// n`. [`read_parallel_at`] cuts a unit into [`READ_CHUNK`] pieces read side by side, so
+/// consecutive pieces go to consecutive files: copies of the packed trunk on several drives
+/// (`--trunk DIR,COPY`) read each unit at their summed rate. Every piece is checked by the
+/// trunk's CRCs as before, whichever copy it came from.
+pub struct Spread {
+    inner: Arc<dyn ReadAt>,
+    files: u32,
+}
+
+impl Spread {
+    /// Over files `0..files` of `inner` (at least one).
+    pub fn new(inner: Arc<dyn ReadAt>, files: u32) -> Spread {
+        Spread {
+            inner,
+            files: files.max(1),
+        }
+    }
+}
+
+impl ReadAt for Spread {
+    fn read_at(&self, _file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
+        let f = (offset / READ_CHUNK as u64 % self.files as u64) as u32;
+        self.inner.read_at(f, offset, dst)
+    }
 }
 
 /// Layers of a coded trunk kept coded in memory: their stored runs, back to back from
@@ -136,21 +163,31 @@ pub struct KeepCoded<'a> {
 #[allow(clippy::type_complexity)]
 pub fn trunk_reader_keeping(
     dir: &std::path::Path,
+    copies: &[std::path::PathBuf],
     m: &TrunkManifest,
     keep: Option<KeepCoded<'_>>,
 ) -> Result<(Arc<dyn ReadAt>, Option<Arc<CodedReader>>), LoaderError> {
     let file = m.codec.as_ref().map(|c| &c.file).unwrap_or(&m.file);
-    let path = dir.join(file);
-    let direct = k3_io::DirectFiles::open(std::slice::from_ref(&path))
-        .map_err(|source| LoaderError::Open { path, source })?;
+    let paths: Vec<std::path::PathBuf> = std::iter::once(dir)
+        .chain(copies.iter().map(|c| c.as_path()))
+        .map(|d| d.join(file))
+        .collect();
+    let mut direct = Vec::with_capacity(paths.len());
+    for path in paths {
+        let f = k3_io::DirectFiles::open(std::slice::from_ref(&path))
+            .map_err(|source| LoaderError::Open { path, source })?;
+        direct.push(f);
+    }
+    let n = direct.len() as u32;
+    let files: Arc<dyn ReadAt> = match direct.len() {
+        1 => Arc::new(direct.pop().expect("one file")),
+        _ => Arc::new(Spread::new(Arc::new(Each(direct)), n)),
+    };
     match &m.codec {
-        None => {
-            let r: Arc<dyn ReadAt> = Arc::new(direct);
-            Ok((r, None))
-        }
+        None => Ok((files, None)),
         Some(c) => {
-            let mut coded = CodedReader::new(m, Arc::new(direct), 0)
-                .ok_or_else(|| LoaderError::Codec(c.name.clone()))?;
+            let mut coded =
+                CodedReader::new(m, files, 0).ok_or_else(|| LoaderError::Codec(c.name.clone()))?;
             if let Some(k) = keep.filter(|k| !k.layers.is_empty()) {
                 coded
                     .keep_layers(k.layers, k.arena, k.at)
@@ -159,6 +196,18 @@ pub fn trunk_reader_keeping(
             let coded = Arc::new(coded);
             let r: Arc<dyn ReadAt> = coded.clone();
             Ok((r, Some(coded)))
+        }
+    }
+}
+
+/// One file each, read as files `0..n` of one reader.
+struct Each(Vec<k3_io::DirectFiles>);
+
+impl ReadAt for Each {
+    fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
+        match self.0.get(file as usize) {
+            Some(f) => f.read_at(0, offset, dst),
+            None => Err(std::io::Error::other(format!("no trunk copy {file}"))),
         }
     }
 }
@@ -1340,6 +1389,43 @@ mod tests {
         drop(two);
         let three = loader.layer(3).unwrap();
         check(&three, 4, 2);
+    }
+
+    /// Files in memory that log which file each read went to.
+    struct Files(Vec<Mem>, Mutex<Vec<(u32, u64)>>);
+
+    impl ReadAt for Files {
+        fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
+            self.1.lock().unwrap().push((file, offset));
+            self.0[file as usize].read_at(0, offset, dst)
+        }
+    }
+
+    // Copies of the trunk (`--trunk DIR,COPY`): a unit's READ_CHUNK pieces alternate over
+    // the copies, each landing in place. Catches every piece read from the first copy (no
+    // spread), a piece asked of a file that is not there, and a piece read at the wrong
+    // offset.
+    #[test]
+    fn copies_share_a_units_pieces() {
+        let len = 3 * READ_CHUNK + 12_345;
+        let a: Vec<u8> = (0..len).map(|i| (i / 4096) as u8).collect();
+        let files = Arc::new(Files(
+            vec![Mem(a.clone()), Mem(a.clone())],
+            Mutex::new(Vec::new()),
+        ));
+        let spread = Spread::new(files.clone(), 2);
+        let mut dst = vec![0u8; len];
+        let got = read_parallel_at(&spread, 0, 0, &mut dst, None).unwrap();
+        assert_eq!(got, len);
+        assert!(dst == a, "the pieces did not land in place");
+        let mut log = files.1.lock().unwrap().clone();
+        log.sort_by_key(|&(_, o)| o);
+        let chunk = READ_CHUNK as u64;
+        assert_eq!(
+            log,
+            vec![(0, 0), (1, chunk), (0, 2 * chunk), (1, 3 * chunk)],
+            "pieces by copy"
+        );
     }
 
     // Pieces land at their own offsets, in parallel, and a file ending inside the last

@@ -706,8 +706,9 @@ fn setup_streamed(
         arena: Arc::new(ShmArena(region.clone())),
         at: p.kept_at(),
     };
-    let (reader, coded) = crate::loader::trunk_reader_keeping(dir, &manifest, Some(keep))
-        .map_err(TrunkStageError::Loader)?;
+    let (reader, coded) =
+        crate::loader::trunk_reader_keeping(dir, &conf.trunk_copies, &manifest, Some(keep))
+            .map_err(TrunkStageError::Loader)?;
     let loader = TrunkLoader::with_units_grid(
         units,
         p,
