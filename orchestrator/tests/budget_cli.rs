@@ -625,6 +625,11 @@ fn a_copy_of_the_trunk_serves_the_same_ids_and_a_wrong_one_is_refused() {
         }
         let o = gen_with(model, &both, &out, &extra, &[]);
         assert!(o.status.success(), "{extra:?}: {}", text(&o));
+        assert!(
+            text(&o).contains("trunk read from 2 copies"),
+            "{}",
+            text(&o)
+        );
         assert_eq!(generated_ids(&out), want, "{extra:?}: ids with a copy");
     }
     let refused = |what: &str| {

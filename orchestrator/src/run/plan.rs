@@ -1597,6 +1597,19 @@ fn add_trunk(
         }
         return Ok(false);
     };
+    if !a.trunk_copies.is_empty() {
+        let all: Vec<String> = a
+            .trunk
+            .iter()
+            .chain(&a.trunk_copies)
+            .map(|d| d.display().to_string())
+            .collect();
+        notes.push(format!(
+            "trunk read from {} copies ({}): each unit's 8 MiB pieces from them in turn",
+            all.len(),
+            all.join(", ")
+        ));
+    }
     // The trunk-loader plans the same budget beside the same sink (what the plan leaves of
     // its share went to the lm_head's rows and the cache in `choose`).
     let sp = k3_trunk_loader::plan_streams_with(
