@@ -25,6 +25,11 @@
 # turn); the routed experts come from the model's shards on the unthrottled disk, and the
 # lm_head streams from there too. Needs TRUNK.
 #
+# With WHOLE=1 everything a token reads but the lm_head moves with the drives: "wone"
+# (the trunk copied onto A and the experts packed on A) against "wmirror" (the trunk
+# copied onto every device, --trunk A/trunk,B/trunk..., and the experts in two copies over
+# them, as MIRROR=1's). Needs TRUNK.
+#
 # ROUNDS=N alternates the layouts N times (one, two[, mirror], one, ...) over the same packs.
 # After the runs, `k3-orch project` is asked for each layout, in the throttled cgroup (so
 # its drive probes read at the throttled rate, 3 s each) with the same --mem-gb, --experts
@@ -67,15 +72,18 @@ ROUNDS=${ROUNDS:-1}
 MIRROR=${MIRROR:-0}
 DRIVES=${DRIVES:-2}
 TRUNK_COPIES=${TRUNK_COPIES:-0}
+WHOLE=${WHOLE:-0}
+[ "$WHOLE" = 1 ] && MIRROR=1
 [[ "$DRIVES" =~ ^[2-4]$ ]] || { echo "bench-drives.sh: DRIVES=$DRIVES: 2, 3 or 4" >&2; exit 2; }
 NAMES=(a b c d)
 NAMES=("${NAMES[@]:0:$DRIVES}")
 LAYOUTS=(one two)
 [ "$MIRROR" = 1 ] && LAYOUTS+=(mirror)
-if [ "$TRUNK_COPIES" = 1 ]; then
-  [ -n "$TRUNK" ] || { echo "bench-drives.sh: TRUNK_COPIES=1 needs TRUNK" >&2; exit 2; }
-  LAYOUTS=(tone ttwo)
+if [ "$TRUNK_COPIES" = 1 ] || [ "$WHOLE" = 1 ]; then
+  [ -n "$TRUNK" ] || { echo "bench-drives.sh: TRUNK_COPIES=1 and WHOLE=1 need TRUNK" >&2; exit 2; }
 fi
+[ "$TRUNK_COPIES" = 1 ] && LAYOUTS=(tone ttwo)
+[ "$WHOLE" = 1 ] && LAYOUTS=(wone wmirror)
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench-drives.sh: ROUNDS=$ROUNDS is not a positive whole number" >&2; exit 2; }
 BLKIO=/sys/fs/cgroup/blkio
 CG=$BLKIO/k3-bench-drives-$$
@@ -150,7 +158,9 @@ make_dev() {
 SLACK=$((512 << 20))
 DEVS=()
 TRUNK_BYTES=0
-[ "$TRUNK_COPIES" = 1 ] && TRUNK_BYTES=$(du -sbL "$TRUNK" | cut -f1)
+if [ "$TRUNK_COPIES" = 1 ] || [ "$WHOLE" = 1 ]; then
+  TRUNK_BYTES=$(du -sbL "$TRUNK" | cut -f1)
+fi
 for n in "${NAMES[@]}"; do
   share=$((MODEL_BYTES * (1 + 2 * MIRROR) / DRIVES + TRUNK_BYTES))
   [ "$n" = a ] && share=$((share + MODEL_BYTES))
@@ -168,9 +178,13 @@ echo "== devices: ${DEVS[*]} (A to ${NAMES[-1]^^}), each throttled to $RATE_MB M
 
 # over LAYOUT: the layout's directory on every device.
 over() { for n in "${NAMES[@]}"; do echo "$WORK/$n/$1"; done; }
-if [ "$TRUNK_COPIES" = 1 ]; then
+if [ "$TRUNK_COPIES" = 1 ] || [ "$WHOLE" = 1 ]; then
   for n in "${NAMES[@]}"; do cp -r "$TRUNK" "$WORK/$n/trunk"; done
-else
+fi
+if [ "$WHOLE" = 1 ]; then
+  mkdir -p "$WORK/a/one"
+  "$BIN" pack-experts "$MODEL" --to "$WORK/a/one"
+elif [ "$TRUNK_COPIES" != 1 ]; then
   mkdir -p "$WORK/a/one" $(over two)
   "$BIN" pack-experts "$MODEL" --to "$WORK/a/one"
   # shellcheck disable=SC2046 # one directory per line, no spaces in $WORK.
@@ -184,7 +198,8 @@ fi
 # dirs LAYOUT: its --experts directories.
 dirs() {
   case $1 in
-    one) echo "$WORK/a/one" ;;
+    one | wone) echo "$WORK/a/one" ;;
+    wmirror) over mirror | paste -sd, ;;
     tone | ttwo) echo "" ;;
     *) over "$1" | paste -sd, ;;
   esac
@@ -192,8 +207,8 @@ dirs() {
 # trunk LAYOUT: its --trunk (TRUNK, or the copies on the devices).
 trunk() {
   case $1 in
-    tone) echo "$WORK/a/trunk" ;;
-    ttwo) over trunk | paste -sd, ;;
+    tone | wone) echo "$WORK/a/trunk" ;;
+    ttwo | wmirror) over trunk | paste -sd, ;;
     *) echo "$TRUNK" ;;
   esac
 }
@@ -248,7 +263,7 @@ project() {
     ${TRUNK:+--probe-file "$TRUNK/trunk.bin"} --seconds 3 --json | head -1 > "$WORK/$1.project.json"
   jq -r --arg n "$1" --argjson d "$(decode "$1")" '"projected \($n): \(.s_per_token * 1000 | round / 1000) s/token against \($d * 1000 | round / 1000) measured (\(($d / .s_per_token) * 100 | round / 100)x); experts \(.expert_disk_s * 1000 | round / 1000) s of it, the busiest drive \(.stripe_balance * 100 | round / 100)x its share; floor \(.floor)"' "$WORK/$1.project.json"
 }
-if [ "$TRUNK_COPIES" = 1 ]; then
+if [ "$TRUNK_COPIES" = 1 ] || [ "$WHOLE" = 1 ]; then
   echo "== not projected: the trunk's copies and the experts sit on devices of other rates"
 else
   for l in "${LAYOUTS[@]}"; do
