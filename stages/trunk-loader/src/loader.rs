@@ -127,10 +127,15 @@ pub fn trunk_reader(
 /// n`. [`read_parallel_at`] cuts a unit into [`READ_CHUNK`] pieces read side by side, so
 /// consecutive pieces go to consecutive files: copies of the packed trunk on several drives
 /// (`--trunk DIR,COPY`) read each unit at their summed rate. Every piece is checked by the
-/// trunk's CRCs as before, whichever copy it came from.
+/// trunk's CRCs as before, whichever copy it came from. A piece whose read fails (an I/O
+/// error, or fewer bytes than another copy holds there) is read from the other copies in
+/// turn, with a warning naming the copy the first time; the error is returned only when
+/// every copy fails.
 pub struct Spread {
     inner: Arc<dyn ReadAt>,
     files: u32,
+    /// Copies that failed a read (warned once each).
+    failed: Mutex<Vec<u32>>,
 }
 
 impl Spread {
@@ -139,14 +144,56 @@ impl Spread {
         Spread {
             inner,
             files: files.max(1),
+            failed: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn warn(&self, file: u32, offset: u64, why: &str) {
+        let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        if !f.contains(&file) {
+            f.push(file);
+            tracing::warn!(
+                "trunk copy {file} (in --trunk's order, from 0): {why} at byte {offset}; \
+                 reading its pieces from the other copies"
+            );
         }
     }
 }
 
 impl ReadAt for Spread {
     fn read_at(&self, _file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
-        let f = (offset / READ_CHUNK as u64 % self.files as u64) as u32;
-        self.inner.read_at(f, offset, dst)
+        let first = (offset / READ_CHUNK as u64 % self.files as u64) as u32;
+        // The longest short read so far (a file's true end, or a copy that lost its tail),
+        // the copy `dst` holds now, and the first error.
+        let (mut short, mut held, mut err) = (None::<(u32, usize)>, None::<u32>, None);
+        for k in 0..self.files {
+            let f = (first + k) % self.files;
+            match self.inner.read_at(f, offset, dst) {
+                Ok(n) if n == dst.len() => {
+                    if let Some((g, m)) = short {
+                        self.warn(g, offset, &format!("a short read ({m} of {n} bytes)"));
+                    }
+                    return Ok(n);
+                }
+                Ok(n) => {
+                    held = Some(f);
+                    if short.is_none_or(|(_, m)| n > m) {
+                        short = Some((f, n));
+                    }
+                }
+                Err(e) => {
+                    self.warn(f, offset, &e.to_string());
+                    err.get_or_insert(e);
+                }
+            }
+        }
+        match (short, err) {
+            // Every copy ends here (or the longest is the best there is): its bytes.
+            (Some((f, n)), _) if held == Some(f) => Ok(n),
+            (Some((f, _)), _) => self.inner.read_at(f, offset, dst),
+            (None, Some(e)) => Err(e),
+            (None, None) => Err(std::io::Error::other("no trunk copy")),
+        }
     }
 }
 
@@ -1426,6 +1473,52 @@ mod tests {
             vec![(0, 0), (1, chunk), (0, 2 * chunk), (1, 3 * chunk)],
             "pieces by copy"
         );
+    }
+
+    /// A copy whose reads all fail.
+    struct Dead;
+
+    impl ReadAt for Dead {
+        fn read_at(&self, _: u32, _: u64, _: &mut [u8]) -> std::io::Result<usize> {
+            Err(std::io::Error::other("EIO"))
+        }
+    }
+
+    /// Copy 0 in memory, copy 1 the given reader.
+    struct Pair(Mem, Box<dyn ReadAt>);
+
+    impl ReadAt for Pair {
+        fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
+            match file {
+                0 => self.0.read_at(0, offset, dst),
+                _ => self.1.read_at(0, offset, dst),
+            }
+        }
+    }
+
+    // A copy that fails (every read an I/O error) or lost its tail (a file cut short) is
+    // read around: every piece comes whole from the other copy. Both failing is an error.
+    // Catches a failing copy's error passed on while another holds the bytes, a short
+    // copy's count taken as the file's end, and a piece left holding the short copy's
+    // bytes after the other copy was read.
+    #[test]
+    fn a_failing_or_short_copy_is_read_around() {
+        let len = 3 * READ_CHUNK + 12_345;
+        let a: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let short = Mem(a[..READ_CHUNK + 100].to_vec());
+        for (what, other) in [
+            ("a dead copy", Box::new(Dead) as Box<dyn ReadAt>),
+            ("a short copy", Box::new(short)),
+        ] {
+            let spread = Spread::new(Arc::new(Pair(Mem(a.clone()), other)), 2);
+            let mut dst = vec![0u8; len];
+            let got = read_parallel_at(&spread, 0, 0, &mut dst, None).unwrap();
+            assert_eq!(got, len, "{what}");
+            assert!(dst == a, "{what}: wrong bytes");
+        }
+        let both = Spread::new(Arc::new(Dead), 2);
+        let mut dst = vec![0u8; 4096];
+        assert!(both.read_at(0, READ_CHUNK as u64, &mut dst).is_err());
     }
 
     // Pieces land at their own offsets, in parallel, and a file ending inside the last
