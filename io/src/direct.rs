@@ -39,6 +39,15 @@ pub trait ReadAt: Send + Sync {
     /// Fill `dst` from `offset`, returning how many bytes were read: `dst.len()`, or fewer
     /// only at the end of the file.
     fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> io::Result<usize>;
+
+    /// Copies of the same bytes this reader reads from (1: one file per number).
+    fn copies(&self) -> u32 {
+        1
+    }
+
+    /// Read every later piece from another copy than before (a no-op with one copy): a
+    /// caller whose bytes failed their check tries again `copies() - 1` times.
+    fn next_copy(&self) {}
 }
 
 struct OpenFile {
@@ -234,11 +243,29 @@ impl<R: ReadAt> ReadAt for FaultyReader<R> {
         }
         self.inner.read_at(file, offset, dst)
     }
+
+    fn copies(&self) -> u32 {
+        self.inner.copies()
+    }
+
+    fn next_copy(&self) {
+        self.inner.next_copy()
+    }
 }
 
+/// Every method forwarded: a default here would answer for the reader inside (a method
+/// call on an `Arc<dyn ReadAt>` finds this impl first).
 impl<R: ReadAt + ?Sized> ReadAt for std::sync::Arc<R> {
     fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
         (**self).read_at(file, offset, dst)
+    }
+
+    fn copies(&self) -> u32 {
+        (**self).copies()
+    }
+
+    fn next_copy(&self) {
+        (**self).next_copy()
     }
 }
 

@@ -649,6 +649,15 @@ impl CodedReader {
 }
 
 impl ReadAt for CodedReader {
+    /// The stored file's copies (`--trunk DIR,COPY`).
+    fn copies(&self) -> u32 {
+        self.inner.copies()
+    }
+
+    fn next_copy(&self) {
+        self.inner.next_copy()
+    }
+
     /// The raw trunk's bytes at `offset`: decoded runs, zero padding; short only at the
     /// raw file's end.
     fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> io::Result<usize> {

@@ -599,8 +599,9 @@ fn a_prompt_whose_experts_do_not_fit_is_fed_in_passes() {
 /// `--trunk DIR,COPY`: a copy of the packed trunk (its files copied) serves the same
 /// oracle ids with everything streamed, staged and in-process; a copy whose manifest
 /// differs, or whose data file is short or missing, is refused up front (exit 2) naming
-/// it. Catches a copy taken on trust (a stale or half-copied trunk would be read as this
-/// one until a CRC failed mid-run) and the comma list read as one directory. (Which copy
+/// it; a unit whose bytes fail their CRCs on one copy is read from the other. Catches a
+/// copy taken on trust (a stale or half-copied trunk would be read as this one until a CRC
+/// failed mid-run) and the comma list read as one directory. (Which copy
 /// serves which 8 MiB piece is the trunk-loader's `copies_share_a_units_pieces`: the tiny
 /// trunks are smaller than one piece.)
 #[test]
@@ -632,6 +633,21 @@ fn a_copy_of_the_trunk_serves_the_same_ids_and_a_wrong_one_is_refused() {
         );
         assert_eq!(generated_ids(&out), want, "{extra:?}: ids with a copy");
     }
+    // A byte of the first copy changed: the unit that holds it fails its CRC there and is
+    // read again from the second; alone, the first copy fails the run. Catches a CRC
+    // failure taken as final while another copy holds the bytes.
+    let bin = std::fs::read(trunk.join("trunk.bin")).unwrap();
+    let mut bad = bin.clone();
+    bad[m.layers[1].offset as usize + 100] ^= 0x40;
+    std::fs::write(trunk.join("trunk.bin"), &bad).unwrap();
+    let o = gen_with(model, &both, &out, &[], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "a changed byte in the first copy: {t}");
+    assert!(t.contains("reading it again from the other copies"), "{t}");
+    assert_eq!(generated_ids(&out), want, "ids read around a changed byte");
+    let o = gen_with(model, &trunk, &out, &[], &[]);
+    assert!(!o.status.success(), "the changed copy alone: {}", text(&o));
+    std::fs::write(trunk.join("trunk.bin"), &bin).unwrap();
     let refused = |what: &str| {
         let o = gen_with(model, &both, &out, &[], &[]);
         let t = text(&o);

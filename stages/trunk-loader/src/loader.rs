@@ -136,6 +136,8 @@ pub struct Spread {
     files: u32,
     /// Copies that failed a read (warned once each).
     failed: Mutex<Vec<u32>>,
+    /// Added to each piece's copy ([`ReadAt::next_copy`]: after a piece failed its check).
+    turn: std::sync::atomic::AtomicU32,
 }
 
 impl Spread {
@@ -145,6 +147,7 @@ impl Spread {
             inner,
             files: files.max(1),
             failed: Mutex::new(Vec::new()),
+            turn: std::sync::atomic::AtomicU32::new(0),
         }
     }
 
@@ -161,8 +164,17 @@ impl Spread {
 }
 
 impl ReadAt for Spread {
+    fn copies(&self) -> u32 {
+        self.files
+    }
+
+    fn next_copy(&self) {
+        self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     fn read_at(&self, _file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
-        let first = (offset / READ_CHUNK as u64 % self.files as u64) as u32;
+        let turn = self.turn.load(std::sync::atomic::Ordering::Relaxed) as u64;
+        let first = ((offset / READ_CHUNK as u64 + turn) % self.files as u64) as u32;
         // The longest short read so far (a file's true end, or a copy that lost its tail),
         // the copy `dst` holds now, and the first error.
         let (mut short, mut held, mut err) = (None::<(u32, usize)>, None::<u32>, None);
@@ -590,9 +602,27 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// [`Shared::read_unit`], read again from the other copies of the trunk
+    /// (`--trunk DIR,COPY`) while it fails (its bytes fail their CRCs, a coded chunk does not
+    /// decode, a read fails on every copy): each try takes every piece from another copy
+    /// than the try before. Returns the bytes read.
+    fn read_layer(&self, unit: usize, at: u64, cap: u64) -> Result<u64, UnitReadError> {
+        let mut r = self.read_unit(unit, at, cap);
+        for _ in 1..self.reader.copies() {
+            let why = match &r {
+                Ok(_) | Err(UnitReadError::TooBig { .. } | UnitReadError::NoCheck(_)) => break,
+                Err(e) => e.to_string(),
+            };
+            tracing::warn!("trunk unit {unit}: {why}; reading it again from the other copies");
+            self.reader.next_copy();
+            r = self.read_unit(unit, at, cap);
+        }
+        r
+    }
+
     /// Read unit `unit` into the arena region at `at` (each piece page-mirrored, back to
     /// back); returns the bytes read.
-    fn read_layer(&self, unit: usize, at: u64, cap: u64) -> Result<u64, UnitReadError> {
+    fn read_unit(&self, unit: usize, at: u64, cap: u64) -> Result<u64, UnitReadError> {
         let u = &self.units[unit];
         let need = u.footprint();
         if need > cap {
@@ -1461,6 +1491,13 @@ mod tests {
             Mutex::new(Vec::new()),
         ));
         let spread = Spread::new(files.clone(), 2);
+        // Through the trait object the loader holds (an `Arc` forwards every method).
+        let held: Arc<dyn ReadAt> = Arc::new(Spread::new(files.clone(), 2));
+        assert_eq!(
+            held.copies(),
+            2,
+            "an Arc<dyn ReadAt> answered for the copies"
+        );
         let mut dst = vec![0u8; len];
         let got = read_parallel_at(&spread, 0, 0, &mut dst, None).unwrap();
         assert_eq!(got, len);
