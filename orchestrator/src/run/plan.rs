@@ -1015,28 +1015,30 @@ pub const PREFILL_CHUNK_ENV: &str = "K3_PREFILL_CHUNK";
 /// streamed lm_head's leading rows (whole rows) whatever the plan decides.
 pub const LM_HEAD_HELD_ENV: &str = "K3_LM_HEAD_HELD_BYTES";
 
-/// `copy` holds the packed trunk in `dir`: the same manifest, byte for byte, and a data file
-/// of the same length (its bytes are checked by the trunk's CRCs as they are read).
-fn check_trunk_copy(dir: &std::path::Path, copy: &std::path::Path) -> Result<(), BudgetError> {
-    let fail = |why: String| BudgetError::TrunkCopy {
-        dir: dir.to_path_buf(),
-        copy: copy.to_path_buf(),
-        why,
-    };
+/// Each of `copies` holds the packed trunk in `dir`: the same manifest, byte for byte, and
+/// data files of the sizes it gives (`TrunkManifest::load_dir`'s check, on the copy); their
+/// bytes are checked by the trunk's CRCs as they are read.
+fn check_trunk_copies(
+    dir: &std::path::Path,
+    copies: &[std::path::PathBuf],
+) -> Result<(), BudgetError> {
     let name = k3_model::trunk::TRUNK_JSON;
-    let ours = std::fs::read(dir.join(name)).map_err(|e| fail(format!("{name}: {e}")))?;
-    let theirs = std::fs::read(copy.join(name)).map_err(|e| fail(format!("{name}: {e}")))?;
-    if ours != theirs {
-        return Err(fail(format!("its {name} differs")));
+    let ours = std::fs::read(dir.join(name));
+    for copy in copies {
+        let fail = |why: String| BudgetError::TrunkCopy {
+            dir: dir.to_path_buf(),
+            copy: copy.clone(),
+            why,
+        };
+        let theirs = std::fs::read(copy.join(name)).map_err(|e| fail(format!("{name}: {e}")))?;
+        match &ours {
+            Ok(o) if *o == theirs => {}
+            Ok(_) => return Err(fail(format!("its {name} differs"))),
+            Err(e) => return Err(fail(format!("{name} of the first: {e}"))),
+        }
+        k3_model::trunk::TrunkManifest::load_dir(copy).map_err(|e| fail(e.to_string()))?;
     }
-    let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
-    let file = m.codec.as_ref().map(|c| &c.file).unwrap_or(&m.file);
-    let len = |d: &std::path::Path| std::fs::metadata(d.join(file)).map(|x| x.len());
-    match (len(dir), len(copy)) {
-        (Ok(a), Ok(b)) if a == b => Ok(()),
-        (Ok(a), Ok(b)) => Err(fail(format!("its {file} holds {b} bytes, not {a}"))),
-        (_, Err(e)) | (Err(e), _) => Err(fail(format!("{file}: {e}"))),
-    }
+    Ok(())
 }
 
 /// The streams of a packed trunk (whole layers and their parts), for the bound layers.
@@ -1255,9 +1257,7 @@ fn bound(
     let (runs, trunk_decode) = match &a.trunk {
         Some(dir) => {
             let (r, d) = packed_runs(dir, layers)?;
-            for copy in &a.trunk_copies {
-                check_trunk_copy(dir, copy)?;
-            }
+            check_trunk_copies(dir, &a.trunk_copies)?;
             let ppm = decode.map_or(0, DecodeTerms::ppm);
             let r = r.with_decode_weight(ppm).with_resident(a.trunk_resident);
             (Some(r), d)

@@ -548,7 +548,7 @@ impl Machine {
     /// so one).
     pub fn decode_terms(&self) -> plan::DecodeTerms {
         plan::DecodeTerms {
-            disk_bps: self.trunk_drives.max(1) as f64 * self.trunk_drive_bps,
+            disk_bps: self.trunk_bps(),
             disk_source: self.drive_source.clone(),
             decode_bps: self.decode_bps,
             decode_source: self.decode_source.clone(),
@@ -561,6 +561,11 @@ impl Machine {
     /// default compute takes them all (`k3_trunk_loader::decode_cores`), so one.
     pub fn decoders(&self) -> usize {
         k3_trunk_loader::decode_cores(self.cores, self.cores)
+    }
+
+    /// Bytes per second the trunk is read at: one drive's trunk rate on each of its drives.
+    pub fn trunk_bps(&self) -> f64 {
+        self.trunk_drives.max(1) as f64 * self.trunk_drive_bps
     }
 
     /// The copies of each expert that count: at most one per drive.
@@ -801,9 +806,9 @@ pub struct Times {
 
 impl Times {
     /// The resources' times for `t` on `m`: trunk bytes over the trunk's drives' trunk-read
-    /// rate and expert bytes over the expert drives' expert-read rate; bf16 and MXFP4 RAM bytes over the
-    /// products' rates; MACs over every core's rate; the serial products' share of the
-    /// compute.
+    /// rate ([`Machine::trunk_bps`]) and expert bytes over the expert drives' expert-read
+    /// rate; bf16 and MXFP4 RAM bytes over the products' rates; MACs over every core's
+    /// rate; the serial products' share of the compute.
     pub fn of(t: &PerToken, m: &Machine) -> Times {
         let cores = m.cores.max(1) as f64;
         let drives = m.drives.max(1) as f64;
@@ -819,8 +824,7 @@ impl Times {
             0.0
         };
         Times {
-            disk: t.trunk_disk_bytes / (m.trunk_drives.max(1) as f64 * m.trunk_drive_bps)
-                + expert_disk,
+            disk: t.trunk_disk_bytes / m.trunk_bps() + expert_disk,
             expert_disk,
             balance,
             memory,
@@ -1069,7 +1073,7 @@ pub fn detail(
         "  disk     : {} trunk/lm_head at {:.2} GB/s + {} experts missed at {:.2} GB/s = {} \
          in {}\n",
         human(pt.trunk_disk_bytes as u64),
-        machine.trunk_drives.max(1) as f64 * machine.trunk_drive_bps / GB,
+        machine.trunk_bps() / GB,
         human(pt.expert_disk_bytes as u64),
         drives * machine.drive_bps / GB,
         human(pt.disk_bytes() as u64),
@@ -1956,9 +1960,10 @@ mod tests {
     /// 6 s; 400 G bf16 MACs on 8 cores of 10 G plus 80 G MXFP4 at 5 G: compute 7 s; a
     /// quarter of the RAM bytes multiplied with the disk idle: 1.75 s exposed. s/token =
     /// max(7 + 1.75, 7 + 4) = 11, compute-bound: the experts' reads wait for the router, so
-    /// they add to compute. Catches one drive's bandwidth used for all of them, the trunk and expert rates swapped, the
-    /// MXFP4 bytes at the bf16 rate, the cores left out, and the old max of the three
-    /// (7 s), which put reads after the router in parallel with compute.
+    /// they add to compute. Catches one drive's bandwidth used for all of them, the trunk
+    /// and expert rates swapped, the MXFP4 bytes at the bf16 rate, the cores left out, and
+    /// the old max of the three (7 s), which put reads after the router in parallel with
+    /// compute.
     #[test]
     fn the_pipeline_combines_the_terms() {
         let t = token_terms();

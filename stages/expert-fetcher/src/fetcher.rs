@@ -1418,8 +1418,8 @@ impl ExpertFetcher {
     /// A read into slot `s` failed with `why`: an I/O error or a short read marks its file
     /// down (said once, as a warning naming the file and the error its device), and the
     /// expert's first copy in a file that is not down, if any, is where to read it again,
-    /// into the same slot. None: the read fails as it would without copies (the run exits 4, naming
-    /// the device). The copies hold the same bytes, so the expert and the ids are
+    /// into the same slot. None: the read fails as it would without copies (the run exits 4,
+    /// naming the device). The copies hold the same bytes, so the expert and the ids are
     /// unchanged.
     fn failover(&mut self, s: usize, why: &ReadFailure) -> Option<ExpertExtents> {
         if !matches!(why, ReadFailure::Io(_) | ReadFailure::Short { .. }) {

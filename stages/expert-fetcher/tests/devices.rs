@@ -217,8 +217,8 @@ impl ReadAt for DeadSecond {
 /// there is read again from drive 0 into the same slot, published with drive 0's bytes,
 /// none fails, and `failovers` counts them; the next batch sends nothing to that file.
 /// Catches a failure that ends the expert although a copy is left, a retry of the same
-/// dead drive, and a drive that keeps getting reads once it has failed. Without copies a failing drive
-/// fails its experts (`a_failing_drive_fails_its_experts_naming_it`).
+/// dead drive, and a drive that keeps getting reads once it has failed. Without copies a
+/// failing drive fails its experts (`a_failing_drive_fails_its_experts_naming_it`).
 #[test]
 fn a_failing_drive_is_read_around_where_copies_are_left() {
     let reads = Arc::new(DeadSecond(Mutex::new(Vec::new())));

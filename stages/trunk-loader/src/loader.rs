@@ -88,9 +88,9 @@ pub enum LoaderError {
     },
     #[error(transparent)]
     Plan(#[from] crate::plan::PlanError),
-    #[error("{}: {source}", path.display())]
+    /// Opening the trunk's files (`DirectFiles::open` names the file in `source`).
+    #[error("{source}")]
     Open {
-        path: std::path::PathBuf,
         #[source]
         source: std::io::Error,
     },
@@ -231,16 +231,10 @@ pub fn trunk_reader_keeping(
         .chain(copies.iter().map(|c| c.as_path()))
         .map(|d| d.join(file))
         .collect();
-    let mut direct = Vec::with_capacity(paths.len());
-    for path in paths {
-        let f = k3_io::DirectFiles::open(std::slice::from_ref(&path))
-            .map_err(|source| LoaderError::Open { path, source })?;
-        direct.push(f);
-    }
-    let n = direct.len() as u32;
-    let files: Arc<dyn ReadAt> = match direct.len() {
-        1 => Arc::new(direct.pop().expect("one file")),
-        _ => Arc::new(Spread::new(Arc::new(Each(direct)), n)),
+    let direct = k3_io::DirectFiles::open(&paths).map_err(|source| LoaderError::Open { source })?;
+    let files: Arc<dyn ReadAt> = match paths.len() {
+        1 => Arc::new(direct),
+        n => Arc::new(Spread::new(Arc::new(direct), n as u32)),
     };
     match &m.codec {
         None => Ok((files, None)),
@@ -255,18 +249,6 @@ pub fn trunk_reader_keeping(
             let coded = Arc::new(coded);
             let r: Arc<dyn ReadAt> = coded.clone();
             Ok((r, Some(coded)))
-        }
-    }
-}
-
-/// One file each, read as files `0..n` of one reader.
-struct Each(Vec<k3_io::DirectFiles>);
-
-impl ReadAt for Each {
-    fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
-        match self.0.get(file as usize) {
-            Some(f) => f.read_at(0, offset, dst),
-            None => Err(std::io::Error::other(format!("no trunk copy {file}"))),
         }
     }
 }
@@ -761,29 +743,18 @@ impl Shared {
             let dt = t0.elapsed().as_secs_f64();
             let mut st = self.lock();
             st.stats.io_seconds += dt;
-            let loaded = match r {
-                Ok(b) => {
-                    st.stats.reads += 1;
-                    st.stats.bytes_read += b;
-                    Ok(b)
-                }
-                Err(w) => Err(w),
-            };
-            // The newest entry with this unit and not yet loaded: the one just placed.
-            if let Some(e) = st
-                .ring
-                .entries
-                .iter_mut()
-                .rev()
-                .find(|e| e.layer == Some(next) && e.at == at)
+            if let Ok(b) = r {
+                st.stats.reads += 1;
+                st.stats.bytes_read += b;
+            }
+            // The entry just placed (only this thread adds or drops entries).
+            if let Some(e) =
+                (st.ring.entries.iter_mut().rev()).find(|e| e.layer == Some(next) && e.at == at)
             {
-                match loaded {
-                    Ok(b) => {
-                        e.bytes = b;
-                        e.loaded = Loaded::Yes;
-                    }
-                    Err(w) => e.loaded = Loaded::Failed(w),
-                }
+                (e.bytes, e.loaded) = match r {
+                    Ok(b) => (b, Loaded::Yes),
+                    Err(w) => (0, Loaded::Failed(w)),
+                };
             }
             drop(st);
             self.cv.notify_all();
