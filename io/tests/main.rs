@@ -4,4 +4,5 @@
 //! `#[cfg(test)]` tests, so `cargo test` compiles it once).
 
 mod direct;
+mod spread;
 mod unit;

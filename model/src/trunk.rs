@@ -586,6 +586,15 @@ pub fn align_up(x: u64, a: u64) -> u64 {
 }
 
 impl TrunkManifest {
+    /// The file the trunk's bytes are read from and its size: `trunk.bin`, or a coded
+    /// trunk's stored file.
+    pub fn data_file(&self) -> (&str, u64) {
+        match &self.codec {
+            Some(c) => (&c.file, c.file_size),
+            None => (&self.file, self.file_size),
+        }
+    }
+
     /// Read and validate `<dir>/trunk.json`, and check `trunk.bin` has `file_size` bytes
     /// (a coded trunk: its stored file, and its coded lm_head's, theirs).
     pub fn load_dir(dir: impl AsRef<Path>) -> Result<TrunkManifest, TrunkError> {
@@ -605,12 +614,9 @@ impl TrunkManifest {
             e.path = path.clone();
             e
         })?;
-        let (file, want) = match &m.codec {
-            Some(c) => (&c.file, c.file_size),
-            None => (&m.file, m.file_size),
-        };
         let head = m.codec.as_ref().and_then(|c| c.head.as_ref());
-        let files = std::iter::once((file, want)).chain(head.map(|h| (&h.file, h.file_size)));
+        let files =
+            std::iter::once(m.data_file()).chain(head.map(|h| (h.file.as_str(), h.file_size)));
         for (file, want) in files {
             let bin = dir.join(file);
             let size = std::fs::metadata(&bin)

@@ -3,7 +3,7 @@
 //! same ids at every budget, refuse up front (exit 2) what does not fit, and the report
 //! carries the run's true peak beside the plan.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use crate::tools_common::{fixture, k3_cmd as k3, output_text as text, read_json as json};
@@ -206,7 +206,9 @@ fn streamed_lm_head_and_embedding_rows_keep_the_logits() {
 /// chunk short of 8 rows. Catches decoded chunks placed at the wrong rows, streamed rows
 /// that restart at row 0 after the held ones or skip a chunk, and a short last chunk
 /// decoded past its rows. Then damage: a stored byte flipped in chunk 5 of lm_head.k3z
-/// fails the run (exit 1) naming the coded lm_head and the chunk, a truncated lm_head.k3z
+/// fails the run (exit 1) naming the coded lm_head and the chunk, is read around with a good
+/// copy of the trunk beside it (`--trunk DIR,COPY`; the drive rate the plan weighs decoding
+/// against is then the copies' together), a truncated lm_head.k3z
 /// and `--lm-head-read coded` over a trunk without one are refused up front (exit 2).
 #[test]
 fn a_coded_lm_head_streams_the_same_logits() {
@@ -226,14 +228,17 @@ fn a_coded_lm_head_streams_the_same_logits() {
     assert_eq!((h.chunk_rows, h.chunks.len()), (8, 32));
     let out = dir.path().join("r.json");
     let want = oracle_ids(model, 4);
-    let run = |read: &str, chunk: &str, held: Option<&str>, logits: &Path| {
+    let run_on = |trunk: &Path, read: &str, chunk: &str, held: Option<&str>, logits: &Path| {
         let lg = logits.to_str().unwrap().to_string();
         let mut env = vec![("K3_TEST_HOOKS", "1"), ("K3_LM_HEAD_CHUNK_BYTES", chunk)];
         if let Some(n) = held {
             env.push(("K3_LM_HEAD_HELD_BYTES", n));
         }
         let extra = ["--lm-head-read", read, "--dump-logits", lg.as_str()];
-        gen_with(model, &trunk, &out, &extra, &env)
+        gen_with(model, trunk, &out, &extra, &env)
+    };
+    let run = |read: &str, chunk: &str, held: Option<&str>, logits: &Path| {
+        run_on(&trunk, read, chunk, held, logits)
     };
     let base = dir.path().join("raw.bin");
     let o = run("raw", "7000", None, &base);
@@ -267,6 +272,13 @@ fn a_coded_lm_head_streams_the_same_logits() {
             "chunk {chunk} held {held:?}: logits differ from the raw stream"
         );
     }
+    // A copy of the trunk, lm_head.k3z with it, for the damage below.
+    let copy = dir.path().join("copy");
+    std::fs::create_dir(&copy).unwrap();
+    for f in std::fs::read_dir(&trunk).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, copy.join(f.file_name().unwrap())).unwrap();
+    }
     // A flipped stored byte in chunk 5.
     let k3z = trunk.join(&h.file);
     let mut bytes = std::fs::read(&k3z).unwrap();
@@ -278,6 +290,29 @@ fn a_coded_lm_head_streams_the_same_logits() {
         text(&o).contains("coded lm_head chunk 5: the stored bytes fail their CRC-32C"),
         "{}",
         text(&o)
+    );
+    // The damaged trunk with a good copy (`--trunk DAMAGED,COPY`): chunk 5's stream chunk
+    // fails its check in the first copy and is read again from the second; the logits are
+    // the raw stream's. Catches the coded lm_head read from the first copy alone (the run
+    // fails as above) and a copy's lm_head.k3z looked for anywhere but in that copy.
+    let both = PathBuf::from(format!("{},{}", trunk.display(), copy.display()));
+    let logits = dir.path().join("copies.bin");
+    let o = run_on(&both, "coded", "7000", None, &logits);
+    let t = text(&o);
+    assert!(
+        o.status.success(),
+        "a good copy beside the damaged one: {t}"
+    );
+    assert!(
+        t.contains("reading them again from the other trunk copies"),
+        "{t}"
+    );
+    // The plan weighs decoding against the copies' summed rate, not the first copy's.
+    assert!(t.contains("its 2 copies read at once"), "{t}");
+    assert_eq!(generated_ids(&out), want, "ids read around the damage");
+    assert!(
+        std::fs::read(&logits).unwrap() == base,
+        "logits read around the damage differ from the raw stream"
     );
     // A truncated lm_head.k3z: refused before anything runs (exit 2), naming the file.
     let f = std::fs::OpenOptions::new().write(true).open(&k3z).unwrap();

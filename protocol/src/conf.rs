@@ -196,6 +196,10 @@ pub struct ComputeConf {
     /// trunk in this directory (`pack-trunk --codec`) instead of raw from the shards.
     #[serde(default)]
     pub lm_head_coded: Option<PathBuf>,
+    /// With `lm_head_coded`: copies of that trunk on other drives (`--trunk DIR,COPY,...`);
+    /// the coded lm_head's reads are spread over all of them, as the trunk's are.
+    #[serde(default)]
+    pub lm_head_coded_copies: Vec<PathBuf>,
     /// Serve a sequence of requests (`Msg::Generate` on the control socket) until
     /// `Shutdown`, instead of one generation of `prompt_ids` (`serve`, `chat`).
     #[serde(default)]

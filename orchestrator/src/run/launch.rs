@@ -802,6 +802,11 @@ fn launch_of(c: &Common<'_>) -> Result<LaunchOf, GenError> {
             } else {
                 None
             },
+            lm_head_coded_copies: if c.plan.lm_head_coded {
+                a.trunk_copies.clone()
+            } else {
+                Vec::new()
+            },
             warm: false,
             load_state: a.load_state.clone(),
             save_state: a.save_state.clone(),

@@ -1124,9 +1124,10 @@ impl DecodeTerms {
     }
 
     /// The terms of a run's coded trunk (None: raw, or no `--trunk`): `--drive-gbps` and
-    /// `--decode-gbps` when given, else measured here, once per plan: the drive with devbw
-    /// (O_DIRECT) on the stored file as the trunk-loader reads it, the decoder on a few of
-    /// the trunk's own chunks (`k3_trunk_loader::decode_rate`); a figure that cannot be
+    /// `--decode-gbps` when given, else measured here, once per plan: the drives with devbw
+    /// (O_DIRECT) on the stored file and its copies, read at once as the trunk-loader reads
+    /// them, the decoder on a few of the trunk's own chunks (`k3_trunk_loader::decode_rate`);
+    /// a figure that cannot be
     /// measured is assumed, and the plan's note says so. The cores are this machine's.
     pub fn of_run(a: &GenArgs) -> Result<Option<DecodeTerms>, BudgetError> {
         let Some(dir) = &a.trunk else { return Ok(None) };
@@ -1134,7 +1135,13 @@ impl DecodeTerms {
         let Some(c) = &m.codec else { return Ok(None) };
         let (disk_bps, disk_source) = match a.drive_gbps {
             Some(g) => (g * GB, "--drive-gbps".to_string()),
-            None => measure_trunk_drive(&dir.join(&c.file)),
+            None => {
+                let files: Vec<_> = std::iter::once(dir)
+                    .chain(&a.trunk_copies)
+                    .map(|d| d.join(&c.file))
+                    .collect();
+                measure_trunk_drives(&files)
+            }
         };
         let (decode_bps, decode_source) = match a.decode_gbps {
             Some(g) => (g * GB, "--decode-gbps".to_string()),
@@ -1152,6 +1159,38 @@ impl DecodeTerms {
             cores,
             compute_threads: a.threads.unwrap_or(cores),
         }))
+    }
+}
+
+/// The drives holding `files` (the stored file and its copies) as the trunk-loader reads
+/// them: every copy at once, each at the loader's piece size and queue depth (O_DIRECT),
+/// their rates summed, since the loader spreads its reads over the copies. A copy that
+/// cannot be measured makes the whole figure [`ASSUMED_DRIVE_BPS`] per copy, with the
+/// reason.
+fn measure_trunk_drives(files: &[std::path::PathBuf]) -> (f64, String) {
+    let got: Vec<(f64, String)> = std::thread::scope(|s| {
+        let probes: Vec<_> = files
+            .iter()
+            .map(|f| s.spawn(move || measure_trunk_drive(f)))
+            .collect();
+        probes
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| (ASSUMED_DRIVE_BPS, "ASSUMED: the probe panicked".into()))
+            })
+            .collect()
+    });
+    if let Some((_, why)) = got.iter().find(|(_, why)| why.starts_with("ASSUMED")) {
+        return (ASSUMED_DRIVE_BPS * files.len() as f64, why.clone());
+    }
+    let sum = got.iter().map(|(bps, _)| bps).sum();
+    match files.len() {
+        1 => (sum, "measured with devbw".into()),
+        n => (
+            sum,
+            format!("measured with devbw, its {n} copies read at once"),
+        ),
     }
 }
 

@@ -1007,7 +1007,7 @@ fn verify(dir: &Path, cat: &Catalog, plan: &[PlannedLayer]) -> Result<(), Fail> 
 
 /// The end of `--verify`: OK with the numbers, or every problem found (exit 1).
 fn verdict(dir: &Path, m: &TrunkManifest, bad: Vec<String>, start: Instant) -> Result<(), Fail> {
-    let bin = dir.join(m.codec.as_ref().map(|c| &c.file).unwrap_or(&m.file));
+    let bin = dir.join(m.data_file().0);
     let s = start.elapsed().as_secs_f64();
     if bad.is_empty() {
         println!(

@@ -172,17 +172,16 @@ impl StepHooks for Staged<'_> {
     }
 }
 
-/// Bind the links and the model, then run the one-shot generation, or (a warm stage) the
-/// requests until `Shutdown`; then say `Finished`.
-/// The coded lm_head the conf streams from (None: raw, or the lm_head is not streamed);
-/// a trunk without one when the conf names it is refused (the plan counted its bytes).
+/// The coded lm_head the conf streams from (None: raw, or the lm_head is not streamed),
+/// with its copies; a trunk without one when the conf names it is refused (the plan counted
+/// its bytes).
 fn coded_head(
     conf: &ComputeConf,
 ) -> Result<Option<crate::model_stream::CodedHeadFile>, ComputeError> {
     let (Some(dir), Some(_)) = (&conf.lm_head_coded, conf.lm_head_chunk_bytes) else {
         return Ok(None);
     };
-    match crate::model_stream::CodedHeadFile::of_trunk(dir) {
+    match crate::model_stream::CodedHeadFile::of_trunk(dir, &conf.lm_head_coded_copies) {
         Ok(Some(c)) => Ok(Some(c)),
         Ok(None) => Err(ComputeError::ModelStream(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
@@ -192,6 +191,8 @@ fn coded_head(
     }
 }
 
+/// Bind the links and the model, then run the one-shot generation, or (a warm stage) the
+/// requests until `Shutdown`; then say `Finished`.
 fn run_configured(ctx: &mut StageCtx, conf: &ComputeConf) -> Result<(), ComputeError> {
     let cfg = ModelConfig::load(&conf.config_path)?;
     let n_layers = conf

@@ -123,92 +123,6 @@ pub fn trunk_reader(
     trunk_reader_keeping(dir, &[], m, None)
 }
 
-/// Identical files read as one: a read at `offset` goes to file `(offset / READ_CHUNK) %
-/// n`. [`read_parallel_at`] cuts a unit into [`READ_CHUNK`] pieces read side by side, so
-/// consecutive pieces go to consecutive files: copies of the packed trunk on several drives
-/// (`--trunk DIR,COPY`) read each unit at their summed rate. Every piece is checked by the
-/// trunk's CRCs as before, whichever copy it came from. A piece whose read fails (an I/O
-/// error, or fewer bytes than another copy holds there) is read from the other copies in
-/// turn, with a warning naming the copy the first time; the error is returned only when
-/// every copy fails.
-pub struct Spread {
-    inner: Arc<dyn ReadAt>,
-    files: u32,
-    /// Copies that failed a read (warned once each).
-    failed: Mutex<Vec<u32>>,
-    /// Added to each piece's copy ([`ReadAt::next_copy`]: after a piece failed its check).
-    turn: std::sync::atomic::AtomicU32,
-}
-
-impl Spread {
-    /// Over files `0..files` of `inner` (at least one).
-    pub fn new(inner: Arc<dyn ReadAt>, files: u32) -> Spread {
-        Spread {
-            inner,
-            files: files.max(1),
-            failed: Mutex::new(Vec::new()),
-            turn: std::sync::atomic::AtomicU32::new(0),
-        }
-    }
-
-    fn warn(&self, file: u32, offset: u64, why: &str) {
-        let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
-        if !f.contains(&file) {
-            f.push(file);
-            tracing::warn!(
-                "trunk copy {file} (in --trunk's order, from 0): {why} at byte {offset}; \
-                 reading its pieces from the other copies"
-            );
-        }
-    }
-}
-
-impl ReadAt for Spread {
-    fn copies(&self) -> u32 {
-        self.files
-    }
-
-    fn next_copy(&self) {
-        self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    fn read_at(&self, _file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
-        let turn = self.turn.load(std::sync::atomic::Ordering::Relaxed) as u64;
-        let first = ((offset / READ_CHUNK as u64 + turn) % self.files as u64) as u32;
-        // The longest short read so far (a file's true end, or a copy that lost its tail),
-        // the copy `dst` holds now, and the first error.
-        let (mut short, mut held, mut err) = (None::<(u32, usize)>, None::<u32>, None);
-        for k in 0..self.files {
-            let f = (first + k) % self.files;
-            match self.inner.read_at(f, offset, dst) {
-                Ok(n) if n == dst.len() => {
-                    if let Some((g, m)) = short {
-                        self.warn(g, offset, &format!("a short read ({m} of {n} bytes)"));
-                    }
-                    return Ok(n);
-                }
-                Ok(n) => {
-                    held = Some(f);
-                    if short.is_none_or(|(_, m)| n > m) {
-                        short = Some((f, n));
-                    }
-                }
-                Err(e) => {
-                    self.warn(f, offset, &e.to_string());
-                    err.get_or_insert(e);
-                }
-            }
-        }
-        match (short, err) {
-            // Every copy ends here (or the longest is the best there is): its bytes.
-            (Some((f, n)), _) if held == Some(f) => Ok(n),
-            (Some((f, _)), _) => self.inner.read_at(f, offset, dst),
-            (None, Some(e)) => Err(e),
-            (None, None) => Err(std::io::Error::other("no trunk copy")),
-        }
-    }
-}
-
 /// Layers of a coded trunk kept coded in memory: their stored runs, back to back from
 /// byte `at` of `arena` ([`crate::plan::TrunkPlan::kept_at`]).
 pub struct KeepCoded<'a> {
@@ -226,16 +140,13 @@ pub fn trunk_reader_keeping(
     m: &TrunkManifest,
     keep: Option<KeepCoded<'_>>,
 ) -> Result<(Arc<dyn ReadAt>, Option<Arc<CodedReader>>), LoaderError> {
-    let file = m.codec.as_ref().map(|c| &c.file).unwrap_or(&m.file);
+    let file = m.data_file().0;
     let paths: Vec<std::path::PathBuf> = std::iter::once(dir)
         .chain(copies.iter().map(|c| c.as_path()))
         .map(|d| d.join(file))
         .collect();
-    let direct = k3_io::DirectFiles::open(&paths).map_err(|source| LoaderError::Open { source })?;
-    let files: Arc<dyn ReadAt> = match paths.len() {
-        1 => Arc::new(direct),
-        n => Arc::new(Spread::new(Arc::new(direct), n as u32)),
-    };
+    let files =
+        k3_io::open_copies(&paths, "trunk copy").map_err(|source| LoaderError::Open { source })?;
     match &m.codec {
         None => Ok((files, None)),
         Some(c) => {
@@ -1437,96 +1348,6 @@ mod tests {
         drop(two);
         let three = loader.layer(3).unwrap();
         check(&three, 4, 2);
-    }
-
-    /// Files in memory that log which file each read went to.
-    struct Files(Vec<Mem>, Mutex<Vec<(u32, u64)>>);
-
-    impl ReadAt for Files {
-        fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
-            self.1.lock().unwrap().push((file, offset));
-            self.0[file as usize].read_at(0, offset, dst)
-        }
-    }
-
-    // Copies of the trunk (`--trunk DIR,COPY`): a unit's READ_CHUNK pieces alternate over
-    // the copies, each landing in place. Catches every piece read from the first copy (no
-    // spread), a piece asked of a file that is not there, and a piece read at the wrong
-    // offset.
-    #[test]
-    fn copies_share_a_units_pieces() {
-        let len = 3 * READ_CHUNK + 12_345;
-        let a: Vec<u8> = (0..len).map(|i| (i / 4096) as u8).collect();
-        let files = Arc::new(Files(
-            vec![Mem(a.clone()), Mem(a.clone())],
-            Mutex::new(Vec::new()),
-        ));
-        let spread = Spread::new(files.clone(), 2);
-        // Through the trait object the loader holds (an `Arc` forwards every method).
-        let held: Arc<dyn ReadAt> = Arc::new(Spread::new(files.clone(), 2));
-        assert_eq!(
-            held.copies(),
-            2,
-            "an Arc<dyn ReadAt> answered for the copies"
-        );
-        let mut dst = vec![0u8; len];
-        let got = read_parallel_at(&spread, 0, 0, &mut dst, None).unwrap();
-        assert_eq!(got, len);
-        assert!(dst == a, "the pieces did not land in place");
-        let mut log = files.1.lock().unwrap().clone();
-        log.sort_by_key(|&(_, o)| o);
-        let chunk = READ_CHUNK as u64;
-        assert_eq!(
-            log,
-            vec![(0, 0), (1, chunk), (0, 2 * chunk), (1, 3 * chunk)],
-            "pieces by copy"
-        );
-    }
-
-    /// A copy whose reads all fail.
-    struct Dead;
-
-    impl ReadAt for Dead {
-        fn read_at(&self, _: u32, _: u64, _: &mut [u8]) -> std::io::Result<usize> {
-            Err(std::io::Error::other("EIO"))
-        }
-    }
-
-    /// Copy 0 in memory, copy 1 the given reader.
-    struct Pair(Mem, Box<dyn ReadAt>);
-
-    impl ReadAt for Pair {
-        fn read_at(&self, file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
-            match file {
-                0 => self.0.read_at(0, offset, dst),
-                _ => self.1.read_at(0, offset, dst),
-            }
-        }
-    }
-
-    // A copy that fails (every read an I/O error) or lost its tail (a file cut short) is
-    // read around: every piece comes whole from the other copy. Both failing is an error.
-    // Catches a failing copy's error passed on while another holds the bytes, a short
-    // copy's count taken as the file's end, and a piece left holding the short copy's
-    // bytes after the other copy was read.
-    #[test]
-    fn a_failing_or_short_copy_is_read_around() {
-        let len = 3 * READ_CHUNK + 12_345;
-        let a: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-        let short = Mem(a[..READ_CHUNK + 100].to_vec());
-        for (what, other) in [
-            ("a dead copy", Box::new(Dead) as Box<dyn ReadAt>),
-            ("a short copy", Box::new(short)),
-        ] {
-            let spread = Spread::new(Arc::new(Pair(Mem(a.clone()), other)), 2);
-            let mut dst = vec![0u8; len];
-            let got = read_parallel_at(&spread, 0, 0, &mut dst, None).unwrap();
-            assert_eq!(got, len, "{what}");
-            assert!(dst == a, "{what}: wrong bytes");
-        }
-        let both = Spread::new(Arc::new(Dead), 2);
-        let mut dst = vec![0u8; 4096];
-        assert!(both.read_at(0, READ_CHUNK as u64, &mut dst).is_err());
     }
 
     // Pieces land at their own offsets, in parallel, and a file ending inside the last

@@ -8,6 +8,12 @@
 //! Each coded chunk's stored and decoded CRC-32C are checked (`decode_chunk`): damage is an
 //! error naming the coded lm_head and the chunk.
 //!
+//! With copies of the trunk on other drives (`--trunk DIR,COPY,...`) the stored spans are
+//! read spread over every copy's `lm_head.k3z` ([`k3_io::Spread`]), as the trunk-loader
+//! reads the trunk: a piece whose read fails is read from another copy, and a stream chunk
+//! whose coded chunks fail their check is read again from the other copies, once each,
+//! before it is an error.
+//!
 //! Measured before this shape: four threads that each read one coded chunk and decoded it
 //! took 0.83-1.10 s per token for the slice's lm_head, against 0.69-0.81 s to read it raw
 //! (docs/measurements.md, "The coded lm_head").
@@ -18,7 +24,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use k3_io::arena::{OwnedArena, ALIGN};
-use k3_io::direct::DirectFiles;
+use k3_io::direct::ReadAt;
 use k3_model::codec::{Codec, Decoder};
 use k3_model::codec_trunk::{decode_chunk, Unit};
 use k3_model::tensor::{Dtype, TensorRef, WeightError};
@@ -57,16 +63,20 @@ fn max_stored(h: &CodedHead) -> u64 {
     h.chunks.iter().map(|c| c.stored).max().unwrap_or(0)
 }
 
-/// A coded lm_head to stream from: the stored file, the manifest's record of it, the codec.
+/// A coded lm_head to stream from: the stored file and its copies on other drives, the
+/// manifest's record of it, the codec.
 pub struct CodedHeadFile {
     pub path: PathBuf,
+    pub copies: Vec<PathBuf>,
     pub head: CodedHead,
     pub codec: Codec,
 }
 
 impl CodedHeadFile {
-    /// The coded lm_head of the trunk in `dir` (None: the trunk is raw or has none).
-    pub fn of_trunk(dir: &Path) -> std::io::Result<Option<CodedHeadFile>> {
+    /// The coded lm_head of the trunk in `dir`, with the same file in each of `copies`
+    /// (copies of that trunk, checked against it when the run was planned); None: the trunk
+    /// is raw or has none.
+    pub fn of_trunk(dir: &Path, copies: &[PathBuf]) -> std::io::Result<Option<CodedHeadFile>> {
         let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
         let m = TrunkManifest::load_dir(dir).map_err(|e| bad(e.to_string()))?;
         let Some(c) = &m.codec else { return Ok(None) };
@@ -75,6 +85,7 @@ impl CodedHeadFile {
             .ok_or_else(|| bad(format!("codec {} is not one this build decodes", c.name)))?;
         Ok(Some(CodedHeadFile {
             path: dir.join(&h.file),
+            copies: copies.iter().map(|c| c.join(&h.file)).collect(),
             head: h.clone(),
             codec,
         }))
@@ -91,7 +102,8 @@ pub(super) struct Shape<'a> {
 
 /// An open coded lm_head, its decoders and its stored-span buffers.
 pub(super) struct Coded {
-    files: DirectFiles,
+    /// The stored file, spread over its copies when there are any.
+    files: std::sync::Arc<dyn ReadAt>,
     pub(super) head: CodedHead,
     codec: Codec,
     decoders: Mutex<Vec<Decoder>>,
@@ -127,8 +139,9 @@ impl Coded {
                 ),
             ));
         }
+        let paths: Vec<PathBuf> = std::iter::once(c.path).chain(c.copies).collect();
         Ok(Coded {
-            files: DirectFiles::open(std::slice::from_ref(&c.path))?,
+            files: k3_io::open_copies(&paths, "coded lm_head: trunk copy")?,
             head: c.head,
             codec: c.codec,
             decoders: Mutex::new(Vec::new()),
@@ -155,7 +168,7 @@ impl Coded {
             ))
         })?;
         let none = |_: usize, _: &[u8]| Ok::<(), std::convert::Infallible>(());
-        let got = k3_io::direct::read_parallel(&self.files, 0, at, dst, &none)
+        let got = k3_io::direct::read_parallel(&*self.files, 0, at, dst, &none)
             .map_err(std::io::Error::other)?;
         if got < len {
             return Err(std::io::Error::new(
@@ -223,6 +236,34 @@ impl Coded {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Decode rows `r` from their stored span, read into `span` already, into `out`. When
+    /// their coded chunks fail their check and the stored file has copies, the span is read
+    /// again from the other copies (every piece from another copy than before), once each.
+    fn decode_checked(
+        &self,
+        r: Rows,
+        span: &mut OwnedArena,
+        out: &mut OwnedArena,
+    ) -> std::io::Result<()> {
+        let len = self.span(r).1;
+        let mut res = self.decode_span(r, &span.as_mut_slice()[..len], out.as_mut_slice());
+        for _ in 1..self.files.copies() {
+            match &res {
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => tracing::warn!(
+                    "coded lm_head rows {}..{}: {e}; reading them again from the other trunk \
+                     copies",
+                    r.0,
+                    r.1
+                ),
+                _ => break,
+            }
+            self.files.next_copy();
+            self.read_span(r, span)?;
+            res = self.decode_span(r, &span.as_mut_slice()[..len], out.as_mut_slice());
+        }
+        res
     }
 
     /// Stream rows `[start, rows)` in chunks of `step` rows (whole coded chunks) through
@@ -354,12 +395,9 @@ impl Coded {
             let read = chunks
                 .get(i + 1)
                 .map(|&r| s.spawn(move || self.read_span(r, s_read)));
-            let dec = chunks.get(i).map(|&r| {
-                s.spawn(move || {
-                    let len = self.span(r).1;
-                    self.decode_span(r, &s_dec.as_mut_slice()[..len], out.as_mut_slice())
-                })
-            });
+            let dec = chunks
+                .get(i)
+                .map(|&r| s.spawn(move || self.decode_checked(r, s_dec, out)));
             (work(), dec.map(|h| h.join()), read.map(|h| h.join()))
         });
         w?;
