@@ -28,7 +28,11 @@
 # With WHOLE=1 everything a token reads but the lm_head moves with the drives: "wone"
 # (the trunk copied onto A and the experts packed on A) against "wmirror" (the trunk
 # copied onto every device, --trunk A/trunk,B/trunk..., and the experts in two copies over
-# them, as MIRROR=1's). Needs TRUNK.
+# them, as MIRROR=1's). Needs TRUNK. A coded TRUNK (`pack-trunk --codec`) carries the
+# lm_head coded, and EXTRA="--lm-head-read coded" moves the lm_head with the drives too.
+#
+# BASE=BINARY (another k3-orch build) runs every layout with it as well, just before the
+# same layout with K3, in the same round: "NAME-base" beside "NAME", ids checked alike.
 #
 # ROUNDS=N alternates the layouts N times (one, two[, mirror], one, ...) over the same packs.
 # After the runs, `k3-orch project` is asked for each layout, in the throttled cgroup (so
@@ -88,6 +92,8 @@ fi
 BLKIO=/sys/fs/cgroup/blkio
 CG=$BLKIO/k3-bench-drives-$$
 BIN=${K3:-target/release/k3-orch}
+BASE=${BASE:-}
+[ -z "$BASE" ] || [ -x "$BASE" ] || { echo "bench-drives.sh: BASE=$BASE is not an executable" >&2; exit 2; }
 
 [ -d "$BLKIO" ] || { echo "bench-drives.sh: no cgroup v1 blkio controller at $BLKIO" >&2; exit 2; }
 for t in losetup mkfs.ext4 jq; do
@@ -218,7 +224,7 @@ run() {
   sync
   echo 3 > /proc/sys/vm/drop_caches
   sh -c 'echo $$ > "$0/cgroup.procs"; shift; exec "$@"' "$CG" _ \
-    "$BIN" "$MODEL" --ids "$IDS" --gen "$N" --mem-gb "$MEM_GB" ${2:+--experts "$2"} \
+    "${RUN_BIN:-$BIN}" "$MODEL" --ids "$IDS" --gen "$N" --mem-gb "$MEM_GB" ${2:+--experts "$2"} \
     ${3:+--trunk "$3"} ${EXTRA:-} --out "$WORK/$1.json" --quiet > "$WORK/$1.ids"
 }
 report() { # NAME
@@ -231,7 +237,12 @@ report() { # NAME
 # Round r's runs are named one, two, mirror (round 1) and one-r, two-r, mirror-r.
 sfx() { if [ "$1" -gt 1 ]; then echo "-$1"; fi; }
 for r in $(seq 1 "$ROUNDS"); do
-  for l in "${LAYOUTS[@]}"; do run "$l$(sfx "$r")" "$(dirs "$l")" "$(trunk "$l")"; done
+  for l in "${LAYOUTS[@]}"; do
+    if [ -n "$BASE" ]; then
+      RUN_BIN=$BASE run "$l-base$(sfx "$r")" "$(dirs "$l")" "$(trunk "$l")"
+    fi
+    run "$l$(sfx "$r")" "$(dirs "$l")" "$(trunk "$l")"
+  done
 done
 echo "== results ($N tokens, --mem-gb $MEM_GB, $DRIVES devices at $RATE_MB MB/s each, $ROUNDS round(s))"
 decode() { jq '[.steps[1:][].seconds] | if length > 0 then add / length else 0 end' "$WORK/$1.json"; }
@@ -247,12 +258,20 @@ for r in $(seq 1 "$ROUNDS"); do
     D2=$(decode "$t")
     echo "speedup $l/${LAYOUTS[0]}, round $r: $(echo "$S1 $S2" | awk '{ printf "%.2fx", $1 / $2 }') (whole run: the first step loads the pinned trunk and runs the prompt), decode steps $(echo "$D1 $D2" | awk '{ printf "%.2fx", ($2 > 0 ? $1 / $2 : 0) }')"
   done
+  if [ -n "$BASE" ]; then
+    for l in "${LAYOUTS[@]}"; do
+      b=$l-base$(sfx "$r")
+      report "$b"
+      echo "  $l: base decode steps $(decode "$b" | awk '{ printf "%.3f", $1 }') s, K3 $(decode "$l$(sfx "$r")" | awk '{ printf "%.3f", $1 }') s"
+    done
+  fi
   for l in "${LAYOUTS[@]}"; do
-    x=$l$(sfx "$r")
-    if ! cmp -s "$WORK/${LAYOUTS[0]}.ids" "$WORK/$x.ids"; then
-      echo "ids DIFFER ($x against ${LAYOUTS[0]}):"; cat "$WORK/${LAYOUTS[0]}.ids" "$WORK/$x.ids"
-      exit 1
-    fi
+    for x in "$l$(sfx "$r")" ${BASE:+"$l-base$(sfx "$r")"}; do
+      if ! cmp -s "$WORK/${LAYOUTS[0]}.ids" "$WORK/$x.ids"; then
+        echo "ids DIFFER ($x against ${LAYOUTS[0]}):"; cat "$WORK/${LAYOUTS[0]}.ids" "$WORK/$x.ids"
+        exit 1
+      fi
+    done
   done
 done
 echo "ids: identical in every run ($(tr '\n' ' ' < "$WORK/${LAYOUTS[0]}.ids"))"
