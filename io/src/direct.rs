@@ -253,6 +253,19 @@ impl<R: ReadAt> ReadAt for FaultyReader<R> {
     }
 }
 
+/// One file's bytes in memory, read as file 0 (the file number is not looked at): the
+/// reader tests and replays hand to code that takes a [`ReadAt`].
+pub struct MemFile(pub Vec<u8>);
+
+impl ReadAt for MemFile {
+    fn read_at(&self, _file: u32, offset: u64, dst: &mut [u8]) -> io::Result<usize> {
+        let from = usize::try_from(offset).map_or(self.0.len(), |o| o.min(self.0.len()));
+        let n = dst.len().min(self.0.len() - from);
+        dst[..n].copy_from_slice(&self.0[from..from + n]);
+        Ok(n)
+    }
+}
+
 /// Every method forwarded: a default here would answer for the reader inside (a method
 /// call on an `Arc<dyn ReadAt>` finds this impl first).
 impl<R: ReadAt + ?Sized> ReadAt for std::sync::Arc<R> {

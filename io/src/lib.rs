@@ -22,5 +22,5 @@ pub mod spread;
 pub mod sysmem;
 
 pub use arena::{align_down, align_up, slot_bytes_for, ArenaMemory, OwnedArena, ALIGN};
-pub use direct::{window, DirectFiles, FaultyReader, ReadAt};
+pub use direct::{window, DirectFiles, FaultyReader, MemFile, ReadAt};
 pub use spread::{open_copies, Spread};

@@ -4,19 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use k3_io::direct::{read_parallel, READ_CHUNK};
-use k3_io::{ReadAt, Spread};
-
-/// A file in memory.
-struct Mem(Vec<u8>);
-
-impl ReadAt for Mem {
-    fn read_at(&self, _file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
-        let o = (offset as usize).min(self.0.len());
-        let n = dst.len().min(self.0.len() - o);
-        dst[..n].copy_from_slice(&self.0[o..o + n]);
-        Ok(n)
-    }
-}
+use k3_io::{MemFile as Mem, ReadAt, Spread};
 
 /// Every piece accepted.
 fn none(_: usize, _: &[u8]) -> Result<(), std::convert::Infallible> {

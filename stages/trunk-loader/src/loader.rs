@@ -1116,17 +1116,7 @@ impl Drop for LayerGuard<'_> {
 mod tests {
     use super::*;
 
-    /// A file in memory.
-    struct Mem(Vec<u8>);
-
-    impl ReadAt for Mem {
-        fn read_at(&self, _file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
-            let o = (offset as usize).min(self.0.len());
-            let n = dst.len().min(self.0.len() - o);
-            dst[..n].copy_from_slice(&self.0[o..o + n]);
-            Ok(n)
-        }
-    }
+    use k3_io::MemFile as Mem;
 
     /// A file in memory that logs the offset of every read.
     struct Logged(Mem, Mutex<Vec<u64>>);

@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use k3_io::MemFile as Mem;
 use k3_io::ReadAt;
 use k3_model::codec::{Codec, Effort};
 use k3_model::codec_trunk::{encode_run, CodedReader};
@@ -89,16 +90,6 @@ fn trunks(sizes: &[usize]) -> (TrunkManifest, Vec<u8>, TrunkManifest, Vec<u8>) {
     });
     assert_eq!(m.problems(), Vec::<String>::new());
     (raw, bin, m, k3z)
-}
-
-struct Mem(Vec<u8>);
-impl ReadAt for Mem {
-    fn read_at(&self, _file: u32, offset: u64, dst: &mut [u8]) -> std::io::Result<usize> {
-        let from = (offset as usize).min(self.0.len());
-        let n = dst.len().min(self.0.len() - from);
-        dst[..n].copy_from_slice(&self.0[from..from + n]);
-        Ok(n)
-    }
 }
 
 /// Any range of the raw layout, chunk-aligned or not, crossing layers and padding, reads
