@@ -3,6 +3,7 @@
 //! same ids at every budget, refuse up front (exit 2) what does not fit, and the report
 //! carries the run's true peak beside the plan.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
@@ -700,4 +701,55 @@ fn a_copy_of_the_trunk_serves_the_same_ids_and_a_wrong_one_is_refused() {
     refused("another trunk.json");
     std::fs::remove_file(copy.join("trunk.json")).unwrap();
     refused("no trunk.json");
+}
+
+/// The device of a path's file system (`st_dev`), for telling two of them apart.
+fn dev_of(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).unwrap().dev()
+}
+
+/// The ring's read of each token's first streamed part waits for the token only when the
+/// streamed lm_head shares a drive with the trunk (the trunk beside the checkpoint, under
+/// the target directory); with the trunk on another one (tmpfs, `/dev/shm`) it is read
+/// while the lm_head streams. The ids are the oracle's either way. Catches the hold kept
+/// whatever the drives (the trunk's drives idle through every lm_head), the hold dropped
+/// where the drive is shared (the measured win lost), and a wrap read early that changes a
+/// bit.
+#[test]
+fn the_next_tokens_trunk_is_read_during_the_lm_head_only_from_another_drive() {
+    let model = "tiny-mxfp4";
+    let want = oracle_ids(model, 4);
+    let env = [("K3_TEST_HOOKS", "1"), ("K3_LM_HEAD_CHUNK_BYTES", "7000")];
+    let extra = ["--trunk-gb", "0.0004", "--cache-gb", "0"];
+    let beside = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let shm = std::path::Path::new("/dev/shm");
+    let ckpt = fixture(&format!("{model}/sharded"));
+    let apart =
+        (shm.is_dir() && dev_of(shm) != dev_of(&ckpt)).then(|| tempfile::tempdir_in(shm).unwrap());
+    if apart.is_none() {
+        // The real stderr: the harness captures eprintln! of a passing test.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: the_next_tokens_trunk_is_read_during_the_lm_head_only_from_another_drive \
+             (its other-drive half): /dev/shm is missing or on the checkpoint's drive"
+        );
+    }
+    let held = "each token's first streamed part is read when the token starts";
+    let early = "the next token's first streamed part is read while the lm_head streams";
+    let cases = [(Some(beside), held, early), (apart, early, held)];
+    for (dir, says, not) in cases.into_iter().filter_map(|(d, s, n)| Some((d?, s, n))) {
+        let trunk = dir.path().join("trunk");
+        pack(model, &trunk);
+        let out = dir.path().join("r.json");
+        let o = gen_with(model, &trunk, &out, &extra, &env);
+        let t = text(&o);
+        assert!(o.status.success(), "{}: {t}", trunk.display());
+        assert!(
+            t.contains(says) && !t.contains(not),
+            "{}: {t}",
+            trunk.display()
+        );
+        assert_eq!(generated_ids(&out), want, "{}: ids", trunk.display());
+    }
 }

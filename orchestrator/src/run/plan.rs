@@ -1227,6 +1227,8 @@ fn test_hook(name: &str) -> Option<u64> {
 struct Bounds {
     /// The packed trunk (None: resident).
     runs: Option<k3_trunk_loader::Streams>,
+    /// The checkpoint shard a raw streamed lm_head is read from.
+    head_file: Option<std::path::PathBuf>,
     /// A coded trunk's decode buffers in the trunk-loader (0: raw or resident).
     trunk_decode: u64,
     /// How a coded trunk's decoding is weighed (None: raw or resident).
@@ -1327,6 +1329,7 @@ fn bound(
     let lm_head_row = lm_head / (cfg.vocab_size as u64).max(1);
     Ok(Bounds {
         head_coded: head_coding(a, decode, lm_head)?,
+        head_file: sizes.lm_head_file.clone(),
         trunk_min: runs.as_ref().map_or(0, trunk_min),
         runs,
         trunk_decode,
@@ -1625,7 +1628,7 @@ fn add_trunk(
     a: &GenArgs,
     b: &Bounds,
     sink: u64,
-    head_streams: bool,
+    head_coded: Option<bool>,
 ) -> Result<bool, BudgetError> {
     let Some(runs) = &b.runs else {
         mp.add("trunk (resident)", "trunk-loader", b.trunk_need);
@@ -1700,10 +1703,25 @@ fn add_trunk(
         ));
         notes.push(placement_note(runs, &sp, a.trunk_resident));
     }
-    // The lm_head streams from the same disk between tokens: a ring that read the next
-    // token's first part then would share the disk with it, while the token starts with
-    // pinned parts whose compute that read can overlap instead.
-    let hold_wrap = head_streams && tp.ring_slots > 0 && sp.starts_pinned();
+    // When the lm_head streams from a drive the trunk is read from, a ring that read the
+    // next token's first part between tokens would share that drive with it, while the
+    // token starts with pinned parts whose compute that read can overlap instead. From a
+    // drive of its own, the trunk's drives would sit idle while it streams.
+    let wrap_matters = tp.ring_slots > 0 && sp.starts_pinned();
+    let hold_wrap = match head_coded {
+        Some(coded) if wrap_matters => {
+            let shared = coded || head_shares_trunk_drive(a, b.head_file.as_deref());
+            if !shared {
+                notes.push(
+                    "trunk ring: the next token's first streamed part is read while the \
+                     lm_head streams (the lm_head is on a drive the trunk is not)"
+                        .into(),
+                );
+            }
+            shared
+        }
+        _ => false,
+    };
     if hold_wrap {
         notes.push(
             "trunk ring: each token's first streamed part is read when the token \
@@ -1712,6 +1730,20 @@ fn add_trunk(
         );
     }
     Ok(hold_wrap)
+}
+
+/// Whether the raw lm_head, streamed from `head_file` (its checkpoint shard), shares a
+/// drive (a whole disk, partitions and symlinks resolved) with the packed trunk's
+/// directories. A file or directory whose drive cannot be told counts as shared.
+fn head_shares_trunk_drive(a: &GenArgs, head_file: Option<&std::path::Path>) -> bool {
+    use k3_expert_fetcher::devices::device_of;
+    let Some(head) = head_file.and_then(device_of) else {
+        return true;
+    };
+    a.trunk
+        .iter()
+        .chain(&a.trunk_copies)
+        .any(|d| device_of(d).is_none_or(|t| t == head))
 }
 
 /// The note that says where a coded trunk's layers are (`--trunk-resident`): how many
@@ -1861,7 +1893,8 @@ fn assemble(
     }
     let mut mp = MemoryPlan::new(trunk_budget, cache_budget, a.trunk.is_some());
     let streams = lm_head_chunk_bytes.is_some();
-    let trunk_hold_wrap = add_trunk(&mut mp, &mut notes, a, b, trunk_sink, streams)?;
+    let head = streams.then_some(coding.is_some());
+    let trunk_hold_wrap = add_trunk(&mut mp, &mut notes, a, b, trunk_sink, head)?;
     // Never more slots than there are experts to hold.
     let slots = (cache_budget / b.expert_slot)
         .min(b.max_slots)

@@ -20,6 +20,8 @@ pub struct ModelSizes {
     /// Of which the token embedding and the lm_head.
     pub embed_bytes: u64,
     pub lm_head_bytes: u64,
+    /// The shard file the lm_head is read from (None: the checkpoint has none).
+    pub lm_head_file: Option<std::path::PathBuf>,
     /// Bytes of one embedding row (hidden x dtype size).
     pub embed_row_bytes: u64,
     /// The largest file span of one routed expert.
@@ -38,6 +40,7 @@ pub fn model_sizes(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> ModelSize
     let mut model_bytes = 0u64;
     let (mut embed_bytes, mut lm_head_bytes, mut embed_row_bytes) = (0u64, 0u64, 0u64);
     let embed_name = model_tensor("embed_tokens.weight");
+    let mut lm_head_file = None;
     let mut spans: HashMap<(usize, usize), (u64, u64)> = HashMap::new();
     for (name, e) in cat.iter() {
         if classify(name.as_str()) == TensorClass::Vision {
@@ -59,6 +62,7 @@ pub fn model_sizes(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> ModelSize
             model_bytes += e.len;
             if name.as_str() == LM_HEAD {
                 lm_head_bytes += e.len;
+                lm_head_file = cat.shards().get(e.shard).map(|s| s.path.clone());
             } else if name.as_str() == embed_name {
                 embed_bytes += e.len;
                 embed_row_bytes = e.len / (e.shape.first().copied().unwrap_or(1).max(1) as u64);
@@ -76,6 +80,7 @@ pub fn model_sizes(cfg: &ModelConfig, cat: &Catalog, layers: usize) -> ModelSize
         model_bytes,
         embed_bytes,
         lm_head_bytes,
+        lm_head_file,
         embed_row_bytes,
         max_expert_span,
         n_experts: spans.len() as u64,
