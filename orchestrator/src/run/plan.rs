@@ -1127,8 +1127,8 @@ impl DecodeTerms {
     /// `--decode-gbps` when given, else measured here, once per plan: the drives with devbw
     /// (O_DIRECT) on the stored file and its copies, read at once as the trunk-loader reads
     /// them, the decoder on a few of the trunk's own chunks (`k3_trunk_loader::decode_rate`);
-    /// a figure that cannot be
-    /// measured is assumed, and the plan's note says so. The cores are this machine's.
+    /// a figure that cannot be measured is assumed, and the plan's note says so. The cores
+    /// are this machine's.
     pub fn of_run(a: &GenArgs) -> Result<Option<DecodeTerms>, BudgetError> {
         let Some(dir) = &a.trunk else { return Ok(None) };
         let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
