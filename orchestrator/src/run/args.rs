@@ -809,6 +809,15 @@ pub fn check_ctx_size(ctx: Option<usize>, prompt_tokens: usize, gen: usize) -> R
 }
 
 impl GenArgs {
+    /// The packed trunk's directory and then its copies (`--trunk DIR,COPY,...`); none
+    /// without `--trunk`.
+    pub fn trunk_dirs(&self) -> impl Iterator<Item = &Path> {
+        self.trunk
+            .iter()
+            .chain(&self.trunk_copies)
+            .map(PathBuf::as_path)
+    }
+
     /// The second layer (ripgrep's `HiArgs`): the run the flags describe, with the
     /// defaults filled in (`files`: the model directory's tokenizer and
     /// `generation_config.json`) and the flags checked together.

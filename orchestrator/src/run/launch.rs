@@ -348,8 +348,7 @@ pub fn single_process(c: &Common<'_>) -> Result<Generated, GenError> {
 /// packed experts' drives.
 fn disk_paths(a: &GenArgs) -> Vec<&Path> {
     let mut v = vec![a.model_dir.as_path()];
-    v.extend(a.trunk.as_deref());
-    v.extend(a.trunk_copies.iter().map(PathBuf::as_path));
+    v.extend(a.trunk_dirs());
     v.extend(a.experts.iter().map(PathBuf::as_path));
     v
 }

@@ -1136,10 +1136,7 @@ impl DecodeTerms {
         let (disk_bps, disk_source) = match a.drive_gbps {
             Some(g) => (g * GB, "--drive-gbps".to_string()),
             None => {
-                let files: Vec<_> = std::iter::once(dir)
-                    .chain(&a.trunk_copies)
-                    .map(|d| d.join(&c.file))
-                    .collect();
+                let files: Vec<_> = a.trunk_dirs().map(|d| d.join(&c.file)).collect();
                 measure_trunk_drives(&files)
             }
         };
@@ -1640,12 +1637,7 @@ fn add_trunk(
         return Ok(false);
     };
     if !a.trunk_copies.is_empty() {
-        let all: Vec<String> = a
-            .trunk
-            .iter()
-            .chain(&a.trunk_copies)
-            .map(|d| d.display().to_string())
-            .collect();
+        let all: Vec<String> = a.trunk_dirs().map(|d| d.display().to_string()).collect();
         notes.push(format!(
             "trunk read from {} copies ({}): each unit's 8 MiB pieces from them in turn",
             all.len(),
@@ -1740,9 +1732,7 @@ fn head_shares_trunk_drive(a: &GenArgs, head_file: Option<&std::path::Path>) -> 
     let Some(head) = head_file.and_then(device_of) else {
         return true;
     };
-    a.trunk
-        .iter()
-        .chain(&a.trunk_copies)
+    a.trunk_dirs()
         .any(|d| device_of(d).is_none_or(|t| t == head))
 }
 
