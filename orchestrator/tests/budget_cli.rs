@@ -709,6 +709,55 @@ fn dev_of(p: &Path) -> u64 {
     std::fs::metadata(p).unwrap().dev()
 }
 
+/// Beside a coded lm_head, `auto` weighs the raw one by its checkpoint shard's drive only
+/// where that drive is not the trunk's: with the coded trunk beside the checkpoint (one
+/// drive) the lm_head's note names no drive rates; with it on tmpfs (`/dev/shm`, another
+/// device) the shard's drive is measured (devbw) and the note gives both rates and a raw
+/// byte's weight. The ids are the oracle's whichever way the lm_head is read. Catches a
+/// weight measured on one drive (where the ranking by bytes holds), the shard's drive never
+/// measured where it is apart, and a choice that changes an id.
+#[test]
+fn auto_weighs_the_raw_lm_head_by_its_own_drive_only_where_it_has_one() {
+    let model = "tiny-mxfp4";
+    let want = oracle_ids(model, 4);
+    let env = [("K3_TEST_HOOKS", "1"), ("K3_LM_HEAD_CHUNK_BYTES", "7000")];
+    let extra = [
+        "--trunk-gb",
+        "0.0004",
+        "--cache-gb",
+        "0",
+        "--lm-head-read",
+        "auto",
+    ];
+    let beside = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let shm = std::path::Path::new("/dev/shm");
+    let ckpt = fixture(&format!("{model}/sharded"));
+    let apart =
+        (shm.is_dir() && dev_of(shm) != dev_of(&ckpt)).then(|| tempfile::tempdir_in(shm).unwrap());
+    if apart.is_none() {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: auto_weighs_the_raw_lm_head_by_its_own_drive_only_where_it_has_one \
+             (its other-drive half): /dev/shm is missing or on the checkpoint's drive"
+        );
+    }
+    let own = "the raw lm_head's shard is on a drive of its own";
+    for (dir, weighed) in [(Some(beside), false), (apart, true)] {
+        let Some(dir) = dir else { continue };
+        let trunk = dir.path().join("trunk");
+        pack_with(model, &trunk, &["--codec", "bf16-zstd"], &[]);
+        let out = dir.path().join("r.json");
+        let o = gen_with(model, &trunk, &out, &extra, &env);
+        let t = text(&o);
+        assert!(o.status.success(), "{}: {t}", trunk.display());
+        assert_eq!(t.contains(own), weighed, "{}: {t}", trunk.display());
+        if weighed {
+            assert!(t.contains("a raw byte weighed"), "{t}");
+        }
+        assert_eq!(generated_ids(&out), want, "{}: ids", trunk.display());
+    }
+}
+
 /// The ring's read of each token's first streamed part waits for the token only when the
 /// streamed lm_head shares a drive with the trunk (the trunk beside the checkpoint, under
 /// the target directory); with the trunk on another one (tmpfs, `/dev/shm`) it is read

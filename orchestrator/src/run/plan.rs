@@ -403,6 +403,14 @@ pub struct HeadCoding {
     pub buffers: u64,
     /// `--lm-head-read coded`: a streamed lm_head is always read coded.
     pub only: bool,
+    /// What one byte of the raw lm_head, streamed from its checkpoint shard, weighs in
+    /// bytes read from the trunk's drives, per million: the trunk drives' summed rate over
+    /// the shard drive's when the shard sits on a drive of its own (measured,
+    /// [`head_raw_weight`]), else 1 000 000 (one drive, or a drive that cannot be told).
+    /// The raw and coded ways are then ranked by read time, not bytes.
+    pub raw_ppm: u64,
+    /// The shard drive's measured rate in bytes/s (0: not measured, `raw_ppm` is one).
+    pub raw_bps: u64,
 }
 
 impl HeadCoding {
@@ -422,7 +430,15 @@ impl HeadCoding {
                 lm_head_chunk(lm_head),
             ),
             only: false,
+            raw_ppm: 1_000_000,
+            raw_bps: 0,
         }
+    }
+
+    /// The cost of `bytes` of the raw lm_head streamed from its shard, in bytes read from
+    /// the trunk's drives ([`HeadCoding::raw_ppm`]).
+    pub fn raw_cost(&self, bytes: u64) -> u64 {
+        (bytes as u128 * self.raw_ppm as u128 / 1_000_000) as u64
     }
 
     /// What compute holds to stream the lm_head (`lm_head` bytes, rows of `row`) coded: two
@@ -591,8 +607,9 @@ enum HeadWay {
 /// Spend a total every way — lm_head pinned (held whole), streamed raw (two chunk buffers)
 /// or, with a coded lm_head, streamed coded (two chunk buffers and the readers') — and take
 /// the one that reads the fewest bytes per token (with a coded trunk or lm_head: that costs
-/// least, the decoding weighed as reads, [`Choice::cost_per_token`]), pinned on a tie,
-/// raw before coded. `runs`: the packed trunk (None: resident, its bytes fixed by
+/// least, the decoding weighed as reads, and beside a coded lm_head the raw one's bytes
+/// weighed by its drive's rate, [`HeadCoding::raw_ppm`]; [`Choice::cost_per_token`]),
+/// pinned on a tie, raw before coded. `runs`: the packed trunk (None: resident, its bytes fixed by
 /// `trunk_over`).
 ///
 /// A streamed lm_head's rows are pinned like trunk bytes (each held byte is one byte less
@@ -705,7 +722,11 @@ fn choose_way(
             let weighed = (decode as u128 * h.ppm as u128 / 1_000_000) as u64;
             (read, decode, read + weighed)
         }
-        _ => (s.lm_head - head_held, 0, s.lm_head - head_held),
+        // Raw beside a coded lm_head: weighed by the drives it is read from.
+        _ => {
+            let read = s.lm_head - head_held;
+            (read, 0, s.head_coded.map_or(read, |h| h.raw_cost(read)))
+        }
     };
     Ok(Choice {
         trunk: t,
@@ -1325,7 +1346,7 @@ fn bound(
     let lm_head = sizes.lm_head_bytes;
     let lm_head_row = lm_head / (cfg.vocab_size as u64).max(1);
     Ok(Bounds {
-        head_coded: head_coding(a, decode, lm_head)?,
+        head_coded: head_coding(a, decode, lm_head, sizes.lm_head_file.as_deref())?,
         head_file: sizes.lm_head_file.clone(),
         trunk_min: runs.as_ref().map_or(0, trunk_min),
         runs,
@@ -1352,11 +1373,13 @@ fn bound(
 
 /// The coded lm_head a streamed lm_head may be read from (`--lm-head-read` not `raw`, a
 /// coded `--trunk` that codes it), with its decoding weighed by `decode`
-/// ([`DecodeTerms::head_ppm`]); `--lm-head-read coded` without one is refused.
+/// ([`DecodeTerms::head_ppm`]) and the raw one's drive by [`head_raw_weight`] (`head_file`:
+/// the raw lm_head's checkpoint shard); `--lm-head-read coded` without one is refused.
 fn head_coding(
     a: &GenArgs,
     decode: Option<&DecodeTerms>,
     lm_head: u64,
+    head_file: Option<&std::path::Path>,
 ) -> Result<Option<HeadCoding>, BudgetError> {
     if a.lm_head_read == HeadRead::Raw {
         return Ok(None);
@@ -1382,13 +1405,46 @@ fn head_coding(
         h.row_bytes(),
         Some(h.chunk_rows),
     );
+    let (raw_ppm, raw_bps) = head_raw_weight(a, d, head_file);
     Ok(Some(HeadCoding {
         stored: h.stored_bytes,
         chunk_rows: h.chunk_rows,
         ppm: d.head_ppm(),
         buffers: k3_layer_compute::model_stream::coded_head_buffer_bytes(&h, chunk),
         only: a.lm_head_read == HeadRead::Coded,
+        raw_ppm,
+        raw_bps,
     }))
+}
+
+/// [`HeadCoding::raw_ppm`] and `raw_bps`: where `auto` may read the lm_head raw from
+/// `head_file` (its checkpoint shard) and that shard shares no drive with the trunk's
+/// directories ([`head_shares_trunk_drive`]), the shard's drive is measured as the trunk's
+/// are (devbw, O_DIRECT, the loader's pieces and queue depth) and a raw byte weighs the
+/// trunk drives' rate over it: a raw lm_head on a drive five times faster than the trunk's
+/// costs a fifth of its bytes, one on a slower drive more than its bytes. Weight one
+/// (the ranking by bytes) when the lm_head is read coded whatever it costs (`--lm-head-read
+/// coded`), `--drive-gbps` gives every drive one rate, or the shard shares a trunk drive
+/// or its drive cannot be told or measured.
+fn head_raw_weight(
+    a: &GenArgs,
+    d: &DecodeTerms,
+    head_file: Option<&std::path::Path>,
+) -> (u64, u64) {
+    const ONE: (u64, u64) = (1_000_000, 0);
+    let Some(file) = head_file else { return ONE };
+    if a.lm_head_read == HeadRead::Coded
+        || a.drive_gbps.is_some()
+        || head_shares_trunk_drive(a, Some(file))
+    {
+        return ONE;
+    }
+    match measure_trunk_drive(file) {
+        (bps, why) if bps > 0.0 && !why.starts_with("ASSUMED") => {
+            ((d.disk_bps / bps * 1e6).clamp(1.0, 1e12) as u64, bps as u64)
+        }
+        _ => ONE,
+    }
 }
 
 /// What every run holds whatever the budget (the second step of [`plan_run`]), part of it
@@ -1801,20 +1857,23 @@ fn add_lm_head(
         None => lm - held,
     };
     mp.streamed_bytes_per_token += head_read;
+    let drives = b
+        .head_coded
+        .map_or(String::new(), |h| raw_drive_note(&h, b.decode.as_ref()));
     let how = match coding {
         Some(h) => {
             mp.add("lm_head decoders", "layer-compute", h.buffers);
             format!(
                 ", read coded: {} stored for {} decoded, a decoded byte weighed {:.2} read \
-                 bytes on every core",
+                 bytes on every core{drives}",
                 human(head_read),
                 human(lm - held),
                 h.ppm as f64 / 1e6
             )
         }
-        None if b.head_coded.is_some() => {
-            ", read raw: the coded lm_head weighs more (--lm-head-read coded reads it)".into()
-        }
+        None if b.head_coded.is_some() => format!(
+            ", read raw: the coded lm_head weighs more (--lm-head-read coded reads it){drives}"
+        ),
         None => String::new(),
     };
     if held > 0 {
@@ -1835,6 +1894,23 @@ fn add_lm_head(
             human(c),
             human(head_read)
         ));
+    }
+}
+
+/// The end of the lm_head's note when the raw lm_head's drive was weighed against the
+/// trunk's ([`head_raw_weight`]): both rates and a raw byte's weight; empty otherwise.
+fn raw_drive_note(h: &HeadCoding, d: Option<&DecodeTerms>) -> String {
+    match d {
+        Some(d) if h.raw_bps > 0 => format!(
+            "; the raw lm_head's shard is on a drive of its own ({:.2} GB/s, measured with \
+             devbw) and the trunk's drives read {:.2} GB/s ({}): a raw byte weighed {:.2} \
+             read bytes",
+            h.raw_bps as f64 / GB,
+            d.disk_bps / GB,
+            d.disk_source,
+            h.raw_ppm as f64 / 1e6
+        ),
+        _ => String::new(),
     }
 }
 
@@ -2430,6 +2506,8 @@ mod tests {
                 ppm,
                 buffers: 0,
                 only,
+                raw_ppm: 1_000_000,
+                raw_bps: 0,
             }),
             ..raw.clone()
         };
@@ -2447,6 +2525,47 @@ mod tests {
         assert_eq!(dear, r, "a raw read costs less: the raw plan");
         let forced = choose(&with(500_000, true), Some(&runs), None, None).unwrap();
         assert!(forced.head_coded, "{forced:?}");
+    }
+
+    // The same coded lm_head with the raw one's shard on a drive of its own. Ten times
+    // faster than the trunk's drives (a raw byte weighs 0.1): 5 pages a token against the
+    // coded way's 43, so it streams raw where by bytes it would be read coded. A third as
+    // fast (3.0): 150 pages raw against 58 coded, so it is read coded where by bytes raw
+    // costs less. Either way `read_per_token` stays the bytes read. Catches a plan that
+    // ranks raw against coded by bytes alone when the two sit on different drives, and a
+    // weight applied to the coded way or to the bytes read.
+    #[test]
+    fn a_raw_lm_head_on_its_own_drive_is_weighed_by_that_drives_rate() {
+        let (runs, raw) = four_layers(45 * P, 1);
+        let with = |ppm, raw_ppm| Spend {
+            head_coded: Some(HeadCoding {
+                stored: 33 * P,
+                chunk_rows: 2,
+                ppm,
+                buffers: 0,
+                only: false,
+                raw_ppm,
+                raw_bps: 1,
+            }),
+            ..raw.clone()
+        };
+        let by_bytes = choose(&raw, Some(&runs), None, None).unwrap();
+        let fast = choose(&with(200_000, 100_000), Some(&runs), None, None).unwrap();
+        assert!(!fast.head_coded && !fast.head_pinned, "{fast:?}");
+        let left = 50 * P - fast.head_held;
+        assert_eq!(fast.head_cost, left / 10, "{fast:?}");
+        assert_eq!(fast.read_per_token, by_bytes.read_per_token, "{fast:?}");
+        let slow = choose(&with(500_000, 3_000_000), Some(&runs), None, None).unwrap();
+        assert!(slow.head_coded, "{slow:?}");
+        let left = 50 * P - slow.head_held;
+        assert_eq!(
+            slow.head_cost,
+            (33 * left).div_ceil(50) + left / 2,
+            "{slow:?}"
+        );
+        // One drive (weight one): the ranking by bytes, as before.
+        let one = choose(&with(500_000, 1_000_000), Some(&runs), None, None).unwrap();
+        assert_eq!(one, by_bytes);
     }
 
     // Catches: a plan that gives what the trunk leaves to a cache that cannot use it (the
