@@ -709,15 +709,16 @@ fn dev_of(p: &Path) -> u64 {
     std::fs::metadata(p).unwrap().dev()
 }
 
-/// Beside a coded lm_head, `auto` weighs the raw one by its checkpoint shard's drive only
-/// where that drive is not the trunk's: with the coded trunk beside the checkpoint (one
-/// drive) the lm_head's note names no drive rates; with it on tmpfs (`/dev/shm`, another
-/// device) the shard's drive is measured (devbw) and the note gives both rates and a raw
-/// byte's weight. The ids are the oracle's whichever way the lm_head is read. Catches a
-/// weight measured on one drive (where the ranking by bytes holds), the shard's drive never
-/// measured where it is apart, and a choice that changes an id.
+/// The plan weighs the raw lm_head by its checkpoint shard's drive only where that drive is
+/// not the trunk's, for a raw trunk and beside a coded lm_head alike: with the packed trunk
+/// beside the checkpoint (one drive) the lm_head's note names no drive rates; with it on
+/// tmpfs (`/dev/shm`, another device) both drives are measured (devbw) and the note gives
+/// their rates and a raw byte's weight. The ids are the oracle's whichever way the lm_head
+/// is held and read. Catches a weight measured on one drive (where the ranking by bytes
+/// holds), the shard's drive never measured where it is apart (or only beside a coded
+/// lm_head), and a choice that changes an id.
 #[test]
-fn auto_weighs_the_raw_lm_head_by_its_own_drive_only_where_it_has_one() {
+fn the_raw_lm_head_is_weighed_by_its_own_drive_only_where_it_has_one() {
     let model = "tiny-mxfp4";
     let want = oracle_ids(model, 4);
     let env = [("K3_TEST_HOOKS", "1"), ("K3_LM_HEAD_CHUNK_BYTES", "7000")];
@@ -737,24 +738,26 @@ fn auto_weighs_the_raw_lm_head_by_its_own_drive_only_where_it_has_one() {
     if apart.is_none() {
         let _ = writeln!(
             std::io::stderr(),
-            "SKIPPED: auto_weighs_the_raw_lm_head_by_its_own_drive_only_where_it_has_one \
+            "SKIPPED: the_raw_lm_head_is_weighed_by_its_own_drive_only_where_it_has_one \
              (its other-drive half): /dev/shm is missing or on the checkpoint's drive"
         );
     }
     let own = "the raw lm_head's shard is on a drive of its own";
-    for (dir, weighed) in [(Some(beside), false), (apart, true)] {
-        let Some(dir) = dir else { continue };
-        let trunk = dir.path().join("trunk");
-        pack_with(model, &trunk, &["--codec", "bf16-zstd"], &[]);
-        let out = dir.path().join("r.json");
-        let o = gen_with(model, &trunk, &out, &extra, &env);
-        let t = text(&o);
-        assert!(o.status.success(), "{}: {t}", trunk.display());
-        assert_eq!(t.contains(own), weighed, "{}: {t}", trunk.display());
-        if weighed {
-            assert!(t.contains("a raw byte weighed"), "{t}");
+    let dirs = [(Some(beside), false), (apart, true)];
+    for (dir, weighed) in dirs.into_iter().filter_map(|(d, w)| Some((d?, w))) {
+        for (name, codec) in [("raw", &[][..]), ("coded", &["--codec", "bf16-zstd"][..])] {
+            let trunk = dir.path().join(name);
+            pack_with(model, &trunk, codec, &[]);
+            let out = dir.path().join("r.json");
+            let o = gen_with(model, &trunk, &out, &extra, &env);
+            let t = text(&o);
+            assert!(o.status.success(), "{}: {t}", trunk.display());
+            assert_eq!(t.contains(own), weighed, "{}: {t}", trunk.display());
+            if weighed {
+                assert!(t.contains("a raw byte weighed"), "{t}");
+            }
+            assert_eq!(generated_ids(&out), want, "{}: ids", trunk.display());
         }
-        assert_eq!(generated_ids(&out), want, "{}: ids", trunk.display());
     }
 }
 

@@ -387,6 +387,19 @@ pub struct Spend {
     /// The coded trunk's coded lm_head, which a streamed lm_head may be read from (None:
     /// raw only).
     pub head_coded: Option<HeadCoding>,
+    /// What one byte of the raw lm_head streamed from its checkpoint shard weighs in bytes
+    /// read from the trunk's drives, per million ([`HeadDrive::ppm`]): 1 000 000 where the
+    /// shard shares a drive with the trunk, or nothing was measured. Streaming the raw
+    /// lm_head is then weighed by read time against pinning it and against the coded one.
+    pub head_raw_ppm: u64,
+}
+
+impl Spend {
+    /// The cost of `bytes` of the raw lm_head streamed from its shard, in bytes read from
+    /// the trunk's drives ([`Spend::head_raw_ppm`]).
+    pub fn raw_head_cost(&self, bytes: u64) -> u64 {
+        (bytes as u128 * self.head_raw_ppm as u128 / 1_000_000) as u64
+    }
 }
 
 /// What streaming the lm_head from its coded copy costs (`--lm-head-read`).
@@ -403,14 +416,38 @@ pub struct HeadCoding {
     pub buffers: u64,
     /// `--lm-head-read coded`: a streamed lm_head is always read coded.
     pub only: bool,
-    /// What one byte of the raw lm_head, streamed from its checkpoint shard, weighs in
-    /// bytes read from the trunk's drives, per million: the trunk drives' summed rate over
-    /// the shard drive's when the shard sits on a drive of its own (measured,
-    /// [`head_raw_weight`]), else 1 000 000 (one drive, or a drive that cannot be told).
-    /// The raw and coded ways are then ranked by read time, not bytes.
-    pub raw_ppm: u64,
-    /// The shard drive's measured rate in bytes/s (0: not measured, `raw_ppm` is one).
-    pub raw_bps: u64,
+}
+
+/// The raw lm_head's drive against the trunk's, where its checkpoint shard sits on a drive
+/// the packed trunk and its copies are not on ([`head_drive`]): both rates, measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeadDrive {
+    /// The shard's drive, bytes/s (devbw).
+    pub head_bps: f64,
+    /// The trunk's drives, their rates summed, bytes/s, and how that was found.
+    pub trunk_bps: f64,
+    pub trunk_source: String,
+}
+
+impl HeadDrive {
+    /// What one raw lm_head byte weighs in bytes read from the trunk's drives, per
+    /// million: their rate over the shard drive's ([`Spend::head_raw_ppm`]).
+    pub fn ppm(&self) -> u64 {
+        (self.trunk_bps / self.head_bps * 1e6).clamp(1.0, 1e12) as u64
+    }
+
+    /// The note's words: both rates and a raw byte's weight.
+    pub fn describe(&self) -> String {
+        format!(
+            "the raw lm_head's shard is on a drive of its own ({:.2} GB/s, measured with \
+             devbw) and the trunk's drives read {:.2} GB/s ({}): a raw byte weighed {:.2} \
+             read bytes",
+            self.head_bps / GB,
+            self.trunk_bps / GB,
+            self.trunk_source,
+            self.ppm() as f64 / 1e6
+        )
+    }
 }
 
 impl HeadCoding {
@@ -430,15 +467,7 @@ impl HeadCoding {
                 lm_head_chunk(lm_head),
             ),
             only: false,
-            raw_ppm: 1_000_000,
-            raw_bps: 0,
         }
-    }
-
-    /// The cost of `bytes` of the raw lm_head streamed from its shard, in bytes read from
-    /// the trunk's drives ([`HeadCoding::raw_ppm`]).
-    pub fn raw_cost(&self, bytes: u64) -> u64 {
-        (bytes as u128 * self.raw_ppm as u128 / 1_000_000) as u64
     }
 
     /// What compute holds to stream the lm_head (`lm_head` bytes, rows of `row`) coded: two
@@ -607,9 +636,9 @@ enum HeadWay {
 /// Spend a total every way — lm_head pinned (held whole), streamed raw (two chunk buffers)
 /// or, with a coded lm_head, streamed coded (two chunk buffers and the readers') — and take
 /// the one that reads the fewest bytes per token (with a coded trunk or lm_head: that costs
-/// least, the decoding weighed as reads, and beside a coded lm_head the raw one's bytes
-/// weighed by its drive's rate, [`HeadCoding::raw_ppm`]; [`Choice::cost_per_token`]),
-/// pinned on a tie, raw before coded. `runs`: the packed trunk (None: resident, its bytes fixed by
+/// least, the decoding weighed as reads, and the raw lm_head's bytes weighed by its drive's
+/// rate, [`Spend::head_raw_ppm`]; [`Choice::cost_per_token`]), pinned on a tie, raw before
+/// coded. `runs`: the packed trunk (None: resident, its bytes fixed by
 /// `trunk_over`).
 ///
 /// A streamed lm_head's rows are pinned like trunk bytes (each held byte is one byte less
@@ -722,10 +751,10 @@ fn choose_way(
             let weighed = (decode as u128 * h.ppm as u128 / 1_000_000) as u64;
             (read, decode, read + weighed)
         }
-        // Raw beside a coded lm_head: weighed by the drives it is read from.
+        // Raw: weighed by the drive it is read from.
         _ => {
             let read = s.lm_head - head_held;
-            (read, 0, s.head_coded.map_or(read, |h| h.raw_cost(read)))
+            (read, 0, s.raw_head_cost(read))
         }
     };
     Ok(Choice {
@@ -1247,6 +1276,8 @@ struct Bounds {
     runs: Option<k3_trunk_loader::Streams>,
     /// The checkpoint shard a raw streamed lm_head is read from.
     head_file: Option<std::path::PathBuf>,
+    /// That shard's drive against the trunk's, when they differ ([`head_drive`]).
+    head_drive: Option<HeadDrive>,
     /// A coded trunk's decode buffers in the trunk-loader (0: raw or resident).
     trunk_decode: u64,
     /// How a coded trunk's decoding is weighed (None: raw or resident).
@@ -1346,7 +1377,8 @@ fn bound(
     let lm_head = sizes.lm_head_bytes;
     let lm_head_row = lm_head / (cfg.vocab_size as u64).max(1);
     Ok(Bounds {
-        head_coded: head_coding(a, decode, lm_head, sizes.lm_head_file.as_deref())?,
+        head_coded: head_coding(a, decode, lm_head)?,
+        head_drive: head_drive(a, decode, sizes.lm_head_file.as_deref())?,
         head_file: sizes.lm_head_file.clone(),
         trunk_min: runs.as_ref().map_or(0, trunk_min),
         runs,
@@ -1373,13 +1405,11 @@ fn bound(
 
 /// The coded lm_head a streamed lm_head may be read from (`--lm-head-read` not `raw`, a
 /// coded `--trunk` that codes it), with its decoding weighed by `decode`
-/// ([`DecodeTerms::head_ppm`]) and the raw one's drive by [`head_raw_weight`] (`head_file`:
-/// the raw lm_head's checkpoint shard); `--lm-head-read coded` without one is refused.
+/// ([`DecodeTerms::head_ppm`]); `--lm-head-read coded` without one is refused.
 fn head_coding(
     a: &GenArgs,
     decode: Option<&DecodeTerms>,
     lm_head: u64,
-    head_file: Option<&std::path::Path>,
 ) -> Result<Option<HeadCoding>, BudgetError> {
     if a.lm_head_read == HeadRead::Raw {
         return Ok(None);
@@ -1405,46 +1435,58 @@ fn head_coding(
         h.row_bytes(),
         Some(h.chunk_rows),
     );
-    let (raw_ppm, raw_bps) = head_raw_weight(a, d, head_file);
     Ok(Some(HeadCoding {
         stored: h.stored_bytes,
         chunk_rows: h.chunk_rows,
         ppm: d.head_ppm(),
         buffers: k3_layer_compute::model_stream::coded_head_buffer_bytes(&h, chunk),
         only: a.lm_head_read == HeadRead::Coded,
-        raw_ppm,
-        raw_bps,
     }))
 }
 
-/// [`HeadCoding::raw_ppm`] and `raw_bps`: where `auto` may read the lm_head raw from
-/// `head_file` (its checkpoint shard) and that shard shares no drive with the trunk's
-/// directories ([`head_shares_trunk_drive`]), the shard's drive is measured as the trunk's
-/// are (devbw, O_DIRECT, the loader's pieces and queue depth) and a raw byte weighs the
-/// trunk drives' rate over it: a raw lm_head on a drive five times faster than the trunk's
-/// costs a fifth of its bytes, one on a slower drive more than its bytes. Weight one
-/// (the ranking by bytes) when the lm_head is read coded whatever it costs (`--lm-head-read
-/// coded`), `--drive-gbps` gives every drive one rate, or the shard shares a trunk drive
-/// or its drive cannot be told or measured.
-fn head_raw_weight(
+/// The raw lm_head's drive against the packed trunk's, where the plan may stream it raw
+/// from `head_file` (its checkpoint shard) and that shard shares no drive with the trunk's
+/// directories ([`head_shares_trunk_drive`]): the shard's drive measured as the trunk's are
+/// (devbw, O_DIRECT, the loader's pieces and queue depth), and the trunk's drives' rate,
+/// its copies read at once (a coded trunk's is `decode`'s, measured for its decoding
+/// weight). A raw lm_head on a drive five times faster than the trunk's then costs a fifth
+/// of its bytes, one on a slower drive more than its bytes. None (a raw byte weighs one
+/// read byte, the ranking by bytes) without a packed trunk, when the lm_head is never read
+/// raw (`--lm-head-read coded`), when `--drive-gbps` gives every drive one rate, or when
+/// the shard shares a trunk drive or a drive cannot be told or measured.
+fn head_drive(
     a: &GenArgs,
-    d: &DecodeTerms,
+    decode: Option<&DecodeTerms>,
     head_file: Option<&std::path::Path>,
-) -> (u64, u64) {
-    const ONE: (u64, u64) = (1_000_000, 0);
-    let Some(file) = head_file else { return ONE };
+) -> Result<Option<HeadDrive>, BudgetError> {
+    let (Some(dir), Some(file)) = (&a.trunk, head_file) else {
+        return Ok(None);
+    };
     if a.lm_head_read == HeadRead::Coded
         || a.drive_gbps.is_some()
         || head_shares_trunk_drive(a, Some(file))
     {
-        return ONE;
+        return Ok(None);
     }
-    match measure_trunk_drive(file) {
-        (bps, why) if bps > 0.0 && !why.starts_with("ASSUMED") => {
-            ((d.disk_bps / bps * 1e6).clamp(1.0, 1e12) as u64, bps as u64)
+    let (trunk_bps, trunk_source) = match decode {
+        Some(d) => (d.disk_bps, d.disk_source.clone()),
+        None => {
+            let m = k3_model::trunk::TrunkManifest::load_dir(dir)?;
+            let files: Vec<_> = a.trunk_dirs().map(|d| d.join(m.data_file().0)).collect();
+            measure_trunk_drives(&files)
         }
-        _ => ONE,
-    }
+    };
+    let (head_bps, head_source) = measure_trunk_drive(file);
+    let measured = |bps: f64, why: &str| bps > 0.0 && !why.starts_with("ASSUMED");
+    Ok(
+        (measured(head_bps, &head_source) && measured(trunk_bps, &trunk_source)).then_some(
+            HeadDrive {
+                head_bps,
+                trunk_bps,
+                trunk_source,
+            },
+        ),
+    )
 }
 
 /// What every run holds whatever the budget (the second step of [`plan_run`]), part of it
@@ -1556,6 +1598,7 @@ fn spend_total(a: &GenArgs, res: &Resolved, b: &Bounds, f: &FixedCosts, total: u
                 trunk_min: b.trunk_min,
                 read_slots: b.read_slots,
                 head_coded: b.head_coded,
+                head_raw_ppm: b.head_drive.as_ref().map_or(1_000_000, HeadDrive::ppm),
             },
             b.runs.as_ref(),
             trunk_over,
@@ -1858,8 +1901,9 @@ fn add_lm_head(
     };
     mp.streamed_bytes_per_token += head_read;
     let drives = b
-        .head_coded
-        .map_or(String::new(), |h| raw_drive_note(&h, b.decode.as_ref()));
+        .head_drive
+        .as_ref()
+        .map_or(String::new(), |d| format!("; {}", d.describe()));
     let how = match coding {
         Some(h) => {
             mp.add("lm_head decoders", "layer-compute", h.buffers);
@@ -1874,7 +1918,7 @@ fn add_lm_head(
         None if b.head_coded.is_some() => format!(
             ", read raw: the coded lm_head weighs more (--lm-head-read coded reads it){drives}"
         ),
-        None => String::new(),
+        None => drives,
     };
     if held > 0 {
         mp.add(
@@ -1894,23 +1938,6 @@ fn add_lm_head(
             human(c),
             human(head_read)
         ));
-    }
-}
-
-/// The end of the lm_head's note when the raw lm_head's drive was weighed against the
-/// trunk's ([`head_raw_weight`]): both rates and a raw byte's weight; empty otherwise.
-fn raw_drive_note(h: &HeadCoding, d: Option<&DecodeTerms>) -> String {
-    match d {
-        Some(d) if h.raw_bps > 0 => format!(
-            "; the raw lm_head's shard is on a drive of its own ({:.2} GB/s, measured with \
-             devbw) and the trunk's drives read {:.2} GB/s ({}): a raw byte weighed {:.2} \
-             read bytes",
-            h.raw_bps as f64 / GB,
-            d.disk_bps / GB,
-            d.disk_source,
-            h.raw_ppm as f64 / 1e6
-        ),
-        _ => String::new(),
     }
 }
 
@@ -2343,6 +2370,7 @@ mod tests {
             trunk_min: 0,
             read_slots: read_slots(1),
             head_coded: None,
+            head_raw_ppm: 1_000_000,
         }
     }
 
@@ -2463,6 +2491,7 @@ mod tests {
             trunk_min: 0,
             read_slots: read_slots(1),
             head_coded: None,
+            head_raw_ppm: 1_000_000,
         };
         (runs, s)
     }
@@ -2506,8 +2535,6 @@ mod tests {
                 ppm,
                 buffers: 0,
                 only,
-                raw_ppm: 1_000_000,
-                raw_bps: 0,
             }),
             ..raw.clone()
         };
@@ -2527,26 +2554,28 @@ mod tests {
         assert!(forced.head_coded, "{forced:?}");
     }
 
-    // The same coded lm_head with the raw one's shard on a drive of its own. Ten times
-    // faster than the trunk's drives (a raw byte weighs 0.1): 5 pages a token against the
-    // coded way's 43, so it streams raw where by bytes it would be read coded. A third as
-    // fast (3.0): 150 pages raw against 58 coded, so it is read coded where by bytes raw
-    // costs less. Either way `read_per_token` stays the bytes read. Catches a plan that
-    // ranks raw against coded by bytes alone when the two sit on different drives, and a
-    // weight applied to the coded way or to the bytes read.
+    // The raw lm_head's shard on a drive of its own. Beside the coded lm_head above: ten
+    // times faster than the trunk's drives (a raw byte weighs 0.1), 5 pages a token
+    // against the coded way's 43, so it streams raw where by bytes it is read coded; a third
+    // as fast (3.0), 150 pages raw against 58 coded, so it is read coded where by bytes raw
+    // costs less. With a raw trunk alone, at the total where by bytes the lm_head is pinned
+    // (40 trunk pages a token, against 40 of the lm_head streamed beside the whole trunk
+    // pinned: a tie, and pinned wins ties): streamed from a drive ten times faster its 40
+    // pages cost 4, and it streams. `read_per_token` stays the bytes read. Catches
+    // a plan that ranks by bytes alone when the lm_head and the trunk sit on different
+    // drives, and a weight applied to the coded way or to the bytes read.
     #[test]
     fn a_raw_lm_head_on_its_own_drive_is_weighed_by_that_drives_rate() {
         let (runs, raw) = four_layers(45 * P, 1);
-        let with = |ppm, raw_ppm| Spend {
+        let with = |ppm, head_raw_ppm| Spend {
             head_coded: Some(HeadCoding {
                 stored: 33 * P,
                 chunk_rows: 2,
                 ppm,
                 buffers: 0,
                 only: false,
-                raw_ppm,
-                raw_bps: 1,
             }),
+            head_raw_ppm,
             ..raw.clone()
         };
         let by_bytes = choose(&raw, Some(&runs), None, None).unwrap();
@@ -2566,6 +2595,24 @@ mod tests {
         // One drive (weight one): the ranking by bytes, as before.
         let one = choose(&with(500_000, 1_000_000), Some(&runs), None, None).unwrap();
         assert_eq!(one, by_bytes);
+        // A raw trunk alone.
+        let (runs, s) = four_layers(62 * P, 1);
+        let pinned = choose(&s, Some(&runs), None, None).unwrap();
+        assert!(pinned.head_pinned, "{pinned:?}");
+        let fast = Spend {
+            head_raw_ppm: 100_000,
+            ..s.clone()
+        };
+        let c = choose(&fast, Some(&runs), None, None).unwrap();
+        assert!(!c.head_pinned, "{c:?}");
+        let left = 50 * P - c.head_held;
+        assert_eq!(c.head_cost, left / 10, "{c:?}");
+        assert_eq!(
+            c.read_per_token,
+            c.cost_per_token - c.head_cost + left,
+            "{c:?}"
+        );
+        assert!(c.cost_per_token < pinned.cost_per_token, "{c:?} {pinned:?}");
     }
 
     // Catches: a plan that gives what the trunk leaves to a cache that cannot use it (the

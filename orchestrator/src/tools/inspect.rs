@@ -632,6 +632,7 @@ fn table_base(cat: &Catalog, cfg: &ModelConfig) -> (crate::run::plan::Spend, Str
         trunk_min: crate::run::plan::trunk_min(&runs),
         read_slots: crate::run::plan::read_slots(1),
         head_coded: None,
+        head_raw_ppm: 1_000_000,
     };
     (base, runs, sizes.lm_head_bytes, topk)
 }

@@ -410,6 +410,7 @@ impl ModelShape {
             trunk_min: plan::trunk_min(&runs),
             read_slots: plan::read_slots(1),
             head_coded: None,
+            head_raw_ppm: 1_000_000,
         };
         ModelShape {
             label,
