@@ -709,6 +709,27 @@ fn dev_of(p: &Path) -> u64 {
     std::fs::metadata(p).unwrap().dev()
 }
 
+/// A directory on the checkpoint's drive (under the target directory) and one on another
+/// (tmpfs, `/dev/shm`), for `model`'s packed trunk. None for the second where `/dev/shm` is
+/// missing or on the checkpoint's drive, and `test`'s other-drive half is then said to be
+/// SKIPPED.
+fn beside_and_apart(model: &str, test: &str) -> (tempfile::TempDir, Option<tempfile::TempDir>) {
+    let beside = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let shm = std::path::Path::new("/dev/shm");
+    let ckpt = fixture(&format!("{model}/sharded"));
+    let apart =
+        (shm.is_dir() && dev_of(shm) != dev_of(&ckpt)).then(|| tempfile::tempdir_in(shm).unwrap());
+    if apart.is_none() {
+        // The real stderr: the harness captures eprintln! of a passing test.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: {test} (its other-drive half): /dev/shm is missing or on the \
+             checkpoint's drive"
+        );
+    }
+    (beside, apart)
+}
+
 /// The plan weighs the raw lm_head by its checkpoint shard's drive only where that drive is
 /// not the trunk's, for a raw trunk and beside a coded lm_head alike: with the packed trunk
 /// beside the checkpoint (one drive) the lm_head's note names no drive rates; with it on
@@ -730,18 +751,8 @@ fn the_raw_lm_head_is_weighed_by_its_own_drive_only_where_it_has_one() {
         "--lm-head-read",
         "auto",
     ];
-    let beside = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let shm = std::path::Path::new("/dev/shm");
-    let ckpt = fixture(&format!("{model}/sharded"));
-    let apart =
-        (shm.is_dir() && dev_of(shm) != dev_of(&ckpt)).then(|| tempfile::tempdir_in(shm).unwrap());
-    if apart.is_none() {
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: the_raw_lm_head_is_weighed_by_its_own_drive_only_where_it_has_one \
-             (its other-drive half): /dev/shm is missing or on the checkpoint's drive"
-        );
-    }
+    let test = "the_raw_lm_head_is_weighed_by_its_own_drive_only_where_it_has_one";
+    let (beside, apart) = beside_and_apart(model, test);
     let own = "the raw lm_head's shard is on a drive of its own";
     let dirs = [(Some(beside), false), (apart, true)];
     for (dir, weighed) in dirs.into_iter().filter_map(|(d, w)| Some((d?, w))) {
@@ -774,19 +785,8 @@ fn the_next_tokens_trunk_is_read_during_the_lm_head_only_from_another_drive() {
     let want = oracle_ids(model, 4);
     let env = [("K3_TEST_HOOKS", "1"), ("K3_LM_HEAD_CHUNK_BYTES", "7000")];
     let extra = ["--trunk-gb", "0.0004", "--cache-gb", "0"];
-    let beside = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let shm = std::path::Path::new("/dev/shm");
-    let ckpt = fixture(&format!("{model}/sharded"));
-    let apart =
-        (shm.is_dir() && dev_of(shm) != dev_of(&ckpt)).then(|| tempfile::tempdir_in(shm).unwrap());
-    if apart.is_none() {
-        // The real stderr: the harness captures eprintln! of a passing test.
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: the_next_tokens_trunk_is_read_during_the_lm_head_only_from_another_drive \
-             (its other-drive half): /dev/shm is missing or on the checkpoint's drive"
-        );
-    }
+    let test = "the_next_tokens_trunk_is_read_during_the_lm_head_only_from_another_drive";
+    let (beside, apart) = beside_and_apart(model, test);
     let held = "each token's first streamed part is read when the token starts";
     let early = "the next token's first streamed part is read while the lm_head streams";
     let cases = [(Some(beside), held, early), (apart, early, held)];
