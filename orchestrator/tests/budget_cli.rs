@@ -734,8 +734,9 @@ fn beside_and_apart(model: &str, test: &str) -> (tempfile::TempDir, Option<tempf
 /// not the trunk's, for a raw trunk and beside a coded lm_head alike: with the packed trunk
 /// beside the checkpoint (one drive) the lm_head's note names no drive rates; with it on
 /// tmpfs (`/dev/shm`, another device) both drives are measured (devbw) and the note gives
-/// their rates and a raw byte's weight. The ids are the oracle's whichever way the lm_head
-/// is held and read. Catches a weight measured on one drive (where the ranking by bytes
+/// their rates and a raw byte's weight, the lm_head streamed (test hooks) or pinned (whole
+/// budgets: tmpfs reads faster than the checkpoint's disk). The ids are the oracle's
+/// whichever way the lm_head is held and read. Catches a weight measured on one drive (where the ranking by bytes
 /// holds), the shard's drive never measured where it is apart (or only beside a coded
 /// lm_head), and a choice that changes an id.
 #[test]
@@ -767,6 +768,13 @@ fn the_raw_lm_head_is_weighed_by_its_own_drive_only_where_it_has_one() {
             if weighed {
                 assert!(t.contains("a raw byte weighed"), "{t}");
             }
+            assert_eq!(generated_ids(&out), want, "{}: ids", trunk.display());
+            // Whole budgets: the lm_head pinned, and the note says what it was weighed by.
+            let o = gen_with(model, &trunk, &out, &[], &[]);
+            let t = text(&o);
+            assert!(o.status.success(), "{}: {t}", trunk.display());
+            assert_eq!(t.contains("lm_head pinned: "), weighed, "{t}");
+            assert_eq!(t.contains(own), weighed, "{}: {t}", trunk.display());
             assert_eq!(generated_ids(&out), want, "{}: ids", trunk.display());
         }
     }

@@ -1888,6 +1888,13 @@ fn add_lm_head(
     let (lm, row) = (b.lm_head, b.lm_head_row);
     let Some(c) = chunk else {
         mp.add("lm_head (pinned)", "layer-compute", lm);
+        if let Some(d) = &b.head_drive {
+            notes.push(format!(
+                "lm_head pinned: streaming it would cost more, its bytes weighed by the drive \
+                 they are read from; {}",
+                d.describe()
+            ));
+        }
         return;
     };
     mp.add(
