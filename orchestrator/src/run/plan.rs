@@ -1334,16 +1334,33 @@ fn prompt_bound(a: &GenArgs) -> usize {
     .min(MAX_PROMPT)
 }
 
-/// [`Bounds`] of a request on the model's first `layers` layers (`decode`: its coded
-/// trunk's [`DecodeTerms`], measured once per plan).
+/// What a plan measures once, before any [`bound`] (a server's plan bounds many shapes, and
+/// each figure here takes a probe of a drive or of the decoder): the coded trunk's
+/// [`DecodeTerms`] and the raw lm_head's drive against the trunk's ([`head_drive`]).
+struct Measured {
+    decode: Option<DecodeTerms>,
+    head_drive: Option<HeadDrive>,
+}
+
+impl Measured {
+    fn of_run(a: &GenArgs, sizes: &ModelSizes) -> Result<Measured, BudgetError> {
+        let decode = DecodeTerms::of_run(a)?;
+        let head_drive = head_drive(a, decode.as_ref(), sizes.lm_head_file.as_deref())?;
+        Ok(Measured { decode, head_drive })
+    }
+}
+
+/// [`Bounds`] of a request on the model's first `layers` layers (`m`: what the plan
+/// measured, once).
 fn bound(
     a: &GenArgs,
     cfg: &ModelConfig,
     sizes: &ModelSizes,
     layers: usize,
     serve: Option<&ServeShape>,
-    decode: Option<&DecodeTerms>,
+    m: &Measured,
 ) -> Result<Bounds, BudgetError> {
+    let decode = m.decode.as_ref();
     let (runs, trunk_decode) = match &a.trunk {
         Some(dir) => {
             let (r, d) = packed_runs(dir, layers)?;
@@ -1378,7 +1395,7 @@ fn bound(
     let lm_head_row = lm_head / (cfg.vocab_size as u64).max(1);
     Ok(Bounds {
         head_coded: head_coding(a, decode, lm_head)?,
-        head_drive: head_drive(a, decode, sizes.lm_head_file.as_deref())?,
+        head_drive: m.head_drive.clone(),
         head_file: sizes.lm_head_file.clone(),
         trunk_min: runs.as_ref().map_or(0, trunk_min),
         runs,
@@ -2058,8 +2075,8 @@ pub fn plan_run(
     sizes: &ModelSizes,
     layers: usize,
 ) -> Result<RunPlan, BudgetError> {
-    let decode = DecodeTerms::of_run(a)?;
-    let b = bound(a, cfg, sizes, layers, None, decode.as_ref())?;
+    let measured = Measured::of_run(a, sizes)?;
+    let b = bound(a, cfg, sizes, layers, None, &measured)?;
     let res = resolve(&a.mem, default_total)?;
     let f = fixed_costs(a, cfg, sizes, &b);
     // The KV cache alone not fitting is said as such, before the whole plan is weighed.
@@ -2140,9 +2157,9 @@ pub fn plan_serve(
         return Err(BudgetError::ServeZero);
     }
     let res = resolve(&a.mem, default_total)?;
-    let decode = DecodeTerms::of_run(a)?;
+    let measured = Measured::of_run(a, sizes)?;
     let one = |shape: &ServeShape| -> Result<(RunPlan, ServePlan), BudgetError> {
-        let b = bound(a, cfg, sizes, layers, Some(shape), decode.as_ref())?;
+        let b = bound(a, cfg, sizes, layers, Some(shape), &measured)?;
         let f = fixed_costs(a, cfg, sizes, &b);
         let p = choose_parts(a, &res, &b, &f)?;
         let chunk = p.pass_tokens as usize;
@@ -2525,6 +2542,18 @@ mod tests {
         assert!(choose(&s(20 * P), Some(&runs), None, None).is_err());
     }
 
+    /// The coded lm_head of [`four_layers`]' 50-page lm_head: 33 pages stored, 2 rows per
+    /// chunk, its decoding weighed `ppm`; `only`: `--lm-head-read coded`.
+    fn coded_head(ppm: u64, only: bool) -> HeadCoding {
+        HeadCoding {
+            stored: 33 * P,
+            chunk_rows: 2,
+            ppm,
+            buffers: 0,
+            only,
+        }
+    }
+
     // A coded lm_head (33 of 50 pages stored, 2 rows per chunk) where the lm_head streams:
     // read coded when its stored pages plus its decoding weighed cost less than the raw
     // read (a weight of 0.2: about 33 + 10 = 43 pages against 50 per token), raw when they
@@ -2536,13 +2565,7 @@ mod tests {
     fn a_streamed_lm_head_is_read_coded_only_where_that_costs_less() {
         let (runs, raw) = four_layers(45 * P, 1);
         let with = |ppm, only| Spend {
-            head_coded: Some(HeadCoding {
-                stored: 33 * P,
-                chunk_rows: 2,
-                ppm,
-                buffers: 0,
-                only,
-            }),
+            head_coded: Some(coded_head(ppm, only)),
             ..raw.clone()
         };
         let r = choose(&raw, Some(&runs), None, None).unwrap();
@@ -2575,13 +2598,7 @@ mod tests {
     fn a_raw_lm_head_on_its_own_drive_is_weighed_by_that_drives_rate() {
         let (runs, raw) = four_layers(45 * P, 1);
         let with = |ppm, head_raw_ppm| Spend {
-            head_coded: Some(HeadCoding {
-                stored: 33 * P,
-                chunk_rows: 2,
-                ppm,
-                buffers: 0,
-                only: false,
-            }),
+            head_coded: Some(coded_head(ppm, false)),
             head_raw_ppm,
             ..raw.clone()
         };
