@@ -16,7 +16,8 @@
 //!   - one token (decode, memory-bound for BF16, decode-bound for MXFP4): [`R1`] BF16/F32
 //!     rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block,
 //!     the groups of one 64-byte line of every row taken in one run with one prefetch per
-//!     row ([`rows1`]);
+//!     row: a line ahead in the row, or, for a tile of short rows (a routed expert's), the
+//!     next tile's bytes in order ([`AHEAD_BYTES`]) ([`rows1`]);
 //!   - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt), 2 tokens
 //!     of a BF16 or F32 one: the one-token loop with each decoded weight multiplied into
 //!     every token ([`rows_few`]);
@@ -358,9 +359,12 @@ fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize)
 /// promoted into `acc[j * os + t]` at the end. `PF` is the software prefetch distance in
 /// bytes along each row (0: none), a constant so that the prefetch address is the load's
 /// with a displacement (as a run-time value it cost every row a second pointer, and the
-/// row pointers no longer fit the registers). With `NX`, each group also prefetches the
-/// same group of the rows at `next` (group 0 of each row, addresses only: the next row
-/// tile's block, see [`NX_TOKENS`]).
+/// row pointers no longer fit the registers). `NX` ([`NX_NONE`], [`NX_ROWS`],
+/// [`NX_SPAN`]) says what else each run of groups prefetches into L1 (addresses only):
+/// nothing; the same groups of the rows at `next` (group 0 of each row: the next row
+/// tile's block, see [`NX_TOKENS`]); or `R` lines of the span from `next[0]`, in order,
+/// the run's `R` lines of the tile's bytes (the next row tile of contiguous rows,
+/// [`AHEAD_BYTES`]).
 ///
 /// # Safety
 /// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
@@ -369,7 +373,7 @@ fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize)
 /// enabled in the caller.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize, const NX: bool>(
+unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize, const NX: u8>(
     f: F,
     r: usize,
     (q0, qe, qf): (usize, usize, usize),
@@ -410,12 +414,14 @@ unsafe fn seg<F: Fmt, const R: usize, const T: usize, const PF: usize, const NX:
                     prefetch_row::<F>(p.wrapping_add(PF));
                 }
             }
-            if NX {
-                // The next row tile's same groups (hints, as above).
-                let gb = F::KIND.info().group_bytes;
+            // The next row tile (hints, as above).
+            let gb = F::KIND.info().group_bytes;
+            if NX == NX_ROWS {
                 for nj in next {
                     prefetch_lines(nj.wrapping_add(q * gb), F::U * gb);
                 }
+            } else if NX == NX_SPAN {
+                prefetch_lines(next[0].wrapping_add(q * gb * R), R * F::U * gb);
             }
             for u in 0..F::U {
                 group!(q + u, j => {
@@ -471,15 +477,26 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF:
     let mut acc = [[0f64; LANES]; N];
     debug_assert_eq!(N, R * T);
     let mut q = 0;
+    // A tile of short rows prefetches the next tile's bytes, in order, instead of a line
+    // ahead in each of its rows ([`AHEAD_BYTES`]). Addresses only: `spans` computes them
+    // without reading, also past the matrix's last row, and a prefetch never faults.
+    let ahead = PF != 0 && R * f.spans(r, r + 1)[0].1 <= AHEAD_BYTES;
+    let next: [*const u8; R] = [f.spans(r + R, r + 2 * R)[0].0; R];
     // SAFETY: the caller's guarantees, passed on to seg with q ranges inside 0..ng.
     unsafe {
-        if PF != 0 {
+        if PF != 0 && !ahead {
             prefetch_heads(f, m, r + R, r + 2 * R, PF);
         }
         while q < ng {
             let qe = (q + BLOCK_GROUPS).min(ng);
-            let a = (&mut acc[..], &[std::ptr::null(); R]);
-            seg::<F, R, T, PF, false>(f, r, (q, qe, full), (&pbuf, &psc), x, a, T);
+            let b = (q, qe, full);
+            if ahead {
+                let a = (&mut acc[..], &next);
+                seg::<F, R, T, 0, NX_SPAN>(f, r, b, (&pbuf, &psc), x, a, T);
+            } else {
+                let a = (&mut acc[..], &[std::ptr::null(); R]);
+                seg::<F, R, T, PF, NX_NONE>(f, r, b, (&pbuf, &psc), x, a, T);
+            }
             q = qe;
         }
     }
@@ -490,6 +507,32 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF:
         }
     }
 }
+
+/// [`seg`] prefetches nothing beyond its own rows.
+const NX_NONE: u8 = 0;
+/// [`seg`] prefetches the same groups of the rows at `next`.
+const NX_ROWS: u8 = 1;
+/// [`seg`] prefetches the span from `next[0]` in order, `R` lines a run of groups.
+const NX_SPAN: u8 = 2;
+
+/// Most bytes of weights in a one- or few-token row tile ([`tile`]) for which the tile,
+/// while it runs, prefetches the next tile's bytes into L1 in order, `R` lines for each
+/// of its own ([`seg`] with [`NX_SPAN`]), instead of each of its rows' line `PF` bytes
+/// ahead. A routed expert's MXFP4 rows are short (1536-1792 bytes; 4 rows side by side,
+/// 6-7 KiB): a distance that hides the memory's latency runs off the end of a row into
+/// the next one, whose lines the tile reads at the same time, so the tile waited for
+/// nearly every line, and its decode and its reads took turns instead of overlapping.
+/// Zen 4, one thread, from DRAM, a C replica of the one-token MXFP4 loop
+/// (`tools/probes/mxfp4_dram.c`): 14.8-15.0 GMAC/s with no prefetch, 12.9-18.3 with a
+/// row's own line ahead at any distance, 21.2-23.6 with the next tile's rows group by
+/// group and 24.8-25.3 with its bytes in order (29.9 in L2). `gemv_bench --only expert`
+/// (the one-token expert products, alternated 3 rounds): 15.8-16.9 → 19.1-20.8 GMAC/s
+/// on one thread, 23.4-30.9 → 32.3-38.5 on two; the slice's decode step spent 54.8-59.4
+/// → 40.2-46.4 ms in the routed experts (docs/measurements.md, "Short rows prefetch the
+/// next tile"). 16 KiB is half of L1, so the next tile's lines stay there until it reads
+/// them; long rows (the BF16 trunk products) keep the line ahead, which reads them at
+/// the memory's rate.
+const AHEAD_BYTES: usize = 16 << 10;
 
 /// A form the batched path stages a row group's block in: how a group is written into the
 /// staging buffer, and how the register tile reads it back. Both forms hold the same exact
@@ -1286,12 +1329,12 @@ unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
                 unsafe {
                     let b = (q, qe, full);
                     match (ntok - t0 >= 2, t0 == 0) {
-                        (true, true) => seg::<F, R, 2, PF, false>(f, r, b, pp, xt, a, ntok),
+                        (true, true) => seg::<F, R, 2, PF, NX_NONE>(f, r, b, pp, xt, a, ntok),
                         (true, false) if t0 + 2 == ntok && ntok <= NX_TOKENS => {
-                            seg::<F, R, 2, 0, true>(f, r, b, pp, xt, a, ntok)
+                            seg::<F, R, 2, 0, NX_ROWS>(f, r, b, pp, xt, a, ntok)
                         }
-                        (true, false) => seg::<F, R, 2, 0, false>(f, r, b, pp, xt, a, ntok),
-                        (false, _) => seg::<F, R, 1, 0, false>(f, r, b, pp, xt, a, ntok),
+                        (true, false) => seg::<F, R, 2, 0, NX_NONE>(f, r, b, pp, xt, a, ntok),
+                        (false, _) => seg::<F, R, 1, 0, NX_NONE>(f, r, b, pp, xt, a, ntok),
                     }
                 }
                 t0 += 2;
