@@ -532,7 +532,7 @@ const NX_SPAN: u8 = 2;
 /// next tile"). 16 KiB is half of L1, so the next tile's lines stay there until it reads
 /// them; long rows (the BF16 trunk products) keep the line ahead, which reads them at
 /// the memory's rate.
-const AHEAD_BYTES: usize = 16 << 10;
+pub(crate) const AHEAD_BYTES: usize = 16 << 10;
 
 /// A form the batched path stages a row group's block in: how a group is written into the
 /// staging buffer, and how the register tile reads it back. Both forms hold the same exact

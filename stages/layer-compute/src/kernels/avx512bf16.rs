@@ -22,8 +22,12 @@
 //! - **One token** ([`drive`], `ntok == 1`): 4 rows × 1 token (F32: 2 × 1): 4 loads
 //!   (+ 3 activation loads shared by the rows) against 12 `vdpbf16ps`; the weights stream
 //!   from memory, each row's line ahead prefetched (`K3_GEMV_PF`, default 1 KiB for BF16
-//!   and F32, 512 B for MXFP4), so this shape is memory-bound as the `exact` one is. The
-//!   partial last group of each row comes from its zero-padded copy.
+//!   and F32, 512 B for MXFP4), so this shape is memory-bound as the `exact` one is; a
+//!   tile of short rows (a routed expert's) prefetches the next tile's bytes in order
+//!   instead, as the `exact` kernel does (its `AHEAD_BYTES`: on the Zen 4 VM of
+//!   2026-12-06 the one-token expert products went from 12.6-13.0 to 16.1-17.6 GMAC/s on
+//!   one thread, `gemv_bench --only expert --path bf16x3/avx512bf16`, 3 rounds
+//!   alternated). The partial last group of each row comes from its zero-padded copy.
 //! - **Two or three tokens** (a routed expert's share of a prompt): 2 rows × `ntok`
 //!   tokens, weights decoded once in registers for all of them, no staging.
 //! - **Four tokens or more** (prefill): rows in groups of [`RB`] (4), tokens in passes of
@@ -194,6 +198,9 @@ struct Direct<'a, F> {
     heads: &'a [*const u8],
     /// Prefetch distance in bytes (0: none).
     pf: usize,
+    /// The next tile's bytes, prefetched in order instead of each row's line `pf` ahead
+    /// when the tile's rows are short (null: they are not; [`super::avx512::AHEAD_BYTES`]).
+    next: *const u8,
 }
 
 impl<F: Format> Src for Direct<'_, F> {
@@ -215,8 +222,15 @@ impl<F: Format> Src for Direct<'_, F> {
     fn ahead(&self, j: usize, q: usize) {
         if self.pf != 0 && q < self.full {
             let gb = F::KIND.info().group_bytes;
-            // A hint: it never faults; wrapping_add keeps the arithmetic defined.
-            prefetch_l1(self.heads[j].wrapping_add(q * gb + self.pf));
+            // A hint: it never faults; wrapping_add keeps the arithmetic defined. With
+            // `next`, group q of the tile's rows asks for the next tile's bytes from
+            // (q * rows + j) groups on: the tile's groups in order, one group a row.
+            if self.next.is_null() {
+                prefetch_l1(self.heads[j].wrapping_add(q * gb + self.pf));
+            } else {
+                let at = (q * self.heads.len() + j) * gb;
+                prefetch_l1(self.next.wrapping_add(at));
+            }
         }
     }
 }
@@ -372,6 +386,8 @@ unsafe fn tiles_direct<
         for (j, h) in heads.iter_mut().enumerate() {
             *h = f.spans(r + j, r + j + 1)[0].0;
         }
+        // Addresses only (`spans` computes them without reading, past the last row too).
+        let short = R * f.spans(r, r + 1)[0].1 <= super::avx512::AHEAD_BYTES;
         let src = Direct {
             f,
             r,
@@ -379,6 +395,11 @@ unsafe fn tiles_direct<
             part: &part,
             heads: &heads,
             pf,
+            next: if short {
+                f.spans(r + R, r + 2 * R)[0].0
+            } else {
+                std::ptr::null()
+            },
         };
         let mut sums = [[0f64; PAIR_LANES]; N];
         debug_assert_eq!(N, R * T);
