@@ -17,7 +17,7 @@
 //!     rows or [`R1_MXFP4`] MXFP4 rows (tunable) streamed side by side, block by block,
 //!     the groups of one 64-byte line of every row taken in one run with one prefetch per
 //!     row: a line ahead in the row, or, for a tile of short rows (a routed expert's), the
-//!     next tile's bytes in order ([`AHEAD_BYTES`]) ([`rows1`]);
+//!     next tile's bytes in order ([`short_tile`]) ([`rows1`]);
 //!   - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt), 2 tokens
 //!     of a BF16 or F32 one: the one-token loop with each decoded weight multiplied into
 //!     every token ([`rows_few`]);
@@ -56,7 +56,7 @@ use std::arch::x86_64::*;
 
 use super::format::{self, stage_partial, Driver, Format, FormatKind};
 use super::matmul::Mat;
-use super::ops::{prefetch_l1, prefetch_l2, prefetch_lines, Ops};
+use super::ops::{prefetch_l1, prefetch_l2, prefetch_lines, short_tile, Ops};
 use super::portable::{groups, x_stride, AlignedBuf, BLOCK_GROUPS, E2M1_SCALED, GROUP_COLS, LANES};
 use super::tuning::{DriverTuning, WeightStaging, R1, R1_MXFP4};
 
@@ -364,7 +364,7 @@ fn prefetch_heads<F: Fmt>(f: F, m: &Mat<'_>, r0: usize, r1: usize, bytes: usize)
 /// nothing; the same groups of the rows at `next` (group 0 of each row: the next row
 /// tile's block, see [`NX_TOKENS`]); or `R` lines of the span from `next[0]`, in order,
 /// the run's `R` lines of the tile's bytes (the next row tile of contiguous rows,
-/// [`AHEAD_BYTES`]).
+/// [`short_tile`]).
 ///
 /// # Safety
 /// Rows `r..r+R` exist in `m` and `f` describes `m`; groups below `qf` are full, a group
@@ -478,9 +478,9 @@ unsafe fn tile<F: Fmt, const R: usize, const T: usize, const N: usize, const PF:
     debug_assert_eq!(N, R * T);
     let mut q = 0;
     // A tile of short rows prefetches the next tile's bytes, in order, instead of a line
-    // ahead in each of its rows ([`AHEAD_BYTES`]). Addresses only: `spans` computes them
+    // ahead in each of its rows ([`short_tile`]). Addresses only: `spans` computes them
     // without reading, also past the matrix's last row, and a prefetch never faults.
-    let ahead = PF != 0 && R * f.spans(r, r + 1)[0].1 <= AHEAD_BYTES;
+    let ahead = PF != 0 && short_tile(R, f.spans(r, r + 1)[0].1);
     let next: [*const u8; R] = [f.spans(r + R, r + 2 * R)[0].0; R];
     // SAFETY: the caller's guarantees, passed on to seg with q ranges inside 0..ng.
     unsafe {
@@ -514,25 +514,6 @@ const NX_NONE: u8 = 0;
 const NX_ROWS: u8 = 1;
 /// [`seg`] prefetches the span from `next[0]` in order, `R` lines a run of groups.
 const NX_SPAN: u8 = 2;
-
-/// Most bytes of weights in a one- or few-token row tile ([`tile`]) for which the tile,
-/// while it runs, prefetches the next tile's bytes into L1 in order, `R` lines for each
-/// of its own ([`seg`] with [`NX_SPAN`]), instead of each of its rows' line `PF` bytes
-/// ahead. A routed expert's MXFP4 rows are short (1536-1792 bytes; 4 rows side by side,
-/// 6-7 KiB): a distance that hides the memory's latency runs off the end of a row into
-/// the next one, whose lines the tile reads at the same time, so the tile waited for
-/// nearly every line, and its decode and its reads took turns instead of overlapping.
-/// Zen 4, one thread, from DRAM, a C replica of the one-token MXFP4 loop
-/// (`tools/probes/mxfp4_dram.c`): 14.8-15.0 GMAC/s with no prefetch, 12.9-18.3 with a
-/// row's own line ahead at any distance, 21.2-23.6 with the next tile's rows group by
-/// group and 24.8-25.3 with its bytes in order (29.9 in L2). `gemv_bench --only expert`
-/// (the one-token expert products, alternated 3 rounds): 15.8-16.9 → 19.1-20.8 GMAC/s
-/// on one thread, 23.4-30.9 → 32.3-38.5 on two; the slice's decode step spent 54.8-59.4
-/// → 40.2-46.4 ms in the routed experts (docs/measurements.md, "Short rows prefetch the
-/// next tile"). 16 KiB is half of L1, so the next tile's lines stay there until it reads
-/// them; long rows (the BF16 trunk products) keep the line ahead, which reads them at
-/// the memory's rate.
-pub(crate) const AHEAD_BYTES: usize = 16 << 10;
 
 /// A form the batched path stages a row group's block in: how a group is written into the
 /// staging buffer, and how the register tile reads it back. Both forms hold the same exact

@@ -24,7 +24,7 @@
 //!   from memory, each row's line ahead prefetched (`K3_GEMV_PF`, default 1 KiB for BF16
 //!   and F32, 512 B for MXFP4), so this shape is memory-bound as the `exact` one is; a
 //!   tile of short rows (a routed expert's) prefetches the next tile's bytes in order
-//!   instead, as the `exact` kernel does (its `AHEAD_BYTES`: on the Zen 4 VM of
+//!   instead, as the `exact` kernel does (`ops::short_tile`: on the Zen 4 VM of
 //!   2026-12-06 the one-token expert products went from 12.6-13.0 to 16.1-17.6 GMAC/s on
 //!   one thread, `gemv_bench --only expert --path bf16x3/avx512bf16`, 3 rounds
 //!   alternated). The partial last group of each row comes from its zero-padded copy.
@@ -54,7 +54,7 @@ use super::bf16x3::{
 };
 use super::format::{stage_partial, with_format, Format, FormatFn, FormatKind};
 use super::matmul::Mat;
-use super::ops::prefetch_l1;
+use super::ops::{prefetch_l1, short_tile};
 use super::portable::{groups, GROUP_COLS};
 use super::tuning::DriverTuning;
 
@@ -199,7 +199,7 @@ struct Direct<'a, F> {
     /// Prefetch distance in bytes (0: none).
     pf: usize,
     /// The next tile's bytes, prefetched in order instead of each row's line `pf` ahead
-    /// when the tile's rows are short (null: they are not; [`super::avx512::AHEAD_BYTES`]).
+    /// when the tile's rows are short (null: they are not; [`short_tile`]).
     next: *const u8,
 }
 
@@ -387,7 +387,7 @@ unsafe fn tiles_direct<
             *h = f.spans(r + j, r + j + 1)[0].0;
         }
         // Addresses only (`spans` computes them without reading, past the last row too).
-        let short = R * f.spans(r, r + 1)[0].1 <= super::avx512::AHEAD_BYTES;
+        let short = short_tile(R, f.spans(r, r + 1)[0].1);
         let src = Direct {
             f,
             r,

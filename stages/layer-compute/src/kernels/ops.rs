@@ -105,6 +105,33 @@ pub(crate) fn prefetch_l2(p: *const u8) {
     unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) };
 }
 
+/// Most bytes of weights in a one- or few-token row tile (`avx512::tile`, the `bf16x3`
+/// kernel's `tiles_direct`) for which the tile, while it runs, prefetches the next tile's
+/// bytes into L1 in order, `R` lines for each of its own (`avx512::seg` with `NX_SPAN`),
+/// instead of each of its rows' line `PF` bytes ahead. A routed expert's MXFP4 rows are
+/// short (1536-1792 bytes; 4 rows side by side, 6-7 KiB): a distance that hides the
+/// memory's latency runs off the end of a row into the next one, whose lines the tile reads
+/// at the same time, so the tile waited for nearly every line, and its decode and its reads
+/// took turns instead of overlapping. Zen 4, one thread, from DRAM, a C replica of the
+/// one-token MXFP4 loop (`tools/probes/mxfp4_dram.c`): 14.8-15.0 GMAC/s with no prefetch,
+/// 12.9-18.3 with a row's own line ahead at any distance, 21.2-23.6 with the next tile's
+/// rows group by group and 24.8-25.3 with its bytes in order (29.9 in L2). `gemv_bench
+/// --only expert` (the one-token expert products, alternated 3 rounds): 15.8-16.9 →
+/// 19.1-20.8 GMAC/s on one thread, 23.4-30.9 → 32.3-38.5 on two; the slice's decode step
+/// spent 54.8-59.4 → 40.2-46.4 ms in the routed experts (docs/measurements.md, "Short rows
+/// prefetch the next tile"). 16 KiB is half of L1, so the next tile's lines stay there
+/// until it reads them; long rows (the BF16 trunk products) keep the line ahead, which
+/// reads them at the memory's rate.
+const AHEAD_BYTES: usize = 16 << 10;
+
+/// Whether a one- or few-token tile of `rows` rows of `row_bytes` bytes each prefetches
+/// the next tile's bytes in order rather than each row's line ahead ([`AHEAD_BYTES`]):
+/// the rule every AVX-512 kernel follows.
+#[inline(always)]
+pub(crate) fn short_tile(rows: usize, row_bytes: usize) -> bool {
+    rows * row_bytes <= AHEAD_BYTES
+}
+
 /// Software prefetch (`T0`) of the lines covering `bytes` bytes from `p`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
