@@ -396,9 +396,10 @@ pub struct Spend {
 
 impl Spend {
     /// The cost of `bytes` of the raw lm_head streamed from its shard, in bytes read from
-    /// the trunk's drives ([`Spend::head_raw_ppm`]).
+    /// the trunk's drives ([`Spend::head_raw_ppm`]; weighed as the trunk-loader weighs
+    /// decoding, [`k3_trunk_loader::decode_cost`]).
     pub fn raw_head_cost(&self, bytes: u64) -> u64 {
-        (bytes as u128 * self.head_raw_ppm as u128 / 1_000_000) as u64
+        k3_trunk_loader::decode_cost(bytes, self.head_raw_ppm)
     }
 }
 
@@ -748,8 +749,11 @@ fn choose_way(
         (_, Some(h)) => {
             let read = h.read_past(s.lm_head, head_held);
             let decode = s.lm_head - head_held;
-            let weighed = (decode as u128 * h.ppm as u128 / 1_000_000) as u64;
-            (read, decode, read + weighed)
+            (
+                read,
+                decode,
+                read + k3_trunk_loader::decode_cost(decode, h.ppm),
+            )
         }
         // Raw: weighed by the drive it is read from.
         _ => {
