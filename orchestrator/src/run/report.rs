@@ -399,15 +399,19 @@ pub fn true_peak(
 /// decode run on two cores (`perf record -a`, 2026-12-03), time the compute threads lost.
 /// So the pause after a sample is [`PSS_MIN_PAUSE`] or [`PSS_COST_SHARE`] times what the
 /// sample took, whichever is longer: the sampler's CPU stays under 1/20 of one core.
+///
+/// Stopping wakes the sampler at once (it waits on a channel, not in a sleep), takes its
+/// last sample and returns: a staged run used to exit up to [`PSS_MIN_PAUSE`] after its
+/// work was done, while `finish` joined a thread that slept out its pause (1.0 s of a
+/// 1.01 s tiny-model run, 2026-12-06).
 pub struct PssSampler {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: Option<std::sync::mpsc::Sender<()>>,
     handle: Option<std::thread::JoinHandle<Option<u64>>>,
 }
 
 impl PssSampler {
     pub fn start() -> PssSampler {
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let s2 = stop.clone();
+        let (stop, wake) = std::sync::mpsc::channel::<()>();
         let handle = std::thread::Builder::new()
             .name("pss-sampler".into())
             .spawn(move || {
@@ -418,26 +422,38 @@ impl PssSampler {
                     if let Some(x) = pss_tree(me) {
                         best = Some(best.map_or(x, |b| b.max(x)));
                     }
-                    if s2.load(std::sync::atomic::Ordering::Relaxed) {
-                        return best;
+                    // A message or a dropped sender both mean stop; the timeout, sample again.
+                    match wake.recv_timeout(pss_pause(t.elapsed())) {
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                        _ => {
+                            if let Some(x) = pss_tree(me) {
+                                best = Some(best.map_or(x, |b| b.max(x)));
+                            }
+                            return best;
+                        }
                     }
-                    std::thread::sleep(pss_pause(t.elapsed()));
                 }
             })
             .ok();
-        PssSampler { stop, handle }
+        PssSampler {
+            stop: Some(stop),
+            handle,
+        }
     }
 
-    /// Stop sampling; the highest PSS sum seen.
+    /// Stop sampling (at once: one last sample, no pause); the highest PSS sum seen.
     pub fn finish(mut self) -> Option<u64> {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
         self.handle.take().and_then(|h| h.join().ok().flatten())
     }
 }
 
 impl Drop for PssSampler {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Dropping the sender wakes the thread, which returns on its own (not joined).
+        self.stop.take();
     }
 }
 
@@ -542,6 +558,20 @@ mod tests {
         let pause = pss_pause(took);
         assert!(took.as_secs_f64() / (took + pause).as_secs_f64() <= 0.05 + 1e-9);
         assert!(pause <= Duration::from_secs(3));
+    }
+
+    // Stopping wakes the sampler at once: `finish` soon after `start` returns long before
+    // the pause between two samples would end. The plausible wrong sampler, one that
+    // sleeps out its pause before it looks at the stop flag (as it did until 2026-12-06,
+    // when every staged run exited a second after its work), takes PSS_MIN_PAUSE here.
+    #[test]
+    fn finish_does_not_wait_out_the_pause() {
+        let s = PssSampler::start();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let t = std::time::Instant::now();
+        let _ = s.finish();
+        let took = t.elapsed();
+        assert!(took < PSS_MIN_PAUSE / 2, "finish took {took:?}");
     }
 
     // PSS of this process is readable and at most its RSS; a child's PSS is included.
