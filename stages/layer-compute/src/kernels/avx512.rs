@@ -51,6 +51,15 @@
 //!
 //! Only AVX-512F instructions are used (plus AVX2/FMA from the baseline), so the path needs
 //! `avx512f` at run time; nothing else is assumed.
+//!
+//! **Compile time.** The drivers' row loops ([`tiles`], [`small_chunk`], [`pass_by_group`],
+//! [`pass_by_block`]) are functions of their own, each with the entry point's target
+//! features, called once per row range, chunk or pass; everything inside them (the tiles,
+//! the segments, the decode) is inlined as before, so their loops are the same. Inlined
+//! all the way into [`rows_f32`], the three formats' drivers made one function of 904 KB of
+//! machine code, whose optimisation was most of the 210 s that this crate took to compile at
+//! the test profile's `opt-level` 1, on one core (`-Z time-passes`: `LLVM_passes` 173 s;
+//! 2026-12-06), the longest step of CI.
 
 use std::arch::x86_64::*;
 
@@ -768,7 +777,9 @@ unsafe fn tiles_over_block<S: Staging, const N: usize>(
 /// # Safety
 /// As [`rows_batched`] for tokens `c0..c0 + tc`; `acc` and `dst` are valid for writes of
 /// `RB * TC` lane sums and a [`StageBuf`].
-#[inline(always)]
+// Its own function, not inlined into the entry point (module docs, "Compile time").
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline(never)]
 unsafe fn pass_by_group<F: Fmt, S: Staging>(
     f: F,
     m: &Mat<'_>,
@@ -846,7 +857,9 @@ const PASS_X_BYTES: usize = 1 << 20;
 /// # Safety
 /// As [`pass_by_group`]; `acc` is valid for writes of `RB * TC` lane sums per row group of
 /// `r0..r1`.
-#[inline(always)]
+// Its own function, not inlined into the entry point (module docs, "Compile time").
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline(never)]
 unsafe fn pass_by_block<F: Fmt, S: Staging>(
     f: F,
     m: &Mat<'_>,
@@ -1055,7 +1068,9 @@ unsafe fn rows1<F: Fmt, const PF: usize>(
 /// As [`tile`] for every tile: rows `r..r1` exist in `m`, `f` describes it, `x.0 + t *
 /// x.1` (`t < T`) holds one permuted token each, `out` has room for `(r1 - r0) * os`
 /// sums; AVX-512F enabled in the caller.
-#[inline(always)]
+// Its own function, not inlined into the entry point (module docs, "Compile time").
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline(never)]
 unsafe fn tiles<F: Fmt, const R: usize, const T: usize, const N: usize, const PF: usize>(
     f: F,
     m: &Mat<'_>,
@@ -1249,7 +1264,9 @@ unsafe fn rows_small<F: Fmt, const PF: usize>(
 /// Rows `c0..c1` exist in `m`, `f` describes it; `x + t * x_stride(m.cols)` (`t < ntok`)
 /// holds one permuted token each; `out.len() >= (c1 - c0) * ntok`; AVX-512F enabled in
 /// the caller.
-#[inline(always)]
+// Its own function, not inlined into the entry point (module docs, "Compile time").
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline(never)]
 unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
     f: F,
     m: &Mat<'_>,
