@@ -417,21 +417,20 @@ impl PssSampler {
             .spawn(move || {
                 let me = std::process::id();
                 let mut best: Option<u64> = None;
+                let mut stopped = false;
                 loop {
                     let t = std::time::Instant::now();
                     if let Some(x) = pss_tree(me) {
                         best = Some(best.map_or(x, |b| b.max(x)));
                     }
-                    // A message or a dropped sender both mean stop; the timeout, sample again.
-                    match wake.recv_timeout(pss_pause(t.elapsed())) {
-                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                        _ => {
-                            if let Some(x) = pss_tree(me) {
-                                best = Some(best.map_or(x, |b| b.max(x)));
-                            }
-                            return best;
-                        }
+                    if stopped {
+                        return best;
                     }
+                    // A timeout: sample again. The sender dropped: one last sample, then stop.
+                    stopped = !matches!(
+                        wake.recv_timeout(pss_pause(t.elapsed())),
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                    );
                 }
             })
             .ok();
@@ -443,9 +442,8 @@ impl PssSampler {
 
     /// Stop sampling (at once: one last sample, no pause); the highest PSS sum seen.
     pub fn finish(mut self) -> Option<u64> {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
+        // Dropping the sender wakes the thread.
+        self.stop.take();
         self.handle.take().and_then(|h| h.join().ok().flatten())
     }
 }
