@@ -22,10 +22,10 @@
 //!     of a BF16 or F32 one: the one-token loop with each decoded weight multiplied into
 //!     every token ([`rows_few`]);
 //!   - 3 to 8 tokens of a BF16 or F32 matrix (`serve --parallel` decode passes): the
-//!     same 4 rows × 2 tokens register tile without staging, rows in chunks of 16 taken
-//!     block by block, so that the tokens' block stays in L1 for the chunk's rows and a
-//!     row tile's weights for all its token pairs ([`rows_small`]; at an even count the
-//!     last pair prefetches the next tile's block, [`NX_TOKENS`]);
+//!     same 4 rows × 2 tokens register tile without staging, rows in chunks of
+//!     [`CHUNK`] (one tile) taken block by block, so that a row tile's weights stay in
+//!     L1 for all its token pairs ([`rows_small`]; at an even count the last pair
+//!     prefetches the next block, [`NX_TOKENS`]);
 //!   - more tokens (prefill): tokens in passes of up to 16 (outermost, so a pass's
 //!     tokens stay in L2 for all the rows), rows in groups of [`RB`] (4). Per group and
 //!     pass, block by block (1024 columns), the group's block is staged
@@ -1200,12 +1200,20 @@ const SMALL: usize = 8;
 /// 28.7-30.4 → 35.2-37.6), `kernel_micro` over 12 288 × 7168 at 6 tokens 39-43 → 46-47,
 /// at 8 49-50 → 53-55; in cache level at 6 and 8, 61-63 → 65-66 at 4. Where a single
 /// token's pass follows (3, 5, 7) it lost in cache (the lines wait in L1 longer), and
-/// into L2 (`T1`) it did not pay (docs/measurements.md, "Wide products by blocks").
+/// into L2 (`T1`) it did not pay (docs/measurements.md, "Wide products by blocks"). With
+/// a chunk of one tile ([`CHUNK`]) the next row tile's block is the same rows' next one.
 const NX_TOKENS: usize = SMALL;
 
 /// Rows per chunk of [`rows_small`]: the row tiles that take one block of the tokens in
-/// turn while it stays in L1.
-const CHUNK: usize = 16;
+/// turn. One tile of 4: each of its rows is then read from memory as one run, block after
+/// block (the second token pair prefetches the same rows' next block), where a chunk of 16
+/// took 2 KiB of each of 16 rows in turn; the tokens' block (4 KiB a token) comes from L2
+/// for every tile instead of staying in L1 for four. Zen 4, from DRAM, alternated 3
+/// rounds: `gemv_bench --only batch4` (the `serve --parallel 4` pass's shape, 12 288 ×
+/// 7168) 24.1-24.5 → 26.4-28.8 GMAC/s on one thread, 38.8-45.2 → 49.1-56.1 on two; a
+/// chunk of 8 was between; `kernel_micro bf16` at 3-8 tokens level or faster in cache
+/// (docs/measurements.md, "Four tokens from memory: one row tile a chunk").
+const CHUNK: usize = 4;
 
 /// The f64 lane sums of one [`rows_small`] chunk ([`CHUNK`] rows × [`SMALL`] tokens at
 /// most, 32 KiB), on cache lines.
@@ -1216,9 +1224,9 @@ struct SmallAcc([[f64; LANES]; CHUNK * SMALL]);
 /// [`CHUNK`] rows. Per chunk, block by block (1024 columns), every tile of 4 rows takes
 /// the tokens two at a time in the one-token loop's register tile (4 rows × 2 tokens, 16
 /// zmm accumulators, [`seg`]; an odd last token in a 4 × 1 tile), each weight decoded in
-/// registers (BF16: a shift and an `and`) and multiplied into both tokens. The chunk's
-/// tokens' block (4 KiB a token) stays in L1 for all its row tiles, and a tile's block of
-/// weights for all its token pairs; where staging copied every block to a buffer and read
+/// registers (BF16: a shift and an `and`) and multiplied into both tokens. A tile's block
+/// of weights stays in L1 for all its token pairs; where staging copied every block to a
+/// buffer and read
 /// it back for each pair, this reads the weights once from memory and then from L1. Rows
 /// past the last whole tile of 4 take tiles of 2 and 1 rows. Every (row, token) lane runs
 /// the contract's FMA chain in increasing group order from +0 and is promoted once at the
