@@ -21,7 +21,8 @@
 //!   - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt), 2 tokens
 //!     of a BF16 or F32 one: the one-token loop with each decoded weight multiplied into
 //!     every token ([`rows_few`]);
-//!   - 3 to 8 tokens of a BF16 or F32 matrix (`serve --parallel` decode passes): the
+//!   - 3 to 16 tokens of a BF16 or F32 matrix (`serve --parallel` decode passes, short
+//!     prompts and prompt chunks): the
 //!     same 4 rows × 2 tokens register tile without staging, rows in chunks of
 //!     [`CHUNK`] (one tile) taken block by block, so that a row tile's weights stay in
 //!     L1 for all its token pairs ([`rows_small`]; at an even count the last pair
@@ -1188,11 +1189,20 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
     }
 }
 
-/// Most tokens the chunked path takes ([`rows_small`]); more go to [`rows_batched`].
-const SMALL: usize = 8;
+/// Most tokens the chunked path takes ([`rows_small`]); more go to [`rows_batched`]. 16
+/// since its chunks are one row tile ([`CHUNK`]): at 9 to 16 tokens it ran faster than
+/// staging in every case measured, narrow and wide. Zen 4, one thread, alternated:
+/// `kernel_micro bf16` over 128 × 7168 in cache at 10-16 tokens 40.5-43.1 → 44.5-46.3
+/// GMAC/s, from DRAM (12 288 rows) at 10, 12, 13, 16 tokens 27.9-28.4, 29.9-32.4,
+/// 33.1-33.8, 35.5-36.1 → 34.8-36.0, 36.2-36.5, 34.8-36.1, 38.3-38.5 (15 tokens level);
+/// the dense FFN's width (33 792 columns, 2 MiB of tokens, which staging takes block by
+/// block) 41.5-42.8 → 43.8-44.9 in cache and 27.4-29.7 → 33.8-37.0 from DRAM;
+/// `gemv_bench --only batch16` (12 288 × 7168) 69.3-72.2 → 76.1-77.2 on two threads
+/// (docs/measurements.md, "Sixteen tokens without staging").
+const SMALL: usize = 16;
 
 /// Most tokens for which [`rows_small`]'s last token pair of a row tile, when it is the
-/// tile's last pass (an even count: 4, 6, 8), prefetches the next row tile's block into
+/// tile's last pass (an even count: 4, 6, ... 16), prefetches the next row tile's block into
 /// L1 (`T0`), so that the weights keep coming while that pair computes from L1 (the
 /// first pair of every tile stalled on them, the later ones read none). Zen 5, one
 /// thread, alternating: from DRAM, `gemv_bench --only "batch4 kda"` (the `serve
@@ -1216,7 +1226,7 @@ const NX_TOKENS: usize = SMALL;
 const CHUNK: usize = 4;
 
 /// The f64 lane sums of one [`rows_small`] chunk ([`CHUNK`] rows × [`SMALL`] tokens at
-/// most, 32 KiB), on cache lines.
+/// most, 16 KiB), on cache lines.
 #[repr(C, align(64))]
 struct SmallAcc([[f64; LANES]; CHUNK * SMALL]);
 
