@@ -1191,7 +1191,7 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
 
 /// Most tokens the chunked path takes ([`rows_small`]); more go to [`rows_batched`]. 16
 /// since its chunks are one row tile ([`CHUNK`]): at 9 to 16 tokens it ran faster than
-/// staging in every case measured, narrow and wide. Zen 4, one thread, alternated:
+/// staging, narrow and wide, or level (15 tokens from DRAM; 9 in cache in one round). Zen 4, one thread, alternated:
 /// `kernel_micro bf16` over 128 × 7168 in cache at 10-16 tokens 40.5-43.1 → 44.5-46.3
 /// GMAC/s, from DRAM (12 288 rows) at 10, 12, 13, 16 tokens 27.9-28.4, 29.9-32.4,
 /// 33.1-33.8, 35.5-36.1 → 34.8-36.0, 36.2-36.5, 34.8-36.1, 38.3-38.5 (15 tokens level);
