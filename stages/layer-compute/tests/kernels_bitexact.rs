@@ -449,6 +449,9 @@ fn every_decode_tuning_matches_portable_bitwise() {
 // pass for its 16-token passes and the row-groups-outermost one for the rest: catches a
 // blocks-outermost pass that mixes up two row groups' or tokens' lane sums, drops the
 // padded row group's or the partial group's weights, or promotes at a wrong block edge.
+// With bf16 staging, BF16 and F32 take no stage at all but in-place passes of up to 16
+// tokens (37 = 16 + 16 + 5): catches a pass that writes its sums at the wrong row stride
+// or token offset, or reads the wrong tokens.
 #[test]
 fn both_batch_stagings_match_portable_bitwise() {
     let _kernels = kernels_shared();

@@ -21,13 +21,16 @@
 //!   - 2 to 4 tokens of an MXFP4 matrix (a routed expert's share of a prompt), 2 tokens
 //!     of a BF16 or F32 one: the one-token loop with each decoded weight multiplied into
 //!     every token ([`rows_few`]);
-//!   - 3 to 16 tokens of a BF16 or F32 matrix (`serve --parallel` decode passes, short
-//!     prompts and prompt chunks): the
+//!   - 3 or more tokens of a BF16 or F32 matrix (`serve --parallel` decode passes,
+//!     prompts), in passes of up to [`SMALL`] (16) tokens (with f32 staging, the Intel
+//!     default, 3 to [`SMALL_F32_STAGING`] (8) tokens, more staged as below): the
 //!     same 4 rows × 2 tokens register tile without staging, rows in chunks of
 //!     [`CHUNK`] (one tile) taken block by block, so that a row tile's weights stay in
 //!     L1 for all its token pairs ([`rows_small`]; at an even count the last pair
 //!     prefetches the next block, [`NX_TOKENS`]);
-//!   - more tokens (prefill): tokens in passes of up to 16 (outermost, so a pass's
+//!   - 5 or more tokens of an MXFP4 matrix (a routed expert's share of a prompt, whose
+//!     decode is dear), and with f32 staging more than 8 of a BF16 or F32 one: tokens in
+//!     passes of up to 16 (outermost, so a pass's
 //!     tokens stay in L2 for all the rows), rows in groups of [`RB`] (4). Per group and
 //!     pass, block by block (1024 columns), the group's block is staged
 //!     once into an aligned L1 buffer, group-major, in one of two forms ([`Staging`]:
@@ -1130,11 +1133,23 @@ impl Driver for Avx512 {
                 } else {
                     rows_few::<F, 512>(f, m, (r0, r1), x, ntok, out);
                 }
-            } else if ntok <= <F as Fmt>::SMALL_TOKENS {
-                if <F as Fmt>::PF >= 1024 {
-                    rows_small::<F, 1024>(f, m, (r0, r1), x, ntok, out);
-                } else {
-                    rows_small::<F, 512>(f, m, (r0, r1), x, ntok, out);
+            } else if <F as Fmt>::SMALL_TOKENS >= 2
+                && (tuning.staging == WeightStaging::Bf16 || ntok <= SMALL_F32_STAGING)
+            {
+                // Passes of up to SMALL_TOKENS tokens in place (a prompt's BF16 products
+                // too, see SMALL); sums at out[(r - r0) * ntok + c0 + t].
+                let pass = <F as Fmt>::SMALL_TOKENS;
+                let mut c0 = 0;
+                while c0 < ntok {
+                    let tc = (ntok - c0).min(pass);
+                    let xs = x.add(c0 * stride);
+                    let o = &mut out[c0..];
+                    if <F as Fmt>::PF >= 1024 {
+                        rows_small::<F, 1024>(f, m, (r0, r1), xs, (tc, ntok), o);
+                    } else {
+                        rows_small::<F, 512>(f, m, (r0, r1), xs, (tc, ntok), o);
+                    }
+                    c0 += tc;
                 }
             } else if <F as Format>::KIND.info().bf16_exact && tuning.staging == WeightStaging::Bf16
             {
@@ -1189,9 +1204,14 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
     }
 }
 
-/// Most tokens the chunked path takes ([`rows_small`]); more go to [`rows_batched`]. 16
-/// since its chunks are one row tile ([`CHUNK`]): at 9 to 16 tokens it ran faster than
-/// staging, narrow and wide, or level (15 tokens from DRAM; 9 in cache in one round). Zen 4, one thread, alternated:
+/// Most tokens one [`rows_small`] pass takes; BF16 and F32 products of more tokens (a
+/// prompt's) take passes of this many, in place, and only MXFP4 ones are staged
+/// ([`rows_batched`]). 16 since its chunks are one row tile ([`CHUNK`]): at 9 to 16 tokens
+/// it ran faster than staging, narrow and wide, or level (15 tokens from DRAM; 9 in cache
+/// in one round); at 32 and 64 tokens in passes of 16, in cache 40.1-41.8 → 44.3-44.9
+/// GMAC/s, from DRAM 34.5-36.2 → 32.6-37.9, and the dense FFN's width from DRAM at 64
+/// tokens 21.2-24.1 → 34.6-34.8 (one thread, alternated; a 512-token prompt 27.1 → 26.0 s,
+/// docs/measurements.md, "Sixteen tokens without staging"). Zen 4, one thread, alternated:
 /// `kernel_micro bf16` over 128 × 7168 in cache at 10-16 tokens 40.5-43.1 → 44.5-46.3
 /// GMAC/s, from DRAM (12 288 rows) at 10, 12, 13, 16 tokens 27.9-28.4, 29.9-32.4,
 /// 33.1-33.8, 35.5-36.1 → 34.8-36.0, 36.2-36.5, 34.8-36.1, 38.3-38.5 (15 tokens level);
@@ -1200,6 +1220,12 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
 /// `gemv_bench --only batch16` (12 288 × 7168) 69.3-72.2 → 76.1-77.2 on two threads
 /// (docs/measurements.md, "Sixteen tokens without staging").
 const SMALL: usize = 16;
+
+/// Most tokens that [`rows_small`] takes where the batched path stages in f32
+/// ([`WeightStaging::F32`], the default on Intel, measured faster there); more go to
+/// [`rows_batched`], as before [`SMALL`] grew on Zen 4, where staging is bf16: the
+/// in-place passes were measured on AMD hosts only.
+const SMALL_F32_STAGING: usize = 8;
 
 /// Most tokens for which [`rows_small`]'s last token pair of a row tile, when it is the
 /// tile's last pass (an even count: 4, 6, ... 16), prefetches the next row tile's block into
@@ -1230,28 +1256,31 @@ const CHUNK: usize = 4;
 #[repr(C, align(64))]
 struct SmallAcc([[f64; LANES]; CHUNK * SMALL]);
 
-/// Rows `r0..r1` × `ntok` (2..=[`SMALL`]) tokens without staging, in chunks of up to
+/// Rows `r0..r1` × `ntok` (2..=[`SMALL`]) tokens without staging, sums of row `r` at
+/// `out[(r - r0) * os + t]` (`os >= ntok`: a pass of a larger product's tokens), in
+/// chunks of up to
 /// [`CHUNK`] rows. Per chunk, block by block (1024 columns), every tile of 4 rows takes
 /// the tokens two at a time in the one-token loop's register tile (4 rows × 2 tokens, 16
 /// zmm accumulators, [`seg`]; an odd last token in a 4 × 1 tile), each weight decoded in
 /// registers (BF16: a shift and an `and`) and multiplied into both tokens. A tile's block
 /// of weights stays in L1 for all its token pairs; where staging copied every block to a
-/// buffer and read
-/// it back for each pair, this reads the weights once from memory and then from L1. Rows
+/// buffer and read it back for each pair, this reads the weights once from memory and
+/// then from L1. Rows
 /// past the last whole tile of 4 take tiles of 2 and 1 rows. Every (row, token) lane runs
 /// the contract's FMA chain in increasing group order from +0 and is promoted once at the
 /// block's end, then the shared tree: bit for bit the portable result.
 ///
 /// # Safety
 /// `f` describes `m`, `r1 <= m.rows`; `x` holds `ntok` permuted tokens; `out` has room for
-/// `(r1 - r0) * ntok` sums; `ntok <= SMALL`; AVX-512F enabled in the caller.
+/// `(r1 - r0 - 1) * os + ntok` sums; `ntok <= SMALL` and `ntok <= os`; AVX-512F enabled in
+/// the caller.
 #[inline(always)]
 unsafe fn rows_small<F: Fmt, const PF: usize>(
     f: F,
     m: &Mat<'_>,
     (r0, r1): (usize, usize),
     x: *const f32,
-    ntok: usize,
+    (ntok, os): (usize, usize),
     out: &mut [f64],
 ) {
     let mut r = r0;
@@ -1260,14 +1289,14 @@ unsafe fn rows_small<F: Fmt, const PF: usize>(
     for rows in [4, 2, 1] {
         while r + rows <= r1 {
             let n = ((r1 - r) / rows * rows).min(CHUNK);
-            let o = &mut out[(r - r0) * ntok..];
+            let o = &mut out[(r - r0) * os..];
             // SAFETY: the caller's guarantees; the chunk's rows r..r+n lie in r0..r1 and
-            // its n × ntok sums in out from (r - r0) * ntok.
+            // its sums (row stride os) in out from (r - r0) * os.
             unsafe {
                 match rows {
-                    4 => small_chunk::<F, 4, PF>(f, m, (r, r + n), x, ntok, o),
-                    2 => small_chunk::<F, 2, PF>(f, m, (r, r + n), x, ntok, o),
-                    _ => small_chunk::<F, 1, PF>(f, m, (r, r + n), x, ntok, o),
+                    4 => small_chunk::<F, 4, PF>(f, m, (r, r + n), x, (ntok, os), o),
+                    2 => small_chunk::<F, 2, PF>(f, m, (r, r + n), x, (ntok, os), o),
+                    _ => small_chunk::<F, 1, PF>(f, m, (r, r + n), x, (ntok, os), o),
                 }
             }
             r += n;
@@ -1276,12 +1305,12 @@ unsafe fn rows_small<F: Fmt, const PF: usize>(
 }
 
 /// Rows `c0..c1` (whole tiles of `R`, at most [`CHUNK`]) × `ntok` tokens (see
-/// [`rows_small`]); sums into `out[(r - c0) * ntok + t]`.
+/// [`rows_small`]); sums into `out[(r - c0) * os + t]`.
 ///
 /// # Safety
 /// Rows `c0..c1` exist in `m`, `f` describes it; `x + t * x_stride(m.cols)` (`t < ntok`)
-/// holds one permuted token each; `out.len() >= (c1 - c0) * ntok`; AVX-512F enabled in
-/// the caller.
+/// holds one permuted token each; `ntok <= os`, `out.len() >= (c1 - c0 - 1) * os + ntok`;
+/// AVX-512F enabled in the caller.
 // Its own function, not inlined into the entry point (module docs, "Compile time").
 #[target_feature(enable = "avx512f,avx2,fma")]
 #[inline(never)]
@@ -1290,7 +1319,7 @@ unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
     m: &Mat<'_>,
     (c0, c1): (usize, usize),
     x: *const f32,
-    ntok: usize,
+    (ntok, os): (usize, usize),
     out: &mut [f64],
 ) {
     let ng = groups(m.cols);
@@ -1358,9 +1387,11 @@ unsafe fn small_chunk<F: Fmt, const R: usize, const PF: usize>(
         }
         q = qe;
     }
-    for (o, a) in out.iter_mut().zip(acc.iter_mut()) {
-        // SAFETY: AVX-512F is enabled in the caller.
-        *o = unsafe { Avx512::reduce(a) };
+    for (j, row) in acc.chunks_exact_mut(ntok).enumerate() {
+        for (o, a) in out[j * os..j * os + ntok].iter_mut().zip(row.iter_mut()) {
+            // SAFETY: AVX-512F is enabled in the caller.
+            *o = unsafe { Avx512::reduce(a) };
+        }
     }
 }
 
