@@ -450,8 +450,8 @@ fn every_decode_tuning_matches_portable_bitwise() {
 // blocks-outermost pass that mixes up two row groups' or tokens' lane sums, drops the
 // padded row group's or the partial group's weights, or promotes at a wrong block edge.
 // With bf16 staging, BF16 and F32 take no stage at all but in-place passes of up to 16
-// tokens (37 = 16 + 16 + 5): catches a pass that writes its sums at the wrong row stride
-// or token offset, or reads the wrong tokens.
+// tokens (37 = 16 + 16 + 5; 17 = 16 + 1, a last pass of one token): catches a pass that
+// writes its sums at the wrong row stride or token offset, or reads the wrong tokens.
 #[test]
 fn both_batch_stagings_match_portable_bitwise() {
     let _kernels = kernels_shared();
@@ -463,7 +463,7 @@ fn both_batch_stagings_match_portable_bitwise() {
         for (rows, cols) in [(133usize, 1057usize), (29, 2100), (9, 17000)] {
             let o = Owned::special(fmt, rows, cols, &mut s);
             let m = o.mat();
-            for ntok in [5usize, 9, 16, 37] {
+            for ntok in [5usize, 9, 16, 17, 37] {
                 let x = activations(ntok, cols, &mut s);
                 let mut want = vec![0f32; ntok * rows];
                 gemm_on(&Kernel::on(Isa::Portable), &m, &x, &mut want, ntok);

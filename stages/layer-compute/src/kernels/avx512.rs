@@ -34,7 +34,7 @@
 //!     tokens stay in L2 for all the rows), rows in groups of [`RB`] (4). Per group and
 //!     pass, block by block (1024 columns), the group's block is staged
 //!     once into an aligned L1 buffer, group-major, in one of two forms ([`Staging`]:
-//!     [`Bf16Pairs`], BF16 copied and MXFP4 decoded into exact bf16 pairs; or
+//!     [`Bf16Pairs`], MXFP4 decoded into exact bf16 pairs; or
 //!     [`LaneF32`], widened into lane-ordered f32: always for F32, for every format with
 //!     [`WeightStaging::F32`], the default on Intel), so a group is decoded once whatever
 //!     the token count; then every token tile of up to [`TB`] (2) tokens runs the block
@@ -553,9 +553,9 @@ trait Staging {
 /// Bf16 pairs, for formats whose weights are exact bf16
 /// ([`format::FormatInfo::bf16_exact`]): dword `l` of a staged group is `(even weight >>
 /// 16) | odd weight`, widened back into the same two f32 lanes by a shift and an `and` in
-/// every tile pass (the BF16 decode). BF16 groups are copied as they are; MXFP4 groups are
-/// decoded once and packed, so the tile reads one 64-byte line per row and group instead
-/// of two.
+/// every tile pass (the BF16 decode). Groups are decoded once and packed, so the tile reads
+/// one 64-byte line per row and group instead of two. Only MXFP4 products are staged this
+/// way: BF16 ones take [`rows_small`]'s passes in place wherever staging is bf16.
 struct Bf16Pairs;
 
 impl Staging for Bf16Pairs {
@@ -563,23 +563,15 @@ impl Staging for Bf16Pairs {
     #[inline(always)]
     unsafe fn put<F: Fmt>(f: F, r: usize, q: usize, part: Option<(&[u8; 128], u8)>, dst: *mut u8) {
         debug_assert!(F::KIND.info().bf16_exact);
-        // SAFETY: the group's bytes are read in place or from the copy (64 bytes of a
-        // BF16 group, the 16 of an MXFP4 one); 64 bytes are written at dst (caller).
+        // SAFETY: the group's bytes are read in place or from the copy; 64 bytes are
+        // written at dst (caller).
         unsafe {
-            if F::KIND == FormatKind::Bf16 {
-                let p = match part {
-                    Some((b, _)) => b.as_ptr(),
-                    None => f.at(r, q).0,
-                };
-                _mm512_storeu_si512(dst as *mut _, _mm512_loadu_si512(p as *const _));
-            } else {
-                let [even, odd] = f.group(r, q, part);
-                let pair = _mm512_or_si512(
-                    _mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                    _mm512_castps_si512(odd),
-                );
-                _mm512_storeu_si512(dst as *mut _, pair);
-            }
+            let [even, odd] = f.group(r, q, part);
+            let pair = _mm512_or_si512(
+                _mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                _mm512_castps_si512(odd),
+            );
+            _mm512_storeu_si512(dst as *mut _, pair);
         }
     }
     #[inline(always)]
@@ -1093,8 +1085,10 @@ unsafe fn tiles<F: Fmt, const R: usize, const T: usize, const N: usize, const PF
 
 impl Driver for Avx512 {
     /// Rows `r0..r1` × all tokens with the f32-block contract: one token in [`rows1`],
-    /// 2..=[`Fmt::FEW_TOKENS`] in [`rows_few`], up to [`Fmt::SMALL_TOKENS`] in
-    /// [`rows_small`], more in [`rows_batched`] (staged as [`Bf16Pairs`] or [`LaneF32`]).
+    /// 2..=[`Fmt::FEW_TOKENS`] in [`rows_few`], more in [`rows_small`]'s passes of up to
+    /// [`Fmt::SMALL_TOKENS`] (with f32 staging up to [`SMALL_F32_STAGING`] tokens), the
+    /// rest (MXFP4, and BF16 or F32 with f32 staging) in [`rows_batched`] (staged as
+    /// [`Bf16Pairs`] or [`LaneF32`]).
     #[inline(always)]
     unsafe fn drive<F: Format>(
         f: F,
@@ -1204,21 +1198,19 @@ unsafe fn rows_few<F: Fmt, const PF: usize>(
     }
 }
 
-/// Most tokens one [`rows_small`] pass takes; BF16 and F32 products of more tokens (a
-/// prompt's) take passes of this many, in place, and only MXFP4 ones are staged
-/// ([`rows_batched`]). 16 since its chunks are one row tile ([`CHUNK`]): at 9 to 16 tokens
-/// it ran faster than staging, narrow and wide, or level (15 tokens from DRAM; 9 in cache
-/// in one round); at 32 and 64 tokens in passes of 16, in cache 40.1-41.8 → 44.3-44.9
-/// GMAC/s, from DRAM 34.5-36.2 → 32.6-37.9, and the dense FFN's width from DRAM at 64
-/// tokens 21.2-24.1 → 34.6-34.8 (one thread, alternated; a 512-token prompt 27.1 → 26.0 s,
-/// docs/measurements.md, "Sixteen tokens without staging"). Zen 4, one thread, alternated:
-/// `kernel_micro bf16` over 128 × 7168 in cache at 10-16 tokens 40.5-43.1 → 44.5-46.3
-/// GMAC/s, from DRAM (12 288 rows) at 10, 12, 13, 16 tokens 27.9-28.4, 29.9-32.4,
-/// 33.1-33.8, 35.5-36.1 → 34.8-36.0, 36.2-36.5, 34.8-36.1, 38.3-38.5 (15 tokens level);
-/// the dense FFN's width (33 792 columns, 2 MiB of tokens, which staging takes block by
-/// block) 41.5-42.8 → 43.8-44.9 in cache and 27.4-29.7 → 33.8-37.0 from DRAM;
-/// `gemv_bench --only batch16` (12 288 × 7168) 69.3-72.2 → 76.1-77.2 on two threads
-/// (docs/measurements.md, "Sixteen tokens without staging").
+/// Most tokens one [`rows_small`] pass takes. Where staging is bf16 (the AMD default),
+/// BF16 and F32 products of more tokens (a prompt's) take passes of this many in place,
+/// and only MXFP4 ones are staged ([`rows_batched`]); with f32 staging see
+/// [`SMALL_F32_STAGING`]. 16 since its chunks are one row tile ([`CHUNK`]). Zen 4, one
+/// thread, alternated, `kernel_micro bf16`, GMAC/s, staged → in place: at 10-16 tokens
+/// 40.5-43.1 → 44.5-46.3 in cache (128 × 7168), from DRAM (12 288 rows) at 12 and 16
+/// tokens 29.9-32.4 → 36.2-36.5 and 35.5-36.1 → 38.3-38.5 (15 tokens level); the dense
+/// FFN's width (33 792 columns, which staging takes blocks outermost) from DRAM at 16 and
+/// 64 tokens 27.4-29.7 → 34.3-37.0 and 21.2-24.1 → 34.6-34.8; at 32 and 64 tokens in
+/// cache 40.1-41.8 → 44.3-44.9; `gemv_bench --only batch16` on two threads 69.3-72.2 →
+/// 76.1-77.2. The 16-token prompt 5% faster, a 512-token one 27.1 → 26.0 s
+/// (docs/measurements.md, "Sixteen tokens without staging" and "Prompts of more than 16
+/// tokens in place too").
 const SMALL: usize = 16;
 
 /// Most tokens that [`rows_small`] takes where the batched path stages in f32
@@ -1256,19 +1248,18 @@ const CHUNK: usize = 4;
 #[repr(C, align(64))]
 struct SmallAcc([[f64; LANES]; CHUNK * SMALL]);
 
-/// Rows `r0..r1` × `ntok` (2..=[`SMALL`]) tokens without staging, sums of row `r` at
-/// `out[(r - r0) * os + t]` (`os >= ntok`: a pass of a larger product's tokens), in
-/// chunks of up to
-/// [`CHUNK`] rows. Per chunk, block by block (1024 columns), every tile of 4 rows takes
-/// the tokens two at a time in the one-token loop's register tile (4 rows × 2 tokens, 16
-/// zmm accumulators, [`seg`]; an odd last token in a 4 × 1 tile), each weight decoded in
-/// registers (BF16: a shift and an `and`) and multiplied into both tokens. A tile's block
-/// of weights stays in L1 for all its token pairs; where staging copied every block to a
-/// buffer and read it back for each pair, this reads the weights once from memory and
-/// then from L1. Rows
-/// past the last whole tile of 4 take tiles of 2 and 1 rows. Every (row, token) lane runs
-/// the contract's FMA chain in increasing group order from +0 and is promoted once at the
-/// block's end, then the shared tree: bit for bit the portable result.
+/// Rows `r0..r1` × `ntok` (1..=[`SMALL`]: a larger product's last pass may hold one)
+/// tokens without staging, sums of row `r` at `out[(r - r0) * os + t]` (`os >= ntok`: a
+/// pass of a larger product's tokens), in chunks of up to [`CHUNK`] rows. Per chunk,
+/// block by block (1024 columns), every tile of 4 rows takes the tokens two at a time in
+/// the one-token loop's register tile (4 rows × 2 tokens, 16 zmm accumulators, [`seg`];
+/// an odd last token in a 4 × 1 tile), each weight decoded in registers (BF16: a shift and
+/// an `and`) and multiplied into both tokens. A tile's block of weights stays in L1 for
+/// all its token pairs; where staging copied every block to a buffer and read it back for
+/// each pair, this reads the weights once from memory and then from L1. Rows past the last
+/// whole tile of 4 take tiles of 2 and 1 rows. Every (row, token) lane runs the contract's
+/// FMA chain in increasing group order from +0 and is promoted once at the block's end,
+/// then the shared tree: bit for bit the portable result.
 ///
 /// # Safety
 /// `f` describes `m`, `r1 <= m.rows`; `x` holds `ntok` permuted tokens; `out` has room for
