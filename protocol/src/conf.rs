@@ -265,9 +265,10 @@ impl Default for WarmSlots {
 }
 
 /// Settings of layer-compute's product kernels (`k3_layer_compute::kernels::tuning`). Only
-/// `product` changes results (it chooses the numerics contract, design.md "Product
-/// paths"): every instruction set of a path gives the same bits, and the other settings
-/// choose loop shapes and prefetch distances. Every field is optional; None (and a field
+/// `product` (the numerics contract, design.md "Product paths") and, under `bf16x3` on a
+/// CPU with AMX, `amx` (the hardware kernel, whose bits differ) change results: every
+/// instruction set of a path gives the same bits, and the other settings choose loop
+/// shapes and prefetch distances. Every field is optional; None (and a field
 /// absent from the JSON) means automatic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
@@ -287,6 +288,9 @@ pub struct KernelTuning {
     /// The product path every matrix product of the run follows (`K3_SIMD=exact` or
     /// `K3_SIMD=bf16x3`); None: chosen from the CPU's features.
     pub product: Option<ProductPath>,
+    /// Whether the `bf16x3` path runs on the AMX kernel where the CPU has it (`K3_AMX=0`
+    /// keeps the AVX512-BF16 kernel there; its bits differ); None: AMX where available.
+    pub amx: Option<bool>,
 }
 
 /// The numerics contract of the matrix products (design.md, "Product paths"): one per run.

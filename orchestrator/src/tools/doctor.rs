@@ -271,6 +271,11 @@ fn product_path_line() -> String {
         "the product path K3_SIMD asks for".to_string()
     } else if k.product() == ProductPath::Bf16x3 {
         "automatic: the AVX512-BF16 kernel measured faster than exact on this CPU kind".into()
+    } else if simd::amx_available() {
+        "automatic: this CPU has the bf16x3 AMX kernel (K3_SIMD=bf16x3: long prompts about \
+         1.8x faster), but its decode measured slower than exact (docs/measurements.md, \
+         \"The bf16x3 path on AMX\")"
+            .into()
     } else if simd::bf16_dot_available() {
         "automatic: this CPU has the AVX512-BF16 kernel (K3_SIMD=bf16x3), but without AMX \
          it measured slower than exact (docs/measurements.md)"

@@ -386,22 +386,30 @@ fn main() {
         },
     ];
     // Every kernel this CPU has, fastest first within a path.
-    let paths: Vec<(ProductPath, Isa)> = [
-        (ProductPath::Exact, Isa::Avx512),
-        (ProductPath::Exact, Isa::Avx2),
-        (ProductPath::Exact, Isa::Portable),
-        (ProductPath::Bf16x3, Isa::Avx512),
-        (ProductPath::Bf16x3, Isa::Portable),
+    // (path, instruction set, AMX): the AMX kernel is `bf16x3` on AVX-512 with AMX on.
+    let paths: Vec<(ProductPath, Isa, bool)> = [
+        (ProductPath::Exact, Isa::Avx512, false),
+        (ProductPath::Exact, Isa::Avx2, false),
+        (ProductPath::Exact, Isa::Portable, false),
+        (ProductPath::Bf16x3, Isa::Avx512, true),
+        (ProductPath::Bf16x3, Isa::Avx512, false),
+        (ProductPath::Bf16x3, Isa::Portable, false),
     ]
     .into_iter()
-    .filter(|&(pp, i)| simd::path_available(pp, i))
+    .filter(|&(pp, i, amx)| simd::path_available(pp, i) && (!amx || simd::amx_available()))
     .collect();
-    let kernel_name = |pp: ProductPath, i: Isa| Kernel::with_path(pp, i, &base).name();
+    let kernel_name = |pp: ProductPath, i: Isa, amx: bool| {
+        if amx {
+            Kernel::amx(&base).name()
+        } else {
+            Kernel::with_path(pp, i, &base).name()
+        }
+    };
     // `--path`: a kernel's name, a product path's (all its kernels) or an instruction
     // set's (the exact path's kernel on it, as before product paths existed).
-    let wanted = |pp: ProductPath, i: Isa| {
+    let wanted = |pp: ProductPath, i: Isa, amx: bool| {
         only_path.as_ref().is_none_or(|o| {
-            *o == kernel_name(pp, i)
+            *o == kernel_name(pp, i, amx)
                 || *o == pp.name()
                 || (pp == ProductPath::Exact && *o == i.name())
         })
@@ -459,7 +467,7 @@ fn main() {
             .iter()
             .map(|&(r, _)| vec![0f32; r * ntok])
             .collect();
-        for (&(pp, p), &(trows, tpf)) in paths
+        for (&(pp, p, amx), &(trows, tpf)) in paths
             .iter()
             .flat_map(|p| tunings.iter().map(move |t| (p, t)))
         {
@@ -471,12 +479,13 @@ fn main() {
                 product: Some(pp),
                 decode_rows: trows,
                 decode_prefetch: tpf,
+                amx: Some(amx),
                 ..base
             });
             let kernel = Kernel::current();
             assert_eq!(
-                (kernel.product(), kernel.isa()),
-                (pp, p),
+                (kernel.product(), kernel.isa(), kernel.on_amx()),
+                (pp, p, amx),
                 "the kernel asked for"
             );
             for (ti, pool) in pools.iter().enumerate() {
@@ -488,7 +497,7 @@ fn main() {
                 if p == Isa::Portable && c.shapes[0].0 == 163840 {
                     continue;
                 }
-                if !wanted(pp, p) || only_th.is_some_and(|n| n != threads) {
+                if !wanted(pp, p, amx) || only_th.is_some_and(|n| n != threads) {
                     continue;
                 }
                 let mut best = f64::MAX;

@@ -69,7 +69,8 @@ fn main() {
         for &ntok in &counts {
             let x: Vec<f32> = (0..ntok * cols).map(|i| (i % 13) as f32 * 0.1).collect();
             let mut y = vec![0f32; ntok * rows];
-            // `--avx512` / `--bf16x3`: that kernel alone.
+            // `--avx512` / `--bf16x3` / `--amx`: that kernel alone (`--bf16x3`: both of
+            // the path's kernels where the CPU has AMX).
             let all = [
                 (ProductPath::Exact, Isa::Avx512),
                 (ProductPath::Exact, Isa::Avx2),
@@ -86,6 +87,11 @@ fn main() {
                     !args.iter().any(|a| a == "--bf16x3") || pp == ProductPath::Bf16x3
                 })
                 .map(|(pp, i)| Kernel::on_path(pp, i))
+                .filter(|_| !args.iter().any(|a| a == "--amx"))
+                .chain(
+                    (simd::amx_available() && !args.iter().any(|a| a == "--avx512"))
+                        .then(|| Kernel::amx(&Default::default())),
+                )
                 .collect();
             for k in &kernels {
                 let iters = (2000 / ntok * if args.len() > 2 { 5 } else { 1 }) * (128 * 7168)

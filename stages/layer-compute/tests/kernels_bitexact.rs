@@ -669,6 +669,22 @@ fn bf16x3_every_mxfp4_scale_byte_and_code() {
 fn bf16x3_threads_fusion_and_batching_do_not_change_bits() {
     let _installed = kernels_lock();
     let (twin, hw) = bf16x3_kernels("bf16x3_threads_fusion_and_batching_do_not_change_bits");
+    installed_bf16x3_consistent(hw.unwrap_or(twin));
+}
+
+// Catches: the same on the AMX kernel (its tasks are whole row tile pairs, so a thread
+// split moves rows between tiles), and an installed `bf16x3` path that does not run on
+// AMX where the CPU has it.
+#[test]
+fn amx_threads_fusion_and_batching_do_not_change_bits() {
+    let _installed = kernels_lock();
+    if let Some(k) = amx_kernel("amx_threads_fusion_and_batching_do_not_change_bits") {
+        installed_bf16x3_consistent(k);
+    }
+}
+
+/// Install `kernel`'s `bf16x3` (AMX or not) and check the installed products against it.
+fn installed_bf16x3_consistent(kernel: Kernel) {
     let mut s = 0x7b4e_adf0_0000_3333u64;
     let cols = 1500;
     let mats: Vec<Owned> = [("bf16", 700), ("mxfp4", 333), ("f32", 129)]
@@ -680,7 +696,6 @@ fn bf16x3_threads_fusion_and_batching_do_not_change_bits() {
         .num_threads(3)
         .build()
         .unwrap();
-    let kernel = hw.unwrap_or(twin);
     /// Puts the default tuning back, also when an assertion fails.
     struct Restore;
     impl Drop for Restore {
@@ -692,14 +707,12 @@ fn bf16x3_threads_fusion_and_batching_do_not_change_bits() {
     tuning::install(KernelTuning {
         product: Some(ProductPath::Bf16x3),
         max_isa: (kernel.isa() == Isa::Portable).then_some(Isa::Portable),
+        amx: Some(kernel.on_amx()),
         ..KernelTuning::default()
     });
     let current = Kernel::current();
     {
-        assert_eq!(
-            (current.product(), current.isa()),
-            (kernel.product(), kernel.isa())
-        );
+        assert_eq!(current.name(), kernel.name());
         for ntok in [1usize, 6] {
             let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
             let mut fused: Vec<Vec<f32>> = ms.iter().map(|m| vec![0f32; ntok * m.rows]).collect();
@@ -727,5 +740,139 @@ fn bf16x3_threads_fusion_and_batching_do_not_change_bits() {
                 }
             }
         }
+    }
+}
+
+/// The `bf16x3` AMX kernel where this host has it (else `SKIPPED:`, or a failure under
+/// `K3_REQUIRE_SIMD=amx`). It has no portable twin (the tile unit's order inside a step
+/// follows no scalar model): its tests are its error budget and its own bits across
+/// shapes.
+fn amx_kernel(test: &str) -> Option<Kernel> {
+    simd::runnable_amx(test).then(|| Kernel::amx(&KernelTuning::default()))
+}
+
+/// Row `r` of `o` as f64 weights in column order (MXFP4 dequantised).
+fn weights_f64(o: &Owned) -> Vec<f64> {
+    match o.fmt {
+        "bf16" => {
+            o.a.chunks_exact(2)
+                .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64)
+                .collect()
+        }
+        "f32" => {
+            o.a.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+                .collect()
+        }
+        _ => mxfp4::dequantize(&o.a, &o.b, o.rows, o.cols)
+            .iter()
+            .map(|&v| v as f64)
+            .collect(),
+    }
+}
+
+// Catches: an AMX kernel that pairs a weight column with the wrong activation column
+// (even and odd halves of a pair swapped, a part in another token's column), drops or
+// repeats a weight part or an activation part (the split's mid and lo are 2^-8 and 2^-16
+// of hi: a lost part is far outside the budget), decodes a nibble or a partial group
+// wrongly, or zero-pads with garbage. Every format, 2100 columns (five blocks, the last
+// group partial), 37 rows (a lone row tile last), 1, 3 and 7 tokens.
+#[test]
+fn amx_within_error_budget() {
+    let _kernels = kernels_shared();
+    let Some(k) = amx_kernel("amx_within_error_budget") else {
+        return;
+    };
+    let mut s = 0x0a3c_5eed_0000_7777u64;
+    let u32_ = 2f64.powi(-24);
+    for fmt in ["bf16", "mxfp4", "f32"] {
+        let (rows, cols) = (37, 2100);
+        let o = Owned::new(fmt, rows, cols, &mut s);
+        let w = weights_f64(&o);
+        for ntok in [1usize, 3, 7] {
+            let x: Vec<f32> = (0..ntok * cols).map(|_| randf(&mut s)).collect();
+            let mut y = vec![0f32; ntok * rows];
+            gemm_on(&k, &o.mat(), &x, &mut y, ntok);
+            let mut worst = 0f64;
+            for t in 0..ntok {
+                for r in 0..rows {
+                    let (mut exact, mut a) = (0f64, 0f64);
+                    for c in 0..cols {
+                        let p = w[r * cols + c] * x[t * cols + c] as f64;
+                        exact += p;
+                        a += p.abs();
+                    }
+                    let yr = y[t * rows + r] as f64;
+                    let err = (yr - exact).abs();
+                    assert!(
+                        err <= 33.0 * u32_ * a + u32_ * yr.abs(),
+                        "{fmt} ntok {ntok} token {t} row {r}: {yr} vs {exact} (A {a})"
+                    );
+                    worst = worst.max(err / a.max(f64::MIN_POSITIVE));
+                }
+            }
+            println!("amx {fmt} ntok {ntok}: worst |err|/Σ|w·x| = {worst:.2e} (budget 2.0e-6)");
+        }
+    }
+}
+
+// Catches: an AMX result that depends on where its row or token sits in a tile (a row
+// tile, the second of a pair, the width of the activation tile: 3 columns for one token,
+// 15 from five on), on the other rows or tokens of the batch, or on a task's first row.
+// Special weights and activations (subnormals, −0, ∞ and NaN rows and tokens) must come
+// out with the same bits every way.
+#[test]
+fn amx_rows_and_tokens_independent_bitwise() {
+    let _kernels = kernels_shared();
+    let Some(k) = amx_kernel("amx_rows_and_tokens_independent_bitwise") else {
+        return;
+    };
+    let mut s = 0x0a3c_0000_1234_9999u64;
+    for fmt in ["bf16", "mxfp4", "f32"] {
+        let (rows, cols) = (53, 1057);
+        let o = Owned::special(fmt, rows, cols, &mut s);
+        let m = o.mat();
+        let ntok = 13;
+        let x = adversarial(ntok, cols, &mut s);
+        let mut all = vec![0f32; ntok * rows];
+        gemm_on(&k, &m, &x, &mut all, ntok);
+        let col = |y: &[f32], t: usize| -> Vec<f32> { y[t * rows..(t + 1) * rows].to_vec() };
+        // Every token alone, and tokens 4..11 as a batch of 7 (each at another column).
+        for t in 0..ntok {
+            let mut one = vec![0f32; rows];
+            gemm_on(&k, &m, &x[t * cols..(t + 1) * cols], &mut one, 1);
+            assert_same(&format!("{fmt} token {t} alone"), &one, &col(&all, t));
+        }
+        let mut seven = vec![0f32; 7 * rows];
+        gemm_on(&k, &m, &x[4 * cols..11 * cols], &mut seven, 7);
+        for t in 0..7 {
+            let what = format!("{fmt} token {} in a batch of 7", t + 4);
+            assert_same(&what, &col(&seven, t), &col(&all, t + 4));
+        }
+        // Rows 5..50 as their own matrix: every row at another tile position.
+        let (r0, r1) = (5, 50);
+        let sub = match fmt {
+            "bf16" => Mat::bf16(&o.a[2 * r0 * cols..2 * r1 * cols], r1 - r0, cols),
+            "f32" => Mat::f32(&o.a[4 * r0 * cols..4 * r1 * cols], r1 - r0, cols),
+            _ => {
+                let (pb, sb) = (cols.div_ceil(2), cols.div_ceil(32));
+                Mat::mxfp4(
+                    &o.a[pb * r0..pb * r1],
+                    &o.b[sb * r0..sb * r1],
+                    r1 - r0,
+                    cols,
+                )
+            }
+        }
+        .unwrap();
+        let mut part = vec![0f32; ntok * (r1 - r0)];
+        gemm_on(&k, &sub, &x, &mut part, ntok);
+        for t in 0..ntok {
+            let want: Vec<f32> = (r0..r1).map(|r| all[t * rows + r]).collect();
+            let got = &part[t * (r1 - r0)..(t + 1) * (r1 - r0)];
+            assert_same(&format!("{fmt} rows {r0}..{r1} token {t}"), got, &want);
+        }
+        // The special inputs reached the results.
+        assert!(all.iter().any(|v| v.is_nan()), "{fmt}: no NaN result");
     }
 }

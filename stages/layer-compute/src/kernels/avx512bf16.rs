@@ -89,7 +89,7 @@ unsafe fn dp(acc: __m512, w: __m512i, x: __m512i) -> __m512 {
 /// # Safety
 /// 16 readable bytes at `p`; AVX-512F and AVX-512BW enabled in the caller.
 #[inline(always)]
-unsafe fn mxfp4(p: *const u8, s: u8) -> __m512i {
+pub(super) unsafe fn mxfp4(p: *const u8, s: u8) -> __m512i {
     // SAFETY: 16 bytes at p (caller); the table row is 64 aligned bytes.
     unsafe {
         let tbl = _mm512_load_si512(E2M1_BF16.0[s as usize].as_ptr() as *const _);

@@ -246,6 +246,8 @@ pub struct Prepared {
 enum PreparedData {
     Lanes(AlignedBuf<f32>),
     Parts(AlignedBuf<u16>),
+    #[cfg(target_arch = "x86_64")]
+    Tiles(super::amx::Tiles),
 }
 
 impl Prepared {
@@ -253,6 +255,10 @@ impl Prepared {
     pub fn new(kernel: &Kernel, xs: &[f32], cols: usize, ntok: usize) -> Prepared {
         assert!(xs.len() >= ntok * cols, "input length");
         let data = match kernel.product() {
+            #[cfg(target_arch = "x86_64")]
+            ProductPath::Bf16x3 if kernel.on_amx() => {
+                PreparedData::Tiles(super::amx::prepare(xs, cols, ntok))
+            }
             ProductPath::Exact => PreparedData::Lanes(portable::permute_tokens(xs, cols, ntok)),
             ProductPath::Bf16x3 => PreparedData::Parts(bf16x3::split_tokens(xs, cols, ntok)),
         };
@@ -297,6 +303,12 @@ fn rows_on(
         // avx512f, avx512bw, avx512bf16, avx2 and fma.
         (ProductPath::Bf16x3, Isa::Avx512, PreparedData::Parts(xs)) => unsafe {
             super::avx512bf16::rows(m, r0, r1, xs, ntok, out, k.tuning())
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a Kernel on AMX exists only where amx::available() (Kernel::current and
+        // Kernel::amx check it), and only it prepares tiles.
+        (ProductPath::Bf16x3, Isa::Avx512, PreparedData::Tiles(xt)) => unsafe {
+            super::amx::rows(m, r0, r1, xt, out)
         },
         (ProductPath::Bf16x3, _, PreparedData::Parts(xs)) => {
             bf16x3::rows_portable(m, r0, r1, xs, ntok, out)
@@ -384,8 +396,11 @@ fn run<O: Copy + Send>(
         let mut sums = vec![0f64; (r1 - r0) * ntok];
         rows_on(kernel, m, (r0, r1), xp, ntok, &mut sums);
         let OutPtr(p, len) = ptrs[i];
-        for r in r0..r1 {
-            for t in 0..ntok {
+        // Token by token: each token's rows are one run of the output (the task's sums of
+        // a token, `ntok` apart, stay in L1 from one token to the next), where row by row
+        // every write went to another line (9% of a 512-token prompt's samples).
+        for t in 0..ntok {
+            for r in r0..r1 {
                 let k = t * m.rows + r;
                 assert!(k < len);
                 // SAFETY: k < len of outs[i], which outlives this call; (r, t) belongs to
@@ -406,6 +421,13 @@ fn run<O: Copy + Send>(
     let mut tasks = Vec::new();
     for (i, m) in mats.iter().enumerate() {
         let step = task_rows(m, ntok);
+        // The AMX kernel's tiles are 16 rows and go in pairs: a task of whole pairs keeps
+        // every tile full, and the BF16 tiles in place (`amx::drive`).
+        let step = if kernel.on_amx() {
+            step.div_ceil(32) * 32
+        } else {
+            step
+        };
         let mut r0 = 0;
         while r0 < m.rows {
             let r1 = (r0 + step).min(m.rows);

@@ -41,6 +41,8 @@
 //! | Whole layers and models | all of the above composed (FIXTURES.md, "Tolerances to assert") | greedy ids exact; tiny-seed logits atol 1e-4, tiny-mxfp4 atol 1e-3; trace arrays 5e-4 of their largest value | `gates_tiny`, `trace_k3ref`, `ops_seed::decoder_layers`, `ops_seed::moe_module`, the e2e golden and demo tests |
 
 pub mod act;
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod attnres;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;

@@ -15,14 +15,18 @@
 //!   - `exact` ([`super::matmul`]): every instruction set above.
 //!   - `bf16x3` ([`super::bf16x3`]): the AVX512-BF16 kernel ([`super::avx512bf16`],
 //!     `vdpbf16ps`; needs AVX-512F, AVX-512BW and AVX512_BF16: [`bf16_dot_available`]) and
-//!     its bit-exact portable twin. No AVX2 kernel exists for it (AVX2 has no bf16 dot
-//!     product), and no AMX kernel yet: on a CPU without AVX512_BF16 the path runs on the
-//!     portable twin (the same bits, slowly), named `bf16x3/portable` in reports.
+//!     its bit-exact portable twin; and, where the CPU has AMX-BF16 ([`amx_available`]),
+//!     the AMX kernel ([`super::amx`], `bf16x3/amx`), which has no twin and other bits:
+//!     on such a CPU it is the path's kernel for every product (`K3_AMX=0` keeps the
+//!     AVX512-BF16 one). No AVX2 kernel exists for it (AVX2 has no bf16 dot product): on a
+//!     CPU without AVX512_BF16 the path runs on the portable twin (the same bits, slowly),
+//!     named `bf16x3/portable` in reports.
 //!
 //!   Chosen by `K3_SIMD=exact|bf16x3` (installed tuning), else automatically
 //!   ([`auto_product`]): `exact` unless [`super::tuning::AUTO_BF16X3`] says the bf16x3
 //!   kernel is faster on a CPU that has it (today it says no: on AVX512-BF16 without
-//!   AMX three `vdpbf16ps` passes cost 1.5 FMAs' time per multiply-add).
+//!   AMX three `vdpbf16ps` passes cost 1.5 FMAs' time per multiply-add; on AMX the decode
+//!   measured slower than `exact`).
 //!
 //! Tests that compare instruction sets ask [`runnable`] first (product paths:
 //! [`runnable_path`]): a set the host lacks is reported as `SKIPPED:` (never silently
@@ -90,6 +94,19 @@ pub fn bf16_dot_available() -> bool {
     })
 }
 
+/// Whether the `bf16x3` path's AMX kernel runs here ([`super::amx::available`]: AMX-TILE,
+/// AMX-BF16, the AVX512-BF16 kernel's features and the kernel's permission).
+pub fn amx_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Whether this CPU has a kernel for `product` on `isa`: `exact` on every instruction set
 /// it has; `bf16x3` on the portable twin everywhere and on AVX-512 where
 /// [`bf16_dot_available`].
@@ -151,7 +168,15 @@ fn checked_against(isa: Isa, best: Isa) -> Isa {
 pub struct Kernel {
     product: ProductPath,
     isa: Isa,
+    /// `bf16x3` on the AMX kernel (only where [`amx_available`]).
+    amx: bool,
     tuning: DriverTuning,
+}
+
+/// Whether a `bf16x3` kernel on `isa` runs on AMX under tuning `t`: where the CPU has it,
+/// unless `K3_AMX=0`.
+fn use_amx(t: &KernelTuning, product: ProductPath, isa: Isa) -> bool {
+    product == ProductPath::Bf16x3 && isa == Isa::Avx512 && t.amx != Some(false) && amx_available()
 }
 
 /// The product path and instruction set tuning `t` selects on a CPU whose best
@@ -179,6 +204,7 @@ impl Kernel {
         Kernel {
             product,
             isa,
+            amx: use_amx(&t, product, isa),
             tuning: DriverTuning::of(&t),
         }
     }
@@ -190,6 +216,7 @@ impl Kernel {
         Kernel {
             product,
             isa,
+            amx: use_amx(t, product, isa),
             tuning: DriverTuning::of(t),
         }
     }
@@ -228,6 +255,23 @@ impl Kernel {
         Kernel {
             product,
             isa,
+            amx: false,
+            tuning: DriverTuning::of(t),
+        }
+    }
+
+    /// The `bf16x3` path's AMX kernel with the drivers' tuning of `t`; panics when this
+    /// CPU cannot run it ([`amx_available`]). ([`Kernel::with_path`] gives the AVX512-BF16
+    /// kernel on such a CPU.)
+    pub fn amx(t: &KernelTuning) -> Kernel {
+        assert!(
+            amx_available(),
+            "the bf16x3 AMX kernel was asked for, but this CPU (or its kernel) has no AMX-BF16"
+        );
+        Kernel {
+            product: ProductPath::Bf16x3,
+            isa: Isa::Avx512,
+            amx: true,
             tuning: DriverTuning::of(t),
         }
     }
@@ -238,6 +282,7 @@ impl Kernel {
         Kernel {
             product: ProductPath::Exact,
             isa: checked_against(isa, best),
+            amx: false,
             tuning: DriverTuning::of(t),
         }
     }
@@ -252,14 +297,21 @@ impl Kernel {
         self.isa
     }
 
+    /// Whether this is the `bf16x3` path's AMX kernel.
+    pub fn on_amx(&self) -> bool {
+        self.amx
+    }
+
     /// Loop shapes and prefetch distances (never a result).
     pub fn tuning(&self) -> &DriverTuning {
         &self.tuning
     }
 
-    /// Name for reports: `exact/avx512`, `bf16x3/avx512bf16`, `bf16x3/portable`.
+    /// Name for reports: `exact/avx512`, `bf16x3/amx`, `bf16x3/avx512bf16`,
+    /// `bf16x3/portable`.
     pub fn name(&self) -> String {
         let isa = match (self.product, self.isa) {
+            _ if self.amx => "amx",
             (ProductPath::Bf16x3, Isa::Avx512) => "avx512bf16",
             (_, isa) => isa.name(),
         };
@@ -286,6 +338,25 @@ pub fn runnable_path(test: &str, product: ProductPath) -> bool {
         ProductPath::Bf16x3 => bf16_dot_available(),
     };
     decide(test, path_verdict(product, have, &required().1))
+}
+
+/// Whether a test may run the `bf16x3` AMX kernel here ([`amx_available`]); as
+/// [`runnable`], `K3_REQUIRE_SIMD=amx` turns a skip into a failure.
+pub fn runnable_amx(test: &str) -> bool {
+    let required = std::env::var("K3_REQUIRE_SIMD")
+        .unwrap_or_default()
+        .split(',')
+        .any(|s| s.trim() == "amx");
+    let v = (!amx_available()).then(|| {
+        let why = "this CPU has no AMX-BF16 kernel (it lacks AMX-TILE/AMX-BF16 or AVX512_BF16, \
+                   or the kernel refused the tile state)";
+        if required {
+            Err(format!("{why}, and K3_REQUIRE_SIMD requires it"))
+        } else {
+            Ok(why.to_string())
+        }
+    });
+    decide(test, v)
 }
 
 /// Act on a verdict: run (true), skip with a `SKIPPED:` line (false) or fail.
@@ -356,8 +427,12 @@ pub fn parse_required(v: &str) -> (Vec<Isa>, Vec<ProductPath>) {
             isas.push(i);
         } else if let Some(p) = ProductPath::from_name(s) {
             paths.push(p);
-        } else {
-            panic!("K3_REQUIRE_SIMD={v:?}: {s:?} is none of portable, avx2, avx512, exact, bf16x3");
+        } else if s != "amx" {
+            // `amx` is read by `runnable_amx`.
+            panic!(
+                "K3_REQUIRE_SIMD={v:?}: {s:?} is none of portable, avx2, avx512, exact, bf16x3, \
+                 amx"
+            );
         }
     }
     (isas, paths)

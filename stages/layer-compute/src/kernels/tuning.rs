@@ -10,11 +10,13 @@
 //! - **What it holds.** The product path (`K3_SIMD=exact|bf16x3`; automatic:
 //!   [`super::simd::auto_product`], which reads [`AUTO_BF16X3`]), the instruction-set cap
 //!   (`K3_SIMD=portable|avx2|avx512`, `K3_FORCE_PORTABLE`), the one-token AVX-512
-//!   product's rows side by side and prefetch distance (`K3_GEMV_ROWS`, `K3_GEMV_PF`) and
-//!   the AVX-512 batched product's staging form (`K3_WEIGHT_STAGING`). Only the product
-//!   path changes results (every instruction set of a path and every loop shape gives the
-//!   same bits): install a tuning with another product path only where no product runs
-//!   meanwhile (a run installs one at its start; tests that compare paths serialise).
+//!   product's rows side by side and prefetch distance (`K3_GEMV_ROWS`, `K3_GEMV_PF`),
+//!   the AVX-512 batched product's staging form (`K3_WEIGHT_STAGING`) and whether `bf16x3`
+//!   runs on AMX where the CPU has it (`K3_AMX=0`: its AVX512-BF16 kernel). Only the
+//!   product path and, under `bf16x3` on an AMX CPU, the AMX choice change results (every
+//!   instruction set of a path and every loop shape gives the same bits): install a
+//!   tuning with another product path only where no product runs meanwhile (a run
+//!   installs one at its start; tests that compare paths serialise).
 //! - **How the kernels read it.** Each product reads the installed tuning once (one
 //!   atomic load: [`current`]) and passes it down with the chosen kernel
 //!   ([`super::simd::Kernel`]); defaults that depend on the CPU (the staging form by
@@ -40,13 +42,15 @@ pub const R1_MXFP4: usize = 4;
 /// twice an FMA's multiply-adds, so three passes cost 1.5 FMAs' time per multiply-add and
 /// the `exact` path is expected to stay faster (issue 32); turn it on only after
 /// `gemv_bench` measures bf16x3 faster on such a host. `K3_SIMD=bf16x3` selects the path
-/// whatever this says.
+/// whatever this says. On AMX it stays off too: a 512-token prompt ran 1.8 times faster,
+/// but the decode 1.2 times slower (docs/measurements.md, "The bf16x3 path on AMX").
 pub const AUTO_BF16X3: bool = false;
 
 /// The variables [`from_env`] reads.
-pub const ENV_VARS: [&str; 5] = [
+pub const ENV_VARS: [&str; 6] = [
     "K3_FORCE_PORTABLE",
     "K3_SIMD",
+    "K3_AMX",
     "K3_GEMV_ROWS",
     "K3_GEMV_PF",
     "K3_WEIGHT_STAGING",
@@ -120,6 +124,15 @@ pub fn parse(get: impl Fn(&str) -> Option<String>) -> (KernelTuning, Vec<String>
             )),
         }
     }
+    if let Some(v) = get("K3_AMX") {
+        match v.trim() {
+            "0" | "off" => t.amx = Some(false),
+            "1" | "on" => t.amx = Some(true),
+            _ => problems.push(format!(
+                "K3_AMX={v:?} is none of 0, 1, off, on: AMX where the CPU has it"
+            )),
+        }
+    }
     if let Some(v) = get("K3_STAGE") {
         problems.push(format!(
             "K3_STAGE={v:?} is ignored: the variable is now K3_WEIGHT_STAGING"
@@ -147,7 +160,8 @@ pub fn current() -> KernelTuning {
 /// `t` in 48 bits, so that one atomic holds it: the cap (bits 0-1: 0 none, else the
 /// [`Isa`] discriminant), the staging form (2-3: 0 none, 1 bf16, 2 f32), the decode rows
 /// (4-11, present if bit 12), the prefetch distance (13-44, present if bit 45) and the
-/// product path (46-47: 0 automatic, 1 exact, 2 bf16x3).
+/// product path (46-47: 0 automatic, 1 exact, 2 bf16x3) and the AMX choice (48-49: 0
+/// automatic, 1 off, 2 on).
 #[doc(hidden)]
 pub fn pack(t: &KernelTuning) -> u64 {
     let isa = t.max_isa.map_or(0, |i| i as u64);
@@ -163,7 +177,12 @@ pub fn pack(t: &KernelTuning) -> u64 {
         Some(ProductPath::Exact) => 1,
         Some(ProductPath::Bf16x3) => 2,
     };
-    isa | staging << 2 | rows | pf | product << 46
+    let amx: u64 = match t.amx {
+        None => 0,
+        Some(false) => 1,
+        Some(true) => 2,
+    };
+    isa | staging << 2 | rows | pf | product << 46 | amx << 48
 }
 
 /// The inverse of [`pack`].
@@ -186,6 +205,11 @@ pub fn unpack(v: u64) -> KernelTuning {
         product: match (v >> 46) & 3 {
             1 => Some(ProductPath::Exact),
             2 => Some(ProductPath::Bf16x3),
+            _ => None,
+        },
+        amx: match (v >> 48) & 3 {
+            1 => Some(false),
+            2 => Some(true),
             _ => None,
         },
     }

@@ -297,13 +297,49 @@ pub fn cap_isa(isa: Isa) -> IsaCap {
     IsaCap { _turn: turn }
 }
 
+/// A product path and, for `bf16x3`, its hardware kernel: the gates run once on each this
+/// host has, since the AVX512-BF16 and AMX kernels give different bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatePath {
+    /// The `exact` path.
+    Exact,
+    /// `bf16x3` on its AVX512-BF16 kernel (`K3_AMX=0`) or, with a cap below AVX-512, on
+    /// its portable twin (the same bits).
+    Bf16x3,
+    /// `bf16x3` on the AMX kernel, which has no twin.
+    Amx,
+}
+
+impl GatePath {
+    /// The product path.
+    pub fn product(self) -> ProductPath {
+        match self {
+            GatePath::Exact => ProductPath::Exact,
+            GatePath::Bf16x3 | GatePath::Amx => ProductPath::Bf16x3,
+        }
+    }
+
+    /// Name on stderr and in failures.
+    pub fn name(self) -> &'static str {
+        match self {
+            GatePath::Exact => "exact",
+            GatePath::Bf16x3 => "bf16x3 (AVX512-BF16 kernel or its twin)",
+            GatePath::Amx => "bf16x3 on AMX",
+        }
+    }
+}
+
 /// The product paths this host runs its gates on, `exact` first: `bf16x3` where the CPU
 /// has its AVX512-BF16 kernel (else `SKIPPED:`, or a failure under
-/// `K3_REQUIRE_SIMD=bf16x3`: `simd::runnable_path`).
-pub fn product_paths(test: &str) -> Vec<ProductPath> {
-    let mut paths = vec![ProductPath::Exact];
+/// `K3_REQUIRE_SIMD=bf16x3`: `simd::runnable_path`), and `bf16x3` on AMX where it has that
+/// (else the same under `K3_REQUIRE_SIMD=amx`: `simd::runnable_amx`).
+pub fn product_paths(test: &str) -> Vec<GatePath> {
+    let mut paths = vec![GatePath::Exact];
     if simd::runnable_path(test, ProductPath::Bf16x3) {
-        paths.push(ProductPath::Bf16x3);
+        paths.push(GatePath::Bf16x3);
+    }
+    if simd::runnable_amx(test) {
+        paths.push(GatePath::Amx);
     }
     paths
 }
@@ -367,10 +403,11 @@ pub fn kernels_shared() -> KernelsTurn {
 }
 
 /// Install `path` (every other setting automatic), keeping the instruction-set cap `isa`.
-pub fn install_path(path: ProductPath, isa: Option<Isa>) {
+pub fn install_path(path: GatePath, isa: Option<Isa>) {
     tuning::install(KernelTuning {
-        product: Some(path),
+        product: Some(path.product()),
         max_isa: isa,
+        amx: Some(path == GatePath::Amx),
         ..KernelTuning::default()
     });
 }
@@ -379,7 +416,7 @@ pub fn install_path(path: ProductPath, isa: Option<Isa>) {
 /// installed, holding [`kernels_lock`]; the default tuning is installed again afterwards,
 /// also when `body` fails. The path is named on stderr before each run, so a failure
 /// says which path it was on.
-pub fn on_each_path(test: &str, mut body: impl FnMut(ProductPath)) {
+pub fn on_each_path(test: &str, mut body: impl FnMut(GatePath)) {
     /// Installs the default tuning when dropped.
     struct Restore;
     impl Drop for Restore {

@@ -23,7 +23,12 @@ fn require_list_parses_strictly() {
             vec![ProductPath::Bf16x3, ProductPath::Exact]
         )
     );
-    for typo in ["avx2,avx-512", "bf16", "bf16x3,amx"] {
+    // `amx` is a name (read by `runnable_amx`), not a typo.
+    assert_eq!(
+        parse_required("bf16x3,amx"),
+        (vec![], vec![ProductPath::Bf16x3])
+    );
+    for typo in ["avx2,avx-512", "bf16", "bf16x3,amx512"] {
         let r = std::panic::catch_unwind(|| parse_required(typo));
         assert!(r.is_err(), "{typo:?}: an unknown name must panic");
     }
@@ -143,4 +148,31 @@ fn a_missing_product_path_is_skipped_or_fails_never_replaced() {
     assert!(runnable_path("exact always runs", ProductPath::Exact));
     let name = Kernel::with_path(bf, Isa::Portable, &t).name();
     assert_eq!(name, "bf16x3/portable");
+}
+
+// Catches: a `bf16x3` run on an AMX CPU that does not take the AMX kernel, `K3_AMX=0`
+// that does not keep the AVX512-BF16 one, and AMX taken for `exact` or under a cap below
+// AVX-512 (where the portable twin runs).
+#[test]
+fn bf16x3_takes_amx_where_the_cpu_has_it() {
+    let t = |product, amx, max_isa| KernelTuning {
+        product: Some(product),
+        amx,
+        max_isa,
+        ..KernelTuning::default()
+    };
+    let k = Kernel::selected(&t(ProductPath::Bf16x3, None, None));
+    assert_eq!(k.on_amx(), amx_available(), "{}", k.name());
+    if amx_available() {
+        assert_eq!(k.name(), "bf16x3/amx");
+        assert_eq!(Kernel::amx(&KernelTuning::default()), k);
+    }
+    for off in [
+        t(ProductPath::Bf16x3, Some(false), None),
+        t(ProductPath::Bf16x3, Some(true), Some(Isa::Avx2)),
+        t(ProductPath::Exact, Some(true), None),
+    ] {
+        let k = Kernel::selected(&off);
+        assert!(!k.on_amx(), "{off:?} gave {}", k.name());
+    }
 }

@@ -25,13 +25,16 @@ fn pack_round_trips_every_field() {
             for rows in [None, Some(0u8), Some(6), Some(255)] {
                 for pf in [None, Some(0u32), Some(512), Some(u32::MAX)] {
                     for product in [None, Some(ProductPath::Exact), Some(ProductPath::Bf16x3)] {
-                        cases.push(KernelTuning {
-                            max_isa: isa,
-                            decode_rows: rows,
-                            decode_prefetch: pf,
-                            weight_staging: st,
-                            product,
-                        });
+                        for amx in [None, Some(false), Some(true)] {
+                            cases.push(KernelTuning {
+                                max_isa: isa,
+                                decode_rows: rows,
+                                decode_prefetch: pf,
+                                weight_staging: st,
+                                product,
+                                amx,
+                            });
+                        }
                     }
                 }
             }
@@ -55,6 +58,7 @@ fn parse_reads_every_variable_and_reports_unknown_values() {
         ("K3_GEMV_ROWS", "6"),
         ("K3_GEMV_PF", " 2048 "),
         ("K3_WEIGHT_STAGING", "f32"),
+        ("K3_AMX", "0"),
     ]));
     assert!(p.is_empty(), "{p:?}");
     let want = KernelTuning {
@@ -63,6 +67,7 @@ fn parse_reads_every_variable_and_reports_unknown_values() {
         decode_prefetch: Some(2048),
         weight_staging: Some(WeightStaging::F32),
         product: None,
+        amx: Some(false),
     };
     assert_eq!(t, want);
     let (t, p) = parse(env(&[("K3_SIMD", "bf16x3")]));
@@ -88,15 +93,17 @@ fn parse_reads_every_variable_and_reports_unknown_values() {
         ("K3_GEMV_ROWS", "3"),
         ("K3_GEMV_PF", "far"),
         ("K3_WEIGHT_STAGING", "fp8"),
+        ("K3_AMX", "maybe"),
         ("K3_STAGE", "bf16"),
     ]));
     assert_eq!(t, KernelTuning::default());
-    assert_eq!(p.len(), 5, "{p:?}");
+    assert_eq!(p.len(), 6, "{p:?}");
     for (v, line) in [
         "K3_SIMD",
         "K3_GEMV_ROWS",
         "K3_GEMV_PF",
         "K3_WEIGHT_STAGING",
+        "K3_AMX",
         "K3_STAGE",
     ]
     .iter()
@@ -123,6 +130,7 @@ fn compute_conf_carries_the_tuning_and_old_ones_parse() {
         decode_prefetch: Some(0),
         weight_staging: Some(WeightStaging::Bf16),
         product: Some(ProductPath::Bf16x3),
+        amx: Some(true),
     };
     let back: k3_protocol::conf::ComputeConf =
         serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
