@@ -24,11 +24,12 @@
 //!   8192 multiply-adds (12 steps for F32 weights). With one token tile (up to five
 //!   tokens: the decode) `tmm0..2` accumulate 3 row tiles and `tmm7` holds the third
 //!   one's weights ([`block3`]).
-//! - **Speed** (`kernel_micro --direct`, one thread, the Xeon of 2026-12-06): BF16 from 16
-//!   tokens on and MXFP4 from 8 on run faster than `exact` (256 tokens: about 2.5 times);
-//!   below, and at one token above all (0.6-0.75 of `exact`), slower: a tile load waits
-//!   for its 16 rows one after another when they miss L1, tile instructions issue in
-//!   order, and a tile load of rows just stored waits for the stores.
+//! - **Speed** (`kernel_micro --direct`, one thread, the Xeon of 2026-12-06): BF16 from 4
+//!   tokens on and MXFP4 from 16 on run faster than `exact` (64 tokens: 2.6 times); one
+//!   token runs at 0.4-0.8 of `exact`: tile instructions issue in order, a tile load
+//!   whose rows miss L1 holds the ones after it, prefetching the rows measured slower,
+//!   and a tile load of rows just stored waits for the stores (so MXFP4 is staged a step
+//!   ahead). docs/measurements.md, "The bf16x3 path on AMX".
 //!
 //! # Reduction contract
 //!
@@ -56,7 +57,10 @@
 
 use std::arch::asm;
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 use std::sync::OnceLock;
+
+use rayon::prelude::*;
 
 use super::avx512bf16::mxfp4 as mxfp4_bf16;
 use super::bf16x3::{split, weight_parts, PARTS};
@@ -64,12 +68,18 @@ use super::format::{stage_partial, with_format, Format, FormatFn, FormatKind};
 use super::matmul::Mat;
 use super::portable::{groups, lane_col, AlignedBuf, GROUP_COLS, LANES};
 
+thread_local! {
+    /// This thread's staging strip ([`drive`]), kept between calls.
+    static STRIP: RefCell<Option<AlignedBuf<u16>>> = const { RefCell::new(None) };
+}
+
 /// Weight rows per tile.
 pub const TILE_ROWS: usize = 16;
 /// Tokens per activation tile (three columns each: 15 of 16).
 pub const TILE_TOKENS: usize = 5;
-/// Groups per f32 block: 1024 columns, as the `exact` path's (512 measured 5-20% slower
-/// from 64 tokens on: twice the accumulators stored and promoted).
+/// Groups per f32 block: 1024 columns, as the `exact` path's. With 512 (twice the
+/// accumulators stored and promoted) a 512-token prompt took 14.9-15.0 s against
+/// 13.9-14.1 s, alternated on the Xeon of 2026-12-06; the kernel alone was level.
 pub const BLOCK_GROUPS: usize = 32;
 /// Row tiles staged together (128 rows: 128 KiB of BF16 weights a block, in L2), against
 /// which each pair of token tiles runs before the next pair is read.
@@ -133,19 +143,34 @@ pub fn prepare(xs: &[f32], cols: usize, ntok: usize) -> Tiles {
     let width = PARTS * per;
     let tile = PAIRS * width;
     let mut data = AlignedBuf::<u32>::new(ntok.div_ceil(TILE_TOKENS) * ng * tile);
-    for t in 0..ntok {
-        let (n, c0) = (t / TILE_TOKENS, t % TILE_TOKENS);
-        let x = &xs[t * cols..(t + 1) * cols];
-        for q in 0..ng {
-            let base = (n * ng + q) * tile + c0;
-            for j in 0..PAIRS {
-                let c = q * GROUP_COLS + 2 * j;
-                let p0 = split(x.get(c).copied().unwrap_or(0.0));
-                let p1 = split(x.get(c + 1).copied().unwrap_or(0.0));
-                for k in 0..PARTS {
-                    data[base + j * width + k * per] = (p1[k] as u32) << 16 | p0[k] as u32;
+    // One token tile: its tokens' groups, one after another.
+    let fill = |n: usize, dst: &mut [u32]| {
+        for t in n * TILE_TOKENS..ntok.min((n + 1) * TILE_TOKENS) {
+            let c0 = t % TILE_TOKENS;
+            let x = &xs[t * cols..(t + 1) * cols];
+            for q in 0..ng {
+                let base = q * tile + c0;
+                for j in 0..PAIRS {
+                    let c = q * GROUP_COLS + 2 * j;
+                    let p0 = split(x.get(c).copied().unwrap_or(0.0));
+                    let p1 = split(x.get(c + 1).copied().unwrap_or(0.0));
+                    for k in 0..PARTS {
+                        dst[base + j * width + k * per] = (p1[k] as u32) << 16 | p0[k] as u32;
+                    }
                 }
             }
+        }
+    };
+    // A prompt's token tiles on the pool (a 512-token prompt's input took 1.5% of its
+    // samples on one thread while the other waited); each tile's bytes are the same
+    // whoever writes them.
+    if ntok * cols >= 1 << 16 {
+        data.par_chunks_mut(ng * tile)
+            .enumerate()
+            .for_each(|(n, dst)| fill(n, dst));
+    } else {
+        for (n, dst) in data.chunks_mut(ng * tile).enumerate() {
+            fill(n, dst);
         }
     }
     Tiles {
@@ -444,7 +469,14 @@ unsafe fn drive<F: Format, const NP: usize>(
         }
     }
     let half_len = chunk * tile_block;
-    let mut strip = AlignedBuf::<u16>::new(2 * half_len);
+    // The strip is this thread's, kept from call to call: a fresh one a call (up to
+    // 512 KiB, zeroed) cost page faults and page clearing on every prompt task.
+    // Every tile a step reads is staged in that step, so what an earlier call left in it
+    // never reaches a result.
+    let mut strip = match STRIP.with(|s| s.borrow_mut().take()) {
+        Some(s) if s.len() >= 2 * half_len => s,
+        _ => AlignedBuf::<u16>::new(2 * half_len),
+    };
     // The stored tiles (row tile k, token tile j at 256 · (2k + j); k < 3), and the 16
     // floats the last row's `l` load reads past them.
     let mut c = AlignedBuf::<f32>::new(5 * 256 + 16);
@@ -520,6 +552,7 @@ unsafe fn drive<F: Format, const NP: usize>(
             }
         }
     }
+    STRIP.with(|s| *s.borrow_mut() = Some(strip));
 }
 
 /// Add one block's stored accumulators (`c`, from [`block`] or [`block3`]) of `rts` row

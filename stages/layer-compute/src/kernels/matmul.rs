@@ -317,6 +317,11 @@ fn rows_on(
     }
 }
 
+thread_local! {
+    /// Each thread's task sums ([`run`]), kept between tasks.
+    static SUMS: std::cell::RefCell<Vec<f64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Below this many multiply-adds (rows × cols × tokens, summed over fused matrices) a
 /// product runs on the calling thread only.
 pub const PAR_MIN_WEIGHTS: usize = 1 << 18;
@@ -393,7 +398,11 @@ fn run<O: Copy + Send>(
         .collect();
     let task = |i: usize, r0: usize, r1: usize| {
         let m = mats[i];
-        let mut sums = vec![0f64; (r1 - r0) * ntok];
+        // This thread's sums, kept between tasks (zeroed for each): a fresh vector a task
+        // (up to 400 KB in a prompt) cost page faults and page clearing every time.
+        let mut sums = SUMS.with(|s| s.take());
+        sums.clear();
+        sums.resize((r1 - r0) * ntok, 0.0);
         rows_on(kernel, m, (r0, r1), xp, ntok, &mut sums);
         let OutPtr(p, len) = ptrs[i];
         // Token by token: each token's rows are one run of the output (the task's sums of
@@ -408,6 +417,7 @@ fn run<O: Copy + Send>(
                 unsafe { *p.add(k) = conv(sums[(r - r0) * ntok + t]) };
             }
         }
+        SUMS.with(|s| s.replace(sums));
     };
     let work: usize = mats.iter().map(|m| m.rows * m.cols).sum::<usize>() * ntok;
     if threads <= 1 || work < PAR_MIN_WEIGHTS || rayon::current_num_threads() <= 1 {
