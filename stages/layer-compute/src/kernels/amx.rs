@@ -63,10 +63,10 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::avx512bf16::mxfp4 as mxfp4_bf16;
-use super::bf16x3::{split, weight_parts, PARTS};
-use super::format::{stage_partial, with_format, Format, FormatFn, FormatKind};
+use super::bf16x3::{group_parts, split, weight_parts, PARTS};
+use super::format::{with_format, Format, FormatFn, FormatKind};
 use super::matmul::Mat;
-use super::portable::{groups, lane_col, AlignedBuf, GROUP_COLS, LANES};
+use super::portable::{groups, AlignedBuf, GROUP_COLS};
 
 thread_local! {
     /// This thread's staging strip ([`drive`]), kept between calls.
@@ -402,24 +402,14 @@ unsafe fn stage<F: Format, const NP: usize>(
 }
 
 /// Group `q` of row `r` as bf16 weight parts in column order (one part for BF16 and MXFP4,
-/// exact; three for F32, split), a partial group zero-padded ([`stage_partial`]).
+/// three for F32), a partial group zero-padded: the `bf16x3` twin's decode
+/// ([`group_parts`]), whose parts are exact bf16 values.
 fn group_bf16<F: Format>(f: F, m: &Mat<'_>, r: usize, q: usize, out: &mut [[u16; 32]; PARTS]) {
-    let mut lanes = [0f32; LANES];
-    if (q + 1) * GROUP_COLS <= m.cols {
-        let (bytes, s) = f.group_bytes(r, q);
-        F::decode_portable(bytes, s, &mut lanes);
-    } else {
-        let mut buf = [0u8; 128];
-        let s = stage_partial(m, r, q, &mut buf);
-        F::decode_portable(&buf, s, &mut lanes);
-    }
-    for (l, &w) in lanes.iter().enumerate() {
-        let c = lane_col(l);
-        if F::KIND == FormatKind::F32 {
-            let [h, mi, lo] = split(w);
-            (out[0][c], out[1][c], out[2][c]) = (h, mi, lo);
-        } else {
-            out[0][c] = (w.to_bits() >> 16) as u16;
+    let mut parts = [[0f32; 32]; PARTS];
+    group_parts(f, m, r, q, &mut parts);
+    for (o, p) in out.iter_mut().zip(&parts) {
+        for (h, v) in o.iter_mut().zip(p) {
+            *h = (v.to_bits() >> 16) as u16;
         }
     }
 }

@@ -254,7 +254,13 @@ pub const fn weight_parts(kind: FormatKind) -> usize {
 /// Group `q` of row `r` of `f` (a view of `m`) as weight parts in column order: `out[i][c]`
 /// (part `i`, column `c` of the group), a partial group zero-padded as every path pads it
 /// ([`stage_partial`]). The twin's decode.
-fn group_parts<F: Format>(f: F, m: &Mat<'_>, r: usize, q: usize, out: &mut [[f32; 32]; PARTS]) {
+pub(super) fn group_parts<F: Format>(
+    f: F,
+    m: &Mat<'_>,
+    r: usize,
+    q: usize,
+    out: &mut [[f32; 32]; PARTS],
+) {
     let mut lanes = [0f32; LANES];
     if (q + 1) * GROUP_COLS <= m.cols {
         let (bytes, s) = f.group_bytes(r, q);
