@@ -26,10 +26,10 @@
 //!   one's weights ([`block3`]).
 //! - **Speed** (`kernel_micro --direct`, one thread, the Xeon of 2026-12-06): BF16 from 4
 //!   tokens on and MXFP4 from 16 on run faster than `exact` (64 tokens: 2.6 times); one
-//!   token runs at 0.4-0.8 of `exact`: tile instructions issue in order, a tile load
-//!   whose rows miss L1 holds the ones after it, prefetching the rows measured slower,
-//!   and a tile load of rows just stored waits for the stores (so MXFP4 is staged a step
-//!   ahead). docs/measurements.md, "The bf16x3 path on AMX".
+//!   token runs at 0.4-0.8 of `exact`, bound by the tile loads of rows from memory
+//!   (prefetching them measured slower, and a tile load of rows just stored waits for the
+//!   stores, so MXFP4 is staged a step ahead). docs/measurements.md, "The bf16x3 path on
+//!   AMX".
 //!
 //! # Reduction contract
 //!
