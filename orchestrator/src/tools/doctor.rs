@@ -273,7 +273,7 @@ fn product_path_line() -> String {
         "automatic: the AVX512-BF16 kernel measured faster than exact on this CPU kind".into()
     } else if simd::amx_available() {
         "automatic: this CPU has the bf16x3 AMX kernel (K3_SIMD=bf16x3: long prompts about \
-         1.8x faster), but its decode measured slower than exact (docs/measurements.md, \
+         2x faster), but its decode measured slower than exact (docs/measurements.md, \
          \"The bf16x3 path on AMX\")"
             .into()
     } else if simd::bf16_dot_available() {
