@@ -121,14 +121,7 @@ pub struct Tiles {
 }
 
 impl Tiles {
-    /// Tokens prepared.
-    pub fn ntok(&self) -> usize {
-        self.ntok
-    }
-    /// Columns of each token.
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
+    /// Token tiles.
     fn tiles(&self) -> usize {
         self.ntok.div_ceil(TILE_TOKENS)
     }
@@ -546,10 +539,10 @@ unsafe fn drive<F: Format, const NP: usize>(
 }
 
 /// Add one block's stored accumulators (`c`, from [`block`] or [`block3`]) of `rts` row
-/// tiles at `rt` and
-/// token tiles from `n` (`per` tokens a tile: columns `h` at `0..per`, `m` at `per..2·per`,
-/// `l` at `2·per..3·per`) to the f64 sums: `(f64(h) + f64(m)) + f64(l)` per (row, token),
-/// eight lanes at a time (those past the tile's tokens masked off).
+/// tiles at `rt` and token tiles from `n` (`per` tokens a tile: columns `h` at `0..per`,
+/// `m` at `per..2·per`, `l` at `2·per..3·per`) to the f64 sums: `(f64(h) + f64(m)) +
+/// f64(l)` per (row, token), eight lanes at a time (those past the tile's tokens masked
+/// off).
 ///
 /// # Safety
 /// AVX-512F enabled in the caller; `c` holds 16 floats past the stored tiles.

@@ -343,10 +343,7 @@ pub fn runnable_path(test: &str, product: ProductPath) -> bool {
 /// Whether a test may run the `bf16x3` AMX kernel here ([`amx_available`]); as
 /// [`runnable`], `K3_REQUIRE_SIMD=amx` turns a skip into a failure.
 pub fn runnable_amx(test: &str) -> bool {
-    let required = std::env::var("K3_REQUIRE_SIMD")
-        .unwrap_or_default()
-        .split(',')
-        .any(|s| s.trim() == "amx");
+    let required = required().2;
     let v = (!amx_available()).then(|| {
         let why = "this CPU has no AMX-BF16 kernel (it lacks AMX-TILE/AMX-BF16 or AVX512_BF16, \
                    or the kernel refused the tile state)";
@@ -411,29 +408,31 @@ pub fn path_verdict(
     })
 }
 
-/// The instruction sets and product paths `K3_REQUIRE_SIMD` names (a test hook: see
-/// [`runnable`]).
-fn required() -> (Vec<Isa>, Vec<ProductPath>) {
+/// The instruction sets, product paths and AMX kernel `K3_REQUIRE_SIMD` names (a test
+/// hook: see [`runnable`]).
+fn required() -> (Vec<Isa>, Vec<ProductPath>, bool) {
     parse_required(&std::env::var("K3_REQUIRE_SIMD").unwrap_or_default())
 }
 
-/// The instruction sets and product paths a `K3_REQUIRE_SIMD` value names; panics on a
-/// name that is neither.
+/// The instruction sets and product paths a `K3_REQUIRE_SIMD` value names, and whether it
+/// names `amx` (the `bf16x3` AMX kernel: [`runnable_amx`]); panics on a name that is none
+/// of them.
 #[doc(hidden)]
-pub fn parse_required(v: &str) -> (Vec<Isa>, Vec<ProductPath>) {
-    let (mut isas, mut paths) = (Vec::new(), Vec::new());
+pub fn parse_required(v: &str) -> (Vec<Isa>, Vec<ProductPath>, bool) {
+    let (mut isas, mut paths, mut amx) = (Vec::new(), Vec::new(), false);
     for s in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         if let Some(i) = Isa::from_name(s) {
             isas.push(i);
         } else if let Some(p) = ProductPath::from_name(s) {
             paths.push(p);
-        } else if s != "amx" {
-            // `amx` is read by `runnable_amx`.
+        } else if s == "amx" {
+            amx = true;
+        } else {
             panic!(
                 "K3_REQUIRE_SIMD={v:?}: {s:?} is none of portable, avx2, avx512, exact, bf16x3, \
                  amx"
             );
         }
     }
-    (isas, paths)
+    (isas, paths, amx)
 }

@@ -11,22 +11,23 @@ use crate::support::kernels_lock;
 // spaces or an empty value not tolerated).
 #[test]
 fn require_list_parses_strictly() {
-    assert_eq!(parse_required(""), (vec![], vec![]));
+    assert_eq!(parse_required(""), (vec![], vec![], false));
     assert_eq!(
         parse_required("avx2, avx512"),
-        (vec![Isa::Avx2, Isa::Avx512], vec![])
+        (vec![Isa::Avx2, Isa::Avx512], vec![], false)
     );
     assert_eq!(
         parse_required("avx2,bf16x3 ,exact"),
         (
             vec![Isa::Avx2],
-            vec![ProductPath::Bf16x3, ProductPath::Exact]
+            vec![ProductPath::Bf16x3, ProductPath::Exact],
+            false
         )
     );
-    // `amx` is a name (read by `runnable_amx`), not a typo.
+    // `amx` is a name (the AMX kernel, read by `runnable_amx`), not a typo.
     assert_eq!(
         parse_required("bf16x3,amx"),
-        (vec![], vec![ProductPath::Bf16x3])
+        (vec![], vec![ProductPath::Bf16x3], true)
     );
     for typo in ["avx2,avx-512", "bf16", "bf16x3,amx512"] {
         let r = std::panic::catch_unwind(|| parse_required(typo));
