@@ -6,8 +6,11 @@
 //! machine too). Complements `gemv_bench` (DRAM rates).
 //!
 //! Run: `cargo run --release -p k3-layer-compute --example kernel_micro [FMT [NTOK]]
-//! [--direct] [--avx512 | --bf16x3]` (`--avx512`: the exact AVX-512 kernel alone;
-//! `--bf16x3`: the bf16x3 kernel alone).
+//! [--direct] [--avx512 | --bf16x3 | --amx]` (`--avx512`: the exact AVX-512 kernel alone;
+//! `--bf16x3`: the bf16x3 kernels alone; `--amx`: the AMX kernel alone). Environment:
+//! `MICRO_ROWS`, `MICRO_COLS` (the matrix, default 128 × 7168) and `MICRO_MACS` (at least
+//! that many G multiply-adds a case: a 512-token case otherwise runs once, its first
+//! touches included).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -94,8 +97,15 @@ fn main() {
                 )
                 .collect();
             for k in &kernels {
-                let iters = (2000 / ntok * if args.len() > 2 { 5 } else { 1 }) * (128 * 7168)
-                    / (rows * cols);
+                // `MICRO_MACS` (module doc).
+                let min_macs: f64 = std::env::var("MICRO_MACS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0.0);
+                let iters = ((2000 / ntok * if args.len() > 2 { 5 } else { 1 }) * (128 * 7168)
+                    / (rows * cols))
+                    .max((min_macs * 1e9 / (rows * cols * ntok) as f64).ceil() as usize)
+                    .max(1);
                 let c0 = thread_cpu();
                 let t0 = Instant::now();
                 // `--direct` (with FMT NTOK): the row kernel alone on a prepared input.

@@ -12,7 +12,7 @@
 //! bf16) with column `n` of `B` (16 dwords of bf16 pairs, one per row of `B`).
 //! - **A: weights.** 16 rows × one 32-column group, as shipped (BF16 copied, MXFP4 decoded
 //!   with one `vpermw` per row and group, F32 split into three parts, each its own tile),
-//!   read in place (BF16, few tokens) or staged per 1024-column block into an aligned
+//!   read in place (BF16, few tokens) or staged per 2048-column block into an aligned
 //!   buffer (`[group][part][row][32]`, 1 KiB a tile), zero rows past the task's last and
 //!   zero columns past the matrix's last.
 //! - **B: activations.** Each token's three parts (hi, mid, lo: [`super::bf16x3::split`])
@@ -34,7 +34,7 @@
 //! # Reduction contract
 //!
 //! For each output `y[t][r]`: columns in groups of 32, in blocks of [`BLOCK_GROUPS`]
-//! groups (1024 columns). Per block, three f32 accumulators `h, m, l` (the parts' columns of
+//! groups (2048 columns). Per block, three f32 accumulators `h, m, l` (the parts' columns of
 //! `C`) start at +0 and take one `TDPBF16PS` step per group in increasing order (F32
 //! weights: one per weight part, hi first), each in the hardware's order with DAZ on its
 //! inputs and FTZ on its result; then the f64 sum gets `(f64(h) + f64(m)) + f64(l)`.
@@ -45,11 +45,12 @@
 //! # Error budget (u32 = 2^-24, A = Σ|w·x|)
 //!
 //! Each step rounds at least once into its accumulator and at most once per product pair
-//! inside (the probe found one rounding a step in 83% of outputs): a block of 32 steps
-//! ≤ 32·17·u32·A in the worst case, where the `exact` path's block is 32·u32·A; the small
-//! parts' accumulators add ≤ 2^-7 of that. The tests hold it to the `exact` path's
-//! documented budget (33·u32·A + u32·|y|) on random data, as `bf16x3` (measured: at most
-//! 3e-8·A, the budget being 2e-6·A).
+//! inside (the probe found one rounding a step in 83% of outputs): a block of 64 steps
+//! ≤ 64·17·u32·A in the worst case, where the `exact` path's 1024-column block is
+//! 32·u32·A; the small parts' accumulators add ≤ 2^-7 of that. The tests hold it to the
+//! `exact` path's documented budget (33·u32·A + u32·|y|) on random data, as `bf16x3`
+//! (measured: at most 3e-8·A with 32-step blocks, the budget being 2e-6·A; the random
+//! walk of 64 steps adds a factor near √2).
 //!
 //! Needs AMX-TILE and AMX-BF16, the kernel's permission to use the tile data
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once per process: [`available`]), and
@@ -77,11 +78,15 @@ thread_local! {
 pub const TILE_ROWS: usize = 16;
 /// Tokens per activation tile (three columns each: 15 of 16).
 pub const TILE_TOKENS: usize = 5;
-/// Groups per f32 block: 1024 columns, as the `exact` path's. With 512 (twice the
-/// accumulators stored and promoted) a 512-token prompt took 14.9-15.0 s against
-/// 13.9-14.1 s, alternated on the Xeon of 2026-12-06; the kernel alone was level.
-pub const BLOCK_GROUPS: usize = 32;
-/// Row tiles staged together (128 rows: 128 KiB of BF16 weights a block, in L2), against
+/// Groups per f32 block: 2048 columns, twice the `exact` path's. Each block ends in a
+/// tile store whose promotion's loads wait for the tile unit, and a next tile load that
+/// waits for the promotion's stores, so the tile unit idles once a block. On the Xeon of
+/// 2026-12-06, alternated, a 512-token prompt took 13.1-13.2 s against 14.6-15.5 s with
+/// 1024 columns (512 had been slower still: 14.9-15.0 s against 13.9-14.1 s); the kernel
+/// at 512 tokens ran 20-30% faster (`kernel_micro --direct`), level or faster from 1
+/// token on. 4096 columns (with half the chunk, to keep the strip in L2) ran no faster.
+pub const BLOCK_GROUPS: usize = 64;
+/// Row tiles staged together (128 rows: 512 KiB of BF16 weights a block, in L2), against
 /// which each pair of token tiles runs before the next pair is read.
 pub const CHUNK_TILES: usize = 8;
 /// bf16 values of one staged weight tile (16 rows × 32 columns).
@@ -453,7 +458,7 @@ unsafe fn drive<F: Format, const NP: usize>(
     }
     let half_len = chunk * tile_block;
     // The strip is this thread's, kept from call to call: a fresh one a call (up to
-    // 512 KiB, zeroed) cost page faults and page clearing on every prompt task.
+    // 1 MiB, zeroed) cost page faults and page clearing on every prompt task.
     // Every tile a step reads is staged in that step, so what an earlier call left in it
     // never reaches a result.
     let mut strip = match STRIP.with(|s| s.borrow_mut().take()) {
