@@ -11,7 +11,8 @@
 # a fresh v1 memory cgroup of X GB (needs root), the cgroup's peak printed at the end.
 # Environment: K3 (default target/release/k3-orch), THREADS (2), ROUNDS (2), LLAMA_BIN
 # (directory of llama-batched-bench; skipped when absent), GEN (64), PROMPT (16), CTX (1024),
-# EXTRA (more `serve` flags, e.g. EXTRA=--single-process).
+# EXTRA (more `serve` flags, e.g. EXTRA=--single-process), SERVE_LOG (a file that keeps the
+# server's stderr, e.g. its `K3_PROFILE=1` lines: one per pass).
 # Prints `uptime`, the CPU model and flags; do not record numbers from a loaded machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ CGDIR=
 cleanup() {
     if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; fi
     if [ -n "$CGDIR" ] && [ -d "$CGDIR" ]; then rmdir "$CGDIR" 2>/dev/null || true; fi
+    if [ -n "${SERVE_LOG:-}" ] && [ -f "$WORK/serve.err" ]; then cp "$WORK/serve.err" "$SERVE_LOG"; fi
     rm -rf "$WORK"
 }
 trap cleanup EXIT
