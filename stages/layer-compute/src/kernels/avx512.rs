@@ -259,7 +259,8 @@ struct Tune {
     small: usize,
 }
 
-/// [`Tune`] by [`format::FormatKind`]. One-token prefetch: 256 B ahead, BF16 and F32 into
+/// [`Tune`] by [`format::FormatKind`]. One-token prefetch (on Intel 1 KiB for every format:
+/// [`super::tuning::default_decode_prefetch`]): 256 B ahead, BF16 and F32 into
 /// L1, MXFP4 into L2 (its decode, not memory, bounds it): on a Zen 5 VM whose memory
 /// gave the kernels 28-32 GB/s, 1 KiB (BF16) and 512 B (MXFP4) ahead, the earlier
 /// defaults, kept up to 64 lines per thread in flight and decoded 12% slower than 256 B
@@ -1109,7 +1110,10 @@ impl Driver for Avx512 {
         unsafe {
             if ntok == 1 {
                 let rows = tuning.decode_rows.unwrap_or(<F as Fmt>::ROWS1);
-                let pf = tuning.decode_prefetch.unwrap_or(<F as Fmt>::PF1);
+                let pf = tuning
+                    .decode_prefetch
+                    .or_else(super::tuning::default_decode_prefetch)
+                    .unwrap_or(<F as Fmt>::PF1);
                 // The distance is a compile-time constant of the kernel: the nearest of
                 // these.
                 let rs = (r0, r1);

@@ -215,12 +215,10 @@ pub fn unpack(v: u64) -> KernelTuning {
     }
 }
 
-/// The staging form for this CPU (detected once): [`WeightStaging::F32`] on Intel, where
-/// 512-bit integer operations share the FMA ports, [`WeightStaging::Bf16`] elsewhere
-/// (Zen 5 issues them beside the FMAs).
-pub fn default_weight_staging() -> WeightStaging {
-    static VENDOR: OnceLock<WeightStaging> = OnceLock::new();
-    *VENDOR.get_or_init(|| {
+/// Whether this CPU is an Intel one (CPUID leaf 0's vendor string; detected once).
+fn intel() -> bool {
+    static INTEL: OnceLock<bool> = OnceLock::new();
+    *INTEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
             // Leaf 0: the vendor string in EBX, EDX, ECX.
@@ -229,12 +227,33 @@ pub fn default_weight_staging() -> WeightStaging {
             v[..4].copy_from_slice(&id.ebx.to_le_bytes());
             v[4..8].copy_from_slice(&id.edx.to_le_bytes());
             v[8..].copy_from_slice(&id.ecx.to_le_bytes());
-            if &v == b"GenuineIntel" {
-                return WeightStaging::F32;
-            }
+            &v == b"GenuineIntel"
         }
-        WeightStaging::Bf16
+        #[cfg(not(target_arch = "x86_64"))]
+        false
     })
+}
+
+/// The staging form for this CPU (detected once): [`WeightStaging::F32`] on Intel, where
+/// 512-bit integer operations share the FMA ports, [`WeightStaging::Bf16`] elsewhere
+/// (Zen 5 issues them beside the FMAs).
+pub fn default_weight_staging() -> WeightStaging {
+    if intel() {
+        WeightStaging::F32
+    } else {
+        WeightStaging::Bf16
+    }
+}
+
+/// The `exact` AVX-512 one-token prefetch distance for this CPU when `K3_GEMV_PF` does not
+/// set one: 1 KiB on Intel, the format's own default elsewhere (256 B, measured best on
+/// Zen 5). On the Intel Xeon of 2026-12-07 (AMX host), a resident decode step of the slice
+/// took 346-372 ms with 1 KiB against 373-396 ms with 256 B in four rounds alternated
+/// (`K3_PROFILE`: attention, dense FFN, lm_head and shared experts all faster, the MXFP4
+/// experts level); 2 KiB ran between the two (docs/measurements.md, "The one-token
+/// prefetch distance on Intel").
+pub fn default_decode_prefetch() -> Option<usize> {
+    intel().then_some(1024)
 }
 
 /// What the product drivers read: the installed tuning with the CPU's defaults filled in.
