@@ -775,8 +775,9 @@ fn weights_f64(o: &Owned) -> Vec<f64> {
 // (even and odd halves of a pair swapped, a part in another token's column), drops or
 // repeats a weight part or an activation part (the split's mid and lo are 2^-8 and 2^-16
 // of hi: a lost part is far outside the budget), decodes a nibble or a partial group
-// wrongly, or zero-pads with garbage. Every format, 2100 columns (five blocks, the last
-// group partial), 37 rows (a lone row tile last), 1, 3 and 7 tokens.
+// wrongly, or zero-pads with garbage. Every format, 2100 columns (one whole 2048-column
+// block and a partial one, the last group partial), 37 rows (a lone row tile last), 1, 3
+// and 7 tokens.
 #[test]
 fn amx_within_error_budget() {
     let _kernels = kernels_shared();
@@ -820,7 +821,8 @@ fn amx_within_error_budget() {
 // tile, the second of a pair, the width of the activation tile: 3 columns for one token,
 // 15 from five on), on the other rows or tokens of the batch, or on a task's first row.
 // Special weights and activations (subnormals, −0, ∞ and NaN rows and tokens) must come
-// out with the same bits every way.
+// out with the same bits every way. 2113 columns: a whole 2048-column block, then a partial
+// one ending in a partial group, so each result is promoted twice.
 #[test]
 fn amx_rows_and_tokens_independent_bitwise() {
     let _kernels = kernels_shared();
@@ -829,7 +831,7 @@ fn amx_rows_and_tokens_independent_bitwise() {
     };
     let mut s = 0x0a3c_0000_1234_9999u64;
     for fmt in ["bf16", "mxfp4", "f32"] {
-        let (rows, cols) = (53, 1057);
+        let (rows, cols) = (53, 2113);
         let o = Owned::special(fmt, rows, cols, &mut s);
         let m = o.mat();
         let ntok = 13;

@@ -19,8 +19,8 @@
 //!   installs one at its start; tests that compare paths serialise).
 //! - **How the kernels read it.** Each product reads the installed tuning once (one
 //!   atomic load: [`current`]) and passes it down with the chosen kernel
-//!   ([`super::simd::Kernel`]); defaults that depend on the CPU (the staging form by
-//!   vendor) are detected once.
+//!   ([`super::simd::Kernel`]); defaults that depend on the CPU (the staging form and the
+//!   `exact` one-token prefetch distance, by vendor) are detected once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -262,7 +262,9 @@ pub struct DriverTuning {
     /// One-token AVX-512 rows side by side: 2, 4, 6 or 8 (None, also for any other
     /// installed value: the format's default, [`R1`] or [`R1_MXFP4`]).
     pub decode_rows: Option<usize>,
-    /// One-token AVX-512 prefetch distance in bytes (None: the format's default).
+    /// One-token AVX-512 prefetch distance in bytes (None: the kernel's default; the
+    /// `exact` kernel's is [`default_decode_prefetch`] on Intel, else the format's. Left
+    /// unresolved here because the AVX512-BF16 kernel keeps its own per-format defaults).
     pub decode_prefetch: Option<usize>,
     /// The AVX-512 batched staging form.
     pub staging: WeightStaging,
