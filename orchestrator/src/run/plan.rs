@@ -1030,11 +1030,16 @@ pub fn pass_size(
     }
 }
 
-/// Scratch compute allocates beside the plan items: activations (a few dozen hidden-size
-/// rows per token), logits (vocab per row) and the worker threads' stacks (4 MiB).
+/// Scratch compute allocates beside the plan items for a CLI pass of `pass_tokens` rows:
+/// activations (a few dozen hidden-size rows per token), the logits of the one row a pass
+/// wants (the last: a prompt chunk's earlier rows never reach the lm_head, and the CLI
+/// never asks for every row's logits) and the worker threads' stacks (4 MiB).
+///
+/// Counting a logits row per token over-reserved 335 MB for a 512-token prompt of the
+/// released vocabulary: the slice's compute cgroup peaked at 0.43 GB of its planned 1.08 GB
+/// at `--mem-gb 5.5` (docs/measurements.md, "The prompt's logits in the plan").
 pub fn compute_scratch(cfg: &ModelConfig, pass_tokens: u64) -> u64 {
-    let t = pass_tokens.max(1);
-    t * (cfg.hidden_size as u64 * 4 * 32 + cfg.vocab_size as u64 * 4) + (4 << 20)
+    serve_scratch(cfg, pass_tokens, 1)
 }
 
 /// Scratch of a server's pass of `rows` rows of which `logit_rows` want logits (one per
