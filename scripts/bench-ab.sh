@@ -21,7 +21,11 @@ THREADS=${THREADS:-2}
 [ -e "$SLICE/config.json" ] || { echo "missing $SLICE (see the header of $0)" >&2; exit 2; }
 WORK=$(mktemp -d /tmp/k3-bench-ab.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
-echo "== uptime (start): $(uptime)"
+# The page cache's large folios (`FileHugePages`, Linux 6.x) slow a mapped model's reads
+# on some hosts: 20 against 28-30 GB/s on the VM of 2026-12-07 (docs/measurements.md,
+# "Resident weights in one process depend on the page cache's folios"), so print them.
+folios() { grep -s FileHugePages /proc/meminfo | tr -s ' ' || true; }
+echo "== uptime (start): $(uptime); $(folios)"
 for r in $(seq "$ROUNDS"); do
     for b in "$@"; do
         cat "$SLICE"/*.safetensors > /dev/null
@@ -40,4 +44,4 @@ print(f"{r:<3} {b:<40} prompt {p['steps'][0]['seconds']:.3f} s  decode {dec:.3f}
 PY
     done
 done
-echo "== uptime (end): $(uptime)"
+echo "== uptime (end): $(uptime); $(folios)"

@@ -35,7 +35,11 @@ trap 'rm -rf "$WORK"' EXIT
 for f in "$SLICE/config.json" "$GGUF" "$LLAMA_BIN/llama-bench"; do
     [ -e "$f" ] || { echo "missing $f (see the header of $0)" >&2; exit 2; }
 done
-echo "== uptime (start): $(uptime)"
+# The page cache's large folios (`FileHugePages`, Linux 6.x) slow a mapped model's reads
+# on some hosts: 20 against 28-30 GB/s on the VM of 2026-12-07 (docs/measurements.md,
+# "Resident weights in one process depend on the page cache's folios"), so print them.
+folios() { grep -s FileHugePages /proc/meminfo | tr -s ' ' || true; }
+echo "== uptime (start): $(uptime); $(folios)"
 printf '%-5s %10s %10s %10s %10s %9s %9s %10s %10s %9s %s\n' round k3_s/tok llama_s/tok \
     k3_pp16 llama_pp16 dec_ratio pp_ratio "k3_pp$LONG" "llama_pp$LONG" "pp${LONG}_rat" path
 for r in $(seq "$ROUNDS"); do
@@ -83,4 +87,4 @@ print(f"{r:<5} {k3_tok:>10.3f} {ll_tok:>10.3f} {k3_pp:>10.3f} {ll_pp:>10.3f} "
 PY
 done
 echo "(ratios are k3 / llama.cpp: below 1 means k3 is faster)"
-echo "== uptime (end): $(uptime)"
+echo "== uptime (end): $(uptime); $(folios)"
