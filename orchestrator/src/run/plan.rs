@@ -2241,6 +2241,27 @@ pub fn plan_serve(
 mod tests {
     use super::*;
 
+    // A CLI pass computes only its last row's logits (a prompt chunk's other rows stop
+    // before the lm_head: `batch_forward::dead_prompt_rows_skip_the_last_layer_and_change_
+    // no_bit` checks the one row it returns), so its scratch grows by activation rows
+    // alone, as a server pass's with one logits row. Catches a logits row reserved per
+    // prompt token: 335 MB too many for a 512-token prompt of the released vocabulary,
+    // which split that prompt into two passes at 1.5 GB (docs/measurements.md, "The
+    // prompt's logits in the plan").
+    #[test]
+    fn a_cli_pass_reserves_logits_for_one_row() {
+        let released = include_str!("../../../tests/fixtures/released/config.json");
+        let cfg = ModelConfig::from_json_str(released).unwrap();
+        let row = cfg.hidden_size as u64 * 4 * 32;
+        let logits = cfg.vocab_size as u64 * 4;
+        assert_eq!(compute_scratch(&cfg, 1), row + logits + (4 << 20));
+        assert_eq!(
+            compute_scratch(&cfg, 512) - compute_scratch(&cfg, 1),
+            511 * row
+        );
+        assert_eq!(compute_scratch(&cfg, 512), serve_scratch(&cfg, 512, 1));
+    }
+
     // The run's reads with the prompt in passes: each pass reads the streamed trunk and its
     // batch, the last the streamed lm_head too; each later token the streamed trunk and
     // lm_head and top-k experts per MoE layer. Numbers by hand: trunk 10, lm_head 100 of
