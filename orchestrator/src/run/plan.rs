@@ -1530,8 +1530,6 @@ struct FixedCosts<'a> {
     extra_rows: u64,
     /// A server's kept prefix states, at most (0 for a CLI run).
     prefix: u64,
-    /// A server's plan (its passes want one logits row per slot).
-    serve_pass: bool,
     /// A coded trunk's decode buffers in the trunk-loader (0: raw or resident).
     trunk_decode: u64,
 }
@@ -1542,13 +1540,10 @@ impl FixedCosts<'_> {
         ((t.max(1) + self.extra_rows) * self.embed_row).div_ceil(4096) * 4096
     }
 
+    /// A pass wants one logits row per slot (a CLI run's one), whatever its prompt rows:
+    /// [`compute_scratch`] when `extra_rows` is 0.
     fn scratch(&self, t: u64) -> u64 {
-        if self.serve_pass {
-            // A server's pass wants one logits row per slot, whatever its prompt rows.
-            serve_scratch(self.cfg, t + self.extra_rows, self.extra_rows + 1)
-        } else {
-            compute_scratch(self.cfg, t + self.extra_rows)
-        }
+        serve_scratch(self.cfg, t + self.extra_rows, self.extra_rows + 1)
     }
 
     /// Everything fixed for passes of `t` tokens.
@@ -1593,7 +1588,6 @@ fn fixed_costs<'a>(
         processes,
         extra_rows: slots - 1,
         prefix: b.serve.map_or(0, |s| s.prefix_bytes(sizes)),
-        serve_pass: b.serve.is_some(),
         trunk_decode: b.trunk_decode,
     }
 }

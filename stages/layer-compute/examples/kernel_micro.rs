@@ -38,6 +38,11 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(7168);
+    // `MICRO_MACS` (module doc).
+    let min_macs: f64 = std::env::var("MICRO_MACS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
     let mut s = 0x1234_5678u64;
     let mut next = || {
         s ^= s << 13;
@@ -97,11 +102,6 @@ fn main() {
                 )
                 .collect();
             for k in &kernels {
-                // `MICRO_MACS` (module doc).
-                let min_macs: f64 = std::env::var("MICRO_MACS")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0.0);
                 let iters = ((2000 / ntok * if args.len() > 2 { 5 } else { 1 }) * (128 * 7168)
                     / (rows * cols))
                     .max((min_macs * 1e9 / (rows * cols * ntok) as f64).ceil() as usize)
