@@ -18,7 +18,8 @@
 //! - **B: activations.** Each token's three parts (hi, mid, lo: [`super::bf16x3::split`])
 //!   are three columns, [`TILE_TOKENS`] tokens (15 columns) a tile, prepared once per
 //!   product ([`prepare`]): `B[j][3t + k]` = part `k` of columns `2j`, `2j + 1` of token
-//!   `t` (even column in the low half). One token is a tile 3 columns wide.
+//!   `t` (even column in the low half). One token is a tile 3 columns wide. A full tile's
+//!   rows are 64 bytes apart (each one cache line), a narrower one's packed.
 //! - **Registers.** `tmm0..3` accumulate 2 row tiles × 2 token tiles, `tmm4/5` hold the
 //!   row tiles' weights, `tmm6/7` the token tiles: per group 4 loads against 4 steps of
 //!   8192 multiply-adds (12 steps for F32 weights). With one token tile (up to five
@@ -115,14 +116,18 @@ pub fn available() -> bool {
 }
 
 /// A product's activations as AMX tiles (see the module doc, "Tiles"): token tile `n`,
-/// group `q` at `(n * groups + q) * 16 * width` dwords, row `j` (a column pair) at `j *
-/// width` in it.
+/// group `q` at `(n * groups + q) * 16 * pitch` dwords, row `j` (a column pair) at `j *
+/// pitch` in it.
 pub struct Tiles {
     data: AlignedBuf<u32>,
     ntok: usize,
     cols: usize,
     /// Columns of one tile: 3 per token, 15 from five tokens on.
     width: usize,
+    /// Dwords from one tile row to the next: 16 for full tiles (each row its own cache
+    /// line; 15 dwords apart, 15 of a tile's 16 rows straddled two lines), `width` for
+    /// the narrower tiles of fewer than five tokens (the decode's, kept compact).
+    pitch: usize,
 }
 
 impl Tiles {
@@ -139,7 +144,8 @@ pub fn prepare(xs: &[f32], cols: usize, ntok: usize) -> Tiles {
     let ng = groups(cols);
     let per = ntok.clamp(1, TILE_TOKENS);
     let width = PARTS * per;
-    let tile = PAIRS * width;
+    let pitch = if per == TILE_TOKENS { 16 } else { width };
+    let tile = PAIRS * pitch;
     let mut data = AlignedBuf::<u32>::new(ntok.div_ceil(TILE_TOKENS) * ng * tile);
     // One token tile: its tokens' groups, one after another.
     let fill = |n: usize, dst: &mut [u32]| {
@@ -153,7 +159,7 @@ pub fn prepare(xs: &[f32], cols: usize, ntok: usize) -> Tiles {
                     let p0 = split(x.get(c).copied().unwrap_or(0.0));
                     let p1 = split(x.get(c + 1).copied().unwrap_or(0.0));
                     for k in 0..PARTS {
-                        dst[base + j * width + k * per] = (p1[k] as u32) << 16 | p0[k] as u32;
+                        dst[base + j * pitch + k * per] = (p1[k] as u32) << 16 | p0[k] as u32;
                     }
                 }
             }
@@ -176,6 +182,7 @@ pub fn prepare(xs: &[f32], cols: usize, ntok: usize) -> Tiles {
         ntok,
         cols,
         width,
+        pitch,
     }
 }
 
@@ -468,8 +475,8 @@ unsafe fn drive<F: Format, const NP: usize>(
     // The stored tiles (row tile k, token tile j at 256 · (2k + j); k < 3), and the 16
     // floats the last row's `l` load reads past them.
     let mut c = AlignedBuf::<f32>::new(5 * 256 + 16);
-    let bstep = PAIRS * x.width;
-    let bs = (bstep, bstep * ng, 4 * x.width);
+    let bstep = PAIRS * x.pitch;
+    let bs = (bstep, bstep * ng, 4 * x.pitch);
     let per = x.width / PARTS;
     for k in 0..steps.len() {
         // Step 0's weights, then always the next step's before this one's products.
