@@ -95,6 +95,27 @@ const A_TILE: usize = TILE_ROWS * GROUP_COLS;
 /// Column pairs of a group: the rows of an activation tile.
 const PAIRS: usize = GROUP_COLS / 2;
 
+/// Row tiles staged together against `token_tiles` token tiles ([`drive`]): three against
+/// one (the decode's [`block3`]), a pair against two, [`CHUNK_TILES`] against more.
+fn chunk_tiles(token_tiles: usize) -> usize {
+    match token_tiles {
+        1 => 3,
+        2 => 2,
+        _ => CHUNK_TILES,
+    }
+}
+
+/// Rows a task of `ntok` tokens should hold a multiple of: whole chunks where a prompt's
+/// chunks are staged (each reads every token tile once a block, so whole chunks read them
+/// fewest times), whole pairs of row tiles otherwise (every tile full, and the BF16 tiles
+/// read in place).
+pub fn task_rows_multiple(ntok: usize) -> usize {
+    match ntok.div_ceil(TILE_TOKENS) {
+        nct if nct > 2 => chunk_tiles(nct) * TILE_ROWS,
+        _ => 2 * TILE_ROWS,
+    }
+}
+
 /// Whether this CPU and kernel let the AMX kernel run: AMX-TILE, AMX-BF16, the AVX512-BF16
 /// kernel's features (the staging decodes with them), and the permission to use the tile
 /// data, which this asks for once for the whole process.
@@ -446,11 +467,7 @@ unsafe fn drive<F: Format, const NP: usize>(
     out[..(r1 - r0) * ntok].fill(0.0);
     // One row tile's staged block.
     let tile_block = BLOCK_GROUPS * NP * A_TILE;
-    let chunk = match nct {
-        1 => 3,
-        2 => 2,
-        _ => CHUNK_TILES,
-    };
+    let chunk = chunk_tiles(nct);
     let whole = m.cols / GROUP_COLS;
     // The steps: (first row, end row, first group, end group), chunk by chunk, block by
     // block, and whether each reads its weights in place.

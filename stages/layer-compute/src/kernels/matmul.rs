@@ -342,11 +342,6 @@ pub const PROMPT_X_BYTES: usize = 8 << 20;
 /// 51-59 and 41-46 (`kernel_micro bf16 512 --direct`, loaded machine, indicative).
 pub const PROMPT_TASK_ROWS: usize = 96;
 
-/// Rows of one AMX prompt chunk ([`super::amx::CHUNK_TILES`] row tiles): an AMX prompt
-/// task's rows are a multiple of it.
-#[cfg(target_arch = "x86_64")]
-const AMX_CHUNK_ROWS: usize = super::amx::CHUNK_TILES * super::amx::TILE_ROWS;
-
 /// Rows per task for `m` at `ntok` tokens: a function of the shape only (never of the
 /// thread count), a multiple of 8 (of 16 when batched), so the decode tiles of 2, 4 or 8
 /// rows divide it.
@@ -436,17 +431,13 @@ fn run<O: Copy + Send>(
     let mut tasks = Vec::new();
     for (i, m) in mats.iter().enumerate() {
         let step = task_rows(m, ntok);
-        // The AMX kernel's tiles are 16 rows and go in pairs: a task of whole pairs keeps
-        // every tile full, and the BF16 tiles in place (`amx::drive`). With more than two
-        // token tiles (a prompt) it stages whole chunks of row tiles, each of which reads
-        // every token tile once a block: a task of whole chunks reads them fewest times.
+        // The AMX kernel's row tiles go in pairs or chunks (`amx::task_rows_multiple`).
         #[cfg(target_arch = "x86_64")]
-        let step = if !kernel.on_amx() {
-            step
-        } else if ntok > 2 * super::amx::TILE_TOKENS {
-            step.div_ceil(AMX_CHUNK_ROWS) * AMX_CHUNK_ROWS
+        let step = if kernel.on_amx() {
+            let whole = super::amx::task_rows_multiple(ntok);
+            step.div_ceil(whole) * whole
         } else {
-            step.div_ceil(32) * 32
+            step
         };
         let mut r0 = 0;
         while r0 < m.rows {
