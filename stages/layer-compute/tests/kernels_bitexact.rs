@@ -819,10 +819,13 @@ fn amx_within_error_budget() {
 
 // Catches: an AMX result that depends on where its row or token sits in a tile (a row
 // tile, the second of a pair, the width of the activation tile: 3 columns for one token,
-// 15 from five on), on the other rows or tokens of the batch, or on a task's first row.
-// Special weights and activations (subnormals, −0, ∞ and NaN rows and tokens) must come
-// out with the same bits every way. 2113 columns: a whole 2048-column block, then a partial
-// one ending in a partial group, so each result is promoted twice.
+// 16 from six on, a token's parts split over two tiles), on the other rows or tokens of
+// the batch, or on a task's first row; a promotion that takes a part from the wrong
+// column or token (45 tokens: nine tiles, the chunk's stored sums promoted after six and
+// after the ninth, odd one). Special weights and activations (subnormals, −0, ∞ and NaN
+// rows and tokens) must come out with the same bits every way. 2113 columns: a whole
+// 2048-column block, then a partial one ending in a partial group, so each result is
+// promoted twice.
 #[test]
 fn amx_rows_and_tokens_independent_bitwise() {
     let _kernels = kernels_shared();
@@ -830,11 +833,16 @@ fn amx_rows_and_tokens_independent_bitwise() {
         return;
     };
     let mut s = 0x0a3c_0000_1234_9999u64;
-    for fmt in ["bf16", "mxfp4", "f32"] {
+    for (fmt, ntok) in [
+        ("bf16", 13),
+        ("mxfp4", 13),
+        ("f32", 13),
+        ("bf16", 45),
+        ("mxfp4", 45),
+    ] {
         let (rows, cols) = (53, 2113);
         let o = Owned::special(fmt, rows, cols, &mut s);
         let m = o.mat();
-        let ntok = 13;
         let x = adversarial(ntok, cols, &mut s);
         let mut all = vec![0f32; ntok * rows];
         gemm_on(&k, &m, &x, &mut all, ntok);

@@ -16,10 +16,17 @@
 //!   buffer (`[group][part][row][32]`, 1 KiB a tile), zero rows past the task's last and
 //!   zero columns past the matrix's last.
 //! - **B: activations.** Each token's three parts (hi, mid, lo: [`super::bf16x3::split`])
-//!   are three columns, [`TILE_TOKENS`] tokens (15 columns) a tile, prepared once per
-//!   product ([`prepare`]): `B[j][3t + k]` = part `k` of columns `2j`, `2j + 1` of token
-//!   `t` (even column in the low half). One token is a tile 3 columns wide. A full tile's
-//!   rows are 64 bytes apart (each one cache line), a narrower one's packed.
+//!   are three columns, prepared once per product ([`prepare`]): column `3t + k` of the
+//!   product's activations is part `k` of token `t`, and tile `n` holds its columns `16n ..
+//!   16n + 16` (a token's parts may straddle two tiles); row `j` of a tile holds columns
+//!   `2j`, `2j + 1` of the matrix (even column in the low half). Up to
+//!   [`NARROW_TOKENS`] tokens are one tile `3 · ntok` columns wide, rows packed (the
+//!   decode's); from six on every tile is 16 wide, its rows 64 bytes apart (one cache
+//!   line each). Sixteen columns a tile, where five tokens (15) had been, take 3 tiles
+//!   instead of 4 for 16 tokens and 96 instead of 103 for 512.
+//! - **C: sums.** A block's accumulators are stored into the chunk's ring (six tiles' width,
+//!   32 tokens' parts a row) and promoted every six tiles or at the last ([`promote`]),
+//!   each token's three parts gathered from their columns.
 //! - **Registers.** `tmm0..3` accumulate 2 row tiles × 2 token tiles, `tmm4/5` hold the
 //!   row tiles' weights, `tmm6/7` the token tiles: per group 4 loads against 4 steps of
 //!   8192 multiply-adds (12 steps for F32 weights). With one token tile (up to five
@@ -59,7 +66,7 @@
 
 use std::arch::asm;
 use std::arch::x86_64::*;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -73,12 +80,27 @@ use super::portable::{groups, AlignedBuf, GROUP_COLS};
 thread_local! {
     /// This thread's staging strip ([`drive`]), kept between calls.
     static STRIP: RefCell<Option<AlignedBuf<u16>>> = const { RefCell::new(None) };
+    /// This thread's split tokens ([`prepare`]), kept between calls.
+    static SPLIT: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
 }
 
 /// Weight rows per tile.
 pub const TILE_ROWS: usize = 16;
-/// Tokens per activation tile (three columns each: 15 of 16).
-pub const TILE_TOKENS: usize = 5;
+/// Columns of an activation tile: 16, each one part of one token (`3t + k` across the
+/// product's tiles), so a token's three parts may lie in two tiles.
+pub const TILE_COLS: usize = 16;
+/// Tokens up to which the activations are one narrow tile (`3 · ntok` columns, rows packed:
+/// the decode's); from six tokens on every tile is 16 columns wide.
+pub const NARROW_TOKENS: usize = 5;
+/// Columns the stored accumulators of a chunk keep per row until their promotion: six
+/// tiles, 32 tokens' three parts, so every promotion starts at a token's first part.
+const RING_COLS: usize = 6 * TILE_COLS;
+/// BF16 weights are read in place (not staged) up to this many token tiles. At two, each
+/// weight tile serves one pair of token tiles; at three or four (11 to 21 tokens) the
+/// second pair finds the chunk's weights still in L2, where staging them first cost a copy
+/// whose loads wait on DRAM: a 16-token prompt's attention took 400-430 ms in place against
+/// 480-600 ms staged (the Xeon of 2026-12-07, alternated, `K3_PROFILE`).
+const IN_PLACE_TILES: usize = 4;
 /// Groups per f32 block: 2048 columns, twice the `exact` path's. Each block ends in a
 /// tile store whose promotion's loads wait for the tile unit, and a next tile load that
 /// waits for the promotion's stores, so the tile unit idles once a block. On the Xeon of
@@ -110,9 +132,19 @@ fn chunk_tiles(token_tiles: usize) -> usize {
 /// fewest times), whole pairs of row tiles otherwise (every tile full, and the BF16 tiles
 /// read in place).
 pub fn task_rows_multiple(ntok: usize) -> usize {
-    match ntok.div_ceil(TILE_TOKENS) {
+    match token_tiles(ntok) {
         nct if nct > 2 => chunk_tiles(nct) * TILE_ROWS,
         _ => 2 * TILE_ROWS,
+    }
+}
+
+/// Activation tiles of `ntok` tokens: one narrow tile up to [`NARROW_TOKENS`], else
+/// three columns a token, 16 a tile.
+pub fn token_tiles(ntok: usize) -> usize {
+    if ntok <= NARROW_TOKENS {
+        1
+    } else {
+        (PARTS * ntok).div_ceil(TILE_COLS)
     }
 }
 
@@ -143,18 +175,17 @@ pub struct Tiles {
     data: AlignedBuf<u32>,
     ntok: usize,
     cols: usize,
-    /// Columns of one tile: 3 per token, 15 from five tokens on.
+    /// Columns of one tile: 3 per token up to five tokens, else 16.
     width: usize,
     /// Dwords from one tile row to the next: 16 for full tiles (each row its own cache
-    /// line; 15 dwords apart, 15 of a tile's 16 rows straddled two lines), `width` for
-    /// the narrower tiles of fewer than five tokens (the decode's, kept compact).
+    /// line), `width` for the narrow tile of up to five tokens (the decode's, compact).
     pitch: usize,
 }
 
 impl Tiles {
     /// Token tiles.
     fn tiles(&self) -> usize {
-        self.ntok.div_ceil(TILE_TOKENS)
+        token_tiles(self.ntok)
     }
 }
 
@@ -163,28 +194,54 @@ impl Tiles {
 pub fn prepare(xs: &[f32], cols: usize, ntok: usize) -> Tiles {
     assert!(xs.len() >= ntok * cols, "input length");
     let ng = groups(cols);
-    let per = ntok.clamp(1, TILE_TOKENS);
-    let width = PARTS * per;
-    let pitch = if per == TILE_TOKENS { 16 } else { width };
+    let (width, pitch) = if ntok <= NARROW_TOKENS {
+        (PARTS * ntok.max(1), PARTS * ntok.max(1))
+    } else {
+        (TILE_COLS, TILE_COLS)
+    };
     let tile = PAIRS * pitch;
-    let mut data = AlignedBuf::<u32>::new(ntok.div_ceil(TILE_TOKENS) * ng * tile);
-    // One token tile: its tokens' groups, one after another.
+    let mut data = AlignedBuf::<u32>::new(token_tiles(ntok) * ng * tile);
+    // One token tile: the parts of its columns (part k of token t in column 3t + k of the
+    // whole product). Its tokens are split first, each part a row of bf16 in column order
+    // (a straight loop over the columns, vectorised; a token on the tile's edge is split
+    // in both its tiles), then the tile is written row by row of each group.
+    let padded = ng * GROUP_COLS;
     let fill = |n: usize, dst: &mut [u32]| {
-        for t in n * TILE_TOKENS..ntok.min((n + 1) * TILE_TOKENS) {
-            let c0 = t % TILE_TOKENS;
-            let x = &xs[t * cols..(t + 1) * cols];
-            for q in 0..ng {
-                let base = q * tile + c0;
-                for j in 0..PAIRS {
-                    let c = q * GROUP_COLS + 2 * j;
-                    let p0 = split(x.get(c).copied().unwrap_or(0.0));
-                    let p1 = split(x.get(c + 1).copied().unwrap_or(0.0));
-                    for k in 0..PARTS {
-                        dst[base + j * pitch + k * per] = (p1[k] as u32) << 16 | p0[k] as u32;
-                    }
+        let (g0, g1) = (n * width, ((n + 1) * width).min(PARTS * ntok));
+        let t0 = g0 / PARTS;
+        // Part-rows as column pairs (even column in the low half): `padded / 2` a row.
+        let half = padded / 2;
+        let len = (g1.div_ceil(PARTS) - t0) * PARTS * half;
+        // This thread's buffer, kept between calls (a fresh one a tile cost page faults);
+        // every value read below is written first, the columns past `cols` as zero.
+        let mut parts = SPLIT.with(|b| b.take());
+        parts.clear();
+        parts.resize(len, 0);
+        for (t, pt) in (t0..).zip(parts.chunks_exact_mut(PARTS * half)) {
+            // SAFETY: u32 storage viewed as twice as many u16 (alignment and every bit
+            // pattern valid), borrowed mutably once.
+            let pt = unsafe {
+                std::slice::from_raw_parts_mut(pt.as_mut_ptr() as *mut u16, 2 * pt.len())
+            };
+            let (h, rest) = pt.split_at_mut(padded);
+            let (m, l) = rest.split_at_mut(padded);
+            // SAFETY: prepare runs only where the AMX kernel does, whose CPUs have
+            // AVX-512F (`available`).
+            unsafe { split_row(&xs[t * cols..(t + 1) * cols], h, m, l) };
+        }
+        // Column `at` of the tile: part (g mod 3) of token g / 3, g = g0 + at.
+        let src: Vec<usize> = (g0..g1)
+            .map(|g| ((g / PARTS - t0) * PARTS + g % PARTS) * half)
+            .collect();
+        for q in 0..ng {
+            for j in 0..PAIRS {
+                let row = &mut dst[q * tile + j * pitch..q * tile + j * pitch + width];
+                for (o, &at) in row.iter_mut().zip(&src) {
+                    *o = parts[at + q * PAIRS + j];
                 }
             }
         }
+        SPLIT.with(|b| b.replace(parts));
     };
     // A prompt's token tiles on the pool (a 512-token prompt's input took 1.5% of its
     // samples on one thread while the other waited); each tile's bytes are the same
@@ -204,6 +261,19 @@ pub fn prepare(xs: &[f32], cols: usize, ntok: usize) -> Tiles {
         cols,
         width,
         pitch,
+    }
+}
+
+/// `x`'s three parts ([`split`]) into `h`, `m` and `l`, column by column (vectorised at
+/// the AVX-512 width).
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn split_row(x: &[f32], h: &mut [u16], m: &mut [u16], l: &mut [u16]) {
+    let n = x.len();
+    for (((&v, h), m), l) in x.iter().zip(&mut h[..n]).zip(&mut m[..n]).zip(&mut l[..n]) {
+        [*h, *m, *l] = split(v);
     }
 }
 
@@ -245,10 +315,10 @@ macro_rules! tdp {
     };
 }
 
-/// `tilestored` of `tmm$t` to `p`, rows 64 bytes apart.
+/// `tilestored` of `tmm$t` to `p`, rows `s` bytes apart.
 macro_rules! tstore {
-    ($t:literal, $p:expr) => {
-        asm!(concat!("tilestored [{p} + {s}*1], tmm", $t), p = in(reg) $p, s = in(reg) 64usize,
+    ($t:literal, $p:expr, $s:expr) => {
+        asm!(concat!("tilestored [{p} + {s}*1], tmm", $t), p = in(reg) $p, s = in(reg) $s,
              options(nostack, preserves_flags))
     };
 }
@@ -274,21 +344,32 @@ struct Weights {
     half: usize,
 }
 
+/// Where a block's accumulators are stored: tile (row tile `rt`, token tile `ct`) at `c +
+/// rt·rstep + ct·16` floats, its rows [`RING_COLS`] floats apart (the chunk's ring).
+#[derive(Clone, Copy)]
+struct Store {
+    c: *mut f32,
+    rstep: usize,
+}
+
+/// Bytes from one stored accumulator row to the next.
+const RING_ROW: usize = 4 * RING_COLS;
+
 /// One block of `nq` groups for `RT` row tiles × `CT` token tiles: the accumulators from
-/// zero, one step per group and weight part, stored to `c` (tile `2·rt + ct` at `256 ·
-/// (2·rt + ct)` floats, rows 16 floats apart).
+/// zero, one step per group and weight part, stored to `c` ([`Store`]).
 ///
 /// # Safety
 /// The tiles configured ([`Config`]); `a` addresses `nq` groups of `NP` parts of `RT`
 /// readable weight tiles; `b` (and `b + bnext` when `CT == 2`) `nq` activation tiles
-/// `bstep` dwords apart with rows `bstride` bytes apart; `c` has room for 1024 floats.
+/// `bstep` dwords apart with rows `bstride` bytes apart; `c` has room for the `RT × CT`
+/// tiles it addresses.
 #[inline(always)]
 unsafe fn block<const RT: usize, const CT: usize, const NP: usize>(
     a: Weights,
     b: *const u32,
     (bstep, bnext, bstride): (usize, usize, usize),
     nq: usize,
-    c: *mut f32,
+    Store { c, rstep }: Store,
 ) {
     // SAFETY: tile operations on the configured tiles over the buffers the caller vouches
     // for.
@@ -327,22 +408,21 @@ unsafe fn block<const RT: usize, const CT: usize, const NP: usize>(
                 }
             }
         }
-        tstore!(0, c);
+        tstore!(0, c, RING_ROW);
         if CT == 2 {
-            tstore!(1, c.add(256));
+            tstore!(1, c.add(TILE_COLS), RING_ROW);
         }
         if RT == 2 {
-            tstore!(2, c.add(512));
+            tstore!(2, c.add(rstep), RING_ROW);
         }
         if RT == 2 && CT == 2 {
-            tstore!(3, c.add(768));
+            tstore!(3, c.add(rstep + TILE_COLS), RING_ROW);
         }
     }
 }
 
 /// [`block`] for three row tiles × one token tile (`tmm7` configured for weights): the
 /// three tiles' loads issue together before their steps, 48 rows of a group in flight.
-/// Row tile `k` stored at `512 · k` floats (where [`block`] puts `(k, 0)`).
 ///
 /// # Safety
 /// As [`block`] with `RT == 3`, `CT == 1`, and the tiles configured with `three`.
@@ -352,7 +432,7 @@ unsafe fn block3<const NP: usize>(
     b: *const u32,
     (bstep, _, bstride): (usize, usize, usize),
     nq: usize,
-    c: *mut f32,
+    Store { c, rstep }: Store,
 ) {
     // SAFETY: as block.
     unsafe {
@@ -371,9 +451,9 @@ unsafe fn block3<const NP: usize>(
                 tdp!(2, 7, 6);
             }
         }
-        tstore!(0, c);
-        tstore!(1, c.add(512));
-        tstore!(2, c.add(1024));
+        tstore!(0, c, RING_ROW);
+        tstore!(1, c.add(rstep), RING_ROW);
+        tstore!(2, c.add(2 * rstep), RING_ROW);
     }
 }
 
@@ -445,8 +525,9 @@ fn group_bf16<F: Format>(f: F, m: &Mat<'_>, r: usize, q: usize, out: &mut [[u16;
 /// against two, up to [`CHUNK_TILES`] against more (prefill: each pair of token tiles is
 /// then read from memory once a chunk and block, against every pair of row tiles from the
 /// strip in L2). Per chunk and block:
-/// - **In place** with up to two token tiles (the decode), BF16 tiles whose rows and groups
-///   are all whole: the matrix's rows are the tile's (no prefetch: it measured slower).
+/// - **In place** with up to [`IN_PLACE_TILES`] token tiles (the decode, short prompts),
+///   BF16 tiles whose rows and groups are all whole: the matrix's rows are the tile's (no
+///   prefetch: it measured slower).
 /// - **Staged** otherwise: the chunk's block decoded (or copied, split) into a strip of
 ///   two halves, one step ahead: a tile load of rows just stored waits for the stores.
 ///
@@ -474,7 +555,8 @@ unsafe fn drive<F: Format, const NP: usize>(
     let mut steps = Vec::new();
     for c0 in (r0..r1).step_by(chunk * TILE_ROWS) {
         let c1 = r1.min(c0 + chunk * TILE_ROWS);
-        let in_place = F::KIND == FormatKind::Bf16 && nct <= 2 && (c1 - c0) % TILE_ROWS == 0;
+        let in_place =
+            F::KIND == FormatKind::Bf16 && nct <= IN_PLACE_TILES && (c1 - c0) % TILE_ROWS == 0;
         for q0 in (0..ng).step_by(BLOCK_GROUPS) {
             let q1 = (q0 + BLOCK_GROUPS).min(ng);
             steps.push(((c0, c1), (q0, q1), in_place && q1 <= whole));
@@ -489,12 +571,12 @@ unsafe fn drive<F: Format, const NP: usize>(
         Some(s) if s.len() >= 2 * half_len => s,
         _ => AlignedBuf::<u16>::new(2 * half_len),
     };
-    // The stored tiles (row tile k, token tile j at 256 · (2k + j); k < 3), and the 16
-    // floats the last row's `l` load reads past them.
-    let mut c = AlignedBuf::<f32>::new(5 * 256 + 16);
+    // The chunk's stored accumulators: row tile k's rows from k · rstep, RING_COLS floats
+    // a row, token tile n at column 16 · (n mod 6).
+    let rstep = TILE_ROWS * RING_COLS;
+    let mut ring = AlignedBuf::<f32>::new(chunk * rstep);
     let bstep = PAIRS * x.pitch;
     let bs = (bstep, bstep * ng, 4 * x.pitch);
-    let per = x.width / PARTS;
     for k in 0..steps.len() {
         // Step 0's weights, then always the next step's before this one's products.
         for j in if k == 0 { 0..2 } else { k + 1..k + 2 } {
@@ -528,9 +610,12 @@ unsafe fn drive<F: Format, const NP: usize>(
                 half: 2 * tile_block,
             }
         };
+        // Tokens whose sums have this block's accumulators added.
+        let mut done = 0;
         for n in (0..nct).step_by(2) {
             let pair = n + 1 < nct;
             let b = x.data[(n * ng + q0) * bstep..].as_ptr();
+            let col = TILE_COLS * (n % (RING_COLS / TILE_COLS));
             let mut i = 0;
             while i < tiles {
                 // Three row tiles only where tmm7 is configured for weights.
@@ -539,16 +624,20 @@ unsafe fn drive<F: Format, const NP: usize>(
                 } else {
                     2.min(tiles - i)
                 };
-                let rt = c0 + i * TILE_ROWS;
                 // SAFETY: still inside the strip or the matrix (row tile i < tiles).
                 let a = Weights {
                     base: unsafe { a0.base.add(i * a0.half) },
                     ..a0
                 };
-                let (cp, nq) = (c.as_mut_ptr(), q1 - q0);
+                let nq = q1 - q0;
+                let cp = Store {
+                    c: ring[i * rstep + col..].as_mut_ptr(),
+                    rstep,
+                };
                 // SAFETY: `a` addresses row tiles i..i + rts of the block; token tile n
-                // (and n + 1) has groups q0..q1 in x.data; c holds the stored tiles; tiles
-                // configured (three row tiles only with one token tile).
+                // (and n + 1) has groups q0..q1 in x.data; the ring holds row tiles
+                // i..i + rts (i + rts <= chunk) and columns col..col + 32 (col <= 64);
+                // tiles configured (three row tiles only with one token tile).
                 unsafe {
                     match (rts, pair) {
                         (3, _) => block3::<NP>(a, b, bs, nq, cp),
@@ -558,51 +647,115 @@ unsafe fn drive<F: Format, const NP: usize>(
                         (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp),
                     }
                 }
-                // SAFETY: AVX-512F enabled in the caller.
-                unsafe { promote(&c, (rt, r0, c1), (n, ntok, per), (rts, pair), out) };
                 i += rts;
+            }
+            // The ring full (six tiles: 32 whole tokens) or the last tiles stored.
+            let end = n + 1 + pair as usize;
+            if end.is_multiple_of(RING_COLS / TILE_COLS) || end == nct {
+                let upto = if end == nct {
+                    ntok
+                } else {
+                    end * TILE_COLS / PARTS
+                };
+                // SAFETY: AVX-512F enabled in the caller; the ring holds tokens done..upto
+                // of rows c0..c1 (at most 32 tokens, from column 0).
+                unsafe { promote(&ring, (c0, c1, r0), (done, upto, ntok), out) };
+                done = upto;
             }
         }
     }
     STRIP.with(|s| *s.borrow_mut() = Some(strip));
 }
 
-/// Add one block's stored accumulators (`c`, from [`block`] or [`block3`]) of `rts` row
-/// tiles at `rt` and token tiles from `n` (`per` tokens a tile: columns `h` at `0..per`,
-/// `m` at `per..2·per`, `l` at `2·per..3·per`) to the f64 sums: `(f64(h) + f64(m)) +
-/// f64(l)` per (row, token), eight lanes at a time (those past the tile's tokens masked
-/// off).
+/// Lane indices gathering part `k` of 16 tokens from their 48 interleaved columns (part `k`
+/// of lane `i` in column `3i + k`): `[k][0]` picks columns below 32 from two registers
+/// (`vpermt2ps`, indices 0..31), `[k][1]` keeps those lanes and takes the rest from the
+/// third register (16 + its column − 32).
+const PART_IDX: [[[i32; 16]; 2]; 3] = {
+    let mut v = [[[0i32; 16]; 2]; 3];
+    let mut k = 0;
+    while k < 3 {
+        let mut lane = 0;
+        while lane < 16 {
+            let col = 3 * lane + k;
+            if col < 32 {
+                v[k][0][lane] = col as i32;
+                v[k][1][lane] = lane as i32;
+            } else {
+                v[k][1][lane] = (16 + col - 32) as i32;
+            }
+            lane += 1;
+        }
+        k += 1;
+    }
+    v
+};
+
+/// Add one block's stored accumulators of rows `c0..c1` (the chunk's ring, from
+/// [`block`] and [`block3`]) for tokens `t0..t1` (at most 32, the first at ring column 0:
+/// part `k` of token `t` at column `3(t − t0) + k`) to the f64 sums: `(f64(h) + f64(m)) +
+/// f64(l)` per (row, token), sixteen tokens at a time, the three parts gathered from the
+/// interleaved columns by two permutes each, lanes past `t1` masked off.
 ///
 /// # Safety
-/// AVX-512F enabled in the caller; `c` holds 16 floats past the stored tiles.
+/// AVX-512F enabled in the caller.
 #[inline(always)]
 unsafe fn promote(
-    c: &[f32],
-    (rt, r0, r1): (usize, usize, usize),
-    (n, ntok, per): (usize, usize, usize),
-    (rts, pair): (usize, bool),
+    ring: &[f32],
+    (c0, c1, r0): (usize, usize, usize),
+    (t0, t1, ntok): (usize, usize, usize),
     out: &mut [f64],
 ) {
-    assert!(c.len() >= 256 * (2 * rts - 1 + pair as usize) + 16 && per <= 8);
-    for ri in 0..rts {
-        for ci in 0..1 + pair as usize {
-            let t0 = (n + ci) * TILE_TOKENS;
-            let tn = per.min(ntok - t0);
-            let mask = (1u8 << tn) - 1;
-            for i in 0..TILE_ROWS.min(r1 - (rt + ri * TILE_ROWS)) {
-                let r = rt + ri * TILE_ROWS + i;
-                let at = 256 * (2 * ri + ci) + 16 * i;
-                let o = &mut out[(r - r0) * ntok + t0..(r - r0) * ntok + t0 + tn];
-                // SAFETY: 8 floats from at + 2·per <= at + 16 lie in c (asserted); the
-                // masked f64 load and store touch the tn lanes of o only.
-                unsafe {
-                    let p = c.as_ptr().add(at);
-                    let h = _mm512_cvtps_pd(_mm256_loadu_ps(p));
-                    let m = _mm512_cvtps_pd(_mm256_loadu_ps(p.add(per)));
-                    let l = _mm512_cvtps_pd(_mm256_loadu_ps(p.add(2 * per)));
-                    let s = _mm512_add_pd(_mm512_add_pd(h, m), l);
-                    let y = _mm512_maskz_loadu_pd(mask, o.as_ptr());
-                    _mm512_mask_storeu_pd(o.as_mut_ptr(), mask, _mm512_add_pd(y, s));
+    assert!(t1 - t0 <= 2 * TILE_COLS && t1 <= ntok);
+    assert!(ring.len() >= (c1 - c0) * RING_COLS && out.len() >= (c1 - r0) * ntok);
+    // SAFETY: 64 bytes of each 16-lane index array.
+    let ix = |v: &[i32; 16]| unsafe { _mm512_loadu_si512(v.as_ptr() as *const _) };
+    let first = [
+        ix(&PART_IDX[0][0]),
+        ix(&PART_IDX[1][0]),
+        ix(&PART_IDX[2][0]),
+    ];
+    let second = [
+        ix(&PART_IDX[0][1]),
+        ix(&PART_IDX[1][1]),
+        ix(&PART_IDX[2][1]),
+    ];
+    // The two halves of 16 f32 lanes as f64.
+    let wide = |v: __m512| -> [__m512d; 2] {
+        let lo = _mm512_castps512_ps256(v);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        [_mm512_cvtps_pd(lo), _mm512_cvtps_pd(hi)]
+    };
+    for r in c0..c1 {
+        let row = &ring[(r - c0) * RING_COLS..(r - c0 + 1) * RING_COLS];
+        let o = &mut out[(r - r0) * ntok..(r - r0 + 1) * ntok];
+        for b in (t0..t1).step_by(TILE_COLS) {
+            let p = row[3 * (b - t0)..3 * (b - t0) + 3 * TILE_COLS].as_ptr();
+            // SAFETY: 48 floats at p (sliced above); the masked f64 loads and stores touch
+            // tokens b..t1 of o only.
+            unsafe {
+                let za = _mm512_loadu_ps(p);
+                // Up to five tokens (the decode's narrow tile) lie in the first register.
+                let (h, m, l) = if t1 - b <= NARROW_TOKENS {
+                    let part = |k: usize| wide(_mm512_permutexvar_ps(first[k], za));
+                    (part(0), part(1), part(2))
+                } else {
+                    let (zb, zc) = (_mm512_loadu_ps(p.add(16)), _mm512_loadu_ps(p.add(32)));
+                    let part = |k: usize| {
+                        let ab = _mm512_permutex2var_ps(za, first[k], zb);
+                        wide(_mm512_permutex2var_ps(ab, second[k], zc))
+                    };
+                    (part(0), part(1), part(2))
+                };
+                for half in 0..2 {
+                    let t = b + 8 * half;
+                    if t >= t1 {
+                        break;
+                    }
+                    let mask = (0xffu16 >> (8 - (t1 - t).min(8))) as u8;
+                    let s = _mm512_add_pd(_mm512_add_pd(h[half], m[half]), l[half]);
+                    let y = _mm512_maskz_loadu_pd(mask, o.as_ptr().add(t));
+                    _mm512_mask_storeu_pd(o.as_mut_ptr().add(t), mask, _mm512_add_pd(y, s));
                 }
             }
         }
