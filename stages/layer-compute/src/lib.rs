@@ -43,6 +43,7 @@ pub mod predict;
 pub mod profile;
 pub mod routes;
 pub mod sampler;
+pub mod scratch;
 pub mod stage;
 pub mod state;
 pub mod weights;

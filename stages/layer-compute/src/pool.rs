@@ -10,8 +10,10 @@ pub use crate::error::PoolError;
 /// The pool type (a caller that keeps one names it without depending on rayon).
 pub use rayon::ThreadPool;
 
-/// A pool of `threads` workers (at least 1), named `k3-compute-N`.
+/// A pool of `threads` workers (at least 1), named `k3-compute-N`. Also keeps the
+/// process's freed scratch for reuse ([`crate::scratch::keep_freed_scratch`]).
 pub fn build(threads: usize) -> Result<rayon::ThreadPool, PoolError> {
+    crate::scratch::keep_freed_scratch();
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .thread_name(|i| format!("k3-compute-{i}"))
