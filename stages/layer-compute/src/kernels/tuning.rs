@@ -42,8 +42,9 @@ pub const R1_MXFP4: usize = 4;
 /// twice an FMA's multiply-adds, so three passes cost 1.5 FMAs' time per multiply-add and
 /// the `exact` path is expected to stay faster (issue 32); turn it on only after
 /// `gemv_bench` measures bf16x3 faster on such a host. `K3_SIMD=bf16x3` selects the path
-/// whatever this says. On AMX it stays off too: a 512-token prompt ran 2.0 times faster,
-/// but the decode 1.2 times slower (docs/measurements.md, "The bf16x3 path on AMX").
+/// whatever this says. On AMX it stays off too: a 512-token prompt ran 2.7 times faster,
+/// but the decode 1.2 times slower (docs/measurements.md, "AMX prompts: sixteen
+/// part-columns a tile, short prompts in place, scratch kept").
 pub const AUTO_BF16X3: bool = false;
 
 /// The variables [`from_env`] reads.
