@@ -169,17 +169,15 @@ pub fn available() -> bool {
 }
 
 /// A product's activations as AMX tiles (see the module doc, "Tiles"): token tile `n`,
-/// group `q` at `(n * groups + q) * 16 * pitch` dwords, row `j` (a column pair) at `j *
-/// pitch` in it.
+/// group `q` at `(n * groups + q) * 16 * width` dwords, row `j` (a column pair) at `j *
+/// width` in it.
 pub struct Tiles {
     data: AlignedBuf<u32>,
     ntok: usize,
     cols: usize,
-    /// Columns of one tile: 3 per token up to five tokens, else 16.
+    /// Columns of one tile, and dwords from one tile row to the next: 3 per token up to
+    /// five tokens (the decode's narrow tile, compact), else 16 (each row one cache line).
     width: usize,
-    /// Dwords from one tile row to the next: 16 for full tiles (each row its own cache
-    /// line), `width` for the narrow tile of up to five tokens (the decode's, compact).
-    pitch: usize,
 }
 
 impl Tiles {
@@ -194,23 +192,23 @@ impl Tiles {
 pub fn prepare(xs: &[f32], cols: usize, ntok: usize) -> Tiles {
     assert!(xs.len() >= ntok * cols, "input length");
     let ng = groups(cols);
-    let (width, pitch) = if ntok <= NARROW_TOKENS {
-        (PARTS * ntok.max(1), PARTS * ntok.max(1))
+    let width = if ntok <= NARROW_TOKENS {
+        PARTS * ntok.max(1)
     } else {
-        (TILE_COLS, TILE_COLS)
+        TILE_COLS
     };
-    let tile = PAIRS * pitch;
+    let tile = PAIRS * width;
     let mut data = AlignedBuf::<u32>::new(token_tiles(ntok) * ng * tile);
     // One token tile: the parts of its columns (part k of token t in column 3t + k of the
     // whole product). Its tokens are split first, each part a row of bf16 in column order
     // (a straight loop over the columns, vectorised; a token on the tile's edge is split
     // in both its tiles), then the tile is written row by row of each group.
+    // Part-rows: `padded` bf16 columns, `half` column pairs (even column in the low half).
     let padded = ng * GROUP_COLS;
+    let half = padded / 2;
     let fill = |n: usize, dst: &mut [u32]| {
         let (g0, g1) = (n * width, ((n + 1) * width).min(PARTS * ntok));
         let t0 = g0 / PARTS;
-        // Part-rows as column pairs (even column in the low half): `padded / 2` a row.
-        let half = padded / 2;
         let len = (g1.div_ceil(PARTS) - t0) * PARTS * half;
         // This thread's buffer, kept between calls (a fresh one a tile cost page faults);
         // every value read below is written first, the columns past `cols` as zero.
@@ -230,13 +228,15 @@ pub fn prepare(xs: &[f32], cols: usize, ntok: usize) -> Tiles {
             unsafe { split_row(&xs[t * cols..(t + 1) * cols], h, m, l) };
         }
         // Column `at` of the tile: part (g mod 3) of token g / 3, g = g0 + at.
-        let src: Vec<usize> = (g0..g1)
-            .map(|g| ((g / PARTS - t0) * PARTS + g % PARTS) * half)
-            .collect();
+        let mut src = [0usize; TILE_COLS];
+        for (s, g) in src.iter_mut().zip(g0..g1) {
+            *s = ((g / PARTS - t0) * PARTS + g % PARTS) * half;
+        }
+        let src = &src[..g1 - g0];
         for q in 0..ng {
             for j in 0..PAIRS {
-                let row = &mut dst[q * tile + j * pitch..q * tile + j * pitch + width];
-                for (o, &at) in row.iter_mut().zip(&src) {
+                let row = &mut dst[q * tile + j * width..q * tile + (j + 1) * width];
+                for (o, &at) in row.iter_mut().zip(src) {
                     *o = parts[at + q * PAIRS + j];
                 }
             }
@@ -260,7 +260,6 @@ pub fn prepare(xs: &[f32], cols: usize, ntok: usize) -> Tiles {
         ntok,
         cols,
         width,
-        pitch,
     }
 }
 
@@ -575,8 +574,8 @@ unsafe fn drive<F: Format, const NP: usize>(
     // a row, token tile n at column 16 · (n mod 6).
     let rstep = TILE_ROWS * RING_COLS;
     let mut ring = AlignedBuf::<f32>::new(chunk * rstep);
-    let bstep = PAIRS * x.pitch;
-    let bs = (bstep, bstep * ng, 4 * x.pitch);
+    let bstep = PAIRS * x.width;
+    let bs = (bstep, bstep * ng, 4 * x.width);
     for k in 0..steps.len() {
         // Step 0's weights, then always the next step's before this one's products.
         for j in if k == 0 { 0..2 } else { k + 1..k + 2 } {
