@@ -17,7 +17,9 @@
 #
 # The layouts: "one" (every expert on device A), "two" (striped round-robin over the
 # DRIVES devices: A and B, or A to D) and, with MIRROR=1, "mirror" (`pack-experts --copies
-# 2` over the same devices: every expert on two of them, each read from the less busy).
+# 2` over the same devices: every expert on two of them, each read from the less busy)
+# and, with SPLIT=1, "split" (`pack-experts --split` over the same devices: every expert
+# cut into one page-aligned part a device, each read from all of them at once).
 #
 # With TRUNK_COPIES=1 the layouts are the trunk's instead: "tone" (the TRUNK directory
 # copied onto device A, --trunk A/trunk) and "ttwo" (copied onto every device, --trunk
@@ -52,7 +54,7 @@
 # 400), EXTRA (more flags for every run, split on spaces: e.g. EXTRA="--cache-gb 0.8424"
 # for a 48-slot arena), WORK (backing files and mounts, default /var/tmp/k3-bench-drives: needs about 2x
 # the model's size, sparse, 3x with MIRROR=1; NAME.json reports and NAME.ids stay there),
-# DRIVES (2, 3 or 4 devices for the striped and mirror layouts), MIRROR (0), FAIL_RUN (0),
+# DRIVES (2, 3 or 4 devices for the striped and mirror layouts), MIRROR (0), SPLIT (0), FAIL_RUN (0),
 # FAIL_AFTER (seconds, default 10; 0 swaps before the run starts). Needs root, loop devices, mkfs.ext4, jq, and the cgroup v1 blkio
 # controller. Only meaningful on a quiet machine: `uptime` is printed at start and end.
 # Everything it sets up is torn down on exit (trap), also after a failure.
@@ -74,6 +76,7 @@ FAIL_RUN=${FAIL_RUN:-0}
 FAIL_AFTER=${FAIL_AFTER:-10}
 ROUNDS=${ROUNDS:-1}
 MIRROR=${MIRROR:-0}
+SPLIT=${SPLIT:-0}
 DRIVES=${DRIVES:-2}
 TRUNK_COPIES=${TRUNK_COPIES:-0}
 WHOLE=${WHOLE:-0}
@@ -83,6 +86,7 @@ NAMES=(a b c d)
 NAMES=("${NAMES[@]:0:$DRIVES}")
 LAYOUTS=(one two)
 [ "$MIRROR" = 1 ] && LAYOUTS+=(mirror)
+[ "$SPLIT" = 1 ] && LAYOUTS+=(split)
 if [ "$TRUNK_COPIES" = 1 ] || [ "$WHOLE" = 1 ]; then
   [ -n "$TRUNK" ] || { echo "bench-drives.sh: TRUNK_COPIES=1 and WHOLE=1 need TRUNK" >&2; exit 2; }
 fi
@@ -159,7 +163,7 @@ make_dev() {
   DEV=$dev
 }
 # Device A holds the one-drive pack and its share of the striped one; the others their
-# shares; with MIRROR=1 each also holds its share of two copies (sizes are sparse files'
+# shares; with MIRROR=1 each also holds its share of two copies, with SPLIT=1 its parts (sizes are sparse files'
 # upper bounds: the model's size stands for its experts').
 SLACK=$((512 << 20))
 DEVS=()
@@ -168,7 +172,7 @@ if [ "$TRUNK_COPIES" = 1 ] || [ "$WHOLE" = 1 ]; then
   TRUNK_BYTES=$(du -sbL "$TRUNK" | cut -f1)
 fi
 for n in "${NAMES[@]}"; do
-  share=$((MODEL_BYTES * (1 + 2 * MIRROR) / DRIVES + TRUNK_BYTES))
+  share=$((MODEL_BYTES * (1 + 2 * MIRROR + SPLIT) / DRIVES + TRUNK_BYTES))
   [ "$n" = a ] && share=$((share + MODEL_BYTES))
   make_dev "$n" $((share + SLACK))
   DEVS+=("$DEV")
@@ -200,6 +204,11 @@ if [ "$MIRROR" = 1 ] && [ "$TRUNK_COPIES" != 1 ]; then
   mkdir -p $(over mirror)
   # shellcheck disable=SC2046
   "$BIN" pack-experts "$MODEL" --copies 2 --to $(over mirror)
+fi
+if [ "$SPLIT" = 1 ] && [ "$TRUNK_COPIES" != 1 ] && [ "$WHOLE" != 1 ]; then
+  mkdir -p $(over split)
+  # shellcheck disable=SC2046
+  "$BIN" pack-experts "$MODEL" --split --to $(over split)
 fi
 # dirs LAYOUT: its --experts directories.
 dirs() {

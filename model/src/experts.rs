@@ -14,7 +14,12 @@
 //! each expert in several directories (`pack-experts --copies N`, [`stripe_copies`]): the
 //! fetcher then reads each expert from whichever of its drives is least busy with the
 //! layer's reads, so no drive reads much more than its share of a layer (twice the space
-//! for two copies).
+//! for two copies). Or a pack may split every expert over the directories
+//! (`pack-experts --split`, [`split_runs`], format [`EXPERTS_FORMAT_SPLIT`]): part `k` of
+//! the `n` page-aligned parts of expert `j` goes to directory `(j + k) mod n`, so every
+//! expert is read from every drive at once and each drive reads its share of each layer
+//! (whole experts striped leave the busiest drive about 1.2 times its share of a layer's 16,
+//! and a layer waits for its last expert), in the same space as plain stripes.
 //!
 //! Each directory's manifest lists its own experts (layer, expert, offset, length, where
 //! they came from, a sha256 for `--verify`), its place among the directories (`stripe` of
@@ -33,8 +38,11 @@ use serde::{Deserialize, Serialize};
 use crate::catalog::Catalog;
 use crate::trunk::{align_up, SourceError, SourceIdentity};
 
-/// The `format` string of the current manifest version.
+/// The `format` string of a pack of whole experts (striped, or with copies).
 pub const EXPERTS_FORMAT: &str = "k3-experts/1";
+/// The `format` string of a pack whose experts are split over the directories (`split`):
+/// a build that knows only whole experts refuses it by this string.
+pub const EXPERTS_FORMAT_SPLIT: &str = "k3-experts/2";
 /// Alignment of every run's start and padded length in `experts.bin`.
 pub const EXPERTS_ALIGN: u64 = 4096;
 /// File name of the manifest inside each packed directory (the pack's commit marker).
@@ -62,6 +70,11 @@ pub struct ExpertsManifest {
     /// the field is absent, as in packs written before copies existed).
     #[serde(default = "one_copy")]
     pub copies: usize,
+    /// Every expert split into page-aligned parts, one per directory (`pack-experts
+    /// --split`): each entry of `experts` is then one part (`part_offset`). Absent: whole
+    /// experts.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub split: bool,
     /// The data file, relative to the manifest's directory ([`EXPERTS_BIN`]).
     pub file: String,
     /// Exact size of the data file in bytes.
@@ -76,6 +89,10 @@ pub struct ExpertsManifest {
 
 fn one_copy() -> usize {
     1
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// One expert's run in `experts.bin`.
@@ -94,6 +111,10 @@ pub struct PackedExpert {
     pub source_offset: u64,
     /// sha256 of the `length` payload bytes, lower-case hex (`pack-experts --verify`).
     pub sha256: String,
+    /// In a split pack, where this part starts in the expert's bytes (a multiple of
+    /// [`EXPERTS_ALIGN`]; `source_offset` is already the part's own). 0 for whole experts.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub part_offset: u64,
 }
 
 impl PackedExpert {
@@ -272,6 +293,41 @@ fn subsets(n: usize, c: usize) -> Vec<Vec<usize>> {
     }
 }
 
+/// One part of an expert in a split pack ([`split_runs`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunPart {
+    /// Index into the runs.
+    pub run: usize,
+    /// Where the part starts in the expert's bytes (a multiple of [`EXPERTS_ALIGN`]).
+    pub from: u64,
+    /// Payload bytes of the part.
+    pub length: u64,
+}
+
+/// Split every run (in their order) into `n` page-aligned parts of nearly equal size (the
+/// last shorter; fewer parts for an expert under `n` pages), part `k` of run `j` to
+/// directory `(j + k) mod n`, so the shorter last parts rotate over the directories. Returns,
+/// per directory, its parts in file order.
+pub fn split_runs(runs: &[ExpertRun], n: usize) -> Vec<Vec<RunPart>> {
+    let n = n.max(1);
+    let mut out = vec![Vec::new(); n];
+    for (j, r) in runs.iter().enumerate() {
+        let part = align_up(r.length.div_ceil(n as u64), EXPERTS_ALIGN).max(EXPERTS_ALIGN);
+        for k in 0..n {
+            let from = k as u64 * part;
+            if from >= r.length {
+                break;
+            }
+            out[(j + k) % n].push(RunPart {
+                run: j,
+                from,
+                length: part.min(r.length - from),
+            });
+        }
+    }
+    out
+}
+
 /// A manifest that cannot be used: the file and every problem found.
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {}", path.display(), problems.join("; "))]
@@ -333,6 +389,34 @@ pub enum ExpertsError {
     TableDiffers { count: usize, diffs: Vec<String> },
 }
 
+/// What is wrong with a split expert's parts `xs` against its run `r` (named `who`, from
+/// the shard file `shard`): they must tile the run's bytes in order, each part's source
+/// being the run's at the part's offset.
+fn split_differs(who: &str, r: &ExpertRun, shard: &str, xs: &mut [&PackedExpert]) -> Vec<String> {
+    xs.sort_by_key(|x| x.part_offset);
+    let mut at = 0u64;
+    for x in xs.iter() {
+        if x.part_offset != at
+            || x.shard != shard
+            || x.source_offset != r.source_offset + x.part_offset
+        {
+            return vec![format!(
+                "{who}: its part at {} ({} bytes at {}+{}) does not continue its {}-byte run \
+                 at {shard}+{} from byte {at}",
+                x.part_offset, x.length, x.shard, x.source_offset, r.length, r.source_offset
+            )];
+        }
+        at += x.length;
+    }
+    if at != r.length {
+        return vec![format!(
+            "{who}: its parts hold {at} bytes of its {}-byte run",
+            r.length
+        )];
+    }
+    Vec::new()
+}
+
 fn short(h: &str) -> &str {
     h.get(..12).unwrap_or(h)
 }
@@ -392,10 +476,11 @@ impl ExpertsManifest {
             problems,
         };
         if let Ok(Format { format: Some(f) }) = serde_json::from_str::<Format>(text) {
-            if f.as_str() != Some(EXPERTS_FORMAT) {
+            if f.as_str() != Some(EXPERTS_FORMAT) && f.as_str() != Some(EXPERTS_FORMAT_SPLIT) {
                 return Err(err(vec![format!(
                     "these experts were packed in format {f}, this build reads \
-                     {EXPERTS_FORMAT:?} only: re-run k3-orch pack-experts --force"
+                     {EXPERTS_FORMAT:?} and {EXPERTS_FORMAT_SPLIT:?} only: re-run k3-orch \
+                     pack-experts --force"
                 )]));
             }
         }
@@ -412,11 +497,20 @@ impl ExpertsManifest {
     /// Every inconsistency in the manifest (empty when it is valid; at most a few per kind).
     pub fn problems(&self) -> Vec<String> {
         let mut p = Vec::new();
-        if self.format != EXPERTS_FORMAT {
+        let want = if self.split {
+            EXPERTS_FORMAT_SPLIT
+        } else {
+            EXPERTS_FORMAT
+        };
+        if self.format != want {
             p.push(format!(
-                "format is {:?}, this build reads {EXPERTS_FORMAT:?}",
-                self.format
+                "format is {:?}, a {} pack is {want:?}",
+                self.format,
+                if self.split { "split" } else { "whole-expert" }
             ));
+        }
+        if self.split && self.copies != 1 {
+            p.push(format!("a split pack has one copy, not {}", self.copies));
         }
         if self.align != EXPERTS_ALIGN {
             p.push(format!("align {} is not {EXPERTS_ALIGN}", self.align));
@@ -458,6 +552,17 @@ impl ExpertsManifest {
             }
             if x.offset % self.align != 0 {
                 bad.push(format!("{who}: offset {} is not aligned", x.offset));
+            }
+            if x.part_offset % self.align != 0 || (x.part_offset != 0 && !self.split) {
+                bad.push(format!(
+                    "{who}: part_offset {} in a {} pack",
+                    x.part_offset,
+                    if self.split {
+                        "split, not aligned,"
+                    } else {
+                        "whole-expert"
+                    }
+                ));
             }
             if x.offset < end {
                 bad.push(format!(
@@ -501,6 +606,8 @@ pub struct PackedLoc {
     pub stripe: usize,
     pub offset: u64,
     pub length: u64,
+    /// Where the run starts in the expert's bytes: 0, except for the parts of a split pack.
+    pub part_offset: u64,
 }
 
 /// Every directory of one pack, by stripe (see [`PackedExperts::open`]).
@@ -560,7 +667,7 @@ impl PackedExperts {
     }
 
     /// Every packed expert and where its copies are, by stripe (one location each when
-    /// the pack has one copy).
+    /// the pack has one copy), or in a split pack its parts, in the expert's byte order.
     pub fn locations(&self) -> HashMap<(usize, usize), Vec<PackedLoc>> {
         let mut out: HashMap<(usize, usize), Vec<PackedLoc>> = HashMap::new();
         for (stripe, m) in self.manifests.iter().enumerate() {
@@ -569,10 +676,19 @@ impl PackedExperts {
                     stripe,
                     offset: x.offset,
                     length: x.length,
+                    part_offset: x.part_offset,
                 });
             }
         }
+        for locs in out.values_mut() {
+            locs.sort_by_key(|l| (l.part_offset, l.stripe));
+        }
         out
+    }
+
+    /// Whether every expert is split over the directories (`pack-experts --split`).
+    pub fn split(&self) -> bool {
+        self.manifests[0].split
     }
 
     /// In how many directories each expert is.
@@ -605,7 +721,7 @@ impl PackedExperts {
         let mut diffs = Vec::new();
         let first = &self.manifests[0];
         for (s, m) in self.manifests.iter().enumerate().skip(1) {
-            if m.source != first.source || m.copies != first.copies {
+            if m.source != first.source || m.copies != first.copies || m.split != first.split {
                 diffs.push(format!(
                     "{} names another source checkpoint or copy count than {}",
                     self.dirs[s].display(),
@@ -615,7 +731,7 @@ impl PackedExperts {
         }
         let copies = first.copies;
         let total: usize = self.manifests.iter().map(|m| m.experts.len()).sum();
-        if total != first.total_experts * copies {
+        if !first.split && total != first.total_experts * copies {
             diffs.push(format!(
                 "the directories list {total} experts, the pack says {} x {copies} copies",
                 first.total_experts
@@ -632,7 +748,11 @@ impl PackedExperts {
                 for r in &runs {
                     let shard = file_name(&cat.shards()[r.shard].path);
                     let who = format!("layer {} expert {}", r.layer, r.expert);
-                    let xs = packed.remove(&(r.layer, r.expert)).unwrap_or_default();
+                    let mut xs = packed.remove(&(r.layer, r.expert)).unwrap_or_default();
+                    if first.split {
+                        diffs.extend(split_differs(&who, r, &shard, &mut xs));
+                        continue;
+                    }
                     if xs.len() != copies {
                         diffs.push(format!(
                             "{who} is in {} of the directories, the pack says {copies}",

@@ -72,7 +72,12 @@ fn check_pack(to: &[PathBuf]) {
             n += 1;
         }
     }
-    assert_eq!(n, p.manifests[0].total_experts * p.copies());
+    if p.split() {
+        // One part of each expert per directory (the tiny model's experts span 2 pages).
+        assert_eq!(n, p.manifests[0].total_experts * 2.min(p.dirs.len()));
+    } else {
+        assert_eq!(n, p.manifests[0].total_experts * p.copies());
+    }
     let bytes: Vec<u64> = p.manifests.iter().map(|m| m.file_size).collect();
     let largest = p
         .manifests
@@ -167,6 +172,91 @@ fn copies_pack_and_run_with_the_same_ids() {
         "layer {} expert {} is in 1 of the directories",
         x.layer, x.expert
     );
+    assert!(err.contains(&who), "{err}");
+}
+
+/// `--split` over 2 and 3 directories: every expert cut into page-aligned parts, one a
+/// directory (`check_pack`: each part byte-identical to its range of the shard), and the
+/// run's first logits bit-identical to the shards' run, its ids the same: catches a fetcher
+/// that reads every part from the first part's file, or puts a part at another place in
+/// the slot (the expert's second page would be another expert's bytes). `--verify`
+/// passes, `project` takes the split from the pack, `--split` with `--copies` is refused
+/// (exit 2), a part moved in its manifest is refused by the run naming the expert (exit
+/// 2), and a failing drive exits 4 naming it.
+#[test]
+fn split_packs_run_with_the_same_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let logits = |name: &str, extra: &[&str]| {
+        let f = tmp.path().join(name);
+        let model = tiny();
+        let mut args = vec![
+            s(&model),
+            "--ids",
+            IDS,
+            "--gen",
+            "4",
+            "--dump-logits",
+            s(&f),
+        ];
+        args.extend(extra);
+        let ids = k3_ok(&args);
+        (ids, std::fs::read(&f).unwrap())
+    };
+    let want = logits("shards.f32", &[]);
+    for n in 2..=3 {
+        let to = dirs(&tmp.path().join(format!("s{n}")), n);
+        let (code, out, err) = pack(&tiny(), &to, &["--split", "--verify"]);
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(out.contains("each split"), "{out}");
+        assert!(out.contains("verify: OK"), "{out}");
+        check_pack(&to);
+        let p = PackedExperts::open(&to).unwrap();
+        assert!(p.split());
+        assert!(p
+            .locations()
+            .values()
+            .all(|l| l.len() == 2 && l[1].part_offset == 4096));
+        let got = logits(&format!("split{n}.f32"), &["--experts", &join(&to)]);
+        assert_eq!(got.0, want.0, "{n} directories: ids");
+        assert!(got.1 == want.1, "{n} directories: logits differ");
+        let json = k3_ok(&[
+            "project",
+            s(&tiny()),
+            "--experts",
+            &join(&to),
+            "--drives",
+            &n.to_string(),
+            "--drive-gbps",
+            "1",
+            "--mem-gbps",
+            "10",
+            "--gmacs-per-core",
+            "1",
+            "--json",
+        ]);
+        assert!(json.contains("\"stripe_balance\":1.0"), "{json}");
+    }
+    let to = dirs(&tmp.path().join("s2"), 2);
+    let (code, _, err) = pack(&tiny(), &to, &["--split", "--copies", "2"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--copies"), "{err}");
+    let out = run_failing(&to, &to[1], "2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(
+        err.contains("(device "),
+        "the failure must name the drive: {err}"
+    );
+    // Directory 1's first part claims to start a page later in its expert.
+    let mut m = ExpertsManifest::load_dir(&to[1]).unwrap();
+    m.experts[0].part_offset += 4096;
+    let who = format!(
+        "layer {} expert {}",
+        m.experts[0].layer, m.experts[0].expert
+    );
+    std::fs::write(to[1].join("experts.json"), serde_json::to_vec(&m).unwrap()).unwrap();
+    let (code, _, err) = k3(&[s(&tiny()), "--ids", IDS, "--experts", &join(&to)]);
+    assert_eq!(code, 2, "{err}");
     assert!(err.contains(&who), "{err}");
 }
 

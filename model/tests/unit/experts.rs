@@ -60,6 +60,48 @@ fn copies_cover_every_pair_of_directories() {
     assert_eq!(all, vec![(0..12).collect::<Vec<_>>(); 2]);
 }
 
+/// Split packs: every run cut into page-aligned parts that tile it, part `k` of run `j` in
+/// directory `(j + k) mod n`, so each directory holds one part of every run (of runs of
+/// at least `n` pages) and the bytes balance. Catches parts that overlap or leave a gap,
+/// unaligned cuts (an O_DIRECT read of a part would then land off its place in the slot),
+/// and every first part on directory 0 (the short last parts would then all land on the
+/// last directory).
+#[test]
+fn split_parts_tile_each_run_over_every_directory() {
+    let runs: Vec<_> = (0..6).map(|e| run(0, e, 3 * 4096 + 100)).collect();
+    let dirs = split_runs(&runs, 2);
+    for (j, r) in runs.iter().enumerate() {
+        let mut parts: Vec<(u64, u64, usize)> = (0..2)
+            .flat_map(|d| {
+                dirs[d]
+                    .iter()
+                    .filter(|p| p.run == j)
+                    .map(move |p| (p.from, p.length, d))
+            })
+            .collect();
+        parts.sort_unstable();
+        assert_eq!(parts.len(), 2, "run {j}: {parts:?}");
+        assert_eq!(parts[0].0, 0);
+        assert_eq!(parts[1].0, parts[0].1, "run {j}: the parts must meet");
+        assert_eq!(parts[0].1 + parts[1].1, r.length);
+        assert!(parts.iter().all(|p| p.0 % EXPERTS_ALIGN == 0));
+        assert_ne!(parts[0].2, parts[1].2, "run {j}: one part a directory");
+        assert_eq!(parts[0].2, j % 2, "run {j}: the first part rotates");
+    }
+    let bytes: Vec<u64> = dirs
+        .iter()
+        .map(|d| d.iter().map(|p| p.length).sum())
+        .collect();
+    assert_eq!(bytes[0], bytes[1], "{bytes:?}");
+    // An expert under n pages takes fewer parts; one directory takes the whole run.
+    let small = split_runs(&[run(0, 0, 5000)], 4);
+    assert_eq!(small.iter().map(Vec::len).sum::<usize>(), 2);
+    let one = split_runs(&runs, 1);
+    assert!(one[0]
+        .iter()
+        .all(|p| p.from == 0 && p.length == 3 * 4096 + 100));
+}
+
 fn manifest() -> ExpertsManifest {
     let sha = "ab".repeat(32);
     ExpertsManifest {
@@ -70,6 +112,7 @@ fn manifest() -> ExpertsManifest {
         stripes: 2,
         total_experts: 4,
         copies: 1,
+        split: false,
         file: EXPERTS_BIN.into(),
         file_size: 8192 + 4096,
         total_bytes: 5000 + 100,
@@ -86,6 +129,7 @@ fn manifest() -> ExpertsManifest {
                 shard: "s".into(),
                 source_offset: 10,
                 sha256: sha.clone(),
+                part_offset: 0,
             },
             PackedExpert {
                 layer: 1,
@@ -95,6 +139,7 @@ fn manifest() -> ExpertsManifest {
                 shard: "s".into(),
                 source_offset: 99999,
                 sha256: sha,
+                part_offset: 0,
             },
         ],
     }
@@ -133,6 +178,29 @@ fn inconsistencies_are_named() {
         (Box::new(|m| m.file = "..".into()), "plain file name"),
         (Box::new(|m| m.copies = 3), "copies 3"),
         (Box::new(|m| m.copies = 0), "copies 0"),
+        // A whole-expert pack has no parts; a split pack says so in its format and has
+        // one copy, its parts aligned.
+        (
+            Box::new(|m| m.experts[0].part_offset = 4096),
+            "whole-expert",
+        ),
+        (Box::new(|m| m.split = true), "k3-experts/2"),
+        (
+            Box::new(|m| {
+                m.split = true;
+                m.format = EXPERTS_FORMAT_SPLIT.into();
+                m.copies = 2;
+            }),
+            "one copy",
+        ),
+        (
+            Box::new(|m| {
+                m.split = true;
+                m.format = EXPERTS_FORMAT_SPLIT.into();
+                m.experts[1].part_offset = 100;
+            }),
+            "not aligned",
+        ),
     ];
     for (edit, want) in cases {
         let mut m = manifest();
@@ -140,6 +208,14 @@ fn inconsistencies_are_named() {
         let p = m.problems().join("; ");
         assert!(p.contains(want), "{want}: {p}");
     }
+    // A valid split manifest round-trips.
+    let mut m = manifest();
+    m.split = true;
+    m.format = EXPERTS_FORMAT_SPLIT.into();
+    m.experts[1].part_offset = 8192;
+    assert!(m.problems().is_empty(), "{:?}", m.problems());
+    let text = serde_json::to_string(&m).unwrap();
+    assert_eq!(ExpertsManifest::from_json_str(&text).unwrap(), m);
     let mut m = manifest();
     m.format = "k3-experts/0".into();
     let e = ExpertsManifest::from_json_str(&serde_json::to_string(&m).unwrap()).unwrap_err();

@@ -110,6 +110,10 @@ struct Args {
     /// --experts pack's, else 1): each read from the least busy drive holding it
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     copies: Option<u32>,
+    /// Every routed expert split over the drives (`pack-experts --split`; default: the
+    /// --experts pack's layout): each drive reads its share of every layer
+    #[arg(long, conflicts_with = "copies")]
+    split: bool,
     /// Memory read bandwidth in GB/s (default: measured here with the read probe)
     #[arg(long = "mem-gbps")]
     mem_gbps: Option<f64>,
@@ -481,6 +485,9 @@ pub struct Machine {
     /// In how many drives each routed expert is (`pack-experts --copies`; at most `drives`
     /// counts).
     pub copies: u32,
+    /// Every expert split over the drives, one part on each (`pack-experts --split`): each
+    /// drive reads its share of every expert, so of every layer.
+    pub split: bool,
     /// Bytes per second of one drive, read as the expert-fetcher reads (4 MiB pieces, 16
     /// in flight).
     pub drive_bps: f64,
@@ -515,6 +522,7 @@ pub struct Machine {
 pub const REFERENCE: Machine = Machine {
     drives: 1,
     copies: 1,
+    split: false,
     drive_bps: 7e9,
     trunk_drive_bps: 7e9,
     trunk_drives: 1,
@@ -572,6 +580,17 @@ impl Machine {
     /// The copies of each expert that count: at most one per drive.
     pub fn copies_used(&self) -> u32 {
         self.copies.clamp(1, self.drives.max(1))
+    }
+
+    /// The busiest drive's reads of a layer's `misses` (of `experts`) over an equal share:
+    /// [`drive_balance`] for whole experts, 1 for split ones (each drive reads one part of
+    /// each, the parts equal to a page).
+    pub fn balance(&self, experts: u64, misses: f64) -> f64 {
+        if self.split && self.drives > 1 {
+            1.0
+        } else {
+            drive_balance(experts, misses, self.drives, self.copies)
+        }
     }
 
     /// One line describing it.
@@ -813,7 +832,7 @@ impl Times {
     pub fn of(t: &PerToken, m: &Machine) -> Times {
         let cores = m.cores.max(1) as f64;
         let drives = m.drives.max(1) as f64;
-        let balance = drive_balance(t.layer_experts, t.layer_misses, m.drives, m.copies);
+        let balance = m.balance(t.layer_experts, t.layer_misses);
         let expert_disk = t.expert_disk_bytes * balance / (drives * m.drive_bps);
         let memory =
             (t.ram_bytes - t.ram_mxfp4_bytes) / m.mem_bps + t.ram_mxfp4_bytes / m.mxfp4_mem_bps;
@@ -1328,6 +1347,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         }
     };
     machine.copies = a.copies.unwrap_or_else(|| pack_copies(&a.experts));
+    machine.split = a.split || pack_split(&a.experts);
     if a.json {
         print!("{}", json_rows(&shape, &budgets, &drives, &machine, &hits));
     } else {
@@ -1411,6 +1431,12 @@ pub fn pack_copies(dirs: &[PathBuf]) -> u32 {
         return 1;
     }
     k3_model::experts::PackedExperts::open(dirs).map_or(1, |p| p.copies() as u32)
+}
+
+/// Whether the pack in `dirs` splits every expert over its directories (false for no
+/// directories, or a pack that does not open).
+pub fn pack_split(dirs: &[PathBuf]) -> bool {
+    !dirs.is_empty() && k3_model::experts::PackedExperts::open(dirs).is_ok_and(|p| p.split())
 }
 
 /// The machines of `--drives` (one drive when none is given).
@@ -1523,6 +1549,7 @@ fn report(
     }
     if machines.iter().any(|m| m.drives > 1) {
         let packed = match machine.copies {
+            _ if machine.split => "split over them (pack-experts --split --to DIR,..".to_string(),
             1 => "striped over them (pack-experts --to DIR,..".to_string(),
             c => format!("on {c} of them each (pack-experts --copies {c} --to DIR,.."),
         };
@@ -1541,7 +1568,11 @@ fn report(
             .iter()
             .map(|&d| {
                 let (e, k) = (shape.experts_per_layer, shape.top_k as f64);
-                let b = drive_balance(e, k, d, machine.copies);
+                let b = Machine {
+                    drives: d,
+                    ..machine.clone()
+                }
+                .balance(e, k);
                 format!("{b:.2}x an equal share over {d} drives")
             })
             .collect();
@@ -1552,6 +1583,9 @@ fn report(
 
 /// How the experts lie over the drives, for the stripes line.
 fn layout(m: &Machine) -> String {
+    if m.split {
+        return "every expert split, one part a drive".into();
+    }
     match m.copies_used() {
         1 => "round-robin stripes".into(),
         c => format!("{c} copies of each expert, each read from the least busy"),
@@ -1693,6 +1727,7 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
     Machine {
         drives: f.drives,
         copies: f.copies.max(1),
+        split: false,
         drive_bps,
         trunk_drive_bps,
         trunk_drives: 1,
@@ -1920,6 +1955,7 @@ mod tests {
         Machine {
             drives: 2,
             copies: 1,
+            split: false,
             drive_bps: 5e9,
             trunk_drive_bps: 10e9,
             // The trunk on an md RAID 0 of the two drives.

@@ -336,6 +336,9 @@ unsafe impl Send for SendPtr {}
 struct Job {
     tag: usize,
     file: u32,
+    /// What to add to an offset of the expert's coordinates to get `file`'s: 0, except
+    /// for a part of a split expert ([`crate::locate::Part`]).
+    shift: i64,
     /// First byte of the slot.
     slot: SendPtr,
     slot_bytes: usize,
@@ -411,8 +414,15 @@ fn run_job(reader: &dyn ReadAt, job: &Job) -> Result<u64, ReadFailure> {
         // nothing else reads or writes it until this job reports `Done`, and `_arena` keeps
         // the memory alive.
         let dst = unsafe { std::slice::from_raw_parts_mut(job.slot.0.add(a), b - a) };
+        let at = s
+            .checked_add_signed(job.shift)
+            .ok_or(ReadFailure::Overrun {
+                start: s,
+                end,
+                slot: job.slot_bytes,
+            })?;
         let got = reader
-            .read_at(job.file, s, dst)
+            .read_at(job.file, at, dst)
             .map_err(|e| ReadFailure::Io(e.to_string()))?;
         if s + (got as u64) < need {
             return Err(ReadFailure::Short {
@@ -1017,26 +1027,49 @@ impl ExpertFetcher {
     }
 
     /// Start the read of `loc` into slot `s` as job `tag`; false when the pool is gone.
+    /// The expert goes in [`PIECE`]s, each to its file's device queue: a split expert's
+    /// parts to their own drives at once.
     fn issue(&self, tag: usize, s: usize, loc: &ExpertExtents) -> bool {
-        let Some(tx) = self.pool.sender(loc.file) else {
-            return false;
-        };
         let base = align_down(loc.start());
         let end = align_up(loc.start() + loc.span());
-        let windows: Vec<(u64, u64)> = (base..end)
-            .step_by(PIECE as usize)
-            .map(|w| (w, (w + PIECE).min(end)))
+        // (file, shift, from, to) of each range read from one file.
+        let whole = [(loc.file, 0i64, base, end)];
+        let split: Vec<(u32, i64, u64, u64)> = (loc.parts.iter())
+            .map(|p| {
+                let shift = p.offset as i64 - p.from as i64;
+                (
+                    p.file,
+                    shift,
+                    align_down(p.from).max(base),
+                    align_up(p.to).min(end),
+                )
+            })
             .collect();
+        let ranges_by_file = if loc.parts.is_empty() {
+            &whole[..]
+        } else {
+            &split[..]
+        };
+        let mut windows: Vec<(u32, i64, (u64, u64))> = Vec::new();
+        for &(file, shift, from, to) in ranges_by_file {
+            for w in (from..to).step_by(PIECE as usize) {
+                windows.push((file, shift, (w, (w + PIECE).min(to))));
+            }
+        }
         let ranges: Arc<[(u64, u64, u64)]> = page_ranges(&loc.extents).into();
         let group = Arc::new(Group {
             left: std::sync::atomic::AtomicUsize::new(windows.len()),
             bytes: std::sync::atomic::AtomicU64::new(0),
             err: Mutex::new(None),
         });
-        for window in windows {
+        for (file, shift, window) in windows {
+            let Some(tx) = self.pool.sender(file) else {
+                return false;
+            };
             let job = Job {
                 tag,
-                file: loc.file,
+                file,
+                shift,
                 // SAFETY: s < slots, and slots * slot_bytes <= arena.len() (checked at setup).
                 slot: SendPtr(unsafe {
                     self.arena.base().add((s as u64 * self.slot_bytes) as usize)
@@ -1409,8 +1442,9 @@ impl ExpertFetcher {
     /// read, unless no other copy is left (then all of them: the read fails plainly).
     pub(super) fn live_copies(&self, layer: u32, id: u32) -> Vec<ExpertExtents> {
         let mut c = self.locator.copies(layer, id);
-        if c.iter().any(|l| !self.down.contains(&l.file)) {
-            c.retain(|l| !self.down.contains(&l.file));
+        let live = |l: &ExpertExtents| l.files().all(|f| !self.down.contains(&f));
+        if c.iter().any(live) {
+            c.retain(live);
         }
         c
     }
@@ -1439,7 +1473,9 @@ impl ExpertFetcher {
                 self.file_path(file)
             );
         }
-        copies.into_iter().find(|l| !self.down.contains(&l.file))
+        copies
+            .into_iter()
+            .find(|l| l.files().all(|f| !self.down.contains(&f)))
     }
 
     /// File `file`'s path, for messages.

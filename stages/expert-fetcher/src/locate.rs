@@ -5,7 +5,8 @@
 //! `...layers.L....experts.E.<tensor>` entry grouped per `(L, E)`, in any shard layout), or
 //! with [`ExpertTable::from_packed`] for experts packed over several drive directories
 //! (`--experts DIR...`, `k3_model::experts`): one file per directory, one aligned run per
-//! expert, in each directory that holds a copy of it ([`Locate::copies`]).
+//! expert, in each directory that holds a copy of it ([`Locate::copies`]), or one part of
+//! every expert in each directory of a split pack ([`ExpertExtents::parts`]).
 //! [`ExpertTable::from_catalog`] builds the same table from `k3_model::locator` (the
 //! checkpoint's verified contiguous run per expert, else one read per tensor) for given
 //! layers and expert counts; the tests check the two agree.
@@ -69,10 +70,26 @@ pub struct Extent {
 
 /// One expert: the file it is in and its extents, ascending and non-overlapping. One extent
 /// when the expert's tensors are contiguous (the released checkpoint), several otherwise.
+/// An expert split over several files (a split pack) has one extent in `file`'s
+/// coordinates, as if it were whole there, and `parts` say where each range of it really is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertExtents {
     pub file: u32,
     pub extents: Vec<Extent>,
+    /// Empty: every extent is in `file`. Otherwise the expert's ranges, ascending and
+    /// covering its extents, each read from its own file.
+    pub parts: Vec<Part>,
+}
+
+/// A range `[from, to)` of a split expert (in its [`ExpertExtents`]' coordinates), stored
+/// in `file` from byte `offset` on. `from` and `offset` are page-aligned, so a range is
+/// read straight into its place in the slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub file: u32,
+    pub from: u64,
+    pub to: u64,
+    pub offset: u64,
 }
 
 impl ExpertExtents {
@@ -81,7 +98,18 @@ impl ExpertExtents {
         ExpertExtents {
             file,
             extents: vec![Extent { offset, len }],
+            parts: Vec::new(),
         }
+    }
+
+    /// Every file the expert is read from (`file` first).
+    pub fn files(&self) -> impl Iterator<Item = u32> + '_ {
+        std::iter::once(self.file).chain(
+            self.parts
+                .iter()
+                .map(|p| p.file)
+                .filter(|&f| f != self.file),
+        )
     }
 
     /// First byte.
@@ -246,6 +274,7 @@ impl ExpertTable {
                                 len: r.len,
                             })
                             .collect(),
+                        parts: Vec::new(),
                     },
                 );
             }
@@ -256,11 +285,31 @@ impl ExpertTable {
     /// The experts of a pack (`k3_model::experts`): file `s` is stripe `s`'s `experts.bin`,
     /// each expert one contiguous run in it, in every directory that holds a copy (the
     /// lowest stripe's first). Every run starts at an aligned offset, so copies of one
-    /// expert are laid out alike.
+    /// expert are laid out alike. In a split pack each expert is its parts, in the first
+    /// part's file's coordinates ([`Part`]).
     pub fn from_packed(p: &k3_model::experts::PackedExperts) -> ExpertTable {
         let mut t = ExpertTable::new(p.files());
         for ((l, e), locs) in p.locations() {
             let (l, e) = (l as u32, e as u32);
+            if p.split() {
+                // locations() orders the parts by their offset in the expert.
+                let Some(first) = locs.first() else {
+                    continue;
+                };
+                let start = first.offset;
+                let len: u64 = locs.iter().map(|x| x.length).sum();
+                let mut loc = ExpertExtents::contiguous(first.stripe as u32, start, len);
+                loc.parts = (locs.iter())
+                    .map(|x| Part {
+                        file: x.stripe as u32,
+                        from: start + x.part_offset,
+                        to: start + x.part_offset + x.length,
+                        offset: x.offset,
+                    })
+                    .collect();
+                t.insert(l, e, loc);
+                continue;
+            }
             let mut locs = locs
                 .into_iter()
                 .map(|x| ExpertExtents::contiguous(x.stripe as u32, x.offset, x.length));
@@ -338,6 +387,7 @@ impl ExpertTable {
                 ExpertExtents {
                     file: fi,
                     extents: ts.into_iter().map(|(_, x)| x).collect(),
+                    parts: Vec::new(),
                 },
             );
         }

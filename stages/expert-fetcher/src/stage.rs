@@ -407,6 +407,9 @@ fn reader(conf: &FetcherConf, table: &ExpertTable) -> Result<Arc<dyn ReadAt>, Fe
             for x in &loc.extents {
                 ranges.push((loc.file, x.offset, x.offset + x.len));
             }
+            for p in &loc.parts {
+                ranges.push((p.file, p.offset, p.offset + (p.to - p.from)));
+            }
         }
     }
     let failed: Vec<_> = conf

@@ -338,6 +338,7 @@ fn non_contiguous_experts_keep_their_layout() {
                     len: 544,
                 },
             ],
+            parts: Vec::new(),
         },
     );
     let all = std::fs::read(fixture()).unwrap();

@@ -34,6 +34,7 @@ fn merge_adjacent_extents() {
                 Extent { offset: 0, len: 10 },
                 Extent { offset: 20, len: 1 },
             ],
+            parts: Vec::new(),
         },
     );
     let l = t.locate(0, 0).unwrap();
