@@ -90,6 +90,26 @@ fn check_pack(to: &[PathBuf]) {
     assert!(hi - lo <= largest, "unbalanced: {bytes:?}");
 }
 
+/// `project --json` of the tiny model over the pack in `to` (one drive a directory, the
+/// machine's figures given).
+fn project_json(to: &[PathBuf]) -> String {
+    k3_ok(&[
+        "project",
+        s(&tiny()),
+        "--experts",
+        &join(to),
+        "--drives",
+        &to.len().to_string(),
+        "--drive-gbps",
+        "1",
+        "--mem-gbps",
+        "10",
+        "--gmacs-per-core",
+        "1",
+        "--json",
+    ])
+}
+
 /// Packed over 1, 2 and 3 directories, the run gives the shards' ids; a re-run of the
 /// packer has nothing to do and `--verify` passes.
 #[test]
@@ -131,21 +151,7 @@ fn copies_pack_and_run_with_the_same_ids() {
         assert!(p.locations().values().all(|l| l.len() == 2));
         assert_eq!(ids(&["--experts", &join(&to)]), want, "{n} directories");
         // `project` takes the copies from the pack.
-        let json = k3_ok(&[
-            "project",
-            s(&tiny()),
-            "--experts",
-            &join(&to),
-            "--drives",
-            &n.to_string(),
-            "--drive-gbps",
-            "1",
-            "--mem-gbps",
-            "10",
-            "--gmacs-per-core",
-            "1",
-            "--json",
-        ]);
+        let json = project_json(&to);
         assert!(json.contains("\"copies\":2"), "{json}");
     }
     let to = dirs(&tmp.path().join("c2"), 2);
@@ -219,34 +225,14 @@ fn split_packs_run_with_the_same_logits() {
         let got = logits(&format!("split{n}.f32"), &["--experts", &join(&to)]);
         assert_eq!(got.0, want.0, "{n} directories: ids");
         assert!(got.1 == want.1, "{n} directories: logits differ");
-        let json = k3_ok(&[
-            "project",
-            s(&tiny()),
-            "--experts",
-            &join(&to),
-            "--drives",
-            &n.to_string(),
-            "--drive-gbps",
-            "1",
-            "--mem-gbps",
-            "10",
-            "--gmacs-per-core",
-            "1",
-            "--json",
-        ]);
+        let json = project_json(&to);
         assert!(json.contains("\"stripe_balance\":1.0"), "{json}");
     }
     let to = dirs(&tmp.path().join("s2"), 2);
     let (code, _, err) = pack(&tiny(), &to, &["--split", "--copies", "2"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--copies"), "{err}");
-    let out = run_failing(&to, &to[1], "2");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(4), "{err}");
-    assert!(
-        err.contains("(device "),
-        "the failure must name the drive: {err}"
-    );
+    exits_4_naming_the_drive(&to);
     // Directory 1's first part claims to start a page later in its expert.
     let mut m = ExpertsManifest::load_dir(&to[1]).unwrap();
     m.experts[0].part_offset += 4096;
@@ -383,6 +369,18 @@ fn run_failing(to: &[PathBuf], failing: &Path, gen: &str) -> std::process::Outpu
         .unwrap()
 }
 
+/// A run over the pack in `to` whose second directory fails every read exits 4 and names
+/// the drive.
+fn exits_4_naming_the_drive(to: &[PathBuf]) {
+    let out = run_failing(to, &to[1], "2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(
+        err.contains("(device "),
+        "the failure must name the drive: {err}"
+    );
+}
+
 /// A drive that fails while the run reads it (every read of one pack directory fails,
 /// through the test hook): exit 4, and the failure names the drive. Catches a failure
 /// that is silent (exit 0 with other ids) or ends the run without its report (exit 1).
@@ -391,13 +389,7 @@ fn a_failing_drive_exits_4_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
     let to = dirs(tmp.path(), 2);
     k3_ok(&["pack-experts", s(&tiny()), "--to", s(&to[0]), s(&to[1])]);
-    let out = run_failing(&to, &to[1], "2");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(4), "{err}");
-    assert!(
-        err.contains("(device "),
-        "the failure must name the drive: {err}"
-    );
+    exits_4_naming_the_drive(&to);
 }
 
 /// A failing pack directory under a pack with two copies of each expert (the first
