@@ -216,9 +216,11 @@ pub fn main(args: Vec<OsString>) -> i32 {
         Some(Err(why)) => return not_a_checkpoint(a.model_dir.as_deref(), &why.to_string()),
     };
     let drives = disk.map_or(1, |d| d.0);
+    let (copies, split) = project::pack_layout(&a.experts);
     let flags = MachineFlags {
         drives,
-        copies: project::pack_copies(&a.experts),
+        copies,
+        split,
         drive_gbps: a
             .drive_gbps
             .or(disk.map(|(n, bps)| bps / n.max(1) as f64 / GB)),

@@ -582,14 +582,14 @@ impl Machine {
         self.copies.clamp(1, self.drives.max(1))
     }
 
-    /// The busiest drive's reads of a layer's `misses` (of `experts`) over an equal share:
-    /// [`drive_balance`] for whole experts, 1 for split ones (each drive reads one part of
-    /// each, the parts equal to a page).
-    pub fn balance(&self, experts: u64, misses: f64) -> f64 {
-        if self.split && self.drives > 1 {
+    /// The busiest of `drives` drives' reads of a layer's `misses` (of `experts`) over an
+    /// equal share: [`drive_balance`] for whole experts, 1 for split ones (each drive reads
+    /// one part of each, the parts equal to a page).
+    pub fn balance(&self, drives: u32, experts: u64, misses: f64) -> f64 {
+        if self.split && drives > 1 {
             1.0
         } else {
-            drive_balance(experts, misses, self.drives, self.copies)
+            drive_balance(experts, misses, drives, self.copies)
         }
     }
 
@@ -832,7 +832,7 @@ impl Times {
     pub fn of(t: &PerToken, m: &Machine) -> Times {
         let cores = m.cores.max(1) as f64;
         let drives = m.drives.max(1) as f64;
-        let balance = m.balance(t.layer_experts, t.layer_misses);
+        let balance = m.balance(m.drives, t.layer_experts, t.layer_misses);
         let expert_disk = t.expert_disk_bytes * balance / (drives * m.drive_bps);
         let memory =
             (t.ram_bytes - t.ram_mxfp4_bytes) / m.mem_bps + t.ram_mxfp4_bytes / m.mxfp4_mem_bps;
@@ -1318,6 +1318,7 @@ pub fn main(args: Vec<OsString>) -> i32 {
         &MachineFlags {
             drives: 1,
             copies: 1,
+            split: false,
             drive_gbps: a.drive_gbps,
             probe: probe.as_deref(),
             mem_gbps: a.mem_gbps,
@@ -1346,8 +1347,9 @@ pub fn main(args: Vec<OsString>) -> i32 {
             (m, if drives.is_empty() { vec![n] } else { drives })
         }
     };
-    machine.copies = a.copies.unwrap_or_else(|| pack_copies(&a.experts));
-    machine.split = a.split || pack_split(&a.experts);
+    let (copies, split) = pack_layout(&a.experts);
+    machine.copies = a.copies.unwrap_or(copies);
+    machine.split = a.split || split;
     if a.json {
         print!("{}", json_rows(&shape, &budgets, &drives, &machine, &hits));
     } else {
@@ -1424,19 +1426,15 @@ pub fn with_expert_drives(
     (m, n)
 }
 
-/// The copies of each expert in the pack in `dirs` (1 for no directories, or a pack that
-/// does not open: the run refuses it, naming why).
-pub fn pack_copies(dirs: &[PathBuf]) -> u32 {
+/// How the pack in `dirs` lays the experts over its directories, from one reading of its
+/// manifests: the copies of each expert, and whether each is split over them (1 and false
+/// for no directories, or a pack that does not open: the run refuses it, naming why).
+pub fn pack_layout(dirs: &[PathBuf]) -> (u32, bool) {
     if dirs.is_empty() {
-        return 1;
+        return (1, false);
     }
-    k3_model::experts::PackedExperts::open(dirs).map_or(1, |p| p.copies() as u32)
-}
-
-/// Whether the pack in `dirs` splits every expert over its directories (false for no
-/// directories, or a pack that does not open).
-pub fn pack_split(dirs: &[PathBuf]) -> bool {
-    !dirs.is_empty() && k3_model::experts::PackedExperts::open(dirs).is_ok_and(|p| p.split())
+    k3_model::experts::PackedExperts::open(dirs)
+        .map_or((1, false), |p| (p.copies() as u32, p.split()))
 }
 
 /// The machines of `--drives` (one drive when none is given).
@@ -1568,11 +1566,7 @@ fn report(
             .iter()
             .map(|&d| {
                 let (e, k) = (shape.experts_per_layer, shape.top_k as f64);
-                let b = Machine {
-                    drives: d,
-                    ..machine.clone()
-                }
-                .balance(e, k);
+                let b = machine.balance(d, e, k);
                 format!("{b:.2}x an equal share over {d} drives")
             })
             .collect();
@@ -1660,6 +1654,8 @@ pub struct MachineFlags<'a> {
     pub drives: u32,
     /// Copies of each routed expert over the drives (`pack-experts --copies`).
     pub copies: u32,
+    /// Every routed expert split over the drives (`pack-experts --split`).
+    pub split: bool,
     pub drive_gbps: Option<f64>,
     /// A file on the drive to measure.
     pub probe: Option<&'a Path>,
@@ -1727,7 +1723,7 @@ pub fn measure_machine(shape: &ModelShape, f: &MachineFlags) -> Machine {
     Machine {
         drives: f.drives,
         copies: f.copies.max(1),
-        split: false,
+        split: f.split,
         drive_bps,
         trunk_drive_bps,
         trunk_drives: 1,
@@ -2087,6 +2083,34 @@ mod tests {
     /// and one copy is the stripes. Catches copies ignored (the stripes' 1.17 for two
     /// mirrored drives), copies chosen read by read only (1.16 over four), and a figure
     /// that changes from call to call.
+    /// A split pack's flag reaches the machine `doctor` and `project` measure
+    /// (`MachineFlags` to `Machine`), whose busiest drive then reads its equal share of a
+    /// layer where whole experts striped read more. Catches the flag dropped on the way
+    /// (`doctor` had projected a split pack as plain stripes).
+    #[test]
+    fn split_experts_spread_a_layers_reads() {
+        let flags = |split| MachineFlags {
+            drives: 2,
+            copies: 1,
+            split,
+            drive_gbps: Some(1.0),
+            probe: None,
+            mem_gbps: Some(10.0),
+            cores: Some(2),
+            gmacs_per_core: Some(1.0),
+            seconds: 0.1,
+        };
+        let shape = ModelShape::released();
+        let (split, whole) = (
+            measure_machine(&shape, &flags(true)),
+            measure_machine(&shape, &flags(false)),
+        );
+        assert!(split.split && !whole.split);
+        assert_eq!(split.balance(2, 896, 16.0), 1.0);
+        assert_eq!(whole.balance(2, 896, 16.0), stripe_balance(896, 16.0, 2));
+        assert!(whole.balance(2, 896, 16.0) > 1.1);
+    }
+
     #[test]
     fn copies_spread_a_layers_reads() {
         assert_eq!(drive_balance(64, 16.0, 2, 2), 1.0);

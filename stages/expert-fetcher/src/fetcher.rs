@@ -1032,26 +1032,21 @@ impl ExpertFetcher {
     fn issue(&self, tag: usize, s: usize, loc: &ExpertExtents) -> bool {
         let base = align_down(loc.start());
         let end = align_up(loc.start() + loc.span());
-        // (file, shift, from, to) of each range read from one file.
-        let whole = [(loc.file, 0i64, base, end)];
-        let split: Vec<(u32, i64, u64, u64)> = (loc.parts.iter())
-            .map(|p| {
-                let shift = p.offset as i64 - p.from as i64;
-                (
-                    p.file,
-                    shift,
-                    align_down(p.from).max(base),
-                    align_up(p.to).min(end),
-                )
-            })
-            .collect();
-        let ranges_by_file = if loc.parts.is_empty() {
-            &whole[..]
+        // (file, shift, from, to) of each range read from one file: the whole expert, or
+        // each part of a split one.
+        let by_file: Vec<(u32, i64, u64, u64)> = if loc.parts.is_empty() {
+            vec![(loc.file, 0, base, end)]
         } else {
-            &split[..]
+            (loc.parts.iter())
+                .map(|p| {
+                    let shift = p.offset as i64 - p.from as i64;
+                    let (from, to) = (align_down(p.from).max(base), align_up(p.to).min(end));
+                    (p.file, shift, from, to)
+                })
+                .collect()
         };
         let mut windows: Vec<(u32, i64, (u64, u64))> = Vec::new();
-        for &(file, shift, from, to) in ranges_by_file {
+        for &(file, shift, from, to) in &by_file {
             for w in (from..to).step_by(PIECE as usize) {
                 windows.push((file, shift, (w, (w + PIECE).min(to))));
             }
@@ -1442,11 +1437,15 @@ impl ExpertFetcher {
     /// read, unless no other copy is left (then all of them: the read fails plainly).
     pub(super) fn live_copies(&self, layer: u32, id: u32) -> Vec<ExpertExtents> {
         let mut c = self.locator.copies(layer, id);
-        let live = |l: &ExpertExtents| l.files().all(|f| !self.down.contains(&f));
-        if c.iter().any(live) {
-            c.retain(live);
+        if c.iter().any(|l| self.live(l)) {
+            c.retain(|l| self.live(l));
         }
         c
+    }
+
+    /// Whether none of the files `l` is read from failed a read.
+    fn live(&self, l: &ExpertExtents) -> bool {
+        l.files().all(|f| !self.down.contains(&f))
     }
 
     /// A read into slot `s` failed with `why`: an I/O error or a short read marks its file
@@ -1473,9 +1472,7 @@ impl ExpertFetcher {
                 self.file_path(file)
             );
         }
-        copies
-            .into_iter()
-            .find(|l| l.files().all(|f| !self.down.contains(&f)))
+        copies.into_iter().find(|l| self.live(l))
     }
 
     /// File `file`'s path, for messages.
