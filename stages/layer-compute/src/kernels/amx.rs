@@ -12,9 +12,10 @@
 //! bf16) with column `n` of `B` (16 dwords of bf16 pairs, one per row of `B`).
 //! - **A: weights.** 16 rows × one 32-column group, as shipped (BF16 copied, MXFP4 decoded
 //!   with one `vpermw` per row and group, F32 split into three parts, each its own tile),
-//!   read in place (BF16, few tokens) or staged per 2048-column block into an aligned
-//!   buffer (`[group][part][row][32]`, 1 KiB a tile), zero rows past the task's last and
-//!   zero columns past the matrix's last.
+//!   read in place (BF16, few tokens), decoded a group ahead into a ring in L1 (MXFP4
+//!   against one token tile: [`drive_decode`]) or staged per 2048-column block into an
+//!   aligned buffer (`[group][part][row][32]`, 1 KiB a tile), zero rows past the task's
+//!   last and zero columns past the matrix's last.
 //! - **B: activations.** Each token's three parts (hi, mid, lo: [`super::bf16x3::split`])
 //!   are three columns, prepared once per product ([`prepare`]): column `3t + k` of the
 //!   product's activations is part `k` of token `t`, and tile `n` holds its columns `16n ..
@@ -35,9 +36,10 @@
 //! - **Speed** (`kernel_micro --direct`, one thread, the Xeon of 2026-12-06): BF16 from 4
 //!   tokens on and MXFP4 from 16 on run faster than `exact` (64 tokens: 2.6 times); one
 //!   token runs at 0.4-0.8 of `exact`, bound by the tile loads of rows from memory
-//!   (prefetching them measured slower, and a tile load of rows just stored waits for the
-//!   stores, so MXFP4 is staged a step ahead). docs/measurements.md, "The bf16x3 path on
-//!   AMX".
+//!   (prefetching them measured slower) and, for MXFP4, by the decode into tiles (a tile
+//!   load of rows just stored waits for the stores, so they are decoded a group ahead).
+//!   docs/measurements.md, "The bf16x3 path on AMX" and "The AMX one-token MXFP4 product
+//!   decoded a group ahead".
 //!
 //! # Reduction contract
 //!
@@ -72,7 +74,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::avx512bf16::mxfp4 as mxfp4_bf16;
-use super::bf16x3::{group_parts, split, weight_parts, PARTS};
+use super::bf16x3::{group_parts, split, weight_parts, E2M1_BF16, PARTS};
 use super::format::{with_format, Format, FormatFn, FormatKind};
 use super::matmul::Mat;
 use super::portable::{groups, AlignedBuf, GROUP_COLS};
@@ -519,6 +521,159 @@ fn group_bf16<F: Format>(f: F, m: &Mat<'_>, r: usize, q: usize, out: &mut [[u16;
     }
 }
 
+/// Steps a group is decoded ahead of its tile loads in [`drive_decode`]: a tile load of
+/// rows just stored waits for the stores to reach L1, one group's tiles ahead does not.
+const RING_DEPTH: usize = 2;
+
+/// [`RING_DEPTH`] steps of three weight tiles (48 rows × one 32-column group, bf16): the
+/// decode's ring, small enough to stay in L1 with the weights streaming past it.
+#[repr(C, align(64))]
+struct DecodeRing([[u16; 3 * A_TILE]; RING_DEPTH]);
+
+/// Group `q` of rows `c0..c1` of MXFP4 weights into ring slot `q mod RING_DEPTH` as bf16
+/// (a partial group zero-padded); rows past `c1` keep what the slot holds.
+///
+/// # Safety
+/// AVX-512F and AVX-512BW enabled in the caller; `c1 - c0 <= 48`.
+#[inline(always)]
+unsafe fn decode_group<F: Format>(
+    f: F,
+    m: &Mat<'_>,
+    ring: &mut DecodeRing,
+    (c0, c1): (usize, usize),
+    q: usize,
+) {
+    let whole = m.cols / GROUP_COLS;
+    let slot = &mut ring.0[q % RING_DEPTH];
+    if q < whole {
+        // Row c0's group q, then a row's stride on for each row after it.
+        let [(pc, pn), (ps, sn)] = f.spans(c0, c1);
+        let (pstride, sstride) = (pn / (c1 - c0), sn / (c1 - c0));
+        let tbl = E2M1_BF16.0.as_ptr();
+        let d = slot.as_mut_ptr();
+        // SAFETY: rows c0..c1 hold full group q (q < whole): 16 packed bytes at
+        // pc + i·pstride + 16q and a scale byte at ps + i·sstride + q for i < c1 - c0
+        // (the pointers advance one row a step and are read only below that); the slot
+        // holds 48 rows of 32 values (c1 - c0 <= 48, caller); the table has 256 aligned
+        // rows.
+        unsafe {
+            let (mut p, mut s) = (pc.add(16 * q), ps.add(q));
+            for i in 0..c1 - c0 {
+                let t = _mm512_load_si512(tbl.add(*s as usize) as *const _);
+                let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+                let idx = _mm512_or_si512(c, _mm512_slli_epi32(c, 12));
+                _mm512_store_si512(
+                    d.add(i * GROUP_COLS) as *mut _,
+                    _mm512_permutexvar_epi16(idx, t),
+                );
+                p = p.wrapping_add(pstride);
+                s = s.wrapping_add(sstride);
+            }
+        }
+        return;
+    }
+    for row in c0..c1 {
+        let at = (row - c0) * GROUP_COLS;
+        let mut parts = [[0u16; GROUP_COLS]; PARTS];
+        group_bf16::<F>(f, m, row, q, &mut parts);
+        slot[at..at + GROUP_COLS].copy_from_slice(&parts[0]);
+    }
+}
+
+/// Rows `r0..r1` of MXFP4 weights × one token tile (up to [`NARROW_TOKENS`] tokens: the
+/// decode, a routed expert's few tokens) into `out`: [`drive`]'s staging fused into its
+/// steps. Per chunk of three row tiles and block of [`BLOCK_GROUPS`] groups, group `q + 1`
+/// of the chunk's 48 rows is decoded into a ring in L1 ([`DecodeRing`]) while group `q`'s
+/// three tiles are loaded and stepped, instead of a whole block decoded first into a strip
+/// in L2 (192 KiB written and read back a block). The steps, their operands and their order
+/// are [`block3`]'s, so the sums are the same bits. On the Xeon of 2026-12-07: one thread
+/// in cache 12 → 19-24 GMAC/s (`kernel_micro mxfp4 1 --direct --amx`, 192 × 3584), two
+/// threads from memory 8.2-9.1 → 10.5-12.2 GB/s (`gemv_bench --only expert`), the slice's
+/// routed experts 83-86 → 53-56 ms a decode step; `exact` 17 GB/s and 42 ms.
+///
+/// # Safety
+/// As [`rows`]; the tiles configured for one token tile (`three`); `F::KIND` is MXFP4.
+#[inline(always)]
+unsafe fn drive_decode<F: Format>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    x: &Tiles,
+    out: &mut [f64],
+) {
+    let (ntok, ng) = (x.ntok, groups(m.cols));
+    assert!(
+        x.tiles() == 1 && r1 <= m.rows && out.len() >= (r1 - r0) * ntok,
+        "output length"
+    );
+    out[..(r1 - r0) * ntok].fill(0.0);
+    let mut ring = DecodeRing([[0; 3 * A_TILE]; RING_DEPTH]);
+    let rstep = TILE_ROWS * RING_COLS;
+    let mut sums = AlignedBuf::<f32>::new(3 * rstep);
+    let bstep = PAIRS * x.width;
+    let bstride = 4 * x.width;
+    for c0 in (r0..r1).step_by(3 * TILE_ROWS) {
+        let c1 = r1.min(c0 + 3 * TILE_ROWS);
+        // The next chunk's bytes (packed codes and scales, each consecutive) are prefetched
+        // into L2 over this chunk's steps, `per_step` lines of each a step: from memory the
+        // decode otherwise waits on its loads of 48 rows at once.
+        let next = f.spans(c1, r1.min(c1 + 3 * TILE_ROWS));
+        let per_step = next.map(|(_, n)| 64 * n.div_ceil(64).div_ceil(ng));
+        if c1 - c0 < 3 * TILE_ROWS {
+            // The last chunk's missing rows: zero weights, sums never promoted.
+            ring = DecodeRing([[0; 3 * A_TILE]; RING_DEPTH]);
+        }
+        for q0 in (0..ng).step_by(BLOCK_GROUPS) {
+            let q1 = (q0 + BLOCK_GROUPS).min(ng);
+            for q in q0..q1.min(q0 + RING_DEPTH - 1) {
+                decode_group(f, m, &mut ring, (c0, c1), q);
+            }
+            // SAFETY: the tiles configured with `three` (caller); every slot is 3 KiB of
+            // 64-byte rows; x.data holds ng groups of one token tile, bstep dwords apart;
+            // `sums` holds three row tiles of RING_COLS floats a row.
+            unsafe {
+                tzero!(0);
+                tzero!(1);
+                tzero!(2);
+                for q in q0..q1 {
+                    for k in 0..2 {
+                        let (p, n) = next[k];
+                        let (mut at, end) = (q * per_step[k], n.min((q + 1) * per_step[k]));
+                        while at < end {
+                            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(at) as *const i8);
+                            at += 64;
+                        }
+                    }
+                    if q + RING_DEPTH - 1 < q1 {
+                        decode_group(f, m, &mut ring, (c0, c1), q + RING_DEPTH - 1);
+                    }
+                    let a = ring.0[q % RING_DEPTH].as_ptr() as *const u8;
+                    tload!(6, x.data[q * bstep..].as_ptr(), bstride);
+                    tload!(4, a, 2 * GROUP_COLS);
+                    tload!(5, a.add(2 * A_TILE), 2 * GROUP_COLS);
+                    tload!(7, a.add(4 * A_TILE), 2 * GROUP_COLS);
+                    tdp!(0, 4, 6);
+                    tdp!(1, 5, 6);
+                    tdp!(2, 7, 6);
+                }
+                let c = sums.as_mut_ptr();
+                tstore!(0, c, RING_ROW);
+                tstore!(1, c.add(rstep), RING_ROW);
+                tstore!(2, c.add(2 * rstep), RING_ROW);
+            }
+            // The block's sums of rows c0..c1 added to `out`, in [`promote`]'s arithmetic:
+            // `(f64(h) + f64(m)) + f64(l)` per (row, token), parts in columns 3t..3t + 3.
+            for r in c0..c1 {
+                let row = &sums[(r - c0) * RING_COLS..(r - c0) * RING_COLS + 3 * ntok];
+                let o = &mut out[(r - r0) * ntok..(r - r0 + 1) * ntok];
+                for (y, p) in o.iter_mut().zip(row.chunks_exact(3)) {
+                    *y += (p[0] as f64 + p[1] as f64) + p[2] as f64;
+                }
+            }
+        }
+    }
+}
+
 /// Rows `r0..r1` × every prepared token of format `F` with `NP` weight parts into `out`.
 /// Rows go in chunks of row tiles: three against one token tile ([`block3`]), a pair
 /// against two, up to [`CHUNK_TILES`] against more (prefill: each pair of token tiles is
@@ -527,11 +682,13 @@ fn group_bf16<F: Format>(f: F, m: &Mat<'_>, r: usize, q: usize, out: &mut [[u16;
 /// - **In place** with up to [`IN_PLACE_TILES`] token tiles (the decode, short prompts),
 ///   BF16 tiles whose rows and groups are all whole: the matrix's rows are the tile's (no
 ///   prefetch: it measured slower).
+/// - **Decoded a group ahead** for MXFP4 against one token tile ([`drive_decode`]).
 /// - **Staged** otherwise: the chunk's block decoded (or copied, split) into a strip of
 ///   two halves, one step ahead: a tile load of rows just stored waits for the stores.
 ///
 /// # Safety
 /// As [`rows`]; the tiles configured for `x.width`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
 unsafe fn drive<F: Format, const NP: usize>(
     f: F,
     m: &Mat<'_>,
@@ -540,6 +697,10 @@ unsafe fn drive<F: Format, const NP: usize>(
     out: &mut [f64],
 ) {
     let (ntok, ng, nct) = (x.ntok, groups(m.cols), x.tiles());
+    if F::KIND == FormatKind::Mxfp4 && nct == 1 {
+        // SAFETY: as this function's.
+        return unsafe { drive_decode(f, m, (r0, r1), x, out) };
+    }
     assert!(
         r1 <= m.rows && out.len() >= (r1 - r0) * ntok,
         "output length"
