@@ -274,9 +274,9 @@ fn product_path_line() -> String {
     } else if k.product() == ProductPath::Bf16x3 {
         "automatic: the AVX512-BF16 kernel measured faster than exact on this CPU kind".into()
     } else if simd::amx_available() {
-        "automatic: this CPU has the bf16x3 AMX kernel (K3_SIMD=bf16x3: long prompts about \
-         2x faster), but its decode measured slower than exact (docs/measurements.md, \
-         \"The bf16x3 path on AMX\")"
+        "automatic: this CPU has the bf16x3 AMX kernel (K3_SIMD=bf16x3: a 512-token prompt \
+         about 2.7x faster), but its decode measured about 10% slower than exact \
+         (docs/measurements.md, \"The AMX one-token MXFP4 product decoded a group ahead\")"
             .into()
     } else if simd::bf16_dot_available() {
         "automatic: this CPU has the AVX512-BF16 kernel (K3_SIMD=bf16x3), but without AMX \
