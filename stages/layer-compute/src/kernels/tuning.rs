@@ -43,8 +43,8 @@ pub const R1_MXFP4: usize = 4;
 /// the `exact` path is expected to stay faster (issue 32); turn it on only after
 /// `gemv_bench` measures bf16x3 faster on such a host. `K3_SIMD=bf16x3` selects the path
 /// whatever this says. On AMX it stays off too: a 512-token prompt ran 2.7 times faster,
-/// but the decode 1.2 times slower (docs/measurements.md, "AMX prompts: sixteen
-/// part-columns a tile, short prompts in place, scratch kept").
+/// but the decode 1.10-1.14 times slower (docs/measurements.md, "The AMX one-token MXFP4
+/// product decoded a group ahead").
 pub const AUTO_BF16X3: bool = false;
 
 /// The variables [`from_env`] reads.
