@@ -822,7 +822,8 @@ fn amx_within_error_budget() {
 // 16 from six on, a token's parts split over two tiles), on the other rows or tokens of
 // the batch, or on a task's first row; a promotion that takes a part from the wrong
 // column or token (45 tokens: nine tiles, the chunk's stored sums promoted after six and
-// after the ninth, odd one). Special weights and activations (subnormals, −0, ∞ and NaN
+// after the ninth, odd one; 3 and 5 tokens: one narrow tile, whose MXFP4 sums the
+// decode-ahead driver promotes itself). Special weights and activations (subnormals, −0, ∞ and NaN
 // rows and tokens) must come out with the same bits every way. 2113 columns: a whole
 // 2048-column block, then a partial one ending in a partial group, so each result is
 // promoted twice.
@@ -853,11 +854,17 @@ fn amx_rows_and_tokens_independent_bitwise() {
             gemm_on(&k, &m, &x[t * cols..(t + 1) * cols], &mut one, 1);
             assert_same(&format!("{fmt} token {t} alone"), &one, &col(&all, t));
         }
-        let mut seven = vec![0f32; 7 * rows];
-        gemm_on(&k, &m, &x[4 * cols..11 * cols], &mut seven, 7);
-        for t in 0..7 {
-            let what = format!("{fmt} token {} in a batch of 7", t + 4);
-            assert_same(&what, &col(&seven, t), &col(&all, t + 4));
+        // Tokens 0.. as batches of 3 and 5 (one narrow token tile: MXFP4 decoded a group
+        // ahead, each token's parts in columns 3t..3t + 3; tokens 0..3 are plain ones, whose
+        // sums a part from the wrong column changes), tokens 4..11 as a batch of 7 (two
+        // tiles, staged).
+        for (t0, n) in [(0, 3), (0, 5), (4, 7)] {
+            let mut few = vec![0f32; n * rows];
+            gemm_on(&k, &m, &x[t0 * cols..(t0 + n) * cols], &mut few, n);
+            for t in 0..n {
+                let what = format!("{fmt} token {} in a batch of {n}", t0 + t);
+                assert_same(&what, &col(&few, t), &col(&all, t0 + t));
+            }
         }
         // Rows 5..50 as their own matrix: every row at another tile position.
         let (r0, r1) = (5, 50);
