@@ -73,7 +73,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::avx512bf16::mxfp4 as mxfp4_bf16;
+use super::avx512bf16::{mxfp4 as mxfp4_bf16, mxfp4_in};
 use super::bf16x3::{group_parts, split, weight_parts, E2M1_BF16, PARTS};
 use super::format::{with_format, Format, FormatFn, FormatKind};
 use super::matmul::Mat;
@@ -549,23 +549,16 @@ unsafe fn decode_group<F: Format>(
         // Row c0's group q, then a row's stride on for each row after it.
         let [(pc, pn), (ps, sn)] = f.spans(c0, c1);
         let (pstride, sstride) = (pn / (c1 - c0), sn / (c1 - c0));
-        let tbl = E2M1_BF16.0.as_ptr();
-        let d = slot.as_mut_ptr();
+        let (d, tbl) = (slot.as_mut_ptr(), E2M1_BF16.0.as_ptr());
         // SAFETY: rows c0..c1 hold full group q (q < whole): 16 packed bytes at
         // pc + i·pstride + 16q and a scale byte at ps + i·sstride + q for i < c1 - c0
         // (the pointers advance one row a step and are read only below that); the slot
-        // holds 48 rows of 32 values (c1 - c0 <= 48, caller); the table has 256 aligned
-        // rows.
+        // holds 48 rows of 32 values (c1 - c0 <= 48, caller); AVX-512F/BW enabled in the
+        // caller.
         unsafe {
             let (mut p, mut s) = (pc.add(16 * q), ps.add(q));
             for i in 0..c1 - c0 {
-                let t = _mm512_load_si512(tbl.add(*s as usize) as *const _);
-                let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
-                let idx = _mm512_or_si512(c, _mm512_slli_epi32(c, 12));
-                _mm512_store_si512(
-                    d.add(i * GROUP_COLS) as *mut _,
-                    _mm512_permutexvar_epi16(idx, t),
-                );
+                _mm512_store_si512(d.add(i * GROUP_COLS) as *mut _, mxfp4_in(tbl, p, *s));
                 p = p.wrapping_add(pstride);
                 s = s.wrapping_add(sstride);
             }
@@ -661,15 +654,9 @@ unsafe fn drive_decode<F: Format>(
                 tstore!(1, c.add(rstep), RING_ROW);
                 tstore!(2, c.add(2 * rstep), RING_ROW);
             }
-            // The block's sums of rows c0..c1 added to `out`, in [`promote`]'s arithmetic:
-            // `(f64(h) + f64(m)) + f64(l)` per (row, token), parts in columns 3t..3t + 3.
-            for r in c0..c1 {
-                let row = &sums[(r - c0) * RING_COLS..(r - c0) * RING_COLS + 3 * ntok];
-                let o = &mut out[(r - r0) * ntok..(r - r0 + 1) * ntok];
-                for (y, p) in o.iter_mut().zip(row.chunks_exact(3)) {
-                    *y += (p[0] as f64 + p[1] as f64) + p[2] as f64;
-                }
-            }
+            // SAFETY: AVX-512F enabled in the caller; `sums` holds tokens 0..ntok (at most
+            // five) of rows c0..c1.
+            unsafe { promote(&sums, (c0, c1, r0), (0, ntok, ntok), out) };
         }
     }
 }
@@ -868,6 +855,18 @@ unsafe fn promote(
 ) {
     assert!(t1 - t0 <= 2 * TILE_COLS && t1 <= ntok);
     assert!(ring.len() >= (c1 - c0) * RING_COLS && out.len() >= (c1 - r0) * ntok);
+    if t1 - t0 <= NARROW_TOKENS {
+        // One narrow tile (the decode's): the same sums a value at a time, cheaper than
+        // gathering each row's parts by permutes.
+        for r in c0..c1 {
+            let row = &ring[(r - c0) * RING_COLS..(r - c0) * RING_COLS + 3 * (t1 - t0)];
+            let o = &mut out[(r - r0) * ntok + t0..(r - r0) * ntok + t1];
+            for (y, p) in o.iter_mut().zip(row.chunks_exact(PARTS)) {
+                *y += (p[0] as f64 + p[1] as f64) + p[2] as f64;
+            }
+        }
+        return;
+    }
     // SAFETY: 64 bytes of each 16-lane index array.
     let ix = |v: &[i32; 16]| unsafe { _mm512_loadu_si512(v.as_ptr() as *const _) };
     let first = [
