@@ -839,10 +839,11 @@ const PART_IDX: [[[i32; 16]; 2]; 3] = {
 };
 
 /// Add one block's stored accumulators of rows `c0..c1` (the chunk's ring, from
-/// [`block`] and [`block3`]) for tokens `t0..t1` (at most 32, the first at ring column 0:
-/// part `k` of token `t` at column `3(t − t0) + k`) to the f64 sums: `(f64(h) + f64(m)) +
-/// f64(l)` per (row, token), sixteen tokens at a time, the three parts gathered from the
-/// interleaved columns by two permutes each, lanes past `t1` masked off.
+/// [`block`], [`block3`] and [`drive_decode`]) for tokens `t0..t1` (at most 32, the first at
+/// ring column 0: part `k` of token `t` at column `3(t − t0) + k`) to the f64 sums:
+/// `(f64(h) + f64(m)) + f64(l)` per (row, token). Up to [`NARROW_TOKENS`] tokens (one
+/// narrow tile) a value at a time; more sixteen tokens at a time, the three parts gathered
+/// from the interleaved columns by two permutes each, lanes past `t1` masked off.
 ///
 /// # Safety
 /// AVX-512F enabled in the caller.
