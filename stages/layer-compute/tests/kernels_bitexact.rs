@@ -827,6 +827,40 @@ fn amx_within_error_budget() {
 // rows and tokens) must come out with the same bits every way. 2113 columns: a whole
 // 2048-column block, then a partial one ending in a partial group, so each result is
 // promoted twice.
+/// BF16 weights read in place against three and four token tiles (11-21 tokens), the
+/// row pairs outer (`amx::passes_in_place`): 160 rows (a chunk of eight row tiles and one
+/// of two, both in place: whole tiles) × 4160 columns (three blocks, all whole groups),
+/// each token alone (one narrow tile) against the same token in batches of 11, 16 and
+/// 21, bit for bit. The shape of `amx_rows_and_tokens_independent_bitwise` (53 rows, a
+/// partial group) is always staged, and a pass that stored its sums at another token
+/// tile's columns passed it: it fails here (checked).
+#[test]
+fn amx_in_place_token_tiles_bitwise() {
+    let _kernels = kernels_shared();
+    let Some(k) = amx_kernel("amx_in_place_token_tiles_bitwise") else {
+        return;
+    };
+    let mut s = 0x51ce_0000_7777_0001u64;
+    let (rows, cols) = (160, 4160);
+    let o = Owned::special("bf16", rows, cols, &mut s);
+    let m = o.mat();
+    for ntok in [11, 16, 21] {
+        let x = adversarial(ntok, cols, &mut s);
+        let mut all = vec![0f32; ntok * rows];
+        gemm_on(&k, &m, &x, &mut all, ntok);
+        for t in 0..ntok {
+            let mut one = vec![0f32; rows];
+            gemm_on(&k, &m, &x[t * cols..(t + 1) * cols], &mut one, 1);
+            let what = format!("bf16 token {t} of {ntok} alone");
+            assert_same(&what, &one, &all[t * rows..(t + 1) * rows]);
+        }
+        assert!(
+            all.iter().any(|v| v.is_finite() && *v != 0.0),
+            "{ntok}: no plain result"
+        );
+    }
+}
+
 #[test]
 fn amx_rows_and_tokens_independent_bitwise() {
     let _kernels = kernels_shared();

@@ -187,7 +187,13 @@ impl Tiles {
     fn tiles(&self) -> usize {
         token_tiles(self.ntok)
     }
+    fn ng(&self) -> usize {
+        groups(self.cols)
+    }
 }
+
+/// One step of [`drive`]: (first row, end row), (first group, end group), in place.
+type Step = ((usize, usize), (usize, usize), bool);
 
 /// `ntok` tokens of `cols` activations (`xs`, token-major) split into parts and laid out
 /// as activation tiles; a partial last group zero-padded.
@@ -345,6 +351,23 @@ struct Weights {
     half: usize,
 }
 
+/// Lines a [`block`] prefetches into L2 at each group step `g`: `rows` lines `stride`
+/// bytes apart from `base + g · group` (`rows` 0: none). Addresses only, never read.
+#[derive(Clone, Copy)]
+struct Ahead {
+    base: *const u8,
+    stride: usize,
+    rows: usize,
+}
+
+impl Ahead {
+    const NONE: Ahead = Ahead {
+        base: std::ptr::null(),
+        stride: 0,
+        rows: 0,
+    };
+}
+
 /// Where a block's accumulators are stored: tile (row tile `rt`, token tile `ct`) at `c +
 /// rt·rstep + ct·16` floats, its rows [`RING_COLS`] floats apart (the chunk's ring).
 #[derive(Clone, Copy)]
@@ -371,6 +394,7 @@ unsafe fn block<const RT: usize, const CT: usize, const NP: usize>(
     (bstep, bnext, bstride): (usize, usize, usize),
     nq: usize,
     Store { c, rstep }: Store,
+    pf: Ahead,
 ) {
     // SAFETY: tile operations on the configured tiles over the buffers the caller vouches
     // for.
@@ -386,6 +410,11 @@ unsafe fn block<const RT: usize, const CT: usize, const NP: usize>(
             tzero!(3);
         }
         for g in 0..nq {
+            let mut at = pf.base.wrapping_add(g * a.group);
+            for _ in 0..pf.rows {
+                _mm_prefetch::<_MM_HINT_T1>(at as *const i8);
+                at = at.wrapping_add(pf.stride);
+            }
             let bp = b.add(g * bstep);
             tload!(6, bp, bstride);
             if CT == 2 {
@@ -668,7 +697,8 @@ unsafe fn drive_decode<F: Format>(
 /// strip in L2). Per chunk and block:
 /// - **In place** with up to [`IN_PLACE_TILES`] token tiles (the decode, short prompts),
 ///   BF16 tiles whose rows and groups are all whole: the matrix's rows are the tile's (no
-///   prefetch: it measured slower).
+///   prefetch up to two token tiles: it measured slower; three or four run row pair by
+///   row pair, the next pair prefetched, [`passes_in_place`]).
 /// - **Decoded a group ahead** for MXFP4 against one token tile ([`drive_decode`]).
 /// - **Staged** otherwise: the chunk's block decoded (or copied, split) into a strip of
 ///   two halves, one step ahead: a tile load of rows just stored waits for the stores.
@@ -699,7 +729,7 @@ unsafe fn drive<F: Format, const NP: usize>(
     let whole = m.cols / GROUP_COLS;
     // The steps: (first row, end row, first group, end group), chunk by chunk, block by
     // block, and whether each reads its weights in place.
-    let mut steps = Vec::new();
+    let mut steps: Vec<Step> = Vec::new();
     for c0 in (r0..r1).step_by(chunk * TILE_ROWS) {
         let c1 = r1.min(c0 + chunk * TILE_ROWS);
         let in_place =
@@ -757,6 +787,15 @@ unsafe fn drive<F: Format, const NP: usize>(
                 half: 2 * tile_block,
             }
         };
+        if direct && nct > 2 {
+            // In place against three or four token tiles: row pair by row pair.
+            // SAFETY: as the loop below's.
+            unsafe { passes_in_place::<NP>(f, &steps, k, a0, x, (tiles, bs), &mut ring) };
+            // SAFETY: AVX-512F enabled in the caller; the ring holds every token (nct <= 4
+            // tiles: at most 21 tokens) of rows c0..c1.
+            unsafe { promote(&ring, (c0, c1, r0), (0, ntok, ntok), out) };
+            continue;
+        }
         // Tokens whose sums have this block's accumulators added.
         let mut done = 0;
         for n in (0..nct).step_by(2) {
@@ -788,10 +827,10 @@ unsafe fn drive<F: Format, const NP: usize>(
                 unsafe {
                     match (rts, pair) {
                         (3, _) => block3::<NP>(a, b, bs, nq, cp),
-                        (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp),
-                        (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp),
-                        (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp),
-                        (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp),
+                        (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp, Ahead::NONE),
+                        (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp, Ahead::NONE),
+                        (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp, Ahead::NONE),
+                        (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp, Ahead::NONE),
                     }
                 }
                 i += rts;
@@ -812,6 +851,81 @@ unsafe fn drive<F: Format, const NP: usize>(
         }
     }
     STRIP.with(|s| *s.borrow_mut() = Some(strip));
+}
+
+/// One in-place step against three or four token tiles (11 to 21 tokens), pair of row
+/// tiles by pair of row tiles: each pair's blocks against every pair of token tiles (its
+/// weights from L2 after the first), while the next pair's weights (or the next step's
+/// first pair's) are prefetched into L2, a share of its rows in each pass. Token tiles
+/// outer (every row tile against the first pair, then against the rest, as a staged
+/// chunk runs) left the memory idle while the second pass read L2, and L2 did not always
+/// keep a chunk of rows a long power-of-two stride apart: `perf` of a 16-token prompt put
+/// 54% of the kernel's samples in the second pass. Row pairs outer with the prefetch, the
+/// 16-token prompt's BF16 products took 5-9% less time (`K3_PROFILE`, eight rounds
+/// alternated: docs/measurements.md, "Short prompts in place, row pair by row pair").
+/// Each accumulator's steps and the promotion are unchanged: the same bits.
+///
+/// # Safety
+/// As [`drive`]'s loop: `a0` addresses step `k`'s rows in place; tiles configured.
+#[inline(always)]
+unsafe fn passes_in_place<const NP: usize>(
+    f: impl Format,
+    steps: &[Step],
+    k: usize,
+    a0: Weights,
+    x: &Tiles,
+    (tiles, bs): (usize, (usize, usize, usize)),
+    ring: &mut AlignedBuf<f32>,
+) {
+    let nct = x.tiles();
+    let (_, (q0, q1), _) = steps[k];
+    let passes = nct.div_ceil(2);
+    let rstep = TILE_ROWS * RING_COLS;
+    let mut i = 0;
+    while i < tiles {
+        let rts = 2.min(tiles - i);
+        let (nb, nrows) = if i + 2 < tiles {
+            (
+                a0.base.wrapping_add((i + 2) * a0.half),
+                TILE_ROWS * 2.min(tiles - i - 2),
+            )
+        } else if let Some(&((d0, d1), (e0, _), true)) = steps.get(k + 1) {
+            // SAFETY: (d0, e0) is a whole group of the matrix (an in-place step).
+            (unsafe { f.at(d0, e0) }.0, (d1 - d0).min(2 * TILE_ROWS))
+        } else {
+            (std::ptr::null(), 0)
+        };
+        let a = Weights {
+            base: a0.base.wrapping_add(i * a0.half),
+            ..a0
+        };
+        for n in (0..nct).step_by(2) {
+            let pass = n / 2;
+            let (ra, rb) = (pass * nrows / passes, (pass + 1) * nrows / passes);
+            let pf = Ahead {
+                base: nb.wrapping_add(ra * a0.stride),
+                stride: a0.stride,
+                rows: rb - ra,
+            };
+            let pair = n + 1 < nct;
+            let b = x.data[(n * x.ng() + q0) * bs.0..].as_ptr();
+            let cp = Store {
+                c: ring[i * rstep + TILE_COLS * n..].as_mut_ptr(),
+                rstep,
+            };
+            let nq = q1 - q0;
+            // SAFETY: as in drive's loop.
+            unsafe {
+                match (rts, pair) {
+                    (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp, pf),
+                    (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp, pf),
+                    (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp, pf),
+                    (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp, pf),
+                }
+            }
+        }
+        i += rts;
+    }
 }
 
 /// Lane indices gathering part `k` of 16 tokens from their 48 interleaved columns (part `k`
