@@ -142,6 +142,17 @@ pub struct PrefillReport {
     pub read_bytes: u64,
     /// The product path and instruction set (`exact/avx512`, `bf16x3/avx512bf16`, ...).
     pub product_path: String,
+    /// Seconds compute waited for reads during it (the trunk's parts, the experts).
+    pub read_wait_seconds: f64,
+    /// Its compute: `seconds` less `read_wait_seconds`.
+    pub compute_seconds: f64,
+    /// Seconds the busiest disk the run reads from had I/O in flight during it: the time
+    /// its `read_bytes` needed from that disk (absent when no disk could be watched).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_busy_seconds: Option<f64>,
+    /// The prefill's floor, max(disk busy, compute): what it would take if its reads and
+    /// its compute overlapped perfectly (compute alone when no disk was watched).
+    pub floor_seconds: f64,
 }
 
 impl PrefillReport {
@@ -158,7 +169,39 @@ impl PrefillReport {
             },
             read_bytes: first.trunk_read_bytes + first.expert_read_bytes,
             product_path,
+            read_wait_seconds: first.io_seconds,
+            compute_seconds: (first.seconds - first.io_seconds).max(0.0),
+            disk_busy_seconds: first.disk_busy_seconds,
+            floor_seconds: (first.seconds - first.io_seconds)
+                .max(first.disk_busy_seconds.unwrap_or(0.0))
+                .max(0.0),
         }
+    }
+
+    /// The line that weighs a prefill that read from storage against its floor (None when
+    /// it read nothing: its floor is then its compute).
+    pub fn floor_line(&self) -> Option<String> {
+        if self.read_bytes == 0 {
+            return None;
+        }
+        let reads = match self.disk_busy_seconds {
+            Some(b) if b > 0.0 => format!(
+                "disk busy {b:.2} s for {} ({:.2} GB/s)",
+                human(self.read_bytes),
+                self.read_bytes as f64 / b / 1e9
+            ),
+            _ => format!("no disk watched for its {}", human(self.read_bytes)),
+        };
+        let ratio = if self.floor_seconds > 0.0 {
+            format!("{:.2}x", self.seconds / self.floor_seconds)
+        } else {
+            "-".to_string()
+        };
+        Some(format!(
+            "prefill floor: max({reads}, compute {:.2} s) = {:.2} s; the prefill took {ratio} \
+             it ({:.2} s of it waiting for reads)\n",
+            self.compute_seconds, self.floor_seconds, self.read_wait_seconds
+        ))
     }
 }
 
@@ -276,6 +319,9 @@ pub fn summary(r: &Report) -> String {
             human(p.read_bytes),
             p.product_path
         ));
+        if let Some(l) = p.floor_line() {
+            s.push_str(&l);
+        }
     }
     if t.expert_requests > 0 {
         s.push_str(&format!(
@@ -522,6 +568,61 @@ mod tests {
             cgroup_peak_bytes: cg,
             ..Default::default()
         }
+    }
+
+    fn first_step(seconds: f64, io: f64, read: u64, busy: Option<f64>) -> StepReport {
+        StepReport {
+            step: 0,
+            token: 1,
+            seconds,
+            trunk_read_bytes: read / 2,
+            expert_read_bytes: read - read / 2,
+            expert_requests: 0,
+            resident_hits: 0,
+            trunk_hits: 0,
+            trunk_binds: 0,
+            io_seconds: io,
+            disk_busy_seconds: busy,
+        }
+    }
+
+    // The prefill's floor is max(disk busy, compute), compute being the step less its read
+    // waits. Catches: a floor that adds the two (no overlap), one that counts the waits as
+    // compute, one weighed by the decode steps instead of the prompt's, and a line printed
+    // for a resident prefill that read nothing.
+    #[test]
+    fn prefill_floor_is_the_larger_of_reads_and_compute() {
+        let p = PrefillReport::of(
+            &first_step(13.0, 1.5, 10_560_000_000, Some(5.5)),
+            512,
+            "x".into(),
+        );
+        assert_eq!(p.compute_seconds, 11.5);
+        assert_eq!(p.floor_seconds, 11.5);
+        let l = p.floor_line().unwrap();
+        assert!(
+            l.contains("compute 11.50 s") && l.contains("= 11.50 s"),
+            "{l}"
+        );
+        assert!(
+            l.contains("disk busy 5.50 s") && l.contains("1.92 GB/s"),
+            "{l}"
+        );
+        assert!(l.contains("1.13x"), "{l}");
+        // Disk-bound: the disk's busy time is the floor.
+        let d = PrefillReport::of(
+            &first_step(20.0, 12.0, 8_000_000_000, Some(16.0)),
+            16,
+            "x".into(),
+        );
+        assert_eq!((d.compute_seconds, d.floor_seconds), (8.0, 16.0));
+        // No disk watched: compute alone, and the line says so.
+        let n = PrefillReport::of(&first_step(10.0, 2.0, 1_000, None), 16, "x".into());
+        assert_eq!(n.floor_seconds, 8.0);
+        assert!(n.floor_line().unwrap().contains("no disk watched"));
+        // Nothing read: no line.
+        let r = PrefillReport::of(&first_step(1.0, 0.0, 0, None), 16, "x".into());
+        assert!(r.floor_line().is_none());
     }
 
     // The issue's case: a resident run summed per-process RSS to 20.25 GB (compute counts
