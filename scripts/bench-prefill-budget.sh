@@ -11,7 +11,8 @@
 # --threads THREADS --ids 1..PROMPT --gen 1` (staged processes: every byte it reads is in
 # its prefill figure); llama.cpp `llama-bench -p PROMPT -n 0 -t THREADS -r 1` (mmap: its
 # load is not in its figure). Per round: k3's prefill seconds, bytes read and path, the
-# time its prompt waited for the trunk and for the lm_head's read (`K3_PROFILE`),
+# time its prompt waited for the trunk and for the lm_head's read (`K3_PROFILE`), its floor
+# (the report's `prefill floor:` line: the disk's busy time, its compute and the ratio),
 # llama.cpp's time, their ratio, each cgroup's peak, and k3's next id (the same in every
 # round, or the script says so).
 #
@@ -56,8 +57,8 @@ in_cgroup() {
 }
 
 first_id=
-printf '%-5s %9s %9s %10s %9s %9s %11s %8s %10s %10s %s\n' round k3_s read_GB trunk_wait head_s \
-    llama_s llama/k3 next_id k3_peak_GB ll_peak_GB path
+printf '%-5s %9s %9s %10s %9s %8s %9s %9s %9s %11s %8s %10s %10s %s\n' round k3_s read_GB \
+    trunk_wait head_s busy_s compute_s k3/floor llama_s llama/k3 next_id k3_peak_GB ll_peak_GB path
 for r in $(seq 1 "$ROUNDS"); do
     in_cgroup env K3_PROFILE=1 "$K3" "$SLICE" --trunk "$TRUNK" --mem-gb "$MEM_GB" \
         --incremental --threads "$THREADS" --ids "$ids" --gen 1 > "$WORK/k3.out" 2>&1 || {
@@ -69,6 +70,11 @@ for r in $(seq 1 "$ROUNDS"); do
     k3_s=$(sed -n 's/.* in \([0-9.]*\) s,.*/\1/p' <<< "$pre")
     read_gb=$(sed -n 's/.* s, [0-9.]* tokens\/s, \([0-9.]*\) GB read.*/\1/p' <<< "$pre")
     path=$(sed -n 's/.*path \([^ ]*\).*/\1/p' <<< "$pre")
+    # The report's floor line: max(disk busy, compute) and the prefill over it.
+    fl=$(grep -m1 '^prefill floor:' "$WORK/k3.out" || true)
+    busy=$(sed -n 's/.*disk busy \([0-9.]*\) s.*/\1/p' <<< "$fl")
+    compute=$(sed -n 's/.*compute \([0-9.]*\) s).*/\1/p' <<< "$fl")
+    over=$(sed -n 's/.*prefill took \([0-9.]*\)x.*/\1/p' <<< "$fl")
     prof=$(grep -m1 "k3 profile: ntok $PROMPT " "$WORK/k3.out" || true)
     trunk_wait=$(sed -n 's/.*trunk-wait \([0-9.]*\).*/\1/p' <<< "$prof")
     head_ms=$(sed -n 's/.*| head \([0-9.]*\).*/\1/p' <<< "$prof")
@@ -88,11 +94,14 @@ for r in $(seq 1 "$ROUNDS"); do
         llama_s=$(awk -v p="$PROMPT" -v t="$tps" 'BEGIN { printf "%.2f", p / t }')
         ratio=$(awk -v a="$llama_s" -v b="$k3_s" 'BEGIN { printf "%.2f", a / b }')
     fi
-    printf '%-5s %9s %9s %10s %9s %9s %11s %8s %10s %10s %s\n' "$r" "$k3_s" "$read_gb" \
-        "$(awk -v m="${trunk_wait:-0}" 'BEGIN { printf "%.2f", m / 1000 }')" \
+    printf '%-5s %9s %9s %10s %9s %8s %9s %9s %9s %11s %8s %10s %10s %s\n' "$r" "$k3_s" \
+        "$read_gb" "$(awk -v m="${trunk_wait:-0}" 'BEGIN { printf "%.2f", m / 1000 }')" \
         "$(awk -v m="${head_ms:-0}" 'BEGIN { printf "%.2f", m / 1000 }')" \
+        "${busy:--}" "${compute:--}" "${over:--}" \
         "$llama_s" "$ratio" "$next" "$k3_peak" "$ll_peak" "$path"
 done
 echo "(trunk_wait, head_s: seconds the prompt waited for trunk parts and for the lm_head's read;"
+echo " busy_s, compute_s: the busiest disk's busy seconds and the prefill less its read waits;"
+echo " k3/floor: the prefill over max(busy_s, compute_s), the report's 'prefill floor:' line;"
 echo " llama/k3 above 1 means k3 is faster)"
 echo "== $(date -u +%FT%TZ) $(uptime)"
