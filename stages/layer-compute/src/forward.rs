@@ -253,6 +253,8 @@ pub struct Model<W> {
     pub(crate) eps: Eps,
     /// The routes recorded so far (`--record-routes`); None: not recording.
     routes: std::sync::Mutex<Option<crate::routes::RouteLog>>,
+    /// The routed experts whose scales were scanned and found clean.
+    scale_checks: crate::modules::ScaleChecks,
 }
 
 /// Each row's position in its session (for the route log; empty when `wanted` is false).
@@ -295,6 +297,7 @@ impl<W: Weights> Model<W> {
             threads: opts.threads.max(1),
             n_layers,
             eps,
+            scale_checks: crate::modules::ScaleChecks::new(cfg.n_layers(), cfg.num_experts),
             cfg,
             weights,
             routes: std::sync::Mutex::new(None),
@@ -1167,6 +1170,7 @@ impl<W: Weights> Model<W> {
             fetch: &mut fetch,
             release_head: &mut || self.weights.end_phase(l),
             tail: &mut || self.moe_tail(l),
+            checks: &self.scale_checks,
         };
         let (z, ms) = head.forward_phased(ctx, &self.moe_params(l), v, ntok, &mut hooks)?;
         let stats = ForwardStats {

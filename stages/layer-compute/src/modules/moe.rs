@@ -16,7 +16,7 @@ use k3_model::classify::{expert_tensor, layer_tensor};
 use k3_model::tensor::WeightError;
 
 use super::mlp::{glu_down64, glu_mlp, Situ};
-use super::{expert_mat, LayerCtx};
+use super::{expert_mat, LayerCtx, ScaleChecks};
 use crate::forward::{ForwardError, Model};
 use crate::kernels::matmul::{gemm64, gemm_fused, Mat};
 use crate::kernels::norm;
@@ -97,11 +97,13 @@ impl MoeWeights<'_> {
         ntok: usize,
         fetch: &mut ExpertFetch<'_>,
     ) -> Result<(Vec<f32>, MoeStats), ForwardError> {
+        let checks = ScaleChecks::new(0, 0);
         let mut hooks = MoeHooks {
             announce: &mut |_| {},
             fetch,
             release_head: &mut || {},
             tail: &mut || Ok(self.tail.clone()),
+            checks: &checks,
         };
         self.head.forward_phased(ctx, p, v, ntok, &mut hooks)
     }
@@ -120,6 +122,8 @@ pub struct MoeHooks<'h, 't> {
     pub fetch: &'h mut ExpertFetch<'h>,
     pub release_head: &'h mut dyn FnMut(),
     pub tail: &'h mut dyn FnMut() -> Result<MoeTail<'t>, ForwardError>,
+    /// The model's experts already scanned for NaN scales ([`ScaleChecks`]).
+    pub checks: &'h ScaleChecks,
 }
 
 impl MoeHead<'_> {
@@ -162,7 +166,8 @@ impl MoeHead<'_> {
             requests: routed.union.len(),
             ..MoeStats::default()
         };
-        let slots = routed_experts(p, &routed, &xl, ctx.threads, hooks.fetch, &mut stats);
+        let fx = (&mut *hooks.fetch, hooks.checks);
+        let slots = routed_experts(p, &routed, &xl, ctx.threads, fx, &mut stats);
         if let Some(msg) = stats.non_finite.take() {
             return Err(ForwardError::NonFinite(msg));
         }
@@ -301,7 +306,7 @@ fn routed_experts(
     r: &Routed,
     xl: &[f32],
     threads: usize,
-    fetch: &mut ExpertFetch<'_>,
+    (fetch, checks): (&mut ExpertFetch<'_>, &ScaleChecks),
     stats: &mut MoeStats,
 ) -> SlotOutputs {
     let (lat, k) = (p.latent, p.top_k);
@@ -316,7 +321,7 @@ fn routed_experts(
         // The fetch's time less the routed products inside it is the wait for weights.
         let mut wait_span = profile::span(Phase::ExpertWait);
         let mut deliver = |batch: Delivery<'_>| {
-            let jobs = bind_delivery(batch, p, &r.union, &mut delivered, stats);
+            let jobs = bind_delivery(batch, p, (&r.union, checks), &mut delivered, stats);
             if jobs.is_empty() {
                 return;
             }
@@ -352,7 +357,7 @@ fn routed_experts(
 fn bind_delivery<'b>(
     batch: Delivery<'b>,
     p: &MoeParams,
-    union: &[u32],
+    (union, checks): (&[u32], &ScaleChecks),
     delivered: &mut [bool],
     stats: &mut MoeStats,
 ) -> Vec<ExpertJob<'b>> {
@@ -368,14 +373,18 @@ fn bind_delivery<'b>(
         }
         delivered[ui] = true;
         let id = union[ui];
+        let known = checks.known(p.layer, id);
         let mats = res.and_then(|e| {
             let n = |x: &str| expert_tensor(p.layer, id as usize, x);
             Ok([
-                expert_mat(&n("w1"), e.w1, p.inter, lat)?,
-                expert_mat(&n("w3"), e.w3, p.inter, lat)?,
-                expert_mat(&n("w2"), e.w2, lat, p.inter)?,
+                expert_mat(&n("w1"), e.w1, p.inter, lat, known)?,
+                expert_mat(&n("w3"), e.w3, p.inter, lat, known)?,
+                expert_mat(&n("w2"), e.w2, lat, p.inter, known)?,
             ])
         });
+        if mats.is_ok() && !known {
+            checks.mark(p.layer, id);
+        }
         match mats {
             Ok(m) => jobs.push((ui, m)),
             Err(e @ WeightError::NonFinite { .. }) => {
@@ -521,3 +530,4 @@ impl<W: Weights> Model<W> {
         })
     }
 }
+
