@@ -194,14 +194,25 @@ pub fn mat_from<'a>(
     m.map_err(|e| bad(e.0))
 }
 
-/// The packed and scale tensors' dtypes and shapes against `rows × cols`.
-fn mxfp4_shapes(
+/// An MXFP4 matrix from its packed and scale tensors, checked against `rows × cols`.
+pub fn mxfp4_from<'a>(
     name: &str,
-    packed: &TensorRef<'_>,
-    scale: &TensorRef<'_>,
+    packed: TensorRef<'a>,
+    scale: TensorRef<'a>,
     rows: usize,
     cols: usize,
-) -> Result<(), WeightError> {
+) -> Result<Mat<'a>, WeightError> {
+    mxfp4_mat(name, packed, scale, (rows, cols), true)
+}
+
+/// [`mxfp4_from`], its scales scanned for NaN only when `scan`.
+fn mxfp4_mat<'a>(
+    name: &str,
+    packed: TensorRef<'a>,
+    scale: TensorRef<'a>,
+    (rows, cols): (usize, usize),
+    scan: bool,
+) -> Result<Mat<'a>, WeightError> {
     let bad = |msg: String| WeightError::Invalid {
         name: name.to_string(),
         msg,
@@ -220,28 +231,10 @@ fn mxfp4_shapes(
             scale.dtype, scale.shape
         )));
     }
-    Ok(())
-}
-
-/// An MXFP4 matrix from its packed and scale tensors, checked against `rows × cols`.
-pub fn mxfp4_from<'a>(
-    name: &str,
-    packed: TensorRef<'a>,
-    scale: TensorRef<'a>,
-    rows: usize,
-    cols: usize,
-) -> Result<Mat<'a>, WeightError> {
-    let bad = |msg: String| WeightError::Invalid {
-        name: name.to_string(),
-        msg,
-    };
-    mxfp4_shapes(name, &packed, &scale, rows, cols)?;
-    let sc = cols.div_ceil(crate::kernels::mxfp4::GROUP);
     // E8M0 0xFF is NaN (OCP MX spec); the kernels decode it as 0, so a corrupt scale would
-    // silently zero its group: refused here, naming the tensor. One byte per 32 weights,
-    // scanned where the expert is bound (1 MB a routed expert of the slice, every time):
+    // silently zero its group: refused here, naming the tensor. One byte per 32 weights:
     // the `memchr` crate's vector scan, where `<[u8]>::contains` scans a word at a time.
-    if let Some(at) = memchr::memchr(0xFF, scale.bytes) {
+    if let Some(at) = scan.then(|| memchr::memchr(0xFF, scale.bytes)).flatten() {
         return Err(WeightError::NonFinite {
             name: format!("{name}.weight_scale"),
             msg: format!(
@@ -266,14 +259,9 @@ pub(crate) fn expert_mat<'a>(
 ) -> Result<Mat<'a>, WeightError> {
     match t {
         ExpertProj::Dense(t) => mat_from(what, t, rows, cols),
-        ExpertProj::Mxfp4 { packed, scale } if scales_known => {
-            mxfp4_shapes(what, &packed, &scale, rows, cols)?;
-            Mat::mxfp4(packed.bytes, scale.bytes, rows, cols).map_err(|e| WeightError::Invalid {
-                name: what.to_string(),
-                msg: e.0,
-            })
+        ExpertProj::Mxfp4 { packed, scale } => {
+            mxfp4_mat(what, packed, scale, (rows, cols), !scales_known)
         }
-        ExpertProj::Mxfp4 { packed, scale } => mxfp4_from(what, packed, scale, rows, cols),
     }
 }
 

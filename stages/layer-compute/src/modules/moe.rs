@@ -530,4 +530,3 @@ impl<W: Weights> Model<W> {
         })
     }
 }
-
