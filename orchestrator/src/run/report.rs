@@ -186,7 +186,7 @@ impl PrefillReport {
         }
         let reads = match self.disk_busy_seconds {
             Some(b) if b > 0.0 => format!(
-                "disk busy {b:.2} s for {} ({:.2} GB/s)",
+                "disk busy {b:.3} s for {} ({:.2} GB/s)",
                 human(self.read_bytes),
                 self.read_bytes as f64 / b / 1e9
             ),
@@ -198,8 +198,8 @@ impl PrefillReport {
             "-".to_string()
         };
         Some(format!(
-            "prefill floor: max({reads}, compute {:.2} s) = {:.2} s; the prefill took {ratio} \
-             it ({:.2} s of it waiting for reads)\n",
+            "prefill floor: max({reads}, compute {:.3} s) = {:.3} s; the prefill took {ratio} \
+             it ({:.3} s of it waiting for reads)\n",
             self.compute_seconds, self.floor_seconds, self.read_wait_seconds
         ))
     }
@@ -601,11 +601,11 @@ mod tests {
         assert_eq!(p.floor_seconds, 11.5);
         let l = p.floor_line().unwrap();
         assert!(
-            l.contains("compute 11.50 s") && l.contains("= 11.50 s"),
+            l.contains("compute 11.500 s") && l.contains("= 11.500 s"),
             "{l}"
         );
         assert!(
-            l.contains("disk busy 5.50 s") && l.contains("1.92 GB/s"),
+            l.contains("disk busy 5.500 s") && l.contains("1.92 GB/s"),
             "{l}"
         );
         assert!(l.contains("1.13x"), "{l}");
