@@ -159,6 +159,7 @@ impl PrefillReport {
     /// The prefill of a run whose first step (`first`) fed `tokens` prompt tokens on
     /// `product_path`.
     pub fn of(first: &StepReport, tokens: usize, product_path: String) -> PrefillReport {
+        let compute = (first.seconds - first.io_seconds).max(0.0);
         PrefillReport {
             tokens,
             seconds: first.seconds,
@@ -170,11 +171,9 @@ impl PrefillReport {
             read_bytes: first.trunk_read_bytes + first.expert_read_bytes,
             product_path,
             read_wait_seconds: first.io_seconds,
-            compute_seconds: (first.seconds - first.io_seconds).max(0.0),
+            compute_seconds: compute,
             disk_busy_seconds: first.disk_busy_seconds,
-            floor_seconds: (first.seconds - first.io_seconds)
-                .max(first.disk_busy_seconds.unwrap_or(0.0))
-                .max(0.0),
+            floor_seconds: compute.max(first.disk_busy_seconds.unwrap_or(0.0)),
         }
     }
 

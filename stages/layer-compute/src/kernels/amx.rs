@@ -451,6 +451,33 @@ unsafe fn block<const RT: usize, const CT: usize, const NP: usize>(
     }
 }
 
+/// `rts` row tiles (one to three) against one token tile, or two when `pair`: [`block3`]
+/// for three (one token tile: `pf` is [`Ahead::NONE`]), else [`block`] with `pf`.
+///
+/// # Safety
+/// As [`block`] (as [`block3`] for three row tiles).
+#[inline(always)]
+unsafe fn run_block<const NP: usize>(
+    (rts, pair): (usize, bool),
+    a: Weights,
+    b: *const u32,
+    bs: (usize, usize, usize),
+    nq: usize,
+    cp: Store,
+    pf: Ahead,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        match (rts, pair) {
+            (3, _) => block3::<NP>(a, b, bs, nq, cp),
+            (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp, pf),
+            (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp, pf),
+            (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp, pf),
+            (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp, pf),
+        }
+    }
+}
+
 /// [`block`] for three row tiles × one token tile (`tmm7` configured for weights): the
 /// three tiles' loads issue together before their steps, 48 rows of a group in flight.
 ///
@@ -824,15 +851,7 @@ unsafe fn drive<F: Format, const NP: usize>(
                 // (and n + 1) has groups q0..q1 in x.data; the ring holds row tiles
                 // i..i + rts (i + rts <= chunk) and columns col..col + 32 (col <= 64);
                 // tiles configured (three row tiles only with one token tile).
-                unsafe {
-                    match (rts, pair) {
-                        (3, _) => block3::<NP>(a, b, bs, nq, cp),
-                        (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp, Ahead::NONE),
-                        (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp, Ahead::NONE),
-                        (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp, Ahead::NONE),
-                        (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp, Ahead::NONE),
-                    }
-                }
+                unsafe { run_block::<NP>((rts, pair), a, b, bs, nq, cp, Ahead::NONE) };
                 i += rts;
             }
             // The ring full (six tiles: 32 whole tokens) or the last tiles stored.
@@ -913,16 +932,8 @@ unsafe fn passes_in_place<const NP: usize>(
                 c: ring[i * rstep + TILE_COLS * n..].as_mut_ptr(),
                 rstep,
             };
-            let nq = q1 - q0;
-            // SAFETY: as in drive's loop.
-            unsafe {
-                match (rts, pair) {
-                    (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp, pf),
-                    (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp, pf),
-                    (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp, pf),
-                    (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp, pf),
-                }
-            }
+            // SAFETY: as in drive's loop (two row tiles at most: nct > 1).
+            unsafe { run_block::<NP>((rts, pair), a, b, bs, q1 - q0, cp, pf) };
         }
         i += rts;
     }
