@@ -827,13 +827,14 @@ fn amx_within_error_budget() {
 // rows and tokens) must come out with the same bits every way. 2113 columns: a whole
 // 2048-column block, then a partial one ending in a partial group, so each result is
 // promoted twice.
-/// BF16 weights read in place against three and four token tiles (11-21 tokens), the
-/// row pairs outer (`amx::passes_in_place`): 160 rows (a chunk of eight row tiles and one
+/// BF16 weights read in place against three and four token tiles (11-21 tokens), row
+/// tile by row tile (`amx::in_place_rows`): 160 rows (a chunk of eight row tiles and one
 /// of two, both in place: whole tiles) × 4160 columns (three blocks, all whole groups),
 /// each token alone (one narrow tile) against the same token in batches of 11, 16 and
 /// 21, bit for bit. The shape of `amx_rows_and_tokens_independent_bitwise` (53 rows, a
-/// partial group) is always staged, and a pass that stored its sums at another token
-/// tile's columns passed it: it fails here (checked).
+/// partial group) is always staged, and a step that stored its sums at another token
+/// tile's columns passed it: it fails here, and so does a fourth token tile loaded from
+/// the third's place (both checked).
 #[test]
 fn amx_in_place_token_tiles_bitwise() {
     let _kernels = kernels_shared();

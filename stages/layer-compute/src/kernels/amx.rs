@@ -32,7 +32,9 @@
 //!   row tiles' weights, `tmm6/7` the token tiles: per group 4 loads against 4 steps of
 //!   8192 multiply-adds (12 steps for F32 weights). With one token tile (up to five
 //!   tokens: the decode) `tmm0..2` accumulate 3 row tiles and `tmm7` holds the third
-//!   one's weights ([`block3`]).
+//!   one's weights ([`block3`]). With three or four token tiles read in place (11 to 21
+//!   tokens), one row tile: `tmm0..3` accumulate its token tiles, `tmm4` holds its
+//!   weights, `tmm5..7` the token tiles ([`block_row`]).
 //! - **Speed** (`kernel_micro --direct`, one thread, the Xeon of 2026-12-06): BF16 from 4
 //!   tokens on and MXFP4 from 16 on run faster than `exact` (64 tokens: 2.6 times); one
 //!   token runs at 0.4-0.8 of `exact`, bound by the tile loads of rows from memory
@@ -98,10 +100,10 @@ pub const NARROW_TOKENS: usize = 5;
 /// tiles, 32 tokens' three parts, so every promotion starts at a token's first part.
 const RING_COLS: usize = 6 * TILE_COLS;
 /// BF16 weights are read in place (not staged) up to this many token tiles. At two, each
-/// weight tile serves one pair of token tiles; at three or four (11 to 21 tokens) the
-/// second pair finds the chunk's weights still in L2, where staging them first cost a copy
-/// whose loads wait on DRAM: a 16-token prompt's attention took 400-430 ms in place against
-/// 480-600 ms staged (the Xeon of 2026-12-07, alternated, `K3_PROFILE`).
+/// weight tile serves one pair of token tiles; at three or four (11 to 21 tokens) one
+/// row tile serves all of them ([`in_place_rows`]). Staging them first cost a copy whose
+/// loads wait on DRAM: a 16-token prompt's attention took 400-430 ms in place (two passes
+/// then) against 480-600 ms staged (the Xeon of 2026-12-07, alternated, `K3_PROFILE`).
 const IN_PLACE_TILES: usize = 4;
 /// Groups per f32 block: 2048 columns, twice the `exact` path's. Each block ends in a
 /// tile store whose promotion's loads wait for the tile unit, and a next tile load that
@@ -186,9 +188,6 @@ impl Tiles {
     /// Token tiles.
     fn tiles(&self) -> usize {
         token_tiles(self.ntok)
-    }
-    fn ng(&self) -> usize {
-        groups(self.cols)
     }
 }
 
@@ -351,23 +350,6 @@ struct Weights {
     half: usize,
 }
 
-/// Lines a [`block`] prefetches into L2 at each group step `g`: `rows` lines `stride`
-/// bytes apart from `base + g · group` (`rows` 0: none). Addresses only, never read.
-#[derive(Clone, Copy)]
-struct Ahead {
-    base: *const u8,
-    stride: usize,
-    rows: usize,
-}
-
-impl Ahead {
-    const NONE: Ahead = Ahead {
-        base: std::ptr::null(),
-        stride: 0,
-        rows: 0,
-    };
-}
-
 /// Where a block's accumulators are stored: tile (row tile `rt`, token tile `ct`) at `c +
 /// rt·rstep + ct·16` floats, its rows [`RING_COLS`] floats apart (the chunk's ring).
 #[derive(Clone, Copy)]
@@ -394,7 +376,6 @@ unsafe fn block<const RT: usize, const CT: usize, const NP: usize>(
     (bstep, bnext, bstride): (usize, usize, usize),
     nq: usize,
     Store { c, rstep }: Store,
-    pf: Ahead,
 ) {
     // SAFETY: tile operations on the configured tiles over the buffers the caller vouches
     // for.
@@ -410,11 +391,6 @@ unsafe fn block<const RT: usize, const CT: usize, const NP: usize>(
             tzero!(3);
         }
         for g in 0..nq {
-            let mut at = pf.base.wrapping_add(g * a.group);
-            for _ in 0..pf.rows {
-                _mm_prefetch::<_MM_HINT_T1>(at as *const i8);
-                at = at.wrapping_add(pf.stride);
-            }
             let bp = b.add(g * bstep);
             tload!(6, bp, bstride);
             if CT == 2 {
@@ -452,7 +428,7 @@ unsafe fn block<const RT: usize, const CT: usize, const NP: usize>(
 }
 
 /// `rts` row tiles (one to three) against one token tile, or two when `pair`: [`block3`]
-/// for three (one token tile: `pf` is [`Ahead::NONE`]), else [`block`] with `pf`.
+/// for three (one token tile), else [`block`].
 ///
 /// # Safety
 /// As [`block`] (as [`block3`] for three row tiles).
@@ -464,16 +440,67 @@ unsafe fn run_block<const NP: usize>(
     bs: (usize, usize, usize),
     nq: usize,
     cp: Store,
-    pf: Ahead,
 ) {
     // SAFETY: forwarded.
     unsafe {
         match (rts, pair) {
             (3, _) => block3::<NP>(a, b, bs, nq, cp),
-            (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp, pf),
-            (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp, pf),
-            (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp, pf),
-            (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp, pf),
+            (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp),
+            (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp),
+            (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp),
+            (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp),
+        }
+    }
+}
+
+/// One row tile against `CT` (three or four) token tiles: the accumulators `tmm0..CT`
+/// from zero, the weights in `tmm4` loaded once a group and part, the token tiles in
+/// `tmm5..7` (the fourth reloaded into `tmm5` after the first's step), stored to `c`
+/// ([`Store`], token tile `n` at column `16n`). Every accumulator takes the same steps in
+/// the same order as in [`block`]: the same bits.
+///
+/// # Safety
+/// As [`block`] with `RT == 1` and `CT` token tiles `bnext` dwords apart; every tile
+/// configured 16 rows × 64 bytes (sixteen-column token tiles).
+#[inline(always)]
+unsafe fn block_row<const CT: usize, const NP: usize>(
+    a: Weights,
+    b: *const u32,
+    (bstep, bnext, bstride): (usize, usize, usize),
+    nq: usize,
+    Store { c, .. }: Store,
+) {
+    debug_assert!(CT == 3 || CT == 4);
+    // SAFETY: tile operations on the configured tiles over the buffers the caller vouches
+    // for.
+    unsafe {
+        tzero!(0);
+        tzero!(1);
+        tzero!(2);
+        if CT == 4 {
+            tzero!(3);
+        }
+        for g in 0..nq {
+            let bp = b.add(g * bstep);
+            for p in 0..NP {
+                tload!(4, a.base.add(g * a.group + p * 2 * A_TILE), a.stride);
+                tload!(5, bp, bstride);
+                tload!(6, bp.add(bnext), bstride);
+                tload!(7, bp.add(2 * bnext), bstride);
+                tdp!(0, 4, 5);
+                tdp!(1, 4, 6);
+                tdp!(2, 4, 7);
+                if CT == 4 {
+                    tload!(5, bp.add(3 * bnext), bstride);
+                    tdp!(3, 4, 5);
+                }
+            }
+        }
+        tstore!(0, c, RING_ROW);
+        tstore!(1, c.add(TILE_COLS), RING_ROW);
+        tstore!(2, c.add(2 * TILE_COLS), RING_ROW);
+        if CT == 4 {
+            tstore!(3, c.add(3 * TILE_COLS), RING_ROW);
         }
     }
 }
@@ -724,8 +751,8 @@ unsafe fn drive_decode<F: Format>(
 /// strip in L2). Per chunk and block:
 /// - **In place** with up to [`IN_PLACE_TILES`] token tiles (the decode, short prompts),
 ///   BF16 tiles whose rows and groups are all whole: the matrix's rows are the tile's (no
-///   prefetch up to two token tiles: it measured slower; three or four run row pair by
-///   row pair, the next pair prefetched, [`passes_in_place`]).
+///   prefetch: it measured slower; three or four run row tile by row tile,
+///   [`in_place_rows`]).
 /// - **Decoded a group ahead** for MXFP4 against one token tile ([`drive_decode`]).
 /// - **Staged** otherwise: the chunk's block decoded (or copied, split) into a strip of
 ///   two halves, one step ahead: a tile load of rows just stored waits for the stores.
@@ -815,9 +842,9 @@ unsafe fn drive<F: Format, const NP: usize>(
             }
         };
         if direct && nct > 2 {
-            // In place against three or four token tiles: row pair by row pair.
+            // In place against three or four token tiles: row tile by row tile.
             // SAFETY: as the loop below's.
-            unsafe { passes_in_place::<NP>(f, &steps, k, a0, x, (tiles, bs), &mut ring) };
+            unsafe { in_place_rows::<NP>(a0, x, (tiles, (q0, q1)), bs, &mut ring) };
             // SAFETY: AVX-512F enabled in the caller; the ring holds every token (nct <= 4
             // tiles: at most 21 tokens) of rows c0..c1.
             unsafe { promote(&ring, (c0, c1, r0), (0, ntok, ntok), out) };
@@ -851,7 +878,7 @@ unsafe fn drive<F: Format, const NP: usize>(
                 // (and n + 1) has groups q0..q1 in x.data; the ring holds row tiles
                 // i..i + rts (i + rts <= chunk) and columns col..col + 32 (col <= 64);
                 // tiles configured (three row tiles only with one token tile).
-                unsafe { run_block::<NP>((rts, pair), a, b, bs, nq, cp, Ahead::NONE) };
+                unsafe { run_block::<NP>((rts, pair), a, b, bs, nq, cp) };
                 i += rts;
             }
             // The ring full (six tiles: 32 whole tokens) or the last tiles stored.
@@ -872,70 +899,46 @@ unsafe fn drive<F: Format, const NP: usize>(
     STRIP.with(|s| *s.borrow_mut() = Some(strip));
 }
 
-/// One in-place step against three or four token tiles (11 to 21 tokens), pair of row
-/// tiles by pair of row tiles: each pair's blocks against every pair of token tiles (its
-/// weights from L2 after the first), while the next pair's weights (or the next step's
-/// first pair's) are prefetched into L2, a share of its rows in each pass. Token tiles
-/// outer (every row tile against the first pair, then against the rest, as a staged
-/// chunk runs) left the memory idle while the second pass read L2, and L2 did not always
-/// keep a chunk of rows a long power-of-two stride apart: `perf` of a 16-token prompt put
-/// 54% of the kernel's samples in the second pass. Row pairs outer with the prefetch, the
-/// 16-token prompt's BF16 products took 5-9% less time (`K3_PROFILE`, eight rounds
-/// alternated: docs/measurements.md, "Short prompts in place, row pair by row pair").
-/// Each accumulator's steps and the promotion are unchanged: the same bits.
+/// One in-place step against three or four token tiles (11 to 21 tokens), row tile by row
+/// tile: each row tile's weights are loaded once a group, from memory, against every
+/// token tile ([`block_row`]). Pairs of row tiles against pairs of token tiles read every
+/// weight tile twice (the second time from L2, prefetched while the first pair of token
+/// tiles ran) and walked 32 rows at once; one row tile walks 16. Against that order, the
+/// BF16 products of 11-, 16- and 21-token prompts took 17%, 15% and 8% less time
+/// (`K3_PROFILE`, alternated: docs/measurements.md, "Short prompts in place, row tile by
+/// row tile"). Each accumulator's steps and the promotion are unchanged: the same bits.
 ///
 /// # Safety
-/// As [`drive`]'s loop: `a0` addresses step `k`'s rows in place; tiles configured.
+/// As [`drive`]'s loop: `a0` addresses the step's `tiles` row tiles in place, groups
+/// `q0..q1`; three or four sixteen-column token tiles; tiles configured.
 #[inline(always)]
-unsafe fn passes_in_place<const NP: usize>(
-    f: impl Format,
-    steps: &[Step],
-    k: usize,
+unsafe fn in_place_rows<const NP: usize>(
     a0: Weights,
     x: &Tiles,
-    (tiles, bs): (usize, (usize, usize, usize)),
+    (tiles, (q0, q1)): (usize, (usize, usize)),
+    bs: (usize, usize, usize),
     ring: &mut AlignedBuf<f32>,
 ) {
-    let nct = x.tiles();
-    let (_, (q0, q1), _) = steps[k];
-    let passes = nct.div_ceil(2);
     let rstep = TILE_ROWS * RING_COLS;
-    let mut i = 0;
-    while i < tiles {
-        let rts = 2.min(tiles - i);
-        let (nb, nrows) = if i + 2 < tiles {
-            (
-                a0.base.wrapping_add((i + 2) * a0.half),
-                TILE_ROWS * 2.min(tiles - i - 2),
-            )
-        } else if let Some(&((d0, d1), (e0, _), true)) = steps.get(k + 1) {
-            // SAFETY: (d0, e0) is a whole group of the matrix (an in-place step).
-            (unsafe { f.at(d0, e0) }.0, (d1 - d0).min(2 * TILE_ROWS))
-        } else {
-            (std::ptr::null(), 0)
-        };
+    let b = x.data[q0 * bs.0..].as_ptr();
+    for i in 0..tiles {
         let a = Weights {
             base: a0.base.wrapping_add(i * a0.half),
             ..a0
         };
-        for n in (0..nct).step_by(2) {
-            let pass = n / 2;
-            let (ra, rb) = (pass * nrows / passes, (pass + 1) * nrows / passes);
-            let pf = Ahead {
-                base: nb.wrapping_add(ra * a0.stride),
-                stride: a0.stride,
-                rows: rb - ra,
-            };
-            let pair = n + 1 < nct;
-            let b = x.data[(n * x.ng() + q0) * bs.0..].as_ptr();
-            let cp = Store {
-                c: ring[i * rstep + TILE_COLS * n..].as_mut_ptr(),
-                rstep,
-            };
-            // SAFETY: as in drive's loop (two row tiles at most: nct > 1).
-            unsafe { run_block::<NP>((rts, pair), a, b, bs, q1 - q0, cp, pf) };
+        let cp = Store {
+            c: ring[i * rstep..].as_mut_ptr(),
+            rstep,
+        };
+        // SAFETY: row tile i of the step in place; token tiles 0..nct with groups q0..q1
+        // in x.data, bs.1 dwords apart; the ring's row tile i holds 64 columns.
+        unsafe {
+            if x.tiles() == 3 {
+                block_row::<3, NP>(a, b, bs, q1 - q0, cp)
+            } else {
+                block_row::<4, NP>(a, b, bs, q1 - q0, cp)
+            }
         }
-        i += rts;
     }
 }
 
