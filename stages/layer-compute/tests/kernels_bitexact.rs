@@ -827,14 +827,17 @@ fn amx_within_error_budget() {
 // rows and tokens) must come out with the same bits every way. 2113 columns: a whole
 // 2048-column block, then a partial one ending in a partial group, so each result is
 // promoted twice.
-/// BF16 weights read in place against three and four token tiles (11-21 tokens), row
-/// tile by row tile (`amx::in_place_rows`): 160 rows (a chunk of eight row tiles and one
-/// of two, both in place: whole tiles) × 4160 columns (three blocks, all whole groups),
-/// each token alone (one narrow tile) against the same token in batches of 11, 16 and
-/// 21, bit for bit. The shape of `amx_rows_and_tokens_independent_bitwise` (53 rows, a
-/// partial group) is always staged, and a step that stored its sums at another token
-/// tile's columns passed it: it fails here, and so does a fourth token tile loaded from
-/// the third's place (both checked).
+/// BF16 weights read in place against 3 to 12 token tiles (11-64 tokens), row tile by row
+/// tile (`amx::in_place_rows`): 160 rows (five pairs of row tiles, all in place: whole
+/// tiles) × 4160 columns (three blocks, all whole groups), each token alone (one narrow
+/// tile) against the same token in batches of 11, 16, 21 (three and four tiles: one
+/// pass), 26 and 32 (a pass of four, then one of one or two), 40 and 64 (two groups of
+/// six tiles, each promoted on its own), bit for bit. The shape of
+/// `amx_rows_and_tokens_independent_bitwise` (53 rows, a partial group) is staged but for
+/// its first pair of row tiles and block, and its batches are of 7 and 13 tokens: a step
+/// that stored its sums at another token tile's columns once passed it. That fails here,
+/// and so do a fourth token tile loaded from the third's place and a second group of six
+/// tiles promoted as the first's tokens (each checked).
 #[test]
 fn amx_in_place_token_tiles_bitwise() {
     let _kernels = kernels_shared();
@@ -845,7 +848,7 @@ fn amx_in_place_token_tiles_bitwise() {
     let (rows, cols) = (160, 4160);
     let o = Owned::special("bf16", rows, cols, &mut s);
     let m = o.mat();
-    for ntok in [11, 16, 21] {
+    for ntok in [11, 16, 21, 26, 32, 40, 64] {
         let x = adversarial(ntok, cols, &mut s);
         let mut all = vec![0f32; ntok * rows];
         gemm_on(&k, &m, &x, &mut all, ntok);

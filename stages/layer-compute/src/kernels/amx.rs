@@ -32,9 +32,9 @@
 //!   row tiles' weights, `tmm6/7` the token tiles: per group 4 loads against 4 steps of
 //!   8192 multiply-adds (12 steps for F32 weights). With one token tile (up to five
 //!   tokens: the decode) `tmm0..2` accumulate 3 row tiles and `tmm7` holds the third
-//!   one's weights ([`block3`]). With three or four token tiles read in place (11 to 21
-//!   tokens), one row tile: `tmm0..3` accumulate its token tiles, `tmm4` holds its
-//!   weights, `tmm5..7` the token tiles ([`block_row`]).
+//!   one's weights ([`block3`]). With three or more token tiles read in place (11 to 64
+//!   tokens), one row tile: `tmm0..3` accumulate up to four of its token tiles, `tmm4`
+//!   holds its weights, `tmm5..7` the token tiles ([`block_row`]).
 //! - **Speed** (`kernel_micro --direct`, one thread, the Xeon of 2026-12-06): BF16 from 4
 //!   tokens on and MXFP4 from 16 on run faster than `exact` (64 tokens: 2.6 times); one
 //!   token runs at 0.4-0.8 of `exact`, bound by the tile loads of rows from memory
@@ -99,12 +99,15 @@ pub const NARROW_TOKENS: usize = 5;
 /// Columns the stored accumulators of a chunk keep per row until their promotion: six
 /// tiles, 32 tokens' three parts, so every promotion starts at a token's first part.
 const RING_COLS: usize = 6 * TILE_COLS;
-/// BF16 weights are read in place (not staged) up to this many token tiles. At two, each
-/// weight tile serves one pair of token tiles; at three or four (11 to 21 tokens) one
-/// row tile serves all of them ([`in_place_rows`]). Staging them first cost a copy whose
-/// loads wait on DRAM: a 16-token prompt's attention took 400-430 ms in place (two passes
-/// then) against 480-600 ms staged (the Xeon of 2026-12-07, alternated, `K3_PROFILE`).
-const IN_PLACE_TILES: usize = 4;
+/// BF16 weights are read in place (not staged) up to this many token tiles (64 tokens).
+/// At two, each weight tile serves one pair of token tiles; from three on one row tile
+/// serves four at a time ([`in_place_rows`]). Staging them first cost a copy whose loads
+/// wait on DRAM: a 16-token prompt's attention took 400-430 ms in place (two passes then)
+/// against 480-600 ms staged; the BF16 products of 48- and 64-token prompts took 7-23%
+/// and 2-5% less time in place (the Xeon of 2026-12-07, alternated, `K3_PROFILE`). Past
+/// that each row tile's reloads of every token tile outgrow L2, where a staged chunk
+/// shares each load among eight row tiles.
+const IN_PLACE_TILES: usize = 12;
 /// Groups per f32 block: 2048 columns, twice the `exact` path's. Each block ends in a
 /// tile store whose promotion's loads wait for the tile unit, and a next tile load that
 /// waits for the promotion's stores, so the tile unit idles once a block. On the Xeon of
@@ -131,7 +134,7 @@ fn chunk_tiles(token_tiles: usize) -> usize {
     }
 }
 
-/// Row tiles a step of BF16 weights read in place against three or four token tiles
+/// Row tiles a step of BF16 weights read in place against three or more token tiles
 /// ([`in_place_rows`]) runs a block at a time: a pair, 32 rows, not a staged chunk's
 /// 128. Each block of the next pair then follows its rows' previous block sooner: the
 /// 16-token prompt's BF16 products took 6-10% less time than with eight row tiles
@@ -756,10 +759,10 @@ unsafe fn drive_decode<F: Format>(
 /// against two, up to [`CHUNK_TILES`] against more (prefill: each pair of token tiles is
 /// then read from memory once a chunk and block, against every pair of row tiles from the
 /// strip in L2). Per chunk and block:
-/// - **In place** with up to [`IN_PLACE_TILES`] token tiles (the decode, short prompts),
-///   BF16 tiles whose rows and groups are all whole: the matrix's rows are the tile's (no
-///   prefetch: it measured slower; three or four run row tile by row tile,
-///   [`in_place_rows`]).
+/// - **In place** with up to [`IN_PLACE_TILES`] token tiles (the decode, prompts up to 64
+///   tokens), BF16 tiles whose rows and groups are all whole: the matrix's rows are the
+///   tile's (no prefetch: it measured slower; from three token tiles on, a pair of row
+///   tiles a step, row tile by row tile, [`in_place_rows`]).
 /// - **Decoded a group ahead** for MXFP4 against one token tile ([`drive_decode`]).
 /// - **Staged** otherwise: the chunk's block decoded (or copied, split) into a strip of
 ///   two halves, one step ahead: a tile load of rows just stored waits for the stores.
@@ -853,12 +856,9 @@ unsafe fn drive<F: Format, const NP: usize>(
             }
         };
         if direct && nct > 2 {
-            // In place against three or four token tiles: row tile by row tile.
+            // In place against three or more token tiles: row tile by row tile.
             // SAFETY: as the loop below's.
-            unsafe { in_place_rows::<NP>(a0, x, (tiles, (q0, q1)), bs, &mut ring) };
-            // SAFETY: AVX-512F enabled in the caller; the ring holds every token (nct <= 4
-            // tiles: at most 21 tokens) of rows c0..c1.
-            unsafe { promote(&ring, (c0, c1, r0), (0, ntok, ntok), out) };
+            unsafe { in_place_rows::<NP>(a0, x, (c0, c1, r0), (q0, q1), bs, &mut ring, out) };
             continue;
         }
         // Tokens whose sums have this block's accumulators added.
@@ -910,46 +910,72 @@ unsafe fn drive<F: Format, const NP: usize>(
     STRIP.with(|s| *s.borrow_mut() = Some(strip));
 }
 
-/// One in-place step against three or four token tiles (11 to 21 tokens), row tile by row
-/// tile: each row tile's weights are loaded once a group, from memory, against every
-/// token tile ([`block_row`]). Pairs of row tiles against pairs of token tiles read every
-/// weight tile twice (the second time from L2, prefetched while the first pair of token
-/// tiles ran) and walked 32 rows at once; one row tile walks 16. Against that order, the
-/// BF16 products of 11-, 16- and 21-token prompts took 17%, 15% and 8% less time
-/// (`K3_PROFILE`, alternated: docs/measurements.md, "Short prompts in place, row tile by
-/// row tile"). Each accumulator's steps and the promotion are unchanged: the same bits.
+/// One in-place step (rows `c0..c1`, whole row tiles; groups `q0..q1`) against three to
+/// [`IN_PLACE_TILES`] token tiles (11 to 64 tokens), row tile by row tile, into `out`
+/// (row `r` at `(r - r0) · ntok`): per group of six token tiles (the ring's 32 tokens),
+/// each row tile's weights are loaded once a group from memory against four token tiles
+/// at a time ([`block_row`]; the rest from L2), then the group's sums promoted. Pairs of
+/// row tiles against pairs of token tiles (the order before) read every weight tile
+/// twice and walked 32 rows at once; one row tile walks 16. Against that order the BF16
+/// products of 11-, 16- and 21-token prompts took 8-17% less time, and 15-20% less
+/// again with the step's pair of row tiles ([`IN_PLACE_CHUNK`]); 26- and 32-token
+/// prompts, staged before, 29-33% less (`K3_PROFILE`, alternated: docs/measurements.md,
+/// "Short prompts in place, row tile by row tile"). Each accumulator's steps and the
+/// promotion are unchanged: the same bits.
 ///
 /// # Safety
-/// As [`drive`]'s loop: `a0` addresses the step's `tiles` row tiles in place, groups
-/// `q0..q1`; three or four sixteen-column token tiles; tiles configured.
+/// As [`drive`]'s loop: `a0` addresses the step's row tiles in place, groups `q0..q1`;
+/// sixteen-column token tiles; tiles configured; AVX-512F enabled in the caller.
 #[inline(always)]
 unsafe fn in_place_rows<const NP: usize>(
     a0: Weights,
     x: &Tiles,
-    (tiles, (q0, q1)): (usize, (usize, usize)),
+    (c0, c1, r0): (usize, usize, usize),
+    (q0, q1): (usize, usize),
     bs: (usize, usize, usize),
     ring: &mut AlignedBuf<f32>,
+    out: &mut [f64],
 ) {
     let rstep = TILE_ROWS * RING_COLS;
-    let b = x.data[q0 * bs.0..].as_ptr();
-    for i in 0..tiles {
-        let a = Weights {
-            base: a0.base.wrapping_add(i * a0.half),
-            ..a0
-        };
-        let cp = Store {
-            c: ring[i * rstep..].as_mut_ptr(),
-            rstep,
-        };
-        // SAFETY: row tile i of the step in place; token tiles 0..nct with groups q0..q1
-        // in x.data, bs.1 dwords apart; the ring's row tile i holds 64 columns.
-        unsafe {
-            if x.tiles() == 3 {
-                block_row::<3, NP>(a, b, bs, q1 - q0, cp)
-            } else {
-                block_row::<4, NP>(a, b, bs, q1 - q0, cp)
+    let (nct, ntok, ng) = (x.tiles(), x.ntok, groups(x.cols));
+    let tiles = (c1 - c0) / TILE_ROWS;
+    let per_ring = RING_COLS / TILE_COLS;
+    let mut done = 0;
+    for g0 in (0..nct).step_by(per_ring) {
+        let g1 = (g0 + per_ring).min(nct);
+        for i in 0..tiles {
+            let a = Weights {
+                base: a0.base.wrapping_add(i * a0.half),
+                ..a0
+            };
+            for n in (g0..g1).step_by(4) {
+                let b = x.data[(n * ng + q0) * bs.0..].as_ptr();
+                let cp = Store {
+                    c: ring[i * rstep + TILE_COLS * (n - g0)..].as_mut_ptr(),
+                    rstep,
+                };
+                // SAFETY: row tile i of the step in place; token tiles n..g1 with groups
+                // q0..q1 in x.data, bs.1 dwords apart; the ring's row tile i holds their
+                // columns (g1 - g0 <= 6 tiles).
+                unsafe {
+                    match g1 - n {
+                        1 => block::<1, 1, NP>(a, b, bs, q1 - q0, cp),
+                        2 => block::<1, 2, NP>(a, b, bs, q1 - q0, cp),
+                        3 => block_row::<3, NP>(a, b, bs, q1 - q0, cp),
+                        _ => block_row::<4, NP>(a, b, bs, q1 - q0, cp),
+                    }
+                }
             }
         }
+        let upto = if g1 == nct {
+            ntok
+        } else {
+            g1 * TILE_COLS / PARTS
+        };
+        // SAFETY: AVX-512F enabled in the caller; the ring holds tokens done..upto (at most
+        // 32, from column 0) of rows c0..c1.
+        unsafe { promote(ring, (c0, c1, r0), (done, upto, ntok), out) };
+        done = upto;
     }
 }
 
