@@ -103,10 +103,10 @@ const RING_COLS: usize = 6 * TILE_COLS;
 /// At two, each weight tile serves one pair of token tiles; from three on one row tile
 /// serves four at a time ([`in_place_rows`]). Staging them first cost a copy whose loads
 /// wait on DRAM: a 16-token prompt's attention took 400-430 ms in place (two passes then)
-/// against 480-600 ms staged; the BF16 products of 48- and 64-token prompts took 7-23%
-/// and 2-5% less time in place (the Xeon of 2026-12-07, alternated, `K3_PROFILE`). Past
-/// that each row tile's reloads of every token tile outgrow L2, where a staged chunk
-/// shares each load among eight row tiles.
+/// against 480-600 ms staged; the BF16 products of 48-token prompts took 7-23% less time
+/// in place, of 64-token ones about as long (the Xeon of 2026-12-07, alternated,
+/// `K3_PROFILE`, two sittings). Past that each row tile's reloads of every token tile
+/// outgrow L2, where a staged chunk shares each load among eight row tiles.
 const IN_PLACE_TILES: usize = 12;
 /// Groups per f32 block: 2048 columns, twice the `exact` path's. Each block ends in a
 /// tile store whose promotion's loads wait for the tile unit, and a next tile load that
