@@ -275,8 +275,9 @@ fn product_path_line() -> String {
         "automatic: the AVX512-BF16 kernel measured faster than exact on this CPU kind".into()
     } else if simd::amx_available() {
         "automatic: this CPU has the bf16x3 AMX kernel (K3_SIMD=bf16x3: a 512-token prompt \
-         about 2.7x faster), but its decode measured about 10% slower than exact \
-         (docs/measurements.md, \"The AMX one-token MXFP4 product decoded a group ahead\")"
+         about 2.7x faster, a 16-token one about 1.4x), but its decode measured 12-16% \
+         slower than exact (docs/measurements.md, \"Short prompts in place, row tile by row \
+         tile\")"
             .into()
     } else if simd::bf16_dot_available() {
         "automatic: this CPU has the AVX512-BF16 kernel (K3_SIMD=bf16x3), but without AMX \

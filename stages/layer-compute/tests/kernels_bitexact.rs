@@ -823,7 +823,9 @@ fn amx_within_error_budget() {
 // the batch, or on a task's first row; a promotion that takes a part from the wrong
 // column or token (45 tokens: nine tiles, the chunk's stored sums promoted after six and
 // after the ninth, odd one; 3 and 5 tokens: one narrow tile, whose MXFP4 sums the
-// decode-ahead driver promotes itself). Special weights and activations (subnormals, −0, ∞ and NaN
+// decode-ahead driver promotes itself; MXFP4 at 7, 13 and 21 tokens: two, three and four
+// token tiles against one decoded row tile, `amx::drive_decode_tiles`, whose last row
+// tile here is partial). Special weights and activations (subnormals, −0, ∞ and NaN
 // rows and tokens) must come out with the same bits every way. 2113 columns: a whole
 // 2048-column block, then a partial one ending in a partial group, so each result is
 // promoted twice.
@@ -865,6 +867,46 @@ fn amx_in_place_token_tiles_bitwise() {
     }
 }
 
+/// Each token alone against the same token in batches of 7 to 40 plain tokens (finite
+/// after the first three), MXFP4 and BF16, 53 rows (a partial row tile) × 2113 columns (a
+/// partial group): a token tile's sums taken from another tile's activations fail here.
+/// The adversarial tokens above mostly sum to NaN or ∞, where such a mix-up passes: a
+/// fourth MXFP4 token tile loaded from the third's place (`amx::drive_decode_tiles`)
+/// passed `amx_rows_and_tokens_independent_bitwise` and fails this test (checked).
+#[test]
+fn amx_plain_tokens_in_every_tile_bitwise() {
+    let _kernels = kernels_shared();
+    let Some(k) = amx_kernel("amx_plain_tokens_in_every_tile_bitwise") else {
+        return;
+    };
+    let mut s = 0x7a11_0000_4242_0007u64;
+    let (rows, cols) = (53, 2113);
+    for fmt in ["mxfp4", "bf16"] {
+        let o = Owned::new(fmt, rows, cols, &mut s);
+        let m = o.mat();
+        for ntok in [7, 13, 21, 26, 40] {
+            let x = activations(ntok, cols, &mut s);
+            let mut all = vec![0f32; ntok * rows];
+            gemm_on(&k, &m, &x, &mut all, ntok);
+            for t in 0..ntok {
+                let mut one = vec![0f32; rows];
+                gemm_on(&k, &m, &x[t * cols..(t + 1) * cols], &mut one, 1);
+                let what = format!("{fmt} plain token {t} of {ntok} alone");
+                assert_same(&what, &one, &all[t * rows..(t + 1) * rows]);
+            }
+            // The comparison has teeth: the tokens after the first three sum to finite,
+            // non-zero values (a zero scale group aside).
+            let plain = all[3 * rows..]
+                .iter()
+                .filter(|v| v.is_finite() && **v != 0.0);
+            assert!(
+                plain.count() * 10 >= 9 * (ntok - 3) * rows,
+                "{fmt} {ntok}: too few finite results"
+            );
+        }
+    }
+}
+
 #[test]
 fn amx_rows_and_tokens_independent_bitwise() {
     let _kernels = kernels_shared();
@@ -875,6 +917,7 @@ fn amx_rows_and_tokens_independent_bitwise() {
     for (fmt, ntok) in [
         ("bf16", 13),
         ("mxfp4", 13),
+        ("mxfp4", 21),
         ("f32", 13),
         ("bf16", 45),
         ("mxfp4", 45),

@@ -754,6 +754,105 @@ unsafe fn drive_decode<F: Format>(
     }
 }
 
+/// Rows `r0..r1` of MXFP4 weights × two to four token tiles (6 to 21 tokens: a routed
+/// expert's share of a short prompt or of a `serve` prefill chunk) into `out`: one row
+/// tile at a time, group `q + 1` of its 16 rows decoded into a ring in L1 while group `q`'s
+/// tile is loaded once and stepped against every token tile ([`drive_decode`]'s ring, with
+/// [`block_row`]'s registers), instead of a chunk's block staged into a strip in L2 and
+/// read back for every pair of token tiles. Each accumulator's steps, their operands and
+/// their order are the staged path's: the same bits.
+///
+/// # Safety
+/// As [`rows`]; the tiles configured for sixteen-column token tiles; `F::KIND` is MXFP4.
+#[inline(always)]
+unsafe fn drive_decode_tiles<F: Format>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    x: &Tiles,
+    out: &mut [f64],
+) {
+    let (ntok, ng, nct) = (x.ntok, groups(m.cols), x.tiles());
+    assert!(
+        (2..=4).contains(&nct) && r1 <= m.rows && out.len() >= (r1 - r0) * ntok,
+        "output length"
+    );
+    out[..(r1 - r0) * ntok].fill(0.0);
+    let mut ring = DecodeRing([[0; 3 * A_TILE]; RING_DEPTH]);
+    let mut sums = AlignedBuf::<f32>::new(TILE_ROWS * RING_COLS);
+    let (bstep, bstride) = (PAIRS * x.width, 4 * x.width);
+    let bnext = bstep * ng;
+    for c0 in (r0..r1).step_by(TILE_ROWS) {
+        let c1 = r1.min(c0 + TILE_ROWS);
+        // The next row tile's bytes, prefetched into L2 over this one's steps.
+        let next = f.spans(c1, r1.min(c1 + TILE_ROWS));
+        let per_step = next.map(|(_, n)| 64 * n.div_ceil(64).div_ceil(ng));
+        if c1 - c0 < TILE_ROWS {
+            // The last tile's missing rows: zero weights, sums never promoted.
+            ring = DecodeRing([[0; 3 * A_TILE]; RING_DEPTH]);
+        }
+        for q0 in (0..ng).step_by(BLOCK_GROUPS) {
+            let q1 = (q0 + BLOCK_GROUPS).min(ng);
+            for q in q0..q1.min(q0 + RING_DEPTH - 1) {
+                decode_group(f, m, &mut ring, (c0, c1), q);
+            }
+            // SAFETY: the tiles configured 16 rows × 64 bytes (caller); every slot's first
+            // tile is 1 KiB of 64-byte rows; x.data holds ng groups of each of the nct token
+            // tiles, bstep dwords apart, bnext apart from tile to tile; `sums` holds one row
+            // tile of RING_COLS floats a row (nct <= 4 tiles of 16 columns).
+            unsafe {
+                tzero!(0);
+                tzero!(1);
+                tzero!(2);
+                tzero!(3);
+                for q in q0..q1 {
+                    for k in 0..2 {
+                        let (p, n) = next[k];
+                        let (mut at, end) = (q * per_step[k], n.min((q + 1) * per_step[k]));
+                        while at < end {
+                            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(at) as *const i8);
+                            at += 64;
+                        }
+                    }
+                    if q + RING_DEPTH - 1 < q1 {
+                        decode_group(f, m, &mut ring, (c0, c1), q + RING_DEPTH - 1);
+                    }
+                    let bp = x.data[q * bstep..].as_ptr();
+                    tload!(
+                        4,
+                        ring.0[q % RING_DEPTH].as_ptr() as *const u8,
+                        2 * GROUP_COLS
+                    );
+                    tload!(5, bp, bstride);
+                    tload!(6, bp.add(bnext), bstride);
+                    tdp!(0, 4, 5);
+                    tdp!(1, 4, 6);
+                    if nct > 2 {
+                        tload!(7, bp.add(2 * bnext), bstride);
+                        tdp!(2, 4, 7);
+                    }
+                    if nct > 3 {
+                        tload!(5, bp.add(3 * bnext), bstride);
+                        tdp!(3, 4, 5);
+                    }
+                }
+                let c = sums.as_mut_ptr();
+                tstore!(0, c, RING_ROW);
+                tstore!(1, c.add(TILE_COLS), RING_ROW);
+                if nct > 2 {
+                    tstore!(2, c.add(2 * TILE_COLS), RING_ROW);
+                }
+                if nct > 3 {
+                    tstore!(3, c.add(3 * TILE_COLS), RING_ROW);
+                }
+            }
+            // SAFETY: AVX-512F enabled in the caller; `sums` holds tokens 0..ntok (at most
+            // 21) of rows c0..c1.
+            unsafe { promote(&sums, (c0, c1, r0), (0, ntok, ntok), out) };
+        }
+    }
+}
+
 /// Rows `r0..r1` × every prepared token of format `F` with `NP` weight parts into `out`.
 /// Rows go in chunks of row tiles: three against one token tile ([`block3`]), a pair
 /// against two, up to [`CHUNK_TILES`] against more (prefill: each pair of token tiles is
@@ -781,6 +880,10 @@ unsafe fn drive<F: Format, const NP: usize>(
     if F::KIND == FormatKind::Mxfp4 && nct == 1 {
         // SAFETY: as this function's.
         return unsafe { drive_decode(f, m, (r0, r1), x, out) };
+    }
+    if F::KIND == FormatKind::Mxfp4 && nct <= 4 {
+        // SAFETY: as this function's (nct > 1: sixteen-column token tiles).
+        return unsafe { drive_decode_tiles(f, m, (r0, r1), x, out) };
     }
     assert!(
         r1 <= m.rows && out.len() >= (r1 - r0) * ntok,
