@@ -668,14 +668,11 @@ unsafe fn decode_group<F: Format>(
 
 /// Rows `r0..r1` of MXFP4 weights × one token tile (up to [`NARROW_TOKENS`] tokens: the
 /// decode, a routed expert's few tokens) into `out`: [`drive`]'s staging fused into its
-/// steps. Per chunk of three row tiles and block of [`BLOCK_GROUPS`] groups, group `q + 1`
-/// of the chunk's 48 rows is decoded into a ring in L1 ([`DecodeRing`]) while group `q`'s
-/// three tiles are loaded and stepped, instead of a whole block decoded first into a strip
-/// in L2 (192 KiB written and read back a block). The steps, their operands and their order
-/// are [`block3`]'s, so the sums are the same bits. On the Xeon of 2026-12-07: one thread
-/// in cache 12 → 19-24 GMAC/s (`kernel_micro mxfp4 1 --direct --amx`, 192 × 3584), two
-/// threads from memory 8.2-9.1 → 10.5-12.2 GB/s (`gemv_bench --only expert`), the slice's
-/// routed experts 83-86 → 53-56 ms a decode step; `exact` 17 GB/s and 42 ms.
+/// steps ([`drive_ring`], chunks of three row tiles). The steps, their operands and their
+/// order are [`block3`]'s, so the sums are the same bits. On the Xeon of 2026-12-07: one
+/// thread in cache 12 → 19-24 GMAC/s (`kernel_micro mxfp4 1 --direct --amx`, 192 × 3584),
+/// two threads from memory 8.2-9.1 → 10.5-12.2 GB/s (`gemv_bench --only expert`), the
+/// slice's routed experts 83-86 → 53-56 ms a decode step; `exact` 17 GB/s and 42 ms.
 ///
 /// # Safety
 /// As [`rows`]; the tiles configured for one token tile (`three`); `F::KIND` is MXFP4.
@@ -683,29 +680,130 @@ unsafe fn decode_group<F: Format>(
 unsafe fn drive_decode<F: Format>(
     f: F,
     m: &Mat<'_>,
-    (r0, r1): (usize, usize),
+    rows: (usize, usize),
     x: &Tiles,
     out: &mut [f64],
 ) {
+    assert!(x.tiles() == 1, "one token tile");
+    let (bstep, bstride) = (PAIRS * x.width, 4 * x.width);
+    let rstep = TILE_ROWS * RING_COLS;
+    // SAFETY (both closures): the tiles configured with `three` (caller); `a` is a ring
+    // slot of three 1 KiB weight tiles of 64-byte rows; x.data holds ng groups of one
+    // token tile, bstep dwords apart; `c` holds three row tiles of RING_COLS floats a row.
+    let step = |q: usize, a: *const u8| unsafe {
+        tload!(6, x.data[q * bstep..].as_ptr(), bstride);
+        tload!(4, a, 2 * GROUP_COLS);
+        tload!(5, a.add(2 * A_TILE), 2 * GROUP_COLS);
+        tload!(7, a.add(4 * A_TILE), 2 * GROUP_COLS);
+        tdp!(0, 4, 6);
+        tdp!(1, 5, 6);
+        tdp!(2, 7, 6);
+    };
+    let store = |c: *mut f32| unsafe {
+        tstore!(0, c, RING_ROW);
+        tstore!(1, c.add(rstep), RING_ROW);
+        tstore!(2, c.add(2 * rstep), RING_ROW);
+    };
+    // SAFETY: as this function's; the closures step and store three row tiles.
+    unsafe { drive_ring(f, m, rows, x, out, 3 * TILE_ROWS, step, store) }
+}
+
+/// Rows `r0..r1` of MXFP4 weights × two to four token tiles (6 to 21 tokens: a routed
+/// expert's share of a short prompt or of a `serve` prefill chunk) into `out`: one row
+/// tile at a time ([`drive_ring`]), its weight tile loaded once a group and stepped
+/// against every token tile ([`block_row`]'s registers), instead of a chunk's block
+/// staged into a strip in L2 and read back for every pair of token tiles. Each
+/// accumulator's steps, their operands and their order are the staged path's: the same
+/// bits. On the Xeon of 2026-12-07 the routed experts of 32- and 64-token prompts took
+/// 13-32% less time (docs/measurements.md, "Short prompts in place, row tile by row tile").
+///
+/// # Safety
+/// As [`rows`]; the tiles configured for sixteen-column token tiles; `F::KIND` is MXFP4.
+#[inline(always)]
+unsafe fn drive_decode_tiles<F: Format>(
+    f: F,
+    m: &Mat<'_>,
+    rows: (usize, usize),
+    x: &Tiles,
+    out: &mut [f64],
+) {
+    let nct = x.tiles();
+    assert!((2..=4).contains(&nct), "two to four token tiles");
+    let (bstep, bstride) = (PAIRS * x.width, 4 * x.width);
+    let bnext = bstep * groups(m.cols);
+    // SAFETY (both closures): the tiles configured 16 rows × 64 bytes (caller); `a` is a
+    // ring slot whose first tile is 1 KiB of 64-byte rows; x.data holds the groups of each
+    // of the nct token tiles, bstep dwords apart, bnext from tile to tile; `c` holds one
+    // row tile of RING_COLS floats a row (nct <= 4 tiles of 16 columns).
+    let step = |q: usize, a: *const u8| unsafe {
+        let bp = x.data[q * bstep..].as_ptr();
+        tload!(4, a, 2 * GROUP_COLS);
+        tload!(5, bp, bstride);
+        tload!(6, bp.add(bnext), bstride);
+        tdp!(0, 4, 5);
+        tdp!(1, 4, 6);
+        if nct > 2 {
+            tload!(7, bp.add(2 * bnext), bstride);
+            tdp!(2, 4, 7);
+        }
+        if nct > 3 {
+            tload!(5, bp.add(3 * bnext), bstride);
+            tdp!(3, 4, 5);
+        }
+    };
+    let store = |c: *mut f32| unsafe {
+        tstore!(0, c, RING_ROW);
+        tstore!(1, c.add(TILE_COLS), RING_ROW);
+        if nct > 2 {
+            tstore!(2, c.add(2 * TILE_COLS), RING_ROW);
+        }
+        if nct > 3 {
+            tstore!(3, c.add(3 * TILE_COLS), RING_ROW);
+        }
+    };
+    // SAFETY: as this function's; the closures step and store one row tile.
+    unsafe { drive_ring(f, m, rows, x, out, TILE_ROWS, step, store) }
+}
+
+/// MXFP4 rows `r0..r1` × every prepared token into `out`, in chunks of `chunk` rows (48 or
+/// 16): per chunk and block of [`BLOCK_GROUPS`] groups, group `q + 1` of the chunk's rows
+/// is decoded into a ring in L1 ([`DecodeRing`]) while `step(q, slot)` loads and steps
+/// group `q`'s tiles, instead of a whole block decoded first into a strip in L2 (written
+/// and read back a block); the next chunk's codes and scales are prefetched into L2 a few
+/// lines a step. `store(sums)` stores the block's accumulators (`tmm0..3`, zeroed at each
+/// block's start) for [`promote`].
+///
+/// # Safety
+/// As [`rows`]; `chunk` is 48 or 16 and the tiles configured for what `step` and `store`
+/// do with them; `F::KIND` is MXFP4.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn drive_ring<F: Format>(
+    f: F,
+    m: &Mat<'_>,
+    (r0, r1): (usize, usize),
+    x: &Tiles,
+    out: &mut [f64],
+    chunk: usize,
+    step: impl Fn(usize, *const u8),
+    store: impl Fn(*mut f32),
+) {
     let (ntok, ng) = (x.ntok, groups(m.cols));
     assert!(
-        x.tiles() == 1 && r1 <= m.rows && out.len() >= (r1 - r0) * ntok,
+        r1 <= m.rows && out.len() >= (r1 - r0) * ntok,
         "output length"
     );
     out[..(r1 - r0) * ntok].fill(0.0);
     let mut ring = DecodeRing([[0; 3 * A_TILE]; RING_DEPTH]);
-    let rstep = TILE_ROWS * RING_COLS;
-    let mut sums = AlignedBuf::<f32>::new(3 * rstep);
-    let bstep = PAIRS * x.width;
-    let bstride = 4 * x.width;
-    for c0 in (r0..r1).step_by(3 * TILE_ROWS) {
-        let c1 = r1.min(c0 + 3 * TILE_ROWS);
+    let mut sums = AlignedBuf::<f32>::new(3 * TILE_ROWS * RING_COLS);
+    for c0 in (r0..r1).step_by(chunk) {
+        let c1 = r1.min(c0 + chunk);
         // The next chunk's bytes (packed codes and scales, each consecutive) are prefetched
         // into L2 over this chunk's steps, `per_step` lines of each a step: from memory the
-        // decode otherwise waits on its loads of 48 rows at once.
-        let next = f.spans(c1, r1.min(c1 + 3 * TILE_ROWS));
+        // decode otherwise waits on its loads of the chunk's rows at once.
+        let next = f.spans(c1, r1.min(c1 + chunk));
         let per_step = next.map(|(_, n)| 64 * n.div_ceil(64).div_ceil(ng));
-        if c1 - c0 < 3 * TILE_ROWS {
+        if c1 - c0 < chunk {
             // The last chunk's missing rows: zero weights, sums never promoted.
             ring = DecodeRing([[0; 3 * A_TILE]; RING_DEPTH]);
         }
@@ -714,138 +812,28 @@ unsafe fn drive_decode<F: Format>(
             for q in q0..q1.min(q0 + RING_DEPTH - 1) {
                 decode_group(f, m, &mut ring, (c0, c1), q);
             }
-            // SAFETY: the tiles configured with `three` (caller); every slot is 3 KiB of
-            // 64-byte rows; x.data holds ng groups of one token tile, bstep dwords apart;
-            // `sums` holds three row tiles of RING_COLS floats a row.
-            unsafe {
-                tzero!(0);
-                tzero!(1);
-                tzero!(2);
-                for q in q0..q1 {
-                    for k in 0..2 {
-                        let (p, n) = next[k];
-                        let (mut at, end) = (q * per_step[k], n.min((q + 1) * per_step[k]));
-                        while at < end {
-                            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(at) as *const i8);
-                            at += 64;
-                        }
-                    }
-                    if q + RING_DEPTH - 1 < q1 {
-                        decode_group(f, m, &mut ring, (c0, c1), q + RING_DEPTH - 1);
-                    }
-                    let a = ring.0[q % RING_DEPTH].as_ptr() as *const u8;
-                    tload!(6, x.data[q * bstep..].as_ptr(), bstride);
-                    tload!(4, a, 2 * GROUP_COLS);
-                    tload!(5, a.add(2 * A_TILE), 2 * GROUP_COLS);
-                    tload!(7, a.add(4 * A_TILE), 2 * GROUP_COLS);
-                    tdp!(0, 4, 6);
-                    tdp!(1, 5, 6);
-                    tdp!(2, 7, 6);
-                }
-                let c = sums.as_mut_ptr();
-                tstore!(0, c, RING_ROW);
-                tstore!(1, c.add(rstep), RING_ROW);
-                tstore!(2, c.add(2 * rstep), RING_ROW);
-            }
-            // SAFETY: AVX-512F enabled in the caller; `sums` holds tokens 0..ntok (at most
-            // five) of rows c0..c1.
-            unsafe { promote(&sums, (c0, c1, r0), (0, ntok, ntok), out) };
-        }
-    }
-}
-
-/// Rows `r0..r1` of MXFP4 weights × two to four token tiles (6 to 21 tokens: a routed
-/// expert's share of a short prompt or of a `serve` prefill chunk) into `out`: one row
-/// tile at a time, group `q + 1` of its 16 rows decoded into a ring in L1 while group `q`'s
-/// tile is loaded once and stepped against every token tile ([`drive_decode`]'s ring, with
-/// [`block_row`]'s registers), instead of a chunk's block staged into a strip in L2 and
-/// read back for every pair of token tiles. Each accumulator's steps, their operands and
-/// their order are the staged path's: the same bits.
-///
-/// # Safety
-/// As [`rows`]; the tiles configured for sixteen-column token tiles; `F::KIND` is MXFP4.
-#[inline(always)]
-unsafe fn drive_decode_tiles<F: Format>(
-    f: F,
-    m: &Mat<'_>,
-    (r0, r1): (usize, usize),
-    x: &Tiles,
-    out: &mut [f64],
-) {
-    let (ntok, ng, nct) = (x.ntok, groups(m.cols), x.tiles());
-    assert!(
-        (2..=4).contains(&nct) && r1 <= m.rows && out.len() >= (r1 - r0) * ntok,
-        "output length"
-    );
-    out[..(r1 - r0) * ntok].fill(0.0);
-    let mut ring = DecodeRing([[0; 3 * A_TILE]; RING_DEPTH]);
-    let mut sums = AlignedBuf::<f32>::new(TILE_ROWS * RING_COLS);
-    let (bstep, bstride) = (PAIRS * x.width, 4 * x.width);
-    let bnext = bstep * ng;
-    for c0 in (r0..r1).step_by(TILE_ROWS) {
-        let c1 = r1.min(c0 + TILE_ROWS);
-        // The next row tile's bytes, prefetched into L2 over this one's steps.
-        let next = f.spans(c1, r1.min(c1 + TILE_ROWS));
-        let per_step = next.map(|(_, n)| 64 * n.div_ceil(64).div_ceil(ng));
-        if c1 - c0 < TILE_ROWS {
-            // The last tile's missing rows: zero weights, sums never promoted.
-            ring = DecodeRing([[0; 3 * A_TILE]; RING_DEPTH]);
-        }
-        for q0 in (0..ng).step_by(BLOCK_GROUPS) {
-            let q1 = (q0 + BLOCK_GROUPS).min(ng);
-            for q in q0..q1.min(q0 + RING_DEPTH - 1) {
-                decode_group(f, m, &mut ring, (c0, c1), q);
-            }
-            // SAFETY: the tiles configured 16 rows × 64 bytes (caller); every slot's first
-            // tile is 1 KiB of 64-byte rows; x.data holds ng groups of each of the nct token
-            // tiles, bstep dwords apart, bnext apart from tile to tile; `sums` holds one row
-            // tile of RING_COLS floats a row (nct <= 4 tiles of 16 columns).
+            // SAFETY: the tiles configured (caller); tmm0..3 exist in every configuration.
             unsafe {
                 tzero!(0);
                 tzero!(1);
                 tzero!(2);
                 tzero!(3);
-                for q in q0..q1 {
-                    for k in 0..2 {
-                        let (p, n) = next[k];
-                        let (mut at, end) = (q * per_step[k], n.min((q + 1) * per_step[k]));
-                        while at < end {
-                            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(at) as *const i8);
-                            at += 64;
-                        }
-                    }
-                    if q + RING_DEPTH - 1 < q1 {
-                        decode_group(f, m, &mut ring, (c0, c1), q + RING_DEPTH - 1);
-                    }
-                    let bp = x.data[q * bstep..].as_ptr();
-                    tload!(
-                        4,
-                        ring.0[q % RING_DEPTH].as_ptr() as *const u8,
-                        2 * GROUP_COLS
-                    );
-                    tload!(5, bp, bstride);
-                    tload!(6, bp.add(bnext), bstride);
-                    tdp!(0, 4, 5);
-                    tdp!(1, 4, 6);
-                    if nct > 2 {
-                        tload!(7, bp.add(2 * bnext), bstride);
-                        tdp!(2, 4, 7);
-                    }
-                    if nct > 3 {
-                        tload!(5, bp.add(3 * bnext), bstride);
-                        tdp!(3, 4, 5);
-                    }
-                }
-                let c = sums.as_mut_ptr();
-                tstore!(0, c, RING_ROW);
-                tstore!(1, c.add(TILE_COLS), RING_ROW);
-                if nct > 2 {
-                    tstore!(2, c.add(2 * TILE_COLS), RING_ROW);
-                }
-                if nct > 3 {
-                    tstore!(3, c.add(3 * TILE_COLS), RING_ROW);
-                }
             }
+            for q in q0..q1 {
+                for k in 0..2 {
+                    let (p, n) = next[k];
+                    let (mut at, end) = (q * per_step[k], n.min((q + 1) * per_step[k]));
+                    while at < end {
+                        _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(at) as *const i8);
+                        at += 64;
+                    }
+                }
+                if q + RING_DEPTH - 1 < q1 {
+                    decode_group(f, m, &mut ring, (c0, c1), q + RING_DEPTH - 1);
+                }
+                step(q, ring.0[q % RING_DEPTH].as_ptr() as *const u8);
+            }
+            store(sums.as_mut_ptr());
             // SAFETY: AVX-512F enabled in the caller; `sums` holds tokens 0..ntok (at most
             // 21) of rows c0..c1.
             unsafe { promote(&sums, (c0, c1, r0), (0, ntok, ntok), out) };
