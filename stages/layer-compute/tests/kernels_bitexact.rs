@@ -829,6 +829,28 @@ fn amx_within_error_budget() {
 // rows and tokens) must come out with the same bits every way. 2113 columns: a whole
 // 2048-column block, then a partial one ending in a partial group, so each result is
 // promoted twice.
+/// `ntok` tokens `x` through `k` as one batch, then each token alone: every token's
+/// results must be the same bits both ways (`what` names the case). Returns the batch's
+/// results, `m.rows` a token.
+fn batch_matches_each_alone(
+    k: &Kernel,
+    m: &Mat<'_>,
+    x: &[f32],
+    ntok: usize,
+    what: &str,
+) -> Vec<f32> {
+    let (rows, cols) = (m.rows, m.cols);
+    let mut all = vec![0f32; ntok * rows];
+    gemm_on(k, m, x, &mut all, ntok);
+    for t in 0..ntok {
+        let mut one = vec![0f32; rows];
+        gemm_on(k, m, &x[t * cols..(t + 1) * cols], &mut one, 1);
+        let got = &all[t * rows..(t + 1) * rows];
+        assert_same(&format!("{what}: token {t} of {ntok} alone"), &one, got);
+    }
+    all
+}
+
 /// BF16 weights read in place against 3 to 12 token tiles (11-64 tokens), row tile by row
 /// tile (`amx::in_place_rows`): 160 rows (five pairs of row tiles, all in place: whole
 /// tiles) × 4160 columns (three blocks, all whole groups), each token alone (one narrow
@@ -852,14 +874,7 @@ fn amx_in_place_token_tiles_bitwise() {
     let m = o.mat();
     for ntok in [11, 16, 21, 26, 32, 40, 64] {
         let x = adversarial(ntok, cols, &mut s);
-        let mut all = vec![0f32; ntok * rows];
-        gemm_on(&k, &m, &x, &mut all, ntok);
-        for t in 0..ntok {
-            let mut one = vec![0f32; rows];
-            gemm_on(&k, &m, &x[t * cols..(t + 1) * cols], &mut one, 1);
-            let what = format!("bf16 token {t} of {ntok} alone");
-            assert_same(&what, &one, &all[t * rows..(t + 1) * rows]);
-        }
+        let all = batch_matches_each_alone(&k, &m, &x, ntok, "bf16 in place");
         assert!(
             all.iter().any(|v| v.is_finite() && *v != 0.0),
             "{ntok}: no plain result"
@@ -886,14 +901,7 @@ fn amx_plain_tokens_in_every_tile_bitwise() {
         let m = o.mat();
         for ntok in [7, 13, 21, 26, 40] {
             let x = activations(ntok, cols, &mut s);
-            let mut all = vec![0f32; ntok * rows];
-            gemm_on(&k, &m, &x, &mut all, ntok);
-            for t in 0..ntok {
-                let mut one = vec![0f32; rows];
-                gemm_on(&k, &m, &x[t * cols..(t + 1) * cols], &mut one, 1);
-                let what = format!("{fmt} plain token {t} of {ntok} alone");
-                assert_same(&what, &one, &all[t * rows..(t + 1) * rows]);
-            }
+            let all = batch_matches_each_alone(&k, &m, &x, ntok, &format!("{fmt} plain"));
             // The comparison has teeth: the tokens after the first three sum to finite,
             // non-zero values (a zero scale group aside).
             let plain = all[3 * rows..]
@@ -926,15 +934,9 @@ fn amx_rows_and_tokens_independent_bitwise() {
         let o = Owned::special(fmt, rows, cols, &mut s);
         let m = o.mat();
         let x = adversarial(ntok, cols, &mut s);
-        let mut all = vec![0f32; ntok * rows];
-        gemm_on(&k, &m, &x, &mut all, ntok);
-        let col = |y: &[f32], t: usize| -> Vec<f32> { y[t * rows..(t + 1) * rows].to_vec() };
         // Every token alone, and tokens 4..11 as a batch of 7 (each at another column).
-        for t in 0..ntok {
-            let mut one = vec![0f32; rows];
-            gemm_on(&k, &m, &x[t * cols..(t + 1) * cols], &mut one, 1);
-            assert_same(&format!("{fmt} token {t} alone"), &one, &col(&all, t));
-        }
+        let all = batch_matches_each_alone(&k, &m, &x, ntok, fmt);
+        let col = |y: &[f32], t: usize| -> Vec<f32> { y[t * rows..(t + 1) * rows].to_vec() };
         // Tokens 0.. as batches of 3 and 5 (one narrow token tile: MXFP4 decoded a group
         // ahead, each token's parts in columns 3t..3t + 3; tokens 0..3 are plain ones, whose
         // sums a part from the wrong column changes), tokens 4..11 as a batch of 7 (two

@@ -199,10 +199,15 @@ impl Tiles {
     fn tiles(&self) -> usize {
         token_tiles(self.ntok)
     }
-}
 
-/// One step of [`drive`]: (first row, end row), (first group, end group), in place.
-type Step = ((usize, usize), (usize, usize), bool);
+    /// Where a tile operand is: dwords from one group's tile to the next (`bstep`), from one
+    /// token tile to the next (`bnext`), and bytes from one tile row to the next
+    /// (`bstride`), as [`block`] takes them.
+    fn strides(&self) -> (usize, usize, usize) {
+        let bstep = PAIRS * self.width;
+        (bstep, bstep * groups(self.cols), 4 * self.width)
+    }
+}
 
 /// `ntok` tokens of `cols` activations (`xs`, token-major) split into parts and laid out
 /// as activation tiles; a partial last group zero-padded.
@@ -437,32 +442,6 @@ unsafe fn block<const RT: usize, const CT: usize, const NP: usize>(
     }
 }
 
-/// `rts` row tiles (one to three) against one token tile, or two when `pair`: [`block3`]
-/// for three (one token tile), else [`block`].
-///
-/// # Safety
-/// As [`block`] (as [`block3`] for three row tiles).
-#[inline(always)]
-unsafe fn run_block<const NP: usize>(
-    (rts, pair): (usize, bool),
-    a: Weights,
-    b: *const u32,
-    bs: (usize, usize, usize),
-    nq: usize,
-    cp: Store,
-) {
-    // SAFETY: forwarded.
-    unsafe {
-        match (rts, pair) {
-            (3, _) => block3::<NP>(a, b, bs, nq, cp),
-            (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp),
-            (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp),
-            (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp),
-            (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp),
-        }
-    }
-}
-
 /// One row tile against `CT` (three or four) token tiles: the accumulators `tmm0..CT`
 /// from zero, the weights in `tmm4` loaded once a group and part, the token tiles in
 /// `tmm5..7` (the fourth reloaded into `tmm5` after the first's step), stored to `c`
@@ -685,7 +664,7 @@ unsafe fn drive_decode<F: Format>(
     out: &mut [f64],
 ) {
     assert!(x.tiles() == 1, "one token tile");
-    let (bstep, bstride) = (PAIRS * x.width, 4 * x.width);
+    let (bstep, _, bstride) = x.strides();
     let rstep = TILE_ROWS * RING_COLS;
     // SAFETY (both closures): the tiles configured with `three` (caller); `a` is a ring
     // slot of three 1 KiB weight tiles of 64-byte rows; x.data holds ng groups of one
@@ -729,8 +708,7 @@ unsafe fn drive_decode_tiles<F: Format>(
 ) {
     let nct = x.tiles();
     assert!((2..=4).contains(&nct), "two to four token tiles");
-    let (bstep, bstride) = (PAIRS * x.width, 4 * x.width);
-    let bnext = bstep * groups(m.cols);
+    let (bstep, bnext, bstride) = x.strides();
     // SAFETY (both closures): the tiles configured 16 rows × 64 bytes (caller); `a` is a
     // ring slot whose first tile is 1 KiB of 64-byte rows; x.data holds the groups of each
     // of the nct token tiles, bstep dwords apart, bnext from tile to tile; `c` holds one
@@ -880,7 +858,9 @@ unsafe fn drive<F: Format, const NP: usize>(
     out[..(r1 - r0) * ntok].fill(0.0);
     // One row tile's staged block.
     let tile_block = BLOCK_GROUPS * NP * A_TILE;
-    let chunk = if F::KIND == FormatKind::Bf16 && (3..=IN_PLACE_TILES).contains(&nct) {
+    // BF16 weights are read in place wherever a chunk's row tiles are whole.
+    let bf16_in_place = F::KIND == FormatKind::Bf16 && nct <= IN_PLACE_TILES;
+    let chunk = if bf16_in_place && nct > 2 {
         IN_PLACE_CHUNK
     } else {
         chunk_tiles(nct)
@@ -888,11 +868,10 @@ unsafe fn drive<F: Format, const NP: usize>(
     let whole = m.cols / GROUP_COLS;
     // The steps: (first row, end row, first group, end group), chunk by chunk, block by
     // block, and whether each reads its weights in place.
-    let mut steps: Vec<Step> = Vec::new();
+    let mut steps = Vec::new();
     for c0 in (r0..r1).step_by(chunk * TILE_ROWS) {
         let c1 = r1.min(c0 + chunk * TILE_ROWS);
-        let in_place =
-            F::KIND == FormatKind::Bf16 && nct <= IN_PLACE_TILES && (c1 - c0) % TILE_ROWS == 0;
+        let in_place = bf16_in_place && (c1 - c0) % TILE_ROWS == 0;
         for q0 in (0..ng).step_by(BLOCK_GROUPS) {
             let q1 = (q0 + BLOCK_GROUPS).min(ng);
             steps.push(((c0, c1), (q0, q1), in_place && q1 <= whole));
@@ -911,8 +890,8 @@ unsafe fn drive<F: Format, const NP: usize>(
     // a row, token tile n at column 16 · (n mod 6).
     let rstep = TILE_ROWS * RING_COLS;
     let mut ring = AlignedBuf::<f32>::new(chunk * rstep);
-    let bstep = PAIRS * x.width;
-    let bs = (bstep, bstep * ng, 4 * x.width);
+    let bs = x.strides();
+    let bstep = bs.0;
     for k in 0..steps.len() {
         // Step 0's weights, then always the next step's before this one's products.
         for j in if k == 0 { 0..2 } else { k + 1..k + 2 } {
@@ -980,7 +959,15 @@ unsafe fn drive<F: Format, const NP: usize>(
                 // (and n + 1) has groups q0..q1 in x.data; the ring holds row tiles
                 // i..i + rts (i + rts <= chunk) and columns col..col + 32 (col <= 64);
                 // tiles configured (three row tiles only with one token tile).
-                unsafe { run_block::<NP>((rts, pair), a, b, bs, nq, cp) };
+                unsafe {
+                    match (rts, pair) {
+                        (3, _) => block3::<NP>(a, b, bs, nq, cp),
+                        (2, true) => block::<2, 2, NP>(a, b, bs, nq, cp),
+                        (2, false) => block::<2, 1, NP>(a, b, bs, nq, cp),
+                        (_, true) => block::<1, 2, NP>(a, b, bs, nq, cp),
+                        (_, false) => block::<1, 1, NP>(a, b, bs, nq, cp),
+                    }
+                }
                 i += rts;
             }
             // The ring full (six tiles: 32 whole tokens) or the last tiles stored.
@@ -1028,7 +1015,7 @@ unsafe fn in_place_rows<const NP: usize>(
     out: &mut [f64],
 ) {
     let rstep = TILE_ROWS * RING_COLS;
-    let (nct, ntok, ng) = (x.tiles(), x.ntok, groups(x.cols));
+    let (nct, ntok) = (x.tiles(), x.ntok);
     let tiles = (c1 - c0) / TILE_ROWS;
     let per_ring = RING_COLS / TILE_COLS;
     let mut done = 0;
@@ -1040,7 +1027,7 @@ unsafe fn in_place_rows<const NP: usize>(
                 ..a0
             };
             for n in (g0..g1).step_by(4) {
-                let b = x.data[(n * ng + q0) * bs.0..].as_ptr();
+                let b = x.data[n * bs.1 + q0 * bs.0..].as_ptr();
                 let cp = Store {
                     c: ring[i * rstep + TILE_COLS * (n - g0)..].as_mut_ptr(),
                     rstep,
